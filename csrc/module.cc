@@ -1,0 +1,96 @@
+// Python binding of the jaxtdist native library: FFI handler capsules for
+// jax.ffi.register_ffi_target, the runtime registry, and (when built with
+// CUDA) the heap allocation helpers.
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "prologue.h"
+#include "runtime_state.h"
+#ifdef JAXTDIST_WITH_CUDA
+#include "cuda_heap.h"
+#endif
+
+namespace py = pybind11;
+
+namespace {
+
+py::capsule Capsule(void* fn) { return py::capsule(fn); }
+
+#ifdef JAXTDIST_WITH_CUDA
+void Raise(const std::string& err) {
+  if (!err.empty()) throw std::runtime_error("jaxtdist: " + err);
+}
+#endif
+
+}  // namespace
+
+PYBIND11_MODULE(_jaxtdist_ffi, m) {
+  m.doc() = "jaxtdist native library: XLA FFI handlers and heap helpers";
+  m.def("handlers", [] {
+    py::dict d;
+    d["cpu"] = Capsule(reinterpret_cast<void*>(&jaxtdist::JaxtdistPrologueCpu));
+#ifdef JAXTDIST_WITH_CUDA
+    d["CUDA"] = Capsule(reinterpret_cast<void*>(&jaxtdist::JaxtdistPrologueCuda));
+#endif
+    return d;
+  });
+#ifdef JAXTDIST_WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+  m.attr("ctx_words") = jaxtdist::kCtxWords;
+  m.def("register_heap", [](int position, int device_ordinal, std::uintptr_t base,
+                            std::int64_t bytes, std::uintptr_t error_record) {
+    jaxtdist::RuntimeState::Get().RegisterHeap(position, device_ordinal, base, bytes,
+                                               error_record);
+  });
+  m.def("recorded_timeout", [](int position) -> std::string {
+    auto slot = jaxtdist::RuntimeState::Get().Heap(position);
+    return slot ? jaxtdist::RecordedTimeout(*slot, position) : "";
+  });
+  m.def("reset", [] { jaxtdist::RuntimeState::Get().Reset(); });
+  m.def("peek_epoch", [](std::int64_t counter, int position) {
+    return jaxtdist::RuntimeState::Get().PeekEpoch(counter, position);
+  });
+#ifdef JAXTDIST_WITH_CUDA
+  namespace jc = jaxtdist::cuda;
+  m.def("cuda_device_count", [] {
+    int n = 0;
+    Raise(jc::DeviceCount(&n));
+    return n;
+  });
+  m.def("cuda_mem_get_info", [](int device) {
+    std::int64_t f = 0, t = 0;
+    Raise(jc::MemGetInfo(device, &f, &t));
+    return py::make_tuple(f, t);
+  });
+  m.def("cuda_malloc", [](int device, std::int64_t bytes) {
+    std::uintptr_t p = 0;
+    Raise(jc::Malloc(device, bytes, &p));
+    return p;
+  });
+  m.def("cuda_free", [](int device, std::uintptr_t p) { Raise(jc::Free(device, p)); });
+  m.def("cuda_enable_peer_access", [](int device, int peer) {
+    Raise(jc::EnablePeerAccess(device, peer));
+  });
+  m.def("cuda_copy_to_device", [](int device, std::uintptr_t dst, py::bytes data) {
+    std::string s = data;
+    Raise(jc::CopyToDevice(device, dst, s.data(), static_cast<std::int64_t>(s.size())));
+  });
+  m.def("cuda_copy_from_device", [](int device, std::uintptr_t src, std::int64_t bytes) {
+    std::string s(bytes, '\0');
+    Raise(jc::CopyFromDevice(device, s.data(), src, bytes));
+    return py::bytes(s);
+  });
+  m.def("cuda_host_alloc_mapped", [](std::int64_t bytes) {
+    std::uintptr_t p = 0;
+    Raise(jc::HostAllocMapped(bytes, &p));
+    return p;
+  });
+  m.def("cuda_free_host", [](std::uintptr_t p) { Raise(jc::FreeHost(p)); });
+#endif
+}

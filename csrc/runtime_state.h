@@ -1,0 +1,59 @@
+// Per-process state shared by the jaxtdist FFI handlers: where each mesh
+// position's symmetric heap lives and the per-(counter, position) epochs.
+#ifndef JAXTDIST_CSRC_RUNTIME_STATE_H_
+#define JAXTDIST_CSRC_RUNTIME_STATE_H_
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+
+namespace jaxtdist {
+
+// Words of the context buffer a kernel receives (see jaxtdist/language/_layout.py).
+inline constexpr int kCtxWords = 72;
+inline constexpr int kCtxEpochWord = 2;
+
+struct HeapSlot {
+  int device_ordinal = -1;  // -1 for host (CPU backend) heaps.
+  std::uintptr_t base = 0;  // address of the heap as this process sees it.
+  std::int64_t bytes = 0;
+  std::uintptr_t error_record = 0;  // where waits record a timeout (host-visible).
+};
+
+// Error words written by a timed-out wait (see jaxtdist/language/_layout.py).
+inline constexpr int kErrWords = 8;
+
+// The one registry behind every handler. Python fills it at initialize().
+class RuntimeState {
+ public:
+  static RuntimeState& Get();
+
+  void RegisterHeap(int position, int device_ordinal, std::uintptr_t base,
+                    std::int64_t bytes, std::uintptr_t error_record);
+  void Reset();
+  std::optional<HeapSlot> Heap(int position) const;
+  std::optional<int> PositionOfDevice(int device_ordinal) const;
+  // Increments and returns the epoch of `counter` on `position` (first call: 1).
+  std::int64_t NextEpoch(std::int64_t counter, int position);
+  std::int64_t PeekEpoch(std::int64_t counter, int position) const;
+
+ private:
+  mutable std::mutex mu_;
+  std::map<int, HeapSlot> heaps_;
+  std::map<std::pair<std::int64_t, int>, std::int64_t> epochs_;
+};
+
+// Validates a prologue request; returns an error message or "" when fine.
+// Describes a wait timeout recorded in `slot`'s error record, or "" if none.
+std::string RecordedTimeout(const HeapSlot& slot, int position);
+
+std::string CheckStage(const HeapSlot& heap, std::int64_t template_offset,
+                       std::int64_t stage_offset, std::int64_t parity_bytes,
+                       std::int64_t stage_bytes);
+
+}  // namespace jaxtdist
+
+#endif  // JAXTDIST_CSRC_RUNTIME_STATE_H_

@@ -1,0 +1,48 @@
+"""jaxtdist: compute-communication overlapped distributed Triton kernels for JAX.
+
+Example:
+  >>> import functools, jax, jaxtdist as td
+  >>> from jax.sharding import PartitionSpec as P
+  >>> mesh = jax.make_mesh((jax.device_count(),), ("tp",))
+  >>> td.initialize(mesh)
+  >>> @jax.jit
+  ... @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("tp", None), P(None, "tp")),
+  ...                    out_specs=P(None, "tp"))
+  ... def f(x, w):
+  ...     return td.ag_matmul(x, w, axis_name="tp")
+"""
+
+import os as _os
+
+__version__ = "0.1.0"
+
+# Interpreter workers import kernels only: keep JAX out of those processes.
+if _os.environ.get("_JAXTDIST_INTERPRETER_WORKER") != "1":
+    from jaxtdist._errors import (
+        HeapExhaustedError,
+        JaxtdistError,
+        NotInitializedError,
+        WaitTimeoutError,
+    )
+    from jaxtdist.ops import ag_matmul, all_gather, triton_call
+    from jaxtdist.runtime import initialize, is_initialized, runtime, shutdown
+
+    def check_errors() -> None:
+        """Raises ``WaitTimeoutError`` if a kernel's wait timed out (GPU kernels record
+        timeouts without stopping the host; the next jaxtdist op raises too)."""
+        runtime().check_errors()
+
+__all__ = [
+    "HeapExhaustedError",
+    "JaxtdistError",
+    "NotInitializedError",
+    "WaitTimeoutError",
+    "ag_matmul",
+    "all_gather",
+    "check_errors",
+    "initialize",
+    "is_initialized",
+    "runtime",
+    "shutdown",
+    "triton_call",
+]

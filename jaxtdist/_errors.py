@@ -1,0 +1,17 @@
+"""Errors raised by the jaxtdist runtime."""
+
+
+class JaxtdistError(RuntimeError):
+    """Base class of jaxtdist's runtime errors."""
+
+
+class NotInitializedError(JaxtdistError):
+    """An op ran before ``jaxtdist.initialize(mesh)``."""
+
+
+class HeapExhaustedError(JaxtdistError):
+    """The symmetric heap has no room for a requested workspace."""
+
+
+class WaitTimeoutError(JaxtdistError):
+    """A kernel's bounded wait on a signal timed out."""

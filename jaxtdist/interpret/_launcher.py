@@ -1,0 +1,91 @@
+"""Runs a Triton kernel under the interpreter on raw host addresses.
+
+Triton's interpreter copies torch tensors to the host and back around a
+launch; jaxtdist's buffers already live in host memory (numpy arrays and the
+shared heap), so this launcher hands the kernel their addresses directly and
+needs no torch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from triton.runtime import interpreter as _interpreter
+from triton.runtime.interpreter import GridExecutor
+
+_TRITON_DTYPE_NAMES = {
+    np.dtype(np.float32): "float32",
+    np.dtype(np.float16): "float16",
+    np.dtype(np.float64): "float64",
+    np.dtype(np.int8): "int8",
+    np.dtype(np.int16): "int16",
+    np.dtype(np.int32): "int32",
+    np.dtype(np.int64): "int64",
+    np.dtype(np.uint8): "uint8",
+    np.dtype(np.uint32): "uint32",
+    np.dtype(np.bool_): "int1",
+}
+
+
+def triton_dtype_name(dtype) -> str:
+    dtype = np.dtype(dtype)
+    if dtype.name == "bfloat16":
+        return "bfloat16"
+    try:
+        return _TRITON_DTYPE_NAMES[dtype]
+    except KeyError:
+        raise TypeError(f"jaxtdist: no Triton pointer type for dtype {dtype}") from None
+
+
+class HostPointer:
+    """A typed address, passed to interpreted kernels as a pointer argument."""
+
+    def __init__(self, address: int, dtype_name: str):
+        self._address = address
+        self.dtype = dtype_name
+
+    def data_ptr(self) -> int:
+        return self._address
+
+
+def _install_scalar_index_fix() -> None:
+    """Lets interpreted scalars index ``range`` under NumPy >= 2.4.
+
+    Triton 3.6's interpreter turns a scalar tensor into an int with
+    ``int(handle.data)``; scalars loaded from memory hold a 1-element 1-D
+    array there, which NumPy 2.4 no longer converts.
+    """
+    original = _interpreter._patch_lang_tensor
+    if getattr(original, "_jaxtdist_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__",
+                       lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    patched._jaxtdist_fixed = True
+    _interpreter._patch_lang_tensor = patched
+
+
+_install_scalar_index_fix()
+
+
+class _InPlaceGridExecutor(GridExecutor):
+    # The buffers are host memory already: no copies in or out.
+    def _init_args_hst(self, args_dev, kwargs):
+        return list(args_dev), dict(kwargs)
+
+    def _restore_args_dev(self, args_dev, args_hst, kwargs, kwargs_hst):
+        pass
+
+
+def launch(kernel, grid, args, constexprs) -> None:
+    """Runs ``kernel[grid](*args, **constexprs)``; numpy arrays become pointers."""
+    fn = getattr(kernel, "fn", kernel)
+    while hasattr(fn, "fn"):  # heuristics/autotuner wrappers
+        fn = fn.fn
+    arg_names = kernel.arg_names
+    converted = [HostPointer(a.ctypes.data, triton_dtype_name(a.dtype))
+                 if isinstance(a, np.ndarray) else a for a in args]
+    grid = tuple(grid) if isinstance(grid, (tuple, list)) else (int(grid),)
+    _InPlaceGridExecutor(fn, arg_names, grid)(*converted, **constexprs)

@@ -1,0 +1,100 @@
+"""Main loop of an interpreter worker: one process per mesh position."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import importlib.util
+import mmap
+import os
+import sys
+import traceback
+
+import numpy as np
+
+
+def _resolve(ref):
+    module_name, qualname, path = ref
+    module = None
+    if module_name != "__main__":
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            module = None
+    if module is None:
+        # A kernel defined in a script (or a test file): load it under another
+        # name so that its `if __name__ == "__main__"` block does not run.
+        alias = "_jaxtdist_user_" + str(abs(hash(path)))
+        module = sys.modules.get(alias)
+        if module is None:
+            spec = importlib.util.spec_from_file_location(alias, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[alias] = module
+            spec.loader.exec_module(module)
+    obj = module
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def main(position: int, shm_name: str, main_segment_base: int, conn) -> None:
+    from jaxtdist.interpret._launcher import launch
+    from jaxtdist.language import _layout as L
+
+    # Map the segment directly: multiprocessing's SharedMemory would also
+    # register it with a resource tracker that unlinks it when we exit.
+    fd = os.open(os.path.join("/dev/shm", shm_name.lstrip("/")), os.O_RDWR)
+    segment = mmap.mmap(fd, 0)
+    os.close(fd)
+    anchor = ctypes.c_char.from_buffer(segment)
+    segment_base = ctypes.addressof(anchor)
+    shift = segment_base - main_segment_base
+    kernels = {}
+    conn.send(("ready", position))
+    while True:
+        job = conn.recv()
+        if job is None:
+            break
+        try:
+            ref, grid, args, out_specs, constexprs = job
+            kernel = kernels.get(ref)
+            if kernel is None:
+                kernel = kernels[ref] = _resolve(ref)
+            ctx = np.array(args[0], copy=True)
+            words = ctx.view(np.int64)
+            # The main process's addresses of the shared heap -> this process's.
+            world = int(words[L.CTX_WORLD])
+            for w in (L.CTX_ERR_ADDR, L.CTX_HEAP_BASE, L.CTX_SCRATCH_ADDR):
+                words[w] += shift
+            words[L.CTX_PEER_BASES:L.CTX_PEER_BASES + world] += shift
+            record = (ctypes.c_int64 * L.ERR_WORDS).from_address(int(words[L.CTX_ERR_ADDR]))
+            outs = []
+            for shape, dtype in out_specs:
+                out = np.empty(shape, dtype)
+                # Poison outputs so that anything a kernel fails to write shows.
+                if np.issubdtype(out.dtype, np.floating) or out.dtype.name == "bfloat16":
+                    out.fill(np.nan)
+                else:
+                    out.fill(np.iinfo(out.dtype).min if out.dtype.kind in "iu" else 0)
+                outs.append(out)
+            call_args = [ctx] + [np.ascontiguousarray(a) if isinstance(a, np.ndarray) else a
+                                 for a in args[1:]] + outs
+            launch(kernel, grid, call_args, constexprs)
+            timed_out = record[0] != 0
+            conn.send(("ok", outs, timed_out))
+        except BaseException:  # report everything to the caller, keep serving
+            conn.send(("error", traceback.format_exc(), False))
+    del anchor
+    segment.close()
+
+
+if __name__ == "__main__":
+    from multiprocessing.connection import Client
+
+    _pos, _shm, _base, _address = sys.argv[1:5]
+    _conn = Client(_address, family="AF_UNIX",
+                   authkey=bytes.fromhex(os.environ["_JAXTDIST_WORKER_AUTHKEY"]))
+    try:
+        main(int(_pos), _shm, int(_base), _conn)
+    except (EOFError, KeyboardInterrupt):
+        pass  # the parent went away

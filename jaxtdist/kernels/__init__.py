@@ -1,0 +1,1 @@
+"""jaxtdist.kernels: pure Triton kernels (no JAX imports), one family per file."""

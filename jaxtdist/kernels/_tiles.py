@@ -1,0 +1,31 @@
+"""Tile helpers shared by every kernel: tile orders and swizzles."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def grouped_tile(tile, m_tiles, n_tiles, GROUP_M: tl.constexpr):
+    """Maps a linear tile id to (m, n) so that GROUP_M row-tiles share columns (L2 reuse)."""
+    per_group = GROUP_M * n_tiles
+    group = tile // per_group
+    first_m = group * GROUP_M
+    rows = tl.minimum(m_tiles - first_m, GROUP_M)
+    in_group = tile % per_group
+    return first_m + in_group % rows, in_group // rows
+
+
+@triton.jit
+def rank_major_tile(tile, me, world, m_tiles_per_rank, n_tiles, GROUP_M: tl.constexpr):
+    """Tile order of an all-gather consumer: this rank's shard first, then me+1, me+2, ...
+
+    Local tiles need no data from peers and start at once; each peer's tiles
+    come in the order its shard is expected to arrive, and ranks start on
+    different peers so links are loaded evenly. Returns (source rank, m tile
+    within that rank's shard, n tile).
+    """
+    per_rank = m_tiles_per_rank * n_tiles
+    step = tile // per_rank
+    src = (me + step) % world
+    tm, tn = grouped_tile(tile % per_rank, m_tiles_per_rank, n_tiles, GROUP_M)
+    return src, tm, tn

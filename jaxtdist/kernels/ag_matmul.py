@@ -1,0 +1,67 @@
+"""ag_matmul: all_gather(x) @ w with the gather overlapped tile by tile.
+
+One launch holds two kinds of programs. The first NUM_COMM programs are the
+producers of ``_gather.pull_shards``: they pull peers' shards into the
+gathered buffer and raise a flag per BLOCK_M rows. The rest are GEMM tiles in
+``rank_major_tile`` order: tiles of the local shard read ``x`` directly and
+start at once; a peer's tile waits for its chunk flag, which only lower
+program ids (the producers) raise, so the grid cannot deadlock.
+"""
+
+import triton
+import triton.language as tl
+
+import jaxtdist.language as dl
+from jaxtdist.kernels._gather import announce_shard, pull_shards
+from jaxtdist.kernels._tiles import rank_major_tile
+
+
+@triton.jit
+def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
+                     M_SHARD: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+                     STAGE_OFF: tl.constexpr, SLOT_BYTES: tl.constexpr,
+                     READY_OFF: tl.constexpr, FLAGS_OFF: tl.constexpr,
+                     NUM_COMM: tl.constexpr, COPY_BLOCK_C: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr):
+    """Grid: (NUM_COMM + world * cdiv(M_SHARD, BLOCK_M) * cdiv(N, BLOCK_N),).
+
+    x: [M_SHARD, K], w: [K, N] -> out: [world * M_SHARD, N],
+    gathered: [world * M_SHARD, K] (the gathered x, kept for autodiff).
+    """
+    pid = tl.program_id(0)
+    if pid < NUM_COMM:
+        if pid == 0:
+            announce_shard(ctx, READY_OFF)
+        pull_shards(ctx, x_ptr, gathered_ptr, pid, NUM_COMM, M_SHARD, K, STAGE_OFF,
+                    SLOT_BYTES, READY_OFF, FLAGS_OFF, BLOCK_M, COPY_BLOCK_C)
+    else:
+        me = dl.rank(ctx)
+        world = dl.num_ranks(ctx)
+        e = dl.epoch(ctx)
+        m_tiles = tl.cdiv(M_SHARD, BLOCK_M)
+        n_tiles = tl.cdiv(N, BLOCK_N)
+        src, tm, tn = rank_major_tile(pid - NUM_COMM, me, world, m_tiles, n_tiles, GROUP_M)
+        if src == me:
+            a_base = x_ptr
+        else:
+            flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
+            dl.wait(ctx, flags + src * m_tiles + tm, e, "ge", src)
+            a_base = gathered_ptr + src * M_SHARD * K
+        rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = rows < M_SHARD
+        col_mask = cols < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_mask = ks < K
+            a = tl.load(a_base + rows[:, None] * K + ks[None, :],
+                        mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(w_ptr + ks[:, None] * N + cols[None, :],
+                        mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            acc = tl.dot(a, b, acc)
+        out_rows = src * M_SHARD + rows
+        tl.store(out_ptr + out_rows[:, None] * N + cols[None, :],
+                 acc.to(out_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & col_mask[None, :])

@@ -1,0 +1,48 @@
+"""jaxtdist.language: device-side primitives for distributed Triton kernels.
+
+Import as ``import jaxtdist.language as dl``. A kernel receives the context
+``ctx`` as its first argument and passes it to every primitive::
+
+    @triton.jit
+    def ring_kernel(ctx, x_ptr, out_ptr, N: tl.constexpr, BUF: tl.constexpr, SIG: tl.constexpr):
+        me, world, e = dl.rank(ctx), dl.num_ranks(ctx), dl.epoch(ctx)
+        ...
+
+See docs/language.md for a tutorial.
+"""
+
+from jaxtdist.language.core import (
+    barrier_all,
+    consume_token,
+    epoch,
+    fence,
+    get,
+    heap_base,
+    heap_ptr,
+    load_peer,
+    notify,
+    num_ranks,
+    put,
+    rank,
+    store_peer,
+    symm_at,
+    wait,
+)
+
+__all__ = [
+    "barrier_all",
+    "consume_token",
+    "epoch",
+    "fence",
+    "get",
+    "heap_base",
+    "heap_ptr",
+    "load_peer",
+    "notify",
+    "num_ranks",
+    "put",
+    "rank",
+    "store_peer",
+    "symm_at",
+    "wait",
+]

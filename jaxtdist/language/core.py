@@ -1,0 +1,260 @@
+"""Device-side primitives of jaxtdist: Triton ``@jit`` helpers.
+
+Every primitive takes ``ctx``, the kernel context the runtime hands to each
+kernel as its first argument (rank, world size, epoch, peers' heap bases).
+Pointers into the symmetric heap are translated to a peer's copy with
+``symm_at``: ``peer_ptr = ptr - heap_base[me] + heap_base[peer]``, so peer
+loads, stores and atomics are plain Triton code in both process layouts and
+under Triton's interpreter.
+"""
+
+import os
+
+import triton
+import triton.language as tl
+
+from jaxtdist.language import _layout as L
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+_CTX_RANK = tl.constexpr(L.CTX_RANK)
+_CTX_WORLD = tl.constexpr(L.CTX_WORLD)
+_CTX_EPOCH = tl.constexpr(L.CTX_EPOCH)
+_CTX_SPIN_LIMIT = tl.constexpr(L.CTX_SPIN_LIMIT)
+_CTX_ERR_ADDR = tl.constexpr(L.CTX_ERR_ADDR)
+_CTX_HEAP_BASE = tl.constexpr(L.CTX_HEAP_BASE)
+_CTX_SCRATCH_ADDR = tl.constexpr(L.CTX_SCRATCH_ADDR)
+_CTX_PEER_BASES = tl.constexpr(L.CTX_PEER_BASES)
+_ERR_RANK = tl.constexpr(L.ERR_RANK)
+_ERR_PEER = tl.constexpr(L.ERR_PEER)
+_ERR_SIGNAL_OFFSET = tl.constexpr(L.ERR_SIGNAL_OFFSET)
+_ERR_EXPECTED = tl.constexpr(L.ERR_EXPECTED)
+_ERR_SEEN = tl.constexpr(L.ERR_SEEN)
+_ERR_CMP = tl.constexpr(L.ERR_CMP)
+
+
+@triton.jit
+def _words(ctx):
+    # XLA hands the context over as int32 words; read it as int64.
+    return ctx.to(tl.pointer_type(tl.int64), bitcast=True)
+
+
+@triton.jit
+def rank(ctx):
+    """This rank's index within the collective's group."""
+    return tl.load(_words(ctx) + _CTX_RANK).to(tl.int32)
+
+
+@triton.jit
+def num_ranks(ctx):
+    """Number of ranks in the collective's group."""
+    return tl.load(_words(ctx) + _CTX_WORLD).to(tl.int32)
+
+
+@triton.jit
+def epoch(ctx):
+    """This call's epoch: 1 for the op's first call on the device, then 2, 3, ..."""
+    return tl.load(_words(ctx) + _CTX_EPOCH).to(tl.int32)
+
+
+@triton.jit
+def heap_base(ctx, peer):
+    """Address (int64) of ``peer``'s symmetric heap as this rank sees it."""
+    return tl.load(_words(ctx) + _CTX_PEER_BASES + peer)
+
+
+@triton.jit
+def heap_ptr(ctx, offset, dtype: tl.constexpr):
+    """Pointer to byte ``offset`` of this rank's symmetric heap, typed ``dtype``."""
+    base = tl.load(_words(ctx) + _CTX_HEAP_BASE)
+    return (base + offset).to(tl.pointer_type(dtype))
+
+
+@triton.jit
+def symm_at(ctx, ptr, peer):
+    """Translates ``ptr`` (into this rank's heap) to the same place in ``peer``'s heap.
+
+    Works on scalar pointers and on blocks of pointers.
+    """
+    me = rank(ctx)
+    here = heap_base(ctx, me)
+    there = heap_base(ctx, peer)
+    addr = ptr.to(tl.int64, bitcast=True) - here + there
+    return addr.to(ptr.dtype, bitcast=True)
+
+
+@triton.jit
+def load_peer(ctx, ptr, peer, mask=None, other=None):
+    """Loads a tile from ``peer``'s copy of the heap location ``ptr``."""
+    return tl.load(symm_at(ctx, ptr, peer), mask=mask, other=other)
+
+
+@triton.jit
+def store_peer(ctx, ptr, value, peer, mask=None):
+    """Stores a tile into ``peer``'s copy of the heap location ``ptr``."""
+    tl.store(symm_at(ctx, ptr, peer), value, mask=mask)
+
+
+@triton.jit
+def put(ctx, dst, src, n, peer, BLOCK: tl.constexpr):
+    """Copies ``n`` elements from local ``src`` to ``peer``'s copy of heap ``dst``.
+
+    Run by one program; ``BLOCK`` elements per step.
+    """
+    remote = symm_at(ctx, dst, peer)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(remote + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+@triton.jit
+def get(ctx, dst, src, n, peer, BLOCK: tl.constexpr):
+    """Copies ``n`` elements from ``peer``'s copy of heap ``src`` to local ``dst``."""
+    remote = symm_at(ctx, src, peer)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(dst + offs, tl.load(remote + offs, mask=mask), mask=mask)
+
+
+@triton.jit
+def notify(ctx, signal, peer, value, OP: tl.constexpr = "set"):
+    """Sets (``OP="set"``) or adds to (``OP="add"``) ``peer``'s copy of ``signal``.
+
+    Release semantics at system scope: every store this program made before
+    the notify is visible to whoever acquires the signal.
+    """
+    remote = symm_at(ctx, signal, peer)
+    if OP == "add":
+        tl.atomic_add(remote, value, sem="release", scope="sys")
+    else:
+        tl.atomic_xchg(remote, value, sem="release", scope="sys")
+
+
+@triton.jit
+def _satisfied(seen, value, CMP: tl.constexpr):
+    if CMP == "eq":
+        ok = seen == value
+    elif CMP == "ne":
+        ok = seen != value
+    elif CMP == "gt":
+        ok = seen > value
+    elif CMP == "le":
+        ok = seen <= value
+    elif CMP == "lt":
+        ok = seen < value
+    else:
+        ok = seen >= value
+    return ok
+
+
+@triton.jit
+def _cmp_code(CMP: tl.constexpr):
+    if CMP == "eq":
+        code = 0
+    elif CMP == "ne":
+        code = 1
+    elif CMP == "gt":
+        code = 3
+    elif CMP == "le":
+        code = 4
+    elif CMP == "lt":
+        code = 5
+    else:
+        code = 2
+    return code
+
+
+@triton.jit
+def wait(ctx, signal, value, CMP: tl.constexpr = "ge", peer=-1):
+    """Spins until ``*signal CMP value`` holds, with acquire semantics.
+
+    ``signal`` is a pointer (usually into this rank's heap; pass a
+    ``symm_at`` pointer to watch a peer's). ``peer`` only names the rank that
+    is expected to notify, for the error report. The wait is bounded: after
+    the context's spin limit it records rank, peer, signal offset, expected
+    and seen values in the error record and returns; the host raises an
+    error naming them. Once any wait of this rank has timed out, later waits
+    return at once instead of piling up timeouts.
+
+    Returns the value last seen, a token for ``consume_token``.
+    """
+    words = _words(ctx)
+    limit = tl.load(words + _CTX_SPIN_LIMIT)
+    err = tl.load(words + _CTX_ERR_ADDR).to(tl.pointer_type(tl.int64))
+    failed = tl.load(err, volatile=True) != 0
+    seen = tl.atomic_add(signal, 0, sem="acquire", scope="sys")
+    spins = 0
+    done = _satisfied(seen, value, CMP) | failed
+    while not done:
+        seen = tl.atomic_add(signal, 0, sem="acquire", scope="sys")
+        spins += 1
+        done = _satisfied(seen, value, CMP) | (spins >= limit)
+    if not (_satisfied(seen, value, CMP) | failed):
+        me = rank(ctx)
+        src = tl.where(peer >= 0, peer, me)
+        offset = signal.to(tl.int64, bitcast=True) - heap_base(ctx, src)
+        tl.store(err + _ERR_RANK, me.to(tl.int64))
+        tl.store(err + _ERR_PEER, tl.full((), peer, tl.int64))
+        tl.store(err + _ERR_SIGNAL_OFFSET, offset)
+        tl.store(err + _ERR_EXPECTED, tl.full((), value, tl.int64))
+        tl.store(err + _ERR_SEEN, seen.to(tl.int64))
+        tl.store(err + _ERR_CMP, tl.full((), _cmp_code(CMP), tl.int64))
+        tl.atomic_xchg(err, 1, sem="release", scope="sys")
+    return seen
+
+
+@triton.jit
+def fence():
+    """Orders this program's earlier memory operations before later ones, system-wide."""
+    tl.debug_barrier()
+    if _INTERPRET_FENCE:
+        pass
+
+
+_INTERPRET_FENCE = tl.constexpr(_INTERPRET)
+
+
+@triton.jit
+def barrier_all(ctx, signals):
+    """Barrier among all ranks of the group, run by one program per rank.
+
+    ``signals`` points at ``num_ranks`` int32 words of symmetric heap
+    reserved for this barrier; they are compared against the epoch, so the
+    barrier may run once per call.
+    """
+    me = rank(ctx)
+    world = num_ranks(ctx)
+    e = epoch(ctx)
+    for peer in range(0, world):
+        notify(ctx, signals + me, peer, e)
+    for peer in range(0, world):
+        wait(ctx, signals + peer, e, "ge", peer)
+
+
+if _INTERPRET:
+
+    @triton.jit
+    def consume_token(value, token):
+        """Returns ``value``, made data-dependent on ``token`` (a wait's result).
+
+        Under the interpreter programs run in order, so nothing can move.
+        """
+        return value
+
+else:
+
+    @triton.jit
+    def consume_token(value, token):
+        """Returns ``value``, made data-dependent on ``token`` (a wait's result).
+
+        Loads through the returned pointers cannot be scheduled above the wait
+        that produced ``token``.
+        """
+        addr = value.to(tl.int64, bitcast=True)
+        tok = (tl.zeros_like(addr) + token).to(tl.int32)
+        addr = tl.inline_asm_elementwise(
+            "mov.b64 $0, $1;", "=l,l,r", [addr, tok], dtype=tl.int64,
+            is_pure=False, pack=1)
+        return addr.to(value.dtype, bitcast=True)

@@ -1,0 +1,142 @@
+"""The one path through which jaxtdist runs kernels inside jit/shard_map.
+
+``prologue`` runs the native FFI handler (stage a buffer into the symmetric
+heap, advance the epoch, produce the kernel context as device data);
+``launch`` runs a Triton kernel: through jax-triton on GPUs, through the
+interpreter workers on CPU. Kernel arguments follow jax-triton's order:
+inputs, then outputs, then constexpr keywords.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+
+from jaxtdist._errors import WaitTimeoutError
+from jaxtdist.language import _layout as L
+from jaxtdist.runtime import _native
+from jaxtdist.runtime._runtime import Layout, Runtime, Workspace, runtime
+
+CTX_INT32_WORDS = 2 * L.CTX_WORDS
+
+
+def _abstract_mesh():
+    try:
+        return jax.sharding.get_abstract_mesh()
+    except AttributeError:  # pragma: no cover - older jax
+        return None
+
+
+def check_axis(rt: Runtime, axis_name, op: str) -> Layout:
+    """Validates ``axis_name`` against the runtime's mesh and the current shard_map."""
+    if axis_name is None:
+        raise ValueError(f"jaxtdist.{op}: axis_name is required (a mesh axis name, or a "
+                         "tuple of them)")
+    layout = rt.layout(axis_name)
+    abstract = _abstract_mesh()
+    if abstract is not None and not abstract.empty:
+        if tuple(abstract.axis_names) != tuple(rt.mesh.axis_names) or tuple(
+                abstract.axis_sizes) != tuple(rt.mesh.devices.shape):
+            raise ValueError(
+                f"jaxtdist.{op}: the shard_map's mesh {dict(abstract.shape)} differs from the "
+                f"mesh given to jaxtdist.initialize {dict(rt.mesh.shape)}; initialize with the "
+                "mesh you shard_map over")
+    return layout
+
+
+def mesh_position(rt: Runtime, op: str) -> jax.Array:
+    """This device's linear position in the mesh, as device data (int32[1])."""
+    names = tuple(rt.mesh.axis_names)
+    shape = tuple(rt.mesh.devices.shape)
+    pos = jnp.zeros((), jnp.int32)
+    try:
+        for name, size in zip(names, shape):
+            pos = pos * size + jax.lax.axis_index(name).astype(jnp.int32)
+    except NameError as e:
+        raise ValueError(
+            f"jaxtdist.{op} must be called inside jax.shard_map over every axis of the mesh "
+            f"{dict(rt.mesh.shape)} (all axes manual); axis lookup failed: {e}") from None
+    return pos.reshape((1,))
+
+
+def prologue(rt: Runtime, layout: Layout, ws: Workspace, op: str, stage: jax.Array | None = None,
+             stage_offset: int = 0, parity_bytes: int = 0) -> jax.Array:
+    """Runs the FFI prologue; returns the kernel context (int32[2 * CTX_WORDS])."""
+    args = [mesh_position(rt, op)]
+    if stage is not None:
+        args.append(stage)
+    call = jax.ffi.ffi_call(_native.PROLOGUE_TARGET,
+                            jax.ShapeDtypeStruct((CTX_INT32_WORDS,), jnp.int32),
+                            has_side_effect=True)
+    return call(*args, template_offset=np.int64(layout.template_offset),
+                counter_id=np.int64(ws.counter_id), stage_offset=np.int64(stage_offset),
+                parity_bytes=np.int64(parity_bytes))
+
+
+def _out_list(out_shape):
+    if isinstance(out_shape, (list, tuple)):
+        return [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_shape], True
+    return [jax.ShapeDtypeStruct(out_shape.shape, out_shape.dtype)], False
+
+
+@functools.lru_cache(maxsize=None)
+def _jax_triton():
+    try:
+        import jax_triton  # imported lazily: it refuses to import without a GPU jaxlib
+    except ImportError as e:
+        raise ImportError("jaxtdist on GPUs needs jax-triton>=0.3.1 "
+                          "(pip install 'jaxtdist[gpu]')") from e
+    params = inspect.signature(jax_triton.triton_call).parameters
+    out_kw = "out_shape" if "out_shape" in params else "out_type"
+    return jax_triton, out_kw
+
+
+def _gpu_launch(kernel, args, outs, grid, num_warps, num_stages, constexprs):
+    jt, out_kw = _jax_triton()
+    return jt.triton_call(*args, kernel=kernel, grid=grid, num_warps=num_warps,
+                          num_stages=num_stages, **{out_kw: outs}, **constexprs)
+
+
+def _cpu_launch(rt: Runtime, kernel, args, outs, grid, constexprs):
+    from jaxtdist.interpret import kernel_reference
+    ref = kernel_reference(kernel)
+    array_idx = [i for i, a in enumerate(args) if not isinstance(a, (bool, int, float))]
+    arrays = [args[i] for i in array_idx]
+    out_specs = [(tuple(o.shape), np.dtype(o.dtype)) for o in outs]
+    pool = rt.heap.workers
+    grid = tuple(grid) if isinstance(grid, (tuple, list)) else (int(grid),)
+
+    def host(*values):
+        full = list(args)
+        for i, v in zip(array_idx, values):
+            full[i] = np.asarray(v)
+        ctx = full[0].view(np.int64)
+        position = int(ctx[L.CTX_POSITION])
+        results, timed_out = pool.run(position, ref, grid, full, out_specs, constexprs)
+        if timed_out:
+            message = rt._native.recorded_timeout(position)
+            raise WaitTimeoutError(message.replace("in an earlier call ", ""))
+        return tuple(results)
+
+    return list(io_callback(host, tuple(outs), *arrays, ordered=False))
+
+
+def launch(kernel, ctx: jax.Array, *args: Any, out_shape, grid: int | Sequence[int],
+           num_warps: int = 4, num_stages: int = 3, **constexprs):
+    """Runs ``kernel[grid](ctx, *args, *outputs, **constexprs)`` on the runtime's backend."""
+    rt = runtime()
+    outs, many = _out_list(out_shape)
+    full_args = (ctx,) + tuple(args)
+    if rt.platform == "gpu":
+        result = _gpu_launch(kernel, full_args, outs, grid, num_warps, num_stages, constexprs)
+        result = list(result) if isinstance(result, (list, tuple)) else [result]
+    else:
+        result = _cpu_launch(rt, kernel, full_args, outs, grid, constexprs)
+    return result if many else result[0]

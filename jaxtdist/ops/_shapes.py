@@ -1,0 +1,37 @@
+"""Shape, dtype and workspace arithmetic shared by the ops."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtdist.language import _layout as L
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+ALIGN = 256
+
+
+def align(n: int) -> int:
+    return -(-int(n) // ALIGN) * ALIGN
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def check_dtype(op: str, name: str, dtype) -> None:
+    if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
+        raise ValueError(f"jaxtdist.{op}: {name} has dtype {jnp.dtype(dtype).name}; supported "
+                         f"dtypes are {', '.join(d.name for d in SUPPORTED_DTYPES)}")
+
+
+class GatherWorkspace:
+    """Byte layout of a gather workspace: ready flags, chunk flags, two staging slots."""
+
+    def __init__(self, world: int, rows: int, cols: int, dtype, chunk_rows: int):
+        self.ready = 0
+        self.flags = align(4 * L.MAX_WORLD)
+        self.n_chunks = -(-rows // chunk_rows)
+        self.slot_bytes = align(rows * cols * np.dtype(dtype).itemsize)
+        self.stage = self.flags + align(4 * world * self.n_chunks)
+        self.nbytes = self.stage + 2 * self.slot_bytes

@@ -1,0 +1,119 @@
+"""jaxtdist.ag_matmul: all_gather(x) @ w, the gather overlapped with the GEMM."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxtdist.kernels.ag_matmul import ag_matmul_kernel
+from jaxtdist.ops import _call
+from jaxtdist.ops._shapes import GatherWorkspace, check_dtype, next_pow2
+from jaxtdist.runtime._runtime import runtime
+
+
+def default_config(platform: str, m_shard: int, n: int, k: int) -> dict:
+    """Block sizes and producer count for one (shape, platform)."""
+    if platform == "gpu":
+        block_m = min(128, max(16, next_pow2(m_shard)))
+        return dict(BLOCK_M=block_m, BLOCK_N=256 if block_m == 128 else 128, BLOCK_K=64,
+                    GROUP_M=8, NUM_COMM=16, COPY_BLOCK_C=128, num_warps=8, num_stages=3)
+    block_m = min(32, max(16, next_pow2(m_shard)))
+    return dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, NUM_COMM=2,
+                COPY_BLOCK_C=min(64, next_pow2(k)), num_warps=4, num_stages=1)
+
+
+def _check(x, w, axis_name):
+    if x.ndim != 2 or w.ndim != 2:
+        raise ValueError(f"jaxtdist.ag_matmul: x and w must be 2-D, got x{x.shape} and w{w.shape}")
+    if x.shape[1] != w.shape[0]:
+        raise ValueError(f"jaxtdist.ag_matmul: contraction sizes differ: x{x.shape} has "
+                         f"k={x.shape[1]} but w{w.shape} has k={w.shape[0]}")
+    check_dtype("ag_matmul", "x", x.dtype)
+    if x.dtype != w.dtype:
+        raise ValueError(f"jaxtdist.ag_matmul: x and w must share a dtype, got {x.dtype.name} "
+                         f"and {w.dtype.name}")
+    if 0 in x.shape or 0 in w.shape:
+        raise ValueError(f"jaxtdist.ag_matmul: empty operand x{x.shape} w{w.shape}")
+
+
+def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
+                            config: dict | None = None) -> tuple[jax.Array, jax.Array]:
+    """Like ``ag_matmul`` but also returns the gathered ``x``."""
+    rt = runtime()
+    layout = _call.check_axis(rt, axis_name, "ag_matmul")
+    _check(x, w, axis_name)
+    m_shard, k = x.shape
+    n = w.shape[1]
+    cfg = dict(default_config(rt.platform, m_shard, n, k))
+    cfg.update(config or {})
+    num_warps = cfg.pop("num_warps")
+    num_stages = cfg.pop("num_stages")
+    world = layout.world
+    plan = GatherWorkspace(world, m_shard, k, x.dtype, cfg["BLOCK_M"])
+    ws = rt.workspace(("ag_matmul", layout.axes, m_shard, k, x.dtype.name, cfg["BLOCK_M"]),
+                      plan.nbytes)
+    ctx = _call.prologue(rt, layout, ws, "ag_matmul", stage=x,
+                         stage_offset=ws.offset + plan.stage, parity_bytes=plan.slot_bytes)
+    n_tiles = -(-n // cfg["BLOCK_N"])
+    grid = (cfg["NUM_COMM"] + world * plan.n_chunks * n_tiles,)
+    out, gathered = _call.launch(
+        ag_matmul_kernel, ctx, x, w,
+        out_shape=(jax.ShapeDtypeStruct((world * m_shard, n), x.dtype),
+                   jax.ShapeDtypeStruct((world * m_shard, k), x.dtype)),
+        grid=grid, num_warps=num_warps, num_stages=num_stages,
+        M_SHARD=m_shard, N=n, K=k, STAGE_OFF=ws.offset + plan.stage,
+        SLOT_BYTES=plan.slot_bytes, READY_OFF=ws.offset + plan.ready,
+        FLAGS_OFF=ws.offset + plan.flags, **cfg)
+    return out, gathered
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _ag_matmul(x, w, axis_name):
+    return ag_matmul_with_gathered(x, w, axis_name)[0]
+
+
+def _fwd(x, w, axis_name):
+    out, gathered = ag_matmul_with_gathered(x, w, axis_name)
+    return out, (gathered, w)
+
+
+def _bwd(axis_name, residuals, dy):
+    gathered, w = residuals
+    # dx: the rows of dy @ w^T that belong to this rank, summed over ranks.
+    dx_full = jnp.dot(dy, w.T, preferred_element_type=jnp.float32)
+    dx = jax.lax.psum_scatter(dx_full, axis_name, scatter_dimension=0, tiled=True)
+    dw = jnp.dot(gathered.T, dy, preferred_element_type=jnp.float32)
+    return dx.astype(gathered.dtype), dw.astype(w.dtype)
+
+
+_ag_matmul.defvjp(_fwd, _bwd)
+
+
+def ag_matmul(x: jax.Array, w: jax.Array, axis_name) -> jax.Array:
+    """``all_gather(x, axis_name, tiled=True) @ w`` with the gather overlapped.
+
+    Call inside ``jax.shard_map`` over the mesh given to ``jaxtdist.initialize``.
+    Differentiable: the backward pass reduce-scatters ``dy @ w.T`` and uses the
+    gathered ``x`` kept from the forward pass.
+
+    Args:
+      x: this rank's rows, [m_shard, k].
+      w: this rank's weight, [k, n] (typically column-sharded).
+      axis_name: mesh axis (or tuple of axes) the rows are sharded over.
+
+    Returns:
+      [world * m_shard, n] in x's dtype, accumulated in float32.
+
+    Example:
+      >>> mesh = jax.make_mesh((4,), ("tp",)); jaxtdist.initialize(mesh)
+      >>> f = jax.jit(jax.shard_map(lambda x, w: jaxtdist.ag_matmul(x, w, "tp"), mesh=mesh,
+      ...             in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
+    """
+    x = jnp.asarray(x)
+    w = jnp.asarray(w)
+    _check(x, w, axis_name)
+    if isinstance(axis_name, list):
+        axis_name = tuple(axis_name)
+    return _ag_matmul(x, w, axis_name)

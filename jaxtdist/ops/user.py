@@ -1,0 +1,81 @@
+"""jaxtdist.triton_call: run a user's distributed Triton kernel from JAX."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxtdist.ops import _call
+from jaxtdist.ops._shapes import align
+from jaxtdist.runtime._runtime import runtime
+
+
+def _arg_names(kernel) -> list[str]:
+    return list(getattr(kernel, "arg_names", []))
+
+
+def triton_call(*args: Any, kernel, out_shape, grid: int | Sequence[int], axis_name,
+                workspace_bytes: int = 0, stage: jax.Array | None = None,
+                name: str | None = None, num_warps: int = 4, num_stages: int = 3,
+                **constexprs: Any):
+    """Runs a distributed Triton kernel inside ``jax.shard_map``.
+
+    The kernel is called as ``kernel[grid](ctx, *args, *outputs, **constexprs)``
+    where ``ctx`` is the heap context that ``jaxtdist.language`` primitives
+    take (rank, peers, epoch). The same kernel runs on GPUs (jax-triton) and
+    on CPU (Triton's interpreter, one worker process per rank).
+
+    Args:
+      *args: arrays (passed as pointers) and Python scalars.
+      kernel: a ``@triton.jit`` function defined at module top level.
+      out_shape: a ``jax.ShapeDtypeStruct`` or a sequence of them.
+      grid: the launch grid.
+      axis_name: the mesh axis (or axes) whose group the kernel communicates in.
+      workspace_bytes: bytes of symmetric heap the kernel needs; their heap
+        offset is passed as the constexpr ``WORKSPACE``. Reused by every call
+        of this kernel: keep call k's and call k+1's data apart (e.g. by
+        ``dl.epoch(ctx) % 2``) and compare signals against the epoch.
+      stage: an array to copy into this rank's heap before the kernel; its
+        offset is passed as ``STAGE`` (call parity 0) and the distance to the
+        parity-1 copy as ``STAGE_BYTES``: the copy of epoch e is at
+        ``STAGE + (e % 2) * STAGE_BYTES``.
+      name: the workspace's name (defaults to the kernel's).
+      num_warps, num_stages: GPU launch options.
+      **constexprs: the kernel's constexpr arguments.
+
+    Returns:
+      The kernel's output(s).
+
+    Example:
+      >>> out = jaxtdist.triton_call(x, kernel=ring_kernel, grid=(1,), axis_name="x",
+      ...                            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+      ...                            workspace_bytes=4096, N=x.size)
+    """
+    rt = runtime()
+    layout = _call.check_axis(rt, axis_name, "triton_call")
+    names = _arg_names(kernel)
+    slot = 0
+    if stage is not None:
+        slot = align(stage.size * np.dtype(stage.dtype).itemsize)
+    total = align(max(workspace_bytes, 0)) + 2 * slot
+    for required, needed in (("WORKSPACE", workspace_bytes > 0),
+                             ("STAGE", stage is not None), ("STAGE_BYTES", stage is not None)):
+        if needed and required not in names:
+            raise ValueError(f"jaxtdist.triton_call: kernel {getattr(kernel, '__name__', kernel)} "
+                             f"needs a constexpr parameter {required} to receive its offset")
+    key = ("triton_call", name or getattr(kernel, "__name__", repr(kernel)), layout.axes,
+           int(workspace_bytes), None if stage is None else (stage.shape, stage.dtype.name))
+    ws = rt.workspace(key, max(total, 1))
+    stage_offset = ws.offset + align(max(workspace_bytes, 0))
+    ctx = _call.prologue(rt, layout, ws, "triton_call", stage=stage, stage_offset=stage_offset,
+                         parity_bytes=slot)
+    if workspace_bytes > 0:
+        constexprs["WORKSPACE"] = ws.offset
+    if stage is not None:
+        constexprs["STAGE"] = stage_offset
+        constexprs["STAGE_BYTES"] = slot
+    return _call.launch(kernel, ctx, *args, out_shape=out_shape, grid=grid,
+                        num_warps=num_warps, num_stages=num_stages, **constexprs)

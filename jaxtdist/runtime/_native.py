@@ -1,0 +1,56 @@
+"""Loads the native library (csrc) and registers its XLA FFI handlers."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import os
+import threading
+from types import ModuleType
+
+import jax
+
+PROLOGUE_TARGET = "jaxtdist_prologue"
+_ENV_LIBRARY = "JAXTDIST_FFI_LIBRARY"
+
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_registered: set[str] = set()
+
+
+def _load() -> ModuleType:
+    path = os.environ.get(_ENV_LIBRARY)
+    if path:
+        if not os.path.exists(path):
+            raise ImportError(f"{_ENV_LIBRARY}={path!r} does not exist")
+        loader = importlib.machinery.ExtensionFileLoader("jaxtdist._jaxtdist_ffi", path)
+        spec = importlib.util.spec_from_file_location("jaxtdist._jaxtdist_ffi", path, loader=loader)
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+        return module
+    try:
+        from jaxtdist import _jaxtdist_ffi  # pytype: disable=import-error
+    except ImportError as e:
+        raise ImportError(
+            "jaxtdist's native library is not built. Install the package with "
+            "`pip install --no-build-isolation -e .` (needs cmake and a C++ compiler), "
+            f"or point {_ENV_LIBRARY} at a built _jaxtdist_ffi library.") from e
+    return _jaxtdist_ffi
+
+
+def native() -> ModuleType:
+    """Returns the native module, loading it and registering FFI targets once."""
+    global _module
+    with _lock:
+        if _module is None:
+            _module = _load()
+        for platform, capsule in _module.handlers().items():
+            if platform not in _registered:
+                jax.ffi.register_ffi_target(PROLOGUE_TARGET, capsule, platform=platform)
+                _registered.add(platform)
+        return _module
+
+
+def native_library_path() -> str:
+    """Path of the native library in use (the pip-built one or ``$JAXTDIST_FFI_LIBRARY``)."""
+    return native().__file__

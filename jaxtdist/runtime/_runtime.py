@@ -1,0 +1,246 @@
+"""The jaxtdist runtime: the one object that owns the symmetric heap.
+
+It maps the mesh onto heaps (one per device), lays out the reserved part of
+each heap (error record, scratch word, context templates), hands out
+symmetric workspaces, and registers everything with the native FFI state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxtdist.language import _layout as L
+from jaxtdist.runtime import _native
+from jaxtdist._errors import HeapExhaustedError, NotInitializedError, WaitTimeoutError
+
+_ALIGN = 256
+_TEMPLATE_START = 4096
+_MAX_LAYOUTS = 96
+_RESERVED_BYTES = _TEMPLATE_START + _MAX_LAYOUTS * L.CTX_WORDS * 8
+
+DEFAULT_HEAP_BYTES = {"cpu": 32 << 20, "gpu": 1 << 30}
+# Spins before a wait gives up: about 20 s on an H200 (local atomics), about a
+# minute under the interpreter with 8 ranks on 2 cores.
+DEFAULT_WAIT_SPINS = {"cpu": 100_000, "gpu": 20_000_000}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The groups of a collective over ``axes`` of the mesh."""
+    axes: tuple[str, ...]
+    world: int
+    template_offset: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Workspace:
+    """A symmetric region of every heap plus its epoch counter."""
+    key: tuple
+    offset: int
+    nbytes: int
+    counter_id: int
+
+
+def _platform(devices) -> str:
+    platforms = {d.platform for d in devices}
+    if len(platforms) != 1:
+        raise ValueError(f"jaxtdist: the mesh mixes platforms {sorted(platforms)}")
+    platform = platforms.pop()
+    if platform == "cpu":
+        return "cpu"
+    if platform in ("gpu", "cuda"):
+        return "gpu"
+    raise ValueError(f"jaxtdist supports CPU and CUDA devices, not {platform!r}")
+
+
+class Runtime:
+    """Owns the symmetric heap of one mesh. Create it with ``jaxtdist.initialize``."""
+
+    def __init__(self, mesh, heap_bytes: int | None = None, wait_spins: int | None = None):
+        devices = list(mesh.devices.flat)
+        if any(d.process_index != devices[0].process_index for d in devices):
+            raise NotImplementedError(
+                "jaxtdist: multi-process meshes (one process per GPU) need the NVSHMEM "
+                "backend, which is not implemented yet; use a mesh of this process's devices")
+        self.mesh = mesh
+        self.platform = _platform(devices)
+        self.heap_bytes = int(heap_bytes or DEFAULT_HEAP_BYTES[self.platform])
+        self.wait_spins = int(wait_spins or DEFAULT_WAIT_SPINS[self.platform])
+        if self.heap_bytes < 2 * _RESERVED_BYTES:
+            raise ValueError(f"jaxtdist: heap_bytes={self.heap_bytes} is below the minimum "
+                             f"{2 * _RESERVED_BYTES}")
+        self._native = _native.native()
+        if self.platform == "gpu" and not self._native.with_cuda:
+            raise RuntimeError(
+                "jaxtdist's native library was built without CUDA (no CUDA headers were "
+                "found at build time); reinstall on a machine with the CUDA toolkit")
+        self._lock = threading.Lock()
+        self._layouts: dict[tuple[str, ...], Layout] = {}
+        self._workspaces: dict[tuple, Workspace] = {}
+        self._next_offset = _RESERVED_BYTES
+        self._native.reset()
+        if self.platform == "cpu":
+            from jaxtdist.runtime._cpu import CpuHeap
+            self.heap = CpuHeap(len(devices), self.heap_bytes)
+        else:
+            from jaxtdist.runtime._cuda import CudaHeap
+            self.heap = CudaHeap(self._native, devices, self.heap_bytes)
+        for pos in range(len(devices)):
+            self._native.register_heap(pos, self.heap.ordinal_of(pos), self.heap.base_of(pos),
+                                       self.heap_bytes, self.heap.error_record(pos))
+
+    # -- layouts --------------------------------------------------------------
+
+    def layout(self, axis_name: str | Sequence[str]) -> Layout:
+        """The group layout of a collective over ``axis_name`` (one axis or several)."""
+        axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+        names = tuple(self.mesh.axis_names)
+        for a in axes:
+            if a not in names:
+                raise ValueError(f"jaxtdist: axis_name {a!r} is not an axis of the mesh passed "
+                                 f"to jaxtdist.initialize; its axes are {names}")
+        if len(set(axes)) != len(axes):
+            raise ValueError(f"jaxtdist: axis_name {axis_name!r} repeats an axis")
+        with self._lock:
+            if axes in self._layouts:
+                return self._layouts[axes]
+            if len(self._layouts) >= _MAX_LAYOUTS:
+                raise HeapExhaustedError(f"jaxtdist: more than {_MAX_LAYOUTS} axis layouts")
+            shape = tuple(self.mesh.devices.shape)
+            world = math.prod(shape[names.index(a)] for a in axes)
+            if world > L.MAX_WORLD:
+                raise ValueError(f"jaxtdist: a group of {world} ranks exceeds the maximum "
+                                 f"{L.MAX_WORLD}")
+            offset = _TEMPLATE_START + len(self._layouts) * L.CTX_WORDS * 8
+            for pos in range(math.prod(shape)):
+                self.heap.write(pos, offset, self._template(pos, axes, world).tobytes())
+            layout = Layout(axes, world, offset)
+            self._layouts[axes] = layout
+            return layout
+
+    def _template(self, pos: int, axes: tuple[str, ...], world: int) -> np.ndarray:
+        names = tuple(self.mesh.axis_names)
+        shape = tuple(self.mesh.devices.shape)
+        coords = list(np.unravel_index(pos, shape))
+        axis_ids = [names.index(a) for a in axes]
+        rank = int(np.ravel_multi_index([coords[i] for i in axis_ids],
+                                        [shape[i] for i in axis_ids]))
+        words = np.zeros(L.CTX_WORDS, np.int64)
+        words[L.CTX_RANK] = rank
+        words[L.CTX_WORLD] = world
+        words[L.CTX_SPIN_LIMIT] = self.wait_spins
+        words[L.CTX_ERR_ADDR] = self.heap.error_record(pos)
+        words[L.CTX_HEAP_BASE] = self.heap.base_of(pos)
+        words[L.CTX_POSITION] = pos
+        words[L.CTX_SCRATCH_ADDR] = self.heap.scratch(pos)
+        for r in range(world):
+            member = list(coords)
+            sub = np.unravel_index(r, [shape[i] for i in axis_ids])
+            for i, c in zip(axis_ids, sub):
+                member[i] = int(c)
+            words[L.CTX_PEER_BASES + r] = self.heap.base_of(
+                int(np.ravel_multi_index(member, shape)))
+        return words
+
+    # -- workspaces -----------------------------------------------------------
+
+    def workspace(self, key: tuple, nbytes: int) -> Workspace:
+        """A symmetric workspace for ``key``, allocated once and reused by every call."""
+        with self._lock:
+            ws = self._workspaces.get(key)
+            if ws is not None:
+                return ws
+            nbytes = max(_ALIGN, -(-int(nbytes) // _ALIGN) * _ALIGN)
+            available = self.heap_bytes - self._next_offset
+            if nbytes > available:
+                raise HeapExhaustedError(
+                    f"jaxtdist: the symmetric heap is exhausted: {key[0]} needs a workspace of "
+                    f"{nbytes} bytes but {available} of {self.heap_bytes} bytes are free "
+                    f"({len(self._workspaces)} workspaces allocated). Raise the heap with "
+                    f"jaxtdist.initialize(mesh, heap_bytes=...) (at least "
+                    f"{self._next_offset + nbytes} bytes).")
+            ws = Workspace(key, self._next_offset, nbytes, len(self._workspaces) + 1)
+            self._next_offset += nbytes
+            self._workspaces[key] = ws
+            return ws
+
+    @property
+    def bytes_in_use(self) -> int:
+        return self._next_offset
+
+    # -- errors ---------------------------------------------------------------
+
+    def check_errors(self) -> None:
+        """Raises ``WaitTimeoutError`` if any kernel's wait has timed out."""
+        for pos in range(self.mesh.devices.size):
+            message = self._native.recorded_timeout(pos)
+            if message:
+                raise WaitTimeoutError(message.replace("in an earlier call ", ""))
+
+    def close(self) -> None:
+        self._native.reset()
+        self.heap.close()
+
+
+_RUNTIME: Runtime | None = None
+_RUNTIME_LOCK = threading.Lock()
+
+
+def initialize(mesh, *, heap_bytes: int | None = None, wait_spins: int | None = None) -> Runtime:
+    """Creates the symmetric heap for ``mesh``; jaxtdist ops need it.
+
+    Args:
+      mesh: the ``jax.sharding.Mesh`` whose axes collectives name. Ranks and
+        peer tables are per group of each collective's axes.
+      heap_bytes: bytes of symmetric heap per device (default 1 GiB on GPUs,
+        32 MiB on CPU). Workspaces are carved out of it.
+      wait_spins: spins before a kernel's wait gives up and reports a timeout.
+
+    Returns:
+      The runtime. Calling it again with the same mesh returns the existing
+      runtime; with another mesh, it replaces it.
+
+    Example:
+      >>> mesh = jax.make_mesh((jax.device_count(),), ("tp",))
+      >>> rt = jaxtdist.initialize(mesh)
+    """
+    global _RUNTIME
+    with _RUNTIME_LOCK:
+        if _RUNTIME is not None:
+            same = (_RUNTIME.mesh == mesh
+                    and (heap_bytes is None or heap_bytes == _RUNTIME.heap_bytes)
+                    and (wait_spins is None or wait_spins == _RUNTIME.wait_spins))
+            if same:
+                return _RUNTIME
+            _RUNTIME.close()
+            _RUNTIME = None
+        _RUNTIME = Runtime(mesh, heap_bytes, wait_spins)
+        return _RUNTIME
+
+
+def shutdown() -> None:
+    """Frees the heap and stops interpreter workers. Safe to call twice."""
+    global _RUNTIME
+    with _RUNTIME_LOCK:
+        if _RUNTIME is not None:
+            _RUNTIME.close()
+            _RUNTIME = None
+
+
+def runtime() -> Runtime:
+    """The current runtime; raises ``NotInitializedError`` before ``initialize``."""
+    if _RUNTIME is None:
+        raise NotInitializedError(
+            "jaxtdist: the symmetric heap is not initialized. Call "
+            "jaxtdist.initialize(mesh) with the mesh your shard_map uses before calling "
+            "jaxtdist ops.")
+    return _RUNTIME
+
+
+def is_initialized() -> bool:
+    return _RUNTIME is not None
