@@ -60,7 +60,12 @@ def main(position: int, shm_name: str, main_segment_base: int, conn) -> None:
             kernel = kernels.get(ref)
             if kernel is None:
                 kernel = kernels[ref] = _resolve(ref)
-            ctx = np.array(args[0], copy=True)
+            # A 64-byte aligned copy: kernels rely on the context being aligned
+            # like the XLA buffer it is on GPUs.
+            raw = np.empty(args[0].nbytes + 64, np.uint8)
+            start = -raw.ctypes.data % 64
+            ctx = raw[start:start + args[0].nbytes].view(args[0].dtype)
+            ctx[:] = args[0]
             words = ctx.view(np.int64)
             # The main process's addresses of the shared heap -> this process's.
             world = int(words[L.CTX_WORLD])

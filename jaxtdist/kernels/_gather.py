@@ -1,13 +1,16 @@
 """The gather producer shared by all_gather and ag_matmul.
 
-Each rank's prologue staged its shard in its heap slot of parity
-``epoch % 2``. Program 0 tells every peer the shard is there; then the
-producer programs pull peers' shards chunk by chunk into the local output,
-raising a local per-chunk flag after each so consumers can start.
+Producer programs first stage this rank's shard, chunk by chunk, into its
+heap slot of parity ``epoch % 2`` (and into the local rows of the output),
+telling every peer as each chunk lands. Then they pull peers' chunks into
+the output, nearest peer first, raising a local per-chunk flag after each so
+that consumers in the same launch can start on it.
 
-Reuse safety: a rank overwrites slot parity p two calls later. By then every
-peer has raised the next call's ready flag, which it does only after its
-previous kernel (the last reader of parity p) has finished.
+Waits only target other ranks' staging, which every rank does before any
+wait, so producers cannot deadlock. Reuse safety: a rank rewrites slot
+parity p two calls later; by then every peer has staged the call in between,
+which it does only after its previous kernel (the last reader of parity p)
+has finished.
 """
 
 import triton
@@ -17,27 +20,18 @@ import jaxtdist.language as dl
 
 
 @triton.jit
-def announce_shard(ctx, READY_OFF: tl.constexpr):
-    """Tells every peer that this rank's shard for this epoch is staged."""
-    me = dl.rank(ctx)
-    world = dl.num_ranks(ctx)
-    e = dl.epoch(ctx)
-    ready = dl.heap_ptr(ctx, READY_OFF, tl.int32) + me
-    for peer in range(0, world):
-        if peer != me:
-            dl.notify(ctx, ready, peer, e)
-
-
-@triton.jit
-def _copy_rows(src, dst, row0, row_end, COLS: tl.constexpr, BLOCK_R: tl.constexpr,
-               BLOCK_C: tl.constexpr):
+def _copy_rows(src, dst, dst2, row0, row_end, COLS: tl.constexpr, BLOCK_R: tl.constexpr,
+               BLOCK_C: tl.constexpr, TWO_DSTS: tl.constexpr):
     rows = row0 + tl.arange(0, BLOCK_R)
     row_mask = rows < row_end
     for c0 in range(0, COLS, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)
+        cols = tl.max_contiguous(tl.multiple_of(c0 + tl.arange(0, BLOCK_C), BLOCK_C), BLOCK_C)
         mask = row_mask[:, None] & (cols < COLS)[None, :]
         offs = rows[:, None] * COLS + cols[None, :]
-        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+        tile = tl.load(src + offs, mask=mask)
+        tl.store(dst + offs, tile, mask=mask)
+        if TWO_DSTS:
+            tl.store(dst2 + offs, tile, mask=mask)
 
 
 @triton.jit
@@ -48,9 +42,10 @@ def pull_shards(ctx, x_ptr, out_ptr, worker, NUM_WORKERS: tl.constexpr, ROWS: tl
     """Producer ``worker`` of ``NUM_WORKERS``: fills ``out`` = all shards in rank order.
 
     ``x_ptr`` is this rank's shard ([ROWS, COLS]); ``out_ptr`` the gathered
-    [world * ROWS, COLS] buffer. Peers' chunks come first, nearest peer
-    first; the local copy last. With ``FLAGS_OFF >= 0`` each finished peer
-    chunk raises the local flag ``FLAGS_OFF[src * chunks + chunk]`` to the epoch.
+    [world * ROWS, COLS] buffer. ``READY_OFF`` holds world * chunks int32
+    flags that peers raise; with ``FLAGS_OFF >= 0`` each chunk written to
+    ``out`` (local ones included) raises the local flag
+    ``FLAGS_OFF[src * chunks + chunk]`` to the epoch.
     """
     me = dl.rank(ctx)
     world = dl.num_ranks(ctx)
@@ -58,20 +53,26 @@ def pull_shards(ctx, x_ptr, out_ptr, worker, NUM_WORKERS: tl.constexpr, ROWS: tl
     slot = dl.heap_ptr(ctx, STAGE_OFF + (e % 2) * SLOT_BYTES, x_ptr.dtype.element_ty)
     ready = dl.heap_ptr(ctx, READY_OFF, tl.int32)
     n_chunks = tl.cdiv(ROWS, CHUNK_ROWS)
-    for item in range(worker, world * n_chunks, NUM_WORKERS):
+    for chunk in range(worker, n_chunks, NUM_WORKERS):
+        row0 = chunk * CHUNK_ROWS
+        row_end = tl.minimum(row0 + CHUNK_ROWS, ROWS)
+        _copy_rows(x_ptr, slot, out_ptr + me * ROWS * COLS, row0, row_end, COLS, CHUNK_ROWS,
+                   BLOCK_C, True)
+        for step in range(1, world):
+            dl.notify(ctx, ready + me * n_chunks + chunk, (me + step) % world, e)
+        if FLAGS_OFF >= 0:
+            flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
+            dl.notify(ctx, flags + me * n_chunks + chunk, me, e)
+    for item in range(worker, (world - 1) * n_chunks, NUM_WORKERS):
         step = item // n_chunks + 1
         chunk = item % n_chunks
         src = (me + step) % world
         row0 = chunk * CHUNK_ROWS
         row_end = tl.minimum(row0 + CHUNK_ROWS, ROWS)
-        dst = out_ptr + src * ROWS * COLS
-        if src == me:
-            _copy_rows(x_ptr, dst, row0, row_end, COLS, CHUNK_ROWS, BLOCK_C)
-        else:
-            dl.wait(ctx, ready + src, e, "ge", src)
-            _copy_rows(dl.symm_at(ctx, slot, src), dst, row0, row_end, COLS, CHUNK_ROWS,
-                       BLOCK_C)
-            if FLAGS_OFF >= 0:
-                flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
-                # Local flag: release orders the copy's stores before it.
-                dl.notify(ctx, flags + src * n_chunks + chunk, me, e)
+        dl.wait(ctx, ready + src * n_chunks + chunk, e, "ge", src)
+        _copy_rows(dl.symm_at(ctx, slot, src), out_ptr + src * ROWS * COLS, out_ptr, row0,
+                   row_end, COLS, CHUNK_ROWS, BLOCK_C, False)
+        if FLAGS_OFF >= 0:
+            flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
+            # Local flag: release orders the copy's stores before it.
+            dl.notify(ctx, flags + src * n_chunks + chunk, me, e)

@@ -1,18 +1,19 @@
 """ag_matmul: all_gather(x) @ w with the gather overlapped tile by tile.
 
 One launch holds two kinds of programs. The first NUM_COMM programs are the
-producers of ``_gather.pull_shards``: they pull peers' shards into the
-gathered buffer and raise a flag per BLOCK_M rows. The rest are GEMM tiles in
-``rank_major_tile`` order: tiles of the local shard read ``x`` directly and
-start at once; a peer's tile waits for its chunk flag, which only lower
-program ids (the producers) raise, so the grid cannot deadlock.
+producers of ``_gather.pull_shards``: they stage this rank's shard in the
+heap and copy it into the gathered buffer, then pull peers' shards, raising a
+flag per BLOCK_M rows. The rest are GEMM tiles in ``rank_major_tile`` order:
+the local shard's tiles first (their chunks are local copies, ready at once),
+then each peer's. A tile waits for its chunk flag, which only lower program
+ids (the producers) raise, so the grid cannot deadlock.
 """
 
 import triton
 import triton.language as tl
 
 import jaxtdist.language as dl
-from jaxtdist.kernels._gather import announce_shard, pull_shards
+from jaxtdist.kernels._gather import pull_shards
 from jaxtdist.kernels._tiles import rank_major_tile
 
 
@@ -31,8 +32,6 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
     """
     pid = tl.program_id(0)
     if pid < NUM_COMM:
-        if pid == 0:
-            announce_shard(ctx, READY_OFF)
         pull_shards(ctx, x_ptr, gathered_ptr, pid, NUM_COMM, M_SHARD, K, STAGE_OFF,
                     SLOT_BYTES, READY_OFF, FLAGS_OFF, BLOCK_M, COPY_BLOCK_C)
     else:
@@ -42,19 +41,18 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
         m_tiles = tl.cdiv(M_SHARD, BLOCK_M)
         n_tiles = tl.cdiv(N, BLOCK_N)
         src, tm, tn = rank_major_tile(pid - NUM_COMM, me, world, m_tiles, n_tiles, GROUP_M)
-        if src == me:
-            a_base = x_ptr
-        else:
-            flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
-            dl.wait(ctx, flags + src * m_tiles + tm, e, "ge", src)
-            a_base = gathered_ptr + src * M_SHARD * K
+        flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
+        dl.wait(ctx, flags + src * m_tiles + tm, e, "ge", src)
+        # One source for A (local rows included) keeps its loads vectorized.
+        a_base = gathered_ptr + src * M_SHARD * K
         rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = tl.max_contiguous(tl.multiple_of(tn * BLOCK_N + tl.arange(0, BLOCK_N), BLOCK_N),
+                                 BLOCK_N)
         row_mask = rows < M_SHARD
         col_mask = cols < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
+            ks = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
             k_mask = ks < K
             a = tl.load(a_base + rows[:, None] * K + ks[None, :],
                         mask=row_mask[:, None] & k_mask[None, :], other=0.0)

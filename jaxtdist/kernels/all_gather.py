@@ -1,9 +1,9 @@
-"""all_gather: every rank pulls every peer's staged shard into its output."""
+"""all_gather: every rank stages its shard in the heap and pulls every peer's."""
 
 import triton
 import triton.language as tl
 
-from jaxtdist.kernels._gather import announce_shard, pull_shards
+from jaxtdist.kernels._gather import pull_shards
 
 
 @triton.jit
@@ -13,7 +13,5 @@ def all_gather_kernel(ctx, x_ptr, out_ptr, ROWS: tl.constexpr, COLS: tl.constexp
                       CHUNK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
     """Grid: (NUM_WORKERS,). out[world * ROWS, COLS] = shards in rank order."""
     pid = tl.program_id(0)
-    if pid == 0:
-        announce_shard(ctx, READY_OFF)
     pull_shards(ctx, x_ptr, out_ptr, pid, NUM_WORKERS, ROWS, COLS, STAGE_OFF, SLOT_BYTES,
                 READY_OFF, -1, CHUNK_ROWS, BLOCK_C)

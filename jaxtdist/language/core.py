@@ -58,6 +58,14 @@ def epoch(ctx):
 
 
 @triton.jit
+def _round16(delta):
+    # Says that an address difference is a multiple of 16 bytes (it is: heap
+    # bases are 256-byte aligned and XLA buffers 16-byte aligned), so that
+    # accesses through the pointers built from it vectorize.
+    return (delta >> 4) << 4
+
+
+@triton.jit
 def heap_base(ctx, peer):
     """Address (int64) of ``peer``'s symmetric heap as this rank sees it."""
     return tl.load(_words(ctx) + _CTX_PEER_BASES + peer)
@@ -67,7 +75,11 @@ def heap_base(ctx, peer):
 def heap_ptr(ctx, offset, dtype: tl.constexpr):
     """Pointer to byte ``offset`` of this rank's symmetric heap, typed ``dtype``."""
     base = tl.load(_words(ctx) + _CTX_HEAP_BASE)
-    return (base + offset).to(tl.pointer_type(dtype))
+    # Built from the (aligned) ctx pointer rather than from an integer, so
+    # the compiler keeps track of alignment.
+    anchor = ctx.to(tl.pointer_type(tl.int8), bitcast=True)
+    delta = _round16(base - ctx.to(tl.int64, bitcast=True))
+    return (anchor + delta + offset).to(tl.pointer_type(dtype), bitcast=True)
 
 
 @triton.jit
@@ -77,10 +89,9 @@ def symm_at(ctx, ptr, peer):
     Works on scalar pointers and on blocks of pointers.
     """
     me = rank(ctx)
-    here = heap_base(ctx, me)
-    there = heap_base(ctx, peer)
-    addr = ptr.to(tl.int64, bitcast=True) - here + there
-    return addr.to(ptr.dtype, bitcast=True)
+    shift = _round16(heap_base(ctx, peer) - heap_base(ctx, me))
+    moved = ptr.to(tl.pointer_type(tl.int8), bitcast=True) + shift
+    return moved.to(ptr.dtype, bitcast=True)
 
 
 @triton.jit
@@ -119,13 +130,15 @@ def get(ctx, dst, src, n, peer, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def notify(ctx, signal, peer, value, OP: tl.constexpr = "set"):
+def notify(ctx, signal, peer, value, OP: tl.constexpr = tl.constexpr("set")):
     """Sets (``OP="set"``) or adds to (``OP="add"``) ``peer``'s copy of ``signal``.
 
     Release semantics at system scope: every store this program made before
     the notify is visible to whoever acquires the signal.
     """
     remote = symm_at(ctx, signal, peer)
+    # Every thread's earlier stores happen before the one thread's release.
+    tl.debug_barrier()
     if OP == "add":
         tl.atomic_add(remote, value, sem="release", scope="sys")
     else:
@@ -167,7 +180,7 @@ def _cmp_code(CMP: tl.constexpr):
 
 
 @triton.jit
-def wait(ctx, signal, value, CMP: tl.constexpr = "ge", peer=-1):
+def wait(ctx, signal, value, CMP: tl.constexpr = tl.constexpr("ge"), peer=-1):
     """Spins until ``*signal CMP value`` holds, with acquire semantics.
 
     ``signal`` is a pointer (usually into this rank's heap; pass a
@@ -196,12 +209,14 @@ def wait(ctx, signal, value, CMP: tl.constexpr = "ge", peer=-1):
         src = tl.where(peer >= 0, peer, me)
         offset = signal.to(tl.int64, bitcast=True) - heap_base(ctx, src)
         tl.store(err + _ERR_RANK, me.to(tl.int64))
-        tl.store(err + _ERR_PEER, tl.full((), peer, tl.int64))
+        tl.store(err + _ERR_PEER, tl.cast(peer, tl.int64))
         tl.store(err + _ERR_SIGNAL_OFFSET, offset)
-        tl.store(err + _ERR_EXPECTED, tl.full((), value, tl.int64))
+        tl.store(err + _ERR_EXPECTED, tl.cast(value, tl.int64))
         tl.store(err + _ERR_SEEN, seen.to(tl.int64))
-        tl.store(err + _ERR_CMP, tl.full((), _cmp_code(CMP), tl.int64))
+        tl.store(err + _ERR_CMP, tl.cast(_cmp_code(CMP), tl.int64))
         tl.atomic_xchg(err, 1, sem="release", scope="sys")
+    # The acquiring thread's view extends to the whole program.
+    tl.debug_barrier()
     return seen
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtdist.language import _layout as L
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 ALIGN = 256
@@ -26,12 +25,13 @@ def check_dtype(op: str, name: str, dtype) -> None:
 
 
 class GatherWorkspace:
-    """Byte layout of a gather workspace: ready flags, chunk flags, two staging slots."""
+    """Byte layout of a gather workspace: peers' ready flags and local chunk flags
+    (world * chunks int32 each), then two staging slots (call parities)."""
 
     def __init__(self, world: int, rows: int, cols: int, dtype, chunk_rows: int):
-        self.ready = 0
-        self.flags = align(4 * L.MAX_WORLD)
         self.n_chunks = -(-rows // chunk_rows)
+        self.ready = 0
+        self.flags = align(4 * world * self.n_chunks)
         self.slot_bytes = align(rows * cols * np.dtype(dtype).itemsize)
         self.stage = self.flags + align(4 * world * self.n_chunks)
         self.nbytes = self.stage + 2 * self.slot_bytes

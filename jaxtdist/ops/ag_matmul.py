@@ -13,12 +13,15 @@ from jaxtdist.ops._shapes import GatherWorkspace, check_dtype, next_pow2
 from jaxtdist.runtime._runtime import runtime
 
 
-def default_config(platform: str, m_shard: int, n: int, k: int) -> dict:
+def default_config(platform: str, m_shard: int, n: int, k: int, dtype=jnp.bfloat16) -> dict:
     """Block sizes and producer count for one (shape, platform)."""
     if platform == "gpu":
         block_m = min(128, max(16, next_pow2(m_shard)))
+        if jnp.dtype(dtype).itemsize == 4:  # keep 3 stages within shared memory
+            return dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, NUM_COMM=32,
+                        COPY_BLOCK_C=64, num_warps=8, num_stages=3)
         return dict(BLOCK_M=block_m, BLOCK_N=256 if block_m == 128 else 128, BLOCK_K=64,
-                    GROUP_M=8, NUM_COMM=16, COPY_BLOCK_C=128, num_warps=8, num_stages=3)
+                    GROUP_M=8, NUM_COMM=32, COPY_BLOCK_C=128, num_warps=8, num_stages=3)
     block_m = min(32, max(16, next_pow2(m_shard)))
     return dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, NUM_COMM=2,
                 COPY_BLOCK_C=min(64, next_pow2(k)), num_warps=4, num_stages=1)
@@ -46,7 +49,7 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
     _check(x, w, axis_name)
     m_shard, k = x.shape
     n = w.shape[1]
-    cfg = dict(default_config(rt.platform, m_shard, n, k))
+    cfg = dict(default_config(rt.platform, m_shard, n, k, x.dtype))
     cfg.update(config or {})
     num_warps = cfg.pop("num_warps")
     num_stages = cfg.pop("num_stages")
@@ -54,8 +57,7 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
     plan = GatherWorkspace(world, m_shard, k, x.dtype, cfg["BLOCK_M"])
     ws = rt.workspace(("ag_matmul", layout.axes, m_shard, k, x.dtype.name, cfg["BLOCK_M"]),
                       plan.nbytes)
-    ctx = _call.prologue(rt, layout, ws, "ag_matmul", stage=x,
-                         stage_offset=ws.offset + plan.stage, parity_bytes=plan.slot_bytes)
+    ctx = _call.prologue(rt, layout, ws, "ag_matmul")
     n_tiles = -(-n // cfg["BLOCK_N"])
     grid = (cfg["NUM_COMM"] + world * plan.n_chunks * n_tiles,)
     out, gathered = _call.launch(

@@ -1,4 +1,8 @@
-"""jaxtdist.all_gather: an all-gather through the symmetric heap."""
+"""jaxtdist.all_gather: an all-gather through the symmetric heap.
+
+The kernel stages the shard itself (see kernels/_gather.py), so the prologue
+only produces the context.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from jaxtdist.runtime._runtime import runtime
 def _config(platform: str, rows: int, cols: int) -> dict:
     block_c = min(next_pow2(cols), 256 if platform == "gpu" else 64)
     chunk_rows = max(1, min(64, next_pow2(rows), (16384 if platform == "gpu" else 2048) // block_c))
-    workers = 16 if platform == "gpu" else 2
+    workers = 128 if platform == "gpu" else 2
     return dict(NUM_WORKERS=workers, CHUNK_ROWS=chunk_rows, BLOCK_C=block_c)
 
 
@@ -57,8 +61,7 @@ def all_gather(x: jax.Array, axis_name, *, axis: int = 0, tiled: bool = True) ->
     cfg = _config(rt.platform, rows, cols)
     plan = GatherWorkspace(world, rows, cols, x.dtype, cfg["CHUNK_ROWS"])
     ws = rt.workspace(("all_gather", layout.axes, rows, cols, x.dtype.name), plan.nbytes)
-    ctx = _call.prologue(rt, layout, ws, "all_gather", stage=flat,
-                         stage_offset=ws.offset + plan.stage, parity_bytes=plan.slot_bytes)
+    ctx = _call.prologue(rt, layout, ws, "all_gather")
     out = _call.launch(all_gather_kernel, ctx, flat,
                        out_shape=jax.ShapeDtypeStruct((world * rows, cols), x.dtype),
                        grid=(cfg["NUM_WORKERS"],), num_warps=4, num_stages=1,

@@ -1,0 +1,240 @@
+"""Kernel-time benchmarks of jaxtdist ops against JAX's own, side by side.
+
+Usage::
+
+    python -m jaxtdist.bench ag_matmul [--quick] [--json docs/perf/ag_matmul_h200x4.json]
+    python -m jaxtdist.bench all_gather
+
+Times come from CUPTI through ``jax.experimental.mosaic.gpu.profiler``: every
+kernel of every GPU in one iteration, summed per device; the table reports
+the median over iterations of the mean per device ("mean") and, as JAX's own
+collective-matmul example does, the sum over kernel names of the fastest
+device ("min"). Every contender runs in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxtdist as td
+
+AG_MATMUL_SHAPES = [  # (m_shard, n_shard, k)
+    (1024, 4096, 4096), (2048, 3072, 4096), (2048, 7168, 8192),
+    (2048, 11008 // 4, 4096), (2048, 14336 // 4, 4096), (2048, 28672 // 4, 8192),
+    (1, 4096, 8192), (16, 4096, 8192), (128, 4096, 8192),
+]
+ALL_GATHER_BYTES = [16 << 10, 256 << 10, 1 << 20, 8 << 20, 64 << 20]
+
+
+def _profile(fn, args, iterations: int, world: int):
+    from jax.experimental.mosaic.gpu import profiler
+    out, per_iter = profiler.measure(fn, aggregate=False, iterations=iterations)(*args)
+    if per_iter is None:
+        raise RuntimeError("CUPTI saw no kernels")
+    if iterations == 1:
+        per_iter = [per_iter]
+    means, mins = [], []
+    for kernels in per_iter:
+        means.append(sum(t for _, t in kernels) * 1e3 / world)
+        fastest = defaultdict(lambda: float("inf"))
+        for name, t in kernels:
+            fastest[name] = min(fastest[name], t)
+        mins.append(sum(fastest.values()) * 1e3)
+    names = sorted({name for name, _ in per_iter[0]})
+    return out, dict(mean_us=statistics.median(means), min_us=statistics.median(mins),
+                     kernels=names)
+
+
+def _rel_err(out, ref) -> float:
+    out = np.asarray(out, np.float32)
+    ref = np.asarray(ref, np.float32)
+    if not np.all(np.isfinite(out)):
+        return float("inf")
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def _pallas_candidates():
+    try:
+        from jax.experimental.pallas.ops.gpu import collective_matmul_mgpu as cm
+    except Exception as e:  # noqa: BLE001 - report any import problem
+        return None, f"import failed: {e}"
+    dims = cm.MatmulDimension
+    configs = []
+    for tile_m, tile_n, minor, width in [(128, 128, dims.N, 8), (128, 256, dims.N, 8),
+                                         (256, 128, dims.M, 8), (128, 128, dims.M, 4)]:
+        configs.append(cm.TuningConfig(tile_m=tile_m, tile_n=tile_n, tile_k=64,
+                                       max_concurrent_steps=4, grid_minor_dim=minor,
+                                       grid_tile_width=width, wg_dimension=dims.N))
+    return (cm, configs), None
+
+
+def bench_ag_matmul(shapes, iterations: int, dtype=jnp.bfloat16, pallas: bool = True):
+    devices = jax.devices()
+    world = len(devices)
+    mesh = jax.make_mesh((world,), ("tp",))
+    td.initialize(mesh)
+    spec_x, spec_w, spec_o = P("tp", None), P(None, "tp"), P(None, "tp")
+    ours = jax.jit(jax.shard_map(lambda x, w: td.ag_matmul(x, w, "tp"), mesh=mesh,
+                                 in_specs=(spec_x, spec_w), out_specs=spec_o))
+    xla = jax.jit(jax.shard_map(
+        lambda x, w: jax.lax.all_gather(x, "tp", tiled=True) @ w, mesh=mesh,
+        in_specs=(spec_x, spec_w), out_specs=spec_o))
+    local = jax.jit(lambda a, b: a @ b)
+    pallas_mod, pallas_err = _pallas_candidates() if pallas else (None, "disabled")
+    rows = []
+    for i, (m_shard, n_shard, k) in enumerate(shapes):
+        keys = jax.random.split(jax.random.key(100 + i), 2)
+        x = (jax.random.normal(keys[0], (world * m_shard, k), jnp.float32)
+             / np.sqrt(k)).astype(dtype)
+        w = jax.random.normal(keys[1], (k, world * n_shard), jnp.float32).astype(dtype)
+        xs = jax.device_put(x, NamedSharding(mesh, spec_x))
+        ws = jax.device_put(w, NamedSharding(mesh, spec_w))
+        ref = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
+        row = dict(m_shard=m_shard, n_shard=n_shard, k=k, world=world, dtype=jnp.dtype(dtype).name)
+        x0 = jax.device_put(x, devices[0])
+        w0 = jax.device_put(w[:, :n_shard], devices[0])
+        _, row["local_gemm"] = _profile(local, (x0, w0), iterations, 1)
+        out, row["xla_allgather_dot"] = _profile(xla, (xs, ws), iterations, world)
+        row["xla_allgather_dot"]["rel_err"] = _rel_err(out, ref)
+        out, row["jaxtdist"] = _profile(ours, (xs, ws), iterations, world)
+        row["jaxtdist"]["rel_err"] = _rel_err(out, ref)
+        if pallas_mod is not None:
+            cm, configs = pallas_mod
+            best = None
+            errors = []
+            for cfg in configs:
+                try:
+                    fn = jax.jit(jax.shard_map(
+                        functools.partial(cm.all_gather_lhs_matmul, axis_name="tp", config=cfg,
+                                          dtype=dtype),
+                        mesh=mesh, in_specs=(spec_x, spec_w), out_specs=spec_o, check_vma=False))
+                    out, t = _profile(fn, (xs, ws), iterations, world)
+                    t["rel_err"] = _rel_err(out, ref)
+                    t["config"] = str(cfg)
+                    if best is None or t["mean_us"] < best["mean_us"]:
+                        best = t
+                except Exception as e:  # noqa: BLE001 - unsupported configs are skipped
+                    errors.append(f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+            row["pallas_mgpu"] = best if best is not None else dict(error=errors[:2])
+        else:
+            row["pallas_mgpu"] = dict(error=[pallas_err])
+        rows.append(row)
+        print(_ag_line(row), flush=True)
+    return rows
+
+
+def _fmt(entry) -> str:
+    if "mean_us" not in entry:
+        return "n/a"
+    return f"{entry['mean_us']:.1f}"
+
+
+def _ag_line(row) -> str:
+    return (f"{row['m_shard']:>5} {row['n_shard']:>5} {row['k']:>5} | "
+            f"{_fmt(row['local_gemm']):>9} | {_fmt(row['xla_allgather_dot']):>9} | "
+            f"{_fmt(row['pallas_mgpu']):>9} | {_fmt(row['jaxtdist']):>9} | "
+            f"{row['jaxtdist'].get('rel_err', float('nan')):.2e}")
+
+
+def ag_matmul_table(rows, device: str) -> str:
+    lines = [f"ag_matmul, {rows[0]['dtype']}, {rows[0]['world']} x {device}; kernel time (us, "
+             "CUPTI, median, mean per device)", "",
+             "| m_shard | n_shard | k | (a) local GEMM | (b) all_gather + dot | "
+             "(c) Pallas MGPU | (d) jaxtdist | (d)/(a) | rel err (d) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = (r["jaxtdist"]["mean_us"] / r["local_gemm"]["mean_us"]
+                 if "mean_us" in r["jaxtdist"] else float("nan"))
+        lines.append(f"| {r['m_shard']} | {r['n_shard']} | {r['k']} | {_fmt(r['local_gemm'])} | "
+                     f"{_fmt(r['xla_allgather_dot'])} | {_fmt(r['pallas_mgpu'])} | "
+                     f"{_fmt(r['jaxtdist'])} | {ratio:.2f} | "
+                     f"{r['jaxtdist'].get('rel_err', float('nan')):.1e} |")
+    return "\n".join(lines)
+
+
+def bench_all_gather(sizes, iterations: int, dtype=jnp.bfloat16):
+    devices = jax.devices()
+    world = len(devices)
+    mesh = jax.make_mesh((world,), ("tp",))
+    td.initialize(mesh)
+    ours = jax.jit(jax.shard_map(lambda x: td.all_gather(x, "tp"), mesh=mesh,
+                                 in_specs=P("tp", None), out_specs=P(None, None),
+                                 check_vma=False))
+    xla = jax.jit(jax.shard_map(lambda x: jax.lax.all_gather(x, "tp", tiled=True), mesh=mesh,
+                                in_specs=P("tp", None), out_specs=P(None, None),
+                                check_vma=False))
+    rows = []
+    for nbytes in sizes:
+        cols = 1024
+        rows_per_rank = max(1, nbytes // (cols * jnp.dtype(dtype).itemsize))
+        x = jax.random.normal(jax.random.key(nbytes), (world * rows_per_rank, cols),
+                              jnp.float32).astype(dtype)
+        xs = jax.device_put(x, NamedSharding(mesh, P("tp", None)))
+        row = dict(bytes_per_rank=nbytes, world=world)
+        _, row["xla_all_gather"] = _profile(xla, (xs,), iterations, world)
+        out, row["jaxtdist"] = _profile(ours, (xs,), iterations, world)
+        row["jaxtdist"]["exact"] = bool(np.array_equal(np.asarray(out), np.asarray(x)))
+        rows.append(row)
+        print(f"{nbytes:>10} | {_fmt(row['xla_all_gather']):>9} | {_fmt(row['jaxtdist']):>9} | "
+              f"exact={row['jaxtdist']['exact']}", flush=True)
+    return rows
+
+
+def all_gather_table(rows, device: str) -> str:
+    lines = [f"all_gather, bf16, {rows[0]['world']} x {device}; kernel time (us, CUPTI, median, "
+             "mean per device)", "",
+             "| bytes per rank | jax.lax.all_gather | jaxtdist.all_gather | exact |",
+             "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['bytes_per_rank']} | {_fmt(r['xla_all_gather'])} | "
+                     f"{_fmt(r['jaxtdist'])} | {r['jaxtdist']['exact']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jaxtdist.bench")
+    parser.add_argument("op", choices=["ag_matmul", "all_gather"])
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--quick", action="store_true", help="first three shapes only")
+    parser.add_argument("--no-pallas", action="store_true")
+    parser.add_argument("--json", help="write raw results here")
+    parser.add_argument("--markdown", help="write the table here")
+    args = parser.parse_args(argv)
+    if jax.devices()[0].platform != "gpu":
+        print("jaxtdist.bench measures GPU kernel time; no GPU is visible", file=sys.stderr)
+        return 2
+    device = jax.devices()[0].device_kind
+    started = time.time()
+    if args.op == "ag_matmul":
+        shapes = AG_MATMUL_SHAPES[:3] if args.quick else AG_MATMUL_SHAPES
+        rows = bench_ag_matmul(shapes, args.iterations, pallas=not args.no_pallas)
+        table = ag_matmul_table(rows, device)
+    else:
+        rows = bench_all_gather(ALL_GATHER_BYTES, args.iterations)
+        table = all_gather_table(rows, device)
+    result = dict(op=args.op, device=device, world=len(jax.devices()), jax=jax.__version__,
+                  iterations=args.iterations, seconds=time.time() - started, rows=rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table + "\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
