@@ -38,7 +38,7 @@ def _copy_rows(src, dst, dst2, row0, row_end, COLS: tl.constexpr, BLOCK_R: tl.co
 def pull_shards(ctx, x_ptr, out_ptr, worker, NUM_WORKERS: tl.constexpr, ROWS: tl.constexpr,
                 COLS: tl.constexpr, STAGE_OFF: tl.constexpr, SLOT_BYTES: tl.constexpr,
                 READY_OFF: tl.constexpr, FLAGS_OFF: tl.constexpr, CHUNK_ROWS: tl.constexpr,
-                BLOCK_C: tl.constexpr):
+                BLOCK_C: tl.constexpr, SCOPE: tl.constexpr):
     """Producer ``worker`` of ``NUM_WORKERS``: fills ``out`` = all shards in rank order.
 
     ``x_ptr`` is this rank's shard ([ROWS, COLS]); ``out_ptr`` the gathered
@@ -59,20 +59,20 @@ def pull_shards(ctx, x_ptr, out_ptr, worker, NUM_WORKERS: tl.constexpr, ROWS: tl
         _copy_rows(x_ptr, slot, out_ptr + me * ROWS * COLS, row0, row_end, COLS, CHUNK_ROWS,
                    BLOCK_C, True)
         for step in range(1, world):
-            dl.notify(ctx, ready + me * n_chunks + chunk, (me + step) % world, e)
+            dl.notify(ctx, ready + me * n_chunks + chunk, (me + step) % world, e, "set", SCOPE)
         if FLAGS_OFF >= 0:
             flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
-            dl.notify(ctx, flags + me * n_chunks + chunk, me, e)
+            dl.notify(ctx, flags + me * n_chunks + chunk, me, e, "set", "gpu")
     for item in range(worker, (world - 1) * n_chunks, NUM_WORKERS):
         step = item // n_chunks + 1
         chunk = item % n_chunks
         src = (me + step) % world
         row0 = chunk * CHUNK_ROWS
         row_end = tl.minimum(row0 + CHUNK_ROWS, ROWS)
-        dl.wait(ctx, ready + src * n_chunks + chunk, e, "ge", src)
+        dl.wait(ctx, ready + src * n_chunks + chunk, e, "ge", src, SCOPE)
         _copy_rows(dl.symm_at(ctx, slot, src), out_ptr + src * ROWS * COLS, out_ptr, row0,
                    row_end, COLS, CHUNK_ROWS, BLOCK_C, False)
         if FLAGS_OFF >= 0:
             flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
-            # Local flag: release orders the copy's stores before it.
-            dl.notify(ctx, flags + src * n_chunks + chunk, me, e)
+            # Local flag, read on this GPU only: release at GPU scope.
+            dl.notify(ctx, flags + src * n_chunks + chunk, me, e, "set", "gpu")

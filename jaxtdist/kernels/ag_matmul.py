@@ -24,7 +24,7 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
                      READY_OFF: tl.constexpr, FLAGS_OFF: tl.constexpr,
                      NUM_COMM: tl.constexpr, COPY_BLOCK_C: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr):
+                     GROUP_M: tl.constexpr, SCOPE: tl.constexpr):
     """Grid: (NUM_COMM + world * cdiv(M_SHARD, BLOCK_M) * cdiv(N, BLOCK_N),).
 
     x: [M_SHARD, K], w: [K, N] -> out: [world * M_SHARD, N],
@@ -33,7 +33,7 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
     pid = tl.program_id(0)
     if pid < NUM_COMM:
         pull_shards(ctx, x_ptr, gathered_ptr, pid, NUM_COMM, M_SHARD, K, STAGE_OFF,
-                    SLOT_BYTES, READY_OFF, FLAGS_OFF, BLOCK_M, COPY_BLOCK_C)
+                    SLOT_BYTES, READY_OFF, FLAGS_OFF, BLOCK_M, COPY_BLOCK_C, SCOPE)
     else:
         me = dl.rank(ctx)
         world = dl.num_ranks(ctx)
@@ -42,7 +42,7 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
         n_tiles = tl.cdiv(N, BLOCK_N)
         src, tm, tn = rank_major_tile(pid - NUM_COMM, me, world, m_tiles, n_tiles, GROUP_M)
         flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
-        dl.wait(ctx, flags + src * m_tiles + tm, e, "ge", src)
+        dl.wait(ctx, flags + src * m_tiles + tm, e, "ge", src, "gpu")
         # One source for A (local rows included) keeps its loads vectorized.
         a_base = gathered_ptr + src * M_SHARD * K
         rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)

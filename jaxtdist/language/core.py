@@ -130,19 +130,21 @@ def get(ctx, dst, src, n, peer, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def notify(ctx, signal, peer, value, OP: tl.constexpr = tl.constexpr("set")):
+def notify(ctx, signal, peer, value, OP: tl.constexpr = tl.constexpr("set"),
+           SCOPE: tl.constexpr = tl.constexpr("sys")):
     """Sets (``OP="set"``) or adds to (``OP="add"``) ``peer``'s copy of ``signal``.
 
-    Release semantics at system scope: every store this program made before
+    Release semantics at ``SCOPE`` ("sys" by default; "gpu" suffices for a
+    signal that only this GPU reads): every store this program made before
     the notify is visible to whoever acquires the signal.
     """
     remote = symm_at(ctx, signal, peer)
     # Every thread's earlier stores happen before the one thread's release.
     tl.debug_barrier()
     if OP == "add":
-        tl.atomic_add(remote, value, sem="release", scope="sys")
+        tl.atomic_add(remote, value, sem="release", scope=SCOPE)
     else:
-        tl.atomic_xchg(remote, value, sem="release", scope="sys")
+        tl.atomic_xchg(remote, value, sem="release", scope=SCOPE)
 
 
 @triton.jit
@@ -180,7 +182,8 @@ def _cmp_code(CMP: tl.constexpr):
 
 
 @triton.jit
-def wait(ctx, signal, value, CMP: tl.constexpr = tl.constexpr("ge"), peer=-1):
+def wait(ctx, signal, value, CMP: tl.constexpr = tl.constexpr("ge"), peer=-1,
+         SCOPE: tl.constexpr = tl.constexpr("sys")):
     """Spins until ``*signal CMP value`` holds, with acquire semantics.
 
     ``signal`` is a pointer (usually into this rank's heap; pass a
@@ -195,16 +198,20 @@ def wait(ctx, signal, value, CMP: tl.constexpr = tl.constexpr("ge"), peer=-1):
     """
     words = _words(ctx)
     limit = tl.load(words + _CTX_SPIN_LIMIT)
-    err = tl.load(words + _CTX_ERR_ADDR).to(tl.pointer_type(tl.int64))
-    failed = tl.load(err, volatile=True) != 0
-    seen = tl.atomic_add(signal, 0, sem="acquire", scope="sys")
+    # "Some wait timed out" lives in device memory (the heap's scratch word):
+    # the error record itself is host memory on GPUs, far too slow to poll.
+    failed_flag = tl.load(words + _CTX_SCRATCH_ADDR).to(tl.pointer_type(tl.int32))
+    failed = tl.load(failed_flag, volatile=True) != 0
+    seen = tl.atomic_add(signal, 0, sem="acquire", scope=SCOPE)
     spins = 0
     done = _satisfied(seen, value, CMP) | failed
     while not done:
-        seen = tl.atomic_add(signal, 0, sem="acquire", scope="sys")
+        seen = tl.atomic_add(signal, 0, sem="acquire", scope=SCOPE)
         spins += 1
         done = _satisfied(seen, value, CMP) | (spins >= limit)
     if not (_satisfied(seen, value, CMP) | failed):
+        err = tl.load(words + _CTX_ERR_ADDR).to(tl.pointer_type(tl.int64))
+        tl.atomic_xchg(failed_flag, 1, sem="relaxed", scope="gpu")
         me = rank(ctx)
         src = tl.where(peer >= 0, peer, me)
         offset = signal.to(tl.int64, bitcast=True) - heap_base(ctx, src)

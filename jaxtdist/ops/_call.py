@@ -128,6 +128,25 @@ def _cpu_launch(rt: Runtime, kernel, args, outs, grid, constexprs):
     return list(io_callback(host, tuple(outs), *arrays, ordered=False))
 
 
+def mark_varying(value: jax.Array, axes: Sequence[str]) -> jax.Array:
+    """Types a kernel output as varying over the manual ``axes`` (it differs per device).
+
+    Custom calls carry no varying-manual-axes type; without this, shard_map's
+    type checks and autodiff would treat per-device results as replicated.
+    """
+    aval = jax.typeof(value)
+    if hasattr(aval, "manual_axis_type"):  # jax 0.10
+        have = aval.manual_axis_type.varying
+    elif hasattr(aval, "vma"):  # jax 0.7 - 0.9, 0.11
+        have = aval.vma
+    else:  # jax without varying-axes types
+        return value
+    missing = tuple(a for a in axes if a not in have)
+    if not missing:
+        return value
+    return jax.lax.pcast(value, missing, to="varying")
+
+
 def launch(kernel, ctx: jax.Array, *args: Any, out_shape, grid: int | Sequence[int],
            num_warps: int = 4, num_stages: int = 3, **constexprs):
     """Runs ``kernel[grid](ctx, *args, *outputs, **constexprs)`` on the runtime's backend."""
@@ -139,4 +158,5 @@ def launch(kernel, ctx: jax.Array, *args: Any, out_shape, grid: int | Sequence[i
         result = list(result) if isinstance(result, (list, tuple)) else [result]
     else:
         result = _cpu_launch(rt, kernel, full_args, outs, grid, constexprs)
+    result = [mark_varying(r, rt.mesh.axis_names) for r in result]
     return result if many else result[0]

@@ -19,12 +19,13 @@ def default_config(platform: str, m_shard: int, n: int, k: int, dtype=jnp.bfloat
         block_m = min(128, max(16, next_pow2(m_shard)))
         if jnp.dtype(dtype).itemsize == 4:  # keep 3 stages within shared memory
             return dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, NUM_COMM=32,
-                        COPY_BLOCK_C=64, num_warps=8, num_stages=3)
+                        COPY_BLOCK_C=64, SCOPE="sys", num_warps=8, num_stages=3)
         return dict(BLOCK_M=block_m, BLOCK_N=256 if block_m == 128 else 128, BLOCK_K=64,
-                    GROUP_M=8, NUM_COMM=32, COPY_BLOCK_C=128, num_warps=8, num_stages=3)
+                    GROUP_M=8, NUM_COMM=32, COPY_BLOCK_C=128, SCOPE="sys", num_warps=8,
+                    num_stages=3)
     block_m = min(32, max(16, next_pow2(m_shard)))
     return dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, NUM_COMM=2,
-                COPY_BLOCK_C=min(64, next_pow2(k)), num_warps=4, num_stages=1)
+                COPY_BLOCK_C=min(64, next_pow2(k)), SCOPE="sys", num_warps=4, num_stages=1)
 
 
 def _check(x, w, axis_name):
@@ -78,16 +79,16 @@ def _ag_matmul(x, w, axis_name):
 
 def _fwd(x, w, axis_name):
     out, gathered = ag_matmul_with_gathered(x, w, axis_name)
-    return out, (gathered, w)
+    return out, (gathered, x, w)
 
 
 def _bwd(axis_name, residuals, dy):
-    gathered, w = residuals
+    gathered, x, w = residuals
     # dx: the rows of dy @ w^T that belong to this rank, summed over ranks.
     dx_full = jnp.dot(dy, w.T, preferred_element_type=jnp.float32)
     dx = jax.lax.psum_scatter(dx_full, axis_name, scatter_dimension=0, tiled=True)
     dw = jnp.dot(gathered.T, dy, preferred_element_type=jnp.float32)
-    return dx.astype(gathered.dtype), dw.astype(w.dtype)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
 _ag_matmul.defvjp(_fwd, _bwd)

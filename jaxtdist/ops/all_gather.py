@@ -21,10 +21,12 @@ def _config(platform: str, rows: int, cols: int) -> dict:
     block_c = min(next_pow2(cols), 256 if platform == "gpu" else 64)
     chunk_rows = max(1, min(64, next_pow2(rows), (16384 if platform == "gpu" else 2048) // block_c))
     workers = 128 if platform == "gpu" else 2
-    return dict(NUM_WORKERS=workers, CHUNK_ROWS=chunk_rows, BLOCK_C=block_c)
+    return dict(NUM_WORKERS=workers, CHUNK_ROWS=chunk_rows, BLOCK_C=block_c, SCOPE="sys",
+                num_warps=4)
 
 
-def all_gather(x: jax.Array, axis_name, *, axis: int = 0, tiled: bool = True) -> jax.Array:
+def all_gather(x: jax.Array, axis_name, *, axis: int = 0, tiled: bool = True,
+               config: dict | None = None) -> jax.Array:
     """Gathers ``x`` from every rank of ``axis_name``, like ``jax.lax.all_gather``.
 
     Call inside ``jax.shard_map`` over the mesh given to ``jaxtdist.initialize``.
@@ -34,6 +36,7 @@ def all_gather(x: jax.Array, axis_name, *, axis: int = 0, tiled: bool = True) ->
       axis_name: mesh axis (or tuple of axes) to gather over.
       axis: dimension along which shards are concatenated (``tiled``) or stacked.
       tiled: concatenate along ``axis`` (True) or stack a new ``axis`` (False).
+      config: overrides of the kernel configuration (advanced; see ``_config``).
 
     Returns:
       The gathered array, in rank order.
@@ -59,12 +62,14 @@ def all_gather(x: jax.Array, axis_name, *, axis: int = 0, tiled: bool = True) ->
     cols = math.prod(moved.shape[1:])
     flat = moved.reshape(rows, cols)
     cfg = _config(rt.platform, rows, cols)
+    cfg.update(config or {})
+    num_warps = cfg.pop("num_warps")
     plan = GatherWorkspace(world, rows, cols, x.dtype, cfg["CHUNK_ROWS"])
     ws = rt.workspace(("all_gather", layout.axes, rows, cols, x.dtype.name), plan.nbytes)
     ctx = _call.prologue(rt, layout, ws, "all_gather")
     out = _call.launch(all_gather_kernel, ctx, flat,
                        out_shape=jax.ShapeDtypeStruct((world * rows, cols), x.dtype),
-                       grid=(cfg["NUM_WORKERS"],), num_warps=4, num_stages=1,
+                       grid=(cfg["NUM_WORKERS"],), num_warps=num_warps, num_stages=1,
                        ROWS=rows, COLS=cols, STAGE_OFF=ws.offset + plan.stage,
                        SLOT_BYTES=plan.slot_bytes, READY_OFF=ws.offset + plan.ready, **cfg)
     out = out.reshape((world, rows) + moved.shape[1:])

@@ -7,6 +7,7 @@ symmetric workspaces, and registers everything with the native FFI state.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import math
 import threading
@@ -230,6 +231,10 @@ def shutdown() -> None:
         if _RUNTIME is not None:
             _RUNTIME.close()
             _RUNTIME = None
+
+
+# Workers and shared memory must not outlive the process.
+atexit.register(shutdown)
 
 
 def runtime() -> Runtime:
