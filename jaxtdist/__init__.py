@@ -24,13 +24,14 @@ if _os.environ.get("_JAXTDIST_INTERPRETER_WORKER") != "1":
         NotInitializedError,
         WaitTimeoutError,
     )
+    from jaxtdist import runtime  # the subpackage; runtime.runtime() is the object
     from jaxtdist.ops import ag_matmul, all_gather, triton_call
-    from jaxtdist.runtime import initialize, is_initialized, runtime, shutdown
+    from jaxtdist.runtime import initialize, is_initialized, shutdown
 
     def check_errors() -> None:
         """Raises ``WaitTimeoutError`` if a kernel's wait timed out (GPU kernels record
         timeouts without stopping the host; the next jaxtdist op raises too)."""
-        runtime().check_errors()
+        runtime.runtime().check_errors()
 
 __all__ = [
     "HeapExhaustedError",
