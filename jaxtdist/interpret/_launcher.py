@@ -67,7 +67,32 @@ def _install_scalar_index_fix() -> None:
     _interpreter._patch_lang_tensor = patched
 
 
+def _install_bf16_dot_fix() -> None:
+    """Makes ``tl.dot`` on bfloat16 operands compute in float32 under the interpreter.
+
+    Triton 3.6's interpreter stores bfloat16 as uint16 bit patterns and hands
+    them to ``np.matmul`` as integers.
+    """
+    builder_cls = _interpreter.InterpreterBuilder
+    original = builder_cls.create_dot
+    if getattr(original, "_jaxtdist_fixed", False):
+        return
+
+    def widen(handle):
+        if handle.dtype.scalar == _interpreter.tl.bfloat16:
+            data = (handle.data.astype(np.uint32) << 16).view(np.float32)
+            return _interpreter.TensorHandle(data, _interpreter.tl.float32)
+        return handle
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    create_dot._jaxtdist_fixed = True
+    builder_cls.create_dot = create_dot
+
+
 _install_scalar_index_fix()
+_install_bf16_dot_fix()
 
 
 class _InPlaceGridExecutor(GridExecutor):

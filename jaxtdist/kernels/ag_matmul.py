@@ -24,8 +24,9 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
                      READY_OFF: tl.constexpr, FLAGS_OFF: tl.constexpr,
                      NUM_COMM: tl.constexpr, COPY_BLOCK_C: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, SCOPE: tl.constexpr):
-    """Grid: (NUM_COMM + world * cdiv(M_SHARD, BLOCK_M) * cdiv(N, BLOCK_N),).
+                     GROUP_M: tl.constexpr, SCOPE: tl.constexpr, ALL_ROWS: tl.constexpr):
+    """Grid: (NUM_COMM + world * cdiv(M_SHARD, BLOCK_M) * cdiv(N, BLOCK_N),), or with
+    ``ALL_ROWS`` (BLOCK_M >= world * M_SHARD): (NUM_COMM + cdiv(N, BLOCK_N),).
 
     x: [M_SHARD, K], w: [K, N] -> out: [world * M_SHARD, N],
     gathered: [world * M_SHARD, K] (the gathered x, kept for autodiff).
@@ -40,15 +41,26 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
         e = dl.epoch(ctx)
         m_tiles = tl.cdiv(M_SHARD, BLOCK_M)
         n_tiles = tl.cdiv(N, BLOCK_N)
-        src, tm, tn = rank_major_tile(pid - NUM_COMM, me, world, m_tiles, n_tiles, GROUP_M)
         flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
-        dl.wait(ctx, flags + src * m_tiles + tm, e, "ge", src, "gpu")
-        # One source for A (local rows included) keeps its loads vectorized.
-        a_base = gathered_ptr + src * M_SHARD * K
-        rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+        if ALL_ROWS:
+            # Small M: one tile spans every rank's rows, so w is read once.
+            tn = pid - NUM_COMM
+            for src in range(0, world):
+                dl.wait(ctx, flags + src * m_tiles, e, "ge", src, "gpu")
+            rows = tl.arange(0, BLOCK_M)
+            row_mask = rows < world * M_SHARD
+            a_base = gathered_ptr
+            out_rows = rows
+        else:
+            src, tm, tn = rank_major_tile(pid - NUM_COMM, me, world, m_tiles, n_tiles, GROUP_M)
+            dl.wait(ctx, flags + src * m_tiles + tm, e, "ge", src, "gpu")
+            # One source for A (local rows included) keeps its loads vectorized.
+            a_base = gathered_ptr + src * M_SHARD * K
+            rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_mask = rows < M_SHARD
+            out_rows = src * M_SHARD + rows
         cols = tl.max_contiguous(tl.multiple_of(tn * BLOCK_N + tl.arange(0, BLOCK_N), BLOCK_N),
                                  BLOCK_N)
-        row_mask = rows < M_SHARD
         col_mask = cols < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -59,7 +71,6 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
             b = tl.load(w_ptr + ks[:, None] * N + cols[None, :],
                         mask=k_mask[:, None] & col_mask[None, :], other=0.0)
             acc = tl.dot(a, b, acc)
-        out_rows = src * M_SHARD + rows
         tl.store(out_ptr + out_rows[:, None] * N + cols[None, :],
                  acc.to(out_ptr.dtype.element_ty),
                  mask=row_mask[:, None] & col_mask[None, :])

@@ -13,19 +13,32 @@ from jaxtdist.ops._shapes import GatherWorkspace, check_dtype, next_pow2
 from jaxtdist.runtime._runtime import runtime
 
 
-def default_config(platform: str, m_shard: int, n: int, k: int, dtype=jnp.bfloat16) -> dict:
-    """Block sizes and producer count for one (shape, platform)."""
+def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
+                   dtype=jnp.bfloat16) -> dict:
+    """Block sizes and producer count for one (shape, dtype, world size, platform)."""
+    small = world * m_shard <= (128 if platform == "gpu" else 32)
     if platform == "gpu":
+        if small:  # decode: one M tile over all ranks' rows, many narrow N tiles
+            return dict(BLOCK_M=max(16, next_pow2(world * m_shard)), BLOCK_N=32,
+                        BLOCK_K=256 if jnp.dtype(dtype).itemsize == 2 else 64, GROUP_M=1,
+                        NUM_COMM=4, COPY_BLOCK_C=256, SCOPE="sys", ALL_ROWS=True,
+                        num_warps=4, num_stages=4)
         block_m = min(128, max(16, next_pow2(m_shard)))
         if jnp.dtype(dtype).itemsize == 4:  # keep 3 stages within shared memory
             return dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, NUM_COMM=32,
-                        COPY_BLOCK_C=64, SCOPE="sys", num_warps=8, num_stages=3)
+                        COPY_BLOCK_C=64, SCOPE="sys", ALL_ROWS=False, num_warps=8,
+                        num_stages=3)
         return dict(BLOCK_M=block_m, BLOCK_N=256 if block_m == 128 else 128, BLOCK_K=64,
-                    GROUP_M=8, NUM_COMM=32, COPY_BLOCK_C=128, SCOPE="sys", num_warps=8,
-                    num_stages=3)
+                    GROUP_M=8, NUM_COMM=32, COPY_BLOCK_C=128, SCOPE="sys", ALL_ROWS=False,
+                    num_warps=8, num_stages=3)
+    if small:
+        return dict(BLOCK_M=max(16, next_pow2(world * m_shard)), BLOCK_N=32, BLOCK_K=32,
+                    GROUP_M=1, NUM_COMM=2, COPY_BLOCK_C=min(64, next_pow2(k)), SCOPE="sys",
+                    ALL_ROWS=True, num_warps=4, num_stages=1)
     block_m = min(32, max(16, next_pow2(m_shard)))
     return dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, NUM_COMM=2,
-                COPY_BLOCK_C=min(64, next_pow2(k)), SCOPE="sys", num_warps=4, num_stages=1)
+                COPY_BLOCK_C=min(64, next_pow2(k)), SCOPE="sys", ALL_ROWS=False, num_warps=4,
+                num_stages=1)
 
 
 def _check(x, w, axis_name):
@@ -50,17 +63,21 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
     _check(x, w, axis_name)
     m_shard, k = x.shape
     n = w.shape[1]
-    cfg = dict(default_config(rt.platform, m_shard, n, k, x.dtype))
+    world = layout.world
+    cfg = dict(default_config(rt.platform, world, m_shard, n, k, x.dtype))
     cfg.update(config or {})
     num_warps = cfg.pop("num_warps")
     num_stages = cfg.pop("num_stages")
-    world = layout.world
+    if cfg["ALL_ROWS"] and cfg["BLOCK_M"] < world * m_shard:
+        raise ValueError(f"jaxtdist.ag_matmul: ALL_ROWS needs BLOCK_M >= world * m_shard "
+                         f"= {world * m_shard}, got BLOCK_M={cfg['BLOCK_M']}")
     plan = GatherWorkspace(world, m_shard, k, x.dtype, cfg["BLOCK_M"])
     ws = rt.workspace(("ag_matmul", layout.axes, m_shard, k, x.dtype.name, cfg["BLOCK_M"]),
                       plan.nbytes)
     ctx = _call.prologue(rt, layout, ws, "ag_matmul")
     n_tiles = -(-n // cfg["BLOCK_N"])
-    grid = (cfg["NUM_COMM"] + world * plan.n_chunks * n_tiles,)
+    m_tiles = 1 if cfg["ALL_ROWS"] else world * plan.n_chunks
+    grid = (cfg["NUM_COMM"] + m_tiles * n_tiles,)
     out, gathered = _call.launch(
         ag_matmul_kernel, ctx, x, w,
         out_shape=(jax.ShapeDtypeStruct((world * m_shard, n), x.dtype),

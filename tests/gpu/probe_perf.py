@@ -39,7 +39,8 @@ def probe_ag_matmul(world, cfg, m=1024, n=4096, k=4096):
     f = jax.jit(jax.shard_map(lambda x, w: ag_matmul_with_gathered(x, w, "tp", config=cfg)[0],
                               mesh=mesh, in_specs=(P("tp", None), P(None, "tp")),
                               out_specs=P(None, "tp"), check_vma=False))
-    x = (jax.random.normal(jax.random.key(1), (world * m, k), jnp.float32) / 64).astype(jnp.bfloat16)
+    x = (jax.random.normal(jax.random.key(1), (world * m, k), jnp.float32)
+         / np.sqrt(k)).astype(jnp.bfloat16)
     w = jax.random.normal(jax.random.key(2), (k, world * n), jnp.bfloat16)
     xs = jax.device_put(x, NamedSharding(mesh, P("tp", None)))
     ws = jax.device_put(w, NamedSharding(mesh, P(None, "tp")))
@@ -49,17 +50,29 @@ def probe_ag_matmul(world, cfg, m=1024, n=4096, k=4096):
     ours = [t * 1e3 for name, t in last if "ag_matmul" in name]
     ref = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
     err = np.linalg.norm(np.asarray(out, np.float32) - ref) / np.linalg.norm(ref)
-    print(f"ag_matmul w={world} {cfg}: per-device kernel us {[round(v, 1) for v in ours]} "
-          f"all={[(nm[:30], round(t * 1e3, 1)) for nm, t in last if 'ag_matmul' not in nm][:6]} "
-          f"err={err:.1e}", flush=True)
+    print(f"ag_matmul w={world} m={m} {cfg}: per-device kernel us "
+          f"{[round(v, 1) for v in ours]} err={err:.1e}", flush=True)
+
+
+def probe_gemm_configs():
+    big = [dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
+           dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4),
+           dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
+           dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, NUM_COMM=16),
+           dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, GROUP_M=16)]
+    for cfg in big:
+        probe_ag_matmul(4, cfg)
+    probe_ag_matmul(1, big[0])
+    for m in (1, 16, 128):
+        for cfg in ({}, dict(BLOCK_N=64, BLOCK_K=128), dict(BLOCK_N=16, BLOCK_K=256),
+                    dict(BLOCK_N=32, BLOCK_K=128, num_stages=6)):
+            if m == 128 and cfg:
+                cfg = dict(cfg, BLOCK_M=512, ALL_ROWS=True)
+            try:
+                probe_ag_matmul(4, cfg, m=m, n=4096, k=8192)
+            except Exception as e:  # noqa: BLE001
+                print(f"ag_matmul m={m} {cfg}: {type(e).__name__} {str(e)[:120]}", flush=True)
 
 
 if __name__ == "__main__":
-    for world in (1, 2, 4):
-        probe_all_gather(world, {})
-    for cfg in ({"SCOPE": "gpu"}, {"NUM_WORKERS": 32}, {"num_warps": 8}, {"CHUNK_ROWS": 16}):
-        probe_all_gather(4, cfg)
-    for world in (1, 4):
-        probe_ag_matmul(world, {})
-    for cfg in ({"NUM_COMM": 8}, {"NUM_COMM": 64}, {"SCOPE": "gpu"}, {"num_stages": 4, "NUM_COMM": 16}):
-        probe_ag_matmul(4, cfg)
+    probe_gemm_configs()
