@@ -213,8 +213,13 @@ def wait(ctx, signal, value, CMP: tl.constexpr = tl.constexpr("ge"), peer=-1,
         err = tl.load(words + _CTX_ERR_ADDR).to(tl.pointer_type(tl.int64))
         tl.atomic_xchg(failed_flag, 1, sem="relaxed", scope="gpu")
         me = rank(ctx)
-        src = tl.where(peer >= 0, peer, me)
-        offset = signal.to(tl.int64, bitcast=True) - heap_base(ctx, src)
+        # The signal usually sits in this rank's heap; a symm_at pointer sits
+        # in the notifying peer's. Report the offset within whichever holds it.
+        address = signal.to(tl.int64, bitcast=True)
+        offset = address - heap_base(ctx, me)
+        if peer >= 0:
+            in_peer = address - heap_base(ctx, peer)
+            offset = tl.where((offset < 0) | (offset >= (1 << 40)), in_peer, offset)
         tl.store(err + _ERR_RANK, me.to(tl.int64))
         tl.store(err + _ERR_PEER, tl.cast(peer, tl.int64))
         tl.store(err + _ERR_SIGNAL_OFFSET, offset)
