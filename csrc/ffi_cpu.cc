@@ -15,7 +15,11 @@ namespace {
 ffi::Error PrologueCpu(ffi::Buffer<ffi::S32> position, ffi::RemainingArgs stage,
                        ffi::ResultBuffer<ffi::S32> ctx_out,
                        std::int64_t template_offset, std::int64_t counter_id,
-                       std::int64_t stage_offset, std::int64_t parity_bytes) {
+                       std::int64_t stage_offset, std::int64_t parity_bytes,
+                       std::int64_t generation) {
+  if (std::string stale = CheckGeneration(generation); !stale.empty()) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition, stale);
+  }
   const int pos = position.typed_data()[0];
   auto heap = RuntimeState::Get().Heap(pos);
   if (!heap) {
@@ -63,6 +67,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtdistPrologueCpu, PrologueCpu,
                                   .Attr<std::int64_t>("template_offset")
                                   .Attr<std::int64_t>("counter_id")
                                   .Attr<std::int64_t>("stage_offset")
-                                  .Attr<std::int64_t>("parity_bytes"));
+                                  .Attr<std::int64_t>("parity_bytes")
+                                  .Attr<std::int64_t>("generation"));
 
 }  // namespace jaxtdist

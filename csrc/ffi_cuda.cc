@@ -40,7 +40,11 @@ ffi::Error PrologueCuda(cudaStream_t stream, std::int32_t device_ordinal,
                         ffi::Buffer<ffi::S32> position, ffi::RemainingArgs stage,
                         ffi::ResultBuffer<ffi::S32> ctx_out,
                         std::int64_t template_offset, std::int64_t counter_id,
-                        std::int64_t stage_offset, std::int64_t parity_bytes) {
+                        std::int64_t stage_offset, std::int64_t parity_bytes,
+                       std::int64_t generation) {
+  if (std::string stale = CheckGeneration(generation); !stale.empty()) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition, stale);
+  }
   (void)position;  // device data: the ordinal says which heap is ours.
   auto pos = RuntimeState::Get().PositionOfDevice(device_ordinal);
   if (!pos) {
@@ -107,6 +111,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtdistPrologueCuda, PrologueCuda,
                                   .Attr<std::int64_t>("template_offset")
                                   .Attr<std::int64_t>("counter_id")
                                   .Attr<std::int64_t>("stage_offset")
-                                  .Attr<std::int64_t>("parity_bytes"));
+                                  .Attr<std::int64_t>("parity_bytes")
+                                  .Attr<std::int64_t>("generation"));
 
 }  // namespace jaxtdist

@@ -52,7 +52,9 @@ PYBIND11_MODULE(_jaxtdist_ffi, m) {
     auto slot = jaxtdist::RuntimeState::Get().Heap(position);
     return slot ? jaxtdist::RecordedTimeout(*slot, position) : "";
   });
-  m.def("reset", [] { jaxtdist::RuntimeState::Get().Reset(); });
+  m.def("reset", [](std::int64_t generation) {
+    jaxtdist::RuntimeState::Get().Reset(generation);
+  });
   m.def("peek_epoch", [](std::int64_t counter, int position) {
     return jaxtdist::RuntimeState::Get().PeekEpoch(counter, position);
   });

@@ -16,10 +16,27 @@ void RuntimeState::RegisterHeap(int position, int device_ordinal,
   heaps_[position] = HeapSlot{device_ordinal, base, bytes, error_record};
 }
 
-void RuntimeState::Reset() {
+void RuntimeState::Reset(std::int64_t generation) {
   std::lock_guard<std::mutex> lock(mu_);
   heaps_.clear();
   epochs_.clear();
+  generation_ = generation;
+}
+
+std::int64_t RuntimeState::generation() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return generation_;
+}
+
+std::string CheckGeneration(std::int64_t generation) {
+  const std::int64_t current = RuntimeState::Get().generation();
+  if (generation == current) return "";
+  std::ostringstream msg;
+  msg << "jaxtdist: this program was compiled for jaxtdist runtime #" << generation
+      << " but runtime #" << current << " is active (jaxtdist.initialize or shutdown "
+      << "ran since): its heap offsets and signals are stale. Trace it again: "
+      << "jax.clear_caches(), or re-create the jitted function.";
+  return msg.str();
 }
 
 std::optional<HeapSlot> RuntimeState::Heap(int position) const {

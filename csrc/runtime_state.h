@@ -33,7 +33,9 @@ class RuntimeState {
 
   void RegisterHeap(int position, int device_ordinal, std::uintptr_t base,
                     std::int64_t bytes, std::uintptr_t error_record);
-  void Reset();
+  // Forgets every heap and epoch; `generation` names the new runtime.
+  void Reset(std::int64_t generation);
+  std::int64_t generation() const;
   std::optional<HeapSlot> Heap(int position) const;
   std::optional<int> PositionOfDevice(int device_ordinal) const;
   // Increments and returns the epoch of `counter` on `position` (first call: 1).
@@ -44,11 +46,15 @@ class RuntimeState {
   mutable std::mutex mu_;
   std::map<int, HeapSlot> heaps_;
   std::map<std::pair<std::int64_t, int>, std::int64_t> epochs_;
+  std::int64_t generation_ = 0;
 };
 
 // Validates a prologue request; returns an error message or "" when fine.
 // Describes a wait timeout recorded in `slot`'s error record, or "" if none.
 std::string RecordedTimeout(const HeapSlot& slot, int position);
+
+// "" if a program compiled for runtime `generation` may run now.
+std::string CheckGeneration(std::int64_t generation);
 
 std::string CheckStage(const HeapSlot& heap, std::int64_t template_offset,
                        std::int64_t stage_offset, std::int64_t parity_bytes,

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from jaxtdist._errors import WaitTimeoutError
+from jaxtdist._errors import JaxtdistError, WaitTimeoutError
 from jaxtdist.language import _layout as L
 from jaxtdist.runtime import _native
 from jaxtdist.runtime._runtime import Layout, Runtime, Workspace, runtime
@@ -66,10 +66,37 @@ def mesh_position(rt: Runtime, op: str) -> jax.Array:
     return pos.reshape((1,))
 
 
+def _current_trace():
+    try:
+        from jax._src import core
+        return core.trace_ctx.trace
+    except (ImportError, AttributeError):  # pragma: no cover - other jax versions
+        return None
+
+
+def _program_order_deps(rt: Runtime) -> tuple:
+    """The previous jaxtdist output of the trace being built, if any."""
+    last = rt.last_traced_output
+    if last is None:
+        return ()
+    trace, value = last
+    return (value,) if trace is not None and trace is _current_trace() else ()
+
+
 def prologue(rt: Runtime, layout: Layout, ws: Workspace, op: str, stage: jax.Array | None = None,
-             stage_offset: int = 0, parity_bytes: int = 0) -> jax.Array:
-    """Runs the FFI prologue; returns the kernel context (int32[2 * CTX_WORDS])."""
-    args = [mesh_position(rt, op)]
+             stage_offset: int = 0, parity_bytes: int = 0, deps: Sequence = ()) -> jax.Array:
+    """Runs the FFI prologue; returns the kernel context (int32[2 * CTX_WORDS]).
+
+    The prologue advances the epoch, so it must run after ``deps`` (the op's
+    inputs) and after the previous jaxtdist op of the same trace: otherwise
+    XLA may order calls differently on different devices (it does on CPU),
+    and their epochs would disagree.
+    """
+    position = mesh_position(rt, op)
+    deps = tuple(deps) + _program_order_deps(rt)
+    if deps:
+        position, _ = jax.lax.optimization_barrier((position, deps))
+    args = [position]
     if stage is not None:
         args.append(stage)
     call = jax.ffi.ffi_call(_native.PROLOGUE_TARGET,
@@ -77,7 +104,7 @@ def prologue(rt: Runtime, layout: Layout, ws: Workspace, op: str, stage: jax.Arr
                             has_side_effect=True)
     return call(*args, template_offset=np.int64(layout.template_offset),
                 counter_id=np.int64(ws.counter_id), stage_offset=np.int64(stage_offset),
-                parity_bytes=np.int64(parity_bytes))
+                parity_bytes=np.int64(parity_bytes), generation=np.int64(rt.generation))
 
 
 def _out_list(out_shape):
@@ -114,6 +141,9 @@ def _cpu_launch(rt: Runtime, kernel, args, outs, grid, constexprs):
     grid = tuple(grid) if isinstance(grid, (tuple, list)) else (int(grid),)
 
     def host(*values):
+        if runtime() is not rt:
+            raise JaxtdistError("jaxtdist: this program was traced for an earlier jaxtdist "
+                                "runtime (initialize or shutdown ran since); trace it again")
         full = list(args)
         for i, v in zip(array_idx, values):
             full[i] = np.asarray(v)
@@ -159,4 +189,5 @@ def launch(kernel, ctx: jax.Array, *args: Any, out_shape, grid: int | Sequence[i
     else:
         result = _cpu_launch(rt, kernel, full_args, outs, grid, constexprs)
     result = [mark_varying(r, rt.mesh.axis_names) for r in result]
+    rt.last_traced_output = (_current_trace(), result[0])
     return result if many else result[0]

@@ -74,7 +74,7 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
     plan = GatherWorkspace(world, m_shard, k, x.dtype, cfg["BLOCK_M"])
     ws = rt.workspace(("ag_matmul", layout.axes, m_shard, k, x.dtype.name, cfg["BLOCK_M"]),
                       plan.nbytes)
-    ctx = _call.prologue(rt, layout, ws, "ag_matmul")
+    ctx = _call.prologue(rt, layout, ws, "ag_matmul", deps=(x, w))
     n_tiles = -(-n // cfg["BLOCK_N"])
     m_tiles = 1 if cfg["ALL_ROWS"] else world * plan.n_chunks
     grid = (cfg["NUM_COMM"] + m_tiles * n_tiles,)

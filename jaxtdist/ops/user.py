@@ -70,8 +70,9 @@ def triton_call(*args: Any, kernel, out_shape, grid: int | Sequence[int], axis_n
            int(workspace_bytes), None if stage is None else (stage.shape, stage.dtype.name))
     ws = rt.workspace(key, max(total, 1))
     stage_offset = ws.offset + align(max(workspace_bytes, 0))
+    deps = tuple(a for a in args if isinstance(a, jax.Array))
     ctx = _call.prologue(rt, layout, ws, "triton_call", stage=stage, stage_offset=stage_offset,
-                         parity_bytes=slot)
+                         parity_bytes=slot, deps=deps)
     if workspace_bytes > 0:
         constexprs["WORKSPACE"] = ws.offset
     if stage is not None:

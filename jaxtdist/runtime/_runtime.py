@@ -13,6 +13,7 @@ import math
 import threading
 from collections.abc import Sequence
 
+import jax
 import numpy as np
 
 from jaxtdist.language import _layout as L
@@ -81,10 +82,17 @@ class Runtime:
                 "jaxtdist's native library was built without CUDA (no CUDA headers were "
                 "found at build time); reinstall on a machine with the CUDA toolkit")
         self._lock = threading.Lock()
+        global _GENERATION
+        _GENERATION += 1
+        self.generation = _GENERATION
+        # The last jaxtdist output traced, with its trace: the next op traced
+        # in the same trace depends on it, so that every device runs
+        # jaxtdist ops (and advances their epochs) in one program order.
+        self.last_traced_output = None
         self._layouts: dict[tuple[str, ...], Layout] = {}
         self._workspaces: dict[tuple, Workspace] = {}
         self._next_offset = _RESERVED_BYTES
-        self._native.reset()
+        self._native.reset(self.generation)
         if self.platform == "cpu":
             from jaxtdist.runtime._cpu import CpuHeap
             self.heap = CpuHeap(len(devices), self.heap_bytes)
@@ -184,12 +192,13 @@ class Runtime:
                 raise WaitTimeoutError(message.replace("in an earlier call ", ""))
 
     def close(self) -> None:
-        self._native.reset()
+        self._native.reset(0)
         self.heap.close()
 
 
 _RUNTIME: Runtime | None = None
 _RUNTIME_LOCK = threading.Lock()
+_GENERATION = 0  # counts runtimes: programs traced for an older one are refused
 
 
 def initialize(mesh, *, heap_bytes: int | None = None, wait_spins: int | None = None) -> Runtime:
@@ -204,7 +213,9 @@ def initialize(mesh, *, heap_bytes: int | None = None, wait_spins: int | None = 
 
     Returns:
       The runtime. Calling it again with the same mesh returns the existing
-      runtime; with another mesh, it replaces it.
+      runtime; with another mesh (or other settings), it replaces it and
+      clears JAX's compilation caches, since traced programs hold the old
+      heap's offsets (a stale compiled program is refused with an error).
 
     Example:
       >>> mesh = jax.make_mesh((jax.device_count(),), ("tp",))
@@ -220,6 +231,8 @@ def initialize(mesh, *, heap_bytes: int | None = None, wait_spins: int | None = 
                 return _RUNTIME
             _RUNTIME.close()
             _RUNTIME = None
+            # Programs traced for the old runtime hold its offsets: retrace.
+            jax.clear_caches()
         _RUNTIME = Runtime(mesh, heap_bytes, wait_spins)
         return _RUNTIME
 
@@ -231,6 +244,7 @@ def shutdown() -> None:
         if _RUNTIME is not None:
             _RUNTIME.close()
             _RUNTIME = None
+            jax.clear_caches()
 
 
 # Workers and shared memory must not outlive the process.

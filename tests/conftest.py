@@ -1,0 +1,129 @@
+"""Shared setup of the CPU suite: 8 host devices, meshes, random inputs, checks.
+
+The environment must be set before JAX is imported anywhere, hence at the top
+of this file. GPU runs (``JAXTDIST_TEST_GPU=1``, tests/gpu/) keep their
+platform: only the host device count is added there.
+"""
+
+from __future__ import annotations
+
+import os
+
+_FLAG = "--xla_force_host_platform_device_count=8"
+_xla_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _xla_flags:
+    os.environ["XLA_FLAGS"] = (_xla_flags + " " + _FLAG).strip()
+if os.environ.get("JAXTDIST_TEST_GPU") != "1":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import functools  # noqa: E402
+import itertools  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+
+import jaxtdist as td  # noqa: E402
+from jaxtdist.runtime import DEFAULT_HEAP_BYTES, DEFAULT_WAIT_SPINS  # noqa: E402
+
+# Relative-error tolerances against a float64 reference. The interpreter's
+# dot is numpy's, so float32 is exact to rounding.
+TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.float16): 5e-3,
+       jnp.dtype(jnp.bfloat16): 2e-2}
+
+_seeds = itertools.count(1000)
+
+
+def cpu_only():
+    return pytest.mark.skipif(jax.devices()[0].platform != "cpu",
+                              reason="CPU suite (set JAXTDIST_TEST_GPU!=1)")
+
+
+def has_timeout_plugin() -> bool:
+    try:
+        import pytest_timeout  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def timeout(seconds: int):
+    """``pytest.mark.timeout`` when pytest-timeout is installed, else a no-op mark."""
+    if has_timeout_plugin():
+        return pytest.mark.timeout(seconds)
+    return lambda f: f
+
+
+@functools.lru_cache(maxsize=None)
+def mesh_of(shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
+    """A mesh over the first prod(shape) devices (cached: one object per shape)."""
+    n = int(np.prod(shape))
+    if len(jax.devices()) < n:
+        pytest.skip(f"needs {n} devices, have {len(jax.devices())}")
+    return Mesh(np.array(jax.devices()[:n]).reshape(shape), names)
+
+
+def setup(shape, names=("tp",), **kwargs) -> Mesh:
+    """Returns the mesh and makes sure the runtime runs on it with default settings.
+
+    Explicit defaults make a runtime left with other settings (a tiny heap, a
+    short wait limit) be replaced; a same-settings call is free.
+    """
+    if isinstance(shape, int):
+        shape = (shape,)
+    mesh = mesh_of(tuple(shape), tuple(names))
+    kwargs.setdefault("heap_bytes", DEFAULT_HEAP_BYTES["cpu"])
+    kwargs.setdefault("wait_spins", DEFAULT_WAIT_SPINS["cpu"])
+    td.initialize(mesh, **kwargs)
+    return mesh
+
+
+def rand(shape, dtype=jnp.float32, scale=1.0) -> np.ndarray:
+    """Fresh standard-normal data (new seed on every call), rounded to ``dtype``,
+    returned as a float32/64-exact numpy array in ``dtype``."""
+    rng = np.random.default_rng(next(_seeds))
+    x = rng.standard_normal(shape).astype(np.float32) * scale
+    return np.asarray(jnp.asarray(x).astype(dtype))
+
+
+def place(mesh, x, spec):
+    return jax.device_put(jnp.asarray(x), NamedSharding(mesh, spec))
+
+
+def rel_err(out, ref) -> float:
+    out = np.asarray(out, np.float64)
+    ref = np.asarray(ref, np.float64)
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert np.all(np.isfinite(out)), (
+        f"{np.sum(~np.isfinite(out))} non-finite output elements (unwritten or corrupted)")
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def assert_close(out, ref, dtype, factor=1.0):
+    err = rel_err(out, ref)
+    tol = TOL[jnp.dtype(dtype)] * factor
+    assert err < tol, f"relative error {err:.3g} >= {tol:.3g} ({jnp.dtype(dtype).name})"
+
+
+def f64(x) -> np.ndarray:
+    return np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_runtime_after_errors():
+    """A test that left a timed-out (poisoned) runtime behind must not fail later ones."""
+    yield
+    if td.is_initialized():
+        try:
+            td.check_errors()
+        except td.WaitTimeoutError:
+            td.shutdown()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shutdown_at_end():
+    yield
+    if td.is_initialized():
+        td.shutdown()

@@ -1,0 +1,82 @@
+"""Triton kernels used by the tests through ``jaxtdist.triton_call``.
+
+No JAX here: the CPU backend's interpreter workers import this module.
+"""
+
+import triton
+import triton.language as tl
+
+import jaxtdist.language as dl
+
+
+@triton.jit
+def ring_kernel(ctx, x_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr,
+                WORKSPACE: tl.constexpr):
+    """out on rank r = x of rank r - 1 (a ring shift by one).
+
+    Workspace: int32 signal at WORKSPACE (data of epoch e arrived), int32 ack
+    at WORKSPACE + 4 (the next rank has read the data of epoch e), then two
+    float32 buffers of N elements at WORKSPACE + 256 (parity e % 2).
+    """
+    me = dl.rank(ctx)
+    world = dl.num_ranks(ctx)
+    e = dl.epoch(ctx)
+    nxt = (me + 1) % world
+    prv = (me + world - 1) % world
+    signal = dl.heap_ptr(ctx, WORKSPACE, tl.int32)
+    ack = dl.heap_ptr(ctx, WORKSPACE + 4, tl.int32)
+    buf = dl.heap_ptr(ctx, WORKSPACE + 256 + (e % 2) * (N * 4), tl.float32)
+    # The next rank must be done with the data of epoch e - 2 (same parity).
+    dl.wait(ctx, ack, e - 2, "ge", nxt)
+    # The first half through store_peer (tiles), the rest through put.
+    half: tl.constexpr = N // 2
+    for start in range(0, half, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < half
+        dl.store_peer(ctx, buf + offs, tl.load(x_ptr + offs, mask=mask), nxt, mask=mask)
+    dl.put(ctx, buf + half, x_ptr + half, N - half, nxt, BLOCK)
+    dl.notify(ctx, signal, nxt, e)
+    dl.wait(ctx, signal, e, "ge", prv)
+    for start in range(0, N, BLOCK):
+        o = start + tl.arange(0, BLOCK)
+        m = o < N
+        tl.store(out_ptr + o, tl.load(buf + o, mask=m), mask=m)
+    dl.notify(ctx, ack, prv, e)
+
+
+@triton.jit
+def withheld_kernel(ctx, out_ptr, WORKSPACE: tl.constexpr):
+    """Waits for a notify nobody sends; must time out."""
+    e = dl.epoch(ctx)
+    signal = dl.heap_ptr(ctx, WORKSPACE, tl.int32)
+    seen = dl.wait(ctx, signal, e + 1000, "ge", (dl.rank(ctx) + 1) % dl.num_ranks(ctx))
+    tl.store(out_ptr, seen)
+
+
+@triton.jit
+def staged_prev_kernel(ctx, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr,
+                       WORKSPACE: tl.constexpr, STAGE: tl.constexpr,
+                       STAGE_BYTES: tl.constexpr):
+    """out on rank r = the ``stage`` array of rank r - 1, read from its heap.
+
+    ``barrier_all`` over the int32 words at WORKSPACE makes sure every rank
+    has staged this epoch's copy (the prologue stages it before the kernel).
+    """
+    me = dl.rank(ctx)
+    world = dl.num_ranks(ctx)
+    e = dl.epoch(ctx)
+    prv = (me + world - 1) % world
+    dl.barrier_all(ctx, dl.heap_ptr(ctx, WORKSPACE, tl.int32))
+    staged = dl.heap_ptr(ctx, STAGE + (e % 2) * STAGE_BYTES, tl.float32)
+    for start in range(0, N, BLOCK):
+        o = start + tl.arange(0, BLOCK)
+        m = o < N
+        tl.store(out_ptr + o, dl.load_peer(ctx, staged + o, prv, mask=m), mask=m)
+
+
+@triton.jit
+def ids_kernel(ctx, out_ptr):
+    """out = [rank, num_ranks, epoch] (int32)."""
+    tl.store(out_ptr + 0, dl.rank(ctx))
+    tl.store(out_ptr + 1, dl.num_ranks(ctx))
+    tl.store(out_ptr + 2, dl.epoch(ctx))

@@ -1,0 +1,251 @@
+"""Errors: bad arguments, no runtime, a full heap, a wait that times out.
+
+Every test brings the runtime it needs (tests.conftest.setup replaces one with
+other settings), so the order of these tests does not matter.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import triton
+import triton.language as tl
+from jax.sharding import PartitionSpec as P
+
+import jaxtdist as td
+import jaxtdist.language as dl
+from jaxtdist.runtime._runtime import _RESERVED_BYTES
+from tests import kernels_for_tests as K
+from tests.conftest import cpu_only, f64, mesh_of, place, rand, rel_err, setup
+
+pytestmark = cpu_only()
+
+WORLD = 4
+
+
+def _run(mesh, fn, *arrays, in_specs, out_specs):
+    f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+    return f(*arrays)
+
+
+def _ag_matmul(mesh, x, w, axis_name="tp", x_spec=P("tp", None), w_spec=P(None, "tp")):
+    return _run(mesh, lambda a, b: td.ag_matmul(a, b, axis_name), place(mesh, x, x_spec),
+                place(mesh, w, w_spec), in_specs=(x_spec, w_spec), out_specs=P(None, "tp"))
+
+
+def _ag_matmul_ok(mesh, m=5, k=24, n=12):
+    x = rand((WORLD * m, k))
+    w = rand((k, WORLD * n))
+    assert rel_err(_ag_matmul(mesh, x, w), f64(x) @ f64(w)) < 1e-5
+
+
+# -- bad arguments ------------------------------------------------------------------
+
+
+def test_ag_matmul_mismatched_k():
+    mesh = setup(WORLD)
+    with pytest.raises(ValueError, match=r"contraction.*k=24.*k=16"):
+        _ag_matmul(mesh, rand((WORLD * 2, 24)), rand((16, WORLD * 8)))
+
+
+def test_ag_matmul_1d_x():
+    mesh = setup(WORLD)
+    with pytest.raises(ValueError, match=r"2-D"):
+        _ag_matmul(mesh, rand((WORLD * 8,)), rand((8, WORLD * 8)), x_spec=P("tp"))
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.float64 if jax.config.x64_enabled
+                                   else jnp.int8])
+def test_ag_matmul_bad_dtype(dtype):
+    mesh = setup(WORLD)
+    x = np.ones((WORLD * 2, 16), dtype)
+    w = np.ones((16, WORLD * 8), dtype)
+    with pytest.raises(ValueError, match=rf"dtype {jnp.dtype(dtype).name}.*supported.*bfloat16"):
+        _ag_matmul(mesh, x, w)
+
+
+def test_ag_matmul_mixed_dtypes():
+    mesh = setup(WORLD)
+    with pytest.raises(ValueError, match=r"share a dtype.*float32.*bfloat16"):
+        _ag_matmul(mesh, rand((WORLD * 2, 16)), rand((16, WORLD * 8), jnp.bfloat16))
+
+
+def test_ag_matmul_unknown_axis():
+    mesh = setup(WORLD)
+    with pytest.raises(ValueError, match=r"'nope' is not an axis.*\('tp',\)"):
+        _ag_matmul(mesh, rand((WORLD * 2, 16)), rand((16, WORLD * 8)), axis_name="nope")
+
+
+def test_ag_matmul_axis_name_none():
+    mesh = setup(WORLD)
+    with pytest.raises(ValueError, match=r"axis_name is required"):
+        _ag_matmul(mesh, rand((WORLD * 2, 16)), rand((16, WORLD * 8)), axis_name=None)
+
+
+@pytest.mark.parametrize("kwargs,x_shape,dtype,match", [
+    (dict(axis=2), (3, 4), jnp.float32, r"axis=2 is out of range.*\(3, 4\)"),
+    (dict(axis=-3), (3, 4), jnp.float32, r"axis=-3 is out of range"),
+    (dict(), (3, 4), jnp.int32, r"dtype int32"),
+    (dict(), (), jnp.float32, r"at least one dimension.*scalar"),
+])
+def test_all_gather_bad_args(kwargs, x_shape, dtype, match):
+    mesh = setup(WORLD)
+    x = np.ones((WORLD,) + x_shape, dtype)
+    with pytest.raises(ValueError, match=match):
+        _run(mesh, lambda a: td.all_gather(a[0], "tp", **kwargs)[None], place(mesh, x, P("tp")),
+             in_specs=P("tp"), out_specs=P("tp"))
+
+
+@pytest.mark.parametrize("axis_name,match", [("nope", r"'nope' is not an axis"),
+                                             (None, r"axis_name is required"),
+                                             (("tp", "tp"), r"repeats an axis")])
+def test_all_gather_bad_axis_name(axis_name, match):
+    mesh = setup(WORLD)
+    x = rand((WORLD * 2, 3))
+    with pytest.raises(ValueError, match=match):
+        _run(mesh, lambda a: td.all_gather(a, axis_name), place(mesh, x, P("tp")),
+             in_specs=P("tp"), out_specs=P("tp"))
+
+
+def test_outside_shard_map():
+    setup(WORLD)
+    x = jnp.ones((8, 16), jnp.float32)
+    w = jnp.ones((16, 8), jnp.float32)
+    with pytest.raises(ValueError, match=r"inside jax.shard_map"):
+        jax.jit(lambda a, b: td.ag_matmul(a, b, "tp"))(x, w)
+
+
+def test_shard_map_over_another_mesh():
+    setup(WORLD)
+    other = mesh_of((2,), ("tp",))
+    with pytest.raises(ValueError, match=r"differs from the mesh given to jaxtdist.initialize"):
+        _ag_matmul(other, rand((4, 16)), rand((16, 16)))
+
+
+def test_triton_call_missing_workspace_param():
+    mesh = setup(WORLD)
+    with pytest.raises(ValueError, match=r"ids_kernel needs a constexpr parameter WORKSPACE"):
+        _run(mesh, lambda: td.triton_call(kernel=K.ids_kernel, grid=(1,), axis_name="tp",
+                                          out_shape=jax.ShapeDtypeStruct((3,), jnp.int32),
+                                          workspace_bytes=64)[None],
+             in_specs=(), out_specs=P("tp"))
+
+
+def test_triton_call_local_kernel():
+    mesh = setup(WORLD)
+
+    @triton.jit
+    def local_kernel(ctx, out_ptr):
+        tl.store(out_ptr, dl.rank(ctx))
+
+    with pytest.raises(ValueError, match=r"defined inside a function.*top level"):
+        _run(mesh, lambda: td.triton_call(kernel=local_kernel, grid=(1,), axis_name="tp",
+                                          out_shape=jax.ShapeDtypeStruct((1,), jnp.int32))[None],
+             in_specs=(), out_specs=P("tp"))
+
+
+# -- runtime state --------------------------------------------------------------------
+
+
+def test_not_initialized():
+    mesh = mesh_of((WORLD,), ("tp",))
+    td.shutdown()
+    td.shutdown()  # safe twice
+    assert not td.is_initialized()
+    with pytest.raises(td.NotInitializedError, match=r"jaxtdist.initialize\(mesh\)"):
+        td.runtime.runtime()
+    with pytest.raises(td.NotInitializedError, match=r"not initialized"):
+        _ag_matmul(mesh, rand((WORLD * 2, 16)), rand((16, WORLD * 8)))
+    with pytest.raises(td.NotInitializedError):
+        _run(mesh, lambda a: td.all_gather(a, "tp"), place(mesh, rand((WORLD, 3)), P("tp")),
+             in_specs=P("tp"), out_specs=P("tp"))
+    # And back.
+    _ag_matmul_ok(setup(WORLD))
+
+
+def test_heap_too_small_for_reserved_part():
+    mesh = mesh_of((2,), ("tp",))
+    with pytest.raises(ValueError, match=rf"heap_bytes=1024 is below the minimum "
+                                         rf"{2 * _RESERVED_BYTES}"):
+        td.initialize(mesh, heap_bytes=1024)
+
+
+def test_heap_exhausted():
+    heap = 2 * _RESERVED_BYTES + 4096
+    mesh = setup(WORLD, heap_bytes=heap)
+    available = heap - _RESERVED_BYTES
+    m, k = 48, 256  # two staging slots of 48 * 256 * 4 bytes > available (fails at trace)
+    try:
+        with pytest.raises(td.HeapExhaustedError) as info:
+            _ag_matmul(mesh, rand((WORLD * m, k)), rand((k, WORLD * 8)))
+        msg = str(info.value)
+        assert "exhausted" in msg
+        assert f"but {available} of {heap} bytes are free" in msg, msg
+        assert "heap_bytes=" in msg, msg
+        needed = int(msg.split("workspace of ")[1].split(" bytes")[0])
+        assert needed > available
+        assert f"at least {_RESERVED_BYTES + needed} bytes" in msg, msg
+        # A small op still fits in the same runtime.
+        _ag_matmul_ok(mesh, m=2, k=16, n=8)
+    finally:
+        td.shutdown()
+
+
+def test_wait_timeout():
+    """A wait nobody notifies times out in seconds with a precise error; the runtime
+    stays poisoned until shutdown + initialize."""
+    mesh = setup(WORLD, wait_spins=2000)
+
+    def body():
+        out = td.triton_call(kernel=K.withheld_kernel, grid=(1,), axis_name="tp",
+                             out_shape=jax.ShapeDtypeStruct((1,), jnp.int32),
+                             workspace_bytes=256, name="withheld")
+        return out[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(), out_specs=P("tp", None)))
+    try:
+        start = time.monotonic()
+        with pytest.raises(Exception) as info:
+            np.asarray(f())
+        elapsed = time.monotonic() - start
+        assert elapsed < 30, f"timeout took {elapsed:.1f} s"
+        msg = str(info.value)
+        assert "timed out" in msg and "rank" in msg, msg
+        assert "to become >= 1001" in msg, msg  # epoch 1 + 1000
+        assert "last saw 0" in msg, msg
+        assert "jaxtdist.shutdown()" in msg, msg
+        # The error stays recorded: check_errors raises it directly...
+        with pytest.raises(td.WaitTimeoutError, match=r"timed out.*rank"):
+            td.check_errors()
+        # ...and a later op fails fast instead of hanging.
+        start = time.monotonic()
+        with pytest.raises(Exception, match=r"timed out"):
+            np.asarray(_ag_matmul(mesh, rand((WORLD * 2, 16)), rand((16, WORLD * 8))))
+        assert time.monotonic() - start < 30
+    finally:
+        td.shutdown()
+    # A fresh runtime works again.
+    _ag_matmul_ok(setup(WORLD))
+    td.check_errors()
+
+
+def test_jitted_function_after_reinitialize():
+    """A function jitted before shutdown + initialize either works or says why not."""
+    mesh = setup(WORLD)
+    f = jax.jit(jax.shard_map(lambda a, b: td.ag_matmul(a, b, "tp"), mesh=mesh,
+                              in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
+    x, w = rand((WORLD * 2, 16)), rand((16, WORLD * 8))
+    f(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp"))).block_until_ready()
+    td.shutdown()
+    setup(WORLD)
+    x, w = rand((WORLD * 2, 16)), rand((16, WORLD * 8))
+    try:
+        out = f(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp")))
+    except Exception as e:  # noqa: BLE001
+        assert "initialize" in str(e), f"unhelpful error after re-initialize: {e!r}"
+    else:
+        assert rel_err(out, f64(x) @ f64(w)) < 1e-5
