@@ -21,6 +21,8 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -8
 
 timeout 900 python3 -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
 TEST_RC=${PIPESTATUS[0]}
+python3 examples/ag_matmul.py 2>&1 | tail -1 | tee "$OUT/examples.log"
+python3 examples/ring_exchange.py 2>&1 | tail -1 | tee -a "$OUT/examples.log"
 
 DEV=$(python3 -c "import jax; print(jax.devices()[0].device_kind.replace(' ', '_'))")
 N=$(python3 -c "import jax; print(len(jax.devices()))")
@@ -35,6 +37,7 @@ cp docs/perf/*_"${TAG}".* "$OUT/" 2>/dev/null
 
 echo
 echo "== GPU tests: $(tail -1 "$OUT/gpu_tests.log")"
+cat "$OUT/examples.log"
 cat "docs/perf/all_gather_${TAG}.md" 2>/dev/null
 echo
 cat "docs/perf/ag_matmul_${TAG}.md" 2>/dev/null
