@@ -1,6 +1,6 @@
 #include "runtime_state.h"
 
-#include <sstream>
+#include <string>
 
 namespace jaxtdist {
 
@@ -31,12 +31,11 @@ std::int64_t RuntimeState::generation() const {
 std::string CheckGeneration(std::int64_t generation) {
   const std::int64_t current = RuntimeState::Get().generation();
   if (generation == current) return "";
-  std::ostringstream msg;
-  msg << "jaxtdist: this program was compiled for jaxtdist runtime #" << generation
-      << " but runtime #" << current << " is active (jaxtdist.initialize or shutdown "
-      << "ran since): its heap offsets and signals are stale. Trace it again: "
-      << "jax.clear_caches(), or re-create the jitted function.";
-  return msg.str();
+  return "jaxtdist: this program was compiled for jaxtdist runtime #" +
+         std::to_string(generation) + " but runtime #" + std::to_string(current) +
+         " is active (jaxtdist.initialize or shutdown ran since): its heap offsets and "
+         "signals are stale. Trace it again: jax.clear_caches(), or re-create the jitted "
+         "function.";
 }
 
 std::optional<HeapSlot> RuntimeState::Heap(int position) const {
@@ -70,36 +69,37 @@ std::string RecordedTimeout(const HeapSlot& slot, int position) {
   const volatile std::int64_t* rec =
       reinterpret_cast<const volatile std::int64_t*>(slot.error_record);
   if (rec[0] == 0) return "";
+  // Plain std::string building: iostreams crashed when another libstdc++
+  // (torch's) was loaded in the process.
   static const char* kCmp[] = {"==", "!=", ">=", ">", "<=", "<"};
-  const std::int64_t cmp = rec[6];
-  std::ostringstream msg;
-  msg << "jaxtdist: a wait timed out in an earlier call on rank " << rec[1]
-      << " (mesh position " << position << "): it waited for the signal at heap offset "
-      << rec[3] << " (notified by rank " << rec[2] << ") to become "
-      << (cmp >= 0 && cmp < 6 ? kCmp[cmp] : "?") << " " << rec[4] << " but last saw "
-      << rec[5] << ". A rank did not reach the matching notify (a deadlock, a "
-      << "crashed or missing rank, or ops issued in different orders on different "
-      << "ranks). Signals are now out of step: call jaxtdist.shutdown() and "
-      << "jaxtdist.initialize(mesh) again.";
-  return msg.str();
+  const std::int64_t words[7] = {rec[0], rec[1], rec[2], rec[3], rec[4], rec[5], rec[6]};
+  const std::int64_t cmp = words[6];
+  return "jaxtdist: a wait timed out in an earlier call on rank " + std::to_string(words[1]) +
+         " (mesh position " + std::to_string(position) +
+         "): it waited for the signal at heap offset " + std::to_string(words[3]) +
+         " (notified by rank " + std::to_string(words[2]) + ") to become " +
+         (cmp >= 0 && cmp < 6 ? kCmp[cmp] : "?") + " " + std::to_string(words[4]) +
+         " but last saw " + std::to_string(words[5]) +
+         ". A rank did not reach the matching notify (a deadlock, a crashed or missing "
+         "rank, or ops issued in different orders on different ranks). Signals are now out "
+         "of step: call jaxtdist.shutdown() and jaxtdist.initialize(mesh) again.";
 }
 
 std::string CheckStage(const HeapSlot& heap, std::int64_t template_offset,
                        std::int64_t stage_offset, std::int64_t parity_bytes,
                        std::int64_t stage_bytes) {
-  std::ostringstream err;
-  if (template_offset < 0 ||
-      template_offset + kCtxWords * 8 > heap.bytes) {
-    err << "context template offset " << template_offset
-        << " lies outside the heap of " << heap.bytes << " bytes";
-  } else if (stage_bytes > 0 &&
-             (stage_offset < 0 || stage_bytes > parity_bytes ||
-              stage_offset + 2 * parity_bytes > heap.bytes)) {
-    err << "staging " << stage_bytes << " bytes at offset " << stage_offset
-        << " (slot of " << parity_bytes << " bytes, two parities) does not fit "
-        << "the heap of " << heap.bytes << " bytes";
+  if (template_offset < 0 || template_offset + kCtxWords * 8 > heap.bytes) {
+    return "context template offset " + std::to_string(template_offset) +
+           " lies outside the heap of " + std::to_string(heap.bytes) + " bytes";
   }
-  return err.str();
+  if (stage_bytes > 0 && (stage_offset < 0 || stage_bytes > parity_bytes ||
+                          stage_offset + 2 * parity_bytes > heap.bytes)) {
+    return "staging " + std::to_string(stage_bytes) + " bytes at offset " +
+           std::to_string(stage_offset) + " (slot of " + std::to_string(parity_bytes) +
+           " bytes, two parities) does not fit the heap of " + std::to_string(heap.bytes) +
+           " bytes";
+  }
+  return "";
 }
 
 }  // namespace jaxtdist

@@ -212,3 +212,53 @@ def test_example_ring_with_consume_token(world):
         expect = 2 * np.roll(np.asarray(x).reshape(world, n), 2, axis=0).reshape(-1)
         np.testing.assert_array_equal(np.asarray(out), expect)
     td.check_errors()
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_staged_input_read_by_peer(world):
+    """triton_call(stage=...): the FFI prologue stages x in the heap on XLA's stream."""
+    from tests.kernels_for_tests import staged_prev_kernel
+    mesh = _mesh(world)
+    td.initialize(mesh)
+    n = 3000
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"))
+    def prev(x):
+        return td.triton_call(kernel=staged_prev_kernel, stage=x,
+                              out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(1,),
+                              axis_name="tp", workspace_bytes=4 * 64, N=n, BLOCK=1024)
+
+    for _ in range(4):
+        x = _rand((world * n,), jnp.float32)
+        out = prev(jax.device_put(x, NamedSharding(mesh, P("tp"))))
+        expect = np.roll(np.asarray(x).reshape(world, n), 1, axis=0).reshape(-1)
+        np.testing.assert_array_equal(np.asarray(out), expect)
+
+
+def test_withheld_notify_times_out_with_named_error():
+    from tests.kernels_for_tests import withheld_kernel
+    world = min(2, len(jax.devices()))
+    mesh = _mesh(world)
+    td.initialize(mesh, wait_spins=200_000)
+    try:
+        @jax.jit
+        @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"))
+        def stuck(x):
+            return td.triton_call(kernel=withheld_kernel,
+                                  out_shape=jax.ShapeDtypeStruct((1,), jnp.int32), grid=(1,),
+                                  axis_name="tp", workspace_bytes=256) + x
+
+        import time
+        start = time.time()
+        jax.block_until_ready(stuck(jax.device_put(jnp.zeros((world,), jnp.int32),
+                                                   NamedSharding(mesh, P("tp")))))
+        assert time.time() - start < 30
+        with pytest.raises(td.WaitTimeoutError, match=r"timed out.*rank"):
+            td.check_errors()
+        # The next op refuses to run on out-of-step signals, naming the timeout.
+        with pytest.raises(Exception, match="timed out"):
+            jax.block_until_ready(stuck(jax.device_put(jnp.zeros((world,), jnp.int32),
+                                                       NamedSharding(mesh, P("tp")))))
+    finally:
+        td.shutdown()
