@@ -25,7 +25,7 @@ if _os.environ.get("_JAXTDIST_INTERPRETER_WORKER") != "1":
         WaitTimeoutError,
     )
     from jaxtdist import runtime  # the subpackage; runtime.runtime() is the object
-    from jaxtdist.ops import ag_matmul, all_gather, triton_call
+    from jaxtdist.ops import ag_matmul, ag_matmul_sharded, all_gather, triton_call
     from jaxtdist.runtime import initialize, is_initialized, shutdown
 
     def check_errors() -> None:
@@ -39,6 +39,7 @@ __all__ = [
     "NotInitializedError",
     "WaitTimeoutError",
     "ag_matmul",
+    "ag_matmul_sharded",
     "all_gather",
     "check_errors",
     "initialize",

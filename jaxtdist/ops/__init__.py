@@ -1,7 +1,7 @@
 """jaxtdist.ops: JAX-side ops (shapes, dtypes, autodiff, dispatch)."""
 
-from jaxtdist.ops.ag_matmul import ag_matmul
+from jaxtdist.ops.ag_matmul import ag_matmul, ag_matmul_sharded
 from jaxtdist.ops.all_gather import all_gather
 from jaxtdist.ops.user import triton_call
 
-__all__ = ["ag_matmul", "all_gather", "triton_call"]
+__all__ = ["ag_matmul", "ag_matmul_sharded", "all_gather", "triton_call"]

@@ -158,23 +158,44 @@ def _cpu_launch(rt: Runtime, kernel, args, outs, grid, constexprs):
     return list(io_callback(host, tuple(outs), *arrays, ordered=False))
 
 
+def varying_axes(value: jax.Array) -> frozenset | None:
+    """Manual mesh axes ``value`` varies over (None with jax that does not track them)."""
+    aval = jax.typeof(value)
+    if hasattr(aval, "manual_axis_type"):  # jax 0.10
+        return frozenset(aval.manual_axis_type.varying)
+    if hasattr(aval, "vma"):  # jax 0.7 - 0.9, 0.11
+        return frozenset(aval.vma)
+    return None
+
+
 def mark_varying(value: jax.Array, axes: Sequence[str]) -> jax.Array:
     """Types a kernel output as varying over the manual ``axes`` (it differs per device).
 
     Custom calls carry no varying-manual-axes type; without this, shard_map's
     type checks and autodiff would treat per-device results as replicated.
     """
-    aval = jax.typeof(value)
-    if hasattr(aval, "manual_axis_type"):  # jax 0.10
-        have = aval.manual_axis_type.varying
-    elif hasattr(aval, "vma"):  # jax 0.7 - 0.9, 0.11
-        have = aval.vma
-    else:  # jax without varying-axes types
+    have = varying_axes(value)
+    if have is None:
         return value
     missing = tuple(a for a in axes if a not in have)
     if not missing:
         return value
     return jax.lax.pcast(value, missing, to="varying")
+
+
+def match_cotangent(ct: jax.Array, primal: jax.Array) -> jax.Array:
+    """Gives a cotangent the varying axes of its primal.
+
+    Over axes where the cotangent varies but the primal is replicated, the
+    primal was implicitly broadcast, so its cotangent is the sum (psum).
+    """
+    have, want = varying_axes(ct), varying_axes(primal)
+    if have is None or want is None:
+        return ct
+    extra = tuple(sorted(have - want))
+    if extra:
+        ct = jax.lax.psum(ct, extra)
+    return mark_varying(ct, tuple(sorted(want)))
 
 
 def launch(kernel, ctx: jax.Array, *args: Any, out_shape, grid: int | Sequence[int],

@@ -105,7 +105,8 @@ def _bwd(axis_name, residuals, dy):
     dx_full = jnp.dot(dy, w.T, preferred_element_type=jnp.float32)
     dx = jax.lax.psum_scatter(dx_full, axis_name, scatter_dimension=0, tiled=True)
     dw = jnp.dot(gathered.T, dy, preferred_element_type=jnp.float32)
-    return dx.astype(x.dtype), dw.astype(w.dtype)
+    return (_call.match_cotangent(dx.astype(x.dtype), x),
+            _call.match_cotangent(dw.astype(w.dtype), w))
 
 
 _ag_matmul.defvjp(_fwd, _bwd)
@@ -137,3 +138,45 @@ def ag_matmul(x: jax.Array, w: jax.Array, axis_name) -> jax.Array:
     if isinstance(axis_name, list):
         axis_name = tuple(axis_name)
     return _ag_matmul(x, w, axis_name)
+
+
+def ag_matmul_sharded(x: jax.Array, w: jax.Array, *, axis_name: str, batch_axes=(),
+                      mesh=None) -> jax.Array:
+    """``ag_matmul`` for pjit-style code: no hand-written ``shard_map`` needed.
+
+    ``x`` is [M, K] with rows sharded over ``(*batch_axes, axis_name)``; ``w`` is
+    [K, N] with columns sharded over ``axis_name``. The result is [M, N] with
+    rows sharded over ``batch_axes`` and columns over ``axis_name``: within each
+    batch group, the rows are all-gathered over ``axis_name`` and multiplied,
+    the gather overlapped with the GEMM. Mesh axes not named are replicated.
+
+    Args:
+      x: activations, [M, K].
+      w: weight, [K, N].
+      axis_name: the tensor-parallel mesh axis.
+      batch_axes: mesh axes that shard the rows of ``x`` and the output (data
+        parallelism), outermost first.
+      mesh: the mesh; defaults to the one given to ``jaxtdist.initialize``.
+
+    Returns:
+      ``x @ w`` with the sharding described above.
+
+    Example:
+      >>> mesh = jax.make_mesh((2, 4), ("dp", "tp")); jaxtdist.initialize(mesh)
+      >>> layer = jax.jit(functools.partial(jaxtdist.ag_matmul_sharded, axis_name="tp",
+      ...                                   batch_axes=("dp",)))
+      >>> y = layer(x, w)  # x: P(("dp", "tp"), None), w: P(None, "tp")
+    """
+    from jax.sharding import PartitionSpec as P
+
+    rt = runtime()
+    mesh = rt.mesh if mesh is None else mesh
+    batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+    if axis_name in batch_axes:
+        raise ValueError(f"jaxtdist.ag_matmul_sharded: axis_name {axis_name!r} is also in "
+                         f"batch_axes {batch_axes}")
+    rows = tuple(batch_axes) + (axis_name,)
+    out_rows = (batch_axes if len(batch_axes) > 1 else batch_axes[0]) if batch_axes else None
+    body = functools.partial(ag_matmul, axis_name=axis_name)
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(rows, None), P(None, axis_name)),
+                         out_specs=P(out_rows, axis_name))(x, w)

@@ -1,0 +1,49 @@
+"""ag_matmul_sharded: the pjit-style entry point (no hand-written shard_map)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxtdist as td
+from tests.conftest import assert_close, cpu_only, f64, place, rand, setup
+
+pytestmark = cpu_only()
+
+
+@pytest.mark.parametrize("shape,names,batch", [
+    ((4,), ("tp",), ()),
+    ((2, 2), ("dp", "tp"), ("dp",)),
+    ((2, 4), ("dp", "tp"), ("dp",)),
+])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_forward_and_grad_match_xla(shape, names, batch, dtype):
+    mesh = setup(shape, names)
+    n_dev = int(np.prod(shape))
+    layer = jax.jit(functools.partial(td.ag_matmul_sharded, axis_name="tp", batch_axes=batch))
+    x = rand((n_dev * 5, 24), dtype)
+    w = rand((24, shape[-1] * 12), dtype, 0.2)
+    xs = place(mesh, x, P(tuple(batch) + ("tp",), None))
+    ws = place(mesh, w, P(None, "tp"))
+    out = layer(xs, ws)
+    assert out.sharding.spec == P(batch[0] if batch else None, "tp")
+    assert_close(out, f64(x) @ f64(w), dtype)
+
+    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
+        gx, gw = jax.grad(lambda a, b: jnp.sum(jnp.sin(layer(a, b).astype(jnp.float32))),
+                          argnums=(0, 1))(xs, ws)
+    rx, rw = jax.grad(lambda a, b: jnp.sum(jnp.sin(a @ b)), argnums=(0, 1))(
+        jnp.asarray(f64(x), jnp.float32), jnp.asarray(f64(w), jnp.float32))
+    assert_close(gx, rx, dtype, factor=5)
+    assert_close(gw, rw, dtype, factor=5)
+
+
+def test_axis_in_batch_axes_is_refused():
+    mesh = setup((2, 2), ("dp", "tp"))
+    x = place(mesh, rand((8, 16)), P(("dp", "tp"), None))
+    w = place(mesh, rand((16, 8)), P(None, "tp"))
+    with pytest.raises(ValueError, match="also in batch_axes"):
+        td.ag_matmul_sharded(x, w, axis_name="tp", batch_axes=("tp",))
