@@ -80,3 +80,36 @@ def ids_kernel(ctx, out_ptr):
     tl.store(out_ptr + 0, dl.rank(ctx))
     tl.store(out_ptr + 1, dl.num_ranks(ctx))
     tl.store(out_ptr + 2, dl.epoch(ctx))
+
+
+@triton.jit
+def fenced_broadcast_kernel(ctx, x_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr,
+                            WORKSPACE: tl.constexpr):
+    """Rank 0's x to every rank: plain peer stores, ``fence``, then notifies.
+
+    Workspace: int32 signal at WORKSPACE, an int32 ack per rank at WORKSPACE + 64,
+    float32 buffers (parity e % 2) at WORKSPACE + 256. Every rank acks (to rank 0)
+    after reading, and rank 0 waits for all acks of epoch e - 1 before writing.
+    """
+    me = dl.rank(ctx)
+    world = dl.num_ranks(ctx)
+    e = dl.epoch(ctx)
+    signal = dl.heap_ptr(ctx, WORKSPACE, tl.int32)
+    acks = dl.heap_ptr(ctx, WORKSPACE + 64, tl.int32)
+    buf = dl.heap_ptr(ctx, WORKSPACE + 256 + (e % 2) * (N * 4), tl.float32)
+    if me == 0:
+        for peer in range(0, world):
+            dl.wait(ctx, acks + peer, e - 2, "ge", peer)
+            for start in range(0, N, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                mask = offs < N
+                dl.store_peer(ctx, buf + offs, tl.load(x_ptr + offs, mask=mask), peer, mask=mask)
+        dl.fence(ctx)
+        for peer in range(0, world):
+            dl.notify(ctx, signal, peer, e)
+    token = dl.wait(ctx, signal, e, "ge", 0)
+    for start in range(0, N, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < N
+        tl.store(out_ptr + offs, tl.load(dl.consume_token(buf + offs, token), mask=mask), mask=mask)
+    dl.notify(ctx, acks + me, 0, e)

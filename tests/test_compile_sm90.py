@@ -70,3 +70,14 @@ def test_ag_matmul_uses_tensor_cores_and_cp_async(all_rows):
     assert ops["cp.async.cg.shared.global"] > 0, dict(ops)
     narrow = {op: n for op, n in ops.items() if op.endswith((".b16", ".b8"))}
     assert not narrow, f"copies lost vectorization: {dict(ops)}"
+
+
+def test_language_primitives_compile():
+    """fence, consume_token (inline PTX on GPUs), notify and wait compile for sm_90."""
+    from tests.kernels_for_tests import fenced_broadcast_kernel
+    k = _compile(fenced_broadcast_kernel, {"ctx": "*i32", "x_ptr": "*fp32", "out_ptr": "*fp32"},
+                 dict(N=4096, BLOCK=1024, WORKSPACE=65536), num_warps=4, num_stages=1)
+    ptx = k.asm["ptx"]
+    assert "atom.global.sys.acq_rel.add" in ptx, "fence missing"
+    assert "mov.b64" in ptx  # consume_token's data dependence
+    assert "ld.global.sys.acquire" in ptx and "release" in ptx

@@ -127,3 +127,23 @@ def test_ring_and_ids_interleaved():
         out, ids = f(place(mesh, x, P("tp", None)))
         np.testing.assert_array_equal(np.asarray(out), np.roll(x, 1, axis=0))
         np.testing.assert_array_equal(np.asarray(ids)[:, 2], e)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fence_and_consume_token_broadcast(world):
+    """dl.fence + dl.notify publish plain stores; dl.consume_token orders the reads."""
+    mesh = setup(world)
+    n = 40
+
+    def body(x):
+        out = td.triton_call(x, kernel=K.fenced_broadcast_kernel,
+                             out_shape=jax.ShapeDtypeStruct((n,), jnp.float32), grid=(1,),
+                             axis_name="tp", workspace_bytes=256 + 2 * 4 * n, N=n, BLOCK=16,
+                             name=_fresh_name("bcast"))
+        return out
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
+    for _ in range(3):
+        x = rand((world * n,))
+        out = np.asarray(f(place(mesh, x, P("tp"))))
+        np.testing.assert_array_equal(out.reshape(world, n), np.tile(x[:n], (world, 1)))

@@ -233,14 +233,17 @@ def wait(ctx, signal, value, CMP: tl.constexpr = tl.constexpr("ge"), peer=-1,
 
 
 @triton.jit
-def fence():
-    """Orders this program's earlier memory operations before later ones, system-wide."""
+def fence(ctx):
+    """Orders this program's earlier memory operations before its later ones, system-wide.
+
+    A CTA barrier (so every thread's accesses count), then one acquire-release
+    read-modify-write at system scope on this rank's scratch word, which PTX
+    makes a fence for everything ordered before it.
+    """
     tl.debug_barrier()
-    if _INTERPRET_FENCE:
-        pass
-
-
-_INTERPRET_FENCE = tl.constexpr(_INTERPRET)
+    scratch = tl.load(_words(ctx) + _CTX_SCRATCH_ADDR).to(tl.pointer_type(tl.int32))
+    tl.atomic_add(scratch, 0, sem="acq_rel", scope="sys")
+    tl.debug_barrier()
 
 
 @triton.jit
