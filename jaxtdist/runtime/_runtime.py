@@ -26,9 +26,9 @@ _MAX_LAYOUTS = 96
 _RESERVED_BYTES = _TEMPLATE_START + _MAX_LAYOUTS * L.CTX_WORDS * 8
 
 DEFAULT_HEAP_BYTES = {"cpu": 32 << 20, "gpu": 1 << 30}
-# Spins before a wait gives up: about 20 s on an H200 (local atomics), about a
-# minute under the interpreter with 8 ranks on 2 cores.
-DEFAULT_WAIT_SPINS = {"cpu": 100_000, "gpu": 20_000_000}
+# Spins before a wait gives up: about 20 s on an H200 (local atomics); under
+# the interpreter each poll also sleeps 0.1 ms, so 600k polls is over a minute.
+DEFAULT_WAIT_SPINS = {"cpu": 600_000, "gpu": 20_000_000}
 
 
 @dataclasses.dataclass(frozen=True)
