@@ -310,3 +310,25 @@ def test_user_example(source):
         w = rand((32, world * 16), F32)
         out = f(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp")))
         assert_close(out, f64(x) @ f64(w), F32)
+
+
+def test_independent_same_shape_calls_in_one_jit():
+    """Calls with no data dependence share a workspace; every device must run them
+    in one order (jaxtdist chains them in trace order)."""
+    world, m, k, n = 4, 3, 16, 8
+    mesh = setup(world)
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("tp", None), P(None, "tp")),
+                       out_specs=P(None, "tp"))
+    def four(x, w):
+        outs = [td.ag_matmul(x * (i + 1), w, "tp") for i in range(3)]
+        outs.append(td.all_gather(x, "tp") @ w)
+        return sum(o * (10.0 ** i) for i, o in enumerate(outs))
+
+    for _ in range(5):
+        x, w = rand((world * m, k)), rand((k, world * n))
+        out = four(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp")))
+        ref = f64(x) @ f64(w)
+        expect = sum((i + 1 if i < 3 else 1) * ref * 10.0 ** i for i in range(4))
+        assert rel_err(out, expect) < 1e-5

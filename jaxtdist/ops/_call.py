@@ -74,7 +74,7 @@ def _current_trace():
         return None
 
 
-def _program_order_deps(rt: Runtime) -> tuple:
+def program_order_deps(rt: Runtime) -> tuple:
     """The previous jaxtdist output of the trace being built, if any."""
     last = rt.last_traced_output
     if last is None:
@@ -93,7 +93,7 @@ def prologue(rt: Runtime, layout: Layout, ws: Workspace, op: str, stage: jax.Arr
     and their epochs would disagree.
     """
     position = mesh_position(rt, op)
-    deps = tuple(deps) + _program_order_deps(rt)
+    deps = tuple(deps) + program_order_deps(rt)
     if deps:
         position, _ = jax.lax.optimization_barrier((position, deps))
     args = [position]
@@ -210,5 +210,10 @@ def launch(kernel, ctx: jax.Array, *args: Any, out_shape, grid: int | Sequence[i
     else:
         result = _cpu_launch(rt, kernel, full_args, outs, grid, constexprs)
     result = [mark_varying(r, rt.mesh.axis_names) for r in result]
-    rt.last_traced_output = (_current_trace(), result[0])
+    record_output(rt, result[0])
     return result if many else result[0]
+
+
+def record_output(rt: Runtime, value: jax.Array) -> None:
+    """Makes ``value`` the one the next jaxtdist op of this trace runs after."""
+    rt.last_traced_output = (_current_trace(), value)

@@ -137,7 +137,15 @@ def ag_matmul(x: jax.Array, w: jax.Array, axis_name) -> jax.Array:
     _check(x, w, axis_name)
     if isinstance(axis_name, list):
         axis_name = tuple(axis_name)
-    return _ag_matmul(x, w, axis_name)
+    # The custom_vjp traces its body in a trace of its own: order this call
+    # after the previous jaxtdist op of the caller's trace here.
+    rt = runtime()
+    previous = _call.program_order_deps(rt)
+    if previous:
+        x, _ = jax.lax.optimization_barrier((x, previous))
+    out = _ag_matmul(x, w, axis_name)
+    _call.record_output(rt, out)
+    return out
 
 
 def ag_matmul_sharded(x: jax.Array, w: jax.Array, *, axis_name: str, batch_axes=(),
