@@ -13,7 +13,6 @@ import ctypes
 from multiprocessing import shared_memory
 
 from jaxtdist.interpret import WorkerPool
-from jaxtdist.language import _layout as L
 
 
 class CpuHeap:
@@ -47,9 +46,6 @@ class CpuHeap:
     def read(self, position: int, offset: int, nbytes: int) -> bytes:
         start = position * self.heap_bytes + offset
         return bytes(self._view[start:start + nbytes])
-
-    def read_record(self, position: int) -> list[int]:
-        return list((ctypes.c_int64 * L.ERR_WORDS).from_address(self.error_record(position)))
 
     def close(self) -> None:
         self.workers.close()

@@ -8,7 +8,6 @@ with XLA's preallocation: lower ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (default
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Sequence
 
 from jaxtdist.language import _layout as L
@@ -59,9 +58,6 @@ class CudaHeap:
     def read(self, position: int, offset: int, nbytes: int) -> bytes:
         return self._native.cuda_copy_from_device(self.ordinals[position],
                                                   self.bases[position] + offset, nbytes)
-
-    def read_record(self, position: int) -> list[int]:
-        return list((ctypes.c_int64 * L.ERR_WORDS).from_address(self.error_record(position)))
 
     def close(self) -> None:
         for ordinal, base in zip(self.ordinals, self.bases):

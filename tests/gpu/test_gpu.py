@@ -45,6 +45,15 @@ def _mesh(n):
     return jax.make_mesh((n,), ("tp",), devices=jax.devices()[:n], axis_types=(AUTO,))
 
 
+def _vector_fn(mesh, body):
+    """jit(shard_map(body)) for a rank-sharded vector in and out."""
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
+
+
+def _ring_shift(x, world, shift):
+    return np.roll(np.asarray(x).reshape(world, -1), shift, axis=0).reshape(-1)
+
+
 def _ag_matmul_fn(mesh):
     return jax.jit(jax.shard_map(lambda x, w: td.ag_matmul(x, w, "tp"), mesh=mesh,
                                  in_specs=(P("tp", None), P(None, "tp")),
@@ -171,18 +180,14 @@ def test_user_kernel_ring(world):
     td.initialize(mesh)
     n = 1000
 
-    @jax.jit
-    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"))
-    def ring(x):
-        return td.triton_call(x, kernel=ring_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-                              grid=(1,), axis_name="tp", workspace_bytes=256 + 2 * 4 * 1024,
-                              N=n, BLOCK=1024)
+    ring = _vector_fn(mesh, lambda x: td.triton_call(
+        x, kernel=ring_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(1,),
+        axis_name="tp", workspace_bytes=256 + 2 * 4 * 1024, N=n, BLOCK=1024))
 
     for _ in range(3):
         x = _rand((world * n,), jnp.float32)
         out = ring(jax.device_put(x, NamedSharding(mesh, P("tp"))))
-        expect = np.roll(np.asarray(x).reshape(world, n), 1, axis=0).reshape(-1)
-        np.testing.assert_array_equal(np.asarray(out), expect)
+        np.testing.assert_array_equal(np.asarray(out), _ring_shift(x, world, 1))
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -196,21 +201,17 @@ def test_example_ring_with_consume_token(world):
     td.initialize(mesh)
     n = 4000
 
-    @jax.jit
-    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"))
-    def ring_twice(x):
-        def once(v):
-            return td.triton_call(v, kernel=ring_exchange_kernel,
-                                  out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype), grid=(1,),
-                                  axis_name="tp", workspace_bytes=ring_workspace_bytes(n),
-                                  N=n, BLOCK=1024)
-        return once(once(x) * 2.0)
+    def once(v):
+        return td.triton_call(v, kernel=ring_exchange_kernel,
+                              out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype), grid=(1,),
+                              axis_name="tp", workspace_bytes=ring_workspace_bytes(n),
+                              N=n, BLOCK=1024)
 
+    ring_twice = _vector_fn(mesh, lambda x: once(once(x) * 2.0))
     for _ in range(3):
         x = _rand((world * n,), jnp.float32)
         out = ring_twice(jax.device_put(x, NamedSharding(mesh, P("tp"))))
-        expect = 2 * np.roll(np.asarray(x).reshape(world, n), 2, axis=0).reshape(-1)
-        np.testing.assert_array_equal(np.asarray(out), expect)
+        np.testing.assert_array_equal(np.asarray(out), 2 * _ring_shift(x, world, 2))
     td.check_errors()
 
 
@@ -222,18 +223,14 @@ def test_staged_input_read_by_peer(world):
     td.initialize(mesh)
     n = 3000
 
-    @jax.jit
-    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"))
-    def prev(x):
-        return td.triton_call(kernel=staged_prev_kernel, stage=x,
-                              out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(1,),
-                              axis_name="tp", workspace_bytes=4 * 64, N=n, BLOCK=1024)
+    prev = _vector_fn(mesh, lambda x: td.triton_call(
+        kernel=staged_prev_kernel, stage=x, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        grid=(1,), axis_name="tp", workspace_bytes=4 * 64, N=n, BLOCK=1024))
 
     for _ in range(4):
         x = _rand((world * n,), jnp.float32)
         out = prev(jax.device_put(x, NamedSharding(mesh, P("tp"))))
-        expect = np.roll(np.asarray(x).reshape(world, n), 1, axis=0).reshape(-1)
-        np.testing.assert_array_equal(np.asarray(out), expect)
+        np.testing.assert_array_equal(np.asarray(out), _ring_shift(x, world, 1))
 
 
 def test_withheld_notify_times_out_with_named_error():
