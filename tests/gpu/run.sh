@@ -36,7 +36,7 @@ python3 -m jaxtdist.bench ag_matmul $ARGS --json "docs/perf/ag_matmul_${TAG}.jso
 cp docs/perf/*_"${TAG}".* "$OUT/" 2>/dev/null
 
 echo
-echo "== GPU tests: $(tail -1 "$OUT/gpu_tests.log")"
+echo "== GPU tests: $(grep -E '^[0-9]+ (passed|failed|skipped|errors?)' "$OUT/gpu_tests.log" | tail -1)"
 cat "$OUT/examples.log"
 cat "docs/perf/all_gather_${TAG}.md" 2>/dev/null
 echo

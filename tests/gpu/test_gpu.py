@@ -257,5 +257,14 @@ def test_withheld_notify_times_out_with_named_error():
         with pytest.raises(Exception, match="timed out"):
             jax.block_until_ready(stuck(jax.device_put(jnp.zeros((world,), jnp.int32),
                                                        NamedSharding(mesh, P("tp")))))
+        # The documented recovery: a fresh runtime runs ops again. Running one also
+        # replaces JAX's failed per-device runtime tokens, which JAX would otherwise
+        # re-raise at interpreter exit.
+        td.shutdown()
+        td.initialize(mesh)
+        x = _rand((world * 64, 32), jnp.float32)
+        gather = _vector_fn(mesh, lambda v: td.all_gather(v, "tp", tiled=True))
+        np.testing.assert_array_equal(np.asarray(gather(jax.device_put(
+            x, NamedSharding(mesh, P("tp", None))))), np.tile(np.asarray(x), (world, 1)))
     finally:
         td.shutdown()
