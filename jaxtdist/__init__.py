@@ -25,6 +25,7 @@ if _os.environ.get("_JAXTDIST_INTERPRETER_WORKER") != "1":
         WaitTimeoutError,
     )
     from jaxtdist import runtime  # the subpackage; runtime.runtime() is the object
+    from jaxtdist import tune
     from jaxtdist.ops import ag_matmul, ag_matmul_sharded, all_gather, triton_call
     from jaxtdist.runtime import initialize, is_initialized, shutdown
 
@@ -47,4 +48,5 @@ __all__ = [
     "runtime",
     "shutdown",
     "triton_call",
+    "tune",
 ]

@@ -17,10 +17,8 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
 import time
-from collections import defaultdict
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxtdist as td
+from jaxtdist._timing import profile as _profile
 
 AG_MATMUL_SHAPES = [  # (m_shard, n_shard, k)
     (1024, 4096, 4096), (2048, 3072, 4096), (2048, 7168, 8192),
@@ -36,25 +35,6 @@ AG_MATMUL_SHAPES = [  # (m_shard, n_shard, k)
     (1, 4096, 8192), (16, 4096, 8192), (128, 4096, 8192),
 ]
 ALL_GATHER_BYTES = [16 << 10, 256 << 10, 1 << 20, 8 << 20, 64 << 20]
-
-
-def _profile(fn, args, iterations: int, world: int):
-    from jax.experimental.mosaic.gpu import profiler
-    out, per_iter = profiler.measure(fn, aggregate=False, iterations=iterations)(*args)
-    if per_iter is None:
-        raise RuntimeError("CUPTI saw no kernels")
-    if iterations == 1:
-        per_iter = [per_iter]
-    means, mins = [], []
-    for kernels in per_iter:
-        means.append(sum(t for _, t in kernels) * 1e3 / world)
-        fastest = defaultdict(lambda: float("inf"))
-        for name, t in kernels:
-            fastest[name] = min(fastest[name], t)
-        mins.append(sum(fastest.values()) * 1e3)
-    names = sorted({name for name, _ in per_iter[0]})
-    return out, dict(mean_us=statistics.median(means), min_us=statistics.median(mins),
-                     kernels=names)
 
 
 def _rel_err(out, ref) -> float:
@@ -110,6 +90,10 @@ def bench_ag_matmul(shapes, iterations: int, dtype=jnp.bfloat16, pallas: bool = 
         row["xla_allgather_dot"]["rel_err"] = _rel_err(out, ref)
         out, row["jaxtdist"] = _profile(ours, (xs, ws), iterations, world)
         row["jaxtdist"]["rel_err"] = _rel_err(out, ref)
+        tuned = td.runtime.runtime().tuning.lookup("ag_matmul", world, (m_shard, n_shard, k),
+                                                   dtype)
+        row["jaxtdist"]["config_source"] = "tuning cache" if tuned else "defaults"
+        row["jaxtdist"]["config"] = tuned
         if pallas_mod is not None:
             cm, configs = pallas_mod
             best = None
@@ -133,6 +117,39 @@ def bench_ag_matmul(shapes, iterations: int, dtype=jnp.bfloat16, pallas: bool = 
         rows.append(row)
         print(_ag_line(row), flush=True)
     return rows
+
+
+def bench_ag_matmul_2d(iterations: int, m_shard=1024, n_shard=4096, k=4096,
+                       dtype=jnp.bfloat16):
+    """ag_matmul over "tp" in a ("dp", "tp") = (2, 2) mesh, called pjit-style through
+    ``ag_matmul_sharded``, against all_gather over "tp" + dot in the same mesh."""
+    devices = jax.devices()[:4]
+    mesh = jax.make_mesh((2, 2), ("dp", "tp"), devices=devices,
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    td.initialize(mesh)
+    spec_x, spec_w = P(("dp", "tp"), None), P(None, "tp")
+    ours = jax.jit(functools.partial(td.ag_matmul_sharded, axis_name="tp", batch_axes=("dp",)))
+    xla = jax.jit(jax.shard_map(lambda x, w: jax.lax.all_gather(x, "tp", tiled=True) @ w,
+                                mesh=mesh, in_specs=(spec_x, spec_w), out_specs=P("dp", "tp")))
+    keys = jax.random.split(jax.random.key(7), 2)
+    x = (jax.random.normal(keys[0], (4 * m_shard, k), jnp.float32) / np.sqrt(k)).astype(dtype)
+    w = jax.random.normal(keys[1], (k, 2 * n_shard), jnp.float32).astype(dtype)
+    xs = jax.device_put(x, NamedSharding(mesh, spec_x))
+    ws = jax.device_put(w, NamedSharding(mesh, spec_w))
+    ref = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
+    row = dict(mesh="dp=2 x tp=2", m_shard=m_shard, n_shard=n_shard, k=k, world=2,
+               dtype=jnp.dtype(dtype).name)
+    local = jax.jit(lambda a, b: a @ b)
+    _, row["local_gemm"] = _profile(local, (jax.device_put(x[:2 * m_shard], devices[0]),
+                                            jax.device_put(w[:, :n_shard], devices[0])),
+                                    iterations, 1)
+    out, row["xla_allgather_dot"] = _profile(xla, (xs, ws), iterations, 4)
+    row["xla_allgather_dot"]["rel_err"] = _rel_err(out, ref)
+    out, row["jaxtdist"] = _profile(ours, (xs, ws), iterations, 4)
+    row["jaxtdist"]["rel_err"] = _rel_err(out, ref)
+    row["pallas_mgpu"] = dict(error=["not run on the 2-D mesh"])
+    print("dp x tp: " + _ag_line(row), flush=True)
+    return row
 
 
 def _fmt(entry) -> str:
@@ -221,6 +238,12 @@ def main(argv=None) -> int:
         shapes = AG_MATMUL_SHAPES[:3] if args.quick else AG_MATMUL_SHAPES
         rows = bench_ag_matmul(shapes, args.iterations, pallas=not args.no_pallas)
         table = ag_matmul_table(rows, device)
+        if len(jax.devices()) >= 4 and not args.quick:
+            row_2d = bench_ag_matmul_2d(args.iterations)
+            rows.append(row_2d)
+            table += ("\n\nag_matmul over tp in a (dp, tp) = (2, 2) mesh (ag_matmul_sharded "
+                      "under jit; (a) is one tp group's GEMM; mean over all 4 devices)\n\n"
+                      + "\n".join(ag_matmul_table([row_2d], device).splitlines()[2:]))
     else:
         rows = bench_all_gather(ALL_GATHER_BYTES, args.iterations)
         table = all_gather_table(rows, device)

@@ -15,6 +15,9 @@ if "xla_force_host_platform_device_count" not in _xla_flags:
     os.environ["XLA_FLAGS"] = (_xla_flags + " " + _FLAG).strip()
 if os.environ.get("JAXTDIST_TEST_GPU") != "1":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Tests never read or write the user's tuning cache.
+os.environ["JAXTDIST_TUNING_CACHE"] = os.path.join(
+    __import__("tempfile").mkdtemp(prefix="jaxtdist-tests-"), "tuning.json")
 
 import functools  # noqa: E402
 import itertools  # noqa: E402

@@ -51,8 +51,8 @@ def test_all_gather_vectorized(dtype):
     assert ops["ld.global.v4.b32"] > 0 and ops["st.global.v4.b32"] > 0
 
 
-@pytest.mark.parametrize("all_rows", [False, True])
-def test_ag_matmul_uses_tensor_cores_and_cp_async(all_rows):
+@pytest.mark.parametrize("all_rows,split_k", [(False, 1), (True, 1), (False, 2), (True, 8)])
+def test_ag_matmul_uses_tensor_cores_and_cp_async(all_rows, split_k):
     block_m = 16 if all_rows else 128
     k = _compile(ag_matmul_kernel,
                  {"ctx": "*i32", "x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
@@ -61,7 +61,9 @@ def test_ag_matmul_uses_tensor_cores_and_cp_async(all_rows):
                       SLOT_BYTES=1 << 23, READY_OFF=0, FLAGS_OFF=4096, NUM_COMM=16,
                       COPY_BLOCK_C=128, BLOCK_M=block_m, BLOCK_N=32 if all_rows else 256,
                       BLOCK_K=256 if all_rows else 64, GROUP_M=8, SCOPE="sys",
-                      ALL_ROWS=all_rows),
+                      ALL_ROWS=all_rows, SPLIT_K=split_k, K_SPLIT=4096 // split_k,
+                      PARTIALS_OFF=1 << 24 if split_k > 1 else -1,
+                      COUNTERS_OFF=1 << 25 if split_k > 1 else -1),
                  num_warps=4 if all_rows else 8, num_stages=3)
     ops = _ops(k)
     # Skinny tiles (BLOCK_M=16) are below a warpgroup's 64 rows: mma.sync there.
@@ -70,6 +72,9 @@ def test_ag_matmul_uses_tensor_cores_and_cp_async(all_rows):
     assert ops["cp.async.cg.shared.global"] > 0, dict(ops)
     narrow = {op: n for op, n in ops.items() if op.endswith((".b16", ".b8"))}
     assert not narrow, f"copies lost vectorization: {dict(ops)}"
+    if split_k > 1:  # the arrival counter: one acq_rel atomic at GPU scope
+        assert re.search(r"atom\.global\.gpu\.acq_rel\.add|atom\.acq_rel\.gpu\.global\.add",
+                         k.asm["ptx"]), "split-K counter is not an acq_rel GPU-scope atomic"
 
 
 def test_language_primitives_compile():

@@ -7,6 +7,9 @@ flag per BLOCK_M rows. The rest are GEMM tiles in ``rank_major_tile`` order:
 the local shard's tiles first (their chunks are local copies, ready at once),
 then each peer's. A tile waits for its chunk flag, which only lower program
 ids (the producers) raise, so the grid cannot deadlock.
+
+With SPLIT_K > 1, SPLIT_K consecutive programs share one output tile, each
+over its own range of K (``_splitk``): small M then still fills the GPU.
 """
 
 import triton
@@ -14,6 +17,7 @@ import triton.language as tl
 
 import jaxtdist.language as dl
 from jaxtdist.kernels._gather import pull_shards
+from jaxtdist.kernels._splitk import finish_split_k, k_range
 from jaxtdist.kernels._tiles import rank_major_tile
 
 
@@ -22,11 +26,13 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
                      M_SHARD: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                      STAGE_OFF: tl.constexpr, SLOT_BYTES: tl.constexpr,
                      READY_OFF: tl.constexpr, FLAGS_OFF: tl.constexpr,
+                     PARTIALS_OFF: tl.constexpr, COUNTERS_OFF: tl.constexpr,
                      NUM_COMM: tl.constexpr, COPY_BLOCK_C: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr,
                      GROUP_M: tl.constexpr, SCOPE: tl.constexpr, ALL_ROWS: tl.constexpr):
-    """Grid: (NUM_COMM + world * cdiv(M_SHARD, BLOCK_M) * cdiv(N, BLOCK_N),), or with
-    ``ALL_ROWS`` (BLOCK_M >= world * M_SHARD): (NUM_COMM + cdiv(N, BLOCK_N),).
+    """Grid: (NUM_COMM + SPLIT_K * world * cdiv(M_SHARD, BLOCK_M) * cdiv(N, BLOCK_N),),
+    or with ``ALL_ROWS`` (BLOCK_M >= world * M_SHARD): (NUM_COMM + SPLIT_K * cdiv(N, BLOCK_N),).
 
     x: [M_SHARD, K], w: [K, N] -> out: [world * M_SHARD, N],
     gathered: [world * M_SHARD, K] (the gathered x, kept for autodiff).
@@ -42,28 +48,33 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
         m_tiles = tl.cdiv(M_SHARD, BLOCK_M)
         n_tiles = tl.cdiv(N, BLOCK_N)
         flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
+        tile = (pid - NUM_COMM) // SPLIT_K
+        split = (pid - NUM_COMM) % SPLIT_K
         if ALL_ROWS:
             # Small M: one tile spans every rank's rows, so w is read once.
-            tn = pid - NUM_COMM
+            tn = tile
             for src in range(0, world):
                 dl.wait(ctx, flags + src * m_tiles, e, "ge", src, "gpu")
             rows = tl.arange(0, BLOCK_M)
             row_mask = rows < world * M_SHARD
             a_base = gathered_ptr
             out_rows = rows
+            counter_index = tn
         else:
-            src, tm, tn = rank_major_tile(pid - NUM_COMM, me, world, m_tiles, n_tiles, GROUP_M)
+            src, tm, tn = rank_major_tile(tile, me, world, m_tiles, n_tiles, GROUP_M)
             dl.wait(ctx, flags + src * m_tiles + tm, e, "ge", src, "gpu")
             # One source for A (local rows included) keeps its loads vectorized.
             a_base = gathered_ptr + src * M_SHARD * K
             rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
             row_mask = rows < M_SHARD
             out_rows = src * M_SHARD + rows
+            counter_index = (src * m_tiles + tm) * n_tiles + tn
         cols = tl.max_contiguous(tl.multiple_of(tn * BLOCK_N + tl.arange(0, BLOCK_N), BLOCK_N),
                                  BLOCK_N)
         col_mask = cols < N
+        k_lo, k_hi = k_range(split, K, K_SPLIT)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             ks = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
             k_mask = ks < K
             a = tl.load(a_base + rows[:, None] * K + ks[None, :],
@@ -71,6 +82,12 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
             b = tl.load(w_ptr + ks[:, None] * N + cols[None, :],
                         mask=k_mask[:, None] & col_mask[None, :], other=0.0)
             acc = tl.dot(a, b, acc)
-        tl.store(out_ptr + out_rows[:, None] * N + cols[None, :],
-                 acc.to(out_ptr.dtype.element_ty),
-                 mask=row_mask[:, None] & col_mask[None, :])
+        out_offs = out_rows[:, None] * N + cols[None, :]
+        mask = row_mask[:, None] & col_mask[None, :]
+        if SPLIT_K == 1:
+            tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            finish_split_k(acc, split, out_ptr + out_offs,
+                           dl.heap_ptr(ctx, PARTIALS_OFF, tl.float32), out_offs, mask,
+                           dl.heap_ptr(ctx, COUNTERS_OFF, tl.int32) + counter_index,
+                           world * M_SHARD * N, SPLIT_K)

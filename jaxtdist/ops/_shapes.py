@@ -35,3 +35,13 @@ class GatherWorkspace:
         self.slot_bytes = align(rows * cols * np.dtype(dtype).itemsize)
         self.stage = self.flags + align(4 * world * self.n_chunks)
         self.nbytes = self.stage + 2 * self.slot_bytes
+
+
+class SplitKWorkspace:
+    """Byte layout of a split-K workspace: one float32 plane of the output per
+    split ([split_k, rows, cols]), then one int32 arrival counter per output tile."""
+
+    def __init__(self, split_k: int, rows: int, cols: int, n_tiles: int):
+        self.partials = 0
+        self.counters = align(4 * split_k * rows * cols)
+        self.nbytes = self.counters + align(4 * n_tiles)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
 
 from jaxtdist.kernels.ag_matmul import ag_matmul_kernel
 from jaxtdist.ops import _call
-from jaxtdist.ops._shapes import GatherWorkspace, check_dtype, next_pow2
+from jaxtdist.ops._shapes import GatherWorkspace, SplitKWorkspace, check_dtype, next_pow2
 from jaxtdist.runtime._runtime import runtime
 
 
@@ -21,23 +22,23 @@ def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
         if small:  # decode: one M tile over all ranks' rows, many narrow N tiles
             return dict(BLOCK_M=max(16, next_pow2(world * m_shard)), BLOCK_N=32,
                         BLOCK_K=256 if jnp.dtype(dtype).itemsize == 2 else 64, GROUP_M=1,
-                        NUM_COMM=4, COPY_BLOCK_C=256, SCOPE="sys", ALL_ROWS=True,
+                        NUM_COMM=4, COPY_BLOCK_C=256, SCOPE="sys", ALL_ROWS=True, SPLIT_K=1,
                         num_warps=4, num_stages=4)
         block_m = min(128, max(16, next_pow2(m_shard)))
         if jnp.dtype(dtype).itemsize == 4:  # keep 3 stages within shared memory
             return dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, NUM_COMM=32,
-                        COPY_BLOCK_C=64, SCOPE="sys", ALL_ROWS=False, num_warps=8,
+                        COPY_BLOCK_C=64, SCOPE="sys", ALL_ROWS=False, SPLIT_K=1, num_warps=8,
                         num_stages=3)
         return dict(BLOCK_M=block_m, BLOCK_N=256 if block_m == 128 else 128, BLOCK_K=64,
-                    GROUP_M=8, NUM_COMM=32, COPY_BLOCK_C=128, SCOPE="sys", ALL_ROWS=False,
+                    GROUP_M=8, NUM_COMM=32, COPY_BLOCK_C=128, SCOPE="sys", ALL_ROWS=False, SPLIT_K=1,
                     num_warps=8, num_stages=3)
     if small:
         return dict(BLOCK_M=max(16, next_pow2(world * m_shard)), BLOCK_N=32, BLOCK_K=32,
                     GROUP_M=1, NUM_COMM=2, COPY_BLOCK_C=min(64, next_pow2(k)), SCOPE="sys",
-                    ALL_ROWS=True, num_warps=4, num_stages=1)
+                    ALL_ROWS=True, SPLIT_K=1, num_warps=4, num_stages=1)
     block_m = min(32, max(16, next_pow2(m_shard)))
     return dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, NUM_COMM=2,
-                COPY_BLOCK_C=min(64, next_pow2(k)), SCOPE="sys", ALL_ROWS=False, num_warps=4,
+                COPY_BLOCK_C=min(64, next_pow2(k)), SCOPE="sys", ALL_ROWS=False, SPLIT_K=1, num_warps=4,
                 num_stages=1)
 
 
@@ -55,29 +56,84 @@ def _check(x, w, axis_name):
         raise ValueError(f"jaxtdist.ag_matmul: empty operand x{x.shape} w{w.shape}")
 
 
+_INT_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "NUM_COMM", "COPY_BLOCK_C", "SPLIT_K",
+             "num_warps", "num_stages")
+
+
+def check_config(cfg: dict, world: int, m_shard: int, k: int) -> None:
+    """Raises ``ValueError`` naming the first constraint ``cfg`` breaks."""
+    unknown = set(cfg) - set(_INT_KEYS) - {"SCOPE", "ALL_ROWS"}
+    if unknown:
+        raise ValueError(f"jaxtdist.ag_matmul: unknown config keys {sorted(unknown)}; known: "
+                         f"{sorted(_INT_KEYS + ('SCOPE', 'ALL_ROWS'))}")
+    for key in _INT_KEYS:
+        if int(cfg[key]) < 1:
+            raise ValueError(f"jaxtdist.ag_matmul: config {key}={cfg[key]} must be >= 1")
+    for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
+        if cfg[key] & (cfg[key] - 1):
+            raise ValueError(f"jaxtdist.ag_matmul: config {key}={cfg[key]} must be a power of 2")
+    if cfg["ALL_ROWS"] and cfg["BLOCK_M"] < world * m_shard:
+        raise ValueError(f"jaxtdist.ag_matmul: ALL_ROWS needs BLOCK_M >= world * m_shard "
+                         f"= {world * m_shard}, got BLOCK_M={cfg['BLOCK_M']}")
+    if cfg["SPLIT_K"] > -(-k // cfg["BLOCK_K"]):
+        raise ValueError(f"jaxtdist.ag_matmul: SPLIT_K={cfg['SPLIT_K']} exceeds the "
+                         f"{-(-k // cfg['BLOCK_K'])} blocks of K={k} (BLOCK_K={cfg['BLOCK_K']})")
+
+
+def resolve_config(rt, axis_name, world: int, m_shard: int, n: int, k: int, dtype,
+                   config: dict | None = None) -> dict:
+    """The config a call uses: the defaults, updated by the tuning cache's entry
+    for this (device kind, world, shape, dtype), then by ``config``.
+
+    On a cache miss with ``JAXTDIST_AUTOTUNE=1``, tunes the shape first (see
+    ``jaxtdist.tune.tune_ag_matmul``) and caches the choice.
+    """
+    cfg = dict(default_config(rt.platform, world, m_shard, n, k, dtype))
+    if config is None:
+        tuned = rt.tuning.lookup("ag_matmul", world, (m_shard, n, k), dtype)
+        if tuned is None and os.environ.get("JAXTDIST_AUTOTUNE") == "1":
+            from jaxtdist.tune import tune_ag_matmul
+            tuned = tune_ag_matmul(m_shard, n, k, dtype, axis_name=axis_name)["config"]
+        cfg.update(tuned or {})
+    cfg.update(config or {})
+    check_config(cfg, world, m_shard, k)
+    return cfg
+
+
 def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
                             config: dict | None = None) -> tuple[jax.Array, jax.Array]:
-    """Like ``ag_matmul`` but also returns the gathered ``x``."""
+    """Like ``ag_matmul`` but also returns the gathered ``x``.
+
+    ``config`` overrides the block sizes, producer count (``NUM_COMM``),
+    ``SPLIT_K``, ``num_warps`` and ``num_stages`` chosen by the tuning cache
+    or the defaults (see ``jaxtdist.tune``).
+    """
     rt = runtime()
     layout = _call.check_axis(rt, axis_name, "ag_matmul")
     _check(x, w, axis_name)
     m_shard, k = x.shape
     n = w.shape[1]
     world = layout.world
-    cfg = dict(default_config(rt.platform, world, m_shard, n, k, x.dtype))
-    cfg.update(config or {})
+    cfg = resolve_config(rt, axis_name, world, m_shard, n, k, x.dtype, config)
     num_warps = cfg.pop("num_warps")
     num_stages = cfg.pop("num_stages")
-    if cfg["ALL_ROWS"] and cfg["BLOCK_M"] < world * m_shard:
-        raise ValueError(f"jaxtdist.ag_matmul: ALL_ROWS needs BLOCK_M >= world * m_shard "
-                         f"= {world * m_shard}, got BLOCK_M={cfg['BLOCK_M']}")
     plan = GatherWorkspace(world, m_shard, k, x.dtype, cfg["BLOCK_M"])
     ws = rt.workspace(("ag_matmul", layout.axes, m_shard, k, x.dtype.name, cfg["BLOCK_M"]),
                       plan.nbytes)
-    ctx = _call.prologue(rt, layout, ws, "ag_matmul", deps=(x, w))
     n_tiles = -(-n // cfg["BLOCK_N"])
     m_tiles = 1 if cfg["ALL_ROWS"] else world * plan.n_chunks
-    grid = (cfg["NUM_COMM"] + m_tiles * n_tiles,)
+    split_k = cfg["SPLIT_K"]
+    k_split = -(-(-(-k // split_k)) // cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    partials_off = counters_off = -1
+    if split_k > 1:
+        split_plan = SplitKWorkspace(split_k, world * m_shard, n, m_tiles * n_tiles)
+        split_ws = rt.workspace(("ag_matmul_split_k", layout.axes, world * m_shard, n, split_k,
+                                 cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["ALL_ROWS"]),
+                                split_plan.nbytes)
+        partials_off = split_ws.offset + split_plan.partials
+        counters_off = split_ws.offset + split_plan.counters
+    ctx = _call.prologue(rt, layout, ws, "ag_matmul", deps=(x, w))
+    grid = (cfg["NUM_COMM"] + split_k * m_tiles * n_tiles,)
     out, gathered = _call.launch(
         ag_matmul_kernel, ctx, x, w,
         out_shape=(jax.ShapeDtypeStruct((world * m_shard, n), x.dtype),
@@ -85,7 +141,8 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
         grid=grid, num_warps=num_warps, num_stages=num_stages,
         M_SHARD=m_shard, N=n, K=k, STAGE_OFF=ws.offset + plan.stage,
         SLOT_BYTES=plan.slot_bytes, READY_OFF=ws.offset + plan.ready,
-        FLAGS_OFF=ws.offset + plan.flags, **cfg)
+        FLAGS_OFF=ws.offset + plan.flags, PARTIALS_OFF=partials_off,
+        COUNTERS_OFF=counters_off, K_SPLIT=k_split, **cfg)
     return out, gathered
 
 

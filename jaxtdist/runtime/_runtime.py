@@ -19,6 +19,7 @@ import numpy as np
 from jaxtdist.language import _layout as L
 from jaxtdist.runtime import _native
 from jaxtdist._errors import HeapExhaustedError, NotInitializedError, WaitTimeoutError
+from jaxtdist.tune._cache import TuningCache
 
 _ALIGN = 256
 _TEMPLATE_START = 4096
@@ -82,6 +83,7 @@ class Runtime:
                 "jaxtdist's native library was built without CUDA (no CUDA headers were "
                 "found at build time); reinstall on a machine with the CUDA toolkit")
         self._lock = threading.Lock()
+        self.tuning = TuningCache(devices[0].device_kind)
         global _GENERATION
         _GENERATION += 1
         self.generation = _GENERATION

@@ -77,6 +77,33 @@ def test_ag_matmul(world, dtype, m_shard, k, n_shard):
         assert _rel(out, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("m_shard,k,n_shard,config", [
+    (1, 8192, 1024, dict(BLOCK_N=128, BLOCK_K=128, SPLIT_K=8)),       # decode, one row tile
+    (16, 1000, 600, dict(BLOCK_N=64, BLOCK_K=64, SPLIT_K=4)),
+    (128, 2048, 1024, dict(BLOCK_N=128, BLOCK_K=64, SPLIT_K=2, NUM_COMM=8, num_warps=4)),
+    (100, 777, 300, dict(BLOCK_N=64, BLOCK_K=64, SPLIT_K=3, ALL_ROWS=False, BLOCK_M=64)),
+])
+def test_ag_matmul_split_k(world, dtype, m_shard, k, n_shard, config):
+    """Split-K programs combine through heap partials and arrival counters."""
+    from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered
+    mesh = _mesh(world)
+    td.initialize(mesh)
+    if dtype == jnp.float32:
+        config = dict(config, BLOCK_K=min(config["BLOCK_K"], 64), num_stages=2)
+    f = jax.jit(jax.shard_map(
+        lambda x, w: ag_matmul_with_gathered(x, w, "tp", config=config)[0], mesh=mesh,
+        in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
+    for _ in range(3):  # counters carry over between calls
+        x = _rand((world * m_shard, k), dtype, 1 / np.sqrt(k))
+        w = _rand((k, world * n_shard), dtype)
+        out = f(jax.device_put(x, NamedSharding(mesh, P("tp", None))),
+                jax.device_put(w, NamedSharding(mesh, P(None, "tp"))))
+        ref = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
+        assert _rel(out, ref) < TOL[dtype]
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("shape", [(3, 5), (64, 1000), (1024, 4096)])

@@ -1,0 +1,33 @@
+"""Device-side kernel timing (CUPTI), shared by the benchmarks and the tuner."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+
+
+def profile(fn, args, iterations: int, world: int):
+    """Runs ``fn(*args)`` ``iterations`` times under CUPTI.
+
+    Returns ``(out, stats)``: ``stats["mean_us"]`` is the median over
+    iterations of the kernel time summed per device and averaged over the
+    ``world`` devices; ``stats["min_us"]`` the median of the per-kernel-name
+    fastest device's sum (JAX's collective-matmul example's statistic).
+    """
+    from jax.experimental.mosaic.gpu import profiler
+
+    out, per_iter = profiler.measure(fn, aggregate=False, iterations=iterations)(*args)
+    if per_iter is None:
+        raise RuntimeError("CUPTI saw no kernels")
+    if iterations == 1:
+        per_iter = [per_iter]
+    means, mins = [], []
+    for kernels in per_iter:
+        means.append(sum(t for _, t in kernels) * 1e3 / world)
+        fastest = defaultdict(lambda: float("inf"))
+        for name, t in kernels:
+            fastest[name] = min(fastest[name], t)
+        mins.append(sum(fastest.values()) * 1e3)
+    names = sorted({name for name, _ in per_iter[0]})
+    return out, dict(mean_us=statistics.median(means), min_us=statistics.median(mins),
+                     kernels=names)

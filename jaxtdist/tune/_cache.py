@@ -1,0 +1,88 @@
+"""The tuning cache: the config chosen for each (op, device, world size, shape, dtype).
+
+Two layers: ``tuned_configs.json`` shipped inside the package (measured on
+the machines named in it) and the user's cache file, which takes precedence
+and which ``jaxtdist.tune`` writes. The file is read once per runtime, so a
+second process start pays no tuning cost for shapes tuned before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import tempfile
+import threading
+
+import numpy as np
+
+SHIPPED = pathlib.Path(__file__).with_name("tuned_configs.json")
+FORMAT = 1
+
+
+def cache_path() -> pathlib.Path:
+    """``$JAXTDIST_TUNING_CACHE``, else ``$XDG_CACHE_HOME/jaxtdist/tuning.json``
+    (``~/.cache/jaxtdist/tuning.json``)."""
+    explicit = os.environ.get("JAXTDIST_TUNING_CACHE")
+    if explicit:
+        return pathlib.Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "jaxtdist" / "tuning.json"
+
+
+def entry_key(op: str, device_kind: str, world: int, shape: tuple[int, ...], dtype) -> str:
+    dims = "x".join(str(int(d)) for d in shape)
+    return f"{op}|{device_kind}|world={int(world)}|{dims}|{np.dtype(dtype).name}"
+
+
+def _read(path: pathlib.Path) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise ValueError(f"jaxtdist: the tuning cache {path} is unreadable ({e}); delete it "
+                         f"or point JAXTDIST_TUNING_CACHE elsewhere") from e
+    if data.get("format") != FORMAT:
+        return {}  # written by another jaxtdist version: ignore rather than misuse
+    return dict(data.get("entries", {}))
+
+
+class TuningCache:
+    """Tuned configs for one device kind; owned by the runtime object."""
+
+    def __init__(self, device_kind: str):
+        self.device_kind = device_kind
+        self._entries: dict | None = None
+        self._lock = threading.Lock()
+
+    def _load(self) -> dict:
+        if self._entries is None:
+            entries = _read(SHIPPED)
+            entries.update(_read(cache_path()))
+            self._entries = entries
+        return self._entries
+
+    def lookup(self, op: str, world: int, shape, dtype) -> dict | None:
+        """The tuned config overrides for this call, or None if never tuned."""
+        with self._lock:
+            entry = self._load().get(entry_key(op, self.device_kind, world, shape, dtype))
+        return None if entry is None else dict(entry["config"])
+
+    def store(self, op: str, world: int, shape, dtype, config: dict, details: dict) -> str:
+        """Records ``config`` (with how it was chosen) in memory and in the cache file."""
+        key = entry_key(op, self.device_kind, world, shape, dtype)
+        entry = dict(config=dict(config), **details)
+        path = cache_path()
+        with self._lock:
+            self._load()[key] = entry
+            path.parent.mkdir(parents=True, exist_ok=True)
+            on_disk = _read(path)  # other processes may have added entries
+            on_disk[key] = entry
+            # Atomic replace: a concurrent reader sees the old or the new file.
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tuning.", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                json.dump(dict(format=FORMAT, entries=on_disk), f, indent=1, sort_keys=True)
+            os.replace(tmp, path)
+        return key

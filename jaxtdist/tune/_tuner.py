@@ -1,0 +1,188 @@
+"""Chooses ag_matmul configs by timing candidates on the devices (CUPTI)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def candidates_ag_matmul(world: int, m_shard: int, n: int, k: int, dtype) -> list[dict]:
+    """Config overrides worth timing for one GPU problem (see ``default_config``),
+    those that fit the problem (e.g. SPLIT_K within K's blocks)."""
+    from jaxtdist.ops.ag_matmul import check_config, default_config
+
+    fitting = []
+    for overrides in _gpu_candidates(world, m_shard, n, k, dtype):
+        try:
+            check_config(dict(default_config("gpu", world, m_shard, n, k, dtype), **overrides),
+                         world, m_shard, k)
+        except ValueError:
+            continue
+        fitting.append(overrides)
+    return fitting
+
+
+def _gpu_candidates(world: int, m_shard: int, n: int, k: int, dtype) -> list[dict]:
+    rows = world * m_shard
+    if jnp.dtype(dtype).itemsize == 4:
+        return [dict(NUM_COMM=n_comm) for n_comm in (8, 16, 32)]
+    if rows <= 128:  # decode: one tile over all rows; split K to fill the GPU
+        block_m = max(16, 1 << max(0, rows - 1).bit_length())
+        base = dict(BLOCK_M=block_m, ALL_ROWS=True, GROUP_M=1, num_warps=4)
+        return [dict(base, BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, NUM_COMM=4, num_stages=4),
+                dict(base, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, NUM_COMM=4, num_stages=4),
+                dict(base, BLOCK_N=128, BLOCK_K=128, SPLIT_K=8, NUM_COMM=4, num_stages=4),
+                dict(base, BLOCK_N=128, BLOCK_K=64, SPLIT_K=16, NUM_COMM=4, num_stages=4),
+                dict(base, BLOCK_N=256, BLOCK_K=64, SPLIT_K=16, NUM_COMM=4, num_stages=4,
+                     num_warps=8),
+                dict(base, BLOCK_N=64, BLOCK_K=256, SPLIT_K=8, NUM_COMM=2, num_stages=3)]
+    if m_shard <= 256:  # few row tiles: narrower N tiles or split K
+        return [dict(BLOCK_N=256, NUM_COMM=16),
+                dict(BLOCK_N=128, BLOCK_K=64, NUM_COMM=8, num_warps=4, num_stages=4),
+                dict(BLOCK_N=64, BLOCK_K=128, NUM_COMM=8, num_warps=4, num_stages=4),
+                dict(BLOCK_N=128, BLOCK_K=64, NUM_COMM=8, SPLIT_K=2, num_warps=4, num_stages=4),
+                dict(BLOCK_N=256, BLOCK_K=64, NUM_COMM=8, SPLIT_K=4, num_warps=8, num_stages=3)]
+    return [dict(BLOCK_N=256, NUM_COMM=32),
+            dict(BLOCK_N=256, NUM_COMM=16),
+            dict(BLOCK_N=256, NUM_COMM=8),
+            dict(BLOCK_N=256, NUM_COMM=16, num_stages=4),
+            dict(BLOCK_N=128, NUM_COMM=16, num_warps=4, num_stages=4)]
+
+
+def cupti_measure(fn, args, world: int, iterations: int) -> float:
+    """Median kernel time per device, microseconds (CUPTI)."""
+    from jaxtdist._timing import profile
+
+    return profile(fn, args, iterations, world)[1]["mean_us"]
+
+
+def default_measure(platform: str):
+    """CUPTI kernel time on GPUs; there is no meaningful kernel time on CPU."""
+    if platform != "gpu":
+        raise ValueError("jaxtdist.tune: timing needs GPUs (CUPTI kernel time); on CPU pass "
+                         "measure= explicitly")
+    return cupti_measure
+
+
+def tune_ag_matmul(m_shard: int, n: int, k: int, dtype=jnp.bfloat16, *, axis_name="tp",
+                   candidates: list[dict] | None = None, iterations: int = 10,
+                   measure=None, save: bool = True) -> dict:
+    """Times ``ag_matmul`` configs for one problem and caches the fastest.
+
+    Runs on the runtime's mesh with ``x`` rows sharded over ``axis_name``;
+    every candidate's output is checked against a float32 reference first,
+    and a candidate that fails to compile, errs or is inaccurate is skipped.
+
+    Args:
+      m_shard, n, k: the per-rank problem: x [m_shard, k], w [k, n].
+      dtype: operand dtype.
+      axis_name: the mesh axis (or axes) to gather over.
+      candidates: config overrides to try (default: ``candidates_ag_matmul``).
+      iterations: timed runs per candidate (median taken).
+      measure: ``measure(fn, args, world, iterations) -> microseconds``;
+        default CUPTI kernel time (GPUs only).
+      save: write the choice to the tuning cache file.
+
+    Returns:
+      ``dict(config=..., us=..., key=..., tried=[...])``.
+
+    Example:
+      >>> jaxtdist.initialize(mesh)
+      >>> jaxtdist.tune.tune_ag_matmul(1024, 4096, 4096, jnp.bfloat16, axis_name="tp")
+    """
+    from jaxtdist.ops import _call
+    from jaxtdist.runtime._runtime import runtime
+
+    rt = runtime()
+    layout = _call.check_axis(rt, axis_name, "tune_ag_matmul")
+    world = layout.world
+    measure = measure or default_measure(rt.platform)
+    if candidates is None:
+        candidates = candidates_ag_matmul(world, m_shard, n, k, dtype)
+    axes = layout.axes if len(layout.axes) > 1 else layout.axes[0]
+    started = time.time()
+    # JAX's trace state is per thread: a thread of its own runs the candidates
+    # eagerly even when tuning starts while the caller is tracing.
+    # The caller's trace keeps its record of its last jaxtdist op (program order).
+    caller_last_output = rt.last_traced_output
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxtdist-tune") as pool:
+            tried = pool.submit(_time_candidates, rt, axis_name, axes, world, m_shard, n, k,
+                                dtype, candidates, iterations, measure).result()
+    finally:
+        rt.last_traced_output = caller_last_output
+    timed = [r for r in tried if "us" in r]
+    if not timed:
+        raise RuntimeError(f"jaxtdist.tune: no ag_matmul candidate ran for m_shard={m_shard} "
+                           f"n={n} k={k} {jnp.dtype(dtype).name}: {tried}")
+    best = min(timed, key=lambda r: r["us"])
+    result = dict(config=best["config"], us=best["us"], tried=tried,
+                  seconds=time.time() - started)
+    if save:
+        result["key"] = rt.tuning.store(
+            "ag_matmul", world, (m_shard, n, k), dtype, best["config"],
+            dict(us=best["us"], tried=[{k2: v for k2, v in r.items() if k2 != "config"}
+                                       for r in tried],
+                 jax=jax.__version__, triton=_triton_version()))
+    return result
+
+
+def _time_candidates(rt, axis_name, axes, world, m_shard, n, k, dtype, candidates, iterations,
+                     measure) -> list[dict]:
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered, resolve_config
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((world * m_shard, k), np.float32) / np.sqrt(k), dtype)
+    w = jnp.asarray(rng.standard_normal((k, world * n), np.float32), dtype)
+    xs = jax.device_put(x, NamedSharding(rt.mesh, P(axes, None)))
+    ws = jax.device_put(w, NamedSharding(rt.mesh, P(None, axes)))
+    specs = dict(mesh=rt.mesh, in_specs=(P(axes, None), P(None, axes)), out_specs=P(None, axes),
+                 check_vma=False)
+    # The float32 reference runs on the devices too (host numpy takes minutes at LLM sizes).
+    reference = jax.jit(jax.shard_map(
+        lambda xb, wb: jnp.dot(jax.lax.all_gather(xb.astype(jnp.float32), axis_name, tiled=True),
+                               wb.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST),
+        **specs))
+    ref = reference(xs, ws)
+    ref_norm = float(jnp.linalg.norm(ref))
+    tol = 1e-5 if jnp.dtype(dtype).itemsize == 4 else 2e-2
+    tried = []
+    for overrides in candidates:
+        record = dict(overrides=dict(overrides))
+        try:
+            cfg = resolve_config(rt, axis_name, world, m_shard, n, k, dtype,
+                                 _defaults_with(rt, world, m_shard, n, k, dtype, overrides))
+
+            def body(xb, wb, cfg=cfg):
+                return ag_matmul_with_gathered(xb, wb, axis_name, config=cfg)[0]
+
+            fn = jax.jit(jax.shard_map(body, **specs))
+            err = float(jnp.linalg.norm(fn(xs, ws).astype(jnp.float32) - ref)) / ref_norm
+            record["rel_err"] = err
+            if not err <= tol:
+                raise ValueError(f"relative error {err:.2e} above {tol:.0e}")
+            record["us"] = float(measure(fn, (xs, ws), world, iterations))
+            record["config"] = cfg
+        except Exception as e:  # noqa: BLE001 - a failing candidate is skipped, reported
+            record["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        tried.append(record)
+    return tried
+
+
+def _defaults_with(rt, world, m_shard, n, k, dtype, overrides):
+    from jaxtdist.ops.ag_matmul import default_config
+
+    return dict(default_config(rt.platform, world, m_shard, n, k, dtype), **overrides)
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__

@@ -1,0 +1,145 @@
+"""Split-K ag_matmul and the tuning cache, under the interpreter (CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxtdist as td
+from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered, resolve_config
+from jaxtdist.tune import _tuner
+from tests.conftest import assert_close, cpu_only, f64, place, rand, setup
+
+pytestmark = cpu_only()
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+
+def _fn(mesh, config=None):
+    return jax.jit(jax.shard_map(
+        lambda x, w: ag_matmul_with_gathered(x, w, "tp", config=config)[0], mesh=mesh,
+        in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
+
+
+# (world, dtype, (m_shard, k, n_shard), config): split K in both kernel modes,
+# K not a multiple of BLOCK_K * SPLIT_K (the last split is short or empty).
+SPLIT_K_CASES = [
+    (2, F32, (3, 100, 20), dict(SPLIT_K=3)),                       # one tile over all rows
+    (4, BF16, (2, 64, 12), dict(SPLIT_K=2)),
+    (2, F32, (40, 72, 24), dict(SPLIT_K=2)),                       # rank-major tiles
+    (4, F32, (17, 96, 40), dict(SPLIT_K=4, BLOCK_K=16)),
+    (8, BF16, (5, 40, 8), dict(SPLIT_K=2, ALL_ROWS=False, BLOCK_M=16)),
+]
+
+
+@pytest.mark.parametrize("world,dtype,shape,config", SPLIT_K_CASES, ids=lambda c: str(c))
+def test_split_k(world, dtype, shape, config):
+    mesh = setup(world)
+    m, k, n = shape
+    f = _fn(mesh, config)
+    for _ in range(3):  # counters keep counting across calls
+        x = rand((world * m, k), dtype)
+        w = rand((k, world * n), dtype)
+        out = f(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp")))
+        assert_close(out, f64(x) @ f64(w), dtype)
+
+
+def test_bad_configs_are_refused():
+    mesh = setup(2)
+    x = place(mesh, rand((8, 64), F32), P("tp", None))
+    w = place(mesh, rand((64, 8), F32), P(None, "tp"))
+    for config, match in [(dict(SPLIT_K=5), "SPLIT_K=5 exceeds the 2 blocks"),
+                          (dict(BLOCK_N=24), "BLOCK_N=24 must be a power of 2"),
+                          (dict(NUM_COMM=0), "NUM_COMM=0 must be >= 1"),
+                          (dict(BLOK_M=16), "unknown config keys")]:
+        with pytest.raises(ValueError, match=match):
+            _fn(mesh, config)(x, w)
+
+
+def _fake_measure(times):
+    """Pretends candidate i (by its BLOCK_N) takes times[BLOCK_N] microseconds."""
+    def measure(fn, args, world, iterations):
+        jax.block_until_ready(fn(*args))
+        measure.calls += 1
+        return times[measure.current]
+    measure.calls = 0
+    return measure
+
+
+def test_tune_picks_fastest_and_persists(monkeypatch):
+    mesh = setup(2)
+    cands = [dict(BLOCK_N=16), dict(BLOCK_N=32, SPLIT_K=2), dict(BLOCK_N=24)]  # last: invalid
+    order = iter([0, 1])
+
+    def measure(fn, args, world, iterations):
+        jax.block_until_ready(fn(*args))
+        return [50.0, 20.0][next(order)]
+
+    result = td.tune.tune_ag_matmul(4, 24, 64, F32, axis_name="tp", candidates=cands,
+                                    measure=measure)
+    assert result["config"]["BLOCK_N"] == 32 and result["config"]["SPLIT_K"] == 2
+    assert result["us"] == 20.0
+    assert "power of 2" in result["tried"][2]["error"]
+    on_disk = json.loads(td.tune.cache_path().read_text())
+    entry = on_disk["entries"][result["key"]]
+    assert entry["config"]["BLOCK_N"] == 32 and entry["us"] == 20.0
+
+    # A fresh runtime (as in a second process) reads the entry and does not tune.
+    td.shutdown()
+    mesh = setup(2)
+    monkeypatch.setenv("JAXTDIST_AUTOTUNE", "1")
+    monkeypatch.setattr(_tuner, "tune_ag_matmul", lambda *a, **k: pytest.fail("tuned again"))
+    cfg = resolve_config(td.runtime.runtime(), "tp", 2, 4, 24, 64, F32)
+    assert cfg["BLOCK_N"] == 32 and cfg["SPLIT_K"] == 2
+    x = rand((8, 64), F32)
+    w = rand((64, 48), F32)
+    out = _fn(mesh)(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp")))
+    assert_close(out, f64(x) @ f64(w), F32)
+
+
+def test_autotune_on_first_trace(monkeypatch):
+    """JAXTDIST_AUTOTUNE=1: a shape without an entry is tuned while the caller traces."""
+    mesh = setup(2)
+    timings = {}
+
+    def measure(fn, args, world, iterations):
+        jax.block_until_ready(fn(*args))
+        timings[len(timings)] = 10.0 - len(timings)  # later candidates "faster"
+        return timings[len(timings) - 1]
+
+    monkeypatch.setenv("JAXTDIST_AUTOTUNE", "1")
+    monkeypatch.setattr(_tuner, "default_measure", lambda platform: measure)
+    monkeypatch.setattr(_tuner, "candidates_ag_matmul",
+                        lambda *a: [dict(BLOCK_N=16), dict(BLOCK_N=32)])
+    x = rand((6, 40), F32)
+    w = rand((40, 32), F32)
+    out = _fn(mesh)(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp")))
+    assert_close(out, f64(x) @ f64(w), F32)
+    assert len(timings) == 2
+    cfg = td.runtime.runtime().tuning.lookup("ag_matmul", 2, (3, 16, 40), F32)
+    assert cfg is not None and cfg["BLOCK_N"] == 32
+
+
+def test_tune_refuses_cpu_timing():
+    setup(2)
+    with pytest.raises(ValueError, match="timing needs GPUs"):
+        td.tune.tune_ag_matmul(4, 8, 16, F32, axis_name="tp")
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_gpu_candidates_are_valid_configs(world):
+    """Every candidate the GPU tuner would time passes the config checks."""
+    from jaxtdist.bench import AG_MATMUL_SHAPES
+    from jaxtdist.ops.ag_matmul import check_config, default_config
+
+    for m_shard, n, k in AG_MATMUL_SHAPES + [(64, 1024, 1024), (3, 100, 200)]:
+        for dtype in (BF16, F32):
+            candidates = _tuner.candidates_ag_matmul(world, m_shard, n, k, dtype)
+            assert len(candidates) >= (3 if (m_shard, n, k) in AG_MATMUL_SHAPES else 1)
+            for overrides in candidates:
+                cfg = dict(default_config("gpu", world, m_shard, n, k, dtype), **overrides)
+                check_config(cfg, world, m_shard, k)
