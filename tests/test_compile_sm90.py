@@ -59,9 +59,11 @@ def test_ag_matmul_uses_tensor_cores_and_cp_async(all_rows, split_k):
                   "gathered_ptr": "*bf16"},
                  dict(M_SHARD=4 if all_rows else 1024, N=4096, K=4096, STAGE_OFF=65536,
                       SLOT_BYTES=1 << 23, READY_OFF=0, FLAGS_OFF=4096, NUM_COMM=16,
-                      COPY_BLOCK_C=128, BLOCK_M=block_m, BLOCK_N=32 if all_rows else 256,
+                      COPY_BLOCK_C=4096 if all_rows else 128, BLOCK_M=block_m,
+                      BLOCK_N=32 if all_rows else 256,
                       BLOCK_K=256 if all_rows else 64, GROUP_M=8, SCOPE="sys",
                       ALL_ROWS=all_rows, SPLIT_K=split_k, K_SPLIT=4096 // split_k,
+                      CHUNK_ROWS=1 if all_rows else (block_m if split_k == 1 else 32),
                       PARTIALS_OFF=1 << 24 if split_k > 1 else -1,
                       COUNTERS_OFF=1 << 25 if split_k > 1 else -1),
                  num_warps=4 if all_rows else 8, num_stages=3)

@@ -33,6 +33,10 @@ SPLIT_K_CASES = [
     (2, F32, (40, 72, 24), dict(SPLIT_K=2)),                       # rank-major tiles
     (4, F32, (17, 96, 40), dict(SPLIT_K=4, BLOCK_K=16)),
     (8, BF16, (5, 40, 8), dict(SPLIT_K=2, ALL_ROWS=False, BLOCK_M=16)),
+    # Chunks (signals) finer than row tiles, in both modes.
+    (4, F32, (3, 48, 12), dict(CHUNK_ROWS=1, NUM_COMM=3)),
+    (2, BF16, (37, 40, 20), dict(CHUNK_ROWS=4, NUM_COMM=5, COPY_BLOCK_C=16)),
+    (8, F32, (9, 72, 8), dict(CHUNK_ROWS=2, ALL_ROWS=False, SPLIT_K=2)),
 ]
 
 
@@ -55,6 +59,7 @@ def test_bad_configs_are_refused():
     for config, match in [(dict(SPLIT_K=5), "SPLIT_K=5 exceeds the 2 blocks"),
                           (dict(BLOCK_N=24), "BLOCK_N=24 must be a power of 2"),
                           (dict(NUM_COMM=0), "NUM_COMM=0 must be >= 1"),
+                          (dict(CHUNK_ROWS=64), "CHUNK_ROWS=64 must divide"),
                           (dict(BLOK_M=16), "unknown config keys")]:
         with pytest.raises(ValueError, match=match):
             _fn(mesh, config)(x, w)

@@ -24,14 +24,27 @@ def _copy_rows(src, dst, dst2, row0, row_end, COLS: tl.constexpr, BLOCK_R: tl.co
                BLOCK_C: tl.constexpr, TWO_DSTS: tl.constexpr):
     rows = row0 + tl.arange(0, BLOCK_R)
     row_mask = rows < row_end
-    for c0 in range(0, COLS, BLOCK_C):
-        cols = tl.max_contiguous(tl.multiple_of(c0 + tl.arange(0, BLOCK_C), BLOCK_C), BLOCK_C)
-        mask = row_mask[:, None] & (cols < COLS)[None, :]
-        offs = rows[:, None] * COLS + cols[None, :]
-        tile = tl.load(src + offs, mask=mask)
+    cols = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_C), BLOCK_C), BLOCK_C)
+    offs = rows[:, None] * COLS + cols[None, :]
+    mask = row_mask[:, None] & (cols < COLS)[None, :]
+    tile = tl.load(src + offs, mask=mask)
+    # The next block's load is issued before this block's store, so a peer
+    # read's latency overlaps the previous block's store (2 blocks in flight).
+    for c0 in range(BLOCK_C, COLS, BLOCK_C):
+        next_cols = tl.max_contiguous(tl.multiple_of(c0 + tl.arange(0, BLOCK_C), BLOCK_C),
+                                      BLOCK_C)
+        next_offs = rows[:, None] * COLS + next_cols[None, :]
+        next_mask = row_mask[:, None] & (next_cols < COLS)[None, :]
+        next_tile = tl.load(src + next_offs, mask=next_mask)
         tl.store(dst + offs, tile, mask=mask)
         if TWO_DSTS:
             tl.store(dst2 + offs, tile, mask=mask)
+        tile = next_tile
+        offs = next_offs
+        mask = next_mask
+    tl.store(dst + offs, tile, mask=mask)
+    if TWO_DSTS:
+        tl.store(dst2 + offs, tile, mask=mask)
 
 
 @triton.jit
@@ -63,16 +76,21 @@ def pull_shards(ctx, x_ptr, out_ptr, worker, NUM_WORKERS: tl.constexpr, ROWS: tl
         if FLAGS_OFF >= 0:
             flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
             dl.notify(ctx, flags + me * n_chunks + chunk, me, e, "set", "gpu")
-    for item in range(worker, (world - 1) * n_chunks, NUM_WORKERS):
+    for item in range(0, (world - 1) * n_chunks):
         step = item // n_chunks + 1
         chunk = item % n_chunks
-        src = (me + step) % world
-        row0 = chunk * CHUNK_ROWS
-        row_end = tl.minimum(row0 + CHUNK_ROWS, ROWS)
-        dl.wait(ctx, ready + src * n_chunks + chunk, e, "ge", src, SCOPE)
-        _copy_rows(dl.symm_at(ctx, slot, src), out_ptr + src * ROWS * COLS, out_ptr, row0,
-                   row_end, COLS, CHUNK_ROWS, BLOCK_C, False)
-        if FLAGS_OFF >= 0:
-            flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
-            # Local flag, read on this GPU only: release at GPU scope.
-            dl.notify(ctx, flags + src * n_chunks + chunk, me, e, "set", "gpu")
+        # Items go round-robin over workers, except that an item whose chunk is
+        # staged by a later worker goes to that worker: every wait then targets
+        # a chunk staged by the same or a lower program id, so the grid also
+        # completes when programs run one after another (Triton's interpreter).
+        if tl.maximum(item % NUM_WORKERS, chunk % NUM_WORKERS) == worker:
+            src = (me + step) % world
+            row0 = chunk * CHUNK_ROWS
+            row_end = tl.minimum(row0 + CHUNK_ROWS, ROWS)
+            dl.wait(ctx, ready + src * n_chunks + chunk, e, "ge", src, SCOPE)
+            _copy_rows(dl.symm_at(ctx, slot, src), out_ptr + src * ROWS * COLS, out_ptr, row0,
+                       row_end, COLS, CHUNK_ROWS, BLOCK_C, False)
+            if FLAGS_OFF >= 0:
+                flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
+                # Local flag, read on this GPU only: release at GPU scope.
+                dl.notify(ctx, flags + src * n_chunks + chunk, me, e, "set", "gpu")

@@ -6,7 +6,9 @@ heap and copy it into the gathered buffer, then pull peers' shards, raising a
 flag per BLOCK_M rows. The rest are GEMM tiles in ``rank_major_tile`` order:
 the local shard's tiles first (their chunks are local copies, ready at once),
 then each peer's. A tile waits for its chunk flag, which only lower program
-ids (the producers) raise, so the grid cannot deadlock.
+ids (the producers) raise, so the grid cannot deadlock. Chunks (CHUNK_ROWS
+rows, a divisor of BLOCK_M) can be finer than tiles, so that more producers
+pull a small shard in parallel; a tile then waits for each of its chunks.
 
 With SPLIT_K > 1, SPLIT_K consecutive programs share one output tile, each
 over its own range of K (``_splitk``): small M then still fills the GPU.
@@ -27,7 +29,8 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
                      STAGE_OFF: tl.constexpr, SLOT_BYTES: tl.constexpr,
                      READY_OFF: tl.constexpr, FLAGS_OFF: tl.constexpr,
                      PARTIALS_OFF: tl.constexpr, COUNTERS_OFF: tl.constexpr,
-                     NUM_COMM: tl.constexpr, COPY_BLOCK_C: tl.constexpr,
+                     NUM_COMM: tl.constexpr, CHUNK_ROWS: tl.constexpr,
+                     COPY_BLOCK_C: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr,
                      GROUP_M: tl.constexpr, SCOPE: tl.constexpr, ALL_ROWS: tl.constexpr):
@@ -40,21 +43,22 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
     pid = tl.program_id(0)
     if pid < NUM_COMM:
         pull_shards(ctx, x_ptr, gathered_ptr, pid, NUM_COMM, M_SHARD, K, STAGE_OFF,
-                    SLOT_BYTES, READY_OFF, FLAGS_OFF, BLOCK_M, COPY_BLOCK_C, SCOPE)
+                    SLOT_BYTES, READY_OFF, FLAGS_OFF, CHUNK_ROWS, COPY_BLOCK_C, SCOPE)
     else:
         me = dl.rank(ctx)
         world = dl.num_ranks(ctx)
         e = dl.epoch(ctx)
         m_tiles = tl.cdiv(M_SHARD, BLOCK_M)
         n_tiles = tl.cdiv(N, BLOCK_N)
+        n_chunks = tl.cdiv(M_SHARD, CHUNK_ROWS)
         flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
         tile = (pid - NUM_COMM) // SPLIT_K
         split = (pid - NUM_COMM) % SPLIT_K
         if ALL_ROWS:
             # Small M: one tile spans every rank's rows, so w is read once.
             tn = tile
-            for src in range(0, world):
-                dl.wait(ctx, flags + src * m_tiles, e, "ge", src, "gpu")
+            for chunk in range(0, world * n_chunks):
+                dl.wait(ctx, flags + chunk, e, "ge", chunk // n_chunks, "gpu")
             rows = tl.arange(0, BLOCK_M)
             row_mask = rows < world * M_SHARD
             a_base = gathered_ptr
@@ -62,7 +66,10 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
             counter_index = tn
         else:
             src, tm, tn = rank_major_tile(tile, me, world, m_tiles, n_tiles, GROUP_M)
-            dl.wait(ctx, flags + src * m_tiles + tm, e, "ge", src, "gpu")
+            # The tile's rows span BLOCK_M // CHUNK_ROWS chunks (fewer at the end).
+            first = tm * (BLOCK_M // CHUNK_ROWS)
+            for chunk in range(first, tl.minimum(first + BLOCK_M // CHUNK_ROWS, n_chunks)):
+                dl.wait(ctx, flags + src * n_chunks + chunk, e, "ge", src, "gpu")
             # One source for A (local rows included) keeps its loads vectorized.
             a_base = gathered_ptr + src * M_SHARD * K
             rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)

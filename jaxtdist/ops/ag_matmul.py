@@ -16,30 +16,41 @@ from jaxtdist.runtime._runtime import runtime
 
 def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
                    dtype=jnp.bfloat16) -> dict:
-    """Block sizes and producer count for one (shape, dtype, world size, platform)."""
+    """Block sizes, producer count and signal granularity for one problem.
+
+    The tuning cache (``jaxtdist.tune``) overrides these per shape.
+    CHUNK_ROWS=0 means one chunk (signal) per BLOCK_M rows.
+    """
     small = world * m_shard <= (128 if platform == "gpu" else 32)
+    wide = jnp.dtype(dtype).itemsize == 4
+    common = dict(SCOPE="sys", SPLIT_K=1, CHUNK_ROWS=0)
     if platform == "gpu":
-        if small:  # decode: one M tile over all ranks' rows, many narrow N tiles
-            return dict(BLOCK_M=max(16, next_pow2(world * m_shard)), BLOCK_N=32,
-                        BLOCK_K=256 if jnp.dtype(dtype).itemsize == 2 else 64, GROUP_M=1,
-                        NUM_COMM=4, COPY_BLOCK_C=256, SCOPE="sys", ALL_ROWS=True, SPLIT_K=1,
-                        num_warps=4, num_stages=4)
+        if small:  # decode: one M tile over all ranks' rows, split K, one chunk per row
+            return dict(common, BLOCK_M=max(16, next_pow2(world * m_shard)), BLOCK_N=64,
+                        BLOCK_K=64 if wide else 128, GROUP_M=1, NUM_COMM=16, CHUNK_ROWS=1,
+                        COPY_BLOCK_C=min(4096, next_pow2(k)), ALL_ROWS=True,
+                        SPLIT_K=min(4, -(-k // (64 if wide else 128))), num_warps=4,
+                        num_stages=4)
         block_m = min(128, max(16, next_pow2(m_shard)))
-        if jnp.dtype(dtype).itemsize == 4:  # keep 3 stages within shared memory
-            return dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, NUM_COMM=32,
-                        COPY_BLOCK_C=64, SCOPE="sys", ALL_ROWS=False, SPLIT_K=1, num_warps=8,
+        if m_shard <= 256:  # few row tiles: narrow N tiles, finer chunks
+            return dict(common, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64 if wide else 128,
+                        GROUP_M=8, NUM_COMM=16, CHUNK_ROWS=min(16, block_m), COPY_BLOCK_C=256,
+                        ALL_ROWS=False, num_warps=4, num_stages=3 if wide else 4)
+        if wide:  # keep 3 stages within shared memory
+            return dict(common, BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=32, GROUP_M=8,
+                        NUM_COMM=16, COPY_BLOCK_C=64, ALL_ROWS=False, num_warps=8,
                         num_stages=3)
-        return dict(BLOCK_M=block_m, BLOCK_N=256 if block_m == 128 else 128, BLOCK_K=64,
-                    GROUP_M=8, NUM_COMM=32, COPY_BLOCK_C=128, SCOPE="sys", ALL_ROWS=False, SPLIT_K=1,
+        return dict(common, BLOCK_M=block_m, BLOCK_N=256 if block_m == 128 else 128,
+                    BLOCK_K=64, GROUP_M=8, NUM_COMM=16, COPY_BLOCK_C=128, ALL_ROWS=False,
                     num_warps=8, num_stages=3)
+    # CPU (interpreter): small blocks keep interpretation fast.
     if small:
-        return dict(BLOCK_M=max(16, next_pow2(world * m_shard)), BLOCK_N=32, BLOCK_K=32,
-                    GROUP_M=1, NUM_COMM=2, COPY_BLOCK_C=min(64, next_pow2(k)), SCOPE="sys",
-                    ALL_ROWS=True, SPLIT_K=1, num_warps=4, num_stages=1)
-    block_m = min(32, max(16, next_pow2(m_shard)))
-    return dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, NUM_COMM=2,
-                COPY_BLOCK_C=min(64, next_pow2(k)), SCOPE="sys", ALL_ROWS=False, SPLIT_K=1, num_warps=4,
-                num_stages=1)
+        return dict(common, BLOCK_M=max(16, next_pow2(world * m_shard)), BLOCK_N=32,
+                    BLOCK_K=32, GROUP_M=1, NUM_COMM=2, COPY_BLOCK_C=min(64, next_pow2(k)),
+                    ALL_ROWS=True, num_warps=4, num_stages=1)
+    return dict(common, BLOCK_M=min(32, max(16, next_pow2(m_shard))), BLOCK_N=32, BLOCK_K=32,
+                GROUP_M=4, NUM_COMM=2, COPY_BLOCK_C=min(64, next_pow2(k)), ALL_ROWS=False,
+                num_warps=4, num_stages=1)
 
 
 def _check(x, w, axis_name):
@@ -56,8 +67,8 @@ def _check(x, w, axis_name):
         raise ValueError(f"jaxtdist.ag_matmul: empty operand x{x.shape} w{w.shape}")
 
 
-_INT_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "NUM_COMM", "COPY_BLOCK_C", "SPLIT_K",
-             "num_warps", "num_stages")
+_INT_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "NUM_COMM", "CHUNK_ROWS",
+             "COPY_BLOCK_C", "SPLIT_K", "num_warps", "num_stages")
 
 
 def check_config(cfg: dict, world: int, m_shard: int, k: int) -> None:
@@ -66,15 +77,19 @@ def check_config(cfg: dict, world: int, m_shard: int, k: int) -> None:
     if unknown:
         raise ValueError(f"jaxtdist.ag_matmul: unknown config keys {sorted(unknown)}; known: "
                          f"{sorted(_INT_KEYS + ('SCOPE', 'ALL_ROWS'))}")
+    cfg = dict(cfg, CHUNK_ROWS=cfg["CHUNK_ROWS"] or cfg["BLOCK_M"])  # 0: one chunk per row tile
     for key in _INT_KEYS:
         if int(cfg[key]) < 1:
             raise ValueError(f"jaxtdist.ag_matmul: config {key}={cfg[key]} must be >= 1")
-    for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
+    for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "CHUNK_ROWS", "COPY_BLOCK_C"):
         if cfg[key] & (cfg[key] - 1):
             raise ValueError(f"jaxtdist.ag_matmul: config {key}={cfg[key]} must be a power of 2")
     if cfg["ALL_ROWS"] and cfg["BLOCK_M"] < world * m_shard:
         raise ValueError(f"jaxtdist.ag_matmul: ALL_ROWS needs BLOCK_M >= world * m_shard "
                          f"= {world * m_shard}, got BLOCK_M={cfg['BLOCK_M']}")
+    if cfg["CHUNK_ROWS"] > cfg["BLOCK_M"]:
+        raise ValueError(f"jaxtdist.ag_matmul: CHUNK_ROWS={cfg['CHUNK_ROWS']} must divide "
+                         f"BLOCK_M={cfg['BLOCK_M']}")
     if cfg["SPLIT_K"] > -(-k // cfg["BLOCK_K"]):
         raise ValueError(f"jaxtdist.ag_matmul: SPLIT_K={cfg['SPLIT_K']} exceeds the "
                          f"{-(-k // cfg['BLOCK_K'])} blocks of K={k} (BLOCK_K={cfg['BLOCK_K']})")
@@ -97,6 +112,7 @@ def resolve_config(rt, axis_name, world: int, m_shard: int, n: int, k: int, dtyp
         cfg.update(tuned or {})
     cfg.update(config or {})
     check_config(cfg, world, m_shard, k)
+    cfg["CHUNK_ROWS"] = cfg["CHUNK_ROWS"] or cfg["BLOCK_M"]
     return cfg
 
 
@@ -117,11 +133,11 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
     cfg = resolve_config(rt, axis_name, world, m_shard, n, k, x.dtype, config)
     num_warps = cfg.pop("num_warps")
     num_stages = cfg.pop("num_stages")
-    plan = GatherWorkspace(world, m_shard, k, x.dtype, cfg["BLOCK_M"])
-    ws = rt.workspace(("ag_matmul", layout.axes, m_shard, k, x.dtype.name, cfg["BLOCK_M"]),
+    plan = GatherWorkspace(world, m_shard, k, x.dtype, cfg["CHUNK_ROWS"])
+    ws = rt.workspace(("ag_matmul", layout.axes, m_shard, k, x.dtype.name, cfg["CHUNK_ROWS"]),
                       plan.nbytes)
     n_tiles = -(-n // cfg["BLOCK_N"])
-    m_tiles = 1 if cfg["ALL_ROWS"] else world * plan.n_chunks
+    m_tiles = 1 if cfg["ALL_ROWS"] else world * -(-m_shard // cfg["BLOCK_M"])
     split_k = cfg["SPLIT_K"]
     k_split = -(-(-(-k // split_k)) // cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     partials_off = counters_off = -1

@@ -29,28 +29,26 @@ def candidates_ag_matmul(world: int, m_shard: int, n: int, k: int, dtype) -> lis
 def _gpu_candidates(world: int, m_shard: int, n: int, k: int, dtype) -> list[dict]:
     rows = world * m_shard
     if jnp.dtype(dtype).itemsize == 4:
-        return [dict(NUM_COMM=n_comm) for n_comm in (8, 16, 32)]
+        return [{}, dict(NUM_COMM=8), dict(NUM_COMM=32)]
     if rows <= 128:  # decode: one tile over all rows; split K to fill the GPU
-        block_m = max(16, 1 << max(0, rows - 1).bit_length())
-        base = dict(BLOCK_M=block_m, ALL_ROWS=True, GROUP_M=1, num_warps=4)
-        return [dict(base, BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, NUM_COMM=4, num_stages=4),
-                dict(base, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, NUM_COMM=4, num_stages=4),
-                dict(base, BLOCK_N=128, BLOCK_K=128, SPLIT_K=8, NUM_COMM=4, num_stages=4),
-                dict(base, BLOCK_N=128, BLOCK_K=64, SPLIT_K=16, NUM_COMM=4, num_stages=4),
-                dict(base, BLOCK_N=256, BLOCK_K=64, SPLIT_K=16, NUM_COMM=4, num_stages=4,
-                     num_warps=8),
-                dict(base, BLOCK_N=64, BLOCK_K=256, SPLIT_K=8, NUM_COMM=2, num_stages=3)]
-    if m_shard <= 256:  # few row tiles: narrower N tiles or split K
-        return [dict(BLOCK_N=256, NUM_COMM=16),
-                dict(BLOCK_N=128, BLOCK_K=64, NUM_COMM=8, num_warps=4, num_stages=4),
-                dict(BLOCK_N=64, BLOCK_K=128, NUM_COMM=8, num_warps=4, num_stages=4),
-                dict(BLOCK_N=128, BLOCK_K=64, NUM_COMM=8, SPLIT_K=2, num_warps=4, num_stages=4),
-                dict(BLOCK_N=256, BLOCK_K=64, NUM_COMM=8, SPLIT_K=4, num_warps=8, num_stages=3)]
-    return [dict(BLOCK_N=256, NUM_COMM=32),
-            dict(BLOCK_N=256, NUM_COMM=16),
-            dict(BLOCK_N=256, NUM_COMM=8),
-            dict(BLOCK_N=256, NUM_COMM=16, num_stages=4),
-            dict(BLOCK_N=128, NUM_COMM=16, num_warps=4, num_stages=4)]
+        return [{},
+                dict(SPLIT_K=1, BLOCK_N=32, BLOCK_K=256),
+                dict(SPLIT_K=8, BLOCK_N=128),
+                dict(NUM_COMM=8, CHUNK_ROWS=4, COPY_BLOCK_C=1024),
+                dict(NUM_COMM=32),
+                dict(SPLIT_K=2, BLOCK_N=32)]
+    if m_shard <= 256:  # few row tiles: narrower N tiles, finer chunks
+        return [{},
+                dict(NUM_COMM=32),
+                dict(CHUNK_ROWS=32, NUM_COMM=8),
+                dict(BLOCK_N=128, BLOCK_K=64),
+                dict(SPLIT_K=2, BLOCK_N=128, BLOCK_K=64)]
+    return [{},
+            dict(NUM_COMM=32),
+            dict(num_stages=4),
+            dict(CHUNK_ROWS=32, NUM_COMM=24),
+            dict(COPY_BLOCK_C=256, num_stages=4),
+            dict(BLOCK_N=128, num_warps=4, num_stages=4)]
 
 
 def cupti_measure(fn, args, world: int, iterations: int) -> float:
