@@ -32,7 +32,7 @@ ARGS=""
 TEST_RC=0
 
 if has tests; then
-  # The suite runs with an empty tuning cache: it checks the default configs.
+  # The suite runs without the user cache (shipped tuned configs still apply).
   JAXTDIST_TUNING_CACHE="$OUT/tests_tuning.json" timeout 900 python3 -m pytest tests/gpu -q \
     -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
   TEST_RC=${PIPESTATUS[0]}
