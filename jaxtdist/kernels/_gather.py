@@ -76,35 +76,21 @@ def pull_shards(ctx, x_ptr, out_ptr, worker, NUM_WORKERS: tl.constexpr, ROWS: tl
         if FLAGS_OFF >= 0:
             flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
             dl.notify(ctx, flags + me * n_chunks + chunk, me, e, "set", "gpu")
-    # Items (step, chunk) go round-robin over workers, except that an item
-    # whose chunk is staged by a later worker goes to that worker: every wait
-    # then targets a chunk staged by the same or a lower program id, so the
-    # grid also completes when programs run one after another (Triton's
-    # interpreter). The second loop takes the items moved to this worker.
-    for item in range(worker, (world - 1) * n_chunks, NUM_WORKERS):
+    for item in range(0, (world - 1) * n_chunks):
+        step = item // n_chunks + 1
         chunk = item % n_chunks
-        if chunk % NUM_WORKERS <= worker:
-            _pull_chunk(ctx, slot, ready, out_ptr, me, world, e, item // n_chunks + 1, chunk,
-                        n_chunks, ROWS, COLS, FLAGS_OFF, CHUNK_ROWS, BLOCK_C, SCOPE)
-    for chunk in range(worker, n_chunks, NUM_WORKERS):
-        for step in range(1, world):
-            if ((step - 1) * n_chunks + chunk) % NUM_WORKERS < worker:
-                _pull_chunk(ctx, slot, ready, out_ptr, me, world, e, step, chunk, n_chunks,
-                            ROWS, COLS, FLAGS_OFF, CHUNK_ROWS, BLOCK_C, SCOPE)
-
-
-@triton.jit
-def _pull_chunk(ctx, slot, ready, out_ptr, me, world, e, step, chunk, n_chunks,
-                ROWS: tl.constexpr, COLS: tl.constexpr, FLAGS_OFF: tl.constexpr,
-                CHUNK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr, SCOPE: tl.constexpr):
-    """Copies ``chunk`` of peer ``me + step``'s shard once it is staged, then flags it."""
-    src = (me + step) % world
-    row0 = chunk * CHUNK_ROWS
-    row_end = tl.minimum(row0 + CHUNK_ROWS, ROWS)
-    dl.wait(ctx, ready + src * n_chunks + chunk, e, "ge", src, SCOPE)
-    _copy_rows(dl.symm_at(ctx, slot, src), out_ptr + src * ROWS * COLS, out_ptr, row0, row_end,
-               COLS, CHUNK_ROWS, BLOCK_C, False)
-    if FLAGS_OFF >= 0:
-        flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
-        # Local flag, read on this GPU only: release at GPU scope.
-        dl.notify(ctx, flags + src * n_chunks + chunk, me, e, "set", "gpu")
+        # Items go round-robin over workers, except that an item whose chunk is
+        # staged by a later worker goes to that worker: every wait then targets
+        # a chunk staged by the same or a lower program id, so the grid also
+        # completes when programs run one after another (Triton's interpreter).
+        if tl.maximum(item % NUM_WORKERS, chunk % NUM_WORKERS) == worker:
+            src = (me + step) % world
+            row0 = chunk * CHUNK_ROWS
+            row_end = tl.minimum(row0 + CHUNK_ROWS, ROWS)
+            dl.wait(ctx, ready + src * n_chunks + chunk, e, "ge", src, SCOPE)
+            _copy_rows(dl.symm_at(ctx, slot, src), out_ptr + src * ROWS * COLS, out_ptr, row0,
+                       row_end, COLS, CHUNK_ROWS, BLOCK_C, False)
+            if FLAGS_OFF >= 0:
+                flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
+                # Local flag, read on this GPU only: release at GPU scope.
+                dl.notify(ctx, flags + src * n_chunks + chunk, me, e, "set", "gpu")
