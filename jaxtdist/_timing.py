@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections import defaultdict
 
@@ -31,3 +32,15 @@ def profile(fn, args, iterations: int, world: int):
     names = sorted({name for name, _ in per_iter[0]})
     return out, dict(mean_us=statistics.median(means), min_us=statistics.median(mins),
                      kernels=names)
+
+
+def write_results(result: dict, table: str, json_path: str | None,
+                  markdown_path: str | None) -> None:
+    """Writes raw results (JSON) and the markdown table where asked, prints the table."""
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+    if markdown_path:
+        with open(markdown_path, "w") as f:
+            f.write(table + "\n")
+    print(table)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 import time
 
@@ -28,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxtdist as td
 from jaxtdist._timing import profile as _profile
+from jaxtdist._timing import write_results
 
 AG_MATMUL_SHAPES = [  # (m_shard, n_shard, k)
     (1024, 4096, 4096), (2048, 3072, 4096), (2048, 7168, 8192),
@@ -249,13 +249,7 @@ def main(argv=None) -> int:
         table = all_gather_table(rows, device)
     result = dict(op=args.op, device=device, world=len(jax.devices()), jax=jax.__version__,
                   iterations=args.iterations, seconds=time.time() - started, rows=rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(table + "\n")
-    print(table)
+    write_results(result, table, args.json, args.markdown)
     return 0
 
 

@@ -65,16 +65,6 @@ def test_bad_configs_are_refused():
             _fn(mesh, config)(x, w)
 
 
-def _fake_measure(times):
-    """Pretends candidate i (by its BLOCK_N) takes times[BLOCK_N] microseconds."""
-    def measure(fn, args, world, iterations):
-        jax.block_until_ready(fn(*args))
-        measure.calls += 1
-        return times[measure.current]
-    measure.calls = 0
-    return measure
-
-
 def test_tune_picks_fastest_and_persists(monkeypatch):
     mesh = setup(2)
     cands = [dict(BLOCK_N=16), dict(BLOCK_N=32, SPLIT_K=2), dict(BLOCK_N=24)]  # last: invalid

@@ -12,7 +12,6 @@ and, optionally, every candidate's kernel time.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -26,6 +25,7 @@ def _describe(overrides: dict) -> str:
 
 def main(argv=None) -> int:
     import jaxtdist as td
+    from jaxtdist._timing import write_results
     from jaxtdist.bench import AG_MATMUL_SHAPES
 
     parser = argparse.ArgumentParser(prog="python -m jaxtdist.tune")
@@ -62,15 +62,9 @@ def main(argv=None) -> int:
         print(f"{m_shard} {n_shard} {k}: best {result['us']:.1f} us with "
               f"{_describe(result['config'])} ({result['seconds']:.0f} s)", flush=True)
     table = "\n".join(lines)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=device, world=world, jax=jax.__version__,
-                           cache=str(td.tune.cache_path()), seconds=time.time() - started,
-                           rows=rows), f, indent=1)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(table + "\n")
-    print(table)
+    write_results(dict(device=device, world=world, jax=jax.__version__,
+                       cache=str(td.tune.cache_path()), seconds=time.time() - started,
+                       rows=rows), table, args.json, args.markdown)
     return 0
 
 

@@ -155,8 +155,8 @@ def _time_candidates(rt, axis_name, axes, world, m_shard, n, k, dtype, candidate
     for overrides in candidates:
         record = dict(overrides=dict(overrides))
         try:
-            cfg = resolve_config(rt, axis_name, world, m_shard, n, k, dtype,
-                                 _defaults_with(rt, world, m_shard, n, k, dtype, overrides))
+            # An explicit config skips the cache: defaults + this candidate.
+            cfg = resolve_config(rt, axis_name, world, m_shard, n, k, dtype, overrides)
 
             def body(xb, wb, cfg=cfg):
                 return ag_matmul_with_gathered(xb, wb, axis_name, config=cfg)[0]
@@ -172,12 +172,6 @@ def _time_candidates(rt, axis_name, axes, world, m_shard, n, k, dtype, candidate
             record["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         tried.append(record)
     return tried
-
-
-def _defaults_with(rt, world, m_shard, n, k, dtype, overrides):
-    from jaxtdist.ops.ag_matmul import default_config
-
-    return dict(default_config(rt.platform, world, m_shard, n, k, dtype), **overrides)
 
 
 def _triton_version() -> str:

@@ -54,10 +54,23 @@ def _ring_shift(x, world, shift):
     return np.roll(np.asarray(x).reshape(world, -1), shift, axis=0).reshape(-1)
 
 
-def _ag_matmul_fn(mesh):
-    return jax.jit(jax.shard_map(lambda x, w: td.ag_matmul(x, w, "tp"), mesh=mesh,
-                                 in_specs=(P("tp", None), P(None, "tp")),
+def _ag_matmul_fn(mesh, config=None):
+    from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered
+    body = ((lambda x, w: td.ag_matmul(x, w, "tp")) if config is None else
+            (lambda x, w: ag_matmul_with_gathered(x, w, "tp", config=config)[0]))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp", None), P(None, "tp")),
                                  out_specs=P(None, "tp")))
+
+
+def _check_ag_matmul(mesh, f, world, m_shard, k, n_shard, dtype, calls):
+    """``calls`` calls of ``f`` with fresh inputs, each against a float32 reference."""
+    for _ in range(calls):
+        x = _rand((world * m_shard, k), dtype, 1 / np.sqrt(k))
+        w = _rand((k, world * n_shard), dtype)
+        out = f(jax.device_put(x, NamedSharding(mesh, P("tp", None))),
+                jax.device_put(w, NamedSharding(mesh, P(None, "tp"))))
+        ref = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
+        assert _rel(out, ref) < TOL[dtype]
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -67,14 +80,7 @@ def _ag_matmul_fn(mesh):
 def test_ag_matmul(world, dtype, m_shard, k, n_shard):
     mesh = _mesh(world)
     td.initialize(mesh)
-    f = _ag_matmul_fn(mesh)
-    for _ in range(2):
-        x = _rand((world * m_shard, k), dtype, 1 / np.sqrt(k))
-        w = _rand((k, world * n_shard), dtype)
-        out = f(jax.device_put(x, NamedSharding(mesh, P("tp", None))),
-                jax.device_put(w, NamedSharding(mesh, P(None, "tp"))))
-        ref = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
-        assert _rel(out, ref) < TOL[dtype]
+    _check_ag_matmul(mesh, _ag_matmul_fn(mesh), world, m_shard, k, n_shard, dtype, calls=2)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -87,21 +93,13 @@ def test_ag_matmul(world, dtype, m_shard, k, n_shard):
 ])
 def test_ag_matmul_split_k(world, dtype, m_shard, k, n_shard, config):
     """Split-K programs combine through heap partials and arrival counters."""
-    from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered
     mesh = _mesh(world)
     td.initialize(mesh)
     if dtype == jnp.float32:
         config = dict(config, BLOCK_K=min(config["BLOCK_K"], 64), num_stages=2)
-    f = jax.jit(jax.shard_map(
-        lambda x, w: ag_matmul_with_gathered(x, w, "tp", config=config)[0], mesh=mesh,
-        in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
-    for _ in range(3):  # counters carry over between calls
-        x = _rand((world * m_shard, k), dtype, 1 / np.sqrt(k))
-        w = _rand((k, world * n_shard), dtype)
-        out = f(jax.device_put(x, NamedSharding(mesh, P("tp", None))),
-                jax.device_put(w, NamedSharding(mesh, P(None, "tp"))))
-        ref = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
-        assert _rel(out, ref) < TOL[dtype]
+    # Three calls: the arrival counters carry over between calls.
+    _check_ag_matmul(mesh, _ag_matmul_fn(mesh, config), world, m_shard, k, n_shard, dtype,
+                     calls=3)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
