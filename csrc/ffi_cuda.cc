@@ -6,6 +6,7 @@
 
 #include <string>
 
+#include "cuda_driver.h"
 #include "prologue.h"
 #include "runtime_state.h"
 #include "xla/ffi/api/ffi.h"
@@ -18,16 +19,7 @@ namespace {
 using MemsetD32AsyncFn = CUresult (*)(CUdeviceptr, unsigned int, size_t, CUstream);
 
 MemsetD32AsyncFn GetMemsetD32Async() {
-  static MemsetD32AsyncFn fn = [] {
-    void* sym = nullptr;
-    cudaDriverEntryPointQueryResult status;
-    if (cudaGetDriverEntryPointByVersion("cuMemsetD32Async", &sym, 12000,
-                                         cudaEnableDefault, &status) != cudaSuccess ||
-        status != cudaDriverEntryPointSuccess) {
-      return static_cast<MemsetD32AsyncFn>(nullptr);
-    }
-    return reinterpret_cast<MemsetD32AsyncFn>(sym);
-  }();
+  static MemsetD32AsyncFn fn = cuda::DriverFunction<MemsetD32AsyncFn>("cuMemsetD32Async");
   return fn;
 }
 
@@ -93,8 +85,7 @@ ffi::Error PrologueCuda(cudaStream_t stream, std::int32_t device_ordinal,
                           static_cast<unsigned int>(epoch), 1,
                           reinterpret_cast<CUstream>(stream));
   if (res != CUDA_SUCCESS) {
-    return ffi::Error::Internal("jaxtdist: cuMemsetD32Async failed with CUresult " +
-                                std::to_string(static_cast<int>(res)));
+    return ffi::Error::Internal("jaxtdist: " + cuda::DriverError("cuMemsetD32Async", res));
   }
   return ffi::Error::Success();
 }

@@ -11,6 +11,7 @@
 #include "runtime_state.h"
 #ifdef JAXTDIST_WITH_CUDA
 #include "cuda_heap.h"
+#include "triton_launch.h"
 #endif
 
 namespace py = pybind11;
@@ -29,13 +30,17 @@ void Raise(const std::string& err) {
 
 PYBIND11_MODULE(_jaxtdist_ffi, m) {
   m.doc() = "jaxtdist native library: XLA FFI handlers and heap helpers";
+  // {ffi target name: {platform: handler capsule}}.
   m.def("handlers", [] {
-    py::dict d;
-    d["cpu"] = Capsule(reinterpret_cast<void*>(&jaxtdist::JaxtdistPrologueCpu));
+    py::dict prologue, launch, targets;
+    prologue["cpu"] = Capsule(reinterpret_cast<void*>(&jaxtdist::JaxtdistPrologueCpu));
 #ifdef JAXTDIST_WITH_CUDA
-    d["CUDA"] = Capsule(reinterpret_cast<void*>(&jaxtdist::JaxtdistPrologueCuda));
+    prologue["CUDA"] = Capsule(reinterpret_cast<void*>(&jaxtdist::JaxtdistPrologueCuda));
+    launch["CUDA"] = Capsule(reinterpret_cast<void*>(&jaxtdist::JaxtdistTritonLaunchCuda));
 #endif
-    return d;
+    targets["jaxtdist_prologue"] = prologue;
+    targets["jaxtdist_triton_launch"] = launch;
+    return targets;
   });
 #ifdef JAXTDIST_WITH_CUDA
   m.attr("with_cuda") = true;
@@ -92,6 +97,16 @@ PYBIND11_MODULE(_jaxtdist_ffi, m) {
     std::uintptr_t p = 0;
     Raise(jc::HostAllocMapped(bytes, &p));
     return p;
+  });
+  m.def("register_triton_kernel", [](py::bytes cubin, std::string name, int num_warps,
+                                     int shared_bytes, std::int64_t scratch_bytes) {
+    jaxtdist::TritonKernelImage image;
+    image.cubin = cubin;
+    image.name = std::move(name);
+    image.threads = 32 * num_warps;
+    image.shared_bytes = shared_bytes;
+    image.scratch_bytes = scratch_bytes;
+    return jaxtdist::RegisterTritonKernel(std::move(image));
   });
   m.def("cuda_free_host", [](std::uintptr_t p) { Raise(jc::FreeHost(p)); });
 #endif

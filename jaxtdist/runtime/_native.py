@@ -11,11 +11,12 @@ from types import ModuleType
 import jax
 
 PROLOGUE_TARGET = "jaxtdist_prologue"
+TRITON_LAUNCH_TARGET = "jaxtdist_triton_launch"
 _ENV_LIBRARY = "JAXTDIST_FFI_LIBRARY"
 
 _lock = threading.Lock()
 _module: ModuleType | None = None
-_registered: set[str] = set()
+_registered: set[tuple[str, str]] = set()
 
 
 def _load() -> ModuleType:
@@ -44,10 +45,11 @@ def native() -> ModuleType:
     with _lock:
         if _module is None:
             _module = _load()
-        for platform, capsule in _module.handlers().items():
-            if platform not in _registered:
-                jax.ffi.register_ffi_target(PROLOGUE_TARGET, capsule, platform=platform)
-                _registered.add(platform)
+        for target, per_platform in _module.handlers().items():
+            for platform, capsule in per_platform.items():
+                if (target, platform) not in _registered:
+                    jax.ffi.register_ffi_target(target, capsule, platform=platform)
+                    _registered.add((target, platform))
         return _module
 
 

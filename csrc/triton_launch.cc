@@ -1,0 +1,210 @@
+#include "triton_launch.h"
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <map>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "cuda_driver.h"
+#include "runtime_state.h"
+
+namespace ffi = xla::ffi;
+
+namespace jaxtdist {
+namespace {
+
+struct Driver {
+  decltype(&cuStreamGetCtx) stream_get_ctx;
+  decltype(&cuCtxPushCurrent) ctx_push;
+  decltype(&cuCtxPopCurrent) ctx_pop;
+  decltype(&cuModuleLoadData) module_load_data;
+  decltype(&cuModuleGetFunction) module_get_function;
+  decltype(&cuFuncSetAttribute) func_set_attribute;
+  decltype(&cuLaunchKernel) launch_kernel;
+
+  bool ok() const {
+    return stream_get_ctx && ctx_push && ctx_pop && module_load_data && module_get_function &&
+           func_set_attribute && launch_kernel;
+  }
+};
+
+const Driver& GetDriver() {
+  static const Driver driver = [] {
+    using cuda::DriverFunction;
+    Driver d;
+    d.stream_get_ctx = DriverFunction<decltype(&cuStreamGetCtx)>("cuStreamGetCtx");
+    d.ctx_push = DriverFunction<decltype(&cuCtxPushCurrent)>("cuCtxPushCurrent");
+    d.ctx_pop = DriverFunction<decltype(&cuCtxPopCurrent)>("cuCtxPopCurrent");
+    d.module_load_data = DriverFunction<decltype(&cuModuleLoadData)>("cuModuleLoadData");
+    d.module_get_function = DriverFunction<decltype(&cuModuleGetFunction)>("cuModuleGetFunction");
+    d.func_set_attribute = DriverFunction<decltype(&cuFuncSetAttribute)>("cuFuncSetAttribute");
+    d.launch_kernel = DriverFunction<decltype(&cuLaunchKernel)>("cuLaunchKernel");
+    return d;
+  }();
+  return driver;
+}
+
+// Compiled kernels, and the function each is loaded as in each CUDA context.
+// Modules stay loaded until the process exits (a few per program shape).
+class KernelTable {
+ public:
+  static KernelTable& Get() {
+    static KernelTable* table = new KernelTable();
+    return *table;
+  }
+
+  std::int64_t Register(TritonKernelImage image) {
+    std::lock_guard<std::mutex> lock(mu_);
+    images_.push_back(std::move(image));
+    return static_cast<std::int64_t>(images_.size()) - 1;
+  }
+
+  // Finds or loads kernel `id` in `ctx`; returns "" or what failed.
+  std::string Function(std::int64_t id, CUcontext ctx, CUfunction* fn,
+                       TritonKernelImage* image) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (id < 0 || id >= static_cast<std::int64_t>(images_.size())) {
+      return "unknown kernel id " + std::to_string(id) + " (" + std::to_string(images_.size()) +
+             " registered)";
+    }
+    const TritonKernelImage& img = images_[id];
+    *image = img;
+    auto it = loaded_.find({id, ctx});
+    if (it != loaded_.end()) {
+      *fn = it->second;
+      return "";
+    }
+    const Driver& drv = GetDriver();
+    if (std::string e = cuda::DriverError("cuCtxPushCurrent", drv.ctx_push(ctx)); !e.empty()) {
+      return e;
+    }
+    std::string err;
+    CUmodule module = nullptr;
+    CUfunction function = nullptr;
+    err = cuda::DriverError("cuModuleLoadData", drv.module_load_data(&module, img.cubin.data()));
+    if (err.empty()) {
+      err = cuda::DriverError("cuModuleGetFunction",
+                              drv.module_get_function(&function, module, img.name.c_str()));
+    }
+    // Above 48 KiB, dynamic shared memory must be opted into per function.
+    if (err.empty() && img.shared_bytes > 48 * 1024) {
+      err = cuda::DriverError(
+          "cuFuncSetAttribute",
+          drv.func_set_attribute(function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                 img.shared_bytes));
+    }
+    CUcontext popped = nullptr;
+    drv.ctx_pop(&popped);
+    if (!err.empty()) return err + " for kernel " + img.name;
+    loaded_[{id, ctx}] = function;
+    *fn = function;
+    return "";
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<TritonKernelImage> images_;
+  std::map<std::pair<std::int64_t, CUcontext>, CUfunction> loaded_;
+};
+
+ffi::Error TritonLaunchCuda(cudaStream_t stream, std::int32_t device_ordinal,
+                            ffi::RemainingArgs args, ffi::RemainingRets rets,
+                            std::int64_t kernel_id, std::int64_t grid_x, std::int64_t grid_y,
+                            std::int64_t grid_z, std::int64_t scratch_offset,
+                            std::int64_t generation) {
+  if (std::string stale = CheckGeneration(generation); !stale.empty()) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition, stale);
+  }
+  const Driver& drv = GetDriver();
+  if (!drv.ok()) {
+    return ffi::Error::Internal("jaxtdist: the CUDA driver lacks a function the Triton "
+                                "launcher needs (driver older than CUDA 12.0?)");
+  }
+  CUstream cu_stream = reinterpret_cast<CUstream>(stream);
+  CUcontext ctx = nullptr;
+  if (std::string e = cuda::DriverError("cuStreamGetCtx", drv.stream_get_ctx(cu_stream, &ctx));
+      !e.empty()) {
+    return ffi::Error::Internal("jaxtdist: " + e);
+  }
+  CUfunction fn = nullptr;
+  TritonKernelImage image;
+  if (std::string e = KernelTable::Get().Function(kernel_id, ctx, &fn, &image); !e.empty()) {
+    return ffi::Error::Internal("jaxtdist: Triton launcher: " + e);
+  }
+  const std::int64_t programs = grid_x * grid_y * grid_z;
+  CUdeviceptr global_scratch = 0;
+  if (image.scratch_bytes > 0) {
+    auto pos = RuntimeState::Get().PositionOfDevice(device_ordinal);
+    if (!pos) {
+      return ffi::Error::InvalidArgument(
+          "jaxtdist: no symmetric heap is registered for CUDA device " +
+          std::to_string(device_ordinal) + "; call jaxtdist.initialize(mesh) first");
+    }
+    auto heap = RuntimeState::Get().Heap(*pos);
+    const std::int64_t need = programs * image.scratch_bytes;
+    if (scratch_offset < 0 || scratch_offset + need > heap->bytes) {
+      return ffi::Error::InvalidArgument(
+          "jaxtdist: Triton launcher: scratch [" + std::to_string(scratch_offset) + ", +" +
+          std::to_string(need) + ") lies outside the " + std::to_string(heap->bytes) +
+          "-byte heap");
+    }
+    global_scratch = static_cast<CUdeviceptr>(heap->base + scratch_offset);
+  }
+  CUdeviceptr profile_scratch = 0;
+  const size_t n_args = args.size(), n_rets = rets.size();
+  std::vector<void*> pointers(n_args + n_rets);
+  for (size_t i = 0; i < n_args; ++i) {
+    auto buf = args.get<ffi::AnyBuffer>(i);
+    if (buf.has_error()) return buf.error();
+    pointers[i] = buf->untyped_data();
+  }
+  for (size_t i = 0; i < n_rets; ++i) {
+    auto buf = rets.get<ffi::AnyBuffer>(i);
+    if (buf.has_error()) return buf.error();
+    pointers[n_args + i] = (*buf)->untyped_data();
+  }
+  std::vector<void*> params;
+  params.reserve(pointers.size() + 2);
+  for (void*& p : pointers) params.push_back(&p);
+  params.push_back(&global_scratch);
+  params.push_back(&profile_scratch);
+  // The function belongs to `ctx`; make it current for the launch too.
+  if (std::string e = cuda::DriverError("cuCtxPushCurrent", drv.ctx_push(ctx)); !e.empty()) {
+    return ffi::Error::Internal("jaxtdist: " + e);
+  }
+  CUresult res = drv.launch_kernel(fn, static_cast<unsigned>(grid_x),
+                                   static_cast<unsigned>(grid_y), static_cast<unsigned>(grid_z),
+                                   image.threads, 1, 1, image.shared_bytes, cu_stream,
+                                   params.data(), nullptr);
+  CUcontext popped = nullptr;
+  drv.ctx_pop(&popped);
+  if (res != CUDA_SUCCESS) {
+    return ffi::Error::Internal("jaxtdist: " + cuda::DriverError("cuLaunchKernel", res) +
+                                " for kernel " + image.name);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+std::int64_t RegisterTritonKernel(TritonKernelImage image) {
+  return KernelTable::Get().Register(std::move(image));
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtdistTritonLaunchCuda, TritonLaunchCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<std::int64_t>("kernel_id")
+                                  .Attr<std::int64_t>("grid_x")
+                                  .Attr<std::int64_t>("grid_y")
+                                  .Attr<std::int64_t>("grid_z")
+                                  .Attr<std::int64_t>("scratch_offset")
+                                  .Attr<std::int64_t>("generation"));
+
+}  // namespace jaxtdist

@@ -1,0 +1,34 @@
+// jaxtdist's own launcher for Triton kernels compiled to cubins by jaxtdist.
+//
+// jaxlib's Triton launcher (the one jax-triton uses) passes a null pointer
+// as Triton's global scratch, which kernels that build TMA descriptors on
+// the device write to. This launcher gives each program a slice of the
+// symmetric heap instead; everything else follows Triton's kernel ABI:
+// the buffers in order (inputs, then outputs), then the global and the
+// profile scratch pointers.
+#ifndef JAXTDIST_CSRC_TRITON_LAUNCH_H_
+#define JAXTDIST_CSRC_TRITON_LAUNCH_H_
+
+#include <cstdint>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxtdist {
+
+struct TritonKernelImage {
+  std::string cubin;
+  std::string name;             // the kernel's symbol in the cubin
+  int threads = 0;              // 32 * num_warps
+  int shared_bytes = 0;         // dynamic shared memory per program
+  std::int64_t scratch_bytes = 0;  // global scratch per program (0: none)
+};
+
+// Registers a compiled kernel for every device; returns its id.
+std::int64_t RegisterTritonKernel(TritonKernelImage image);
+
+extern "C" XLA_FFI_Error* JaxtdistTritonLaunchCuda(XLA_FFI_CallFrame* call_frame);
+
+}  // namespace jaxtdist
+
+#endif  // JAXTDIST_CSRC_TRITON_LAUNCH_H_
