@@ -88,3 +88,31 @@ def test_language_primitives_compile():
     assert "atom.global.sys.acq_rel.add" in ptx, "fence missing"
     assert "mov.b64" in ptx  # consume_token's data dependence
     assert "ld.global.sys.acquire" in ptx and "release" in ptx
+
+
+@pytest.mark.parametrize("dtype,block_k", [("bf16", 64), ("fp32", 32)])
+def test_ag_matmul_tma_uses_tma_and_scratch(dtype, block_k):
+    """The persistent kernel loads with TMA, orders them after the waits with a proxy
+    fence, and needs global scratch (which jaxtdist's launcher provides)."""
+    from jaxtdist.ops._native_launch import compile_kernel
+    from jaxtdist.kernels.ag_matmul import ag_matmul_tma_kernel
+    try:
+        k = compile_kernel(ag_matmul_tma_kernel, [f"*{t}" for t in ("i32",) + (dtype,) * 4],
+                           dict(M_SHARD=1024, N=4096, K=4096, STAGE_OFF=65536,
+                                SLOT_BYTES=1 << 23, READY_OFF=0, FLAGS_OFF=4096,
+                                SCHEDULE_OFF=8192, NUM_COMM=16, CHUNK_ROWS=32,
+                                COPY_BLOCK_C=128, BLOCK_M=128, BLOCK_N=256 if dtype == "bf16"
+                                else 128, BLOCK_K=block_k, GROUP_M=8, SCOPE="sys",
+                                NUM_PROGRAMS=132, PRODUCERS_JOIN=True),
+                           num_warps=8, num_stages=3, capability=90)
+    except RuntimeError as e:  # no ptxas usable here
+        if "ptxas" in str(e).lower():
+            pytest.skip(f"cannot assemble for sm_90 here: {e}")
+        raise
+    ptx = k.asm["ptx"]
+    assert "cp.async.bulk.tensor.2d.shared" in ptx, "A/B tiles are not TMA loads"
+    assert "wgmma.mma_async" in ptx
+    assert "fence.proxy.async.global" in ptx
+    assert k.metadata.global_scratch_size > 0 and k.metadata.shared <= 227 * 1024
+    # Triton's ABI: 5 buffers, then the global and profile scratch pointers.
+    assert len(re.findall(r"ag_matmul_tma_kernel_param_\d+", ptx.split(")")[0])) == 7

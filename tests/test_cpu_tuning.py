@@ -52,6 +52,34 @@ def test_split_k(world, dtype, shape, config):
         assert_close(out, f64(x) @ f64(w), dtype)
 
 
+# The persistent TMA kernel: tensor-descriptor loads, tiles from a counter that
+# the last program resets (three calls per case check the reset), N and K not
+# multiples of the blocks (descriptors clip), chunks finer than tiles.
+TMA_CASES = [
+    (2, F32, (32, 72, 24), dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32)),
+    (4, BF16, (16, 40, 40), dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, CHUNK_ROWS=4,
+                                 NUM_COMM=3)),
+    (8, F32, (16, 64, 8), dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32)),
+]
+
+
+@pytest.mark.parametrize("world,dtype,shape,config", TMA_CASES, ids=lambda c: str(c))
+def test_tma_persistent(world, dtype, shape, config):
+    mesh = setup(world)
+    m, k, n = shape
+    f = jax.jit(jax.shard_map(
+        lambda x, w: ag_matmul_with_gathered(x, w, "tp", config=dict(config, TMA=True)),
+        mesh=mesh, in_specs=(P("tp", None), P(None, "tp")),
+        out_specs=(P(None, "tp"), P(None, "tp"))))
+    for _ in range(3):
+        x = rand((world * m, k), dtype)
+        w = rand((k, world * n), dtype)
+        out, gathered = f(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp")))
+        assert_close(out, f64(x) @ f64(w), dtype)
+        for rank in range(world):  # every rank's gathered copy is the whole of x
+            assert (jnp.asarray(gathered[:, rank * k:(rank + 1) * k]) == x).all()
+
+
 def test_bad_configs_are_refused():
     mesh = setup(2)
     x = place(mesh, rand((8, 64), F32), P("tp", None))
@@ -60,7 +88,11 @@ def test_bad_configs_are_refused():
                           (dict(BLOCK_N=24), "BLOCK_N=24 must be a power of 2"),
                           (dict(NUM_COMM=0), "NUM_COMM=0 must be >= 1"),
                           (dict(CHUNK_ROWS=64), "CHUNK_ROWS=64 must divide"),
-                          (dict(BLOK_M=16), "unknown config keys")]:
+                          (dict(BLOK_M=16), "unknown config keys"),
+                          (dict(TMA=True, ALL_ROWS=False, BLOCK_M=16), "m_shard=4 to be a multiple of "
+                           "BLOCK_M=16"),
+                          (dict(TMA=True, SPLIT_K=2, ALL_ROWS=False, BLOCK_M=4),
+                           "TMA=True needs SPLIT_K=1")]:
         with pytest.raises(ValueError, match=match):
             _fn(mesh, config)(x, w)
 

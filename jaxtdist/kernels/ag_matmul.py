@@ -12,6 +12,11 @@ pull a small shard in parallel; a tile then waits for each of its chunks.
 
 With SPLIT_K > 1, SPLIT_K consecutive programs share one output tile, each
 over its own range of K (``_splitk``): small M then still fills the GPU.
+
+``ag_matmul_tma_kernel`` is the persistent variant for large shapes: one
+program per SM, tiles taken from a counter in the same order, operands
+loaded with TMA (tensor descriptors built on the device, which needs
+Triton's global scratch: jaxtdist's own launcher provides it).
 """
 
 import triton
@@ -21,6 +26,15 @@ import jaxtdist.language as dl
 from jaxtdist.kernels._gather import pull_shards
 from jaxtdist.kernels._splitk import finish_split_k, k_range
 from jaxtdist.kernels._tiles import rank_major_tile
+
+
+@triton.jit
+def _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M: tl.constexpr,
+                    CHUNK_ROWS: tl.constexpr):
+    """Waits until the chunks holding row tile ``tm`` of rank ``src``'s shard are gathered."""
+    first = tm * (BLOCK_M // CHUNK_ROWS)
+    for chunk in range(first, tl.minimum(first + BLOCK_M // CHUNK_ROWS, n_chunks)):
+        dl.wait(ctx, flags + src * n_chunks + chunk, e, "ge", src, "gpu")
 
 
 @triton.jit
@@ -66,10 +80,7 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
             counter_index = tn
         else:
             src, tm, tn = rank_major_tile(tile, me, world, m_tiles, n_tiles, GROUP_M)
-            # The tile's rows span BLOCK_M // CHUNK_ROWS chunks (fewer at the end).
-            first = tm * (BLOCK_M // CHUNK_ROWS)
-            for chunk in range(first, tl.minimum(first + BLOCK_M // CHUNK_ROWS, n_chunks)):
-                dl.wait(ctx, flags + src * n_chunks + chunk, e, "ge", src, "gpu")
+            _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS)
             # One source for A (local rows included) keeps its loads vectorized.
             a_base = gathered_ptr + src * M_SHARD * K
             rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -98,3 +109,64 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
                            dl.heap_ptr(ctx, PARTIALS_OFF, tl.float32), out_offs, mask,
                            dl.heap_ptr(ctx, COUNTERS_OFF, tl.int32) + counter_index,
                            world * M_SHARD * N, SPLIT_K)
+
+
+@triton.jit
+def ag_matmul_tma_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
+                         M_SHARD: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+                         STAGE_OFF: tl.constexpr, SLOT_BYTES: tl.constexpr,
+                         READY_OFF: tl.constexpr, FLAGS_OFF: tl.constexpr,
+                         SCHEDULE_OFF: tl.constexpr, NUM_COMM: tl.constexpr,
+                         CHUNK_ROWS: tl.constexpr, COPY_BLOCK_C: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr, SCOPE: tl.constexpr,
+                         NUM_PROGRAMS: tl.constexpr, PRODUCERS_JOIN: tl.constexpr):
+    """Grid: (NUM_PROGRAMS,), at most what the GPU holds at once (waits spin).
+
+    Same operands as ``ag_matmul_kernel``; M_SHARD is a multiple of BLOCK_M.
+    The first NUM_COMM programs gather; the others (and, with
+    PRODUCERS_JOIN, the producers once done) take tiles in
+    ``rank_major_tile`` order from the counter at SCHEDULE_OFF. The last
+    program to finish resets the counters, so the next call (ordered after
+    this one on the stream) starts from zero.
+    """
+    pid = tl.program_id(0)
+    if pid < NUM_COMM:
+        pull_shards(ctx, x_ptr, gathered_ptr, pid, NUM_COMM, M_SHARD, K, STAGE_OFF,
+                    SLOT_BYTES, READY_OFF, FLAGS_OFF, CHUNK_ROWS, COPY_BLOCK_C, SCOPE)
+    if (pid >= NUM_COMM) or PRODUCERS_JOIN:
+        me = dl.rank(ctx)
+        world = dl.num_ranks(ctx)
+        e = dl.epoch(ctx)
+        m_tiles = M_SHARD // BLOCK_M
+        n_tiles = (N + BLOCK_N - 1) // BLOCK_N
+        n_chunks = (M_SHARD + CHUNK_ROWS - 1) // CHUNK_ROWS
+        total = world * m_tiles * n_tiles
+        flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
+        schedule = dl.heap_ptr(ctx, SCHEDULE_OFF, tl.int32)
+        a_desc = tl.make_tensor_descriptor(gathered_ptr, shape=[world * M_SHARD, K],
+                                           strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
+        b_desc = tl.make_tensor_descriptor(w_ptr, shape=[K, N], strides=[N, 1],
+                                           block_shape=[BLOCK_K, BLOCK_N])
+        c_desc = tl.make_tensor_descriptor(out_ptr, shape=[world * M_SHARD, N], strides=[N, 1],
+                                           block_shape=[BLOCK_M, BLOCK_N])
+        tile = tl.atomic_add(schedule, 1, sem="relaxed", scope="gpu")
+        while tile < total:
+            src, tm, tn = rank_major_tile(tile, me, world, m_tiles, n_tiles, GROUP_M)
+            _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS)
+            dl.fence_async_proxy()
+            row0 = src * M_SHARD + tm * BLOCK_M
+            col0 = tn * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                a = a_desc.load([row0, k0])
+                b = b_desc.load([k0, col0])
+                acc = tl.dot(a, b, acc)
+            c_desc.store([row0, col0], acc.to(out_ptr.dtype.element_ty))
+            tile = tl.atomic_add(schedule, 1, sem="relaxed", scope="gpu")
+        workers = NUM_PROGRAMS if PRODUCERS_JOIN else NUM_PROGRAMS - NUM_COMM
+        finished = tl.atomic_add(schedule + 1, 1, sem="acq_rel", scope="gpu")
+        if finished == workers - 1:
+            # Every worker has taken its last (failed) tile: nobody reads the counter again.
+            tl.atomic_xchg(schedule, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(schedule + 1, 0, sem="relaxed", scope="gpu")

@@ -266,6 +266,14 @@ def barrier_all(ctx, signals):
 if _INTERPRET:
 
     @triton.jit
+    def fence_async_proxy():
+        """Orders this thread's earlier memory accesses before its later TMA ones.
+
+        Under the interpreter there is one proxy: nothing to order.
+        """
+        pass
+
+    @triton.jit
     def consume_token(value, token):
         """Returns ``value``, made data-dependent on ``token`` (a wait's result).
 
@@ -274,6 +282,18 @@ if _INTERPRET:
         return value
 
 else:
+
+    @triton.jit
+    def fence_async_proxy():
+        """Orders this thread's earlier memory accesses before its later TMA ones.
+
+        Data that a ``wait`` acquired was written through the generic proxy;
+        TMA loads (tensor descriptors) read through the async proxy, which the
+        acquire alone does not order. Call it after the wait, before the loads.
+        """
+        tl.inline_asm_elementwise("fence.proxy.async.global;\n mov.u32 $0, $1;", "=r,r",
+                                  [tl.full([], 0, tl.int32)], dtype=tl.int32, is_pure=False,
+                                  pack=1)
 
     @triton.jit
     def consume_token(value, token):

@@ -199,12 +199,20 @@ def match_cotangent(ct: jax.Array, primal: jax.Array) -> jax.Array:
 
 
 def launch(kernel, ctx: jax.Array, *args: Any, out_shape, grid: int | Sequence[int],
-           num_warps: int = 4, num_stages: int = 3, **constexprs):
-    """Runs ``kernel[grid](ctx, *args, *outputs, **constexprs)`` on the runtime's backend."""
+           num_warps: int = 4, num_stages: int = 3, needs_scratch: bool = False, **constexprs):
+    """Runs ``kernel[grid](ctx, *args, *outputs, **constexprs)`` on the runtime's backend.
+
+    ``needs_scratch``: the kernel uses Triton's global scratch (device-side TMA
+    descriptors); on GPUs it then runs through jaxtdist's own launcher.
+    """
     rt = runtime()
     outs, many = _out_list(out_shape)
     full_args = (ctx,) + tuple(args)
-    if rt.platform == "gpu":
+    if rt.platform == "gpu" and needs_scratch:
+        from jaxtdist.ops import _native_launch
+        result = _native_launch.launch(rt, kernel, full_args, outs, grid, num_warps, num_stages,
+                                       constexprs)
+    elif rt.platform == "gpu":
         result = _gpu_launch(kernel, full_args, outs, grid, num_warps, num_stages, constexprs)
         result = list(result) if isinstance(result, (list, tuple)) else [result]
     else:

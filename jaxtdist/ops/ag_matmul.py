@@ -8,7 +8,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from jaxtdist.kernels.ag_matmul import ag_matmul_kernel
+from jaxtdist.kernels.ag_matmul import ag_matmul_kernel, ag_matmul_tma_kernel
 from jaxtdist.ops import _call
 from jaxtdist.ops._shapes import GatherWorkspace, SplitKWorkspace, check_dtype, next_pow2
 from jaxtdist.runtime._runtime import runtime
@@ -19,11 +19,12 @@ def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
     """Block sizes, producer count and signal granularity for one problem.
 
     The tuning cache (``jaxtdist.tune``) overrides these per shape.
-    CHUNK_ROWS=0 means one chunk (signal) per BLOCK_M rows.
+    CHUNK_ROWS=0 means one chunk (signal) per BLOCK_M rows. TMA=True selects
+    the persistent kernel with TMA loads (``ag_matmul_tma_kernel``).
     """
     small = world * m_shard <= (128 if platform == "gpu" else 32)
     wide = jnp.dtype(dtype).itemsize == 4
-    common = dict(SCOPE="sys", SPLIT_K=1, CHUNK_ROWS=0)
+    common = dict(SCOPE="sys", SPLIT_K=1, CHUNK_ROWS=0, TMA=False)
     if platform == "gpu":
         if small:  # decode: one M tile over all ranks' rows, split K, one chunk per row
             return dict(common, BLOCK_M=max(16, next_pow2(world * m_shard)), BLOCK_N=64,
@@ -53,6 +54,18 @@ def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
                 num_warps=4, num_stages=1)
 
 
+def persistent_programs(rt, num_comm: int, tiles: int) -> int:
+    """Programs of the persistent kernel: one per SM on GPUs (all must be resident,
+    since they spin on each other), a few under the interpreter."""
+    if rt.platform != "gpu":
+        return num_comm + min(tiles, 2)
+    sms = getattr(rt.mesh.devices.flat[0], "core_count", None) or 132
+    if num_comm >= sms:
+        raise ValueError(f"jaxtdist.ag_matmul: NUM_COMM={num_comm} leaves none of the {sms} "
+                         "SMs for the GEMM")
+    return min(sms, num_comm + tiles)
+
+
 def _check(x, w, axis_name):
     if x.ndim != 2 or w.ndim != 2:
         raise ValueError(f"jaxtdist.ag_matmul: x and w must be 2-D, got x{x.shape} and w{w.shape}")
@@ -67,16 +80,18 @@ def _check(x, w, axis_name):
         raise ValueError(f"jaxtdist.ag_matmul: empty operand x{x.shape} w{w.shape}")
 
 
+_FLAG_KEYS = ("SCOPE", "ALL_ROWS", "TMA")
 _INT_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "NUM_COMM", "CHUNK_ROWS",
              "COPY_BLOCK_C", "SPLIT_K", "num_warps", "num_stages")
 
 
-def check_config(cfg: dict, world: int, m_shard: int, k: int) -> None:
+def check_config(cfg: dict, world: int, m_shard: int, k: int, n: int | None = None,
+                 itemsize: int = 2) -> None:
     """Raises ``ValueError`` naming the first constraint ``cfg`` breaks."""
-    unknown = set(cfg) - set(_INT_KEYS) - {"SCOPE", "ALL_ROWS"}
+    unknown = set(cfg) - set(_INT_KEYS) - set(_FLAG_KEYS)
     if unknown:
         raise ValueError(f"jaxtdist.ag_matmul: unknown config keys {sorted(unknown)}; known: "
-                         f"{sorted(_INT_KEYS + ('SCOPE', 'ALL_ROWS'))}")
+                         f"{sorted(_INT_KEYS + _FLAG_KEYS)}")
     cfg = dict(cfg, CHUNK_ROWS=cfg["CHUNK_ROWS"] or cfg["BLOCK_M"])  # 0: one chunk per row tile
     for key in _INT_KEYS:
         if int(cfg[key]) < 1:
@@ -90,6 +105,16 @@ def check_config(cfg: dict, world: int, m_shard: int, k: int) -> None:
     if cfg["CHUNK_ROWS"] > cfg["BLOCK_M"]:
         raise ValueError(f"jaxtdist.ag_matmul: CHUNK_ROWS={cfg['CHUNK_ROWS']} must divide "
                          f"BLOCK_M={cfg['BLOCK_M']}")
+    if cfg.get("TMA"):
+        for bad, why in ((cfg["ALL_ROWS"], "ALL_ROWS=False"), (cfg["SPLIT_K"] != 1, "SPLIT_K=1"),
+                         (m_shard % cfg["BLOCK_M"], f"m_shard={m_shard} to be a multiple of "
+                          f"BLOCK_M={cfg['BLOCK_M']}"),
+                         (k * itemsize % 16, f"rows of x ({k} elements) to be a multiple "
+                          "of 16 bytes"),
+                         (n is not None and n * itemsize % 16,
+                          f"rows of w ({n} elements) to be a multiple of 16 bytes")):
+            if bad:
+                raise ValueError(f"jaxtdist.ag_matmul: config TMA=True needs {why}")
     if cfg["SPLIT_K"] > -(-k // cfg["BLOCK_K"]):
         raise ValueError(f"jaxtdist.ag_matmul: SPLIT_K={cfg['SPLIT_K']} exceeds the "
                          f"{-(-k // cfg['BLOCK_K'])} blocks of K={k} (BLOCK_K={cfg['BLOCK_K']})")
@@ -111,7 +136,7 @@ def resolve_config(rt, axis_name, world: int, m_shard: int, n: int, k: int, dtyp
             tuned = tune_ag_matmul(m_shard, n, k, dtype, axis_name=axis_name)["config"]
         cfg.update(tuned or {})
     cfg.update(config or {})
-    check_config(cfg, world, m_shard, k)
+    check_config(cfg, world, m_shard, k, n, jnp.dtype(dtype).itemsize)
     cfg["CHUNK_ROWS"] = cfg["CHUNK_ROWS"] or cfg["BLOCK_M"]
     return cfg
 
@@ -149,16 +174,27 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
         partials_off = split_ws.offset + split_plan.partials
         counters_off = split_ws.offset + split_plan.counters
     ctx = _call.prologue(rt, layout, ws, "ag_matmul", deps=(x, w))
+    out_shape = (jax.ShapeDtypeStruct((world * m_shard, n), x.dtype),
+                 jax.ShapeDtypeStruct((world * m_shard, k), x.dtype))
+    gather = dict(M_SHARD=m_shard, N=n, K=k, STAGE_OFF=ws.offset + plan.stage,
+                  SLOT_BYTES=plan.slot_bytes, READY_OFF=ws.offset + plan.ready,
+                  FLAGS_OFF=ws.offset + plan.flags)
+    if cfg.pop("TMA"):
+        for key in ("ALL_ROWS", "SPLIT_K"):
+            cfg.pop(key)
+        programs = persistent_programs(rt, cfg["NUM_COMM"], m_tiles * n_tiles)
+        schedule = rt.workspace(("ag_matmul_schedule", layout.axes), 8)
+        out, gathered = _call.launch(
+            ag_matmul_tma_kernel, ctx, x, w, out_shape=out_shape, grid=(programs,),
+            num_warps=num_warps, num_stages=num_stages, needs_scratch=True,
+            SCHEDULE_OFF=schedule.offset, NUM_PROGRAMS=programs,
+            PRODUCERS_JOIN=rt.platform == "gpu", **gather, **cfg)
+        return out, gathered
     grid = (cfg["NUM_COMM"] + split_k * m_tiles * n_tiles,)
     out, gathered = _call.launch(
-        ag_matmul_kernel, ctx, x, w,
-        out_shape=(jax.ShapeDtypeStruct((world * m_shard, n), x.dtype),
-                   jax.ShapeDtypeStruct((world * m_shard, k), x.dtype)),
-        grid=grid, num_warps=num_warps, num_stages=num_stages,
-        M_SHARD=m_shard, N=n, K=k, STAGE_OFF=ws.offset + plan.stage,
-        SLOT_BYTES=plan.slot_bytes, READY_OFF=ws.offset + plan.ready,
-        FLAGS_OFF=ws.offset + plan.flags, PARTIALS_OFF=partials_off,
-        COUNTERS_OFF=counters_off, K_SPLIT=k_split, **cfg)
+        ag_matmul_kernel, ctx, x, w, out_shape=out_shape, grid=grid, num_warps=num_warps,
+        num_stages=num_stages, PARTIALS_OFF=partials_off, COUNTERS_OFF=counters_off,
+        K_SPLIT=k_split, **gather, **cfg)
     return out, gathered
 
 

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m jaxtdist.tune [--quick] [--json docs/perf/ag_matmul_tuning.json]
+    python -m jaxtdist.tune [--quick] [--large] [--json docs/perf/ag_matmul_tuning.json]
         [--markdown docs/perf/ag_matmul_tuning.md]
 
 Writes the chosen configs to the tuning cache (``jaxtdist.tune.cache_path()``)
@@ -30,6 +30,8 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m jaxtdist.tune")
     parser.add_argument("--quick", action="store_true", help="first three shapes only")
+    parser.add_argument("--large", action="store_true",
+                        help="large shapes only (m_shard >= 512), not the decode sizes")
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--json", help="write every candidate's time here")
     parser.add_argument("--markdown", help="write the comparison table here")
@@ -42,6 +44,9 @@ def main(argv=None) -> int:
     td.initialize(mesh)
     device = jax.devices()[0].device_kind
     shapes = AG_MATMUL_SHAPES[:3] if args.quick else AG_MATMUL_SHAPES
+    if args.large:
+        shapes = [s for s in shapes if s[0] >= 512]
+    shapes = list(dict.fromkeys(shapes))  # a shape listed twice is tuned once
     rows = []
     lines = [f"ag_matmul tuning, bfloat16, {world} x {device}; kernel time (us, CUPTI, median "
              f"of {args.iterations}, mean per device); the chosen config is in bold", "",

@@ -19,7 +19,7 @@ def candidates_ag_matmul(world: int, m_shard: int, n: int, k: int, dtype) -> lis
     for overrides in _gpu_candidates(world, m_shard, n, k, dtype):
         try:
             check_config(dict(default_config("gpu", world, m_shard, n, k, dtype), **overrides),
-                         world, m_shard, k)
+                         world, m_shard, k, n, jnp.dtype(dtype).itemsize)
         except ValueError:
             continue
         fitting.append(overrides)
@@ -43,12 +43,16 @@ def _gpu_candidates(world: int, m_shard: int, n: int, k: int, dtype) -> list[dic
                 dict(CHUNK_ROWS=32, NUM_COMM=8),
                 dict(BLOCK_N=128, BLOCK_K=64),
                 dict(SPLIT_K=2, BLOCK_N=128, BLOCK_K=64)]
+    # Large: the best pointer-GEMM configs of earlier sweeps (4 x H200), and the
+    # persistent TMA kernel (refused by check_config where it does not fit).
     return [{},
-            dict(NUM_COMM=32),
-            dict(num_stages=4),
             dict(CHUNK_ROWS=32, NUM_COMM=24),
             dict(COPY_BLOCK_C=256, num_stages=4),
-            dict(BLOCK_N=128, num_warps=4, num_stages=4)]
+            dict(TMA=True),
+            dict(TMA=True, CHUNK_ROWS=32, NUM_COMM=24),
+            dict(TMA=True, NUM_COMM=8),
+            dict(TMA=True, num_stages=4),
+            dict(TMA=True, BLOCK_N=128, num_stages=4, CHUNK_ROWS=32)]
 
 
 def cupti_measure(fn, args, world: int, iterations: int) -> float:

@@ -102,6 +102,50 @@ def test_ag_matmul_split_k(world, dtype, m_shard, k, n_shard, config):
                      calls=3)
 
 
+@pytest.mark.parametrize("world", [1, 4])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("m_shard,k,n_shard,config", [
+    (256, 512, 384, dict(TMA=True)),                     # N tiles clipped by the descriptor
+    (1024, 1024, 1024, dict(TMA=True, CHUNK_ROWS=32, NUM_COMM=24)),
+    (128, 8192, 520, dict(TMA=True, NUM_COMM=8)),
+])
+def test_ag_matmul_tma(world, dtype, m_shard, k, n_shard, config):
+    """The persistent TMA kernel, through jaxtdist's own launcher (global scratch)."""
+    mesh = _mesh(world)
+    td.initialize(mesh)
+    # Three calls: the tile counter is reset by each call's last program.
+    _check_ag_matmul(mesh, _ag_matmul_fn(mesh, config), world, m_shard, k, n_shard, dtype,
+                     calls=3)
+
+
+def test_ag_matmul_tma_chained_with_other_kernels():
+    """TMA and pointer kernels of different shapes in one program share the tile counter."""
+    from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered
+    world = 4
+    mesh = _mesh(world)
+    td.initialize(mesh)
+
+    def body(x, w1, w2):
+        a = ag_matmul_with_gathered(x, w1, "tp", config=dict(TMA=True))[0]
+        b = ag_matmul_with_gathered(x, w2, "tp", config=dict(TMA=True, BLOCK_N=128))[0]
+        c = ag_matmul_with_gathered(x, w1, "tp", config=dict(TMA=False))[0]
+        return a, b, c
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp", None), P(None, "tp"),
+                                                        P(None, "tp")),
+                              out_specs=(P(None, "tp"),) * 3))
+    for _ in range(3):
+        x = _rand((world * 256, 1024), jnp.bfloat16, 1 / 32)
+        w1 = _rand((1024, world * 512), jnp.bfloat16)
+        w2 = _rand((1024, world * 256), jnp.bfloat16)
+        put = lambda v, spec: jax.device_put(v, NamedSharding(mesh, spec))
+        a, b, c = f(put(x, P("tp", None)), put(w1, P(None, "tp")), put(w2, P(None, "tp")))
+        x32 = np.asarray(x, np.float32)
+        assert _rel(a, x32 @ np.asarray(w1, np.float32)) < TOL[jnp.bfloat16]
+        assert _rel(b, x32 @ np.asarray(w2, np.float32)) < TOL[jnp.bfloat16]
+        assert _rel(c, x32 @ np.asarray(w1, np.float32)) < TOL[jnp.bfloat16]
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("shape", [(3, 5), (64, 1000), (1024, 4096)])

@@ -1,0 +1,120 @@
+"""Runs Triton kernels through jaxtdist's own launcher (``csrc/triton_launch.cc``).
+
+jax-triton hands kernels to jaxlib's launcher, which passes a null global
+scratch pointer: kernels that build TMA descriptors on the device
+(``tl.make_tensor_descriptor``) write their descriptors there and would
+fault. Here jaxtdist compiles the kernel to a cubin itself and its FFI
+handler launches it with a scratch slice of the symmetric heap. Only array
+arguments are supported (pass scalars as constexprs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from jaxtdist.runtime import _native
+from jaxtdist.runtime._runtime import Runtime
+
+_POINTER_TYPES = {
+    "bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32", "float64": "*fp64",
+    "int8": "*i8", "int16": "*i16", "int32": "*i32", "int64": "*i64",
+    "uint8": "*u8", "uint16": "*u16", "uint32": "*u32", "uint64": "*u64", "bool": "*i1",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledKernel:
+    kernel_id: int          # id in the native kernel table
+    name: str
+    shared_bytes: int
+    scratch_bytes: int      # global scratch per program
+    scratch_align: int
+
+
+def pointer_type(dtype) -> str:
+    name = np.dtype(dtype).name
+    if name not in _POINTER_TYPES:
+        raise ValueError(f"jaxtdist: no Triton pointer type for dtype {name}")
+    return _POINTER_TYPES[name]
+
+
+def compute_capability(device) -> int:
+    """The device's compute capability as Triton's target wants it (e.g. 90)."""
+    cc = getattr(device, "compute_capability", None)
+    if cc is None:
+        raise ValueError(f"jaxtdist: cannot tell the compute capability of {device}")
+    major, minor = str(cc).split(".")[:2]
+    return int(major) * 10 + int(minor)
+
+
+def compile_kernel(kernel, arg_types: Sequence[str], constexprs: dict, num_warps: int,
+                   num_stages: int, capability: int):
+    """Compiles ``kernel`` for CUDA ``capability``; returns Triton's compiled kernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = [n for n in kernel.arg_names if n not in constexprs]
+    if len(names) != len(arg_types):
+        raise ValueError(f"jaxtdist: kernel {kernel.__name__} takes {len(names)} non-constexpr "
+                         f"arguments {names}, got {len(arg_types)} arrays")
+    signature = dict(zip(names, arg_types))
+    signature.update({n: "constexpr" for n in constexprs})
+    # XLA buffers are at least 16-byte aligned (as jax-triton assumes too).
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in names}
+    consts = {(kernel.arg_names.index(n),): v for n, v in constexprs.items()}
+    src = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+@functools.lru_cache(maxsize=None)
+def _registered(kernel, arg_types: tuple, constexpr_items: tuple, num_warps: int,
+                num_stages: int, capability: int) -> CompiledKernel:
+    compiled = compile_kernel(kernel, arg_types, dict(constexpr_items), num_warps, num_stages,
+                              capability)
+    md = compiled.metadata
+    if getattr(md, "num_ctas", 1) != 1 or getattr(md, "profile_scratch_size", 0):
+        raise ValueError(f"jaxtdist: kernel {md.name} needs CTA clusters or profile scratch, "
+                         "which jaxtdist's launcher does not provide")
+    kernel_id = _native.native().register_triton_kernel(
+        compiled.asm["cubin"], md.name, num_warps, md.shared, md.global_scratch_size)
+    return CompiledKernel(kernel_id, md.name, md.shared, md.global_scratch_size,
+                          md.global_scratch_align)
+
+
+def launch(rt: Runtime, kernel, args: Sequence[jax.Array], outs, grid, num_warps: int,
+           num_stages: int, constexprs: dict) -> list[jax.Array]:
+    """``kernel[grid](*args, *outs, **constexprs)`` on the devices of ``rt``'s mesh."""
+    grid = tuple(grid) if isinstance(grid, (tuple, list)) else (int(grid),)
+    grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+    for a in args:
+        if isinstance(a, (bool, int, float)):
+            raise ValueError("jaxtdist's native launcher takes arrays only; pass scalars as "
+                             "constexprs")
+    types = tuple(pointer_type(a.dtype) for a in args) + tuple(pointer_type(o.dtype) for o in outs)
+    capability = compute_capability(rt.mesh.devices.flat[0])
+    compiled = _registered(kernel, types, tuple(sorted(constexprs.items())), num_warps,
+                           num_stages, capability)
+    scratch_offset = 0
+    if compiled.scratch_bytes:
+        programs = grid[0] * grid[1] * grid[2]
+        align = max(compiled.scratch_align, 1)
+        per_program = -(-compiled.scratch_bytes // align) * align
+        ws = rt.workspace(("triton_scratch", compiled.name, compiled.kernel_id, programs),
+                          programs * per_program + align)
+        scratch_offset = -(-ws.offset // align) * align
+        if per_program != compiled.scratch_bytes:
+            raise ValueError(f"jaxtdist: kernel {compiled.name}'s scratch of "
+                             f"{compiled.scratch_bytes} bytes is not a multiple of its "
+                             f"alignment {align}")
+    call = jax.ffi.ffi_call(_native.TRITON_LAUNCH_TARGET, list(outs), has_side_effect=True)
+    result = call(*args, kernel_id=np.int64(compiled.kernel_id), grid_x=np.int64(grid[0]),
+                  grid_y=np.int64(grid[1]), grid_z=np.int64(grid[2]),
+                  scratch_offset=np.int64(scratch_offset), generation=np.int64(rt.generation))
+    return list(result)
