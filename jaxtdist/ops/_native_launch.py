@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import tempfile
 from collections.abc import Sequence
 
 import jax
@@ -52,6 +54,22 @@ def compute_capability(device) -> int:
     return int(major) * 10 + int(minor)
 
 
+def _ensure_cache_dir() -> None:
+    """Points Triton's cache at a temporary directory when its default is unusable
+    (no home directory, or a read-only one, as on some GPU nodes)."""
+    from triton import knobs
+
+    cache_dir = knobs.cache.dir
+    if cache_dir:
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+            if os.access(cache_dir, os.W_OK):
+                return
+        except OSError:
+            pass
+    knobs.cache.dir = os.path.join(tempfile.gettempdir(), f"jaxtdist-triton-cache-{os.getuid()}")
+
+
 def compile_kernel(kernel, arg_types: Sequence[str], constexprs: dict, num_warps: int,
                    num_stages: int, capability: int):
     """Compiles ``kernel`` for CUDA ``capability``; returns Triton's compiled kernel."""
@@ -69,6 +87,7 @@ def compile_kernel(kernel, arg_types: Sequence[str], constexprs: dict, num_warps
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in names}
     consts = {(kernel.arg_names.index(n),): v for n, v in constexprs.items()}
     src = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
+    _ensure_cache_dir()
     return triton.compile(src, target=GPUTarget("cuda", capability, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 

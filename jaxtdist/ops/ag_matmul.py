@@ -136,6 +136,10 @@ def resolve_config(rt, axis_name, world: int, m_shard: int, n: int, k: int, dtyp
             tuned = tune_ag_matmul(m_shard, n, k, dtype, axis_name=axis_name)["config"]
         cfg.update(tuned or {})
     cfg.update(config or {})
+    if cfg["TMA"]:  # the TMA kernel has neither mode: turn them off unless asked for
+        for key, value in (("ALL_ROWS", False), ("SPLIT_K", 1)):
+            if key not in (config or {}):
+                cfg[key] = value
     check_config(cfg, world, m_shard, k, n, jnp.dtype(dtype).itemsize)
     cfg["CHUNK_ROWS"] = cfg["CHUNK_ROWS"] or cfg["BLOCK_M"]
     return cfg

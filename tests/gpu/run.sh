@@ -37,10 +37,10 @@ if has tests; then
   # TMA kernels (jaxtdist's own launcher) run first in a process of their own,
   # so that a fault there cannot take the rest of the suite down with it.
   JAXTDIST_TUNING_CACHE="$OUT/tests_tuning.json" timeout 600 python3 -m pytest tests/gpu -q \
-    -p no:cacheprovider -k tma 2>&1 | tee "$OUT/gpu_tests_tma.log"
+    -p no:cacheprovider -k ag_matmul_tma 2>&1 | tee "$OUT/gpu_tests_tma.log"
   TMA_RC=${PIPESTATUS[0]}
   JAXTDIST_TUNING_CACHE="$OUT/tests_tuning.json" timeout 900 python3 -m pytest tests/gpu -q \
-    -p no:cacheprovider -k "not tma" 2>&1 | tee "$OUT/gpu_tests.log"
+    -p no:cacheprovider -k "not ag_matmul_tma" 2>&1 | tee "$OUT/gpu_tests.log"
   TEST_RC=${PIPESTATUS[0]}
   [ "$TMA_RC" -ne 0 ] && TEST_RC=$TMA_RC
   python3 examples/ag_matmul.py 2>&1 | tail -1 | tee "$OUT/examples.log"
