@@ -18,6 +18,11 @@ std::string DeviceCount(int* count) {
   return Check(cudaGetDeviceCount(count), "cudaGetDeviceCount");
 }
 
+std::string MaxSharedPerBlockOptin(int device, int* bytes) {
+  return Check(cudaDeviceGetAttribute(bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+               "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)");
+}
+
 std::string MemGetInfo(int device, std::int64_t* free_bytes, std::int64_t* total_bytes) {
   if (auto e = Check(cudaSetDevice(device), "cudaSetDevice"); !e.empty()) return e;
   size_t f = 0, t = 0;

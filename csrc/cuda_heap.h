@@ -11,6 +11,7 @@ namespace jaxtdist::cuda {
 
 // Each returns "" on success or a message naming the failed call.
 std::string DeviceCount(int* count);
+std::string MaxSharedPerBlockOptin(int device, int* bytes);
 std::string MemGetInfo(int device, std::int64_t* free_bytes, std::int64_t* total_bytes);
 std::string Malloc(int device, std::int64_t bytes, std::uintptr_t* ptr);
 std::string Free(int device, std::uintptr_t ptr);

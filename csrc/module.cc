@@ -70,6 +70,11 @@ PYBIND11_MODULE(_jaxtdist_ffi, m) {
     Raise(jc::DeviceCount(&n));
     return n;
   });
+  m.def("cuda_max_shared_per_block", [](int device) {
+    int bytes = 0;
+    Raise(jc::MaxSharedPerBlockOptin(device, &bytes));
+    return bytes;
+  });
   m.def("cuda_mem_get_info", [](int device) {
     std::int64_t f = 0, t = 0;
     Raise(jc::MemGetInfo(device, &f, &t));

@@ -120,6 +120,16 @@ def launch(rt: Runtime, kernel, args: Sequence[jax.Array], outs, grid, num_warps
     capability = compute_capability(rt.mesh.devices.flat[0])
     compiled = _registered(kernel, types, tuple(sorted(constexprs.items())), num_warps,
                            num_stages, capability)
+    device = rt.mesh.devices.flat[0]
+    limit = _native.native().cuda_max_shared_per_block(
+        device.local_hardware_id if device.local_hardware_id is not None else device.id)
+    if compiled.shared_bytes > limit:
+        blocks = ", ".join(f"{k}={v}" for k, v in sorted(constexprs.items())
+                           if k.startswith("BLOCK_"))
+        raise ValueError(f"jaxtdist: kernel {compiled.name} needs {compiled.shared_bytes} bytes "
+                         f"of shared memory per program with num_stages={num_stages}, "
+                         f"{blocks}; {device.device_kind} allows {limit}. Lower num_stages or "
+                         "the block sizes")
     scratch_offset = 0
     if compiled.scratch_bytes:
         programs = grid[0] * grid[1] * grid[2]

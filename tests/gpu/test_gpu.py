@@ -118,6 +118,16 @@ def test_ag_matmul_tma(world, dtype, m_shard, k, n_shard, config):
                      calls=3)
 
 
+def test_ag_matmul_tma_config_over_shared_memory_is_refused():
+    mesh = _mesh(2)
+    td.initialize(mesh)
+    f = _ag_matmul_fn(mesh, dict(TMA=True, BLOCK_N=256, BLOCK_K=128, num_stages=4))
+    x = jax.device_put(_rand((512, 1024), jnp.bfloat16), NamedSharding(mesh, P("tp", None)))
+    w = jax.device_put(_rand((1024, 512), jnp.bfloat16), NamedSharding(mesh, P(None, "tp")))
+    with pytest.raises(ValueError, match="bytes of shared memory per program with num_stages=4"):
+        f(x, w)
+
+
 def test_ag_matmul_tma_chained_with_other_kernels():
     """TMA and pointer kernels of different shapes in one program share the tile counter."""
     from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered
@@ -127,7 +137,8 @@ def test_ag_matmul_tma_chained_with_other_kernels():
 
     def body(x, w1, w2):
         a = ag_matmul_with_gathered(x, w1, "tp", config=dict(TMA=True))[0]
-        b = ag_matmul_with_gathered(x, w2, "tp", config=dict(TMA=True, BLOCK_N=128))[0]
+        b = ag_matmul_with_gathered(x, w2, "tp", config=dict(TMA=True, BLOCK_N=128,
+                                                             num_stages=3))[0]
         c = ag_matmul_with_gathered(x, w1, "tp", config=dict(TMA=False))[0]
         return a, b, c
 
