@@ -113,6 +113,9 @@ PYBIND11_MODULE(_jaxtdist_ffi, m) {
     image.scratch_bytes = scratch_bytes;
     return jaxtdist::RegisterTritonKernel(std::move(image));
   });
+  m.def("preload_triton_kernel", [](std::int64_t id, int device_ordinal) {
+    Raise(jaxtdist::PreloadTritonKernel(id, device_ordinal));
+  });
   m.def("cuda_free_host", [](std::uintptr_t p) { Raise(jc::FreeHost(p)); });
 #endif
 }

@@ -63,48 +63,60 @@ class KernelTable {
   }
 
   // Finds or loads kernel `id` in `ctx`; returns "" or what failed.
+  //
+  // The table's lock is never held while loading: loading a module can wait
+  // for the kernels running on that device, and those may spin on peers
+  // whose host threads need this table to launch (a cross-device deadlock).
   std::string Function(std::int64_t id, CUcontext ctx, CUfunction* fn,
                        TritonKernelImage* image) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (id < 0 || id >= static_cast<std::int64_t>(images_.size())) {
-      return "unknown kernel id " + std::to_string(id) + " (" + std::to_string(images_.size()) +
-             " registered)";
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (id < 0 || id >= static_cast<std::int64_t>(images_.size())) {
+        return "unknown kernel id " + std::to_string(id) + " (" +
+               std::to_string(images_.size()) + " registered)";
+      }
+      *image = images_[id];
+      auto it = loaded_.find({id, ctx});
+      if (it != loaded_.end()) {
+        *fn = it->second;
+        return "";
+      }
     }
-    const TritonKernelImage& img = images_[id];
-    *image = img;
-    auto it = loaded_.find({id, ctx});
-    if (it != loaded_.end()) {
-      *fn = it->second;
-      return "";
-    }
-    const Driver& drv = GetDriver();
-    if (std::string e = cuda::DriverError("cuCtxPushCurrent", drv.ctx_push(ctx)); !e.empty()) {
-      return e;
-    }
-    std::string err;
-    CUmodule module = nullptr;
     CUfunction function = nullptr;
-    err = cuda::DriverError("cuModuleLoadData", drv.module_load_data(&module, img.cubin.data()));
-    if (err.empty()) {
-      err = cuda::DriverError("cuModuleGetFunction",
-                              drv.module_get_function(&function, module, img.name.c_str()));
-    }
-    // Above 48 KiB, dynamic shared memory must be opted into per function.
-    if (err.empty() && img.shared_bytes > 48 * 1024) {
-      err = cuda::DriverError(
-          "cuFuncSetAttribute",
-          drv.func_set_attribute(function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                 img.shared_bytes));
-    }
-    CUcontext popped = nullptr;
-    drv.ctx_pop(&popped);
-    if (!err.empty()) return err + " for kernel " + img.name;
-    loaded_[{id, ctx}] = function;
-    *fn = function;
+    if (std::string e = Load(*image, ctx, &function); !e.empty()) return e;
+    std::lock_guard<std::mutex> lock(mu_);
+    // Two threads may load the same kernel for one context; both copies work.
+    *fn = loaded_.emplace(std::make_pair(id, ctx), function).first->second;
     return "";
   }
 
  private:
+  static std::string Load(const TritonKernelImage& img, CUcontext ctx, CUfunction* fn) {
+    const Driver& drv = GetDriver();
+    if (std::string e = cuda::DriverError("cuCtxPushCurrent", drv.ctx_push(ctx)); !e.empty()) {
+      return e;
+    }
+    CUmodule module = nullptr;
+    std::string err =
+        cuda::DriverError("cuModuleLoadData", drv.module_load_data(&module, img.cubin.data()));
+    if (err.empty()) {
+      err = cuda::DriverError("cuModuleGetFunction",
+                              drv.module_get_function(fn, module, img.name.c_str()));
+    }
+    // Above 48 KiB, dynamic shared memory must be opted into per function.
+    // Setting it also makes the driver load the function now, not at its first
+    // launch (CUDA's lazy loading), when kernels may already be spinning.
+    if (err.empty()) {
+      err = cuda::DriverError(
+          "cuFuncSetAttribute",
+          drv.func_set_attribute(*fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                 img.shared_bytes));
+    }
+    CUcontext popped = nullptr;
+    drv.ctx_pop(&popped);
+    return err.empty() ? "" : err + " for kernel " + img.name;
+  }
+
   std::mutex mu_;
   std::vector<TritonKernelImage> images_;
   std::map<std::pair<std::int64_t, CUcontext>, CUfunction> loaded_;
@@ -192,6 +204,29 @@ ffi::Error TritonLaunchCuda(cudaStream_t stream, std::int32_t device_ordinal,
 
 std::int64_t RegisterTritonKernel(TritonKernelImage image) {
   return KernelTable::Get().Register(std::move(image));
+}
+
+std::string PreloadTritonKernel(std::int64_t id, int device_ordinal) {
+  using DeviceGetFn = decltype(&cuDeviceGet);
+  using RetainFn = decltype(&cuDevicePrimaryCtxRetain);
+  static DeviceGetFn device_get = cuda::DriverFunction<DeviceGetFn>("cuDeviceGet");
+  static RetainFn retain = cuda::DriverFunction<RetainFn>("cuDevicePrimaryCtxRetain");
+  if (device_get == nullptr || retain == nullptr) return "the CUDA driver lacks cuDeviceGet";
+  CUdevice device;
+  if (std::string e = cuda::DriverError("cuDeviceGet", device_get(&device, device_ordinal));
+      !e.empty()) {
+    return e;
+  }
+  // XLA runs on each device's primary context; the retain is never released,
+  // like XLA's own.
+  CUcontext ctx = nullptr;
+  if (std::string e = cuda::DriverError("cuDevicePrimaryCtxRetain", retain(&ctx, device));
+      !e.empty()) {
+    return e;
+  }
+  CUfunction fn = nullptr;
+  TritonKernelImage image;
+  return KernelTable::Get().Function(id, ctx, &fn, &image);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtdistTritonLaunchCuda, TritonLaunchCuda,

@@ -27,6 +27,11 @@ struct TritonKernelImage {
 // Registers a compiled kernel for every device; returns its id.
 std::int64_t RegisterTritonKernel(TritonKernelImage image);
 
+// Loads kernel `id` on a device (its primary context) ahead of any launch;
+// returns "" or what failed. Loading while kernels of ours run on the device
+// could wait for them, and they may wait for peers that need to launch.
+std::string PreloadTritonKernel(std::int64_t id, int device_ordinal);
+
 extern "C" XLA_FFI_Error* JaxtdistTritonLaunchCuda(XLA_FFI_CallFrame* call_frame);
 
 }  // namespace jaxtdist

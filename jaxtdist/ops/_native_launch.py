@@ -121,8 +121,10 @@ def launch(rt: Runtime, kernel, args: Sequence[jax.Array], outs, grid, num_warps
     compiled = _registered(kernel, types, tuple(sorted(constexprs.items())), num_warps,
                            num_stages, capability)
     device = rt.mesh.devices.flat[0]
-    limit = _native.native().cuda_max_shared_per_block(
-        device.local_hardware_id if device.local_hardware_id is not None else device.id)
+    ordinals = [d.local_hardware_id if d.local_hardware_id is not None else d.id
+                for d in rt.mesh.devices.flat]
+    native = _native.native()
+    limit = native.cuda_max_shared_per_block(ordinals[0])
     if compiled.shared_bytes > limit:
         blocks = ", ".join(f"{k}={v}" for k, v in sorted(constexprs.items())
                            if k.startswith("BLOCK_"))
@@ -130,6 +132,10 @@ def launch(rt: Runtime, kernel, args: Sequence[jax.Array], outs, grid, num_warps
                          f"of shared memory per program with num_stages={num_stages}, "
                          f"{blocks}; {device.device_kind} allows {limit}. Lower num_stages or "
                          "the block sizes")
+    # Load the module on every device now, at trace time: a load inside the
+    # launch could wait for our spinning kernels (see csrc/triton_launch.h).
+    for ordinal in ordinals:
+        native.preload_triton_kernel(compiled.kernel_id, ordinal)
     scratch_offset = 0
     if compiled.scratch_bytes:
         programs = grid[0] * grid[1] * grid[2]
