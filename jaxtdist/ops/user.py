@@ -20,7 +20,7 @@ def _arg_names(kernel) -> list[str]:
 def triton_call(*args: Any, kernel, out_shape, grid: int | Sequence[int], axis_name,
                 workspace_bytes: int = 0, stage: jax.Array | None = None,
                 name: str | None = None, num_warps: int = 4, num_stages: int = 3,
-                **constexprs: Any):
+                tma: bool = False, **constexprs: Any):
     """Runs a distributed Triton kernel inside ``jax.shard_map``.
 
     The kernel is called as ``kernel[grid](ctx, *args, *outputs, **constexprs)``
@@ -44,6 +44,10 @@ def triton_call(*args: Any, kernel, out_shape, grid: int | Sequence[int], axis_n
         ``STAGE + (e % 2) * STAGE_BYTES``.
       name: the workspace's name (defaults to the kernel's).
       num_warps, num_stages: GPU launch options.
+      tma: the kernel builds tensor descriptors on the device
+        (``tl.make_tensor_descriptor``), which need Triton's global scratch:
+        on GPUs it then runs through jaxtdist's own launcher, which provides
+        it from the heap (arrays only, no scalar arguments).
       **constexprs: the kernel's constexpr arguments.
 
     Returns:
@@ -79,4 +83,5 @@ def triton_call(*args: Any, kernel, out_shape, grid: int | Sequence[int], axis_n
         constexprs["STAGE"] = stage_offset
         constexprs["STAGE_BYTES"] = slot
     return _call.launch(kernel, ctx, *args, out_shape=out_shape, grid=grid,
-                        num_warps=num_warps, num_stages=num_stages, **constexprs)
+                        num_warps=num_warps, num_stages=num_stages, needs_scratch=tma,
+                        **constexprs)
