@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 
 #include <map>
+#include <memory>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -58,7 +59,7 @@ class KernelTable {
 
   std::int64_t Register(TritonKernelImage image) {
     std::lock_guard<std::mutex> lock(mu_);
-    images_.push_back(std::move(image));
+    images_.push_back(std::make_unique<const TritonKernelImage>(std::move(image)));
     return static_cast<std::int64_t>(images_.size()) - 1;
   }
 
@@ -68,14 +69,15 @@ class KernelTable {
   // for the kernels running on that device, and those may spin on peers
   // whose host threads need this table to launch (a cross-device deadlock).
   std::string Function(std::int64_t id, CUcontext ctx, CUfunction* fn,
-                       TritonKernelImage* image) {
+                       const TritonKernelImage** image) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (id < 0 || id >= static_cast<std::int64_t>(images_.size())) {
         return "unknown kernel id " + std::to_string(id) + " (" +
                std::to_string(images_.size()) + " registered)";
       }
-      *image = images_[id];
+      // Images are never removed: the pointer stays valid (no cubin copy per launch).
+      *image = images_[id].get();
       auto it = loaded_.find({id, ctx});
       if (it != loaded_.end()) {
         *fn = it->second;
@@ -83,7 +85,7 @@ class KernelTable {
       }
     }
     CUfunction function = nullptr;
-    if (std::string e = Load(*image, ctx, &function); !e.empty()) return e;
+    if (std::string e = Load(**image, ctx, &function); !e.empty()) return e;
     std::lock_guard<std::mutex> lock(mu_);
     // Two threads may load the same kernel for one context; both copies work.
     *fn = loaded_.emplace(std::make_pair(id, ctx), function).first->second;
@@ -118,7 +120,7 @@ class KernelTable {
   }
 
   std::mutex mu_;
-  std::vector<TritonKernelImage> images_;
+  std::vector<std::unique_ptr<const TritonKernelImage>> images_;
   std::map<std::pair<std::int64_t, CUcontext>, CUfunction> loaded_;
 };
 
@@ -142,13 +144,13 @@ ffi::Error TritonLaunchCuda(cudaStream_t stream, std::int32_t device_ordinal,
     return ffi::Error::Internal("jaxtdist: " + e);
   }
   CUfunction fn = nullptr;
-  TritonKernelImage image;
+  const TritonKernelImage* image = nullptr;
   if (std::string e = KernelTable::Get().Function(kernel_id, ctx, &fn, &image); !e.empty()) {
     return ffi::Error::Internal("jaxtdist: Triton launcher: " + e);
   }
   const std::int64_t programs = grid_x * grid_y * grid_z;
   CUdeviceptr global_scratch = 0;
-  if (image.scratch_bytes > 0) {
+  if (image->scratch_bytes > 0) {
     auto pos = RuntimeState::Get().PositionOfDevice(device_ordinal);
     if (!pos) {
       return ffi::Error::InvalidArgument(
@@ -156,7 +158,7 @@ ffi::Error TritonLaunchCuda(cudaStream_t stream, std::int32_t device_ordinal,
           std::to_string(device_ordinal) + "; call jaxtdist.initialize(mesh) first");
     }
     auto heap = RuntimeState::Get().Heap(*pos);
-    const std::int64_t need = programs * image.scratch_bytes;
+    const std::int64_t need = programs * image->scratch_bytes;
     if (scratch_offset < 0 || scratch_offset + need > heap->bytes) {
       return ffi::Error::InvalidArgument(
           "jaxtdist: Triton launcher: scratch [" + std::to_string(scratch_offset) + ", +" +
@@ -189,13 +191,13 @@ ffi::Error TritonLaunchCuda(cudaStream_t stream, std::int32_t device_ordinal,
   }
   CUresult res = drv.launch_kernel(fn, static_cast<unsigned>(grid_x),
                                    static_cast<unsigned>(grid_y), static_cast<unsigned>(grid_z),
-                                   image.threads, 1, 1, image.shared_bytes, cu_stream,
+                                   image->threads, 1, 1, image->shared_bytes, cu_stream,
                                    params.data(), nullptr);
   CUcontext popped = nullptr;
   drv.ctx_pop(&popped);
   if (res != CUDA_SUCCESS) {
     return ffi::Error::Internal("jaxtdist: " + cuda::DriverError("cuLaunchKernel", res) +
-                                " for kernel " + image.name);
+                                " for kernel " + image->name);
   }
   return ffi::Error::Success();
 }
@@ -209,24 +211,29 @@ std::int64_t RegisterTritonKernel(TritonKernelImage image) {
 std::string PreloadTritonKernel(std::int64_t id, int device_ordinal) {
   using DeviceGetFn = decltype(&cuDeviceGet);
   using RetainFn = decltype(&cuDevicePrimaryCtxRetain);
+  using ReleaseFn = decltype(&cuDevicePrimaryCtxRelease);
   static DeviceGetFn device_get = cuda::DriverFunction<DeviceGetFn>("cuDeviceGet");
   static RetainFn retain = cuda::DriverFunction<RetainFn>("cuDevicePrimaryCtxRetain");
-  if (device_get == nullptr || retain == nullptr) return "the CUDA driver lacks cuDeviceGet";
+  static ReleaseFn release = cuda::DriverFunction<ReleaseFn>("cuDevicePrimaryCtxRelease");
+  if (device_get == nullptr || retain == nullptr || release == nullptr) {
+    return "the CUDA driver lacks cuDeviceGet or the primary-context calls";
+  }
   CUdevice device;
   if (std::string e = cuda::DriverError("cuDeviceGet", device_get(&device, device_ordinal));
       !e.empty()) {
     return e;
   }
-  // XLA runs on each device's primary context; the retain is never released,
-  // like XLA's own.
+  // XLA runs on each device's primary context (and keeps it retained).
   CUcontext ctx = nullptr;
   if (std::string e = cuda::DriverError("cuDevicePrimaryCtxRetain", retain(&ctx, device));
       !e.empty()) {
     return e;
   }
   CUfunction fn = nullptr;
-  TritonKernelImage image;
-  return KernelTable::Get().Function(id, ctx, &fn, &image);
+  const TritonKernelImage* image = nullptr;
+  std::string err = KernelTable::Get().Function(id, ctx, &fn, &image);
+  release(device);
+  return err;
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtdistTritonLaunchCuda, TritonLaunchCuda,

@@ -138,16 +138,12 @@ def launch(rt: Runtime, kernel, args: Sequence[jax.Array], outs, grid, num_warps
         native.preload_triton_kernel(compiled.kernel_id, ordinal)
     scratch_offset = 0
     if compiled.scratch_bytes:
+        # Program p's slice starts at scratch + p * scratch_bytes (Triton's ABI).
         programs = grid[0] * grid[1] * grid[2]
         align = max(compiled.scratch_align, 1)
-        per_program = -(-compiled.scratch_bytes // align) * align
         ws = rt.workspace(("triton_scratch", compiled.name, compiled.kernel_id, programs),
-                          programs * per_program + align)
+                          programs * compiled.scratch_bytes + align)
         scratch_offset = -(-ws.offset // align) * align
-        if per_program != compiled.scratch_bytes:
-            raise ValueError(f"jaxtdist: kernel {compiled.name}'s scratch of "
-                             f"{compiled.scratch_bytes} bytes is not a multiple of its "
-                             f"alignment {align}")
     call = jax.ffi.ffi_call(_native.TRITON_LAUNCH_TARGET, list(outs), has_side_effect=True)
     result = call(*args, kernel_id=np.int64(compiled.kernel_id), grid_x=np.int64(grid[0]),
                   grid_y=np.int64(grid[1]), grid_z=np.int64(grid[2]),

@@ -43,8 +43,7 @@ def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
                         num_stages=3)
         # The persistent TMA kernel where it fits: faster than the pointer
         # kernel's defaults on every large shape tuned on 4 x H200 (docs/perf).
-        itemsize = jnp.dtype(dtype).itemsize
-        tma = m_shard % block_m == 0 and (k * itemsize) % 16 == 0 and (n * itemsize) % 16 == 0
+        tma = not _tma_misfits(m_shard, n, k, jnp.dtype(dtype).itemsize, block_m)
         return dict(common, BLOCK_M=block_m, BLOCK_N=256 if block_m == 128 else 128,
                     BLOCK_K=64, GROUP_M=8, NUM_COMM=16, COPY_BLOCK_C=128, ALL_ROWS=False,
                     num_warps=8, num_stages=3, TMA=tma)
@@ -89,6 +88,19 @@ _INT_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "NUM_COMM", "CHUNK_ROWS
              "COPY_BLOCK_C", "SPLIT_K", "num_warps", "num_stages")
 
 
+def _tma_misfits(m_shard: int, n: int | None, k: int, itemsize: int, block_m: int) -> list[str]:
+    """What a shape lacks for the TMA kernel (empty: it fits). Row tiles must not
+    cross into the next rank's rows; descriptor strides must be 16-byte multiples."""
+    misfits = []
+    if m_shard % block_m:
+        misfits.append(f"m_shard={m_shard} to be a multiple of BLOCK_M={block_m}")
+    if k * itemsize % 16:
+        misfits.append(f"rows of x ({k} elements) to be a multiple of 16 bytes")
+    if n is not None and n * itemsize % 16:
+        misfits.append(f"rows of w ({n} elements) to be a multiple of 16 bytes")
+    return misfits
+
+
 def check_config(cfg: dict, world: int, m_shard: int, k: int, n: int | None = None,
                  itemsize: int = 2) -> None:
     """Raises ``ValueError`` naming the first constraint ``cfg`` breaks."""
@@ -110,15 +122,11 @@ def check_config(cfg: dict, world: int, m_shard: int, k: int, n: int | None = No
         raise ValueError(f"jaxtdist.ag_matmul: CHUNK_ROWS={cfg['CHUNK_ROWS']} must divide "
                          f"BLOCK_M={cfg['BLOCK_M']}")
     if cfg.get("TMA"):
-        for bad, why in ((cfg["ALL_ROWS"], "ALL_ROWS=False"), (cfg["SPLIT_K"] != 1, "SPLIT_K=1"),
-                         (m_shard % cfg["BLOCK_M"], f"m_shard={m_shard} to be a multiple of "
-                          f"BLOCK_M={cfg['BLOCK_M']}"),
-                         (k * itemsize % 16, f"rows of x ({k} elements) to be a multiple "
-                          "of 16 bytes"),
-                         (n is not None and n * itemsize % 16,
-                          f"rows of w ({n} elements) to be a multiple of 16 bytes")):
-            if bad:
-                raise ValueError(f"jaxtdist.ag_matmul: config TMA=True needs {why}")
+        misfits = ((["ALL_ROWS=False"] if cfg["ALL_ROWS"] else []) +
+                   (["SPLIT_K=1"] if cfg["SPLIT_K"] != 1 else []) +
+                   _tma_misfits(m_shard, n, k, itemsize, cfg["BLOCK_M"]))
+        if misfits:
+            raise ValueError(f"jaxtdist.ag_matmul: config TMA=True needs {misfits[0]}")
     if cfg["SPLIT_K"] > -(-k // cfg["BLOCK_K"]):
         raise ValueError(f"jaxtdist.ag_matmul: SPLIT_K={cfg['SPLIT_K']} exceeds the "
                          f"{-(-k // cfg['BLOCK_K'])} blocks of K={k} (BLOCK_K={cfg['BLOCK_K']})")
