@@ -10,6 +10,7 @@
 #include "prologue.h"
 #include "runtime_state.h"
 #ifdef JAXTDIST_WITH_CUDA
+#include "ce_gather.h"
 #include "cuda_heap.h"
 #include "triton_launch.h"
 #endif
@@ -32,14 +33,16 @@ PYBIND11_MODULE(_jaxtdist_ffi, m) {
   m.doc() = "jaxtdist native library: XLA FFI handlers and heap helpers";
   // {ffi target name: {platform: handler capsule}}.
   m.def("handlers", [] {
-    py::dict prologue, launch, targets;
+    py::dict prologue, launch, ce_gather, targets;
     prologue["cpu"] = Capsule(reinterpret_cast<void*>(&jaxtdist::JaxtdistPrologueCpu));
 #ifdef JAXTDIST_WITH_CUDA
     prologue["CUDA"] = Capsule(reinterpret_cast<void*>(&jaxtdist::JaxtdistPrologueCuda));
     launch["CUDA"] = Capsule(reinterpret_cast<void*>(&jaxtdist::JaxtdistTritonLaunchCuda));
+    ce_gather["CUDA"] = Capsule(reinterpret_cast<void*>(&jaxtdist::JaxtdistCeGatherCuda));
 #endif
     targets["jaxtdist_prologue"] = prologue;
     targets["jaxtdist_triton_launch"] = launch;
+    targets["jaxtdist_ce_gather"] = ce_gather;
     return targets;
   });
 #ifdef JAXTDIST_WITH_CUDA

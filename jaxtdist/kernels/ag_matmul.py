@@ -17,6 +17,14 @@ over its own range of K (``_splitk``): small M then still fills the GPU.
 program per SM, tiles taken from a counter in the same order, operands
 loaded with TMA (tensor descriptors built on the device, which needs
 Triton's global scratch: jaxtdist's own launcher provides it).
+
+``ag_matmul_ce_kernel`` has no producer programs: the gather runs on the
+copy engines (``csrc/ce_gather.cc``, launched just before it on the same
+stream), which raise the same per-chunk flags, so every SM computes. Tiles
+go round-robin over programs (a static schedule: no counter), local tiles
+first and read straight from ``x``, then each peer's tiles in arrival order.
+``gather_with_flags_kernel`` raises the same flags with SM copies: the CPU
+backend runs it in the copy engines' place.
 """
 
 import triton
@@ -25,15 +33,17 @@ import triton.language as tl
 import jaxtdist.language as dl
 from jaxtdist.kernels._gather import pull_shards
 from jaxtdist.kernels._splitk import finish_split_k, k_range
-from jaxtdist.kernels._tiles import rank_major_tile
+from jaxtdist.kernels._tiles import grouped_tile, rank_major_tile
 
 
 @triton.jit
 def _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M: tl.constexpr,
                     CHUNK_ROWS: tl.constexpr):
-    """Waits until the chunks holding row tile ``tm`` of rank ``src``'s shard are gathered."""
-    first = tm * (BLOCK_M // CHUNK_ROWS)
-    for chunk in range(first, tl.minimum(first + BLOCK_M // CHUNK_ROWS, n_chunks)):
+    """Waits until the chunks holding row tile ``tm`` of rank ``src``'s shard are gathered
+    (one chunk or several: chunks may be coarser or finer than tiles)."""
+    first = tm * BLOCK_M // CHUNK_ROWS
+    last = ((tm + 1) * BLOCK_M + CHUNK_ROWS - 1) // CHUNK_ROWS
+    for chunk in range(first, tl.minimum(last, n_chunks)):
         dl.wait(ctx, flags + src * n_chunks + chunk, e, "ge", src, "gpu")
 
 
@@ -170,3 +180,78 @@ def ag_matmul_tma_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
             # Every worker has taken its last (failed) tile: nobody reads the counter again.
             tl.atomic_xchg(schedule, 0, sem="relaxed", scope="gpu")
             tl.atomic_xchg(schedule + 1, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _tma_tile(a_desc, b_desc, row0, col0, K: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        acc = tl.dot(a_desc.load([row0, k0]), b_desc.load([k0, col0]), acc)
+    return acc
+
+
+@triton.jit
+def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, gathered_ptr, out_ptr,
+                        M_SHARD: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+                        FLAGS_OFF: tl.constexpr, CHUNK_ROWS: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
+    """Grid: (NUM_PROGRAMS,), at most what the GPU holds at once.
+
+    x: [M_SHARD, K], w: [K, N], gathered: [world * M_SHARD, K] (filled by the
+    copy engines while this runs; chunk flags at FLAGS_OFF) -> out:
+    [world * M_SHARD, N]. M_SHARD is a multiple of BLOCK_M.
+    """
+    pid = tl.program_id(0)
+    me = dl.rank(ctx)
+    world = dl.num_ranks(ctx)
+    e = dl.epoch(ctx)
+    m_tiles = M_SHARD // BLOCK_M
+    n_tiles = (N + BLOCK_N - 1) // BLOCK_N
+    per_rank = m_tiles * n_tiles
+    n_chunks = (M_SHARD + CHUNK_ROWS - 1) // CHUNK_ROWS
+    flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
+    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M_SHARD, K], strides=[K, 1],
+                                       block_shape=[BLOCK_M, BLOCK_K])
+    g_desc = tl.make_tensor_descriptor(gathered_ptr, shape=[world * M_SHARD, K],
+                                       strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
+    b_desc = tl.make_tensor_descriptor(w_ptr, shape=[K, N], strides=[N, 1],
+                                       block_shape=[BLOCK_K, BLOCK_N])
+    c_desc = tl.make_tensor_descriptor(out_ptr, shape=[world * M_SHARD, N], strides=[N, 1],
+                                       block_shape=[BLOCK_M, BLOCK_N])
+    # This rank's rows: ready at once, read from x itself.
+    for tile in tl.range(pid, per_rank, NUM_PROGRAMS):
+        tm, tn = grouped_tile(tile, m_tiles, n_tiles, GROUP_M)
+        acc = _tma_tile(x_desc, b_desc, tm * BLOCK_M, tn * BLOCK_N, K, BLOCK_M, BLOCK_N,
+                        BLOCK_K)
+        c_desc.store([me * M_SHARD + tm * BLOCK_M, tn * BLOCK_N],
+                     acc.to(out_ptr.dtype.element_ty))
+    # Peers' rows, nearest peer first; the round-robin goes on where it stopped.
+    first = (pid + NUM_PROGRAMS - per_rank % NUM_PROGRAMS) % NUM_PROGRAMS
+    for item in tl.range(first, (world - 1) * per_rank, NUM_PROGRAMS):
+        src = (me + 1 + item // per_rank) % world
+        tm, tn = grouped_tile(item % per_rank, m_tiles, n_tiles, GROUP_M)
+        _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS)
+        dl.fence_async_proxy()
+        acc = _tma_tile(g_desc, b_desc, src * M_SHARD + tm * BLOCK_M, tn * BLOCK_N, K,
+                        BLOCK_M, BLOCK_N, BLOCK_K)
+        c_desc.store([src * M_SHARD + tm * BLOCK_M, tn * BLOCK_N],
+                     acc.to(out_ptr.dtype.element_ty))
+    if pid == 0:
+        # The local rows of `gathered` are copied too: once they are, every
+        # copy of this call has finished when the kernel does.
+        for chunk in range(0, n_chunks):
+            dl.wait(ctx, flags + me * n_chunks + chunk, e, "ge", me, "gpu")
+
+
+@triton.jit
+def gather_with_flags_kernel(ctx, x_ptr, gathered_ptr, M_SHARD: tl.constexpr, K: tl.constexpr,
+                             STAGE_OFF: tl.constexpr, SLOT_BYTES: tl.constexpr,
+                             READY_OFF: tl.constexpr, FLAGS_OFF: tl.constexpr,
+                             NUM_COMM: tl.constexpr, CHUNK_ROWS: tl.constexpr,
+                             COPY_BLOCK_C: tl.constexpr, SCOPE: tl.constexpr):
+    """Grid: (NUM_COMM,). The copy engines' part of ``ag_matmul_ce_kernel`` done by
+    SM programs: gathered = every shard, a flag per chunk (the CPU backend's path)."""
+    pull_shards(ctx, x_ptr, gathered_ptr, tl.program_id(0), NUM_COMM, M_SHARD, K, STAGE_OFF,
+                SLOT_BYTES, READY_OFF, FLAGS_OFF, CHUNK_ROWS, COPY_BLOCK_C, SCOPE)

@@ -7,10 +7,13 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxtdist.kernels.ag_matmul import ag_matmul_kernel, ag_matmul_tma_kernel
+from jaxtdist.kernels.ag_matmul import (ag_matmul_ce_kernel, ag_matmul_kernel,
+                                        ag_matmul_tma_kernel, gather_with_flags_kernel)
 from jaxtdist.ops import _call
 from jaxtdist.ops._shapes import GatherWorkspace, SplitKWorkspace, check_dtype, next_pow2
+from jaxtdist.runtime import _native
 from jaxtdist.runtime._runtime import runtime
 
 
@@ -20,11 +23,13 @@ def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
 
     The tuning cache (``jaxtdist.tune``) overrides these per shape.
     CHUNK_ROWS=0 means one chunk (signal) per BLOCK_M rows. TMA=True selects
-    the persistent kernel with TMA loads (``ag_matmul_tma_kernel``).
+    the persistent kernel with TMA loads (``ag_matmul_tma_kernel``);
+    PRODUCER="ce" with it gathers on the copy engines instead of producer
+    programs (``ag_matmul_ce_kernel``).
     """
     small = world * m_shard <= (128 if platform == "gpu" else 32)
     wide = jnp.dtype(dtype).itemsize == 4
-    common = dict(SCOPE="sys", SPLIT_K=1, CHUNK_ROWS=0, TMA=False)
+    common = dict(SCOPE="sys", SPLIT_K=1, CHUNK_ROWS=0, TMA=False, PRODUCER="sm")
     if platform == "gpu":
         if small:  # decode: one M tile over all ranks' rows, split K, one chunk per row
             return dict(common, BLOCK_M=max(16, next_pow2(world * m_shard)), BLOCK_N=64,
@@ -83,7 +88,8 @@ def _check(x, w, axis_name):
         raise ValueError(f"jaxtdist.ag_matmul: empty operand x{x.shape} w{w.shape}")
 
 
-_FLAG_KEYS = ("SCOPE", "ALL_ROWS", "TMA")
+_FLAG_KEYS = ("SCOPE", "ALL_ROWS", "TMA", "PRODUCER")
+PRODUCERS = ("sm", "ce")
 _INT_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "NUM_COMM", "CHUNK_ROWS",
              "COPY_BLOCK_C", "SPLIT_K", "num_warps", "num_stages")
 
@@ -118,7 +124,14 @@ def check_config(cfg: dict, world: int, m_shard: int, k: int, n: int | None = No
     if cfg["ALL_ROWS"] and cfg["BLOCK_M"] < world * m_shard:
         raise ValueError(f"jaxtdist.ag_matmul: ALL_ROWS needs BLOCK_M >= world * m_shard "
                          f"= {world * m_shard}, got BLOCK_M={cfg['BLOCK_M']}")
-    if cfg["CHUNK_ROWS"] > cfg["BLOCK_M"]:
+    cfg.setdefault("PRODUCER", "sm")
+    if cfg["PRODUCER"] not in PRODUCERS:
+        raise ValueError(f"jaxtdist.ag_matmul: config PRODUCER={cfg['PRODUCER']!r}; allowed: "
+                         f"{PRODUCERS} (SM producer programs, or the copy engines)")
+    if cfg["PRODUCER"] == "ce" and not cfg.get("TMA"):
+        raise ValueError("jaxtdist.ag_matmul: config PRODUCER='ce' needs TMA=True (the copy "
+                         "engines feed the persistent TMA kernel only)")
+    if cfg["CHUNK_ROWS"] > cfg["BLOCK_M"] and cfg["PRODUCER"] == "sm":
         raise ValueError(f"jaxtdist.ag_matmul: CHUNK_ROWS={cfg['CHUNK_ROWS']} must divide "
                          f"BLOCK_M={cfg['BLOCK_M']}")
     if cfg.get("TMA"):
@@ -195,9 +208,12 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
     gather = dict(M_SHARD=m_shard, N=n, K=k, STAGE_OFF=ws.offset + plan.stage,
                   SLOT_BYTES=plan.slot_bytes, READY_OFF=ws.offset + plan.ready,
                   FLAGS_OFF=ws.offset + plan.flags)
+    producer = cfg.pop("PRODUCER")
     if cfg.pop("TMA"):
         for key in ("ALL_ROWS", "SPLIT_K"):
             cfg.pop(key)
+        if producer == "ce":
+            return _ag_matmul_ce(rt, layout, x, w, cfg, num_warps, num_stages)
         programs = persistent_programs(rt, cfg["NUM_COMM"], m_tiles * n_tiles)
         schedule = rt.workspace(("ag_matmul_schedule", layout.axes), 8)
         out, gathered = _call.launch(
@@ -211,6 +227,54 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
         ag_matmul_kernel, ctx, x, w, out_shape=out_shape, grid=grid, num_warps=num_warps,
         num_stages=num_stages, PARTIALS_OFF=partials_off, COUNTERS_OFF=counters_off,
         K_SPLIT=k_split, **gather, **cfg)
+    return out, gathered
+
+
+def _ce_gather(rt, layout, ws, plan: GatherWorkspace, ctx, x, cfg: dict) -> jax.Array:
+    """The gathered x, filled by the copy engines while the kernel that follows runs.
+
+    Returns at once on GPUs (``csrc/ce_gather.cc`` enqueues copies on side
+    streams); the CPU backend raises the same flags with SM-style copies
+    (``gather_with_flags_kernel`` under the interpreter) before the GEMM.
+    """
+    world = layout.world
+    m_shard, k = x.shape
+    gathered = jax.ShapeDtypeStruct((world * m_shard, k), x.dtype)
+    if rt.platform == "gpu":
+        call = jax.ffi.ffi_call(_native.CE_GATHER_TARGET, gathered, has_side_effect=True)
+        return call(x, ctx, counter_id=np.int64(ws.counter_id), world=np.int64(world),
+                    groups=rt.group_table(layout), stage_offset=np.int64(ws.offset + plan.stage),
+                    parity_bytes=np.int64(plan.slot_bytes),
+                    ready_offset=np.int64(ws.offset + plan.ready),
+                    flags_offset=np.int64(ws.offset + plan.flags),
+                    chunk_rows=np.int64(cfg["CHUNK_ROWS"]), generation=np.int64(rt.generation))
+    return _call.launch(gather_with_flags_kernel, ctx, x, out_shape=gathered,
+                        grid=(cfg["NUM_COMM"],), num_warps=4, num_stages=1, M_SHARD=m_shard,
+                        K=k, STAGE_OFF=ws.offset + plan.stage, SLOT_BYTES=plan.slot_bytes,
+                        READY_OFF=ws.offset + plan.ready, FLAGS_OFF=ws.offset + plan.flags,
+                        NUM_COMM=cfg["NUM_COMM"], CHUNK_ROWS=cfg["CHUNK_ROWS"],
+                        COPY_BLOCK_C=cfg["COPY_BLOCK_C"], SCOPE=cfg["SCOPE"])
+
+
+def _ag_matmul_ce(rt, layout, x, w, cfg: dict, num_warps: int, num_stages: int):
+    """ag_matmul with the gather on the copy engines and every SM in the GEMM."""
+    m_shard, k = x.shape
+    n = w.shape[1]
+    world = layout.world
+    plan = GatherWorkspace(world, m_shard, k, x.dtype, cfg["CHUNK_ROWS"])
+    ws = rt.workspace(("ag_matmul_ce", layout.axes, m_shard, k, x.dtype.name,
+                       cfg["CHUNK_ROWS"]), plan.nbytes)
+    ctx = _call.prologue(rt, layout, ws, "ag_matmul", deps=(x, w))
+    gathered = _ce_gather(rt, layout, ws, plan, ctx, x, cfg)
+    tiles = world * (m_shard // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"])
+    programs = persistent_programs(rt, 0, tiles)
+    out = _call.launch(
+        ag_matmul_ce_kernel, ctx, x, w, gathered,
+        out_shape=jax.ShapeDtypeStruct((world * m_shard, n), x.dtype), grid=(programs,),
+        num_warps=num_warps, num_stages=num_stages, needs_scratch=True, M_SHARD=m_shard, N=n,
+        K=k, FLAGS_OFF=ws.offset + plan.flags, CHUNK_ROWS=cfg["CHUNK_ROWS"],
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        GROUP_M=cfg["GROUP_M"], NUM_PROGRAMS=programs)
     return out, gathered
 
 

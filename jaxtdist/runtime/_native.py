@@ -12,6 +12,7 @@ import jax
 
 PROLOGUE_TARGET = "jaxtdist_prologue"
 TRITON_LAUNCH_TARGET = "jaxtdist_triton_launch"
+CE_GATHER_TARGET = "jaxtdist_ce_gather"
 _ENV_LIBRARY = "JAXTDIST_FFI_LIBRARY"
 
 _lock = threading.Lock()

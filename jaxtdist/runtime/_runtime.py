@@ -149,14 +149,29 @@ class Runtime:
         words[L.CTX_HEAP_BASE] = self.heap.base_of(pos)
         words[L.CTX_POSITION] = pos
         words[L.CTX_SCRATCH_ADDR] = self.heap.scratch(pos)
-        for r in range(world):
-            member = list(coords)
-            sub = np.unravel_index(r, [shape[i] for i in axis_ids])
-            for i, c in zip(axis_ids, sub):
-                member[i] = int(c)
-            words[L.CTX_PEER_BASES + r] = self.heap.base_of(
-                int(np.ravel_multi_index(member, shape)))
+        for r, member in enumerate(self._group_of(pos, axes)):
+            words[L.CTX_PEER_BASES + r] = self.heap.base_of(member)
         return words
+
+    def _group_of(self, pos: int, axes: tuple[str, ...]) -> list[int]:
+        """Mesh positions of ``pos``'s group over ``axes``, in rank order."""
+        names = tuple(self.mesh.axis_names)
+        shape = tuple(self.mesh.devices.shape)
+        coords = list(np.unravel_index(pos, shape))
+        axis_ids = [names.index(a) for a in axes]
+        members = []
+        for r in range(math.prod(shape[i] for i in axis_ids)):
+            member = list(coords)
+            for i, c in zip(axis_ids, np.unravel_index(r, [shape[i] for i in axis_ids])):
+                member[i] = int(c)
+            members.append(int(np.ravel_multi_index(member, shape)))
+        return members
+
+    def group_table(self, layout: Layout) -> np.ndarray:
+        """int64 [positions * world]: row ``pos`` lists ``pos``'s group in rank order
+        (for native handlers, which see only their device's mesh position)."""
+        return np.array([self._group_of(pos, layout.axes)
+                         for pos in range(self.mesh.devices.size)], np.int64).reshape(-1)
 
     # -- workspaces -----------------------------------------------------------
 

@@ -51,8 +51,12 @@ def _gpu_candidates(world: int, m_shard: int, n: int, k: int, dtype) -> list[dic
             dict(TMA=True),
             dict(TMA=True, CHUNK_ROWS=32, NUM_COMM=24),
             dict(TMA=True, NUM_COMM=8),
-            dict(TMA=True, num_stages=4),
-            dict(TMA=True, BLOCK_N=128, num_stages=4, CHUNK_ROWS=32)]
+            dict(TMA=True, BLOCK_N=128, num_stages=4, CHUNK_ROWS=32),
+            # The gather on the copy engines, every SM in the GEMM.
+            dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=128),
+            dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=256),
+            dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=512),
+            dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=256, GROUP_M=16)]
 
 
 def cupti_measure(fn, args, world: int, iterations: int) -> float:

@@ -74,5 +74,106 @@ def probe_gemm_configs():
                 print(f"ag_matmul m={m} {cfg}: {type(e).__name__} {str(e)[:120]}", flush=True)
 
 
+def _kernel_us(f, args, name_part, iterations=20):
+    """Median over iterations of the summed time of kernels whose name holds name_part."""
+    from jax.experimental.mosaic.gpu import profiler
+    out, raw = profiler.measure(f, aggregate=False, iterations=iterations)(*args)
+    per_iter = [sum(t for name, t in it if name_part in name) * 1e3 for it in raw]
+    return out, float(np.median(per_iter))
+
+
+def probe_gemm_variants(shapes=((4096, 4096, 4096), (8192, 3072, 4096), (8192, 3584, 4096),
+                                (8192, 7168, 8192))):
+    """One GPU: cuBLAS against plain persistent TMA GEMMs with the ag_matmul kernel's
+    features added one at a time (tests/gpu/gemm_probe_kernels.py)."""
+    from tests.gpu.gemm_probe_kernels import gemm_dynamic_kernel, gemm_static_kernel
+    mesh = mesh_of(1)
+    td.initialize(mesh)
+    sms = jax.devices()[0].core_count
+    variants = [("static", gemm_static_kernel, dict(FLATTEN=False, WAIT=False)),
+                ("static+flatten", gemm_static_kernel, dict(FLATTEN=True, WAIT=False)),
+                ("static+flatten+asmwait", gemm_static_kernel, dict(FLATTEN=True, WAIT=True)),
+                ("static+asmwait", gemm_static_kernel, dict(FLATTEN=False, WAIT=True)),
+                ("dynamic", gemm_dynamic_kernel, dict(WAIT=False)),
+                ("dynamic+dlwait", gemm_dynamic_kernel, dict(WAIT=True))]
+    for m, n, k in shapes:
+        a = (jax.random.normal(jax.random.key(1), (m, k), jnp.float32) / np.sqrt(k)).astype(
+            jnp.bfloat16)
+        b = jax.random.normal(jax.random.key(2), (k, n), jnp.bfloat16)
+        ref = np.asarray(jnp.dot(a, b, preferred_element_type=jnp.float32))
+        err = lambda out: np.linalg.norm(np.asarray(out, np.float32) - ref) / np.linalg.norm(ref)
+        _, cublas = _kernel_us(jax.jit(jnp.dot), (a, b), "")
+        print(f"gemm {m}x{n}x{k}: cublas {cublas:.1f} us", flush=True)
+        for label, kernel, extra in variants:
+            for bn, stages in ((256, 3), (128, 4)):
+                def body(a, b, kernel=kernel, extra=extra, bn=bn, stages=stages):
+                    return td.triton_call(
+                        a, b, kernel=kernel, grid=(sms,), axis_name="tp", tma=True,
+                        out_shape=jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
+                        workspace_bytes=4096, num_warps=8 if bn == 256 else 4,
+                        num_stages=stages, M=m, N=n, K=k, BLOCK_M=128, BLOCK_N=bn, BLOCK_K=64,
+                        GROUP_M=8, NUM_PROGRAMS=sms, **extra)
+                f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P()), out_specs=P(),
+                                          check_vma=False))
+                try:
+                    out, us = _kernel_us(f, (a, b), kernel.__name__)
+                    print(f"  {label:24s} BN={bn} stages={stages}: {us:8.1f} us "
+                          f"({us / cublas:.2f}x cublas) err={err(out):.1e}", flush=True)
+                except Exception as e:  # noqa: BLE001
+                    print(f"  {label} BN={bn}: {type(e).__name__} {str(e)[:200]}", flush=True)
+        for cfg in ({}, dict(NUM_COMM=8), dict(NUM_COMM=32, CHUNK_ROWS=32)):
+            try:
+                probe_ag_matmul(1, cfg, m=m, n=n, k=k)
+            except Exception as e:  # noqa: BLE001
+                print(f"  ag_matmul w=1 {cfg}: {type(e).__name__} {str(e)[:200]}", flush=True)
+
+
+def probe_decode():
+    """Decode shapes: the gather alone, the GEMM alone (world 1, all rows local), both."""
+    for m in (1, 16, 128):
+        probe_all_gather(4, {}, rows=m, cols=8192)
+        probe_ag_matmul(1, {}, m=4 * m, n=4096, k=8192)
+        probe_ag_matmul(4, {}, m=m, n=4096, k=8192)
+
+
+def probe_copy_engine():
+    """SM producer programs against the copy engines, world 4 and 1, large shapes."""
+    from jax.experimental.mosaic.gpu import profiler
+    shapes = ((1024, 4096, 4096), (2048, 3072, 4096), (2048, 3584, 4096), (2048, 7168, 8192))
+    for m, n, k in shapes:
+        for world in (4, 1):
+            for cfg in (dict(TMA=True), dict(TMA=True, CHUNK_ROWS=32, NUM_COMM=24),
+                        dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=128),
+                        dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=256),
+                        dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=512)):
+                if world == 1 and cfg.get("PRODUCER") != "ce" and "NUM_COMM" in cfg:
+                    continue
+                try:
+                    probe_ag_matmul(world, cfg, m=m if world == 4 else 4 * m, n=n, k=k)
+                except Exception as e:  # noqa: BLE001
+                    print(f"ag_matmul w={world} m={m} {cfg}: {type(e).__name__} {str(e)[:300]}",
+                          flush=True)
+    mesh = mesh_of(4)
+    td.initialize(mesh)
+    f = jax.jit(jax.shard_map(
+        lambda x, w: ag_matmul_with_gathered(x, w, "tp", config=dict(TMA=True, PRODUCER="ce"))[0],
+        mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp"),
+        check_vma=False))
+    x = jnp.ones((4 * 1024, 4096), jnp.bfloat16)
+    w = jnp.ones((4096, 4 * 4096), jnp.bfloat16)
+    _, raw = profiler.measure(f, aggregate=False, iterations=2)(
+        jax.device_put(x, NamedSharding(mesh, P("tp", None))),
+        jax.device_put(w, NamedSharding(mesh, P(None, "tp"))))
+    print("activities seen by the profiler (CE run):", sorted({n for n, _ in raw[-1]}))
+
+
 if __name__ == "__main__":
-    probe_gemm_configs()
+    import sys
+    if "--ce" in sys.argv:
+        probe_copy_engine()
+    if "--gemm" in sys.argv:
+        probe_gemm_variants()
+    if "--decode" in sys.argv:
+        probe_decode()
+    if len(sys.argv) == 1:
+        probe_gemm_configs()

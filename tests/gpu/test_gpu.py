@@ -108,6 +108,9 @@ def test_ag_matmul_split_k(world, dtype, m_shard, k, n_shard, config):
     (256, 512, 384, dict(TMA=True)),                     # N tiles clipped by the descriptor
     (1024, 1024, 1024, dict(TMA=True, CHUNK_ROWS=32, NUM_COMM=24)),
     (128, 8192, 520, dict(TMA=True, NUM_COMM=8)),
+    # The copy engines gather (csrc/ce_gather.cc); chunks coarser and finer than tiles.
+    (1024, 1024, 1024, dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=256)),
+    (256, 512, 384, dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=64)),
 ])
 def test_ag_matmul_tma(world, dtype, m_shard, k, n_shard, config):
     """The persistent TMA kernel, through jaxtdist's own launcher (global scratch)."""
@@ -140,21 +143,23 @@ def test_ag_matmul_tma_chained_with_other_kernels():
         b = ag_matmul_with_gathered(x, w2, "tp", config=dict(TMA=True, BLOCK_N=128,
                                                              num_stages=3))[0]
         c = ag_matmul_with_gathered(x, w1, "tp", config=dict(TMA=False))[0]
-        return a, b, c
+        d = ag_matmul_with_gathered(x, w2, "tp", config=dict(TMA=True, PRODUCER="ce"))[0]
+        return a, b, c, d
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp", None), P(None, "tp"),
                                                         P(None, "tp")),
-                              out_specs=(P(None, "tp"),) * 3))
+                              out_specs=(P(None, "tp"),) * 4))
     for _ in range(3):
         x = _rand((world * 256, 1024), jnp.bfloat16, 1 / 32)
         w1 = _rand((1024, world * 512), jnp.bfloat16)
         w2 = _rand((1024, world * 256), jnp.bfloat16)
         put = lambda v, spec: jax.device_put(v, NamedSharding(mesh, spec))
-        a, b, c = f(put(x, P("tp", None)), put(w1, P(None, "tp")), put(w2, P(None, "tp")))
+        a, b, c, d = f(put(x, P("tp", None)), put(w1, P(None, "tp")), put(w2, P(None, "tp")))
         x32 = np.asarray(x, np.float32)
         assert _rel(a, x32 @ np.asarray(w1, np.float32)) < TOL[jnp.bfloat16]
         assert _rel(b, x32 @ np.asarray(w2, np.float32)) < TOL[jnp.bfloat16]
         assert _rel(c, x32 @ np.asarray(w1, np.float32)) < TOL[jnp.bfloat16]
+        assert _rel(d, x32 @ np.asarray(w2, np.float32)) < TOL[jnp.bfloat16]
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -171,9 +176,12 @@ def test_all_gather(world, dtype, shape):
         np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(x, np.float32))
 
 
-def test_submesh_2x2():
+@pytest.mark.parametrize("config", [None, dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=64,
+                                                BLOCK_N=64)], ids=["default", "copy_engine"])
+def test_submesh_2x2(config):
     if len(jax.devices()) < 4:
         pytest.skip("needs 4 GPUs")
+    from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered
     mesh = jax.make_mesh((2, 2), ("dp", "tp"), devices=jax.devices()[:4], axis_types=(AUTO, AUTO))
     td.initialize(mesh)
     m, k, n = 128, 256, 192
@@ -182,7 +190,10 @@ def test_submesh_2x2():
     @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("dp", "tp", None), P("dp", None, "tp")),
                        out_specs=P("dp", None, "tp"))
     def f(x, w):
-        return td.ag_matmul(x.reshape(x.shape[1:]), w.reshape(w.shape[1:]), "tp")[None]
+        x, w = x.reshape(x.shape[1:]), w.reshape(w.shape[1:])
+        if config is None:
+            return td.ag_matmul(x, w, "tp")[None]
+        return ag_matmul_with_gathered(x, w, "tp", config=config)[0][None]
 
     x = _rand((2, 2 * m, k), jnp.bfloat16, 1 / np.sqrt(k))
     w = _rand((2, k, 2 * n), jnp.bfloat16)

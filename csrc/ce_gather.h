@@ -1,0 +1,17 @@
+// The copy-engine producer of ag_matmul: an XLA FFI handler that gathers
+// every rank's shard with peer copies (cudaMemcpyAsync, the copy engines)
+// on side streams and raises a flag per chunk with stream memory
+// operations, while the GEMM kernel, launched right after it on XLA's
+// stream, uses every SM and waits on those flags.
+#ifndef JAXTDIST_CSRC_CE_GATHER_H_
+#define JAXTDIST_CSRC_CE_GATHER_H_
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxtdist {
+
+extern "C" XLA_FFI_Error* JaxtdistCeGatherCuda(XLA_FFI_CallFrame* call_frame);
+
+}  // namespace jaxtdist
+
+#endif  // JAXTDIST_CSRC_CE_GATHER_H_

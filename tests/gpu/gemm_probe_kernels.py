@@ -1,0 +1,103 @@
+"""Plain GEMM variants that isolate what the persistent ag_matmul kernel pays for.
+
+Used by ``probe_perf.py --gemm`` on one GPU: each variant adds one of the
+ag_matmul kernel's features (dynamic tile counter, per-tile flag wait and
+proxy fence) to a plain persistent TMA GEMM, with and without Triton's loop
+flattening (which pipelines across tile boundaries).
+"""
+
+import triton
+import triton.language as tl
+
+import jaxtdist.language as dl
+from jaxtdist.kernels._tiles import grouped_tile
+
+
+@triton.jit
+def _wait_fence_token(addr, expected):
+    """Spins until the int32 at ``addr`` is >= ``expected``, then fences the async proxy.
+
+    One inline-asm op (no loop in Triton's IR, so loop flattening still
+    applies); its result (always 0) is added to TMA coordinates so that the
+    loads cannot be scheduled above it.
+    """
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .pred %p_wait;
+        .reg .b32 %seen;
+        WAIT_${:uid}:
+        ld.acquire.gpu.global.b32 %seen, [$1];
+        setp.lt.s32 %p_wait, %seen, $2;
+        @%p_wait bra WAIT_${:uid};
+        fence.proxy.async.global;
+        mov.b32 $0, 0;
+        }""", "=r,l,r", [addr.to(tl.int64, bitcast=True), expected], dtype=tl.int32,
+        is_pure=False, pack=1)
+
+
+@triton.jit
+def gemm_static_kernel(ctx, a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constexpr,
+                       K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                       NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr, WAIT: tl.constexpr,
+                       WORKSPACE: tl.constexpr):
+    """Persistent TMA GEMM, tiles round-robin over programs; WAIT adds a flag
+    wait + proxy fence per tile (flags at WORKSPACE are >= 0: never blocks)."""
+    pid = tl.program_id(0)
+    m_tiles = M // BLOCK_M
+    n_tiles = N // BLOCK_N
+    flags = dl.heap_ptr(ctx, WORKSPACE, tl.int32)
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1],
+                                       block_shape=[BLOCK_M, BLOCK_K])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1],
+                                       block_shape=[BLOCK_K, BLOCK_N])
+    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1],
+                                       block_shape=[BLOCK_M, BLOCK_N])
+    for tile in tl.range(pid, m_tiles * n_tiles, NUM_PROGRAMS, flatten=FLATTEN):
+        tm, tn = grouped_tile(tile, m_tiles, n_tiles, GROUP_M)
+        row0 = tm * BLOCK_M
+        if WAIT:
+            row0 += _wait_fence_token(flags + tm, 0)
+        col0 = tn * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            acc = tl.dot(a_desc.load([row0, k0]), b_desc.load([k0, col0]), acc)
+        c_desc.store([row0, col0], acc.to(c_ptr.dtype.element_ty))
+
+
+@triton.jit
+def gemm_dynamic_kernel(ctx, a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constexpr,
+                        K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                        NUM_PROGRAMS: tl.constexpr, WAIT: tl.constexpr,
+                        WORKSPACE: tl.constexpr):
+    """The ag_matmul TMA kernel's loop without the gather: tiles from a heap
+    counter (WORKSPACE + 64), WAIT adds its dl.wait + proxy fence per tile."""
+    m_tiles = M // BLOCK_M
+    n_tiles = N // BLOCK_N
+    total = m_tiles * n_tiles
+    flags = dl.heap_ptr(ctx, WORKSPACE, tl.int32)
+    schedule = dl.heap_ptr(ctx, WORKSPACE + 256, tl.int32)
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1],
+                                       block_shape=[BLOCK_M, BLOCK_K])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1],
+                                       block_shape=[BLOCK_K, BLOCK_N])
+    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1],
+                                       block_shape=[BLOCK_M, BLOCK_N])
+    tile = tl.atomic_add(schedule, 1, sem="relaxed", scope="gpu")
+    while tile < total:
+        tm, tn = grouped_tile(tile, m_tiles, n_tiles, GROUP_M)
+        if WAIT:
+            dl.wait(ctx, flags + tm, 0, "ge", 0, "gpu")
+            dl.fence_async_proxy()
+        row0 = tm * BLOCK_M
+        col0 = tn * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            acc = tl.dot(a_desc.load([row0, k0]), b_desc.load([k0, col0]), acc)
+        c_desc.store([row0, col0], acc.to(c_ptr.dtype.element_ty))
+        tile = tl.atomic_add(schedule, 1, sem="relaxed", scope="gpu")
+    finished = tl.atomic_add(schedule + 1, 1, sem="acq_rel", scope="gpu")
+    if finished == NUM_PROGRAMS - 1:
+        tl.atomic_xchg(schedule, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(schedule + 1, 0, sem="relaxed", scope="gpu")
