@@ -1,8 +1,8 @@
-// The copy-engine producer of ag_matmul: an XLA FFI handler that gathers
-// every rank's shard with peer copies (cudaMemcpyAsync, the copy engines)
-// on side streams and raises a flag per chunk with stream memory
-// operations, while the GEMM kernel, launched right after it on XLA's
-// stream, uses every SM and waits on those flags.
+// The copy-engine producer of ag_matmul: an XLA FFI handler that pushes
+// this rank's shard into every peer's heap inbox with peer copies
+// (cudaMemcpyAsync, the copy engines) on side streams and raises a flag
+// per chunk with stream memory writes, while the GEMM kernel, launched
+// right after it on XLA's stream, uses every SM and waits on those flags.
 #ifndef JAXTDIST_CSRC_CE_GATHER_H_
 #define JAXTDIST_CSRC_CE_GATHER_H_
 

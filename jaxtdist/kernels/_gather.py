@@ -20,8 +20,9 @@ import jaxtdist.language as dl
 
 
 @triton.jit
-def _copy_rows(src, dst, dst2, row0, row_end, COLS: tl.constexpr, BLOCK_R: tl.constexpr,
+def copy_rows(src, dst, dst2, row0, row_end, COLS: tl.constexpr, BLOCK_R: tl.constexpr,
                BLOCK_C: tl.constexpr, TWO_DSTS: tl.constexpr):
+    """Copies rows [row0, row_end) of ``src`` to ``dst`` (and ``dst2`` if TWO_DSTS)."""
     rows = row0 + tl.arange(0, BLOCK_R)
     row_mask = rows < row_end
     cols = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_C), BLOCK_C), BLOCK_C)
@@ -69,7 +70,7 @@ def pull_shards(ctx, x_ptr, out_ptr, worker, NUM_WORKERS: tl.constexpr, ROWS: tl
     for chunk in range(worker, n_chunks, NUM_WORKERS):
         row0 = chunk * CHUNK_ROWS
         row_end = tl.minimum(row0 + CHUNK_ROWS, ROWS)
-        _copy_rows(x_ptr, slot, out_ptr + me * ROWS * COLS, row0, row_end, COLS, CHUNK_ROWS,
+        copy_rows(x_ptr, slot, out_ptr + me * ROWS * COLS, row0, row_end, COLS, CHUNK_ROWS,
                    BLOCK_C, True)
         for step in range(1, world):
             dl.notify(ctx, ready + me * n_chunks + chunk, (me + step) % world, e, "set", SCOPE)
@@ -88,7 +89,7 @@ def pull_shards(ctx, x_ptr, out_ptr, worker, NUM_WORKERS: tl.constexpr, ROWS: tl
             row0 = chunk * CHUNK_ROWS
             row_end = tl.minimum(row0 + CHUNK_ROWS, ROWS)
             dl.wait(ctx, ready + src * n_chunks + chunk, e, "ge", src, SCOPE)
-            _copy_rows(dl.symm_at(ctx, slot, src), out_ptr + src * ROWS * COLS, out_ptr, row0,
+            copy_rows(dl.symm_at(ctx, slot, src), out_ptr + src * ROWS * COLS, out_ptr, row0,
                        row_end, COLS, CHUNK_ROWS, BLOCK_C, False)
             if FLAGS_OFF >= 0:
                 flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)

@@ -18,20 +18,20 @@ program per SM, tiles taken from a counter in the same order, operands
 loaded with TMA (tensor descriptors built on the device, which needs
 Triton's global scratch: jaxtdist's own launcher provides it).
 
-``ag_matmul_ce_kernel`` has no producer programs: the gather runs on the
-copy engines (``csrc/ce_gather.cc``, launched just before it on the same
-stream), which raise the same per-chunk flags, so every SM computes. Tiles
-go round-robin over programs (a static schedule: no counter), local tiles
+``ag_matmul_ce_kernel`` has no producer programs: peers' copy engines push
+their shards into this rank's heap inbox (``csrc/ce_gather.cc``, called
+just before it), raising a flag per chunk, so every SM computes. Tiles go
+round-robin over programs (a static schedule: no counter), local tiles
 first and read straight from ``x``, then each peer's tiles in arrival order.
-``gather_with_flags_kernel`` raises the same flags with SM copies: the CPU
-backend runs it in the copy engines' place.
+``push_shards_kernel`` does the copy engines' part with SM copies: the CPU
+backend runs it in their place.
 """
 
 import triton
 import triton.language as tl
 
 import jaxtdist.language as dl
-from jaxtdist.kernels._gather import pull_shards
+from jaxtdist.kernels._gather import copy_rows, pull_shards
 from jaxtdist.kernels._splitk import finish_split_k, k_range
 from jaxtdist.kernels._tiles import grouped_tile, rank_major_tile
 
@@ -192,16 +192,20 @@ def _tma_tile(a_desc, b_desc, row0, col0, K: tl.constexpr, BLOCK_M: tl.constexpr
 
 
 @triton.jit
-def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, gathered_ptr, out_ptr,
+def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
                         M_SHARD: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
-                        FLAGS_OFF: tl.constexpr, CHUNK_ROWS: tl.constexpr,
+                        INBOX_OFF: tl.constexpr, PARITY_BYTES: tl.constexpr,
+                        FLAGS_OFF: tl.constexpr, SENT_OFF: tl.constexpr,
+                        CHUNK_ROWS: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
     """Grid: (NUM_PROGRAMS,), at most what the GPU holds at once.
 
-    x: [M_SHARD, K], w: [K, N], gathered: [world * M_SHARD, K] (filled by the
-    copy engines while this runs; chunk flags at FLAGS_OFF) -> out:
-    [world * M_SHARD, N]. M_SHARD is a multiple of BLOCK_M.
+    x: [M_SHARD, K], w: [K, N] -> out: [world * M_SHARD, N]. Peers push their
+    shards into this rank's heap inbox of parity ``epoch % 2`` ([world *
+    M_SHARD, K] at INBOX_OFF), raising chunk flags at FLAGS_OFF, while this
+    runs; this rank's pushes raise its "sent" words at SENT_OFF. M_SHARD is
+    a multiple of BLOCK_M.
     """
     pid = tl.program_id(0)
     me = dl.rank(ctx)
@@ -212,10 +216,11 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, gathered_ptr, out_ptr,
     per_rank = m_tiles * n_tiles
     n_chunks = (M_SHARD + CHUNK_ROWS - 1) // CHUNK_ROWS
     flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
+    inbox = dl.heap_ptr(ctx, INBOX_OFF + (e % 2) * PARITY_BYTES, x_ptr.dtype.element_ty)
     x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M_SHARD, K], strides=[K, 1],
                                        block_shape=[BLOCK_M, BLOCK_K])
-    g_desc = tl.make_tensor_descriptor(gathered_ptr, shape=[world * M_SHARD, K],
-                                       strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
+    inbox_desc = tl.make_tensor_descriptor(inbox, shape=[world * M_SHARD, K], strides=[K, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
     b_desc = tl.make_tensor_descriptor(w_ptr, shape=[K, N], strides=[N, 1],
                                        block_shape=[BLOCK_K, BLOCK_N])
     c_desc = tl.make_tensor_descriptor(out_ptr, shape=[world * M_SHARD, N], strides=[N, 1],
@@ -227,31 +232,54 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, gathered_ptr, out_ptr,
                         BLOCK_K)
         c_desc.store([me * M_SHARD + tm * BLOCK_M, tn * BLOCK_N],
                      acc.to(out_ptr.dtype.element_ty))
-    # Peers' rows, nearest peer first; the round-robin goes on where it stopped.
+    # Peers' rows from the inbox; rank me-1 pushes to this rank first. The
+    # round-robin goes on where the local tiles left it.
     first = (pid + NUM_PROGRAMS - per_rank % NUM_PROGRAMS) % NUM_PROGRAMS
     for item in tl.range(first, (world - 1) * per_rank, NUM_PROGRAMS):
-        src = (me + 1 + item // per_rank) % world
+        src = (me + world - 1 - item // per_rank) % world
         tm, tn = grouped_tile(item % per_rank, m_tiles, n_tiles, GROUP_M)
         _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS)
         dl.fence_async_proxy()
-        acc = _tma_tile(g_desc, b_desc, src * M_SHARD + tm * BLOCK_M, tn * BLOCK_N, K,
-                        BLOCK_M, BLOCK_N, BLOCK_K)
-        c_desc.store([src * M_SHARD + tm * BLOCK_M, tn * BLOCK_N],
-                     acc.to(out_ptr.dtype.element_ty))
+        row0 = src * M_SHARD + tm * BLOCK_M
+        acc = _tma_tile(inbox_desc, b_desc, row0, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
+        c_desc.store([row0, tn * BLOCK_N], acc.to(out_ptr.dtype.element_ty))
     if pid == 0:
-        # The local rows of `gathered` are copied too: once they are, every
-        # copy of this call has finished when the kernel does.
-        for chunk in range(0, n_chunks):
-            dl.wait(ctx, flags + me * n_chunks + chunk, e, "ge", me, "gpu")
+        # x must outlive this rank's pushes: they have ended when the kernel has.
+        sent = dl.heap_ptr(ctx, SENT_OFF, tl.int32)
+        for step in range(1, world):
+            dl.wait(ctx, sent + step, e, "ge", me, "gpu")
 
 
 @triton.jit
-def gather_with_flags_kernel(ctx, x_ptr, gathered_ptr, M_SHARD: tl.constexpr, K: tl.constexpr,
-                             STAGE_OFF: tl.constexpr, SLOT_BYTES: tl.constexpr,
-                             READY_OFF: tl.constexpr, FLAGS_OFF: tl.constexpr,
-                             NUM_COMM: tl.constexpr, CHUNK_ROWS: tl.constexpr,
-                             COPY_BLOCK_C: tl.constexpr, SCOPE: tl.constexpr):
-    """Grid: (NUM_COMM,). The copy engines' part of ``ag_matmul_ce_kernel`` done by
-    SM programs: gathered = every shard, a flag per chunk (the CPU backend's path)."""
-    pull_shards(ctx, x_ptr, gathered_ptr, tl.program_id(0), NUM_COMM, M_SHARD, K, STAGE_OFF,
-                SLOT_BYTES, READY_OFF, FLAGS_OFF, CHUNK_ROWS, COPY_BLOCK_C, SCOPE)
+def push_shards_kernel(ctx, x_ptr, done_ptr, M_SHARD: tl.constexpr, K: tl.constexpr,
+                       INBOX_OFF: tl.constexpr, PARITY_BYTES: tl.constexpr,
+                       FLAGS_OFF: tl.constexpr, SENT_OFF: tl.constexpr,
+                       NUM_COMM: tl.constexpr, CHUNK_ROWS: tl.constexpr,
+                       COPY_BLOCK_C: tl.constexpr, SCOPE: tl.constexpr):
+    """Grid: (NUM_COMM,). What the copy engines do for ``ag_matmul_ce_kernel``, by
+    SM programs, for the CPU backend: push x's chunks into every peer's inbox,
+    raise the peer's chunk flag, then (last program) the local sent words and
+    ``done`` (the epoch: a value for XLA to order the GEMM after).
+
+    The sent words assume programs run one after another (the interpreter).
+    """
+    pid = tl.program_id(0)
+    me = dl.rank(ctx)
+    world = dl.num_ranks(ctx)
+    e = dl.epoch(ctx)
+    n_chunks = (M_SHARD + CHUNK_ROWS - 1) // CHUNK_ROWS
+    flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
+    inbox = dl.heap_ptr(ctx, INBOX_OFF + (e % 2) * PARITY_BYTES, x_ptr.dtype.element_ty)
+    for item in range(pid, (world - 1) * n_chunks, NUM_COMM):
+        dst = (me + 1 + item // n_chunks) % world
+        chunk = item % n_chunks
+        row0 = chunk * CHUNK_ROWS
+        row_end = tl.minimum(row0 + CHUNK_ROWS, M_SHARD)
+        remote = dl.symm_at(ctx, inbox + me * M_SHARD * K, dst)
+        copy_rows(x_ptr, remote, remote, row0, row_end, K, CHUNK_ROWS, COPY_BLOCK_C, False)
+        dl.notify(ctx, flags + me * n_chunks + chunk, dst, e, "set", SCOPE)
+    if pid == NUM_COMM - 1:
+        sent = dl.heap_ptr(ctx, SENT_OFF, tl.int32)
+        for step in range(1, world):
+            dl.notify(ctx, sent + step, me, e, "set", "gpu")
+        tl.store(done_ptr, e)

@@ -37,6 +37,20 @@ class GatherWorkspace:
         self.nbytes = self.stage + 2 * self.slot_bytes
 
 
+class InboxWorkspace:
+    """Byte layout of a push workspace: chunk flags (world * chunks int32) that
+    senders raise, one "sent" word per peer step, then two inboxes (call
+    parities) of [world * rows, cols] that peers push their shards into."""
+
+    def __init__(self, world: int, rows: int, cols: int, dtype, chunk_rows: int):
+        self.n_chunks = -(-rows // chunk_rows)
+        self.flags = 0
+        self.sent = align(4 * world * self.n_chunks)
+        self.parity_bytes = align(world * rows * cols * np.dtype(dtype).itemsize)
+        self.inbox = self.sent + align(4 * world)
+        self.nbytes = self.inbox + 2 * self.parity_bytes
+
+
 class SplitKWorkspace:
     """Byte layout of a split-K workspace: one float32 plane of the output per
     split ([split_k, rows, cols]), then one int32 arrival counter per output tile."""

@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtdist.kernels.ag_matmul import (ag_matmul_ce_kernel, ag_matmul_kernel,
-                                        ag_matmul_tma_kernel, gather_with_flags_kernel)
+                                        ag_matmul_tma_kernel, push_shards_kernel)
 from jaxtdist.ops import _call
-from jaxtdist.ops._shapes import GatherWorkspace, SplitKWorkspace, check_dtype, next_pow2
+from jaxtdist.ops._shapes import (GatherWorkspace, InboxWorkspace, SplitKWorkspace, check_dtype,
+                                  next_pow2)
 from jaxtdist.runtime import _native
 from jaxtdist.runtime._runtime import runtime
 
@@ -213,7 +214,7 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
         for key in ("ALL_ROWS", "SPLIT_K"):
             cfg.pop(key)
         if producer == "ce":
-            return _ag_matmul_ce(rt, layout, x, w, cfg, num_warps, num_stages)
+            return _ag_matmul_ce(rt, layout, x, w, axis_name, cfg, num_warps, num_stages)
         programs = persistent_programs(rt, cfg["NUM_COMM"], m_tiles * n_tiles)
         schedule = rt.workspace(("ag_matmul_schedule", layout.axes), 8)
         out, gathered = _call.launch(
@@ -230,52 +231,57 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
     return out, gathered
 
 
-def _ce_gather(rt, layout, ws, plan: GatherWorkspace, ctx, x, cfg: dict) -> jax.Array:
-    """The gathered x, filled by the copy engines while the kernel that follows runs.
+def _push_shards(rt, layout, ws, plan: InboxWorkspace, ctx, x, cfg: dict) -> jax.Array:
+    """Starts pushing x into every peer's heap inbox; returns the context for the
+    kernel that follows (the same buffer: it orders the kernel after the push).
 
-    Returns at once on GPUs (``csrc/ce_gather.cc`` enqueues copies on side
-    streams); the CPU backend raises the same flags with SM-style copies
-    (``gather_with_flags_kernel`` under the interpreter) before the GEMM.
+    On GPUs the copy engines push (``csrc/ce_gather.cc`` enqueues peer copies on
+    side streams and returns at once); the CPU backend pushes with SM-style
+    copies (``push_shards_kernel`` under the interpreter) before the GEMM.
     """
-    world = layout.world
     m_shard, k = x.shape
-    gathered = jax.ShapeDtypeStruct((world * m_shard, k), x.dtype)
+    offsets = dict(INBOX_OFF=ws.offset + plan.inbox, PARITY_BYTES=plan.parity_bytes,
+                   FLAGS_OFF=ws.offset + plan.flags, SENT_OFF=ws.offset + plan.sent)
     if rt.platform == "gpu":
-        call = jax.ffi.ffi_call(_native.CE_GATHER_TARGET, gathered, has_side_effect=True)
-        return call(x, ctx, counter_id=np.int64(ws.counter_id), world=np.int64(world),
-                    groups=rt.group_table(layout), stage_offset=np.int64(ws.offset + plan.stage),
-                    parity_bytes=np.int64(plan.slot_bytes),
-                    ready_offset=np.int64(ws.offset + plan.ready),
-                    flags_offset=np.int64(ws.offset + plan.flags),
+        call = jax.ffi.ffi_call(_native.CE_GATHER_TARGET, jax.ShapeDtypeStruct(ctx.shape, ctx.dtype),
+                                has_side_effect=True, input_output_aliases={1: 0})
+        return call(x, ctx, counter_id=np.int64(ws.counter_id), world=np.int64(layout.world),
+                    groups=rt.group_table(layout), inbox_offset=np.int64(offsets["INBOX_OFF"]),
+                    parity_bytes=np.int64(plan.parity_bytes),
+                    flags_offset=np.int64(offsets["FLAGS_OFF"]),
+                    sent_offset=np.int64(offsets["SENT_OFF"]),
                     chunk_rows=np.int64(cfg["CHUNK_ROWS"]), generation=np.int64(rt.generation))
-    return _call.launch(gather_with_flags_kernel, ctx, x, out_shape=gathered,
+    done = _call.launch(push_shards_kernel, ctx, x, out_shape=jax.ShapeDtypeStruct((1,), jnp.int32),
                         grid=(cfg["NUM_COMM"],), num_warps=4, num_stages=1, M_SHARD=m_shard,
-                        K=k, STAGE_OFF=ws.offset + plan.stage, SLOT_BYTES=plan.slot_bytes,
-                        READY_OFF=ws.offset + plan.ready, FLAGS_OFF=ws.offset + plan.flags,
-                        NUM_COMM=cfg["NUM_COMM"], CHUNK_ROWS=cfg["CHUNK_ROWS"],
-                        COPY_BLOCK_C=cfg["COPY_BLOCK_C"], SCOPE=cfg["SCOPE"])
+                        K=k, NUM_COMM=cfg["NUM_COMM"], CHUNK_ROWS=cfg["CHUNK_ROWS"],
+                        COPY_BLOCK_C=cfg["COPY_BLOCK_C"], SCOPE=cfg["SCOPE"], **offsets)
+    ctx, _ = jax.lax.optimization_barrier((ctx, done))
+    return ctx
 
 
-def _ag_matmul_ce(rt, layout, x, w, cfg: dict, num_warps: int, num_stages: int):
+def _ag_matmul_ce(rt, layout, x, w, axis_name, cfg: dict, num_warps: int, num_stages: int):
     """ag_matmul with the gather on the copy engines and every SM in the GEMM."""
     m_shard, k = x.shape
     n = w.shape[1]
     world = layout.world
-    plan = GatherWorkspace(world, m_shard, k, x.dtype, cfg["CHUNK_ROWS"])
+    plan = InboxWorkspace(world, m_shard, k, x.dtype, cfg["CHUNK_ROWS"])
     ws = rt.workspace(("ag_matmul_ce", layout.axes, m_shard, k, x.dtype.name,
                        cfg["CHUNK_ROWS"]), plan.nbytes)
     ctx = _call.prologue(rt, layout, ws, "ag_matmul", deps=(x, w))
-    gathered = _ce_gather(rt, layout, ws, plan, ctx, x, cfg)
+    ctx = _push_shards(rt, layout, ws, plan, ctx, x, cfg)
     tiles = world * (m_shard // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"])
     programs = persistent_programs(rt, 0, tiles)
     out = _call.launch(
-        ag_matmul_ce_kernel, ctx, x, w, gathered,
+        ag_matmul_ce_kernel, ctx, x, w,
         out_shape=jax.ShapeDtypeStruct((world * m_shard, n), x.dtype), grid=(programs,),
         num_warps=num_warps, num_stages=num_stages, needs_scratch=True, M_SHARD=m_shard, N=n,
-        K=k, FLAGS_OFF=ws.offset + plan.flags, CHUNK_ROWS=cfg["CHUNK_ROWS"],
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        GROUP_M=cfg["GROUP_M"], NUM_PROGRAMS=programs)
-    return out, gathered
+        K=k, INBOX_OFF=ws.offset + plan.inbox, PARITY_BYTES=plan.parity_bytes,
+        FLAGS_OFF=ws.offset + plan.flags, SENT_OFF=ws.offset + plan.sent,
+        CHUNK_ROWS=cfg["CHUNK_ROWS"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], NUM_PROGRAMS=programs)
+    # The gathered x (the autodiff residual) lives only in heap inboxes that the
+    # next call reuses: XLA gathers it when it is used (dropped when it is not).
+    return out, jax.lax.all_gather(x, axis_name, tiled=True)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
