@@ -14,6 +14,7 @@ from jaxtdist.kernels.ag_matmul import (ag_matmul_ce_kernel, ag_matmul_kernel,
 from jaxtdist.ops import _call
 from jaxtdist.ops._shapes import (GatherWorkspace, InboxWorkspace, SplitKWorkspace, check_dtype,
                                   next_pow2)
+from jaxtdist._errors import HeapExhaustedError
 from jaxtdist.runtime import _native
 from jaxtdist.runtime._runtime import runtime
 
@@ -47,12 +48,14 @@ def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
             return dict(common, BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=32, GROUP_M=8,
                         NUM_COMM=16, COPY_BLOCK_C=64, ALL_ROWS=False, num_warps=8,
                         num_stages=3)
-        # The persistent TMA kernel where it fits: faster than the pointer
-        # kernel's defaults on every large shape tuned on 4 x H200 (docs/perf).
+        # The persistent TMA kernel where it fits, fed by the copy engines:
+        # faster than SM producers on every large shape tuned on 4 x H200
+        # whose inboxes fit the heap (docs/perf; too big a shape falls back).
         tma = not _tma_misfits(m_shard, n, k, jnp.dtype(dtype).itemsize, block_m)
         return dict(common, BLOCK_M=block_m, BLOCK_N=256 if block_m == 128 else 128,
                     BLOCK_K=64, GROUP_M=8, NUM_COMM=16, COPY_BLOCK_C=128, ALL_ROWS=False,
-                    num_warps=8, num_stages=3, TMA=tma)
+                    num_warps=8, num_stages=3, TMA=tma, PRODUCER="ce" if tma else "sm",
+                    CHUNK_ROWS=256 if tma else 0)
     # CPU (interpreter): small blocks keep interpretation fast.
     if small:
         return dict(common, BLOCK_M=max(16, next_pow2(world * m_shard)), BLOCK_N=32,
@@ -188,6 +191,16 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
     cfg = resolve_config(rt, axis_name, world, m_shard, n, k, x.dtype, config)
     num_warps = cfg.pop("num_warps")
     num_stages = cfg.pop("num_stages")
+    if cfg["TMA"] and cfg["PRODUCER"] == "ce":
+        try:
+            return _ag_matmul_ce(rt, layout, x, w, axis_name, cfg, num_warps, num_stages)
+        except HeapExhaustedError:
+            if "PRODUCER" in (config or {}):
+                raise
+            # A tuned or default choice that does not fit this heap: the SM
+            # producer needs a quarter of the room (staging slots, no inboxes).
+            cfg["PRODUCER"] = "sm"
+            cfg["CHUNK_ROWS"] = min(cfg["CHUNK_ROWS"], cfg["BLOCK_M"])
     plan = GatherWorkspace(world, m_shard, k, x.dtype, cfg["CHUNK_ROWS"])
     ws = rt.workspace(("ag_matmul", layout.axes, m_shard, k, x.dtype.name, cfg["CHUNK_ROWS"]),
                       plan.nbytes)
@@ -209,12 +222,10 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
     gather = dict(M_SHARD=m_shard, N=n, K=k, STAGE_OFF=ws.offset + plan.stage,
                   SLOT_BYTES=plan.slot_bytes, READY_OFF=ws.offset + plan.ready,
                   FLAGS_OFF=ws.offset + plan.flags)
-    producer = cfg.pop("PRODUCER")
+    cfg.pop("PRODUCER")
     if cfg.pop("TMA"):
         for key in ("ALL_ROWS", "SPLIT_K"):
             cfg.pop(key)
-        if producer == "ce":
-            return _ag_matmul_ce(rt, layout, x, w, axis_name, cfg, num_warps, num_stages)
         programs = persistent_programs(rt, cfg["NUM_COMM"], m_tiles * n_tiles)
         schedule = rt.workspace(("ag_matmul_schedule", layout.axes), 8)
         out, gathered = _call.launch(
@@ -264,9 +275,11 @@ def _ag_matmul_ce(rt, layout, x, w, axis_name, cfg: dict, num_warps: int, num_st
     m_shard, k = x.shape
     n = w.shape[1]
     world = layout.world
-    plan = InboxWorkspace(world, m_shard, k, x.dtype, cfg["CHUNK_ROWS"])
-    ws = rt.workspace(("ag_matmul_ce", layout.axes, m_shard, k, x.dtype.name,
-                       cfg["CHUNK_ROWS"]), plan.nbytes)
+    # One layout whatever the chunking (room for a flag per row), so that
+    # calls with different CHUNK_ROWS share the inboxes safely; stale flags
+    # of another chunking hold older epochs, never this call's.
+    plan = InboxWorkspace(world, m_shard, k, x.dtype, 1)
+    ws = rt.workspace(("ag_matmul_ce", layout.axes, m_shard, k, x.dtype.name), plan.nbytes)
     ctx = _call.prologue(rt, layout, ws, "ag_matmul", deps=(x, w))
     ctx = _push_shards(rt, layout, ws, plan, ctx, x, cfg)
     tiles = world * (m_shard // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"])
