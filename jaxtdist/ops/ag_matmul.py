@@ -55,7 +55,7 @@ def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
         return dict(common, BLOCK_M=block_m, BLOCK_N=256 if block_m == 128 else 128,
                     BLOCK_K=64, GROUP_M=8, NUM_COMM=16, COPY_BLOCK_C=128, ALL_ROWS=False,
                     num_warps=8, num_stages=3, TMA=tma, PRODUCER="ce" if tma else "sm",
-                    CHUNK_ROWS=next_pow2(m_shard) if tma else 0)
+                    CHUNK_ROWS=256 if tma else 0)
     # CPU (interpreter): small blocks keep interpretation fast.
     if small:
         return dict(common, BLOCK_M=max(16, next_pow2(world * m_shard)), BLOCK_N=32,
