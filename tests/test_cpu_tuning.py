@@ -63,12 +63,12 @@ TMA_CASES = [
 ]
 
 
-@pytest.mark.parametrize("world,dtype,shape,config", TMA_CASES, ids=lambda c: str(c))
-def test_tma_persistent(world, dtype, shape, config):
+def _check_persistent(world, dtype, shape, config):
+    """Three calls (counters and epochs carry over); out and every rank's gathered x."""
     mesh = setup(world)
     m, k, n = shape
     f = jax.jit(jax.shard_map(
-        lambda x, w: ag_matmul_with_gathered(x, w, "tp", config=dict(config, TMA=True)),
+        lambda x, w: ag_matmul_with_gathered(x, w, "tp", config=config),
         mesh=mesh, in_specs=(P("tp", None), P(None, "tp")),
         out_specs=(P(None, "tp"), P(None, "tp"))))
     for _ in range(3):
@@ -78,6 +78,11 @@ def test_tma_persistent(world, dtype, shape, config):
         assert_close(out, f64(x) @ f64(w), dtype)
         for rank in range(world):  # every rank's gathered copy is the whole of x
             assert (jnp.asarray(gathered[:, rank * k:(rank + 1) * k]) == x).all()
+
+
+@pytest.mark.parametrize("world,dtype,shape,config", TMA_CASES, ids=lambda c: str(c))
+def test_tma_persistent(world, dtype, shape, config):
+    _check_persistent(world, dtype, shape, dict(config, TMA=True))
 
 
 # The copy-engine variant (the CPU backend raises the flags with a gather kernel
@@ -92,20 +97,7 @@ CE_CASES = [
 
 @pytest.mark.parametrize("world,dtype,shape,config", CE_CASES, ids=lambda c: str(c))
 def test_copy_engine_producer(world, dtype, shape, config):
-    mesh = setup(world)
-    m, k, n = shape
-    f = jax.jit(jax.shard_map(
-        lambda x, w: ag_matmul_with_gathered(x, w, "tp", config=dict(config, TMA=True,
-                                                                     PRODUCER="ce")),
-        mesh=mesh, in_specs=(P("tp", None), P(None, "tp")),
-        out_specs=(P(None, "tp"), P(None, "tp"))))
-    for _ in range(3):
-        x = rand((world * m, k), dtype)
-        w = rand((k, world * n), dtype)
-        out, gathered = f(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp")))
-        assert_close(out, f64(x) @ f64(w), dtype)
-        for rank in range(world):
-            assert (jnp.asarray(gathered[:, rank * k:(rank + 1) * k]) == x).all()
+    _check_persistent(world, dtype, shape, dict(config, TMA=True, PRODUCER="ce"))
 
 
 def test_copy_engine_producer_needs_tma():
