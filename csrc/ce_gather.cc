@@ -113,7 +113,7 @@ ffi::Error CeGatherCuda(cudaStream_t stream, std::int32_t device_ordinal, ffi::A
                         ffi::Span<const std::int64_t> groups, std::int64_t inbox_offset,
                         std::int64_t parity_bytes, std::int64_t flags_offset,
                         std::int64_t sent_offset, std::int64_t chunk_rows,
-                        std::int64_t generation) {
+                        std::int64_t generation, std::int64_t align_launch) {
   // ctx_out aliases ctx: the kernel that takes it is ordered after this call.
   (void)ctx;
   (void)ctx_out;
@@ -124,20 +124,11 @@ ffi::Error CeGatherCuda(cudaStream_t stream, std::int32_t device_ordinal, ffi::A
       cuda::DriverFunction<StreamValue32Fn>("cuStreamWriteValue32");
   if (write32 == nullptr) return Failed("the driver lacks cuStreamWriteValue32");
   auto pos = RuntimeState::Get().PositionOfDevice(device_ordinal);
-  if (!pos) {
-    return ffi::Error::InvalidArgument("jaxtdist: no symmetric heap is registered for CUDA "
-                                       "device " + std::to_string(device_ordinal));
-  }
-  const std::int64_t positions =
-      static_cast<std::int64_t>(groups.size()) / std::max<std::int64_t>(world, 1);
-  if (world < 1 || positions * world != static_cast<std::int64_t>(groups.size()) ||
-      *pos >= positions) {
-    return ffi::Error::InvalidArgument(
-        "jaxtdist copy-engine gather: group table of " + std::to_string(groups.size()) +
-        " entries does not cover mesh position " + std::to_string(*pos) + " with world " +
-        std::to_string(world));
-  }
-  const std::int64_t* group = groups.begin() + *pos * world;
+  if (!pos) return ffi::Error::InvalidArgument(NoHeapForDevice(device_ordinal));
+  std::string group_err;
+  const std::int64_t* group = RuntimeState::GroupOf(
+      groups.begin(), static_cast<std::int64_t>(groups.size()), world, *pos, &group_err);
+  if (group == nullptr) return ffi::Error::InvalidArgument("jaxtdist copy-engine gather: " + group_err);
   std::int64_t me = -1;
   std::vector<std::uintptr_t> bases(world);
   for (std::int64_t r = 0; r < world; ++r) {
@@ -194,6 +185,9 @@ ffi::Error CeGatherCuda(cudaStream_t stream, std::int32_t device_ordinal, ffi::A
         write32(cu_st, static_cast<CUdeviceptr>(bases[me] + sent_offset + 4 * s), e, 0),
         "cuStreamWriteValue32 (sent word)"));
   }
+  // Every push is enqueued; the GEMM kernel is next: meet the group's other
+  // host threads so that no device's kernel starts long before its peers push.
+  if (align_launch) RuntimeState::Get().aligner().Arrive(counter_id, epoch, group[0], world);
   return ffi::Error::Success();
 }
 
@@ -214,6 +208,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtdistCeGatherCuda, CeGatherCuda,
                                   .Attr<std::int64_t>("flags_offset")
                                   .Attr<std::int64_t>("sent_offset")
                                   .Attr<std::int64_t>("chunk_rows")
-                                  .Attr<std::int64_t>("generation"));
+                                  .Attr<std::int64_t>("generation")
+                                  .Attr<std::int64_t>("align_launch"));
 
 }  // namespace jaxtdist

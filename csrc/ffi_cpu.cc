@@ -16,7 +16,10 @@ ffi::Error PrologueCpu(ffi::Buffer<ffi::S32> position, ffi::RemainingArgs stage,
                        ffi::ResultBuffer<ffi::S32> ctx_out,
                        std::int64_t template_offset, std::int64_t counter_id,
                        std::int64_t stage_offset, std::int64_t parity_bytes,
-                       std::int64_t generation) {
+                       std::int64_t generation, ffi::Span<const std::int64_t> groups,
+                       std::int64_t world, std::int64_t align_launch) {
+  // The interpreter workers start together; host launches need no alignment.
+  (void)align_launch;
   if (std::string stale = CheckGeneration(generation); !stale.empty()) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition, stale);
   }
@@ -26,6 +29,11 @@ ffi::Error PrologueCpu(ffi::Buffer<ffi::S32> position, ffi::RemainingArgs stage,
     return ffi::Error::InvalidArgument(
         "jaxtdist: no symmetric heap is registered for mesh position " +
         std::to_string(pos) + "; call jaxtdist.initialize(mesh) first");
+  }
+  std::string group_err;
+  if (RuntimeState::GroupOf(groups.begin(), static_cast<std::int64_t>(groups.size()), world,
+                            pos, &group_err) == nullptr) {
+    return ffi::Error::InvalidArgument("jaxtdist prologue: " + group_err);
   }
   if (stage.size() > 1) {
     return ffi::Error::InvalidArgument("jaxtdist prologue stages at most one buffer");
@@ -68,6 +76,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtdistPrologueCpu, PrologueCpu,
                                   .Attr<std::int64_t>("counter_id")
                                   .Attr<std::int64_t>("stage_offset")
                                   .Attr<std::int64_t>("parity_bytes")
-                                  .Attr<std::int64_t>("generation"));
+                                  .Attr<std::int64_t>("generation")
+                                  .Attr<ffi::Span<const std::int64_t>>("groups")
+                                  .Attr<std::int64_t>("world")
+                                  .Attr<std::int64_t>("align_launch"));
 
 }  // namespace jaxtdist

@@ -33,19 +33,21 @@ ffi::Error PrologueCuda(cudaStream_t stream, std::int32_t device_ordinal,
                         ffi::ResultBuffer<ffi::S32> ctx_out,
                         std::int64_t template_offset, std::int64_t counter_id,
                         std::int64_t stage_offset, std::int64_t parity_bytes,
-                       std::int64_t generation) {
+                        std::int64_t generation, ffi::Span<const std::int64_t> groups,
+                        std::int64_t world, std::int64_t align_launch) {
   if (std::string stale = CheckGeneration(generation); !stale.empty()) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition, stale);
   }
   (void)position;  // device data: the ordinal says which heap is ours.
   auto pos = RuntimeState::Get().PositionOfDevice(device_ordinal);
   if (!pos) {
-    return ffi::Error::InvalidArgument(
-        "jaxtdist: no symmetric heap is registered for CUDA device " +
-        std::to_string(device_ordinal) +
-        "; call jaxtdist.initialize(mesh) with a mesh that contains it");
+    return ffi::Error::InvalidArgument(NoHeapForDevice(device_ordinal));
   }
   auto heap = RuntimeState::Get().Heap(*pos);
+  std::string group_err;
+  const std::int64_t* group = RuntimeState::GroupOf(
+      groups.begin(), static_cast<std::int64_t>(groups.size()), world, *pos, &group_err);
+  if (group == nullptr) return ffi::Error::InvalidArgument("jaxtdist prologue: " + group_err);
   if (stage.size() > 1) {
     return ffi::Error::InvalidArgument("jaxtdist prologue stages at most one buffer");
   }
@@ -87,6 +89,8 @@ ffi::Error PrologueCuda(cudaStream_t stream, std::int32_t device_ordinal,
   if (res != CUDA_SUCCESS) {
     return ffi::Error::Internal("jaxtdist: " + cuda::DriverError("cuMemsetD32Async", res));
   }
+  // Last host work before the kernel: meet the group's other host threads.
+  if (align_launch) RuntimeState::Get().aligner().Arrive(counter_id, epoch, group[0], world);
   return ffi::Error::Success();
 }
 
@@ -103,6 +107,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtdistPrologueCuda, PrologueCuda,
                                   .Attr<std::int64_t>("counter_id")
                                   .Attr<std::int64_t>("stage_offset")
                                   .Attr<std::int64_t>("parity_bytes")
-                                  .Attr<std::int64_t>("generation"));
+                                  .Attr<std::int64_t>("generation")
+                                  .Attr<ffi::Span<const std::int64_t>>("groups")
+                                  .Attr<std::int64_t>("world")
+                                  .Attr<std::int64_t>("align_launch"));
 
 }  // namespace jaxtdist

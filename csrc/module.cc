@@ -66,6 +66,25 @@ PYBIND11_MODULE(_jaxtdist_ffi, m) {
   m.def("peek_epoch", [](std::int64_t counter, int position) {
     return jaxtdist::RuntimeState::Get().PeekEpoch(counter, position);
   });
+  m.def("configure_launch_alignment", [](bool enabled, std::int64_t timeout_us) {
+    jaxtdist::RuntimeState::Get().aligner().Configure(enabled, timeout_us);
+  });
+  m.def("launch_alignment_stats", [] {
+    const jaxtdist::LaunchAlignStats st = jaxtdist::RuntimeState::Get().aligner().Stats();
+    py::dict d;
+    d["enabled"] = st.enabled;
+    d["met"] = st.met;
+    d["timed_out"] = st.timed_out;
+    d["disabled_because"] = st.disabled_because;
+    return d;
+  });
+  // What the CUDA handlers call before a collective kernel (tests drive it
+  // from several Python threads).
+  m.def("align_launch",
+        [](std::int64_t counter, std::int64_t epoch, std::int64_t leader, std::int64_t world) {
+          jaxtdist::RuntimeState::Get().aligner().Arrive(counter, epoch, leader, world);
+        },
+        py::call_guard<py::gil_scoped_release>());
 #ifdef JAXTDIST_WITH_CUDA
   namespace jc = jaxtdist::cuda;
   m.def("cuda_device_count", [] {

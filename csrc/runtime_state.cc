@@ -21,6 +21,20 @@ void RuntimeState::Reset(std::int64_t generation) {
   heaps_.clear();
   epochs_.clear();
   generation_ = generation;
+  aligner_.Reset();
+}
+
+const std::int64_t* RuntimeState::GroupOf(const std::int64_t* table, std::int64_t entries,
+                                          std::int64_t world, int position,
+                                          std::string* err) {
+  const std::int64_t positions = world >= 1 ? entries / world : 0;
+  if (world < 1 || positions * world != entries || position < 0 || position >= positions) {
+    *err = "group table of " + std::to_string(entries) +
+           " entries does not cover mesh position " + std::to_string(position) +
+           " with world " + std::to_string(world);
+    return nullptr;
+  }
+  return table + static_cast<std::int64_t>(position) * world;
 }
 
 std::int64_t RuntimeState::generation() const {
@@ -62,6 +76,12 @@ std::int64_t RuntimeState::PeekEpoch(std::int64_t counter, int position) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = epochs_.find({counter, position});
   return it == epochs_.end() ? 0 : it->second;
+}
+
+std::string NoHeapForDevice(int device_ordinal) {
+  return "jaxtdist: no symmetric heap is registered for CUDA device " +
+         std::to_string(device_ordinal) +
+         "; call jaxtdist.initialize(mesh) with a mesh that contains it";
 }
 
 std::string RecordedTimeout(const HeapSlot& slot, int position) {

@@ -10,6 +10,8 @@
 #include <string>
 #include <utility>
 
+#include "launch_align.h"
+
 namespace jaxtdist {
 
 // Words of the context buffer a kernel receives (see jaxtdist/language/_layout.py).
@@ -41,13 +43,24 @@ class RuntimeState {
   // Increments and returns the epoch of `counter` on `position` (first call: 1).
   std::int64_t NextEpoch(std::int64_t counter, int position);
   std::int64_t PeekEpoch(std::int64_t counter, int position) const;
+  // The host rendezvous before collective kernel launches (launch_align.h).
+  LaunchAligner& aligner() { return aligner_; }
+  // Rank-ordered mesh positions of `position`'s group in a handler's group
+  // table ([positions x world]); an error message in *err when it does not
+  // cover `position`.
+  static const std::int64_t* GroupOf(const std::int64_t* table, std::int64_t entries,
+                                     std::int64_t world, int position, std::string* err);
 
  private:
   mutable std::mutex mu_;
   std::map<int, HeapSlot> heaps_;
   std::map<std::pair<std::int64_t, int>, std::int64_t> epochs_;
   std::int64_t generation_ = 0;
+  LaunchAligner aligner_;
 };
+
+// The error text of a CUDA handler running on a device that has no heap.
+std::string NoHeapForDevice(int device_ordinal);
 
 // Validates a prologue request; returns an error message or "" when fine.
 // Describes a wait timeout recorded in `slot`'s error record, or "" if none.

@@ -153,9 +153,7 @@ ffi::Error TritonLaunchCuda(cudaStream_t stream, std::int32_t device_ordinal,
   if (image->scratch_bytes > 0) {
     auto pos = RuntimeState::Get().PositionOfDevice(device_ordinal);
     if (!pos) {
-      return ffi::Error::InvalidArgument(
-          "jaxtdist: no symmetric heap is registered for CUDA device " +
-          std::to_string(device_ordinal) + "; call jaxtdist.initialize(mesh) first");
+      return ffi::Error::InvalidArgument(NoHeapForDevice(device_ordinal));
     }
     auto heap = RuntimeState::Get().Heap(*pos);
     const std::int64_t need = programs * image->scratch_bytes;

@@ -37,6 +37,11 @@ SPLIT_K_CASES = [
     (4, F32, (3, 48, 12), dict(CHUNK_ROWS=1, NUM_COMM=3)),
     (2, BF16, (37, 40, 20), dict(CHUNK_ROWS=4, NUM_COMM=5, COPY_BLOCK_C=16)),
     (8, F32, (9, 72, 8), dict(CHUNK_ROWS=2, ALL_ROWS=False, SPLIT_K=2)),
+    # Decode path with w prefetched into L2 before the gather wait (a no-op under
+    # the interpreter, but its clamped addresses and shapes are exercised), K and N
+    # smaller than the prefetched range.
+    (4, BF16, (2, 64, 12), dict(SPLIT_K=2, PREFETCH_K=4)),
+    (2, F32, (3, 100, 20), dict(PREFETCH_K=1)),
 ]
 
 
@@ -119,6 +124,10 @@ def test_bad_configs_are_refused():
                           (dict(NUM_COMM=0), "NUM_COMM=0 must be >= 1"),
                           (dict(CHUNK_ROWS=64), "CHUNK_ROWS=64 must divide"),
                           (dict(BLOK_M=16), "unknown config keys"),
+                          (dict(PREFETCH_K=2, ALL_ROWS=False, BLOCK_M=16),
+                           "PREFETCH_K=2 needs ALL_ROWS=True"),
+                          (dict(PREFETCH_K=3), "PREFETCH_K=3 must be a power of 2"),
+                          (dict(PREFETCH_K=-1), "PREFETCH_K=-1 must be >= 0"),
                           (dict(TMA=True, ALL_ROWS=False, BLOCK_M=16), "m_shard=4 to be a multiple of "
                            "BLOCK_M=16"),
                           (dict(TMA=True, SPLIT_K=2, ALL_ROWS=False, BLOCK_M=4),

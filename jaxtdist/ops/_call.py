@@ -84,8 +84,15 @@ def program_order_deps(rt: Runtime) -> tuple:
 
 
 def prologue(rt: Runtime, layout: Layout, ws: Workspace, op: str, stage: jax.Array | None = None,
-             stage_offset: int = 0, parity_bytes: int = 0, deps: Sequence = ()) -> jax.Array:
+             stage_offset: int = 0, parity_bytes: int = 0, deps: Sequence = (),
+             align_launch: bool = True) -> jax.Array:
     """Runs the FFI prologue; returns the kernel context (int32[2 * CTX_WORDS]).
+
+    With ``align_launch`` (and the runtime's ``align_launches``), the CUDA
+    prologue ends with a host rendezvous of the group's host threads, so that
+    the kernel that follows starts at about the same time on every device
+    (``csrc/launch_align.h``); an op whose last host work before its kernel is
+    another handler passes False and aligns there.
 
     The prologue advances the epoch, so it must run after ``deps`` (the op's
     inputs) and after the previous jaxtdist op of the same trace: otherwise
@@ -104,7 +111,9 @@ def prologue(rt: Runtime, layout: Layout, ws: Workspace, op: str, stage: jax.Arr
                             has_side_effect=True)
     return call(*args, template_offset=np.int64(layout.template_offset),
                 counter_id=np.int64(ws.counter_id), stage_offset=np.int64(stage_offset),
-                parity_bytes=np.int64(parity_bytes), generation=np.int64(rt.generation))
+                parity_bytes=np.int64(parity_bytes), generation=np.int64(rt.generation),
+                groups=rt.group_table(layout), world=np.int64(layout.world),
+                align_launch=np.int64(align_launch))
 
 
 def _out_list(out_shape):

@@ -31,7 +31,7 @@ def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
     """
     small = world * m_shard <= (128 if platform == "gpu" else 32)
     wide = jnp.dtype(dtype).itemsize == 4
-    common = dict(SCOPE="sys", SPLIT_K=1, CHUNK_ROWS=0, TMA=False, PRODUCER="sm")
+    common = dict(SCOPE="sys", SPLIT_K=1, CHUNK_ROWS=0, TMA=False, PRODUCER="sm", PREFETCH_K=0)
     if platform == "gpu":
         if small:  # decode: one M tile over all ranks' rows, split K, one chunk per row
             return dict(common, BLOCK_M=max(16, next_pow2(world * m_shard)), BLOCK_N=64,
@@ -96,6 +96,9 @@ _FLAG_KEYS = ("SCOPE", "ALL_ROWS", "TMA", "PRODUCER")
 PRODUCERS = ("sm", "ce")
 _INT_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "NUM_COMM", "CHUNK_ROWS",
              "COPY_BLOCK_C", "SPLIT_K", "num_warps", "num_stages")
+# Counts that may be 0: blocks of w prefetched into L2 before the gather wait
+# (decode path, ALL_ROWS only; 0: none).
+_COUNT_KEYS = ("PREFETCH_K",)
 
 
 def _tma_misfits(m_shard: int, n: int | None, k: int, itemsize: int, block_m: int) -> list[str]:
@@ -114,15 +117,22 @@ def _tma_misfits(m_shard: int, n: int | None, k: int, itemsize: int, block_m: in
 def check_config(cfg: dict, world: int, m_shard: int, k: int, n: int | None = None,
                  itemsize: int = 2) -> None:
     """Raises ``ValueError`` naming the first constraint ``cfg`` breaks."""
-    unknown = set(cfg) - set(_INT_KEYS) - set(_FLAG_KEYS)
+    unknown = set(cfg) - set(_INT_KEYS) - set(_FLAG_KEYS) - set(_COUNT_KEYS)
     if unknown:
         raise ValueError(f"jaxtdist.ag_matmul: unknown config keys {sorted(unknown)}; known: "
-                         f"{sorted(_INT_KEYS + _FLAG_KEYS)}")
+                         f"{sorted(_INT_KEYS + _FLAG_KEYS + _COUNT_KEYS)}")
     cfg = dict(cfg, CHUNK_ROWS=cfg["CHUNK_ROWS"] or cfg["BLOCK_M"])  # 0: one chunk per row tile
     for key in _INT_KEYS:
         if int(cfg[key]) < 1:
             raise ValueError(f"jaxtdist.ag_matmul: config {key}={cfg[key]} must be >= 1")
-    for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "CHUNK_ROWS", "COPY_BLOCK_C"):
+    prefetch = int(cfg.get("PREFETCH_K", 0))
+    if prefetch < 0:
+        raise ValueError(f"jaxtdist.ag_matmul: config PREFETCH_K={prefetch} must be >= 0")
+    if prefetch and not cfg["ALL_ROWS"]:
+        raise ValueError(f"jaxtdist.ag_matmul: config PREFETCH_K={prefetch} needs ALL_ROWS=True "
+                         "(the decode path); use PREFETCH_K=0")
+    for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "CHUNK_ROWS", "COPY_BLOCK_C") + (
+            ("PREFETCH_K",) if prefetch else ()):
         if cfg[key] & (cfg[key] - 1):
             raise ValueError(f"jaxtdist.ag_matmul: config {key}={cfg[key]} must be a power of 2")
     if cfg["ALL_ROWS"] and cfg["BLOCK_M"] < world * m_shard:
@@ -166,7 +176,7 @@ def resolve_config(rt, axis_name, world: int, m_shard: int, n: int, k: int, dtyp
         cfg.update(tuned or {})
     cfg.update(config or {})
     if cfg["TMA"]:  # the TMA kernel has neither mode: turn them off unless asked for
-        for key, value in (("ALL_ROWS", False), ("SPLIT_K", 1)):
+        for key, value in (("ALL_ROWS", False), ("SPLIT_K", 1), ("PREFETCH_K", 0)):
             if key not in (config or {}):
                 cfg[key] = value
     check_config(cfg, world, m_shard, k, n, jnp.dtype(dtype).itemsize)
@@ -224,7 +234,7 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
                   FLAGS_OFF=ws.offset + plan.flags)
     cfg.pop("PRODUCER")
     if cfg.pop("TMA"):
-        for key in ("ALL_ROWS", "SPLIT_K"):
+        for key in ("ALL_ROWS", "SPLIT_K", "PREFETCH_K"):
             cfg.pop(key)
         programs = persistent_programs(rt, cfg["NUM_COMM"], m_tiles * n_tiles)
         schedule = rt.workspace(("ag_matmul_schedule", layout.axes), 8)
@@ -242,7 +252,7 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
     return out, gathered
 
 
-def _push_shards(rt, layout, ws, plan: InboxWorkspace, ctx, x, cfg: dict) -> jax.Array:
+def _push_shards(rt, layout, ws, offsets: dict, ctx, x, cfg: dict) -> jax.Array:
     """Starts pushing x into every peer's heap inbox; returns the context for the
     kernel that follows (the same buffer: it orders the kernel after the push).
 
@@ -251,17 +261,16 @@ def _push_shards(rt, layout, ws, plan: InboxWorkspace, ctx, x, cfg: dict) -> jax
     copies (``push_shards_kernel`` under the interpreter) before the GEMM.
     """
     m_shard, k = x.shape
-    offsets = dict(INBOX_OFF=ws.offset + plan.inbox, PARITY_BYTES=plan.parity_bytes,
-                   FLAGS_OFF=ws.offset + plan.flags, SENT_OFF=ws.offset + plan.sent)
     if rt.platform == "gpu":
         call = jax.ffi.ffi_call(_native.CE_GATHER_TARGET, jax.ShapeDtypeStruct(ctx.shape, ctx.dtype),
                                 has_side_effect=True, input_output_aliases={1: 0})
         return call(x, ctx, counter_id=np.int64(ws.counter_id), world=np.int64(layout.world),
                     groups=rt.group_table(layout), inbox_offset=np.int64(offsets["INBOX_OFF"]),
-                    parity_bytes=np.int64(plan.parity_bytes),
+                    parity_bytes=np.int64(offsets["PARITY_BYTES"]),
                     flags_offset=np.int64(offsets["FLAGS_OFF"]),
                     sent_offset=np.int64(offsets["SENT_OFF"]),
-                    chunk_rows=np.int64(cfg["CHUNK_ROWS"]), generation=np.int64(rt.generation))
+                    chunk_rows=np.int64(cfg["CHUNK_ROWS"]), generation=np.int64(rt.generation),
+                    align_launch=np.int64(1))
     done = _call.launch(push_shards_kernel, ctx, x, out_shape=jax.ShapeDtypeStruct((1,), jnp.int32),
                         grid=(cfg["NUM_COMM"],), num_warps=4, num_stages=1, M_SHARD=m_shard,
                         K=k, NUM_COMM=cfg["NUM_COMM"], CHUNK_ROWS=cfg["CHUNK_ROWS"],
@@ -280,17 +289,18 @@ def _ag_matmul_ce(rt, layout, x, w, axis_name, cfg: dict, num_warps: int, num_st
     # of another chunking hold older epochs, never this call's.
     plan = InboxWorkspace(world, m_shard, k, x.dtype, 1)
     ws = rt.workspace(("ag_matmul_ce", layout.axes, m_shard, k, x.dtype.name), plan.nbytes)
-    ctx = _call.prologue(rt, layout, ws, "ag_matmul", deps=(x, w))
-    ctx = _push_shards(rt, layout, ws, plan, ctx, x, cfg)
+    offsets = dict(INBOX_OFF=ws.offset + plan.inbox, PARITY_BYTES=plan.parity_bytes,
+                   FLAGS_OFF=ws.offset + plan.flags, SENT_OFF=ws.offset + plan.sent)
+    # The push handler is the last host work before the GEMM: it aligns the launch.
+    ctx = _call.prologue(rt, layout, ws, "ag_matmul", deps=(x, w), align_launch=False)
+    ctx = _push_shards(rt, layout, ws, offsets, ctx, x, cfg)
     tiles = world * (m_shard // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"])
     programs = persistent_programs(rt, 0, tiles)
     out = _call.launch(
         ag_matmul_ce_kernel, ctx, x, w,
         out_shape=jax.ShapeDtypeStruct((world * m_shard, n), x.dtype), grid=(programs,),
         num_warps=num_warps, num_stages=num_stages, needs_scratch=True, M_SHARD=m_shard, N=n,
-        K=k, INBOX_OFF=ws.offset + plan.inbox, PARITY_BYTES=plan.parity_bytes,
-        FLAGS_OFF=ws.offset + plan.flags, SENT_OFF=ws.offset + plan.sent,
-        CHUNK_ROWS=cfg["CHUNK_ROWS"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        K=k, **offsets, CHUNK_ROWS=cfg["CHUNK_ROWS"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], NUM_PROGRAMS=programs)
     # The gathered x (the autodiff residual) lives only in heap inboxes that the
     # next call reuses: XLA gathers it when it is used (dropped when it is not).

@@ -30,6 +30,9 @@ DEFAULT_HEAP_BYTES = {"cpu": 32 << 20, "gpu": 1 << 30}
 # Spins before a wait gives up: about 20 s on an H200 (local atomics); under
 # the interpreter each poll also sleeps 0.1 ms, so 600k polls is over a minute.
 DEFAULT_WAIT_SPINS = {"cpu": 600_000, "gpu": 20_000_000}
+# How long a host thread waits for its group at a launch rendezvous
+# (csrc/launch_align.h) before it launches anyway.
+LAUNCH_ALIGN_TIMEOUT_US = 10_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +67,8 @@ def _platform(devices) -> str:
 class Runtime:
     """Owns the symmetric heap of one mesh. Create it with ``jaxtdist.initialize``."""
 
-    def __init__(self, mesh, heap_bytes: int | None = None, wait_spins: int | None = None):
+    def __init__(self, mesh, heap_bytes: int | None = None, wait_spins: int | None = None,
+                 align_launches: bool = True):
         devices = list(mesh.devices.flat)
         if any(d.process_index != devices[0].process_index for d in devices):
             raise NotImplementedError(
@@ -95,6 +99,8 @@ class Runtime:
         self._workspaces: dict[tuple, Workspace] = {}
         self._next_offset = _RESERVED_BYTES
         self._native.reset(self.generation)
+        self._align_launches = bool(align_launches)
+        self._native.configure_launch_alignment(self._align_launches, LAUNCH_ALIGN_TIMEOUT_US)
         if self.platform == "cpu":
             from jaxtdist.runtime._cpu import CpuHeap
             self.heap = CpuHeap(len(devices), self.heap_bytes)
@@ -104,6 +110,24 @@ class Runtime:
         for pos in range(len(devices)):
             self._native.register_heap(pos, self.heap.ordinal_of(pos), self.heap.base_of(pos),
                                        self.heap_bytes, self.heap.error_record(pos))
+
+    # -- launch alignment -----------------------------------------------------
+
+    @property
+    def align_launches(self) -> bool:
+        """Whether collective kernels' host threads meet before launching (GPUs)."""
+        return self._align_launches
+
+    @align_launches.setter
+    def align_launches(self, enabled: bool) -> None:
+        # Read by the handlers at run time: compiled programs need no retrace.
+        self._align_launches = bool(enabled)
+        self._native.configure_launch_alignment(self._align_launches, LAUNCH_ALIGN_TIMEOUT_US)
+
+    def launch_alignment_stats(self) -> dict:
+        """Host rendezvous before collective launches so far: ``enabled``, ``met``
+        and ``timed_out`` (arrivals), and why alignment turned itself off, if it did."""
+        return dict(self._native.launch_alignment_stats())
 
     # -- layouts --------------------------------------------------------------
 
@@ -218,7 +242,8 @@ _RUNTIME_LOCK = threading.Lock()
 _GENERATION = 0  # counts runtimes: programs traced for an older one are refused
 
 
-def initialize(mesh, *, heap_bytes: int | None = None, wait_spins: int | None = None) -> Runtime:
+def initialize(mesh, *, heap_bytes: int | None = None, wait_spins: int | None = None,
+               align_launches: bool | None = None) -> Runtime:
     """Creates the symmetric heap for ``mesh``; jaxtdist ops need it.
 
     Args:
@@ -227,6 +252,11 @@ def initialize(mesh, *, heap_bytes: int | None = None, wait_spins: int | None = 
       heap_bytes: bytes of symmetric heap per device (default 1 GiB on GPUs,
         32 MiB on CPU). Workspaces are carved out of it.
       wait_spins: spins before a kernel's wait gives up and reports a timeout.
+      align_launches: on GPUs (default True), the host threads that launch one
+        collective's kernels on the group's devices meet just before the
+        launch, as XLA's own collectives do, so that no device's kernel waits
+        long for a peer that was launched late. Changing only this setting
+        keeps the runtime and compiled programs.
 
     Returns:
       The runtime. Calling it again with the same mesh returns the existing
@@ -245,12 +275,15 @@ def initialize(mesh, *, heap_bytes: int | None = None, wait_spins: int | None = 
                     and (heap_bytes is None or heap_bytes == _RUNTIME.heap_bytes)
                     and (wait_spins is None or wait_spins == _RUNTIME.wait_spins))
             if same:
+                if align_launches is not None:
+                    _RUNTIME.align_launches = align_launches
                 return _RUNTIME
             _RUNTIME.close()
             _RUNTIME = None
             # Programs traced for the old runtime hold its offsets: retrace.
             jax.clear_caches()
-        _RUNTIME = Runtime(mesh, heap_bytes, wait_spins)
+        _RUNTIME = Runtime(mesh, heap_bytes, wait_spins,
+                           True if align_launches is None else align_launches)
         return _RUNTIME
 
 

@@ -2,8 +2,8 @@
 
 Usage::
 
-    python -m jaxtdist.tune [--quick] [--large] [--json docs/perf/ag_matmul_tuning.json]
-        [--markdown docs/perf/ag_matmul_tuning.md]
+    python -m jaxtdist.tune [--quick] [--large] [--shape 2048,7168,8192 ...]
+        [--json docs/perf/ag_matmul_tuning.json] [--markdown docs/perf/ag_matmul_tuning.md]
 
 Writes the chosen configs to the tuning cache (``jaxtdist.tune.cache_path()``)
 and, optionally, every candidate's kernel time.
@@ -23,6 +23,17 @@ def _describe(overrides: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in overrides.items())
 
 
+def _shape(text: str) -> tuple[int, int, int]:
+    try:
+        m_shard, n_shard, k = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--shape takes M_SHARD,N_SHARD,K (three integers), not {text!r}") from None
+    if min(m_shard, n_shard, k) < 1:
+        raise argparse.ArgumentTypeError(f"--shape {text!r}: sizes must be positive")
+    return m_shard, n_shard, k
+
+
 def main(argv=None) -> int:
     import jaxtdist as td
     from jaxtdist._timing import write_results
@@ -32,6 +43,9 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="first three shapes only")
     parser.add_argument("--large", action="store_true",
                         help="large shapes only (m_shard >= 512), not the decode sizes")
+    parser.add_argument("--shape", action="append", type=_shape, default=[],
+                        metavar="M_SHARD,N_SHARD,K",
+                        help="tune this shape (repeatable) instead of the benchmark shapes")
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--json", help="write every candidate's time here")
     parser.add_argument("--markdown", help="write the comparison table here")
@@ -44,6 +58,8 @@ def main(argv=None) -> int:
     td.initialize(mesh)
     device = jax.devices()[0].device_kind
     shapes = AG_MATMUL_SHAPES[:3] if args.quick else AG_MATMUL_SHAPES
+    if args.shape:
+        shapes = args.shape
     if args.large:
         shapes = [s for s in shapes if s[0] >= 512]
     shapes = list(dict.fromkeys(shapes))  # a shape listed twice is tuned once

@@ -36,13 +36,22 @@ def _gpu_candidates(world: int, m_shard: int, n: int, k: int, dtype) -> list[dic
                 dict(SPLIT_K=8, BLOCK_N=128),
                 dict(NUM_COMM=8, CHUNK_ROWS=4, COPY_BLOCK_C=1024),
                 dict(NUM_COMM=32),
-                dict(SPLIT_K=2, BLOCK_N=32)]
+                dict(SPLIT_K=2, BLOCK_N=32),
+                # Stream the first blocks of w into L2 while waiting for the gather.
+                dict(PREFETCH_K=2),
+                dict(PREFETCH_K=4, SPLIT_K=8, BLOCK_N=128)]
     if m_shard <= 256:  # few row tiles: narrower N tiles, finer chunks
+        ce = dict(TMA=True, PRODUCER="ce", BLOCK_K=64, num_stages=4)
         return [{},
                 dict(NUM_COMM=32),
                 dict(CHUNK_ROWS=32, NUM_COMM=8),
                 dict(BLOCK_N=128, BLOCK_K=64),
-                dict(SPLIT_K=2, BLOCK_N=128, BLOCK_K=64)]
+                dict(SPLIT_K=2, BLOCK_N=128, BLOCK_K=64),
+                # Copy engines gather, every SM in a persistent TMA GEMM (row
+                # tiles must divide m_shard: check_config drops those that do not).
+                dict(ce, BLOCK_M=128, BLOCK_N=128, CHUNK_ROWS=128, num_warps=8),
+                dict(ce, BLOCK_M=128, BLOCK_N=64, CHUNK_ROWS=128, num_warps=4),
+                dict(ce, BLOCK_M=64, BLOCK_N=128, CHUNK_ROWS=64, num_warps=4)]
     # Large: the best pointer-GEMM configs of earlier sweeps (4 x H200), and the
     # persistent TMA kernel (refused by check_config where it does not fit).
     return [{},

@@ -1,0 +1,107 @@
+#include "launch_align.h"
+
+#include <algorithm>
+#include <chrono>
+
+namespace jaxtdist {
+namespace {
+
+// Pending rendezvous kept at most; older ones (a member that never came)
+// are dropped, their waiters hold their own reference.
+constexpr std::size_t kMaxPending = 4096;
+
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+}  // namespace
+
+void LaunchAligner::Configure(bool enabled, std::int64_t timeout_us) {
+  std::lock_guard<std::mutex> lock(mu_);
+  configured_on_ = enabled;
+  meetings_.clear();
+  timeout_us_ = std::max<std::int64_t>(timeout_us, 0);
+  timeouts_in_a_row_ = 0;
+  stats_ = LaunchAlignStats{};
+  stats_.enabled = enabled;
+  if (!enabled) stats_.disabled_because = "turned off (jaxtdist.initialize(align_launches=False))";
+  enabled_.store(enabled, std::memory_order_release);
+}
+
+void LaunchAligner::Reset() {
+  std::lock_guard<std::mutex> lock(mu_);
+  meetings_.clear();
+  timeouts_in_a_row_ = 0;
+  stats_ = LaunchAlignStats{};
+  stats_.enabled = configured_on_;
+  enabled_.store(configured_on_, std::memory_order_release);
+}
+
+void LaunchAligner::DisableLocked(const std::string& why) {
+  if (stats_.disabled_because.empty()) stats_.disabled_because = why;
+  stats_.enabled = false;
+  enabled_.store(false, std::memory_order_release);
+}
+
+void LaunchAligner::Arrive(std::int64_t counter, std::int64_t epoch, std::int64_t leader,
+                           std::int64_t world) {
+  if (world <= 1 || !enabled_.load(std::memory_order_acquire)) return;
+  const Key key{counter, leader, epoch};
+  std::shared_ptr<Meeting> meeting;
+  std::int64_t timeout_us;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!enabled_.load(std::memory_order_relaxed)) return;
+    if (meetings_.size() >= kMaxPending) meetings_.clear();
+    std::shared_ptr<Meeting>& slot = meetings_[key];
+    if (!slot) slot = std::make_shared<Meeting>();
+    meeting = slot;
+    const auto self = std::this_thread::get_id();
+    if (std::find(meeting->threads.begin(), meeting->threads.end(), self) !=
+        meeting->threads.end()) {
+      DisableLocked("one host thread launches several group members' programs, one after "
+                    "another");
+      return;
+    }
+    meeting->threads.push_back(self);
+    meeting->arrived.fetch_add(1, std::memory_order_acq_rel);
+    timeout_us = timeout_us_;
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(timeout_us);
+  bool met = true;
+  for (std::int64_t spins = 0; meeting->arrived.load(std::memory_order_acquire) < world;
+       ++spins) {
+    if ((spins & 63) == 0 && std::chrono::steady_clock::now() >= deadline) {
+      met = false;
+      break;
+    }
+    CpuRelax();
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (++meeting->left == world) {
+    auto it = meetings_.find(key);
+    if (it != meetings_.end() && it->second == meeting) meetings_.erase(it);
+  }
+  if (met) {
+    ++stats_.met;
+    timeouts_in_a_row_ = 0;
+  } else {
+    ++stats_.timed_out;
+    if (++timeouts_in_a_row_ >= kTimeoutsBeforeDisabling) {
+      DisableLocked(std::to_string(kTimeoutsBeforeDisabling) +
+                    " rendezvous in a row timed out (group members' programs do not run "
+                    "concurrently on their host threads)");
+    }
+  }
+}
+
+LaunchAlignStats LaunchAligner::Stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+}  // namespace jaxtdist
