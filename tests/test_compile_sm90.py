@@ -65,7 +65,7 @@ def test_ag_matmul_uses_tensor_cores_and_cp_async(all_rows, split_k):
                       ALL_ROWS=all_rows, SPLIT_K=split_k, K_SPLIT=4096 // split_k,
                       CHUNK_ROWS=1 if all_rows else (block_m if split_k == 1 else 32),
                       PARTIALS_OFF=1 << 24 if split_k > 1 else -1,
-                      COUNTERS_OFF=1 << 25 if split_k > 1 else -1, PREFETCH_K=0),
+                      COUNTERS_OFF=1 << 25 if split_k > 1 else -1),
                  num_warps=4 if all_rows else 8, num_stages=3)
     ops = _ops(k)
     # Skinny tiles (BLOCK_M=16) are below a warpgroup's 64 rows: mma.sync there.
@@ -77,25 +77,6 @@ def test_ag_matmul_uses_tensor_cores_and_cp_async(all_rows, split_k):
     if split_k > 1:  # the arrival counter: one acq_rel atomic at GPU scope
         assert re.search(r"atom\.global\.gpu\.acq_rel\.add|atom\.acq_rel\.gpu\.global\.add",
                          k.asm["ptx"]), "split-K counter is not an acq_rel GPU-scope atomic"
-
-
-@pytest.mark.parametrize("prefetch_k,block_n", [(2, 64), (4, 128), (1, 32)])
-def test_ag_matmul_decode_prefetches_w_into_l2(prefetch_k, block_n):
-    k = _compile(ag_matmul_kernel,
-                 {"ctx": "*i32", "x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
-                  "gathered_ptr": "*bf16"},
-                 dict(M_SHARD=4, N=4096, K=8192, STAGE_OFF=65536, SLOT_BYTES=1 << 23,
-                      READY_OFF=0, FLAGS_OFF=4096, NUM_COMM=16, COPY_BLOCK_C=4096,
-                      BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=1, SCOPE="sys",
-                      ALL_ROWS=True, SPLIT_K=4, K_SPLIT=2048, CHUNK_ROWS=1,
-                      PARTIALS_OFF=1 << 24, COUNTERS_OFF=1 << 25, PREFETCH_K=prefetch_k),
-                 num_warps=4, num_stages=4)
-    ptx = k.asm["ptx"]
-    # One prefetch per 128-byte line of the first PREFETCH_K blocks, spread
-    # over the threads (at least one instruction per thread's share).
-    assert "prefetch.global.L2::evict_last" in ptx, "w is not prefetched"
-    ops = _ops(k)
-    assert ops["cp.async.cg.shared.global"] > 0, dict(ops)
 
 
 def test_language_primitives_compile():

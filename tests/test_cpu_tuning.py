@@ -37,11 +37,6 @@ SPLIT_K_CASES = [
     (4, F32, (3, 48, 12), dict(CHUNK_ROWS=1, NUM_COMM=3)),
     (2, BF16, (37, 40, 20), dict(CHUNK_ROWS=4, NUM_COMM=5, COPY_BLOCK_C=16)),
     (8, F32, (9, 72, 8), dict(CHUNK_ROWS=2, ALL_ROWS=False, SPLIT_K=2)),
-    # Decode path with w prefetched into L2 before the gather wait (a no-op under
-    # the interpreter, but its clamped addresses and shapes are exercised), K and N
-    # smaller than the prefetched range.
-    (4, BF16, (2, 64, 12), dict(SPLIT_K=2, PREFETCH_K=4)),
-    (2, F32, (3, 100, 20), dict(PREFETCH_K=1)),
 ]
 
 
@@ -124,10 +119,6 @@ def test_bad_configs_are_refused():
                           (dict(NUM_COMM=0), "NUM_COMM=0 must be >= 1"),
                           (dict(CHUNK_ROWS=64), "CHUNK_ROWS=64 must divide"),
                           (dict(BLOK_M=16), "unknown config keys"),
-                          (dict(PREFETCH_K=2, ALL_ROWS=False, BLOCK_M=16),
-                           "PREFETCH_K=2 needs ALL_ROWS=True"),
-                          (dict(PREFETCH_K=3), "PREFETCH_K=3 must be a power of 2"),
-                          (dict(PREFETCH_K=-1), "PREFETCH_K=-1 must be >= 0"),
                           (dict(TMA=True, ALL_ROWS=False, BLOCK_M=16), "m_shard=4 to be a multiple of "
                            "BLOCK_M=16"),
                           (dict(TMA=True, SPLIT_K=2, ALL_ROWS=False, BLOCK_M=4),
@@ -206,6 +197,24 @@ def test_gpu_candidates_are_valid_configs(world):
         for dtype in (BF16, F32):
             candidates = _tuner.candidates_ag_matmul(world, m_shard, n, k, dtype)
             assert len(candidates) >= (3 if (m_shard, n, k) in AG_MATMUL_SHAPES else 1)
+            resolved = set()
             for overrides in candidates:
                 cfg = dict(default_config("gpu", world, m_shard, n, k, dtype), **overrides)
                 check_config(cfg, world, m_shard, k)
+                resolved.add(tuple(sorted(cfg.items())))
+            assert len(resolved) == len(candidates), "a config would be timed twice"
+
+
+@pytest.mark.parametrize("m_shard,n,k,dtype,kernel", [
+    (128, 4096, 8192, BF16, "ce"),     # few row tiles that TMA loads: copy engines
+    (256, 1024, 4096, BF16, "ce"),
+    (96, 4096, 8192, BF16, "sm"),      # rows not a multiple of 128
+    (128, 4096, 8192, F32, "sm"),      # 32-bit: the pointer kernel
+    (1024, 4096, 4096, BF16, "ce"),
+    (1, 4096, 8192, BF16, "sm"),       # decode
+])
+def test_gpu_defaults_pick_the_measured_kernel(m_shard, n, k, dtype, kernel):
+    from jaxtdist.ops.ag_matmul import check_config, default_config
+    cfg = default_config("gpu", 4, m_shard, n, k, dtype)
+    check_config(cfg, 4, m_shard, k, n, jnp.dtype(dtype).itemsize)
+    assert cfg["PRODUCER"] == kernel and cfg["TMA"] == (kernel == "ce")

@@ -57,15 +57,12 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
                      COPY_BLOCK_C: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr,
-                     GROUP_M: tl.constexpr, SCOPE: tl.constexpr, ALL_ROWS: tl.constexpr,
-                     PREFETCH_K: tl.constexpr):
+                     GROUP_M: tl.constexpr, SCOPE: tl.constexpr, ALL_ROWS: tl.constexpr):
     """Grid: (NUM_COMM + SPLIT_K * world * cdiv(M_SHARD, BLOCK_M) * cdiv(N, BLOCK_N),),
     or with ``ALL_ROWS`` (BLOCK_M >= world * M_SHARD): (NUM_COMM + SPLIT_K * cdiv(N, BLOCK_N),).
 
     x: [M_SHARD, K], w: [K, N] -> out: [world * M_SHARD, N],
     gathered: [world * M_SHARD, K] (the gathered x, kept for autodiff).
-    With ``ALL_ROWS``, PREFETCH_K > 0 blocks of w (within the program's K range)
-    are prefetched into L2 before the program waits for the gather.
     """
     pid = tl.program_id(0)
     if pid < NUM_COMM:
@@ -84,17 +81,6 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
         if ALL_ROWS:
             # Small M: one tile spans every rank's rows, so w is read once.
             tn = tile
-            if PREFETCH_K > 0:
-                # w does not depend on the gather: start streaming this
-                # program's first PREFETCH_K blocks of it into L2 before waiting.
-                k_lo, _ = k_range(split, K, K_SPLIT)
-                # Clamped: a prefetch of an address outside w is not allowed.
-                pk = tl.minimum(k_lo + tl.arange(0, PREFETCH_K * BLOCK_K), K - 1)
-                # One address per 64 elements (a 128-byte line of 16-bit data).
-                pn = tl.minimum(
-                    tn * BLOCK_N + tl.arange(0, BLOCK_N // 64 if BLOCK_N >= 64 else 1) * 64,
-                    N - 1)
-                dl.prefetch_l2(w_ptr + pk[:, None] * N + pn[None, :])
             for chunk in range(0, world * n_chunks):
                 dl.wait(ctx, flags + chunk, e, "ge", chunk // n_chunks, "gpu")
             rows = tl.arange(0, BLOCK_M)

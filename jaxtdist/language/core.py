@@ -281,14 +281,6 @@ if _INTERPRET:
         """
         return value
 
-    @triton.jit
-    def prefetch_l2(ptrs):
-        """Asks for the lines at ``ptrs`` to be brought into L2 (a hint).
-
-        Under the interpreter there is no cache: nothing to do.
-        """
-        pass
-
 else:
 
     @triton.jit
@@ -316,14 +308,3 @@ else:
             "mov.b64 $0, $1;", "=l,l,r", [addr, tok], dtype=tl.int64,
             is_pure=False, pack=1)
         return addr.to(value.dtype, bitcast=True)
-
-    @triton.jit
-    def prefetch_l2(ptrs):
-        """Asks for the lines at ``ptrs`` to be brought into L2 (a hint).
-
-        One address per 128-byte line is enough. Lets a program start pulling
-        operands it does not depend on for anything (a weight slab) from HBM
-        while it still waits for a peer's signal.
-        """
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n mov.u32 $0, 0;",
-                                  "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)

@@ -31,7 +31,7 @@ def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
     """
     small = world * m_shard <= (128 if platform == "gpu" else 32)
     wide = jnp.dtype(dtype).itemsize == 4
-    common = dict(SCOPE="sys", SPLIT_K=1, CHUNK_ROWS=0, TMA=False, PRODUCER="sm", PREFETCH_K=0)
+    common = dict(SCOPE="sys", SPLIT_K=1, CHUNK_ROWS=0, TMA=False, PRODUCER="sm")
     if platform == "gpu":
         if small:  # decode: one M tile over all ranks' rows, split K, one chunk per row
             return dict(common, BLOCK_M=max(16, next_pow2(world * m_shard)), BLOCK_N=64,
@@ -40,6 +40,14 @@ def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
                         SPLIT_K=min(4, -(-k // (64 if wide else 128))), num_warps=4,
                         num_stages=4)
         block_m = min(128, max(16, next_pow2(m_shard)))
+        if (m_shard <= 256 and not wide and m_shard % 128 == 0
+                and not _tma_misfits(m_shard, n, k, jnp.dtype(dtype).itemsize, 128)):
+            # Few row tiles that TMA can load: the copy-engine kernel with
+            # narrower N tiles, so that the tiles still cover the SMs (2.6x
+            # faster than SM producers at 128/4096/8192 on 4 x H200, docs/perf).
+            return dict(common, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, NUM_COMM=16,
+                        CHUNK_ROWS=128, COPY_BLOCK_C=256, ALL_ROWS=False, num_warps=8,
+                        num_stages=4, TMA=True, PRODUCER="ce")
         if m_shard <= 256:  # few row tiles: narrow N tiles, finer chunks
             return dict(common, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64 if wide else 128,
                         GROUP_M=8, NUM_COMM=16, CHUNK_ROWS=min(16, block_m), COPY_BLOCK_C=256,
@@ -96,9 +104,6 @@ _FLAG_KEYS = ("SCOPE", "ALL_ROWS", "TMA", "PRODUCER")
 PRODUCERS = ("sm", "ce")
 _INT_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "NUM_COMM", "CHUNK_ROWS",
              "COPY_BLOCK_C", "SPLIT_K", "num_warps", "num_stages")
-# Counts that may be 0: blocks of w prefetched into L2 before the gather wait
-# (decode path, ALL_ROWS only; 0: none).
-_COUNT_KEYS = ("PREFETCH_K",)
 
 
 def _tma_misfits(m_shard: int, n: int | None, k: int, itemsize: int, block_m: int) -> list[str]:
@@ -117,22 +122,15 @@ def _tma_misfits(m_shard: int, n: int | None, k: int, itemsize: int, block_m: in
 def check_config(cfg: dict, world: int, m_shard: int, k: int, n: int | None = None,
                  itemsize: int = 2) -> None:
     """Raises ``ValueError`` naming the first constraint ``cfg`` breaks."""
-    unknown = set(cfg) - set(_INT_KEYS) - set(_FLAG_KEYS) - set(_COUNT_KEYS)
+    unknown = set(cfg) - set(_INT_KEYS) - set(_FLAG_KEYS)
     if unknown:
         raise ValueError(f"jaxtdist.ag_matmul: unknown config keys {sorted(unknown)}; known: "
-                         f"{sorted(_INT_KEYS + _FLAG_KEYS + _COUNT_KEYS)}")
+                         f"{sorted(_INT_KEYS + _FLAG_KEYS)}")
     cfg = dict(cfg, CHUNK_ROWS=cfg["CHUNK_ROWS"] or cfg["BLOCK_M"])  # 0: one chunk per row tile
     for key in _INT_KEYS:
         if int(cfg[key]) < 1:
             raise ValueError(f"jaxtdist.ag_matmul: config {key}={cfg[key]} must be >= 1")
-    prefetch = int(cfg.get("PREFETCH_K", 0))
-    if prefetch < 0:
-        raise ValueError(f"jaxtdist.ag_matmul: config PREFETCH_K={prefetch} must be >= 0")
-    if prefetch and not cfg["ALL_ROWS"]:
-        raise ValueError(f"jaxtdist.ag_matmul: config PREFETCH_K={prefetch} needs ALL_ROWS=True "
-                         "(the decode path); use PREFETCH_K=0")
-    for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "CHUNK_ROWS", "COPY_BLOCK_C") + (
-            ("PREFETCH_K",) if prefetch else ()):
+    for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "CHUNK_ROWS", "COPY_BLOCK_C"):
         if cfg[key] & (cfg[key] - 1):
             raise ValueError(f"jaxtdist.ag_matmul: config {key}={cfg[key]} must be a power of 2")
     if cfg["ALL_ROWS"] and cfg["BLOCK_M"] < world * m_shard:
@@ -176,7 +174,7 @@ def resolve_config(rt, axis_name, world: int, m_shard: int, n: int, k: int, dtyp
         cfg.update(tuned or {})
     cfg.update(config or {})
     if cfg["TMA"]:  # the TMA kernel has neither mode: turn them off unless asked for
-        for key, value in (("ALL_ROWS", False), ("SPLIT_K", 1), ("PREFETCH_K", 0)):
+        for key, value in (("ALL_ROWS", False), ("SPLIT_K", 1)):
             if key not in (config or {}):
                 cfg[key] = value
     check_config(cfg, world, m_shard, k, n, jnp.dtype(dtype).itemsize)
@@ -234,7 +232,7 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
                   FLAGS_OFF=ws.offset + plan.flags)
     cfg.pop("PRODUCER")
     if cfg.pop("TMA"):
-        for key in ("ALL_ROWS", "SPLIT_K", "PREFETCH_K"):
+        for key in ("ALL_ROWS", "SPLIT_K"):
             cfg.pop(key)
         programs = persistent_programs(rt, cfg["NUM_COMM"], m_tiles * n_tiles)
         schedule = rt.workspace(("ag_matmul_schedule", layout.axes), 8)

@@ -84,6 +84,23 @@ def test_ag_matmul(world, dtype, m_shard, k, n_shard):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("m_shard,config", [(1, None), (1024, None),
+                                            (256, dict(TMA=True, NUM_COMM=8))])
+def test_launches_are_aligned(world, m_shard, config):
+    """The host threads of the group's devices meet before every collective launch
+    (prologue, or the copy-engine handler), on time: XLA runs them concurrently."""
+    mesh = _mesh(world)
+    rt = td.initialize(mesh)
+    rt.align_launches = True  # also resets the statistics
+    calls = 4
+    _check_ag_matmul(mesh, _ag_matmul_fn(mesh, config), world, m_shard, 1024, 512,
+                     jnp.bfloat16, calls=calls)
+    stats = rt.launch_alignment_stats()
+    assert stats["enabled"] and stats["timed_out"] == 0, stats
+    assert stats["met"] >= world * calls, stats
+
+
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("m_shard,k,n_shard,config", [
     (1, 8192, 1024, dict(BLOCK_N=128, BLOCK_K=128, SPLIT_K=8)),       # decode, one row tile
