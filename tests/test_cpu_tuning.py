@@ -218,3 +218,22 @@ def test_gpu_defaults_pick_the_measured_kernel(m_shard, n, k, dtype, kernel):
     cfg = default_config("gpu", 4, m_shard, n, k, dtype)
     check_config(cfg, 4, m_shard, k, n, jnp.dtype(dtype).itemsize)
     assert cfg["PRODUCER"] == kernel and cfg["TMA"] == (kernel == "ce")
+
+
+@pytest.mark.parametrize("asked,tma,producer", [
+    (None, True, "ce"),                                   # the shape's defaults
+    (dict(SPLIT_K=2), False, "sm"),                       # a pointer-kernel mode
+    (dict(TMA=False), False, "sm"),
+    (dict(TMA=True, PRODUCER="sm"), True, "sm"),
+    (dict(TMA=True), True, "ce"),
+])
+def test_gpu_config_asking_for_pointer_modes_starts_from_pointer_defaults(asked, tma, producer):
+    """On a shape whose GPU defaults are the copy-engine kernel, asking for a mode only
+    the pointer kernel has gives the pointer kernel, not a refused mixture."""
+    import types
+    gpu = types.SimpleNamespace(platform="gpu",
+                                tuning=types.SimpleNamespace(lookup=lambda *args: None))
+    cfg = resolve_config(gpu, "tp", 4, 128, 4096, 8192, BF16, asked)
+    assert cfg["TMA"] == tma and cfg["PRODUCER"] == producer
+    if asked and asked.get("SPLIT_K"):
+        assert cfg["SPLIT_K"] == asked["SPLIT_K"]

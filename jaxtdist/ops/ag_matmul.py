@@ -20,14 +20,15 @@ from jaxtdist.runtime._runtime import runtime
 
 
 def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
-                   dtype=jnp.bfloat16) -> dict:
+                   dtype=jnp.bfloat16, allow_tma: bool = True) -> dict:
     """Block sizes, producer count and signal granularity for one problem.
 
     The tuning cache (``jaxtdist.tune``) overrides these per shape.
     CHUNK_ROWS=0 means one chunk (signal) per BLOCK_M rows. TMA=True selects
     the persistent kernel with TMA loads (``ag_matmul_tma_kernel``);
     PRODUCER="ce" with it gathers on the copy engines instead of producer
-    programs (``ag_matmul_ce_kernel``).
+    programs (``ag_matmul_ce_kernel``). ``allow_tma=False`` gives the pointer
+    kernel's defaults (for configs that ask for its modes).
     """
     small = world * m_shard <= (128 if platform == "gpu" else 32)
     wide = jnp.dtype(dtype).itemsize == 4
@@ -40,7 +41,7 @@ def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
                         SPLIT_K=min(4, -(-k // (64 if wide else 128))), num_warps=4,
                         num_stages=4)
         block_m = min(128, max(16, next_pow2(m_shard)))
-        if (m_shard <= 256 and not wide and m_shard % 128 == 0
+        if (allow_tma and m_shard <= 256 and not wide and m_shard % 128 == 0
                 and not _tma_misfits(m_shard, n, k, jnp.dtype(dtype).itemsize, 128)):
             # Few row tiles that TMA can load: the copy-engine kernel with
             # narrower N tiles, so that the tiles still cover the SMs (2.6x
@@ -59,7 +60,7 @@ def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
         # The persistent TMA kernel where it fits, fed by the copy engines:
         # faster than SM producers on every large shape tuned on 4 x H200
         # whose inboxes fit the heap (docs/perf; too big a shape falls back).
-        tma = not _tma_misfits(m_shard, n, k, jnp.dtype(dtype).itemsize, block_m)
+        tma = allow_tma and not _tma_misfits(m_shard, n, k, jnp.dtype(dtype).itemsize, block_m)
         return dict(common, BLOCK_M=block_m, BLOCK_N=256 if block_m == 128 else 128,
                     BLOCK_K=64, GROUP_M=8, NUM_COMM=16, COPY_BLOCK_C=128, ALL_ROWS=False,
                     num_warps=8, num_stages=3, TMA=tma, PRODUCER="ce" if tma else "sm",
@@ -165,7 +166,13 @@ def resolve_config(rt, axis_name, world: int, m_shard: int, n: int, k: int, dtyp
     On a cache miss with ``JAXTDIST_AUTOTUNE=1``, tunes the shape first (see
     ``jaxtdist.tune.tune_ag_matmul``) and caches the choice.
     """
-    cfg = dict(default_config(rt.platform, world, m_shard, n, k, dtype))
+    # A config that turns TMA off, or asks for a mode only the pointer kernel
+    # has (split K, one tile over all rows), starts from the pointer kernel's
+    # defaults: the shape's defaults may be the TMA kernel's.
+    asked = config or {}
+    pointer = (not asked.get("TMA", True)) or ("TMA" not in asked and (
+        asked.get("SPLIT_K", 1) != 1 or asked.get("ALL_ROWS", False)))
+    cfg = dict(default_config(rt.platform, world, m_shard, n, k, dtype, allow_tma=not pointer))
     if config is None:
         tuned = rt.tuning.lookup("ag_matmul", world, (m_shard, n, k), dtype)
         if tuned is None and os.environ.get("JAXTDIST_AUTOTUNE") == "1":

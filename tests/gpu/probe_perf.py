@@ -167,8 +167,35 @@ def probe_copy_engine():
     print("activities seen by the profiler (CE run):", sorted({n for n, _ in raw[-1]}))
 
 
+def probe_variance(rounds=4):
+    """Run-to-run spread of ag_matmul (the shipped configs) within one process:
+    several CUPTI rounds of 20 iterations, launch alignment on and off."""
+    mesh = mesh_of(4)
+    rt = td.initialize(mesh)
+    f = jax.jit(jax.shard_map(lambda x, w: td.ag_matmul(x, w, "tp"), mesh=mesh,
+                              in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp"),
+                              check_vma=False))
+    for m, n, k in ((1024, 4096, 4096), (2048, 3072, 4096), (2048, 2752, 4096)):
+        x = (jax.random.normal(jax.random.key(1), (4 * m, k), jnp.float32)
+             / np.sqrt(k)).astype(jnp.bfloat16)
+        w = jax.random.normal(jax.random.key(2), (k, 4 * n), jnp.bfloat16)
+        args = (jax.device_put(x, NamedSharding(mesh, P("tp", None))),
+                jax.device_put(w, NamedSharding(mesh, P(None, "tp"))))
+        for aligned in (True, False, True):
+            rt.align_launches = aligned
+            line = []
+            for _ in range(rounds):
+                _, t = _profile(f, args, 20, 4)
+                line.append(f"{t['mean_us']:.0f}/{t['min_us']:.0f}")
+            print(f"variance {m}x{n}x{k} aligned={aligned}: mean/fastest per round {line}",
+                  flush=True)
+        rt.align_launches = True
+
+
 if __name__ == "__main__":
     import sys
+    if "--variance" in sys.argv:
+        probe_variance()
     if "--ce" in sys.argv:
         probe_copy_engine()
     if "--gemm" in sys.argv:

@@ -85,7 +85,7 @@ def test_ag_matmul(world, dtype, m_shard, k, n_shard):
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("m_shard,config", [(1, None), (1024, None),
-                                            (256, dict(TMA=True, NUM_COMM=8))])
+                                            (256, dict(TMA=True, PRODUCER="sm", NUM_COMM=8))])
 def test_launches_are_aligned(world, m_shard, config):
     """The host threads of the group's devices meet before every collective launch
     (prologue, or the copy-engine handler), on time: XLA runs them concurrently."""
@@ -122,9 +122,10 @@ def test_ag_matmul_split_k(world, dtype, m_shard, k, n_shard, config):
 @pytest.mark.parametrize("world", [1, 4])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("m_shard,k,n_shard,config", [
-    (256, 512, 384, dict(TMA=True)),                     # N tiles clipped by the descriptor
-    (1024, 1024, 1024, dict(TMA=True, CHUNK_ROWS=32, NUM_COMM=24)),
-    (128, 8192, 520, dict(TMA=True, NUM_COMM=8)),
+    # SM producers (the defaults of these shapes are the copy engines').
+    (256, 512, 384, dict(TMA=True, PRODUCER="sm")),      # N tiles clipped by the descriptor
+    (1024, 1024, 1024, dict(TMA=True, PRODUCER="sm", CHUNK_ROWS=32, NUM_COMM=24)),
+    (128, 8192, 520, dict(TMA=True, PRODUCER="sm", NUM_COMM=8)),
     # The copy engines gather (csrc/ce_gather.cc); chunks coarser and finer than tiles.
     (1024, 1024, 1024, dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=256)),
     (256, 512, 384, dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=64)),
@@ -156,9 +157,9 @@ def test_ag_matmul_tma_chained_with_other_kernels():
     td.initialize(mesh)
 
     def body(x, w1, w2):
-        a = ag_matmul_with_gathered(x, w1, "tp", config=dict(TMA=True))[0]
-        b = ag_matmul_with_gathered(x, w2, "tp", config=dict(TMA=True, BLOCK_N=128,
-                                                             num_stages=3))[0]
+        a = ag_matmul_with_gathered(x, w1, "tp", config=dict(TMA=True, PRODUCER="sm"))[0]
+        b = ag_matmul_with_gathered(x, w2, "tp", config=dict(TMA=True, PRODUCER="sm",
+                                                             BLOCK_N=128, num_stages=3))[0]
         c = ag_matmul_with_gathered(x, w1, "tp", config=dict(TMA=False))[0]
         d = ag_matmul_with_gathered(x, w2, "tp", config=dict(TMA=True, PRODUCER="ce"))[0]
         return a, b, c, d
