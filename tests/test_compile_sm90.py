@@ -51,8 +51,10 @@ def test_all_gather_vectorized(dtype):
     assert ops["ld.global.v4.b32"] > 0 and ops["st.global.v4.b32"] > 0
 
 
-@pytest.mark.parametrize("all_rows,split_k", [(False, 1), (True, 1), (False, 2), (True, 8)])
-def test_ag_matmul_uses_tensor_cores_and_cp_async(all_rows, split_k):
+@pytest.mark.parametrize("all_rows,split_k,push", [(False, 1, False), (True, 1, False),
+                                                   (False, 2, False), (True, 8, False),
+                                                   (True, 4, True), (False, 1, True)])
+def test_ag_matmul_uses_tensor_cores_and_cp_async(all_rows, split_k, push):
     block_m = 16 if all_rows else 128
     k = _compile(ag_matmul_kernel,
                  {"ctx": "*i32", "x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
@@ -65,7 +67,7 @@ def test_ag_matmul_uses_tensor_cores_and_cp_async(all_rows, split_k):
                       ALL_ROWS=all_rows, SPLIT_K=split_k, K_SPLIT=4096 // split_k,
                       CHUNK_ROWS=1 if all_rows else (block_m if split_k == 1 else 32),
                       PARTIALS_OFF=1 << 24 if split_k > 1 else -1,
-                      COUNTERS_OFF=1 << 25 if split_k > 1 else -1),
+                      COUNTERS_OFF=1 << 25 if split_k > 1 else -1, PUSH=push),
                  num_warps=4 if all_rows else 8, num_stages=3)
     ops = _ops(k)
     # Skinny tiles (BLOCK_M=16) are below a warpgroup's 64 rows: mma.sync there.
@@ -74,6 +76,8 @@ def test_ag_matmul_uses_tensor_cores_and_cp_async(all_rows, split_k):
     assert ops["cp.async.cg.shared.global"] > 0, dict(ops)
     narrow = {op: n for op, n in ops.items() if op.endswith((".b16", ".b8"))}
     assert not narrow, f"copies lost vectorization: {dict(ops)}"
+    if push:  # peers raise the chunk flags: system-scope acquire polls
+        assert "ld.global.sys.acquire" in k.asm["ptx"] or "ld.acquire.sys" in k.asm["ptx"]
     if split_k > 1:  # the arrival counter: one acq_rel atomic at GPU scope
         assert re.search(r"atom\.global\.gpu\.acq_rel\.add|atom\.acq_rel\.gpu\.global\.add",
                          k.asm["ptx"]), "split-K counter is not an acq_rel GPU-scope atomic"

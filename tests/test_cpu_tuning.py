@@ -39,8 +39,19 @@ SPLIT_K_CASES = [
     (8, F32, (9, 72, 8), dict(CHUNK_ROWS=2, ALL_ROWS=False, SPLIT_K=2)),
 ]
 
+# Producers that push into peers' heap inboxes (no staging, no wait): one tile
+# over all rows (decode) and rank-major tiles, chunks finer than tiles, split K.
+PUSH_CASES = [
+    (2, F32, (3, 100, 20), dict(PRODUCER="push")),
+    (4, BF16, (2, 64, 12), dict(PRODUCER="push", SPLIT_K=2, NUM_COMM=3)),
+    (8, F32, (4, 48, 8), dict(PRODUCER="push", CHUNK_ROWS=2, NUM_COMM=5)),
+    (4, F32, (40, 72, 24), dict(PRODUCER="push", CHUNK_ROWS=4, ALL_ROWS=False, BLOCK_M=16)),
+    (2, BF16, (37, 40, 20), dict(PRODUCER="push", ALL_ROWS=False, BLOCK_M=16, SPLIT_K=2)),
+]
 
-@pytest.mark.parametrize("world,dtype,shape,config", SPLIT_K_CASES, ids=lambda c: str(c))
+
+@pytest.mark.parametrize("world,dtype,shape,config", SPLIT_K_CASES + PUSH_CASES,
+                         ids=lambda c: str(c))
 def test_split_k(world, dtype, shape, config):
     mesh = setup(world)
     m, k, n = shape
@@ -105,6 +116,7 @@ def test_copy_engine_producer_needs_tma():
     x = place(mesh, rand((32, 64), F32), P("tp", None))
     w = place(mesh, rand((64, 8), F32), P(None, "tp"))
     for config, match in [(dict(PRODUCER="ce", TMA=False), "PRODUCER='ce' needs TMA=True"),
+                          (dict(PRODUCER="push", TMA=True), "PRODUCER='push' needs TMA=False"),
                           (dict(PRODUCER="dma", TMA=True), "PRODUCER='dma'; allowed")]:
         with pytest.raises(ValueError, match=match):
             _fn(mesh, config)(x, w)
@@ -226,6 +238,7 @@ def test_gpu_defaults_pick_the_measured_kernel(m_shard, n, k, dtype, kernel):
     (dict(TMA=False), False, "sm"),
     (dict(TMA=True, PRODUCER="sm"), True, "sm"),
     (dict(TMA=True), True, "ce"),
+    (dict(PRODUCER="push"), False, "push"),
 ])
 def test_gpu_config_asking_for_pointer_modes_starts_from_pointer_defaults(asked, tma, producer):
     """On a shape whose GPU defaults are the copy-engine kernel, asking for a mode only

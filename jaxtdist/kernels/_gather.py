@@ -1,4 +1,7 @@
-"""The gather producer shared by all_gather and ag_matmul.
+"""The gather producers shared by all_gather and ag_matmul.
+
+``pull_shards`` (below) stages and pulls; ``push_shards`` writes this rank's
+shard straight into every peer's heap inbox, which needs no wait at all.
 
 Producer programs first stage this rank's shard, chunk by chunk, into its
 heap slot of parity ``epoch % 2`` (and into the local rows of the output),
@@ -95,3 +98,36 @@ def pull_shards(ctx, x_ptr, out_ptr, worker, NUM_WORKERS: tl.constexpr, ROWS: tl
                 flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
                 # Local flag, read on this GPU only: release at GPU scope.
                 dl.notify(ctx, flags + src * n_chunks + chunk, me, e, "set", "gpu")
+
+
+@triton.jit
+def push_shards(ctx, x_ptr, worker, NUM_WORKERS: tl.constexpr, ROWS: tl.constexpr,
+                COLS: tl.constexpr, INBOX_OFF: tl.constexpr, PARITY_BYTES: tl.constexpr,
+                FLAGS_OFF: tl.constexpr, CHUNK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
+                SCOPE: tl.constexpr, TO_SELF: tl.constexpr):
+    """Producer ``worker`` of ``NUM_WORKERS``: pushes this rank's shard ([ROWS, COLS]),
+    chunk by chunk, into rows ``me`` of every peer's inbox (heap, [world * ROWS,
+    COLS] at INBOX_OFF + (epoch % 2) * PARITY_BYTES), raising that peer's flag
+    ``FLAGS_OFF[me * chunks + chunk]`` to the epoch after each chunk; with
+    TO_SELF, into its own inbox first. It never waits.
+
+    Reuse safety: a rank writes a peer's inbox parity p two calls later only
+    after its own kernel of the call in between consumed that peer's pushes,
+    which the peer issued after its kernel that last read parity p finished.
+    """
+    me = dl.rank(ctx)
+    world = dl.num_ranks(ctx)
+    e = dl.epoch(ctx)
+    n_chunks = tl.cdiv(ROWS, CHUNK_ROWS)
+    flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
+    rows_of_me = dl.heap_ptr(ctx, INBOX_OFF + (e % 2) * PARITY_BYTES,
+                             x_ptr.dtype.element_ty) + me * ROWS * COLS
+    first_step = 0 if TO_SELF else 1
+    for item in range(worker, (world - first_step) * n_chunks, NUM_WORKERS):
+        dst = (me + first_step + item // n_chunks) % world  # self, then nearest peers
+        chunk = item % n_chunks
+        row0 = chunk * CHUNK_ROWS
+        row_end = tl.minimum(row0 + CHUNK_ROWS, ROWS)
+        remote = dl.symm_at(ctx, rows_of_me, dst)
+        copy_rows(x_ptr, remote, remote, row0, row_end, COLS, CHUNK_ROWS, BLOCK_C, False)
+        dl.notify(ctx, flags + me * n_chunks + chunk, dst, e, "set", SCOPE)

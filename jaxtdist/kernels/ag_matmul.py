@@ -31,20 +31,21 @@ import triton
 import triton.language as tl
 
 import jaxtdist.language as dl
-from jaxtdist.kernels._gather import copy_rows, pull_shards
+from jaxtdist.kernels._gather import copy_rows, pull_shards, push_shards
 from jaxtdist.kernels._splitk import finish_split_k, k_range
 from jaxtdist.kernels._tiles import grouped_tile, rank_major_tile
 
 
 @triton.jit
 def _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M: tl.constexpr,
-                    CHUNK_ROWS: tl.constexpr):
+                    CHUNK_ROWS: tl.constexpr, SCOPE: tl.constexpr = tl.constexpr("gpu")):
     """Waits until the chunks holding row tile ``tm`` of rank ``src``'s shard are gathered
-    (one chunk or several: chunks may be coarser or finer than tiles)."""
+    (one chunk or several: chunks may be coarser or finer than tiles). SCOPE: "gpu"
+    for flags this GPU raises, "sys" for flags a peer GPU's programs raise."""
     first = tm * BLOCK_M // CHUNK_ROWS
     last = ((tm + 1) * BLOCK_M + CHUNK_ROWS - 1) // CHUNK_ROWS
     for chunk in range(first, tl.minimum(last, n_chunks)):
-        dl.wait(ctx, flags + src * n_chunks + chunk, e, "ge", src, "gpu")
+        dl.wait(ctx, flags + src * n_chunks + chunk, e, "ge", src, SCOPE)
 
 
 @triton.jit
@@ -57,17 +58,27 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
                      COPY_BLOCK_C: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr,
-                     GROUP_M: tl.constexpr, SCOPE: tl.constexpr, ALL_ROWS: tl.constexpr):
+                     GROUP_M: tl.constexpr, SCOPE: tl.constexpr, ALL_ROWS: tl.constexpr,
+                     PUSH: tl.constexpr):
     """Grid: (NUM_COMM + SPLIT_K * world * cdiv(M_SHARD, BLOCK_M) * cdiv(N, BLOCK_N),),
     or with ``ALL_ROWS`` (BLOCK_M >= world * M_SHARD): (NUM_COMM + SPLIT_K * cdiv(N, BLOCK_N),).
 
     x: [M_SHARD, K], w: [K, N] -> out: [world * M_SHARD, N],
     gathered: [world * M_SHARD, K] (the gathered x, kept for autodiff).
+
+    With PUSH, the producers push x into every rank's heap inbox instead
+    (``push_shards``: no staging, no wait, one NVLink crossing before a flag);
+    STAGE_OFF and SLOT_BYTES then locate the inbox ([world * M_SHARD, K] per
+    call parity), A is read from it, and ``gathered`` is not written.
     """
     pid = tl.program_id(0)
     if pid < NUM_COMM:
-        pull_shards(ctx, x_ptr, gathered_ptr, pid, NUM_COMM, M_SHARD, K, STAGE_OFF,
-                    SLOT_BYTES, READY_OFF, FLAGS_OFF, CHUNK_ROWS, COPY_BLOCK_C, SCOPE)
+        if PUSH:
+            push_shards(ctx, x_ptr, pid, NUM_COMM, M_SHARD, K, STAGE_OFF, SLOT_BYTES, FLAGS_OFF,
+                        CHUNK_ROWS, COPY_BLOCK_C, SCOPE, True)
+        else:
+            pull_shards(ctx, x_ptr, gathered_ptr, pid, NUM_COMM, M_SHARD, K, STAGE_OFF,
+                        SLOT_BYTES, READY_OFF, FLAGS_OFF, CHUNK_ROWS, COPY_BLOCK_C, SCOPE)
     else:
         me = dl.rank(ctx)
         world = dl.num_ranks(ctx)
@@ -76,13 +87,19 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
         n_tiles = tl.cdiv(N, BLOCK_N)
         n_chunks = tl.cdiv(M_SHARD, CHUNK_ROWS)
         flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
+        if PUSH:
+            gathered_ptr = dl.heap_ptr(ctx, STAGE_OFF + (e % 2) * SLOT_BYTES,
+                                       x_ptr.dtype.element_ty)
         tile = (pid - NUM_COMM) // SPLIT_K
         split = (pid - NUM_COMM) % SPLIT_K
         if ALL_ROWS:
             # Small M: one tile spans every rank's rows, so w is read once.
             tn = tile
             for chunk in range(0, world * n_chunks):
-                dl.wait(ctx, flags + chunk, e, "ge", chunk // n_chunks, "gpu")
+                if PUSH:  # raised by peer GPUs' programs
+                    dl.wait(ctx, flags + chunk, e, "ge", chunk // n_chunks, SCOPE)
+                else:
+                    dl.wait(ctx, flags + chunk, e, "ge", chunk // n_chunks, "gpu")
             rows = tl.arange(0, BLOCK_M)
             row_mask = rows < world * M_SHARD
             a_base = gathered_ptr
@@ -90,7 +107,10 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
             counter_index = tn
         else:
             src, tm, tn = rank_major_tile(tile, me, world, m_tiles, n_tiles, GROUP_M)
-            _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS)
+            if PUSH:
+                _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS, SCOPE)
+            else:
+                _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS)
             # One source for A (local rows included) keeps its loads vectorized.
             a_base = gathered_ptr + src * M_SHARD * K
             rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -267,17 +287,8 @@ def push_shards_kernel(ctx, x_ptr, done_ptr, M_SHARD: tl.constexpr, K: tl.conste
     me = dl.rank(ctx)
     world = dl.num_ranks(ctx)
     e = dl.epoch(ctx)
-    n_chunks = (M_SHARD + CHUNK_ROWS - 1) // CHUNK_ROWS
-    flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
-    inbox = dl.heap_ptr(ctx, INBOX_OFF + (e % 2) * PARITY_BYTES, x_ptr.dtype.element_ty)
-    for item in range(pid, (world - 1) * n_chunks, NUM_COMM):
-        dst = (me + 1 + item // n_chunks) % world
-        chunk = item % n_chunks
-        row0 = chunk * CHUNK_ROWS
-        row_end = tl.minimum(row0 + CHUNK_ROWS, M_SHARD)
-        remote = dl.symm_at(ctx, inbox + me * M_SHARD * K, dst)
-        copy_rows(x_ptr, remote, remote, row0, row_end, K, CHUNK_ROWS, COPY_BLOCK_C, False)
-        dl.notify(ctx, flags + me * n_chunks + chunk, dst, e, "set", SCOPE)
+    push_shards(ctx, x_ptr, pid, NUM_COMM, M_SHARD, K, INBOX_OFF, PARITY_BYTES, FLAGS_OFF,
+                CHUNK_ROWS, COPY_BLOCK_C, SCOPE, False)
     if pid == NUM_COMM - 1:
         sent = dl.heap_ptr(ctx, SENT_OFF, tl.int32)
         for step in range(1, world):

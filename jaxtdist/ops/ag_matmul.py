@@ -102,7 +102,9 @@ def _check(x, w, axis_name):
 
 
 _FLAG_KEYS = ("SCOPE", "ALL_ROWS", "TMA", "PRODUCER")
-PRODUCERS = ("sm", "ce")
+# "sm": producer programs stage and pull; "push": producer programs push into
+# peers' heap inboxes (pointer kernel only); "ce": the copy engines push (TMA kernel).
+PRODUCERS = ("sm", "push", "ce")
 _INT_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "NUM_COMM", "CHUNK_ROWS",
              "COPY_BLOCK_C", "SPLIT_K", "num_warps", "num_stages")
 
@@ -140,11 +142,16 @@ def check_config(cfg: dict, world: int, m_shard: int, k: int, n: int | None = No
     cfg.setdefault("PRODUCER", "sm")
     if cfg["PRODUCER"] not in PRODUCERS:
         raise ValueError(f"jaxtdist.ag_matmul: config PRODUCER={cfg['PRODUCER']!r}; allowed: "
-                         f"{PRODUCERS} (SM producer programs, or the copy engines)")
+                         f"{PRODUCERS} (SM producer programs that pull, SM producer programs that "
+                         "push, or the copy engines)")
     if cfg["PRODUCER"] == "ce" and not cfg.get("TMA"):
         raise ValueError("jaxtdist.ag_matmul: config PRODUCER='ce' needs TMA=True (the copy "
                          "engines feed the persistent TMA kernel only)")
-    if cfg["CHUNK_ROWS"] > cfg["BLOCK_M"] and cfg["PRODUCER"] == "sm":
+    if cfg["PRODUCER"] == "push" and cfg.get("TMA"):
+        raise ValueError("jaxtdist.ag_matmul: config PRODUCER='push' needs TMA=False (SM "
+                         "pushes feed the pointer kernel only; the TMA kernel's pushes are "
+                         "PRODUCER='ce')")
+    if cfg["CHUNK_ROWS"] > cfg["BLOCK_M"] and cfg["PRODUCER"] in ("sm", "push"):
         raise ValueError(f"jaxtdist.ag_matmul: CHUNK_ROWS={cfg['CHUNK_ROWS']} must divide "
                          f"BLOCK_M={cfg['BLOCK_M']}")
     if cfg.get("TMA"):
@@ -167,11 +174,12 @@ def resolve_config(rt, axis_name, world: int, m_shard: int, n: int, k: int, dtyp
     ``jaxtdist.tune.tune_ag_matmul``) and caches the choice.
     """
     # A config that turns TMA off, or asks for a mode only the pointer kernel
-    # has (split K, one tile over all rows), starts from the pointer kernel's
+    # has (split K, one tile over all rows, SM pushes), starts from the pointer kernel's
     # defaults: the shape's defaults may be the TMA kernel's.
     asked = config or {}
     pointer = (not asked.get("TMA", True)) or ("TMA" not in asked and (
-        asked.get("SPLIT_K", 1) != 1 or asked.get("ALL_ROWS", False)))
+        asked.get("SPLIT_K", 1) != 1 or asked.get("ALL_ROWS", False)
+        or asked.get("PRODUCER") == "push"))
     cfg = dict(default_config(rt.platform, world, m_shard, n, k, dtype, allow_tma=not pointer))
     if config is None:
         tuned = rt.tuning.lookup("ag_matmul", world, (m_shard, n, k), dtype)
@@ -216,9 +224,20 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
             # producer needs a quarter of the room (staging slots, no inboxes).
             cfg["PRODUCER"] = "sm"
             cfg["CHUNK_ROWS"] = min(cfg["CHUNK_ROWS"], cfg["BLOCK_M"])
-    plan = GatherWorkspace(world, m_shard, k, x.dtype, cfg["CHUNK_ROWS"])
-    ws = rt.workspace(("ag_matmul", layout.axes, m_shard, k, x.dtype.name, cfg["CHUNK_ROWS"]),
-                      plan.nbytes)
+    push = cfg["PRODUCER"] == "push"
+    if push:
+        # One layout whatever the chunking, as for the copy engines' inboxes.
+        plan = InboxWorkspace(world, m_shard, k, x.dtype, 1)
+        ws = rt.workspace(("ag_matmul_push", layout.axes, m_shard, k, x.dtype.name),
+                          plan.nbytes)
+        gather = dict(STAGE_OFF=ws.offset + plan.inbox, SLOT_BYTES=plan.parity_bytes,
+                      READY_OFF=-1, FLAGS_OFF=ws.offset + plan.flags)
+    else:
+        plan = GatherWorkspace(world, m_shard, k, x.dtype, cfg["CHUNK_ROWS"])
+        ws = rt.workspace(("ag_matmul", layout.axes, m_shard, k, x.dtype.name,
+                           cfg["CHUNK_ROWS"]), plan.nbytes)
+        gather = dict(STAGE_OFF=ws.offset + plan.stage, SLOT_BYTES=plan.slot_bytes,
+                      READY_OFF=ws.offset + plan.ready, FLAGS_OFF=ws.offset + plan.flags)
     n_tiles = -(-n // cfg["BLOCK_N"])
     m_tiles = 1 if cfg["ALL_ROWS"] else world * -(-m_shard // cfg["BLOCK_M"])
     split_k = cfg["SPLIT_K"]
@@ -232,11 +251,11 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
         partials_off = split_ws.offset + split_plan.partials
         counters_off = split_ws.offset + split_plan.counters
     ctx = _call.prologue(rt, layout, ws, "ag_matmul", deps=(x, w))
+    # With pushes the gathered x stays in the heap inboxes: a one-element
+    # placeholder takes the kernel's second output.
     out_shape = (jax.ShapeDtypeStruct((world * m_shard, n), x.dtype),
-                 jax.ShapeDtypeStruct((world * m_shard, k), x.dtype))
-    gather = dict(M_SHARD=m_shard, N=n, K=k, STAGE_OFF=ws.offset + plan.stage,
-                  SLOT_BYTES=plan.slot_bytes, READY_OFF=ws.offset + plan.ready,
-                  FLAGS_OFF=ws.offset + plan.flags)
+                 jax.ShapeDtypeStruct((1,) if push else (world * m_shard, k), x.dtype))
+    gather.update(M_SHARD=m_shard, N=n, K=k)
     cfg.pop("PRODUCER")
     if cfg.pop("TMA"):
         for key in ("ALL_ROWS", "SPLIT_K"):
@@ -253,7 +272,9 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
     out, gathered = _call.launch(
         ag_matmul_kernel, ctx, x, w, out_shape=out_shape, grid=grid, num_warps=num_warps,
         num_stages=num_stages, PARTIALS_OFF=partials_off, COUNTERS_OFF=counters_off,
-        K_SPLIT=k_split, **gather, **cfg)
+        K_SPLIT=k_split, PUSH=push, **gather, **cfg)
+    if push:  # the inboxes are reused by the next call: XLA gathers the residual if used
+        return out, jax.lax.all_gather(x, axis_name, tiled=True)
     return out, gathered
 
 

@@ -39,7 +39,11 @@ def _gpu_candidates(world: int, m_shard: int, n: int, k: int, dtype) -> list[dic
                 dict(SPLIT_K=8, BLOCK_N=128),
                 dict(NUM_COMM=8, CHUNK_ROWS=4, COPY_BLOCK_C=1024),
                 dict(NUM_COMM=32),
-                dict(SPLIT_K=2, BLOCK_N=32)]
+                dict(SPLIT_K=2, BLOCK_N=32),
+                # Producers push into peers' inboxes: one NVLink crossing, no wait.
+                dict(PRODUCER="push"),
+                dict(PRODUCER="push", NUM_COMM=8, CHUNK_ROWS=4, COPY_BLOCK_C=1024),
+                dict(PRODUCER="push", SPLIT_K=2, BLOCK_N=32)]
     if m_shard <= 256:  # few row tiles: narrower N tiles, finer chunks
         # The pointer kernel with SM producers (explicit: the default may be the
         # copy-engine kernel where TMA fits).
@@ -54,6 +58,7 @@ def _gpu_candidates(world: int, m_shard: int, n: int, k: int, dtype) -> list[dic
                 dict(sm, CHUNK_ROWS=32, NUM_COMM=8),
                 dict(sm, BLOCK_N=128, BLOCK_K=64),
                 dict(sm, SPLIT_K=2, BLOCK_N=128, BLOCK_K=64),
+                dict(sm, PRODUCER="push"),
                 # Copy engines gather, every SM in a persistent TMA GEMM (row
                 # tiles must divide m_shard: check_config drops those that do not).
                 dict(ce, BLOCK_M=128, BLOCK_N=128, CHUNK_ROWS=128, num_warps=8),

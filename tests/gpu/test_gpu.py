@@ -119,6 +119,26 @@ def test_ag_matmul_split_k(world, dtype, m_shard, k, n_shard, config):
                      calls=3)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("m_shard,k,n_shard,config", [
+    (1, 8192, 1024, dict(ALL_ROWS=True)),                              # decode
+    (16, 1000, 600, dict(ALL_ROWS=True, CHUNK_ROWS=4, NUM_COMM=8, SPLIT_K=4)),
+    (100, 777, 300, dict(ALL_ROWS=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, CHUNK_ROWS=16)),
+    (128, 2048, 1024, dict(SPLIT_K=2, BLOCK_N=128, BLOCK_K=64)),
+])
+def test_ag_matmul_push(world, dtype, m_shard, k, n_shard, config):
+    """Producer programs push into peers' heap inboxes; consumers poll at system scope."""
+    mesh = _mesh(world)
+    td.initialize(mesh)
+    config = dict(config, PRODUCER="push")
+    if dtype == jnp.float32:
+        config = dict(config, BLOCK_K=min(config.get("BLOCK_K", 64), 64), num_stages=2)
+    # Three calls: the inbox parities alternate.
+    _check_ag_matmul(mesh, _ag_matmul_fn(mesh, config), world, m_shard, k, n_shard, dtype,
+                     calls=3)
+
+
 @pytest.mark.parametrize("world", [1, 4])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("m_shard,k,n_shard,config", [
