@@ -27,7 +27,9 @@ def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
     CHUNK_ROWS=0 means one chunk (signal) per BLOCK_M rows. TMA=True selects
     the persistent kernel with TMA loads (``ag_matmul_tma_kernel``);
     PRODUCER="ce" with it gathers on the copy engines instead of producer
-    programs (``ag_matmul_ce_kernel``). ``allow_tma=False`` gives the pointer
+    programs (``ag_matmul_ce_kernel``); PRODUCER="push" (pointer kernel only)
+    makes the producer programs push x into peers' heap inboxes instead of
+    staging it and pulling. ``allow_tma=False`` gives the pointer
     kernel's defaults (for configs that ask for its modes).
     """
     small = world * m_shard <= (128 if platform == "gpu" else 32)
