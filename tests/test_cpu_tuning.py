@@ -250,3 +250,25 @@ def test_gpu_config_asking_for_pointer_modes_starts_from_pointer_defaults(asked,
     assert cfg["TMA"] == tma and cfg["PRODUCER"] == producer
     if asked and asked.get("SPLIT_K"):
         assert cfg["SPLIT_K"] == asked["SPLIT_K"]
+
+
+def test_tuned_copy_engine_pick_falls_back_when_its_inboxes_do_not_fit(monkeypatch):
+    """A tuned (or default) PRODUCER="ce" whose inboxes (2 x world x shard) exhaust the
+    heap runs with SM producers (staging slots: 2 x shard); asked for explicitly, the
+    same config raises HeapExhaustedError naming the heap."""
+    world, m, k, n = 2, 64, 256, 16
+    ce = dict(TMA=True, PRODUCER="ce", BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, CHUNK_ROWS=32)
+    # 300 kB: the SM workspace (~130 kB) fits beside the reserved part, the inboxes
+    # (~260 kB) do not.
+    mesh = setup(world, heap_bytes=300_000)
+    rt = td.runtime.runtime()
+    monkeypatch.setattr(rt.tuning, "lookup", lambda *args: dict(ce))
+    x = rand((world * m, k), F32)
+    w = rand((k, world * n), F32)
+    xs, ws = place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp"))
+    for _ in range(2):
+        assert_close(_fn(mesh)(xs, ws), f64(x) @ f64(w), F32)
+    kinds = {key[0] for key in rt._workspaces}
+    assert "ag_matmul" in kinds and "ag_matmul_ce" not in kinds, kinds
+    with pytest.raises(td.HeapExhaustedError, match="heap"):
+        _fn(mesh, dict(ce))(xs, ws)
