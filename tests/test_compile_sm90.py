@@ -6,6 +6,7 @@ accesses that lose 16-byte vectorization, a GEMM that stops using wgmma).
 """
 
 import collections
+import contextlib
 import re
 
 import pytest
@@ -18,6 +19,16 @@ from jaxtdist.kernels.ag_matmul import ag_matmul_kernel  # noqa: E402
 from jaxtdist.kernels.all_gather import all_gather_kernel  # noqa: E402
 
 
+@contextlib.contextmanager
+def _skip_without_ptxas():
+    try:
+        yield
+    except RuntimeError as e:  # no ptxas usable here
+        if "ptxas" in str(e).lower():
+            pytest.skip(f"cannot assemble for sm_90 here: {e}")
+        raise
+
+
 def _compile(fn, pointers: dict, constexprs: dict, **options):
     signature = dict(pointers)
     signature.update({name: "constexpr" for name in constexprs})
@@ -25,12 +36,16 @@ def _compile(fn, pointers: dict, constexprs: dict, **options):
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in pointers}
     consts = {(fn.arg_names.index(n),): v for n, v in constexprs.items()}
     src = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
-    try:
+    with _skip_without_ptxas():
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    except RuntimeError as e:  # no ptxas usable here
-        if "ptxas" in str(e).lower():
-            pytest.skip(f"cannot assemble for sm_90 here: {e}")
-        raise
+
+
+def _compile_native(fn, pointer_types: list, constexprs: dict, **options):
+    """Compiles a kernel for jaxtdist's own launcher (TMA kernels: global scratch)."""
+    from jaxtdist.ops._native_launch import compile_kernel
+    with _skip_without_ptxas():
+        return compile_kernel(fn, [f"*{t}" for t in pointer_types], constexprs,
+                              capability=90, **options)
 
 
 def _ops(kernel) -> collections.Counter:
@@ -67,7 +82,8 @@ def test_ag_matmul_uses_tensor_cores_and_cp_async(all_rows, split_k, push):
                       ALL_ROWS=all_rows, SPLIT_K=split_k, K_SPLIT=4096 // split_k,
                       CHUNK_ROWS=1 if all_rows else (block_m if split_k == 1 else 32),
                       PARTIALS_OFF=1 << 24 if split_k > 1 else -1,
-                      COUNTERS_OFF=1 << 25 if split_k > 1 else -1, PUSH=push),
+                      COUNTERS_OFF=1 << 25 if split_k > 1 else -1, PUSH=push,
+                      FLAG_SCOPE="sys" if push else "gpu"),
                  num_warps=4 if all_rows else 8, num_stages=3)
     ops = _ops(k)
     # Skinny tiles (BLOCK_M=16) are below a warpgroup's 64 rows: mma.sync there.
@@ -98,21 +114,15 @@ def test_language_primitives_compile():
 def test_ag_matmul_tma_uses_tma_and_scratch(dtype, block_k):
     """The persistent kernel loads with TMA, orders them after the waits with a proxy
     fence, and needs global scratch (which jaxtdist's launcher provides)."""
-    from jaxtdist.ops._native_launch import compile_kernel
     from jaxtdist.kernels.ag_matmul import ag_matmul_tma_kernel
-    try:
-        k = compile_kernel(ag_matmul_tma_kernel, [f"*{t}" for t in ("i32",) + (dtype,) * 4],
-                           dict(M_SHARD=1024, N=4096, K=4096, STAGE_OFF=65536,
-                                SLOT_BYTES=1 << 23, READY_OFF=0, FLAGS_OFF=4096,
-                                SCHEDULE_OFF=8192, NUM_COMM=16, CHUNK_ROWS=32,
-                                COPY_BLOCK_C=128, BLOCK_M=128, BLOCK_N=256 if dtype == "bf16"
-                                else 128, BLOCK_K=block_k, GROUP_M=8, SCOPE="sys",
-                                NUM_PROGRAMS=132, PRODUCERS_JOIN=True),
-                           num_warps=8, num_stages=3, capability=90)
-    except RuntimeError as e:  # no ptxas usable here
-        if "ptxas" in str(e).lower():
-            pytest.skip(f"cannot assemble for sm_90 here: {e}")
-        raise
+    k = _compile_native(ag_matmul_tma_kernel, ["i32"] + [dtype] * 4,
+                        dict(M_SHARD=1024, N=4096, K=4096, STAGE_OFF=65536,
+                             SLOT_BYTES=1 << 23, READY_OFF=0, FLAGS_OFF=4096,
+                             SCHEDULE_OFF=8192, NUM_COMM=16, CHUNK_ROWS=32,
+                             COPY_BLOCK_C=128, BLOCK_M=128, BLOCK_N=256 if dtype == "bf16"
+                             else 128, BLOCK_K=block_k, GROUP_M=8, SCOPE="sys",
+                             NUM_PROGRAMS=132, PRODUCERS_JOIN=True),
+                        num_warps=8, num_stages=3)
     ptx = k.asm["ptx"]
     assert "cp.async.bulk.tensor.2d.shared" in ptx, "A/B tiles are not TMA loads"
     assert "wgmma.mma_async" in ptx
@@ -125,19 +135,13 @@ def test_ag_matmul_tma_uses_tma_and_scratch(dtype, block_k):
 def test_ag_matmul_ce_kernel_uses_tma_and_no_producers():
     """The copy-engine variant: TMA loads from x and the heap inbox, wgmma, a proxy
     fence after each flag wait, no counter (static schedule: no atomics but the waits)."""
-    from jaxtdist.ops._native_launch import compile_kernel
     from jaxtdist.kernels.ag_matmul import ag_matmul_ce_kernel
-    try:
-        k = compile_kernel(ag_matmul_ce_kernel, ["*i32"] + ["*bf16"] * 3,
-                           dict(M_SHARD=2048, N=3072, K=4096, INBOX_OFF=1 << 20,
-                                PARITY_BYTES=1 << 26, FLAGS_OFF=4096, SENT_OFF=8192,
-                                CHUNK_ROWS=256, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
-                                GROUP_M=8, NUM_PROGRAMS=132),
-                           num_warps=8, num_stages=3, capability=90)
-    except RuntimeError as e:  # no ptxas usable here
-        if "ptxas" in str(e).lower():
-            pytest.skip(f"cannot assemble for sm_90 here: {e}")
-        raise
+    k = _compile_native(ag_matmul_ce_kernel, ["i32"] + ["bf16"] * 3,
+                        dict(M_SHARD=2048, N=3072, K=4096, INBOX_OFF=1 << 20,
+                             PARITY_BYTES=1 << 26, FLAGS_OFF=4096, SENT_OFF=8192,
+                             CHUNK_ROWS=256, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
+                             GROUP_M=8, NUM_PROGRAMS=132),
+                        num_warps=8, num_stages=3)
     ptx = k.asm["ptx"]
     assert "cp.async.bulk.tensor.2d.shared" in ptx and "wgmma.mma_async" in ptx
     assert "fence.proxy.async.global" in ptx

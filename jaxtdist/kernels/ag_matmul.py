@@ -38,7 +38,7 @@ from jaxtdist.kernels._tiles import grouped_tile, rank_major_tile
 
 @triton.jit
 def _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M: tl.constexpr,
-                    CHUNK_ROWS: tl.constexpr, SCOPE: tl.constexpr = tl.constexpr("gpu")):
+                    CHUNK_ROWS: tl.constexpr, SCOPE: tl.constexpr):
     """Waits until the chunks holding row tile ``tm`` of rank ``src``'s shard are gathered
     (one chunk or several: chunks may be coarser or finer than tiles). SCOPE: "gpu"
     for flags this GPU raises, "sys" for flags a peer GPU's programs raise."""
@@ -59,7 +59,7 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr,
                      GROUP_M: tl.constexpr, SCOPE: tl.constexpr, ALL_ROWS: tl.constexpr,
-                     PUSH: tl.constexpr):
+                     PUSH: tl.constexpr, FLAG_SCOPE: tl.constexpr):
     """Grid: (NUM_COMM + SPLIT_K * world * cdiv(M_SHARD, BLOCK_M) * cdiv(N, BLOCK_N),),
     or with ``ALL_ROWS`` (BLOCK_M >= world * M_SHARD): (NUM_COMM + SPLIT_K * cdiv(N, BLOCK_N),).
 
@@ -70,6 +70,8 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
     (``push_shards``: no staging, no wait, one NVLink crossing before a flag);
     STAGE_OFF and SLOT_BYTES then locate the inbox ([world * M_SHARD, K] per
     call parity), A is read from it, and ``gathered`` is not written.
+    FLAG_SCOPE is the scope of the chunk-flag waits: "gpu" when this GPU's
+    producers raise them (pulls), "sys" when peer GPUs' producers do (PUSH).
     """
     pid = tl.program_id(0)
     if pid < NUM_COMM:
@@ -96,10 +98,7 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
             # Small M: one tile spans every rank's rows, so w is read once.
             tn = tile
             for chunk in range(0, world * n_chunks):
-                if PUSH:  # raised by peer GPUs' programs
-                    dl.wait(ctx, flags + chunk, e, "ge", chunk // n_chunks, SCOPE)
-                else:
-                    dl.wait(ctx, flags + chunk, e, "ge", chunk // n_chunks, "gpu")
+                dl.wait(ctx, flags + chunk, e, "ge", chunk // n_chunks, FLAG_SCOPE)
             rows = tl.arange(0, BLOCK_M)
             row_mask = rows < world * M_SHARD
             a_base = gathered_ptr
@@ -107,10 +106,7 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
             counter_index = tn
         else:
             src, tm, tn = rank_major_tile(tile, me, world, m_tiles, n_tiles, GROUP_M)
-            if PUSH:
-                _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS, SCOPE)
-            else:
-                _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS)
+            _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS, FLAG_SCOPE)
             # One source for A (local rows included) keeps its loads vectorized.
             a_base = gathered_ptr + src * M_SHARD * K
             rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -139,6 +135,16 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
                            dl.heap_ptr(ctx, PARTIALS_OFF, tl.float32), out_offs, mask,
                            dl.heap_ptr(ctx, COUNTERS_OFF, tl.int32) + counter_index,
                            world * M_SHARD * N, SPLIT_K)
+
+
+@triton.jit
+def _tma_tile(a_desc, b_desc, row0, col0, K: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One output tile of a TMA GEMM: the float32 accumulator of A[row0:, :] @ B[:, col0:]."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        acc = tl.dot(a_desc.load([row0, k0]), b_desc.load([k0, col0]), acc)
+    return acc
 
 
 @triton.jit
@@ -183,15 +189,11 @@ def ag_matmul_tma_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
         tile = tl.atomic_add(schedule, 1, sem="relaxed", scope="gpu")
         while tile < total:
             src, tm, tn = rank_major_tile(tile, me, world, m_tiles, n_tiles, GROUP_M)
-            _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS)
+            _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS, "gpu")
             dl.fence_async_proxy()
             row0 = src * M_SHARD + tm * BLOCK_M
             col0 = tn * BLOCK_N
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                a = a_desc.load([row0, k0])
-                b = b_desc.load([k0, col0])
-                acc = tl.dot(a, b, acc)
+            acc = _tma_tile(a_desc, b_desc, row0, col0, K, BLOCK_M, BLOCK_N, BLOCK_K)
             c_desc.store([row0, col0], acc.to(out_ptr.dtype.element_ty))
             tile = tl.atomic_add(schedule, 1, sem="relaxed", scope="gpu")
         workers = NUM_PROGRAMS if PRODUCERS_JOIN else NUM_PROGRAMS - NUM_COMM
@@ -200,15 +202,6 @@ def ag_matmul_tma_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
             # Every worker has taken its last (failed) tile: nobody reads the counter again.
             tl.atomic_xchg(schedule, 0, sem="relaxed", scope="gpu")
             tl.atomic_xchg(schedule + 1, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _tma_tile(a_desc, b_desc, row0, col0, K: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        acc = tl.dot(a_desc.load([row0, k0]), b_desc.load([k0, col0]), acc)
-    return acc
 
 
 @triton.jit
@@ -258,7 +251,7 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
     for item in tl.range(first, (world - 1) * per_rank, NUM_PROGRAMS):
         src = (me + world - 1 - item // per_rank) % world
         tm, tn = grouped_tile(item % per_rank, m_tiles, n_tiles, GROUP_M)
-        _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS)
+        _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS, "gpu")
         dl.fence_async_proxy()
         row0 = src * M_SHARD + tm * BLOCK_M
         acc = _tma_tile(inbox_desc, b_desc, row0, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)

@@ -274,7 +274,7 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
     out, gathered = _call.launch(
         ag_matmul_kernel, ctx, x, w, out_shape=out_shape, grid=grid, num_warps=num_warps,
         num_stages=num_stages, PARTIALS_OFF=partials_off, COUNTERS_OFF=counters_off,
-        K_SPLIT=k_split, PUSH=push, **gather, **cfg)
+        K_SPLIT=k_split, PUSH=push, FLAG_SCOPE="sys" if push else "gpu", **gather, **cfg)
     if push:  # the inboxes are reused by the next call: XLA gathers the residual if used
         return out, jax.lax.all_gather(x, axis_name, tiled=True)
     return out, gathered

@@ -11,6 +11,20 @@ import triton.language as tl
 
 import jaxtdist.language as dl
 from jaxtdist.kernels._tiles import grouped_tile
+from jaxtdist.kernels.ag_matmul import _tma_tile
+
+
+@triton.jit
+def _descriptors(a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """TMA descriptors of A [M, K], B [K, N] and C [M, N] (row-major)."""
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1],
+                                       block_shape=[BLOCK_M, BLOCK_K])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1],
+                                       block_shape=[BLOCK_K, BLOCK_N])
+    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1],
+                                       block_shape=[BLOCK_M, BLOCK_N])
+    return a_desc, b_desc, c_desc
 
 
 @triton.jit
@@ -47,21 +61,15 @@ def gemm_static_kernel(ctx, a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constexp
     m_tiles = M // BLOCK_M
     n_tiles = N // BLOCK_N
     flags = dl.heap_ptr(ctx, WORKSPACE, tl.int32)
-    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1],
-                                       block_shape=[BLOCK_M, BLOCK_K])
-    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1],
-                                       block_shape=[BLOCK_K, BLOCK_N])
-    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1],
-                                       block_shape=[BLOCK_M, BLOCK_N])
+    a_desc, b_desc, c_desc = _descriptors(a_ptr, b_ptr, c_ptr, M, N, K, BLOCK_M, BLOCK_N,
+                                          BLOCK_K)
     for tile in tl.range(pid, m_tiles * n_tiles, NUM_PROGRAMS, flatten=FLATTEN):
         tm, tn = grouped_tile(tile, m_tiles, n_tiles, GROUP_M)
         row0 = tm * BLOCK_M
         if WAIT:
             row0 += _wait_fence_token(flags + tm, 0)
         col0 = tn * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            acc = tl.dot(a_desc.load([row0, k0]), b_desc.load([k0, col0]), acc)
+        acc = _tma_tile(a_desc, b_desc, row0, col0, K, BLOCK_M, BLOCK_N, BLOCK_K)
         c_desc.store([row0, col0], acc.to(c_ptr.dtype.element_ty))
 
 
@@ -78,12 +86,8 @@ def gemm_dynamic_kernel(ctx, a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constex
     total = m_tiles * n_tiles
     flags = dl.heap_ptr(ctx, WORKSPACE, tl.int32)
     schedule = dl.heap_ptr(ctx, WORKSPACE + 256, tl.int32)
-    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1],
-                                       block_shape=[BLOCK_M, BLOCK_K])
-    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1],
-                                       block_shape=[BLOCK_K, BLOCK_N])
-    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1],
-                                       block_shape=[BLOCK_M, BLOCK_N])
+    a_desc, b_desc, c_desc = _descriptors(a_ptr, b_ptr, c_ptr, M, N, K, BLOCK_M, BLOCK_N,
+                                          BLOCK_K)
     tile = tl.atomic_add(schedule, 1, sem="relaxed", scope="gpu")
     while tile < total:
         tm, tn = grouped_tile(tile, m_tiles, n_tiles, GROUP_M)
@@ -92,9 +96,7 @@ def gemm_dynamic_kernel(ctx, a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constex
             dl.fence_async_proxy()
         row0 = tm * BLOCK_M
         col0 = tn * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            acc = tl.dot(a_desc.load([row0, k0]), b_desc.load([k0, col0]), acc)
+        acc = _tma_tile(a_desc, b_desc, row0, col0, K, BLOCK_M, BLOCK_N, BLOCK_K)
         c_desc.store([row0, col0], acc.to(c_ptr.dtype.element_ty))
         tile = tl.atomic_add(schedule, 1, sem="relaxed", scope="gpu")
     finished = tl.atomic_add(schedule + 1, 1, sem="acq_rel", scope="gpu")
