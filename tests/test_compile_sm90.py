@@ -132,19 +132,38 @@ def test_ag_matmul_tma_uses_tma_and_scratch(dtype, block_k):
     assert len(re.findall(r"ag_matmul_tma_kernel_param_\d+", ptx.split(")")[0])) == 7
 
 
+def _compile_ce(**tail):
+    from jaxtdist.kernels.ag_matmul import ag_matmul_ce_kernel
+    tail = dict(dict(TAIL_TILES=0, TAIL_UNITS=0, PARTIALS_OFF=-1, COUNTERS_OFF=-1), **tail)
+    return _compile_native(ag_matmul_ce_kernel, ["i32"] + ["bf16"] * 3,
+                           dict(M_SHARD=2048, N=2752, K=4096, INBOX_OFF=1 << 20,
+                                PARITY_BYTES=1 << 26, FLAGS_OFF=4096, SENT_OFF=8192,
+                                CHUNK_ROWS=256, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
+                                GROUP_M=8, NUM_PROGRAMS=132, **tail),
+                           num_warps=8, num_stages=3)
+
+
 def test_ag_matmul_ce_kernel_uses_tma_and_no_producers():
     """The copy-engine variant: TMA loads from x and the heap inbox, wgmma, a proxy
     fence after each flag wait, no counter (static schedule: no atomics but the waits)."""
-    from jaxtdist.kernels.ag_matmul import ag_matmul_ce_kernel
-    k = _compile_native(ag_matmul_ce_kernel, ["i32"] + ["bf16"] * 3,
-                        dict(M_SHARD=2048, N=3072, K=4096, INBOX_OFF=1 << 20,
-                             PARITY_BYTES=1 << 26, FLAGS_OFF=4096, SENT_OFF=8192,
-                             CHUNK_ROWS=256, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
-                             GROUP_M=8, NUM_PROGRAMS=132),
-                        num_warps=8, num_stages=3)
+    k = _compile_ce()
     ptx = k.asm["ptx"]
     assert "cp.async.bulk.tensor.2d.shared" in ptx and "wgmma.mma_async" in ptx
     assert "fence.proxy.async.global" in ptx
     assert "atom.global.gpu.relaxed.add" not in ptx  # no tile counter
+    assert "atom.global.gpu.acq_rel.add" not in ptx  # no stream-K tail
     assert k.metadata.global_scratch_size > 0 and k.metadata.shared <= 227 * 1024
     assert len(re.findall(r"ag_matmul_ce_kernel_param_\d+", ptx.split(")")[0])) == 6
+
+
+def test_ag_matmul_ce_kernel_stream_k_tail():
+    """The stream-K tail (2048 x 2752, K=4096 on 132 SMs: 44 tiles in runs of 22 K
+    blocks): its tiles use wgmma too, the partials meet on an acq_rel counter, and the
+    shared memory stays that of the pipeline (the sum runs in registers)."""
+    plain = _compile_ce()
+    k = _compile_ce(TAIL_TILES=44, TAIL_UNITS=22, PARTIALS_OFF=1 << 28, COUNTERS_OFF=1 << 27)
+    ptx = k.asm["ptx"]
+    assert ptx.count("wgmma.mma_async") > plain.asm["ptx"].count("wgmma.mma_async")
+    assert "atom.global.gpu.acq_rel.add" in ptx
+    assert "ld.global.cg" in ptx  # partials read from L2
+    assert k.metadata.shared == plain.metadata.shared

@@ -32,7 +32,7 @@ import triton.language as tl
 
 import jaxtdist.language as dl
 from jaxtdist.kernels._gather import copy_rows, pull_shards, push_shards
-from jaxtdist.kernels._splitk import finish_split_k, k_range
+from jaxtdist.kernels._splitk import finish_split_k, finish_stream_k, k_range
 from jaxtdist.kernels._tiles import grouped_tile, rank_major_tile
 
 
@@ -138,11 +138,12 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
 
 
 @triton.jit
-def _tma_tile(a_desc, b_desc, row0, col0, K: tl.constexpr, BLOCK_M: tl.constexpr,
+def _tma_tile(a_desc, b_desc, row0, col0, k_lo, k_hi, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One output tile of a TMA GEMM: the float32 accumulator of A[row0:, :] @ B[:, col0:]."""
+    """One output tile of a TMA GEMM: the float32 accumulator of
+    A[row0:, k_lo:k_hi] @ B[k_lo:k_hi, col0:]."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         acc = tl.dot(a_desc.load([row0, k0]), b_desc.load([k0, col0]), acc)
     return acc
 
@@ -193,7 +194,7 @@ def ag_matmul_tma_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
             dl.fence_async_proxy()
             row0 = src * M_SHARD + tm * BLOCK_M
             col0 = tn * BLOCK_N
-            acc = _tma_tile(a_desc, b_desc, row0, col0, K, BLOCK_M, BLOCK_N, BLOCK_K)
+            acc = _tma_tile(a_desc, b_desc, row0, col0, 0, K, BLOCK_M, BLOCK_N, BLOCK_K)
             c_desc.store([row0, col0], acc.to(out_ptr.dtype.element_ty))
             tile = tl.atomic_add(schedule, 1, sem="relaxed", scope="gpu")
         workers = NUM_PROGRAMS if PRODUCERS_JOIN else NUM_PROGRAMS - NUM_COMM
@@ -205,13 +206,24 @@ def ag_matmul_tma_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
 
 
 @triton.jit
+def _peer_tile(item, me, world, per_rank, m_tiles, n_tiles, GROUP_M: tl.constexpr):
+    """Tile ``item`` of the copy-engine kernel's peer tiles: rank me-1's first
+    (it pushes to this rank first), then me-2, ... Returns (source rank, m tile, n tile)."""
+    src = (me + world - 1 - item // per_rank) % world
+    tm, tn = grouped_tile(item % per_rank, m_tiles, n_tiles, GROUP_M)
+    return src, tm, tn
+
+
+@triton.jit
 def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
                         M_SHARD: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                         INBOX_OFF: tl.constexpr, PARITY_BYTES: tl.constexpr,
                         FLAGS_OFF: tl.constexpr, SENT_OFF: tl.constexpr,
                         CHUNK_ROWS: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
+                        GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+                        TAIL_TILES: tl.constexpr, TAIL_UNITS: tl.constexpr,
+                        PARTIALS_OFF: tl.constexpr, COUNTERS_OFF: tl.constexpr):
     """Grid: (NUM_PROGRAMS,), at most what the GPU holds at once.
 
     x: [M_SHARD, K], w: [K, N] -> out: [world * M_SHARD, N]. Peers push their
@@ -219,6 +231,14 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
     M_SHARD, K] at INBOX_OFF), raising chunk flags at FLAGS_OFF, while this
     runs; this rank's pushes raise its "sent" words at SENT_OFF. M_SHARD is
     a multiple of BLOCK_M.
+
+    Stream-K tail: with TAIL_TILES > 0, the last TAIL_TILES tiles (a partial
+    wave: fewer than NUM_PROGRAMS, all peers' tiles) are not dealt whole.
+    Their K blocks (TAIL_TILES * cdiv(K, BLOCK_K) "units") are cut into runs
+    of TAIL_UNITS, one run per program, so that every program ends at about
+    the same time; programs sharing a tile combine their float32 partials in
+    the heap (``finish_stream_k``: slots at PARTIALS_OFF, one per (program,
+    tile) pair, numbered program + tile; a counter per tile at COUNTERS_OFF).
     """
     pid = tl.program_id(0)
     me = dl.rank(ctx)
@@ -241,21 +261,44 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
     # This rank's rows: ready at once, read from x itself.
     for tile in tl.range(pid, per_rank, NUM_PROGRAMS):
         tm, tn = grouped_tile(tile, m_tiles, n_tiles, GROUP_M)
-        acc = _tma_tile(x_desc, b_desc, tm * BLOCK_M, tn * BLOCK_N, K, BLOCK_M, BLOCK_N,
+        acc = _tma_tile(x_desc, b_desc, tm * BLOCK_M, tn * BLOCK_N, 0, K, BLOCK_M, BLOCK_N,
                         BLOCK_K)
         c_desc.store([me * M_SHARD + tm * BLOCK_M, tn * BLOCK_N],
                      acc.to(out_ptr.dtype.element_ty))
     # Peers' rows from the inbox; rank me-1 pushes to this rank first. The
     # round-robin goes on where the local tiles left it.
     first = (pid + NUM_PROGRAMS - per_rank % NUM_PROGRAMS) % NUM_PROGRAMS
-    for item in tl.range(first, (world - 1) * per_rank, NUM_PROGRAMS):
-        src = (me + world - 1 - item // per_rank) % world
-        tm, tn = grouped_tile(item % per_rank, m_tiles, n_tiles, GROUP_M)
+    whole = (world - 1) * per_rank - TAIL_TILES
+    for item in tl.range(first, whole, NUM_PROGRAMS):
+        src, tm, tn = _peer_tile(item, me, world, per_rank, m_tiles, n_tiles, GROUP_M)
         _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS, "gpu")
         dl.fence_async_proxy()
         row0 = src * M_SHARD + tm * BLOCK_M
-        acc = _tma_tile(inbox_desc, b_desc, row0, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc = _tma_tile(inbox_desc, b_desc, row0, tn * BLOCK_N, 0, K, BLOCK_M, BLOCK_N, BLOCK_K)
         c_desc.store([row0, tn * BLOCK_N], acc.to(out_ptr.dtype.element_ty))
+    if TAIL_TILES > 0:
+        k_blocks = tl.cdiv(K, BLOCK_K)
+        partials = dl.heap_ptr(ctx, PARTIALS_OFF, tl.float32)
+        counters = dl.heap_ptr(ctx, COUNTERS_OFF, tl.int32)
+        unit = pid * TAIL_UNITS
+        unit_end = tl.minimum(unit + TAIL_UNITS, TAIL_TILES * k_blocks)
+        while unit < unit_end:
+            tail = unit // k_blocks
+            run_end = tl.minimum(unit_end, (tail + 1) * k_blocks)
+            src, tm, tn = _peer_tile(whole + tail, me, world, per_rank, m_tiles, n_tiles,
+                                     GROUP_M)
+            _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS, "gpu")
+            dl.fence_async_proxy()
+            row0 = src * M_SHARD + tm * BLOCK_M
+            acc = _tma_tile(inbox_desc, b_desc, row0, tn * BLOCK_N,
+                            (unit - tail * k_blocks) * BLOCK_K,
+                            (run_end - tail * k_blocks) * BLOCK_K, BLOCK_M, BLOCK_N, BLOCK_K)
+            # The programs whose runs meet this tile: consecutive, from first_program.
+            first_program = tail * k_blocks // TAIL_UNITS
+            parts = ((tail + 1) * k_blocks - 1) // TAIL_UNITS - first_program + 1
+            finish_stream_k(acc, pid + tail, first_program + tail, parts, partials,
+                            counters + tail, out_ptr, row0, tn * BLOCK_N, N, BLOCK_M, BLOCK_N)
+            unit = run_end
     if pid == 0:
         # x must outlive this rank's pushes: they have ended when the kernel has.
         sent = dl.heap_ptr(ctx, SENT_OFF, tl.int32)

@@ -59,3 +59,15 @@ class SplitKWorkspace:
         self.partials = 0
         self.counters = align(4 * split_k * rows * cols)
         self.nbytes = self.counters + align(4 * n_tiles)
+
+
+class StreamKWorkspace:
+    """Byte layout of a stream-K tail workspace: one float32 [block_m, block_n]
+    partial per (program, tail tile) pair that a run can cover (programs +
+    tail_tiles - 1 slots: slot program + tile), then one int32 arrival
+    counter per tail tile."""
+
+    def __init__(self, programs: int, tail_tiles: int, block_m: int, block_n: int):
+        self.partials = 0
+        self.counters = align(4 * (programs + tail_tiles - 1) * block_m * block_n)
+        self.nbytes = self.counters + align(4 * tail_tiles)

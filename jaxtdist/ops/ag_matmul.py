@@ -12,8 +12,8 @@ import numpy as np
 from jaxtdist.kernels.ag_matmul import (ag_matmul_ce_kernel, ag_matmul_kernel,
                                         ag_matmul_tma_kernel, push_shards_kernel)
 from jaxtdist.ops import _call
-from jaxtdist.ops._shapes import (GatherWorkspace, InboxWorkspace, SplitKWorkspace, check_dtype,
-                                  next_pow2)
+from jaxtdist.ops._shapes import (GatherWorkspace, InboxWorkspace, SplitKWorkspace,
+                                  StreamKWorkspace, check_dtype, next_pow2)
 from jaxtdist._errors import HeapExhaustedError
 from jaxtdist.runtime import _native
 from jaxtdist.runtime._runtime import runtime
@@ -30,11 +30,14 @@ def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
     programs (``ag_matmul_ce_kernel``); PRODUCER="push" (pointer kernel only)
     makes the producer programs push x into peers' heap inboxes instead of
     staging it and pulling. ``allow_tma=False`` gives the pointer
-    kernel's defaults (for configs that ask for its modes).
+    kernel's defaults (for configs that ask for its modes). STREAM_K (copy-engine
+    kernel only) cuts the last partial wave of tiles along K over every
+    program (``stream_k_tail``): True, False, or "auto" (where it pays).
     """
     small = world * m_shard <= (128 if platform == "gpu" else 32)
     wide = jnp.dtype(dtype).itemsize == 4
-    common = dict(SCOPE="sys", SPLIT_K=1, CHUNK_ROWS=0, TMA=False, PRODUCER="sm")
+    common = dict(SCOPE="sys", SPLIT_K=1, CHUNK_ROWS=0, TMA=False, PRODUCER="sm",
+                  STREAM_K="auto")
     if platform == "gpu":
         if small:  # decode: one M tile over all ranks' rows, split K, one chunk per row
             return dict(common, BLOCK_M=max(16, next_pow2(world * m_shard)), BLOCK_N=64,
@@ -81,7 +84,8 @@ def persistent_programs(rt, num_comm: int, tiles: int) -> int:
     """Programs of the persistent kernel: one per SM on GPUs (all must be resident,
     since they spin on each other), a few under the interpreter."""
     if rt.platform != "gpu":
-        return num_comm + min(tiles, 2)
+        # Three: the tiles rarely split evenly, so that stream-K tails run too.
+        return num_comm + min(tiles, 3)
     sms = getattr(rt.mesh.devices.flat[0], "core_count", None) or 132
     if num_comm >= sms:
         raise ValueError(f"jaxtdist.ag_matmul: NUM_COMM={num_comm} leaves none of the {sms} "
@@ -103,7 +107,11 @@ def _check(x, w, axis_name):
         raise ValueError(f"jaxtdist.ag_matmul: empty operand x{x.shape} w{w.shape}")
 
 
-_FLAG_KEYS = ("SCOPE", "ALL_ROWS", "TMA", "PRODUCER")
+_FLAG_KEYS = ("SCOPE", "ALL_ROWS", "TMA", "PRODUCER", "STREAM_K")
+STREAM_K_MODES = (True, False, "auto")
+# "auto" cuts a tail when its runs are at most this fraction of a tile's K:
+# below it, the time saved beats the partials' round trip through L2.
+_STREAM_K_AUTO_MAX_RUN = 0.8
 # "sm": producer programs stage and pull; "push": producer programs push into
 # peers' heap inboxes (pointer kernel only); "ce": the copy engines push (TMA kernel).
 PRODUCERS = ("sm", "push", "ce")
@@ -153,6 +161,14 @@ def check_config(cfg: dict, world: int, m_shard: int, k: int, n: int | None = No
         raise ValueError("jaxtdist.ag_matmul: config PRODUCER='push' needs TMA=False (SM "
                          "pushes feed the pointer kernel only; the TMA kernel's pushes are "
                          "PRODUCER='ce')")
+    cfg.setdefault("STREAM_K", "auto")
+    if not any(cfg["STREAM_K"] is mode or (isinstance(mode, str) and cfg["STREAM_K"] == mode)
+               for mode in STREAM_K_MODES):
+        raise ValueError(f"jaxtdist.ag_matmul: config STREAM_K={cfg['STREAM_K']!r}; allowed: "
+                         "True, False or 'auto'")
+    if cfg["STREAM_K"] is True and cfg["PRODUCER"] != "ce":
+        raise ValueError("jaxtdist.ag_matmul: config STREAM_K=True needs PRODUCER='ce' (only "
+                         "the copy-engine kernel cuts its last wave of tiles along K)")
     if cfg["CHUNK_ROWS"] > cfg["BLOCK_M"] and cfg["PRODUCER"] in ("sm", "push"):
         raise ValueError(f"jaxtdist.ag_matmul: CHUNK_ROWS={cfg['CHUNK_ROWS']} must divide "
                          f"BLOCK_M={cfg['BLOCK_M']}")
@@ -220,7 +236,7 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
         try:
             return _ag_matmul_ce(rt, layout, x, w, axis_name, cfg, num_warps, num_stages)
         except HeapExhaustedError:
-            if "PRODUCER" in (config or {}):
+            if "PRODUCER" in (config or {}) or (config or {}).get("STREAM_K") is True:
                 raise
             # A tuned or default choice that does not fit this heap: the SM
             # producer needs a quarter of the room (staging slots, no inboxes).
@@ -259,6 +275,7 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
                  jax.ShapeDtypeStruct((1,) if push else (world * m_shard, k), x.dtype))
     gather.update(M_SHARD=m_shard, N=n, K=k)
     cfg.pop("PRODUCER")
+    cfg.pop("STREAM_K")  # the copy-engine kernel's alone
     if cfg.pop("TMA"):
         for key in ("ALL_ROWS", "SPLIT_K"):
             cfg.pop(key)
@@ -278,6 +295,32 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
     if push:  # the inboxes are reused by the next call: XLA gathers the residual if used
         return out, jax.lax.all_gather(x, axis_name, tiled=True)
     return out, gathered
+
+
+def stream_k_tail(tiles: int, programs: int, k_blocks: int, peer_tiles: int,
+                  mode=True) -> tuple[int, int]:
+    """(tail tiles, K blocks per run) of the copy-engine kernel's stream-K tail, or (0, 0).
+
+    ``tiles`` dealt round-robin over ``programs`` leave ``tiles % programs``
+    in a last, partial wave: those programs take a whole tile's time while
+    the others idle. Cutting the tail's ``tail * k_blocks`` K blocks into
+    equal runs, one per program, ends that wave after ``tail / programs`` of
+    a tile instead. Runs are at least a quarter of a tile (at most five
+    programs sum one tile); the tail must lie in peers' tiles (the kernel's
+    local tiles are dealt first). ``mode="auto"`` cuts only where runs are at
+    most ``_STREAM_K_AUTO_MAX_RUN`` of a tile.
+
+    Example:
+      >>> stream_k_tail(704, 132, 64, 528)  # 2048 x 2752 tiles of 128 x 256, K=4096
+      (44, 22)
+    """
+    tail = tiles % programs
+    if mode is False or tail == 0 or tail > peer_tiles or k_blocks < 2:
+        return 0, 0
+    run = max(-(-tail * k_blocks // programs), -(-k_blocks // 4))
+    if run >= k_blocks or (mode == "auto" and run > _STREAM_K_AUTO_MAX_RUN * k_blocks):
+        return 0, 0
+    return tail, run
 
 
 def _push_shards(rt, layout, ws, offsets: dict, ctx, x, cfg: dict) -> jax.Array:
@@ -307,6 +350,32 @@ def _push_shards(rt, layout, ws, offsets: dict, ctx, x, cfg: dict) -> jax.Array:
     return ctx
 
 
+def _stream_k_workspace(rt, layout, cfg: dict, tiles: int, programs: int, k: int,
+                        peer_tiles: int) -> dict:
+    """The copy-engine kernel's stream-K constexprs, with the tail's heap workspace.
+
+    A tail whose workspace does not fit the heap is not cut, unless the
+    config asked for STREAM_K=True: then HeapExhaustedError says so.
+    """
+    off = dict(TAIL_TILES=0, TAIL_UNITS=0, PARTIALS_OFF=-1, COUNTERS_OFF=-1)
+    k_blocks = -(-k // cfg["BLOCK_K"])
+    tail, run = stream_k_tail(tiles, programs, k_blocks, peer_tiles, cfg["STREAM_K"])
+    if not tail:
+        return off
+    plan = StreamKWorkspace(programs, tail, cfg["BLOCK_M"], cfg["BLOCK_N"])
+    # Counters count arrivals per tile for one (tail, run) cut: a key of its own.
+    key = ("ag_matmul_stream_k", layout.axes, programs, tail, run, k_blocks, cfg["BLOCK_M"],
+           cfg["BLOCK_N"])
+    try:
+        ws = rt.workspace(key, plan.nbytes)
+    except HeapExhaustedError:
+        if cfg["STREAM_K"] is True:
+            raise
+        return off
+    return dict(TAIL_TILES=tail, TAIL_UNITS=run, PARTIALS_OFF=ws.offset + plan.partials,
+                COUNTERS_OFF=ws.offset + plan.counters)
+
+
 def _ag_matmul_ce(rt, layout, x, w, axis_name, cfg: dict, num_warps: int, num_stages: int):
     """ag_matmul with the gather on the copy engines and every SM in the GEMM."""
     m_shard, k = x.shape
@@ -322,14 +391,16 @@ def _ag_matmul_ce(rt, layout, x, w, axis_name, cfg: dict, num_warps: int, num_st
     # The push handler is the last host work before the GEMM: it aligns the launch.
     ctx = _call.prologue(rt, layout, ws, "ag_matmul", deps=(x, w), align_launch=False)
     ctx = _push_shards(rt, layout, ws, offsets, ctx, x, cfg)
-    tiles = world * (m_shard // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"])
-    programs = persistent_programs(rt, 0, tiles)
+    per_rank = (m_shard // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"])
+    programs = persistent_programs(rt, 0, world * per_rank)
+    tail = _stream_k_workspace(rt, layout, cfg, world * per_rank, programs, k,
+                               (world - 1) * per_rank)
     out = _call.launch(
         ag_matmul_ce_kernel, ctx, x, w,
         out_shape=jax.ShapeDtypeStruct((world * m_shard, n), x.dtype), grid=(programs,),
         num_warps=num_warps, num_stages=num_stages, needs_scratch=True, M_SHARD=m_shard, N=n,
         K=k, **offsets, CHUNK_ROWS=cfg["CHUNK_ROWS"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], NUM_PROGRAMS=programs)
+        BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], NUM_PROGRAMS=programs, **tail)
     # The gathered x (the autodiff residual) lives only in heap inboxes that the
     # next call reuses: XLA gathers it when it is used (dropped when it is not).
     return out, jax.lax.all_gather(x, axis_name, tiled=True)

@@ -69,7 +69,7 @@ def gemm_static_kernel(ctx, a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constexp
         if WAIT:
             row0 += _wait_fence_token(flags + tm, 0)
         col0 = tn * BLOCK_N
-        acc = _tma_tile(a_desc, b_desc, row0, col0, K, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc = _tma_tile(a_desc, b_desc, row0, col0, 0, K, BLOCK_M, BLOCK_N, BLOCK_K)
         c_desc.store([row0, col0], acc.to(c_ptr.dtype.element_ty))
 
 
@@ -96,7 +96,7 @@ def gemm_dynamic_kernel(ctx, a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constex
             dl.fence_async_proxy()
         row0 = tm * BLOCK_M
         col0 = tn * BLOCK_N
-        acc = _tma_tile(a_desc, b_desc, row0, col0, K, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc = _tma_tile(a_desc, b_desc, row0, col0, 0, K, BLOCK_M, BLOCK_N, BLOCK_K)
         c_desc.store([row0, col0], acc.to(c_ptr.dtype.element_ty))
         tile = tl.atomic_add(schedule, 1, sem="relaxed", scope="gpu")
     finished = tl.atomic_add(schedule + 1, 1, sem="acq_rel", scope="gpu")
