@@ -99,7 +99,11 @@ def prologue(rt: Runtime, layout: Layout, ws: Workspace, op: str, stage: jax.Arr
     XLA may order calls differently on different devices (it does on CPU),
     and their epochs would disagree.
     """
-    position = mesh_position(rt, op)
+    position = mesh_position(rt, op)  # also checks the call is inside a full shard_map
+    if rt.platform == "gpu":
+        # The CUDA prologue finds its heap from the device ordinal: a constant
+        # spares every call the small XLA kernel that computes the position.
+        position = np.zeros((1,), np.int32)
     deps = tuple(deps) + program_order_deps(rt)
     if deps:
         position, _ = jax.lax.optimization_barrier((position, deps))

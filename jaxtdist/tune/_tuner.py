@@ -43,7 +43,19 @@ def _gpu_candidates(world: int, m_shard: int, n: int, k: int, dtype) -> list[dic
                 # Producers push into peers' inboxes: one NVLink crossing, no wait.
                 dict(PRODUCER="push"),
                 dict(PRODUCER="push", NUM_COMM=8, CHUNK_ROWS=4, COPY_BLOCK_C=1024),
-                dict(PRODUCER="push", SPLIT_K=2, BLOCK_N=32)]
+                dict(PRODUCER="push", SPLIT_K=2, BLOCK_N=32),
+                # One wave: producers plus split-K tiles within what the SMs hold
+                # at once (at 64 rows, 132 programs of 1 per SM, or 264 of <= 96 kB).
+                dict(PRODUCER="push", NUM_COMM=4, CHUNK_ROWS=4, COPY_BLOCK_C=1024, BLOCK_N=128,
+                     BLOCK_K=128, SPLIT_K=4, num_stages=3),
+                dict(PRODUCER="push", NUM_COMM=4, CHUNK_ROWS=4, COPY_BLOCK_C=1024, BLOCK_N=64,
+                     BLOCK_K=128, SPLIT_K=2, num_stages=3),
+                dict(PRODUCER="push", NUM_COMM=8, CHUNK_ROWS=4, COPY_BLOCK_C=1024, BLOCK_N=64,
+                     BLOCK_K=64, SPLIT_K=4),
+                dict(PRODUCER="push", NUM_COMM=8, CHUNK_ROWS=4, COPY_BLOCK_C=1024, BLOCK_N=128,
+                     BLOCK_K=64, SPLIT_K=8),
+                dict(PRODUCER="push", NUM_COMM=4, BLOCK_N=64, SPLIT_K=2),
+                dict(PRODUCER="push", NUM_COMM=4, BLOCK_N=32, BLOCK_K=256, SPLIT_K=1)]
     if m_shard <= 256:  # few row tiles: narrower N tiles, finer chunks
         # The pointer kernel with SM producers (explicit: the default may be the
         # copy-engine kernel where TMA fits).
@@ -77,7 +89,10 @@ def _gpu_candidates(world: int, m_shard: int, n: int, k: int, dtype) -> list[dic
             dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=128),
             dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=256),
             dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=512),
-            dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=256, GROUP_M=16)]
+            dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=256, GROUP_M=16),
+            # The last partial wave cut along K over every SM, or dealt whole.
+            dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=256, STREAM_K=True),
+            dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=256, STREAM_K=False)]
 
 
 def cupti_measure(fn, args, world: int, iterations: int) -> float:

@@ -192,8 +192,48 @@ def probe_variance(rounds=4):
         rt.align_launches = True
 
 
+def probe_stream_k(rounds=3, iterations=20):
+    """The shipped config of each large shape with its last wave cut along K
+    (STREAM_K=True) and not (False), alternating in one process; the GEMM alone
+    (cuBLAS, one device) beside them."""
+    mesh = mesh_of(4)
+    rt = td.initialize(mesh)
+    shapes = ((1024, 4096, 4096), (2048, 3072, 4096), (2048, 7168, 8192), (2048, 2752, 4096),
+              (2048, 3584, 4096))
+    for m, n, k in shapes:
+        x = (jax.random.normal(jax.random.key(1), (4 * m, k), jnp.float32)
+             / np.sqrt(k)).astype(jnp.bfloat16)
+        w = jax.random.normal(jax.random.key(2), (k, 4 * n), jnp.bfloat16)
+        args = (jax.device_put(x, NamedSharding(mesh, P("tp", None))),
+                jax.device_put(w, NamedSharding(mesh, P(None, "tp"))))
+        ref = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
+        _, gemm = _profile(jax.jit(jnp.dot), (jax.device_put(x, jax.devices()[0]),
+                                              jax.device_put(w[:, :n], jax.devices()[0])),
+                           iterations, 1)
+        tuned = rt.tuning.lookup("ag_matmul", 4, (m, n, k), jnp.bfloat16) or {}
+        times = {True: [], False: []}
+        errs = {}
+        fns = {mode: jax.jit(jax.shard_map(
+            lambda x, w, mode=mode: ag_matmul_with_gathered(
+                x, w, "tp", config=dict(tuned, STREAM_K=mode))[0],
+            mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp"),
+            check_vma=False)) for mode in (True, False)}
+        for _ in range(rounds):
+            for mode, f in fns.items():
+                out, t = _profile(f, args, iterations, 4)
+                times[mode].append(t["mean_us"])
+                errs[mode] = float(np.linalg.norm(np.asarray(out, np.float32) - ref)
+                                   / np.linalg.norm(ref))
+        print(f"stream-k {m}x{n}x{k}: gemm {gemm['mean_us']:.1f} us; cut "
+              f"{[round(v, 1) for v in times[True]]} (err {errs[True]:.1e}); whole "
+              f"{[round(v, 1) for v in times[False]]} (err {errs[False]:.1e}); median "
+              f"{np.median(times[True]):.1f} vs {np.median(times[False]):.1f}", flush=True)
+
+
 if __name__ == "__main__":
     import sys
+    if "--stream-k" in sys.argv:
+        probe_stream_k()
     if "--variance" in sys.argv:
         probe_variance()
     if "--ce" in sys.argv:

@@ -159,6 +159,27 @@ def test_ag_matmul_tma(world, dtype, m_shard, k, n_shard, config):
                      calls=3)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("world,m_shard,k,n_shard,config", [
+    # 2048 x 2752 (M = 8192, N = 11008 over 4): 44 tiles left over 132 SMs.
+    (4, 2048, 4096, 2752, dict(CHUNK_ROWS=128)),
+    # 124 tiles left, runs of 31 of 32 K blocks: most tiles shared by 2 programs.
+    (4, 512, 2048, 2048, dict(BLOCK_N=128, num_stages=4)),
+    (2, 1024, 2048, 4096, dict(CHUNK_ROWS=256)),
+    # N clipped by the last tile column; K not a multiple of BLOCK_K.
+    (4, 1024, 1000, 2752, dict(CHUNK_ROWS=512)),
+])
+def test_ag_matmul_tma_stream_k(world, m_shard, k, n_shard, config, dtype):
+    """The copy-engine kernel with its last partial wave cut along K (STREAM_K=True)."""
+    mesh = _mesh(world)
+    rt = td.initialize(mesh)
+    config = dict(config, TMA=True, PRODUCER="ce", STREAM_K=True)
+    # Three calls: the tiles' arrival counters carry over between calls.
+    _check_ag_matmul(mesh, _ag_matmul_fn(mesh, config), world, m_shard, k, n_shard, dtype,
+                     calls=3)
+    assert any(key[0] == "ag_matmul_stream_k" for key in rt._workspaces), "no tail was cut"
+
+
 def test_ag_matmul_tma_config_over_shared_memory_is_refused():
     mesh = _mesh(2)
     td.initialize(mesh)
