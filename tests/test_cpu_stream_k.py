@@ -59,6 +59,9 @@ def test_stream_k_runs_cover_every_k_block_once(tiles, programs, k_blocks):
 def test_stream_k_auto_cuts_only_short_runs():
     # 2048 x 2752 (K=4096) in 128 x 256 tiles on 132 SMs: a third of a wave left.
     assert stream_k_tail(704, 132, 64, 528, mode="auto") == (44, 22)
+    # 2048 x 7168 (K=8192): runs of 74/128 blocks, measured slower than whole tiles.
+    assert stream_k_tail(1792, 132, 128, 1344, mode="auto") == (0, 0)
+    assert stream_k_tail(1792, 132, 128, 1344, mode=True) == (76, 74)
     # 1024 x 4096: 116 of 132 tiles in the last wave, runs of 57/64 blocks.
     assert stream_k_tail(512, 132, 64, 384, mode="auto") == (0, 0)
     assert stream_k_tail(512, 132, 64, 384, mode=True) == (116, 57)

@@ -109,9 +109,12 @@ def _check(x, w, axis_name):
 
 _FLAG_KEYS = ("SCOPE", "ALL_ROWS", "TMA", "PRODUCER", "STREAM_K")
 STREAM_K_MODES = (True, False, "auto")
-# "auto" cuts a tail when its runs are at most this fraction of a tile's K:
-# below it, the time saved beats the partials' round trip through L2.
-_STREAM_K_AUTO_MAX_RUN = 0.8
+# "auto" cuts a tail when its runs are at most this fraction of a tile's K.
+# Measured on 4 x H200 (docs/perf/ag_matmul_stream_k_*): runs of 0.34 of a
+# tile gained 1.3%; runs of 0.58-0.89 lost 1-10% (the partials' round trip
+# through L2 and a second pipeline fill cost more than the shorter wave saves,
+# and a part-filled last wave runs faster than a full one).
+_STREAM_K_AUTO_MAX_RUN = 0.35
 # "sm": producer programs stage and pull; "push": producer programs push into
 # peers' heap inboxes (pointer kernel only); "ce": the copy engines push (TMA kernel).
 PRODUCERS = ("sm", "push", "ce")

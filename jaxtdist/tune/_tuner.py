@@ -54,6 +54,14 @@ def _gpu_candidates(world: int, m_shard: int, n: int, k: int, dtype) -> list[dic
                      BLOCK_K=64, SPLIT_K=4),
                 dict(PRODUCER="push", NUM_COMM=8, CHUNK_ROWS=4, COPY_BLOCK_C=1024, BLOCK_N=128,
                      BLOCK_K=64, SPLIT_K=8),
+                dict(PRODUCER="push", NUM_COMM=8, CHUNK_ROWS=4, COPY_BLOCK_C=1024, BLOCK_N=64,
+                     BLOCK_K=64, SPLIT_K=4, num_stages=6),
+                dict(PRODUCER="push", NUM_COMM=4, CHUNK_ROWS=4, COPY_BLOCK_C=1024, BLOCK_N=64,
+                     BLOCK_K=64, SPLIT_K=4),
+                dict(PRODUCER="push", NUM_COMM=8, CHUNK_ROWS=4, COPY_BLOCK_C=1024, BLOCK_N=32,
+                     BLOCK_K=128, SPLIT_K=2),
+                dict(PRODUCER="push", NUM_COMM=8, CHUNK_ROWS=4, COPY_BLOCK_C=1024, BLOCK_N=128,
+                     BLOCK_K=32, SPLIT_K=8),
                 dict(PRODUCER="push", NUM_COMM=4, BLOCK_N=64, SPLIT_K=2),
                 dict(PRODUCER="push", NUM_COMM=4, BLOCK_N=32, BLOCK_K=256, SPLIT_K=1)]
     if m_shard <= 256:  # few row tiles: narrower N tiles, finer chunks
