@@ -1,14 +1,10 @@
 // CUDA prologue: everything is enqueued on XLA's stream, with no host
-// synchronisation: the staging copy, then the kernel's context. The context
-// is written by value from the host copy of its template, epoch included, in
-// one batch of stream memory writes (no copy engine, no kernel); without a
-// host copy, it is copied from the device-side template and the epoch is set
-// with cuMemsetD32Async.
+// synchronisation: the staging copy, the context copy from the device-side
+// template, and the epoch (written by value with cuMemsetD32Async).
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
 #include <string>
-#include <vector>
 
 #include "cuda_driver.h"
 #include "prologue.h"
@@ -25,30 +21,6 @@ using MemsetD32AsyncFn = CUresult (*)(CUdeviceptr, unsigned int, size_t, CUstrea
 MemsetD32AsyncFn GetMemsetD32Async() {
   static MemsetD32AsyncFn fn = cuda::DriverFunction<MemsetD32AsyncFn>("cuMemsetD32Async");
   return fn;
-}
-
-using BatchMemOpFn = CUresult (*)(CUstream, unsigned int, CUstreamBatchMemOpParams*,
-                                  unsigned int);
-
-// Writes `words` (the context, epoch included) to `ctx` with one batch of
-// 64-bit stream writes; false when the driver cannot (the caller copies).
-bool WriteContextByValue(CUstream stream, char* ctx, const std::vector<std::int64_t>& words,
-                         int count, std::string* err) {
-  static BatchMemOpFn batch = cuda::DriverFunction<BatchMemOpFn>("cuStreamBatchMemOp");
-  if (batch == nullptr || count > 255) return false;
-  std::vector<CUstreamBatchMemOpParams> ops(count);
-  for (int i = 0; i < count; ++i) {
-    CUstreamBatchMemOpParams op{};
-    op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
-    op.writeValue.address = reinterpret_cast<CUdeviceptr>(ctx + 8 * i);
-    op.writeValue.value64 = static_cast<cuuint64_t>(words[i]);
-    op.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
-    ops[i] = op;
-  }
-  CUresult res = batch(stream, static_cast<unsigned int>(count), ops.data(), 0);
-  if (res == CUDA_ERROR_NOT_SUPPORTED) return false;
-  *err = cuda::DriverError("cuStreamBatchMemOp", res);
-  return true;
 }
 
 ffi::Error CudaError(const char* what, cudaError_t err) {
@@ -107,28 +79,15 @@ ffi::Error PrologueCuda(cudaStream_t stream, std::int32_t device_ordinal,
     if (err != cudaSuccess) return CudaError("staging copy", err);
   }
   auto* ctx = reinterpret_cast<char*>(ctx_out->typed_data());
-  bool written = false;
-  auto words = RuntimeState::Get().Template(*pos, template_offset);
-  if (words && static_cast<std::int64_t>(words->size()) >= kCtxFixedWords + world) {
-    // Kernels read the fixed words and the group's heap bases, nothing after.
-    (*words)[kCtxEpochWord] = epoch;
-    std::string batch_err;
-    written = WriteContextByValue(reinterpret_cast<CUstream>(stream), ctx, *words,
-                                  kCtxFixedWords + static_cast<int>(world), &batch_err);
-    if (!batch_err.empty()) return ffi::Error::Internal("jaxtdist: " + batch_err);
-  }
-  (written ? RuntimeState::Get().contexts_by_value : RuntimeState::Get().contexts_copied)++;
-  if (!written) {
-    err = cudaMemcpyAsync(ctx, base + template_offset, kCtxWords * 8,
-                          cudaMemcpyDeviceToDevice, stream);
-    if (err != cudaSuccess) return CudaError("context copy", err);
-    // Epochs stay below 2^31; the template's high word is zero.
-    CUresult res = memset32(reinterpret_cast<CUdeviceptr>(ctx + kCtxEpochWord * 8),
-                            static_cast<unsigned int>(epoch), 1,
-                            reinterpret_cast<CUstream>(stream));
-    if (res != CUDA_SUCCESS) {
-      return ffi::Error::Internal("jaxtdist: " + cuda::DriverError("cuMemsetD32Async", res));
-    }
+  err = cudaMemcpyAsync(ctx, base + template_offset, kCtxWords * 8,
+                        cudaMemcpyDeviceToDevice, stream);
+  if (err != cudaSuccess) return CudaError("context copy", err);
+  // Epochs stay below 2^31; the template's high word is zero.
+  CUresult res = memset32(reinterpret_cast<CUdeviceptr>(ctx + kCtxEpochWord * 8),
+                          static_cast<unsigned int>(epoch), 1,
+                          reinterpret_cast<CUstream>(stream));
+  if (res != CUDA_SUCCESS) {
+    return ffi::Error::Internal("jaxtdist: " + cuda::DriverError("cuMemsetD32Async", res));
   }
   // Last host work before the kernel: meet the group's other host threads.
   if (align_launch) RuntimeState::Get().aligner().Arrive(counter_id, epoch, group[0], world);

@@ -2,12 +2,10 @@
 // jax.ffi.register_ffi_target, the runtime registry, and (when built with
 // CUDA) the heap allocation helpers.
 #include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
 
 #include <cstdint>
 #include <stdexcept>
 #include <string>
-#include <vector>
 
 #include "prologue.h"
 #include "runtime_state.h"
@@ -64,14 +62,6 @@ PYBIND11_MODULE(_jaxtdist_ffi, m) {
   });
   m.def("reset", [](std::int64_t generation) {
     jaxtdist::RuntimeState::Get().Reset(generation);
-  });
-  m.def("register_context_template", [](int position, std::int64_t offset,
-                                        std::vector<std::int64_t> words) {
-    jaxtdist::RuntimeState::Get().RegisterTemplate(position, offset, std::move(words));
-  });
-  m.def("context_write_stats", [] {
-    auto& state = jaxtdist::RuntimeState::Get();
-    return std::make_pair(state.contexts_by_value.load(), state.contexts_copied.load());
   });
   m.def("peek_epoch", [](std::int64_t counter, int position) {
     return jaxtdist::RuntimeState::Get().PeekEpoch(counter, position);

@@ -20,9 +20,6 @@ void RuntimeState::Reset(std::int64_t generation) {
   std::lock_guard<std::mutex> lock(mu_);
   heaps_.clear();
   epochs_.clear();
-  templates_.clear();
-  contexts_by_value = 0;
-  contexts_copied = 0;
   generation_ = generation;
   aligner_.Reset();
 }
@@ -79,20 +76,6 @@ std::int64_t RuntimeState::PeekEpoch(std::int64_t counter, int position) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = epochs_.find({counter, position});
   return it == epochs_.end() ? 0 : it->second;
-}
-
-void RuntimeState::RegisterTemplate(int position, std::int64_t offset,
-                                    std::vector<std::int64_t> words) {
-  std::lock_guard<std::mutex> lock(mu_);
-  templates_[{position, offset}] = std::move(words);
-}
-
-std::optional<std::vector<std::int64_t>> RuntimeState::Template(int position,
-                                                                std::int64_t offset) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = templates_.find({position, offset});
-  if (it == templates_.end()) return std::nullopt;
-  return it->second;
 }
 
 std::string NoHeapForDevice(int device_ordinal) {

@@ -3,14 +3,12 @@
 #ifndef JAXTDIST_CSRC_RUNTIME_STATE_H_
 #define JAXTDIST_CSRC_RUNTIME_STATE_H_
 
-#include <atomic>
 #include <cstdint>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
-#include <vector>
 
 #include "launch_align.h"
 
@@ -19,8 +17,6 @@ namespace jaxtdist {
 // Words of the context buffer a kernel receives (see jaxtdist/language/_layout.py).
 inline constexpr int kCtxWords = 72;
 inline constexpr int kCtxEpochWord = 2;
-// Words before the peers' heap bases (CTX_PEER_BASES).
-inline constexpr int kCtxFixedWords = 8;
 
 struct HeapSlot {
   int device_ordinal = -1;  // -1 for host (CPU backend) heaps.
@@ -47,14 +43,6 @@ class RuntimeState {
   // Increments and returns the epoch of `counter` on `position` (first call: 1).
   std::int64_t NextEpoch(std::int64_t counter, int position);
   std::int64_t PeekEpoch(std::int64_t counter, int position) const;
-  // A host copy of the context template at heap `offset` of `position` (the
-  // runtime writes it to the device too), so that prologues can write a
-  // kernel's context by value instead of copying it on the device.
-  void RegisterTemplate(int position, std::int64_t offset, std::vector<std::int64_t> words);
-  std::optional<std::vector<std::int64_t>> Template(int position, std::int64_t offset) const;
-  // How CUDA prologues wrote contexts since the last Reset: by value, or copied.
-  std::atomic<std::int64_t> contexts_by_value{0};
-  std::atomic<std::int64_t> contexts_copied{0};
   // The host rendezvous before collective kernel launches (launch_align.h).
   LaunchAligner& aligner() { return aligner_; }
   // Rank-ordered mesh positions of `position`'s group in a handler's group
@@ -67,7 +55,6 @@ class RuntimeState {
   mutable std::mutex mu_;
   std::map<int, HeapSlot> heaps_;
   std::map<std::pair<std::int64_t, int>, std::int64_t> epochs_;
-  std::map<std::pair<int, std::int64_t>, std::vector<std::int64_t>> templates_;
   std::int64_t generation_ = 0;
   LaunchAligner aligner_;
 };

@@ -10,7 +10,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import math
-import os
 import threading
 from collections.abc import Sequence
 
@@ -154,12 +153,7 @@ class Runtime:
                                  f"{L.MAX_WORLD}")
             offset = _TEMPLATE_START + len(self._layouts) * L.CTX_WORDS * 8
             for pos in range(math.prod(shape)):
-                words = self._template(pos, axes, world)
-                self.heap.write(pos, offset, words.tobytes())
-                # The CUDA prologue writes contexts by value from this host copy
-                # (JAXTDIST_CONTEXT_BY_VALUE=0: it copies the device template, for A/B runs).
-                if os.environ.get("JAXTDIST_CONTEXT_BY_VALUE", "1") != "0":
-                    self._native.register_context_template(pos, offset, words.tolist())
+                self.heap.write(pos, offset, self._template(pos, axes, world).tobytes())
             layout = Layout(axes, world, offset)
             self._layouts[axes] = layout
             return layout

@@ -230,35 +230,8 @@ def probe_stream_k(rounds=3, iterations=20):
               f"{np.median(times[True]):.1f} vs {np.median(times[False]):.1f}", flush=True)
 
 
-def probe_context_write(rounds=3, iterations=20):
-    """Decode shapes and one large shape with the shipped configs: mean and fastest
-    device per round (run once with JAXTDIST_CONTEXT_BY_VALUE=0 and once without)."""
-    import os
-    from jaxtdist.runtime import _native
-    mesh = mesh_of(4)
-    td.initialize(mesh)
-    f = jax.jit(jax.shard_map(lambda x, w: td.ag_matmul(x, w, "tp"), mesh=mesh,
-                              in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp"),
-                              check_vma=False))
-    mode = os.environ.get("JAXTDIST_CONTEXT_BY_VALUE", "1")
-    for m, n, k in ((1, 4096, 8192), (16, 4096, 8192), (1024, 4096, 4096)):
-        x = (jax.random.normal(jax.random.key(1), (4 * m, k), jnp.float32)
-             / np.sqrt(k)).astype(jnp.bfloat16)
-        w = jax.random.normal(jax.random.key(2), (k, 4 * n), jnp.bfloat16)
-        args = (jax.device_put(x, NamedSharding(mesh, P("tp", None))),
-                jax.device_put(w, NamedSharding(mesh, P(None, "tp"))))
-        line = []
-        for _ in range(rounds):
-            _, t = _profile(f, args, iterations, 4)
-            line.append(f"{t['mean_us']:.1f}/{t['min_us']:.1f}")
-        print(f"context by value={mode} {m}x{n}x{k}: mean/fastest per round {line} "
-              f"(writes by value, copied: {_native.native().context_write_stats()})", flush=True)
-
-
 if __name__ == "__main__":
     import sys
-    if "--context" in sys.argv:
-        probe_context_write()
     if "--stream-k" in sys.argv:
         probe_stream_k()
     if "--variance" in sys.argv:
