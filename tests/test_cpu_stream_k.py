@@ -125,3 +125,27 @@ def test_stream_k_config_errors():
             (dict(PRODUCER="push", STREAM_K=True), "STREAM_K=True needs PRODUCER='ce'")]:
         with pytest.raises(ValueError, match=match):
             _fn(mesh, config)(x, w)
+
+
+def test_stream_k_workspace_that_does_not_fit():
+    """'auto' leaves the tail whole when its partials do not fit the heap and still
+    computes correctly; an explicit STREAM_K=True raises HeapExhaustedError instead."""
+    world, m, k, n = 2, 32, 192, 64  # 4 tiles on 3 programs: a 1-tile tail, runs of 4/12
+    base = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, TMA=True, PRODUCER="ce")
+    x = rand((world * m, k), F32)
+    w = rand((k, world * n), F32)
+    mesh = setup(world)
+    rt = td.runtime.runtime()
+    reserved = rt.bytes_in_use
+    assert_close(_fn(mesh, base)(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp"))),
+                 f64(x) @ f64(w), F32)
+    sizes = {ws.key[0]: ws.nbytes for ws in rt._workspaces.values()}
+    assert "ag_matmul_stream_k" in sizes, sizes  # "auto" cuts this tail
+    # Room for the inboxes but not for the partials.
+    mesh = setup(world, heap_bytes=reserved + sizes["ag_matmul_ce"] + 1024)
+    rt = td.runtime.runtime()
+    xs, ws = place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp"))
+    assert_close(_fn(mesh, base)(xs, ws), f64(x) @ f64(w), F32)
+    assert "ag_matmul_stream_k" not in {key[0] for key in rt._workspaces}
+    with pytest.raises(td.HeapExhaustedError, match="ag_matmul_stream_k needs a workspace"):
+        _fn(mesh, dict(base, STREAM_K=True))(xs, ws)

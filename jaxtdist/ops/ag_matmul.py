@@ -111,7 +111,7 @@ _FLAG_KEYS = ("SCOPE", "ALL_ROWS", "TMA", "PRODUCER", "STREAM_K")
 STREAM_K_MODES = (True, False, "auto")
 # "auto" cuts a tail when its runs are at most this fraction of a tile's K.
 # Measured on 4 x H200 (docs/perf/ag_matmul_stream_k_*): runs of 0.34 of a
-# tile gained 1.3%; runs of 0.58-0.89 lost 1-10% (the partials' round trip
+# tile gained 1.3%; runs of 0.58-0.89 lost 0.7-18% (the partials' round trip
 # through L2 and a second pipeline fill cost more than the shorter wave saves,
 # and a part-filled last wave runs faster than a full one).
 _STREAM_K_AUTO_MAX_RUN = 0.35
