@@ -62,13 +62,13 @@ class RuntimeState {
 // The error text of a CUDA handler running on a device that has no heap.
 std::string NoHeapForDevice(int device_ordinal);
 
-// Validates a prologue request; returns an error message or "" when fine.
 // Describes a wait timeout recorded in `slot`'s error record, or "" if none.
 std::string RecordedTimeout(const HeapSlot& slot, int position);
 
 // "" if a program compiled for runtime `generation` may run now.
 std::string CheckGeneration(std::int64_t generation);
 
+// Validates a prologue request; returns an error message or "" when fine.
 std::string CheckStage(const HeapSlot& heap, std::int64_t template_offset,
                        std::int64_t stage_offset, std::int64_t parity_bytes,
                        std::int64_t stage_bytes);

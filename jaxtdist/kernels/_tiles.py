@@ -29,3 +29,14 @@ def rank_major_tile(tile, me, world, m_tiles_per_rank, n_tiles, GROUP_M: tl.cons
     src = (me + step) % world
     tm, tn = grouped_tile(tile % per_rank, m_tiles_per_rank, n_tiles, GROUP_M)
     return src, tm, tn
+
+
+@triton.jit
+def peer_arrival_tile(item, me, world, per_rank, m_tiles_per_rank, n_tiles,
+                      GROUP_M: tl.constexpr):
+    """Tile order over peers' tiles only, in the order the copy engines push
+    them to this rank: rank me-1's first (it pushes to this rank first), then
+    me-2, ... Returns (source rank, m tile within its shard, n tile)."""
+    src = (me + world - 1 - item // per_rank) % world
+    tm, tn = grouped_tile(item % per_rank, m_tiles_per_rank, n_tiles, GROUP_M)
+    return src, tm, tn

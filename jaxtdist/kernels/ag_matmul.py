@@ -33,7 +33,7 @@ import triton.language as tl
 import jaxtdist.language as dl
 from jaxtdist.kernels._gather import copy_rows, pull_shards, push_shards
 from jaxtdist.kernels._splitk import finish_split_k, finish_stream_k, k_range
-from jaxtdist.kernels._tiles import grouped_tile, rank_major_tile
+from jaxtdist.kernels._tiles import grouped_tile, peer_arrival_tile, rank_major_tile
 
 
 @triton.jit
@@ -206,15 +206,6 @@ def ag_matmul_tma_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
 
 
 @triton.jit
-def _peer_tile(item, me, world, per_rank, m_tiles, n_tiles, GROUP_M: tl.constexpr):
-    """Tile ``item`` of the copy-engine kernel's peer tiles: rank me-1's first
-    (it pushes to this rank first), then me-2, ... Returns (source rank, m tile, n tile)."""
-    src = (me + world - 1 - item // per_rank) % world
-    tm, tn = grouped_tile(item % per_rank, m_tiles, n_tiles, GROUP_M)
-    return src, tm, tn
-
-
-@triton.jit
 def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
                         M_SHARD: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                         INBOX_OFF: tl.constexpr, PARITY_BYTES: tl.constexpr,
@@ -270,7 +261,7 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
     first = (pid + NUM_PROGRAMS - per_rank % NUM_PROGRAMS) % NUM_PROGRAMS
     whole = (world - 1) * per_rank - TAIL_TILES
     for item in tl.range(first, whole, NUM_PROGRAMS):
-        src, tm, tn = _peer_tile(item, me, world, per_rank, m_tiles, n_tiles, GROUP_M)
+        src, tm, tn = peer_arrival_tile(item, me, world, per_rank, m_tiles, n_tiles, GROUP_M)
         _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS, "gpu")
         dl.fence_async_proxy()
         row0 = src * M_SHARD + tm * BLOCK_M
@@ -285,7 +276,7 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
         while unit < unit_end:
             tail = unit // k_blocks
             run_end = tl.minimum(unit_end, (tail + 1) * k_blocks)
-            src, tm, tn = _peer_tile(whole + tail, me, world, per_rank, m_tiles, n_tiles,
+            src, tm, tn = peer_arrival_tile(whole + tail, me, world, per_rank, m_tiles, n_tiles,
                                      GROUP_M)
             _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS, "gpu")
             dl.fence_async_proxy()

@@ -34,34 +34,28 @@ def _gpu_candidates(world: int, m_shard: int, n: int, k: int, dtype) -> list[dic
     if jnp.dtype(dtype).itemsize == 4:
         return [{}, dict(NUM_COMM=8), dict(NUM_COMM=32)]
     if rows <= 128:  # decode: one tile over all rows; split K to fill the GPU
+        # Producers push into peers' inboxes (one NVLink crossing, no wait),
+        # a flag per 4 rows.
+        push4 = dict(PRODUCER="push", CHUNK_ROWS=4, COPY_BLOCK_C=1024)
         return [{},
                 dict(SPLIT_K=1, BLOCK_N=32, BLOCK_K=256),
                 dict(SPLIT_K=8, BLOCK_N=128),
                 dict(NUM_COMM=8, CHUNK_ROWS=4, COPY_BLOCK_C=1024),
                 dict(NUM_COMM=32),
                 dict(SPLIT_K=2, BLOCK_N=32),
-                # Producers push into peers' inboxes: one NVLink crossing, no wait.
                 dict(PRODUCER="push"),
-                dict(PRODUCER="push", NUM_COMM=8, CHUNK_ROWS=4, COPY_BLOCK_C=1024),
+                dict(push4, NUM_COMM=8),
                 dict(PRODUCER="push", SPLIT_K=2, BLOCK_N=32),
                 # One wave: producers plus split-K tiles within what the SMs hold
                 # at once (at 64 rows, 132 programs of 1 per SM, or 264 of <= 96 kB).
-                dict(PRODUCER="push", NUM_COMM=4, CHUNK_ROWS=4, COPY_BLOCK_C=1024, BLOCK_N=128,
-                     BLOCK_K=128, SPLIT_K=4, num_stages=3),
-                dict(PRODUCER="push", NUM_COMM=4, CHUNK_ROWS=4, COPY_BLOCK_C=1024, BLOCK_N=64,
-                     BLOCK_K=128, SPLIT_K=2, num_stages=3),
-                dict(PRODUCER="push", NUM_COMM=8, CHUNK_ROWS=4, COPY_BLOCK_C=1024, BLOCK_N=64,
-                     BLOCK_K=64, SPLIT_K=4),
-                dict(PRODUCER="push", NUM_COMM=8, CHUNK_ROWS=4, COPY_BLOCK_C=1024, BLOCK_N=128,
-                     BLOCK_K=64, SPLIT_K=8),
-                dict(PRODUCER="push", NUM_COMM=8, CHUNK_ROWS=4, COPY_BLOCK_C=1024, BLOCK_N=64,
-                     BLOCK_K=64, SPLIT_K=4, num_stages=6),
-                dict(PRODUCER="push", NUM_COMM=4, CHUNK_ROWS=4, COPY_BLOCK_C=1024, BLOCK_N=64,
-                     BLOCK_K=64, SPLIT_K=4),
-                dict(PRODUCER="push", NUM_COMM=8, CHUNK_ROWS=4, COPY_BLOCK_C=1024, BLOCK_N=32,
-                     BLOCK_K=128, SPLIT_K=2),
-                dict(PRODUCER="push", NUM_COMM=8, CHUNK_ROWS=4, COPY_BLOCK_C=1024, BLOCK_N=128,
-                     BLOCK_K=32, SPLIT_K=8),
+                dict(push4, NUM_COMM=4, BLOCK_N=128, BLOCK_K=128, SPLIT_K=4, num_stages=3),
+                dict(push4, NUM_COMM=4, BLOCK_N=64, BLOCK_K=128, SPLIT_K=2, num_stages=3),
+                dict(push4, NUM_COMM=8, BLOCK_N=64, BLOCK_K=64, SPLIT_K=4),
+                dict(push4, NUM_COMM=8, BLOCK_N=128, BLOCK_K=64, SPLIT_K=8),
+                dict(push4, NUM_COMM=8, BLOCK_N=64, BLOCK_K=64, SPLIT_K=4, num_stages=6),
+                dict(push4, NUM_COMM=4, BLOCK_N=64, BLOCK_K=64, SPLIT_K=4),
+                dict(push4, NUM_COMM=8, BLOCK_N=32, BLOCK_K=128, SPLIT_K=2),
+                dict(push4, NUM_COMM=8, BLOCK_N=128, BLOCK_K=32, SPLIT_K=8),
                 dict(PRODUCER="push", NUM_COMM=4, BLOCK_N=64, SPLIT_K=2),
                 dict(PRODUCER="push", NUM_COMM=4, BLOCK_N=32, BLOCK_K=256, SPLIT_K=1)]
     if m_shard <= 256:  # few row tiles: narrower N tiles, finer chunks
