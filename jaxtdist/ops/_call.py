@@ -221,7 +221,7 @@ def launch(kernel, ctx: jax.Array, *args: Any, out_shape, grid: int | Sequence[i
     rt = runtime()
     outs, many = _out_list(out_shape)
     full_args = (ctx,) + tuple(args)
-    if rt.platform == "gpu" and needs_scratch:
+    if rt.platform == "gpu" and (needs_scratch or rt.launcher == "native"):
         from jaxtdist.ops import _native_launch
         result = _native_launch.launch(rt, kernel, full_args, outs, grid, num_warps, num_stages,
                                        constexprs)

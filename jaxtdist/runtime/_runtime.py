@@ -101,6 +101,10 @@ class Runtime:
         self._native.reset(self.generation)
         self._align_launches = bool(align_launches)
         self._native.configure_launch_alignment(self._align_launches, LAUNCH_ALIGN_TIMEOUT_US)
+        # Who launches kernels that need no global scratch on GPUs, read at
+        # trace time: "jax-triton" (jaxlib's Triton custom call) or "native"
+        # (jaxtdist's FFI launcher, which kernels with scratch always use).
+        self.launcher = "jax-triton"
         if self.platform == "cpu":
             from jaxtdist.runtime._cpu import CpuHeap
             self.heap = CpuHeap(len(devices), self.heap_bytes)

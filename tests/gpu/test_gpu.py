@@ -139,6 +139,27 @@ def test_ag_matmul_push(world, dtype, m_shard, k, n_shard, config):
                      calls=3)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("m_shard,k,n_shard,config", [
+    (1, 8192, 4096, dict(NUM_COMM=4, SPLIT_K=4, PRELOAD_K=512)),   # the decode candidates
+    (16, 8192, 1024, dict(NUM_COMM=8, SPLIT_K=4, num_stages=3, PRELOAD_K=256)),
+    (3, 600, 600, dict(SPLIT_K=4, PRELOAD_K=128)),                 # last split: 24 rows of K
+    (100, 777, 300, dict(ALL_ROWS=False, BLOCK_M=64, PRELOAD_K=64)),
+])
+def test_ag_matmul_push_preload(world, dtype, m_shard, k, n_shard, config):
+    """Pushes, with the first PRELOAD_K rows of each program's w slice loaded before
+    the chunk wait."""
+    mesh = _mesh(world)
+    td.initialize(mesh)
+    config = dict(dict(ALL_ROWS=True, CHUNK_ROWS=4, BLOCK_N=64, BLOCK_K=64), **config,
+                  PRODUCER="push")
+    if dtype == jnp.float32:  # twice the bytes: stay within shared memory
+        config["PRELOAD_K"] = max(64, config["PRELOAD_K"] // 2)
+    _check_ag_matmul(mesh, _ag_matmul_fn(mesh, config), world, m_shard, k, n_shard, dtype,
+                     calls=3)
+
+
 @pytest.mark.parametrize("world", [1, 4])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("m_shard,k,n_shard,config", [
