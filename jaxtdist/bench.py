@@ -283,7 +283,8 @@ def main(argv=None) -> int:
         rows = bench_all_gather(ALL_GATHER_BYTES, args.iterations)
         table = all_gather_table(rows, device)
     result = dict(op=args.op, device=device, world=len(jax.devices()), jax=jax.__version__,
-                  iterations=args.iterations, seconds=time.time() - started, rows=rows)
+                  iterations=args.iterations, launcher=td.runtime.runtime().launcher,
+                  seconds=time.time() - started, rows=rows)
     write_results(result, table, args.json, args.markdown)
     return 0
 

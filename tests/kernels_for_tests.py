@@ -75,6 +75,15 @@ def staged_prev_kernel(ctx, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr,
 
 
 @triton.jit
+def scaled_rank_kernel(ctx, x_ptr, scale, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
+    """out = x * scale + rank: a kernel with a Python scalar argument."""
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + offs, mask=mask)
+    tl.store(out_ptr + offs, x * scale + dl.rank(ctx).to(tl.float32), mask=mask)
+
+
+@triton.jit
 def ids_kernel(ctx, out_ptr):
     """out = [rank, num_ranks, epoch] (int32)."""
     tl.store(out_ptr + 0, dl.rank(ctx))

@@ -83,7 +83,7 @@ def test_ag_matmul_uses_tensor_cores_and_cp_async(all_rows, split_k, push):
                       CHUNK_ROWS=1 if all_rows else (block_m if split_k == 1 else 32),
                       PARTIALS_OFF=1 << 24 if split_k > 1 else -1,
                       COUNTERS_OFF=1 << 25 if split_k > 1 else -1, PUSH=push,
-                      FLAG_SCOPE="sys" if push else "gpu", PRELOAD_K=0),
+                      FLAG_SCOPE="sys" if push else "gpu"),
                  num_warps=4 if all_rows else 8, num_stages=3)
     ops = _ops(k)
     # Skinny tiles (BLOCK_M=16) are below a warpgroup's 64 rows: mma.sync there.
@@ -97,39 +97,6 @@ def test_ag_matmul_uses_tensor_cores_and_cp_async(all_rows, split_k, push):
     if split_k > 1:  # the arrival counter: one acq_rel atomic at GPU scope
         assert re.search(r"atom\.global\.gpu\.acq_rel\.add|atom\.acq_rel\.gpu\.global\.add",
                          k.asm["ptx"]), "split-K counter is not an acq_rel GPU-scope atomic"
-
-
-def _decode_kernel(m_shard, preload, num_comm, num_stages):
-    """The push decode kernel (one tile over all rows, split K 4) of the tuner's candidates."""
-    return _compile(ag_matmul_kernel,
-                    {"ctx": "*i32", "x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
-                     "gathered_ptr": "*bf16"},
-                    dict(M_SHARD=m_shard, N=4096, K=8192, STAGE_OFF=65536, SLOT_BYTES=1 << 23,
-                         READY_OFF=-1, FLAGS_OFF=4096, NUM_COMM=num_comm, COPY_BLOCK_C=1024,
-                         BLOCK_M=max(16, 4 * m_shard), BLOCK_N=64, BLOCK_K=64, GROUP_M=1,
-                         SCOPE="sys", ALL_ROWS=True, SPLIT_K=4, K_SPLIT=2048, CHUNK_ROWS=4,
-                         PARTIALS_OFF=1 << 24, COUNTERS_OFF=1 << 25, PUSH=True,
-                         FLAG_SCOPE="sys", PRELOAD_K=preload),
-                    num_warps=4, num_stages=num_stages)
-
-
-def _w_loads_before_wait(kernel) -> int:
-    """16-byte global loads issued before the first acquire poll (the chunk wait)."""
-    ptx = kernel.asm["ptx"]
-    return len(re.findall(r"ld\.global\.v4\.b32", ptx[:ptx.find("acquire")]))
-
-
-@pytest.mark.parametrize("m_shard,preload,num_comm,num_stages", [
-    (1, 256, 4, 4), (1, 512, 4, 4), (16, 128, 8, 4), (16, 256, 8, 3)])
-def test_decode_preload_loads_w_before_the_wait(m_shard, preload, num_comm, num_stages):
-    """PRELOAD_K's w rows are loaded before the chunk wait (16-byte loads, 128 threads:
-    preload * 64 * 2 / 16 / 128 per thread), and the tuner's preload candidates keep
-    two programs per SM (one wave)."""
-    plain = _decode_kernel(m_shard, 0, num_comm, num_stages)
-    pre = _decode_kernel(m_shard, preload, num_comm, num_stages)
-    assert _w_loads_before_wait(pre) - _w_loads_before_wait(plain) == preload * 64 * 2 // 16 // 128
-    assert pre.metadata.shared <= 113 * 1024, pre.metadata.shared
-    assert any(op.startswith("mma.sync" if m_shard == 1 else "wgmma") for op in _ops(pre))
 
 
 def test_language_primitives_compile():

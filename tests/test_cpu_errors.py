@@ -174,6 +174,21 @@ def test_heap_too_small_for_reserved_part():
         td.initialize(mesh, heap_bytes=1024)
 
 
+def test_bad_launcher():
+    mesh = setup(WORLD)
+    rt = td.runtime.runtime()
+    assert rt.launcher == "native"
+    with pytest.raises(ValueError, match=r"launcher='triton'; allowed: 'native' .* or "
+                                         r"'jax-triton'"):
+        td.initialize(mesh, launcher="triton")
+    with pytest.raises(ValueError, match=r"launcher='cuda'; allowed"):
+        rt.launcher = "cuda"
+    assert td.initialize(mesh, launcher="jax-triton") is rt and rt.launcher == "jax-triton"
+    # CPU runs the interpreter whoever would launch on GPUs.
+    _ag_matmul_ok(mesh)
+    rt.launcher = "native"
+
+
 def test_heap_exhausted():
     heap = 2 * _RESERVED_BYTES + 4096
     mesh = setup(WORLD, heap_bytes=heap)

@@ -59,7 +59,7 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr,
                      GROUP_M: tl.constexpr, SCOPE: tl.constexpr, ALL_ROWS: tl.constexpr,
-                     PUSH: tl.constexpr, FLAG_SCOPE: tl.constexpr, PRELOAD_K: tl.constexpr):
+                     PUSH: tl.constexpr, FLAG_SCOPE: tl.constexpr):
     """Grid: (NUM_COMM + SPLIT_K * world * cdiv(M_SHARD, BLOCK_M) * cdiv(N, BLOCK_N),),
     or with ``ALL_ROWS`` (BLOCK_M >= world * M_SHARD): (NUM_COMM + SPLIT_K * cdiv(N, BLOCK_N),).
 
@@ -72,11 +72,6 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
     call parity), A is read from it, and ``gathered`` is not written.
     FLAG_SCOPE is the scope of the chunk-flag waits: "gpu" when this GPU's
     producers raise them (pulls), "sys" when peer GPUs' producers do (PUSH).
-
-    PRELOAD_K > 0 (a multiple of BLOCK_K, at most K_SPLIT): each GEMM program
-    loads the first PRELOAD_K rows of its w slice before it waits for its
-    chunks, so that part of the weight read, which needs no peer, overlaps
-    the wait (decode sizes, where reading w is most of the time).
     """
     pid = tl.program_id(0)
     if pid < NUM_COMM:
@@ -101,9 +96,9 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
         split = (pid - NUM_COMM) % SPLIT_K
         if ALL_ROWS:
             # Small M: one tile spans every rank's rows, so w is read once.
-            src = 0
-            tm = 0
             tn = tile
+            for chunk in range(0, world * n_chunks):
+                dl.wait(ctx, flags + chunk, e, "ge", chunk // n_chunks, FLAG_SCOPE)
             rows = tl.arange(0, BLOCK_M)
             row_mask = rows < world * M_SHARD
             a_base = gathered_ptr
@@ -111,6 +106,7 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
             counter_index = tn
         else:
             src, tm, tn = rank_major_tile(tile, me, world, m_tiles, n_tiles, GROUP_M)
+            _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS, FLAG_SCOPE)
             # One source for A (local rows included) keeps its loads vectorized.
             a_base = gathered_ptr + src * M_SHARD * K
             rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -122,21 +118,7 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
         col_mask = cols < N
         k_lo, k_hi = k_range(split, K, K_SPLIT)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if PRELOAD_K > 0:
-            pre_ks = k_lo + tl.arange(0, PRELOAD_K)
-            pre_mask = pre_ks < k_hi
-            w_pre = tl.load(w_ptr + pre_ks[:, None] * N + cols[None, :],
-                            mask=pre_mask[:, None] & col_mask[None, :], other=0.0)
-        if ALL_ROWS:
-            for chunk in range(0, world * n_chunks):
-                dl.wait(ctx, flags + chunk, e, "ge", chunk // n_chunks, FLAG_SCOPE)
-        else:
-            _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS, FLAG_SCOPE)
-        if PRELOAD_K > 0:
-            a_pre = tl.load(a_base + rows[:, None] * K + pre_ks[None, :],
-                            mask=row_mask[:, None] & pre_mask[None, :], other=0.0)
-            acc = tl.dot(a_pre, w_pre, acc)
-        for k0 in range(k_lo + PRELOAD_K, k_hi, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             ks = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
             k_mask = ks < K
             a = tl.load(a_base + rows[:, None] * K + ks[None, :],

@@ -215,13 +215,16 @@ def launch(kernel, ctx: jax.Array, *args: Any, out_shape, grid: int | Sequence[i
            num_warps: int = 4, num_stages: int = 3, needs_scratch: bool = False, **constexprs):
     """Runs ``kernel[grid](ctx, *args, *outputs, **constexprs)`` on the runtime's backend.
 
-    ``needs_scratch``: the kernel uses Triton's global scratch (device-side TMA
-    descriptors); on GPUs it then runs through jaxtdist's own launcher.
+    On GPUs, jaxtdist's own launcher runs it when the runtime's ``launcher``
+    is "native" and every argument is an array (it takes no scalars), and
+    always when ``needs_scratch``: the kernel uses Triton's global scratch
+    (device-side TMA descriptors). jax-triton runs it otherwise.
     """
     rt = runtime()
     outs, many = _out_list(out_shape)
     full_args = (ctx,) + tuple(args)
-    if rt.platform == "gpu" and (needs_scratch or rt.launcher == "native"):
+    arrays_only = not any(isinstance(a, (bool, int, float, np.number)) for a in args)
+    if rt.platform == "gpu" and (needs_scratch or (rt.launcher == "native" and arrays_only)):
         from jaxtdist.ops import _native_launch
         result = _native_launch.launch(rt, kernel, full_args, outs, grid, num_warps, num_stages,
                                        constexprs)

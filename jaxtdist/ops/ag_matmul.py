@@ -33,13 +33,11 @@ def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
     kernel's defaults (for configs that ask for its modes). STREAM_K (copy-engine
     kernel only) cuts the last partial wave of tiles along K over every
     program (``stream_k_tail``): True, False, or "auto" (where it pays).
-    PRELOAD_K (pointer kernel only; 0: off) rows of each program's w slice are
-    loaded before it waits for the gather.
     """
     small = world * m_shard <= (128 if platform == "gpu" else 32)
     wide = jnp.dtype(dtype).itemsize == 4
     common = dict(SCOPE="sys", SPLIT_K=1, CHUNK_ROWS=0, TMA=False, PRODUCER="sm",
-                  STREAM_K="auto", PRELOAD_K=0)
+                  STREAM_K="auto")
     if platform == "gpu":
         if small:  # decode: one M tile over all ranks' rows, split K, one chunk per row
             return dict(common, BLOCK_M=max(16, next_pow2(world * m_shard)), BLOCK_N=64,
@@ -121,8 +119,6 @@ _STREAM_K_AUTO_MAX_RUN = 0.35
 PRODUCERS = ("sm", "push", "ce")
 _INT_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "NUM_COMM", "CHUNK_ROWS",
              "COPY_BLOCK_C", "SPLIT_K", "num_warps", "num_stages")
-# Integer keys where 0 means "off".
-_OPTIONAL_INT_KEYS = ("PRELOAD_K",)
 
 
 def _tma_misfits(m_shard: int, n: int | None, k: int, itemsize: int, block_m: int) -> list[str]:
@@ -141,11 +137,10 @@ def _tma_misfits(m_shard: int, n: int | None, k: int, itemsize: int, block_m: in
 def check_config(cfg: dict, world: int, m_shard: int, k: int, n: int | None = None,
                  itemsize: int = 2) -> None:
     """Raises ``ValueError`` naming the first constraint ``cfg`` breaks."""
-    known = _INT_KEYS + _OPTIONAL_INT_KEYS + _FLAG_KEYS
-    unknown = set(cfg) - set(known)
+    unknown = set(cfg) - set(_INT_KEYS) - set(_FLAG_KEYS)
     if unknown:
         raise ValueError(f"jaxtdist.ag_matmul: unknown config keys {sorted(unknown)}; known: "
-                         f"{sorted(known)}")
+                         f"{sorted(_INT_KEYS + _FLAG_KEYS)}")
     cfg = dict(cfg, CHUNK_ROWS=cfg["CHUNK_ROWS"] or cfg["BLOCK_M"])  # 0: one chunk per row tile
     for key in _INT_KEYS:
         if int(cfg[key]) < 1:
@@ -178,10 +173,6 @@ def check_config(cfg: dict, world: int, m_shard: int, k: int, n: int | None = No
     if cfg["CHUNK_ROWS"] > cfg["BLOCK_M"] and cfg["PRODUCER"] in ("sm", "push"):
         raise ValueError(f"jaxtdist.ag_matmul: CHUNK_ROWS={cfg['CHUNK_ROWS']} must divide "
                          f"BLOCK_M={cfg['BLOCK_M']}")
-    if cfg.get("PRELOAD_K") and cfg.get("TMA"):
-        raise ValueError(f"jaxtdist.ag_matmul: config PRELOAD_K={cfg['PRELOAD_K']} needs "
-                         "TMA=False (the pointer kernel preloads w; the TMA kernels' pipelines "
-                         "do not)")
     if cfg.get("TMA"):
         misfits = ((["ALL_ROWS=False"] if cfg["ALL_ROWS"] else []) +
                    (["SPLIT_K=1"] if cfg["SPLIT_K"] != 1 else []) +
@@ -191,16 +182,6 @@ def check_config(cfg: dict, world: int, m_shard: int, k: int, n: int | None = No
     if cfg["SPLIT_K"] > -(-k // cfg["BLOCK_K"]):
         raise ValueError(f"jaxtdist.ag_matmul: SPLIT_K={cfg['SPLIT_K']} exceeds the "
                          f"{-(-k // cfg['BLOCK_K'])} blocks of K={k} (BLOCK_K={cfg['BLOCK_K']})")
-    preload = cfg.setdefault("PRELOAD_K", 0)
-    if preload:
-        k_split = -(-(-(-k // cfg["SPLIT_K"])) // cfg["BLOCK_K"]) * cfg["BLOCK_K"]
-        if preload < 0 or preload % cfg["BLOCK_K"] or preload & (preload - 1):
-            raise ValueError(f"jaxtdist.ag_matmul: config PRELOAD_K={preload} must be 0 or a "
-                             f"power-of-2 multiple of BLOCK_K={cfg['BLOCK_K']}")
-        if preload > k_split:
-            raise ValueError(f"jaxtdist.ag_matmul: config PRELOAD_K={preload} exceeds the "
-                             f"{k_split} rows of K each of the SPLIT_K={cfg['SPLIT_K']} programs "
-                             "of a tile reads")
 
 
 def resolve_config(rt, axis_name, world: int, m_shard: int, n: int, k: int, dtype,
@@ -212,12 +193,12 @@ def resolve_config(rt, axis_name, world: int, m_shard: int, n: int, k: int, dtyp
     ``jaxtdist.tune.tune_ag_matmul``) and caches the choice.
     """
     # A config that turns TMA off, or asks for a mode only the pointer kernel
-    # has (split K, one tile over all rows, SM pushes, preloaded w), starts from
-    # the pointer kernel's defaults: the shape's defaults may be the TMA kernel's.
+    # has (split K, one tile over all rows, SM pushes), starts from the pointer kernel's
+    # defaults: the shape's defaults may be the TMA kernel's.
     asked = config or {}
     pointer = (not asked.get("TMA", True)) or ("TMA" not in asked and (
         asked.get("SPLIT_K", 1) != 1 or asked.get("ALL_ROWS", False)
-        or asked.get("PRODUCER") == "push" or asked.get("PRELOAD_K", 0)))
+        or asked.get("PRODUCER") == "push"))
     cfg = dict(default_config(rt.platform, world, m_shard, n, k, dtype, allow_tma=not pointer))
     if config is None:
         tuned = rt.tuning.lookup("ag_matmul", world, (m_shard, n, k), dtype)
@@ -227,7 +208,7 @@ def resolve_config(rt, axis_name, world: int, m_shard: int, n: int, k: int, dtyp
         cfg.update(tuned or {})
     cfg.update(config or {})
     if cfg["TMA"]:  # the TMA kernel has neither mode: turn them off unless asked for
-        for key, value in (("ALL_ROWS", False), ("SPLIT_K", 1), ("PRELOAD_K", 0)):
+        for key, value in (("ALL_ROWS", False), ("SPLIT_K", 1)):
             if key not in (config or {}):
                 cfg[key] = value
     check_config(cfg, world, m_shard, k, n, jnp.dtype(dtype).itemsize)
@@ -297,7 +278,7 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
     cfg.pop("PRODUCER")
     cfg.pop("STREAM_K")  # the copy-engine kernel's alone
     if cfg.pop("TMA"):
-        for key in ("ALL_ROWS", "SPLIT_K", "PRELOAD_K"):
+        for key in ("ALL_ROWS", "SPLIT_K"):
             cfg.pop(key)
         programs = persistent_programs(rt, cfg["NUM_COMM"], m_tiles * n_tiles)
         schedule = rt.workspace(("ag_matmul_schedule", layout.axes), 8)

@@ -25,8 +25,10 @@ def triton_call(*args: Any, kernel, out_shape, grid: int | Sequence[int], axis_n
 
     The kernel is called as ``kernel[grid](ctx, *args, *outputs, **constexprs)``
     where ``ctx`` is the heap context that ``jaxtdist.language`` primitives
-    take (rank, peers, epoch). The same kernel runs on GPUs (jax-triton) and
-    on CPU (Triton's interpreter, one worker process per rank).
+    take (rank, peers, epoch). The same kernel runs on GPUs and on CPU
+    (Triton's interpreter, one worker process per rank). On GPUs jaxtdist's
+    own launcher runs it, or jax-triton where the kernel takes Python scalars
+    or the runtime's ``launcher`` is "jax-triton".
 
     Args:
       *args: arrays (passed as pointers) and Python scalars.

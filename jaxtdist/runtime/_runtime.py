@@ -64,11 +64,24 @@ def _platform(devices) -> str:
     raise ValueError(f"jaxtdist supports CPU and CUDA devices, not {platform!r}")
 
 
+# Who launches Triton kernels on GPUs: jaxtdist's FFI handler
+# (csrc/triton_launch.cc), or jaxlib's Triton custom call through jax-triton.
+LAUNCHERS = ("native", "jax-triton")
+
+
+def _check_launcher(launcher: str) -> str:
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"jaxtdist: launcher={launcher!r}; allowed: 'native' (jaxtdist's own "
+                         "FFI launcher, the default) or 'jax-triton' (jaxlib's Triton custom "
+                         "call; kernels with device-side TMA descriptors still use 'native')")
+    return launcher
+
+
 class Runtime:
     """Owns the symmetric heap of one mesh. Create it with ``jaxtdist.initialize``."""
 
     def __init__(self, mesh, heap_bytes: int | None = None, wait_spins: int | None = None,
-                 align_launches: bool = True):
+                 align_launches: bool = True, launcher: str = "native"):
         devices = list(mesh.devices.flat)
         if any(d.process_index != devices[0].process_index for d in devices):
             raise NotImplementedError(
@@ -101,10 +114,7 @@ class Runtime:
         self._native.reset(self.generation)
         self._align_launches = bool(align_launches)
         self._native.configure_launch_alignment(self._align_launches, LAUNCH_ALIGN_TIMEOUT_US)
-        # Who launches kernels that need no global scratch on GPUs, read at
-        # trace time: "jax-triton" (jaxlib's Triton custom call) or "native"
-        # (jaxtdist's FFI launcher, which kernels with scratch always use).
-        self.launcher = "jax-triton"
+        self._launcher = _check_launcher(launcher)
         if self.platform == "cpu":
             from jaxtdist.runtime._cpu import CpuHeap
             self.heap = CpuHeap(len(devices), self.heap_bytes)
@@ -127,6 +137,23 @@ class Runtime:
         # Read by the handlers at run time: compiled programs need no retrace.
         self._align_launches = bool(enabled)
         self._native.configure_launch_alignment(self._align_launches, LAUNCH_ALIGN_TIMEOUT_US)
+
+    @property
+    def launcher(self) -> str:
+        """Who launches Triton kernels on GPUs, read when an op is traced.
+
+        "native" (default): jaxtdist's FFI handler. "jax-triton": jaxlib's
+        Triton custom call, which costs more host time per launch; on 4 x H200
+        its launches left 6-8 us more skew between the devices of one call
+        (docs/perf). Kernels with device-side TMA descriptors always run
+        natively (jaxlib passes them no global scratch).
+        """
+        return self._launcher
+
+    @launcher.setter
+    def launcher(self, launcher: str) -> None:
+        # Programs traced before keep the launcher they were traced with.
+        self._launcher = _check_launcher(launcher)
 
     def launch_alignment_stats(self) -> dict:
         """Host rendezvous before collective launches so far: ``enabled``, ``met``
@@ -247,7 +274,7 @@ _GENERATION = 0  # counts runtimes: programs traced for an older one are refused
 
 
 def initialize(mesh, *, heap_bytes: int | None = None, wait_spins: int | None = None,
-               align_launches: bool | None = None) -> Runtime:
+               align_launches: bool | None = None, launcher: str | None = None) -> Runtime:
     """Creates the symmetric heap for ``mesh``; jaxtdist ops need it.
 
     Args:
@@ -261,6 +288,10 @@ def initialize(mesh, *, heap_bytes: int | None = None, wait_spins: int | None = 
         launch, as XLA's own collectives do, so that no device's kernel waits
         long for a peer that was launched late. Changing only this setting
         keeps the runtime and compiled programs.
+      launcher: who launches Triton kernels on GPUs: "native" (default,
+        jaxtdist's FFI handler) or "jax-triton" (jaxlib's Triton custom call).
+        Read when ops are traced; changing only this setting keeps the
+        runtime, and programs traced before keep their launcher.
 
     Returns:
       The runtime. Calling it again with the same mesh returns the existing
@@ -273,6 +304,8 @@ def initialize(mesh, *, heap_bytes: int | None = None, wait_spins: int | None = 
       >>> rt = jaxtdist.initialize(mesh)
     """
     global _RUNTIME
+    if launcher is not None:
+        _check_launcher(launcher)
     with _RUNTIME_LOCK:
         if _RUNTIME is not None:
             same = (_RUNTIME.mesh == mesh
@@ -281,13 +314,16 @@ def initialize(mesh, *, heap_bytes: int | None = None, wait_spins: int | None = 
             if same:
                 if align_launches is not None:
                     _RUNTIME.align_launches = align_launches
+                if launcher is not None:
+                    _RUNTIME.launcher = launcher
                 return _RUNTIME
             _RUNTIME.close()
             _RUNTIME = None
             # Programs traced for the old runtime hold its offsets: retrace.
             jax.clear_caches()
         _RUNTIME = Runtime(mesh, heap_bytes, wait_spins,
-                           True if align_launches is None else align_launches)
+                           True if align_launches is None else align_launches,
+                           launcher or "native")
         return _RUNTIME
 
 

@@ -57,18 +57,7 @@ def _gpu_candidates(world: int, m_shard: int, n: int, k: int, dtype) -> list[dic
                 dict(push4, NUM_COMM=8, BLOCK_N=32, BLOCK_K=128, SPLIT_K=2),
                 dict(push4, NUM_COMM=8, BLOCK_N=128, BLOCK_K=32, SPLIT_K=8),
                 dict(PRODUCER="push", NUM_COMM=4, BLOCK_N=64, SPLIT_K=2),
-                dict(PRODUCER="push", NUM_COMM=4, BLOCK_N=32, BLOCK_K=256, SPLIT_K=1)] + [
-                # The first K rows of each program's w slice loaded during the wait,
-                # still one wave: 40 and 80 kB of shared memory at 16 rows, 96 and
-                # 112 kB at 64 (two per SM). Only where each program reads that many.
-                preload for preload in (
-                    dict(push4, NUM_COMM=4, BLOCK_N=64, BLOCK_K=64, SPLIT_K=4, PRELOAD_K=256),
-                    dict(push4, NUM_COMM=4, BLOCK_N=64, BLOCK_K=64, SPLIT_K=4, PRELOAD_K=512),
-                    dict(push4, NUM_COMM=8, BLOCK_N=64, BLOCK_K=64, SPLIT_K=4, num_stages=4,
-                         PRELOAD_K=128),
-                    dict(push4, NUM_COMM=8, BLOCK_N=64, BLOCK_K=64, SPLIT_K=4, num_stages=3,
-                         PRELOAD_K=256))
-                if preload["PRELOAD_K"] * preload["SPLIT_K"] <= k]
+                dict(PRODUCER="push", NUM_COMM=4, BLOCK_N=32, BLOCK_K=256, SPLIT_K=1)]
     if m_shard <= 256:  # few row tiles: narrower N tiles, finer chunks
         # The pointer kernel with SM producers (explicit: the default may be the
         # copy-engine kernel where TMA fits).

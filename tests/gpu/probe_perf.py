@@ -256,68 +256,6 @@ def _alternate(label, fns, args, ref, world, rounds, iterations):
               f"err {errs[name]:.1e}", flush=True)
 
 
-def probe_preload(rounds=3, iterations=50):
-    """Decode: the shipped config with w's first PRELOAD_K rows loaded during the wait,
-    and without; XLA's all_gather + dot beside them, alternating in one process."""
-    mesh = mesh_of(4)
-    rt = td.initialize(mesh)
-    specs = dict(mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp"),
-                 check_vma=False)
-    for m, variants in ((1, (dict(PRELOAD_K=256), dict(PRELOAD_K=512))),
-                        (16, (dict(num_stages=4, PRELOAD_K=128),
-                              dict(num_stages=3, PRELOAD_K=256)))):
-        n, k = 4096, 8192
-        args, ref = _sharded_args(mesh, m, n, k)
-        tuned = rt.tuning.lookup("ag_matmul", 4, (m, n, k), jnp.bfloat16) or {}
-        fns = {"xla": jax.jit(jax.shard_map(
-            lambda x, w: jnp.dot(jax.lax.all_gather(x, "tp", tiled=True), w), **specs))}
-        for v in ({},) + variants:
-            cfg = dict(tuned, **v)
-            fns[str(v) or "tuned"] = jax.jit(jax.shard_map(
-                lambda x, w, cfg=cfg: ag_matmul_with_gathered(x, w, "tp", config=cfg)[0],
-                **specs))
-        print(f"preload m={m}: tuned config {tuned}", flush=True)
-        _alternate(f"preload m={m}", fns, args, ref, 4, rounds, iterations)
-
-
-def probe_launcher(rounds=3, iterations=50):
-    """Decode ag_matmul and small all_gathers launched by jax-triton or by jaxtdist's
-    own FFI launcher (``rt.launcher``, read at trace time), XLA beside them,
-    alternating in one process."""
-    mesh = mesh_of(4)
-    rt = td.initialize(mesh)
-    specs = dict(mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp"),
-                 check_vma=False)
-
-    def traced(make, args):
-        fns = {}
-        for launcher in ("jax-triton", "native"):
-            rt.launcher = launcher
-            fns[launcher] = make()
-            jax.block_until_ready(fns[launcher](*args))  # traced under this launcher
-        rt.launcher = "jax-triton"
-        return fns
-
-    for m in (1, 16):
-        args, ref = _sharded_args(mesh, m, 4096, 8192)
-        fns = {"xla": jax.jit(jax.shard_map(
-            lambda x, w: jnp.dot(jax.lax.all_gather(x, "tp", tiled=True), w), **specs))}
-        fns.update(traced(lambda: jax.jit(jax.shard_map(
-            lambda x, w: td.ag_matmul(x, w, "tp"), **specs)), args))
-        _alternate(f"launcher ag_matmul m={m}", fns, args, ref, 4, rounds, iterations)
-    for rows in (8, 128, 512):
-        x = jax.random.normal(jax.random.key(0), (4 * rows, 1024), jnp.bfloat16)
-        args = (jax.device_put(x, NamedSharding(mesh, P("tp", None))),)
-        gather_specs = dict(mesh=mesh, in_specs=P("tp", None), out_specs=P(None, None),
-                            check_vma=False)
-        fns = {"xla": jax.jit(jax.shard_map(lambda v: jax.lax.all_gather(v, "tp", tiled=True),
-                                            **gather_specs))}
-        fns.update(traced(lambda: jax.jit(jax.shard_map(
-            lambda v: td.all_gather(v, "tp"), **gather_specs)), args))
-        _alternate(f"launcher all_gather {rows * 2048} B/rank", fns, args,
-                   np.asarray(x, np.float32), 4, rounds, iterations)
-
-
 def probe_tiles(rounds=3, iterations=20):
     """2048/2752/4096: the copy-engine kernel with 128x256 tiles (shipped) against
     tiles whose last wave is fuller, at world 4 and alone on one GPU (cuBLAS beside)."""
@@ -349,8 +287,6 @@ if __name__ == "__main__":
     import sys
     if "--launcher" in sys.argv:
         probe_launcher()
-    if "--preload" in sys.argv:
-        probe_preload()
     if "--tiles" in sys.argv:
         probe_tiles()
     if "--stream-k" in sys.argv:

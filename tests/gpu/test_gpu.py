@@ -139,27 +139,6 @@ def test_ag_matmul_push(world, dtype, m_shard, k, n_shard, config):
                      calls=3)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("m_shard,k,n_shard,config", [
-    (1, 8192, 4096, dict(NUM_COMM=4, SPLIT_K=4, PRELOAD_K=512)),   # the decode candidates
-    (16, 8192, 1024, dict(NUM_COMM=8, SPLIT_K=4, num_stages=3, PRELOAD_K=256)),
-    (3, 600, 600, dict(SPLIT_K=4, PRELOAD_K=128)),                 # last split: 24 rows of K
-    (100, 777, 300, dict(ALL_ROWS=False, BLOCK_M=64, PRELOAD_K=64)),
-])
-def test_ag_matmul_push_preload(world, dtype, m_shard, k, n_shard, config):
-    """Pushes, with the first PRELOAD_K rows of each program's w slice loaded before
-    the chunk wait."""
-    mesh = _mesh(world)
-    td.initialize(mesh)
-    config = dict(dict(ALL_ROWS=True, CHUNK_ROWS=4, BLOCK_N=64, BLOCK_K=64), **config,
-                  PRODUCER="push")
-    if dtype == jnp.float32:  # twice the bytes: stay within shared memory
-        config["PRELOAD_K"] = max(64, config["PRELOAD_K"] // 2)
-    _check_ag_matmul(mesh, _ag_matmul_fn(mesh, config), world, m_shard, k, n_shard, dtype,
-                     calls=3)
-
-
 @pytest.mark.parametrize("world", [1, 4])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("m_shard,k,n_shard,config", [
@@ -359,6 +338,47 @@ def test_user_kernel_ring(world):
         x = _rand((world * n,), jnp.float32)
         out = ring(jax.device_put(x, NamedSharding(mesh, P("tp"))))
         np.testing.assert_array_equal(np.asarray(out), _ring_shift(x, world, 1))
+
+
+@pytest.mark.parametrize("launcher", ["native", "jax-triton"])
+def test_launchers(launcher):
+    """Both GPU launchers run the pointer kernels (SM producers and pushes), the
+    all-gather and user kernels; a kernel with a scalar argument always goes
+    through jax-triton (the native launcher takes arrays only)."""
+    from tests.kernels_for_tests import ring_kernel, scaled_rank_kernel
+    world, n = 4, 1000
+    mesh = _mesh(world)
+    rt = td.initialize(mesh, launcher=launcher)
+    try:
+        for m_shard, config in ((1, dict(PRODUCER="push", ALL_ROWS=True, CHUNK_ROWS=4,
+                                         NUM_COMM=4, SPLIT_K=4, BLOCK_N=64, BLOCK_K=64)),
+                                (100, dict(TMA=False, PRODUCER="sm", BLOCK_M=64, BLOCK_N=64,
+                                           BLOCK_K=64, CHUNK_ROWS=16))):
+            _check_ag_matmul(mesh, _ag_matmul_fn(mesh, config), world, m_shard, 1024, 512,
+                             jnp.bfloat16, calls=3)
+        gather = jax.jit(jax.shard_map(lambda x: td.all_gather(x, "tp"), mesh=mesh,
+                                       in_specs=P("tp", None), out_specs=P(None, None),
+                                       check_vma=False))
+        ring = _vector_fn(mesh, lambda x: td.triton_call(
+            x, kernel=ring_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(1,),
+            axis_name="tp", workspace_bytes=256 + 2 * 4 * 1024, N=n, BLOCK=1024))
+        scaled = _vector_fn(mesh, lambda x: td.triton_call(
+            x, 2.5, kernel=scaled_rank_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+            grid=(1,), axis_name="tp", N=n, BLOCK=1024))
+        for _ in range(3):
+            x = _rand((world * 64, 256), jnp.bfloat16)
+            np.testing.assert_array_equal(
+                np.asarray(gather(jax.device_put(x, NamedSharding(mesh, P("tp", None)))),
+                           np.float32), np.asarray(x, np.float32))
+            v = _rand((world * n,), jnp.float32)
+            vs = jax.device_put(v, NamedSharding(mesh, P("tp")))
+            np.testing.assert_array_equal(np.asarray(ring(vs)), _ring_shift(v, world, 1))
+            np.testing.assert_allclose(
+                np.asarray(scaled(vs)),
+                np.asarray(v) * 2.5 + np.repeat(np.arange(world, dtype=np.float32), n),
+                rtol=1e-6)
+    finally:
+        rt.launcher = "native"
 
 
 @pytest.mark.parametrize("world", [2, 4])
