@@ -55,6 +55,26 @@ def test_ring(world):
         np.testing.assert_array_equal(out, np.roll(x, 1, axis=0))
 
 
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("scale", [2.5, -3])
+def test_scalar_argument(world, scale):
+    """A Python scalar among the kernel's arguments (on GPUs: jax-triton launches it)."""
+    mesh = setup(world)
+    n = 21
+
+    def body(x):
+        out = td.triton_call(x[0], scale, kernel=K.scaled_rank_kernel,
+                             out_shape=jax.ShapeDtypeStruct((n,), jnp.float32), grid=(1,),
+                             axis_name="tp", N=n, BLOCK=32)
+        return out[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp", None), out_specs=P("tp", None)))
+    x = rand((world, n))
+    out = np.asarray(f(place(mesh, x, P("tp", None))))
+    np.testing.assert_allclose(out, x * scale + np.arange(world, dtype=np.float32)[:, None],
+                               rtol=1e-6)
+
+
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_ids_and_epochs(world):
     """rank, num_ranks and epoch as the kernel sees them; epochs are per workspace."""
