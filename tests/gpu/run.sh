@@ -51,10 +51,15 @@ if has tune; then
     --markdown "docs/perf/ag_matmul_tuning_${TAG}.md" 2>&1 | tee "$OUT/tune.log"
 fi
 if has bench; then
+  # SM clocks, power and throttle reasons during the bench: slow episodes vs clock drops.
+  nvidia-smi --query-gpu=index,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv,noheader,nounits -lms 250 > "$OUT/clocks.csv" 2>/dev/null &
+  CLOCKS_PID=$!
   python3 -m jaxtdist.bench all_gather --json "docs/perf/all_gather_${TAG}.json" \
     --markdown "docs/perf/all_gather_${TAG}.md" 2>&1 | tee "$OUT/bench_all_gather.log"
   python3 -m jaxtdist.bench ag_matmul $ARGS --json "docs/perf/ag_matmul_${TAG}.json" \
     --markdown "docs/perf/ag_matmul_${TAG}.md" 2>&1 | tee "$OUT/bench_ag_matmul.log"
+  kill "$CLOCKS_PID" 2>/dev/null
 fi
 cp docs/perf/*_"${TAG}".* "$OUT/" 2>/dev/null
 
@@ -66,6 +71,7 @@ if has tests; then
 fi
 if has tune; then grep -E "best" "$OUT/tune.log"; fi
 if has bench; then
+  python3 tests/gpu/clock_summary.py "$OUT/clocks.csv" 2>/dev/null
   cat "docs/perf/all_gather_${TAG}.md" 2>/dev/null
   echo
   cat "docs/perf/ag_matmul_${TAG}.md" 2>/dev/null
