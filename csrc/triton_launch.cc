@@ -128,7 +128,8 @@ ffi::Error TritonLaunchCuda(cudaStream_t stream, std::int32_t device_ordinal,
                             ffi::RemainingArgs args, ffi::RemainingRets rets,
                             std::int64_t kernel_id, std::int64_t grid_x, std::int64_t grid_y,
                             std::int64_t grid_z, std::int64_t scratch_offset,
-                            std::int64_t generation) {
+                            std::int64_t generation, std::int64_t align_counter,
+                            ffi::Span<const std::int64_t> groups, std::int64_t world) {
   if (std::string stale = CheckGeneration(generation); !stale.empty()) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition, stale);
   }
@@ -178,6 +179,22 @@ ffi::Error TritonLaunchCuda(cudaStream_t stream, std::int32_t device_ordinal,
     if (buf.has_error()) return buf.error();
     pointers[n_args + i] = (*buf)->untyped_data();
   }
+  // align_counter >= 0: the launch rendezvous of the call whose prologue
+  // advanced that workspace counter (launch_align.h). Held here rather than
+  // in the prologue, so that only cuLaunchKernel runs after it.
+  std::int64_t align_epoch = 0;
+  const std::int64_t* group = nullptr;
+  if (align_counter >= 0) {
+    auto pos = RuntimeState::Get().PositionOfDevice(device_ordinal);
+    if (!pos) return ffi::Error::InvalidArgument(NoHeapForDevice(device_ordinal));
+    std::string group_err;
+    group = RuntimeState::GroupOf(groups.begin(), static_cast<std::int64_t>(groups.size()),
+                                  world, *pos, &group_err);
+    if (group == nullptr) {
+      return ffi::Error::InvalidArgument("jaxtdist: Triton launcher: " + group_err);
+    }
+    align_epoch = RuntimeState::Get().PeekEpoch(align_counter, *pos);
+  }
   std::vector<void*> params;
   params.reserve(pointers.size() + 2);
   for (void*& p : pointers) params.push_back(&p);
@@ -186,6 +203,9 @@ ffi::Error TritonLaunchCuda(cudaStream_t stream, std::int32_t device_ordinal,
   // The function belongs to `ctx`; make it current for the launch too.
   if (std::string e = cuda::DriverError("cuCtxPushCurrent", drv.ctx_push(ctx)); !e.empty()) {
     return ffi::Error::Internal("jaxtdist: " + e);
+  }
+  if (group != nullptr) {
+    RuntimeState::Get().aligner().Arrive(align_counter, align_epoch, group[0], world);
   }
   CUresult res = drv.launch_kernel(fn, static_cast<unsigned>(grid_x),
                                    static_cast<unsigned>(grid_y), static_cast<unsigned>(grid_z),
@@ -245,6 +265,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtdistTritonLaunchCuda, TritonLaunchCuda,
                                   .Attr<std::int64_t>("grid_y")
                                   .Attr<std::int64_t>("grid_z")
                                   .Attr<std::int64_t>("scratch_offset")
-                                  .Attr<std::int64_t>("generation"));
+                                  .Attr<std::int64_t>("generation")
+                                  .Attr<std::int64_t>("align_counter")
+                                  .Attr<ffi::Span<const std::int64_t>>("groups")
+                                  .Attr<std::int64_t>("world"));
 
 }  // namespace jaxtdist

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -211,23 +212,48 @@ def match_cotangent(ct: jax.Array, primal: jax.Array) -> jax.Array:
     return mark_varying(ct, tuple(sorted(want)))
 
 
+def _launches_natively(rt: Runtime, args: Sequence, needs_scratch: bool) -> bool:
+    """Whether jaxtdist's own launcher runs a kernel with these arguments on GPUs:
+    always with ``needs_scratch``, else with the "native" launcher and no
+    Python scalar among ``args`` (it takes arrays only)."""
+    arrays_only = not any(isinstance(a, (bool, int, float, np.number)) for a in args)
+    return rt.platform == "gpu" and (needs_scratch or (rt.launcher == "native" and arrays_only))
+
+
+def aligns_at_launch(rt: Runtime, args: Sequence = (), needs_scratch: bool = False) -> bool:
+    """Whether the launch of a kernel with ``args`` holds its call's launch rendezvous
+    (pass ``align_launch=not aligns_at_launch(...)`` to ``prologue`` and the call's
+    layout and workspace to ``launch``): so when jaxtdist's own launcher runs it,
+    which then launches right after the rendezvous. jax-triton's launch is a
+    custom call of its own: the prologue holds the rendezvous then."""
+    return (_launches_natively(rt, args, needs_scratch)
+            and os.environ.get("JAXTDIST_ALIGN_IN_LAUNCH", "1") != "0")
+
+
 def launch(kernel, ctx: jax.Array, *args: Any, out_shape, grid: int | Sequence[int],
-           num_warps: int = 4, num_stages: int = 3, needs_scratch: bool = False, **constexprs):
+           num_warps: int = 4, num_stages: int = 3, needs_scratch: bool = False,
+           align_with: tuple[Layout, Workspace] | None = None, **constexprs):
     """Runs ``kernel[grid](ctx, *args, *outputs, **constexprs)`` on the runtime's backend.
 
     On GPUs, jaxtdist's own launcher runs it when the runtime's ``launcher``
     is "native" and every argument is an array (it takes no scalars), and
     always when ``needs_scratch``: the kernel uses Triton's global scratch
     (device-side TMA descriptors). jax-triton runs it otherwise.
+
+    ``align_with``: the (layout, workspace) of the call's prologue; where
+    ``aligns_at_launch``, the launch holds the call's launch rendezvous.
     """
     rt = runtime()
     outs, many = _out_list(out_shape)
     full_args = (ctx,) + tuple(args)
-    arrays_only = not any(isinstance(a, (bool, int, float, np.number)) for a in args)
-    if rt.platform == "gpu" and (needs_scratch or (rt.launcher == "native" and arrays_only)):
+    if _launches_natively(rt, args, needs_scratch):
         from jaxtdist.ops import _native_launch
+        align = None
+        if align_with is not None and aligns_at_launch(rt, args, needs_scratch):
+            layout, ws = align_with
+            align = (ws.counter_id, rt.group_table(layout), layout.world)
         result = _native_launch.launch(rt, kernel, full_args, outs, grid, num_warps, num_stages,
-                                       constexprs)
+                                       constexprs, align)
     elif rt.platform == "gpu":
         result = _gpu_launch(kernel, full_args, outs, grid, num_warps, num_stages, constexprs)
         result = list(result) if isinstance(result, (list, tuple)) else [result]

@@ -269,7 +269,8 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
                                 split_plan.nbytes)
         partials_off = split_ws.offset + split_plan.partials
         counters_off = split_ws.offset + split_plan.counters
-    ctx = _call.prologue(rt, layout, ws, "ag_matmul", deps=(x, w))
+    at_launch = _call.aligns_at_launch(rt, (x, w), needs_scratch=cfg["TMA"])
+    ctx = _call.prologue(rt, layout, ws, "ag_matmul", deps=(x, w), align_launch=not at_launch)
     # With pushes the gathered x stays in the heap inboxes: a one-element
     # placeholder takes the kernel's second output.
     out_shape = (jax.ShapeDtypeStruct((world * m_shard, n), x.dtype),
@@ -285,14 +286,15 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
         out, gathered = _call.launch(
             ag_matmul_tma_kernel, ctx, x, w, out_shape=out_shape, grid=(programs,),
             num_warps=num_warps, num_stages=num_stages, needs_scratch=True,
-            SCHEDULE_OFF=schedule.offset, NUM_PROGRAMS=programs,
+            align_with=(layout, ws), SCHEDULE_OFF=schedule.offset, NUM_PROGRAMS=programs,
             PRODUCERS_JOIN=rt.platform == "gpu", **gather, **cfg)
         return out, gathered
     grid = (cfg["NUM_COMM"] + split_k * m_tiles * n_tiles,)
     out, gathered = _call.launch(
         ag_matmul_kernel, ctx, x, w, out_shape=out_shape, grid=grid, num_warps=num_warps,
-        num_stages=num_stages, PARTIALS_OFF=partials_off, COUNTERS_OFF=counters_off,
-        K_SPLIT=k_split, PUSH=push, FLAG_SCOPE="sys" if push else "gpu", **gather, **cfg)
+        num_stages=num_stages, align_with=(layout, ws), PARTIALS_OFF=partials_off,
+        COUNTERS_OFF=counters_off, K_SPLIT=k_split, PUSH=push,
+        FLAG_SCOPE="sys" if push else "gpu", **gather, **cfg)
     if push:  # the inboxes are reused by the next call: XLA gathers the residual if used
         return out, jax.lax.all_gather(x, axis_name, tiled=True)
     return out, gathered

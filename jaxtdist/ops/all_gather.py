@@ -66,8 +66,9 @@ def all_gather(x: jax.Array, axis_name, *, axis: int = 0, tiled: bool = True,
     num_warps = cfg.pop("num_warps")
     plan = GatherWorkspace(world, rows, cols, x.dtype, cfg["CHUNK_ROWS"])
     ws = rt.workspace(("all_gather", layout.axes, rows, cols, x.dtype.name), plan.nbytes)
-    ctx = _call.prologue(rt, layout, ws, "all_gather", deps=(flat,))
-    out = _call.launch(all_gather_kernel, ctx, flat,
+    ctx = _call.prologue(rt, layout, ws, "all_gather", deps=(flat,),
+                         align_launch=not _call.aligns_at_launch(rt, (flat,)))
+    out = _call.launch(all_gather_kernel, ctx, flat, align_with=(layout, ws),
                        out_shape=jax.ShapeDtypeStruct((world * rows, cols), x.dtype),
                        grid=(cfg["NUM_WORKERS"],), num_warps=num_warps, num_stages=1,
                        ROWS=rows, COLS=cols, STAGE_OFF=ws.offset + plan.stage,

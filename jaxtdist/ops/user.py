@@ -78,7 +78,8 @@ def triton_call(*args: Any, kernel, out_shape, grid: int | Sequence[int], axis_n
     stage_offset = ws.offset + align(max(workspace_bytes, 0))
     deps = tuple(a for a in args if isinstance(a, jax.Array))
     ctx = _call.prologue(rt, layout, ws, "triton_call", stage=stage, stage_offset=stage_offset,
-                         parity_bytes=slot, deps=deps)
+                         parity_bytes=slot, deps=deps,
+                         align_launch=not _call.aligns_at_launch(rt, args, needs_scratch=tma))
     if workspace_bytes > 0:
         constexprs["WORKSPACE"] = ws.offset
     if stage is not None:
@@ -86,4 +87,4 @@ def triton_call(*args: Any, kernel, out_shape, grid: int | Sequence[int], axis_n
         constexprs["STAGE_BYTES"] = slot
     return _call.launch(kernel, ctx, *args, out_shape=out_shape, grid=grid,
                         num_warps=num_warps, num_stages=num_stages, needs_scratch=tma,
-                        **constexprs)
+                        align_with=(layout, ws), **constexprs)

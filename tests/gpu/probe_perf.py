@@ -256,6 +256,51 @@ def _alternate(label, fns, args, ref, world, rounds, iterations):
               f"err {errs[name]:.1e}", flush=True)
 
 
+def probe_launcher(rounds=3, iterations=50):
+    """Decode ag_matmul and small all_gathers launched by jax-triton or by jaxtdist's
+    own FFI launcher (``rt.launcher``, read at trace time), the latter with the
+    launch rendezvous in the prologue or in the launch handler
+    (JAXTDIST_ALIGN_IN_LAUNCH, read at trace time too), XLA beside them,
+    alternating in one process."""
+    import os
+    mesh = mesh_of(4)
+    rt = td.initialize(mesh)
+    specs = dict(mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp"),
+                 check_vma=False)
+
+    def traced(make, args):
+        fns = {}
+        for launcher, at_launch in (("jax-triton", "1"), ("native", "0"), ("native", "1")):
+            rt.launcher = launcher
+            os.environ["JAXTDIST_ALIGN_IN_LAUNCH"] = at_launch
+            name = launcher if launcher == "jax-triton" else (
+                "native, rendezvous in " + ("launch" if at_launch == "1" else "prologue"))
+            fns[name] = make()
+            jax.block_until_ready(fns[name](*args))  # traced under these settings
+        rt.launcher = "native"
+        os.environ.pop("JAXTDIST_ALIGN_IN_LAUNCH")
+        return fns
+
+    for m in (1, 16):
+        args, ref = _sharded_args(mesh, m, 4096, 8192)
+        fns = {"xla": jax.jit(jax.shard_map(
+            lambda x, w: jnp.dot(jax.lax.all_gather(x, "tp", tiled=True), w), **specs))}
+        fns.update(traced(lambda: jax.jit(jax.shard_map(
+            lambda x, w: td.ag_matmul(x, w, "tp"), **specs)), args))
+        _alternate(f"launcher ag_matmul m={m}", fns, args, ref, 4, rounds, iterations)
+    for rows in (8, 128, 512):
+        x = jax.random.normal(jax.random.key(0), (4 * rows, 1024), jnp.bfloat16)
+        args = (jax.device_put(x, NamedSharding(mesh, P("tp", None))),)
+        gather_specs = dict(mesh=mesh, in_specs=P("tp", None), out_specs=P(None, None),
+                            check_vma=False)
+        fns = {"xla": jax.jit(jax.shard_map(lambda v: jax.lax.all_gather(v, "tp", tiled=True),
+                                            **gather_specs))}
+        fns.update(traced(lambda: jax.jit(jax.shard_map(
+            lambda v: td.all_gather(v, "tp"), **gather_specs)), args))
+        _alternate(f"launcher all_gather {rows * 2048} B/rank", fns, args,
+                   np.asarray(x, np.float32), 4, rounds, iterations)
+
+
 def probe_tiles(rounds=3, iterations=20):
     """2048/2752/4096: the copy-engine kernel with 128x256 tiles (shipped) against
     tiles whose last wave is fuller, at world 4 and alone on one GPU (cuBLAS beside)."""

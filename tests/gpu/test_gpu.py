@@ -88,7 +88,8 @@ def test_ag_matmul(world, dtype, m_shard, k, n_shard):
                                             (256, dict(TMA=True, PRODUCER="sm", NUM_COMM=8))])
 def test_launches_are_aligned(world, m_shard, config):
     """The host threads of the group's devices meet before every collective launch
-    (prologue, or the copy-engine handler), on time: XLA runs them concurrently."""
+    (in the launch handler, the prologue or the copy-engine handler), on time: XLA
+    runs them concurrently."""
     mesh = _mesh(world)
     rt = td.initialize(mesh)
     rt.align_launches = True  # also resets the statistics
@@ -349,6 +350,7 @@ def test_launchers(launcher):
     world, n = 4, 1000
     mesh = _mesh(world)
     rt = td.initialize(mesh, launcher=launcher)
+    rt.align_launches = True  # also resets the statistics
     try:
         for m_shard, config in ((1, dict(PRODUCER="push", ALL_ROWS=True, CHUNK_ROWS=4,
                                          NUM_COMM=4, SPLIT_K=4, BLOCK_N=64, BLOCK_K=64)),
@@ -377,6 +379,11 @@ def test_launchers(launcher):
                 np.asarray(scaled(vs)),
                 np.asarray(v) * 2.5 + np.repeat(np.arange(world, dtype=np.float32), n),
                 rtol=1e-6)
+        # 15 calls, each launch rendezvous met by all 4 host threads (in the
+        # native launch, or in the prologue before a jax-triton launch).
+        stats = rt.launch_alignment_stats()
+        assert stats["enabled"] and stats["timed_out"] == 0, stats
+        assert stats["met"] >= world * 15, stats
     finally:
         rt.launcher = "native"
 
