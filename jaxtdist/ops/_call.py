@@ -248,12 +248,12 @@ def launch(kernel, ctx: jax.Array, *args: Any, out_shape, grid: int | Sequence[i
     full_args = (ctx,) + tuple(args)
     if _launches_natively(rt, args, needs_scratch):
         from jaxtdist.ops import _native_launch
-        align = None
+        rendezvous = None
         if align_with is not None and aligns_at_launch(rt, args, needs_scratch):
             layout, ws = align_with
-            align = (ws.counter_id, rt.group_table(layout), layout.world)
+            rendezvous = (ws.counter_id, rt.group_table(layout), layout.world)
         result = _native_launch.launch(rt, kernel, full_args, outs, grid, num_warps, num_stages,
-                                       constexprs, align)
+                                       constexprs, rendezvous)
     elif rt.platform == "gpu":
         result = _gpu_launch(kernel, full_args, outs, grid, num_warps, num_stages, constexprs)
         result = list(result) if isinstance(result, (list, tuple)) else [result]

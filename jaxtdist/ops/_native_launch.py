@@ -109,10 +109,10 @@ def _registered(kernel, arg_types: tuple, constexpr_items: tuple, num_warps: int
 
 def launch(rt: Runtime, kernel, args: Sequence[jax.Array], outs, grid, num_warps: int,
            num_stages: int, constexprs: dict,
-           align: tuple[int, np.ndarray, int] | None = None) -> list[jax.Array]:
+           rendezvous: tuple[int, np.ndarray, int] | None = None) -> list[jax.Array]:
     """``kernel[grid](*args, *outs, **constexprs)`` on the devices of ``rt``'s mesh.
 
-    ``align``: (workspace counter id, group table, world) of the call whose
+    ``rendezvous``: (workspace counter id, group table, world) of the call whose
     prologue ran just before: the handler then holds the launch rendezvous
     (``csrc/launch_align.h``) right before it launches.
     """
@@ -151,7 +151,8 @@ def launch(rt: Runtime, kernel, args: Sequence[jax.Array], outs, grid, num_warps
                           programs * compiled.scratch_bytes + align)
         scratch_offset = -(-ws.offset // align) * align
     call = jax.ffi.ffi_call(_native.TRITON_LAUNCH_TARGET, list(outs), has_side_effect=True)
-    counter, groups, world = align if align is not None else (-1, np.zeros(1, np.int64), 1)
+    counter, groups, world = (rendezvous if rendezvous is not None
+                              else (-1, np.zeros(1, np.int64), 1))
     result = call(*args, kernel_id=np.int64(compiled.kernel_id), grid_x=np.int64(grid[0]),
                   grid_y=np.int64(grid[1]), grid_z=np.int64(grid[2]),
                   scratch_offset=np.int64(scratch_offset), generation=np.int64(rt.generation),
