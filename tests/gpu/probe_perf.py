@@ -256,14 +256,14 @@ def _alternate(label, fns, args, ref, world, rounds, iterations):
               f"err {errs[name]:.1e}", flush=True)
 
 
-def probe_launcher(rounds=3, iterations=50):
+def probe_launcher(rounds=3, iterations=50, world=4):
     """Decode ag_matmul and small all_gathers launched by jax-triton or by jaxtdist's
     own FFI launcher (``rt.launcher``, read at trace time), the latter with the
     launch rendezvous in the prologue or in the launch handler
     (JAXTDIST_ALIGN_IN_LAUNCH, read at trace time too), XLA beside them,
     alternating in one process."""
     import os
-    mesh = mesh_of(4)
+    mesh = mesh_of(world)
     rt = td.initialize(mesh)
     specs = dict(mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp"),
                  check_vma=False)
@@ -282,14 +282,15 @@ def probe_launcher(rounds=3, iterations=50):
         return fns
 
     for m in (1, 16):
-        args, ref = _sharded_args(mesh, m, 4096, 8192)
+        args, ref = _sharded_args(mesh, m, 4096, 8192, world)
         fns = {"xla": jax.jit(jax.shard_map(
             lambda x, w: jnp.dot(jax.lax.all_gather(x, "tp", tiled=True), w), **specs))}
         fns.update(traced(lambda: jax.jit(jax.shard_map(
             lambda x, w: td.ag_matmul(x, w, "tp"), **specs)), args))
-        _alternate(f"launcher ag_matmul m={m}", fns, args, ref, 4, rounds, iterations)
+        _alternate(f"launcher ag_matmul w={world} m={m}", fns, args, ref, world, rounds,
+                   iterations)
     for rows in (8, 128, 512):
-        x = jax.random.normal(jax.random.key(0), (4 * rows, 1024), jnp.bfloat16)
+        x = jax.random.normal(jax.random.key(0), (world * rows, 1024), jnp.bfloat16)
         args = (jax.device_put(x, NamedSharding(mesh, P("tp", None))),)
         gather_specs = dict(mesh=mesh, in_specs=P("tp", None), out_specs=P(None, None),
                             check_vma=False)
@@ -297,8 +298,8 @@ def probe_launcher(rounds=3, iterations=50):
                                             **gather_specs))}
         fns.update(traced(lambda: jax.jit(jax.shard_map(
             lambda v: td.all_gather(v, "tp"), **gather_specs)), args))
-        _alternate(f"launcher all_gather {rows * 2048} B/rank", fns, args,
-                   np.asarray(x, np.float32), 4, rounds, iterations)
+        _alternate(f"launcher all_gather w={world} {rows * 2048} B/rank", fns, args,
+                   np.asarray(x, np.float32), world, rounds, iterations)
 
 
 def probe_tiles(rounds=3, iterations=20):
@@ -331,7 +332,7 @@ def probe_tiles(rounds=3, iterations=20):
 if __name__ == "__main__":
     import sys
     if "--launcher" in sys.argv:
-        probe_launcher()
+        probe_launcher(world=min(4, len(jax.devices())))
     if "--tiles" in sys.argv:
         probe_tiles()
     if "--stream-k" in sys.argv:
