@@ -221,11 +221,15 @@ def _launches_natively(rt: Runtime, args: Sequence, needs_scratch: bool) -> bool
 
 
 def aligns_at_launch(rt: Runtime, args: Sequence = (), needs_scratch: bool = False) -> bool:
-    """Whether the launch of a kernel with ``args`` holds its call's launch rendezvous
-    (pass ``align_launch=not aligns_at_launch(...)`` to ``prologue`` and the call's
-    layout and workspace to ``launch``): so when jaxtdist's own launcher runs it,
-    which then launches right after the rendezvous. jax-triton's launch is a
-    custom call of its own: the prologue holds the rendezvous then."""
+    """Whether the launch of a kernel with ``args``, not the prologue, holds the
+    call's launch rendezvous.
+
+    True where jaxtdist's own launcher runs the kernel: its handler launches
+    right after the rendezvous. jax-triton's launch is a custom call of its
+    own, so the prologue holds the rendezvous then. Ops pass
+    ``align_launch=not aligns_at_launch(...)`` to ``prologue`` and the call's
+    layout and workspace to ``launch`` (``align_with``).
+    """
     return (_launches_natively(rt, args, needs_scratch)
             and os.environ.get("JAXTDIST_ALIGN_IN_LAUNCH", "1") != "0")
 
