@@ -230,6 +230,8 @@ def aligns_at_launch(rt: Runtime, args: Sequence = (), needs_scratch: bool = Fal
     ``align_launch=not aligns_at_launch(...)`` to ``prologue`` and the call's
     layout and workspace to ``launch`` (``align_with``).
     """
+    # JAXTDIST_ALIGN_IN_LAUNCH=0 keeps it in the prologue: the A/B switch of
+    # probe_perf.py --launcher (docs/perf, run X).
     return (_launches_natively(rt, args, needs_scratch)
             and os.environ.get("JAXTDIST_ALIGN_IN_LAUNCH", "1") != "0")
 
