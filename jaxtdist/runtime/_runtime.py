@@ -143,10 +143,10 @@ class Runtime:
         """Who launches Triton kernels on GPUs, read when an op is traced.
 
         "native" (default): jaxtdist's FFI handler. "jax-triton": jaxlib's
-        Triton custom call, which costs more host time per launch; on 4 x H200
-        its launches left 6-8 us more skew between the devices of one call
-        (docs/perf). Kernels with device-side TMA descriptors always run
-        natively (jaxlib passes them no global scratch).
+        Triton custom call; on 4 x H200 the devices of one call then started
+        6-14 us apart, against 2-3 us natively (docs/perf, run U). Kernels with
+        device-side TMA descriptors always run natively (jaxlib passes them no
+        global scratch).
         """
         return self._launcher
 
