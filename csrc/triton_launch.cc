@@ -6,6 +6,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -150,12 +151,14 @@ ffi::Error TritonLaunchCuda(cudaStream_t stream, std::int32_t device_ordinal,
     return ffi::Error::Internal("jaxtdist: Triton launcher: " + e);
   }
   const std::int64_t programs = grid_x * grid_y * grid_z;
+  // The heap's mesh position: for the scratch slice and for the rendezvous.
+  std::optional<int> pos;
+  if (image->scratch_bytes > 0 || align_counter >= 0) {
+    pos = RuntimeState::Get().PositionOfDevice(device_ordinal);
+    if (!pos) return ffi::Error::InvalidArgument(NoHeapForDevice(device_ordinal));
+  }
   CUdeviceptr global_scratch = 0;
   if (image->scratch_bytes > 0) {
-    auto pos = RuntimeState::Get().PositionOfDevice(device_ordinal);
-    if (!pos) {
-      return ffi::Error::InvalidArgument(NoHeapForDevice(device_ordinal));
-    }
     auto heap = RuntimeState::Get().Heap(*pos);
     const std::int64_t need = programs * image->scratch_bytes;
     if (scratch_offset < 0 || scratch_offset + need > heap->bytes) {
@@ -185,8 +188,6 @@ ffi::Error TritonLaunchCuda(cudaStream_t stream, std::int32_t device_ordinal,
   std::int64_t align_epoch = 0;
   const std::int64_t* group = nullptr;
   if (align_counter >= 0) {
-    auto pos = RuntimeState::Get().PositionOfDevice(device_ordinal);
-    if (!pos) return ffi::Error::InvalidArgument(NoHeapForDevice(device_ordinal));
     std::string group_err;
     group = RuntimeState::GroupOf(groups.begin(), static_cast<std::int64_t>(groups.size()),
                                   world, *pos, &group_err);
