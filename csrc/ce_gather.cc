@@ -5,7 +5,11 @@
 // stream s (1 <= s < world) pushes x, chunk by chunk, into the heap inbox
 // of rank me+s (parity e % 2, rows of rank me), writing that rank's chunk
 // flag (a 32-bit stream write of e) after each chunk, then raises the local
-// "sent" word s. No stream ever waits on another device: streams that
+// "sent" word s. With `serial`, one side stream does the same for s = 1,
+// 2, ... in turn: each peer then receives one shard at a time, at a single
+// pair's bandwidth, rank me-1's first, the order the GEMM consumes them in
+// (in parallel, every shard lands at the end of the whole exchange).
+// No stream ever waits on another device: streams that
 // share a hardware queue cannot then block each other across devices.
 // The side streams fork from XLA's stream (an event), so they start after
 // everything before this call, the previous call's kernel included; they
@@ -113,7 +117,8 @@ ffi::Error CeGatherCuda(cudaStream_t stream, std::int32_t device_ordinal, ffi::A
                         ffi::Span<const std::int64_t> groups, std::int64_t inbox_offset,
                         std::int64_t parity_bytes, std::int64_t flags_offset,
                         std::int64_t sent_offset, std::int64_t chunk_rows,
-                        std::int64_t generation, std::int64_t align_launch) {
+                        std::int64_t generation, std::int64_t align_launch,
+                        std::int64_t serial) {
   // ctx_out aliases ctx: the kernel that takes it is ordered after this call.
   (void)ctx;
   (void)ctx_out;
@@ -165,9 +170,12 @@ ffi::Error CeGatherCuda(cudaStream_t stream, std::int32_t device_ordinal, ffi::A
   const auto* shard = static_cast<const char*>(x.untyped_data());
   for (std::int64_t s = 1; s < world; ++s) {
     const std::int64_t dst = (me + s) % world;
-    cudaStream_t st = side->streams[s];
+    cudaStream_t st = side->streams[serial ? 1 : s];
     auto cu_st = reinterpret_cast<CUstream>(st);
-    JAXTDIST_RETURN_IF_ERROR(Check(cudaStreamWaitEvent(st, side->fork, 0), "cudaStreamWaitEvent"));
+    if (!serial || s == 1) {
+      JAXTDIST_RETURN_IF_ERROR(
+          Check(cudaStreamWaitEvent(st, side->fork, 0), "cudaStreamWaitEvent"));
+    }
     for (std::int64_t c = 0; c < n_chunks; ++c) {
       const std::int64_t first = c * chunk_rows * row_bytes;
       const std::int64_t bytes =
@@ -209,6 +217,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtdistCeGatherCuda, CeGatherCuda,
                                   .Attr<std::int64_t>("sent_offset")
                                   .Attr<std::int64_t>("chunk_rows")
                                   .Attr<std::int64_t>("generation")
-                                  .Attr<std::int64_t>("align_launch"));
+                                  .Attr<std::int64_t>("align_launch")
+                                  .Attr<std::int64_t>("serial"));
 
 }  // namespace jaxtdist

@@ -122,3 +122,27 @@ def fenced_broadcast_kernel(ctx, x_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.cons
         mask = offs < N
         tl.store(out_ptr + offs, tl.load(dl.consume_token(buf + offs, token), mask=mask), mask=mask)
     dl.notify(ctx, acks + me, 0, e)
+
+
+@triton.jit
+def warp_specialized_matmul_kernel(ctx, a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constexpr,
+                                   K: tl.constexpr, BLOCK_M: tl.constexpr,
+                                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                   NUM_PROGRAMS: tl.constexpr):
+    """c = a @ b, persistent, TMA loads, with Triton's warp specialization of the
+    tile loop: on Hopper the compiled kernel has more warps than asked for."""
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1],
+                                       block_shape=[BLOCK_M, BLOCK_K])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1],
+                                       block_shape=[BLOCK_K, BLOCK_N])
+    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1],
+                                       block_shape=[BLOCK_M, BLOCK_N])
+    n_tiles = N // BLOCK_N
+    for tile in tl.range(tl.program_id(0), (M // BLOCK_M) * n_tiles, NUM_PROGRAMS,
+                         warp_specialize=True):
+        row0 = (tile // n_tiles) * BLOCK_M
+        col0 = (tile % n_tiles) * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K):
+            acc = tl.dot(a_desc.load([row0, k0]), b_desc.load([k0, col0]), acc)
+        c_desc.store([row0, col0], acc.to(c_ptr.dtype.element_ty))

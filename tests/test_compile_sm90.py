@@ -167,3 +167,21 @@ def test_ag_matmul_ce_kernel_stream_k_tail():
     assert "atom.global.gpu.acq_rel.add" in ptx
     assert "ld.global.cg" in ptx  # partials read from L2
     assert k.metadata.shared == plain.metadata.shared
+
+
+@pytest.mark.parametrize("num_warps", [4, 8])
+def test_launch_warps_of_warp_specialized_kernel(num_warps):
+    """A warp-specialized loop compiles to more warps than asked for (producer
+    warps) and its cubin requires exactly that many threads: the native launcher
+    must launch the compiled count, not the requested one."""
+    from jaxtdist.ops._native_launch import launch_warps
+    from tests.kernels_for_tests import warp_specialized_matmul_kernel
+    k = _compile_native(warp_specialized_matmul_kernel, ["i32", "bf16", "bf16", "bf16"],
+                        dict(M=1024, N=1024, K=1024, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
+                             NUM_PROGRAMS=132), num_warps=num_warps, num_stages=3)
+    required = re.findall(r"\.reqntid (\d+)", k.asm["ptx"])
+    assert required, "the kernel should pin its thread count"
+    assert launch_warps(k.metadata) * 32 == int(required[0])
+    assert launch_warps(k.metadata) >= num_warps
+    if num_warps == 4:  # Triton 3.6 specializes this loop at 4 warps (12 in all)
+        assert launch_warps(k.metadata) > num_warps

@@ -122,7 +122,11 @@ def test_stream_k_config_errors():
     for config, match in [
             (dict(base, PRODUCER="ce", STREAM_K="yes"), "STREAM_K='yes'; allowed: True, False"),
             (dict(base, PRODUCER="sm", STREAM_K=True), "STREAM_K=True needs PRODUCER='ce'"),
-            (dict(PRODUCER="push", STREAM_K=True), "STREAM_K=True needs PRODUCER='ce'")]:
+            (dict(PRODUCER="push", STREAM_K=True), "STREAM_K=True needs PRODUCER='ce'"),
+            (dict(base, PRODUCER="ce", PUSH_ORDER="ring"),
+             r"PUSH_ORDER='ring'; allowed: \('parallel', 'serial'\)"),
+            (dict(base, PRODUCER="sm", PUSH_ORDER="serial"),
+             "PUSH_ORDER='serial' needs PRODUCER='ce'")]:
         with pytest.raises(ValueError, match=match):
             _fn(mesh, config)(x, w)
 

@@ -103,6 +103,8 @@ CE_CASES = [
     (2, F32, (32, 72, 24), dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32)),
     (4, BF16, (32, 40, 40), dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, CHUNK_ROWS=32)),
     (8, F32, (16, 64, 8), dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, CHUNK_ROWS=4, NUM_COMM=3)),
+    # Serial pushes (a GPU stream order; the CPU backend accepts it, same result).
+    (4, F32, (32, 40, 40), dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, PUSH_ORDER="serial")),
 ]
 
 

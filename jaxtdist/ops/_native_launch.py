@@ -33,6 +33,7 @@ _POINTER_TYPES = {
 class CompiledKernel:
     kernel_id: int          # id in the native kernel table
     name: str
+    num_warps: int          # warps per program as compiled (see ``launch_warps``)
     shared_bytes: int
     scratch_bytes: int      # global scratch per program
     scratch_align: int
@@ -92,6 +93,13 @@ def compile_kernel(kernel, arg_types: Sequence[str], constexprs: dict, num_warps
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
+def launch_warps(metadata) -> int:
+    """Warps to launch each program with: the compiled count, which Triton raises
+    above the requested ``num_warps`` for warp-specialized loops (producer
+    warps; the cubin requires exactly that many threads per program)."""
+    return int(metadata.num_warps)
+
+
 @functools.lru_cache(maxsize=None)
 def _registered(kernel, arg_types: tuple, constexpr_items: tuple, num_warps: int,
                 num_stages: int, capability: int) -> CompiledKernel:
@@ -101,9 +109,10 @@ def _registered(kernel, arg_types: tuple, constexpr_items: tuple, num_warps: int
     if getattr(md, "num_ctas", 1) != 1 or getattr(md, "profile_scratch_size", 0):
         raise ValueError(f"jaxtdist: kernel {md.name} needs CTA clusters or profile scratch, "
                          "which jaxtdist's launcher does not provide")
+    warps = launch_warps(md)
     kernel_id = _native.native().register_triton_kernel(
-        compiled.asm["cubin"], md.name, num_warps, md.shared, md.global_scratch_size)
-    return CompiledKernel(kernel_id, md.name, md.shared, md.global_scratch_size,
+        compiled.asm["cubin"], md.name, warps, md.shared, md.global_scratch_size)
+    return CompiledKernel(kernel_id, md.name, warps, md.shared, md.global_scratch_size,
                           md.global_scratch_align)
 
 

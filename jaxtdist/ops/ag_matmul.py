@@ -33,11 +33,12 @@ def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
     kernel's defaults (for configs that ask for its modes). STREAM_K (copy-engine
     kernel only) cuts the last partial wave of tiles along K over every
     program (``stream_k_tail``): True, False, or "auto" (where it pays).
+    PUSH_ORDER (copy engines only): "parallel" or "serial" (``PUSH_ORDERS``).
     """
     small = world * m_shard <= (128 if platform == "gpu" else 32)
     wide = jnp.dtype(dtype).itemsize == 4
     common = dict(SCOPE="sys", SPLIT_K=1, CHUNK_ROWS=0, TMA=False, PRODUCER="sm",
-                  STREAM_K="auto")
+                  STREAM_K="auto", PUSH_ORDER="parallel")
     if platform == "gpu":
         if small:  # decode: one M tile over all ranks' rows, split K, one chunk per row
             return dict(common, BLOCK_M=max(16, next_pow2(world * m_shard)), BLOCK_N=64,
@@ -107,7 +108,11 @@ def _check(x, w, axis_name):
         raise ValueError(f"jaxtdist.ag_matmul: empty operand x{x.shape} w{w.shape}")
 
 
-_FLAG_KEYS = ("SCOPE", "ALL_ROWS", "TMA", "PRODUCER", "STREAM_K")
+_FLAG_KEYS = ("SCOPE", "ALL_ROWS", "TMA", "PRODUCER", "STREAM_K", "PUSH_ORDER")
+# PRODUCER="ce": "parallel" pushes to every peer at once (a side stream each),
+# "serial" to one peer after another (one stream), in the order the GEMM
+# consumes them, so that the first peer's shard lands early.
+PUSH_ORDERS = ("parallel", "serial")
 # "auto" cuts a tail when its runs are at most this fraction of a tile's K.
 # Measured on 4 x H200 (docs/perf/ag_matmul_stream_k_*): runs of 0.34 of a
 # tile gained 1.3%; runs of 0.58-0.89 lost 0.7-18% (the partials' round trip
@@ -170,6 +175,14 @@ def check_config(cfg: dict, world: int, m_shard: int, k: int, n: int | None = No
     if cfg["STREAM_K"] is True and cfg["PRODUCER"] != "ce":
         raise ValueError("jaxtdist.ag_matmul: config STREAM_K=True needs PRODUCER='ce' (only "
                          "the copy-engine kernel cuts its last wave of tiles along K)")
+    cfg.setdefault("PUSH_ORDER", "parallel")
+    if cfg["PUSH_ORDER"] not in PUSH_ORDERS:
+        raise ValueError(f"jaxtdist.ag_matmul: config PUSH_ORDER={cfg['PUSH_ORDER']!r}; "
+                         f"allowed: {PUSH_ORDERS} (copy engines push to every peer at once, or "
+                         "to one peer after another)")
+    if cfg["PUSH_ORDER"] == "serial" and cfg["PRODUCER"] != "ce":
+        raise ValueError("jaxtdist.ag_matmul: config PUSH_ORDER='serial' needs PRODUCER='ce' "
+                         "(it orders the copy engines' pushes)")
     if cfg["CHUNK_ROWS"] > cfg["BLOCK_M"] and cfg["PRODUCER"] in ("sm", "push"):
         raise ValueError(f"jaxtdist.ag_matmul: CHUNK_ROWS={cfg['CHUNK_ROWS']} must divide "
                          f"BLOCK_M={cfg['BLOCK_M']}")
@@ -278,6 +291,7 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
     gather.update(M_SHARD=m_shard, N=n, K=k)
     cfg.pop("PRODUCER")
     cfg.pop("STREAM_K")  # the copy-engine kernel's alone
+    cfg.pop("PUSH_ORDER")
     if cfg.pop("TMA"):
         for key in ("ALL_ROWS", "SPLIT_K"):
             cfg.pop(key)
@@ -344,7 +358,7 @@ def _push_shards(rt, layout, ws, offsets: dict, ctx, x, cfg: dict) -> jax.Array:
                     flags_offset=np.int64(offsets["FLAGS_OFF"]),
                     sent_offset=np.int64(offsets["SENT_OFF"]),
                     chunk_rows=np.int64(cfg["CHUNK_ROWS"]), generation=np.int64(rt.generation),
-                    align_launch=np.int64(1))
+                    align_launch=np.int64(1), serial=np.int64(cfg["PUSH_ORDER"] == "serial"))
     done = _call.launch(push_shards_kernel, ctx, x, out_shape=jax.ShapeDtypeStruct((1,), jnp.int32),
                         grid=(cfg["NUM_COMM"],), num_warps=4, num_stages=1, M_SHARD=m_shard,
                         K=k, NUM_COMM=cfg["NUM_COMM"], CHUNK_ROWS=cfg["CHUNK_ROWS"],

@@ -77,7 +77,9 @@ def _gpu_candidates(world: int, m_shard: int, n: int, k: int, dtype) -> list[dic
                 # tiles must divide m_shard: check_config drops those that do not).
                 dict(ce, BLOCK_M=128, BLOCK_N=128, CHUNK_ROWS=128, num_warps=8),
                 dict(ce, BLOCK_M=128, BLOCK_N=64, CHUNK_ROWS=128, num_warps=4),
-                dict(ce, BLOCK_M=64, BLOCK_N=128, CHUNK_ROWS=64, num_warps=4)]
+                dict(ce, BLOCK_M=64, BLOCK_N=128, CHUNK_ROWS=64, num_warps=4),
+                dict(ce, BLOCK_M=128, BLOCK_N=128, CHUNK_ROWS=128, num_warps=8,
+                     PUSH_ORDER="serial")]
     # Large: the best pointer-GEMM configs of earlier sweeps (4 x H200), and the
     # persistent TMA kernel (refused by check_config where it does not fit).
     return [{},
@@ -94,7 +96,10 @@ def _gpu_candidates(world: int, m_shard: int, n: int, k: int, dtype) -> list[dic
             dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=256, GROUP_M=16),
             # The last partial wave cut along K over every SM, or dealt whole.
             dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=256, STREAM_K=True),
-            dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=256, STREAM_K=False)]
+            dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=256, STREAM_K=False),
+            # Copy engines push to one peer at a time, in the GEMM's order.
+            dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=256, PUSH_ORDER="serial"),
+            dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=128, PUSH_ORDER="serial")]
 
 
 def cupti_measure(fn, args, world: int, iterations: int) -> float:

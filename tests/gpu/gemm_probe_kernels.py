@@ -103,3 +103,70 @@ def gemm_dynamic_kernel(ctx, a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constex
     if finished == NUM_PROGRAMS - 1:
         tl.atomic_xchg(schedule, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(schedule + 1, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def gemm_ws_kernel(ctx, a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constexpr,
+                   K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                   NUM_PROGRAMS: tl.constexpr, WS: tl.constexpr, WORKSPACE: tl.constexpr):
+    """The static persistent TMA GEMM with Triton's automatic warp
+    specialization of the tile loop (WS): TMA producer warps apart from the MMA
+    warps, as cuBLAS does."""
+    pid = tl.program_id(0)
+    m_tiles = M // BLOCK_M
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    a_desc, b_desc, c_desc = _descriptors(a_ptr, b_ptr, c_ptr, M, N, K, BLOCK_M, BLOCK_N,
+                                          BLOCK_K)
+    for tile in tl.range(pid, m_tiles * n_tiles, NUM_PROGRAMS, warp_specialize=WS):
+        tm, tn = grouped_tile(tile, m_tiles, n_tiles, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K):
+            acc = tl.dot(a_desc.load([tm * BLOCK_M, k0]), b_desc.load([k0, tn * BLOCK_N]), acc)
+        c_desc.store([tm * BLOCK_M, tn * BLOCK_N], acc.to(c_ptr.dtype.element_ty))
+
+
+@triton.jit
+def gemm_edge_kernel(ctx, a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constexpr,
+                     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                     NUM_PROGRAMS: tl.constexpr, EDGE_N: tl.constexpr, LEVEL: tl.constexpr,
+                     WORKSPACE: tl.constexpr):
+    """Static persistent TMA GEMM whose columns past the last whole BLOCK_N tile
+    are cut into BLOCK_M x EDGE_N "edge" tiles, dealt to level the last wave:
+    programs left one whole tile short take LEVEL edge tiles each first, the
+    rest go round-robin."""
+    pid = tl.program_id(0)
+    m_tiles = M // BLOCK_M
+    n_main = N // BLOCK_N
+    a_desc, b_desc, c_desc = _descriptors(a_ptr, b_ptr, c_ptr, M, N, K, BLOCK_M, BLOCK_N,
+                                          BLOCK_K)
+    main_tiles = m_tiles * n_main
+    for tile in tl.range(pid, main_tiles, NUM_PROGRAMS):
+        tm, tn = grouped_tile(tile, m_tiles, n_main, GROUP_M)
+        acc = _tma_tile(a_desc, b_desc, tm * BLOCK_M, tn * BLOCK_N, 0, K, BLOCK_M, BLOCK_N,
+                        BLOCK_K)
+        c_desc.store([tm * BLOCK_M, tn * BLOCK_N], acc.to(c_ptr.dtype.element_ty))
+    b_edge = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1],
+                                       block_shape=[BLOCK_K, EDGE_N])
+    c_edge = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1],
+                                       block_shape=[BLOCK_M, EDGE_N])
+    edge_n = tl.cdiv(N - n_main * BLOCK_N, EDGE_N)
+    edge_tiles = m_tiles * edge_n
+    extra = main_tiles % NUM_PROGRAMS
+    leveled = 0
+    if extra > 0:
+        leveled = (NUM_PROGRAMS - extra) * LEVEL
+    lo = edge_tiles
+    if extra > 0 and pid >= extra:
+        lo = (pid - extra) * LEVEL
+    for j in range(lo, tl.minimum(lo + LEVEL, edge_tiles)):
+        row0 = (j // edge_n) * BLOCK_M
+        col0 = n_main * BLOCK_N + (j % edge_n) * EDGE_N
+        acc = _tma_tile(a_desc, b_edge, row0, col0, 0, K, BLOCK_M, EDGE_N, BLOCK_K)
+        c_edge.store([row0, col0], acc.to(c_ptr.dtype.element_ty))
+    for j in range(leveled + pid, edge_tiles, NUM_PROGRAMS):
+        row0 = (j // edge_n) * BLOCK_M
+        col0 = n_main * BLOCK_N + (j % edge_n) * EDGE_N
+        acc = _tma_tile(a_desc, b_edge, row0, col0, 0, K, BLOCK_M, EDGE_N, BLOCK_K)
+        c_edge.store([row0, col0], acc.to(c_ptr.dtype.element_ty))

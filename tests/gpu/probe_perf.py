@@ -329,6 +329,99 @@ def probe_tiles(rounds=3, iterations=20):
             print(f"tiles 2752 world={world}: {type(e).__name__} {str(e)[:300]}", flush=True)
 
 
+def probe_balance(shapes=((8192, 2752, 4096), (4096, 4096, 4096), (8192, 3072, 4096)),
+                  rounds=3, iterations=20, programs=None, edge=False):
+    """One GPU: cuBLAS against the static persistent TMA GEMM, with Triton's warp
+    specialization, and with narrow edge tiles leveling the last wave
+    (tests/gpu/gemm_probe_kernels.py), alternating in one process."""
+    from tests.gpu.gemm_probe_kernels import gemm_edge_kernel, gemm_ws_kernel
+    mesh = mesh_of(1)
+    td.initialize(mesh)
+    sms = programs or getattr(jax.devices()[0], "core_count", None) or 132
+    gpu = jax.devices()[0].platform == "gpu"
+    for m, n, k in shapes:
+        a = (jax.random.normal(jax.random.key(1), (m, k), jnp.float32) / np.sqrt(k)).astype(
+            jnp.bfloat16)
+        b = jax.random.normal(jax.random.key(2), (k, n), jnp.bfloat16)
+        ref = np.asarray(a, np.float32) @ np.asarray(b, np.float32)
+        variants = {"ws=False w8 s3": (gemm_ws_kernel, dict(WS=False), 8, 3)}
+        if gpu:
+            for warps, stages in ((4, 3), (4, 2)):
+                variants[f"ws=True w{warps} s{stages}"] = (gemm_ws_kernel, dict(WS=True),
+                                                           warps, stages)
+        width = 64 if gpu else 8
+        if edge and n % (256 if gpu else 32):
+            for level in (2, 3, 4):
+                variants[f"edge{width} level{level} w8 s3"] = (
+                    gemm_edge_kernel, dict(EDGE_N=width, LEVEL=level), 8, 3)
+        fns = {}
+        if gpu:
+            from jax.experimental.mosaic.gpu import profiler
+            fns["cublas"] = jax.jit(jnp.dot)
+            _, raw = profiler.measure(fns["cublas"], aggregate=False, iterations=2)(a, b)
+            print(f"balance {m}x{n}x{k}: cublas kernels {sorted({nm for nm, _ in raw[-1]})}",
+                  flush=True)
+        for label, (kernel, extra, warps, stages) in variants.items():
+            def body(a, b, kernel=kernel, extra=extra, warps=warps, stages=stages):
+                return td.triton_call(
+                    a, b, kernel=kernel, grid=(sms,), axis_name="tp", tma=True,
+                    out_shape=jax.ShapeDtypeStruct((m, n), jnp.bfloat16), workspace_bytes=4096,
+                    num_warps=warps, num_stages=stages, M=m, N=n, K=k, BLOCK_M=128,
+                    BLOCK_N=256 if gpu else 32, BLOCK_K=64 if gpu else 32, GROUP_M=8,
+                    NUM_PROGRAMS=sms, **extra)
+            fns[label] = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P()),
+                                               out_specs=P(), check_vma=False))
+        if not gpu:  # interpreter: correctness only
+            for label, f in fns.items():
+                out = f(a, b)
+                err = np.linalg.norm(np.asarray(out, np.float32) - ref) / np.linalg.norm(ref)
+                print(f"balance {m}x{n}x{k} {label}: err {err:.1e}", flush=True)
+            continue
+        times = {label: [] for label in fns}
+        errs = {}
+        for _ in range(rounds):
+            for label, f in fns.items():
+                try:
+                    out, us = _kernel_us(f, (a, b), "" if label == "cublas" else "gemm_",
+                                         iterations)
+                except Exception as e:  # noqa: BLE001
+                    errs[label] = f"{type(e).__name__} {str(e)[:200]}"
+                    continue
+                times[label].append(us)
+                errs[label] = float(np.linalg.norm(np.asarray(out, np.float32) - ref)
+                                    / np.linalg.norm(ref))
+        base = np.median(times["cublas"])
+        for label, ts in times.items():
+            if not ts:
+                print(f"balance {m}x{n}x{k} {label}: failed {errs.get(label)}", flush=True)
+                continue
+            print(f"balance {m}x{n}x{k} {label:22s}: {np.median(ts):7.1f} us "
+                  f"({np.median(ts) / base:.3f}x cublas) rounds {[round(t, 1) for t in ts]} "
+                  f"err {errs[label]:.1e}", flush=True)
+
+
+def probe_push_order(rounds=3, iterations=20):
+    """The shipped config of each copy-engine shape with the copy engines pushing
+    to every peer at once ("parallel") or to one peer after another ("serial"),
+    alternating in one process."""
+    mesh = mesh_of(4)
+    rt = td.initialize(mesh)
+    specs = dict(mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp"),
+                 check_vma=False)
+    shapes = ((1024, 4096, 4096), (2048, 3072, 4096), (2048, 2752, 4096), (2048, 3584, 4096),
+              (2048, 7168, 8192), (128, 4096, 8192))
+    for m, n, k in shapes:
+        args, ref = _sharded_args(mesh, m, n, k)
+        tuned = rt.tuning.lookup("ag_matmul", 4, (m, n, k), jnp.bfloat16) or {}
+        if m == 128:
+            tuned = dict(tuned, TMA=True, PRODUCER="ce")
+        fns = {order: jax.jit(jax.shard_map(
+            lambda x, w, order=order: ag_matmul_with_gathered(
+                x, w, "tp", config=dict(tuned, PUSH_ORDER=order))[0], **specs))
+            for order in ("parallel", "serial")}
+        _alternate(f"push-order {m}x{n}x{k}", fns, args, ref, 4, rounds, iterations)
+
+
 if __name__ == "__main__":
     import sys
     if "--launcher" in sys.argv:
@@ -343,6 +436,10 @@ if __name__ == "__main__":
         probe_copy_engine()
     if "--gemm" in sys.argv:
         probe_gemm_variants()
+    if "--push-order" in sys.argv:
+        probe_push_order()
+    if "--balance" in sys.argv:
+        probe_balance(edge="--edge" in sys.argv)
     if "--decode" in sys.argv:
         probe_decode()
     if len(sys.argv) == 1:

@@ -150,6 +150,9 @@ def test_ag_matmul_push(world, dtype, m_shard, k, n_shard, config):
     # The copy engines gather (csrc/ce_gather.cc); chunks coarser and finer than tiles.
     (1024, 1024, 1024, dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=256)),
     (256, 512, 384, dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=64)),
+    # The copy engines push to one peer after another.
+    (1024, 1024, 1024, dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=256, PUSH_ORDER="serial")),
+    (256, 512, 384, dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=64, PUSH_ORDER="serial")),
 ])
 def test_ag_matmul_tma(world, dtype, m_shard, k, n_shard, config):
     """The persistent TMA kernel, through jaxtdist's own launcher (global scratch)."""
@@ -179,6 +182,19 @@ def test_ag_matmul_tma_stream_k(world, m_shard, k, n_shard, config, dtype):
     _check_ag_matmul(mesh, _ag_matmul_fn(mesh, config), world, m_shard, k, n_shard, dtype,
                      calls=3)
     assert any(key[0] == "ag_matmul_stream_k" for key in rt._workspaces), "no tail was cut"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ag_matmul_ce_push_orders_interleaved(world):
+    """Copy-engine calls pushing in parallel and serially, interleaved: they share
+    the inboxes, flags and sent words (one workspace), call after call."""
+    mesh = _mesh(world)
+    td.initialize(mesh)
+    base = dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=128)
+    fns = [_ag_matmul_fn(mesh, dict(base, PUSH_ORDER=order))
+           for order in ("serial", "parallel", "serial", "serial", "parallel")]
+    for f in fns:
+        _check_ag_matmul(mesh, f, world, 512, 1024, 768, jnp.bfloat16, calls=1)
 
 
 def test_ag_matmul_tma_config_over_shared_memory_is_refused():
@@ -476,3 +492,30 @@ def test_withheld_notify_times_out_with_named_error():
             x, NamedSharding(mesh, P("tp", None))))), np.tile(np.asarray(x), (world, 1)))
     finally:
         td.shutdown()
+
+
+@pytest.mark.parametrize("num_warps", [4, 8])
+def test_warp_specialized_user_kernel(num_warps):
+    """A user kernel with a warp-specialized loop (TMA, so the native launcher):
+    launched with the compiled warp count (12 for num_warps=4 on Hopper; the
+    requested count failed with CUDA_ERROR_INVALID_VALUE), per-rank c = a @ b."""
+    from tests.kernels_for_tests import warp_specialized_matmul_kernel
+    world, m, n, k = 2, 512, 512, 256
+    mesh = _mesh(world)
+    td.initialize(mesh)
+    sms = jax.devices()[0].core_count
+    f = jax.jit(jax.shard_map(
+        lambda a, b: td.triton_call(
+            a, b, kernel=warp_specialized_matmul_kernel, grid=(sms,), axis_name="tp", tma=True,
+            out_shape=jax.ShapeDtypeStruct((m, n), jnp.bfloat16), num_warps=num_warps,
+            num_stages=3, M=m, N=n, K=k, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64,
+            NUM_PROGRAMS=sms),
+        mesh=mesh, in_specs=(P("tp", None), P("tp", None)), out_specs=P("tp", None),
+        check_vma=False))
+    a = _rand((world * m, k), jnp.bfloat16, k ** -0.5)
+    b = _rand((world * k, n), jnp.bfloat16)
+    out = f(a, b)
+    a32 = np.asarray(a, np.float32).reshape(world, m, k)
+    b32 = np.asarray(b, np.float32).reshape(world, k, n)
+    ref = np.einsum("rmk,rkn->rmn", a32, b32).reshape(world * m, n)
+    assert _rel(out, ref) < TOL[jnp.bfloat16]
