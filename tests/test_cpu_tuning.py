@@ -205,7 +205,7 @@ def test_tune_refuses_cpu_timing():
 def test_gpu_candidates_are_valid_configs(world):
     """Every candidate the GPU tuner would time passes the config checks."""
     from jaxtdist.bench import AG_MATMUL_SHAPES
-    from jaxtdist.ops.ag_matmul import check_config, default_config
+    from jaxtdist.ops.ag_matmul import check_config, default_config, settle_config
 
     for m_shard, n, k in AG_MATMUL_SHAPES + [(64, 1024, 1024), (3, 100, 200)]:
         for dtype in (BF16, F32):
@@ -213,7 +213,7 @@ def test_gpu_candidates_are_valid_configs(world):
             assert len(candidates) >= (3 if (m_shard, n, k) in AG_MATMUL_SHAPES else 1)
             resolved = set()
             for overrides in candidates:
-                cfg = dict(default_config("gpu", world, m_shard, n, k, dtype), **overrides)
+                cfg = settle_config(default_config("gpu", world, m_shard, n, k, dtype), overrides)
                 check_config(cfg, world, m_shard, k)
                 resolved.add(tuple(sorted(cfg.items())))
             assert len(resolved) == len(candidates), "a config would be timed twice"
@@ -252,6 +252,23 @@ def test_gpu_config_asking_for_pointer_modes_starts_from_pointer_defaults(asked,
     assert cfg["TMA"] == tma and cfg["PRODUCER"] == producer
     if asked and asked.get("SPLIT_K"):
         assert cfg["SPLIT_K"] == asked["SPLIT_K"]
+
+
+@pytest.mark.parametrize("tuned,asked,order", [
+    (None, None, "serial"),                                   # copy-engine defaults
+    (dict(PRODUCER="ce", TMA=True, PUSH_ORDER="parallel"), None, "parallel"),  # tuned
+    (dict(PRODUCER="sm", TMA=True, CHUNK_ROWS=32), None, "parallel"),  # tuned SM producers
+    (None, dict(TMA=True, PRODUCER="sm", CHUNK_ROWS=32), "parallel"),
+    (None, dict(PUSH_ORDER="parallel"), "parallel"),
+    (None, dict(TMA=False), "parallel"),
+])
+def test_gpu_push_order_follows_the_producer(tuned, asked, order):
+    """The copy engines push serially unless a tuned entry or the caller says otherwise;
+    SM producers (defaults, tuned or asked for) get "parallel", which they ignore."""
+    import types
+    gpu = types.SimpleNamespace(platform="gpu",
+                                tuning=types.SimpleNamespace(lookup=lambda *args: tuned))
+    assert resolve_config(gpu, "tp", 4, 1024, 4096, 4096, BF16, asked)["PUSH_ORDER"] == order
 
 
 def test_tuned_copy_engine_pick_falls_back_when_its_inboxes_do_not_fit(monkeypatch):

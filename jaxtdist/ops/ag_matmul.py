@@ -33,7 +33,7 @@ def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
     kernel's defaults (for configs that ask for its modes). STREAM_K (copy-engine
     kernel only) cuts the last partial wave of tiles along K over every
     program (``stream_k_tail``): True, False, or "auto" (where it pays).
-    PUSH_ORDER (copy engines only): "parallel" or "serial" (``PUSH_ORDERS``).
+    PUSH_ORDER (copy engines only): "serial" or "parallel" (``PUSH_ORDERS``).
     """
     small = world * m_shard <= (128 if platform == "gpu" else 32)
     wide = jnp.dtype(dtype).itemsize == 4
@@ -54,7 +54,7 @@ def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
             # faster than SM producers at 128/4096/8192 on 4 x H200, docs/perf).
             return dict(common, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, NUM_COMM=16,
                         CHUNK_ROWS=128, COPY_BLOCK_C=256, ALL_ROWS=False, num_warps=8,
-                        num_stages=4, TMA=True, PRODUCER="ce")
+                        num_stages=4, TMA=True, PRODUCER="ce", PUSH_ORDER="serial")
         if m_shard <= 256:  # few row tiles: narrow N tiles, finer chunks
             return dict(common, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64 if wide else 128,
                         GROUP_M=8, NUM_COMM=16, CHUNK_ROWS=min(16, block_m), COPY_BLOCK_C=256,
@@ -70,7 +70,7 @@ def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
         return dict(common, BLOCK_M=block_m, BLOCK_N=256 if block_m == 128 else 128,
                     BLOCK_K=64, GROUP_M=8, NUM_COMM=16, COPY_BLOCK_C=128, ALL_ROWS=False,
                     num_warps=8, num_stages=3, TMA=tma, PRODUCER="ce" if tma else "sm",
-                    CHUNK_ROWS=256 if tma else 0)
+                    CHUNK_ROWS=256 if tma else 0, PUSH_ORDER="serial" if tma else "parallel")
     # CPU (interpreter): small blocks keep interpretation fast.
     if small:
         return dict(common, BLOCK_M=max(16, next_pow2(world * m_shard)), BLOCK_N=32,
@@ -111,7 +111,9 @@ def _check(x, w, axis_name):
 _FLAG_KEYS = ("SCOPE", "ALL_ROWS", "TMA", "PRODUCER", "STREAM_K", "PUSH_ORDER")
 # PRODUCER="ce": "parallel" pushes to every peer at once (a side stream each),
 # "serial" to one peer after another (one stream), in the order the GEMM
-# consumes them, so that the first peer's shard lands early.
+# consumes them, so that the first peer's shard lands early. Serial is the
+# copy engines' default: 186.9 vs 190.2 us at 1024/4096/4096, 1242.9 vs 1268.5
+# at 2048/7168/8192 on 4 x H200, fewer slow rounds (docs/perf, run AA).
 PUSH_ORDERS = ("parallel", "serial")
 # "auto" cuts a tail when its runs are at most this fraction of a tile's K.
 # Measured on 4 x H200 (docs/perf/ag_matmul_stream_k_*): runs of 0.34 of a
@@ -197,6 +199,20 @@ def check_config(cfg: dict, world: int, m_shard: int, k: int, n: int | None = No
                          f"{-(-k // cfg['BLOCK_K'])} blocks of K={k} (BLOCK_K={cfg['BLOCK_K']})")
 
 
+def settle_config(cfg: dict, asked: dict) -> dict:
+    """``cfg`` updated by the keys ``asked`` for (a tuned entry or a caller's
+    config), with the settings that depend on the kernel chosen (its modes,
+    the copy engines' push order) following it where they were not asked for."""
+    cfg = dict(cfg, **asked)
+    if cfg["TMA"]:  # the TMA kernel has neither mode
+        for key, value in (("ALL_ROWS", False), ("SPLIT_K", 1)):
+            if key not in asked:
+                cfg[key] = value
+    if "PUSH_ORDER" not in asked:  # serial for the copy engines, moot otherwise
+        cfg["PUSH_ORDER"] = "serial" if cfg.get("PRODUCER") == "ce" else "parallel"
+    return cfg
+
+
 def resolve_config(rt, axis_name, world: int, m_shard: int, n: int, k: int, dtype,
                    config: dict | None = None) -> dict:
     """The config a call uses: the defaults, updated by the tuning cache's entry
@@ -212,18 +228,14 @@ def resolve_config(rt, axis_name, world: int, m_shard: int, n: int, k: int, dtyp
     pointer = (not asked.get("TMA", True)) or ("TMA" not in asked and (
         asked.get("SPLIT_K", 1) != 1 or asked.get("ALL_ROWS", False)
         or asked.get("PRODUCER") == "push"))
-    cfg = dict(default_config(rt.platform, world, m_shard, n, k, dtype, allow_tma=not pointer))
+    cfg = default_config(rt.platform, world, m_shard, n, k, dtype, allow_tma=not pointer)
     if config is None:
         tuned = rt.tuning.lookup("ag_matmul", world, (m_shard, n, k), dtype)
         if tuned is None and os.environ.get("JAXTDIST_AUTOTUNE") == "1":
             from jaxtdist.tune import tune_ag_matmul
             tuned = tune_ag_matmul(m_shard, n, k, dtype, axis_name=axis_name)["config"]
-        cfg.update(tuned or {})
-    cfg.update(config or {})
-    if cfg["TMA"]:  # the TMA kernel has neither mode: turn them off unless asked for
-        for key, value in (("ALL_ROWS", False), ("SPLIT_K", 1)):
-            if key not in (config or {}):
-                cfg[key] = value
+        asked = tuned or {}
+    cfg = settle_config(cfg, asked)
     check_config(cfg, world, m_shard, k, n, jnp.dtype(dtype).itemsize)
     cfg["CHUNK_ROWS"] = cfg["CHUNK_ROWS"] or cfg["BLOCK_M"]
     return cfg

@@ -13,11 +13,11 @@ import numpy as np
 def candidates_ag_matmul(world: int, m_shard: int, n: int, k: int, dtype) -> list[dict]:
     """Config overrides worth timing for one GPU problem (see ``default_config``),
     those that fit the problem (e.g. SPLIT_K within K's blocks)."""
-    from jaxtdist.ops.ag_matmul import check_config, default_config
+    from jaxtdist.ops.ag_matmul import check_config, default_config, settle_config
 
     fitting, seen = [], set()
     for overrides in _gpu_candidates(world, m_shard, n, k, dtype):
-        config = dict(default_config("gpu", world, m_shard, n, k, dtype), **overrides)
+        config = settle_config(default_config("gpu", world, m_shard, n, k, dtype), overrides)
         try:
             check_config(config, world, m_shard, k, n, jnp.dtype(dtype).itemsize)
         except ValueError:
@@ -79,7 +79,7 @@ def _gpu_candidates(world: int, m_shard: int, n: int, k: int, dtype) -> list[dic
                 dict(ce, BLOCK_M=128, BLOCK_N=64, CHUNK_ROWS=128, num_warps=4),
                 dict(ce, BLOCK_M=64, BLOCK_N=128, CHUNK_ROWS=64, num_warps=4),
                 dict(ce, BLOCK_M=128, BLOCK_N=128, CHUNK_ROWS=128, num_warps=8,
-                     PUSH_ORDER="serial")]
+                     PUSH_ORDER="parallel")]
     # Large: the best pointer-GEMM configs of earlier sweeps (4 x H200), and the
     # persistent TMA kernel (refused by check_config where it does not fit).
     return [{},
@@ -97,9 +97,9 @@ def _gpu_candidates(world: int, m_shard: int, n: int, k: int, dtype) -> list[dic
             # The last partial wave cut along K over every SM, or dealt whole.
             dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=256, STREAM_K=True),
             dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=256, STREAM_K=False),
-            # Copy engines push to one peer at a time, in the GEMM's order.
-            dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=256, PUSH_ORDER="serial"),
-            dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=128, PUSH_ORDER="serial")]
+            # Copy engines push to every peer at once (the default: one after another).
+            dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=256, PUSH_ORDER="parallel"),
+            dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=128, PUSH_ORDER="parallel")]
 
 
 def cupti_measure(fn, args, world: int, iterations: int) -> float:
