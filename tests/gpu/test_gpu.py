@@ -385,36 +385,51 @@ def test_launchers(launcher):
             x, 2.5, kernel=scaled_rank_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
             grid=(1,), axis_name="tp", N=n, BLOCK=1024))
 
+        late = []  # (call, timeouts) of calls whose rendezvous timed out
+
+        def note(label):
+            timed_out = rt.launch_alignment_stats()["timed_out"]
+            if timed_out > sum(t for _, t in late):
+                late.append((label, timed_out - sum(t for _, t in late)))
+
         def check_all(calls):
             for m_shard, f in ag_cases:
-                _check_ag_matmul(mesh, f, world, m_shard, 1024, 512, jnp.bfloat16, calls=calls)
-            for _ in range(calls):
+                for call in range(calls):
+                    _check_ag_matmul(mesh, f, world, m_shard, 1024, 512, jnp.bfloat16, calls=1)
+                    note(f"ag_matmul m_shard={m_shard} #{call}")
+            for call in range(calls):
                 x = _rand((world * 64, 256), jnp.bfloat16)
                 xs = jax.block_until_ready(jax.device_put(x, NamedSharding(mesh, P("tp", None))))
                 np.testing.assert_array_equal(np.asarray(gather(xs), np.float32),
                                               np.asarray(x, np.float32))
+                note(f"all_gather #{call}")
                 v = _rand((world * n,), jnp.float32)
                 vs = jax.block_until_ready(jax.device_put(v, NamedSharding(mesh, P("tp"))))
                 np.testing.assert_array_equal(np.asarray(ring(vs)), _ring_shift(v, world, 1))
+                note(f"ring #{call}")
                 # The GPU fuses x * 2.5 + rank (one rounding): compare with the exact
                 # value (float64 holds it) rounded once, to within 1 ulp.
                 exact = (np.asarray(v, np.float64) * 2.5
                          + np.repeat(np.arange(world, dtype=np.float64), n)).astype(np.float32)
                 np.testing.assert_array_max_ulp(np.asarray(scaled(vs)), exact, maxulp=1)
+                note(f"scalar kernel #{call}")
 
         # First calls compile and load modules, which may hold one host thread
         # past the rendezvous bound (a timeout only delays, it is never wrong).
         check_all(calls=1)
         rt.align_launches = True  # resets the statistics
+        late.clear()
         check_all(calls=3)
-        # 15 calls, each launch rendezvous met by all 4 host threads (in the
-        # native launch, or in the prologue before a jax-triton launch). One
-        # arrival in 60 left at the 10 ms bound in run AA (a host thread held up
-        # on the shared host; it only delays): a broken rendezvous times out on
-        # every call, so at most one is allowed.
+        # 15 calls, each launch rendezvous reached by all 4 host threads (in the
+        # native launch, or in the prologue before a jax-triton launch). A host
+        # thread held up past the 10 ms bound only delays its peers: on 4 x H200
+        # 1-3 of the 60 arrivals timed out in some runs (at different calls:
+        # all_gather #0, scalar kernel #1, ...), none in others. A rendezvous
+        # that is not wired, or keyed apart, times out at every call.
         stats = rt.launch_alignment_stats()
-        assert stats["enabled"] and stats["timed_out"] <= 1, stats
-        assert stats["met"] >= world * 15 - 1, stats
+        assert stats["enabled"] and stats["timed_out"] <= world * 15 // 10, (stats, late)
+        assert stats["met"] + stats["timed_out"] >= world * 15, (stats, late)
+        assert stats["met"] >= world * 15 * 9 // 10, (stats, late)
     finally:
         rt.launcher = "native"
 
