@@ -45,7 +45,10 @@ def triton_call(*args: Any, kernel, out_shape, grid: int | Sequence[int], axis_n
         parity-1 copy as ``STAGE_BYTES``: the copy of epoch e is at
         ``STAGE + (e % 2) * STAGE_BYTES``.
       name: the workspace's name (defaults to the kernel's).
-      num_warps, num_stages: GPU launch options.
+      num_warps, num_stages: GPU launch options. A warp-specialized loop
+        (``tl.range(..., warp_specialize=True)``) compiles to more warps than
+        ``num_warps``; jaxtdist's launcher launches the compiled count, jax-triton
+        0.3.1 the requested one (the launch fails): give such kernels arrays only.
       tma: the kernel builds tensor descriptors on the device
         (``tl.make_tensor_descriptor``), which need Triton's global scratch:
         on GPUs it then runs through jaxtdist's own launcher, which provides
