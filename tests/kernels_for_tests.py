@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 import jaxtdist.language as dl
+from jaxtdist.kernels._tiles import grouped_tile
 
 
 @triton.jit
@@ -124,25 +125,38 @@ def fenced_broadcast_kernel(ctx, x_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.cons
     dl.notify(ctx, acks + me, 0, e)
 
 
+
 @triton.jit
-def warp_specialized_matmul_kernel(ctx, a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constexpr,
-                                   K: tl.constexpr, BLOCK_M: tl.constexpr,
-                                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                   NUM_PROGRAMS: tl.constexpr):
-    """c = a @ b, persistent, TMA loads, with Triton's warp specialization of the
-    tile loop: on Hopper the compiled kernel has more warps than asked for."""
+def matmul_descriptors(a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """TMA descriptors of A [M, K], B [K, N] and C [M, N] (row-major)."""
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1],
                                        block_shape=[BLOCK_M, BLOCK_K])
     b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1],
                                        block_shape=[BLOCK_K, BLOCK_N])
     c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1],
                                        block_shape=[BLOCK_M, BLOCK_N])
-    n_tiles = N // BLOCK_N
-    for tile in tl.range(tl.program_id(0), (M // BLOCK_M) * n_tiles, NUM_PROGRAMS,
-                         warp_specialize=True):
-        row0 = (tile // n_tiles) * BLOCK_M
-        col0 = (tile % n_tiles) * BLOCK_N
+    return a_desc, b_desc, c_desc
+
+
+@triton.jit
+def warp_specialized_matmul_kernel(ctx, a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constexpr,
+                                   K: tl.constexpr, BLOCK_M: tl.constexpr,
+                                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                   GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+                                   WS: tl.constexpr):
+    """c = a @ b, persistent, TMA loads, with Triton's warp specialization of the
+    tile loop (WS): on Hopper the compiled kernel has more warps than asked for
+    (TMA producer warps apart from the MMA warps, as cuBLAS does). Also timed by
+    ``tests/gpu/probe_perf.py --balance``."""
+    m_tiles = M // BLOCK_M
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    a_desc, b_desc, c_desc = matmul_descriptors(a_ptr, b_ptr, c_ptr, M, N, K, BLOCK_M,
+                                                BLOCK_N, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), m_tiles * n_tiles, NUM_PROGRAMS,
+                         warp_specialize=WS):
+        tm, tn = grouped_tile(tile, m_tiles, n_tiles, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K):
-            acc = tl.dot(a_desc.load([row0, k0]), b_desc.load([k0, col0]), acc)
-        c_desc.store([row0, col0], acc.to(c_ptr.dtype.element_ty))
+            acc = tl.dot(a_desc.load([tm * BLOCK_M, k0]), b_desc.load([k0, tn * BLOCK_N]), acc)
+        c_desc.store([tm * BLOCK_M, tn * BLOCK_N], acc.to(c_ptr.dtype.element_ty))

@@ -178,7 +178,8 @@ def test_launch_warps_of_warp_specialized_kernel(num_warps):
     from tests.kernels_for_tests import warp_specialized_matmul_kernel
     k = _compile_native(warp_specialized_matmul_kernel, ["i32", "bf16", "bf16", "bf16"],
                         dict(M=1024, N=1024, K=1024, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
-                             NUM_PROGRAMS=132), num_warps=num_warps, num_stages=3)
+                             GROUP_M=8, NUM_PROGRAMS=132, WS=True),
+                        num_warps=num_warps, num_stages=3)
     required = re.findall(r"\.reqntid (\d+)", k.asm["ptx"])
     assert required, "the kernel should pin its thread count"
     assert launch_warps(k.metadata) * 32 == int(required[0])

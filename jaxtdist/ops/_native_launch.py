@@ -33,7 +33,6 @@ _POINTER_TYPES = {
 class CompiledKernel:
     kernel_id: int          # id in the native kernel table
     name: str
-    num_warps: int          # warps per program as compiled (see ``launch_warps``)
     shared_bytes: int
     scratch_bytes: int      # global scratch per program
     scratch_align: int
@@ -112,7 +111,7 @@ def _registered(kernel, arg_types: tuple, constexpr_items: tuple, num_warps: int
     warps = launch_warps(md)
     kernel_id = _native.native().register_triton_kernel(
         compiled.asm["cubin"], md.name, warps, md.shared, md.global_scratch_size)
-    return CompiledKernel(kernel_id, md.name, warps, md.shared, md.global_scratch_size,
+    return CompiledKernel(kernel_id, md.name, md.shared, md.global_scratch_size,
                           md.global_scratch_align)
 
 

@@ -3,7 +3,9 @@
 Used by ``probe_perf.py --gemm`` on one GPU: each variant adds one of the
 ag_matmul kernel's features (dynamic tile counter, per-tile flag wait and
 proxy fence) to a plain persistent TMA GEMM, with and without Triton's loop
-flattening (which pipelines across tile boundaries).
+flattening (which pipelines across tile boundaries). ``probe_perf.py --balance
+--edge`` times ``gemm_edge_kernel`` (narrow tiles leveling the last wave) beside
+``tests.kernels_for_tests.warp_specialized_matmul_kernel``.
 """
 
 import triton
@@ -12,19 +14,15 @@ import triton.language as tl
 import jaxtdist.language as dl
 from jaxtdist.kernels._tiles import grouped_tile
 from jaxtdist.kernels.ag_matmul import _tma_tile
+from tests.kernels_for_tests import matmul_descriptors
 
 
 @triton.jit
-def _descriptors(a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """TMA descriptors of A [M, K], B [K, N] and C [M, N] (row-major)."""
-    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1],
-                                       block_shape=[BLOCK_M, BLOCK_K])
-    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1],
-                                       block_shape=[BLOCK_K, BLOCK_N])
-    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1],
-                                       block_shape=[BLOCK_M, BLOCK_N])
-    return a_desc, b_desc, c_desc
+def _store_tile(a_desc, b_desc, c_desc, row0, col0, K: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """C[row0:, col0:] = A[row0:, :] @ B[:, col0:] for one tile."""
+    acc = _tma_tile(a_desc, b_desc, row0, col0, 0, K, BLOCK_M, BLOCK_N, BLOCK_K)
+    c_desc.store([row0, col0], acc.to(c_desc.dtype))
 
 
 @triton.jit
@@ -61,16 +59,14 @@ def gemm_static_kernel(ctx, a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constexp
     m_tiles = M // BLOCK_M
     n_tiles = N // BLOCK_N
     flags = dl.heap_ptr(ctx, WORKSPACE, tl.int32)
-    a_desc, b_desc, c_desc = _descriptors(a_ptr, b_ptr, c_ptr, M, N, K, BLOCK_M, BLOCK_N,
-                                          BLOCK_K)
+    a_desc, b_desc, c_desc = matmul_descriptors(a_ptr, b_ptr, c_ptr, M, N, K, BLOCK_M,
+                                                BLOCK_N, BLOCK_K)
     for tile in tl.range(pid, m_tiles * n_tiles, NUM_PROGRAMS, flatten=FLATTEN):
         tm, tn = grouped_tile(tile, m_tiles, n_tiles, GROUP_M)
         row0 = tm * BLOCK_M
         if WAIT:
             row0 += _wait_fence_token(flags + tm, 0)
-        col0 = tn * BLOCK_N
-        acc = _tma_tile(a_desc, b_desc, row0, col0, 0, K, BLOCK_M, BLOCK_N, BLOCK_K)
-        c_desc.store([row0, col0], acc.to(c_ptr.dtype.element_ty))
+        _store_tile(a_desc, b_desc, c_desc, row0, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -86,18 +82,16 @@ def gemm_dynamic_kernel(ctx, a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constex
     total = m_tiles * n_tiles
     flags = dl.heap_ptr(ctx, WORKSPACE, tl.int32)
     schedule = dl.heap_ptr(ctx, WORKSPACE + 256, tl.int32)
-    a_desc, b_desc, c_desc = _descriptors(a_ptr, b_ptr, c_ptr, M, N, K, BLOCK_M, BLOCK_N,
-                                          BLOCK_K)
+    a_desc, b_desc, c_desc = matmul_descriptors(a_ptr, b_ptr, c_ptr, M, N, K, BLOCK_M,
+                                                BLOCK_N, BLOCK_K)
     tile = tl.atomic_add(schedule, 1, sem="relaxed", scope="gpu")
     while tile < total:
         tm, tn = grouped_tile(tile, m_tiles, n_tiles, GROUP_M)
         if WAIT:
             dl.wait(ctx, flags + tm, 0, "ge", 0, "gpu")
             dl.fence_async_proxy()
-        row0 = tm * BLOCK_M
-        col0 = tn * BLOCK_N
-        acc = _tma_tile(a_desc, b_desc, row0, col0, 0, K, BLOCK_M, BLOCK_N, BLOCK_K)
-        c_desc.store([row0, col0], acc.to(c_ptr.dtype.element_ty))
+        _store_tile(a_desc, b_desc, c_desc, tm * BLOCK_M, tn * BLOCK_N, K, BLOCK_M, BLOCK_N,
+                    BLOCK_K)
         tile = tl.atomic_add(schedule, 1, sem="relaxed", scope="gpu")
     finished = tl.atomic_add(schedule + 1, 1, sem="acq_rel", scope="gpu")
     if finished == NUM_PROGRAMS - 1:
@@ -106,32 +100,10 @@ def gemm_dynamic_kernel(ctx, a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constex
 
 
 @triton.jit
-def gemm_ws_kernel(ctx, a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constexpr,
-                   K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   NUM_PROGRAMS: tl.constexpr, WS: tl.constexpr, WORKSPACE: tl.constexpr):
-    """The static persistent TMA GEMM with Triton's automatic warp
-    specialization of the tile loop (WS): TMA producer warps apart from the MMA
-    warps, as cuBLAS does."""
-    pid = tl.program_id(0)
-    m_tiles = M // BLOCK_M
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    a_desc, b_desc, c_desc = _descriptors(a_ptr, b_ptr, c_ptr, M, N, K, BLOCK_M, BLOCK_N,
-                                          BLOCK_K)
-    for tile in tl.range(pid, m_tiles * n_tiles, NUM_PROGRAMS, warp_specialize=WS):
-        tm, tn = grouped_tile(tile, m_tiles, n_tiles, GROUP_M)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K):
-            acc = tl.dot(a_desc.load([tm * BLOCK_M, k0]), b_desc.load([k0, tn * BLOCK_N]), acc)
-        c_desc.store([tm * BLOCK_M, tn * BLOCK_N], acc.to(c_ptr.dtype.element_ty))
-
-
-@triton.jit
 def gemm_edge_kernel(ctx, a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constexpr,
                      K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                     NUM_PROGRAMS: tl.constexpr, EDGE_N: tl.constexpr, LEVEL: tl.constexpr,
-                     WORKSPACE: tl.constexpr):
+                     NUM_PROGRAMS: tl.constexpr, EDGE_N: tl.constexpr, LEVEL: tl.constexpr):
     """Static persistent TMA GEMM whose columns past the last whole BLOCK_N tile
     are cut into BLOCK_M x EDGE_N "edge" tiles, dealt to level the last wave:
     programs left one whole tile short take LEVEL edge tiles each first, the
@@ -139,14 +111,13 @@ def gemm_edge_kernel(ctx, a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constexpr,
     pid = tl.program_id(0)
     m_tiles = M // BLOCK_M
     n_main = N // BLOCK_N
-    a_desc, b_desc, c_desc = _descriptors(a_ptr, b_ptr, c_ptr, M, N, K, BLOCK_M, BLOCK_N,
-                                          BLOCK_K)
+    a_desc, b_desc, c_desc = matmul_descriptors(a_ptr, b_ptr, c_ptr, M, N, K, BLOCK_M,
+                                                BLOCK_N, BLOCK_K)
     main_tiles = m_tiles * n_main
     for tile in tl.range(pid, main_tiles, NUM_PROGRAMS):
         tm, tn = grouped_tile(tile, m_tiles, n_main, GROUP_M)
-        acc = _tma_tile(a_desc, b_desc, tm * BLOCK_M, tn * BLOCK_N, 0, K, BLOCK_M, BLOCK_N,
-                        BLOCK_K)
-        c_desc.store([tm * BLOCK_M, tn * BLOCK_N], acc.to(c_ptr.dtype.element_ty))
+        _store_tile(a_desc, b_desc, c_desc, tm * BLOCK_M, tn * BLOCK_N, K, BLOCK_M, BLOCK_N,
+                    BLOCK_K)
     b_edge = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1],
                                        block_shape=[BLOCK_K, EDGE_N])
     c_edge = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1],
@@ -161,12 +132,8 @@ def gemm_edge_kernel(ctx, a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constexpr,
     if extra > 0 and pid >= extra:
         lo = (pid - extra) * LEVEL
     for j in range(lo, tl.minimum(lo + LEVEL, edge_tiles)):
-        row0 = (j // edge_n) * BLOCK_M
-        col0 = n_main * BLOCK_N + (j % edge_n) * EDGE_N
-        acc = _tma_tile(a_desc, b_edge, row0, col0, 0, K, BLOCK_M, EDGE_N, BLOCK_K)
-        c_edge.store([row0, col0], acc.to(c_ptr.dtype.element_ty))
+        _store_tile(a_desc, b_edge, c_edge, (j // edge_n) * BLOCK_M,
+                    n_main * BLOCK_N + (j % edge_n) * EDGE_N, K, BLOCK_M, EDGE_N, BLOCK_K)
     for j in range(leveled + pid, edge_tiles, NUM_PROGRAMS):
-        row0 = (j // edge_n) * BLOCK_M
-        col0 = n_main * BLOCK_N + (j % edge_n) * EDGE_N
-        acc = _tma_tile(a_desc, b_edge, row0, col0, 0, K, BLOCK_M, EDGE_N, BLOCK_K)
-        c_edge.store([row0, col0], acc.to(c_ptr.dtype.element_ty))
+        _store_tile(a_desc, b_edge, c_edge, (j // edge_n) * BLOCK_M,
+                    n_main * BLOCK_N + (j % edge_n) * EDGE_N, K, BLOCK_M, EDGE_N, BLOCK_K)

@@ -334,7 +334,8 @@ def probe_balance(shapes=((8192, 2752, 4096), (4096, 4096, 4096), (8192, 3072, 4
     """One GPU: cuBLAS against the static persistent TMA GEMM, with Triton's warp
     specialization, and with narrow edge tiles leveling the last wave
     (tests/gpu/gemm_probe_kernels.py), alternating in one process."""
-    from tests.gpu.gemm_probe_kernels import gemm_edge_kernel, gemm_ws_kernel
+    from tests.gpu.gemm_probe_kernels import gemm_edge_kernel
+    from tests.kernels_for_tests import warp_specialized_matmul_kernel as gemm_ws_kernel
     mesh = mesh_of(1)
     td.initialize(mesh)
     sms = programs or getattr(jax.devices()[0], "core_count", None) or 132
@@ -365,7 +366,7 @@ def probe_balance(shapes=((8192, 2752, 4096), (4096, 4096, 4096), (8192, 3072, 4
             def body(a, b, kernel=kernel, extra=extra, warps=warps, stages=stages):
                 return td.triton_call(
                     a, b, kernel=kernel, grid=(sms,), axis_name="tp", tma=True,
-                    out_shape=jax.ShapeDtypeStruct((m, n), jnp.bfloat16), workspace_bytes=4096,
+                    out_shape=jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
                     num_warps=warps, num_stages=stages, M=m, N=n, K=k, BLOCK_M=128,
                     BLOCK_N=256 if gpu else 32, BLOCK_K=64 if gpu else 32, GROUP_M=8,
                     NUM_PROGRAMS=sms, **extra)
