@@ -119,6 +119,7 @@ ffi::Error CeGatherCuda(cudaStream_t stream, std::int32_t device_ordinal, ffi::A
                         std::int64_t sent_offset, std::int64_t chunk_rows,
                         std::int64_t generation, std::int64_t align_launch,
                         std::int64_t serial) {
+  const LaunchClock::time_point entered = LaunchClock::now();
   // ctx_out aliases ctx: the kernel that takes it is ordered after this call.
   (void)ctx;
   (void)ctx_out;
@@ -195,7 +196,9 @@ ffi::Error CeGatherCuda(cudaStream_t stream, std::int32_t device_ordinal, ffi::A
   }
   // Every push is enqueued; the GEMM kernel is next: meet the group's other
   // host threads so that no device's kernel starts long before its peers push.
-  if (align_launch) RuntimeState::Get().aligner().Arrive(counter_id, epoch, group[0], world);
+  if (align_launch) {
+    RuntimeState::Get().aligner().Arrive(counter_id, epoch, group[0], world, *pos, entered);
+  }
   return ffi::Error::Success();
 }
 

@@ -35,6 +35,7 @@ ffi::Error PrologueCuda(cudaStream_t stream, std::int32_t device_ordinal,
                         std::int64_t stage_offset, std::int64_t parity_bytes,
                         std::int64_t generation, ffi::Span<const std::int64_t> groups,
                         std::int64_t world, std::int64_t align_launch) {
+  const LaunchClock::time_point entered = LaunchClock::now();
   if (std::string stale = CheckGeneration(generation); !stale.empty()) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition, stale);
   }
@@ -90,7 +91,9 @@ ffi::Error PrologueCuda(cudaStream_t stream, std::int32_t device_ordinal,
     return ffi::Error::Internal("jaxtdist: " + cuda::DriverError("cuMemsetD32Async", res));
   }
   // Last host work before the kernel: meet the group's other host threads.
-  if (align_launch) RuntimeState::Get().aligner().Arrive(counter_id, epoch, group[0], world);
+  if (align_launch) {
+    RuntimeState::Get().aligner().Arrive(counter_id, epoch, group[0], world, *pos, entered);
+  }
   return ffi::Error::Success();
 }
 

@@ -20,11 +20,12 @@ inline void CpuRelax() {
 
 }  // namespace
 
-void LaunchAligner::Configure(bool enabled, std::int64_t timeout_us) {
+void LaunchAligner::Configure(bool enabled, std::int64_t timeout_us, std::int64_t spin_us) {
   std::lock_guard<std::mutex> lock(mu_);
   configured_on_ = enabled;
   meetings_.clear();
   timeout_us_ = std::max<std::int64_t>(timeout_us, 0);
+  spin_us_ = std::clamp<std::int64_t>(spin_us, 0, timeout_us_);
   timeouts_in_a_row_ = 0;
   stats_ = LaunchAlignStats{};
   stats_.enabled = enabled;
@@ -48,11 +49,11 @@ void LaunchAligner::DisableLocked(const std::string& why) {
 }
 
 void LaunchAligner::Arrive(std::int64_t counter, std::int64_t epoch, std::int64_t leader,
-                           std::int64_t world) {
+                           std::int64_t world, int position, LaunchClock::time_point entered) {
   if (world <= 1 || !enabled_.load(std::memory_order_acquire)) return;
   const Key key{counter, leader, epoch};
   std::shared_ptr<Meeting> meeting;
-  std::int64_t timeout_us;
+  std::int64_t timeout_us, spin_us, arrived;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!enabled_.load(std::memory_order_relaxed)) return;
@@ -68,23 +69,39 @@ void LaunchAligner::Arrive(std::int64_t counter, std::int64_t epoch, std::int64_
       return;
     }
     meeting->threads.push_back(self);
-    meeting->arrived.fetch_add(1, std::memory_order_acq_rel);
+    meeting->times.emplace_back(position, entered, LaunchClock::now());
+    arrived = meeting->arrived.fetch_add(1, std::memory_order_acq_rel) + 1;
     timeout_us = timeout_us_;
+    spin_us = spin_us_;
   }
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(timeout_us);
   bool met = true;
-  for (std::int64_t spins = 0; meeting->arrived.load(std::memory_order_acquire) < world;
-       ++spins) {
-    if ((spins & 63) == 0 && std::chrono::steady_clock::now() >= deadline) {
-      met = false;
-      break;
+  if (arrived == world) {
+    // Taking the lock orders this after any sleeper's check of `arrived`:
+    // a sleeper either saw it complete or is waiting and gets the notify.
+    { std::lock_guard<std::mutex> wake_lock(meeting->wake_mu); }
+    meeting->wake.notify_all();
+  } else {
+    auto complete = [&] { return meeting->arrived.load(std::memory_order_acquire) >= world; };
+    const auto start = LaunchClock::now();
+    const auto deadline = start + std::chrono::microseconds(timeout_us);
+    const auto spin_until = start + std::chrono::microseconds(spin_us);
+    bool done = false;
+    for (std::int64_t spins = 0; !(done = complete()); ++spins) {
+      if ((spins & 63) == 0 && LaunchClock::now() >= spin_until) break;
+      CpuRelax();
     }
-    CpuRelax();
+    if (!done) {
+      std::unique_lock<std::mutex> wake_lock(meeting->wake_mu);
+      done = meeting->wake.wait_until(wake_lock, deadline, complete);
+    }
+    met = done;
   }
   std::lock_guard<std::mutex> lock(mu_);
+  if (!met) meeting->timed_out = true;
   if (++meeting->left == world) {
     auto it = meetings_.find(key);
     if (it != meetings_.end() && it->second == meeting) meetings_.erase(it);
+    RecordLocked(*meeting, key);
   }
   if (met) {
     ++stats_.met;
@@ -97,6 +114,23 @@ void LaunchAligner::Arrive(std::int64_t counter, std::int64_t epoch, std::int64_
                     "concurrently on their host threads)");
     }
   }
+}
+
+void LaunchAligner::RecordLocked(const Meeting& meeting, const Key& key) {
+  if (meeting.times.empty()) return;
+  const LaunchClock::time_point first = std::get<2>(meeting.times.front());
+  auto us = [first](LaunchClock::time_point t) {
+    return std::chrono::duration<double, std::micro>(t - first).count();
+  };
+  stats_.max_spread_us = std::max(stats_.max_spread_us, us(std::get<2>(meeting.times.back())));
+  if (!meeting.timed_out || stats_.late.size() >= kMaxLateRecords) return;
+  LateRendezvous record;
+  record.counter = std::get<0>(key);
+  record.epoch = std::get<2>(key);
+  for (const auto& [position, entered, arrived] : meeting.times) {
+    record.members.push_back(LateMember{position, us(entered), us(arrived)});
+  }
+  stats_.late.push_back(std::move(record));
 }
 
 LaunchAlignStats LaunchAligner::Stats() const {

@@ -66,9 +66,11 @@ PYBIND11_MODULE(_jaxtdist_ffi, m) {
   m.def("peek_epoch", [](std::int64_t counter, int position) {
     return jaxtdist::RuntimeState::Get().PeekEpoch(counter, position);
   });
-  m.def("configure_launch_alignment", [](bool enabled, std::int64_t timeout_us) {
-    jaxtdist::RuntimeState::Get().aligner().Configure(enabled, timeout_us);
-  });
+  m.def("configure_launch_alignment",
+        [](bool enabled, std::int64_t timeout_us, std::int64_t spin_us) {
+          jaxtdist::RuntimeState::Get().aligner().Configure(enabled, timeout_us, spin_us);
+        },
+        py::arg("enabled"), py::arg("timeout_us"), py::arg("spin_us"));
   m.def("launch_alignment_stats", [] {
     const jaxtdist::LaunchAlignStats st = jaxtdist::RuntimeState::Get().aligner().Stats();
     py::dict d;
@@ -76,15 +78,36 @@ PYBIND11_MODULE(_jaxtdist_ffi, m) {
     d["met"] = st.met;
     d["timed_out"] = st.timed_out;
     d["disabled_because"] = st.disabled_because;
+    d["max_spread_us"] = st.max_spread_us;
+    py::list late;
+    for (const auto& r : st.late) {
+      py::list members;
+      for (const auto& m : r.members) {
+        py::dict md;
+        md["position"] = m.position;
+        md["entered_us"] = m.entered_us;
+        md["arrived_us"] = m.arrived_us;
+        members.append(md);
+      }
+      py::dict rd;
+      rd["counter"] = r.counter;
+      rd["epoch"] = r.epoch;
+      rd["members"] = members;
+      late.append(rd);
+    }
+    d["late"] = late;
     return d;
   });
   // What the CUDA handlers call before a collective kernel (tests drive it
   // from several Python threads).
   m.def("align_launch",
-        [](std::int64_t counter, std::int64_t epoch, std::int64_t leader, std::int64_t world) {
-          jaxtdist::RuntimeState::Get().aligner().Arrive(counter, epoch, leader, world);
+        [](std::int64_t counter, std::int64_t epoch, std::int64_t leader, std::int64_t world,
+           int position) {
+          jaxtdist::RuntimeState::Get().aligner().Arrive(counter, epoch, leader, world,
+                                                         position);
         },
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("counter"), py::arg("epoch"), py::arg("leader"), py::arg("world"),
+        py::arg("position") = -1, py::call_guard<py::gil_scoped_release>());
 #ifdef JAXTDIST_WITH_CUDA
   namespace jc = jaxtdist::cuda;
   m.def("cuda_device_count", [] {

@@ -131,6 +131,7 @@ ffi::Error TritonLaunchCuda(cudaStream_t stream, std::int32_t device_ordinal,
                             std::int64_t grid_z, std::int64_t scratch_offset,
                             std::int64_t generation, std::int64_t align_counter,
                             ffi::Span<const std::int64_t> groups, std::int64_t world) {
+  const LaunchClock::time_point entered = LaunchClock::now();
   if (std::string stale = CheckGeneration(generation); !stale.empty()) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition, stale);
   }
@@ -206,7 +207,8 @@ ffi::Error TritonLaunchCuda(cudaStream_t stream, std::int32_t device_ordinal,
     return ffi::Error::Internal("jaxtdist: " + e);
   }
   if (group != nullptr) {
-    RuntimeState::Get().aligner().Arrive(align_counter, align_epoch, group[0], world);
+    RuntimeState::Get().aligner().Arrive(align_counter, align_epoch, group[0], world, *pos,
+                                         entered);
   }
   CUresult res = drv.launch_kernel(fn, static_cast<unsigned>(grid_x),
                                    static_cast<unsigned>(grid_y), static_cast<unsigned>(grid_z),

@@ -15,14 +15,14 @@ from tests.conftest import setup
 
 import jaxtdist as td
 from jaxtdist.runtime import _native
-from jaxtdist.runtime._runtime import LAUNCH_ALIGN_TIMEOUT_US
+from jaxtdist.runtime._runtime import LAUNCH_ALIGN_SPIN_US, LAUNCH_ALIGN_TIMEOUT_US
 
 
 @pytest.fixture
 def aligner():
     lib = _native.native()
     yield lib  # each test configures it: no pending rendezvous, counters at zero
-    lib.configure_launch_alignment(True, LAUNCH_ALIGN_TIMEOUT_US)
+    lib.configure_launch_alignment(True, LAUNCH_ALIGN_TIMEOUT_US, LAUNCH_ALIGN_SPIN_US)
 
 
 def _run_members(lib, members, world, epochs, counter=7, leader=0, stagger_s=0.0):
@@ -36,7 +36,7 @@ def _run_members(lib, members, world, epochs, counter=7, leader=0, stagger_s=0.0
                 if stagger_s:
                     time.sleep(stagger_s * i)
                 t0 = time.perf_counter()
-                lib.align_launch(counter, e, leader, world)
+                lib.align_launch(counter, e, leader, world, position=i)
                 waits[i].append(time.perf_counter() - t0)
         except Exception as err:  # noqa: BLE001 - surfaced below
             errors.append(err)
@@ -51,27 +51,58 @@ def _run_members(lib, members, world, epochs, counter=7, leader=0, stagger_s=0.0
     return waits
 
 
+# Arrivals that only spin, spin then sleep (the default), and only sleep.
+SPINS_US = [5_000_000, LAUNCH_ALIGN_SPIN_US, 0]
+
+
+@pytest.mark.parametrize("spin_us", SPINS_US)
 @pytest.mark.parametrize("world", [2, 4, 8])
-def test_every_member_meets(aligner, world):
-    aligner.configure_launch_alignment(True, 5_000_000)
+def test_every_member_meets(aligner, world, spin_us):
+    aligner.configure_launch_alignment(True, 5_000_000, spin_us)
     epochs = range(1, 41)
     _run_members(aligner, world, world, epochs)
     stats = aligner.launch_alignment_stats()
-    assert stats == dict(enabled=True, met=world * len(epochs), timed_out=0,
-                         disabled_because="")
+    assert {k: stats[k] for k in ("enabled", "met", "timed_out", "disabled_because")} == dict(
+        enabled=True, met=world * len(epochs), timed_out=0, disabled_because="")
+    assert stats["late"] == [] and 0 <= stats["max_spread_us"] < 5_000_000
 
 
-def test_early_member_waits_for_a_late_one(aligner):
-    aligner.configure_launch_alignment(True, 5_000_000)
-    # Member i arrives 20 ms * i late: member 0 must wait about 60 ms.
+@pytest.mark.parametrize("spin_us", SPINS_US)
+def test_early_member_waits_for_a_late_one(aligner, spin_us):
+    aligner.configure_launch_alignment(True, 5_000_000, spin_us)
+    # Member i arrives 20 ms * i late: member 0 must wait about 60 ms, and a
+    # sleeping member is woken by the last arrival, not by the timeout (5 s).
     waits = _run_members(aligner, 4, 4, [1], stagger_s=0.02)
-    assert waits[0][0] > 0.04, waits
+    assert 0.04 < waits[0][0] < 1.0, waits
     assert waits[3][0] < 0.03, waits
     assert aligner.launch_alignment_stats()["met"] == 4
 
 
+def test_late_rendezvous_name_the_late_member(aligner):
+    aligner.configure_launch_alignment(True, 5_000, LAUNCH_ALIGN_SPIN_US)
+    # Positions 0-2 come at once, position 3 50 ms later: the three time out
+    # (5 ms), and the record says position 3 arrived about 50 ms after the first.
+    threads = [threading.Thread(target=aligner.align_launch, args=(5, 1, 0, 4),
+                                kwargs=dict(position=position)) for position in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)
+    aligner.align_launch(5, 1, 0, 4, position=3)
+    for t in threads:
+        t.join(timeout=60)
+    stats = aligner.launch_alignment_stats()
+    assert stats["timed_out"] == 3 and stats["met"] == 1, stats
+    [record] = stats["late"]
+    assert (record["counter"], record["epoch"]) == (5, 1)
+    assert [m["position"] for m in record["members"]][-1] == 3
+    last = record["members"][-1]
+    assert last["arrived_us"] > 30_000 and last["entered_us"] <= last["arrived_us"], record
+    assert sorted(m["position"] for m in record["members"]) == [0, 1, 2, 3]
+    assert stats["max_spread_us"] >= last["arrived_us"]
+
+
 def test_groups_and_counters_meet_separately(aligner):
-    aligner.configure_launch_alignment(True, 5_000_000)
+    aligner.configure_launch_alignment(True, 5_000_000, LAUNCH_ALIGN_SPIN_US)
     threads = [threading.Thread(target=_run_members, args=(aligner, 2, 2, range(1, 11)),
                                 kwargs=dict(counter=c, leader=leader))
                for c in (1, 2) for leader in (0, 2)]
@@ -84,7 +115,7 @@ def test_groups_and_counters_meet_separately(aligner):
 
 
 def test_missing_member_times_out_then_alignment_turns_off(aligner):
-    aligner.configure_launch_alignment(True, 2_000)
+    aligner.configure_launch_alignment(True, 2_000, LAUNCH_ALIGN_SPIN_US)
     # 3 of 4 members come: every rendezvous times out (2 ms), none hangs.
     _run_members(aligner, 3, 4, range(1, 11))
     stats = aligner.launch_alignment_stats()
@@ -98,7 +129,7 @@ def test_missing_member_times_out_then_alignment_turns_off(aligner):
 
 
 def test_one_thread_for_several_members_turns_alignment_off(aligner):
-    aligner.configure_launch_alignment(True, 2_000)
+    aligner.configure_launch_alignment(True, 2_000, LAUNCH_ALIGN_SPIN_US)
     # One thread launching every device's program in turn: the second arrival
     # for the same call recognises it and stops waiting for good.
     for _ in range(4):
@@ -110,7 +141,7 @@ def test_one_thread_for_several_members_turns_alignment_off(aligner):
 
 
 def test_turned_off_never_waits(aligner):
-    aligner.configure_launch_alignment(False, 5_000_000)
+    aligner.configure_launch_alignment(False, 5_000_000, LAUNCH_ALIGN_SPIN_US)
     t0 = time.perf_counter()
     aligner.align_launch(1, 1, 0, 4)
     assert time.perf_counter() - t0 < 0.5

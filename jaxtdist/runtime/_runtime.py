@@ -33,6 +33,11 @@ DEFAULT_WAIT_SPINS = {"cpu": 600_000, "gpu": 20_000_000}
 # How long a host thread waits for its group at a launch rendezvous
 # (csrc/launch_align.h) before it launches anyway.
 LAUNCH_ALIGN_TIMEOUT_US = 10_000
+# How long of that an early arrival spins before it sleeps until the last
+# member wakes it: launches of one call arrive microseconds apart, and
+# spinning longer holds CPUs that late members' host threads may need
+# (docs/perf: on the 4 x H200 VM, late threads then came in 4 ms steps).
+LAUNCH_ALIGN_SPIN_US = 200
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +118,8 @@ class Runtime:
         self._next_offset = _RESERVED_BYTES
         self._native.reset(self.generation)
         self._align_launches = bool(align_launches)
-        self._native.configure_launch_alignment(self._align_launches, LAUNCH_ALIGN_TIMEOUT_US)
+        self._native.configure_launch_alignment(self._align_launches, LAUNCH_ALIGN_TIMEOUT_US,
+                                               LAUNCH_ALIGN_SPIN_US)
         self._launcher = _check_launcher(launcher)
         if self.platform == "cpu":
             from jaxtdist.runtime._cpu import CpuHeap
@@ -136,7 +142,8 @@ class Runtime:
     def align_launches(self, enabled: bool) -> None:
         # Read by the handlers at run time: compiled programs need no retrace.
         self._align_launches = bool(enabled)
-        self._native.configure_launch_alignment(self._align_launches, LAUNCH_ALIGN_TIMEOUT_US)
+        self._native.configure_launch_alignment(self._align_launches, LAUNCH_ALIGN_TIMEOUT_US,
+                                               LAUNCH_ALIGN_SPIN_US)
 
     @property
     def launcher(self) -> str:

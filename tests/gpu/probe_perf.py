@@ -302,6 +302,69 @@ def probe_launcher(rounds=3, iterations=50, world=4):
                    np.asarray(x, np.float32), world, rounds, iterations)
 
 
+def probe_rendezvous(rounds=3, iterations=50, calls=40, world=4):
+    """Launch rendezvous that only spins (as before) against spin-then-sleep.
+
+    Per setting (microseconds an early arrival spins before it sleeps): the
+    timeouts and the largest arrival spread over ``calls`` host-paced calls
+    (inputs made and outputs read on the host between calls, as in
+    test_launchers); then the kernel times of decode ag_matmul and a small
+    all_gather called back to back, rounds alternating between settings."""
+    from jaxtdist.runtime._runtime import LAUNCH_ALIGN_TIMEOUT_US
+    mesh = mesh_of(world)
+    rt = td.initialize(mesh)
+    settings = {"spin only": LAUNCH_ALIGN_TIMEOUT_US, "spin 200 us": 200, "sleep at once": 0}
+    specs = dict(mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp"),
+                 check_vma=False)
+    ag = jax.jit(jax.shard_map(lambda x, w: td.ag_matmul(x, w, "tp"), **specs))
+    gather = jax.jit(jax.shard_map(lambda v: td.all_gather(v, "tp"), mesh=mesh,
+                                   in_specs=P("tp", None), out_specs=P(None, None),
+                                   check_vma=False))
+    cases = []
+    for m in (1, 16):
+        args, ref = _sharded_args(mesh, m, 4096, 8192, world)
+        cases.append((f"ag_matmul m={m}", ag, args, ref))
+    v = jax.random.normal(jax.random.key(0), (world * 64, 1024), jnp.bfloat16)
+    cases.append(("all_gather 128 kB/rank", gather,
+                  (jax.device_put(v, NamedSharding(mesh, P("tp", None))),),
+                  np.asarray(v, np.float32)))
+    for _, f, args, _ in cases:
+        jax.block_until_ready(f(*args))
+    rng = np.random.default_rng(0)
+    try:
+        for name, spin in settings.items():
+            rt._native.configure_launch_alignment(True, LAUNCH_ALIGN_TIMEOUT_US, spin)
+            for _ in range(calls):
+                x = rng.standard_normal((world * 64, 1024)).astype(np.float32)
+                xs = jax.block_until_ready(
+                    jax.device_put(jnp.asarray(x, jnp.bfloat16), NamedSharding(mesh, P("tp", None))))
+                assert np.array_equal(np.asarray(gather(xs), np.float32),
+                                      np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32))
+                np.asarray(ag(*cases[0][2]))
+            st = rt.launch_alignment_stats()
+            late = [" ".join(f"{m['position']}@{m['entered_us'] / 1e3:.1f}/"
+                             f"{m['arrived_us'] / 1e3:.1f}ms" for m in r["members"])
+                    for r in st["late"][:4]]
+            print(f"rendezvous {name}: {calls} host-paced call pairs: met {st['met']} timed out "
+                  f"{st['timed_out']} largest spread {st['max_spread_us'] / 1e3:.2f} ms "
+                  f"late (position@entered/arrived) {late}", flush=True)
+        times = {(label, name): [] for label, *_ in cases for name in settings}
+        for _ in range(rounds):
+            for name, spin in settings.items():
+                rt._native.configure_launch_alignment(True, LAUNCH_ALIGN_TIMEOUT_US, spin)
+                for label, f, args, ref in cases:
+                    out, t = _profile(f, args, iterations, world)
+                    err = float(np.linalg.norm(np.asarray(out, np.float32) - ref)
+                                / np.linalg.norm(ref))
+                    times[(label, name)].append((t["mean_us"], t["min_us"], err))
+        for (label, name), ts in times.items():
+            print(f"rendezvous {label} {name}: mean {np.median([t[0] for t in ts]):.1f} "
+                  f"fastest {np.median([t[1] for t in ts]):.1f} rounds "
+                  f"{[round(t[0], 1) for t in ts]} err {max(t[2] for t in ts):.1e}", flush=True)
+    finally:
+        rt.align_launches = True  # the shipped settings
+
+
 def probe_tiles(rounds=3, iterations=20):
     """2048/2752/4096: the copy-engine kernel with 128x256 tiles (shipped) against
     tiles whose last wave is fuller, at world 4 and alone on one GPU (cuBLAS beside)."""
@@ -427,6 +490,8 @@ if __name__ == "__main__":
     import sys
     if "--launcher" in sys.argv:
         probe_launcher(world=min(4, len(jax.devices())))
+    if "--rendezvous" in sys.argv:
+        probe_rendezvous(world=min(4, len(jax.devices())))
     if "--tiles" in sys.argv:
         probe_tiles()
     if "--stream-k" in sys.argv:

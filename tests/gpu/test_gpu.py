@@ -359,6 +359,20 @@ def test_user_kernel_ring(world):
         np.testing.assert_array_equal(np.asarray(out), _ring_shift(x, world, 1))
 
 
+def _late_rendezvous_summary(stats: dict, late_calls: list) -> str:
+    """The aligner's statistics in a few lines: per late rendezvous, each
+    member's mesh position, when its handler was entered and when it arrived
+    (ms after the first arrival)."""
+    lines = [f"met {stats['met']}, timed out {stats['timed_out']}, enabled {stats['enabled']} "
+             f"{stats['disabled_because']}, largest spread {stats['max_spread_us'] / 1e3:.2f} ms",
+             f"calls with a timeout: {late_calls}"]
+    for record in stats["late"]:
+        members = ", ".join(f"pos {m['position']} in +{m['entered_us'] / 1e3:.2f} "
+                            f"at +{m['arrived_us'] / 1e3:.2f}" for m in record["members"])
+        lines.append(f"  counter {record['counter']} epoch {record['epoch']}: {members}")
+    return "\n".join(lines)
+
+
 @pytest.mark.parametrize("launcher", ["native", "jax-triton"])
 def test_launchers(launcher):
     """Both GPU launchers run the pointer kernels (SM producers and pushes), the
@@ -425,8 +439,10 @@ def test_launchers(launcher):
         # native launch, or in the prologue before a jax-triton launch). `late`
         # names the calls whose rendezvous timed out.
         stats = rt.launch_alignment_stats()
-        assert stats["enabled"] and stats["timed_out"] == 0, (stats, late)
-        assert stats["met"] >= world * 15, (stats, late)
+        why = _late_rendezvous_summary(stats, late)
+        print(why)
+        assert stats["enabled"] and stats["timed_out"] == 0, why
+        assert stats["met"] >= world * 15, why
     finally:
         rt.launcher = "native"
 
