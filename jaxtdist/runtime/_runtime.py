@@ -31,12 +31,16 @@ DEFAULT_HEAP_BYTES = {"cpu": 32 << 20, "gpu": 1 << 30}
 # the interpreter each poll also sleeps 0.1 ms, so 600k polls is over a minute.
 DEFAULT_WAIT_SPINS = {"cpu": 600_000, "gpu": 20_000_000}
 # How long a host thread waits for its group at a launch rendezvous
-# (csrc/launch_align.h) before it launches anyway.
-LAUNCH_ALIGN_TIMEOUT_US = 10_000
+# (csrc/launch_align.h) before it launches anyway. Waiting for a member that
+# comes late costs no more than launching early (the kernel would wait for
+# it on the device), so the bound only has to catch members that never come;
+# it sits well above the host delays seen on the 4 x H200 VM (late threads
+# reaching their handler in 4 ms steps, up to 17.6 ms: docs/perf).
+LAUNCH_ALIGN_TIMEOUT_US = 50_000
 # How long of that an early arrival spins before it sleeps until the last
-# member wakes it: launches of one call arrive microseconds apart, and
-# spinning longer holds CPUs that late members' host threads may need
-# (docs/perf: on the 4 x H200 VM, late threads then came in 4 ms steps).
+# member wakes it. Launches of one call arrive microseconds apart; spinning
+# longer holds CPUs that late members' host threads need (with 10 ms of
+# spinning, 10 of 18 test_launchers runs had a timeout on that VM).
 LAUNCH_ALIGN_SPIN_US = 200
 
 
@@ -164,7 +168,11 @@ class Runtime:
 
     def launch_alignment_stats(self) -> dict:
         """Host rendezvous before collective launches so far: ``enabled``, ``met``
-        and ``timed_out`` (arrivals), and why alignment turned itself off, if it did."""
+        and ``timed_out`` (arrivals), why alignment turned itself off, if it did
+        (``disabled_because``), the largest first-to-last arrival gap
+        (``max_spread_us``), and per rendezvous with a timeout (``late``, the
+        first 32) each member's mesh ``position``, ``entered_us`` (its handler
+        began) and ``arrived_us``, in microseconds after the first arrival."""
         return dict(self._native.launch_alignment_stats())
 
     # -- layouts --------------------------------------------------------------
