@@ -6,9 +6,10 @@
 // wait for the slowest peer to be launched; when the GPUs idle between calls
 // (host-bound steps, decode-sized ops) that wait is host-thread skew, tens of
 // microseconds. XLA rendezvous its own collectives' threads; jaxtdist's last
-// handler before a collective kernel does the same: it waits, spinning and
-// bounded, until every member of the group reached the same call. Only host
-// time moves: no kernel's correctness depends on the rendezvous.
+// handler before a collective kernel does the same: it waits (a short spin,
+// then asleep until the last member wakes it; bounded) until every member of
+// the group reached the same call. Only host time moves: no kernel's
+// correctness depends on the rendezvous.
 #ifndef JAXTDIST_CSRC_LAUNCH_ALIGN_H_
 #define JAXTDIST_CSRC_LAUNCH_ALIGN_H_
 
@@ -61,6 +62,8 @@ class LaunchAligner {
   // alignment off, as does one host thread arriving twice for one call (one
   // thread launching several devices' programs in turn could never meet).
   static constexpr int kTimeoutsBeforeDisabling = 8;
+  // Rendezvous with a timeout kept in the statistics, at most.
+  static constexpr std::size_t kMaxLateRecords = 32;
 
   // Also forgets pending rendezvous and the statistics. An arrival spins
   // for at most `spin_us`, then sleeps until the last member wakes it or
@@ -69,9 +72,6 @@ class LaunchAligner {
   void Configure(bool enabled, std::int64_t timeout_us, std::int64_t spin_us);
   // Forgets pending rendezvous and re-enables alignment if it was configured on.
   void Reset();
-  // Rendezvous with a timeout kept in the statistics, at most.
-  static constexpr std::size_t kMaxLateRecords = 32;
-
   // Returns once each of the `world` members of the group whose first mesh
   // position is `leader` has arrived for (`counter`, `epoch`), or at the
   // timeout. Every member must be driven by this process. `position` (this
@@ -97,15 +97,16 @@ class LaunchAligner {
   using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t>;
 
   void DisableLocked(const std::string& why);
-  void RecordLocked(const Meeting& meeting, const std::tuple<std::int64_t, std::int64_t,
-                                                             std::int64_t>& key);
+  // Updates the spread and, if a member timed out, keeps the meeting's record.
+  void RecordLocked(const Meeting& meeting, const Key& key);
 
   mutable std::mutex mu_;
   std::map<Key, std::shared_ptr<Meeting>> meetings_;
   std::atomic<bool> enabled_{true};
   bool configured_on_ = true;
-  std::int64_t timeout_us_ = 10000;
-  std::int64_t spin_us_ = 10000;
+  // jaxtdist.runtime configures both (LAUNCH_ALIGN_TIMEOUT_US, LAUNCH_ALIGN_SPIN_US).
+  std::int64_t timeout_us_ = 50000;
+  std::int64_t spin_us_ = 200;
   int timeouts_in_a_row_ = 0;
   LaunchAlignStats stats_;
 };

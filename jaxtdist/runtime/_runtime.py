@@ -40,7 +40,7 @@ LAUNCH_ALIGN_TIMEOUT_US = 50_000
 # How long of that an early arrival spins before it sleeps until the last
 # member wakes it. Launches of one call arrive microseconds apart; spinning
 # longer holds CPUs that late members' host threads need (with 10 ms of
-# spinning, 10 of 18 test_launchers runs had a timeout on that VM).
+# spinning, 10 of 18 test_launchers parametrizations had a timeout there).
 LAUNCH_ALIGN_SPIN_US = 200
 
 
