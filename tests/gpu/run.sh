@@ -61,7 +61,8 @@ if has bench; then
     --markdown "docs/perf/ag_matmul_${TAG}.md" 2>&1 | tee "$OUT/bench_ag_matmul.log"
   kill "$CLOCKS_PID" 2>/dev/null
 fi
-cp docs/perf/*_"${TAG}".* "$OUT/" 2>/dev/null
+# Only what this run wrote (docs/perf also holds every earlier run's files).
+for f in all_gather ag_matmul ag_matmul_tuning; do cp docs/perf/"${f}_${TAG}".* "$OUT/" 2>/dev/null; done
 
 echo
 if has tests; then
