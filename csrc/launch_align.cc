@@ -62,14 +62,13 @@ void LaunchAligner::Arrive(std::int64_t counter, std::int64_t epoch, std::int64_
     if (!slot) slot = std::make_shared<Meeting>();
     meeting = slot;
     const auto self = std::this_thread::get_id();
-    if (std::find(meeting->threads.begin(), meeting->threads.end(), self) !=
-        meeting->threads.end()) {
+    if (std::any_of(meeting->members.begin(), meeting->members.end(),
+                    [&](const Meeting::Member& m) { return m.thread == self; })) {
       DisableLocked("one host thread launches several group members' programs, one after "
                     "another");
       return;
     }
-    meeting->threads.push_back(self);
-    meeting->times.emplace_back(position, entered, LaunchClock::now());
+    meeting->members.push_back(Meeting::Member{self, position, entered, LaunchClock::now()});
     arrived = meeting->arrived.fetch_add(1, std::memory_order_acq_rel) + 1;
     timeout_us = timeout_us_;
     spin_us = spin_us_;
@@ -117,18 +116,18 @@ void LaunchAligner::Arrive(std::int64_t counter, std::int64_t epoch, std::int64_
 }
 
 void LaunchAligner::RecordLocked(const Meeting& meeting, const Key& key) {
-  if (meeting.times.empty()) return;
-  const LaunchClock::time_point first = std::get<2>(meeting.times.front());
+  if (meeting.members.empty()) return;
+  const LaunchClock::time_point first = meeting.members.front().arrived;
   auto us = [first](LaunchClock::time_point t) {
     return std::chrono::duration<double, std::micro>(t - first).count();
   };
-  stats_.max_spread_us = std::max(stats_.max_spread_us, us(std::get<2>(meeting.times.back())));
+  stats_.max_spread_us = std::max(stats_.max_spread_us, us(meeting.members.back().arrived));
   if (!meeting.timed_out || stats_.late.size() >= kMaxLateRecords) return;
   LateRendezvous record;
   record.counter = std::get<0>(key);
   record.epoch = std::get<2>(key);
-  for (const auto& [position, entered, arrived] : meeting.times) {
-    record.members.push_back(LateMember{position, us(entered), us(arrived)});
+  for (const Meeting::Member& m : meeting.members) {
+    record.members.push_back(LateMember{m.position, us(m.entered), us(m.arrived)});
   }
   stats_.late.push_back(std::move(record));
 }

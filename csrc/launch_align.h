@@ -90,9 +90,12 @@ class LaunchAligner {
     std::condition_variable wake;
     std::int64_t left = 0;
     bool timed_out = false;  // some member left at the timeout
-    std::vector<std::thread::id> threads;
-    // Per member, in arrival order: (position, handler entry, arrival).
-    std::vector<std::tuple<int, LaunchClock::time_point, LaunchClock::time_point>> times;
+    struct Member {
+      std::thread::id thread;
+      int position;
+      LaunchClock::time_point entered, arrived;
+    };
+    std::vector<Member> members;  // in arrival order
   };
   using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t>;
 

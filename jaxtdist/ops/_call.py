@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -212,28 +211,20 @@ def match_cotangent(ct: jax.Array, primal: jax.Array) -> jax.Array:
     return mark_varying(ct, tuple(sorted(want)))
 
 
-def _launches_natively(rt: Runtime, args: Sequence, needs_scratch: bool) -> bool:
-    """Whether jaxtdist's own launcher runs a kernel with these arguments on GPUs:
-    always with ``needs_scratch``, else with the "native" launcher and no
-    Python scalar among ``args`` (it takes arrays only)."""
+def aligns_at_launch(rt: Runtime, args: Sequence = (), needs_scratch: bool = False) -> bool:
+    """Whether jaxtdist's own launcher runs a kernel with ``args`` on GPUs, and so
+    its launch, not the prologue, holds the call's launch rendezvous.
+
+    The native launcher runs a kernel always with ``needs_scratch``, else with
+    the runtime's "native" launcher and no Python scalar among ``args`` (it
+    takes arrays only); its handler launches right after the rendezvous.
+    jax-triton's launch is a custom call of its own, so the prologue holds the
+    rendezvous then. Ops pass ``align_launch=not aligns_at_launch(...)`` to
+    ``prologue`` and the call's layout and workspace to ``launch``
+    (``align_with``).
+    """
     arrays_only = not any(isinstance(a, (bool, int, float, np.number)) for a in args)
     return rt.platform == "gpu" and (needs_scratch or (rt.launcher == "native" and arrays_only))
-
-
-def aligns_at_launch(rt: Runtime, args: Sequence = (), needs_scratch: bool = False) -> bool:
-    """Whether the launch of a kernel with ``args``, not the prologue, holds the
-    call's launch rendezvous.
-
-    True where jaxtdist's own launcher runs the kernel: its handler launches
-    right after the rendezvous. jax-triton's launch is a custom call of its
-    own, so the prologue holds the rendezvous then. Ops pass
-    ``align_launch=not aligns_at_launch(...)`` to ``prologue`` and the call's
-    layout and workspace to ``launch`` (``align_with``).
-    """
-    # JAXTDIST_ALIGN_IN_LAUNCH=0 keeps it in the prologue: the A/B switch of
-    # probe_perf.py --launcher (docs/perf, run X).
-    return (_launches_natively(rt, args, needs_scratch)
-            and os.environ.get("JAXTDIST_ALIGN_IN_LAUNCH", "1") != "0")
 
 
 def launch(kernel, ctx: jax.Array, *args: Any, out_shape, grid: int | Sequence[int],
@@ -246,16 +237,16 @@ def launch(kernel, ctx: jax.Array, *args: Any, out_shape, grid: int | Sequence[i
     always when ``needs_scratch``: the kernel uses Triton's global scratch
     (device-side TMA descriptors). jax-triton runs it otherwise.
 
-    ``align_with``: the (layout, workspace) of the call's prologue; where
-    ``aligns_at_launch``, the launch holds the call's launch rendezvous.
+    ``align_with``: the (layout, workspace) of the call's prologue; the native
+    launch then holds the call's launch rendezvous.
     """
     rt = runtime()
     outs, many = _out_list(out_shape)
     full_args = (ctx,) + tuple(args)
-    if _launches_natively(rt, args, needs_scratch):
+    if aligns_at_launch(rt, args, needs_scratch):
         from jaxtdist.ops import _native_launch
         rendezvous = None
-        if align_with is not None and aligns_at_launch(rt, args, needs_scratch):
+        if align_with is not None:
             layout, ws = align_with
             rendezvous = (ws.counter_id, rt.group_table(layout), layout.world)
         result = _native_launch.launch(rt, kernel, full_args, outs, grid, num_warps, num_stages,

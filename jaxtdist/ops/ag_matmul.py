@@ -33,12 +33,13 @@ def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
     kernel's defaults (for configs that ask for its modes). STREAM_K (copy-engine
     kernel only) cuts the last partial wave of tiles along K over every
     program (``stream_k_tail``): True, False, or "auto" (where it pays).
-    PUSH_ORDER (copy engines only): "serial" or "parallel" (``PUSH_ORDERS``).
+    PUSH_ORDER (copy engines only: "serial" or "parallel", ``PUSH_ORDERS``) is
+    not set here: it follows the producer chosen (``settle_config``).
     """
     small = world * m_shard <= (128 if platform == "gpu" else 32)
     wide = jnp.dtype(dtype).itemsize == 4
     common = dict(SCOPE="sys", SPLIT_K=1, CHUNK_ROWS=0, TMA=False, PRODUCER="sm",
-                  STREAM_K="auto", PUSH_ORDER="parallel")
+                  STREAM_K="auto")
     if platform == "gpu":
         if small:  # decode: one M tile over all ranks' rows, split K, one chunk per row
             return dict(common, BLOCK_M=max(16, next_pow2(world * m_shard)), BLOCK_N=64,
@@ -54,7 +55,7 @@ def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
             # faster than SM producers at 128/4096/8192 on 4 x H200, docs/perf).
             return dict(common, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, NUM_COMM=16,
                         CHUNK_ROWS=128, COPY_BLOCK_C=256, ALL_ROWS=False, num_warps=8,
-                        num_stages=4, TMA=True, PRODUCER="ce", PUSH_ORDER="serial")
+                        num_stages=4, TMA=True, PRODUCER="ce")
         if m_shard <= 256:  # few row tiles: narrow N tiles, finer chunks
             return dict(common, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64 if wide else 128,
                         GROUP_M=8, NUM_COMM=16, CHUNK_ROWS=min(16, block_m), COPY_BLOCK_C=256,
@@ -70,7 +71,7 @@ def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
         return dict(common, BLOCK_M=block_m, BLOCK_N=256 if block_m == 128 else 128,
                     BLOCK_K=64, GROUP_M=8, NUM_COMM=16, COPY_BLOCK_C=128, ALL_ROWS=False,
                     num_warps=8, num_stages=3, TMA=tma, PRODUCER="ce" if tma else "sm",
-                    CHUNK_ROWS=256 if tma else 0, PUSH_ORDER="serial" if tma else "parallel")
+                    CHUNK_ROWS=256 if tma else 0)
     # CPU (interpreter): small blocks keep interpretation fast.
     if small:
         return dict(common, BLOCK_M=max(16, next_pow2(world * m_shard)), BLOCK_N=32,

@@ -258,11 +258,8 @@ def _alternate(label, fns, args, ref, world, rounds, iterations):
 
 def probe_launcher(rounds=3, iterations=50, world=4):
     """Decode ag_matmul and small all_gathers launched by jax-triton or by jaxtdist's
-    own FFI launcher (``rt.launcher``, read at trace time), the latter with the
-    launch rendezvous in the prologue or in the launch handler
-    (JAXTDIST_ALIGN_IN_LAUNCH, read at trace time too), XLA beside them,
+    own FFI launcher (``rt.launcher``, read at trace time), XLA beside them,
     alternating in one process."""
-    import os
     mesh = mesh_of(world)
     rt = td.initialize(mesh)
     specs = dict(mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp"),
@@ -270,15 +267,11 @@ def probe_launcher(rounds=3, iterations=50, world=4):
 
     def traced(make, args):
         fns = {}
-        for launcher, at_launch in (("jax-triton", "1"), ("native", "0"), ("native", "1")):
+        for launcher in ("jax-triton", "native"):
             rt.launcher = launcher
-            os.environ["JAXTDIST_ALIGN_IN_LAUNCH"] = at_launch
-            name = launcher if launcher == "jax-triton" else (
-                "native, rendezvous in " + ("launch" if at_launch == "1" else "prologue"))
-            fns[name] = make()
-            jax.block_until_ready(fns[name](*args))  # traced under these settings
+            fns[launcher] = make()
+            jax.block_until_ready(fns[launcher](*args))  # traced with this launcher
         rt.launcher = "native"
-        os.environ.pop("JAXTDIST_ALIGN_IN_LAUNCH")
         return fns
 
     for m in (1, 16):
