@@ -128,6 +128,38 @@ def probe_gemm_variants(shapes=((4096, 4096, 4096), (8192, 3072, 4096), (8192, 3
                 print(f"  ag_matmul w=1 {cfg}: {type(e).__name__} {str(e)[:200]}", flush=True)
 
 
+def probe_cublas_chunks(shapes=((1024, 4096, 4096), (2048, 3072, 4096), (2048, 2752, 4096),
+                                (2048, 3584, 4096), (2048, 7168, 8192)), world=4, iterations=30):
+    """cuBLAS (XLA's dot) on the whole gathered x vs on one rank's rows at a time:
+    what a GEMM split per source rank (a copy-engine gather feeding one cuBLAS
+    call per arrived shard) would cost in GEMM time alone, on one device."""
+    dev = jax.devices()[0]
+    for m, n, k in shapes:
+        key = jax.random.PRNGKey(m + n + k)
+        xs = [jax.device_put(jax.random.normal(jax.random.fold_in(key, r), (m, k), jnp.bfloat16), dev)
+              for r in range(world)]
+        w = jax.device_put(jax.random.normal(key, (k, n), jnp.bfloat16), dev)
+        full_x = jnp.concatenate(xs)
+        full = jax.jit(lambda a, b: jnp.dot(a, b))
+        one = jax.jit(lambda a, b: jnp.dot(a, b))
+
+        def chained(b, *parts):
+            outs, dep = [], None
+            for part in parts:
+                if dep is not None:  # a data dependency keeps XLA from merging the dots
+                    part, _ = jax.lax.optimization_barrier((part, dep))
+                dep = jnp.dot(part, b)
+                outs.append(dep)
+            return outs
+
+        _, t_full = _kernel_us(full, (full_x, w), "", iterations)
+        _, t_one = _kernel_us(one, (xs[0], w), "", iterations)
+        _, t_chain = _kernel_us(jax.jit(chained), (w, *xs), "", iterations)
+        print(f"cublas chunks m_shard={m} n={n} k={k}: full {t_full:.1f} us, one shard "
+              f"{t_one:.1f} us (x{world} = {world * t_one:.1f}), {world} chained "
+              f"{t_chain:.1f} us = {t_chain / t_full:.3f} of full", flush=True)
+
+
 def probe_decode():
     """Decode shapes: the gather alone, the GEMM alone (world 1, all rows local), both."""
     for m in (1, 16, 128):
@@ -499,6 +531,8 @@ if __name__ == "__main__":
         probe_push_order()
     if "--balance" in sys.argv:
         probe_balance(edge="--edge" in sys.argv)
+    if "--cublas-chunks" in sys.argv:
+        probe_cublas_chunks()
     if "--decode" in sys.argv:
         probe_decode()
     if len(sys.argv) == 1:
