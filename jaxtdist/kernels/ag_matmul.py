@@ -321,3 +321,28 @@ def push_shards_kernel(ctx, x_ptr, done_ptr, M_SHARD: tl.constexpr, K: tl.conste
         for step in range(1, world):
             dl.notify(ctx, sent + step, me, e, "set", "gpu")
         tl.store(done_ptr, e)
+
+
+@triton.jit
+def shard_wait_kernel(ctx, token_ptr, STEP: tl.constexpr, M_SHARD: tl.constexpr,
+                      CHUNK_ROWS: tl.constexpr, FLAGS_OFF: tl.constexpr,
+                      SENT_OFF: tl.constexpr, WAIT_SENT: tl.constexpr):
+    """Grid: (1,). Before step STEP of the shard-at-a-time GEMM (GEMM="cublas",
+    ``csrc/shard_gemm.h``): waits until rank me-STEP's shard has landed in this
+    rank's inbox (every chunk flag at the epoch), and with WAIT_SENT until this
+    rank's own pushes have ended (its "sent" words: x may be freed after the
+    last step). Writes the epoch to ``token`` for XLA to order the step after.
+    """
+    me = dl.rank(ctx)
+    world = dl.num_ranks(ctx)
+    e = dl.epoch(ctx)
+    src = (me + world - STEP) % world
+    n_chunks = (M_SHARD + CHUNK_ROWS - 1) // CHUNK_ROWS
+    flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
+    for chunk in range(n_chunks):
+        dl.wait(ctx, flags + src * n_chunks + chunk, e, "ge", src, "gpu")
+    if WAIT_SENT:
+        sent = dl.heap_ptr(ctx, SENT_OFF, tl.int32)
+        for step in range(1, world):
+            dl.wait(ctx, sent + step, e, "ge", me, "gpu")
+    tl.store(token_ptr, e)

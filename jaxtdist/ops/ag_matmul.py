@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtdist.kernels.ag_matmul import (ag_matmul_ce_kernel, ag_matmul_kernel,
-                                        ag_matmul_tma_kernel, push_shards_kernel)
+                                        ag_matmul_tma_kernel, push_shards_kernel,
+                                        shard_wait_kernel)
 from jaxtdist.ops import _call
 from jaxtdist.ops._shapes import (GatherWorkspace, InboxWorkspace, SplitKWorkspace,
                                   StreamKWorkspace, check_dtype, next_pow2)
@@ -35,11 +36,15 @@ def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
     program (``stream_k_tail``): True, False, or "auto" (where it pays).
     PUSH_ORDER (copy engines only: "serial" or "parallel", ``PUSH_ORDERS``) is
     not set here: it follows the producer chosen (``settle_config``).
+    GEMM="cublas" (``GEMMS``) replaces the fused Triton kernel by one library
+    GEMM per source rank (cuBLASLt on GPUs; algorithm GEMM_ALGO of its
+    heuristic), each after a one-program kernel has waited for that rank's
+    shard; the copy engines push (``_ag_matmul_by_shard``).
     """
     small = world * m_shard <= (128 if platform == "gpu" else 32)
     wide = jnp.dtype(dtype).itemsize == 4
     common = dict(SCOPE="sys", SPLIT_K=1, CHUNK_ROWS=0, TMA=False, PRODUCER="sm",
-                  STREAM_K="auto")
+                  STREAM_K="auto", GEMM="triton", GEMM_ALGO=0)
     if platform == "gpu":
         if small:  # decode: one M tile over all ranks' rows, split K, one chunk per row
             return dict(common, BLOCK_M=max(16, next_pow2(world * m_shard)), BLOCK_N=64,
@@ -109,7 +114,14 @@ def _check(x, w, axis_name):
         raise ValueError(f"jaxtdist.ag_matmul: empty operand x{x.shape} w{w.shape}")
 
 
-_FLAG_KEYS = ("SCOPE", "ALL_ROWS", "TMA", "PRODUCER", "STREAM_K", "PUSH_ORDER")
+_FLAG_KEYS = ("SCOPE", "ALL_ROWS", "TMA", "PRODUCER", "STREAM_K", "PUSH_ORDER", "GEMM",
+              "GEMM_ALGO")
+# "triton": one persistent Triton kernel waits for chunks tile by tile (fused);
+# "cublas": one library GEMM per source rank as its shard lands. On 4 x H200
+# cuBLAS on one shard at a time costs 1.03-1.10x its time on the whole
+# gathered x (tests/gpu/probe_perf.py --cublas-chunks), against 1.05-1.19x
+# for the fused Triton kernel: it pays where Triton's GEMM is the slower.
+GEMMS = ("triton", "cublas")
 # PRODUCER="ce": "parallel" pushes to every peer at once (a side stream each),
 # "serial" to one peer after another (one stream), in the order the GEMM
 # consumes them, so that the first peer's shard lands early. Serial is the
@@ -160,11 +172,23 @@ def check_config(cfg: dict, world: int, m_shard: int, k: int, n: int | None = No
         raise ValueError(f"jaxtdist.ag_matmul: ALL_ROWS needs BLOCK_M >= world * m_shard "
                          f"= {world * m_shard}, got BLOCK_M={cfg['BLOCK_M']}")
     cfg.setdefault("PRODUCER", "sm")
+    cfg.setdefault("GEMM", "triton")
+    if cfg["GEMM"] not in GEMMS:
+        raise ValueError(f"jaxtdist.ag_matmul: config GEMM={cfg['GEMM']!r}; allowed: {GEMMS} "
+                         "(the fused Triton kernel, or one library GEMM per arrived shard)")
+    algo = cfg.setdefault("GEMM_ALGO", 0)
+    if isinstance(algo, bool) or not isinstance(algo, (int, np.integer)) or algo < 0:
+        raise ValueError(f"jaxtdist.ag_matmul: config GEMM_ALGO={algo!r} must be an int >= 0 "
+                         "(an index into cuBLASLt's heuristic list)")
+    if cfg["GEMM"] == "cublas" and cfg["PRODUCER"] != "ce":
+        raise ValueError(f"jaxtdist.ag_matmul: config GEMM='cublas' needs PRODUCER='ce', got "
+                         f"PRODUCER={cfg['PRODUCER']!r} (the copy engines fill the inboxes that "
+                         "the library GEMMs read)")
     if cfg["PRODUCER"] not in PRODUCERS:
         raise ValueError(f"jaxtdist.ag_matmul: config PRODUCER={cfg['PRODUCER']!r}; allowed: "
                          f"{PRODUCERS} (SM producer programs that pull, SM producer programs that "
                          "push, or the copy engines)")
-    if cfg["PRODUCER"] == "ce" and not cfg.get("TMA"):
+    if cfg["PRODUCER"] == "ce" and not cfg.get("TMA") and cfg["GEMM"] != "cublas":
         raise ValueError("jaxtdist.ag_matmul: config PRODUCER='ce' needs TMA=True (the copy "
                          "engines feed the persistent TMA kernel only)")
     if cfg["PRODUCER"] == "push" and cfg.get("TMA"):
@@ -205,6 +229,11 @@ def settle_config(cfg: dict, asked: dict) -> dict:
     config), with the settings that depend on the kernel chosen (its modes,
     the copy engines' push order) following it where they were not asked for."""
     cfg = dict(cfg, **asked)
+    if cfg.get("GEMM") == "cublas":  # library GEMMs read the copy engines' inboxes
+        for key, value in (("PRODUCER", "ce"), ("TMA", False), ("STREAM_K", False),
+                           ("CHUNK_ROWS", 0)):
+            if key not in asked:
+                cfg[key] = value
     if cfg["TMA"]:  # the TMA kernel has neither mode
         for key, value in (("ALL_ROWS", False), ("SPLIT_K", 1)):
             if key not in asked:
@@ -238,7 +267,10 @@ def resolve_config(rt, axis_name, world: int, m_shard: int, n: int, k: int, dtyp
         asked = tuned or {}
     cfg = settle_config(cfg, asked)
     check_config(cfg, world, m_shard, k, n, jnp.dtype(dtype).itemsize)
-    cfg["CHUNK_ROWS"] = cfg["CHUNK_ROWS"] or cfg["BLOCK_M"]
+    # 0: one chunk per row tile, or on GPUs one per shard for the library GEMMs
+    # (they wait for whole shards; the interpreter's pushes copy power-of-2 chunks).
+    whole_shards = cfg["GEMM"] == "cublas" and rt.platform == "gpu"
+    cfg["CHUNK_ROWS"] = cfg["CHUNK_ROWS"] or (m_shard if whole_shards else cfg["BLOCK_M"])
     return cfg
 
 
@@ -259,6 +291,9 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
     cfg = resolve_config(rt, axis_name, world, m_shard, n, k, x.dtype, config)
     num_warps = cfg.pop("num_warps")
     num_stages = cfg.pop("num_stages")
+    if cfg.pop("GEMM") == "cublas":
+        return _ag_matmul_by_shard(rt, layout, x, w, axis_name, cfg)
+    cfg.pop("GEMM_ALGO")
     if cfg["TMA"] and cfg["PRODUCER"] == "ce":
         try:
             return _ag_matmul_ce(rt, layout, x, w, axis_name, cfg, num_warps, num_stages)
@@ -433,6 +468,52 @@ def _ag_matmul_ce(rt, layout, x, w, axis_name, cfg: dict, num_warps: int, num_st
         BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], NUM_PROGRAMS=programs, **tail)
     # The gathered x (the autodiff residual) lives only in heap inboxes that the
     # next call reuses: XLA gathers it when it is used (dropped when it is not).
+    return out, jax.lax.all_gather(x, axis_name, tiled=True)
+
+
+def _ag_matmul_by_shard(rt, layout, x, w, axis_name, cfg: dict):
+    """ag_matmul as one library GEMM per source rank (GEMM="cublas").
+
+    The copy engines push x into every peer's heap inbox (as for the fused
+    kernel); step 0 multiplies x itself; step s waits (``shard_wait_kernel``)
+    for the shard of rank me-s, the s-th to land, then multiplies it from the
+    inbox. Every step writes its rows of one output in place (``csrc/shard_gemm.h``:
+    cuBLASLt on GPUs, a loop on the CPU backend). The last wait also waits for
+    this rank's own pushes, so x and the inboxes are free once the call ends.
+    """
+    m_shard, k = x.shape
+    n = w.shape[1]
+    world = layout.world
+    plan = InboxWorkspace(world, m_shard, k, x.dtype, 1)
+    ws = rt.workspace(("ag_matmul_ce", layout.axes, m_shard, k, x.dtype.name), plan.nbytes)
+    offsets = dict(INBOX_OFF=ws.offset + plan.inbox, PARITY_BYTES=plan.parity_bytes,
+                   FLAGS_OFF=ws.offset + plan.flags, SENT_OFF=ws.offset + plan.sent)
+    ctx = _call.prologue(rt, layout, ws, "ag_matmul", deps=(x, w), align_launch=False)
+    ctx = _push_shards(rt, layout, ws, offsets, ctx, x, cfg)
+    out_shape = jax.ShapeDtypeStruct((world * m_shard, n), x.dtype)
+    attrs = dict(world=np.int64(world), groups=rt.group_table(layout),
+                 counter_id=np.int64(ws.counter_id), inbox_offset=np.int64(offsets["INBOX_OFF"]),
+                 parity_bytes=np.int64(offsets["PARITY_BYTES"]),
+                 generation=np.int64(rt.generation), algo_index=np.int64(cfg["GEMM_ALGO"]))
+    # The CPU handler has no device ordinal: it takes the mesh position as data.
+    lead = () if rt.platform == "gpu" else (_call.mesh_position(rt, "ag_matmul"),)
+    out = None
+    token = ctx  # step 0 needs no wait, only to follow the pushes' launch
+    for step in range(world):
+        if step:
+            token = _call.launch(
+                shard_wait_kernel, ctx, out_shape=jax.ShapeDtypeStruct((1,), jnp.int32),
+                grid=(1,), num_warps=1, num_stages=1, STEP=step, M_SHARD=m_shard,
+                CHUNK_ROWS=cfg["CHUNK_ROWS"], FLAGS_OFF=offsets["FLAGS_OFF"],
+                SENT_OFF=offsets["SENT_OFF"], WAIT_SENT=step == world - 1)
+        operands = lead + (x, w, token) + (() if out is None else (out,))
+        call = jax.ffi.ffi_call(
+            _native.SHARD_GEMM_TARGET, out_shape,
+            input_output_aliases={} if out is None else {len(operands) - 1: 0})
+        out = _call.mark_varying(call(*operands, step=np.int64(step), **attrs),
+                                 rt.mesh.axis_names)
+    _call.record_output(rt, out)
+    # As for the fused kernel: the residual is gathered by XLA where it is used.
     return out, jax.lax.all_gather(x, axis_name, tiled=True)
 
 

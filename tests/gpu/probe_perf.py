@@ -160,6 +160,34 @@ def probe_cublas_chunks(shapes=((1024, 4096, 4096), (2048, 3072, 4096), (2048, 2
               f"{t_chain:.1f} us = {t_chain / t_full:.3f} of full", flush=True)
 
 
+def probe_gemm_modes(rounds=3, iterations=20, algos=(0, 1, 2)):
+    """The fused Triton kernel (shipped config) against one cuBLASLt GEMM per arrived
+    shard (GEMM="cublas", heuristic algorithms ``algos``) and XLA's dot of the whole
+    gathered x on every device (the bench's (a)), alternating in one process."""
+    mesh = mesh_of(4)
+    rt = td.initialize(mesh)
+    specs = dict(mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp"),
+                 check_vma=False)
+    shapes = ((1024, 4096, 4096), (2048, 3072, 4096), (2048, 2752, 4096), (2048, 3584, 4096),
+              (2048, 7168, 8192))
+    for m, n, k in shapes:
+        args, ref = _sharded_args(mesh, m, n, k)
+        tuned = rt.tuning.lookup("ag_matmul", 4, (m, n, k), jnp.bfloat16) or {}
+        tuned = {key: v for key, v in tuned.items() if key not in ("GEMM", "GEMM_ALGO")}
+        configs = {"fused": dict(tuned, GEMM="triton")}
+        configs.update({f"cublas{a}": dict(GEMM="cublas", GEMM_ALGO=a) for a in algos})
+        fns = {name: jax.jit(jax.shard_map(
+            lambda x, w, c=c: ag_matmul_with_gathered(x, w, "tp", config=c)[0], **specs))
+            for name, c in configs.items()}
+        gathered = jax.device_put(jax.device_get(args[0]), NamedSharding(mesh, P()))
+        local = jax.jit(jax.shard_map(lambda xg, w: jnp.dot(xg, w), mesh=mesh,
+                                      in_specs=(P(), P(None, "tp")), out_specs=P(None, "tp"),
+                                      check_vma=False))
+        _, t_local = _profile(local, (gathered, args[1]), iterations, 4)
+        print(f"gemm-modes {m}x{n}x{k} (a) local dot: mean {t_local['mean_us']:.1f}", flush=True)
+        _alternate(f"gemm-modes {m}x{n}x{k}", fns, args, ref, 4, rounds, iterations)
+
+
 def probe_decode():
     """Decode shapes: the gather alone, the GEMM alone (world 1, all rows local), both."""
     for m in (1, 16, 128):
@@ -531,6 +559,8 @@ if __name__ == "__main__":
         probe_push_order()
     if "--balance" in sys.argv:
         probe_balance(edge="--edge" in sys.argv)
+    if "--gemm-modes" in sys.argv:
+        probe_gemm_modes()
     if "--cublas-chunks" in sys.argv:
         probe_cublas_chunks()
     if "--decode" in sys.argv:
