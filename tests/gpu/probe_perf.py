@@ -188,6 +188,32 @@ def probe_gemm_modes(rounds=3, iterations=20, algos=(0, 1, 2)):
         _alternate(f"gemm-modes {m}x{n}x{k}", fns, args, ref, 4, rounds, iterations)
 
 
+def probe_gemm_steps(iterations=20, world=4):
+    """GEMM="cublas": kernel time per device split by kernel (the cuBLAS GEMMs
+    against the wait kernels), for each push order: how long the steps wait
+    for shards to land."""
+    from jax.experimental.mosaic.gpu import profiler
+    mesh = mesh_of(world)
+    td.initialize(mesh)
+    specs = dict(mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp"),
+                 check_vma=False)
+    for m, n, k in ((1024, 4096, 4096), (2048, 7168, 8192)):
+        args, _ = _sharded_args(mesh, m, n, k)
+        for order in ("serial", "parallel"):
+            f = jax.jit(jax.shard_map(lambda x, w, order=order: ag_matmul_with_gathered(
+                x, w, "tp", config=dict(GEMM="cublas", PUSH_ORDER=order))[0], **specs))
+            _, raw = profiler.measure(f, aggregate=False, iterations=iterations)(*args)
+            per_name = {}
+            for it in raw:
+                for name, t in it:
+                    per_name.setdefault(name, []).append(t * 1e3)
+            summary = {name[:40]: (round(sum(ts) / iterations / world, 1), len(ts) // iterations,
+                                   round(min(ts), 1), round(max(ts), 1))
+                       for name, ts in per_name.items()}
+            print(f"gemm-steps {m}x{n}x{k} {order}: per device (us, launches, min, max) "
+                  f"{summary}", flush=True)
+
+
 def probe_decode():
     """Decode shapes: the gather alone, the GEMM alone (world 1, all rows local), both."""
     for m in (1, 16, 128):
@@ -559,6 +585,8 @@ if __name__ == "__main__":
         probe_push_order()
     if "--balance" in sys.argv:
         probe_balance(edge="--edge" in sys.argv)
+    if "--gemm-steps" in sys.argv:
+        probe_gemm_steps()
     if "--gemm-modes" in sys.argv:
         probe_gemm_modes()
     if "--cublas-chunks" in sys.argv:
