@@ -441,21 +441,31 @@ def _stream_k_workspace(rt, layout, cfg: dict, tiles: int, programs: int, k: int
                 COUNTERS_OFF=ws.offset + plan.counters)
 
 
+def _start_pushes(rt, layout, x, w, cfg: dict) -> tuple:
+    """The copy-engine modes' common start: the inbox workspace, its offsets, and
+    the context after the prologue and the pushes (``_push_shards``).
+
+    One workspace layout whatever the chunking or the GEMM mode (room for a
+    flag per row), so that calls with different CHUNK_ROWS or GEMM share the
+    inboxes safely; stale flags of another chunking hold older epochs, never
+    this call's. The push handler is the last host work before the GEMM: it,
+    not the prologue, holds the launch rendezvous.
+    """
+    m_shard, k = x.shape
+    plan = InboxWorkspace(layout.world, m_shard, k, x.dtype, 1)
+    ws = rt.workspace(("ag_matmul_ce", layout.axes, m_shard, k, x.dtype.name), plan.nbytes)
+    offsets = dict(INBOX_OFF=ws.offset + plan.inbox, PARITY_BYTES=plan.parity_bytes,
+                   FLAGS_OFF=ws.offset + plan.flags, SENT_OFF=ws.offset + plan.sent)
+    ctx = _call.prologue(rt, layout, ws, "ag_matmul", deps=(x, w), align_launch=False)
+    return ws, offsets, _push_shards(rt, layout, ws, offsets, ctx, x, cfg)
+
+
 def _ag_matmul_ce(rt, layout, x, w, axis_name, cfg: dict, num_warps: int, num_stages: int):
     """ag_matmul with the gather on the copy engines and every SM in the GEMM."""
     m_shard, k = x.shape
     n = w.shape[1]
     world = layout.world
-    # One layout whatever the chunking (room for a flag per row), so that
-    # calls with different CHUNK_ROWS share the inboxes safely; stale flags
-    # of another chunking hold older epochs, never this call's.
-    plan = InboxWorkspace(world, m_shard, k, x.dtype, 1)
-    ws = rt.workspace(("ag_matmul_ce", layout.axes, m_shard, k, x.dtype.name), plan.nbytes)
-    offsets = dict(INBOX_OFF=ws.offset + plan.inbox, PARITY_BYTES=plan.parity_bytes,
-                   FLAGS_OFF=ws.offset + plan.flags, SENT_OFF=ws.offset + plan.sent)
-    # The push handler is the last host work before the GEMM: it aligns the launch.
-    ctx = _call.prologue(rt, layout, ws, "ag_matmul", deps=(x, w), align_launch=False)
-    ctx = _push_shards(rt, layout, ws, offsets, ctx, x, cfg)
+    ws, offsets, ctx = _start_pushes(rt, layout, x, w, cfg)
     per_rank = (m_shard // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"])
     programs = persistent_programs(rt, 0, world * per_rank)
     tail = _stream_k_workspace(rt, layout, cfg, world * per_rank, programs, k,
@@ -484,12 +494,7 @@ def _ag_matmul_by_shard(rt, layout, x, w, axis_name, cfg: dict):
     m_shard, k = x.shape
     n = w.shape[1]
     world = layout.world
-    plan = InboxWorkspace(world, m_shard, k, x.dtype, 1)
-    ws = rt.workspace(("ag_matmul_ce", layout.axes, m_shard, k, x.dtype.name), plan.nbytes)
-    offsets = dict(INBOX_OFF=ws.offset + plan.inbox, PARITY_BYTES=plan.parity_bytes,
-                   FLAGS_OFF=ws.offset + plan.flags, SENT_OFF=ws.offset + plan.sent)
-    ctx = _call.prologue(rt, layout, ws, "ag_matmul", deps=(x, w), align_launch=False)
-    ctx = _push_shards(rt, layout, ws, offsets, ctx, x, cfg)
+    ws, offsets, ctx = _start_pushes(rt, layout, x, w, cfg)
     out_shape = jax.ShapeDtypeStruct((world * m_shard, n), x.dtype)
     attrs = dict(world=np.int64(world), groups=rt.group_table(layout),
                  counter_id=np.int64(ws.counter_id), inbox_offset=np.int64(offsets["INBOX_OFF"]),
