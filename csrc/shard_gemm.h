@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "runtime_state.h"
 #include "xla/ffi/api/ffi.h"
@@ -62,6 +63,61 @@ inline std::string PlanShardStep(int position, xla::ffi::Span<const std::int64_t
   }
   plan->a = reinterpret_cast<const char*>(heap->base + offset);
   return "";
+}
+
+// One step's GEMM: rows [out_row, out_row + m) of `c` = a[m, k] @ w[k, n],
+// row-major, all of dtype `type`.
+struct ShardGemm {
+  const char* a = nullptr;
+  const void* w = nullptr;
+  char* c = nullptr;  // the step's first output row
+  std::int64_t m = 0, n = 0, k = 0;
+  xla::ffi::DataType type = xla::ffi::DataType::F32;
+};
+
+// Checks a step's operands and plans it on mesh position `position`; returns
+// "" or what is wrong (the handlers' shared front half).
+inline std::string PlanShardGemm(int position, const xla::ffi::AnyBuffer& x,
+                                 const xla::ffi::AnyBuffer& w, xla::ffi::AnyBuffer& out,
+                                 std::int64_t world, xla::ffi::Span<const std::int64_t> groups,
+                                 std::int64_t step, std::int64_t counter_id,
+                                 std::int64_t inbox_offset, std::int64_t parity_bytes,
+                                 ShardGemm* gemm) {
+  using xla::ffi::DataType;
+  const DataType t = x.element_type();
+  if (t != w.element_type() || t != out.element_type() ||
+      (t != DataType::F32 && t != DataType::BF16 && t != DataType::F16)) {
+    return "x, w and out must share a dtype among float32, bfloat16 and float16";
+  }
+  if (x.dimensions().size() != 2 || w.dimensions().size() != 2) return "x and w must be 2-D";
+  gemm->m = x.dimensions()[0];
+  gemm->k = x.dimensions()[1];
+  gemm->n = w.dimensions()[1];
+  gemm->type = t;
+  gemm->w = w.untyped_data();
+  const std::int64_t shard_bytes = static_cast<std::int64_t>(x.size_bytes());
+  ShardStep plan;
+  std::string err = PlanShardStep(position, groups, world, step, counter_id, inbox_offset,
+                                  parity_bytes, x.untyped_data(), shard_bytes, gemm->m, &plan);
+  if (!err.empty()) return err;
+  gemm->a = plan.a;
+  const std::int64_t item = shard_bytes / (gemm->m * gemm->k);
+  gemm->c = static_cast<char*>(out.untyped_data()) + plan.out_row * gemm->n * item;
+  return "";
+}
+
+// The attributes both handlers take, after their buffers.
+template <typename Binding>
+auto BindShardGemmAttrs(Binding&& binding) {
+  return std::move(binding)
+      .template Attr<std::int64_t>("world")
+      .template Attr<xla::ffi::Span<const std::int64_t>>("groups")
+      .template Attr<std::int64_t>("step")
+      .template Attr<std::int64_t>("counter_id")
+      .template Attr<std::int64_t>("inbox_offset")
+      .template Attr<std::int64_t>("parity_bytes")
+      .template Attr<std::int64_t>("generation")
+      .template Attr<std::int64_t>("algo_index");
 }
 
 #ifdef JAXTDIST_WITH_CUDA

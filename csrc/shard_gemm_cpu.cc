@@ -1,6 +1,7 @@
 // CPU backend of the shard-at-a-time GEMM (shard_gemm.h): the step plan that
 // the CUDA handler uses, with a plain loop in place of cuBLAS, so that the
 // interpreter tests exercise the waits, epochs and row placement.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -85,37 +86,24 @@ ffi::Error ShardGemmCpu(ffi::Buffer<ffi::S32> position, ffi::AnyBuffer x, ffi::A
                         std::int64_t counter_id, std::int64_t inbox_offset,
                         std::int64_t parity_bytes, std::int64_t generation,
                         std::int64_t algo_index) {
-  (void)token;     // orders this step after its wait
+  (void)token;       // orders this step after its wait
+  (void)previous;    // the output so far: XLA aliases it to `out`
   (void)algo_index;  // cuBLASLt's choice; the loop has none
-  (void)previous;  // the output so far: XLA aliases it to `out`
   if (std::string stale = CheckGeneration(generation); !stale.empty()) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition, stale);
   }
-  const ffi::DataType t = x.element_type();
-  if (t != w.element_type() || t != out->element_type() ||
-      (t != ffi::DataType::F32 && t != ffi::DataType::BF16 && t != ffi::DataType::F16)) {
-    return ffi::Error::InvalidArgument("jaxtdist shard GEMM: x, w and out must share a dtype "
-                                       "among float32, bfloat16 and float16");
-  }
-  if (x.dimensions().size() != 2 || w.dimensions().size() != 2) {
-    return ffi::Error::InvalidArgument("jaxtdist shard GEMM: x and w must be 2-D");
-  }
-  const std::int64_t m = x.dimensions()[0], k = x.dimensions()[1], n = w.dimensions()[1];
-  ShardStep plan;
-  std::string err = PlanShardStep(position.typed_data()[0], groups, world, step, counter_id,
-                                  inbox_offset, parity_bytes, x.untyped_data(),
-                                  static_cast<std::int64_t>(x.size_bytes()), m, &plan);
+  ShardGemm g;
+  std::string err = PlanShardGemm(position.typed_data()[0], x, w, *out, world, groups, step,
+                                  counter_id, inbox_offset, parity_bytes, &g);
   if (!err.empty()) return ffi::Error::InvalidArgument("jaxtdist shard GEMM: " + err);
-  std::vector<float> row(n);
-  for (std::int64_t i = 0; i < m; ++i) {
+  std::vector<float> row(g.n);
+  for (std::int64_t i = 0; i < g.m; ++i) {
     std::fill(row.begin(), row.end(), 0.0f);
-    for (std::int64_t kk = 0; kk < k; ++kk) {
-      const float a = Load(plan.a, i * k + kk, t);
-      for (std::int64_t j = 0; j < n; ++j) row[j] += a * Load(w.untyped_data(), kk * n + j, t);
+    for (std::int64_t kk = 0; kk < g.k; ++kk) {
+      const float a = Load(g.a, i * g.k + kk, g.type);
+      for (std::int64_t j = 0; j < g.n; ++j) row[j] += a * Load(g.w, kk * g.n + j, g.type);
     }
-    for (std::int64_t j = 0; j < n; ++j) {
-      Store(out->untyped_data(), (plan.out_row + i) * n + j, t, row[j]);
-    }
+    for (std::int64_t j = 0; j < g.n; ++j) Store(g.c, i * g.n + j, g.type, row[j]);
   }
   return ffi::Error::Success();
 }
@@ -123,20 +111,12 @@ ffi::Error ShardGemmCpu(ffi::Buffer<ffi::S32> position, ffi::AnyBuffer x, ffi::A
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtdistShardGemmCpu, ShardGemmCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<std::int64_t>("world")
-                                  .Attr<ffi::Span<const std::int64_t>>("groups")
-                                  .Attr<std::int64_t>("step")
-                                  .Attr<std::int64_t>("counter_id")
-                                  .Attr<std::int64_t>("inbox_offset")
-                                  .Attr<std::int64_t>("parity_bytes")
-                                  .Attr<std::int64_t>("generation")
-                                  .Attr<std::int64_t>("algo_index"));
+                              BindShardGemmAttrs(ffi::Ffi::Bind()
+                                                     .Arg<ffi::Buffer<ffi::S32>>()
+                                                     .Arg<ffi::AnyBuffer>()
+                                                     .Arg<ffi::AnyBuffer>()
+                                                     .Arg<ffi::AnyBuffer>()
+                                                     .RemainingArgs()
+                                                     .Ret<ffi::AnyBuffer>()));
 
 }  // namespace jaxtdist

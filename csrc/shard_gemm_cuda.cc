@@ -49,6 +49,7 @@ struct Lt {
                             std::int64_t);
   LtStatus (*pref_create)(LtPreference*);
   LtStatus (*pref_set)(LtPreference, int, const void*, std::size_t);
+  LtStatus (*pref_destroy)(LtPreference);
   LtStatus (*heuristic)(LtHandle, LtMatmulDesc, LtLayout, LtLayout, LtLayout, LtLayout,
                         LtPreference, int, LtHeuristicResult*, int*);
   LtStatus (*matmul)(LtHandle, LtMatmulDesc, const void*, const void*, LtLayout, const void*,
@@ -77,6 +78,7 @@ const Lt* LoadLt(std::string* err) {
         {reinterpret_cast<void**>(&fns->layout_create), "cublasLtMatrixLayoutCreate"},
         {reinterpret_cast<void**>(&fns->pref_create), "cublasLtMatmulPreferenceCreate"},
         {reinterpret_cast<void**>(&fns->pref_set), "cublasLtMatmulPreferenceSetAttribute"},
+        {reinterpret_cast<void**>(&fns->pref_destroy), "cublasLtMatmulPreferenceDestroy"},
         {reinterpret_cast<void**>(&fns->heuristic), "cublasLtMatmulAlgoGetHeuristic"},
         {reinterpret_cast<void**>(&fns->matmul), "cublasLtMatmul"},
     };
@@ -103,6 +105,14 @@ struct Plan {
   std::size_t workspace;
 };
 
+// Everything one matmul call needs.
+struct Prepared {
+  const Lt* lt = nullptr;
+  LtHandle handle = nullptr;
+  void* workspace = nullptr;
+  const Plan* plan = nullptr;
+};
+
 class LtCache {
  public:
   static LtCache& Get() {
@@ -110,73 +120,81 @@ class LtCache {
     return *cache;
   }
 
-  // The handle and workspace of `device` (created on first use; kept).
-  std::string Device(int device, LtHandle* handle, void** workspace) {
+  // The handle and workspace of `device` (created on first use) and the plan
+  // for out[m, n] = a[m, k] @ b[k, n] (row-major) with the given operand
+  // alignments, taking the heuristic's `algo_index`-th algorithm (found on
+  // first use); returns "" or what failed. One lock: a handler's host work.
+  std::string Prepare(int device, cudaDataType_t type, std::int64_t m, std::int64_t n,
+                      std::int64_t k, int align_a, int align_b, int align_c, int algo_index,
+                      Prepared* out) {
+    std::string err;
+    out->lt = LoadLt(&err);
+    if (out->lt == nullptr) return err;
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = devices_.find(device);
-    if (it == devices_.end()) {
-      std::string err;
-      const Lt* lt = LoadLt(&err);
-      if (lt == nullptr) return err;
-      int previous = 0;
-      cudaGetDevice(&previous);
-      cudaSetDevice(device);
-      LtHandle h = nullptr;
-      void* ws = nullptr;
-      LtStatus st = lt->create(&h);
-      cudaError_t ce = st == 0 ? cudaMalloc(&ws, kWorkspaceBytes) : cudaSuccess;
-      cudaSetDevice(previous);
-      if (st != 0) return "cublasLtCreate failed with status " + std::to_string(st);
-      if (ce != cudaSuccess) {
-        return std::string("cudaMalloc of cuBLASLt's workspace (32 MiB): ") +
-               cudaGetErrorString(ce);
-      }
-      it = devices_.emplace(device, std::make_pair(h, ws)).first;
+    auto dev = devices_.find(device);
+    if (dev == devices_.end()) {
+      std::pair<LtHandle, void*> created;
+      if (err = CreateDevice(*out->lt, device, &created); !err.empty()) return err;
+      dev = devices_.emplace(device, created).first;
     }
-    *handle = it->second.first;
-    *workspace = it->second.second;
+    out->handle = dev->second.first;
+    out->workspace = dev->second.second;
+    const auto key = std::make_tuple(device, static_cast<int>(type), m, n, k, align_a, align_b,
+                                     align_c, algo_index);
+    auto it = plans_.find(key);
+    if (it == plans_.end()) {
+      Plan p{};
+      err = FindPlan(*out->lt, out->handle, type, m, n, k, align_a, align_b, align_c,
+                     algo_index, &p);
+      if (!err.empty()) return err;
+      it = plans_.emplace(key, p).first;
+    }
+    out->plan = &it->second;
     return "";
   }
 
-  // The plan for out[m, n] = a[m, k] @ b[k, n] (row-major) with the given
-  // operand alignments, taking the heuristic's `algo_index`-th algorithm.
-  std::string Find(LtHandle handle, cudaDataType_t type, std::int64_t m, std::int64_t n,
-                   std::int64_t k, int align_a, int align_b, int align_c, int algo_index,
-                   const Plan** plan) {
-    const auto key = std::make_tuple(handle, static_cast<int>(type), m, n, k, align_a, align_b,
-                                     align_c, algo_index);
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = plans_.find(key);
-    if (it != plans_.end()) {
-      *plan = &it->second;
-      return "";
+ private:
+  static std::string CreateDevice(const Lt& lt, int device, std::pair<LtHandle, void*>* out) {
+    int previous = 0;
+    cudaGetDevice(&previous);
+    cudaSetDevice(device);
+    LtStatus st = lt.create(&out->first);
+    cudaError_t ce = st == 0 ? cudaMalloc(&out->second, kWorkspaceBytes) : cudaSuccess;
+    cudaSetDevice(previous);
+    if (st != 0) return "cublasLtCreate failed with status " + std::to_string(st);
+    if (ce != cudaSuccess) {
+      return std::string("cudaMalloc of cuBLASLt's workspace (32 MiB): ") +
+             cudaGetErrorString(ce);
     }
-    std::string err;
-    const Lt* lt = LoadLt(&err);
-    if (lt == nullptr) return err;
+    return "";
+  }
+
+  static std::string FindPlan(const Lt& lt, LtHandle handle, cudaDataType_t type,
+                              std::int64_t m, std::int64_t n, std::int64_t k, int align_a,
+                              int align_b, int align_c, int algo_index, Plan* p) {
     // Row-major out = a @ b is column-major out^T = b^T @ a^T: cuBLASLt's A is
     // b ([n, k], ld n), its B is a ([k, m], ld k), its C/D out ([n, m], ld n).
-    Plan p{};
     LtPreference pref = nullptr;
-    LtStatus st = lt->desc_create(&p.desc, kComputeF32, CUDA_R_32F);
-    if (st == 0) st = lt->layout_create(&p.a, type, n, k, n);
-    if (st == 0) st = lt->layout_create(&p.b, type, k, m, k);
-    if (st == 0) st = lt->layout_create(&p.c, type, n, m, n);
-    if (st == 0) st = lt->pref_create(&pref);
+    LtStatus st = lt.desc_create(&p->desc, kComputeF32, CUDA_R_32F);
+    if (st == 0) st = lt.layout_create(&p->a, type, n, k, n);
+    if (st == 0) st = lt.layout_create(&p->b, type, k, m, k);
+    if (st == 0) st = lt.layout_create(&p->c, type, n, m, n);
+    if (st == 0) st = lt.pref_create(&pref);
     const std::uint64_t max_ws = kWorkspaceBytes;
-    if (st == 0) st = lt->pref_set(pref, kPrefMaxWorkspaceBytes, &max_ws, sizeof(max_ws));
+    if (st == 0) st = lt.pref_set(pref, kPrefMaxWorkspaceBytes, &max_ws, sizeof(max_ws));
     // Lt's A is our b (w), its B our a (the shard), C and D our out.
     const std::uint32_t aligns[4] = {static_cast<std::uint32_t>(align_b),
                                      static_cast<std::uint32_t>(align_a),
                                      static_cast<std::uint32_t>(align_c),
                                      static_cast<std::uint32_t>(align_c)};
     for (int i = 0; i < 4 && st == 0; ++i) {
-      st = lt->pref_set(pref, kPrefMinAlignmentA + i, &aligns[i], sizeof(aligns[i]));
+      st = lt.pref_set(pref, kPrefMinAlignmentA + i, &aligns[i], sizeof(aligns[i]));
     }
-    if (st != 0) return "cuBLASLt descriptor setup failed with status " + std::to_string(st);
     LtHeuristicResult results[8] = {};
     int found = 0;
-    st = lt->heuristic(handle, p.desc, p.a, p.b, p.c, p.c, pref, 8, results, &found);
+    if (st == 0) st = lt.heuristic(handle, p->desc, p->a, p->b, p->c, p->c, pref, 8, results,
+                                   &found);
+    if (pref != nullptr) lt.pref_destroy(pref);
     if (st != 0 || found == 0) {
       return "cuBLASLt has no algorithm for [" + std::to_string(m) + ", " + std::to_string(k) +
              "] @ [" + std::to_string(k) + ", " + std::to_string(n) + "] (status " +
@@ -186,16 +204,14 @@ class LtCache {
       return "cuBLASLt offers " + std::to_string(found) + " algorithms for this problem; "
              "GEMM_ALGO=" + std::to_string(algo_index) + " asks for one past them";
     }
-    p.algo = results[algo_index].algo;
-    p.workspace = results[algo_index].workspace_size;
-    *plan = &plans_.emplace(key, p).first->second;
+    p->algo = results[algo_index].algo;
+    p->workspace = results[algo_index].workspace_size;
     return "";
   }
 
- private:
   std::mutex mu_;
   std::map<int, std::pair<LtHandle, void*>> devices_;
-  std::map<std::tuple<LtHandle, int, std::int64_t, std::int64_t, std::int64_t, int, int, int, int>,
+  std::map<std::tuple<int, int, std::int64_t, std::int64_t, std::int64_t, int, int, int, int>,
            Plan>
       plans_;
 };
@@ -221,42 +237,23 @@ ffi::Error ShardGemmCuda(cudaStream_t stream, std::int32_t device_ordinal, ffi::
   if (std::string stale = CheckGeneration(generation); !stale.empty()) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition, stale);
   }
-  cudaDataType_t type;
-  switch (x.element_type()) {
-    case ffi::DataType::BF16: type = CUDA_R_16BF; break;
-    case ffi::DataType::F16: type = CUDA_R_16F; break;
-    case ffi::DataType::F32: type = CUDA_R_32F; break;
-    default:
-      return ffi::Error::InvalidArgument(
-          "jaxtdist shard GEMM: dtype must be float32, bfloat16 or float16");
-  }
-  if (w.element_type() != x.element_type() || out->element_type() != x.element_type() ||
-      x.dimensions().size() != 2 || w.dimensions().size() != 2) {
-    return ffi::Error::InvalidArgument("jaxtdist shard GEMM: x and w must be 2-D of one dtype");
-  }
   auto pos = RuntimeState::Get().PositionOfDevice(device_ordinal);
   if (!pos) return ffi::Error::InvalidArgument(NoHeapForDevice(device_ordinal));
-  const std::int64_t m = x.dimensions()[0], k = x.dimensions()[1], n = w.dimensions()[1];
-  ShardStep plan;
-  std::string err = PlanShardStep(*pos, groups, world, step, counter_id, inbox_offset,
-                                  parity_bytes, x.untyped_data(),
-                                  static_cast<std::int64_t>(x.size_bytes()), m, &plan);
+  ShardGemm g;
+  std::string err = PlanShardGemm(*pos, x, w, *out, world, groups, step, counter_id,
+                                  inbox_offset, parity_bytes, &g);
   if (!err.empty()) return ffi::Error::InvalidArgument("jaxtdist shard GEMM: " + err);
-  LtHandle handle = nullptr;
-  void* workspace = nullptr;
-  if (err = LtCache::Get().Device(device_ordinal, &handle, &workspace); !err.empty()) {
-    return ffi::Error::Internal("jaxtdist shard GEMM: " + err);
-  }
-  const std::int64_t item = static_cast<std::int64_t>(x.size_bytes()) / (m * k);
-  char* c = static_cast<char*>(out->untyped_data()) + plan.out_row * n * item;
-  const Plan* p = nullptr;
-  err = LtCache::Get().Find(handle, type, m, n, k, Alignment(plan.a), Alignment(w.untyped_data()),
-                            Alignment(c), static_cast<int>(algo_index), &p);
+  const cudaDataType_t type = g.type == ffi::DataType::BF16  ? CUDA_R_16BF
+                              : g.type == ffi::DataType::F16 ? CUDA_R_16F
+                                                             : CUDA_R_32F;
+  Prepared lt;
+  err = LtCache::Get().Prepare(device_ordinal, type, g.m, g.n, g.k, Alignment(g.a),
+                               Alignment(g.w), Alignment(g.c), static_cast<int>(algo_index), &lt);
   if (!err.empty()) return ffi::Error::InvalidArgument("jaxtdist shard GEMM: " + err);
   const float one = 1.0f, zero = 0.0f;
-  const Lt* lt = LoadLt(&err);
-  LtStatus st = lt->matmul(handle, p->desc, &one, w.untyped_data(), p->a, plan.a, p->b, &zero, c,
-                           p->c, c, p->c, &p->algo, workspace, p->workspace, stream);
+  const Plan& p = *lt.plan;
+  LtStatus st = lt.lt->matmul(lt.handle, p.desc, &one, g.w, p.a, g.a, p.b, &zero, g.c, p.c, g.c,
+                              p.c, &p.algo, lt.workspace, p.workspace, stream);
   if (st != 0) {
     return ffi::Error::Internal("jaxtdist shard GEMM: cublasLtMatmul failed with status " +
                                 std::to_string(st));
@@ -267,21 +264,13 @@ ffi::Error ShardGemmCuda(cudaStream_t stream, std::int32_t device_ordinal, ffi::
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtdistShardGemmCuda, ShardGemmCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<std::int64_t>("world")
-                                  .Attr<ffi::Span<const std::int64_t>>("groups")
-                                  .Attr<std::int64_t>("step")
-                                  .Attr<std::int64_t>("counter_id")
-                                  .Attr<std::int64_t>("inbox_offset")
-                                  .Attr<std::int64_t>("parity_bytes")
-                                  .Attr<std::int64_t>("generation")
-                                  .Attr<std::int64_t>("algo_index"));
+                              BindShardGemmAttrs(ffi::Ffi::Bind()
+                                                     .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                     .Ctx<ffi::DeviceOrdinal>()
+                                                     .Arg<ffi::AnyBuffer>()
+                                                     .Arg<ffi::AnyBuffer>()
+                                                     .Arg<ffi::AnyBuffer>()
+                                                     .RemainingArgs()
+                                                     .Ret<ffi::AnyBuffer>()));
 
 }  // namespace jaxtdist

@@ -37,6 +37,15 @@ from jaxtdist.kernels._tiles import grouped_tile, peer_arrival_tile, rank_major_
 
 
 @triton.jit
+def _wait_pushes_sent(ctx, SENT_OFF: tl.constexpr, me, world, e):
+    """Waits until this rank's copy-engine pushes of epoch ``e`` to every peer have
+    ended (the "sent" words their side streams raise): x is no longer read."""
+    sent = dl.heap_ptr(ctx, SENT_OFF, tl.int32)
+    for step in range(1, world):
+        dl.wait(ctx, sent + step, e, "ge", me, "gpu")
+
+
+@triton.jit
 def _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M: tl.constexpr,
                     CHUNK_ROWS: tl.constexpr, SCOPE: tl.constexpr):
     """Waits until the chunks holding row tile ``tm`` of rank ``src``'s shard are gathered
@@ -292,9 +301,7 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
             unit = run_end
     if pid == 0:
         # x must outlive this rank's pushes: they have ended when the kernel has.
-        sent = dl.heap_ptr(ctx, SENT_OFF, tl.int32)
-        for step in range(1, world):
-            dl.wait(ctx, sent + step, e, "ge", me, "gpu")
+        _wait_pushes_sent(ctx, SENT_OFF, me, world, e)
 
 
 @triton.jit
@@ -338,11 +345,9 @@ def shard_wait_kernel(ctx, token_ptr, STEP: tl.constexpr, M_SHARD: tl.constexpr,
     e = dl.epoch(ctx)
     src = (me + world - STEP) % world
     n_chunks = (M_SHARD + CHUNK_ROWS - 1) // CHUNK_ROWS
-    flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
-    for chunk in range(n_chunks):
-        dl.wait(ctx, flags + src * n_chunks + chunk, e, "ge", src, "gpu")
+    # The whole shard is one "row tile" of M_SHARD rows.
+    _wait_tile_rows(ctx, dl.heap_ptr(ctx, FLAGS_OFF, tl.int32), e, src, 0, n_chunks, M_SHARD,
+                    CHUNK_ROWS, "gpu")
     if WAIT_SENT:
-        sent = dl.heap_ptr(ctx, SENT_OFF, tl.int32)
-        for step in range(1, world):
-            dl.wait(ctx, sent + step, e, "ge", me, "gpu")
+        _wait_pushes_sent(ctx, SENT_OFF, me, world, e)
     tl.store(token_ptr, e)

@@ -117,10 +117,10 @@ def _check(x, w, axis_name):
 _FLAG_KEYS = ("SCOPE", "ALL_ROWS", "TMA", "PRODUCER", "STREAM_K", "PUSH_ORDER", "GEMM",
               "GEMM_ALGO")
 # "triton": one persistent Triton kernel waits for chunks tile by tile (fused);
-# "cublas": one library GEMM per source rank as its shard lands. On 4 x H200
-# cuBLAS on one shard at a time costs 1.03-1.10x its time on the whole
-# gathered x (tests/gpu/probe_perf.py --cublas-chunks), against 1.05-1.19x
-# for the fused Triton kernel: it pays where Triton's GEMM is the slower.
+# "cublas": one library GEMM per source rank as its shard lands. Slower on every
+# shape measured on 4 x H200 (1.24-1.47x the fused kernel, docs/perf runs
+# AJ-AL): each step waits for a whole shard, where the fused kernel works on
+# whatever tiles have landed. No default or shipped config uses it.
 GEMMS = ("triton", "cublas")
 # PRODUCER="ce": "parallel" pushes to every peer at once (a side stream each),
 # "serial" to one peer after another (one stream), in the order the GEMM

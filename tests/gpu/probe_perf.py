@@ -3,6 +3,8 @@
 Run on the GPU node: python3 tests/gpu/probe_perf.py (prints one line per variant).
 """
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,17 @@ from jaxtdist.bench import _profile
 from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered
 
 AUTO = jax.sharding.AxisType.Auto
+
+
+# The bench's large (m_shard, n_shard, k) shapes (issue 3).
+LARGE_SHAPES = ((1024, 4096, 4096), (2048, 3072, 4096), (2048, 2752, 4096), (2048, 3584, 4096),
+                (2048, 7168, 8192))
+
+
+def _ag_specs(mesh):
+    """shard_map arguments of an ag_matmul over "tp": x rows and w columns sharded."""
+    return dict(mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp"),
+                check_vma=False)
 
 
 def mesh_of(n):
@@ -128,8 +141,7 @@ def probe_gemm_variants(shapes=((4096, 4096, 4096), (8192, 3072, 4096), (8192, 3
                 print(f"  ag_matmul w=1 {cfg}: {type(e).__name__} {str(e)[:200]}", flush=True)
 
 
-def probe_cublas_chunks(shapes=((1024, 4096, 4096), (2048, 3072, 4096), (2048, 2752, 4096),
-                                (2048, 3584, 4096), (2048, 7168, 8192)), world=4, iterations=30):
+def probe_cublas_chunks(shapes=LARGE_SHAPES, world=4, iterations=30):
     """cuBLAS (XLA's dot) on the whole gathered x vs on one rank's rows at a time:
     what a GEMM split per source rank (a copy-engine gather feeding one cuBLAS
     call per arrived shard) would cost in GEMM time alone, on one device."""
@@ -166,11 +178,8 @@ def probe_gemm_modes(rounds=3, iterations=20, algos=(0, 1, 2)):
     gathered x on every device (the bench's (a)), alternating in one process."""
     mesh = mesh_of(4)
     rt = td.initialize(mesh)
-    specs = dict(mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp"),
-                 check_vma=False)
-    shapes = ((1024, 4096, 4096), (2048, 3072, 4096), (2048, 2752, 4096), (2048, 3584, 4096),
-              (2048, 7168, 8192))
-    for m, n, k in shapes:
+    specs = _ag_specs(mesh)
+    for m, n, k in LARGE_SHAPES:
         args, ref = _sharded_args(mesh, m, n, k)
         tuned = rt.tuning.lookup("ag_matmul", 4, (m, n, k), jnp.bfloat16) or {}
         tuned = {key: v for key, v in tuned.items() if key not in ("GEMM", "GEMM_ALGO")}
@@ -195,8 +204,7 @@ def probe_gemm_steps(iterations=20, world=4):
     from jax.experimental.mosaic.gpu import profiler
     mesh = mesh_of(world)
     td.initialize(mesh)
-    specs = dict(mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp"),
-                 check_vma=False)
+    specs = _ag_specs(mesh)
     for m, n, k in ((1024, 4096, 4096), (2048, 7168, 8192)):
         args, _ = _sharded_args(mesh, m, n, k)
         for order in ("serial", "parallel"):
@@ -348,8 +356,7 @@ def probe_launcher(rounds=3, iterations=50, world=4):
     alternating in one process."""
     mesh = mesh_of(world)
     rt = td.initialize(mesh)
-    specs = dict(mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp"),
-                 check_vma=False)
+    specs = _ag_specs(mesh)
 
     def traced(make, args):
         fns = {}
@@ -393,8 +400,7 @@ def probe_rendezvous(rounds=3, iterations=50, calls=40, world=4):
     mesh = mesh_of(world)
     rt = td.initialize(mesh)
     settings = {"spin only": LAUNCH_ALIGN_TIMEOUT_US, "spin 200 us": 200, "sleep at once": 0}
-    specs = dict(mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp"),
-                 check_vma=False)
+    specs = _ag_specs(mesh)
     ag = jax.jit(jax.shard_map(lambda x, w: td.ag_matmul(x, w, "tp"), **specs))
     gather = jax.jit(jax.shard_map(lambda v: td.all_gather(v, "tp"), mesh=mesh,
                                    in_specs=P("tp", None), out_specs=P(None, None),
@@ -549,11 +555,8 @@ def probe_push_order(rounds=3, iterations=20):
     alternating in one process."""
     mesh = mesh_of(4)
     rt = td.initialize(mesh)
-    specs = dict(mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp"),
-                 check_vma=False)
-    shapes = ((1024, 4096, 4096), (2048, 3072, 4096), (2048, 2752, 4096), (2048, 3584, 4096),
-              (2048, 7168, 8192), (128, 4096, 8192))
-    for m, n, k in shapes:
+    specs = _ag_specs(mesh)
+    for m, n, k in LARGE_SHAPES + ((128, 4096, 8192),):
         args, ref = _sharded_args(mesh, m, n, k)
         tuned = rt.tuning.lookup("ag_matmul", 4, (m, n, k), jnp.bfloat16) or {}
         if m == 128:
@@ -565,33 +568,25 @@ def probe_push_order(rounds=3, iterations=20):
         _alternate(f"push-order {m}x{n}x{k}", fns, args, ref, 4, rounds, iterations)
 
 
+PROBES = {
+    "--launcher": lambda: probe_launcher(world=min(4, len(jax.devices()))),
+    "--rendezvous": lambda: probe_rendezvous(world=min(4, len(jax.devices()))),
+    "--tiles": lambda: probe_tiles(),
+    "--stream-k": lambda: probe_stream_k(),
+    "--variance": lambda: probe_variance(),
+    "--ce": lambda: probe_copy_engine(),
+    "--gemm": lambda: probe_gemm_variants(),
+    "--push-order": lambda: probe_push_order(),
+    "--balance": lambda: probe_balance(edge="--edge" in sys.argv),
+    "--gemm-steps": lambda: probe_gemm_steps(),
+    "--gemm-modes": lambda: probe_gemm_modes(),
+    "--cublas-chunks": lambda: probe_cublas_chunks(),
+    "--decode": lambda: probe_decode(),
+}
+
 if __name__ == "__main__":
-    import sys
-    if "--launcher" in sys.argv:
-        probe_launcher(world=min(4, len(jax.devices())))
-    if "--rendezvous" in sys.argv:
-        probe_rendezvous(world=min(4, len(jax.devices())))
-    if "--tiles" in sys.argv:
-        probe_tiles()
-    if "--stream-k" in sys.argv:
-        probe_stream_k()
-    if "--variance" in sys.argv:
-        probe_variance()
-    if "--ce" in sys.argv:
-        probe_copy_engine()
-    if "--gemm" in sys.argv:
-        probe_gemm_variants()
-    if "--push-order" in sys.argv:
-        probe_push_order()
-    if "--balance" in sys.argv:
-        probe_balance(edge="--edge" in sys.argv)
-    if "--gemm-steps" in sys.argv:
-        probe_gemm_steps()
-    if "--gemm-modes" in sys.argv:
-        probe_gemm_modes()
-    if "--cublas-chunks" in sys.argv:
-        probe_cublas_chunks()
-    if "--decode" in sys.argv:
-        probe_decode()
+    for flag, probe in PROBES.items():
+        if flag in sys.argv:
+            probe()
     if len(sys.argv) == 1:
         probe_gemm_configs()
