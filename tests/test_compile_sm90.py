@@ -134,7 +134,8 @@ def test_ag_matmul_tma_uses_tma_and_scratch(dtype, block_k):
 
 def _compile_ce(**tail):
     from jaxtdist.kernels.ag_matmul import ag_matmul_ce_kernel
-    tail = dict(dict(TAIL_TILES=0, TAIL_UNITS=0, PARTIALS_OFF=-1, COUNTERS_OFF=-1), **tail)
+    tail = dict(dict(TAIL_TILES=0, TAIL_UNITS=0, PARTIALS_OFF=-1, COUNTERS_OFF=-1,
+                     TAIL_SPLIT_N=1), **tail)
     return _compile_native(ag_matmul_ce_kernel, ["i32"] + ["bf16"] * 3,
                            dict(M_SHARD=2048, N=2752, K=4096, INBOX_OFF=1 << 20,
                                 PARITY_BYTES=1 << 26, FLAGS_OFF=4096, SENT_OFF=8192,
@@ -167,6 +168,19 @@ def test_ag_matmul_ce_kernel_stream_k_tail():
     assert "atom.global.gpu.acq_rel.add" in ptx
     assert "ld.global.cg" in ptx  # partials read from L2
     assert k.metadata.shared == plain.metadata.shared
+
+
+def test_ag_matmul_ce_kernel_split_n_tail():
+    """The split-N tail (the same 44 tiles, each in two 128-wide pieces on 88
+    programs): wgmma tiles of their own, no partial sums (no arrival counter), and
+    shared memory no larger than the whole tiles' pipeline needs."""
+    plain = _compile_ce()
+    k = _compile_ce(TAIL_TILES=44, TAIL_SPLIT_N=2)
+    ptx = k.asm["ptx"]
+    assert ptx.count("wgmma.mma_async") > plain.asm["ptx"].count("wgmma.mma_async")
+    assert "atom.global.gpu.acq_rel.add" not in ptx
+    assert k.metadata.shared == plain.metadata.shared
+    assert k.metadata.num_warps == plain.metadata.num_warps == 8
 
 
 @pytest.mark.parametrize("num_warps", [4, 8])

@@ -106,7 +106,8 @@ def test_stream_k_on_and_off_interleaved():
     world, m, k, n = 4, 16, 96, 16
     mesh = setup(world)
     base = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, TMA=True, PRODUCER="ce")
-    cut, uncut = _fn(mesh, dict(base, STREAM_K=True)), _fn(mesh, dict(base, STREAM_K=False))
+    cut = _fn(mesh, dict(base, STREAM_K=True))
+    uncut = _fn(mesh, dict(base, STREAM_K=False, TAIL_SPLIT_N=1))
     for f in (cut, uncut, cut, uncut, cut):
         x = rand((world * m, k), F32)
         w = rand((k, world * n), F32)
@@ -135,7 +136,7 @@ def test_stream_k_workspace_that_does_not_fit():
     """'auto' leaves the tail whole when its partials do not fit the heap and still
     computes correctly; an explicit STREAM_K=True raises HeapExhaustedError instead."""
     world, m, k, n = 2, 32, 192, 64  # 4 tiles on 3 programs: a 1-tile tail, runs of 4/12
-    base = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, TMA=True, PRODUCER="ce")
+    base = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, TMA=True, PRODUCER="ce", TAIL_SPLIT_N=1)
     x = rand((world * m, k), F32)
     w = rand((k, world * n), F32)
     mesh = setup(world)

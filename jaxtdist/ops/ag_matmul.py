@@ -34,6 +34,10 @@ def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
     kernel's defaults (for configs that ask for its modes). STREAM_K (copy-engine
     kernel only) cuts the last partial wave of tiles along K over every
     program (``stream_k_tail``): True, False, or "auto" (where it pays).
+    TAIL_SPLIT_N (copy-engine kernel only) cuts that wave's tiles into that
+    many pieces along N instead, one piece per program (``split_n_tail``):
+    a power of 2, or "auto" (2 where the pieces fit in one wave, unless
+    STREAM_K=True asks for the K cut).
     PUSH_ORDER (copy engines only: "serial" or "parallel", ``PUSH_ORDERS``) is
     not set here: it follows the producer chosen (``settle_config``).
     GEMM="cublas" (``GEMMS``) replaces the fused Triton kernel by one library
@@ -44,7 +48,7 @@ def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
     small = world * m_shard <= (128 if platform == "gpu" else 32)
     wide = jnp.dtype(dtype).itemsize == 4
     common = dict(SCOPE="sys", SPLIT_K=1, CHUNK_ROWS=0, TMA=False, PRODUCER="sm",
-                  STREAM_K="auto", GEMM="triton", GEMM_ALGO=0)
+                  STREAM_K="auto", TAIL_SPLIT_N="auto", GEMM="triton", GEMM_ALGO=0)
     if platform == "gpu":
         if small:  # decode: one M tile over all ranks' rows, split K, one chunk per row
             return dict(common, BLOCK_M=max(16, next_pow2(world * m_shard)), BLOCK_N=64,
@@ -114,8 +118,8 @@ def _check(x, w, axis_name):
         raise ValueError(f"jaxtdist.ag_matmul: empty operand x{x.shape} w{w.shape}")
 
 
-_FLAG_KEYS = ("SCOPE", "ALL_ROWS", "TMA", "PRODUCER", "STREAM_K", "PUSH_ORDER", "GEMM",
-              "GEMM_ALGO")
+_FLAG_KEYS = ("SCOPE", "ALL_ROWS", "TMA", "PRODUCER", "STREAM_K", "TAIL_SPLIT_N", "PUSH_ORDER",
+              "GEMM", "GEMM_ALGO")
 # "triton": one persistent Triton kernel waits for chunks tile by tile (fused);
 # "cublas": one library GEMM per source rank as its shard lands. Slower on every
 # shape measured on 4 x H200 (1.24-1.47x the fused kernel, docs/perf runs
@@ -202,6 +206,21 @@ def check_config(cfg: dict, world: int, m_shard: int, k: int, n: int | None = No
     if cfg["STREAM_K"] is True and cfg["PRODUCER"] != "ce":
         raise ValueError("jaxtdist.ag_matmul: config STREAM_K=True needs PRODUCER='ce' (only "
                          "the copy-engine kernel cuts its last wave of tiles along K)")
+    pieces = cfg.setdefault("TAIL_SPLIT_N", "auto")
+    if pieces != "auto" and (isinstance(pieces, bool) or not isinstance(pieces, (int, np.integer))
+                             or pieces < 1 or pieces & (pieces - 1)):
+        raise ValueError(f"jaxtdist.ag_matmul: config TAIL_SPLIT_N={pieces!r}; allowed: 'auto' "
+                         "or a power of 2 >= 1 (pieces per tile of the last wave; 1: whole tiles)")
+    if pieces != "auto" and pieces > 1:
+        if cfg["PRODUCER"] != "ce":
+            raise ValueError(f"jaxtdist.ag_matmul: config TAIL_SPLIT_N={pieces} needs "
+                             "PRODUCER='ce' (only the copy-engine kernel cuts its last wave)")
+        if cfg["STREAM_K"] is True:
+            raise ValueError(f"jaxtdist.ag_matmul: config STREAM_K=True and TAIL_SPLIT_N={pieces} "
+                             "both cut the last wave (along K, along N); ask for one")
+        if cfg["BLOCK_N"] // pieces < 16:
+            raise ValueError(f"jaxtdist.ag_matmul: config TAIL_SPLIT_N={pieces} cuts BLOCK_N="
+                             f"{cfg['BLOCK_N']} into pieces narrower than 16 columns; lower it")
     cfg.setdefault("PUSH_ORDER", "parallel")
     if cfg["PUSH_ORDER"] not in PUSH_ORDERS:
         raise ValueError(f"jaxtdist.ag_matmul: config PUSH_ORDER={cfg['PUSH_ORDER']!r}; "
@@ -231,7 +250,7 @@ def settle_config(cfg: dict, asked: dict) -> dict:
     cfg = dict(cfg, **asked)
     if cfg.get("GEMM") == "cublas":  # library GEMMs read the copy engines' inboxes
         for key, value in (("PRODUCER", "ce"), ("TMA", False), ("STREAM_K", False),
-                           ("CHUNK_ROWS", 0)):
+                           ("TAIL_SPLIT_N", 1), ("CHUNK_ROWS", 0)):
             if key not in asked:
                 cfg[key] = value
     if cfg["TMA"]:  # the TMA kernel has neither mode
@@ -339,6 +358,7 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
     gather.update(M_SHARD=m_shard, N=n, K=k)
     cfg.pop("PRODUCER")
     cfg.pop("STREAM_K")  # the copy-engine kernel's alone
+    cfg.pop("TAIL_SPLIT_N")
     cfg.pop("PUSH_ORDER")
     if cfg.pop("TMA"):
         for key in ("ALL_ROWS", "SPLIT_K"):
@@ -388,6 +408,28 @@ def stream_k_tail(tiles: int, programs: int, k_blocks: int, peer_tiles: int,
     return tail, run
 
 
+def split_n_tail(tiles: int, programs: int, peer_tiles: int, block_n: int,
+                 mode="auto") -> tuple[int, int]:
+    """(tail tiles, pieces per tile) of the copy-engine kernel's split-N tail, or (0, 1).
+
+    The ``tiles % programs`` tiles of the last, partial wave are cut along N
+    into ``pieces`` (BLOCK_N / pieces wide), one piece per program, where
+    all of them fit in one wave and pieces are at least 16 columns wide: the
+    wave then takes a piece's time instead of a tile's, with no partial sums.
+    ``mode``: a power of 2 (1: whole tiles), or "auto" (2).
+
+    Example:
+      >>> split_n_tail(704, 132, 528, 256)  # 2048 x 2752 tiles of 128 x 256
+      (44, 2)
+    """
+    pieces = 2 if mode == "auto" else int(mode)
+    tail = tiles % programs
+    if (pieces < 2 or tail == 0 or tail > peer_tiles or tail * pieces > programs
+            or block_n // pieces < 16):
+        return 0, 1
+    return tail, pieces
+
+
 def _push_shards(rt, layout, ws, offsets: dict, ctx, x, cfg: dict) -> jax.Array:
     """Starts pushing x into every peer's heap inbox; returns the context for the
     kernel that follows (the same buffer: it orders the kernel after the push).
@@ -415,14 +457,20 @@ def _push_shards(rt, layout, ws, offsets: dict, ctx, x, cfg: dict) -> jax.Array:
     return ctx
 
 
-def _stream_k_workspace(rt, layout, cfg: dict, tiles: int, programs: int, k: int,
-                        peer_tiles: int) -> dict:
-    """The copy-engine kernel's stream-K constexprs, with the tail's heap workspace.
+def _tail_plan(rt, layout, cfg: dict, tiles: int, programs: int, k: int,
+               peer_tiles: int) -> dict:
+    """The copy-engine kernel's tail constexprs: a split-N tail where the config
+    and shape allow it, else a stream-K tail with its heap workspace.
 
-    A tail whose workspace does not fit the heap is not cut, unless the
-    config asked for STREAM_K=True: then HeapExhaustedError says so.
+    A stream-K tail whose workspace does not fit the heap is not cut, unless
+    the config asked for STREAM_K=True: then HeapExhaustedError says so.
     """
-    off = dict(TAIL_TILES=0, TAIL_UNITS=0, PARTIALS_OFF=-1, COUNTERS_OFF=-1)
+    off = dict(TAIL_TILES=0, TAIL_UNITS=0, PARTIALS_OFF=-1, COUNTERS_OFF=-1, TAIL_SPLIT_N=1)
+    if cfg["STREAM_K"] is not True:
+        tail, pieces = split_n_tail(tiles, programs, peer_tiles, cfg["BLOCK_N"],
+                                    cfg["TAIL_SPLIT_N"])
+        if tail:
+            return dict(off, TAIL_TILES=tail, TAIL_SPLIT_N=pieces)
     k_blocks = -(-k // cfg["BLOCK_K"])
     tail, run = stream_k_tail(tiles, programs, k_blocks, peer_tiles, cfg["STREAM_K"])
     if not tail:
@@ -437,7 +485,7 @@ def _stream_k_workspace(rt, layout, cfg: dict, tiles: int, programs: int, k: int
         if cfg["STREAM_K"] is True:
             raise
         return off
-    return dict(TAIL_TILES=tail, TAIL_UNITS=run, PARTIALS_OFF=ws.offset + plan.partials,
+    return dict(off, TAIL_TILES=tail, TAIL_UNITS=run, PARTIALS_OFF=ws.offset + plan.partials,
                 COUNTERS_OFF=ws.offset + plan.counters)
 
 
@@ -468,8 +516,7 @@ def _ag_matmul_ce(rt, layout, x, w, axis_name, cfg: dict, num_warps: int, num_st
     ws, offsets, ctx = _start_pushes(rt, layout, x, w, cfg)
     per_rank = (m_shard // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"])
     programs = persistent_programs(rt, 0, world * per_rank)
-    tail = _stream_k_workspace(rt, layout, cfg, world * per_rank, programs, k,
-                               (world - 1) * per_rank)
+    tail = _tail_plan(rt, layout, cfg, world * per_rank, programs, k, (world - 1) * per_rank)
     out = _call.launch(
         ag_matmul_ce_kernel, ctx, x, w,
         out_shape=jax.ShapeDtypeStruct((world * m_shard, n), x.dtype), grid=(programs,),

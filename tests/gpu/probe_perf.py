@@ -324,6 +324,31 @@ def probe_stream_k(rounds=3, iterations=20):
               f"{np.median(times[True]):.1f} vs {np.median(times[False]):.1f}", flush=True)
 
 
+def probe_tail(rounds=5, iterations=20, shapes=((2048, 2752, 4096),)):
+    """The shipped config of each shape with its last partial wave left whole, cut
+    along K (stream-K) and cut along N (halves), alternating in one process; XLA's
+    dot of the gathered x on one device beside them (the issue's (a))."""
+    mesh = mesh_of(4)
+    rt = td.initialize(mesh)
+    specs = _ag_specs(mesh)
+    for m, n, k in shapes:
+        args, ref = _sharded_args(mesh, m, n, k)
+        x = jax.device_put(jax.random.normal(jax.random.key(3), (4 * m, k), jnp.bfloat16),
+                           jax.devices()[0])
+        _, gemm = _profile(jax.jit(jnp.dot), (x, jax.device_put(
+            jax.random.normal(jax.random.key(4), (k, n), jnp.bfloat16), jax.devices()[0])),
+            iterations, 1)
+        print(f"tail {m}x{n}x{k}: (a) {gemm['mean_us']:.1f} us", flush=True)
+        tuned = rt.tuning.lookup("ag_matmul", 4, (m, n, k), jnp.bfloat16) or {}
+        modes = dict(whole=dict(STREAM_K=False, TAIL_SPLIT_N=1), stream_k=dict(STREAM_K=True),
+                     halves=dict(STREAM_K=False, TAIL_SPLIT_N=2))
+        fns = {name: jax.jit(jax.shard_map(
+            lambda x, w, mode=mode: ag_matmul_with_gathered(
+                x, w, "tp", config=dict(tuned, **mode))[0], **specs))
+            for name, mode in modes.items()}
+        _alternate(f"tail {m}x{n}x{k}", fns, args, ref, 4, rounds, iterations)
+
+
 def _sharded_args(mesh, m, n, k, world=4):
     x = (jax.random.normal(jax.random.key(1), (world * m, k), jnp.float32)
          / np.sqrt(k)).astype(jnp.bfloat16)
@@ -573,6 +598,7 @@ PROBES = {
     "--rendezvous": lambda: probe_rendezvous(world=min(4, len(jax.devices()))),
     "--tiles": lambda: probe_tiles(),
     "--stream-k": lambda: probe_stream_k(),
+    "--tail": lambda: probe_tail(),
     "--variance": lambda: probe_variance(),
     "--ce": lambda: probe_copy_engine(),
     "--gemm": lambda: probe_gemm_variants(),

@@ -185,6 +185,40 @@ def test_ag_matmul_tma_stream_k(world, m_shard, k, n_shard, config, dtype):
     assert any(key[0] == "ag_matmul_stream_k" for key in rt._workspaces), "no tail was cut"
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("world,m_shard,k,n_shard,config,pieces", [
+    # 2048 x 2752: 44 tiles left over 132 SMs, in 128-wide halves ("auto").
+    (4, 2048, 4096, 2752, {}, 2),
+    # 12 tiles left; the last column of tiles is 192 wide (its last piece clipped).
+    (4, 512, 2048, 2240, dict(CHUNK_ROWS=128), 2),
+    (4, 512, 2048, 2240, dict(TAIL_SPLIT_N=4), 4),
+    # 8 tiles left in quarters; the last column is 128 wide (two pieces past N);
+    # K not a multiple of BLOCK_K.
+    (2, 1024, 1000, 4224, dict(TAIL_SPLIT_N=4, CHUNK_ROWS=512), 4),
+])
+def test_ag_matmul_tma_split_n_tail(world, m_shard, k, n_shard, config, pieces, dtype,
+                                    monkeypatch):
+    """The copy-engine kernel with its last partial wave cut along N (TAIL_SPLIT_N)."""
+    import importlib
+    op = importlib.import_module("jaxtdist.ops.ag_matmul")
+    launched = []
+    launch = op._call.launch
+
+    def spy(kernel, *args, **kwargs):
+        if kernel is op.ag_matmul_ce_kernel:
+            launched.append(kwargs["TAIL_SPLIT_N"])
+        return launch(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(op._call, "launch", spy)
+    mesh = _mesh(world)
+    td.initialize(mesh)
+    config = dict(dict(TMA=True, PRODUCER="ce", BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
+                       num_warps=8, num_stages=3), **config)
+    _check_ag_matmul(mesh, _ag_matmul_fn(mesh, config), world, m_shard, k, n_shard, dtype,
+                     calls=3)
+    assert launched == [pieces], launched
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_ag_matmul_ce_push_orders_interleaved(world):
     """Copy-engine calls pushing in parallel and serially, interleaved: they share

@@ -1,0 +1,122 @@
+"""The copy-engine kernel's split-N tail, under the interpreter (CPU).
+
+The last, partial wave of tiles can be cut along N instead of K: each tail
+tile becomes TAIL_SPLIT_N narrower pieces, one per program, with no partial
+sums. The CPU backend runs three programs, so a tile count of 1 mod 3 leaves
+one tail tile, cut in two.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered, split_n_tail
+from tests.conftest import assert_close, cpu_only, f64, place, rand, setup
+
+pytestmark = cpu_only()
+# The module (the package's ag_matmul attribute is the function).
+ag_matmul_op = importlib.import_module("jaxtdist.ops.ag_matmul")
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+
+@pytest.mark.parametrize("tiles,programs,peer_tiles,block_n,mode,expected", [
+    (704, 132, 528, 256, "auto", (44, 2)),     # 2048 x 2752 on 132 SMs: a third of a wave
+    (704, 132, 528, 256, 1, (0, 1)),           # asked for whole tiles
+    (704, 132, 528, 256, 4, (0, 1)),           # 176 pieces do not fit in one wave
+    (680, 132, 510, 256, 4, (20, 4)),          # 80 pieces do
+    (1792, 132, 1344, 256, "auto", (0, 1)),    # 76 tiles left: 152 halves > 132
+    (512, 132, 384, 256, "auto", (0, 1)),      # 116 tiles left
+    (660, 132, 495, 256, "auto", (0, 1)),      # whole waves: nothing to cut
+    (128, 132, 96, 128, "auto", (0, 1)),       # the tail reaches into the local tiles
+    (4, 3, 2, 32, "auto", (1, 2)),             # the interpreter's three programs
+    (4, 3, 2, 16, "auto", (0, 1)),             # pieces would be 8 columns wide
+])
+def test_split_n_tail_arithmetic(tiles, programs, peer_tiles, block_n, mode, expected):
+    assert split_n_tail(tiles, programs, peer_tiles, block_n, mode) == expected
+    tail, pieces = expected
+    assert tail * pieces <= programs and (tail == 0 or block_n // pieces >= 16)
+
+
+def _fn(mesh, config):
+    return jax.jit(jax.shard_map(
+        lambda x, w: ag_matmul_with_gathered(x, w, "tp", config=config)[0], mesh=mesh,
+        in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
+
+
+@pytest.fixture
+def tail_constexprs(monkeypatch):
+    """The tail constexprs of every copy-engine kernel launched (at trace time)."""
+    seen = []
+    launch = ag_matmul_op._call.launch
+
+    def spy(kernel, *args, **kwargs):
+        if kernel is ag_matmul_op.ag_matmul_ce_kernel:
+            seen.append((kwargs["TAIL_TILES"], kwargs["TAIL_SPLIT_N"], kwargs["TAIL_UNITS"]))
+        return launch(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(ag_matmul_op._call, "launch", spy)
+    return seen
+
+
+# (world, dtype, (m_shard, k, n_shard), config): one tail tile in two 16-wide
+# pieces; the second piece whole, clipped by N, or wholly past N (skipped).
+SPLIT_CASES = [
+    (2, F32, (32, 64, 32), dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16)),   # 4 tiles
+    (4, BF16, (16, 96, 24), dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)),  # second piece clipped
+    (4, F32, (16, 48, 12), dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16)),   # second piece past N
+    (8, F32, (16, 32, 64), dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, CHUNK_ROWS=8)),  # 16 tiles
+    (4, F32, (16, 40, 32), dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16)),   # K=40: a clipped block
+]
+
+
+@pytest.mark.parametrize("world,dtype,shape,config", SPLIT_CASES, ids=lambda c: str(c))
+def test_split_n_tail_is_exact(world, dtype, shape, config, tail_constexprs):
+    mesh = setup(world)
+    m, k, n = shape
+    f = _fn(mesh, dict(config, TMA=True, PRODUCER="ce"))  # TAIL_SPLIT_N: "auto"
+    for _ in range(3):  # flags and inboxes carry over between calls
+        x = rand((world * m, k), dtype)
+        w = rand((k, world * n), dtype)
+        out = f(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp")))
+        assert_close(out, f64(x) @ f64(w), dtype)
+    assert tail_constexprs == [(1, 2, 0)], tail_constexprs  # one tail tile, two pieces
+
+
+def test_tail_modes_interleaved(tail_constexprs):
+    """Whole, split-N and stream-K tails of one shape, interleaved: same results."""
+    world, m, k, n = 2, 32, 64, 32
+    mesh = setup(world)
+    base = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, TMA=True, PRODUCER="ce")
+    fns = [_fn(mesh, dict(base, TAIL_SPLIT_N=2)), _fn(mesh, dict(base, TAIL_SPLIT_N=1,
+                                                                  STREAM_K=False)),
+           _fn(mesh, dict(base, STREAM_K=True))]
+    for f in fns + fns:
+        x = rand((world * m, k), F32)
+        w = rand((k, world * n), F32)
+        assert_close(f(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp"))),
+                     f64(x) @ f64(w), F32)
+    assert [(t, s) for t, s, _ in tail_constexprs] == [(1, 2), (0, 1), (1, 1)]
+    assert tail_constexprs[2][2] > 0  # stream-K runs
+
+
+def test_split_n_tail_config_errors():
+    mesh = setup(2)
+    x = place(mesh, rand((64, 64), F32), P("tp", None))
+    w = place(mesh, rand((64, 64), F32), P(None, "tp"))
+    base = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, TMA=True, PRODUCER="ce")
+    for config, match in [
+            (dict(base, TAIL_SPLIT_N=3), "TAIL_SPLIT_N=3; allowed: 'auto' or a power of 2"),
+            (dict(base, TAIL_SPLIT_N=0), "TAIL_SPLIT_N=0; allowed"),
+            (dict(base, TAIL_SPLIT_N=True), "TAIL_SPLIT_N=True; allowed"),
+            (dict(base, TAIL_SPLIT_N="n"), "TAIL_SPLIT_N='n'; allowed"),
+            (dict(base, TAIL_SPLIT_N=4), "narrower than 16 columns"),
+            (dict(base, TAIL_SPLIT_N=2, STREAM_K=True), "both cut the last wave"),
+            (dict(base, PRODUCER="sm", TAIL_SPLIT_N=2), "TAIL_SPLIT_N=2 needs PRODUCER='ce'")]:
+        with pytest.raises(ValueError, match=match):
+            _fn(mesh, config)(x, w)
