@@ -31,7 +31,17 @@ def profile(fn, args, iterations: int, world: int):
         mins.append(sum(fastest.values()) * 1e3)
     names = sorted({name for name, _ in per_iter[0]})
     return out, dict(mean_us=statistics.median(means), min_us=statistics.median(mins),
-                     kernels=names)
+                     kernels=names, samples_us=means, min_samples_us=mins)
+
+
+def merge_rounds(rounds: list[dict]) -> dict:
+    """One ``profile`` stats dict from several rounds of the same function: the
+    medians over every round's iterations (the last round's other keys kept)."""
+    means = [v for r in rounds for v in r["samples_us"]]
+    mins = [v for r in rounds for v in r["min_samples_us"]]
+    return dict(rounds[-1], mean_us=statistics.median(means), min_us=statistics.median(mins),
+                samples_us=means, min_samples_us=mins,
+                round_medians_us=[r["mean_us"] for r in rounds])
 
 
 def write_results(result: dict, table: str, json_path: str | None,

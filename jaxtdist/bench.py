@@ -9,9 +9,14 @@ Times come from CUPTI through ``jax.experimental.mosaic.gpu.profiler``: every
 kernel of every GPU in one iteration, summed per device; the table reports
 the median over iterations of the mean per device ("mean") and, as JAX's own
 collective-matmul example does, the sum over kernel names of the fastest
-device ("min"). Every contender runs in the same process. jaxtdist runs twice: with launch
-alignment (the default: its handlers' host threads meet before a collective
-kernel is launched) and without.
+device ("min"). Every contender runs in the same process, in interleaved
+rounds (``--rounds``): a drift of the GPUs' clocks during the run (the node
+caps power now and then) then reaches every contender alike. jaxtdist runs
+twice: with launch alignment (the default: its handlers' host threads meet
+before a collective kernel is launched) and without. ag_matmul's lower
+bound (a) is timed twice: on one device while the others idle (the issue's
+definition), and on every device at once (each rank's GEMM of the gathered
+rows, under the same power draw as the collective contenders).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxtdist as td
+from jaxtdist._timing import merge_rounds
 from jaxtdist._timing import profile as _profile
 from jaxtdist._timing import write_results
 
@@ -47,24 +53,51 @@ def _rel_err(out, ref) -> float:
     return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
-def _profile_both_alignments(fn, args, iterations: int, world: int, ref, exact: bool = False):
-    """Times ``fn`` with launch alignment on (the default) and off, in that order;
-    checks each output against ``ref``: relative error, or bit equality if ``exact``."""
-    rt = td.runtime.runtime()
-    results = []
-    for aligned in (True, False):
+def _check_output(stats: dict, out, ref, exact: bool) -> None:
+    if exact:
+        stats["exact"] = bool(np.array_equal(np.asarray(out), ref))
+    else:
+        stats["rel_err"] = _rel_err(out, ref)
+
+
+def _aligned_runner(fn, aligned: bool):
+    """A runner of ``fn`` with jaxtdist's launch alignment on or off."""
+    def run(args, iterations, world):
+        rt = td.runtime.runtime()
         rt.align_launches = aligned
         try:
             out, t = _profile(fn, args, iterations, world)
             t["launch_alignment"] = rt.launch_alignment_stats()
         finally:
             rt.align_launches = True
-        if exact:
-            t["exact"] = bool(np.array_equal(np.asarray(out), ref))
-        else:
-            t["rel_err"] = _rel_err(out, ref)
-        results.append(t)
-    return results
+        return out, t
+    return run
+
+
+def _plain_runner(fn):
+    return lambda args, iterations, world: _profile(fn, args, iterations, world)
+
+
+def _interleaved(contenders: dict, iterations: int, rounds: int) -> dict:
+    """Times every contender in ``rounds`` rounds of ``iterations // rounds``
+    iterations, one contender after another within a round; returns each one's
+    stats over all its iterations, its output checked against its reference.
+
+    ``contenders``: name -> (runner, args, world, ref or None, exact).
+    """
+    per_round = max(1, iterations // rounds)
+    samples = {name: [] for name in contenders}
+    outs = {}
+    for _ in range(rounds):
+        for name, (run, args, world, _, _) in contenders.items():
+            outs[name], t = run(args, per_round, world)
+            samples[name].append(t)
+    stats = {}
+    for name, (_, _, _, ref, exact) in contenders.items():
+        stats[name] = merge_rounds(samples[name])
+        if ref is not None:
+            _check_output(stats[name], outs[name], ref, exact)
+    return stats
 
 
 def _pallas_candidates():
@@ -82,7 +115,31 @@ def _pallas_candidates():
     return (cm, configs), None
 
 
-def bench_ag_matmul(shapes, iterations: int, dtype=jnp.bfloat16, pallas: bool = True):
+def _best_pallas(pallas_mod, mesh, specs, args, ref, iterations: int, world: int, dtype):
+    """JAX's Pallas MGPU collective matmul: the fastest of a small config sweep
+    (each timed ``iterations`` times), as (function, stats), or (None, error stats)."""
+    if pallas_mod is None:
+        return None, None
+    cm, configs = pallas_mod
+    best, best_fn, errors = None, None, []
+    for cfg in configs:
+        try:
+            fn = jax.jit(jax.shard_map(
+                functools.partial(cm.all_gather_lhs_matmul, axis_name="tp", config=cfg,
+                                  dtype=dtype),
+                mesh=mesh, in_specs=specs[:2], out_specs=specs[2], check_vma=False))
+            out, t = _profile(fn, args, iterations, world)
+            t["rel_err"] = _rel_err(out, ref)
+            t["config"] = str(cfg)
+            if best is None or t["mean_us"] < best["mean_us"]:
+                best, best_fn = t, fn
+        except Exception as e:  # noqa: BLE001 - unsupported configs are skipped
+            errors.append(f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+    return (best_fn, best) if best_fn is not None else (None, dict(error=errors[:2]))
+
+
+def bench_ag_matmul(shapes, iterations: int, dtype=jnp.bfloat16, pallas: bool = True,
+                    rounds: int = 4):
     devices = jax.devices()
     world = len(devices)
     mesh = jax.make_mesh((world,), ("tp",))
@@ -94,6 +151,9 @@ def bench_ag_matmul(shapes, iterations: int, dtype=jnp.bfloat16, pallas: bool = 
         lambda x, w: jax.lax.all_gather(x, "tp", tiled=True) @ w, mesh=mesh,
         in_specs=(spec_x, spec_w), out_specs=spec_o))
     local = jax.jit(lambda a, b: a @ b)
+    # Every rank's GEMM of the whole gathered x at once: no communication.
+    local_all = jax.jit(jax.shard_map(lambda x, w: x @ w, mesh=mesh,
+                                      in_specs=(P(None, None), spec_w), out_specs=spec_o))
     pallas_mod, pallas_err = _pallas_candidates() if pallas else (None, "disabled")
     rows = []
     for i, (m_shard, n_shard, k) in enumerate(shapes):
@@ -102,47 +162,41 @@ def bench_ag_matmul(shapes, iterations: int, dtype=jnp.bfloat16, pallas: bool = 
              / np.sqrt(k)).astype(dtype)
         w = jax.random.normal(keys[1], (k, world * n_shard), jnp.float32).astype(dtype)
         xs = jax.device_put(x, NamedSharding(mesh, spec_x))
+        xr = jax.device_put(x, NamedSharding(mesh, P(None, None)))
         ws = jax.device_put(w, NamedSharding(mesh, spec_w))
         ref = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
-        row = dict(m_shard=m_shard, n_shard=n_shard, k=k, world=world, dtype=jnp.dtype(dtype).name)
+        row = dict(m_shard=m_shard, n_shard=n_shard, k=k, world=world, dtype=jnp.dtype(dtype).name,
+                   rounds=rounds)
         x0 = jax.device_put(x, devices[0])
         w0 = jax.device_put(w[:, :n_shard], devices[0])
-        _, row["local_gemm"] = _profile(local, (x0, w0), iterations, 1)
-        out, row["xla_allgather_dot"] = _profile(xla, (xs, ws), iterations, world)
-        row["xla_allgather_dot"]["rel_err"] = _rel_err(out, ref)
-        row["jaxtdist"], row["jaxtdist_unaligned"] = _profile_both_alignments(
-            ours, (xs, ws), iterations, world, ref)
+        pallas_fn, pallas_stats = _best_pallas(pallas_mod, mesh, (spec_x, spec_w, spec_o),
+                                               (xs, ws), ref, max(1, iterations // rounds),
+                                               world, dtype)
+        contenders = dict(
+            local_gemm=(_plain_runner(local), (x0, w0), 1, None, False),
+            local_gemm_all_devices=(_plain_runner(local_all), (xr, ws), world, ref, False),
+            xla_allgather_dot=(_plain_runner(xla), (xs, ws), world, ref, False),
+            jaxtdist=(_aligned_runner(ours, True), (xs, ws), world, ref, False),
+            jaxtdist_unaligned=(_aligned_runner(ours, False), (xs, ws), world, ref, False))
+        if pallas_fn is not None:
+            contenders["pallas_mgpu"] = (_plain_runner(pallas_fn), (xs, ws), world, ref, False)
+        row.update(_interleaved(contenders, iterations, rounds))
+        if pallas_fn is not None:
+            row["pallas_mgpu"]["config"] = pallas_stats["config"]
+            row["pallas_mgpu"]["sweep_us"] = pallas_stats["mean_us"]
+        else:
+            row["pallas_mgpu"] = pallas_stats or dict(error=[pallas_err])
         tuned = td.runtime.runtime().tuning.lookup("ag_matmul", world, (m_shard, n_shard, k),
                                                    dtype)
         row["jaxtdist"]["config_source"] = "tuning cache" if tuned else "defaults"
         row["jaxtdist"]["config"] = tuned
-        if pallas_mod is not None:
-            cm, configs = pallas_mod
-            best = None
-            errors = []
-            for cfg in configs:
-                try:
-                    fn = jax.jit(jax.shard_map(
-                        functools.partial(cm.all_gather_lhs_matmul, axis_name="tp", config=cfg,
-                                          dtype=dtype),
-                        mesh=mesh, in_specs=(spec_x, spec_w), out_specs=spec_o, check_vma=False))
-                    out, t = _profile(fn, (xs, ws), iterations, world)
-                    t["rel_err"] = _rel_err(out, ref)
-                    t["config"] = str(cfg)
-                    if best is None or t["mean_us"] < best["mean_us"]:
-                        best = t
-                except Exception as e:  # noqa: BLE001 - unsupported configs are skipped
-                    errors.append(f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
-            row["pallas_mgpu"] = best if best is not None else dict(error=errors[:2])
-        else:
-            row["pallas_mgpu"] = dict(error=[pallas_err])
         rows.append(row)
         print(_ag_line(row), flush=True)
     return rows
 
 
 def bench_ag_matmul_2d(iterations: int, m_shard=1024, n_shard=4096, k=4096,
-                       dtype=jnp.bfloat16):
+                       dtype=jnp.bfloat16, rounds: int = 4):
     """ag_matmul over "tp" in a ("dp", "tp") = (2, 2) mesh, called pjit-style through
     ``ag_matmul_sharded``, against all_gather over "tp" + dot in the same mesh."""
     devices = jax.devices()[:4]
@@ -160,15 +214,22 @@ def bench_ag_matmul_2d(iterations: int, m_shard=1024, n_shard=4096, k=4096,
     ws = jax.device_put(w, NamedSharding(mesh, spec_w))
     ref = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
     row = dict(mesh="dp=2 x tp=2", m_shard=m_shard, n_shard=n_shard, k=k, world=2,
-               dtype=jnp.dtype(dtype).name)
+               dtype=jnp.dtype(dtype).name, rounds=rounds)
     local = jax.jit(lambda a, b: a @ b)
-    _, row["local_gemm"] = _profile(local, (jax.device_put(x[:2 * m_shard], devices[0]),
-                                            jax.device_put(w[:, :n_shard], devices[0])),
-                                    iterations, 1)
-    out, row["xla_allgather_dot"] = _profile(xla, (xs, ws), iterations, 4)
-    row["xla_allgather_dot"]["rel_err"] = _rel_err(out, ref)
-    row["jaxtdist"], row["jaxtdist_unaligned"] = _profile_both_alignments(
-        ours, (xs, ws), iterations, 4, ref)
+    # Every device's GEMM of its tp group's gathered rows at once.
+    local_all = jax.jit(jax.shard_map(lambda x, w: x @ w, mesh=mesh,
+                                      in_specs=(P("dp", None), spec_w), out_specs=P("dp", "tp")))
+    contenders = dict(
+        local_gemm=(_plain_runner(local), (jax.device_put(x[:2 * m_shard], devices[0]),
+                                           jax.device_put(w[:, :n_shard], devices[0])),
+                    1, None, False),
+        local_gemm_all_devices=(_plain_runner(local_all),
+                                (jax.device_put(x, NamedSharding(mesh, P("dp", None))), ws),
+                                4, ref, False),
+        xla_allgather_dot=(_plain_runner(xla), (xs, ws), 4, ref, False),
+        jaxtdist=(_aligned_runner(ours, True), (xs, ws), 4, ref, False),
+        jaxtdist_unaligned=(_aligned_runner(ours, False), (xs, ws), 4, ref, False))
+    row.update(_interleaved(contenders, iterations, rounds))
     row["pallas_mgpu"] = dict(error=["not run on the 2-D mesh"])
     print("dp x tp: " + _ag_line(row), flush=True)
     return row
@@ -186,32 +247,42 @@ def _fmt_min(entry) -> str:
 
 def _ag_line(row) -> str:
     return (f"{row['m_shard']:>5} {row['n_shard']:>5} {row['k']:>5} | "
-            f"{_fmt(row['local_gemm']):>9} | {_fmt(row['xla_allgather_dot']):>9} | "
+            f"{_fmt(row['local_gemm']):>9} | {_fmt(row.get('local_gemm_all_devices', {})):>9} | "
+            f"{_fmt(row['xla_allgather_dot']):>9} | "
             f"{_fmt(row['pallas_mgpu']):>9} | {_fmt(row['jaxtdist']):>9} | "
             f"{_fmt_min(row['jaxtdist']):>9} | {_fmt(row['jaxtdist_unaligned']):>9} | "
             f"{row['jaxtdist'].get('rel_err', float('nan')):.2e}")
 
 
+def _ratio(num: dict, den: dict) -> str:
+    if "mean_us" not in num or "mean_us" not in den:
+        return "n/a"
+    return f"{num['mean_us'] / den['mean_us']:.2f}"
+
+
 def ag_matmul_table(rows, device: str, iterations: int | None = None) -> str:
     median = f"median of {iterations}" if iterations else "median"
+    rounds = rows[0].get("rounds")
+    median += f" in {rounds} interleaved rounds" if rounds else ""
     lines = [f"ag_matmul, {rows[0]['dtype']}, {rows[0]['world']} x {device}; kernel time (us, "
-             f"CUPTI, {median}, mean per device)", "",
-             "| m_shard | n_shard | k | (a) local GEMM | (b) all_gather + dot | "
-             "(c) Pallas MGPU | (d) jaxtdist | (d) fastest device | (d) launches not aligned "
-             "| (d)/(a) | rel err (d) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"CUPTI, {median}, mean per device). (a) one device, the others idle; (a4) "
+             "every device at once", "",
+             "| m_shard | n_shard | k | (a) local GEMM | (a4) local GEMM, all devices | "
+             "(b) all_gather + dot | (c) Pallas MGPU | (d) jaxtdist | (d) fastest device | "
+             "(d) launches not aligned | (d)/(a) | (d)/(a4) | rel err (d) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        ratio = (r["jaxtdist"]["mean_us"] / r["local_gemm"]["mean_us"]
-                 if "mean_us" in r["jaxtdist"] else float("nan"))
         lines.append(f"| {r['m_shard']} | {r['n_shard']} | {r['k']} | {_fmt(r['local_gemm'])} | "
+                     f"{_fmt(r.get('local_gemm_all_devices', {}))} | "
                      f"{_fmt(r['xla_allgather_dot'])} | {_fmt(r['pallas_mgpu'])} | "
                      f"{_fmt(r['jaxtdist'])} | {_fmt_min(r['jaxtdist'])} | "
-                     f"{_fmt(r['jaxtdist_unaligned'])} | {ratio:.2f} | "
+                     f"{_fmt(r['jaxtdist_unaligned'])} | {_ratio(r['jaxtdist'], r['local_gemm'])} | "
+                     f"{_ratio(r['jaxtdist'], r.get('local_gemm_all_devices', {}))} | "
                      f"{r['jaxtdist'].get('rel_err', float('nan')):.1e} |")
     return "\n".join(lines)
 
 
-def bench_all_gather(sizes, iterations: int, dtype=jnp.bfloat16):
+def bench_all_gather(sizes, iterations: int, dtype=jnp.bfloat16, rounds: int = 4):
     devices = jax.devices()
     world = len(devices)
     mesh = jax.make_mesh((world,), ("tp",))
@@ -229,10 +300,13 @@ def bench_all_gather(sizes, iterations: int, dtype=jnp.bfloat16):
         x = jax.random.normal(jax.random.key(nbytes), (world * rows_per_rank, cols),
                               jnp.float32).astype(dtype)
         xs = jax.device_put(x, NamedSharding(mesh, P("tp", None)))
-        row = dict(bytes_per_rank=nbytes, world=world)
-        _, row["xla_all_gather"] = _profile(xla, (xs,), iterations, world)
-        row["jaxtdist"], row["jaxtdist_unaligned"] = _profile_both_alignments(
-            ours, (xs,), iterations, world, np.asarray(x), exact=True)
+        row = dict(bytes_per_rank=nbytes, world=world, rounds=rounds)
+        ref = np.asarray(x)
+        row.update(_interleaved(dict(
+            xla_all_gather=(_plain_runner(xla), (xs,), world, ref, True),
+            jaxtdist=(_aligned_runner(ours, True), (xs,), world, ref, True),
+            jaxtdist_unaligned=(_aligned_runner(ours, False), (xs,), world, ref, True)),
+            iterations, rounds))
         rows.append(row)
         print(f"{nbytes:>10} | {_fmt(row['xla_all_gather']):>9} | {_fmt(row['jaxtdist']):>9} | "
               f"{_fmt(row['jaxtdist_unaligned']):>9} | exact={row['jaxtdist']['exact']}",
@@ -241,7 +315,8 @@ def bench_all_gather(sizes, iterations: int, dtype=jnp.bfloat16):
 
 
 def all_gather_table(rows, device: str) -> str:
-    lines = [f"all_gather, bf16, {rows[0]['world']} x {device}; kernel time (us, CUPTI, median, "
+    lines = [f"all_gather, bf16, {rows[0]['world']} x {device}; kernel time (us, CUPTI, median in "
+             f"{rows[0].get('rounds', 1)} interleaved rounds, "
              "mean per device)", "",
              "| bytes per rank | jax.lax.all_gather | jaxtdist.all_gather | jaxtdist, launches "
              "not aligned | exact |",
@@ -259,6 +334,8 @@ def main(argv=None) -> int:
     # 100: a median that the slow episodes seen on 4 x H200 (runs of 20-40
     # iterations, every device at once) do not move; the same for every contender.
     parser.add_argument("--iterations", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="interleaved rounds the iterations are split into")
     parser.add_argument("--quick", action="store_true", help="first three shapes only")
     parser.add_argument("--no-pallas", action="store_true")
     parser.add_argument("--json", help="write raw results here")
@@ -271,19 +348,20 @@ def main(argv=None) -> int:
     started = time.time()
     if args.op == "ag_matmul":
         shapes = AG_MATMUL_SHAPES[:3] if args.quick else AG_MATMUL_SHAPES
-        rows = bench_ag_matmul(shapes, args.iterations, pallas=not args.no_pallas)
+        rows = bench_ag_matmul(shapes, args.iterations, pallas=not args.no_pallas,
+                               rounds=args.rounds)
         table = ag_matmul_table(rows, device, args.iterations)
         if len(jax.devices()) >= 4 and not args.quick:
-            row_2d = bench_ag_matmul_2d(args.iterations)
+            row_2d = bench_ag_matmul_2d(args.iterations, rounds=args.rounds)
             rows.append(row_2d)
             table += ("\n\nag_matmul over tp in a (dp, tp) = (2, 2) mesh (ag_matmul_sharded "
                       "under jit; (a) is one tp group's GEMM; mean over all 4 devices)\n\n"
                       + "\n".join(ag_matmul_table([row_2d], device).splitlines()[2:]))
     else:
-        rows = bench_all_gather(ALL_GATHER_BYTES, args.iterations)
+        rows = bench_all_gather(ALL_GATHER_BYTES, args.iterations, rounds=args.rounds)
         table = all_gather_table(rows, device)
     result = dict(op=args.op, device=device, world=len(jax.devices()), jax=jax.__version__,
-                  iterations=args.iterations, launcher=td.runtime.runtime().launcher,
+                  iterations=args.iterations, rounds=args.rounds, launcher=td.runtime.runtime().launcher,
                   seconds=time.time() - started, rows=rows)
     write_results(result, table, args.json, args.markdown)
     return 0

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 import jaxtdist.language as dl
-from jaxtdist.kernels._gather import copy_rows, pull_shards, push_shards
+from jaxtdist.kernels._gather import pull_shards, push_shards
 from jaxtdist.kernels._splitk import finish_split_k, finish_stream_k, k_range
 from jaxtdist.kernels._tiles import grouped_tile, peer_arrival_tile, rank_major_tile
 

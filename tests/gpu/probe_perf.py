@@ -349,6 +349,68 @@ def probe_tail(rounds=5, iterations=20, shapes=((2048, 2752, 4096),)):
         _alternate(f"tail {m}x{n}x{k}", fns, args, ref, 4, rounds, iterations)
 
 
+def _is_all_gather(kernel_name: str) -> bool:
+    """NCCL's (ncclDevKernel_AllGather_*) or XLA's all-gather kernels."""
+    return "allgather" in kernel_name.lower().replace("_", "").replace("-", "")
+
+
+def gap_functions(mesh, cfg: dict):
+    """The contenders of ``probe_gap`` on a ("tp", "one") = (world, 1) mesh, all
+    taking (x, w) = ([world * m, k] rows over "tp", [k, world * n] columns over
+    "tp") and returning x @ w: cuBLAS and jaxtdist's kernel on every device at
+    once without communication (each device the whole product of its block
+    column, x replicated: "one" is a world-1 axis), and ag_matmul over "tp"."""
+    specs = dict(mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp"),
+                 check_vma=False)
+
+    def gathered(body):
+        # The all_gather stays outside the timed kernels' comparison: its own kernel
+        # appears under its own name and is left out of the sums (see probe_gap).
+        return jax.jit(jax.shard_map(
+            lambda x, w: body(jax.lax.all_gather(x, "tp", tiled=True), w), **specs))
+
+    return {
+        "cublas_all": gathered(lambda x, w: x @ w),
+        "triton_all": gathered(
+            lambda x, w: ag_matmul_with_gathered(x, w, "one", config=cfg)[0]),
+        "fused": jax.jit(jax.shard_map(
+            lambda x, w: ag_matmul_with_gathered(x, w, "tp", config=cfg)[0], **specs)),
+    }
+
+
+def probe_gap(rounds=3, iterations=20, shapes=LARGE_SHAPES):
+    """Where (d) loses to (a), under the same power draw: every device at once runs
+    cuBLAS on the gathered rows, jaxtdist's kernel on them with no communication
+    (world 1), and the fused ag_matmul (world 4); (a) on one device beside them.
+    Times exclude the all_gather that feeds the first two (kernel names filtered)."""
+    world = 4
+    mesh = jax.make_mesh((world, 1), ("tp", "one"), devices=jax.devices()[:world],
+                         axis_types=(AUTO, AUTO))
+    rt = td.initialize(mesh)
+    for m, n, k in shapes:
+        args, ref = _sharded_args(mesh, m, n, k, world)
+        tuned = rt.tuning.lookup("ag_matmul", world, (m, n, k), jnp.bfloat16) or {}
+        x0 = jax.device_put(args[0], jax.devices()[0])
+        w0 = jax.device_put(np.asarray(args[1])[:, :n], jax.devices()[0])
+        _, one = _profile(jax.jit(jnp.dot), (x0, w0), iterations, 1)
+        times = {name: [] for name in ("cublas_all", "triton_all", "fused")}
+        errs = {}
+        fns = gap_functions(mesh, tuned)
+        from jax.experimental.mosaic.gpu import profiler
+        for _ in range(rounds):
+            for name, f in fns.items():
+                out, per_iter = profiler.measure(f, aggregate=False, iterations=iterations)(*args)
+                sums = [sum(t for kname, t in kernels if not _is_all_gather(kname)) * 1e3 / world
+                        for kernels in per_iter]
+                times[name].append(float(np.median(sums)))
+                errs[name] = float(np.linalg.norm(np.asarray(out, np.float32) - ref)
+                                   / np.linalg.norm(ref))
+        med = {name: float(np.median(v)) for name, v in times.items()}
+        print(f"gap {m}x{n}x{k}: (a) one device {one['mean_us']:.1f}; all devices: cuBLAS "
+              f"{med['cublas_all']:.1f}, jaxtdist kernel alone {med['triton_all']:.1f}, fused "
+              f"{med['fused']:.1f} | rounds {times} | err {errs}", flush=True)
+
+
 def _sharded_args(mesh, m, n, k, world=4):
     x = (jax.random.normal(jax.random.key(1), (world * m, k), jnp.float32)
          / np.sqrt(k)).astype(jnp.bfloat16)
@@ -599,6 +661,7 @@ PROBES = {
     "--tiles": lambda: probe_tiles(),
     "--stream-k": lambda: probe_stream_k(),
     "--tail": lambda: probe_tail(),
+    "--gap": lambda: probe_gap(),
     "--variance": lambda: probe_variance(),
     "--ce": lambda: probe_copy_engine(),
     "--gemm": lambda: probe_gemm_variants(),
