@@ -55,6 +55,15 @@ def withheld_kernel(ctx, out_ptr, WORKSPACE: tl.constexpr):
 
 
 @triton.jit
+def withheld_tma_kernel(ctx, out_ptr, WORKSPACE: tl.constexpr):
+    """``withheld_kernel`` with the loop-free TMA wait: must time out the same way."""
+    e = dl.epoch(ctx)
+    signal = dl.heap_ptr(ctx, WORKSPACE, tl.int32)
+    token = dl.wait_for_tma(ctx, signal, e + 1000, (dl.rank(ctx) + 1) % dl.num_ranks(ctx))
+    tl.store(out_ptr, tl.load(signal) + token)
+
+
+@triton.jit
 def staged_prev_kernel(ctx, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr,
                        WORKSPACE: tl.constexpr, STAGE: tl.constexpr,
                        STAGE_BYTES: tl.constexpr):

@@ -135,7 +135,7 @@ def test_ag_matmul_tma_uses_tma_and_scratch(dtype, block_k):
 def _compile_ce(**tail):
     from jaxtdist.kernels.ag_matmul import ag_matmul_ce_kernel
     tail = dict(dict(TAIL_TILES=0, TAIL_UNITS=0, PARTIALS_OFF=-1, COUNTERS_OFF=-1,
-                     TAIL_SPLIT_N=1), **tail)
+                     TAIL_SPLIT_N=1, FLATTEN=False), **tail)
     return _compile_native(ag_matmul_ce_kernel, ["i32"] + ["bf16"] * 3,
                            dict(M_SHARD=2048, N=2752, K=4096, INBOX_OFF=1 << 20,
                                 PARITY_BYTES=1 << 26, FLAGS_OFF=4096, SENT_OFF=8192,
@@ -181,6 +181,31 @@ def test_ag_matmul_ce_kernel_split_n_tail():
     assert "atom.global.gpu.acq_rel.add" not in ptx
     assert k.metadata.shared == plain.metadata.shared
     assert k.metadata.num_warps == plain.metadata.num_warps == 8
+
+
+@pytest.mark.parametrize("tail", [{}, dict(TAIL_TILES=44, TAIL_SPLIT_N=2)])
+def test_ag_matmul_ce_kernel_flattened(tail):
+    """FLATTEN: each tile loop and its K loop become one loop (Triton fuses them only
+    if the peers' wait has no loop of its own: ``dl.wait_for_tma`` is one inline-asm
+    spin), the wait is a GPU-scope acquire load followed by an async-proxy fence, and
+    inside the fused loop the TMA loads take their row from the wait's token."""
+    plain = _compile_ce(**tail)
+    flat = _compile_ce(FLATTEN=True, **tail)
+    loops = flat.asm["ttgir"].count("scf.for")
+    # Both K loops fused into their tile loops, and the wait's loop over chunks gone.
+    assert loops == plain.asm["ttgir"].count("scf.for") - 3, loops
+    ptx = flat.asm["ptx"]
+    assert re.search(r"ld\.acquire\.gpu\.global\.b32[^\n]*\n[^@]*setp\.ge\.s32", ptx)
+    assert "fence.proxy.async.global" in ptx and "wgmma.mma_async" in ptx
+    assert flat.metadata.shared == plain.metadata.shared
+    # In the fused peers' loop the wait's token feeds the inbox loads' row.
+    ttgir = flat.asm["ttgir"]
+    loops = [m.start() for m in re.finditer(r"scf\.for %arg4", ttgir)]
+    peers_loop = ttgir[loops[1]:]
+    assert peers_loop.index("elementwise_inline_asm") < peers_loop.index(
+        "async_tma_copy_global_to_local")
+    # Two spins: before the peers' loop (its first tile) and in it; local tiles wait for none.
+    assert ttgir.count("ld.acquire.gpu.global.b32") == 2
 
 
 @pytest.mark.parametrize("num_warps", [4, 8])

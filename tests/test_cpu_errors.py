@@ -210,13 +210,15 @@ def test_heap_exhausted():
         td.shutdown()
 
 
-def test_wait_timeout():
+@pytest.mark.parametrize("kernel", ["withheld_kernel", "withheld_tma_kernel"])
+def test_wait_timeout(kernel):
     """A wait nobody notifies times out in seconds with a precise error; the runtime
-    stays poisoned until shutdown + initialize."""
+    stays poisoned until shutdown + initialize. Both waits: ``wait`` and
+    ``wait_for_tma``."""
     mesh = setup(WORLD, wait_spins=2000)
 
     def body():
-        out = td.triton_call(kernel=K.withheld_kernel, grid=(1,), axis_name="tp",
+        out = td.triton_call(kernel=getattr(K, kernel), grid=(1,), axis_name="tp",
                              out_shape=jax.ShapeDtypeStruct((1,), jnp.int32),
                              workspace_bytes=256, name="withheld")
         return out[None]

@@ -1,4 +1,4 @@
-"""The copy-engine kernel's split-N tail, under the interpreter (CPU).
+"""The copy-engine kernel's split-N tail and flattened loops, under the interpreter (CPU).
 
 The last, partial wave of tiles can be cut along N instead of K: each tail
 tile becomes TAIL_SPLIT_N narrower pieces, one per program, with no partial
@@ -118,5 +118,52 @@ def test_split_n_tail_config_errors():
             (dict(base, TAIL_SPLIT_N=4), "narrower than 16 columns"),
             (dict(base, TAIL_SPLIT_N=2, STREAM_K=True), "both cut the last wave"),
             (dict(base, PRODUCER="sm", TAIL_SPLIT_N=2), "TAIL_SPLIT_N=2 needs PRODUCER='ce'")]:
+        with pytest.raises(ValueError, match=match):
+            _fn(mesh, config)(x, w)
+
+
+@pytest.fixture
+def flatten_constexprs(monkeypatch):
+    seen = []
+    launch = ag_matmul_op._call.launch
+
+    def spy(kernel, *args, **kwargs):
+        if kernel is ag_matmul_op.ag_matmul_ce_kernel:
+            seen.append(kwargs["FLATTEN"])
+        return launch(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(ag_matmul_op._call, "launch", spy)
+    return seen
+
+
+@pytest.mark.parametrize("world,dtype,shape,config,flattened", [
+    (2, F32, (32, 64, 32), dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16), True),  # auto
+    (4, BF16, (32, 48, 24), dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, CHUNK_ROWS=32), True),
+    (4, F32, (32, 48, 24), dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, CHUNK_ROWS=8), False),
+    (2, F32, (32, 64, 32), dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, FLATTEN=False), False),
+])
+def test_flatten_choice_and_results(world, dtype, shape, config, flattened, flatten_constexprs):
+    """FLATTEN="auto" flattens where chunks are no finer than tiles; flattened or
+    not, the results are exact (under the interpreter ``wait_for_tma`` is ``wait``)."""
+    mesh = setup(world)
+    m, k, n = shape
+    f = _fn(mesh, dict(config, TMA=True, PRODUCER="ce"))
+    for _ in range(2):
+        x = rand((world * m, k), dtype)
+        w = rand((k, world * n), dtype)
+        assert_close(f(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp"))),
+                     f64(x) @ f64(w), dtype)
+    assert flatten_constexprs == [flattened]
+
+
+def test_flatten_config_errors():
+    mesh = setup(2)
+    x = place(mesh, rand((64, 64), F32), P("tp", None))
+    w = place(mesh, rand((64, 64), F32), P(None, "tp"))
+    base = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, TMA=True, PRODUCER="ce")
+    for config, match in [
+            (dict(base, FLATTEN="yes"), "FLATTEN='yes'; allowed: True, False or 'auto'"),
+            (dict(base, FLATTEN=True, CHUNK_ROWS=8), "FLATTEN=True needs CHUNK_ROWS >= BLOCK_M"),
+            (dict(base, PRODUCER="sm", FLATTEN=True), "FLATTEN=True needs PRODUCER='ce'")]:
         with pytest.raises(ValueError, match=match):
             _fn(mesh, config)(x, w)

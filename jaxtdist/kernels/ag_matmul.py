@@ -58,6 +58,17 @@ def _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
+def _tile_rows_for_tma(ctx, flags, e, src, tm, n_chunks, BLOCK_M: tl.constexpr,
+                       CHUNK_ROWS: tl.constexpr):
+    """``_wait_tile_rows`` (GPU scope) for chunks no finer than tiles (one flag per
+    tile), then the proxy fence, as one loop-free wait; returns 0 to add to the
+    tile's TMA row coordinate (``dl.wait_for_tma``)."""
+    tl.static_assert(CHUNK_ROWS >= BLOCK_M, "one chunk flag per row tile")
+    chunk = tm * BLOCK_M // CHUNK_ROWS
+    return dl.wait_for_tma(ctx, flags + src * n_chunks + chunk, e, src, "gpu")
+
+
+@triton.jit
 def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
                      M_SHARD: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                      STAGE_OFF: tl.constexpr, SLOT_BYTES: tl.constexpr,
@@ -254,7 +265,7 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
                         GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
                         TAIL_TILES: tl.constexpr, TAIL_UNITS: tl.constexpr,
                         PARTIALS_OFF: tl.constexpr, COUNTERS_OFF: tl.constexpr,
-                        TAIL_SPLIT_N: tl.constexpr):
+                        TAIL_SPLIT_N: tl.constexpr, FLATTEN: tl.constexpr):
     """Grid: (NUM_PROGRAMS,), at most what the GPU holds at once.
 
     x: [M_SHARD, K], w: [K, N] -> out: [world * M_SHARD, N]. Peers push their
@@ -270,6 +281,16 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
     the same time; programs sharing a tile combine their float32 partials in
     the heap (``finish_stream_k``: slots at PARTIALS_OFF, one per (program,
     tile) pair, numbered program + tile; a counter per tile at COUNTERS_OFF).
+
+    Split-N tail: with TAIL_SPLIT_N > 1 instead, each of the TAIL_TILES last
+    tiles is cut into TAIL_SPLIT_N pieces BLOCK_N / TAIL_SPLIT_N wide, one
+    piece per program (TAIL_TILES * TAIL_SPLIT_N <= NUM_PROGRAMS): no partial
+    sums, and the last wave takes a piece's time instead of a tile's.
+
+    FLATTEN (chunks no finer than tiles) flattens the two tile loops with their
+    K loops (``tl.range(..., flatten=True)``): the next tile's first loads are
+    issued under this tile's last MMAs and epilogue. Peers' tiles then wait with
+    ``dl.wait_for_tma``, whose token orders those loads after the wait.
     """
     pid = tl.program_id(0)
     me = dl.rank(ctx)
@@ -290,7 +311,7 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
     c_desc = tl.make_tensor_descriptor(out_ptr, shape=[world * M_SHARD, N], strides=[N, 1],
                                        block_shape=[BLOCK_M, BLOCK_N])
     # This rank's rows: ready at once, read from x itself.
-    for tile in tl.range(pid, per_rank, NUM_PROGRAMS):
+    for tile in tl.range(pid, per_rank, NUM_PROGRAMS, flatten=FLATTEN):
         tm, tn = grouped_tile(tile, m_tiles, n_tiles, GROUP_M)
         acc = _tma_tile(x_desc, b_desc, tm * BLOCK_M, tn * BLOCK_N, 0, K, BLOCK_M, BLOCK_N,
                         BLOCK_K)
@@ -300,11 +321,14 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
     # round-robin goes on where the local tiles left it.
     first = (pid + NUM_PROGRAMS - per_rank % NUM_PROGRAMS) % NUM_PROGRAMS
     whole = (world - 1) * per_rank - TAIL_TILES
-    for item in tl.range(first, whole, NUM_PROGRAMS):
+    for item in tl.range(first, whole, NUM_PROGRAMS, flatten=FLATTEN):
         src, tm, tn = peer_arrival_tile(item, me, world, per_rank, m_tiles, n_tiles, GROUP_M)
-        _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS, "gpu")
-        dl.fence_async_proxy()
         row0 = src * M_SHARD + tm * BLOCK_M
+        if FLATTEN:
+            row0 += _tile_rows_for_tma(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS)
+        else:
+            _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS, "gpu")
+            dl.fence_async_proxy()
         acc = _tma_tile(inbox_desc, b_desc, row0, tn * BLOCK_N, 0, K, BLOCK_M, BLOCK_N, BLOCK_K)
         c_desc.store([row0, tn * BLOCK_N], acc.to(out_ptr.dtype.element_ty))
     if TAIL_TILES > 0 and TAIL_SPLIT_N > 1:

@@ -28,6 +28,7 @@ from jaxtdist.language.core import (
     store_peer,
     symm_at,
     wait,
+    wait_for_tma,
 )
 
 __all__ = [
@@ -47,4 +48,5 @@ __all__ = [
     "store_peer",
     "symm_at",
     "wait",
+    "wait_for_tma",
 ]

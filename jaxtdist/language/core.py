@@ -210,26 +210,34 @@ def wait(ctx, signal, value, CMP: tl.constexpr = tl.constexpr("ge"), peer=-1,
         spins += 1
         done = _satisfied(seen, value, CMP) | (spins >= limit)
     if not (_satisfied(seen, value, CMP) | failed):
-        err = tl.load(words + _CTX_ERR_ADDR).to(tl.pointer_type(tl.int64))
-        tl.atomic_xchg(failed_flag, 1, sem="relaxed", scope="gpu")
-        me = rank(ctx)
-        # The signal usually sits in this rank's heap; a symm_at pointer sits
-        # in the notifying peer's. Report the offset within whichever holds it.
-        address = signal.to(tl.int64, bitcast=True)
-        offset = address - heap_base(ctx, me)
-        if peer >= 0:
-            in_peer = address - heap_base(ctx, peer)
-            offset = tl.where((offset < 0) | (offset >= (1 << 40)), in_peer, offset)
-        tl.store(err + _ERR_RANK, me.to(tl.int64))
-        tl.store(err + _ERR_PEER, tl.cast(peer, tl.int64))
-        tl.store(err + _ERR_SIGNAL_OFFSET, offset)
-        tl.store(err + _ERR_EXPECTED, tl.cast(value, tl.int64))
-        tl.store(err + _ERR_SEEN, seen.to(tl.int64))
-        tl.store(err + _ERR_CMP, tl.cast(_cmp_code(CMP), tl.int64))
-        tl.atomic_xchg(err, 1, sem="release", scope="sys")
+        _record_timeout(ctx, failed_flag, signal, value, seen, peer, CMP)
     # The acquiring thread's view extends to the whole program.
     tl.debug_barrier()
     return seen
+
+
+@triton.jit
+def _record_timeout(ctx, failed_flag, signal, value, seen, peer, CMP: tl.constexpr):
+    """A wait gave up: marks this rank's waits failed and fills the error record
+    (rank, peer, signal offset, expected and seen values) that the host reports."""
+    words = _words(ctx)
+    err = tl.load(words + _CTX_ERR_ADDR).to(tl.pointer_type(tl.int64))
+    tl.atomic_xchg(failed_flag, 1, sem="relaxed", scope="gpu")
+    me = rank(ctx)
+    # The signal usually sits in this rank's heap; a symm_at pointer sits
+    # in the notifying peer's. Report the offset within whichever holds it.
+    address = signal.to(tl.int64, bitcast=True)
+    offset = address - heap_base(ctx, me)
+    if peer >= 0:
+        in_peer = address - heap_base(ctx, peer)
+        offset = tl.where((offset < 0) | (offset >= (1 << 40)), in_peer, offset)
+    tl.store(err + _ERR_RANK, me.to(tl.int64))
+    tl.store(err + _ERR_PEER, tl.cast(peer, tl.int64))
+    tl.store(err + _ERR_SIGNAL_OFFSET, offset)
+    tl.store(err + _ERR_EXPECTED, tl.cast(value, tl.int64))
+    tl.store(err + _ERR_SEEN, seen.to(tl.int64))
+    tl.store(err + _ERR_CMP, tl.cast(_cmp_code(CMP), tl.int64))
+    tl.atomic_xchg(err, 1, sem="release", scope="sys")
 
 
 @triton.jit
@@ -281,6 +289,14 @@ if _INTERPRET:
         """
         return value
 
+    @triton.jit
+    def wait_for_tma(ctx, signal, value, peer=-1, SCOPE: tl.constexpr = tl.constexpr("gpu")):
+        """``wait(ctx, signal, value, "ge", peer, SCOPE)``, then ``fence_async_proxy()``;
+        returns 0, a token to add to the TMA coordinates that read what the wait
+        guards. Under the interpreter it is ``wait`` itself."""
+        seen = wait(ctx, signal, value, "ge", peer, SCOPE)
+        return (seen * 0).to(tl.int32)
+
 else:
 
     @triton.jit
@@ -308,3 +324,74 @@ else:
             "mov.b64 $0, $1;", "=l,l,r", [addr, tok], dtype=tl.int64,
             is_pure=False, pack=1)
         return addr.to(value.dtype, bitcast=True)
+
+    @triton.jit
+    def _spin_acquire_ge(signal, value, limit, SCOPE: tl.constexpr):
+        """One inline-asm op: up to ``limit`` re-reads (acquire) of ``*signal`` until
+        it is >= ``value``, then an async-proxy fence. Returns (last value seen, 0)."""
+        address = signal.to(tl.int64, bitcast=True)
+        if SCOPE == "sys":
+            seen, token = tl.inline_asm_elementwise(
+                """{
+                .reg .pred %p_done;
+                .reg .s64 %spins;
+                mov.s64 %spins, 0;
+                SPIN_${:uid}:
+                ld.acquire.sys.global.b32 $0, [$2];
+                setp.ge.s32 %p_done, $0, $3;
+                @%p_done bra DONE_${:uid};
+                add.s64 %spins, %spins, 1;
+                setp.lt.s64 %p_done, %spins, $4;
+                @%p_done bra SPIN_${:uid};
+                DONE_${:uid}:
+                fence.proxy.async.global;
+                mov.b32 $1, 0;
+                }""", "=r,=r,l,r,l", [address, value, limit], dtype=(tl.int32, tl.int32),
+                is_pure=False, pack=1)
+        else:
+            seen, token = tl.inline_asm_elementwise(
+                """{
+                .reg .pred %p_done;
+                .reg .s64 %spins;
+                mov.s64 %spins, 0;
+                SPIN_${:uid}:
+                ld.acquire.gpu.global.b32 $0, [$2];
+                setp.ge.s32 %p_done, $0, $3;
+                @%p_done bra DONE_${:uid};
+                add.s64 %spins, %spins, 1;
+                setp.lt.s64 %p_done, %spins, $4;
+                @%p_done bra SPIN_${:uid};
+                DONE_${:uid}:
+                fence.proxy.async.global;
+                mov.b32 $1, 0;
+                }""", "=r,=r,l,r,l", [address, value, limit], dtype=(tl.int32, tl.int32),
+                is_pure=False, pack=1)
+        return seen, token
+
+    @triton.jit
+    def wait_for_tma(ctx, signal, value, peer=-1, SCOPE: tl.constexpr = tl.constexpr("gpu")):
+        """``wait(ctx, signal, value, "ge", peer, SCOPE)``, then ``fence_async_proxy()``;
+        returns 0, a token to add to the TMA coordinates that read what the wait
+        guards (so that no load is scheduled above the wait).
+
+        The spin is one inline-asm op, with no loop in Triton's IR: a tile loop
+        that waits this way can still be flattened (``tl.range(..., flatten=True)``),
+        which pipelines the next tile's loads under this tile's epilogue. Every
+        thread acquires for itself. Bounded like ``wait``: a timeout fills the
+        same error record.
+
+        Example (a persistent TMA GEMM, tile ``t`` ready once ``flags[t] >= e``)::
+
+            for t in tl.range(pid, tiles, programs, flatten=True):
+                row0 = t * BLOCK_M + dl.wait_for_tma(ctx, flags + t, e)
+                acc = tl.dot(a_desc.load([row0, 0]), ...)
+        """
+        words = _words(ctx)
+        failed_flag = tl.load(words + _CTX_SCRATCH_ADDR).to(tl.pointer_type(tl.int32))
+        failed = tl.load(failed_flag, volatile=True) != 0
+        # After any timeout of this rank, one read and no spinning (as ``wait``).
+        limit = tl.where(failed, 0, tl.load(words + _CTX_SPIN_LIMIT))
+        seen, token = _spin_acquire_ge(signal, value, limit, SCOPE)
+        if not ((seen >= value) | failed):
+            _record_timeout(ctx, failed_flag, signal, value, seen, peer, "ge")
+        return token

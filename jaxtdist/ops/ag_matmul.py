@@ -37,7 +37,10 @@ def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
     TAIL_SPLIT_N (copy-engine kernel only) cuts that wave's tiles into that
     many pieces along N instead, one piece per program (``split_n_tail``):
     a power of 2, or "auto" (2 where the pieces fit in one wave, unless
-    STREAM_K=True asks for the K cut).
+    STREAM_K=True asks for the K cut). FLATTEN (copy-engine kernel only)
+    flattens its tile loops with their K loops, so that a tile's first loads
+    overlap the previous tile's epilogue: True, False, or "auto" (where chunks
+    are no finer than tiles, which it needs).
     PUSH_ORDER (copy engines only: "serial" or "parallel", ``PUSH_ORDERS``) is
     not set here: it follows the producer chosen (``settle_config``).
     GEMM="cublas" (``GEMMS``) replaces the fused Triton kernel by one library
@@ -48,7 +51,8 @@ def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
     small = world * m_shard <= (128 if platform == "gpu" else 32)
     wide = jnp.dtype(dtype).itemsize == 4
     common = dict(SCOPE="sys", SPLIT_K=1, CHUNK_ROWS=0, TMA=False, PRODUCER="sm",
-                  STREAM_K="auto", TAIL_SPLIT_N="auto", GEMM="triton", GEMM_ALGO=0)
+                  STREAM_K="auto", TAIL_SPLIT_N="auto", FLATTEN="auto", GEMM="triton",
+                  GEMM_ALGO=0)
     if platform == "gpu":
         if small:  # decode: one M tile over all ranks' rows, split K, one chunk per row
             return dict(common, BLOCK_M=max(16, next_pow2(world * m_shard)), BLOCK_N=64,
@@ -118,8 +122,8 @@ def _check(x, w, axis_name):
         raise ValueError(f"jaxtdist.ag_matmul: empty operand x{x.shape} w{w.shape}")
 
 
-_FLAG_KEYS = ("SCOPE", "ALL_ROWS", "TMA", "PRODUCER", "STREAM_K", "TAIL_SPLIT_N", "PUSH_ORDER",
-              "GEMM", "GEMM_ALGO")
+_FLAG_KEYS = ("SCOPE", "ALL_ROWS", "TMA", "PRODUCER", "STREAM_K", "TAIL_SPLIT_N", "FLATTEN",
+              "PUSH_ORDER", "GEMM", "GEMM_ALGO")
 # "triton": one persistent Triton kernel waits for chunks tile by tile (fused);
 # "cublas": one library GEMM per source rank as its shard lands. Slower on every
 # shape measured on 4 x H200 (1.24-1.47x the fused kernel, docs/perf runs
@@ -221,6 +225,17 @@ def check_config(cfg: dict, world: int, m_shard: int, k: int, n: int | None = No
         if cfg["BLOCK_N"] // pieces < 16:
             raise ValueError(f"jaxtdist.ag_matmul: config TAIL_SPLIT_N={pieces} cuts BLOCK_N="
                              f"{cfg['BLOCK_N']} into pieces narrower than 16 columns; lower it")
+    flatten = cfg.setdefault("FLATTEN", "auto")
+    if not (isinstance(flatten, bool) or flatten == "auto"):
+        raise ValueError(f"jaxtdist.ag_matmul: config FLATTEN={flatten!r}; allowed: True, False "
+                         "or 'auto'")
+    if flatten is True and cfg["PRODUCER"] != "ce":
+        raise ValueError("jaxtdist.ag_matmul: config FLATTEN=True needs PRODUCER='ce' (only the "
+                         "copy-engine kernel flattens its tile loops)")
+    if flatten is True and cfg["CHUNK_ROWS"] < cfg["BLOCK_M"]:
+        raise ValueError(f"jaxtdist.ag_matmul: config FLATTEN=True needs CHUNK_ROWS >= BLOCK_M "
+                         f"(one flag per row tile), got CHUNK_ROWS={cfg['CHUNK_ROWS']}, "
+                         f"BLOCK_M={cfg['BLOCK_M']}")
     cfg.setdefault("PUSH_ORDER", "parallel")
     if cfg["PUSH_ORDER"] not in PUSH_ORDERS:
         raise ValueError(f"jaxtdist.ag_matmul: config PUSH_ORDER={cfg['PUSH_ORDER']!r}; "
@@ -250,7 +265,7 @@ def settle_config(cfg: dict, asked: dict) -> dict:
     cfg = dict(cfg, **asked)
     if cfg.get("GEMM") == "cublas":  # library GEMMs read the copy engines' inboxes
         for key, value in (("PRODUCER", "ce"), ("TMA", False), ("STREAM_K", False),
-                           ("TAIL_SPLIT_N", 1), ("CHUNK_ROWS", 0)):
+                           ("TAIL_SPLIT_N", 1), ("FLATTEN", False), ("CHUNK_ROWS", 0)):
             if key not in asked:
                 cfg[key] = value
     if cfg["TMA"]:  # the TMA kernel has neither mode
@@ -357,8 +372,8 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
                  jax.ShapeDtypeStruct((1,) if push else (world * m_shard, k), x.dtype))
     gather.update(M_SHARD=m_shard, N=n, K=k)
     cfg.pop("PRODUCER")
-    cfg.pop("STREAM_K")  # the copy-engine kernel's alone
-    cfg.pop("TAIL_SPLIT_N")
+    for key in ("STREAM_K", "TAIL_SPLIT_N", "FLATTEN"):  # the copy-engine kernel's alone
+        cfg.pop(key)
     cfg.pop("PUSH_ORDER")
     if cfg.pop("TMA"):
         for key in ("ALL_ROWS", "SPLIT_K"):
@@ -522,7 +537,9 @@ def _ag_matmul_ce(rt, layout, x, w, axis_name, cfg: dict, num_warps: int, num_st
         out_shape=jax.ShapeDtypeStruct((world * m_shard, n), x.dtype), grid=(programs,),
         num_warps=num_warps, num_stages=num_stages, needs_scratch=True, M_SHARD=m_shard, N=n,
         K=k, **offsets, CHUNK_ROWS=cfg["CHUNK_ROWS"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], NUM_PROGRAMS=programs, **tail)
+        BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], NUM_PROGRAMS=programs,
+        FLATTEN=cfg["FLATTEN"] is True or (cfg["FLATTEN"] == "auto"
+                                           and cfg["CHUNK_ROWS"] >= cfg["BLOCK_M"]), **tail)
     # The gathered x (the autodiff residual) lives only in heap inboxes that the
     # next call reuses: XLA gathers it when it is used (dropped when it is not).
     return out, jax.lax.all_gather(x, axis_name, tiled=True)

@@ -324,10 +324,10 @@ def probe_stream_k(rounds=3, iterations=20):
               f"{np.median(times[True]):.1f} vs {np.median(times[False]):.1f}", flush=True)
 
 
-def probe_tail(rounds=5, iterations=20, shapes=((2048, 2752, 4096),)):
-    """The shipped config of each shape with its last partial wave left whole, cut
-    along K (stream-K) and cut along N (halves), alternating in one process; XLA's
-    dot of the gathered x on one device beside them (the issue's (a))."""
+def _probe_modes(label, modes: dict, shapes, rounds: int, iterations: int):
+    """Each shape's shipped config under each of ``modes`` (config overrides),
+    alternating in one process, with XLA's dot of the gathered x on one device
+    (the issue's (a)) timed before them."""
     mesh = mesh_of(4)
     rt = td.initialize(mesh)
     specs = _ag_specs(mesh)
@@ -338,15 +338,28 @@ def probe_tail(rounds=5, iterations=20, shapes=((2048, 2752, 4096),)):
         _, gemm = _profile(jax.jit(jnp.dot), (x, jax.device_put(
             jax.random.normal(jax.random.key(4), (k, n), jnp.bfloat16), jax.devices()[0])),
             iterations, 1)
-        print(f"tail {m}x{n}x{k}: (a) {gemm['mean_us']:.1f} us", flush=True)
+        print(f"{label} {m}x{n}x{k}: (a) {gemm['mean_us']:.1f} us", flush=True)
         tuned = rt.tuning.lookup("ag_matmul", 4, (m, n, k), jnp.bfloat16) or {}
-        modes = dict(whole=dict(STREAM_K=False, TAIL_SPLIT_N=1), stream_k=dict(STREAM_K=True),
-                     halves=dict(STREAM_K=False, TAIL_SPLIT_N=2))
         fns = {name: jax.jit(jax.shard_map(
             lambda x, w, mode=mode: ag_matmul_with_gathered(
                 x, w, "tp", config=dict(tuned, **mode))[0], **specs))
             for name, mode in modes.items()}
-        _alternate(f"tail {m}x{n}x{k}", fns, args, ref, 4, rounds, iterations)
+        _alternate(f"{label} {m}x{n}x{k}", fns, args, ref, 4, rounds, iterations)
+
+
+def probe_tail(rounds=5, iterations=20, shapes=((2048, 2752, 4096),)):
+    """The last partial wave left whole, cut along K (stream-K) and cut along N
+    (halves)."""
+    _probe_modes("tail", dict(whole=dict(STREAM_K=False, TAIL_SPLIT_N=1),
+                              stream_k=dict(STREAM_K=True),
+                              halves=dict(STREAM_K=False, TAIL_SPLIT_N=2)),
+                 shapes, rounds, iterations)
+
+
+def probe_flatten(rounds=4, iterations=20, shapes=LARGE_SHAPES + ((128, 4096, 8192),)):
+    """The copy-engine kernel's tile loops flattened with their K loops, or not."""
+    _probe_modes("flatten", dict(nested=dict(FLATTEN=False), flat=dict(FLATTEN=True)),
+                 shapes, rounds, iterations)
 
 
 def _is_all_gather(kernel_name: str) -> bool:
@@ -661,6 +674,7 @@ PROBES = {
     "--tiles": lambda: probe_tiles(),
     "--stream-k": lambda: probe_stream_k(),
     "--tail": lambda: probe_tail(),
+    "--flatten": lambda: probe_flatten(),
     "--gap": lambda: probe_gap(),
     "--variance": lambda: probe_variance(),
     "--ce": lambda: probe_copy_engine(),

@@ -219,6 +219,27 @@ def test_ag_matmul_tma_split_n_tail(world, m_shard, k, n_shard, config, pieces, 
     assert launched == [pieces], launched
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("world,m_shard,k,n_shard,config", [
+    (4, 1024, 1024, 1024, dict(CHUNK_ROWS=256)),
+    (4, 2048, 4096, 2752, dict(CHUNK_ROWS=128)),          # with the split-N tail
+    (2, 256, 1000, 520, dict(CHUNK_ROWS=128, BLOCK_N=128, PUSH_ORDER="parallel")),
+    (1, 512, 512, 384, {}),
+])
+def test_ag_matmul_tma_flattened(world, m_shard, k, n_shard, config, dtype):
+    """The copy-engine kernel with its tile loops flattened (FLATTEN=True: the next
+    tile's loads issued under this tile's epilogue, after its loop-free wait),
+    interleaved with unflattened calls that share its inboxes and flags."""
+    mesh = _mesh(world)
+    td.initialize(mesh)
+    base = dict(dict(TMA=True, PRODUCER="ce", BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
+                     num_warps=8, num_stages=3), **config)
+    flat = _ag_matmul_fn(mesh, dict(base, FLATTEN=True))
+    plain = _ag_matmul_fn(mesh, dict(base, FLATTEN=False))
+    for f in (flat, flat, plain, flat):
+        _check_ag_matmul(mesh, f, world, m_shard, k, n_shard, dtype, calls=2)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_ag_matmul_ce_push_orders_interleaved(world):
     """Copy-engine calls pushing in parallel and serially, interleaved: they share
@@ -563,8 +584,12 @@ def test_staged_input_read_by_peer(world):
         np.testing.assert_array_equal(np.asarray(out), _ring_shift(x, world, 1))
 
 
-def test_withheld_notify_times_out_with_named_error():
-    from tests.kernels_for_tests import withheld_kernel
+@pytest.mark.parametrize("kernel", ["withheld_kernel", "withheld_tma_kernel"])
+def test_withheld_notify_times_out_with_named_error(kernel):
+    """``dl.wait`` and the loop-free ``dl.wait_for_tma`` (inline-asm spin) give up
+    after the spin limit with the same named error."""
+    import tests.kernels_for_tests as kernels
+    withheld_kernel = getattr(kernels, kernel)
     world = min(2, len(jax.devices()))
     mesh = _mesh(world)
     td.initialize(mesh, wait_spins=200_000)
