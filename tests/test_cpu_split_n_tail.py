@@ -136,15 +136,32 @@ def flatten_constexprs(monkeypatch):
     return seen
 
 
+@pytest.mark.parametrize("tiles,programs,chunk_rows,mode,expected", [
+    (704, 132, 128, "auto", True),     # 2048/2752: 5.3 tiles per SM
+    (512, 132, 256, "auto", True),     # 1024/4096: 3.9
+    (128, 128, 128, "auto", False),    # decode 128/4096/8192: one tile per SM
+    (704, 132, 64, "auto", False),     # chunks finer than tiles: the wait needs a loop
+    (128, 128, 128, True, True),
+    (704, 132, 128, False, False),
+])
+def test_flatten_auto_rule(tiles, programs, chunk_rows, mode, expected):
+    cfg = dict(FLATTEN=mode, CHUNK_ROWS=chunk_rows, BLOCK_M=128)
+    assert ag_matmul_op.flattens(cfg, tiles, programs) is expected
+
+
 @pytest.mark.parametrize("world,dtype,shape,config,flattened", [
-    (2, F32, (32, 64, 32), dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16), True),  # auto
+    # 16 tiles on 3 programs: "auto" flattens.
+    (4, F32, (32, 64, 32), dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16), True),
     (4, BF16, (32, 48, 24), dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, CHUNK_ROWS=32), True),
     (4, F32, (32, 48, 24), dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, CHUNK_ROWS=8), False),
-    (2, F32, (32, 64, 32), dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, FLATTEN=False), False),
+    (2, F32, (32, 64, 32), dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16), False),  # 4 tiles
+    (2, F32, (32, 64, 32), dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, FLATTEN=True), True),
+    (4, F32, (32, 64, 32), dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, FLATTEN=False), False),
 ])
 def test_flatten_choice_and_results(world, dtype, shape, config, flattened, flatten_constexprs):
-    """FLATTEN="auto" flattens where chunks are no finer than tiles; flattened or
-    not, the results are exact (under the interpreter ``wait_for_tma`` is ``wait``)."""
+    """FLATTEN="auto" flattens where chunks are no finer than tiles and programs
+    have two tiles or more; flattened or not, the results are exact (under the
+    interpreter ``wait_for_tma`` is ``wait``)."""
     mesh = setup(world)
     m, k, n = shape
     f = _fn(mesh, dict(config, TMA=True, PRODUCER="ce"))

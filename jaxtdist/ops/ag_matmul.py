@@ -39,8 +39,7 @@ def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
     a power of 2, or "auto" (2 where the pieces fit in one wave, unless
     STREAM_K=True asks for the K cut). FLATTEN (copy-engine kernel only)
     flattens its tile loops with their K loops, so that a tile's first loads
-    overlap the previous tile's epilogue: True, False, or "auto" (where chunks
-    are no finer than tiles, which it needs).
+    overlap the previous tile's epilogue: True, False, or "auto" (``flattens``).
     PUSH_ORDER (copy engines only: "serial" or "parallel", ``PUSH_ORDERS``) is
     not set here: it follows the producer chosen (``settle_config``).
     GEMM="cublas" (``GEMMS``) replaces the fused Triton kernel by one library
@@ -142,6 +141,10 @@ PUSH_ORDERS = ("parallel", "serial")
 # through L2 and a second pipeline fill cost more than the shorter wave saves,
 # and a part-filled last wave runs faster than a full one).
 _STREAM_K_AUTO_MAX_RUN = 0.35
+# FLATTEN="auto" needs at least this many tiles per program on average. On 4 x
+# H200 (docs/perf, run AS) flattening gained 0.2-1.1% at 3.9-13.6 tiles per SM
+# and lost 3.3% at one tile per SM (decode, 128/4096/8192).
+_FLATTEN_AUTO_MIN_TILES = 2
 # "sm": producer programs stage and pull; "push": producer programs push into
 # peers' heap inboxes (pointer kernel only); "ce": the copy engines push (TMA kernel).
 PRODUCERS = ("sm", "push", "ce")
@@ -423,6 +426,23 @@ def stream_k_tail(tiles: int, programs: int, k_blocks: int, peer_tiles: int,
     return tail, run
 
 
+def flattens(cfg: dict, tiles: int, programs: int) -> bool:
+    """Whether the copy-engine kernel flattens its tile loops (config FLATTEN).
+
+    "auto" flattens where chunks are no finer than tiles (one flag per tile,
+    which the loop-free wait needs) and programs average at least
+    ``_FLATTEN_AUTO_MIN_TILES`` tiles: with one tile each there is no next
+    tile to prefetch, only the fused loop's overhead.
+
+    Example:
+      >>> flattens(dict(FLATTEN="auto", CHUNK_ROWS=128, BLOCK_M=128), 704, 132)
+      True
+    """
+    if cfg["FLATTEN"] != "auto":
+        return bool(cfg["FLATTEN"])
+    return cfg["CHUNK_ROWS"] >= cfg["BLOCK_M"] and tiles >= _FLATTEN_AUTO_MIN_TILES * programs
+
+
 def split_n_tail(tiles: int, programs: int, peer_tiles: int, block_n: int,
                  mode="auto") -> tuple[int, int]:
     """(tail tiles, pieces per tile) of the copy-engine kernel's split-N tail, or (0, 1).
@@ -538,8 +558,7 @@ def _ag_matmul_ce(rt, layout, x, w, axis_name, cfg: dict, num_warps: int, num_st
         num_warps=num_warps, num_stages=num_stages, needs_scratch=True, M_SHARD=m_shard, N=n,
         K=k, **offsets, CHUNK_ROWS=cfg["CHUNK_ROWS"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], NUM_PROGRAMS=programs,
-        FLATTEN=cfg["FLATTEN"] is True or (cfg["FLATTEN"] == "auto"
-                                           and cfg["CHUNK_ROWS"] >= cfg["BLOCK_M"]), **tail)
+        FLATTEN=flattens(cfg, world * per_rank, programs), **tail)
     # The gathered x (the autodiff residual) lives only in heap inboxes that the
     # next call reuses: XLA gathers it when it is used (dropped when it is not).
     return out, jax.lax.all_gather(x, axis_name, tiled=True)
