@@ -106,10 +106,17 @@ inline std::string PlanShardGemm(int position, const xla::ffi::AnyBuffer& x,
   return "";
 }
 
-// The attributes both handlers take, after their buffers.
+// What both handlers take after their own leading operands (the CUDA handler's
+// stream and device, the CPU handler's mesh position): x, w, the wait token,
+// the previous step's output when aliased (remaining), the output, the attributes.
 template <typename Binding>
-auto BindShardGemmAttrs(Binding&& binding) {
+auto BindShardGemmOperands(Binding&& binding) {
   return std::move(binding)
+      .template Arg<xla::ffi::AnyBuffer>()
+      .template Arg<xla::ffi::AnyBuffer>()
+      .template Arg<xla::ffi::AnyBuffer>()
+      .RemainingArgs()
+      .template Ret<xla::ffi::AnyBuffer>()
       .template Attr<std::int64_t>("world")
       .template Attr<xla::ffi::Span<const std::int64_t>>("groups")
       .template Attr<std::int64_t>("step")

@@ -111,12 +111,7 @@ ffi::Error ShardGemmCpu(ffi::Buffer<ffi::S32> position, ffi::AnyBuffer x, ffi::A
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtdistShardGemmCpu, ShardGemmCpu,
-                              BindShardGemmAttrs(ffi::Ffi::Bind()
-                                                     .Arg<ffi::Buffer<ffi::S32>>()
-                                                     .Arg<ffi::AnyBuffer>()
-                                                     .Arg<ffi::AnyBuffer>()
-                                                     .Arg<ffi::AnyBuffer>()
-                                                     .RemainingArgs()
-                                                     .Ret<ffi::AnyBuffer>()));
+                              BindShardGemmOperands(ffi::Ffi::Bind()
+                                                     .Arg<ffi::Buffer<ffi::S32>>()));
 
 }  // namespace jaxtdist

@@ -264,13 +264,8 @@ ffi::Error ShardGemmCuda(cudaStream_t stream, std::int32_t device_ordinal, ffi::
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtdistShardGemmCuda, ShardGemmCuda,
-                              BindShardGemmAttrs(ffi::Ffi::Bind()
+                              BindShardGemmOperands(ffi::Ffi::Bind()
                                                      .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                                     .Ctx<ffi::DeviceOrdinal>()
-                                                     .Arg<ffi::AnyBuffer>()
-                                                     .Arg<ffi::AnyBuffer>()
-                                                     .Arg<ffi::AnyBuffer>()
-                                                     .RemainingArgs()
-                                                     .Ret<ffi::AnyBuffer>()));
+                                                     .Ctx<ffi::DeviceOrdinal>()));
 
 }  // namespace jaxtdist

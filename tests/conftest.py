@@ -130,3 +130,21 @@ def _shutdown_at_end():
     yield
     if td.is_initialized():
         td.shutdown()
+
+
+@pytest.fixture
+def ce_launches(monkeypatch):
+    """The keyword arguments (constexprs) of every copy-engine ag_matmul kernel
+    launched while the test runs, in order (recorded when jit traces)."""
+    import importlib
+    op = importlib.import_module("jaxtdist.ops.ag_matmul")  # the package attribute is the function
+    seen = []
+    launch = op._call.launch
+
+    def record(kernel, *args, **kwargs):
+        if kernel is op.ag_matmul_ce_kernel:
+            seen.append(kwargs)
+        return launch(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(op._call, "launch", record)
+    return seen

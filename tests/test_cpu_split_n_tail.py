@@ -8,19 +8,15 @@ one tail tile, cut in two.
 
 from __future__ import annotations
 
-import importlib
-
 import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered, split_n_tail
+from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered, flattens, split_n_tail
 from tests.conftest import assert_close, cpu_only, f64, place, rand, setup
 
 pytestmark = cpu_only()
-# The module (the package's ag_matmul attribute is the function).
-ag_matmul_op = importlib.import_module("jaxtdist.ops.ag_matmul")
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
@@ -49,21 +45,6 @@ def _fn(mesh, config):
         in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
 
 
-@pytest.fixture
-def tail_constexprs(monkeypatch):
-    """The tail constexprs of every copy-engine kernel launched (at trace time)."""
-    seen = []
-    launch = ag_matmul_op._call.launch
-
-    def spy(kernel, *args, **kwargs):
-        if kernel is ag_matmul_op.ag_matmul_ce_kernel:
-            seen.append((kwargs["TAIL_TILES"], kwargs["TAIL_SPLIT_N"], kwargs["TAIL_UNITS"]))
-        return launch(kernel, *args, **kwargs)
-
-    monkeypatch.setattr(ag_matmul_op._call, "launch", spy)
-    return seen
-
-
 # (world, dtype, (m_shard, k, n_shard), config): one tail tile in two 16-wide
 # pieces; the second piece whole, clipped by N, or wholly past N (skipped).
 SPLIT_CASES = [
@@ -76,7 +57,7 @@ SPLIT_CASES = [
 
 
 @pytest.mark.parametrize("world,dtype,shape,config", SPLIT_CASES, ids=lambda c: str(c))
-def test_split_n_tail_is_exact(world, dtype, shape, config, tail_constexprs):
+def test_split_n_tail_is_exact(world, dtype, shape, config, ce_launches):
     mesh = setup(world)
     m, k, n = shape
     f = _fn(mesh, dict(config, TMA=True, PRODUCER="ce"))  # TAIL_SPLIT_N: "auto"
@@ -85,10 +66,11 @@ def test_split_n_tail_is_exact(world, dtype, shape, config, tail_constexprs):
         w = rand((k, world * n), dtype)
         out = f(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp")))
         assert_close(out, f64(x) @ f64(w), dtype)
-    assert tail_constexprs == [(1, 2, 0)], tail_constexprs  # one tail tile, two pieces
+    tails = [(c["TAIL_TILES"], c["TAIL_SPLIT_N"], c["TAIL_UNITS"]) for c in ce_launches]
+    assert tails == [(1, 2, 0)], tails  # one tail tile, two pieces
 
 
-def test_tail_modes_interleaved(tail_constexprs):
+def test_tail_modes_interleaved(ce_launches):
     """Whole, split-N and stream-K tails of one shape, interleaved: same results."""
     world, m, k, n = 2, 32, 64, 32
     mesh = setup(world)
@@ -101,8 +83,8 @@ def test_tail_modes_interleaved(tail_constexprs):
         w = rand((k, world * n), F32)
         assert_close(f(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp"))),
                      f64(x) @ f64(w), F32)
-    assert [(t, s) for t, s, _ in tail_constexprs] == [(1, 2), (0, 1), (1, 1)]
-    assert tail_constexprs[2][2] > 0  # stream-K runs
+    assert [(c["TAIL_TILES"], c["TAIL_SPLIT_N"]) for c in ce_launches] == [(1, 2), (0, 1), (1, 1)]
+    assert ce_launches[2]["TAIL_UNITS"] > 0  # stream-K runs
 
 
 def test_split_n_tail_config_errors():
@@ -122,20 +104,6 @@ def test_split_n_tail_config_errors():
             _fn(mesh, config)(x, w)
 
 
-@pytest.fixture
-def flatten_constexprs(monkeypatch):
-    seen = []
-    launch = ag_matmul_op._call.launch
-
-    def spy(kernel, *args, **kwargs):
-        if kernel is ag_matmul_op.ag_matmul_ce_kernel:
-            seen.append(kwargs["FLATTEN"])
-        return launch(kernel, *args, **kwargs)
-
-    monkeypatch.setattr(ag_matmul_op._call, "launch", spy)
-    return seen
-
-
 @pytest.mark.parametrize("tiles,programs,chunk_rows,mode,expected", [
     (704, 132, 128, "auto", True),     # 2048/2752: 5.3 tiles per SM
     (512, 132, 256, "auto", True),     # 1024/4096: 3.9
@@ -146,7 +114,7 @@ def flatten_constexprs(monkeypatch):
 ])
 def test_flatten_auto_rule(tiles, programs, chunk_rows, mode, expected):
     cfg = dict(FLATTEN=mode, CHUNK_ROWS=chunk_rows, BLOCK_M=128)
-    assert ag_matmul_op.flattens(cfg, tiles, programs) is expected
+    assert flattens(cfg, tiles, programs) is expected
 
 
 @pytest.mark.parametrize("world,dtype,shape,config,flattened", [
@@ -158,7 +126,7 @@ def test_flatten_auto_rule(tiles, programs, chunk_rows, mode, expected):
     (2, F32, (32, 64, 32), dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, FLATTEN=True), True),
     (4, F32, (32, 64, 32), dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, FLATTEN=False), False),
 ])
-def test_flatten_choice_and_results(world, dtype, shape, config, flattened, flatten_constexprs):
+def test_flatten_choice_and_results(world, dtype, shape, config, flattened, ce_launches):
     """FLATTEN="auto" flattens where chunks are no finer than tiles and programs
     have two tiles or more; flattened or not, the results are exact (under the
     interpreter ``wait_for_tma`` is ``wait``)."""
@@ -170,7 +138,7 @@ def test_flatten_choice_and_results(world, dtype, shape, config, flattened, flat
         w = rand((k, world * n), dtype)
         assert_close(f(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp"))),
                      f64(x) @ f64(w), dtype)
-    assert flatten_constexprs == [flattened]
+    assert [c["FLATTEN"] for c in ce_launches] == [flattened]
 
 
 def test_flatten_config_errors():

@@ -226,15 +226,16 @@ def ag_matmul_tma_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
 
 
 @triton.jit
-def _tail_pieces(ctx, inbox, w_ptr, out_ptr, flags, e, me, world, whole, per_rank,
+def _tail_pieces(ctx, inbox_desc, w_ptr, out_ptr, flags, e, me, world, whole, per_rank,
                  m_tiles, n_tiles, n_chunks, M_SHARD: tl.constexpr, N: tl.constexpr,
                  K: tl.constexpr, CHUNK_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                  TAIL_TILES: tl.constexpr, PIECES: tl.constexpr):
     """The copy-engine kernel's split-N tail: program p computes piece p % PIECES
     (BLOCK_N / PIECES columns) of tail tile p // PIECES, the peer tiles dealt
-    after ``whole``. Pieces of one tile go to neighbouring programs, which
-    read the same rows of the inbox at about the same time (L2 hits)."""
+    after ``whole``, reading A through the kernel's ``inbox_desc``. Pieces of one
+    tile go to neighbouring programs, which read the same rows of the inbox at
+    about the same time (L2 hits)."""
     PIECE_N: tl.constexpr = BLOCK_N // PIECES
     pid = tl.program_id(0)
     if pid < TAIL_TILES * PIECES:
@@ -242,8 +243,6 @@ def _tail_pieces(ctx, inbox, w_ptr, out_ptr, flags, e, me, world, whole, per_ran
                                         n_tiles, GROUP_M)
         col0 = tn * BLOCK_N + (pid % PIECES) * PIECE_N
         if col0 < N:  # the last column of tiles may end before its last pieces
-            a_desc = tl.make_tensor_descriptor(inbox, shape=[world * M_SHARD, K],
-                                               strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
             b_desc = tl.make_tensor_descriptor(w_ptr, shape=[K, N], strides=[N, 1],
                                                block_shape=[BLOCK_K, PIECE_N])
             c_desc = tl.make_tensor_descriptor(out_ptr, shape=[world * M_SHARD, N],
@@ -251,7 +250,7 @@ def _tail_pieces(ctx, inbox, w_ptr, out_ptr, flags, e, me, world, whole, per_ran
             _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS, "gpu")
             dl.fence_async_proxy()
             row0 = src * M_SHARD + tm * BLOCK_M
-            acc = _tma_tile(a_desc, b_desc, row0, col0, 0, K, BLOCK_M, PIECE_N, BLOCK_K)
+            acc = _tma_tile(inbox_desc, b_desc, row0, col0, 0, K, BLOCK_M, PIECE_N, BLOCK_K)
             c_desc.store([row0, col0], acc.to(out_ptr.dtype.element_ty))
 
 
@@ -332,7 +331,7 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
         acc = _tma_tile(inbox_desc, b_desc, row0, tn * BLOCK_N, 0, K, BLOCK_M, BLOCK_N, BLOCK_K)
         c_desc.store([row0, tn * BLOCK_N], acc.to(out_ptr.dtype.element_ty))
     if TAIL_TILES > 0 and TAIL_SPLIT_N > 1:
-        _tail_pieces(ctx, inbox, w_ptr, out_ptr, flags, e, me, world, whole, per_rank,
+        _tail_pieces(ctx, inbox_desc, w_ptr, out_ptr, flags, e, me, world, whole, per_rank,
                      m_tiles, n_tiles, n_chunks, M_SHARD, N, K, CHUNK_ROWS, BLOCK_M,
                      BLOCK_N, BLOCK_K, GROUP_M, TAIL_TILES, TAIL_SPLIT_N)
     if TAIL_TILES > 0 and TAIL_SPLIT_N == 1:

@@ -32,6 +32,26 @@ _ERR_EXPECTED = tl.constexpr(L.ERR_EXPECTED)
 _ERR_SEEN = tl.constexpr(L.ERR_SEEN)
 _ERR_CMP = tl.constexpr(L.ERR_CMP)
 
+# wait_for_tma's spin: $0 = last value seen, $1 = 0 (the token), $2 = signal
+# address, $3 = value, $4 = spin limit. One asm op, so no loop in Triton's IR.
+_SPIN_ASM = """{{
+            .reg .pred %p_done;
+            .reg .s64 %spins;
+            mov.s64 %spins, 0;
+            SPIN_${{:uid}}:
+            ld.acquire.{scope}.global.b32 $0, [$2];
+            setp.ge.s32 %p_done, $0, $3;
+            @%p_done bra DONE_${{:uid}};
+            add.s64 %spins, %spins, 1;
+            setp.lt.s64 %p_done, %spins, $4;
+            @%p_done bra SPIN_${{:uid}};
+            DONE_${{:uid}}:
+            fence.proxy.async.global;
+            mov.b32 $1, 0;
+            }}"""
+_SPIN_ASM_GPU = tl.constexpr(_SPIN_ASM.format(scope="gpu"))
+_SPIN_ASM_SYS = tl.constexpr(_SPIN_ASM.format(scope="sys"))
+
 
 @triton.jit
 def _words(ctx):
@@ -196,12 +216,7 @@ def wait(ctx, signal, value, CMP: tl.constexpr = tl.constexpr("ge"), peer=-1,
 
     Returns the value last seen, a token for ``consume_token``.
     """
-    words = _words(ctx)
-    limit = tl.load(words + _CTX_SPIN_LIMIT)
-    # "Some wait timed out" lives in device memory (the heap's scratch word):
-    # the error record itself is host memory on GPUs, far too slow to poll.
-    failed_flag = tl.load(words + _CTX_SCRATCH_ADDR).to(tl.pointer_type(tl.int32))
-    failed = tl.load(failed_flag, volatile=True) != 0
+    limit, failed_flag, failed = _wait_state(ctx)
     seen = tl.atomic_add(signal, 0, sem="acquire", scope=SCOPE)
     spins = 0
     done = _satisfied(seen, value, CMP) | failed
@@ -214,6 +229,20 @@ def wait(ctx, signal, value, CMP: tl.constexpr = tl.constexpr("ge"), peer=-1,
     # The acquiring thread's view extends to the whole program.
     tl.debug_barrier()
     return seen
+
+
+@triton.jit
+def _wait_state(ctx):
+    """(spin limit, pointer to the "some wait timed out" word, its value != 0).
+
+    That word lives in device memory (the heap's scratch word): the error
+    record itself is host memory on GPUs, far too slow to poll.
+    """
+    words = _words(ctx)
+    limit = tl.load(words + _CTX_SPIN_LIMIT)
+    failed_flag = tl.load(words + _CTX_SCRATCH_ADDR).to(tl.pointer_type(tl.int32))
+    failed = tl.load(failed_flag, volatile=True) != 0
+    return limit, failed_flag, failed
 
 
 @triton.jit
@@ -329,44 +358,10 @@ else:
     def _spin_acquire_ge(signal, value, limit, SCOPE: tl.constexpr):
         """One inline-asm op: up to ``limit`` re-reads (acquire) of ``*signal`` until
         it is >= ``value``, then an async-proxy fence. Returns (last value seen, 0)."""
-        address = signal.to(tl.int64, bitcast=True)
-        if SCOPE == "sys":
-            seen, token = tl.inline_asm_elementwise(
-                """{
-                .reg .pred %p_done;
-                .reg .s64 %spins;
-                mov.s64 %spins, 0;
-                SPIN_${:uid}:
-                ld.acquire.sys.global.b32 $0, [$2];
-                setp.ge.s32 %p_done, $0, $3;
-                @%p_done bra DONE_${:uid};
-                add.s64 %spins, %spins, 1;
-                setp.lt.s64 %p_done, %spins, $4;
-                @%p_done bra SPIN_${:uid};
-                DONE_${:uid}:
-                fence.proxy.async.global;
-                mov.b32 $1, 0;
-                }""", "=r,=r,l,r,l", [address, value, limit], dtype=(tl.int32, tl.int32),
-                is_pure=False, pack=1)
-        else:
-            seen, token = tl.inline_asm_elementwise(
-                """{
-                .reg .pred %p_done;
-                .reg .s64 %spins;
-                mov.s64 %spins, 0;
-                SPIN_${:uid}:
-                ld.acquire.gpu.global.b32 $0, [$2];
-                setp.ge.s32 %p_done, $0, $3;
-                @%p_done bra DONE_${:uid};
-                add.s64 %spins, %spins, 1;
-                setp.lt.s64 %p_done, %spins, $4;
-                @%p_done bra SPIN_${:uid};
-                DONE_${:uid}:
-                fence.proxy.async.global;
-                mov.b32 $1, 0;
-                }""", "=r,=r,l,r,l", [address, value, limit], dtype=(tl.int32, tl.int32),
-                is_pure=False, pack=1)
-        return seen, token
+        return tl.inline_asm_elementwise(
+            _SPIN_ASM_SYS if SCOPE == "sys" else _SPIN_ASM_GPU, "=r,=r,l,r,l",
+            [signal.to(tl.int64, bitcast=True), value, limit], dtype=(tl.int32, tl.int32),
+            is_pure=False, pack=1)
 
     @triton.jit
     def wait_for_tma(ctx, signal, value, peer=-1, SCOPE: tl.constexpr = tl.constexpr("gpu")):
@@ -386,11 +381,9 @@ else:
                 row0 = t * BLOCK_M + dl.wait_for_tma(ctx, flags + t, e)
                 acc = tl.dot(a_desc.load([row0, 0]), ...)
         """
-        words = _words(ctx)
-        failed_flag = tl.load(words + _CTX_SCRATCH_ADDR).to(tl.pointer_type(tl.int32))
-        failed = tl.load(failed_flag, volatile=True) != 0
+        limit, failed_flag, failed = _wait_state(ctx)
         # After any timeout of this rank, one read and no spinning (as ``wait``).
-        limit = tl.where(failed, 0, tl.load(words + _CTX_SPIN_LIMIT))
+        limit = tl.where(failed, 0, limit)
         seen, token = _spin_acquire_ge(signal, value, limit, SCOPE)
         if not ((seen >= value) | failed):
             _record_timeout(ctx, failed_flag, signal, value, seen, peer, "ge")
