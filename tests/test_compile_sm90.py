@@ -135,7 +135,7 @@ def test_ag_matmul_tma_uses_tma_and_scratch(dtype, block_k):
 def _compile_ce(**tail):
     from jaxtdist.kernels.ag_matmul import ag_matmul_ce_kernel
     tail = dict(dict(TAIL_TILES=0, TAIL_UNITS=0, PARTIALS_OFF=-1, COUNTERS_OFF=-1,
-                     TAIL_SPLIT_N=1, FLATTEN=False), **tail)
+                     TAIL_SPLIT_N=1, TAIL_STAGES=3, FLATTEN=False), **tail)
     return _compile_native(ag_matmul_ce_kernel, ["i32"] + ["bf16"] * 3,
                            dict(M_SHARD=2048, N=2752, K=4096, INBOX_OFF=1 << 20,
                                 PARITY_BYTES=1 << 26, FLAGS_OFF=4096, SENT_OFF=8192,
@@ -181,6 +181,17 @@ def test_ag_matmul_ce_kernel_split_n_tail():
     assert "atom.global.gpu.acq_rel.add" not in ptx
     assert k.metadata.shared == plain.metadata.shared
     assert k.metadata.num_warps == plain.metadata.num_warps == 8
+
+
+def test_ag_matmul_ce_kernel_split_n_tail_stages():
+    """TAIL_STAGES deepens only the pieces' pipeline: more TMA loads issued ahead,
+    no more shared memory than the whole tiles take, up to the 6 stages that
+    "auto" picks for these 128-wide pieces."""
+    shallow = _compile_ce(TAIL_TILES=44, TAIL_SPLIT_N=2, TAIL_STAGES=3)
+    deep = _compile_ce(TAIL_TILES=44, TAIL_SPLIT_N=2, TAIL_STAGES=6)
+    loads = "cp.async.bulk.tensor.2d.shared"
+    assert deep.asm["ptx"].count(loads) > shallow.asm["ptx"].count(loads)
+    assert deep.metadata.shared == shallow.metadata.shared == _compile_ce().metadata.shared
 
 
 @pytest.mark.parametrize("tail", [{}, dict(TAIL_TILES=44, TAIL_SPLIT_N=2)])

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered, flattens, split_n_tail
+from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered, flattens, split_n_tail, tail_stages
 from tests.conftest import assert_close, cpu_only, f64, place, rand, setup
 
 pytestmark = cpu_only()
@@ -37,6 +37,25 @@ def test_split_n_tail_arithmetic(tiles, programs, peer_tiles, block_n, mode, exp
     assert split_n_tail(tiles, programs, peer_tiles, block_n, mode) == expected
     tail, pieces = expected
     assert tail * pieces <= programs and (tail == 0 or block_n // pieces >= 16)
+
+
+@pytest.mark.parametrize("blocks,num_stages,pieces,mode,expected", [
+    ((128, 256, 64), 3, 2, "auto", 6),   # 2048/2752 on H200: 6 x 32 KB in 3 x 48 + 64 KB
+    ((128, 256, 64), 3, 4, "auto", 8),   # 64-wide pieces: 24 KB a stage
+    ((128, 256, 64), 4, 2, "auto", 8),
+    ((256, 32, 64), 3, 2, "auto", 3),    # pieces hardly narrower: never below num_stages
+    ((16, 32, 16), 1, 2, "auto", 2),
+    ((128, 256, 64), 3, 2, 4, 4),        # asked for
+    ((128, 256, 64), 3, 2, 1, 1),
+])
+def test_tail_stages_rule(blocks, num_stages, pieces, mode, expected):
+    block_m, block_n, block_k = blocks
+    cfg = dict(TAIL_STAGES=mode, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    assert tail_stages(cfg, num_stages, pieces) == expected
+    if mode == "auto":  # the pieces' stages fit where the whole tiles' pipeline and epilogue do
+        assert (expected * (block_m + block_n // pieces) * block_k
+                <= max(num_stages * (block_m + block_n) * block_k + block_m * block_n,
+                       num_stages * (block_m + block_n // pieces) * block_k))
 
 
 def _fn(mesh, config):
@@ -68,6 +87,21 @@ def test_split_n_tail_is_exact(world, dtype, shape, config, ce_launches):
         assert_close(out, f64(x) @ f64(w), dtype)
     tails = [(c["TAIL_TILES"], c["TAIL_SPLIT_N"], c["TAIL_UNITS"]) for c in ce_launches]
     assert tails == [(1, 2, 0)], tails  # one tail tile, two pieces
+    assert ce_launches[0]["TAIL_STAGES"] >= 1
+
+
+@pytest.mark.parametrize("stages", [1, 5])
+def test_split_n_tail_stages_asked_for(stages, ce_launches):
+    """An explicit TAIL_STAGES reaches the kernel, and the pieces stay exact."""
+    world, m, k, n = 2, 32, 64, 32
+    mesh = setup(world)
+    f = _fn(mesh, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, TMA=True, PRODUCER="ce",
+                       TAIL_STAGES=stages))
+    x = rand((world * m, k), F32)
+    w = rand((k, world * n), F32)
+    assert_close(f(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp"))),
+                 f64(x) @ f64(w), F32)
+    assert [(c["TAIL_SPLIT_N"], c["TAIL_STAGES"]) for c in ce_launches] == [(2, stages)]
 
 
 def test_tail_modes_interleaved(ce_launches):
@@ -99,7 +133,11 @@ def test_split_n_tail_config_errors():
             (dict(base, TAIL_SPLIT_N="n"), "TAIL_SPLIT_N='n'; allowed"),
             (dict(base, TAIL_SPLIT_N=4), "narrower than 16 columns"),
             (dict(base, TAIL_SPLIT_N=2, STREAM_K=True), "both cut the last wave"),
-            (dict(base, PRODUCER="sm", TAIL_SPLIT_N=2), "TAIL_SPLIT_N=2 needs PRODUCER='ce'")]:
+            (dict(base, PRODUCER="sm", TAIL_SPLIT_N=2), "TAIL_SPLIT_N=2 needs PRODUCER='ce'"),
+            (dict(base, TAIL_STAGES=0), "TAIL_STAGES=0; allowed: 'auto' or an int >= 1"),
+            (dict(base, TAIL_STAGES=True), "TAIL_STAGES=True; allowed"),
+            (dict(base, TAIL_STAGES="deep"), "TAIL_STAGES='deep'; allowed"),
+            (dict(base, PRODUCER="sm", TAIL_STAGES=4), "TAIL_STAGES=4 needs PRODUCER='ce'")]:
         with pytest.raises(ValueError, match=match):
             _fn(mesh, config)(x, w)
 

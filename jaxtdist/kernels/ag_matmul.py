@@ -159,11 +159,12 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
 
 @triton.jit
 def _tma_tile(a_desc, b_desc, row0, col0, k_lo, k_hi, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr = None):
     """One output tile of a TMA GEMM: the float32 accumulator of
-    A[row0:, k_lo:k_hi] @ B[k_lo:k_hi, col0:]."""
+    A[row0:, k_lo:k_hi] @ B[k_lo:k_hi, col0:]. NUM_STAGES: the K loop's pipeline
+    depth (None: the kernel's num_stages)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         acc = tl.dot(a_desc.load([row0, k0]), b_desc.load([k0, col0]), acc)
     return acc
 
@@ -230,12 +231,13 @@ def _tail_pieces(ctx, inbox_desc, w_ptr, out_ptr, flags, e, me, world, whole, pe
                  m_tiles, n_tiles, n_chunks, M_SHARD: tl.constexpr, N: tl.constexpr,
                  K: tl.constexpr, CHUNK_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 TAIL_TILES: tl.constexpr, PIECES: tl.constexpr):
+                 TAIL_TILES: tl.constexpr, PIECES: tl.constexpr, STAGES: tl.constexpr):
     """The copy-engine kernel's split-N tail: program p computes piece p % PIECES
     (BLOCK_N / PIECES columns) of tail tile p // PIECES, the peer tiles dealt
     after ``whole``, reading A through the kernel's ``inbox_desc``. Pieces of one
     tile go to neighbouring programs, which read the same rows of the inbox at
-    about the same time (L2 hits)."""
+    about the same time (L2 hits). STAGES: the pieces' pipeline depth (a narrower
+    piece takes less shared memory per stage)."""
     PIECE_N: tl.constexpr = BLOCK_N // PIECES
     pid = tl.program_id(0)
     if pid < TAIL_TILES * PIECES:
@@ -250,7 +252,8 @@ def _tail_pieces(ctx, inbox_desc, w_ptr, out_ptr, flags, e, me, world, whole, pe
             _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS, "gpu")
             dl.fence_async_proxy()
             row0 = src * M_SHARD + tm * BLOCK_M
-            acc = _tma_tile(inbox_desc, b_desc, row0, col0, 0, K, BLOCK_M, PIECE_N, BLOCK_K)
+            acc = _tma_tile(inbox_desc, b_desc, row0, col0, 0, K, BLOCK_M, PIECE_N, BLOCK_K,
+                            STAGES)
             c_desc.store([row0, col0], acc.to(out_ptr.dtype.element_ty))
 
 
@@ -264,7 +267,8 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
                         GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
                         TAIL_TILES: tl.constexpr, TAIL_UNITS: tl.constexpr,
                         PARTIALS_OFF: tl.constexpr, COUNTERS_OFF: tl.constexpr,
-                        TAIL_SPLIT_N: tl.constexpr, FLATTEN: tl.constexpr):
+                        TAIL_SPLIT_N: tl.constexpr, TAIL_STAGES: tl.constexpr,
+                        FLATTEN: tl.constexpr):
     """Grid: (NUM_PROGRAMS,), at most what the GPU holds at once.
 
     x: [M_SHARD, K], w: [K, N] -> out: [world * M_SHARD, N]. Peers push their
@@ -284,7 +288,8 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
     Split-N tail: with TAIL_SPLIT_N > 1 instead, each of the TAIL_TILES last
     tiles is cut into TAIL_SPLIT_N pieces BLOCK_N / TAIL_SPLIT_N wide, one
     piece per program (TAIL_TILES * TAIL_SPLIT_N <= NUM_PROGRAMS): no partial
-    sums, and the last wave takes a piece's time instead of a tile's.
+    sums, and the last wave takes a piece's time instead of a tile's. The
+    pieces' K loops pipeline TAIL_STAGES deep.
 
     FLATTEN (chunks no finer than tiles) flattens the two tile loops with their
     K loops (``tl.range(..., flatten=True)``): the next tile's first loads are
@@ -333,7 +338,7 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
     if TAIL_TILES > 0 and TAIL_SPLIT_N > 1:
         _tail_pieces(ctx, inbox_desc, w_ptr, out_ptr, flags, e, me, world, whole, per_rank,
                      m_tiles, n_tiles, n_chunks, M_SHARD, N, K, CHUNK_ROWS, BLOCK_M,
-                     BLOCK_N, BLOCK_K, GROUP_M, TAIL_TILES, TAIL_SPLIT_N)
+                     BLOCK_N, BLOCK_K, GROUP_M, TAIL_TILES, TAIL_SPLIT_N, TAIL_STAGES)
     if TAIL_TILES > 0 and TAIL_SPLIT_N == 1:
         k_blocks = tl.cdiv(K, BLOCK_K)
         partials = dl.heap_ptr(ctx, PARTIALS_OFF, tl.float32)

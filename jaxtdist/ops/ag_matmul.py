@@ -37,7 +37,8 @@ def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
     TAIL_SPLIT_N (copy-engine kernel only) cuts that wave's tiles into that
     many pieces along N instead, one piece per program (``split_n_tail``):
     a power of 2, or "auto" (2 where the pieces fit in one wave, unless
-    STREAM_K=True asks for the K cut). FLATTEN (copy-engine kernel only)
+    STREAM_K=True asks for the K cut). TAIL_STAGES is those pieces' pipeline
+    depth: an int, or "auto" (``tail_stages``). FLATTEN (copy-engine kernel only)
     flattens its tile loops with their K loops, so that a tile's first loads
     overlap the previous tile's epilogue: True, False, or "auto" (``flattens``).
     PUSH_ORDER (copy engines only: "serial" or "parallel", ``PUSH_ORDERS``) is
@@ -50,7 +51,8 @@ def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
     small = world * m_shard <= (128 if platform == "gpu" else 32)
     wide = jnp.dtype(dtype).itemsize == 4
     common = dict(SCOPE="sys", SPLIT_K=1, CHUNK_ROWS=0, TMA=False, PRODUCER="sm",
-                  STREAM_K="auto", TAIL_SPLIT_N="auto", FLATTEN="auto", GEMM="triton",
+                  STREAM_K="auto", TAIL_SPLIT_N="auto", TAIL_STAGES="auto", FLATTEN="auto",
+                  GEMM="triton",
                   GEMM_ALGO=0)
     if platform == "gpu":
         if small:  # decode: one M tile over all ranks' rows, split K, one chunk per row
@@ -121,8 +123,8 @@ def _check(x, w, axis_name):
         raise ValueError(f"jaxtdist.ag_matmul: empty operand x{x.shape} w{w.shape}")
 
 
-_FLAG_KEYS = ("SCOPE", "ALL_ROWS", "TMA", "PRODUCER", "STREAM_K", "TAIL_SPLIT_N", "FLATTEN",
-              "PUSH_ORDER", "GEMM", "GEMM_ALGO")
+_FLAG_KEYS = ("SCOPE", "ALL_ROWS", "TMA", "PRODUCER", "STREAM_K", "TAIL_SPLIT_N", "TAIL_STAGES",
+              "FLATTEN", "PUSH_ORDER", "GEMM", "GEMM_ALGO")
 # "triton": one persistent Triton kernel waits for chunks tile by tile (fused);
 # "cublas": one library GEMM per source rank as its shard lands. Slower on every
 # shape measured on 4 x H200 (1.24-1.47x the fused kernel, docs/perf runs
@@ -228,6 +230,14 @@ def check_config(cfg: dict, world: int, m_shard: int, k: int, n: int | None = No
         if cfg["BLOCK_N"] // pieces < 16:
             raise ValueError(f"jaxtdist.ag_matmul: config TAIL_SPLIT_N={pieces} cuts BLOCK_N="
                              f"{cfg['BLOCK_N']} into pieces narrower than 16 columns; lower it")
+    stages = cfg.setdefault("TAIL_STAGES", "auto")
+    if stages != "auto" and (isinstance(stages, bool) or not isinstance(stages, (int, np.integer))
+                             or stages < 1):
+        raise ValueError(f"jaxtdist.ag_matmul: config TAIL_STAGES={stages!r}; allowed: 'auto' "
+                         "or an int >= 1 (pipeline depth of the split-N tail's pieces)")
+    if stages != "auto" and cfg["PRODUCER"] != "ce":
+        raise ValueError(f"jaxtdist.ag_matmul: config TAIL_STAGES={stages} needs PRODUCER='ce' "
+                         "(only the copy-engine kernel cuts its last wave into pieces)")
     flatten = cfg.setdefault("FLATTEN", "auto")
     if not (isinstance(flatten, bool) or flatten == "auto"):
         raise ValueError(f"jaxtdist.ag_matmul: config FLATTEN={flatten!r}; allowed: True, False "
@@ -375,7 +385,7 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
                  jax.ShapeDtypeStruct((1,) if push else (world * m_shard, k), x.dtype))
     gather.update(M_SHARD=m_shard, N=n, K=k)
     cfg.pop("PRODUCER")
-    for key in ("STREAM_K", "TAIL_SPLIT_N", "FLATTEN"):  # the copy-engine kernel's alone
+    for key in ("STREAM_K", "TAIL_SPLIT_N", "TAIL_STAGES", "FLATTEN"):  # the CE kernel's alone
         cfg.pop(key)
     cfg.pop("PUSH_ORDER")
     if cfg.pop("TMA"):
@@ -424,6 +434,29 @@ def stream_k_tail(tiles: int, programs: int, k_blocks: int, peer_tiles: int,
     if run >= k_blocks or (mode == "auto" and run > _STREAM_K_AUTO_MAX_RUN * k_blocks):
         return 0, 0
     return tail, run
+
+
+def tail_stages(cfg: dict, num_stages: int, pieces: int) -> int:
+    """The pipeline depth of the split-N tail's pieces (config TAIL_STAGES).
+
+    "auto": as deep as fits in the shared memory that the whole tiles' pipeline
+    and epilogue already take (a piece's stage is narrower), and never shallower
+    than num_stages. A piece reads as much of A as a whole tile for a fraction
+    of the MMAs, so its loads want more of them in flight: on 4 x H200 (docs/perf,
+    runs AW-AX) 2048/2752/4096 took 256-258 us with 6 stages against 262-265
+    with the kernel's 3 (and 288-293 with 2).
+
+    Example:
+      >>> tail_stages(dict(TAIL_STAGES="auto", BLOCK_M=128, BLOCK_N=256, BLOCK_K=64), 3, 2)
+      6
+    """
+    if cfg["TAIL_STAGES"] != "auto":
+        return int(cfg["TAIL_STAGES"])
+    block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    # In elements of the operands' dtype (the output's too): the same for all three.
+    whole = num_stages * (block_m + block_n) * block_k + block_m * block_n
+    piece_stage = (block_m + block_n // pieces) * block_k
+    return max(num_stages, whole // piece_stage)
 
 
 def flattens(cfg: dict, tiles: int, programs: int) -> bool:
@@ -493,19 +526,21 @@ def _push_shards(rt, layout, ws, offsets: dict, ctx, x, cfg: dict) -> jax.Array:
 
 
 def _tail_plan(rt, layout, cfg: dict, tiles: int, programs: int, k: int,
-               peer_tiles: int) -> dict:
+               peer_tiles: int, num_stages: int) -> dict:
     """The copy-engine kernel's tail constexprs: a split-N tail where the config
     and shape allow it, else a stream-K tail with its heap workspace.
 
     A stream-K tail whose workspace does not fit the heap is not cut, unless
     the config asked for STREAM_K=True: then HeapExhaustedError says so.
     """
-    off = dict(TAIL_TILES=0, TAIL_UNITS=0, PARTIALS_OFF=-1, COUNTERS_OFF=-1, TAIL_SPLIT_N=1)
+    off = dict(TAIL_TILES=0, TAIL_UNITS=0, PARTIALS_OFF=-1, COUNTERS_OFF=-1, TAIL_SPLIT_N=1,
+               TAIL_STAGES=num_stages)
     if cfg["STREAM_K"] is not True:
         tail, pieces = split_n_tail(tiles, programs, peer_tiles, cfg["BLOCK_N"],
                                     cfg["TAIL_SPLIT_N"])
         if tail:
-            return dict(off, TAIL_TILES=tail, TAIL_SPLIT_N=pieces)
+            return dict(off, TAIL_TILES=tail, TAIL_SPLIT_N=pieces,
+                        TAIL_STAGES=tail_stages(cfg, num_stages, pieces))
     k_blocks = -(-k // cfg["BLOCK_K"])
     tail, run = stream_k_tail(tiles, programs, k_blocks, peer_tiles, cfg["STREAM_K"])
     if not tail:
@@ -551,7 +586,8 @@ def _ag_matmul_ce(rt, layout, x, w, axis_name, cfg: dict, num_warps: int, num_st
     ws, offsets, ctx = _start_pushes(rt, layout, x, w, cfg)
     per_rank = (m_shard // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"])
     programs = persistent_programs(rt, 0, world * per_rank)
-    tail = _tail_plan(rt, layout, cfg, world * per_rank, programs, k, (world - 1) * per_rank)
+    tail = _tail_plan(rt, layout, cfg, world * per_rank, programs, k, (world - 1) * per_rank,
+                      num_stages)
     out = _call.launch(
         ag_matmul_ce_kernel, ctx, x, w,
         out_shape=jax.ShapeDtypeStruct((world * m_shard, n), x.dtype), grid=(programs,),

@@ -3,6 +3,7 @@
 Run on the GPU node: python3 tests/gpu/probe_perf.py (prints one line per variant).
 """
 
+import json
 import sys
 
 import jax
@@ -362,6 +363,17 @@ def probe_flatten(rounds=4, iterations=20, shapes=LARGE_SHAPES + ((128, 4096, 81
                  shapes, rounds, iterations)
 
 
+def _flag_values(flag: str) -> list:
+    """Every value given after ``flag`` on the command line."""
+    return [sys.argv[i + 1] for i, arg in enumerate(sys.argv[:-1]) if arg == flag]
+
+
+def probe_configs(modes: dict, shapes, rounds=4, iterations=20):
+    """Named config overrides (``--configs '{"name": {...}}'``) of each shape's shipped
+    config, alternating in one process; shapes from ``--shape M_SHARD,N_SHARD,K``."""
+    _probe_modes("configs", modes, shapes, rounds, iterations)
+
+
 def _is_all_gather(kernel_name: str) -> bool:
     """NCCL's (ncclDevKernel_AllGather_*) or XLA's all-gather kernels."""
     return "allgather" in kernel_name.lower().replace("_", "").replace("-", "")
@@ -685,6 +697,10 @@ PROBES = {
     "--gemm-modes": lambda: probe_gemm_modes(),
     "--cublas-chunks": lambda: probe_cublas_chunks(),
     "--decode": lambda: probe_decode(),
+    "--configs": lambda: probe_configs(
+        json.loads(_flag_values("--configs")[0]),
+        [tuple(int(v) for v in shape.split(",")) for shape in _flag_values("--shape")]
+        or LARGE_SHAPES),
 }
 
 if __name__ == "__main__":
