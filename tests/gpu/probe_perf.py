@@ -374,6 +374,36 @@ def probe_configs(modes: dict, shapes, rounds=4, iterations=20):
     _probe_modes("configs", modes, shapes, rounds, iterations)
 
 
+def probe_host_rate(calls=200, repeats=3, iterations=20,
+                    shapes=((1024, 4096, 4096), (2048, 2752, 4096), (2048, 3584, 4096))):
+    """Is a call host-bound? Wall time per call of ``calls`` back-to-back calls
+    (host enqueue included, one block at the end) next to the kernel time (CUPTI),
+    with the shipped chunking and with 4 chunks per shard (CHUNK_ROWS = m_shard / 4):
+    the copy-engine handler issues a copy and a flag write per chunk and peer."""
+    import time
+    mesh = mesh_of(4)
+    rt = td.initialize(mesh)
+    specs = _ag_specs(mesh)
+    for m, n, k in shapes:
+        args, _ = _sharded_args(mesh, m, n, k)
+        tuned = rt.tuning.lookup("ag_matmul", 4, (m, n, k), jnp.bfloat16) or {}
+        for rows in sorted({tuned.get("CHUNK_ROWS", m), m // 4}):
+            f = jax.jit(jax.shard_map(lambda x, w, rows=rows: ag_matmul_with_gathered(
+                x, w, "tp", config=dict(tuned, CHUNK_ROWS=rows))[0], **specs))
+            f(*args).block_until_ready()
+            walls = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                for _ in range(calls):
+                    out = f(*args)
+                out.block_until_ready()
+                walls.append((time.perf_counter() - start) / calls * 1e6)
+            _, t = _profile(f, args, iterations, 4)
+            print(f"host-rate {m}x{n}x{k} CHUNK_ROWS={rows} ({m // rows} chunks): wall per call "
+                  f"{[round(w, 1) for w in walls]} us (host clock), kernel {t['mean_us']:.1f} "
+                  f"fastest {t['min_us']:.1f} us (CUPTI)", flush=True)
+
+
 def _is_all_gather(kernel_name: str) -> bool:
     """NCCL's (ncclDevKernel_AllGather_*) or XLA's all-gather kernels."""
     return "allgather" in kernel_name.lower().replace("_", "").replace("-", "")
@@ -697,6 +727,7 @@ PROBES = {
     "--gemm-modes": lambda: probe_gemm_modes(),
     "--cublas-chunks": lambda: probe_cublas_chunks(),
     "--decode": lambda: probe_decode(),
+    "--host-rate": lambda: probe_host_rate(),
     "--configs": lambda: probe_configs(
         json.loads(_flag_values("--configs")[0]),
         [tuple(int(v) for v in shape.split(",")) for shape in _flag_values("--shape")]
