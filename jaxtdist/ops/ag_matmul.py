@@ -52,8 +52,7 @@ def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
     wide = jnp.dtype(dtype).itemsize == 4
     common = dict(SCOPE="sys", SPLIT_K=1, CHUNK_ROWS=0, TMA=False, PRODUCER="sm",
                   STREAM_K="auto", TAIL_SPLIT_N="auto", TAIL_STAGES="auto", FLATTEN="auto",
-                  GEMM="triton",
-                  GEMM_ALGO=0)
+                  GEMM="triton", GEMM_ALGO=0)
     if platform == "gpu":
         if small:  # decode: one M tile over all ranks' rows, split K, one chunk per row
             return dict(common, BLOCK_M=max(16, next_pow2(world * m_shard)), BLOCK_N=64,
