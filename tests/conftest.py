@@ -27,6 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxtdist as td  # noqa: E402
 from jaxtdist.runtime import DEFAULT_HEAP_BYTES, DEFAULT_WAIT_SPINS  # noqa: E402
@@ -148,3 +149,12 @@ def ce_launches(monkeypatch):
 
     monkeypatch.setattr(op._call, "launch", record)
     return seen
+
+
+def check_ag_matmul_call(mesh, f, world, m, k, n, dtype):
+    """One call of an ag_matmul ``f`` over "tp" (x rows, w columns sharded) on fresh
+    random x [world * m, k] and w [k, world * n], against the float64 product."""
+    x = rand((world * m, k), dtype)
+    w = rand((k, world * n), dtype)
+    assert_close(f(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp"))),
+                 f64(x) @ f64(w), dtype)

@@ -18,7 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxtdist as td
 from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered, resolve_config
-from tests.conftest import assert_close, cpu_only, f64, place, rand, setup
+from tests.conftest import (assert_close, check_ag_matmul_call, cpu_only, f64, place, rand,
+                            setup)
 
 pytestmark = cpu_only()
 
@@ -56,10 +57,7 @@ def test_shard_gemm_interleaved_with_the_fused_kernel():
     base = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, TMA=True, PRODUCER="ce")
     fused, by_shard = _fn(mesh, base), _fn(mesh, CUBLAS)
     for f in (by_shard, fused, by_shard, by_shard, fused):
-        x = rand((world * m, k), F32)
-        w = rand((k, world * n), F32)
-        assert_close(f(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp"))),
-                     f64(x) @ f64(w), F32)
+        check_ag_matmul_call(mesh, f, world, m, k, n, F32)
 
 
 def test_shard_gemm_on_tp_of_a_dp_tp_mesh():

@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered, flattens, split_n_tail, tail_stages
-from tests.conftest import assert_close, cpu_only, f64, place, rand, setup
+from tests.conftest import check_ag_matmul_call, cpu_only, place, rand, setup
 
 pytestmark = cpu_only()
 
@@ -64,6 +64,19 @@ def _fn(mesh, config):
         in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
 
 
+def _check_config_errors(cases):
+    """Each (config, message) of ``cases`` raises ValueError with that message on a
+    2-rank copy-engine call."""
+    mesh = setup(2)
+    x = place(mesh, rand((64, 64), F32), P("tp", None))
+    w = place(mesh, rand((64, 64), F32), P(None, "tp"))
+    for config, match in cases:
+        with pytest.raises(ValueError, match=match):
+            _fn(mesh, config)(x, w)
+
+
+_CE_BASE = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, TMA=True, PRODUCER="ce")
+
 # (world, dtype, (m_shard, k, n_shard), config): one tail tile in two 16-wide
 # pieces; the second piece whole, clipped by N, or wholly past N (skipped).
 SPLIT_CASES = [
@@ -81,10 +94,7 @@ def test_split_n_tail_is_exact(world, dtype, shape, config, ce_launches):
     m, k, n = shape
     f = _fn(mesh, dict(config, TMA=True, PRODUCER="ce"))  # TAIL_SPLIT_N: "auto"
     for _ in range(3):  # flags and inboxes carry over between calls
-        x = rand((world * m, k), dtype)
-        w = rand((k, world * n), dtype)
-        out = f(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp")))
-        assert_close(out, f64(x) @ f64(w), dtype)
+        check_ag_matmul_call(mesh, f, world, m, k, n, dtype)
     tails = [(c["TAIL_TILES"], c["TAIL_SPLIT_N"], c["TAIL_UNITS"]) for c in ce_launches]
     assert tails == [(1, 2, 0)], tails  # one tail tile, two pieces
     assert ce_launches[0]["TAIL_STAGES"] >= 1
@@ -95,12 +105,7 @@ def test_split_n_tail_stages_asked_for(stages, ce_launches):
     """An explicit TAIL_STAGES reaches the kernel, and the pieces stay exact."""
     world, m, k, n = 2, 32, 64, 32
     mesh = setup(world)
-    f = _fn(mesh, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, TMA=True, PRODUCER="ce",
-                       TAIL_STAGES=stages))
-    x = rand((world * m, k), F32)
-    w = rand((k, world * n), F32)
-    assert_close(f(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp"))),
-                 f64(x) @ f64(w), F32)
+    check_ag_matmul_call(mesh, _fn(mesh, dict(_CE_BASE, TAIL_STAGES=stages)), world, m, k, n, F32)
     assert [(c["TAIL_SPLIT_N"], c["TAIL_STAGES"]) for c in ce_launches] == [(2, stages)]
 
 
@@ -108,25 +113,18 @@ def test_tail_modes_interleaved(ce_launches):
     """Whole, split-N and stream-K tails of one shape, interleaved: same results."""
     world, m, k, n = 2, 32, 64, 32
     mesh = setup(world)
-    base = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, TMA=True, PRODUCER="ce")
-    fns = [_fn(mesh, dict(base, TAIL_SPLIT_N=2)), _fn(mesh, dict(base, TAIL_SPLIT_N=1,
-                                                                  STREAM_K=False)),
-           _fn(mesh, dict(base, STREAM_K=True))]
+    fns = [_fn(mesh, dict(_CE_BASE, TAIL_SPLIT_N=2)),
+           _fn(mesh, dict(_CE_BASE, TAIL_SPLIT_N=1, STREAM_K=False)),
+           _fn(mesh, dict(_CE_BASE, STREAM_K=True))]
     for f in fns + fns:
-        x = rand((world * m, k), F32)
-        w = rand((k, world * n), F32)
-        assert_close(f(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp"))),
-                     f64(x) @ f64(w), F32)
+        check_ag_matmul_call(mesh, f, world, m, k, n, F32)
     assert [(c["TAIL_TILES"], c["TAIL_SPLIT_N"]) for c in ce_launches] == [(1, 2), (0, 1), (1, 1)]
     assert ce_launches[2]["TAIL_UNITS"] > 0  # stream-K runs
 
 
 def test_split_n_tail_config_errors():
-    mesh = setup(2)
-    x = place(mesh, rand((64, 64), F32), P("tp", None))
-    w = place(mesh, rand((64, 64), F32), P(None, "tp"))
-    base = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, TMA=True, PRODUCER="ce")
-    for config, match in [
+    base = _CE_BASE
+    _check_config_errors([
             (dict(base, TAIL_SPLIT_N=3), "TAIL_SPLIT_N=3; allowed: 'auto' or a power of 2"),
             (dict(base, TAIL_SPLIT_N=0), "TAIL_SPLIT_N=0; allowed"),
             (dict(base, TAIL_SPLIT_N=True), "TAIL_SPLIT_N=True; allowed"),
@@ -137,9 +135,7 @@ def test_split_n_tail_config_errors():
             (dict(base, TAIL_STAGES=0), "TAIL_STAGES=0; allowed: 'auto' or an int >= 1"),
             (dict(base, TAIL_STAGES=True), "TAIL_STAGES=True; allowed"),
             (dict(base, TAIL_STAGES="deep"), "TAIL_STAGES='deep'; allowed"),
-            (dict(base, PRODUCER="sm", TAIL_STAGES=4), "TAIL_STAGES=4 needs PRODUCER='ce'")]:
-        with pytest.raises(ValueError, match=match):
-            _fn(mesh, config)(x, w)
+            (dict(base, PRODUCER="sm", TAIL_STAGES=4), "TAIL_STAGES=4 needs PRODUCER='ce'")])
 
 
 @pytest.mark.parametrize("tiles,programs,chunk_rows,mode,expected", [
@@ -172,21 +168,13 @@ def test_flatten_choice_and_results(world, dtype, shape, config, flattened, ce_l
     m, k, n = shape
     f = _fn(mesh, dict(config, TMA=True, PRODUCER="ce"))
     for _ in range(2):
-        x = rand((world * m, k), dtype)
-        w = rand((k, world * n), dtype)
-        assert_close(f(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp"))),
-                     f64(x) @ f64(w), dtype)
+        check_ag_matmul_call(mesh, f, world, m, k, n, dtype)
     assert [c["FLATTEN"] for c in ce_launches] == [flattened]
 
 
 def test_flatten_config_errors():
-    mesh = setup(2)
-    x = place(mesh, rand((64, 64), F32), P("tp", None))
-    w = place(mesh, rand((64, 64), F32), P(None, "tp"))
-    base = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, TMA=True, PRODUCER="ce")
-    for config, match in [
+    base = _CE_BASE
+    _check_config_errors([
             (dict(base, FLATTEN="yes"), "FLATTEN='yes'; allowed: True, False or 'auto'"),
             (dict(base, FLATTEN=True, CHUNK_ROWS=8), "FLATTEN=True needs CHUNK_ROWS >= BLOCK_M"),
-            (dict(base, PRODUCER="sm", FLATTEN=True), "FLATTEN=True needs PRODUCER='ce'")]:
-        with pytest.raises(ValueError, match=match):
-            _fn(mesh, config)(x, w)
+            (dict(base, PRODUCER="sm", FLATTEN=True), "FLATTEN=True needs PRODUCER='ce'")])

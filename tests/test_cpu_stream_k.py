@@ -15,7 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxtdist as td
 from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered, stream_k_tail
-from tests.conftest import assert_close, cpu_only, f64, place, rand, setup
+from tests.conftest import (assert_close, check_ag_matmul_call, cpu_only, f64, place, rand,
+                            setup)
 
 pytestmark = cpu_only()
 
@@ -109,10 +110,7 @@ def test_stream_k_on_and_off_interleaved():
     cut = _fn(mesh, dict(base, STREAM_K=True))
     uncut = _fn(mesh, dict(base, STREAM_K=False, TAIL_SPLIT_N=1))
     for f in (cut, uncut, cut, uncut, cut):
-        x = rand((world * m, k), F32)
-        w = rand((k, world * n), F32)
-        assert_close(f(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp"))),
-                     f64(x) @ f64(w), F32)
+        check_ag_matmul_call(mesh, f, world, m, k, n, F32)
 
 
 def test_stream_k_config_errors():

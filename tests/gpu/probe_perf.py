@@ -30,6 +30,17 @@ def _ag_specs(mesh):
                 check_vma=False)
 
 
+def _ag_fn(mesh, config: dict):
+    """jit(shard_map) of an ag_matmul over "tp" with ``config`` (``_ag_specs``)."""
+    return jax.jit(jax.shard_map(
+        lambda x, w: ag_matmul_with_gathered(x, w, "tp", config=config)[0], **_ag_specs(mesh)))
+
+
+def _shipped_config(rt, m, n, k, world=4) -> dict:
+    """The config jaxtdist ships (or the tuning cache holds) for a bf16 shape."""
+    return rt.tuning.lookup("ag_matmul", world, (m, n, k), jnp.bfloat16) or {}
+
+
 def mesh_of(n):
     return jax.make_mesh((n,), ("tp",), devices=jax.devices()[:n], axis_types=(AUTO,))
 
@@ -50,9 +61,7 @@ def probe_all_gather(world, cfg, rows=4096, cols=1024):
 def probe_ag_matmul(world, cfg, m=1024, n=4096, k=4096):
     mesh = mesh_of(world)
     td.initialize(mesh)
-    f = jax.jit(jax.shard_map(lambda x, w: ag_matmul_with_gathered(x, w, "tp", config=cfg)[0],
-                              mesh=mesh, in_specs=(P("tp", None), P(None, "tp")),
-                              out_specs=P(None, "tp"), check_vma=False))
+    f = _ag_fn(mesh, cfg)
     x = (jax.random.normal(jax.random.key(1), (world * m, k), jnp.float32)
          / np.sqrt(k)).astype(jnp.bfloat16)
     w = jax.random.normal(jax.random.key(2), (k, world * n), jnp.bfloat16)
@@ -179,16 +188,13 @@ def probe_gemm_modes(rounds=3, iterations=20, algos=(0, 1, 2)):
     gathered x on every device (the bench's (a)), alternating in one process."""
     mesh = mesh_of(4)
     rt = td.initialize(mesh)
-    specs = _ag_specs(mesh)
     for m, n, k in LARGE_SHAPES:
         args, ref = _sharded_args(mesh, m, n, k)
-        tuned = rt.tuning.lookup("ag_matmul", 4, (m, n, k), jnp.bfloat16) or {}
-        tuned = {key: v for key, v in tuned.items() if key not in ("GEMM", "GEMM_ALGO")}
+        tuned = {key: v for key, v in _shipped_config(rt, m, n, k).items()
+                 if key not in ("GEMM", "GEMM_ALGO")}
         configs = {"fused": dict(tuned, GEMM="triton")}
         configs.update({f"cublas{a}": dict(GEMM="cublas", GEMM_ALGO=a) for a in algos})
-        fns = {name: jax.jit(jax.shard_map(
-            lambda x, w, c=c: ag_matmul_with_gathered(x, w, "tp", config=c)[0], **specs))
-            for name, c in configs.items()}
+        fns = {name: _ag_fn(mesh, c) for name, c in configs.items()}
         gathered = jax.device_put(jax.device_get(args[0]), NamedSharding(mesh, P()))
         local = jax.jit(jax.shard_map(lambda xg, w: jnp.dot(xg, w), mesh=mesh,
                                       in_specs=(P(), P(None, "tp")), out_specs=P(None, "tp"),
@@ -205,12 +211,10 @@ def probe_gemm_steps(iterations=20, world=4):
     from jax.experimental.mosaic.gpu import profiler
     mesh = mesh_of(world)
     td.initialize(mesh)
-    specs = _ag_specs(mesh)
     for m, n, k in ((1024, 4096, 4096), (2048, 7168, 8192)):
         args, _ = _sharded_args(mesh, m, n, k)
         for order in ("serial", "parallel"):
-            f = jax.jit(jax.shard_map(lambda x, w, order=order: ag_matmul_with_gathered(
-                x, w, "tp", config=dict(GEMM="cublas", PUSH_ORDER=order))[0], **specs))
+            f = _ag_fn(mesh, dict(GEMM="cublas", PUSH_ORDER=order))
             _, raw = profiler.measure(f, aggregate=False, iterations=iterations)(*args)
             per_name = {}
             for it in raw:
@@ -250,10 +254,7 @@ def probe_copy_engine():
                           flush=True)
     mesh = mesh_of(4)
     td.initialize(mesh)
-    f = jax.jit(jax.shard_map(
-        lambda x, w: ag_matmul_with_gathered(x, w, "tp", config=dict(TMA=True, PRODUCER="ce"))[0],
-        mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp"),
-        check_vma=False))
+    f = _ag_fn(mesh, dict(TMA=True, PRODUCER="ce"))
     x = jnp.ones((4 * 1024, 4096), jnp.bfloat16)
     w = jnp.ones((4096, 4 * 4096), jnp.bfloat16)
     _, raw = profiler.measure(f, aggregate=False, iterations=2)(
@@ -305,14 +306,10 @@ def probe_stream_k(rounds=3, iterations=20):
         _, gemm = _profile(jax.jit(jnp.dot), (jax.device_put(x, jax.devices()[0]),
                                               jax.device_put(w[:, :n], jax.devices()[0])),
                            iterations, 1)
-        tuned = rt.tuning.lookup("ag_matmul", 4, (m, n, k), jnp.bfloat16) or {}
+        tuned = _shipped_config(rt, m, n, k)
         times = {True: [], False: []}
         errs = {}
-        fns = {mode: jax.jit(jax.shard_map(
-            lambda x, w, mode=mode: ag_matmul_with_gathered(
-                x, w, "tp", config=dict(tuned, STREAM_K=mode))[0],
-            mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp"),
-            check_vma=False)) for mode in (True, False)}
+        fns = {mode: _ag_fn(mesh, dict(tuned, STREAM_K=mode)) for mode in (True, False)}
         for _ in range(rounds):
             for mode, f in fns.items():
                 out, t = _profile(f, args, iterations, 4)
@@ -331,7 +328,6 @@ def _probe_modes(label, modes: dict, shapes, rounds: int, iterations: int):
     (the issue's (a)) timed before them."""
     mesh = mesh_of(4)
     rt = td.initialize(mesh)
-    specs = _ag_specs(mesh)
     for m, n, k in shapes:
         args, ref = _sharded_args(mesh, m, n, k)
         x = jax.device_put(jax.random.normal(jax.random.key(3), (4 * m, k), jnp.bfloat16),
@@ -340,11 +336,8 @@ def _probe_modes(label, modes: dict, shapes, rounds: int, iterations: int):
             jax.random.normal(jax.random.key(4), (k, n), jnp.bfloat16), jax.devices()[0])),
             iterations, 1)
         print(f"{label} {m}x{n}x{k}: (a) {gemm['mean_us']:.1f} us", flush=True)
-        tuned = rt.tuning.lookup("ag_matmul", 4, (m, n, k), jnp.bfloat16) or {}
-        fns = {name: jax.jit(jax.shard_map(
-            lambda x, w, mode=mode: ag_matmul_with_gathered(
-                x, w, "tp", config=dict(tuned, **mode))[0], **specs))
-            for name, mode in modes.items()}
+        tuned = _shipped_config(rt, m, n, k)
+        fns = {name: _ag_fn(mesh, dict(tuned, **mode)) for name, mode in modes.items()}
         _alternate(f"{label} {m}x{n}x{k}", fns, args, ref, 4, rounds, iterations)
 
 
@@ -383,13 +376,11 @@ def probe_host_rate(calls=200, repeats=3, iterations=20,
     import time
     mesh = mesh_of(4)
     rt = td.initialize(mesh)
-    specs = _ag_specs(mesh)
     for m, n, k in shapes:
         args, _ = _sharded_args(mesh, m, n, k)
-        tuned = rt.tuning.lookup("ag_matmul", 4, (m, n, k), jnp.bfloat16) or {}
+        tuned = _shipped_config(rt, m, n, k)
         for rows in sorted({tuned.get("CHUNK_ROWS", m), m // 4}):
-            f = jax.jit(jax.shard_map(lambda x, w, rows=rows: ag_matmul_with_gathered(
-                x, w, "tp", config=dict(tuned, CHUNK_ROWS=rows))[0], **specs))
+            f = _ag_fn(mesh, dict(tuned, CHUNK_ROWS=rows))
             f(*args).block_until_ready()
             walls = []
             for _ in range(repeats):
@@ -444,7 +435,7 @@ def probe_gap(rounds=3, iterations=20, shapes=LARGE_SHAPES):
     rt = td.initialize(mesh)
     for m, n, k in shapes:
         args, ref = _sharded_args(mesh, m, n, k, world)
-        tuned = rt.tuning.lookup("ag_matmul", world, (m, n, k), jnp.bfloat16) or {}
+        tuned = _shipped_config(rt, m, n, k, world)
         x0 = jax.device_put(args[0], jax.devices()[0])
         w0 = jax.device_put(np.asarray(args[1])[:, :n], jax.devices()[0])
         _, one = _profile(jax.jit(jnp.dot), (x0, w0), iterations, 1)
@@ -601,18 +592,14 @@ def probe_tiles(rounds=3, iterations=20):
     for world in (4, 1):
         mesh = mesh_of(world)
         rt = td.initialize(mesh)
-        tuned = rt.tuning.lookup("ag_matmul", 4, (m, n, k), jnp.bfloat16) or {}
+        tuned = _shipped_config(rt, m, n, k)
         args, ref = _sharded_args(mesh, m * 4 // world, n, k, world)
-        specs = dict(mesh=mesh, in_specs=(P("tp", None), P(None, "tp")),
-                     out_specs=P(None, "tp"), check_vma=False)
         fns = {}
         if world == 1:
             fns["cublas"] = jax.jit(jnp.dot)
         for v in variants:
             cfg = dict(tuned, **v)
-            fns[str(v) or "tuned"] = jax.jit(jax.shard_map(
-                lambda x, w, cfg=cfg: ag_matmul_with_gathered(x, w, "tp", config=cfg)[0],
-                **specs))
+            fns[str(v) or "tuned"] = _ag_fn(mesh, cfg)
         try:
             _alternate(f"tiles 2752 world={world}", fns, args, ref, world, rounds, iterations)
         except Exception as e:  # noqa: BLE001
@@ -697,16 +684,13 @@ def probe_push_order(rounds=3, iterations=20):
     alternating in one process."""
     mesh = mesh_of(4)
     rt = td.initialize(mesh)
-    specs = _ag_specs(mesh)
     for m, n, k in LARGE_SHAPES + ((128, 4096, 8192),):
         args, ref = _sharded_args(mesh, m, n, k)
-        tuned = rt.tuning.lookup("ag_matmul", 4, (m, n, k), jnp.bfloat16) or {}
+        tuned = _shipped_config(rt, m, n, k)
         if m == 128:
             tuned = dict(tuned, TMA=True, PRODUCER="ce")
-        fns = {order: jax.jit(jax.shard_map(
-            lambda x, w, order=order: ag_matmul_with_gathered(
-                x, w, "tp", config=dict(tuned, PUSH_ORDER=order))[0], **specs))
-            for order in ("parallel", "serial")}
+        fns = {order: _ag_fn(mesh, dict(tuned, PUSH_ORDER=order))
+               for order in ("parallel", "serial")}
         _alternate(f"push-order {m}x{n}x{k}", fns, args, ref, 4, rounds, iterations)
 
 
