@@ -74,6 +74,7 @@ void LaunchAligner::Arrive(std::int64_t counter, std::int64_t epoch, std::int64_
     spin_us = spin_us_;
   }
   bool met = true;
+  const auto waiting_since = LaunchClock::now();
   if (arrived == world) {
     // Taking the lock orders this after any sleeper's check of `arrived`:
     // a sleeper either saw it complete or is waiting and gets the notify.
@@ -95,7 +96,10 @@ void LaunchAligner::Arrive(std::int64_t counter, std::int64_t epoch, std::int64_
     }
     met = done;
   }
+  const double waited_us =
+      std::chrono::duration<double, std::micro>(LaunchClock::now() - waiting_since).count();
   std::lock_guard<std::mutex> lock(mu_);
+  stats_.wait_us += waited_us;
   if (!met) meeting->timed_out = true;
   if (++meeting->left == world) {
     auto it = meetings_.find(key);

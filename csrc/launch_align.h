@@ -52,6 +52,7 @@ struct LaunchAlignStats {
   std::int64_t timed_out = 0;  // arrivals that left at the timeout
   std::string disabled_because;
   double max_spread_us = 0;    // largest first-to-last arrival gap of a completed rendezvous
+  double wait_us = 0;          // time all arrivals spent waiting, summed
   std::vector<LateRendezvous> late;  // the first kMaxLateRecords with a timeout
 };
 

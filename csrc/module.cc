@@ -83,6 +83,7 @@ PYBIND11_MODULE(_jaxtdist_ffi, m) {
     d["timed_out"] = st.timed_out;
     d["disabled_because"] = st.disabled_because;
     d["max_spread_us"] = st.max_spread_us;
+  d["wait_us"] = st.wait_us;
     py::list late;
     for (const auto& r : st.late) {
       py::list members;
@@ -114,6 +115,17 @@ PYBIND11_MODULE(_jaxtdist_ffi, m) {
         py::arg("position") = -1, py::call_guard<py::gil_scoped_release>());
 #ifdef JAXTDIST_WITH_CUDA
   namespace jc = jaxtdist::cuda;
+  m.def("ce_push_stats", [] {
+    const jaxtdist::CePushStats st = jaxtdist::GetCePushStats();
+    py::dict d;
+    d["graphs_built"] = st.graphs_built;
+    d["graph_launches"] = st.graph_launches;
+    d["graph_retargets"] = st.graph_retargets;
+    d["call_pushes"] = st.call_pushes;
+    d["handler_us"] = st.handler_us;
+    d["enqueue_us"] = st.enqueue_us;
+    return d;
+  });
   m.def("cuda_device_count", [] {
     int n = 0;
     Raise(jc::DeviceCount(&n));

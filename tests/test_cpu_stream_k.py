@@ -125,7 +125,11 @@ def test_stream_k_config_errors():
             (dict(base, PRODUCER="ce", PUSH_ORDER="ring"),
              r"PUSH_ORDER='ring'; allowed: \('parallel', 'serial'\)"),
             (dict(base, PRODUCER="sm", PUSH_ORDER="serial"),
-             "PUSH_ORDER='serial' needs PRODUCER='ce'")]:
+             "PUSH_ORDER='serial' needs PRODUCER='ce'"),
+            (dict(base, PRODUCER="ce", PUSH_ENQUEUE="streams"),
+             r"PUSH_ENQUEUE='streams'; allowed: \('graph', 'calls'\)"),
+            (dict(base, PRODUCER="sm", PUSH_ENQUEUE="calls"),
+             "PUSH_ENQUEUE='calls' needs PRODUCER='ce'")]:
         with pytest.raises(ValueError, match=match):
             _fn(mesh, config)(x, w)
 

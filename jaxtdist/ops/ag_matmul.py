@@ -43,6 +43,8 @@ def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
     overlap the previous tile's epilogue: True, False, or "auto" (``flattens``).
     PUSH_ORDER (copy engines only: "serial" or "parallel", ``PUSH_ORDERS``) is
     not set here: it follows the producer chosen (``settle_config``).
+    PUSH_ENQUEUE (copy engines only, ``PUSH_ENQUEUES``): "graph" (default) or
+    "calls", how the host enqueues the pushes.
     GEMM="cublas" (``GEMMS``) replaces the fused Triton kernel by one library
     GEMM per source rank (cuBLASLt on GPUs; algorithm GEMM_ALGO of its
     heuristic), each after a one-program kernel has waited for that rank's
@@ -123,7 +125,7 @@ def _check(x, w, axis_name):
 
 
 _FLAG_KEYS = ("SCOPE", "ALL_ROWS", "TMA", "PRODUCER", "STREAM_K", "TAIL_SPLIT_N", "TAIL_STAGES",
-              "FLATTEN", "PUSH_ORDER", "GEMM", "GEMM_ALGO")
+              "FLATTEN", "PUSH_ORDER", "PUSH_ENQUEUE", "GEMM", "GEMM_ALGO")
 # "triton": one persistent Triton kernel waits for chunks tile by tile (fused);
 # "cublas": one library GEMM per source rank as its shard lands. Slower on every
 # shape measured on 4 x H200 (1.24-1.47x the fused kernel, docs/perf runs
@@ -136,6 +138,10 @@ GEMMS = ("triton", "cublas")
 # copy engines' default: 186.9 vs 190.2 us at 1024/4096/4096, 1242.9 vs 1268.5
 # at 2048/7168/8192 on 4 x H200, fewer slow rounds (docs/perf, run AA).
 PUSH_ORDERS = ("parallel", "serial")
+# PRODUCER="ce": "graph" enqueues a call's pushes as one CUDA graph launch;
+# "calls" as a copy and a flag write per chunk and peer, which made calls
+# host-bound back to back (docs/perf, run BB: wall 1.8-2.7x the kernel time).
+PUSH_ENQUEUES = ("graph", "calls")
 # "auto" cuts a tail when its runs are at most this fraction of a tile's K.
 # Measured on 4 x H200 (docs/perf/ag_matmul_stream_k_*): runs of 0.34 of a
 # tile gained 1.3%; runs of 0.58-0.89 lost 0.7-18% (the partials' round trip
@@ -256,6 +262,14 @@ def check_config(cfg: dict, world: int, m_shard: int, k: int, n: int | None = No
     if cfg["PUSH_ORDER"] == "serial" and cfg["PRODUCER"] != "ce":
         raise ValueError("jaxtdist.ag_matmul: config PUSH_ORDER='serial' needs PRODUCER='ce' "
                          "(it orders the copy engines' pushes)")
+    cfg.setdefault("PUSH_ENQUEUE", "graph")
+    if cfg["PUSH_ENQUEUE"] not in PUSH_ENQUEUES:
+        raise ValueError(f"jaxtdist.ag_matmul: config PUSH_ENQUEUE={cfg['PUSH_ENQUEUE']!r}; "
+                         f"allowed: {PUSH_ENQUEUES} (the copy engines' pushes as one CUDA graph "
+                         "launch per call, or as a driver call per chunk)")
+    if cfg["PUSH_ENQUEUE"] != "graph" and cfg["PRODUCER"] != "ce":
+        raise ValueError(f"jaxtdist.ag_matmul: config PUSH_ENQUEUE={cfg['PUSH_ENQUEUE']!r} needs "
+                         "PRODUCER='ce' (it is how the copy engines' pushes are enqueued)")
     if cfg["CHUNK_ROWS"] > cfg["BLOCK_M"] and cfg["PRODUCER"] in ("sm", "push"):
         raise ValueError(f"jaxtdist.ag_matmul: CHUNK_ROWS={cfg['CHUNK_ROWS']} must divide "
                          f"BLOCK_M={cfg['BLOCK_M']}")
@@ -387,6 +401,7 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
     for key in ("STREAM_K", "TAIL_SPLIT_N", "TAIL_STAGES", "FLATTEN"):  # the CE kernel's alone
         cfg.pop(key)
     cfg.pop("PUSH_ORDER")
+    cfg.pop("PUSH_ENQUEUE", None)
     if cfg.pop("TMA"):
         for key in ("ALL_ROWS", "SPLIT_K"):
             cfg.pop(key)
@@ -515,7 +530,8 @@ def _push_shards(rt, layout, ws, offsets: dict, ctx, x, cfg: dict) -> jax.Array:
                     flags_offset=np.int64(offsets["FLAGS_OFF"]),
                     sent_offset=np.int64(offsets["SENT_OFF"]),
                     chunk_rows=np.int64(cfg["CHUNK_ROWS"]), generation=np.int64(rt.generation),
-                    align_launch=np.int64(1), serial=np.int64(cfg["PUSH_ORDER"] == "serial"))
+                    align_launch=np.int64(1), serial=np.int64(cfg["PUSH_ORDER"] == "serial"),
+                    by_graph=np.int64(cfg.get("PUSH_ENQUEUE", "graph") == "graph"))
     done = _call.launch(push_shards_kernel, ctx, x, out_shape=jax.ShapeDtypeStruct((1,), jnp.int32),
                         grid=(cfg["NUM_COMM"],), num_warps=4, num_stages=1, M_SHARD=m_shard,
                         K=k, NUM_COMM=cfg["NUM_COMM"], CHUNK_ROWS=cfg["CHUNK_ROWS"],

@@ -368,31 +368,57 @@ def probe_configs(modes: dict, shapes, rounds=4, iterations=20):
 
 
 def probe_host_rate(calls=200, repeats=3, iterations=20,
-                    shapes=((1024, 4096, 4096), (2048, 2752, 4096), (2048, 3584, 4096))):
+                    shapes=((1024, 512, 512), (1024, 4096, 4096), (2048, 2752, 4096),
+                            (2048, 3584, 4096))):
     """Is a call host-bound? Wall time per call of ``calls`` back-to-back calls
-    (host enqueue included, one block at the end) next to the kernel time (CUPTI),
-    with the shipped chunking and with 4 chunks per shard (CHUNK_ROWS = m_shard / 4):
-    the copy-engine handler issues a copy and a flag write per chunk and peer."""
+    (host enqueue included, one block at the end; the contenders alternate)
+    next to the kernel time (CUPTI): jaxtdist's shipped config with the copy
+    engines' pushes enqueued as one CUDA graph launch ("graph", the default),
+    the same with launch alignment off ("graph_unaligned"), and as a copy and
+    a flag write per chunk and peer ("calls"); XLA's all_gather + dot (the
+    bench's contender (b)). The first shape's GPU work is small: its wall per
+    call is the host's cost. Host time per call and device in jaxtdist's
+    handlers: the copy-engine handler (``handler``, of which ``enqueue`` and,
+    with every launch rendezvous of the call, ``waits``)."""
     import time
     mesh = mesh_of(4)
     rt = td.initialize(mesh)
+    native = rt._native
     for m, n, k in shapes:
         args, _ = _sharded_args(mesh, m, n, k)
         tuned = _shipped_config(rt, m, n, k)
-        for rows in sorted({tuned.get("CHUNK_ROWS", m), m // 4}):
-            f = _ag_fn(mesh, dict(tuned, CHUNK_ROWS=rows))
+        fns = {enqueue: _ag_fn(mesh, dict(tuned, PUSH_ENQUEUE=enqueue))
+               for enqueue in ("graph", "calls")}
+        fns["graph_unaligned"] = fns["graph"]
+        fns["xla"] = jax.jit(jax.shard_map(
+            lambda x, w: jnp.dot(jax.lax.all_gather(x, "tp", tiled=True), w), **_ag_specs(mesh)))
+        walls = {name: [] for name in fns}
+        spent = {name: dict(handler=0.0, enqueue=0.0, waits=0.0) for name in fns}
+        for f in fns.values():
             f(*args).block_until_ready()
-            walls = []
-            for _ in range(repeats):
+        for _ in range(repeats):
+            for name, f in fns.items():
+                rt.align_launches = name != "graph_unaligned"
+                ce, align = native.ce_push_stats(), native.launch_alignment_stats()
                 start = time.perf_counter()
                 for _ in range(calls):
                     out = f(*args)
                 out.block_until_ready()
-                walls.append((time.perf_counter() - start) / calls * 1e6)
+                walls[name].append((time.perf_counter() - start) / calls * 1e6)
+                ce_after, align_after = native.ce_push_stats(), native.launch_alignment_stats()
+                per = calls * 4 * repeats
+                spent[name]["handler"] += (ce_after["handler_us"] - ce["handler_us"]) / per
+                spent[name]["enqueue"] += (ce_after["enqueue_us"] - ce["enqueue_us"]) / per
+                spent[name]["waits"] += (align_after["wait_us"] - align["wait_us"]) / per
+        rt.align_launches = True
+        chunks = -(-m // (tuned.get("CHUNK_ROWS") or m))
+        for name, f in fns.items():
             _, t = _profile(f, args, iterations, 4)
-            print(f"host-rate {m}x{n}x{k} CHUNK_ROWS={rows} ({m // rows} chunks): wall per call "
-                  f"{[round(w, 1) for w in walls]} us (host clock), kernel {t['mean_us']:.1f} "
-                  f"fastest {t['min_us']:.1f} us (CUPTI)", flush=True)
+            host = ", ".join(f"{key} {us:.1f}" for key, us in spent[name].items())
+            print(f"host-rate {m}x{n}x{k} {name} ({chunks} chunks a shard): wall per call "
+                  f"{[round(w, 1) for w in walls[name]]} us (host clock), kernel "
+                  f"{t['mean_us']:.1f} fastest {t['min_us']:.1f} us (CUPTI); host us per call "
+                  f"and device: {host}", flush=True)
 
 
 def _is_all_gather(kernel_name: str) -> bool:
