@@ -4,16 +4,18 @@
 // this call's prologue, which ran just before on this host thread), this
 // rank's shard x is pushed, chunk by chunk, into the heap inbox of every
 // other rank (parity e % 2, rows of rank me), that rank's chunk flag being
-// raised to e after each chunk lands; then the local "sent" words are
-// raised. In parallel (default) every peer gets its own chain of copies;
-// with `serial`, one chain pushes to rank me+1, me+2, ... in turn: each peer
-// then receives one shard at a time, at a single pair's bandwidth, rank
-// me-1's first, the order the GEMM consumes them in.
+// raised to e (a 32-bit stream write) after each chunk lands; then the
+// local "sent" words are raised. In parallel (default) every peer gets a
+// side stream of its own; with `serial`, one side stream pushes to rank
+// me+1, me+2, ... in turn: each peer then receives one shard at a time, at
+// a single pair's bandwidth, rank me-1's first, the order the GEMM
+// consumes them in.
 //
-// `by_graph` (default) enqueues all of that as one CUDA graph launch on a
-// side stream (PushGraph, cached per plan), the chunk flags copied from a
-// device-side epoch word; otherwise a driver call per chunk and peer does it
-// (a copy, then a stream write of the flag) on a side stream per peer.
+// Enqueuing costs the host a driver call per copy and per flag, about 2 us
+// each (96 calls a call at 16 chunks and 4 ranks). With `by_thread` the
+// handler only records a fork event and hands the call to the device's push
+// thread (DevicePusher), which enqueues while XLA's thread goes on to launch
+// the GEMM; inline, the handler enqueues everything itself.
 //
 // No stream ever waits on another device: streams that share a hardware
 // queue cannot then block each other across devices. The side streams fork
@@ -33,10 +35,14 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cuda_driver.h"
@@ -66,276 +72,237 @@ struct PushPlan {
   std::uintptr_t Flag(std::int64_t dst, std::int64_t c) const {
     return bases[dst] + flags_offset + 4 * (me * n_chunks + c);
   }
-  // What a graph of these pushes depends on besides the source shard.
-  std::vector<std::int64_t> Key() const {
-    std::vector<std::int64_t> key{world, me, n_chunks, chunk_bytes, shard_bytes, inbox,
-                                  flags_offset, serial};
-    for (std::uintptr_t base : bases) key.push_back(static_cast<std::int64_t>(base));
-    return key;
-  }
 };
 
-// The pushes of one PushPlan as a CUDA graph: per peer (one chain for all
-// peers when serial), the chunk copies back to back, and off each copy a
-// 4-byte copy of the device's epoch word into that chunk's flag. One
-// launch then replaces a driver call per chunk and peer, which made
-// back-to-back calls host-bound (docs/perf, run BB). Flags take the epoch
-// from device memory so that the graph does not change from call to call.
-struct PushGraph {
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  std::vector<cudaGraphNode_t> copies;  // (peer step, chunk) order
-  const char* source = nullptr;         // the shard the copies read
-};
-
-struct SideStreams {
-  cudaEvent_t fork = nullptr;
-  std::vector<cudaStream_t> streams;  // [0]: graphs; [s]: the peer s ranks ahead
-  cuuint32_t* epoch_word = nullptr;   // device memory the flag copies read
-  std::mutex graphs_mu;
-  std::map<std::vector<std::int64_t>, PushGraph> graphs;
+struct PushTask {
+  PushPlan plan;
+  const char* source = nullptr;  // this rank's shard
+  cuuint32_t epoch = 0;
+  std::uintptr_t sent = 0;  // this rank's sent words
 };
 
 // CePushStats, as atomics.
 struct PushCounters {
-  std::atomic<std::int64_t> graphs_built{0}, graph_launches{0}, graph_retargets{0},
-      call_pushes{0};
-  std::atomic<std::int64_t> handler_ns{0}, enqueue_ns{0};
+  std::atomic<std::int64_t> inline_pushes{0}, thread_pushes{0};
+  std::atomic<std::int64_t> handler_ns{0}, enqueue_ns{0}, thread_enqueue_ns{0};
 };
+
+PushCounters& Counters() {
+  static auto* counters = new PushCounters;
+  return *counters;
+}
 
 void AddTime(std::atomic<std::int64_t>& total_ns, LaunchClock::time_point since) {
   total_ns.fetch_add(
       std::chrono::duration_cast<std::chrono::nanoseconds>(LaunchClock::now() - since).count(),
       std::memory_order_relaxed);
 }
-PushCounters& Counters() {
-  static auto* counters = new PushCounters;
-  return *counters;
+
+std::string CudaError(cudaError_t err, const char* what) {
+  return err == cudaSuccess ? "" : std::string(what) + ": " + cudaGetErrorString(err);
 }
 
-// Graphs kept per device; past this, all are dropped (shapes or heaps churn).
-constexpr std::size_t kMaxGraphsPerDevice = 64;
+// Enqueues `task`'s pushes on `streams` ([s]: the peer s ranks ahead; [1]
+// alone when serial) after `fork`. Returns "" or what failed.
+std::string EnqueuePushes(const std::vector<cudaStream_t>& streams, cudaEvent_t fork,
+                          const PushTask& task, StreamValue32Fn write32) {
+  const PushPlan& plan = task.plan;
+  const std::int64_t lanes = plan.serial ? 1 : plan.world - 1;
+  for (std::int64_t lane = 1; lane <= lanes; ++lane) {
+    if (auto e = CudaError(cudaStreamWaitEvent(streams[lane], fork, 0), "cudaStreamWaitEvent");
+        !e.empty()) {
+      return e;
+    }
+  }
+  auto push = [&](std::int64_t s, std::int64_t c) -> std::string {
+    const std::int64_t dst = (plan.me + s) % plan.world;
+    cudaStream_t st = streams[plan.serial ? 1 : s];
+    if (auto e = CudaError(cudaMemcpyAsync(plan.Inbox(dst, c), task.source + c * plan.chunk_bytes,
+                                           plan.ChunkBytes(c), cudaMemcpyDefault, st),
+                           "peer push");
+        !e.empty()) {
+      return e;
+    }
+    // Default flags: the write is ordered after the copy's data.
+    return cuda::DriverError("cuStreamWriteValue32 (peer chunk flag)",
+                             write32(reinterpret_cast<CUstream>(st),
+                                     static_cast<CUdeviceptr>(plan.Flag(dst, c)), task.epoch, 0));
+  };
+  // Parallel: chunk by chunk over the peers, so that every peer's first
+  // chunk is under way early when a push thread enqueues while the GEMM runs.
+  for (std::int64_t outer = 0; outer < (plan.serial ? plan.world - 1 : plan.n_chunks); ++outer) {
+    for (std::int64_t inner = 0; inner < (plan.serial ? plan.n_chunks : plan.world - 1);
+         ++inner) {
+      std::string e = plan.serial ? push(outer + 1, inner) : push(inner + 1, outer);
+      if (!e.empty()) return e;
+    }
+  }
+  for (std::int64_t s = 1; s < plan.world; ++s) {
+    cudaStream_t st = streams[plan.serial ? 1 : s];
+    if (auto e = cuda::DriverError(
+            "cuStreamWriteValue32 (sent word)",
+            write32(reinterpret_cast<CUstream>(st),
+                    static_cast<CUdeviceptr>(task.sent + 4 * s), task.epoch, 0));
+        !e.empty()) {
+      return e;
+    }
+  }
+  return "";
+}
 
-// Side streams per device, created on first use and kept for the process.
-class SideStreamPool {
+// One device's side streams and push thread. The thread is started on the
+// first threaded call and lives as long as the process.
+class DevicePusher {
  public:
-  static SideStreamPool& Get() {
-    static auto* pool = new SideStreamPool;
-    return *pool;
+  explicit DevicePusher(int device_ordinal) : device_(device_ordinal) {}
+
+  // Enqueues the pushes on this thread, after everything on `stream`.
+  std::string PushInline(cudaStream_t stream, const PushTask& task, StreamValue32Fn write32) {
+    // A thread's queued calls go first: their pushes precede these on the
+    // side streams (this call's fork waits on their kernels, which wait on them).
+    Drain();
+    std::lock_guard<std::mutex> lock(setup_mu_);
+    if (auto e = Setup(task.plan.world); !e.empty()) return e;
+    if (auto e = CudaError(cudaEventRecord(inline_fork_, stream), "cudaEventRecord");
+        !e.empty()) {
+      return e;
+    }
+    return EnqueuePushes(streams_, inline_fork_, task, write32);
   }
 
-  // Returns "" and sets *out, or what failed. Only the device's own host
-  // thread uses the returned streams, so the lock covers creation only.
-  std::string Acquire(int device_ordinal, int count, SideStreams** out) {
-    std::lock_guard<std::mutex> lock(mu_);
-    SideStreams& side = by_device_[device_ordinal];
-    if (side.fork == nullptr || side.epoch_word == nullptr ||
-        static_cast<int>(side.streams.size()) < count) {
-      int previous = 0;
-      cudaGetDevice(&previous);
-      std::string err = Create(device_ordinal, count, side);
-      cudaSetDevice(previous);
-      if (!err.empty()) return err;
+  // Records a fork event on `stream` and queues `task` for the push thread.
+  // Blocks while kRing calls are queued. Returns "" or what failed (an
+  // earlier queued call's failure included).
+  std::string Submit(cudaStream_t stream, PushTask task, StreamValue32Fn write32) {
+    std::lock_guard<std::mutex> one_at_a_time(submit_mu_);  // a fork event per call
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!failure_.empty()) return failure_;
+    if (!thread_started_) {
+      {
+        std::lock_guard<std::mutex> setup(setup_mu_);
+        if (auto e = Setup(task.plan.world); !e.empty()) return e;
+      }
+      write32_ = write32;
+      std::thread([this] { Run(); }).detach();
+      thread_started_ = true;
     }
-    *out = &side;
+    space_.wait(lock, [&] { return submitted_ - enqueued_ < kRing; });
+    cudaEvent_t fork = forks_[submitted_ % kRing];
+    lock.unlock();
+    // Free to re-record: the call that last used it has been enqueued.
+    if (auto e = CudaError(cudaEventRecord(fork, stream), "cudaEventRecord"); !e.empty()) {
+      return e;
+    }
+    lock.lock();
+    queue_.push_back(std::move(task));
+    ++submitted_;
+    lock.unlock();
+    work_.notify_one();
     return "";
+  }
+
+  // Waits until the push thread has enqueued every queued call.
+  void Drain() {
+    std::unique_lock<std::mutex> lock(mu_);
+    space_.wait(lock, [&] { return enqueued_ == submitted_; });
   }
 
  private:
-  static std::string Create(int device_ordinal, int count, SideStreams& side) {
-    cudaError_t e = cudaSetDevice(device_ordinal);
-    if (e != cudaSuccess) return std::string("cudaSetDevice: ") + cudaGetErrorString(e);
-    if (side.fork == nullptr) {
-      e = cudaEventCreateWithFlags(&side.fork, cudaEventDisableTiming);
-      if (e != cudaSuccess) return std::string("cudaEventCreate: ") + cudaGetErrorString(e);
-    }
-    if (side.epoch_word == nullptr) {
-      e = cudaMalloc(reinterpret_cast<void**>(&side.epoch_word), sizeof(cuuint32_t));
-      if (e != cudaSuccess) return std::string("cudaMalloc (epoch word): ") + cudaGetErrorString(e);
-    }
-    while (static_cast<int>(side.streams.size()) < count) {
+  static constexpr std::int64_t kRing = 8;  // calls queued at most
+
+  // Creates the side streams (world of them) and events once. Under setup_mu_.
+  std::string Setup(std::int64_t world) {
+    if (static_cast<std::int64_t>(streams_.size()) >= world && inline_fork_ != nullptr) return "";
+    int previous = 0;
+    cudaGetDevice(&previous);
+    std::string err = CudaError(cudaSetDevice(device_), "cudaSetDevice");
+    auto event = [&](cudaEvent_t* e) {
+      if (err.empty() && *e == nullptr) {
+        err = CudaError(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "cudaEventCreate");
+      }
+    };
+    event(&inline_fork_);
+    for (cudaEvent_t& fork : forks_) event(&fork);
+    while (err.empty() && static_cast<std::int64_t>(streams_.size()) < world) {
       cudaStream_t s = nullptr;
-      e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
-      if (e != cudaSuccess) return std::string("cudaStreamCreate: ") + cudaGetErrorString(e);
-      side.streams.push_back(s);
+      err = CudaError(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+      if (err.empty()) streams_.push_back(s);
     }
-    return "";
+    cudaSetDevice(previous);
+    return err;
   }
 
+  void Run() {
+    cudaSetDevice(device_);
+    std::int64_t index = 0;
+    while (true) {
+      std::unique_lock<std::mutex> lock(mu_);
+      work_.wait(lock, [&] { return !queue_.empty(); });
+      PushTask task = std::move(queue_.front());
+      queue_.pop_front();
+      lock.unlock();
+      const LaunchClock::time_point start = LaunchClock::now();
+      std::string err;
+      {
+        std::lock_guard<std::mutex> setup(setup_mu_);
+        err = Setup(task.plan.world);
+        if (err.empty()) err = EnqueuePushes(streams_, forks_[index % kRing], task, write32_);
+      }
+      AddTime(Counters().thread_enqueue_ns, start);
+      ++index;
+      lock.lock();
+      // The call's kernel then waits out its timeout and reports it; the
+      // next call returns this.
+      if (!err.empty() && failure_.empty()) failure_ = "an earlier call's pushes failed: " + err;
+      ++enqueued_;
+      lock.unlock();
+      space_.notify_all();
+    }
+  }
+
+  const int device_;
+  std::mutex setup_mu_;  // streams_ and events, and enqueuing on the side streams
+  std::vector<cudaStream_t> streams_;  // [s >= 1]: side streams; [0] unused
+  cudaEvent_t inline_fork_ = nullptr;
+  cudaEvent_t forks_[kRing] = {};
+  std::mutex submit_mu_;
+  std::mutex mu_;  // the queue and counts below
+  std::condition_variable work_, space_;
+  std::deque<PushTask> queue_;
+  std::int64_t submitted_ = 0, enqueued_ = 0;
+  bool thread_started_ = false;
+  std::string failure_;
+  StreamValue32Fn write32_ = nullptr;
+};
+
+class PusherPool {
+ public:
+  static PusherPool& Get() {
+    static auto* pool = new PusherPool;
+    return *pool;
+  }
+  DevicePusher& Of(int device_ordinal) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& pusher = by_device_[device_ordinal];
+    if (!pusher) pusher = std::make_unique<DevicePusher>(device_ordinal);
+    return *pusher;
+  }
+  void DrainAll() {
+    std::vector<DevicePusher*> all;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& entry : by_device_) all.push_back(entry.second.get());
+    }
+    for (DevicePusher* pusher : all) pusher->Drain();
+  }
+
+ private:
   std::mutex mu_;
-  std::map<int, SideStreams> by_device_;
+  std::map<int, std::unique_ptr<DevicePusher>> by_device_;
 };
 
 ffi::Error Failed(const std::string& what) {
   return ffi::Error::Internal("jaxtdist copy-engine gather: " + what);
-}
-
-ffi::Error Check(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return ffi::Error::Success();
-  return Failed(std::string(what) + ": " + cudaGetErrorString(err));
-}
-
-ffi::Error CheckDriver(CUresult res, const char* what) {
-  if (res == CUDA_SUCCESS) return ffi::Error::Success();
-  return Failed(cuda::DriverError(what, res));
-}
-
-#define JAXTDIST_RETURN_IF_ERROR(expr)     \
-  do {                                     \
-    ffi::Error _err = (expr);              \
-    if (_err.failure()) return _err;       \
-  } while (0)
-
-void DestroyGraph(PushGraph& graph) {
-  if (graph.exec != nullptr) cudaGraphExecDestroy(graph.exec);
-  if (graph.graph != nullptr) cudaGraphDestroy(graph.graph);
-  graph = PushGraph{};
-}
-
-// Calls fn(copy index, peer rank, chunk) in the graph's copy order.
-template <typename Fn>
-void ForEachPush(const PushPlan& plan, Fn fn) {
-  std::int64_t index = 0;
-  for (std::int64_t s = 1; s < plan.world; ++s) {
-    for (std::int64_t c = 0; c < plan.n_chunks; ++c) fn(index++, (plan.me + s) % plan.world, c);
-  }
-}
-
-// Builds `plan`'s pushes from `source` into *graph (see PushGraph), on the
-// current device.
-ffi::Error BuildPushGraph(const PushPlan& plan, const char* source,
-                          const cuuint32_t* epoch_word, PushGraph* graph) {
-  JAXTDIST_RETURN_IF_ERROR(Check(cudaGraphCreate(&graph->graph, 0), "cudaGraphCreate"));
-  graph->source = source;
-  cudaGraphNode_t previous = nullptr;
-  cudaError_t err = cudaSuccess;
-  ForEachPush(plan, [&](std::int64_t, std::int64_t dst, std::int64_t c) {
-    if (err != cudaSuccess) return;
-    if (c == 0 && !plan.serial) previous = nullptr;  // a chain per peer
-    cudaGraphNode_t copy = nullptr, flag = nullptr;
-    err = cudaGraphAddMemcpyNode1D(&copy, graph->graph, previous ? &previous : nullptr,
-                                   previous ? 1 : 0, plan.Inbox(dst, c),
-                                   source + c * plan.chunk_bytes, plan.ChunkBytes(c),
-                                   cudaMemcpyDefault);
-    if (err != cudaSuccess) return;
-    graph->copies.push_back(copy);
-    // Off the chain: the next chunk's copy need not wait for this flag.
-    err = cudaGraphAddMemcpyNode1D(&flag, graph->graph, &copy, 1,
-                                   reinterpret_cast<void*>(plan.Flag(dst, c)), epoch_word,
-                                   sizeof(cuuint32_t), cudaMemcpyDefault);
-    previous = copy;
-  });
-  JAXTDIST_RETURN_IF_ERROR(Check(err, "cudaGraphAddMemcpyNode1D"));
-  return Check(cudaGraphInstantiate(&graph->exec, graph->graph, 0), "cudaGraphInstantiate");
-}
-
-// Points the graph's copies at `source` (XLA may hand each call a new x).
-ffi::Error RetargetPushGraph(const PushPlan& plan, const char* source, PushGraph* graph) {
-  cudaError_t err = cudaSuccess;
-  ForEachPush(plan, [&](std::int64_t index, std::int64_t dst, std::int64_t c) {
-    if (err == cudaSuccess) {
-      err = cudaGraphExecMemcpyNodeSetParams1D(graph->exec, graph->copies[index],
-                                               plan.Inbox(dst, c), source + c * plan.chunk_bytes,
-                                               plan.ChunkBytes(c), cudaMemcpyDefault);
-    }
-  });
-  JAXTDIST_RETURN_IF_ERROR(Check(err, "cudaGraphExecMemcpyNodeSetParams1D"));
-  graph->source = source;
-  return ffi::Error::Success();
-}
-
-// Enqueues `plan`'s pushes after everything on `stream` as one graph launch
-// on side stream 0, then raises the sent words.
-ffi::Error PushByGraph(cudaStream_t stream, int device_ordinal, const PushPlan& plan,
-                       const char* source, cuuint32_t epoch, std::uintptr_t sent,
-                       StreamValue32Fn write32) {
-  SideStreams* side = nullptr;
-  if (std::string err = SideStreamPool::Get().Acquire(device_ordinal, 1, &side); !err.empty()) {
-    return Failed(err);
-  }
-  cudaStream_t side_stream = side->streams[0];
-  auto cu_side = reinterpret_cast<CUstream>(side_stream);
-  std::lock_guard<std::mutex> lock(side->graphs_mu);
-  std::vector<std::int64_t> key = plan.Key();
-  auto it = side->graphs.find(key);
-  if (it == side->graphs.end()) {
-    if (side->graphs.size() >= kMaxGraphsPerDevice) {
-      // A launched graph may still run: let it end before destroying it.
-      JAXTDIST_RETURN_IF_ERROR(Check(cudaStreamSynchronize(side_stream), "cudaStreamSynchronize"));
-      for (auto& entry : side->graphs) DestroyGraph(entry.second);
-      side->graphs.clear();
-    }
-    int previous = 0;
-    cudaGetDevice(&previous);
-    JAXTDIST_RETURN_IF_ERROR(Check(cudaSetDevice(device_ordinal), "cudaSetDevice"));
-    PushGraph graph;
-    ffi::Error built = BuildPushGraph(plan, source, side->epoch_word, &graph);
-    if (built.success()) {
-      built = Check(cudaGraphUpload(graph.exec, side_stream), "cudaGraphUpload");
-    }
-    cudaSetDevice(previous);
-    if (built.failure()) {
-      DestroyGraph(graph);
-      return built;
-    }
-    it = side->graphs.emplace(std::move(key), graph).first;
-    Counters().graphs_built.fetch_add(1, std::memory_order_relaxed);
-  } else if (it->second.source != source) {
-    JAXTDIST_RETURN_IF_ERROR(RetargetPushGraph(plan, source, &it->second));
-    Counters().graph_retargets.fetch_add(1, std::memory_order_relaxed);
-  }
-  JAXTDIST_RETURN_IF_ERROR(Check(cudaEventRecord(side->fork, stream), "cudaEventRecord"));
-  JAXTDIST_RETURN_IF_ERROR(
-      Check(cudaStreamWaitEvent(side_stream, side->fork, 0), "cudaStreamWaitEvent"));
-  // Stream order keeps the previous launch's flag copies before this write.
-  JAXTDIST_RETURN_IF_ERROR(CheckDriver(
-      write32(cu_side, reinterpret_cast<CUdeviceptr>(side->epoch_word), epoch, 0),
-      "cuStreamWriteValue32 (epoch word)"));
-  JAXTDIST_RETURN_IF_ERROR(Check(cudaGraphLaunch(it->second.exec, side_stream), "cudaGraphLaunch"));
-  for (std::int64_t s = 1; s < plan.world; ++s) {
-    JAXTDIST_RETURN_IF_ERROR(CheckDriver(
-        write32(cu_side, static_cast<CUdeviceptr>(sent + 4 * s), epoch, 0),
-        "cuStreamWriteValue32 (sent word)"));
-  }
-  Counters().graph_launches.fetch_add(1, std::memory_order_relaxed);
-  return ffi::Error::Success();
-}
-
-// The same pushes as driver calls: per peer a side stream (one for all when
-// serial), and per chunk a copy and a stream write of its flag.
-ffi::Error PushByCalls(cudaStream_t stream, int device_ordinal, const PushPlan& plan,
-                       const char* source, cuuint32_t epoch, std::uintptr_t sent,
-                       StreamValue32Fn write32) {
-  SideStreams* side = nullptr;
-  if (std::string err = SideStreamPool::Get().Acquire(device_ordinal, plan.world, &side);
-      !err.empty()) {
-    return Failed(err);
-  }
-  JAXTDIST_RETURN_IF_ERROR(Check(cudaEventRecord(side->fork, stream), "cudaEventRecord"));
-  for (std::int64_t s = 1; s < plan.world; ++s) {
-    const std::int64_t dst = (plan.me + s) % plan.world;
-    cudaStream_t st = side->streams[plan.serial ? 1 : s];
-    auto cu_st = reinterpret_cast<CUstream>(st);
-    if (!plan.serial || s == 1) {
-      JAXTDIST_RETURN_IF_ERROR(
-          Check(cudaStreamWaitEvent(st, side->fork, 0), "cudaStreamWaitEvent"));
-    }
-    for (std::int64_t c = 0; c < plan.n_chunks; ++c) {
-      JAXTDIST_RETURN_IF_ERROR(Check(cudaMemcpyAsync(plan.Inbox(dst, c),
-                                                     source + c * plan.chunk_bytes,
-                                                     plan.ChunkBytes(c), cudaMemcpyDefault, st),
-                                     "peer push"));
-      // Default flags: the write is ordered after the copy's data.
-      JAXTDIST_RETURN_IF_ERROR(
-          CheckDriver(write32(cu_st, static_cast<CUdeviceptr>(plan.Flag(dst, c)), epoch, 0),
-                      "cuStreamWriteValue32 (peer chunk flag)"));
-    }
-    JAXTDIST_RETURN_IF_ERROR(
-        CheckDriver(write32(cu_st, static_cast<CUdeviceptr>(sent + 4 * s), epoch, 0),
-                    "cuStreamWriteValue32 (sent word)"));
-  }
-  Counters().call_pushes.fetch_add(1, std::memory_order_relaxed);
-  return ffi::Error::Success();
 }
 
 ffi::Error CeGatherCuda(cudaStream_t stream, std::int32_t device_ordinal, ffi::AnyBuffer x,
@@ -345,7 +312,7 @@ ffi::Error CeGatherCuda(cudaStream_t stream, std::int32_t device_ordinal, ffi::A
                         std::int64_t parity_bytes, std::int64_t flags_offset,
                         std::int64_t sent_offset, std::int64_t chunk_rows,
                         std::int64_t generation, std::int64_t align_launch,
-                        std::int64_t serial, std::int64_t by_graph) {
+                        std::int64_t serial, std::int64_t by_thread) {
   const LaunchClock::time_point entered = LaunchClock::now();
   // ctx_out aliases ctx: the kernel that takes it is ordered after this call.
   (void)ctx;
@@ -362,21 +329,22 @@ ffi::Error CeGatherCuda(cudaStream_t stream, std::int32_t device_ordinal, ffi::A
   const std::int64_t* group = RuntimeState::GroupOf(
       groups.begin(), static_cast<std::int64_t>(groups.size()), world, *pos, &group_err);
   if (group == nullptr) return ffi::Error::InvalidArgument("jaxtdist copy-engine gather: " + group_err);
-  std::int64_t me = -1;
-  std::vector<std::uintptr_t> bases(world);
+  PushTask task;
+  PushPlan& plan = task.plan;
+  plan.me = -1;
+  plan.bases.resize(world);
   for (std::int64_t r = 0; r < world; ++r) {
-    if (group[r] == *pos) me = r;
+    if (group[r] == *pos) plan.me = r;
     auto peer = RuntimeState::Get().Heap(static_cast<int>(group[r]));
     if (!peer) return Failed("no heap for mesh position " + std::to_string(group[r]));
-    bases[r] = peer->base;
+    plan.bases[r] = peer->base;
   }
   auto heap = RuntimeState::Get().Heap(*pos);
-  if (me < 0) return Failed("mesh position " + std::to_string(*pos) + " is not in its group");
+  if (plan.me < 0) return Failed("mesh position " + std::to_string(*pos) + " is not in its group");
 
   const std::int64_t shard_bytes = static_cast<std::int64_t>(x.size_bytes());
   const std::int64_t rows = x.dimensions().size() == 0 ? 1 : x.dimensions()[0];
   if (rows < 1 || chunk_rows < 1 || shard_bytes % rows) return Failed("bad shard shape");
-  const std::int64_t row_bytes = shard_bytes / rows;
   const std::int64_t n_chunks = (rows + chunk_rows - 1) / chunk_rows;
   if (parity_bytes < world * shard_bytes || inbox_offset < 0 ||
       inbox_offset + 2 * parity_bytes > heap->bytes || sent_offset < 0 ||
@@ -387,26 +355,27 @@ ffi::Error CeGatherCuda(cudaStream_t stream, std::int32_t device_ordinal, ffi::A
   const std::int64_t epoch = RuntimeState::Get().PeekEpoch(counter_id, *pos);
   if (world == 1) return ffi::Error::Success();
 
-  PushPlan plan;
   plan.world = world;
-  plan.me = me;
   plan.n_chunks = n_chunks;
-  plan.chunk_bytes = chunk_rows * row_bytes;
+  plan.chunk_bytes = chunk_rows * (shard_bytes / rows);
   plan.shard_bytes = shard_bytes;
   plan.inbox = inbox_offset + (epoch & 1) * parity_bytes;
   plan.flags_offset = flags_offset;
   plan.serial = serial != 0;
-  plan.bases = std::move(bases);
-  const auto* shard = static_cast<const char*>(x.untyped_data());
-  const std::uintptr_t sent = plan.bases[me] + sent_offset;
-  const auto e = static_cast<cuuint32_t>(epoch);
+  task.source = static_cast<const char*>(x.untyped_data());
+  task.epoch = static_cast<cuuint32_t>(epoch);
+  task.sent = plan.bases[plan.me] + sent_offset;
   const LaunchClock::time_point enqueuing = LaunchClock::now();
-  JAXTDIST_RETURN_IF_ERROR(
-      by_graph ? PushByGraph(stream, device_ordinal, plan, shard, e, sent, write32)
-               : PushByCalls(stream, device_ordinal, plan, shard, e, sent, write32));
+  DevicePusher& pusher = PusherPool::Get().Of(device_ordinal);
+  std::string err = by_thread ? pusher.Submit(stream, std::move(task), write32)
+                              : pusher.PushInline(stream, task, write32);
+  if (!err.empty()) return Failed(err);
   AddTime(Counters().enqueue_ns, enqueuing);
-  // Every push is enqueued; the GEMM kernel is next: meet the group's other
-  // host threads so that no device's kernel starts long before its peers push.
+  (by_thread ? Counters().thread_pushes : Counters().inline_pushes)
+      .fetch_add(1, std::memory_order_relaxed);
+  // The pushes are enqueued (or queued); the GEMM kernel is next: meet the
+  // group's other host threads so that no device's kernel starts long
+  // before its peers push.
   if (align_launch) {
     RuntimeState::Get().aligner().Arrive(counter_id, epoch, group[0], world, *pos, entered);
   }
@@ -419,14 +388,15 @@ ffi::Error CeGatherCuda(cudaStream_t stream, std::int32_t device_ordinal, ffi::A
 CePushStats GetCePushStats() {
   const PushCounters& c = Counters();
   CePushStats stats;
-  stats.graphs_built = c.graphs_built.load(std::memory_order_relaxed);
-  stats.graph_launches = c.graph_launches.load(std::memory_order_relaxed);
-  stats.graph_retargets = c.graph_retargets.load(std::memory_order_relaxed);
-  stats.call_pushes = c.call_pushes.load(std::memory_order_relaxed);
+  stats.inline_pushes = c.inline_pushes.load(std::memory_order_relaxed);
+  stats.thread_pushes = c.thread_pushes.load(std::memory_order_relaxed);
   stats.handler_us = c.handler_ns.load(std::memory_order_relaxed) * 1e-3;
   stats.enqueue_us = c.enqueue_ns.load(std::memory_order_relaxed) * 1e-3;
+  stats.thread_enqueue_us = c.thread_enqueue_ns.load(std::memory_order_relaxed) * 1e-3;
   return stats;
 }
+
+void DrainCePushes() { PusherPool::Get().DrainAll(); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtdistCeGatherCuda, CeGatherCuda,
                               ffi::Ffi::Bind()
@@ -446,6 +416,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtdistCeGatherCuda, CeGatherCuda,
                                   .Attr<std::int64_t>("generation")
                                   .Attr<std::int64_t>("align_launch")
                                   .Attr<std::int64_t>("serial")
-                                  .Attr<std::int64_t>("by_graph"));
+                                  .Attr<std::int64_t>("by_thread"));
 
 }  // namespace jaxtdist

@@ -1,8 +1,9 @@
 // The copy-engine producer of ag_matmul: an XLA FFI handler that pushes
 // this rank's shard into every peer's heap inbox with peer copies (the
-// copy engines; one CUDA graph launch per call) on a side stream and raises
-// a flag per chunk, while the GEMM kernel, launched right after it on XLA's
-// stream, uses every SM and waits on those flags.
+// copy engines) on side streams and raises a flag per chunk with stream
+// memory writes, while the GEMM kernel, launched right after it on XLA's
+// stream, uses every SM and waits on those flags. A push thread per device
+// can do the enqueuing, off XLA's thread.
 #ifndef JAXTDIST_CSRC_CE_GATHER_H_
 #define JAXTDIST_CSRC_CE_GATHER_H_
 
@@ -12,16 +13,19 @@
 
 namespace jaxtdist {
 
-// Process-wide counts of how the copy-engine handler enqueued its pushes.
+// Process-wide counts and host times of the copy-engine handler's calls.
 struct CePushStats {
-  std::int64_t graphs_built = 0;     // CUDA graphs built (one per plan and device)
-  std::int64_t graph_launches = 0;   // calls pushed by one graph launch
-  std::int64_t graph_retargets = 0;  // cached graphs re-pointed at a new x
-  std::int64_t call_pushes = 0;      // calls pushed by a driver call per chunk
-  double handler_us = 0;             // host time in the handler, launch rendezvous included
-  double enqueue_us = 0;             // of which enqueuing the pushes
+  std::int64_t inline_pushes = 0;  // calls whose handler enqueued the pushes
+  std::int64_t thread_pushes = 0;  // calls handed to the device's push thread
+  double handler_us = 0;           // host time in the handler, launch rendezvous included
+  double enqueue_us = 0;           // of which enqueuing or handing over the pushes
+  double thread_enqueue_us = 0;    // push threads' time enqueuing
 };
 CePushStats GetCePushStats();
+
+// Waits until every push thread has enqueued the calls handed to it (before
+// the heaps are freed).
+void DrainCePushes();
 
 extern "C" XLA_FFI_Error* JaxtdistCeGatherCuda(XLA_FFI_CallFrame* call_frame);
 

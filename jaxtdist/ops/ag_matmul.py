@@ -43,8 +43,8 @@ def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
     overlap the previous tile's epilogue: True, False, or "auto" (``flattens``).
     PUSH_ORDER (copy engines only: "serial" or "parallel", ``PUSH_ORDERS``) is
     not set here: it follows the producer chosen (``settle_config``).
-    PUSH_ENQUEUE (copy engines only, ``PUSH_ENQUEUES``): "graph" (default) or
-    "calls", how the host enqueues the pushes.
+    PUSH_ENQUEUE (copy engines only, ``PUSH_ENQUEUES``): "thread" (default) or
+    "inline", which host thread enqueues the pushes.
     GEMM="cublas" (``GEMMS``) replaces the fused Triton kernel by one library
     GEMM per source rank (cuBLASLt on GPUs; algorithm GEMM_ALGO of its
     heuristic), each after a one-program kernel has waited for that rank's
@@ -138,10 +138,12 @@ GEMMS = ("triton", "cublas")
 # copy engines' default: 186.9 vs 190.2 us at 1024/4096/4096, 1242.9 vs 1268.5
 # at 2048/7168/8192 on 4 x H200, fewer slow rounds (docs/perf, run AA).
 PUSH_ORDERS = ("parallel", "serial")
-# PRODUCER="ce": "graph" enqueues a call's pushes as one CUDA graph launch;
-# "calls" as a copy and a flag write per chunk and peer, which made calls
-# host-bound back to back (docs/perf, run BB: wall 1.8-2.7x the kernel time).
-PUSH_ENQUEUES = ("graph", "calls")
+# PRODUCER="ce": who enqueues a call's pushes (a copy and a flag write per
+# chunk and peer, about 2 us of host time each): "thread", a push thread per
+# device, while XLA's thread goes on to launch the GEMM; "inline", the
+# handler itself, which made back-to-back calls host-bound (docs/perf, run
+# BB). A CUDA graph of the pushes cost the host as much to launch (run BC).
+PUSH_ENQUEUES = ("thread", "inline")
 # "auto" cuts a tail when its runs are at most this fraction of a tile's K.
 # Measured on 4 x H200 (docs/perf/ag_matmul_stream_k_*): runs of 0.34 of a
 # tile gained 1.3%; runs of 0.58-0.89 lost 0.7-18% (the partials' round trip
@@ -262,12 +264,12 @@ def check_config(cfg: dict, world: int, m_shard: int, k: int, n: int | None = No
     if cfg["PUSH_ORDER"] == "serial" and cfg["PRODUCER"] != "ce":
         raise ValueError("jaxtdist.ag_matmul: config PUSH_ORDER='serial' needs PRODUCER='ce' "
                          "(it orders the copy engines' pushes)")
-    cfg.setdefault("PUSH_ENQUEUE", "graph")
+    cfg.setdefault("PUSH_ENQUEUE", "thread")
     if cfg["PUSH_ENQUEUE"] not in PUSH_ENQUEUES:
         raise ValueError(f"jaxtdist.ag_matmul: config PUSH_ENQUEUE={cfg['PUSH_ENQUEUE']!r}; "
-                         f"allowed: {PUSH_ENQUEUES} (the copy engines' pushes as one CUDA graph "
-                         "launch per call, or as a driver call per chunk)")
-    if cfg["PUSH_ENQUEUE"] != "graph" and cfg["PRODUCER"] != "ce":
+                         f"allowed: {PUSH_ENQUEUES} (a push thread per device enqueues the copy "
+                         "engines' pushes, or the handler itself)")
+    if cfg["PUSH_ENQUEUE"] != "thread" and cfg["PRODUCER"] != "ce":
         raise ValueError(f"jaxtdist.ag_matmul: config PUSH_ENQUEUE={cfg['PUSH_ENQUEUE']!r} needs "
                          "PRODUCER='ce' (it is how the copy engines' pushes are enqueued)")
     if cfg["CHUNK_ROWS"] > cfg["BLOCK_M"] and cfg["PRODUCER"] in ("sm", "push"):
@@ -531,7 +533,7 @@ def _push_shards(rt, layout, ws, offsets: dict, ctx, x, cfg: dict) -> jax.Array:
                     sent_offset=np.int64(offsets["SENT_OFF"]),
                     chunk_rows=np.int64(cfg["CHUNK_ROWS"]), generation=np.int64(rt.generation),
                     align_launch=np.int64(1), serial=np.int64(cfg["PUSH_ORDER"] == "serial"),
-                    by_graph=np.int64(cfg.get("PUSH_ENQUEUE", "graph") == "graph"))
+                    by_thread=np.int64(cfg.get("PUSH_ENQUEUE", "thread") == "thread"))
     done = _call.launch(push_shards_kernel, ctx, x, out_shape=jax.ShapeDtypeStruct((1,), jnp.int32),
                         grid=(cfg["NUM_COMM"],), num_warps=4, num_stages=1, M_SHARD=m_shard,
                         K=k, NUM_COMM=cfg["NUM_COMM"], CHUNK_ROWS=cfg["CHUNK_ROWS"],

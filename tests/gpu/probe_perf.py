@@ -373,13 +373,13 @@ def probe_host_rate(calls=200, repeats=3, iterations=20,
     """Is a call host-bound? Wall time per call of ``calls`` back-to-back calls
     (host enqueue included, one block at the end; the contenders alternate)
     next to the kernel time (CUPTI): jaxtdist's shipped config with the copy
-    engines' pushes enqueued as one CUDA graph launch ("graph", the default),
-    the same with launch alignment off ("graph_unaligned"), and as a copy and
-    a flag write per chunk and peer ("calls"); XLA's all_gather + dot (the
-    bench's contender (b)). The first shape's GPU work is small: its wall per
-    call is the host's cost. Host time per call and device in jaxtdist's
-    handlers: the copy-engine handler (``handler``, of which ``enqueue`` and,
-    with every launch rendezvous of the call, ``waits``)."""
+    engines' pushes enqueued by the device's push thread ("thread", the
+    default), the same with launch alignment off ("thread_unaligned"), and by
+    the handler ("inline"); XLA's all_gather + dot (the bench's contender
+    (b)). The first shape's GPU work is small: its wall per call is the
+    host's cost. Host time per call and device in the copy-engine handler
+    (``handler``, of which ``enqueue``; ``waits``: every launch rendezvous of
+    the call) and in the push thread (``thread``)."""
     import time
     mesh = mesh_of(4)
     rt = td.initialize(mesh)
@@ -388,17 +388,17 @@ def probe_host_rate(calls=200, repeats=3, iterations=20,
         args, _ = _sharded_args(mesh, m, n, k)
         tuned = _shipped_config(rt, m, n, k)
         fns = {enqueue: _ag_fn(mesh, dict(tuned, PUSH_ENQUEUE=enqueue))
-               for enqueue in ("graph", "calls")}
-        fns["graph_unaligned"] = fns["graph"]
+               for enqueue in ("thread", "inline")}
+        fns["thread_unaligned"] = fns["thread"]
         fns["xla"] = jax.jit(jax.shard_map(
             lambda x, w: jnp.dot(jax.lax.all_gather(x, "tp", tiled=True), w), **_ag_specs(mesh)))
         walls = {name: [] for name in fns}
-        spent = {name: dict(handler=0.0, enqueue=0.0, waits=0.0) for name in fns}
+        spent = {name: dict(handler=0.0, enqueue=0.0, waits=0.0, thread=0.0) for name in fns}
         for f in fns.values():
             f(*args).block_until_ready()
         for _ in range(repeats):
             for name, f in fns.items():
-                rt.align_launches = name != "graph_unaligned"
+                rt.align_launches = name != "thread_unaligned"
                 ce, align = native.ce_push_stats(), native.launch_alignment_stats()
                 start = time.perf_counter()
                 for _ in range(calls):
@@ -407,8 +407,9 @@ def probe_host_rate(calls=200, repeats=3, iterations=20,
                 walls[name].append((time.perf_counter() - start) / calls * 1e6)
                 ce_after, align_after = native.ce_push_stats(), native.launch_alignment_stats()
                 per = calls * 4 * repeats
-                spent[name]["handler"] += (ce_after["handler_us"] - ce["handler_us"]) / per
-                spent[name]["enqueue"] += (ce_after["enqueue_us"] - ce["enqueue_us"]) / per
+                for key, stat in (("handler", "handler_us"), ("enqueue", "enqueue_us"),
+                                  ("thread", "thread_enqueue_us")):
+                    spent[name][key] += (ce_after[stat] - ce[stat]) / per
                 spent[name]["waits"] += (align_after["wait_us"] - align["wait_us"]) / per
         rt.align_launches = True
         chunks = -(-m // (tuned.get("CHUNK_ROWS") or m))
@@ -737,7 +738,9 @@ PROBES = {
     "--gemm-modes": lambda: probe_gemm_modes(),
     "--cublas-chunks": lambda: probe_cublas_chunks(),
     "--decode": lambda: probe_decode(),
-    "--host-rate": lambda: probe_host_rate(),
+    "--host-rate": lambda: probe_host_rate(**({"shapes": [
+        tuple(int(v) for v in shape.split(",")) for shape in _flag_values("--shape")]}
+        if "--shape" in sys.argv else {})),
     "--configs": lambda: probe_configs(
         json.loads(_flag_values("--configs")[0]),
         [tuple(int(v) for v in shape.split(",")) for shape in _flag_values("--shape")]
