@@ -12,10 +12,11 @@
 // consumes them in.
 //
 // Enqueuing costs the host a driver call per copy and per flag, about 2 us
-// each (96 calls a call at 16 chunks and 4 ranks). With `by_thread` the
-// handler only records a fork event and hands the call to the device's push
-// thread (DevicePusher), which enqueues while XLA's thread goes on to launch
-// the GEMM; inline, the handler enqueues everything itself.
+// each (96 calls a call at 16 chunks and 4 ranks): coarser chunks are the
+// lever. Neither a CUDA graph of the pushes (its launch cost as much) nor a
+// push thread per device (its driver calls contend with XLA's thread and
+// ran twice as slow, late enough to double the kernel time) did better
+// (docs/perf, run BC).
 //
 // No stream ever waits on another device: streams that share a hardware
 // queue cannot then block each other across devices. The side streams fork
@@ -35,14 +36,11 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "cuda_driver.h"
@@ -83,8 +81,7 @@ struct PushTask {
 
 // CePushStats, as atomics.
 struct PushCounters {
-  std::atomic<std::int64_t> inline_pushes{0}, thread_pushes{0};
-  std::atomic<std::int64_t> handler_ns{0}, enqueue_ns{0}, thread_enqueue_ns{0};
+  std::atomic<std::int64_t> calls{0}, handler_ns{0}, enqueue_ns{0};
 };
 
 PushCounters& Counters() {
@@ -129,7 +126,7 @@ std::string EnqueuePushes(const std::vector<cudaStream_t>& streams, cudaEvent_t 
                                      static_cast<CUdeviceptr>(plan.Flag(dst, c)), task.epoch, 0));
   };
   // Parallel: chunk by chunk over the peers, so that every peer's first
-  // chunk is under way early when a push thread enqueues while the GEMM runs.
+  // chunk is under way while the rest are being enqueued.
   for (std::int64_t outer = 0; outer < (plan.serial ? plan.world - 1 : plan.n_chunks); ++outer) {
     for (std::int64_t inner = 0; inner < (plan.serial ? plan.n_chunks : plan.world - 1);
          ++inner) {
@@ -150,79 +147,32 @@ std::string EnqueuePushes(const std::vector<cudaStream_t>& streams, cudaEvent_t 
   return "";
 }
 
-// One device's side streams and push thread. The thread is started on the
-// first threaded call and lives as long as the process.
+// One device's side streams ([s]: the peer s ranks ahead; [1] alone when
+// serial) and fork event, created on first use and kept for the process.
 class DevicePusher {
  public:
   explicit DevicePusher(int device_ordinal) : device_(device_ordinal) {}
 
-  // Enqueues the pushes on this thread, after everything on `stream`.
-  std::string PushInline(cudaStream_t stream, const PushTask& task, StreamValue32Fn write32) {
-    // A thread's queued calls go first: their pushes precede these on the
-    // side streams (this call's fork waits on their kernels, which wait on them).
-    Drain();
-    std::lock_guard<std::mutex> lock(setup_mu_);
+  // Enqueues the pushes after everything on `stream`. Returns "" or what failed.
+  std::string Push(cudaStream_t stream, const PushTask& task, StreamValue32Fn write32) {
+    std::lock_guard<std::mutex> lock(mu_);
     if (auto e = Setup(task.plan.world); !e.empty()) return e;
-    if (auto e = CudaError(cudaEventRecord(inline_fork_, stream), "cudaEventRecord");
-        !e.empty()) {
+    if (auto e = CudaError(cudaEventRecord(fork_, stream), "cudaEventRecord"); !e.empty()) {
       return e;
     }
-    return EnqueuePushes(streams_, inline_fork_, task, write32);
-  }
-
-  // Records a fork event on `stream` and queues `task` for the push thread.
-  // Blocks while kRing calls are queued. Returns "" or what failed (an
-  // earlier queued call's failure included).
-  std::string Submit(cudaStream_t stream, PushTask task, StreamValue32Fn write32) {
-    std::lock_guard<std::mutex> one_at_a_time(submit_mu_);  // a fork event per call
-    std::unique_lock<std::mutex> lock(mu_);
-    if (!failure_.empty()) return failure_;
-    if (!thread_started_) {
-      {
-        std::lock_guard<std::mutex> setup(setup_mu_);
-        if (auto e = Setup(task.plan.world); !e.empty()) return e;
-      }
-      write32_ = write32;
-      std::thread([this] { Run(); }).detach();
-      thread_started_ = true;
-    }
-    space_.wait(lock, [&] { return submitted_ - enqueued_ < kRing; });
-    cudaEvent_t fork = forks_[submitted_ % kRing];
-    lock.unlock();
-    // Free to re-record: the call that last used it has been enqueued.
-    if (auto e = CudaError(cudaEventRecord(fork, stream), "cudaEventRecord"); !e.empty()) {
-      return e;
-    }
-    lock.lock();
-    queue_.push_back(std::move(task));
-    ++submitted_;
-    lock.unlock();
-    work_.notify_one();
-    return "";
-  }
-
-  // Waits until the push thread has enqueued every queued call.
-  void Drain() {
-    std::unique_lock<std::mutex> lock(mu_);
-    space_.wait(lock, [&] { return enqueued_ == submitted_; });
+    return EnqueuePushes(streams_, fork_, task, write32);
   }
 
  private:
-  static constexpr std::int64_t kRing = 8;  // calls queued at most
-
-  // Creates the side streams (world of them) and events once. Under setup_mu_.
   std::string Setup(std::int64_t world) {
-    if (static_cast<std::int64_t>(streams_.size()) >= world && inline_fork_ != nullptr) return "";
+    if (fork_ != nullptr && static_cast<std::int64_t>(streams_.size()) >= world) return "";
     int previous = 0;
     cudaGetDevice(&previous);
     std::string err = CudaError(cudaSetDevice(device_), "cudaSetDevice");
-    auto event = [&](cudaEvent_t* e) {
-      if (err.empty() && *e == nullptr) {
-        err = CudaError(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "cudaEventCreate");
-      }
-    };
-    event(&inline_fork_);
-    for (cudaEvent_t& fork : forks_) event(&fork);
+    if (err.empty() && fork_ == nullptr) {
+      err = CudaError(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming),
+                      "cudaEventCreate");
+    }
     while (err.empty() && static_cast<std::int64_t>(streams_.size()) < world) {
       cudaStream_t s = nullptr;
       err = CudaError(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -232,47 +182,10 @@ class DevicePusher {
     return err;
   }
 
-  void Run() {
-    cudaSetDevice(device_);
-    std::int64_t index = 0;
-    while (true) {
-      std::unique_lock<std::mutex> lock(mu_);
-      work_.wait(lock, [&] { return !queue_.empty(); });
-      PushTask task = std::move(queue_.front());
-      queue_.pop_front();
-      lock.unlock();
-      const LaunchClock::time_point start = LaunchClock::now();
-      std::string err;
-      {
-        std::lock_guard<std::mutex> setup(setup_mu_);
-        err = Setup(task.plan.world);
-        if (err.empty()) err = EnqueuePushes(streams_, forks_[index % kRing], task, write32_);
-      }
-      AddTime(Counters().thread_enqueue_ns, start);
-      ++index;
-      lock.lock();
-      // The call's kernel then waits out its timeout and reports it; the
-      // next call returns this.
-      if (!err.empty() && failure_.empty()) failure_ = "an earlier call's pushes failed: " + err;
-      ++enqueued_;
-      lock.unlock();
-      space_.notify_all();
-    }
-  }
-
   const int device_;
-  std::mutex setup_mu_;  // streams_ and events, and enqueuing on the side streams
-  std::vector<cudaStream_t> streams_;  // [s >= 1]: side streams; [0] unused
-  cudaEvent_t inline_fork_ = nullptr;
-  cudaEvent_t forks_[kRing] = {};
-  std::mutex submit_mu_;
-  std::mutex mu_;  // the queue and counts below
-  std::condition_variable work_, space_;
-  std::deque<PushTask> queue_;
-  std::int64_t submitted_ = 0, enqueued_ = 0;
-  bool thread_started_ = false;
-  std::string failure_;
-  StreamValue32Fn write32_ = nullptr;
+  std::mutex mu_;
+  std::vector<cudaStream_t> streams_;  // [0] unused
+  cudaEvent_t fork_ = nullptr;
 };
 
 class PusherPool {
@@ -286,14 +199,6 @@ class PusherPool {
     auto& pusher = by_device_[device_ordinal];
     if (!pusher) pusher = std::make_unique<DevicePusher>(device_ordinal);
     return *pusher;
-  }
-  void DrainAll() {
-    std::vector<DevicePusher*> all;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (auto& entry : by_device_) all.push_back(entry.second.get());
-    }
-    for (DevicePusher* pusher : all) pusher->Drain();
   }
 
  private:
@@ -312,7 +217,7 @@ ffi::Error CeGatherCuda(cudaStream_t stream, std::int32_t device_ordinal, ffi::A
                         std::int64_t parity_bytes, std::int64_t flags_offset,
                         std::int64_t sent_offset, std::int64_t chunk_rows,
                         std::int64_t generation, std::int64_t align_launch,
-                        std::int64_t serial, std::int64_t by_thread) {
+                        std::int64_t serial) {
   const LaunchClock::time_point entered = LaunchClock::now();
   // ctx_out aliases ctx: the kernel that takes it is ordered after this call.
   (void)ctx;
@@ -366,16 +271,14 @@ ffi::Error CeGatherCuda(cudaStream_t stream, std::int32_t device_ordinal, ffi::A
   task.epoch = static_cast<cuuint32_t>(epoch);
   task.sent = plan.bases[plan.me] + sent_offset;
   const LaunchClock::time_point enqueuing = LaunchClock::now();
-  DevicePusher& pusher = PusherPool::Get().Of(device_ordinal);
-  std::string err = by_thread ? pusher.Submit(stream, std::move(task), write32)
-                              : pusher.PushInline(stream, task, write32);
-  if (!err.empty()) return Failed(err);
+  if (std::string err = PusherPool::Get().Of(device_ordinal).Push(stream, task, write32);
+      !err.empty()) {
+    return Failed(err);
+  }
   AddTime(Counters().enqueue_ns, enqueuing);
-  (by_thread ? Counters().thread_pushes : Counters().inline_pushes)
-      .fetch_add(1, std::memory_order_relaxed);
-  // The pushes are enqueued (or queued); the GEMM kernel is next: meet the
-  // group's other host threads so that no device's kernel starts long
-  // before its peers push.
+  Counters().calls.fetch_add(1, std::memory_order_relaxed);
+  // Every push is enqueued; the GEMM kernel is next: meet the group's other
+  // host threads so that no device's kernel starts long before its peers push.
   if (align_launch) {
     RuntimeState::Get().aligner().Arrive(counter_id, epoch, group[0], world, *pos, entered);
   }
@@ -388,15 +291,11 @@ ffi::Error CeGatherCuda(cudaStream_t stream, std::int32_t device_ordinal, ffi::A
 CePushStats GetCePushStats() {
   const PushCounters& c = Counters();
   CePushStats stats;
-  stats.inline_pushes = c.inline_pushes.load(std::memory_order_relaxed);
-  stats.thread_pushes = c.thread_pushes.load(std::memory_order_relaxed);
+  stats.calls = c.calls.load(std::memory_order_relaxed);
   stats.handler_us = c.handler_ns.load(std::memory_order_relaxed) * 1e-3;
   stats.enqueue_us = c.enqueue_ns.load(std::memory_order_relaxed) * 1e-3;
-  stats.thread_enqueue_us = c.thread_enqueue_ns.load(std::memory_order_relaxed) * 1e-3;
   return stats;
 }
-
-void DrainCePushes() { PusherPool::Get().DrainAll(); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtdistCeGatherCuda, CeGatherCuda,
                               ffi::Ffi::Bind()
@@ -415,7 +314,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtdistCeGatherCuda, CeGatherCuda,
                                   .Attr<std::int64_t>("chunk_rows")
                                   .Attr<std::int64_t>("generation")
                                   .Attr<std::int64_t>("align_launch")
-                                  .Attr<std::int64_t>("serial")
-                                  .Attr<std::int64_t>("by_thread"));
+                                  .Attr<std::int64_t>("serial"));
 
 }  // namespace jaxtdist

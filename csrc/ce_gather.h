@@ -2,8 +2,7 @@
 // this rank's shard into every peer's heap inbox with peer copies (the
 // copy engines) on side streams and raises a flag per chunk with stream
 // memory writes, while the GEMM kernel, launched right after it on XLA's
-// stream, uses every SM and waits on those flags. A push thread per device
-// can do the enqueuing, off XLA's thread.
+// stream, uses every SM and waits on those flags.
 #ifndef JAXTDIST_CSRC_CE_GATHER_H_
 #define JAXTDIST_CSRC_CE_GATHER_H_
 
@@ -13,19 +12,13 @@
 
 namespace jaxtdist {
 
-// Process-wide counts and host times of the copy-engine handler's calls.
+// Process-wide count and host times of the copy-engine handler's calls.
 struct CePushStats {
-  std::int64_t inline_pushes = 0;  // calls whose handler enqueued the pushes
-  std::int64_t thread_pushes = 0;  // calls handed to the device's push thread
-  double handler_us = 0;           // host time in the handler, launch rendezvous included
-  double enqueue_us = 0;           // of which enqueuing or handing over the pushes
-  double thread_enqueue_us = 0;    // push threads' time enqueuing
+  std::int64_t calls = 0;
+  double handler_us = 0;  // host time in the handler, launch rendezvous included
+  double enqueue_us = 0;  // of which enqueuing the pushes
 };
 CePushStats GetCePushStats();
-
-// Waits until every push thread has enqueued the calls handed to it (before
-// the heaps are freed).
-void DrainCePushes();
 
 extern "C" XLA_FFI_Error* JaxtdistCeGatherCuda(XLA_FFI_CallFrame* call_frame);
 

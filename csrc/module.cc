@@ -65,9 +65,6 @@ PYBIND11_MODULE(_jaxtdist_ffi, m) {
     return slot ? jaxtdist::RecordedTimeout(*slot, position) : "";
   });
   m.def("reset", [](std::int64_t generation) {
-#ifdef JAXTDIST_WITH_CUDA
-    jaxtdist::DrainCePushes();  // no push may be enqueued into a freed heap
-#endif
     jaxtdist::RuntimeState::Get().Reset(generation);
   });
   m.def("peek_epoch", [](std::int64_t counter, int position) {
@@ -121,11 +118,9 @@ PYBIND11_MODULE(_jaxtdist_ffi, m) {
   m.def("ce_push_stats", [] {
     const jaxtdist::CePushStats st = jaxtdist::GetCePushStats();
     py::dict d;
-    d["inline_pushes"] = st.inline_pushes;
-    d["thread_pushes"] = st.thread_pushes;
+    d["calls"] = st.calls;
     d["handler_us"] = st.handler_us;
     d["enqueue_us"] = st.enqueue_us;
-    d["thread_enqueue_us"] = st.thread_enqueue_us;
     return d;
   });
   m.def("cuda_device_count", [] {

@@ -125,11 +125,7 @@ def test_stream_k_config_errors():
             (dict(base, PRODUCER="ce", PUSH_ORDER="ring"),
              r"PUSH_ORDER='ring'; allowed: \('parallel', 'serial'\)"),
             (dict(base, PRODUCER="sm", PUSH_ORDER="serial"),
-             "PUSH_ORDER='serial' needs PRODUCER='ce'"),
-            (dict(base, PRODUCER="ce", PUSH_ENQUEUE="graph"),
-             r"PUSH_ENQUEUE='graph'; allowed: \('thread', 'inline'\)"),
-            (dict(base, PRODUCER="sm", PUSH_ENQUEUE="inline"),
-             "PUSH_ENQUEUE='inline' needs PRODUCER='ce'")]:
+             "PUSH_ORDER='serial' needs PRODUCER='ce'")]:
         with pytest.raises(ValueError, match=match):
             _fn(mesh, config)(x, w)
 

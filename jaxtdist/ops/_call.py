@@ -21,6 +21,7 @@ from jax.experimental import io_callback
 
 from jaxtdist._errors import JaxtdistError, WaitTimeoutError
 from jaxtdist.language import _layout as L
+from jaxtdist.ops import _ffi
 from jaxtdist.runtime import _native
 from jaxtdist.runtime._runtime import Layout, Runtime, Workspace, runtime
 
@@ -110,9 +111,8 @@ def prologue(rt: Runtime, layout: Layout, ws: Workspace, op: str, stage: jax.Arr
     args = [position]
     if stage is not None:
         args.append(stage)
-    call = jax.ffi.ffi_call(_native.PROLOGUE_TARGET,
-                            jax.ShapeDtypeStruct((CTX_INT32_WORDS,), jnp.int32),
-                            has_side_effect=True)
+    call = _ffi.ffi_call(_native.PROLOGUE_TARGET,
+                         jax.ShapeDtypeStruct((CTX_INT32_WORDS,), jnp.int32), platform=rt.platform)
     return call(*args, template_offset=np.int64(layout.template_offset),
                 counter_id=np.int64(ws.counter_id), stage_offset=np.int64(stage_offset),
                 parity_bytes=np.int64(parity_bytes), generation=np.int64(rt.generation),

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from jaxtdist.ops import _ffi
 from jaxtdist.runtime import _native
 from jaxtdist.runtime._runtime import Runtime
 
@@ -158,7 +159,7 @@ def launch(rt: Runtime, kernel, args: Sequence[jax.Array], outs, grid, num_warps
         ws = rt.workspace(("triton_scratch", compiled.name, compiled.kernel_id, programs),
                           programs * compiled.scratch_bytes + align)
         scratch_offset = -(-ws.offset // align) * align
-    call = jax.ffi.ffi_call(_native.TRITON_LAUNCH_TARGET, list(outs), has_side_effect=True)
+    call = _ffi.ffi_call(_native.TRITON_LAUNCH_TARGET, list(outs), platform=rt.platform)
     counter, groups, world = (rendezvous if rendezvous is not None
                               else (-1, np.zeros(1, np.int64), 1))
     result = call(*args, kernel_id=np.int64(compiled.kernel_id), grid_x=np.int64(grid[0]),

@@ -12,7 +12,7 @@ import numpy as np
 from jaxtdist.kernels.ag_matmul import (ag_matmul_ce_kernel, ag_matmul_kernel,
                                         ag_matmul_tma_kernel, push_shards_kernel,
                                         shard_wait_kernel)
-from jaxtdist.ops import _call
+from jaxtdist.ops import _call, _ffi
 from jaxtdist.ops._shapes import (GatherWorkspace, InboxWorkspace, SplitKWorkspace,
                                   StreamKWorkspace, check_dtype, next_pow2)
 from jaxtdist._errors import HeapExhaustedError
@@ -43,8 +43,6 @@ def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
     overlap the previous tile's epilogue: True, False, or "auto" (``flattens``).
     PUSH_ORDER (copy engines only: "serial" or "parallel", ``PUSH_ORDERS``) is
     not set here: it follows the producer chosen (``settle_config``).
-    PUSH_ENQUEUE (copy engines only, ``PUSH_ENQUEUES``): "thread" (default) or
-    "inline", which host thread enqueues the pushes.
     GEMM="cublas" (``GEMMS``) replaces the fused Triton kernel by one library
     GEMM per source rank (cuBLASLt on GPUs; algorithm GEMM_ALGO of its
     heuristic), each after a one-program kernel has waited for that rank's
@@ -125,7 +123,7 @@ def _check(x, w, axis_name):
 
 
 _FLAG_KEYS = ("SCOPE", "ALL_ROWS", "TMA", "PRODUCER", "STREAM_K", "TAIL_SPLIT_N", "TAIL_STAGES",
-              "FLATTEN", "PUSH_ORDER", "PUSH_ENQUEUE", "GEMM", "GEMM_ALGO")
+              "FLATTEN", "PUSH_ORDER", "GEMM", "GEMM_ALGO")
 # "triton": one persistent Triton kernel waits for chunks tile by tile (fused);
 # "cublas": one library GEMM per source rank as its shard lands. Slower on every
 # shape measured on 4 x H200 (1.24-1.47x the fused kernel, docs/perf runs
@@ -138,12 +136,6 @@ GEMMS = ("triton", "cublas")
 # copy engines' default: 186.9 vs 190.2 us at 1024/4096/4096, 1242.9 vs 1268.5
 # at 2048/7168/8192 on 4 x H200, fewer slow rounds (docs/perf, run AA).
 PUSH_ORDERS = ("parallel", "serial")
-# PRODUCER="ce": who enqueues a call's pushes (a copy and a flag write per
-# chunk and peer, about 2 us of host time each): "thread", a push thread per
-# device, while XLA's thread goes on to launch the GEMM; "inline", the
-# handler itself, which made back-to-back calls host-bound (docs/perf, run
-# BB). A CUDA graph of the pushes cost the host as much to launch (run BC).
-PUSH_ENQUEUES = ("thread", "inline")
 # "auto" cuts a tail when its runs are at most this fraction of a tile's K.
 # Measured on 4 x H200 (docs/perf/ag_matmul_stream_k_*): runs of 0.34 of a
 # tile gained 1.3%; runs of 0.58-0.89 lost 0.7-18% (the partials' round trip
@@ -264,14 +256,6 @@ def check_config(cfg: dict, world: int, m_shard: int, k: int, n: int | None = No
     if cfg["PUSH_ORDER"] == "serial" and cfg["PRODUCER"] != "ce":
         raise ValueError("jaxtdist.ag_matmul: config PUSH_ORDER='serial' needs PRODUCER='ce' "
                          "(it orders the copy engines' pushes)")
-    cfg.setdefault("PUSH_ENQUEUE", "thread")
-    if cfg["PUSH_ENQUEUE"] not in PUSH_ENQUEUES:
-        raise ValueError(f"jaxtdist.ag_matmul: config PUSH_ENQUEUE={cfg['PUSH_ENQUEUE']!r}; "
-                         f"allowed: {PUSH_ENQUEUES} (a push thread per device enqueues the copy "
-                         "engines' pushes, or the handler itself)")
-    if cfg["PUSH_ENQUEUE"] != "thread" and cfg["PRODUCER"] != "ce":
-        raise ValueError(f"jaxtdist.ag_matmul: config PUSH_ENQUEUE={cfg['PUSH_ENQUEUE']!r} needs "
-                         "PRODUCER='ce' (it is how the copy engines' pushes are enqueued)")
     if cfg["CHUNK_ROWS"] > cfg["BLOCK_M"] and cfg["PRODUCER"] in ("sm", "push"):
         raise ValueError(f"jaxtdist.ag_matmul: CHUNK_ROWS={cfg['CHUNK_ROWS']} must divide "
                          f"BLOCK_M={cfg['BLOCK_M']}")
@@ -403,7 +387,6 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
     for key in ("STREAM_K", "TAIL_SPLIT_N", "TAIL_STAGES", "FLATTEN"):  # the CE kernel's alone
         cfg.pop(key)
     cfg.pop("PUSH_ORDER")
-    cfg.pop("PUSH_ENQUEUE", None)
     if cfg.pop("TMA"):
         for key in ("ALL_ROWS", "SPLIT_K"):
             cfg.pop(key)
@@ -524,16 +507,15 @@ def _push_shards(rt, layout, ws, offsets: dict, ctx, x, cfg: dict) -> jax.Array:
     """
     m_shard, k = x.shape
     if rt.platform == "gpu":
-        call = jax.ffi.ffi_call(_native.CE_GATHER_TARGET, jax.ShapeDtypeStruct(ctx.shape, ctx.dtype),
-                                has_side_effect=True, input_output_aliases={1: 0})
+        call = _ffi.ffi_call(_native.CE_GATHER_TARGET, jax.ShapeDtypeStruct(ctx.shape, ctx.dtype),
+                             platform=rt.platform, input_output_aliases={1: 0})
         return call(x, ctx, counter_id=np.int64(ws.counter_id), world=np.int64(layout.world),
                     groups=rt.group_table(layout), inbox_offset=np.int64(offsets["INBOX_OFF"]),
                     parity_bytes=np.int64(offsets["PARITY_BYTES"]),
                     flags_offset=np.int64(offsets["FLAGS_OFF"]),
                     sent_offset=np.int64(offsets["SENT_OFF"]),
                     chunk_rows=np.int64(cfg["CHUNK_ROWS"]), generation=np.int64(rt.generation),
-                    align_launch=np.int64(1), serial=np.int64(cfg["PUSH_ORDER"] == "serial"),
-                    by_thread=np.int64(cfg.get("PUSH_ENQUEUE", "thread") == "thread"))
+                    align_launch=np.int64(1), serial=np.int64(cfg["PUSH_ORDER"] == "serial"))
     done = _call.launch(push_shards_kernel, ctx, x, out_shape=jax.ShapeDtypeStruct((1,), jnp.int32),
                         grid=(cfg["NUM_COMM"],), num_warps=4, num_stages=1, M_SHARD=m_shard,
                         K=k, NUM_COMM=cfg["NUM_COMM"], CHUNK_ROWS=cfg["CHUNK_ROWS"],

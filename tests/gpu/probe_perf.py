@@ -372,14 +372,12 @@ def probe_host_rate(calls=200, repeats=3, iterations=20,
                             (2048, 3584, 4096))):
     """Is a call host-bound? Wall time per call of ``calls`` back-to-back calls
     (host enqueue included, one block at the end; the contenders alternate)
-    next to the kernel time (CUPTI): jaxtdist's shipped config with the copy
-    engines' pushes enqueued by the device's push thread ("thread", the
-    default), the same with launch alignment off ("thread_unaligned"), and by
-    the handler ("inline"); XLA's all_gather + dot (the bench's contender
-    (b)). The first shape's GPU work is small: its wall per call is the
-    host's cost. Host time per call and device in the copy-engine handler
-    (``handler``, of which ``enqueue``; ``waits``: every launch rendezvous of
-    the call) and in the push thread (``thread``)."""
+    next to the kernel time (CUPTI): jaxtdist's shipped config, the same with
+    launch alignment off ("unaligned") and with 4 chunks a shard; XLA's
+    all_gather + dot (the bench's contender (b)). The first shape's GPU work
+    is small: its wall per call is the host's cost. Host time per call and
+    device in the copy-engine handler (``handler``, of which ``enqueue``;
+    ``waits``: every launch rendezvous of the call)."""
     import time
     mesh = mesh_of(4)
     rt = td.initialize(mesh)
@@ -387,18 +385,20 @@ def probe_host_rate(calls=200, repeats=3, iterations=20,
     for m, n, k in shapes:
         args, _ = _sharded_args(mesh, m, n, k)
         tuned = _shipped_config(rt, m, n, k)
-        fns = {enqueue: _ag_fn(mesh, dict(tuned, PUSH_ENQUEUE=enqueue))
-               for enqueue in ("thread", "inline")}
-        fns["thread_unaligned"] = fns["thread"]
+        rows = tuned.get("CHUNK_ROWS") or m
+        fns = {f"shipped ({-(-m // rows)} chunks)": _ag_fn(mesh, tuned)}
+        fns["unaligned"] = fns[next(iter(fns))]
+        if m // 4 != rows:
+            fns["4 chunks"] = _ag_fn(mesh, dict(tuned, CHUNK_ROWS=m // 4))
         fns["xla"] = jax.jit(jax.shard_map(
             lambda x, w: jnp.dot(jax.lax.all_gather(x, "tp", tiled=True), w), **_ag_specs(mesh)))
         walls = {name: [] for name in fns}
-        spent = {name: dict(handler=0.0, enqueue=0.0, waits=0.0, thread=0.0) for name in fns}
+        spent = {name: dict(handler=0.0, enqueue=0.0, waits=0.0) for name in fns}
         for f in fns.values():
             f(*args).block_until_ready()
         for _ in range(repeats):
             for name, f in fns.items():
-                rt.align_launches = name != "thread_unaligned"
+                rt.align_launches = name != "unaligned"
                 ce, align = native.ce_push_stats(), native.launch_alignment_stats()
                 start = time.perf_counter()
                 for _ in range(calls):
@@ -407,16 +407,14 @@ def probe_host_rate(calls=200, repeats=3, iterations=20,
                 walls[name].append((time.perf_counter() - start) / calls * 1e6)
                 ce_after, align_after = native.ce_push_stats(), native.launch_alignment_stats()
                 per = calls * 4 * repeats
-                for key, stat in (("handler", "handler_us"), ("enqueue", "enqueue_us"),
-                                  ("thread", "thread_enqueue_us")):
+                for key, stat in (("handler", "handler_us"), ("enqueue", "enqueue_us")):
                     spent[name][key] += (ce_after[stat] - ce[stat]) / per
                 spent[name]["waits"] += (align_after["wait_us"] - align["wait_us"]) / per
         rt.align_launches = True
-        chunks = -(-m // (tuned.get("CHUNK_ROWS") or m))
         for name, f in fns.items():
             _, t = _profile(f, args, iterations, 4)
             host = ", ".join(f"{key} {us:.1f}" for key, us in spent[name].items())
-            print(f"host-rate {m}x{n}x{k} {name} ({chunks} chunks a shard): wall per call "
+            print(f"host-rate {m}x{n}x{k} {name}: wall per call "
                   f"{[round(w, 1) for w in walls[name]]} us (host clock), kernel "
                   f"{t['mean_us']:.1f} fastest {t['min_us']:.1f} us (CUPTI); host us per call "
                   f"and device: {host}", flush=True)

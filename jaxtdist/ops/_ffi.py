@@ -1,0 +1,86 @@
+"""FFI calls that XLA keeps as side effects, without a JAX effect.
+
+``jax.ffi.ffi_call(..., has_side_effect=True)`` also gives the call a JAX
+effect, and jit runs an executable with any effect through Python instead of
+its C++ dispatch path: tens of microseconds more host time per call, which
+back-to-back ag_matmul calls pay in full (docs/perf, run BC). jaxtdist's
+handlers need no JAX effect: data orders them (each takes the kernel context
+the previous one returns, and every prologue takes the previous op's output,
+``_call.program_order_deps``). XLA still sees ``has_side_effect``, so it never
+drops, merges, hoists or repeats one of them.
+
+On CPU, where the interpreter's host callbacks carry an effect anyway,
+``ffi_call`` is ``jax.ffi.ffi_call`` with ``has_side_effect=True``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.extend import core as jex_core
+from jax.interpreters import mlir
+
+_ffi_call_p = jex_core.Primitive("jaxtdist_ffi_call")
+_ffi_call_p.multiple_results = True
+
+
+def _freeze(value):
+    """A hashable primitive parameter for an attribute (int or int64 array)."""
+    if isinstance(value, np.ndarray):
+        return ("array", str(value.dtype), tuple(value.reshape(-1).tolist()))
+    return ("scalar", np.asarray(value).dtype.str, np.asarray(value).item())
+
+
+def _thaw(frozen):
+    kind, dtype, value = frozen
+    if kind == "array":
+        return np.asarray(value, dtype)
+    return np.asarray(value, dtype)[()]
+
+
+@_ffi_call_p.def_abstract_eval
+def _abstract_eval(*avals, target_name, results, aliases, attributes):
+    del avals, target_name, aliases, attributes
+    return [jax.core.ShapedArray(shape, np.dtype(dtype)) for shape, dtype in results]
+
+
+def _lowering(ctx, *operands, target_name, results, aliases, attributes):
+    del results
+    rule = jax.ffi.ffi_lowering(target_name, has_side_effect=True,
+                                operand_output_aliases=dict(aliases))
+    return rule(ctx, *operands, **{name: _thaw(v) for name, v in attributes})
+
+
+for _platform in ("cuda", "rocm"):
+    mlir.register_lowering(_ffi_call_p, _lowering, platform=_platform)
+
+
+def ffi_call(target_name: str, result_shape_dtypes, *, platform: str,
+             input_output_aliases: Mapping[int, int] | None = None) -> Callable:
+    """Like ``jax.ffi.ffi_call(target_name, result_shape_dtypes, has_side_effect=True,
+    input_output_aliases=...)``, with no JAX effect on GPUs (see the module doc).
+
+    Returns a function of the operands and the attributes (ints and int64 arrays).
+
+    Example (a handler registered for the GPU, with one int32 result)::
+
+      call = ffi_call("my_target", jax.ShapeDtypeStruct((4,), jnp.int32), platform="gpu")
+      out = call(x, step=np.int64(0))
+    """
+    if platform != "gpu":
+        return jax.ffi.ffi_call(target_name, result_shape_dtypes, has_side_effect=True,
+                                input_output_aliases=input_output_aliases)
+    several = isinstance(result_shape_dtypes, Sequence)
+    specs = list(result_shape_dtypes) if several else [result_shape_dtypes]
+    results = tuple((tuple(s.shape), np.dtype(s.dtype).str) for s in specs)
+    aliases = tuple(sorted((input_output_aliases or {}).items()))
+
+    def call(*operands, **attributes):
+        outs = _ffi_call_p.bind(
+            *operands, target_name=target_name, results=results, aliases=aliases,
+            attributes=tuple(sorted((name, _freeze(v)) for name, v in attributes.items())))
+        return list(outs) if several else outs[0]
+
+    return call

@@ -1,0 +1,61 @@
+"""jaxtdist's GPU FFI calls: XLA side effects without a JAX effect (ops/_ffi.py).
+
+Lowered for CUDA on the CPU machine: no GPU is needed to check the HLO.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxtdist.ops import _ffi
+
+from tests.conftest import setup
+
+TARGET = "jaxtdist_test_target"
+
+
+def _custom_calls(fn, *args) -> list[str]:
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return [line.strip() for line in text.splitlines() if "stablehlo.custom_call" in line]
+
+
+@pytest.mark.parametrize("aliases", [None, {0: 0}])
+@pytest.mark.parametrize("several", [False, True])
+def test_same_hlo_as_jax_ffi_call_without_an_effect(aliases, several):
+    """The HLO is jax.ffi.ffi_call's with has_side_effect=True; the jaxpr has no
+    effect, so jit keeps its C++ dispatch path."""
+    spec = jax.ShapeDtypeStruct((4,), jnp.int32)
+    specs = [spec, jax.ShapeDtypeStruct((2, 3), jnp.float32)] if several else spec
+    attrs = dict(step=np.int64(3), groups=np.arange(6, dtype=np.int64).reshape(2, 3).reshape(-1))
+    ours = _ffi.ffi_call(TARGET, specs, platform="gpu", input_output_aliases=aliases)
+    theirs = jax.ffi.ffi_call(TARGET, specs, has_side_effect=True, input_output_aliases=aliases)
+    x = jnp.arange(4, dtype=jnp.int32)
+    assert jax.make_jaxpr(lambda v: ours(v, **attrs))(x).effects == set()
+    assert jax.make_jaxpr(lambda v: theirs(v, **attrs))(x).effects != set()
+    out = jax.eval_shape(lambda v: ours(v, **attrs), x)
+    if several:
+        assert [(o.shape, o.dtype) for o in out] == [((4,), jnp.int32), ((2, 3), jnp.float32)]
+    else:
+        assert (out.shape, out.dtype) == ((4,), jnp.int32)
+    hlo = _custom_calls(lambda v: ours(v, **attrs), x)
+    assert hlo == _custom_calls(lambda v: theirs(v, **attrs), x)
+    assert len(hlo) == 1 and "has_side_effect = true" in hlo[0]
+
+
+@pytest.mark.parametrize("check_vma", [False, True])
+def test_inside_shard_map(check_vma):
+    mesh = setup(4)
+    call = _ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((4,), jnp.int32), platform="gpu")
+    f = jax.shard_map(lambda v: call(v, step=np.int64(1)), mesh=mesh, in_specs=P("tp"),
+                      out_specs=P("tp"), check_vma=check_vma)
+    hlo = _custom_calls(f, jnp.zeros((16,), jnp.int32))
+    assert len(hlo) == 1 and f"@{TARGET}" in hlo[0] and "has_side_effect = true" in hlo[0]
+
+
+def test_cpu_keeps_jax_ffi_call():
+    """On CPU the call is jax.ffi.ffi_call's, effect included."""
+    call = _ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((4,), jnp.int32), platform="cpu")
+    jaxpr = jax.make_jaxpr(lambda v: call(v, step=np.int64(1)))(jnp.zeros((4,), jnp.int32))
+    assert jaxpr.effects != set()
