@@ -27,7 +27,8 @@ def test_same_hlo_as_jax_ffi_call_without_an_effect(aliases, several):
     """The HLO is jax.ffi.ffi_call's with has_side_effect=True; the jaxpr has no
     effect, so jit keeps its C++ dispatch path."""
     spec = jax.ShapeDtypeStruct((4,), jnp.int32)
-    specs = [spec, jax.ShapeDtypeStruct((2, 3), jnp.float32)] if several else spec
+    specs = ([spec, jax.ShapeDtypeStruct((2, 3), jnp.bfloat16), jax.ShapeDtypeStruct((1,), jnp.float16)]
+             if several else spec)
     attrs = dict(step=np.int64(3), groups=np.arange(6, dtype=np.int64).reshape(2, 3).reshape(-1))
     ours = _ffi.ffi_call(TARGET, specs, platform="gpu", input_output_aliases=aliases)
     theirs = jax.ffi.ffi_call(TARGET, specs, has_side_effect=True, input_output_aliases=aliases)
@@ -36,7 +37,8 @@ def test_same_hlo_as_jax_ffi_call_without_an_effect(aliases, several):
     assert jax.make_jaxpr(lambda v: theirs(v, **attrs))(x).effects != set()
     out = jax.eval_shape(lambda v: ours(v, **attrs), x)
     if several:
-        assert [(o.shape, o.dtype) for o in out] == [((4,), jnp.int32), ((2, 3), jnp.float32)]
+        assert [(o.shape, o.dtype) for o in out] == [((4,), jnp.int32), ((2, 3), jnp.bfloat16),
+                                                     ((1,), jnp.float16)]
     else:
         assert (out.shape, out.dtype) == ((4,), jnp.int32)
     hlo = _custom_calls(lambda v: ours(v, **attrs), x)

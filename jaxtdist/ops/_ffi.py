@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 from jax.interpreters import mlir
@@ -30,7 +31,7 @@ def _freeze(value):
     """A hashable primitive parameter for an attribute (int or int64 array)."""
     if isinstance(value, np.ndarray):
         return ("array", str(value.dtype), tuple(value.reshape(-1).tolist()))
-    return ("scalar", np.asarray(value).dtype.str, np.asarray(value).item())
+    return ("scalar", np.asarray(value).dtype.name, np.asarray(value).item())
 
 
 def _thaw(frozen):
@@ -43,7 +44,7 @@ def _thaw(frozen):
 @_ffi_call_p.def_abstract_eval
 def _abstract_eval(*avals, target_name, results, aliases, attributes):
     del avals, target_name, aliases, attributes
-    return [jax.core.ShapedArray(shape, np.dtype(dtype)) for shape, dtype in results]
+    return [jax.core.ShapedArray(shape, jnp.dtype(dtype)) for shape, dtype in results]
 
 
 def _lowering(ctx, *operands, target_name, results, aliases, attributes):
@@ -74,7 +75,8 @@ def ffi_call(target_name: str, result_shape_dtypes, *, platform: str,
                                 input_output_aliases=input_output_aliases)
     several = isinstance(result_shape_dtypes, Sequence)
     specs = list(result_shape_dtypes) if several else [result_shape_dtypes]
-    results = tuple((tuple(s.shape), np.dtype(s.dtype).str) for s in specs)
+    # By name: numpy spells bfloat16 "|V2".
+    results = tuple((tuple(s.shape), jnp.dtype(s.dtype).name) for s in specs)
     aliases = tuple(sorted((input_output_aliases or {}).items()))
 
     def call(*operands, **attributes):

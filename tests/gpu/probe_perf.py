@@ -392,6 +392,9 @@ def probe_host_rate(calls=200, repeats=3, iterations=20,
             fns["4 chunks"] = _ag_fn(mesh, dict(tuned, CHUNK_ROWS=m // 4))
         fns["xla"] = jax.jit(jax.shard_map(
             lambda x, w: jnp.dot(jax.lax.all_gather(x, "tp", tiled=True), w), **_ag_specs(mesh)))
+        # jit's C++ dispatch path needs a program without JAX effects.
+        print(f"host-rate {m}x{n}x{k}: JAX effects of the jaxtdist program: "
+              f"{jax.make_jaxpr(fns['unaligned'])(*args).effects or 'none'}", flush=True)
         walls = {name: [] for name in fns}
         spent = {name: dict(handler=0.0, enqueue=0.0, waits=0.0) for name in fns}
         for f in fns.values():
