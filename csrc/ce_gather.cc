@@ -16,7 +16,7 @@
 // lever. Neither a CUDA graph of the pushes (its launch cost as much) nor a
 // push thread per device (its driver calls contend with XLA's thread and
 // ran twice as slow, late enough to double the kernel time) did better
-// (docs/perf, run BC).
+// (docs/perf, runs BC and BD).
 //
 // No stream ever waits on another device: streams that share a hardware
 // queue cannot then block each other across devices. The side streams fork

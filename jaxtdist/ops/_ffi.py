@@ -3,7 +3,7 @@
 ``jax.ffi.ffi_call(..., has_side_effect=True)`` also gives the call a JAX
 effect, and jit runs an executable with any effect through Python instead of
 its C++ dispatch path: tens of microseconds more host time per call, which
-back-to-back ag_matmul calls pay in full (docs/perf, run BC). jaxtdist's
+back-to-back ag_matmul calls pay in full (docs/perf, run BE). jaxtdist's
 handlers need no JAX effect: data orders them (each takes the kernel context
 the previous one returns, and every prologue takes the previous op's output,
 ``_call.program_order_deps``). XLA still sees ``has_side_effect``, so it never
