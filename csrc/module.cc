@@ -83,7 +83,7 @@ PYBIND11_MODULE(_jaxtdist_ffi, m) {
     d["timed_out"] = st.timed_out;
     d["disabled_because"] = st.disabled_because;
     d["max_spread_us"] = st.max_spread_us;
-  d["wait_us"] = st.wait_us;
+    d["wait_us"] = st.wait_us;
     py::list late;
     for (const auto& r : st.late) {
       py::list members;
