@@ -95,10 +95,6 @@ void AddTime(std::atomic<std::int64_t>& total_ns, LaunchClock::time_point since)
       std::memory_order_relaxed);
 }
 
-std::string CudaError(cudaError_t err, const char* what) {
-  return err == cudaSuccess ? "" : std::string(what) + ": " + cudaGetErrorString(err);
-}
-
 // Enqueues `task`'s pushes on `streams` ([s]: the peer s ranks ahead; [1]
 // alone when serial) after `fork`. Returns "" or what failed.
 std::string EnqueuePushes(const std::vector<cudaStream_t>& streams, cudaEvent_t fork,
@@ -106,7 +102,8 @@ std::string EnqueuePushes(const std::vector<cudaStream_t>& streams, cudaEvent_t 
   const PushPlan& plan = task.plan;
   const std::int64_t lanes = plan.serial ? 1 : plan.world - 1;
   for (std::int64_t lane = 1; lane <= lanes; ++lane) {
-    if (auto e = CudaError(cudaStreamWaitEvent(streams[lane], fork, 0), "cudaStreamWaitEvent");
+    if (auto e = cuda::RuntimeError(cudaStreamWaitEvent(streams[lane], fork, 0),
+                                    "cudaStreamWaitEvent");
         !e.empty()) {
       return e;
     }
@@ -114,9 +111,10 @@ std::string EnqueuePushes(const std::vector<cudaStream_t>& streams, cudaEvent_t 
   auto push = [&](std::int64_t s, std::int64_t c) -> std::string {
     const std::int64_t dst = (plan.me + s) % plan.world;
     cudaStream_t st = streams[plan.serial ? 1 : s];
-    if (auto e = CudaError(cudaMemcpyAsync(plan.Inbox(dst, c), task.source + c * plan.chunk_bytes,
-                                           plan.ChunkBytes(c), cudaMemcpyDefault, st),
-                           "peer push");
+    if (auto e = cuda::RuntimeError(
+            cudaMemcpyAsync(plan.Inbox(dst, c), task.source + c * plan.chunk_bytes,
+                            plan.ChunkBytes(c), cudaMemcpyDefault, st),
+            "peer push");
         !e.empty()) {
       return e;
     }
@@ -157,7 +155,8 @@ class DevicePusher {
   std::string Push(cudaStream_t stream, const PushTask& task, StreamValue32Fn write32) {
     std::lock_guard<std::mutex> lock(mu_);
     if (auto e = Setup(task.plan.world); !e.empty()) return e;
-    if (auto e = CudaError(cudaEventRecord(fork_, stream), "cudaEventRecord"); !e.empty()) {
+    if (auto e = cuda::RuntimeError(cudaEventRecord(fork_, stream), "cudaEventRecord");
+        !e.empty()) {
       return e;
     }
     return EnqueuePushes(streams_, fork_, task, write32);
@@ -168,14 +167,15 @@ class DevicePusher {
     if (fork_ != nullptr && static_cast<std::int64_t>(streams_.size()) >= world) return "";
     int previous = 0;
     cudaGetDevice(&previous);
-    std::string err = CudaError(cudaSetDevice(device_), "cudaSetDevice");
+    std::string err = cuda::RuntimeError(cudaSetDevice(device_), "cudaSetDevice");
     if (err.empty() && fork_ == nullptr) {
-      err = CudaError(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming),
-                      "cudaEventCreate");
+      err = cuda::RuntimeError(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming),
+                               "cudaEventCreate");
     }
     while (err.empty() && static_cast<std::int64_t>(streams_.size()) < world) {
       cudaStream_t s = nullptr;
-      err = CudaError(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+      err = cuda::RuntimeError(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking),
+                               "cudaStreamCreate");
       if (err.empty()) streams_.push_back(s);
     }
     cudaSetDevice(previous);

@@ -25,6 +25,12 @@ Fn DriverFunction(const char* name) {
   return reinterpret_cast<Fn>(sym);
 }
 
+// "" for cudaSuccess, else "<call> failed: <CUDA's description>".
+inline std::string RuntimeError(cudaError_t err, const char* call) {
+  if (err == cudaSuccess) return "";
+  return std::string(call) + " failed: " + cudaGetErrorString(err);
+}
+
 // "" for CUDA_SUCCESS, else "<call> failed with CUresult <code>".
 inline std::string DriverError(const char* call, CUresult res) {
   if (res == CUDA_SUCCESS) return "";

@@ -151,6 +151,27 @@ def ce_launches(monkeypatch):
     return seen
 
 
+def ag_matmul_fn(mesh, config=None, axis="tp", batch=None):
+    """jit(shard_map) of ``ag_matmul_with_gathered`` over ``axis`` with ``config``:
+    x rows and w columns sharded (x rows also over ``batch``, if given)."""
+    from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered
+    return jax.jit(jax.shard_map(
+        lambda x, w: ag_matmul_with_gathered(x, w, axis, config=config)[0], mesh=mesh,
+        in_specs=(P((batch, axis) if batch else axis, None), P(None, axis)),
+        out_specs=P(batch, axis)))
+
+
+def check_config_errors(cases, x_shape=(64, 64), w_shape=(64, 64)):
+    """Each (config, message) of ``cases`` raises ValueError with that message on a
+    2-rank ag_matmul call of float32 x and w (global shapes)."""
+    mesh = setup(2)
+    x = place(mesh, rand(x_shape, jnp.float32), P("tp", None))
+    w = place(mesh, rand(w_shape, jnp.float32), P(None, "tp"))
+    for config, match in cases:
+        with pytest.raises(ValueError, match=match):
+            ag_matmul_fn(mesh, config)(x, w)
+
+
 def check_ag_matmul_call(mesh, f, world, m, k, n, dtype):
     """One call of an ag_matmul ``f`` over "tp" (x rows, w columns sharded) on fresh
     random x [world * m, k] and w [k, world * n], against the float64 product."""

@@ -61,3 +61,21 @@ def test_cpu_keeps_jax_ffi_call():
     call = _ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((4,), jnp.int32), platform="cpu")
     jaxpr = jax.make_jaxpr(lambda v: call(v, step=np.int64(1)))(jnp.zeros((4,), jnp.int32))
     assert jaxpr.effects != set()
+
+
+def test_unused_outputs_are_not_dropped():
+    """With no JAX effect, only the DCE rule keeps a call whose outputs nothing
+    reads (in jit, in a nested jit, in a shard_map body)."""
+    mesh = setup(4)
+    call = _ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((4,), jnp.int32), platform="gpu")
+
+    def body(v):
+        call(v, step=np.int64(1))  # result dropped
+        return v + 1
+
+    nested = jax.jit(body)
+    sharded = jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"))
+    for fn, x in ((body, jnp.zeros((4,), jnp.int32)),
+                  (lambda v: nested(v) * 2, jnp.zeros((4,), jnp.int32)),
+                  (sharded, jnp.zeros((16,), jnp.int32))):
+        assert len([c for c in _custom_calls(fn, x) if f"@{TARGET}" in c]) == 1

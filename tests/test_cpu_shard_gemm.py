@@ -17,21 +17,14 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxtdist as td
-from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered, resolve_config
-from tests.conftest import (assert_close, check_ag_matmul_call, cpu_only, f64, place, rand,
-                            setup)
+from jaxtdist.ops.ag_matmul import resolve_config
+from tests.conftest import (ag_matmul_fn, assert_close, check_ag_matmul_call, check_config_errors,
+                            cpu_only, f64, place, rand, setup)
 
 pytestmark = cpu_only()
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 CUBLAS = dict(GEMM="cublas")
-
-
-def _fn(mesh, config, axis="tp", batch=None):
-    return jax.jit(jax.shard_map(
-        lambda x, w: ag_matmul_with_gathered(x, w, axis, config=config)[0], mesh=mesh,
-        in_specs=(P((batch, axis) if batch else axis, None), P(None, axis)),
-        out_specs=P(batch, axis)))
 
 
 @pytest.mark.parametrize("world,dtype,shape", [
@@ -42,12 +35,9 @@ def test_shard_gemm_matches_reference_over_chained_calls(world, dtype, shape):
     """Several calls on fresh data: both inbox parities, every step's rows."""
     mesh = setup(world)
     m, k, n = shape
-    f = _fn(mesh, CUBLAS)
+    f = ag_matmul_fn(mesh, CUBLAS)
     for _ in range(3):
-        x = rand((world * m, k), dtype)
-        w = rand((k, world * n), dtype)
-        out = f(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp")))
-        assert_close(out, f64(x) @ f64(w), dtype)
+        check_ag_matmul_call(mesh, f, world, m, k, n, dtype)
 
 
 def test_shard_gemm_interleaved_with_the_fused_kernel():
@@ -55,7 +45,7 @@ def test_shard_gemm_interleaved_with_the_fused_kernel():
     world, m, k, n = 4, 16, 32, 16
     mesh = setup(world)
     base = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, TMA=True, PRODUCER="ce")
-    fused, by_shard = _fn(mesh, base), _fn(mesh, CUBLAS)
+    fused, by_shard = ag_matmul_fn(mesh, base), ag_matmul_fn(mesh, CUBLAS)
     for f in (by_shard, fused, by_shard, by_shard, fused):
         check_ag_matmul_call(mesh, f, world, m, k, n, F32)
 
@@ -66,7 +56,7 @@ def test_shard_gemm_on_tp_of_a_dp_tp_mesh():
     m, k, n = 16, 32, 8
     x = rand((4 * m, k), F32)
     w = rand((k, 2 * n), F32)
-    f = _fn(mesh, CUBLAS, batch="dp")
+    f = ag_matmul_fn(mesh, CUBLAS, batch="dp")
     out = f(place(mesh, x, P(("dp", "tp"), None)), place(mesh, w, P(None, "tp")))
     ref = np.concatenate([f64(x[:2 * m]) @ f64(w), f64(x[2 * m:]) @ f64(w)])
     assert_close(out, ref, F32)
@@ -96,16 +86,12 @@ def test_shard_gemm_gradients(monkeypatch):
 
 
 def test_shard_gemm_config_errors():
-    mesh = setup(2)
-    x = place(mesh, rand((32, 16), F32), P("tp", None))
-    w = place(mesh, rand((16, 16), F32), P(None, "tp"))
-    for config, match in [
-            (dict(GEMM="cutlass"), r"GEMM='cutlass'; allowed: \('triton', 'cublas'\)"),
-            (dict(GEMM="cublas", PRODUCER="sm"), "GEMM='cublas' needs PRODUCER='ce'"),
-            (dict(GEMM="cublas", GEMM_ALGO=-1), "GEMM_ALGO=-1 must be an int >= 0"),
-            (dict(GEMM="cublas", GEMM_ALGO=1.5), "GEMM_ALGO=1.5 must be an int >= 0")]:
-        with pytest.raises(ValueError, match=match):
-            _fn(mesh, config)(x, w)
+    check_config_errors([
+        (dict(GEMM="cutlass"), r"GEMM='cutlass'; allowed: \('triton', 'cublas'\)"),
+        (dict(GEMM="cublas", PRODUCER="sm"), "GEMM='cublas' needs PRODUCER='ce'"),
+        (dict(GEMM="cublas", GEMM_ALGO=-1), "GEMM_ALGO=-1 must be an int >= 0"),
+        (dict(GEMM="cublas", GEMM_ALGO=1.5), "GEMM_ALGO=1.5 must be an int >= 0")],
+        x_shape=(32, 16), w_shape=(16, 16))
 
 
 def test_shard_gemm_config_defaults():

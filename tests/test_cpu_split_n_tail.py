@@ -8,13 +8,12 @@ one tail tile, cut in two.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import PartitionSpec as P
 
-from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered, flattens, split_n_tail, tail_stages
-from tests.conftest import check_ag_matmul_call, cpu_only, place, rand, setup
+from jaxtdist.ops.ag_matmul import flattens, split_n_tail, tail_stages
+from tests.conftest import (ag_matmul_fn, check_ag_matmul_call, check_config_errors, cpu_only,
+                            setup)
 
 pytestmark = cpu_only()
 
@@ -58,23 +57,6 @@ def test_tail_stages_rule(blocks, num_stages, pieces, mode, expected):
                        num_stages * (block_m + block_n // pieces) * block_k))
 
 
-def _fn(mesh, config):
-    return jax.jit(jax.shard_map(
-        lambda x, w: ag_matmul_with_gathered(x, w, "tp", config=config)[0], mesh=mesh,
-        in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
-
-
-def _check_config_errors(cases):
-    """Each (config, message) of ``cases`` raises ValueError with that message on a
-    2-rank copy-engine call."""
-    mesh = setup(2)
-    x = place(mesh, rand((64, 64), F32), P("tp", None))
-    w = place(mesh, rand((64, 64), F32), P(None, "tp"))
-    for config, match in cases:
-        with pytest.raises(ValueError, match=match):
-            _fn(mesh, config)(x, w)
-
-
 _CE_BASE = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, TMA=True, PRODUCER="ce")
 
 # (world, dtype, (m_shard, k, n_shard), config): one tail tile in two 16-wide
@@ -92,7 +74,7 @@ SPLIT_CASES = [
 def test_split_n_tail_is_exact(world, dtype, shape, config, ce_launches):
     mesh = setup(world)
     m, k, n = shape
-    f = _fn(mesh, dict(config, TMA=True, PRODUCER="ce"))  # TAIL_SPLIT_N: "auto"
+    f = ag_matmul_fn(mesh, dict(config, TMA=True, PRODUCER="ce"))  # TAIL_SPLIT_N: "auto"
     for _ in range(3):  # flags and inboxes carry over between calls
         check_ag_matmul_call(mesh, f, world, m, k, n, dtype)
     tails = [(c["TAIL_TILES"], c["TAIL_SPLIT_N"], c["TAIL_UNITS"]) for c in ce_launches]
@@ -105,7 +87,7 @@ def test_split_n_tail_stages_asked_for(stages, ce_launches):
     """An explicit TAIL_STAGES reaches the kernel, and the pieces stay exact."""
     world, m, k, n = 2, 32, 64, 32
     mesh = setup(world)
-    check_ag_matmul_call(mesh, _fn(mesh, dict(_CE_BASE, TAIL_STAGES=stages)), world, m, k, n, F32)
+    check_ag_matmul_call(mesh, ag_matmul_fn(mesh, dict(_CE_BASE, TAIL_STAGES=stages)), world, m, k, n, F32)
     assert [(c["TAIL_SPLIT_N"], c["TAIL_STAGES"]) for c in ce_launches] == [(2, stages)]
 
 
@@ -113,9 +95,9 @@ def test_tail_modes_interleaved(ce_launches):
     """Whole, split-N and stream-K tails of one shape, interleaved: same results."""
     world, m, k, n = 2, 32, 64, 32
     mesh = setup(world)
-    fns = [_fn(mesh, dict(_CE_BASE, TAIL_SPLIT_N=2)),
-           _fn(mesh, dict(_CE_BASE, TAIL_SPLIT_N=1, STREAM_K=False)),
-           _fn(mesh, dict(_CE_BASE, STREAM_K=True))]
+    fns = [ag_matmul_fn(mesh, dict(_CE_BASE, TAIL_SPLIT_N=2)),
+           ag_matmul_fn(mesh, dict(_CE_BASE, TAIL_SPLIT_N=1, STREAM_K=False)),
+           ag_matmul_fn(mesh, dict(_CE_BASE, STREAM_K=True))]
     for f in fns + fns:
         check_ag_matmul_call(mesh, f, world, m, k, n, F32)
     assert [(c["TAIL_TILES"], c["TAIL_SPLIT_N"]) for c in ce_launches] == [(1, 2), (0, 1), (1, 1)]
@@ -124,7 +106,7 @@ def test_tail_modes_interleaved(ce_launches):
 
 def test_split_n_tail_config_errors():
     base = _CE_BASE
-    _check_config_errors([
+    check_config_errors([
             (dict(base, TAIL_SPLIT_N=3), "TAIL_SPLIT_N=3; allowed: 'auto' or a power of 2"),
             (dict(base, TAIL_SPLIT_N=0), "TAIL_SPLIT_N=0; allowed"),
             (dict(base, TAIL_SPLIT_N=True), "TAIL_SPLIT_N=True; allowed"),
@@ -166,7 +148,7 @@ def test_flatten_choice_and_results(world, dtype, shape, config, flattened, ce_l
     interpreter ``wait_for_tma`` is ``wait``)."""
     mesh = setup(world)
     m, k, n = shape
-    f = _fn(mesh, dict(config, TMA=True, PRODUCER="ce"))
+    f = ag_matmul_fn(mesh, dict(config, TMA=True, PRODUCER="ce"))
     for _ in range(2):
         check_ag_matmul_call(mesh, f, world, m, k, n, dtype)
     assert [c["FLATTEN"] for c in ce_launches] == [flattened]
@@ -174,7 +156,7 @@ def test_flatten_choice_and_results(world, dtype, shape, config, flattened, ce_l
 
 def test_flatten_config_errors():
     base = _CE_BASE
-    _check_config_errors([
+    check_config_errors([
             (dict(base, FLATTEN="yes"), "FLATTEN='yes'; allowed: True, False or 'auto'"),
             (dict(base, FLATTEN=True, CHUNK_ROWS=8), "FLATTEN=True needs CHUNK_ROWS >= BLOCK_M"),
             (dict(base, PRODUCER="sm", FLATTEN=True), "FLATTEN=True needs PRODUCER='ce'")])

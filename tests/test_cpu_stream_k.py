@@ -8,15 +8,14 @@ partials in the heap.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxtdist as td
-from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered, stream_k_tail
-from tests.conftest import (assert_close, check_ag_matmul_call, cpu_only, f64, place, rand,
-                            setup)
+from jaxtdist.ops.ag_matmul import stream_k_tail
+from tests.conftest import (ag_matmul_fn, assert_close, check_ag_matmul_call, check_config_errors,
+                            cpu_only, f64, place, rand, setup)
 
 pytestmark = cpu_only()
 
@@ -71,12 +70,6 @@ def test_stream_k_auto_cuts_only_short_runs():
     assert stream_k_tail(128, 132, 128, 96, mode=True) == (0, 0)
 
 
-def _fn(mesh, config):
-    return jax.jit(jax.shard_map(
-        lambda x, w: ag_matmul_with_gathered(x, w, "tp", config=config)[0], mesh=mesh,
-        in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
-
-
 # (world, dtype, (m_shard, k, n_shard), config): tails of 1 and 2 tiles, 2 and 3
 # programs per tile, a tile's K not a multiple of the runs, N clipped by the tile.
 STREAM_K_CASES = [
@@ -92,7 +85,7 @@ STREAM_K_CASES = [
 def test_stream_k_tail_is_exact(world, dtype, shape, config):
     mesh = setup(world)
     m, k, n = shape
-    f = _fn(mesh, dict(config, TMA=True, PRODUCER="ce", STREAM_K=True))
+    f = ag_matmul_fn(mesh, dict(config, TMA=True, PRODUCER="ce", STREAM_K=True))
     for _ in range(3):  # the arrival counters carry over between calls
         x = rand((world * m, k), dtype)
         w = rand((k, world * n), dtype)
@@ -107,27 +100,22 @@ def test_stream_k_on_and_off_interleaved():
     world, m, k, n = 4, 16, 96, 16
     mesh = setup(world)
     base = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, TMA=True, PRODUCER="ce")
-    cut = _fn(mesh, dict(base, STREAM_K=True))
-    uncut = _fn(mesh, dict(base, STREAM_K=False, TAIL_SPLIT_N=1))
+    cut = ag_matmul_fn(mesh, dict(base, STREAM_K=True))
+    uncut = ag_matmul_fn(mesh, dict(base, STREAM_K=False, TAIL_SPLIT_N=1))
     for f in (cut, uncut, cut, uncut, cut):
         check_ag_matmul_call(mesh, f, world, m, k, n, F32)
 
 
 def test_stream_k_config_errors():
-    mesh = setup(2)
-    x = place(mesh, rand((64, 64), F32), P("tp", None))
-    w = place(mesh, rand((64, 32), F32), P(None, "tp"))
     base = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, TMA=True)
-    for config, match in [
-            (dict(base, PRODUCER="ce", STREAM_K="yes"), "STREAM_K='yes'; allowed: True, False"),
-            (dict(base, PRODUCER="sm", STREAM_K=True), "STREAM_K=True needs PRODUCER='ce'"),
-            (dict(PRODUCER="push", STREAM_K=True), "STREAM_K=True needs PRODUCER='ce'"),
-            (dict(base, PRODUCER="ce", PUSH_ORDER="ring"),
-             r"PUSH_ORDER='ring'; allowed: \('parallel', 'serial'\)"),
-            (dict(base, PRODUCER="sm", PUSH_ORDER="serial"),
-             "PUSH_ORDER='serial' needs PRODUCER='ce'")]:
-        with pytest.raises(ValueError, match=match):
-            _fn(mesh, config)(x, w)
+    check_config_errors([
+        (dict(base, PRODUCER="ce", STREAM_K="yes"), "STREAM_K='yes'; allowed: True, False"),
+        (dict(base, PRODUCER="sm", STREAM_K=True), "STREAM_K=True needs PRODUCER='ce'"),
+        (dict(PRODUCER="push", STREAM_K=True), "STREAM_K=True needs PRODUCER='ce'"),
+        (dict(base, PRODUCER="ce", PUSH_ORDER="ring"),
+         r"PUSH_ORDER='ring'; allowed: \('parallel', 'serial'\)"),
+        (dict(base, PRODUCER="sm", PUSH_ORDER="serial"),
+         "PUSH_ORDER='serial' needs PRODUCER='ce'")], w_shape=(64, 32))
 
 
 def test_stream_k_workspace_that_does_not_fit():
@@ -140,7 +128,7 @@ def test_stream_k_workspace_that_does_not_fit():
     mesh = setup(world)
     rt = td.runtime.runtime()
     reserved = rt.bytes_in_use
-    assert_close(_fn(mesh, base)(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp"))),
+    assert_close(ag_matmul_fn(mesh, base)(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp"))),
                  f64(x) @ f64(w), F32)
     sizes = {ws.key[0]: ws.nbytes for ws in rt._workspaces.values()}
     assert "ag_matmul_stream_k" in sizes, sizes  # "auto" cuts this tail
@@ -148,7 +136,7 @@ def test_stream_k_workspace_that_does_not_fit():
     mesh = setup(world, heap_bytes=reserved + sizes["ag_matmul_ce"] + 1024)
     rt = td.runtime.runtime()
     xs, ws = place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp"))
-    assert_close(_fn(mesh, base)(xs, ws), f64(x) @ f64(w), F32)
+    assert_close(ag_matmul_fn(mesh, base)(xs, ws), f64(x) @ f64(w), F32)
     assert "ag_matmul_stream_k" not in {key[0] for key in rt._workspaces}
     with pytest.raises(td.HeapExhaustedError, match="ag_matmul_stream_k needs a workspace"):
-        _fn(mesh, dict(base, STREAM_K=True))(xs, ws)
+        ag_matmul_fn(mesh, dict(base, STREAM_K=True))(xs, ws)

@@ -12,17 +12,12 @@ from jax.sharding import PartitionSpec as P
 import jaxtdist as td
 from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered, resolve_config
 from jaxtdist.tune import _tuner
-from tests.conftest import assert_close, cpu_only, f64, place, rand, setup
+from tests.conftest import (ag_matmul_fn, assert_close, check_config_errors, cpu_only, f64, place,
+                            rand, setup)
 
 pytestmark = cpu_only()
 
 BF16, F32 = jnp.bfloat16, jnp.float32
-
-
-def _fn(mesh, config=None):
-    return jax.jit(jax.shard_map(
-        lambda x, w: ag_matmul_with_gathered(x, w, "tp", config=config)[0], mesh=mesh,
-        in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
 
 
 # (world, dtype, (m_shard, k, n_shard), config): split K in both kernel modes,
@@ -55,7 +50,7 @@ PUSH_CASES = [
 def test_split_k(world, dtype, shape, config):
     mesh = setup(world)
     m, k, n = shape
-    f = _fn(mesh, config)
+    f = ag_matmul_fn(mesh, config)
     for _ in range(3):  # counters keep counting across calls
         x = rand((world * m, k), dtype)
         w = rand((k, world * n), dtype)
@@ -114,31 +109,23 @@ def test_copy_engine_producer(world, dtype, shape, config):
 
 
 def test_copy_engine_producer_needs_tma():
-    mesh = setup(2)
-    x = place(mesh, rand((32, 64), F32), P("tp", None))
-    w = place(mesh, rand((64, 8), F32), P(None, "tp"))
-    for config, match in [(dict(PRODUCER="ce", TMA=False), "PRODUCER='ce' needs TMA=True"),
-                          (dict(PRODUCER="push", TMA=True), "PRODUCER='push' needs TMA=False"),
-                          (dict(PRODUCER="dma", TMA=True), "PRODUCER='dma'; allowed")]:
-        with pytest.raises(ValueError, match=match):
-            _fn(mesh, config)(x, w)
+    check_config_errors([
+        (dict(PRODUCER="ce", TMA=False), "PRODUCER='ce' needs TMA=True"),
+        (dict(PRODUCER="push", TMA=True), "PRODUCER='push' needs TMA=False"),
+        (dict(PRODUCER="dma", TMA=True), "PRODUCER='dma'; allowed")],
+        x_shape=(32, 64), w_shape=(64, 8))
 
 
 def test_bad_configs_are_refused():
-    mesh = setup(2)
-    x = place(mesh, rand((8, 64), F32), P("tp", None))
-    w = place(mesh, rand((64, 8), F32), P(None, "tp"))
-    for config, match in [(dict(SPLIT_K=5), "SPLIT_K=5 exceeds the 2 blocks"),
-                          (dict(BLOCK_N=24), "BLOCK_N=24 must be a power of 2"),
-                          (dict(NUM_COMM=0), "NUM_COMM=0 must be >= 1"),
-                          (dict(CHUNK_ROWS=64), "CHUNK_ROWS=64 must divide"),
-                          (dict(BLOK_M=16), "unknown config keys"),
-                          (dict(TMA=True, ALL_ROWS=False, BLOCK_M=16), "m_shard=4 to be a multiple of "
-                           "BLOCK_M=16"),
-                          (dict(TMA=True, SPLIT_K=2, ALL_ROWS=False, BLOCK_M=4),
-                           "TMA=True needs SPLIT_K=1")]:
-        with pytest.raises(ValueError, match=match):
-            _fn(mesh, config)(x, w)
+    check_config_errors([
+        (dict(SPLIT_K=5), "SPLIT_K=5 exceeds the 2 blocks"),
+        (dict(BLOCK_N=24), "BLOCK_N=24 must be a power of 2"),
+        (dict(NUM_COMM=0), "NUM_COMM=0 must be >= 1"),
+        (dict(CHUNK_ROWS=64), "CHUNK_ROWS=64 must divide"),
+        (dict(BLOK_M=16), "unknown config keys"),
+        (dict(TMA=True, ALL_ROWS=False, BLOCK_M=16), "m_shard=4 to be a multiple of BLOCK_M=16"),
+        (dict(TMA=True, SPLIT_K=2, ALL_ROWS=False, BLOCK_M=4), "TMA=True needs SPLIT_K=1")],
+        x_shape=(8, 64), w_shape=(64, 8))
 
 
 def test_tune_picks_fastest_and_persists(monkeypatch):
@@ -168,7 +155,7 @@ def test_tune_picks_fastest_and_persists(monkeypatch):
     assert cfg["BLOCK_N"] == 32 and cfg["SPLIT_K"] == 2
     x = rand((8, 64), F32)
     w = rand((64, 48), F32)
-    out = _fn(mesh)(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp")))
+    out = ag_matmul_fn(mesh)(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp")))
     assert_close(out, f64(x) @ f64(w), F32)
 
 
@@ -188,7 +175,7 @@ def test_autotune_on_first_trace(monkeypatch):
                         lambda *a: [dict(BLOCK_N=16), dict(BLOCK_N=32)])
     x = rand((6, 40), F32)
     w = rand((40, 32), F32)
-    out = _fn(mesh)(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp")))
+    out = ag_matmul_fn(mesh)(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp")))
     assert_close(out, f64(x) @ f64(w), F32)
     assert len(timings) == 2
     cfg = td.runtime.runtime().tuning.lookup("ag_matmul", 2, (3, 16, 40), F32)
@@ -286,8 +273,8 @@ def test_tuned_copy_engine_pick_falls_back_when_its_inboxes_do_not_fit(monkeypat
     w = rand((k, world * n), F32)
     xs, ws = place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp"))
     for _ in range(2):
-        assert_close(_fn(mesh)(xs, ws), f64(x) @ f64(w), F32)
+        assert_close(ag_matmul_fn(mesh)(xs, ws), f64(x) @ f64(w), F32)
     kinds = {key[0] for key in rt._workspaces}
     assert "ag_matmul" in kinds and "ag_matmul_ce" not in kinds, kinds
     with pytest.raises(td.HeapExhaustedError, match="heap"):
-        _fn(mesh, dict(ce))(xs, ws)
+        ag_matmul_fn(mesh, dict(ce))(xs, ws)

@@ -7,7 +7,10 @@ back-to-back ag_matmul calls pay in full (docs/perf, run BE). jaxtdist's
 handlers need no JAX effect: data orders them (each takes the kernel context
 the previous one returns, and every prologue takes the previous op's output,
 ``_call.program_order_deps``). XLA still sees ``has_side_effect``, so it never
-drops, merges, hoists or repeats one of them.
+drops, merges, hoists or repeats one of them, and a DCE rule keeps JAX from
+dropping a call whose outputs go unused. One case is not covered: a nested
+jit or shard_map none of whose outputs is used is dropped whole, calls and
+all, as JAX drops any effect-free call.
 
 On CPU, where the interpreter's host callbacks carry an effect anyway,
 ``ffi_call`` is ``jax.ffi.ffi_call`` with ``has_side_effect=True``.
@@ -22,6 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 from jax.interpreters import mlir
+
+try:  # no public API registers a DCE rule (jax 0.10, 0.11)
+    from jax._src.interpreters import partial_eval as _pe
+except ImportError:  # pragma: no cover
+    _pe = None
 
 _ffi_call_p = jex_core.Primitive("jaxtdist_ffi_call")
 _ffi_call_p.multiple_results = True
@@ -56,6 +64,17 @@ def _lowering(ctx, *operands, target_name, results, aliases, attributes):
 
 for _platform in ("cuda", "rocm"):
     mlir.register_lowering(_ffi_call_p, _lowering, platform=_platform)
+
+
+def _keep(used_outputs, eqn):
+    """DCE rule: the call runs even when nothing reads its outputs (a kernel
+    that only signals peers, say)."""
+    del used_outputs
+    return [True] * len(eqn.invars), eqn
+
+
+if _pe is not None and hasattr(_pe, "dce_rules"):
+    _pe.dce_rules[_ffi_call_p] = _keep
 
 
 def ffi_call(target_name: str, result_shape_dtypes, *, platform: str,

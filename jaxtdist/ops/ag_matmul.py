@@ -630,8 +630,8 @@ def _ag_matmul_by_shard(rt, layout, x, w, axis_name, cfg: dict):
                 CHUNK_ROWS=cfg["CHUNK_ROWS"], FLAGS_OFF=offsets["FLAGS_OFF"],
                 SENT_OFF=offsets["SENT_OFF"], WAIT_SENT=step == world - 1)
         operands = lead + (x, w, token) + (() if out is None else (out,))
-        call = jax.ffi.ffi_call(
-            _native.SHARD_GEMM_TARGET, out_shape,
+        call = _ffi.ffi_call(
+            _native.SHARD_GEMM_TARGET, out_shape, platform=rt.platform,
             input_output_aliases={} if out is None else {len(operands) - 1: 0})
         out = _call.mark_varying(call(*operands, step=np.int64(step), **attrs),
                                  rt.mesh.axis_names)
