@@ -53,13 +53,17 @@ namespace {
 
 using StreamValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
 
-// One call's pushes: chunk c of this rank's shard (`me`) goes to rank dst's
-// inbox at rows of `me`, then its flag there is raised to the epoch.
+// One call's pushes: chunk c of this rank's shard (`me`, at `source`) goes to
+// rank dst's inbox at rows of `me`, then its flag there is raised to `epoch`;
+// last, this rank's sent words are.
 struct PushPlan {
   std::int64_t world = 0, me = 0, n_chunks = 0, chunk_bytes = 0, shard_bytes = 0;
   std::int64_t inbox = 0, flags_offset = 0;
   bool serial = false;
   std::vector<std::uintptr_t> bases;  // heap base of each group rank
+  const char* source = nullptr;       // this rank's shard
+  cuuint32_t epoch = 0;
+  std::uintptr_t sent = 0;  // this rank's sent words
 
   std::int64_t ChunkBytes(std::int64_t c) const {
     return std::min(shard_bytes, (c + 1) * chunk_bytes) - c * chunk_bytes;
@@ -70,13 +74,6 @@ struct PushPlan {
   std::uintptr_t Flag(std::int64_t dst, std::int64_t c) const {
     return bases[dst] + flags_offset + 4 * (me * n_chunks + c);
   }
-};
-
-struct PushTask {
-  PushPlan plan;
-  const char* source = nullptr;  // this rank's shard
-  cuuint32_t epoch = 0;
-  std::uintptr_t sent = 0;  // this rank's sent words
 };
 
 // CePushStats, as atomics.
@@ -95,11 +92,10 @@ void AddTime(std::atomic<std::int64_t>& total_ns, LaunchClock::time_point since)
       std::memory_order_relaxed);
 }
 
-// Enqueues `task`'s pushes on `streams` ([s]: the peer s ranks ahead; [1]
+// Enqueues `plan`'s pushes on `streams` ([s]: the peer s ranks ahead; [1]
 // alone when serial) after `fork`. Returns "" or what failed.
 std::string EnqueuePushes(const std::vector<cudaStream_t>& streams, cudaEvent_t fork,
-                          const PushTask& task, StreamValue32Fn write32) {
-  const PushPlan& plan = task.plan;
+                          const PushPlan& plan, StreamValue32Fn write32) {
   const std::int64_t lanes = plan.serial ? 1 : plan.world - 1;
   for (std::int64_t lane = 1; lane <= lanes; ++lane) {
     if (auto e = cuda::RuntimeError(cudaStreamWaitEvent(streams[lane], fork, 0),
@@ -112,7 +108,7 @@ std::string EnqueuePushes(const std::vector<cudaStream_t>& streams, cudaEvent_t 
     const std::int64_t dst = (plan.me + s) % plan.world;
     cudaStream_t st = streams[plan.serial ? 1 : s];
     if (auto e = cuda::RuntimeError(
-            cudaMemcpyAsync(plan.Inbox(dst, c), task.source + c * plan.chunk_bytes,
+            cudaMemcpyAsync(plan.Inbox(dst, c), plan.source + c * plan.chunk_bytes,
                             plan.ChunkBytes(c), cudaMemcpyDefault, st),
             "peer push");
         !e.empty()) {
@@ -121,7 +117,7 @@ std::string EnqueuePushes(const std::vector<cudaStream_t>& streams, cudaEvent_t 
     // Default flags: the write is ordered after the copy's data.
     return cuda::DriverError("cuStreamWriteValue32 (peer chunk flag)",
                              write32(reinterpret_cast<CUstream>(st),
-                                     static_cast<CUdeviceptr>(plan.Flag(dst, c)), task.epoch, 0));
+                                     static_cast<CUdeviceptr>(plan.Flag(dst, c)), plan.epoch, 0));
   };
   // Parallel: chunk by chunk over the peers, so that every peer's first
   // chunk is under way while the rest are being enqueued.
@@ -137,7 +133,7 @@ std::string EnqueuePushes(const std::vector<cudaStream_t>& streams, cudaEvent_t 
     if (auto e = cuda::DriverError(
             "cuStreamWriteValue32 (sent word)",
             write32(reinterpret_cast<CUstream>(st),
-                    static_cast<CUdeviceptr>(task.sent + 4 * s), task.epoch, 0));
+                    static_cast<CUdeviceptr>(plan.sent + 4 * s), plan.epoch, 0));
         !e.empty()) {
       return e;
     }
@@ -152,14 +148,14 @@ class DevicePusher {
   explicit DevicePusher(int device_ordinal) : device_(device_ordinal) {}
 
   // Enqueues the pushes after everything on `stream`. Returns "" or what failed.
-  std::string Push(cudaStream_t stream, const PushTask& task, StreamValue32Fn write32) {
+  std::string Push(cudaStream_t stream, const PushPlan& plan, StreamValue32Fn write32) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (auto e = Setup(task.plan.world); !e.empty()) return e;
+    if (auto e = Setup(plan.world); !e.empty()) return e;
     if (auto e = cuda::RuntimeError(cudaEventRecord(fork_, stream), "cudaEventRecord");
         !e.empty()) {
       return e;
     }
-    return EnqueuePushes(streams_, fork_, task, write32);
+    return EnqueuePushes(streams_, fork_, plan, write32);
   }
 
  private:
@@ -234,8 +230,7 @@ ffi::Error CeGatherCuda(cudaStream_t stream, std::int32_t device_ordinal, ffi::A
   const std::int64_t* group = RuntimeState::GroupOf(
       groups.begin(), static_cast<std::int64_t>(groups.size()), world, *pos, &group_err);
   if (group == nullptr) return ffi::Error::InvalidArgument("jaxtdist copy-engine gather: " + group_err);
-  PushTask task;
-  PushPlan& plan = task.plan;
+  PushPlan plan;
   plan.me = -1;
   plan.bases.resize(world);
   for (std::int64_t r = 0; r < world; ++r) {
@@ -267,11 +262,11 @@ ffi::Error CeGatherCuda(cudaStream_t stream, std::int32_t device_ordinal, ffi::A
   plan.inbox = inbox_offset + (epoch & 1) * parity_bytes;
   plan.flags_offset = flags_offset;
   plan.serial = serial != 0;
-  task.source = static_cast<const char*>(x.untyped_data());
-  task.epoch = static_cast<cuuint32_t>(epoch);
-  task.sent = plan.bases[plan.me] + sent_offset;
+  plan.source = static_cast<const char*>(x.untyped_data());
+  plan.epoch = static_cast<cuuint32_t>(epoch);
+  plan.sent = plan.bases[plan.me] + sent_offset;
   const LaunchClock::time_point enqueuing = LaunchClock::now();
-  if (std::string err = PusherPool::Get().Of(device_ordinal).Push(stream, task, write32);
+  if (std::string err = PusherPool::Get().Of(device_ordinal).Push(stream, plan, write32);
       !err.empty()) {
     return Failed(err);
   }

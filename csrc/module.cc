@@ -9,7 +9,6 @@
 
 #include "prologue.h"
 #include "runtime_state.h"
-#include "shard_gemm.h"
 #ifdef JAXTDIST_WITH_CUDA
 #include "ce_gather.h"
 #include "cuda_heap.h"
@@ -34,19 +33,16 @@ PYBIND11_MODULE(_jaxtdist_ffi, m) {
   m.doc() = "jaxtdist native library: XLA FFI handlers and heap helpers";
   // {ffi target name: {platform: handler capsule}}.
   m.def("handlers", [] {
-    py::dict prologue, launch, ce_gather, shard_gemm, targets;
+    py::dict prologue, launch, ce_gather, targets;
     prologue["cpu"] = Capsule(reinterpret_cast<void*>(&jaxtdist::JaxtdistPrologueCpu));
-    shard_gemm["cpu"] = Capsule(reinterpret_cast<void*>(&jaxtdist::JaxtdistShardGemmCpu));
 #ifdef JAXTDIST_WITH_CUDA
     prologue["CUDA"] = Capsule(reinterpret_cast<void*>(&jaxtdist::JaxtdistPrologueCuda));
     launch["CUDA"] = Capsule(reinterpret_cast<void*>(&jaxtdist::JaxtdistTritonLaunchCuda));
     ce_gather["CUDA"] = Capsule(reinterpret_cast<void*>(&jaxtdist::JaxtdistCeGatherCuda));
-    shard_gemm["CUDA"] = Capsule(reinterpret_cast<void*>(&jaxtdist::JaxtdistShardGemmCuda));
 #endif
     targets["jaxtdist_prologue"] = prologue;
     targets["jaxtdist_triton_launch"] = launch;
     targets["jaxtdist_ce_gather"] = ce_gather;
-    targets["jaxtdist_shard_gemm"] = shard_gemm;
     return targets;
   });
 #ifdef JAXTDIST_WITH_CUDA

@@ -115,6 +115,10 @@ def _pallas_candidates():
     return (cm, configs), None
 
 
+# bf16 products of unit-variance inputs: jaxtdist and XLA land near 2e-3.
+_PALLAS_MAX_REL_ERR = 2e-2
+
+
 def _best_pallas(pallas_mod, mesh, specs, args, ref, iterations: int, world: int, dtype):
     """JAX's Pallas MGPU collective matmul: the fastest of a small config sweep
     (each timed ``iterations`` times), as (function, stats), or (None, error stats)."""
@@ -129,7 +133,11 @@ def _best_pallas(pallas_mod, mesh, specs, args, ref, iterations: int, world: int
                                   dtype=dtype),
                 mesh=mesh, in_specs=specs[:2], out_specs=specs[2], check_vma=False))
             out, t = _profile(fn, args, iterations, world)
-            t["rel_err"] = _rel_err(out, ref)
+            # A config that computes a wrong product is no contender.
+            err = _rel_err(out, ref)
+            if not err < _PALLAS_MAX_REL_ERR:
+                errors.append(f"{cfg}: relative error {err:.1e}")
+                continue
             t["config"] = str(cfg)
             if best is None or t["mean_us"] < best["mean_us"]:
                 best, best_fn = t, fn

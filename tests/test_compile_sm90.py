@@ -236,18 +236,3 @@ def test_launch_warps_of_warp_specialized_kernel(num_warps):
     assert launch_warps(k.metadata) >= num_warps
     if num_warps == 4:  # Triton 3.6 specializes this loop at 4 warps (12 in all)
         assert launch_warps(k.metadata) > num_warps
-
-
-@pytest.mark.parametrize("wait_sent", [False, True])
-@pytest.mark.parametrize("chunk_rows", [2048, 256])
-def test_shard_wait_kernel_compiles_to_acquire_loads(wait_sent, chunk_rows):
-    """GEMM="cublas"'s one-program wait: its flag reads are acquire loads (no plain
-    loads the next step's GEMM could see ahead of the shard), and nothing else."""
-    from jaxtdist.kernels.ag_matmul import shard_wait_kernel
-    k = _compile(shard_wait_kernel, {"ctx": "*i32", "token_ptr": "*i32"},
-                 dict(STEP=1, M_SHARD=2048, CHUNK_ROWS=chunk_rows, FLAGS_OFF=4096,
-                      SENT_OFF=8192, WAIT_SENT=wait_sent), num_warps=1)
-    ptx = k.asm["ptx"]
-    assert re.search(r"ld\.global\.gpu\.acquire|atom\.global\.gpu\.acquire", ptx), \
-        "flag waits must acquire at GPU scope"
-    assert "wgmma" not in ptx and "cp.async" not in ptx

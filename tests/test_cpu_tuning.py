@@ -123,6 +123,9 @@ def test_bad_configs_are_refused():
         (dict(NUM_COMM=0), "NUM_COMM=0 must be >= 1"),
         (dict(CHUNK_ROWS=64), "CHUNK_ROWS=64 must divide"),
         (dict(BLOK_M=16), "unknown config keys"),
+        # The removed one-library-GEMM-per-shard mode's keys are unknown like any other.
+        (dict(GEMM="cublas"), r"unknown config keys \['GEMM'\]"),
+        (dict(GEMM="cublas", GEMM_ALGO=1), r"unknown config keys \['GEMM', 'GEMM_ALGO'\]"),
         (dict(TMA=True, ALL_ROWS=False, BLOCK_M=16), "m_shard=4 to be a multiple of BLOCK_M=16"),
         (dict(TMA=True, SPLIT_K=2, ALL_ROWS=False, BLOCK_M=4), "TMA=True needs SPLIT_K=1")],
         x_shape=(8, 64), w_shape=(64, 8))

@@ -58,6 +58,15 @@ def _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
+def _wait_tile_rows_for_tma(ctx, flags, e, src, tm, n_chunks, BLOCK_M: tl.constexpr,
+                            CHUNK_ROWS: tl.constexpr):
+    """``_wait_tile_rows`` for flags this GPU's copy engines raise (GPU scope), then
+    the proxy fence that orders the tile's TMA loads after the wait."""
+    _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS, "gpu")
+    dl.fence_async_proxy()
+
+
+@triton.jit
 def _tile_rows_for_tma(ctx, flags, e, src, tm, n_chunks, BLOCK_M: tl.constexpr,
                        CHUNK_ROWS: tl.constexpr):
     """``_wait_tile_rows`` (GPU scope) for chunks no finer than tiles (one flag per
@@ -211,8 +220,7 @@ def ag_matmul_tma_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
         tile = tl.atomic_add(schedule, 1, sem="relaxed", scope="gpu")
         while tile < total:
             src, tm, tn = rank_major_tile(tile, me, world, m_tiles, n_tiles, GROUP_M)
-            _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS, "gpu")
-            dl.fence_async_proxy()
+            _wait_tile_rows_for_tma(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS)
             row0 = src * M_SHARD + tm * BLOCK_M
             col0 = tn * BLOCK_N
             acc = _tma_tile(a_desc, b_desc, row0, col0, 0, K, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -249,8 +257,7 @@ def _tail_pieces(ctx, inbox_desc, w_ptr, out_ptr, flags, e, me, world, whole, pe
                                                block_shape=[BLOCK_K, PIECE_N])
             c_desc = tl.make_tensor_descriptor(out_ptr, shape=[world * M_SHARD, N],
                                                strides=[N, 1], block_shape=[BLOCK_M, PIECE_N])
-            _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS, "gpu")
-            dl.fence_async_proxy()
+            _wait_tile_rows_for_tma(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS)
             row0 = src * M_SHARD + tm * BLOCK_M
             acc = _tma_tile(inbox_desc, b_desc, row0, col0, 0, K, BLOCK_M, PIECE_N, BLOCK_K,
                             STAGES)
@@ -331,8 +338,7 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
         if FLATTEN:
             row0 += _tile_rows_for_tma(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS)
         else:
-            _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS, "gpu")
-            dl.fence_async_proxy()
+            _wait_tile_rows_for_tma(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS)
         acc = _tma_tile(inbox_desc, b_desc, row0, tn * BLOCK_N, 0, K, BLOCK_M, BLOCK_N, BLOCK_K)
         c_desc.store([row0, tn * BLOCK_N], acc.to(out_ptr.dtype.element_ty))
     if TAIL_TILES > 0 and TAIL_SPLIT_N > 1:
@@ -350,8 +356,7 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
             run_end = tl.minimum(unit_end, (tail + 1) * k_blocks)
             src, tm, tn = peer_arrival_tile(whole + tail, me, world, per_rank, m_tiles, n_tiles,
                                      GROUP_M)
-            _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS, "gpu")
-            dl.fence_async_proxy()
+            _wait_tile_rows_for_tma(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS)
             row0 = src * M_SHARD + tm * BLOCK_M
             acc = _tma_tile(inbox_desc, b_desc, row0, tn * BLOCK_N,
                             (unit - tail * k_blocks) * BLOCK_K,
@@ -391,26 +396,3 @@ def push_shards_kernel(ctx, x_ptr, done_ptr, M_SHARD: tl.constexpr, K: tl.conste
         for step in range(1, world):
             dl.notify(ctx, sent + step, me, e, "set", "gpu")
         tl.store(done_ptr, e)
-
-
-@triton.jit
-def shard_wait_kernel(ctx, token_ptr, STEP: tl.constexpr, M_SHARD: tl.constexpr,
-                      CHUNK_ROWS: tl.constexpr, FLAGS_OFF: tl.constexpr,
-                      SENT_OFF: tl.constexpr, WAIT_SENT: tl.constexpr):
-    """Grid: (1,). Before step STEP of the shard-at-a-time GEMM (GEMM="cublas",
-    ``csrc/shard_gemm.h``): waits until rank me-STEP's shard has landed in this
-    rank's inbox (every chunk flag at the epoch), and with WAIT_SENT until this
-    rank's own pushes have ended (its "sent" words: x may be freed after the
-    last step). Writes the epoch to ``token`` for XLA to order the step after.
-    """
-    me = dl.rank(ctx)
-    world = dl.num_ranks(ctx)
-    e = dl.epoch(ctx)
-    src = (me + world - STEP) % world
-    n_chunks = (M_SHARD + CHUNK_ROWS - 1) // CHUNK_ROWS
-    # The whole shard is one "row tile" of M_SHARD rows.
-    _wait_tile_rows(ctx, dl.heap_ptr(ctx, FLAGS_OFF, tl.int32), e, src, 0, n_chunks, M_SHARD,
-                    CHUNK_ROWS, "gpu")
-    if WAIT_SENT:
-        _wait_pushes_sent(ctx, SENT_OFF, me, world, e)
-    tl.store(token_ptr, e)

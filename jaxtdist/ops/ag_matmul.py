@@ -10,8 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtdist.kernels.ag_matmul import (ag_matmul_ce_kernel, ag_matmul_kernel,
-                                        ag_matmul_tma_kernel, push_shards_kernel,
-                                        shard_wait_kernel)
+                                        ag_matmul_tma_kernel, push_shards_kernel)
 from jaxtdist.ops import _call, _ffi
 from jaxtdist.ops._shapes import (GatherWorkspace, InboxWorkspace, SplitKWorkspace,
                                   StreamKWorkspace, check_dtype, next_pow2)
@@ -43,16 +42,11 @@ def default_config(platform: str, world: int, m_shard: int, n: int, k: int,
     overlap the previous tile's epilogue: True, False, or "auto" (``flattens``).
     PUSH_ORDER (copy engines only: "serial" or "parallel", ``PUSH_ORDERS``) is
     not set here: it follows the producer chosen (``settle_config``).
-    GEMM="cublas" (``GEMMS``) replaces the fused Triton kernel by one library
-    GEMM per source rank (cuBLASLt on GPUs; algorithm GEMM_ALGO of its
-    heuristic), each after a one-program kernel has waited for that rank's
-    shard; the copy engines push (``_ag_matmul_by_shard``).
     """
     small = world * m_shard <= (128 if platform == "gpu" else 32)
     wide = jnp.dtype(dtype).itemsize == 4
     common = dict(SCOPE="sys", SPLIT_K=1, CHUNK_ROWS=0, TMA=False, PRODUCER="sm",
-                  STREAM_K="auto", TAIL_SPLIT_N="auto", TAIL_STAGES="auto", FLATTEN="auto",
-                  GEMM="triton", GEMM_ALGO=0)
+                  STREAM_K="auto", TAIL_SPLIT_N="auto", TAIL_STAGES="auto", FLATTEN="auto")
     if platform == "gpu":
         if small:  # decode: one M tile over all ranks' rows, split K, one chunk per row
             return dict(common, BLOCK_M=max(16, next_pow2(world * m_shard)), BLOCK_N=64,
@@ -123,13 +117,7 @@ def _check(x, w, axis_name):
 
 
 _FLAG_KEYS = ("SCOPE", "ALL_ROWS", "TMA", "PRODUCER", "STREAM_K", "TAIL_SPLIT_N", "TAIL_STAGES",
-              "FLATTEN", "PUSH_ORDER", "GEMM", "GEMM_ALGO")
-# "triton": one persistent Triton kernel waits for chunks tile by tile (fused);
-# "cublas": one library GEMM per source rank as its shard lands. Slower on every
-# shape measured on 4 x H200 (1.24-1.47x the fused kernel, docs/perf runs
-# AJ-AL): each step waits for a whole shard, where the fused kernel works on
-# whatever tiles have landed. No default or shipped config uses it.
-GEMMS = ("triton", "cublas")
+              "FLATTEN", "PUSH_ORDER")
 # PRODUCER="ce": "parallel" pushes to every peer at once (a side stream each),
 # "serial" to one peer after another (one stream), in the order the GEMM
 # consumes them, so that the first peer's shard lands early. Serial is the
@@ -149,6 +137,17 @@ _FLATTEN_AUTO_MIN_TILES = 2
 # "sm": producer programs stage and pull; "push": producer programs push into
 # peers' heap inboxes (pointer kernel only); "ce": the copy engines push (TMA kernel).
 PRODUCERS = ("sm", "push", "ce")
+# Settings only the copy-engine kernel has: (key, whether a value asks for it, why).
+_CE_ONLY = (
+    ("STREAM_K", lambda v: v is True,
+     "only the copy-engine kernel cuts its last wave of tiles along K"),
+    ("TAIL_SPLIT_N", lambda v: v != "auto" and v > 1,
+     "only the copy-engine kernel cuts its last wave"),
+    ("TAIL_STAGES", lambda v: v != "auto",
+     "only the copy-engine kernel cuts its last wave into pieces"),
+    ("FLATTEN", lambda v: v is True, "only the copy-engine kernel flattens its tile loops"),
+    ("PUSH_ORDER", lambda v: v == "serial", "it orders the copy engines' pushes"),
+)
 _INT_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "NUM_COMM", "CHUNK_ROWS",
              "COPY_BLOCK_C", "SPLIT_K", "num_warps", "num_stages")
 
@@ -184,23 +183,11 @@ def check_config(cfg: dict, world: int, m_shard: int, k: int, n: int | None = No
         raise ValueError(f"jaxtdist.ag_matmul: ALL_ROWS needs BLOCK_M >= world * m_shard "
                          f"= {world * m_shard}, got BLOCK_M={cfg['BLOCK_M']}")
     cfg.setdefault("PRODUCER", "sm")
-    cfg.setdefault("GEMM", "triton")
-    if cfg["GEMM"] not in GEMMS:
-        raise ValueError(f"jaxtdist.ag_matmul: config GEMM={cfg['GEMM']!r}; allowed: {GEMMS} "
-                         "(the fused Triton kernel, or one library GEMM per arrived shard)")
-    algo = cfg.setdefault("GEMM_ALGO", 0)
-    if isinstance(algo, bool) or not isinstance(algo, (int, np.integer)) or algo < 0:
-        raise ValueError(f"jaxtdist.ag_matmul: config GEMM_ALGO={algo!r} must be an int >= 0 "
-                         "(an index into cuBLASLt's heuristic list)")
-    if cfg["GEMM"] == "cublas" and cfg["PRODUCER"] != "ce":
-        raise ValueError(f"jaxtdist.ag_matmul: config GEMM='cublas' needs PRODUCER='ce', got "
-                         f"PRODUCER={cfg['PRODUCER']!r} (the copy engines fill the inboxes that "
-                         "the library GEMMs read)")
     if cfg["PRODUCER"] not in PRODUCERS:
         raise ValueError(f"jaxtdist.ag_matmul: config PRODUCER={cfg['PRODUCER']!r}; allowed: "
                          f"{PRODUCERS} (SM producer programs that pull, SM producer programs that "
                          "push, or the copy engines)")
-    if cfg["PRODUCER"] == "ce" and not cfg.get("TMA") and cfg["GEMM"] != "cublas":
+    if cfg["PRODUCER"] == "ce" and not cfg.get("TMA"):
         raise ValueError("jaxtdist.ag_matmul: config PRODUCER='ce' needs TMA=True (the copy "
                          "engines feed the persistent TMA kernel only)")
     if cfg["PRODUCER"] == "push" and cfg.get("TMA"):
@@ -211,18 +198,12 @@ def check_config(cfg: dict, world: int, m_shard: int, k: int, n: int | None = No
     if not (isinstance(cfg["STREAM_K"], bool) or cfg["STREAM_K"] == "auto"):
         raise ValueError(f"jaxtdist.ag_matmul: config STREAM_K={cfg['STREAM_K']!r}; allowed: "
                          "True, False or 'auto'")
-    if cfg["STREAM_K"] is True and cfg["PRODUCER"] != "ce":
-        raise ValueError("jaxtdist.ag_matmul: config STREAM_K=True needs PRODUCER='ce' (only "
-                         "the copy-engine kernel cuts its last wave of tiles along K)")
     pieces = cfg.setdefault("TAIL_SPLIT_N", "auto")
     if pieces != "auto" and (isinstance(pieces, bool) or not isinstance(pieces, (int, np.integer))
                              or pieces < 1 or pieces & (pieces - 1)):
         raise ValueError(f"jaxtdist.ag_matmul: config TAIL_SPLIT_N={pieces!r}; allowed: 'auto' "
                          "or a power of 2 >= 1 (pieces per tile of the last wave; 1: whole tiles)")
     if pieces != "auto" and pieces > 1:
-        if cfg["PRODUCER"] != "ce":
-            raise ValueError(f"jaxtdist.ag_matmul: config TAIL_SPLIT_N={pieces} needs "
-                             "PRODUCER='ce' (only the copy-engine kernel cuts its last wave)")
         if cfg["STREAM_K"] is True:
             raise ValueError(f"jaxtdist.ag_matmul: config STREAM_K=True and TAIL_SPLIT_N={pieces} "
                              "both cut the last wave (along K, along N); ask for one")
@@ -234,16 +215,10 @@ def check_config(cfg: dict, world: int, m_shard: int, k: int, n: int | None = No
                              or stages < 1):
         raise ValueError(f"jaxtdist.ag_matmul: config TAIL_STAGES={stages!r}; allowed: 'auto' "
                          "or an int >= 1 (pipeline depth of the split-N tail's pieces)")
-    if stages != "auto" and cfg["PRODUCER"] != "ce":
-        raise ValueError(f"jaxtdist.ag_matmul: config TAIL_STAGES={stages} needs PRODUCER='ce' "
-                         "(only the copy-engine kernel cuts its last wave into pieces)")
     flatten = cfg.setdefault("FLATTEN", "auto")
     if not (isinstance(flatten, bool) or flatten == "auto"):
         raise ValueError(f"jaxtdist.ag_matmul: config FLATTEN={flatten!r}; allowed: True, False "
                          "or 'auto'")
-    if flatten is True and cfg["PRODUCER"] != "ce":
-        raise ValueError("jaxtdist.ag_matmul: config FLATTEN=True needs PRODUCER='ce' (only the "
-                         "copy-engine kernel flattens its tile loops)")
     if flatten is True and cfg["CHUNK_ROWS"] < cfg["BLOCK_M"]:
         raise ValueError(f"jaxtdist.ag_matmul: config FLATTEN=True needs CHUNK_ROWS >= BLOCK_M "
                          f"(one flag per row tile), got CHUNK_ROWS={cfg['CHUNK_ROWS']}, "
@@ -253,9 +228,11 @@ def check_config(cfg: dict, world: int, m_shard: int, k: int, n: int | None = No
         raise ValueError(f"jaxtdist.ag_matmul: config PUSH_ORDER={cfg['PUSH_ORDER']!r}; "
                          f"allowed: {PUSH_ORDERS} (copy engines push to every peer at once, or "
                          "to one peer after another)")
-    if cfg["PUSH_ORDER"] == "serial" and cfg["PRODUCER"] != "ce":
-        raise ValueError("jaxtdist.ag_matmul: config PUSH_ORDER='serial' needs PRODUCER='ce' "
-                         "(it orders the copy engines' pushes)")
+    if cfg["PRODUCER"] != "ce":
+        for key, asks, why in _CE_ONLY:
+            if asks(cfg[key]):
+                raise ValueError(f"jaxtdist.ag_matmul: config {key}={cfg[key]!r} needs "
+                                 f"PRODUCER='ce' ({why})")
     if cfg["CHUNK_ROWS"] > cfg["BLOCK_M"] and cfg["PRODUCER"] in ("sm", "push"):
         raise ValueError(f"jaxtdist.ag_matmul: CHUNK_ROWS={cfg['CHUNK_ROWS']} must divide "
                          f"BLOCK_M={cfg['BLOCK_M']}")
@@ -275,11 +252,6 @@ def settle_config(cfg: dict, asked: dict) -> dict:
     config), with the settings that depend on the kernel chosen (its modes,
     the copy engines' push order) following it where they were not asked for."""
     cfg = dict(cfg, **asked)
-    if cfg.get("GEMM") == "cublas":  # library GEMMs read the copy engines' inboxes
-        for key, value in (("PRODUCER", "ce"), ("TMA", False), ("STREAM_K", False),
-                           ("TAIL_SPLIT_N", 1), ("FLATTEN", False), ("CHUNK_ROWS", 0)):
-            if key not in asked:
-                cfg[key] = value
     if cfg["TMA"]:  # the TMA kernel has neither mode
         for key, value in (("ALL_ROWS", False), ("SPLIT_K", 1)):
             if key not in asked:
@@ -313,10 +285,7 @@ def resolve_config(rt, axis_name, world: int, m_shard: int, n: int, k: int, dtyp
         asked = tuned or {}
     cfg = settle_config(cfg, asked)
     check_config(cfg, world, m_shard, k, n, jnp.dtype(dtype).itemsize)
-    # 0: one chunk per row tile, or on GPUs one per shard for the library GEMMs
-    # (they wait for whole shards; the interpreter's pushes copy power-of-2 chunks).
-    whole_shards = cfg["GEMM"] == "cublas" and rt.platform == "gpu"
-    cfg["CHUNK_ROWS"] = cfg["CHUNK_ROWS"] or (m_shard if whole_shards else cfg["BLOCK_M"])
+    cfg["CHUNK_ROWS"] = cfg["CHUNK_ROWS"] or cfg["BLOCK_M"]
     return cfg
 
 
@@ -337,9 +306,6 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
     cfg = resolve_config(rt, axis_name, world, m_shard, n, k, x.dtype, config)
     num_warps = cfg.pop("num_warps")
     num_stages = cfg.pop("num_stages")
-    if cfg.pop("GEMM") == "cublas":
-        return _ag_matmul_by_shard(rt, layout, x, w, axis_name, cfg)
-    cfg.pop("GEMM_ALGO")
     if cfg["TMA"] and cfg["PRODUCER"] == "ce":
         try:
             return _ag_matmul_ce(rt, layout, x, w, axis_name, cfg, num_warps, num_stages)
@@ -558,31 +524,22 @@ def _tail_plan(rt, layout, cfg: dict, tiles: int, programs: int, k: int,
                 COUNTERS_OFF=ws.offset + plan.counters)
 
 
-def _start_pushes(rt, layout, x, w, cfg: dict) -> tuple:
-    """The copy-engine modes' common start: the inbox workspace, its offsets, and
-    the context after the prologue and the pushes (``_push_shards``).
-
-    One workspace layout whatever the chunking or the GEMM mode (room for a
-    flag per row), so that calls with different CHUNK_ROWS or GEMM share the
-    inboxes safely; stale flags of another chunking hold older epochs, never
-    this call's. The push handler is the last host work before the GEMM: it,
-    not the prologue, holds the launch rendezvous.
-    """
-    m_shard, k = x.shape
-    plan = InboxWorkspace(layout.world, m_shard, k, x.dtype, 1)
-    ws = rt.workspace(("ag_matmul_ce", layout.axes, m_shard, k, x.dtype.name), plan.nbytes)
-    offsets = dict(INBOX_OFF=ws.offset + plan.inbox, PARITY_BYTES=plan.parity_bytes,
-                   FLAGS_OFF=ws.offset + plan.flags, SENT_OFF=ws.offset + plan.sent)
-    ctx = _call.prologue(rt, layout, ws, "ag_matmul", deps=(x, w), align_launch=False)
-    return ws, offsets, _push_shards(rt, layout, ws, offsets, ctx, x, cfg)
-
-
 def _ag_matmul_ce(rt, layout, x, w, axis_name, cfg: dict, num_warps: int, num_stages: int):
     """ag_matmul with the gather on the copy engines and every SM in the GEMM."""
     m_shard, k = x.shape
     n = w.shape[1]
     world = layout.world
-    ws, offsets, ctx = _start_pushes(rt, layout, x, w, cfg)
+    # One layout whatever the chunking (room for a flag per row), so that
+    # calls with different CHUNK_ROWS share the inboxes safely; stale flags
+    # of another chunking hold older epochs, never this call's.
+    plan = InboxWorkspace(world, m_shard, k, x.dtype, 1)
+    ws = rt.workspace(("ag_matmul_ce", layout.axes, m_shard, k, x.dtype.name), plan.nbytes)
+    offsets = dict(INBOX_OFF=ws.offset + plan.inbox, PARITY_BYTES=plan.parity_bytes,
+                   FLAGS_OFF=ws.offset + plan.flags, SENT_OFF=ws.offset + plan.sent)
+    # The push handler is the last host work before the GEMM: it, not the
+    # prologue, holds the launch rendezvous.
+    ctx = _call.prologue(rt, layout, ws, "ag_matmul", deps=(x, w), align_launch=False)
+    ctx = _push_shards(rt, layout, ws, offsets, ctx, x, cfg)
     per_rank = (m_shard // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"])
     programs = persistent_programs(rt, 0, world * per_rank)
     tail = _tail_plan(rt, layout, cfg, world * per_rank, programs, k, (world - 1) * per_rank,
@@ -596,47 +553,6 @@ def _ag_matmul_ce(rt, layout, x, w, axis_name, cfg: dict, num_warps: int, num_st
         FLATTEN=flattens(cfg, world * per_rank, programs), **tail)
     # The gathered x (the autodiff residual) lives only in heap inboxes that the
     # next call reuses: XLA gathers it when it is used (dropped when it is not).
-    return out, jax.lax.all_gather(x, axis_name, tiled=True)
-
-
-def _ag_matmul_by_shard(rt, layout, x, w, axis_name, cfg: dict):
-    """ag_matmul as one library GEMM per source rank (GEMM="cublas").
-
-    The copy engines push x into every peer's heap inbox (as for the fused
-    kernel); step 0 multiplies x itself; step s waits (``shard_wait_kernel``)
-    for the shard of rank me-s, the s-th to land, then multiplies it from the
-    inbox. Every step writes its rows of one output in place (``csrc/shard_gemm.h``:
-    cuBLASLt on GPUs, a loop on the CPU backend). The last wait also waits for
-    this rank's own pushes, so x and the inboxes are free once the call ends.
-    """
-    m_shard, k = x.shape
-    n = w.shape[1]
-    world = layout.world
-    ws, offsets, ctx = _start_pushes(rt, layout, x, w, cfg)
-    out_shape = jax.ShapeDtypeStruct((world * m_shard, n), x.dtype)
-    attrs = dict(world=np.int64(world), groups=rt.group_table(layout),
-                 counter_id=np.int64(ws.counter_id), inbox_offset=np.int64(offsets["INBOX_OFF"]),
-                 parity_bytes=np.int64(offsets["PARITY_BYTES"]),
-                 generation=np.int64(rt.generation), algo_index=np.int64(cfg["GEMM_ALGO"]))
-    # The CPU handler has no device ordinal: it takes the mesh position as data.
-    lead = () if rt.platform == "gpu" else (_call.mesh_position(rt, "ag_matmul"),)
-    out = None
-    token = ctx  # step 0 needs no wait, only to follow the pushes' launch
-    for step in range(world):
-        if step:
-            token = _call.launch(
-                shard_wait_kernel, ctx, out_shape=jax.ShapeDtypeStruct((1,), jnp.int32),
-                grid=(1,), num_warps=1, num_stages=1, STEP=step, M_SHARD=m_shard,
-                CHUNK_ROWS=cfg["CHUNK_ROWS"], FLAGS_OFF=offsets["FLAGS_OFF"],
-                SENT_OFF=offsets["SENT_OFF"], WAIT_SENT=step == world - 1)
-        operands = lead + (x, w, token) + (() if out is None else (out,))
-        call = _ffi.ffi_call(
-            _native.SHARD_GEMM_TARGET, out_shape, platform=rt.platform,
-            input_output_aliases={} if out is None else {len(operands) - 1: 0})
-        out = _call.mark_varying(call(*operands, step=np.int64(step), **attrs),
-                                 rt.mesh.axis_names)
-    _call.record_output(rt, out)
-    # As for the fused kernel: the residual is gathered by XLA where it is used.
     return out, jax.lax.all_gather(x, axis_name, tiled=True)
 
 

@@ -13,7 +13,6 @@ import jax
 PROLOGUE_TARGET = "jaxtdist_prologue"
 TRITON_LAUNCH_TARGET = "jaxtdist_triton_launch"
 CE_GATHER_TARGET = "jaxtdist_ce_gather"
-SHARD_GEMM_TARGET = "jaxtdist_shard_gemm"
 _ENV_LIBRARY = "JAXTDIST_FFI_LIBRARY"
 
 _lock = threading.Lock()

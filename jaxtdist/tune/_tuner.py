@@ -99,11 +99,7 @@ def _gpu_candidates(world: int, m_shard: int, n: int, k: int, dtype) -> list[dic
             dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=256, STREAM_K=False),
             # Copy engines push to every peer at once (the default: one after another).
             dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=256, PUSH_ORDER="parallel"),
-            dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=128, PUSH_ORDER="parallel"),
-            # One cuBLASLt GEMM per arrived shard: its heuristic's first three picks.
-            dict(GEMM="cublas"),
-            dict(GEMM="cublas", GEMM_ALGO=1),
-            dict(GEMM="cublas", GEMM_ALGO=2)]
+            dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=128, PUSH_ORDER="parallel")]
 
 
 def cupti_measure(fn, args, world: int, iterations: int) -> float:

@@ -3,6 +3,7 @@
 Run on the GPU node: python3 tests/gpu/probe_perf.py (prints one line per variant).
 """
 
+import functools
 import json
 import sys
 
@@ -13,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxtdist as td
-from jaxtdist.bench import _profile
+from jaxtdist.bench import _profile, _rel_err
 from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered
 
 AUTO = jax.sharding.AxisType.Auto
@@ -72,7 +73,7 @@ def probe_ag_matmul(world, cfg, m=1024, n=4096, k=4096):
     last = raw[-1]
     ours = [t * 1e3 for name, t in last if "ag_matmul" in name]
     ref = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
-    err = np.linalg.norm(np.asarray(out, np.float32) - ref) / np.linalg.norm(ref)
+    err = _rel_err(out, ref)
     print(f"ag_matmul w={world} m={m} {cfg}: per-device kernel us "
           f"{[round(v, 1) for v in ours]} err={err:.1e}", flush=True)
 
@@ -124,7 +125,7 @@ def probe_gemm_variants(shapes=((4096, 4096, 4096), (8192, 3072, 4096), (8192, 3
             jnp.bfloat16)
         b = jax.random.normal(jax.random.key(2), (k, n), jnp.bfloat16)
         ref = np.asarray(jnp.dot(a, b, preferred_element_type=jnp.float32))
-        err = lambda out: np.linalg.norm(np.asarray(out, np.float32) - ref) / np.linalg.norm(ref)
+        err = functools.partial(_rel_err, ref=ref)
         _, cublas = _kernel_us(jax.jit(jnp.dot), (a, b), "")
         print(f"gemm {m}x{n}x{k}: cublas {cublas:.1f} us", flush=True)
         for label, kernel, extra in variants:
@@ -149,82 +150,6 @@ def probe_gemm_variants(shapes=((4096, 4096, 4096), (8192, 3072, 4096), (8192, 3
                 probe_ag_matmul(1, cfg, m=m, n=n, k=k)
             except Exception as e:  # noqa: BLE001
                 print(f"  ag_matmul w=1 {cfg}: {type(e).__name__} {str(e)[:200]}", flush=True)
-
-
-def probe_cublas_chunks(shapes=LARGE_SHAPES, world=4, iterations=30):
-    """cuBLAS (XLA's dot) on the whole gathered x vs on one rank's rows at a time:
-    what a GEMM split per source rank (a copy-engine gather feeding one cuBLAS
-    call per arrived shard) would cost in GEMM time alone, on one device."""
-    dev = jax.devices()[0]
-    for m, n, k in shapes:
-        key = jax.random.PRNGKey(m + n + k)
-        xs = [jax.device_put(jax.random.normal(jax.random.fold_in(key, r), (m, k), jnp.bfloat16), dev)
-              for r in range(world)]
-        w = jax.device_put(jax.random.normal(key, (k, n), jnp.bfloat16), dev)
-        full_x = jnp.concatenate(xs)
-        full = jax.jit(lambda a, b: jnp.dot(a, b))
-        one = jax.jit(lambda a, b: jnp.dot(a, b))
-
-        def chained(b, *parts):
-            outs, dep = [], None
-            for part in parts:
-                if dep is not None:  # a data dependency keeps XLA from merging the dots
-                    part, _ = jax.lax.optimization_barrier((part, dep))
-                dep = jnp.dot(part, b)
-                outs.append(dep)
-            return outs
-
-        _, t_full = _kernel_us(full, (full_x, w), "", iterations)
-        _, t_one = _kernel_us(one, (xs[0], w), "", iterations)
-        _, t_chain = _kernel_us(jax.jit(chained), (w, *xs), "", iterations)
-        print(f"cublas chunks m_shard={m} n={n} k={k}: full {t_full:.1f} us, one shard "
-              f"{t_one:.1f} us (x{world} = {world * t_one:.1f}), {world} chained "
-              f"{t_chain:.1f} us = {t_chain / t_full:.3f} of full", flush=True)
-
-
-def probe_gemm_modes(rounds=3, iterations=20, algos=(0, 1, 2)):
-    """The fused Triton kernel (shipped config) against one cuBLASLt GEMM per arrived
-    shard (GEMM="cublas", heuristic algorithms ``algos``) and XLA's dot of the whole
-    gathered x on every device (the bench's (a)), alternating in one process."""
-    mesh = mesh_of(4)
-    rt = td.initialize(mesh)
-    for m, n, k in LARGE_SHAPES:
-        args, ref = _sharded_args(mesh, m, n, k)
-        tuned = {key: v for key, v in _shipped_config(rt, m, n, k).items()
-                 if key not in ("GEMM", "GEMM_ALGO")}
-        configs = {"fused": dict(tuned, GEMM="triton")}
-        configs.update({f"cublas{a}": dict(GEMM="cublas", GEMM_ALGO=a) for a in algos})
-        fns = {name: _ag_fn(mesh, c) for name, c in configs.items()}
-        gathered = jax.device_put(jax.device_get(args[0]), NamedSharding(mesh, P()))
-        local = jax.jit(jax.shard_map(lambda xg, w: jnp.dot(xg, w), mesh=mesh,
-                                      in_specs=(P(), P(None, "tp")), out_specs=P(None, "tp"),
-                                      check_vma=False))
-        _, t_local = _profile(local, (gathered, args[1]), iterations, 4)
-        print(f"gemm-modes {m}x{n}x{k} (a) local dot: mean {t_local['mean_us']:.1f}", flush=True)
-        _alternate(f"gemm-modes {m}x{n}x{k}", fns, args, ref, 4, rounds, iterations)
-
-
-def probe_gemm_steps(iterations=20, world=4):
-    """GEMM="cublas": kernel time per device split by kernel (the cuBLAS GEMMs
-    against the wait kernels), for each push order: how long the steps wait
-    for shards to land."""
-    from jax.experimental.mosaic.gpu import profiler
-    mesh = mesh_of(world)
-    td.initialize(mesh)
-    for m, n, k in ((1024, 4096, 4096), (2048, 7168, 8192)):
-        args, _ = _sharded_args(mesh, m, n, k)
-        for order in ("serial", "parallel"):
-            f = _ag_fn(mesh, dict(GEMM="cublas", PUSH_ORDER=order))
-            _, raw = profiler.measure(f, aggregate=False, iterations=iterations)(*args)
-            per_name = {}
-            for it in raw:
-                for name, t in it:
-                    per_name.setdefault(name, []).append(t * 1e3)
-            summary = {name[:40]: (round(sum(ts) / iterations / world, 1), len(ts) // iterations,
-                                   round(min(ts), 1), round(max(ts), 1))
-                       for name, ts in per_name.items()}
-            print(f"gemm-steps {m}x{n}x{k} {order}: per device (us, launches, min, max) "
-                  f"{summary}", flush=True)
 
 
 def probe_decode():
@@ -314,8 +239,7 @@ def probe_stream_k(rounds=3, iterations=20):
             for mode, f in fns.items():
                 out, t = _profile(f, args, iterations, 4)
                 times[mode].append(t["mean_us"])
-                errs[mode] = float(np.linalg.norm(np.asarray(out, np.float32) - ref)
-                                   / np.linalg.norm(ref))
+                errs[mode] = _rel_err(out, ref)
         print(f"stream-k {m}x{n}x{k}: gemm {gemm['mean_us']:.1f} us; cut "
               f"{[round(v, 1) for v in times[True]]} (err {errs[True]:.1e}); whole "
               f"{[round(v, 1) for v in times[False]]} (err {errs[False]:.1e}); median "
@@ -468,7 +392,7 @@ def probe_gap(rounds=3, iterations=20, shapes=LARGE_SHAPES):
         w0 = jax.device_put(np.asarray(args[1])[:, :n], jax.devices()[0])
         _, one = _profile(jax.jit(jnp.dot), (x0, w0), iterations, 1)
         times = {name: [] for name in ("cublas_all", "triton_all", "fused")}
-        errs = {}
+        outs = {}
         fns = gap_functions(mesh, tuned)
         from jax.experimental.mosaic.gpu import profiler
         for _ in range(rounds):
@@ -477,8 +401,8 @@ def probe_gap(rounds=3, iterations=20, shapes=LARGE_SHAPES):
                 sums = [sum(t for kname, t in kernels if not _is_all_gather(kname)) * 1e3 / world
                         for kernels in per_iter]
                 times[name].append(float(np.median(sums)))
-                errs[name] = float(np.linalg.norm(np.asarray(out, np.float32) - ref)
-                                   / np.linalg.norm(ref))
+                outs[name] = out
+        errs = {name: _rel_err(out, ref) for name, out in outs.items()}  # once, off the clock
         med = {name: float(np.median(v)) for name, v in times.items()}
         print(f"gap {m}x{n}x{k}: (a) one device {one['mean_us']:.1f}; all devices: cuBLAS "
               f"{med['cublas_all']:.1f}, jaxtdist kernel alone {med['triton_all']:.1f}, fused "
@@ -498,13 +422,13 @@ def _alternate(label, fns, args, ref, world, rounds, iterations):
     """Rounds of every variant in turn; prints the medians over rounds of each
     variant's mean and fastest-device times (us)."""
     times = {name: [] for name in fns}
-    errs = {}
+    outs = {}
     for _ in range(rounds):
         for name, f in fns.items():
             out, t = _profile(f, args, iterations, world)
             times[name].append((t["mean_us"], t["min_us"]))
-            errs[name] = float(np.linalg.norm(np.asarray(out, np.float32) - ref)
-                               / np.linalg.norm(ref))
+            outs[name] = out
+    errs = {name: _rel_err(out, ref) for name, out in outs.items()}  # once, off the clock
     for name, ts in times.items():
         print(f"{label} {name}: mean {np.median([t[0] for t in ts]):.1f} fastest "
               f"{np.median([t[1] for t in ts]):.1f} rounds {[round(t[0], 1) for t in ts]} "
@@ -600,8 +524,7 @@ def probe_rendezvous(rounds=3, iterations=50, calls=40, world=4):
                 rt._native.configure_launch_alignment(True, LAUNCH_ALIGN_TIMEOUT_US, spin)
                 for label, f, args, ref in cases:
                     out, t = _profile(f, args, iterations, world)
-                    err = float(np.linalg.norm(np.asarray(out, np.float32) - ref)
-                                / np.linalg.norm(ref))
+                    err = _rel_err(out, ref)
                     times[(label, name)].append((t["mean_us"], t["min_us"], err))
         for (label, name), ts in times.items():
             print(f"rendezvous {label} {name}: mean {np.median([t[0] for t in ts]):.1f} "
@@ -680,7 +603,7 @@ def probe_balance(shapes=((8192, 2752, 4096), (4096, 4096, 4096), (8192, 3072, 4
         if not gpu:  # interpreter: correctness only
             for label, f in fns.items():
                 out = f(a, b)
-                err = np.linalg.norm(np.asarray(out, np.float32) - ref) / np.linalg.norm(ref)
+                err = _rel_err(out, ref)
                 print(f"balance {m}x{n}x{k} {label}: err {err:.1e}", flush=True)
             continue
         times = {label: [] for label in fns}
@@ -694,8 +617,7 @@ def probe_balance(shapes=((8192, 2752, 4096), (4096, 4096, 4096), (8192, 3072, 4
                     errs[label] = f"{type(e).__name__} {str(e)[:200]}"
                     continue
                 times[label].append(us)
-                errs[label] = float(np.linalg.norm(np.asarray(out, np.float32) - ref)
-                                    / np.linalg.norm(ref))
+                errs[label] = _rel_err(out, ref)
         base = np.median(times["cublas"])
         for label, ts in times.items():
             if not ts:
@@ -735,9 +657,6 @@ PROBES = {
     "--gemm": lambda: probe_gemm_variants(),
     "--push-order": lambda: probe_push_order(),
     "--balance": lambda: probe_balance(edge="--edge" in sys.argv),
-    "--gemm-steps": lambda: probe_gemm_steps(),
-    "--gemm-modes": lambda: probe_gemm_modes(),
-    "--cublas-chunks": lambda: probe_cublas_chunks(),
     "--decode": lambda: probe_decode(),
     "--host-rate": lambda: probe_host_rate(**({"shapes": [
         tuple(int(v) for v in shape.split(",")) for shape in _flag_values("--shape")]}

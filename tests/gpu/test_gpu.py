@@ -276,45 +276,6 @@ def test_ag_matmul_ce_back_to_back(world, order, m_shard, chunk_rows):
         assert _rel(outs[i], refs[i % 8]) < TOL[dtype]
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
-@pytest.mark.parametrize("m_shard,k,n_shard,config", [
-    (1024, 1024, 1024, {}),                                # one chunk (flag) per shard
-    (256, 1000, 520, dict(CHUNK_ROWS=64)),                 # odd K and N; finer chunks
-    (512, 2048, 768, dict(PUSH_ORDER="parallel", GEMM_ALGO=1)),
-    (48, 256, 200, {}),                                    # rows not a multiple of 16
-])
-def test_ag_matmul_cublas(world, dtype, m_shard, k, n_shard, config):
-    """GEMM="cublas": a cuBLASLt GEMM per source rank after a one-program wait kernel,
-    each writing its rows of one output in place (csrc/shard_gemm_cuda.cc)."""
-    mesh = _mesh(world)
-    td.initialize(mesh)
-    _check_ag_matmul(mesh, _ag_matmul_fn(mesh, dict(config, GEMM="cublas")), world, m_shard, k,
-                     n_shard, dtype, calls=3)
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_ag_matmul_cublas_interleaved_with_fused(world):
-    """Both GEMM modes share one shape's inboxes, flags and sent words, call after call."""
-    mesh = _mesh(world)
-    td.initialize(mesh)
-    fused = dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=128)
-    fns = [_ag_matmul_fn(mesh, dict(GEMM="cublas") if by_shard else fused)
-           for by_shard in (True, False, True, True, False, True)]
-    for f in fns:
-        _check_ag_matmul(mesh, f, world, 512, 1024, 768, jnp.bfloat16, calls=1)
-
-
-def test_ag_matmul_cublas_algo_out_of_range():
-    mesh = _mesh(2)
-    td.initialize(mesh)
-    f = _ag_matmul_fn(mesh, dict(GEMM="cublas", GEMM_ALGO=64))
-    x = jax.device_put(_rand((512, 1024), jnp.bfloat16), NamedSharding(mesh, P("tp", None)))
-    w = jax.device_put(_rand((1024, 512), jnp.bfloat16), NamedSharding(mesh, P(None, "tp")))
-    with pytest.raises(Exception, match="GEMM_ALGO=64 asks for one past them"):
-        jax.block_until_ready(f(x, w))
-
-
 def test_ag_matmul_tma_config_over_shared_memory_is_refused():
     mesh = _mesh(2)
     td.initialize(mesh)
