@@ -93,6 +93,9 @@ def _gpu_candidates(world: int, m_shard: int, n: int, k: int, dtype) -> list[dic
             dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=128),
             dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=256),
             dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=512),
+            # Coarse chunks: fewer driver calls a call where the host sets the
+            # pace of back-to-back calls (docs/perf, run BK).
+            dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=1024),
             dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=256, GROUP_M=16),
             # The last partial wave cut along K over every SM, or dealt whole.
             dict(TMA=True, PRODUCER="ce", CHUNK_ROWS=256, STREAM_K=True),
