@@ -350,9 +350,8 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
                  jax.ShapeDtypeStruct((1,) if push else (world * m_shard, k), x.dtype))
     gather.update(M_SHARD=m_shard, N=n, K=k)
     cfg.pop("PRODUCER")
-    for key in ("STREAM_K", "TAIL_SPLIT_N", "TAIL_STAGES", "FLATTEN"):  # the CE kernel's alone
+    for key, _, _ in _CE_ONLY:  # the copy-engine kernel's settings
         cfg.pop(key)
-    cfg.pop("PUSH_ORDER")
     if cfg.pop("TMA"):
         for key in ("ALL_ROWS", "SPLIT_K"):
             cfg.pop(key)
