@@ -42,7 +42,7 @@ def _compile(fn, pointers: dict, constexprs: dict, **options):
 
 def _compile_native(fn, pointer_types: list, constexprs: dict, **options):
     """Compiles a kernel for jaxtdist's own launcher (TMA kernels: global scratch)."""
-    from jaxtdist.ops._native_launch import compile_kernel
+    from jaxtdist.runtime._cuda_launch import compile_kernel
     with _skip_without_ptxas():
         return compile_kernel(fn, [f"*{t}" for t in pointer_types], constexprs,
                               capability=90, **options)
@@ -224,7 +224,7 @@ def test_launch_warps_of_warp_specialized_kernel(num_warps):
     """A warp-specialized loop compiles to more warps than asked for (producer
     warps) and its cubin requires exactly that many threads: the native launcher
     must launch the compiled count, not the requested one."""
-    from jaxtdist.ops._native_launch import launch_warps
+    from jaxtdist.runtime._cuda_launch import launch_warps
     from tests.kernels_for_tests import warp_specialized_matmul_kernel
     k = _compile_native(warp_specialized_matmul_kernel, ["i32", "bf16", "bf16", "bf16"],
                         dict(M=1024, N=1024, K=1024, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxtdist.ops import _ffi
+from jaxtdist.runtime import _ffi
 
 from tests.conftest import setup
 

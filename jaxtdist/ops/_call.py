@@ -21,7 +21,7 @@ from jax.experimental import io_callback
 
 from jaxtdist._errors import JaxtdistError, WaitTimeoutError
 from jaxtdist.language import _layout as L
-from jaxtdist.ops import _ffi
+from jaxtdist.runtime import _ffi
 from jaxtdist.runtime import _native
 from jaxtdist.runtime._runtime import Layout, Runtime, Workspace, runtime
 
@@ -244,7 +244,7 @@ def launch(kernel, ctx: jax.Array, *args: Any, out_shape, grid: int | Sequence[i
     outs, many = _out_list(out_shape)
     full_args = (ctx,) + tuple(args)
     if aligns_at_launch(rt, args, needs_scratch):
-        from jaxtdist.ops import _native_launch
+        from jaxtdist.runtime import _cuda_launch as _native_launch
         rendezvous = None
         if align_with is not None:
             layout, ws = align_with

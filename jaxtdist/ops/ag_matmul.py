@@ -11,7 +11,8 @@ import numpy as np
 
 from jaxtdist.kernels.ag_matmul import (ag_matmul_ce_kernel, ag_matmul_kernel,
                                         ag_matmul_tma_kernel, push_shards_kernel)
-from jaxtdist.ops import _call, _ffi
+from jaxtdist.ops import _call
+from jaxtdist.runtime import _ffi
 from jaxtdist.ops._shapes import (GatherWorkspace, InboxWorkspace, SplitKWorkspace,
                                   StreamKWorkspace, check_dtype, next_pow2)
 from jaxtdist._errors import HeapExhaustedError

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from jaxtdist.ops import _ffi
+from jaxtdist.runtime import _ffi
 from jaxtdist.runtime import _native
 from jaxtdist.runtime._runtime import Runtime
 
