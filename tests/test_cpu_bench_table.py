@@ -1,12 +1,20 @@
-"""The benchmark's bookkeeping, without GPUs: rounds merged into one median,
-interleaved contenders checked against their references, and the tables."""
+"""The benchmark harness's bookkeeping, without GPUs: rounds merged into one
+median, interleaved contenders checked against their references, the tables,
+the JSON round trip and the plot."""
 
 from __future__ import annotations
 
-import numpy as np
+import ast
+import json
+import pathlib
 
-from jaxtdist import bench
-from jaxtdist._timing import merge_rounds
+import numpy as np
+import pytest
+
+from jaxtdist.bench import __main__ as cli
+from jaxtdist.bench import ag_matmul, all_gather, harness, shapes
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _stats(samples):
@@ -16,44 +24,152 @@ def _stats(samples):
 
 
 def test_merge_rounds_takes_the_median_of_every_iteration():
-    merged = merge_rounds([_stats([10.0, 11.0, 30.0]), _stats([12.0, 13.0, 14.0])])
+    merged = harness.merge_rounds([_stats([10.0, 11.0, 30.0]), _stats([12.0, 13.0, 14.0])])
     assert merged["mean_us"] == 12.5 and merged["min_us"] == 11.5
     assert merged["round_medians_us"] == [11.0, 13.0]
     assert len(merged["samples_us"]) == 6
 
 
-def test_interleaved_rounds_alternate_and_check_outputs():
+def test_interleaved_rounds_alternate_check_outputs_and_report_failures():
     calls = []
     ref = np.arange(6.0)
 
-    def runner(name, out):
-        def run(args, iterations, world):
-            calls.append((name, iterations, world))
-            return out, _stats([float(len(calls))] * iterations)
-        return run
+    def measure(fn, args, iterations, world):
+        calls.append((fn.__name__, iterations, world))
+        if fn.__name__ == "broken":
+            raise RuntimeError("no kernel for this shape\nsecond line")
+        return fn(), _stats([float(len(calls))] * iterations)
 
-    stats = bench._interleaved(dict(
-        good=(runner("good", ref), (), 4, ref, True),
-        bad=(runner("bad", ref + 1), (), 4, ref, True),
-        close=(runner("close", ref * (1 + 1e-3)), (), 1, ref, False),
-        unchecked=(runner("unchecked", None), (), 1, None, False)), iterations=10, rounds=2)
-    assert [c[0] for c in calls] == ["good", "bad", "close", "unchecked"] * 2
+    def good(): return ref
+    def bad(): return ref + 1
+    def close(): return ref * (1 + 1e-3)
+    def unchecked(): return None
+    def broken(): return None
+
+    stats = harness.interleaved(dict(
+        good=harness.Contender(good, (), 4, ref, exact=True),
+        bad=harness.Contender(bad, (), 4, ref, exact=True),
+        close=harness.Contender(close, (), 1, ref),
+        unchecked=harness.Contender(unchecked, (), 1),
+        broken=harness.Contender(broken, (), 1, ref)), iterations=10, rounds=2, measure=measure)
+    # Round by round, one contender after another; a failing one runs once.
+    assert [c[0] for c in calls] == ["good", "bad", "close", "unchecked", "broken",
+                                     "good", "bad", "close", "unchecked"]
     assert {c[1] for c in calls} == {5}
     assert stats["good"]["exact"] and not stats["bad"]["exact"]
     assert abs(stats["close"]["rel_err"] - 1e-3) < 1e-6  # float32 arithmetic
     assert "exact" not in stats["unchecked"] and "rel_err" not in stats["unchecked"]
-    assert stats["good"]["round_medians_us"] == [1.0, 5.0]
+    assert stats["good"]["round_medians_us"] == [1.0, 6.0]
+    assert stats["broken"] == dict(error=["RuntimeError: no kernel for this shape"])
 
 
-def test_ag_matmul_table_has_both_lower_bounds():
+def test_rel_err_of_a_non_finite_output_is_infinite():
+    assert harness.rel_err(np.array([1.0, np.nan]), np.ones(2)) == float("inf")
+    assert harness.rel_err(np.ones(4), np.ones(4)) == 0.0
+
+
+def _ag_row(**kw):
     row = dict(m_shard=1024, n_shard=4096, k=4096, world=4, dtype="bfloat16", rounds=4,
+               size=2.0 * 4 * 1024 * 4096 * 4096, label="1024x4096x4096",
                local_gemm=_stats([100.0]), local_gemm_all_devices=_stats([105.0]),
                xla_allgather_dot=_stats([200.0]), pallas_mgpu=dict(error=["refused"]),
                jaxtdist=dict(_stats([110.0]), rel_err=1.7e-3),
                jaxtdist_unaligned=_stats([111.0]))
-    table = bench.ag_matmul_table([row], "NVIDIA H200", 100)
+    row.update(kw)
+    return row
+
+
+def _result(bench, rows, world=4):
+    return dict(op=bench.op, benchmark=bench.name, device="NVIDIA H200", world=world,
+                iterations=100, rounds=4,
+                plot=dict(series=list(bench.series), size_label=bench.size_label), rows=rows)
+
+
+def test_ag_matmul_table_has_both_lower_bounds_and_the_2d_row():
+    row_2d = _ag_row(mesh="dp=2 x tp=2", world=2)
+    for key in ("size", "label"):
+        del row_2d[key]
+    table = ag_matmul.table(_result(ag_matmul.BENCHMARK, [_ag_row(), row_2d]))
     assert "median of 100 in 4 interleaved rounds" in table
-    assert "| 1024 | 4096 | 4096 | 100.0 | 105.0 | 200.0 | n/a | 110.0 | 109.0 | 111.0 | " \
-           "1.10 | 1.05 | 1.7e-03 |" in table
-    header = table.splitlines()[2]
-    assert header.count("|") == table.splitlines()[-1].count("|")
+    line = ("| 1024 | 4096 | 4096 | 100.0 | 105.0 | 200.0 | n/a | 110.0 | 109.0 | 111.0 | "
+            "1.10 | 1.05 | 1.7e-03 |")
+    assert table.count(line) == 2  # the 1-D row and the 2-D mesh's own table
+    assert "dp=2 x tp=2 mesh" in table
+    lines = table.splitlines()
+    assert lines[2].count("|") == lines[4].count("|") == len(ag_matmul.COLUMNS) + 1
+
+
+def test_untuned_table_reports_the_ratio_to_jnp_dot():
+    rows = [dict(m=m, n=4096, k=4096, dtype="bfloat16", world=1, size=2.0 * m * 4096 * 4096,
+                 label=f"{m}", jnp_dot=dict(_stats([100.0]), rel_err=2e-3),
+                 jaxtdist=dict(_stats([us]), rel_err=2e-3, config_source="defaults"))
+            for m, us in ((1024, 104.0), (16, 130.0))]
+    rows.append(dict(m=1000, n=1000, k=1000, dtype="bfloat16", world=1, size=2e9, label="1000",
+                     jnp_dot=_stats([7.0]), jaxtdist=dict(error=["ValueError: shape"])))
+    table = ag_matmul.untuned_table(_result(ag_matmul.UNTUNED, rows, world=1))
+    assert "| 1024 x 4096 x 4096 | bfloat16 | 100.0 | 104.0 | 1.04 | defaults | 2.0e-03 |" \
+           in table
+    assert "| 1000 x 1000 x 1000 | bfloat16 | 7.0 | n/a | n/a |" in table
+    assert table.splitlines()[-1] == "ag_matmul / jnp.dot: at most 1.30; 1 of 2 rows within 1.05"
+
+
+def test_all_gather_table_checks_both_runs_exact():
+    rows = [dict(bytes_per_rank=16384, world=4, dtype="bfloat16", rounds=4, size=16384.0,
+                 label="16 KiB", xla_all_gather=dict(_stats([10.0]), exact=True),
+                 jaxtdist=dict(_stats([12.0]), exact=True),
+                 jaxtdist_unaligned=dict(_stats([20.0]), exact=False))]
+    table = all_gather.table(_result(all_gather.BENCHMARK, rows))
+    assert "| 16384 | 10.0 | 12.0 | 20.0 | 1.20 | False |" in table
+
+
+def test_json_round_trip_and_the_table_subcommand(tmp_path, capsys):
+    res = _result(ag_matmul.BENCHMARK, [_ag_row()])
+    table = ag_matmul.table(res)
+    paths = tmp_path / "r.json", tmp_path / "r.md"
+    harness.write_results(res, table, str(paths[0]), str(paths[1]))
+    assert json.loads(paths[0].read_text()) == res
+    assert paths[1].read_text() == table + "\n"
+    capsys.readouterr()
+    assert cli.main(["table", str(paths[0])]) == 0
+    assert capsys.readouterr().out == table + "\n"
+
+
+def test_plot_data_sorts_by_size_and_reads_results_without_plot_fields():
+    old = dict(op="ag_matmul", world=4, device="H200", rows=[
+        {k: v for k, v in _ag_row(m_shard=16).items() if k not in ("size", "label")},
+        {k: v for k, v in _ag_row().items() if k not in ("size", "label")},
+        dict(_ag_row(), mesh="dp=2 x tp=2")])
+    data = harness.plot_data(old)
+    assert list(data)[0] == "jaxtdist" and "pallas_mgpu" not in data  # no time: no series
+    assert [p[2] for p in data["jaxtdist"]] == ["16x4096x4096", "1024x4096x4096"]
+    assert data["jaxtdist"][0][0] == 2.0 * 4 * 16 * 4096 * 4096
+    new = _result(ag_matmul.BENCHMARK, [_ag_row()])
+    assert list(harness.plot_data(new)) == ["jaxtdist", "local_gemm", "xla_allgather_dot"]
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib", reason="the plot needs matplotlib (pip install "
+                                             "matplotlib); the benchmarks do not")
+    res = [_result(ag_matmul.BENCHMARK, [_ag_row(), _ag_row(m_shard=16, size=1e9, label="16")]),
+           _result(all_gather.BENCHMARK, [dict(bytes_per_rank=1 << 20, size=float(1 << 20),
+                                                jaxtdist=_stats([30.0]),
+                                                xla_all_gather=_stats([38.0]))])]
+    for i, r in enumerate(res):
+        (tmp_path / f"{i}.json").write_text(json.dumps(r))
+    png = tmp_path / "plot.png"
+    assert cli.main(["plot", str(tmp_path / "0.json"), str(tmp_path / "1.json"),
+                     "--png", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_shape_lists_are_written_once():
+    for rows in (shapes.AG_MATMUL_SHAPES, shapes.AG_MATMUL_UNTUNED_SHAPES,
+                 shapes.ALL_GATHER_BYTES):
+        assert len(rows) == len(set(rows)), "a row listed twice is timed twice"
+    assert all(d in ("bfloat16", "float16") for *_, d in shapes.AG_MATMUL_UNTUNED_SHAPES)
+    # The tuner's CLI imports the shapes: they import nothing (jaxtdist and JAX included).
+    tree = ast.parse((ROOT / "jaxtdist/bench/shapes.py").read_text())
+    assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    init = ast.parse((ROOT / "jaxtdist/bench/__init__.py").read_text())
+    imported = {n.module for n in ast.walk(init) if isinstance(n, ast.ImportFrom)}
+    assert imported == {"jaxtdist.bench.shapes"}

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxtdist as td
-from jaxtdist.bench import _profile, _rel_err
+from jaxtdist.bench.harness import profile, rel_err
 from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered
 
 AUTO = jax.sharding.AxisType.Auto
@@ -53,7 +53,7 @@ def probe_all_gather(world, cfg, rows=4096, cols=1024):
                               in_specs=P("tp", None), out_specs=P(None, None), check_vma=False))
     x = jax.random.normal(jax.random.key(0), (world * rows, cols), jnp.bfloat16)
     xs = jax.device_put(x, NamedSharding(mesh, P("tp", None)))
-    out, t = _profile(f, (xs,), 10, world)
+    out, t = profile(f, (xs,), 10, world)
     ok = np.array_equal(np.asarray(out), np.asarray(x))
     print(f"all_gather w={world} {cfg}: mean {t['mean_us']:.1f} min {t['min_us']:.1f} ok={ok} "
           f"kernels={t['kernels']}", flush=True)
@@ -73,7 +73,7 @@ def probe_ag_matmul(world, cfg, m=1024, n=4096, k=4096):
     last = raw[-1]
     ours = [t * 1e3 for name, t in last if "ag_matmul" in name]
     ref = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
-    err = _rel_err(out, ref)
+    err = rel_err(out, ref)
     print(f"ag_matmul w={world} m={m} {cfg}: per-device kernel us "
           f"{[round(v, 1) for v in ours]} err={err:.1e}", flush=True)
 
@@ -125,7 +125,7 @@ def probe_gemm_variants(shapes=((4096, 4096, 4096), (8192, 3072, 4096), (8192, 3
             jnp.bfloat16)
         b = jax.random.normal(jax.random.key(2), (k, n), jnp.bfloat16)
         ref = np.asarray(jnp.dot(a, b, preferred_element_type=jnp.float32))
-        err = functools.partial(_rel_err, ref=ref)
+        err = functools.partial(rel_err, ref=ref)
         _, cublas = _kernel_us(jax.jit(jnp.dot), (a, b), "")
         print(f"gemm {m}x{n}x{k}: cublas {cublas:.1f} us", flush=True)
         for label, kernel, extra in variants:
@@ -206,7 +206,7 @@ def probe_variance(rounds=4):
             rt.align_launches = aligned
             line = []
             for _ in range(rounds):
-                _, t = _profile(f, args, 20, 4)
+                _, t = profile(f, args, 20, 4)
                 line.append(f"{t['mean_us']:.0f}/{t['min_us']:.0f}")
             print(f"variance {m}x{n}x{k} aligned={aligned}: mean/fastest per round {line}",
                   flush=True)
@@ -228,7 +228,7 @@ def probe_stream_k(rounds=3, iterations=20):
         args = (jax.device_put(x, NamedSharding(mesh, P("tp", None))),
                 jax.device_put(w, NamedSharding(mesh, P(None, "tp"))))
         ref = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
-        _, gemm = _profile(jax.jit(jnp.dot), (jax.device_put(x, jax.devices()[0]),
+        _, gemm = profile(jax.jit(jnp.dot), (jax.device_put(x, jax.devices()[0]),
                                               jax.device_put(w[:, :n], jax.devices()[0])),
                            iterations, 1)
         tuned = _shipped_config(rt, m, n, k)
@@ -237,9 +237,9 @@ def probe_stream_k(rounds=3, iterations=20):
         fns = {mode: _ag_fn(mesh, dict(tuned, STREAM_K=mode)) for mode in (True, False)}
         for _ in range(rounds):
             for mode, f in fns.items():
-                out, t = _profile(f, args, iterations, 4)
+                out, t = profile(f, args, iterations, 4)
                 times[mode].append(t["mean_us"])
-                errs[mode] = _rel_err(out, ref)
+                errs[mode] = rel_err(out, ref)
         print(f"stream-k {m}x{n}x{k}: gemm {gemm['mean_us']:.1f} us; cut "
               f"{[round(v, 1) for v in times[True]]} (err {errs[True]:.1e}); whole "
               f"{[round(v, 1) for v in times[False]]} (err {errs[False]:.1e}); median "
@@ -256,7 +256,7 @@ def _probe_modes(label, modes: dict, shapes, rounds: int, iterations: int):
         args, ref = _sharded_args(mesh, m, n, k)
         x = jax.device_put(jax.random.normal(jax.random.key(3), (4 * m, k), jnp.bfloat16),
                            jax.devices()[0])
-        _, gemm = _profile(jax.jit(jnp.dot), (x, jax.device_put(
+        _, gemm = profile(jax.jit(jnp.dot), (x, jax.device_put(
             jax.random.normal(jax.random.key(4), (k, n), jnp.bfloat16), jax.devices()[0])),
             iterations, 1)
         print(f"{label} {m}x{n}x{k}: (a) {gemm['mean_us']:.1f} us", flush=True)
@@ -339,7 +339,7 @@ def probe_host_rate(calls=200, repeats=3, iterations=20,
                 spent[name]["waits"] += (align_after["wait_us"] - align["wait_us"]) / per
         rt.align_launches = True
         for name, f in fns.items():
-            _, t = _profile(f, args, iterations, 4)
+            _, t = profile(f, args, iterations, 4)
             host = ", ".join(f"{key} {us:.1f}" for key, us in spent[name].items())
             print(f"host-rate {m}x{n}x{k} {name}: wall per call "
                   f"{[round(w, 1) for w in walls[name]]} us (host clock), kernel "
@@ -390,7 +390,7 @@ def probe_gap(rounds=3, iterations=20, shapes=LARGE_SHAPES):
         tuned = _shipped_config(rt, m, n, k, world)
         x0 = jax.device_put(args[0], jax.devices()[0])
         w0 = jax.device_put(np.asarray(args[1])[:, :n], jax.devices()[0])
-        _, one = _profile(jax.jit(jnp.dot), (x0, w0), iterations, 1)
+        _, one = profile(jax.jit(jnp.dot), (x0, w0), iterations, 1)
         times = {name: [] for name in ("cublas_all", "triton_all", "fused")}
         outs = {}
         fns = gap_functions(mesh, tuned)
@@ -402,7 +402,7 @@ def probe_gap(rounds=3, iterations=20, shapes=LARGE_SHAPES):
                         for kernels in per_iter]
                 times[name].append(float(np.median(sums)))
                 outs[name] = out
-        errs = {name: _rel_err(out, ref) for name, out in outs.items()}  # once, off the clock
+        errs = {name: rel_err(out, ref) for name, out in outs.items()}  # once, off the clock
         med = {name: float(np.median(v)) for name, v in times.items()}
         print(f"gap {m}x{n}x{k}: (a) one device {one['mean_us']:.1f}; all devices: cuBLAS "
               f"{med['cublas_all']:.1f}, jaxtdist kernel alone {med['triton_all']:.1f}, fused "
@@ -425,10 +425,10 @@ def _alternate(label, fns, args, ref, world, rounds, iterations):
     outs = {}
     for _ in range(rounds):
         for name, f in fns.items():
-            out, t = _profile(f, args, iterations, world)
+            out, t = profile(f, args, iterations, world)
             times[name].append((t["mean_us"], t["min_us"]))
             outs[name] = out
-    errs = {name: _rel_err(out, ref) for name, out in outs.items()}  # once, off the clock
+    errs = {name: rel_err(out, ref) for name, out in outs.items()}  # once, off the clock
     for name, ts in times.items():
         print(f"{label} {name}: mean {np.median([t[0] for t in ts]):.1f} fastest "
               f"{np.median([t[1] for t in ts]):.1f} rounds {[round(t[0], 1) for t in ts]} "
@@ -523,8 +523,8 @@ def probe_rendezvous(rounds=3, iterations=50, calls=40, world=4):
             for name, spin in settings.items():
                 rt._native.configure_launch_alignment(True, LAUNCH_ALIGN_TIMEOUT_US, spin)
                 for label, f, args, ref in cases:
-                    out, t = _profile(f, args, iterations, world)
-                    err = _rel_err(out, ref)
+                    out, t = profile(f, args, iterations, world)
+                    err = rel_err(out, ref)
                     times[(label, name)].append((t["mean_us"], t["min_us"], err))
         for (label, name), ts in times.items():
             print(f"rendezvous {label} {name}: mean {np.median([t[0] for t in ts]):.1f} "
@@ -603,7 +603,7 @@ def probe_balance(shapes=((8192, 2752, 4096), (4096, 4096, 4096), (8192, 3072, 4
         if not gpu:  # interpreter: correctness only
             for label, f in fns.items():
                 out = f(a, b)
-                err = _rel_err(out, ref)
+                err = rel_err(out, ref)
                 print(f"balance {m}x{n}x{k} {label}: err {err:.1e}", flush=True)
             continue
         times = {label: [] for label in fns}
@@ -617,7 +617,7 @@ def probe_balance(shapes=((8192, 2752, 4096), (4096, 4096, 4096), (8192, 3072, 4
                     errs[label] = f"{type(e).__name__} {str(e)[:200]}"
                     continue
                 times[label].append(us)
-                errs[label] = _rel_err(out, ref)
+                errs[label] = rel_err(out, ref)
         base = np.median(times["cublas"])
         for label, ts in times.items():
             if not ts:

@@ -1,0 +1,33 @@
+"""The benchmark and tuning problem sizes, written once.
+
+Plain data, importing nothing from jaxtdist (nor JAX): the benchmarks
+(``python -m jaxtdist.bench``) and the tuner's CLI (``python -m jaxtdist.tune``)
+both take their shapes from here.
+"""
+
+# ag_matmul at world W, (m_shard, n_shard, k): x is [W * m_shard, k] with rows
+# sharded over the W ranks, w is [k, W * n_shard] with columns sharded. The
+# large rows are Llama-style projections at tp=4 (N = 11008, 14336, 28672 split
+# four ways); the last three are decode sizes.
+AG_MATMUL_SHAPES = [
+    (1024, 4096, 4096), (2048, 3072, 4096), (2048, 7168, 8192),
+    (2048, 11008 // 4, 4096), (2048, 14336 // 4, 4096),
+    (1, 4096, 8192), (16, 4096, 8192), (128, 4096, 8192),
+]
+
+# ag_matmul at world 1 against jnp.dot of the same operands, with the default
+# configs (no tuning cache): (m, n, k, dtype). m is the rows of one rank, which
+# at world 1 is the whole M. Shapes nobody tuned, and the tuned shapes' sizes.
+AG_MATMUL_UNTUNED_SHAPES = [
+    (1024, 4096, 4096, "bfloat16"),
+    (2048, 3072, 4096, "bfloat16"),
+    (2048, 7168, 8192, "bfloat16"),
+    (512, 5120, 5120, "bfloat16"),
+    (1536, 2816, 6144, "float16"),
+    (128, 4096, 8192, "bfloat16"),
+    (16, 4096, 8192, "bfloat16"),
+    (1000, 1000, 1000, "bfloat16"),
+]
+
+# all_gather: bytes per rank (bf16 rows of 1024 columns).
+ALL_GATHER_BYTES = [16 << 10, 256 << 10, 1 << 20, 8 << 20, 64 << 20]
