@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
-# GPU suite, tuning and benchmarks in one go; prints a short table last.
+# The GPU entry point: the GPU suite, the tuner, then the benchmarks for the GPUs
+# this node has; prints a short summary and the tables last.
 # Usage (repo root, on the GPU node): bash tests/gpu/run.sh [--quick]
 #   PHASES="tests tune bench" (default: all three) picks phases;
-#   TUNE_ARGS (e.g. --large) go to python -m jaxtdist.tune.
-# Writes logs and raw results under ${OUT:-/tmp/jaxtdist-gpu} and docs/perf/.
-# The tuning cache is ${JAXTDIST_TUNING_CACHE:-$OUT/tuning.json}: the tune phase
-# writes it, and the bench (a second process) reads it without tuning again.
+#   TUNE_ARGS (e.g. --large) go to python -m jaxtdist.tune;
+#   BENCH_WORLDS (default: "1 N", N the GPUs found) the world sizes ag_matmul and
+#   all_gather are timed at; the world-1 `untuned` table (ag_matmul vs jnp.dot,
+#   default configs) runs on every node;
+#   DOCS=1 also copies the benchmark tables and JSON into docs/perf/.
+# Writes logs and results under ${OUT:-/tmp/jaxtdist-gpu}. The tuning cache is
+# ${JAXTDIST_TUNING_CACHE:-$OUT/tuning.json}: the tune phase writes it, and the
+# benchmarks (other processes) read it without tuning again; the GPU suite and
+# the `untuned` table run without it (configs shipped with jaxtdist still apply).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/jaxtdist-gpu}
 PHASES=${PHASES:-tests tune bench}
-mkdir -p "$OUT" docs/perf
+mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export PYTHONUNBUFFERED=1 JAXTDIST_TEST_GPU=1
 export JAXTDIST_TUNING_CACHE=${JAXTDIST_TUNING_CACHE:-$OUT/tuning.json}
@@ -27,9 +33,9 @@ python3 -c "import jaxtdist._jaxtdist_ffi as m; print('native library, CUDA:', m
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -8
 DEV=$(python3 -c "import jax; print(jax.devices()[0].device_kind.replace(' ', '_'))")
 N=$(python3 -c "import jax; print(len(jax.devices()))")
-TAG="${DEV}x${N}"
-ARGS=""
-[ "$QUICK" = "--quick" ] && ARGS="--quick --iterations 10"
+WORLDS=${BENCH_WORLDS:-$( [ "$N" -gt 1 ] && echo "1 $N" || echo 1 )}
+ARGS="" ITER=""
+[ "$QUICK" = "--quick" ] && ARGS="--quick --iterations 10" ITER="--iterations 10"
 TEST_RC=0
 
 if has tests; then
@@ -47,22 +53,38 @@ if has tests; then
   python3 examples/ring_exchange.py 2>&1 | tail -1 | tee -a "$OUT/examples.log"
 fi
 if has tune; then
-  python3 -m jaxtdist.tune $ARGS ${TUNE_ARGS:-} --json "docs/perf/ag_matmul_tuning_${TAG}.json" \
-    --markdown "docs/perf/ag_matmul_tuning_${TAG}.md" 2>&1 | tee "$OUT/tune.log"
+  python3 -m jaxtdist.tune $ARGS ${TUNE_ARGS:-} --json "$OUT/ag_matmul_tuning_${DEV}x${N}.json" \
+    --markdown "$OUT/ag_matmul_tuning_${DEV}x${N}.md" 2>&1 | tee "$OUT/tune.log"
 fi
+TABLES=()
+bench() {  # bench NAME FILE_STEM ARGS...: one benchmark, its JSON and table under $OUT
+  local name=$1 stem=$2; shift 2
+  timeout 1500 python3 -m jaxtdist.bench "$name" "$@" --json "$OUT/$stem.json" \
+    --markdown "$OUT/$stem.md" 2>&1 | tee "$OUT/bench_$stem.log"
+  [ -s "$OUT/$stem.md" ] && TABLES+=("$stem")
+}
 if has bench; then
   # SM clocks, power and throttle reasons during the bench: slow episodes vs clock drops.
   nvidia-smi --query-gpu=index,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
     --format=csv,noheader,nounits -lms 250 > "$OUT/clocks.csv" 2>/dev/null &
   CLOCKS_PID=$!
-  python3 -m jaxtdist.bench all_gather --json "docs/perf/all_gather_${TAG}.json" \
-    --markdown "docs/perf/all_gather_${TAG}.md" 2>&1 | tee "$OUT/bench_all_gather.log"
-  python3 -m jaxtdist.bench ag_matmul $ARGS --json "docs/perf/ag_matmul_${TAG}.json" \
-    --markdown "docs/perf/ag_matmul_${TAG}.md" 2>&1 | tee "$OUT/bench_ag_matmul.log"
+  for W in $WORLDS; do
+    bench all_gather "all_gather_${DEV}x${W}" --world "$W" $ARGS
+    bench ag_matmul "ag_matmul_${DEV}x${W}" --world "$W" $ARGS
+  done
+  # World 1, default configs: a fresh, empty tuning cache (the subcommand makes one).
+  bench untuned "ag_matmul_untuned_${DEV}x1" $ITER
   kill "$CLOCKS_PID" 2>/dev/null
+  if python3 -c "import matplotlib" 2>/dev/null; then
+    for stem in "${TABLES[@]}"; do
+      python3 -m jaxtdist.bench plot "$OUT/$stem.json" --png "$OUT/$stem.png" > /dev/null
+    done
+  fi
+  if [ "${DOCS:-0}" = 1 ]; then
+    for stem in "${TABLES[@]}"; do cp "$OUT/$stem".{json,md} docs/perf/; done
+    cp "$OUT"/*.png docs/perf/ 2>/dev/null
+  fi
 fi
-# Only what this run wrote (docs/perf also holds every earlier run's files).
-for f in all_gather ag_matmul ag_matmul_tuning; do cp docs/perf/"${f}_${TAG}".* "$OUT/" 2>/dev/null; done
 
 echo
 if has tests; then
@@ -73,8 +95,9 @@ fi
 if has tune; then grep -E "best" "$OUT/tune.log"; fi
 if has bench; then
   python3 tests/gpu/clock_summary.py "$OUT/clocks.csv" 2>/dev/null
-  cat "docs/perf/all_gather_${TAG}.md" 2>/dev/null
-  echo
-  cat "docs/perf/ag_matmul_${TAG}.md" 2>/dev/null
+  for stem in "${TABLES[@]}"; do echo; cat "$OUT/$stem.md"; done
+  python3 -c "import matplotlib" 2>/dev/null || echo "
+No matplotlib here: draw the plots on a machine with it, from the JSON under $OUT:
+  python -m jaxtdist.bench plot $OUT/<result>.json --png <result>.png"
 fi
 exit $TEST_RC
