@@ -43,6 +43,7 @@
 #include <string>
 #include <vector>
 
+#include "call_context.h"
 #include "cuda_driver.h"
 #include "runtime_state.h"
 
@@ -208,51 +209,46 @@ ffi::Error Failed(const std::string& what) {
 
 ffi::Error CeGatherCuda(cudaStream_t stream, std::int32_t device_ordinal, ffi::AnyBuffer x,
                         ffi::Buffer<ffi::S32> ctx, ffi::Result<ffi::Buffer<ffi::S32>> ctx_out,
-                        std::int64_t counter_id, std::int64_t world,
-                        ffi::Span<const std::int64_t> groups, std::int64_t inbox_offset,
+                        std::int64_t counter_id, std::int64_t inbox_offset,
                         std::int64_t parity_bytes, std::int64_t flags_offset,
                         std::int64_t sent_offset, std::int64_t chunk_rows,
-                        std::int64_t generation, std::int64_t align_launch,
-                        std::int64_t serial) {
-  const LaunchClock::time_point entered = LaunchClock::now();
+                        std::int64_t align_launch, std::int64_t serial,
+                        std::int64_t generation, ffi::Span<const std::int64_t> groups,
+                        std::int64_t world) {
   // ctx_out aliases ctx: the kernel that takes it is ordered after this call.
   (void)ctx;
   (void)ctx_out;
-  if (std::string stale = CheckGeneration(generation); !stale.empty()) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition, stale);
-  }
+  auto call = Resolve(CallSite::OnDevice("jaxtdist copy-engine gather", device_ordinal),
+                      CallAttrs{generation, groups, world}, kNeedGroup);
+  if (call.has_error()) return call.error();
   static StreamValue32Fn write32 =
       cuda::DriverFunction<StreamValue32Fn>("cuStreamWriteValue32");
   if (write32 == nullptr) return Failed("the driver lacks cuStreamWriteValue32");
-  auto pos = RuntimeState::Get().PositionOfDevice(device_ordinal);
-  if (!pos) return ffi::Error::InvalidArgument(NoHeapForDevice(device_ordinal));
-  std::string group_err;
-  const std::int64_t* group = RuntimeState::GroupOf(
-      groups.begin(), static_cast<std::int64_t>(groups.size()), world, *pos, &group_err);
-  if (group == nullptr) return ffi::Error::InvalidArgument("jaxtdist copy-engine gather: " + group_err);
+  const int pos = call->position;
+  const std::int64_t* group = call->group;
+  const HeapSlot& heap = *call->heap;
   PushPlan plan;
   plan.me = -1;
   plan.bases.resize(world);
   for (std::int64_t r = 0; r < world; ++r) {
-    if (group[r] == *pos) plan.me = r;
+    if (group[r] == pos) plan.me = r;
     auto peer = RuntimeState::Get().Heap(static_cast<int>(group[r]));
     if (!peer) return Failed("no heap for mesh position " + std::to_string(group[r]));
     plan.bases[r] = peer->base;
   }
-  auto heap = RuntimeState::Get().Heap(*pos);
-  if (plan.me < 0) return Failed("mesh position " + std::to_string(*pos) + " is not in its group");
+  if (plan.me < 0) return Failed("mesh position " + std::to_string(pos) + " is not in its group");
 
   const std::int64_t shard_bytes = static_cast<std::int64_t>(x.size_bytes());
   const std::int64_t rows = x.dimensions().size() == 0 ? 1 : x.dimensions()[0];
   if (rows < 1 || chunk_rows < 1 || shard_bytes % rows) return Failed("bad shard shape");
   const std::int64_t n_chunks = (rows + chunk_rows - 1) / chunk_rows;
   if (parity_bytes < world * shard_bytes || inbox_offset < 0 ||
-      inbox_offset + 2 * parity_bytes > heap->bytes || sent_offset < 0 ||
-      sent_offset + 4 * world > heap->bytes || flags_offset < 0 ||
-      flags_offset + 4 * world * n_chunks > heap->bytes) {
+      inbox_offset + 2 * parity_bytes > heap.bytes || sent_offset < 0 ||
+      sent_offset + 4 * world > heap.bytes || flags_offset < 0 ||
+      flags_offset + 4 * world * n_chunks > heap.bytes) {
     return ffi::Error::InvalidArgument("jaxtdist copy-engine gather: workspace outside the heap");
   }
-  const std::int64_t epoch = RuntimeState::Get().PeekEpoch(counter_id, *pos);
+  const std::int64_t epoch = RuntimeState::Get().PeekEpoch(counter_id, pos);
   if (world == 1) return ffi::Error::Success();
 
   plan.world = world;
@@ -274,10 +270,8 @@ ffi::Error CeGatherCuda(cudaStream_t stream, std::int32_t device_ordinal, ffi::A
   Counters().calls.fetch_add(1, std::memory_order_relaxed);
   // Every push is enqueued; the GEMM kernel is next: meet the group's other
   // host threads so that no device's kernel starts long before its peers push.
-  if (align_launch) {
-    RuntimeState::Get().aligner().Arrive(counter_id, epoch, group[0], world, *pos, entered);
-  }
-  AddTime(Counters().handler_ns, entered);
+  if (align_launch) call->AlignLaunch(counter_id, epoch);
+  AddTime(Counters().handler_ns, call->entered);
   return ffi::Error::Success();
 }
 
@@ -293,22 +287,19 @@ CePushStats GetCePushStats() {
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtdistCeGatherCuda, CeGatherCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<std::int64_t>("counter_id")
-                                  .Attr<std::int64_t>("world")
-                                  .Attr<ffi::Span<const std::int64_t>>("groups")
-                                  .Attr<std::int64_t>("inbox_offset")
-                                  .Attr<std::int64_t>("parity_bytes")
-                                  .Attr<std::int64_t>("flags_offset")
-                                  .Attr<std::int64_t>("sent_offset")
-                                  .Attr<std::int64_t>("chunk_rows")
-                                  .Attr<std::int64_t>("generation")
-                                  .Attr<std::int64_t>("align_launch")
-                                  .Attr<std::int64_t>("serial"));
+                              BindCallAttrs(ffi::Ffi::Bind()
+                                                .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                .Ctx<ffi::DeviceOrdinal>()
+                                                .Arg<ffi::AnyBuffer>()
+                                                .Arg<ffi::Buffer<ffi::S32>>()
+                                                .Ret<ffi::Buffer<ffi::S32>>()
+                                                .Attr<std::int64_t>("counter_id")
+                                                .Attr<std::int64_t>("inbox_offset")
+                                                .Attr<std::int64_t>("parity_bytes")
+                                                .Attr<std::int64_t>("flags_offset")
+                                                .Attr<std::int64_t>("sent_offset")
+                                                .Attr<std::int64_t>("chunk_rows")
+                                                .Attr<std::int64_t>("align_launch")
+                                                .Attr<std::int64_t>("serial")));
 
 }  // namespace jaxtdist

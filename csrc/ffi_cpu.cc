@@ -3,6 +3,7 @@
 #include <cstring>
 #include <string>
 
+#include "call_context.h"
 #include "prologue.h"
 #include "runtime_state.h"
 #include "xla/ffi/api/ffi.h"
@@ -16,45 +17,23 @@ ffi::Error PrologueCpu(ffi::Buffer<ffi::S32> position, ffi::RemainingArgs stage,
                        ffi::ResultBuffer<ffi::S32> ctx_out,
                        std::int64_t template_offset, std::int64_t counter_id,
                        std::int64_t stage_offset, std::int64_t parity_bytes,
-                       std::int64_t generation, ffi::Span<const std::int64_t> groups,
-                       std::int64_t world, std::int64_t align_launch) {
+                       std::int64_t align_launch, std::int64_t generation,
+                       ffi::Span<const std::int64_t> groups, std::int64_t world) {
   // The interpreter workers start together; host launches need no alignment.
   (void)align_launch;
-  if (std::string stale = CheckGeneration(generation); !stale.empty()) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition, stale);
-  }
-  const int pos = position.typed_data()[0];
-  auto heap = RuntimeState::Get().Heap(pos);
-  if (!heap) {
-    return ffi::Error::InvalidArgument(
-        "jaxtdist: no symmetric heap is registered for mesh position " +
-        std::to_string(pos) + "; call jaxtdist.initialize(mesh) first");
-  }
-  std::string group_err;
-  if (RuntimeState::GroupOf(groups.begin(), static_cast<std::int64_t>(groups.size()), world,
-                            pos, &group_err) == nullptr) {
-    return ffi::Error::InvalidArgument("jaxtdist prologue: " + group_err);
-  }
-  if (stage.size() > 1) {
-    return ffi::Error::InvalidArgument("jaxtdist prologue stages at most one buffer");
-  }
-  std::int64_t stage_bytes = 0;
-  const void* stage_data = nullptr;
-  if (stage.size() == 1) {
-    auto buf = stage.get<ffi::AnyBuffer>(0);
-    if (buf.has_error()) return buf.error();
-    stage_bytes = static_cast<std::int64_t>(buf->size_bytes());
-    stage_data = buf->untyped_data();
-  }
-  if (std::string t = RecordedTimeout(*heap, pos); !t.empty()) {
-    return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, t);
-  }
-  std::string bad = CheckStage(*heap, template_offset, stage_offset,
-                               parity_bytes, stage_bytes);
-  if (!bad.empty()) return ffi::Error::InvalidArgument("jaxtdist: " + bad);
+  // One process plays every mesh position: the program says which one.
+  auto call = Resolve(CallSite::AtPosition("jaxtdist prologue", position.typed_data()[0]),
+                      CallAttrs{generation, groups, world}, kNeedGroup | kNeedNoTimeout);
+  if (call.has_error()) return call.error();
+  const int pos = call->position;
+  const HeapSlot& heap = *call->heap;
+  auto staged = CheckedStage(stage, heap, template_offset, stage_offset, parity_bytes);
+  if (staged.has_error()) return staged.error();
+  const std::int64_t stage_bytes = staged->bytes;
+  const void* stage_data = staged->data;
 
   const std::int64_t epoch = RuntimeState::Get().NextEpoch(counter_id, pos);
-  auto* base = reinterpret_cast<char*>(heap->base);
+  auto* base = reinterpret_cast<char*>(heap.base);
   if (stage_bytes > 0) {
     std::memcpy(base + stage_offset + (epoch & 1) * parity_bytes, stage_data,
                 stage_bytes);
@@ -68,17 +47,9 @@ ffi::Error PrologueCpu(ffi::Buffer<ffi::S32> position, ffi::RemainingArgs stage,
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtdistPrologueCpu, PrologueCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<std::int64_t>("template_offset")
-                                  .Attr<std::int64_t>("counter_id")
-                                  .Attr<std::int64_t>("stage_offset")
-                                  .Attr<std::int64_t>("parity_bytes")
-                                  .Attr<std::int64_t>("generation")
-                                  .Attr<ffi::Span<const std::int64_t>>("groups")
-                                  .Attr<std::int64_t>("world")
-                                  .Attr<std::int64_t>("align_launch"));
+                              BindPrologueAttrs(ffi::Ffi::Bind()
+                                                    .Arg<ffi::Buffer<ffi::S32>>()
+                                                    .RemainingArgs()
+                                                    .Ret<ffi::Buffer<ffi::S32>>()));
 
 }  // namespace jaxtdist

@@ -51,6 +51,24 @@ PYBIND11_MODULE(_jaxtdist_ffi, m) {
   m.attr("with_cuda") = false;
 #endif
   m.attr("ctx_words") = jaxtdist::kCtxWords;
+  // The context and error-record layout this library was built with, under
+  // jaxtdist/language/_layout.py's names: jaxtdist/runtime/_native.py checks
+  // them against that file when it loads the library (a stale build fails
+  // there, not as corrupt contexts in kernels).
+  m.def("ctx_layout", [] {
+    py::dict d;
+    d["CTX_WORDS"] = jaxtdist::kCtxWords;
+    d["CTX_EPOCH"] = jaxtdist::kCtxEpochWord;
+    d["ERR_WORDS"] = jaxtdist::kErrWords;
+    d["ERR_FLAG"] = jaxtdist::kErrFlag;
+    d["ERR_RANK"] = jaxtdist::kErrRank;
+    d["ERR_PEER"] = jaxtdist::kErrPeer;
+    d["ERR_SIGNAL_OFFSET"] = jaxtdist::kErrSignalOffset;
+    d["ERR_EXPECTED"] = jaxtdist::kErrExpected;
+    d["ERR_SEEN"] = jaxtdist::kErrSeen;
+    d["ERR_CMP"] = jaxtdist::kErrCmp;
+    return d;
+  });
   m.def("register_heap", [](int position, int device_ordinal, std::uintptr_t base,
                             std::int64_t bytes, std::uintptr_t error_record) {
     jaxtdist::RuntimeState::Get().RegisterHeap(position, device_ordinal, base, bytes,

@@ -6,18 +6,61 @@
 #define JAXTDIST_CSRC_PROLOGUE_H_
 
 #include <cstdint>
+#include <string>
+#include <utility>
 
+#include "call_context.h"
+#include "runtime_state.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxtdist {
 
-// Attributes shared by the CPU and CUDA prologue handlers.
-struct PrologueAttrs {
-  std::int64_t template_offset;  // heap offset of this layout's context template
-  std::int64_t counter_id;       // which epoch counter advances
-  std::int64_t stage_offset;     // heap offset of the staging slot (parity 0)
-  std::int64_t parity_bytes;     // distance between the two parity slots
+// Appends the prologue's attributes, shared by the CPU and CUDA handlers, to
+// a binding; the handler takes them in this order, the CallAttrs last:
+//   template_offset  heap offset of this layout's context template
+//   counter_id       which epoch counter advances
+//   stage_offset     heap offset of the staging slot (parity 0)
+//   parity_bytes     distance between the two parity slots
+//   align_launch     nonzero: hold the launch rendezvous here (CUDA)
+template <typename Binding>
+auto BindPrologueAttrs(Binding binding) {
+  return BindCallAttrs(std::move(binding)
+                           .template Attr<std::int64_t>("template_offset")
+                           .template Attr<std::int64_t>("counter_id")
+                           .template Attr<std::int64_t>("stage_offset")
+                           .template Attr<std::int64_t>("parity_bytes")
+                           .template Attr<std::int64_t>("align_launch"));
+}
+
+// The XLA buffer a prologue stages into its heap slot (none: 0 bytes).
+struct StageSource {
+  const void* data = nullptr;
+  std::int64_t bytes = 0;
 };
+
+// The prologue's staged buffer (at most one) once it and the context
+// template are known to fit `heap`; else an InvalidArgument error.
+inline xla::ffi::ErrorOr<StageSource> CheckedStage(const xla::ffi::RemainingArgs& stage,
+                                                   const HeapSlot& heap,
+                                                   std::int64_t template_offset,
+                                                   std::int64_t stage_offset,
+                                                   std::int64_t parity_bytes) {
+  using xla::ffi::Error;
+  using xla::ffi::Unexpected;
+  if (stage.size() > 1) {
+    return Unexpected<Error>(Error::InvalidArgument("jaxtdist prologue stages at most one buffer"));
+  }
+  StageSource src;
+  if (stage.size() == 1) {
+    auto buf = stage.get<xla::ffi::AnyBuffer>(0);
+    if (buf.has_error()) return Unexpected<Error>(buf.error());
+    src.bytes = static_cast<std::int64_t>(buf->size_bytes());
+    src.data = buf->untyped_data();
+  }
+  std::string bad = CheckStage(heap, template_offset, stage_offset, parity_bytes, src.bytes);
+  if (!bad.empty()) return Unexpected<Error>(Error::InvalidArgument("jaxtdist: " + bad));
+  return src;
+}
 
 // Handler symbols exported to Python as PyCapsules.
 extern "C" XLA_FFI_Error* JaxtdistPrologueCpu(XLA_FFI_CallFrame* call_frame);

@@ -84,22 +84,29 @@ std::string NoHeapForDevice(int device_ordinal) {
          "; call jaxtdist.initialize(mesh) with a mesh that contains it";
 }
 
+std::string NoHeapForPosition(int position) {
+  return "jaxtdist: no symmetric heap is registered for mesh position " +
+         std::to_string(position) + "; call jaxtdist.initialize(mesh) first";
+}
+
 std::string RecordedTimeout(const HeapSlot& slot, int position) {
   if (slot.error_record == 0) return "";
   const volatile std::int64_t* rec =
       reinterpret_cast<const volatile std::int64_t*>(slot.error_record);
-  if (rec[0] == 0) return "";
+  if (rec[kErrFlag] == 0) return "";
   // Plain std::string building: iostreams crashed when another libstdc++
   // (torch's) was loaded in the process.
   static const char* kCmp[] = {"==", "!=", ">=", ">", "<=", "<"};
-  const std::int64_t words[7] = {rec[0], rec[1], rec[2], rec[3], rec[4], rec[5], rec[6]};
-  const std::int64_t cmp = words[6];
-  return "jaxtdist: a wait timed out in an earlier call on rank " + std::to_string(words[1]) +
-         " (mesh position " + std::to_string(position) +
-         "): it waited for the signal at heap offset " + std::to_string(words[3]) +
-         " (notified by rank " + std::to_string(words[2]) + ") to become " +
-         (cmp >= 0 && cmp < 6 ? kCmp[cmp] : "?") + " " + std::to_string(words[4]) +
-         " but last saw " + std::to_string(words[5]) +
+  std::int64_t words[kErrWords];
+  for (int i = 0; i < kErrWords; ++i) words[i] = rec[i];  // one read of each volatile word
+  const std::int64_t cmp = words[kErrCmp];
+  return "jaxtdist: a wait timed out in an earlier call on rank " +
+         std::to_string(words[kErrRank]) + " (mesh position " + std::to_string(position) +
+         "): it waited for the signal at heap offset " +
+         std::to_string(words[kErrSignalOffset]) + " (notified by rank " +
+         std::to_string(words[kErrPeer]) + ") to become " +
+         (cmp >= 0 && cmp < 6 ? kCmp[cmp] : "?") + " " + std::to_string(words[kErrExpected]) +
+         " but last saw " + std::to_string(words[kErrSeen]) +
          ". A rank did not reach the matching notify (a deadlock, a crashed or missing "
          "rank, or ops issued in different orders on different ranks). Signals are now out "
          "of step: call jaxtdist.shutdown() and jaxtdist.initialize(mesh) again.";

@@ -14,9 +14,21 @@
 
 namespace jaxtdist {
 
-// Words of the context buffer a kernel receives (see jaxtdist/language/_layout.py).
-inline constexpr int kCtxWords = 72;
-inline constexpr int kCtxEpochWord = 2;
+// The layout of the context buffer a kernel receives and of the error record
+// a timed-out wait writes. jaxtdist/language/_layout.py states it for Python
+// and the kernels; the Python binding exports these (ctx_layout()) so that
+// loading the library checks that both say the same (a stale build would not).
+inline constexpr int kCtxWords = 72;     // CTX_WORDS: int64 words of the context
+inline constexpr int kCtxEpochWord = 2;  // CTX_EPOCH: the word the prologue writes
+inline constexpr int kErrWords = 8;      // ERR_WORDS: int64 words of the error record
+// The error record's words that RecordedTimeout reads (ERR_*).
+inline constexpr int kErrFlag = 0;
+inline constexpr int kErrRank = 1;
+inline constexpr int kErrPeer = 2;
+inline constexpr int kErrSignalOffset = 3;
+inline constexpr int kErrExpected = 4;
+inline constexpr int kErrSeen = 5;
+inline constexpr int kErrCmp = 6;
 
 struct HeapSlot {
   int device_ordinal = -1;  // -1 for host (CPU backend) heaps.
@@ -24,9 +36,6 @@ struct HeapSlot {
   std::int64_t bytes = 0;
   std::uintptr_t error_record = 0;  // where waits record a timeout (host-visible).
 };
-
-// Error words written by a timed-out wait (see jaxtdist/language/_layout.py).
-inline constexpr int kErrWords = 8;
 
 // The one registry behind every handler. Python fills it at initialize().
 class RuntimeState {
@@ -61,6 +70,8 @@ class RuntimeState {
 
 // The error text of a CUDA handler running on a device that has no heap.
 std::string NoHeapForDevice(int device_ordinal);
+// The error text of a host handler called for a mesh position without a heap.
+std::string NoHeapForPosition(int position);
 
 // Describes a wait timeout recorded in `slot`'s error record, or "" if none.
 std::string RecordedTimeout(const HeapSlot& slot, int position);

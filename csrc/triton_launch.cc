@@ -3,13 +3,16 @@
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
-#include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
+#include "call_context.h"
 #include "cuda_driver.h"
 #include "runtime_state.h"
 
@@ -17,6 +20,17 @@ namespace ffi = xla::ffi;
 
 namespace jaxtdist {
 namespace {
+
+// One kernel parameter. cuLaunchKernel reads each through a pointer to its
+// value, as many bytes as the kernel's parameter takes (union members all
+// start at the slot's first byte).
+union ParamSlot {
+  std::uint64_t pointer;  // a device address (buffers, scratch)
+  std::int64_t i64;
+  std::int32_t i32;
+  std::uint32_t fp32_bits;
+  std::int8_t i1;  // Triton passes i1 as a byte
+};
 
 struct Driver {
   decltype(&cuStreamGetCtx) stream_get_ctx;
@@ -125,16 +139,58 @@ class KernelTable {
   std::map<std::pair<std::int64_t, CUcontext>, CUfunction> loaded_;
 };
 
+// Fills `slots` with the kernel's parameters in Triton's order: its
+// arguments (`kinds` says which is an XLA buffer, taken in order from
+// `buffers`, and which a scalar, taken in order from `scalars`), then the
+// global and the profile scratch pointers. Returns "" or what is wrong.
+std::string PackParams(const std::vector<void*>& buffers,
+                       ffi::Span<const std::int64_t> kinds,
+                       ffi::Span<const std::int64_t> scalars, CUdeviceptr global_scratch,
+                       CUdeviceptr profile_scratch, std::vector<ParamSlot>* slots) {
+  const size_t n_buffers = static_cast<size_t>(
+      std::count(kinds.begin(), kinds.end(), static_cast<std::int64_t>(kParamBuffer)));
+  if (n_buffers != buffers.size() || kinds.size() - n_buffers != scalars.size()) {
+    return "arg_kinds names " + std::to_string(n_buffers) + " buffers and " +
+           std::to_string(kinds.size() - n_buffers) + " scalars; the call has " +
+           std::to_string(buffers.size()) + " buffers and " + std::to_string(scalars.size()) +
+           " scalars";
+  }
+  slots->assign(kinds.size() + 2, ParamSlot{});
+  size_t next_buffer = 0, next_scalar = 0;
+  for (size_t i = 0; i < kinds.size(); ++i) {
+    ParamSlot& slot = (*slots)[i];
+    if (kinds[i] == kParamBuffer) {
+      slot.pointer = reinterpret_cast<std::uintptr_t>(buffers[next_buffer++]);
+      continue;
+    }
+    const std::int64_t value = scalars[next_scalar++];
+    switch (kinds[i]) {
+      case kParamI1: slot.i1 = static_cast<std::int8_t>(value != 0); break;
+      case kParamI32: slot.i32 = static_cast<std::int32_t>(value); break;
+      case kParamI64: slot.i64 = value; break;
+      case kParamFp32: slot.fp32_bits = static_cast<std::uint32_t>(value); break;
+      default: return "unknown parameter kind " + std::to_string(kinds[i]);
+    }
+  }
+  (*slots)[kinds.size()].pointer = global_scratch;
+  (*slots)[kinds.size() + 1].pointer = profile_scratch;
+  return "";
+}
+
 ffi::Error TritonLaunchCuda(cudaStream_t stream, std::int32_t device_ordinal,
                             ffi::RemainingArgs args, ffi::RemainingRets rets,
                             std::int64_t kernel_id, std::int64_t grid_x, std::int64_t grid_y,
                             std::int64_t grid_z, std::int64_t scratch_offset,
-                            std::int64_t generation, std::int64_t align_counter,
+                            std::int64_t align_counter, ffi::Span<const std::int64_t> arg_kinds,
+                            ffi::Span<const std::int64_t> scalars, std::int64_t generation,
                             ffi::Span<const std::int64_t> groups, std::int64_t world) {
-  const LaunchClock::time_point entered = LaunchClock::now();
-  if (std::string stale = CheckGeneration(generation); !stale.empty()) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition, stale);
-  }
+  // align_counter >= 0: the launch rendezvous of the call whose prologue
+  // advanced that workspace counter (launch_align.h); it needs the group.
+  // Otherwise the heap is needed only for a scratch slice (checked below).
+  auto call = Resolve(CallSite::OnDevice("jaxtdist: Triton launcher", device_ordinal),
+                      CallAttrs{generation, groups, world},
+                      align_counter >= 0 ? kNeedGroup : 0);
+  if (call.has_error()) return call.error();
   const Driver& drv = GetDriver();
   if (!drv.ok()) {
     return ffi::Error::Internal("jaxtdist: the CUDA driver lacks a function the Triton "
@@ -152,64 +208,51 @@ ffi::Error TritonLaunchCuda(cudaStream_t stream, std::int32_t device_ordinal,
     return ffi::Error::Internal("jaxtdist: Triton launcher: " + e);
   }
   const std::int64_t programs = grid_x * grid_y * grid_z;
-  // The heap's mesh position: for the scratch slice and for the rendezvous.
-  std::optional<int> pos;
-  if (image->scratch_bytes > 0 || align_counter >= 0) {
-    pos = RuntimeState::Get().PositionOfDevice(device_ordinal);
-    if (!pos) return ffi::Error::InvalidArgument(NoHeapForDevice(device_ordinal));
-  }
   CUdeviceptr global_scratch = 0;
   if (image->scratch_bytes > 0) {
-    auto heap = RuntimeState::Get().Heap(*pos);
+    if (!call->heap) return ffi::Error::InvalidArgument(NoHeapForDevice(device_ordinal));
+    const HeapSlot& heap = *call->heap;
     const std::int64_t need = programs * image->scratch_bytes;
-    if (scratch_offset < 0 || scratch_offset + need > heap->bytes) {
+    if (scratch_offset < 0 || scratch_offset + need > heap.bytes) {
       return ffi::Error::InvalidArgument(
           "jaxtdist: Triton launcher: scratch [" + std::to_string(scratch_offset) + ", +" +
-          std::to_string(need) + ") lies outside the " + std::to_string(heap->bytes) +
+          std::to_string(need) + ") lies outside the " + std::to_string(heap.bytes) +
           "-byte heap");
     }
-    global_scratch = static_cast<CUdeviceptr>(heap->base + scratch_offset);
+    global_scratch = static_cast<CUdeviceptr>(heap.base + scratch_offset);
   }
-  CUdeviceptr profile_scratch = 0;
   const size_t n_args = args.size(), n_rets = rets.size();
-  std::vector<void*> pointers(n_args + n_rets);
+  std::vector<void*> buffers(n_args + n_rets);
   for (size_t i = 0; i < n_args; ++i) {
     auto buf = args.get<ffi::AnyBuffer>(i);
     if (buf.has_error()) return buf.error();
-    pointers[i] = buf->untyped_data();
+    buffers[i] = buf->untyped_data();
   }
   for (size_t i = 0; i < n_rets; ++i) {
     auto buf = rets.get<ffi::AnyBuffer>(i);
     if (buf.has_error()) return buf.error();
-    pointers[n_args + i] = (*buf)->untyped_data();
+    buffers[n_args + i] = (*buf)->untyped_data();
   }
-  // align_counter >= 0: the launch rendezvous of the call whose prologue
-  // advanced that workspace counter (launch_align.h). Held here rather than
-  // in the prologue, so that only cuLaunchKernel runs after it.
-  std::int64_t align_epoch = 0;
-  const std::int64_t* group = nullptr;
-  if (align_counter >= 0) {
-    std::string group_err;
-    group = RuntimeState::GroupOf(groups.begin(), static_cast<std::int64_t>(groups.size()),
-                                  world, *pos, &group_err);
-    if (group == nullptr) {
-      return ffi::Error::InvalidArgument("jaxtdist: Triton launcher: " + group_err);
-    }
-    align_epoch = RuntimeState::Get().PeekEpoch(align_counter, *pos);
+  std::vector<ParamSlot> slots;
+  if (std::string e = PackParams(buffers, arg_kinds, scalars, global_scratch,
+                                 /*profile_scratch=*/0, &slots);
+      !e.empty()) {
+    return ffi::Error::InvalidArgument("jaxtdist: Triton launcher: " + e + " for kernel " +
+                                       image->name);
   }
-  std::vector<void*> params;
-  params.reserve(pointers.size() + 2);
-  for (void*& p : pointers) params.push_back(&p);
-  params.push_back(&global_scratch);
-  params.push_back(&profile_scratch);
+  // cuLaunchKernel reads each parameter through a pointer to its value.
+  std::vector<void*> params(slots.size());
+  for (size_t i = 0; i < slots.size(); ++i) params[i] = &slots[i];
+  // Held here rather than in the prologue, so that only cuLaunchKernel runs
+  // after the rendezvous.
+  const bool align = align_counter >= 0;
+  const std::int64_t align_epoch =
+      align ? RuntimeState::Get().PeekEpoch(align_counter, call->position) : 0;
   // The function belongs to `ctx`; make it current for the launch too.
   if (std::string e = cuda::DriverError("cuCtxPushCurrent", drv.ctx_push(ctx)); !e.empty()) {
     return ffi::Error::Internal("jaxtdist: " + e);
   }
-  if (group != nullptr) {
-    RuntimeState::Get().aligner().Arrive(align_counter, align_epoch, group[0], world, *pos,
-                                         entered);
-  }
+  if (align) call->AlignLaunch(align_counter, align_epoch);
   CUresult res = drv.launch_kernel(fn, static_cast<unsigned>(grid_x),
                                    static_cast<unsigned>(grid_y), static_cast<unsigned>(grid_z),
                                    image->threads, 1, 1, image->shared_bytes, cu_stream,
@@ -258,19 +301,18 @@ std::string PreloadTritonKernel(std::int64_t id, int device_ordinal) {
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtdistTritonLaunchCuda, TritonLaunchCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attr<std::int64_t>("kernel_id")
-                                  .Attr<std::int64_t>("grid_x")
-                                  .Attr<std::int64_t>("grid_y")
-                                  .Attr<std::int64_t>("grid_z")
-                                  .Attr<std::int64_t>("scratch_offset")
-                                  .Attr<std::int64_t>("generation")
-                                  .Attr<std::int64_t>("align_counter")
-                                  .Attr<ffi::Span<const std::int64_t>>("groups")
-                                  .Attr<std::int64_t>("world"));
+                              BindCallAttrs(ffi::Ffi::Bind()
+                                                .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                .Ctx<ffi::DeviceOrdinal>()
+                                                .RemainingArgs()
+                                                .RemainingRets()
+                                                .Attr<std::int64_t>("kernel_id")
+                                                .Attr<std::int64_t>("grid_x")
+                                                .Attr<std::int64_t>("grid_y")
+                                                .Attr<std::int64_t>("grid_z")
+                                                .Attr<std::int64_t>("scratch_offset")
+                                                .Attr<std::int64_t>("align_counter")
+                                                .Attr<ffi::Span<const std::int64_t>>("arg_kinds")
+                                                .Attr<ffi::Span<const std::int64_t>>("scalars")));
 
 }  // namespace jaxtdist

@@ -4,8 +4,13 @@
 // as Triton's global scratch, which kernels that build TMA descriptors on
 // the device write to. This launcher gives each program a slice of the
 // symmetric heap instead; everything else follows Triton's kernel ABI:
-// the buffers in order (inputs, then outputs), then the global and the
-// profile scratch pointers.
+// the kernel's arguments in order, then the global and the profile scratch
+// pointers. The arguments are XLA's buffers (operands, then results) and
+// scalars passed as attributes, so that one cubin serves every value of a
+// scalar (a shape, a heap offset) rather than one per value:
+//   arg_kinds: one ParamKind per kernel argument, in argument order;
+//   scalars:   the scalar arguments' values in order, an int64 each (an
+//              fp32's bit pattern, zero-extended, for kParamFp32).
 #ifndef JAXTDIST_CSRC_TRITON_LAUNCH_H_
 #define JAXTDIST_CSRC_TRITON_LAUNCH_H_
 
@@ -15,6 +20,16 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxtdist {
+
+// The kinds in a launch's `arg_kinds` (jaxtdist/runtime/_cuda_launch.py
+// writes the same numbers).
+enum ParamKind : std::int64_t {
+  kParamBuffer = 0,  // the next XLA buffer
+  kParamI32 = 1,
+  kParamI64 = 2,
+  kParamFp32 = 3,
+  kParamI1 = 4,
+};
 
 struct TritonKernelImage {
   std::string cubin;

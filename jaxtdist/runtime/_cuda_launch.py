@@ -4,8 +4,14 @@ jax-triton hands kernels to jaxlib's launcher, which passes a null global
 scratch pointer: kernels that build TMA descriptors on the device
 (``tl.make_tensor_descriptor``) write their descriptors there and would
 fault. Here jaxtdist compiles the kernel to a cubin itself and its FFI
-handler launches it with a scratch slice of the symmetric heap. Only array
-arguments are supported (pass scalars as constexprs).
+handler launches it with a scratch slice of the symmetric heap.
+
+Arguments are arrays or Python/numpy scalars. Scalars reach the kernel at
+run time, as attributes of the FFI call that the handler packs between the
+pointers, so one compiled kernel serves every value: a shape or a heap
+offset passed as a scalar costs no compile, where a constexpr costs one per
+value. Unlike Triton's JIT, the compile does not specialize an int on being
+1 or a multiple of 16 (it could not: the value is not part of the cache key).
 """
 
 from __future__ import annotations
@@ -30,6 +36,14 @@ _POINTER_TYPES = {
 }
 
 
+# The kinds of a launch's ``arg_kinds`` attribute (csrc/triton_launch.h, ParamKind).
+_BUFFER_KIND = 0
+_SCALAR_KINDS = {"i32": 1, "i64": 2, "fp32": 3, "i1": 4}
+
+# The CUDA backend asks whether this launcher runs kernels with scalar arguments.
+takes_scalars = True
+
+
 @dataclasses.dataclass(frozen=True)
 class CompiledKernel:
     kernel_id: int          # id in the native kernel table
@@ -44,6 +58,54 @@ def pointer_type(dtype) -> str:
     if name not in _POINTER_TYPES:
         raise ValueError(f"jaxtdist: no Triton pointer type for dtype {name}")
     return _POINTER_TYPES[name]
+
+
+def is_scalar(arg) -> bool:
+    return isinstance(arg, (bool, int, float, np.number, np.bool_))
+
+
+def scalar_type(value) -> str:
+    """Triton's type for a scalar argument, as Triton's JIT types Python values:
+    i1 for bools, i32 for ints that fit in 32 bits (else i64), fp32 for floats.
+    Numpy scalars follow their value, not their dtype."""
+    if isinstance(value, (bool, np.bool_)):
+        return "i1"
+    if isinstance(value, (int, np.integer)):
+        if -2**31 <= int(value) < 2**31:
+            return "i32"
+        if -2**63 <= int(value) < 2**63:
+            return "i64"
+        raise ValueError(f"jaxtdist: scalar argument {value} does not fit in int64")
+    if isinstance(value, (float, np.floating)):
+        return "fp32"
+    raise TypeError(f"jaxtdist: no Triton type for scalar argument {value!r}")
+
+
+def _scalar_bits(value, ty: str) -> int:
+    """The int64 the handler receives for a scalar (an fp32's bit pattern)."""
+    if ty == "fp32":
+        return int(np.float32(value).view(np.uint32))
+    return int(value)
+
+
+def argument_types(args: Sequence, outs: Sequence) -> tuple[str, ...]:
+    """Triton's signature types of ``kernel(*args, *outs)``'s non-constexpr
+    arguments: pointers for arrays, scalar types for scalars (no values: the
+    compile cache key)."""
+    return (tuple(scalar_type(a) if is_scalar(a) else pointer_type(a.dtype) for a in args)
+            + tuple(pointer_type(o.dtype) for o in outs))
+
+
+def launch_operands(args: Sequence, types: Sequence[str]):
+    """(arrays, arg_kinds, scalars) of a launch: the arrays that become the FFI
+    call's operands, each kernel argument's kind (outputs included) and the
+    scalars' values, in argument order (csrc/triton_launch.h)."""
+    arrays = [a for a in args if not is_scalar(a)]
+    kinds = np.array([_BUFFER_KIND if t.startswith("*") else _SCALAR_KINDS[t] for t in types],
+                     np.int64)
+    scalars = np.array([_scalar_bits(a, t) for a, t in zip(args, types) if not t.startswith("*")],
+                       np.int64)
+    return arrays, kinds, scalars
 
 
 def compute_capability(device) -> int:
@@ -81,11 +143,13 @@ def compile_kernel(kernel, arg_types: Sequence[str], constexprs: dict, num_warps
     names = [n for n in kernel.arg_names if n not in constexprs]
     if len(names) != len(arg_types):
         raise ValueError(f"jaxtdist: kernel {kernel.__name__} takes {len(names)} non-constexpr "
-                         f"arguments {names}, got {len(arg_types)} arrays")
+                         f"arguments {names}, got {len(arg_types)}")
     signature = dict(zip(names, arg_types))
     signature.update({n: "constexpr" for n in constexprs})
     # XLA buffers are at least 16-byte aligned (as jax-triton assumes too).
-    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in names}
+    # Scalars get no attributes: the compile must hold for every value.
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]]
+             for n, t in zip(names, arg_types) if t.startswith("*")}
     consts = {(kernel.arg_names.index(n),): v for n, v in constexprs.items()}
     src = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
     _ensure_cache_dir()
@@ -116,22 +180,20 @@ def _registered(kernel, arg_types: tuple, constexpr_items: tuple, num_warps: int
                           md.global_scratch_align)
 
 
-def launch(rt: Runtime, kernel, args: Sequence[jax.Array], outs, grid, num_warps: int,
+def launch(rt: Runtime, kernel, args: Sequence, outs, grid, num_warps: int,
            num_stages: int, constexprs: dict,
            rendezvous: tuple[int, np.ndarray, int] | None = None) -> list[jax.Array]:
     """``kernel[grid](*args, *outs, **constexprs)`` on the devices of ``rt``'s mesh.
 
+    ``args``: arrays and Python/numpy scalars (``scalar_type`` says how each
+    scalar is typed); the kernel is compiled once for every scalar value.
     ``rendezvous``: (workspace counter id, group table, world) of the call whose
     prologue ran just before: the handler then holds the launch rendezvous
     (``csrc/launch_align.h``) right before it launches.
     """
     grid = tuple(grid) if isinstance(grid, (tuple, list)) else (int(grid),)
     grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
-    for a in args:
-        if isinstance(a, (bool, int, float)):
-            raise ValueError("jaxtdist's native launcher takes arrays only; pass scalars as "
-                             "constexprs")
-    types = tuple(pointer_type(a.dtype) for a in args) + tuple(pointer_type(o.dtype) for o in outs)
+    types = argument_types(args, outs)
     capability = compute_capability(rt.mesh.devices.flat[0])
     compiled = _registered(kernel, types, tuple(sorted(constexprs.items())), num_warps,
                            num_stages, capability)
@@ -162,8 +224,10 @@ def launch(rt: Runtime, kernel, args: Sequence[jax.Array], outs, grid, num_warps
     call = _ffi.ffi_call(_native.TRITON_LAUNCH_TARGET, list(outs), platform=rt.platform)
     counter, groups, world = (rendezvous if rendezvous is not None
                               else (-1, np.zeros(1, np.int64), 1))
-    result = call(*args, kernel_id=np.int64(compiled.kernel_id), grid_x=np.int64(grid[0]),
+    arrays, arg_kinds, scalars = launch_operands(args, types)
+    result = call(*arrays, kernel_id=np.int64(compiled.kernel_id), grid_x=np.int64(grid[0]),
                   grid_y=np.int64(grid[1]), grid_z=np.int64(grid[2]),
                   scratch_offset=np.int64(scratch_offset), generation=np.int64(rt.generation),
-                  align_counter=np.int64(counter), groups=groups, world=np.int64(world))
+                  align_counter=np.int64(counter), groups=groups, world=np.int64(world),
+                  arg_kinds=arg_kinds, scalars=scalars)
     return list(result)

@@ -40,12 +40,35 @@ def _load() -> ModuleType:
     return _jaxtdist_ffi
 
 
+def check_layout(module: ModuleType) -> None:
+    """Raises ImportError unless ``module`` was built with the context and
+    error-record layout of ``jaxtdist/language/_layout.py``, which the kernels
+    and the runtime use: a library built from other sources (a stale build)
+    would copy contexts of the wrong size or read the wrong error words."""
+    from jaxtdist.language import _layout
+
+    where = getattr(module, "__file__", module.__name__)
+    if not hasattr(module, "ctx_layout"):
+        raise ImportError(f"jaxtdist's native library {where} predates ctx_layout(): a stale "
+                          "build. Rebuild it (`pip install --no-build-isolation -e .`).")
+    wrong = [f"{name}: native {value}, jaxtdist/language/_layout.py "
+             f"{getattr(_layout, name, '(missing)')}"
+             for name, value in sorted(module.ctx_layout().items())
+             if getattr(_layout, name, None) != value]
+    if wrong:
+        raise ImportError(f"jaxtdist's native library {where} disagrees with "
+                          f"jaxtdist/language/_layout.py on the context layout ({'; '.join(wrong)}): "
+                          "a stale build. Rebuild it (`pip install --no-build-isolation -e .`).")
+
+
 def native() -> ModuleType:
     """Returns the native module, loading it and registering FFI targets once."""
     global _module
     with _lock:
         if _module is None:
-            _module = _load()
+            module = _load()
+            check_layout(module)
+            _module = module
         for target, per_platform in _module.handlers().items():
             for platform, capsule in per_platform.items():
                 if (target, platform) not in _registered:
