@@ -56,12 +56,14 @@ if has tune; then
   python3 -m jaxtdist.tune $ARGS ${TUNE_ARGS:-} --json "$OUT/ag_matmul_tuning_${DEV}x${N}.json" \
     --markdown "$OUT/ag_matmul_tuning_${DEV}x${N}.md" 2>&1 | tee "$OUT/tune.log"
 fi
-TABLES=()
+TABLES=() FAILED=()
 bench() {  # bench NAME FILE_STEM ARGS...: one benchmark, its JSON and table under $OUT
-  local name=$1 stem=$2; shift 2
+  local name=$1 stem=$2 rc; shift 2
+  rm -f "$OUT/$stem.json" "$OUT/$stem.md"
   timeout 1500 python3 -m jaxtdist.bench "$name" "$@" --json "$OUT/$stem.json" \
     --markdown "$OUT/$stem.md" 2>&1 | tee "$OUT/bench_$stem.log"
-  [ -s "$OUT/$stem.md" ] && TABLES+=("$stem")
+  rc=${PIPESTATUS[0]}
+  if [ "$rc" -eq 0 ] && [ -s "$OUT/$stem.md" ]; then TABLES+=("$stem"); else FAILED+=("$stem (rc $rc)"); fi
 }
 if has bench; then
   # SM clocks, power and throttle reasons during the bench: slow episodes vs clock drops.
@@ -95,6 +97,7 @@ fi
 if has tune; then grep -E "best" "$OUT/tune.log"; fi
 if has bench; then
   python3 tests/gpu/clock_summary.py "$OUT/clocks.csv" 2>/dev/null
+  for f in "${FAILED[@]}"; do echo "== benchmark failed: $f, log $OUT/bench_${f%% *}.log"; done
   for stem in "${TABLES[@]}"; do echo; cat "$OUT/$stem.md"; done
   python3 -c "import matplotlib" 2>/dev/null || echo "
 No matplotlib here: draw the plots on a machine with it, from the JSON under $OUT:
