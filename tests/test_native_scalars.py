@@ -113,6 +113,23 @@ def test_scalar_kernel_compiles_once_for_two_values(monkeypatch):
     assert head.count("tt.divisibility") == 2  # the two pointers only
 
 
+@triton.jit
+def flag_kernel(x_ptr, flag, out_ptr):
+    v = tl.load(x_ptr)
+    if flag:
+        v = v + 1
+    tl.store(out_ptr, v)
+
+
+def test_bool_is_a_byte_parameter():
+    """A bool is i1, which the kernel takes as one byte (the handler's kParamI1)."""
+    x = np.zeros(4, np.float32)
+    key = _cuda_launch.argument_types((x, True), [x])
+    assert key == ("*fp32", "i1", "*fp32")
+    compiled = _skip_without_ptxas(_cuda_launch.compile_kernel, flag_kernel, key, {}, 4, 1, 90)
+    assert ".param .u8 flag_kernel_param_1," in compiled.asm["ptx"]
+
+
 def _gpu_or_skip():
     import jax
     try:
