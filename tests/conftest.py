@@ -137,17 +137,17 @@ def _shutdown_at_end():
 def ce_launches(monkeypatch):
     """The keyword arguments (constexprs) of every copy-engine ag_matmul kernel
     launched while the test runs, in order (recorded when jit traces)."""
-    import importlib
-    op = importlib.import_module("jaxtdist.ops.ag_matmul")  # the package attribute is the function
+    from jaxtdist.kernels.ag_matmul import ag_matmul_ce_kernel
+    from jaxtdist.ops._protocol import Call
     seen = []
-    launch = op._call.launch
+    launch = Call.launch
 
-    def record(kernel, *args, **kwargs):
-        if kernel is op.ag_matmul_ce_kernel:
+    def record(self, kernel, *args, **kwargs):
+        if kernel is ag_matmul_ce_kernel:
             seen.append(kwargs)
-        return launch(kernel, *args, **kwargs)
+        return launch(self, kernel, *args, **kwargs)
 
-    monkeypatch.setattr(op._call, "launch", record)
+    monkeypatch.setattr(Call, "launch", record)
     return seen
 
 

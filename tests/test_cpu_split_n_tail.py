@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 
-from jaxtdist.ops.ag_matmul import flattens, split_n_tail, tail_stages
+from jaxtdist.ops._ag_matmul_config import flattens, split_n_tail, tail_stages
 from tests.conftest import (ag_matmul_fn, check_ag_matmul_call, check_config_errors, cpu_only,
                             setup)
 

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxtdist as td
-from jaxtdist.ops.ag_matmul import stream_k_tail
+from jaxtdist.ops._ag_matmul_config import stream_k_tail
 from tests.conftest import (ag_matmul_fn, assert_close, check_ag_matmul_call, check_config_errors,
                             cpu_only, f64, place, rand, setup)
 
@@ -92,7 +92,7 @@ def test_stream_k_tail_is_exact(world, dtype, shape, config):
         out = f(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp")))
         assert_close(out, f64(x) @ f64(w), dtype)
     kinds = {key[0] for key in td.runtime.runtime()._workspaces}
-    assert "ag_matmul_stream_k" in kinds, kinds  # the tail was cut
+    assert "ag_matmul/stream_k" in kinds, kinds  # the tail was cut
 
 
 def test_stream_k_on_and_off_interleaved():
@@ -131,12 +131,12 @@ def test_stream_k_workspace_that_does_not_fit():
     assert_close(ag_matmul_fn(mesh, base)(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp"))),
                  f64(x) @ f64(w), F32)
     sizes = {ws.key[0]: ws.nbytes for ws in rt._workspaces.values()}
-    assert "ag_matmul_stream_k" in sizes, sizes  # "auto" cuts this tail
+    assert "ag_matmul/stream_k" in sizes, sizes  # "auto" cuts this tail
     # Room for the inboxes but not for the partials.
-    mesh = setup(world, heap_bytes=reserved + sizes["ag_matmul_ce"] + 1024)
+    mesh = setup(world, heap_bytes=reserved + sizes["ag_matmul/inbox"] + 1024)
     rt = td.runtime.runtime()
     xs, ws = place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp"))
     assert_close(ag_matmul_fn(mesh, base)(xs, ws), f64(x) @ f64(w), F32)
-    assert "ag_matmul_stream_k" not in {key[0] for key in rt._workspaces}
-    with pytest.raises(td.HeapExhaustedError, match="ag_matmul_stream_k needs a workspace"):
+    assert "ag_matmul/stream_k" not in {key[0] for key in rt._workspaces}
+    with pytest.raises(td.HeapExhaustedError, match="ag_matmul/stream_k needs a workspace"):
         ag_matmul_fn(mesh, dict(base, STREAM_K=True))(xs, ws)

@@ -10,7 +10,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxtdist as td
-from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered, resolve_config
+from jaxtdist.ops._ag_matmul_config import AgMatmulConfig
+from jaxtdist.ops._config import Problem, resolve
+from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered
 from jaxtdist.tune import _tuner
 from tests.conftest import (ag_matmul_fn, assert_close, check_config_errors, cpu_only, f64, place,
                             rand, setup)
@@ -18,6 +20,16 @@ from tests.conftest import (ag_matmul_fn, assert_close, check_config_errors, cpu
 pytestmark = cpu_only()
 
 BF16, F32 = jnp.bfloat16, jnp.float32
+
+
+def _problem(platform, world, m_shard, n, k, dtype) -> Problem:
+    return Problem(platform, world, (m_shard, n, k), jnp.dtype(dtype).name)
+
+
+def _resolve(rt, problem, asked):
+    """A call's config as ag_matmul resolves it (defaults for the overrides asked for)."""
+    return resolve(AgMatmulConfig, problem, rt, asked,
+                   base=AgMatmulConfig.for_overrides(problem, asked or {}))
 
 
 # (world, dtype, (m_shard, k, n_shard), config): split K in both kernel modes,
@@ -147,15 +159,17 @@ def test_tune_picks_fastest_and_persists(monkeypatch):
     assert "power of 2" in result["tried"][2]["error"]
     on_disk = json.loads(td.tune.cache_path().read_text())
     entry = on_disk["entries"][result["key"]]
-    assert entry["config"]["BLOCK_N"] == 32 and entry["us"] == 20.0
+    assert entry["config"]["BLOCK_N"] == 32 and entry["variant"] == "pointer"
+    # The file records the versions it was measured with; entries hold configs only.
+    assert {"jaxtdist", "triton", "jax"} <= set(on_disk) and set(entry) == {"config", "variant"}
 
     # A fresh runtime (as in a second process) reads the entry and does not tune.
     td.shutdown()
     mesh = setup(2)
     monkeypatch.setenv("JAXTDIST_AUTOTUNE", "1")
-    monkeypatch.setattr(_tuner, "tune_ag_matmul", lambda *a, **k: pytest.fail("tuned again"))
-    cfg = resolve_config(td.runtime.runtime(), "tp", 2, 4, 24, 64, F32)
-    assert cfg["BLOCK_N"] == 32 and cfg["SPLIT_K"] == 2
+    monkeypatch.setattr(_tuner, "tune", lambda *a, **k: pytest.fail("tuned again"))
+    cfg = resolve(AgMatmulConfig, _problem("cpu", 2, 4, 24, 64, F32), td.runtime.runtime())
+    assert cfg.BLOCK_N == 32 and cfg.SPLIT_K == 2
     x = rand((8, 64), F32)
     w = rand((64, 48), F32)
     out = ag_matmul_fn(mesh)(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp")))
@@ -174,8 +188,8 @@ def test_autotune_on_first_trace(monkeypatch):
 
     monkeypatch.setenv("JAXTDIST_AUTOTUNE", "1")
     monkeypatch.setattr(_tuner, "default_measure", lambda platform: measure)
-    monkeypatch.setattr(_tuner, "candidates_ag_matmul",
-                        lambda *a: [dict(BLOCK_N=16), dict(BLOCK_N=32)])
+    monkeypatch.setattr(AgMatmulConfig, "search_space",
+                        classmethod(lambda cls, problem: [dict(BLOCK_N=16), dict(BLOCK_N=32)]))
     x = rand((6, 40), F32)
     w = rand((40, 32), F32)
     out = ag_matmul_fn(mesh)(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp")))
@@ -194,18 +208,18 @@ def test_tune_refuses_cpu_timing():
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_gpu_candidates_are_valid_configs(world):
     """Every candidate the GPU tuner would time passes the config checks."""
-    from jaxtdist.bench import AG_MATMUL_SHAPES
-    from jaxtdist.ops.ag_matmul import check_config, default_config, settle_config
+    from jaxtdist.bench.shapes import AG_MATMUL_SHAPES
 
-    for m_shard, n, k in AG_MATMUL_SHAPES + [(64, 1024, 1024), (3, 100, 200)]:
+    for m_shard, n, k in list(AG_MATMUL_SHAPES) + [(64, 1024, 1024), (3, 100, 200)]:
         for dtype in (BF16, F32):
-            candidates = _tuner.candidates_ag_matmul(world, m_shard, n, k, dtype)
+            problem = _problem("gpu", world, m_shard, n, k, dtype)
+            candidates = AgMatmulConfig.search_space(problem)
             assert len(candidates) >= (3 if (m_shard, n, k) in AG_MATMUL_SHAPES else 1)
             resolved = set()
             for overrides in candidates:
-                cfg = settle_config(default_config("gpu", world, m_shard, n, k, dtype), overrides)
-                check_config(cfg, world, m_shard, k)
-                resolved.add(tuple(sorted(cfg.items())))
+                cfg = AgMatmulConfig.settle(AgMatmulConfig.default(problem), overrides)
+                cfg.validate(problem)
+                resolved.add(tuple(sorted(cfg.to_dict().items())))
             assert len(resolved) == len(candidates), "a config would be timed twice"
 
 
@@ -218,10 +232,10 @@ def test_gpu_candidates_are_valid_configs(world):
     (1, 4096, 8192, BF16, "sm"),       # decode
 ])
 def test_gpu_defaults_pick_the_measured_kernel(m_shard, n, k, dtype, kernel):
-    from jaxtdist.ops.ag_matmul import check_config, default_config
-    cfg = default_config("gpu", 4, m_shard, n, k, dtype)
-    check_config(cfg, 4, m_shard, k, n, jnp.dtype(dtype).itemsize)
-    assert cfg["PRODUCER"] == kernel and cfg["TMA"] == (kernel == "ce")
+    problem = _problem("gpu", 4, m_shard, n, k, dtype)
+    cfg = AgMatmulConfig.default(problem)
+    cfg.validate(problem)
+    assert cfg.PRODUCER == kernel and cfg.TMA == (kernel == "ce")
 
 
 @pytest.mark.parametrize("asked,tma,producer", [
@@ -238,10 +252,10 @@ def test_gpu_config_asking_for_pointer_modes_starts_from_pointer_defaults(asked,
     import types
     gpu = types.SimpleNamespace(platform="gpu",
                                 tuning=types.SimpleNamespace(lookup=lambda *args: None))
-    cfg = resolve_config(gpu, "tp", 4, 128, 4096, 8192, BF16, asked)
-    assert cfg["TMA"] == tma and cfg["PRODUCER"] == producer
+    cfg = _resolve(gpu, _problem("gpu", 4, 128, 4096, 8192, BF16), asked)
+    assert cfg.TMA == tma and cfg.PRODUCER == producer
     if asked and asked.get("SPLIT_K"):
-        assert cfg["SPLIT_K"] == asked["SPLIT_K"]
+        assert cfg.SPLIT_K == asked["SPLIT_K"]
 
 
 @pytest.mark.parametrize("tuned,asked,order", [
@@ -258,7 +272,7 @@ def test_gpu_push_order_follows_the_producer(tuned, asked, order):
     import types
     gpu = types.SimpleNamespace(platform="gpu",
                                 tuning=types.SimpleNamespace(lookup=lambda *args: tuned))
-    assert resolve_config(gpu, "tp", 4, 1024, 4096, 4096, BF16, asked)["PUSH_ORDER"] == order
+    assert _resolve(gpu, _problem("gpu", 4, 1024, 4096, 4096, BF16), asked).PUSH_ORDER == order
 
 
 def test_tuned_copy_engine_pick_falls_back_when_its_inboxes_do_not_fit(monkeypatch):
@@ -278,6 +292,6 @@ def test_tuned_copy_engine_pick_falls_back_when_its_inboxes_do_not_fit(monkeypat
     for _ in range(2):
         assert_close(ag_matmul_fn(mesh)(xs, ws), f64(x) @ f64(w), F32)
     kinds = {key[0] for key in rt._workspaces}
-    assert "ag_matmul" in kinds and "ag_matmul_ce" not in kinds, kinds
+    assert "ag_matmul/gather" in kinds and "ag_matmul/inbox" not in kinds, kinds
     with pytest.raises(td.HeapExhaustedError, match="heap"):
         ag_matmul_fn(mesh, dict(ce))(xs, ws)

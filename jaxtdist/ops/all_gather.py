@@ -1,28 +1,119 @@
 """jaxtdist.all_gather: an all-gather through the symmetric heap.
 
 The kernel stages the shard itself (see kernels/_gather.py), so the prologue
-only produces the context.
+only produces the context. Differentiable: the backward pass is XLA's
+reduce-scatter of the cotangent.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
 from jaxtdist.kernels.all_gather import all_gather_kernel
-from jaxtdist.ops import _call
+from jaxtdist.ops._config import KernelConfig, Problem
+from jaxtdist.ops._op import DistributedOp
+from jaxtdist.ops._protocol import Call
 from jaxtdist.ops._shapes import GatherWorkspace, check_dtype, next_pow2
-from jaxtdist.runtime._runtime import runtime
+
+__all__ = ["AllGatherConfig", "all_gather"]
 
 
-def _config(platform: str, rows: int, cols: int) -> dict:
-    block_c = min(next_pow2(cols), 256 if platform == "gpu" else 64)
-    chunk_rows = max(1, min(64, next_pow2(rows), (16384 if platform == "gpu" else 2048) // block_c))
-    workers = 128 if platform == "gpu" else 2
-    return dict(NUM_WORKERS=workers, CHUNK_ROWS=chunk_rows, BLOCK_C=block_c, SCOPE="sys",
-                num_warps=4)
+@dataclasses.dataclass(frozen=True)
+class AllGatherConfig(KernelConfig):
+    """How the gather kernel copies a [rows, cols] shard.
+
+    Attributes:
+      NUM_WORKERS: programs copying peers' chunks.
+      CHUNK_ROWS: rows per copy step.
+      BLOCK_C: columns per copy step (a power of 2).
+      SCOPE: memory scope of the ready signals ("sys" or "gpu").
+      num_warps: launch option.
+    """
+    OP: ClassVar[str] = "all_gather"
+
+    NUM_WORKERS: int = 128
+    CHUNK_ROWS: int = 64
+    BLOCK_C: int = 256
+    SCOPE: str = "sys"
+    num_warps: int = 4
+
+    variant: ClassVar[str] = "copy"
+
+    @classmethod
+    def default(cls, problem: Problem) -> "AllGatherConfig":
+        rows, cols = problem.shape
+        gpu = problem.platform == "gpu"
+        block_c = min(next_pow2(cols), 256 if gpu else 64)
+        chunk_rows = max(1, min(64, next_pow2(rows), (16384 if gpu else 2048) // block_c))
+        return cls(NUM_WORKERS=128 if gpu else 2, CHUNK_ROWS=chunk_rows, BLOCK_C=block_c)
+
+    def validate(self, problem: Problem) -> None:
+        for key in ("NUM_WORKERS", "CHUNK_ROWS", "BLOCK_C", "num_warps"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"jaxtdist.all_gather: config {key}={value!r} must be an "
+                                 "int >= 1")
+        if self.BLOCK_C & (self.BLOCK_C - 1):
+            raise ValueError(f"jaxtdist.all_gather: config BLOCK_C={self.BLOCK_C} must be a "
+                             "power of 2")
+        if self.SCOPE not in ("sys", "gpu"):
+            raise ValueError(f"jaxtdist.all_gather: config SCOPE={self.SCOPE!r}; allowed: "
+                             "'sys', 'gpu'")
+
+
+def _check(x, *, axis_name, axis, tiled, config=None) -> None:
+    del axis_name, tiled, config
+    if x.ndim == 0:
+        raise ValueError("jaxtdist.all_gather: x must have at least one dimension, got a scalar")
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"jaxtdist.all_gather: axis={axis} is out of range for x of shape "
+                         f"{x.shape}")
+    check_dtype("all_gather", "x", x.dtype)
+
+
+def _forward(x, *, axis_name, axis, tiled, config=None):
+    axis %= x.ndim
+    call = Call("all_gather", axis_name)
+    world = call.world
+    moved = jnp.moveaxis(x, axis, 0)
+    rows, cols = moved.shape[0], math.prod(moved.shape[1:])
+    flat = moved.reshape(rows, cols)
+    problem = Problem(call.platform, world, (rows, cols), jnp.dtype(x.dtype).name)
+    cfg = AllGatherConfig.default(problem).replace(**(config or {}))
+    cfg.validate(problem)
+    plan = GatherWorkspace(world, rows, cols, x.dtype, cfg.CHUNK_ROWS)
+    ws = call.workspace("gather", plan.nbytes, rows, cols, x.dtype.name)
+    out = call.run(all_gather_kernel, flat, workspace=ws,
+                   out_shape=jax.ShapeDtypeStruct((world * rows, cols), x.dtype),
+                   grid=(cfg.NUM_WORKERS,), num_warps=cfg.num_warps, num_stages=1, ROWS=rows,
+                   COLS=cols, STAGE_OFF=ws.offset + plan.stage, SLOT_BYTES=plan.slot_bytes,
+                   READY_OFF=ws.offset + plan.ready, NUM_WORKERS=cfg.NUM_WORKERS,
+                   CHUNK_ROWS=cfg.CHUNK_ROWS, BLOCK_C=cfg.BLOCK_C, SCOPE=cfg.SCOPE)
+    out = out.reshape((world, rows) + moved.shape[1:])
+    if tiled:
+        out = out.reshape((world * rows,) + moved.shape[1:])
+        return jnp.moveaxis(out, 0, axis), None
+    return (jnp.moveaxis(out, (0, 1), (axis, axis + 1)) if axis else out), None
+
+
+def _backward(residuals, ct, *, axis_name, axis, tiled, config=None):
+    del residuals, config
+    return (jax.lax.psum_scatter(ct, axis_name, scatter_dimension=axis % (ct.ndim - (not tiled)),
+                                 tiled=tiled),)
+
+
+def _local(x, *, axis_name, axis, tiled, config=None):
+    del axis_name, config
+    return x if tiled else jnp.expand_dims(x, axis % x.ndim)
+
+
+_ALL_GATHER = DistributedOp("all_gather", forward=_forward, backward=_backward, check=_check,
+                            local=_local)
 
 
 def all_gather(x: jax.Array, axis_name, *, axis: int = 0, tiled: bool = True,
@@ -30,13 +121,14 @@ def all_gather(x: jax.Array, axis_name, *, axis: int = 0, tiled: bool = True,
     """Gathers ``x`` from every rank of ``axis_name``, like ``jax.lax.all_gather``.
 
     Call inside ``jax.shard_map`` over the mesh given to ``jaxtdist.initialize``.
+    Differentiable (the cotangent is reduce-scattered).
 
     Args:
       x: this rank's shard.
       axis_name: mesh axis (or tuple of axes) to gather over.
       axis: dimension along which shards are concatenated (``tiled``) or stacked.
       tiled: concatenate along ``axis`` (True) or stack a new ``axis`` (False).
-      config: overrides of the kernel configuration (advanced; see ``_config``).
+      config: overrides of the kernel config (``AllGatherConfig`` keys; advanced).
 
     Returns:
       The gathered array, in rank order.
@@ -46,35 +138,7 @@ def all_gather(x: jax.Array, axis_name, *, axis: int = 0, tiled: bool = True,
       >>> f = jax.jit(jax.shard_map(lambda x: jaxtdist.all_gather(x, "x"), mesh=mesh,
       ...                           in_specs=P("x"), out_specs=P()))
     """
-    rt = runtime()
-    layout = _call.check_axis(rt, axis_name, "all_gather")
     x = jnp.asarray(x)
-    if x.ndim == 0:
-        raise ValueError("jaxtdist.all_gather: x must have at least one dimension, got a scalar")
-    if not -x.ndim <= axis < x.ndim:
-        raise ValueError(f"jaxtdist.all_gather: axis={axis} is out of range for x of shape "
-                         f"{x.shape}")
-    axis %= x.ndim
-    check_dtype("all_gather", "x", x.dtype)
-    world = layout.world
-    moved = jnp.moveaxis(x, axis, 0)
-    rows = moved.shape[0]
-    cols = math.prod(moved.shape[1:])
-    flat = moved.reshape(rows, cols)
-    cfg = _config(rt.platform, rows, cols)
-    cfg.update(config or {})
-    num_warps = cfg.pop("num_warps")
-    plan = GatherWorkspace(world, rows, cols, x.dtype, cfg["CHUNK_ROWS"])
-    ws = rt.workspace(("all_gather", layout.axes, rows, cols, x.dtype.name), plan.nbytes)
-    ctx = _call.prologue(rt, layout, ws, "all_gather", deps=(flat,),
-                         align_launch=not _call.aligns_at_launch(rt, (flat,)))
-    out = _call.launch(all_gather_kernel, ctx, flat, align_with=(layout, ws),
-                       out_shape=jax.ShapeDtypeStruct((world * rows, cols), x.dtype),
-                       grid=(cfg["NUM_WORKERS"],), num_warps=num_warps, num_stages=1,
-                       ROWS=rows, COLS=cols, STAGE_OFF=ws.offset + plan.stage,
-                       SLOT_BYTES=plan.slot_bytes, READY_OFF=ws.offset + plan.ready, **cfg)
-    out = out.reshape((world, rows) + moved.shape[1:])
-    if tiled:
-        out = out.reshape((world * rows,) + moved.shape[1:])
-        return jnp.moveaxis(out, 0, axis)
-    return jnp.moveaxis(out, (0, 1), (axis, axis + 1)) if axis else out
+    if not isinstance(axis, int) or isinstance(axis, bool):
+        raise ValueError(f"jaxtdist.all_gather: axis must be an int, got {axis!r}")
+    return _ALL_GATHER(x, axis_name=axis_name, axis=axis, tiled=bool(tiled), config=config)

@@ -8,9 +8,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxtdist.ops import _call
+from jaxtdist.ops._protocol import Call
 from jaxtdist.ops._shapes import align
-from jaxtdist.runtime._runtime import runtime
+
+__all__ = ["triton_call"]
 
 
 def _arg_names(kernel) -> list[str]:
@@ -63,8 +64,7 @@ def triton_call(*args: Any, kernel, out_shape, grid: int | Sequence[int], axis_n
       ...                            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
       ...                            workspace_bytes=4096, N=x.size)
     """
-    rt = runtime()
-    layout = _call.check_axis(rt, axis_name, "triton_call")
+    call = Call("triton_call", axis_name)
     names = _arg_names(kernel)
     slot = 0
     if stage is not None:
@@ -75,19 +75,15 @@ def triton_call(*args: Any, kernel, out_shape, grid: int | Sequence[int], axis_n
         if needed and required not in names:
             raise ValueError(f"jaxtdist.triton_call: kernel {getattr(kernel, '__name__', kernel)} "
                              f"needs a constexpr parameter {required} to receive its offset")
-    key = ("triton_call", name or getattr(kernel, "__name__", repr(kernel)), layout.axes,
-           int(workspace_bytes), None if stage is None else (stage.shape, stage.dtype.name))
-    ws = rt.workspace(key, max(total, 1))
+    ws = call.workspace(name or getattr(kernel, "__name__", repr(kernel)), max(total, 1),
+                        int(workspace_bytes),
+                        None if stage is None else (stage.shape, stage.dtype.name))
     stage_offset = ws.offset + align(max(workspace_bytes, 0))
-    deps = tuple(a for a in args if isinstance(a, jax.Array))
-    ctx = _call.prologue(rt, layout, ws, "triton_call", stage=stage, stage_offset=stage_offset,
-                         parity_bytes=slot, deps=deps,
-                         align_launch=not _call.aligns_at_launch(rt, args, needs_scratch=tma))
     if workspace_bytes > 0:
         constexprs["WORKSPACE"] = ws.offset
     if stage is not None:
         constexprs["STAGE"] = stage_offset
         constexprs["STAGE_BYTES"] = slot
-    return _call.launch(kernel, ctx, *args, out_shape=out_shape, grid=grid,
-                        num_warps=num_warps, num_stages=num_stages, needs_scratch=tma,
-                        align_with=(layout, ws), **constexprs)
+    return call.run(kernel, *args, workspace=ws, out_shape=out_shape, grid=grid, stage=stage,
+                    stage_offset=stage_offset, parity_bytes=slot, num_warps=num_warps,
+                    num_stages=num_stages, needs_scratch=tma, **constexprs)

@@ -10,22 +10,34 @@ shared segment, exactly as on GPUs they go over NVLink.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from multiprocessing import shared_memory
 
+import numpy as np
+
+from jaxtdist._errors import JaxtdistError, WaitTimeoutError
 from jaxtdist.interpret import WorkerPool
+from jaxtdist.language import _layout as L
 
 
 class CpuHeap:
     """Symmetric heap of ``positions`` ranks in one shared-memory segment."""
 
+    platform = "cpu"
+    has_copy_engines = False
+
     def __init__(self, positions: int, heap_bytes: int):
         self.heap_bytes = heap_bytes
-        self.positions = positions
+        self._positions = tuple(range(positions))
         self._shm = shared_memory.SharedMemory(create=True, size=positions * heap_bytes)
         self._view = self._shm.buf
         self._anchor = ctypes.c_char.from_buffer(self._view)
         self.segment_base = ctypes.addressof(self._anchor)
         self.workers = WorkerPool(positions, self._shm.name, self.segment_base)
+
+    @property
+    def positions(self) -> Sequence[int]:
+        return self._positions
 
     def base_of(self, position: int) -> int:
         return self.segment_base + position * self.heap_bytes
@@ -46,6 +58,43 @@ class CpuHeap:
     def read(self, position: int, offset: int, nbytes: int) -> bytes:
         start = position * self.heap_bytes + offset
         return bytes(self._view[start:start + nbytes])
+
+    def aligns_at_launch(self, launcher: str, args: Sequence, needs_scratch: bool) -> bool:
+        return False  # workers run one kernel at a time: nothing to align
+
+    def launch(self, rt, kernel, args: Sequence, outs: Sequence, grid: tuple, num_warps: int,
+               num_stages: int, constexprs: dict, needs_scratch: bool,
+               rendezvous: tuple | None) -> list:
+        """Runs the kernel in the worker of the calling device's position, from a host
+        callback: the context (``args[0]``) says which position that is."""
+        del num_warps, num_stages, needs_scratch, rendezvous  # GPU launch options
+        from jax.experimental import io_callback
+
+        from jaxtdist.interpret import kernel_reference
+        from jaxtdist.runtime._runtime import runtime
+
+        ref = kernel_reference(kernel)
+        array_idx = [i for i, a in enumerate(args)
+                     if not isinstance(a, (bool, int, float, np.number))]
+        arrays = [args[i] for i in array_idx]
+        out_specs = [(tuple(o.shape), np.dtype(o.dtype)) for o in outs]
+        pool = self.workers
+
+        def host(*values):
+            if runtime() is not rt:
+                raise JaxtdistError("jaxtdist: this program was traced for an earlier jaxtdist "
+                                    "runtime (initialize or shutdown ran since); trace it again")
+            full = list(args)
+            for i, v in zip(array_idx, values):
+                full[i] = np.asarray(v)
+            position = int(full[0].view(np.int64)[L.CTX_POSITION])
+            results, timed_out = pool.run(position, ref, grid, full, out_specs, constexprs)
+            if timed_out:
+                message = rt.native.recorded_timeout(position)
+                raise WaitTimeoutError(message.replace("in an earlier call ", ""))
+            return tuple(results)
+
+        return list(io_callback(host, tuple(outs), *arrays, ordered=False))
 
     def close(self) -> None:
         self.workers.close()

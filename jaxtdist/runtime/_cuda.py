@@ -8,19 +8,49 @@ with XLA's preallocation: lower ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (default
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Sequence
+
+import jax
+import numpy as np
 
 from jaxtdist.language import _layout as L
 from jaxtdist._errors import HeapExhaustedError
+from jaxtdist.runtime import _ffi, _native
+
+
+def device_ordinal(device) -> int:
+    """The CUDA ordinal of a JAX device of this process."""
+    return device.local_hardware_id if device.local_hardware_id is not None else device.id
+
+
+@functools.lru_cache(maxsize=None)
+def _jax_triton():
+    try:
+        import jax_triton  # imported lazily: it refuses to import without a GPU jaxlib
+    except ImportError as e:
+        raise ImportError("jaxtdist on GPUs needs jax-triton>=0.3.1 "
+                          "(pip install 'jaxtdist[gpu]')") from e
+    params = inspect.signature(jax_triton.triton_call).parameters
+    # jax-triton 0.3 names the outputs out_shape=, 0.4 out_type=.
+    out_kw = "out_shape" if "out_shape" in params else "out_type"
+    return jax_triton, out_kw
+
+
+def _is_scalar(a) -> bool:
+    return isinstance(a, (bool, int, float, np.number))
 
 
 class CudaHeap:
     """Symmetric heap across the CUDA devices of one process."""
 
+    platform = "gpu"
+    has_copy_engines = True
+
     def __init__(self, native, devices: Sequence, heap_bytes: int):
         self._native = native
-        self.ordinals = [d.local_hardware_id if d.local_hardware_id is not None else d.id
-                         for d in devices]
+        self.ordinals = [device_ordinal(d) for d in devices]
         self.heap_bytes = heap_bytes
         self.bases: list[int] = []
         for ordinal in self.ordinals:
@@ -40,6 +70,10 @@ class CudaHeap:
         # without synchronising with the GPU.
         self._records = native.cuda_host_alloc_mapped(8 * L.ERR_WORDS * len(self.ordinals))
 
+    @property
+    def positions(self) -> Sequence[int]:
+        return tuple(range(len(self.ordinals)))
+
     def base_of(self, position: int) -> int:
         return self.bases[position]
 
@@ -58,6 +92,48 @@ class CudaHeap:
     def read(self, position: int, offset: int, nbytes: int) -> bytes:
         return self._native.cuda_copy_from_device(self.ordinals[position],
                                                   self.bases[position] + offset, nbytes)
+
+    def aligns_at_launch(self, launcher: str, args: Sequence, needs_scratch: bool) -> bool:
+        """jaxtdist's launcher holds the rendezvous right before it launches; it runs
+        kernels that need Triton's global scratch always, others when the runtime's
+        launcher is "native" and it can take their arguments. jax-triton's launch is
+        a custom call of its own, so the prologue holds the rendezvous then."""
+        return needs_scratch or (launcher == "native" and self._native_takes(args))
+
+    def _native_takes(self, args: Sequence) -> bool:
+        from jaxtdist.runtime import _cuda_launch
+        takes = getattr(_cuda_launch, "takes_scalars", False)
+        return takes or not any(_is_scalar(a) for a in args)
+
+    def launch(self, rt, kernel, args: Sequence, outs: Sequence, grid: tuple, num_warps: int,
+               num_stages: int, constexprs: dict, needs_scratch: bool,
+               rendezvous: tuple | None) -> list:
+        if self.aligns_at_launch(rt.launcher, args, needs_scratch):
+            from jaxtdist.runtime import _cuda_launch
+            return _cuda_launch.launch(rt, kernel, args, outs, grid, num_warps, num_stages,
+                                       constexprs, rendezvous)
+        jt, out_kw = _jax_triton()
+        result = jt.triton_call(*args, kernel=kernel, grid=grid, num_warps=num_warps,
+                                num_stages=num_stages, **{out_kw: list(outs)}, **constexprs)
+        return list(result) if isinstance(result, (list, tuple)) else [result]
+
+    def push_to_peers(self, rt, ctx: jax.Array, x: jax.Array, *, counter_id: int,
+                      groups: np.ndarray, world: int, inbox_offset: int, parity_bytes: int,
+                      flags_offset: int, sent_offset: int, chunk_rows: int,
+                      serial: bool) -> jax.Array:
+        """Starts the copy engines pushing ``x`` into every peer's heap inbox, chunk by
+        chunk, raising a flag per chunk (``csrc/ce_gather.cc``); returns ``ctx``
+        (aliased: it orders the kernel that follows after the pushes are enqueued).
+        The handler is the call's last host work: it holds the launch rendezvous."""
+        call = _ffi.ffi_call(_native.CE_GATHER_TARGET,
+                             jax.ShapeDtypeStruct(ctx.shape, ctx.dtype), platform="gpu",
+                             input_output_aliases={1: 0})
+        return call(x, ctx, counter_id=np.int64(counter_id), world=np.int64(world),
+                    groups=groups, inbox_offset=np.int64(inbox_offset),
+                    parity_bytes=np.int64(parity_bytes), flags_offset=np.int64(flags_offset),
+                    sent_offset=np.int64(sent_offset), chunk_rows=np.int64(chunk_rows),
+                    generation=np.int64(rt.generation), align_launch=np.int64(1),
+                    serial=np.int64(serial))
 
     def close(self) -> None:
         for ordinal, base in zip(self.ordinals, self.bases):

@@ -6,7 +6,7 @@ its C++ dispatch path: tens of microseconds more host time per call, which
 back-to-back ag_matmul calls pay in full (docs/perf, run BE). jaxtdist's
 handlers need no JAX effect: data orders them (each takes the kernel context
 the previous one returns, and every prologue takes the previous op's output,
-``_call.program_order_deps``). XLA still sees ``has_side_effect``, so it never
+``ops._protocol.program_order_deps``). XLA still sees ``has_side_effect``, so it never
 drops, merges, hoists or repeats one of them, and a DCE rule keeps JAX from
 dropping a call whose outputs go unused. One case is not covered: a nested
 jit or shard_map none of whose outputs is used is dropped whole, calls and

@@ -18,8 +18,9 @@ import numpy as np
 
 from jaxtdist.language import _layout as L
 from jaxtdist.runtime import _native
+from jaxtdist.runtime._backend import BackendSpec, HeapBackend, create_backend
+from jaxtdist.runtime._config_cache import TuningCache
 from jaxtdist._errors import HeapExhaustedError, NotInitializedError, WaitTimeoutError
-from jaxtdist.tune._cache import TuningCache
 
 _ALIGN = 256
 _TEMPLATE_START = 4096
@@ -92,10 +93,6 @@ class Runtime:
     def __init__(self, mesh, heap_bytes: int | None = None, wait_spins: int | None = None,
                  align_launches: bool = True, launcher: str = "native"):
         devices = list(mesh.devices.flat)
-        if any(d.process_index != devices[0].process_index for d in devices):
-            raise NotImplementedError(
-                "jaxtdist: multi-process meshes (one process per GPU) need the NVSHMEM "
-                "backend, which is not implemented yet; use a mesh of this process's devices")
         self.mesh = mesh
         self.platform = _platform(devices)
         self.heap_bytes = int(heap_bytes or DEFAULT_HEAP_BYTES[self.platform])
@@ -103,8 +100,8 @@ class Runtime:
         if self.heap_bytes < 2 * _RESERVED_BYTES:
             raise ValueError(f"jaxtdist: heap_bytes={self.heap_bytes} is below the minimum "
                              f"{2 * _RESERVED_BYTES}")
-        self._native = _native.native()
-        if self.platform == "gpu" and not self._native.with_cuda:
+        self.native = _native.native()
+        if self.platform == "gpu" and not self.native.with_cuda:
             raise RuntimeError(
                 "jaxtdist's native library was built without CUDA (no CUDA headers were "
                 "found at build time); reinstall on a machine with the CUDA toolkit")
@@ -120,20 +117,17 @@ class Runtime:
         self._layouts: dict[tuple[str, ...], Layout] = {}
         self._workspaces: dict[tuple, Workspace] = {}
         self._next_offset = _RESERVED_BYTES
-        self._native.reset(self.generation)
+        self.native.reset(self.generation)
         self._align_launches = bool(align_launches)
-        self._native.configure_launch_alignment(self._align_launches, LAUNCH_ALIGN_TIMEOUT_US,
+        self.native.configure_launch_alignment(self._align_launches, LAUNCH_ALIGN_TIMEOUT_US,
                                                LAUNCH_ALIGN_SPIN_US)
         self._launcher = _check_launcher(launcher)
-        if self.platform == "cpu":
-            from jaxtdist.runtime._cpu import CpuHeap
-            self.heap = CpuHeap(len(devices), self.heap_bytes)
-        else:
-            from jaxtdist.runtime._cuda import CudaHeap
-            self.heap = CudaHeap(self._native, devices, self.heap_bytes)
-        for pos in range(len(devices)):
-            self._native.register_heap(pos, self.heap.ordinal_of(pos), self.heap.base_of(pos),
-                                       self.heap_bytes, self.heap.error_record(pos))
+        self.backend_name, self.backend = create_backend(
+            BackendSpec(self.platform, tuple(devices), self.heap_bytes, self.native))
+        for pos in self.backend.positions:
+            self.native.register_heap(pos, self.backend.ordinal_of(pos),
+                                      self.backend.base_of(pos), self.heap_bytes,
+                                      self.backend.error_record(pos))
 
     # -- launch alignment -----------------------------------------------------
 
@@ -146,7 +140,7 @@ class Runtime:
     def align_launches(self, enabled: bool) -> None:
         # Read by the handlers at run time: compiled programs need no retrace.
         self._align_launches = bool(enabled)
-        self._native.configure_launch_alignment(self._align_launches, LAUNCH_ALIGN_TIMEOUT_US,
+        self.native.configure_launch_alignment(self._align_launches, LAUNCH_ALIGN_TIMEOUT_US,
                                                LAUNCH_ALIGN_SPIN_US)
 
     @property
@@ -173,7 +167,7 @@ class Runtime:
         (``max_spread_us``), and per rendezvous with a timeout (``late``, the
         first 32) each member's mesh ``position``, ``entered_us`` (its handler
         began) and ``arrived_us``, in microseconds after the first arrival."""
-        return dict(self._native.launch_alignment_stats())
+        return dict(self.native.launch_alignment_stats())
 
     # -- layouts --------------------------------------------------------------
 
@@ -198,8 +192,8 @@ class Runtime:
                 raise ValueError(f"jaxtdist: a group of {world} ranks exceeds the maximum "
                                  f"{L.MAX_WORLD}")
             offset = _TEMPLATE_START + len(self._layouts) * L.CTX_WORDS * 8
-            for pos in range(math.prod(shape)):
-                self.heap.write(pos, offset, self._template(pos, axes, world).tobytes())
+            for pos in self.backend.positions:
+                self.backend.write(pos, offset, self._template(pos, axes, world).tobytes())
             layout = Layout(axes, world, offset)
             self._layouts[axes] = layout
             return layout
@@ -215,12 +209,12 @@ class Runtime:
         words[L.CTX_RANK] = rank
         words[L.CTX_WORLD] = world
         words[L.CTX_SPIN_LIMIT] = self.wait_spins
-        words[L.CTX_ERR_ADDR] = self.heap.error_record(pos)
-        words[L.CTX_HEAP_BASE] = self.heap.base_of(pos)
+        words[L.CTX_ERR_ADDR] = self.backend.error_record(pos)
+        words[L.CTX_HEAP_BASE] = self.backend.base_of(pos)
         words[L.CTX_POSITION] = pos
-        words[L.CTX_SCRATCH_ADDR] = self.heap.scratch(pos)
+        words[L.CTX_SCRATCH_ADDR] = self.backend.scratch(pos)
         for r, member in enumerate(self._group_of(pos, axes)):
-            words[L.CTX_PEER_BASES + r] = self.heap.base_of(member)
+            words[L.CTX_PEER_BASES + r] = self.backend.base_of(member)
         return words
 
     def _group_of(self, pos: int, axes: tuple[str, ...]) -> list[int]:
@@ -273,14 +267,14 @@ class Runtime:
 
     def check_errors(self) -> None:
         """Raises ``WaitTimeoutError`` if any kernel's wait has timed out."""
-        for pos in range(self.mesh.devices.size):
-            message = self._native.recorded_timeout(pos)
+        for pos in self.backend.positions:
+            message = self.native.recorded_timeout(pos)
             if message:
                 raise WaitTimeoutError(message.replace("in an earlier call ", ""))
 
     def close(self) -> None:
-        self._native.reset(0)
-        self.heap.close()
+        self.native.reset(0)
+        self.backend.close()
 
 
 _RUNTIME: Runtime | None = None

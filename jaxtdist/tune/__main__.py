@@ -37,7 +37,7 @@ def _shape(text: str) -> tuple[int, int, int]:
 def main(argv=None) -> int:
     import jaxtdist as td
     from jaxtdist._timing import write_results
-    from jaxtdist.bench import AG_MATMUL_SHAPES
+    from jaxtdist.bench.shapes import AG_MATMUL_SHAPES
 
     parser = argparse.ArgumentParser(prog="python -m jaxtdist.tune")
     parser.add_argument("--quick", action="store_true", help="first three shapes only")
@@ -70,8 +70,8 @@ def main(argv=None) -> int:
              "|---|---|---|---|---|---|"]
     started = time.time()
     for m_shard, n_shard, k in shapes:
-        result = td.tune.tune_ag_matmul(m_shard, n_shard, k, jnp.bfloat16, axis_name="tp",
-                                        iterations=args.iterations)
+        result = td.tune.tune("ag_matmul", (m_shard, n_shard, k), jnp.bfloat16, axis_name="tp",
+                              iterations=args.iterations)
         rows.append(dict(m_shard=m_shard, n_shard=n_shard, k=k, **result))
         for r in result["tried"]:
             chosen = r.get("config") == result["config"]

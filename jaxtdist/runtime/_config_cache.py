@@ -1,9 +1,12 @@
-"""The tuning cache: the config chosen for each (op, device, world size, shape, dtype).
+"""The config cache: the config chosen for each (op, device, world size, shape, dtype).
 
-Two layers: ``tuned_configs.json`` shipped inside the package (measured on
-the machines named in it) and the user's cache file, which takes precedence
-and which ``jaxtdist.tune`` writes. The file is read once per runtime, so a
-second process start pays no tuning cost for shapes tuned before.
+Two layers: ``jaxtdist/tune/tuned_configs.json`` shipped inside the package
+(configs only, measured on the machines named in the keys) and the user's
+cache file, which takes precedence and which ``jaxtdist.tune`` writes. The
+runtime owns one cache and reads the files once, so a second process start
+pays no tuning cost for shapes tuned before. Each entry records the kernel
+variant it runs; each file records the jaxtdist, Triton and JAX versions it
+was measured with.
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ import threading
 
 import numpy as np
 
-SHIPPED = pathlib.Path(__file__).with_name("tuned_configs.json")
-FORMAT = 1
+SHIPPED = pathlib.Path(__file__).parent.parent / "tune" / "tuned_configs.json"
+FORMAT = 2
 
 
 def cache_path() -> pathlib.Path:
@@ -28,6 +31,15 @@ def cache_path() -> pathlib.Path:
         return pathlib.Path(explicit)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return pathlib.Path(base) / "jaxtdist" / "tuning.json"
+
+
+def versions() -> dict:
+    """The versions a measurement depends on, recorded with every cache file."""
+    import jax
+    import triton
+
+    from jaxtdist import __version__
+    return dict(jaxtdist=__version__, triton=triton.__version__, jax=jax.__version__)
 
 
 def entry_key(op: str, device_kind: str, world: int, shape: tuple[int, ...], dtype) -> str:
@@ -70,10 +82,12 @@ class TuningCache:
             entry = self._load().get(entry_key(op, self.device_kind, world, shape, dtype))
         return None if entry is None else dict(entry["config"])
 
-    def store(self, op: str, world: int, shape, dtype, config: dict, details: dict) -> str:
-        """Records ``config`` (with how it was chosen) in memory and in the cache file."""
+    def store(self, op: str, world: int, shape, dtype, config: dict, variant: str,
+              details: dict | None = None) -> str:
+        """Records ``config`` (its kernel ``variant``, and how it was chosen) in memory
+        and in the cache file."""
         key = entry_key(op, self.device_kind, world, shape, dtype)
-        entry = dict(config=dict(config), **details)
+        entry = dict(config=dict(config), variant=variant, **(details or {}))
         path = cache_path()
         with self._lock:
             self._load()[key] = entry
@@ -83,6 +97,7 @@ class TuningCache:
             # Atomic replace: a concurrent reader sees the old or the new file.
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tuning.", suffix=".json")
             with os.fdopen(fd, "w") as f:
-                json.dump(dict(format=FORMAT, entries=on_disk), f, indent=1, sort_keys=True)
+                json.dump(dict(format=FORMAT, entries=on_disk, **versions()), f, indent=1,
+                          sort_keys=True)
             os.replace(tmp, path)
         return key

@@ -1,0 +1,452 @@
+"""ag_matmul's typed config: defaults, validation, search space and tail planning.
+
+Three kernels serve ag_matmul; the config's ``variant`` names the one it runs:
+
+- "pointer": pointer loads, SM producer programs that stage and pull
+  (PRODUCER="sm") or push into peers' inboxes (PRODUCER="push"), optional
+  split K (SPLIT_K) and one tile over all ranks' rows (ALL_ROWS, decode);
+- "tma": the persistent kernel with TMA loads, fed by SM producers (TMA=True);
+- "ce": the persistent TMA kernel with every SM in the GEMM, fed by the copy
+  engines (TMA=True, PRODUCER="ce"), with a split-N or stream-K tail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import numpy as np
+
+from jaxtdist.ops._config import KernelConfig, Problem
+from jaxtdist.ops._shapes import next_pow2
+
+# PRODUCER="ce": "parallel" pushes to every peer at once (a side stream each),
+# "serial" to one peer after another (one stream), in the order the GEMM
+# consumes them, so that the first peer's shard lands early. Serial is the
+# copy engines' default: 186.9 vs 190.2 us at 1024/4096/4096, 1242.9 vs 1268.5
+# at 2048/7168/8192 on 4 x H200, fewer slow rounds (docs/perf, run AA).
+PUSH_ORDERS = ("parallel", "serial")
+# "auto" cuts a tail when its runs are at most this fraction of a tile's K.
+# Measured on 4 x H200 (docs/perf/ag_matmul_stream_k_*): runs of 0.34 of a
+# tile gained 1.3%; runs of 0.58-0.89 lost 0.7-18% (the partials' round trip
+# through L2 and a second pipeline fill cost more than the shorter wave saves,
+# and a part-filled last wave runs faster than a full one).
+_STREAM_K_AUTO_MAX_RUN = 0.35
+# FLATTEN="auto" needs at least this many tiles per program on average. On 4 x
+# H200 (docs/perf, run AS) flattening gained 0.2-1.1% at 3.9-13.6 tiles per SM
+# and lost 3.3% at one tile per SM (decode, 128/4096/8192).
+_FLATTEN_AUTO_MIN_TILES = 2
+# "sm": producer programs stage and pull; "push": producer programs push into
+# peers' heap inboxes (pointer kernel only); "ce": the copy engines push (TMA kernel).
+PRODUCERS = ("sm", "push", "ce")
+# Settings only the copy-engine kernel has: (key, whether a value asks for it, why).
+_CE_ONLY = (
+    ("STREAM_K", lambda v: v is True,
+     "only the copy-engine kernel cuts its last wave of tiles along K"),
+    ("TAIL_SPLIT_N", lambda v: v != "auto" and v > 1,
+     "only the copy-engine kernel cuts its last wave"),
+    ("TAIL_STAGES", lambda v: v != "auto",
+     "only the copy-engine kernel cuts its last wave into pieces"),
+    ("FLATTEN", lambda v: v is True, "only the copy-engine kernel flattens its tile loops"),
+    ("PUSH_ORDER", lambda v: v == "serial", "it orders the copy engines' pushes"),
+)
+_POW2_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "CHUNK_ROWS", "COPY_BLOCK_C")
+_INT_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "NUM_COMM", "CHUNK_ROWS",
+             "COPY_BLOCK_C", "SPLIT_K", "num_warps", "num_stages")
+# At most this many rows over all ranks: the decode configs (one tile over all rows).
+_DECODE_ROWS = {"gpu": 128, "cpu": 32}
+
+
+def tma_misfits(m_shard: int, n: int | None, k: int, itemsize: int, block_m: int) -> list[str]:
+    """What a shape lacks for the TMA kernels (empty: it fits). Row tiles must not
+    cross into the next rank's rows; descriptor strides must be 16-byte multiples."""
+    misfits = []
+    if m_shard % block_m:
+        misfits.append(f"m_shard={m_shard} to be a multiple of BLOCK_M={block_m}")
+    if k * itemsize % 16:
+        misfits.append(f"rows of x ({k} elements) to be a multiple of 16 bytes")
+    if n is not None and n * itemsize % 16:
+        misfits.append(f"rows of w ({n} elements) to be a multiple of 16 bytes")
+    return misfits
+
+
+def _is_pow2_int(v) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, np.integer)) and v >= 1 and not v & (v - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class AgMatmulConfig(KernelConfig):
+    """How ag_matmul runs one problem.
+
+    Attributes:
+      BLOCK_M, BLOCK_N, BLOCK_K: GEMM tile (powers of 2).
+      GROUP_M: row tiles per group of the tile order (L2 reuse of w).
+      NUM_COMM: SM producer programs (pointer/tma variants).
+      CHUNK_ROWS: rows per gather signal (0: one per BLOCK_M rows).
+      COPY_BLOCK_C: columns per producer copy step.
+      SPLIT_K: K splits of each tile (pointer variant).
+      num_warps, num_stages: launch options.
+      SCOPE: memory scope of the gather's signals ("sys" or "gpu").
+      ALL_ROWS: one M tile over every rank's rows (pointer variant, decode).
+      TMA: run a persistent TMA kernel.
+      PRODUCER: "sm" (stage and pull), "push" (SM pushes; pointer variant) or
+        "ce" (copy engines; TMA).
+      STREAM_K, TAIL_SPLIT_N, TAIL_STAGES, FLATTEN: the copy-engine kernel's
+        last-wave cut along K or N, its pieces' pipeline depth, and its
+        flattened tile loops ("auto": where measured to pay).
+      PUSH_ORDER: copy-engine pushes to every peer at once ("parallel") or
+        one after another ("serial").
+    """
+    OP: ClassVar[str] = "ag_matmul"
+
+    BLOCK_M: int = 128
+    BLOCK_N: int = 128
+    BLOCK_K: int = 64
+    GROUP_M: int = 8
+    NUM_COMM: int = 16
+    CHUNK_ROWS: int = 0
+    COPY_BLOCK_C: int = 128
+    SPLIT_K: int = 1
+    num_warps: int = 8
+    num_stages: int = 3
+    SCOPE: str = "sys"
+    ALL_ROWS: bool = False
+    TMA: bool = False
+    PRODUCER: str = "sm"
+    STREAM_K: Any = "auto"
+    TAIL_SPLIT_N: Any = "auto"
+    TAIL_STAGES: Any = "auto"
+    FLATTEN: Any = "auto"
+    PUSH_ORDER: str = "parallel"
+
+    @property
+    def variant(self) -> str:
+        """The kernel this config runs: "pointer", "tma" or "ce"."""
+        if not self.TMA:
+            return "pointer"
+        return "ce" if self.PRODUCER == "ce" else "tma"
+
+    @property
+    def chunk_rows(self) -> int:
+        """Rows per gather signal (CHUNK_ROWS, with 0 meaning BLOCK_M)."""
+        return self.CHUNK_ROWS or self.BLOCK_M
+
+    # -- defaults -------------------------------------------------------------
+
+    @classmethod
+    def default(cls, problem: Problem, allow_tma: bool = True) -> "AgMatmulConfig":
+        """One rule over every shape: decode sizes (all ranks' rows in one tile)
+        split K; few row tiles take narrow N tiles so that the tiles still cover
+        the SMs; large shapes take the copy-engine TMA kernel where the shape fits
+        it (2.6x faster than SM producers at 128/4096/8192 and faster on every
+        large shape tuned on 4 x H200, docs/perf). ``allow_tma=False`` gives the
+        pointer kernel's defaults (for configs that ask for its modes)."""
+        m_shard, n, k = problem.shape
+        world, itemsize = problem.world, problem.itemsize
+        wide = itemsize == 4
+        small = world * m_shard <= _DECODE_ROWS.get(problem.platform, 32)
+        if problem.platform != "gpu":  # the interpreter: small blocks keep it fast
+            block_c = min(64, next_pow2(k))
+            if small:
+                return cls(BLOCK_M=max(16, next_pow2(world * m_shard)), BLOCK_N=32, BLOCK_K=32,
+                           GROUP_M=1, NUM_COMM=2, COPY_BLOCK_C=block_c, ALL_ROWS=True,
+                           num_warps=4, num_stages=1)
+            return cls(BLOCK_M=min(32, max(16, next_pow2(m_shard))), BLOCK_N=32, BLOCK_K=32,
+                       GROUP_M=4, NUM_COMM=2, COPY_BLOCK_C=block_c, num_warps=4, num_stages=1)
+        block_k = 64 if wide else 128
+        if small:  # decode: one M tile over all ranks' rows, split K, one chunk per row
+            return cls(BLOCK_M=max(16, next_pow2(world * m_shard)), BLOCK_N=64, BLOCK_K=block_k,
+                       GROUP_M=1, NUM_COMM=16, CHUNK_ROWS=1,
+                       COPY_BLOCK_C=min(4096, next_pow2(k)), ALL_ROWS=True,
+                       SPLIT_K=min(4, -(-k // block_k)), num_warps=4, num_stages=4)
+        block_m = min(128, max(16, next_pow2(m_shard)))
+        if m_shard <= 256:
+            if (allow_tma and not wide and m_shard % 128 == 0
+                    and not tma_misfits(m_shard, n, k, itemsize, 128)):
+                return cls(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, NUM_COMM=16, CHUNK_ROWS=128,
+                           COPY_BLOCK_C=256, num_warps=8, num_stages=4, TMA=True,
+                           PRODUCER="ce", PUSH_ORDER="serial")
+            return cls(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, CHUNK_ROWS=min(16, block_m),
+                       COPY_BLOCK_C=256, num_warps=4, num_stages=3 if wide else 4)
+        if wide:  # keep 3 stages within shared memory
+            return cls(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=32, COPY_BLOCK_C=64, num_warps=8,
+                       num_stages=3)
+        tma = allow_tma and not tma_misfits(m_shard, n, k, itemsize, block_m)
+        return cls(BLOCK_M=block_m, BLOCK_N=256 if block_m == 128 else 128, BLOCK_K=64,
+                   COPY_BLOCK_C=128, num_warps=8, num_stages=3, TMA=tma,
+                   PRODUCER="ce" if tma else "sm", CHUNK_ROWS=256 if tma else 0,
+                   PUSH_ORDER="serial" if tma else "parallel")
+
+    @classmethod
+    def for_overrides(cls, problem: Problem, asked: Mapping[str, Any]) -> "AgMatmulConfig":
+        """The defaults an override set starts from: one that turns TMA off, or asks
+        for a mode only the pointer kernel has (split K, one tile over all rows, SM
+        pushes), starts from the pointer kernel's defaults."""
+        pointer = (not asked.get("TMA", True)) or ("TMA" not in asked and (
+            asked.get("SPLIT_K", 1) != 1 or asked.get("ALL_ROWS", False)
+            or asked.get("PRODUCER") == "push"))
+        return cls.default(problem, allow_tma=not pointer)
+
+    @classmethod
+    def settle(cls, base: "AgMatmulConfig", asked: Mapping[str, Any]) -> "AgMatmulConfig":
+        """``base`` updated by ``asked``; the TMA kernels' fixed modes and the copy
+        engines' push order follow the kernel chosen where they were not asked for."""
+        cfg = base.replace(**asked)
+        if cfg.TMA:  # the TMA kernels have neither mode
+            cfg = cfg.replace(**{key: value for key, value in (("ALL_ROWS", False), ("SPLIT_K", 1))
+                                 if key not in asked})
+        if "PUSH_ORDER" not in asked:  # serial for the copy engines, moot otherwise
+            cfg = cfg.replace(PUSH_ORDER="serial" if cfg.PRODUCER == "ce" else "parallel")
+        return cfg
+
+    # -- validation -----------------------------------------------------------
+
+    def validate(self, problem: Problem) -> None:
+        m_shard, n, k = problem.shape
+        world = problem.world
+        c = self.to_dict()
+        err = "jaxtdist.ag_matmul: config "
+        for key in _INT_KEYS:
+            v = c[key]
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise ValueError(f"{err}{key}={v!r} must be an int")
+            if v < (0 if key == "CHUNK_ROWS" else 1):
+                raise ValueError(f"{err}{key}={v} must be >= 1")
+        c["CHUNK_ROWS"] = self.chunk_rows
+        for key in _POW2_KEYS:
+            if c[key] & (c[key] - 1):
+                raise ValueError(f"{err}{key}={c[key]} must be a power of 2")
+        if self.SCOPE not in ("sys", "gpu"):
+            raise ValueError(f"{err}SCOPE={self.SCOPE!r}; allowed: 'sys', 'gpu'")
+        if self.ALL_ROWS and self.BLOCK_M < world * m_shard:
+            raise ValueError(f"jaxtdist.ag_matmul: ALL_ROWS needs BLOCK_M >= world * m_shard "
+                             f"= {world * m_shard}, got BLOCK_M={self.BLOCK_M}")
+        if self.PRODUCER not in PRODUCERS:
+            raise ValueError(f"{err}PRODUCER={self.PRODUCER!r}; allowed: {PRODUCERS} (SM "
+                             "producer programs that pull, SM producer programs that push, or "
+                             "the copy engines)")
+        if self.PRODUCER == "ce" and not self.TMA:
+            raise ValueError(f"{err}PRODUCER='ce' needs TMA=True (the copy engines feed the "
+                             "persistent TMA kernel only)")
+        if self.PRODUCER == "push" and self.TMA:
+            raise ValueError(f"{err}PRODUCER='push' needs TMA=False (SM pushes feed the pointer "
+                             "kernel only; the TMA kernel's pushes are PRODUCER='ce')")
+        if not (isinstance(self.STREAM_K, bool) or self.STREAM_K == "auto"):
+            raise ValueError(f"{err}STREAM_K={self.STREAM_K!r}; allowed: True, False or 'auto'")
+        pieces = self.TAIL_SPLIT_N
+        if pieces != "auto" and not _is_pow2_int(pieces):
+            raise ValueError(f"{err}TAIL_SPLIT_N={pieces!r}; allowed: 'auto' or a power of 2 "
+                             ">= 1 (pieces per tile of the last wave; 1: whole tiles)")
+        if pieces != "auto" and pieces > 1:
+            if self.STREAM_K is True:
+                raise ValueError(f"{err}STREAM_K=True and TAIL_SPLIT_N={pieces} both cut the "
+                                 "last wave (along K, along N); ask for one")
+            if self.BLOCK_N // pieces < 16:
+                raise ValueError(f"{err}TAIL_SPLIT_N={pieces} cuts BLOCK_N={self.BLOCK_N} into "
+                                 "pieces narrower than 16 columns; lower it")
+        stages = self.TAIL_STAGES
+        if stages != "auto" and (isinstance(stages, bool)
+                                 or not isinstance(stages, (int, np.integer)) or stages < 1):
+            raise ValueError(f"{err}TAIL_STAGES={stages!r}; allowed: 'auto' or an int >= 1 "
+                             "(pipeline depth of the split-N tail's pieces)")
+        if not (isinstance(self.FLATTEN, bool) or self.FLATTEN == "auto"):
+            raise ValueError(f"{err}FLATTEN={self.FLATTEN!r}; allowed: True, False or 'auto'")
+        if self.FLATTEN is True and self.chunk_rows < self.BLOCK_M:
+            raise ValueError(f"{err}FLATTEN=True needs CHUNK_ROWS >= BLOCK_M (one flag per row "
+                             f"tile), got CHUNK_ROWS={self.chunk_rows}, BLOCK_M={self.BLOCK_M}")
+        if self.PUSH_ORDER not in PUSH_ORDERS:
+            raise ValueError(f"{err}PUSH_ORDER={self.PUSH_ORDER!r}; allowed: {PUSH_ORDERS} (copy "
+                             "engines push to every peer at once, or to one peer after another)")
+        if self.PRODUCER != "ce":
+            for key, asks, why in _CE_ONLY:
+                if asks(c[key]):
+                    raise ValueError(f"{err}{key}={c[key]!r} needs PRODUCER='ce' ({why})")
+        if self.chunk_rows > self.BLOCK_M and self.PRODUCER in ("sm", "push"):
+            raise ValueError(f"jaxtdist.ag_matmul: CHUNK_ROWS={self.chunk_rows} must divide "
+                             f"BLOCK_M={self.BLOCK_M}")
+        if self.TMA:
+            misfits = ((["ALL_ROWS=False"] if self.ALL_ROWS else [])
+                       + (["SPLIT_K=1"] if self.SPLIT_K != 1 else [])
+                       + tma_misfits(m_shard, n, k, problem.itemsize, self.BLOCK_M))
+            if misfits:
+                raise ValueError(f"{err}TMA=True needs {misfits[0]}")
+        if self.SPLIT_K > -(-k // self.BLOCK_K):
+            raise ValueError(f"jaxtdist.ag_matmul: SPLIT_K={self.SPLIT_K} exceeds the "
+                             f"{-(-k // self.BLOCK_K)} blocks of K={k} (BLOCK_K={self.BLOCK_K})")
+
+    # -- search space ---------------------------------------------------------
+
+    @classmethod
+    def search_space(cls, problem: Problem) -> list[dict]:
+        """Overrides of the defaults worth timing on GPUs, those that fit the problem,
+        each distinct (the defaults are timed once)."""
+        fitting, seen = [], set()
+        for overrides in _gpu_candidates(problem):
+            try:
+                config = cls.settle(cls.default(problem), overrides)
+                config.validate(problem)
+            except ValueError:
+                continue
+            key = tuple(sorted(config.to_dict().items()))
+            if key in seen:
+                continue
+            seen.add(key)
+            fitting.append(overrides)
+        return fitting
+
+
+def _gpu_candidates(problem: Problem) -> list[dict]:
+    m_shard, _, _ = problem.shape
+    rows = problem.world * m_shard
+    if problem.itemsize == 4:
+        return [{}, dict(NUM_COMM=8), dict(NUM_COMM=32)]
+    if rows <= _DECODE_ROWS["gpu"]:  # decode: one tile over all rows; split K to fill the GPU
+        # Producers push into peers' inboxes (one NVLink crossing, no wait), a flag per 4 rows.
+        push4 = dict(PRODUCER="push", CHUNK_ROWS=4, COPY_BLOCK_C=1024)
+        return [{},
+                dict(SPLIT_K=1, BLOCK_N=32, BLOCK_K=256),
+                dict(SPLIT_K=8, BLOCK_N=128),
+                dict(NUM_COMM=8, CHUNK_ROWS=4, COPY_BLOCK_C=1024),
+                dict(NUM_COMM=32),
+                dict(SPLIT_K=2, BLOCK_N=32),
+                dict(PRODUCER="push"),
+                dict(push4, NUM_COMM=8),
+                dict(PRODUCER="push", SPLIT_K=2, BLOCK_N=32),
+                # One wave: producers plus split-K tiles within what the SMs hold at once.
+                dict(push4, NUM_COMM=4, BLOCK_N=128, BLOCK_K=128, SPLIT_K=4, num_stages=3),
+                dict(push4, NUM_COMM=4, BLOCK_N=64, BLOCK_K=128, SPLIT_K=2, num_stages=3),
+                dict(push4, NUM_COMM=8, BLOCK_N=64, BLOCK_K=64, SPLIT_K=4),
+                dict(push4, NUM_COMM=8, BLOCK_N=128, BLOCK_K=64, SPLIT_K=8),
+                dict(push4, NUM_COMM=8, BLOCK_N=64, BLOCK_K=64, SPLIT_K=4, num_stages=6),
+                dict(push4, NUM_COMM=4, BLOCK_N=64, BLOCK_K=64, SPLIT_K=4),
+                dict(push4, NUM_COMM=8, BLOCK_N=32, BLOCK_K=128, SPLIT_K=2),
+                dict(push4, NUM_COMM=8, BLOCK_N=128, BLOCK_K=32, SPLIT_K=8),
+                dict(PRODUCER="push", NUM_COMM=4, BLOCK_N=64, SPLIT_K=2),
+                dict(PRODUCER="push", NUM_COMM=4, BLOCK_N=32, BLOCK_K=256, SPLIT_K=1)]
+    if m_shard <= 256:  # few row tiles: narrower N tiles, finer chunks
+        block_m = min(128, max(16, next_pow2(m_shard)))
+        sm = dict(TMA=False, PRODUCER="sm", ALL_ROWS=False, BLOCK_M=block_m, BLOCK_N=64,
+                  BLOCK_K=128, GROUP_M=8, NUM_COMM=16, CHUNK_ROWS=min(16, block_m),
+                  COPY_BLOCK_C=256, num_warps=4, num_stages=4)
+        ce = dict(TMA=True, PRODUCER="ce", BLOCK_K=64, num_stages=4)
+        return [{}, sm, dict(sm, NUM_COMM=32), dict(sm, CHUNK_ROWS=32, NUM_COMM=8),
+                dict(sm, BLOCK_N=128, BLOCK_K=64), dict(sm, SPLIT_K=2, BLOCK_N=128, BLOCK_K=64),
+                dict(sm, PRODUCER="push"),
+                dict(ce, BLOCK_M=128, BLOCK_N=128, CHUNK_ROWS=128, num_warps=8),
+                dict(ce, BLOCK_M=128, BLOCK_N=64, CHUNK_ROWS=128, num_warps=4),
+                dict(ce, BLOCK_M=64, BLOCK_N=128, CHUNK_ROWS=64, num_warps=4),
+                dict(ce, BLOCK_M=128, BLOCK_N=128, CHUNK_ROWS=128, num_warps=8,
+                     PUSH_ORDER="parallel")]
+    # Large: pointer-GEMM variations, the TMA kernel with SM producers, and the
+    # copy-engine kernel's chunkings, tails and push orders.
+    ce = dict(TMA=True, PRODUCER="ce")
+    return [{},
+            dict(CHUNK_ROWS=32, NUM_COMM=24),
+            dict(COPY_BLOCK_C=256, num_stages=4),
+            dict(TMA=True),
+            dict(TMA=True, CHUNK_ROWS=32, NUM_COMM=24),
+            dict(TMA=True, NUM_COMM=8),
+            dict(TMA=True, BLOCK_N=128, num_stages=4, CHUNK_ROWS=32),
+            dict(ce, CHUNK_ROWS=128),
+            dict(ce, CHUNK_ROWS=256),
+            dict(ce, CHUNK_ROWS=512),
+            # Coarse chunks: fewer driver calls where the host paces back-to-back calls.
+            dict(ce, CHUNK_ROWS=1024),
+            dict(ce, CHUNK_ROWS=256, GROUP_M=16),
+            dict(ce, CHUNK_ROWS=256, STREAM_K=True),
+            dict(ce, CHUNK_ROWS=256, STREAM_K=False),
+            dict(ce, CHUNK_ROWS=256, PUSH_ORDER="parallel"),
+            dict(ce, CHUNK_ROWS=128, PUSH_ORDER="parallel")]
+
+
+# -- the copy-engine kernel's last wave ------------------------------------------
+
+def stream_k_tail(tiles: int, programs: int, k_blocks: int, peer_tiles: int,
+                  mode=True) -> tuple[int, int]:
+    """(tail tiles, K blocks per run) of the copy-engine kernel's stream-K tail, or (0, 0).
+
+    ``tiles`` dealt round-robin over ``programs`` leave ``tiles % programs``
+    in a last, partial wave: those programs take a whole tile's time while
+    the others idle. Cutting the tail's ``tail * k_blocks`` K blocks into
+    equal runs, one per program, ends that wave after ``tail / programs`` of
+    a tile instead. Runs are at least a quarter of a tile (at most five
+    programs sum one tile); the tail must lie in peers' tiles (the kernel's
+    local tiles are dealt first). ``mode="auto"`` cuts only where runs are at
+    most ``_STREAM_K_AUTO_MAX_RUN`` of a tile.
+
+    Example:
+      >>> stream_k_tail(704, 132, 64, 528)  # 2048 x 2752 tiles of 128 x 256, K=4096
+      (44, 22)
+    """
+    tail = tiles % programs
+    if mode is False or tail == 0 or tail > peer_tiles or k_blocks < 2:
+        return 0, 0
+    run = max(-(-tail * k_blocks // programs), -(-k_blocks // 4))
+    if run >= k_blocks or (mode == "auto" and run > _STREAM_K_AUTO_MAX_RUN * k_blocks):
+        return 0, 0
+    return tail, run
+
+
+def tail_stages(cfg: dict, num_stages: int, pieces: int) -> int:
+    """The pipeline depth of the split-N tail's pieces (config TAIL_STAGES).
+
+    "auto": as deep as fits in the shared memory that the whole tiles' pipeline
+    and epilogue already take (a piece's stage is narrower), and never shallower
+    than num_stages. A piece reads as much of A as a whole tile for a fraction
+    of the MMAs, so its loads want more of them in flight: on 4 x H200 (docs/perf,
+    runs AW-AX) 2048/2752/4096 took 256-258 us with 6 stages against 262-265
+    with the kernel's 3 (and 288-293 with 2).
+
+    Example:
+      >>> tail_stages(dict(TAIL_STAGES="auto", BLOCK_M=128, BLOCK_N=256, BLOCK_K=64), 3, 2)
+      6
+    """
+    if cfg["TAIL_STAGES"] != "auto":
+        return int(cfg["TAIL_STAGES"])
+    block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    # In elements of the operands' dtype (the output's too): the same for all three.
+    whole = num_stages * (block_m + block_n) * block_k + block_m * block_n
+    piece_stage = (block_m + block_n // pieces) * block_k
+    return max(num_stages, whole // piece_stage)
+
+
+def flattens(cfg: dict, tiles: int, programs: int) -> bool:
+    """Whether the copy-engine kernel flattens its tile loops (config FLATTEN).
+
+    "auto" flattens where chunks are no finer than tiles (one flag per tile,
+    which the loop-free wait needs) and programs average at least
+    ``_FLATTEN_AUTO_MIN_TILES`` tiles: with one tile each there is no next
+    tile to prefetch, only the fused loop's overhead.
+
+    Example:
+      >>> flattens(dict(FLATTEN="auto", CHUNK_ROWS=128, BLOCK_M=128), 704, 132)
+      True
+    """
+    if cfg["FLATTEN"] != "auto":
+        return bool(cfg["FLATTEN"])
+    return cfg["CHUNK_ROWS"] >= cfg["BLOCK_M"] and tiles >= _FLATTEN_AUTO_MIN_TILES * programs
+
+
+def split_n_tail(tiles: int, programs: int, peer_tiles: int, block_n: int,
+                 mode="auto") -> tuple[int, int]:
+    """(tail tiles, pieces per tile) of the copy-engine kernel's split-N tail, or (0, 1).
+
+    The ``tiles % programs`` tiles of the last, partial wave are cut along N
+    into ``pieces`` (BLOCK_N / pieces wide), one piece per program, where
+    all of them fit in one wave and pieces are at least 16 columns wide: the
+    wave then takes a piece's time instead of a tile's, with no partial sums.
+    ``mode``: a power of 2 (1: whole tiles), or "auto" (2).
+
+    Example:
+      >>> split_n_tail(704, 132, 528, 256)  # 2048 x 2752 tiles of 128 x 256
+      (44, 2)
+    """
+    pieces = 2 if mode == "auto" else int(mode)
+    tail = tiles % programs
+    if (pieces < 2 or tail == 0 or tail > peer_tiles or tail * pieces > programs
+            or block_n // pieces < 16):
+        return 0, 1
+    return tail, pieces
+
+

@@ -1,0 +1,111 @@
+"""Typed kernel configs and how a call settles on one.
+
+Each op's config is a frozen dataclass deriving ``KernelConfig``: it derives
+its defaults from the problem (``default``), validates itself against a
+problem (``validate``), names its search space for the tuner
+(``search_space``) and gives its kernel's arguments (``kernel_args``).
+``resolve`` picks a call's config the same way for every op: the defaults,
+then the tuning cache's entry for (op, device kind, world, shape, dtype),
+then the caller's overrides; with ``JAXTDIST_AUTOTUNE=1`` a cache miss is
+tuned first.
+
+Example:
+  >>> cfg = resolve(AgMatmulConfig, problem, rt)           # defaults + tuned entry
+  >>> cfg = resolve(AgMatmulConfig, problem, rt, {"BLOCK_N": 128})  # + overrides
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any, ClassVar, TypeVar
+
+import jax.numpy as jnp
+
+C = TypeVar("C", bound="KernelConfig")
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """What a config is chosen for: one call's per-rank problem on a platform.
+
+    Attributes:
+      platform: "gpu" or "cpu" (the interpreter).
+      world: ranks in the group.
+      shape: the op's shape key (ag_matmul: (m_shard, n, k)).
+      dtype: operand dtype name.
+      sms: streaming multiprocessors a persistent grid may fill (GPUs).
+    """
+    platform: str
+    world: int
+    shape: tuple[int, ...]
+    dtype: str
+    sms: int = 132
+
+    @property
+    def itemsize(self) -> int:
+        return jnp.dtype(self.dtype).itemsize
+
+
+class KernelConfig:
+    """Base of the typed kernel configs (each a frozen dataclass)."""
+
+    OP: ClassVar[str] = ""
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def default(cls: type[C], problem: Problem) -> C:
+        """The config a problem gets with no tuned entry: one rule for every shape."""
+        raise NotImplementedError
+
+    @classmethod
+    def search_space(cls, problem: Problem) -> list[dict]:
+        """Overrides of the defaults worth timing for ``problem`` (the tuner's candidates)."""
+        return [{}]
+
+    @classmethod
+    def settle(cls: type[C], base: C, asked: Mapping[str, Any]) -> C:
+        """``base`` updated by the keys ``asked`` for; settings that depend on the ones
+        asked for follow them (op-specific)."""
+        return base.replace(**asked)
+
+    def validate(self, problem: Problem) -> None:
+        """Raises ``ValueError`` naming the first constraint ``problem`` puts that this
+        config breaks."""
+
+    def replace(self: C, **changes: Any) -> C:
+        unknown = sorted(set(changes) - set(self.keys()))
+        if unknown:
+            raise ValueError(f"jaxtdist.{self.OP}: unknown config keys {unknown}; known: "
+                             f"{sorted(self.keys())}")
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def resolve(config_type: type[C], problem: Problem, rt, config: Mapping[str, Any] | None = None,
+            *, base: C | None = None, axis_name="tp") -> C:
+    """The config a call uses: ``base`` (default: the problem's defaults), updated by
+    the tuning cache's entry for the problem (only when ``config`` is None), then by
+    ``config``; validated against the problem.
+
+    On a cache miss with ``JAXTDIST_AUTOTUNE=1``, tunes the problem first
+    and caches the choice.
+    """
+    cfg = base if base is not None else config_type.default(problem)
+    asked = dict(config or {})
+    if config is None:
+        tuned = rt.tuning.lookup(config_type.OP, problem.world, problem.shape, problem.dtype)
+        if tuned is None and os.environ.get("JAXTDIST_AUTOTUNE") == "1":
+            from jaxtdist.tune import tune
+            tuned = tune(config_type.OP, problem.shape, problem.dtype,
+                         axis_name=axis_name)["config"]
+        asked = dict(tuned or {})
+    cfg = config_type.settle(cfg, asked)
+    cfg.validate(problem)
+    return cfg

@@ -1,0 +1,192 @@
+"""One mechanism that makes an op differentiable, ordered, local at world 1, and
+usable from pjit-style code.
+
+An op declares itself as a ``DistributedOp``: its argument check, its forward
+pass (returning the output and the residuals its backward needs), its
+backward pass (cotangents of its array arguments, from any code, other ops
+included), and optionally its local computation for a group of one rank.
+The mechanism supplies the rest, once for every op:
+
+- program order: the call runs after the previous jaxtdist op of the trace
+  (``custom_vjp`` traces its body in a trace of its own, so this happens
+  outside it) and records its output for the next one;
+- autodiff: a ``jax.custom_vjp`` whose cotangents get their primal's dtype
+  and varying mesh axes (summed over axes where the primal was replicated);
+  an op without a backward raises a clear error when differentiated;
+- world 1: a group of one rank runs the local computation (what the op costs
+  without communication), with JAX's own autodiff;
+- ``sharded(...)``: the op for jit with NamedSharding inputs, no hand-written
+  ``shard_map``.
+
+Example (an op whose backward is another op)::
+
+    _op = DistributedOp("my_gather", check=_check, forward=_forward,
+                        backward=lambda res, ct, *, axis_name: (
+                            jax.lax.psum_scatter(ct, axis_name, tiled=True),),
+                        local=lambda x, *, axis_name: x)
+    def my_gather(x, axis_name):
+        return _op(x, axis_name=axis_name)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from jaxtdist.ops._protocol import (check_axis, mark_varying, program_order_deps,
+                                    record_output, varying_axes)
+from jaxtdist.runtime._runtime import runtime
+
+
+def _freeze(value):
+    """A hashable form of a static argument (dicts and lists become tuples)."""
+    if isinstance(value, dict):
+        return ("__dict__",) + tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, list):
+        return ("__list__",) + tuple(_freeze(v) for v in value)
+    return value
+
+
+def _thaw(value):
+    if isinstance(value, tuple) and value and value[0] == "__dict__":
+        return {k: _thaw(v) for k, v in value[1:]}
+    if isinstance(value, tuple) and value and value[0] == "__list__":
+        return [_thaw(v) for v in value[1:]]
+    return value
+
+
+def match_cotangent(ct: jax.Array, primal: jax.Array) -> jax.Array:
+    """Gives a cotangent the dtype and varying axes of its primal.
+
+    Over axes where the cotangent varies but the primal is replicated, the
+    primal was implicitly broadcast, so its cotangent is the sum (psum).
+    """
+    ct = ct.astype(primal.dtype)
+    have, want = varying_axes(ct), varying_axes(primal)
+    if have is None or want is None:
+        return ct
+    extra = tuple(sorted(have - want))
+    if extra:
+        ct = jax.lax.psum(ct, extra)
+    return mark_varying(ct, tuple(sorted(want)))
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedOp:
+    """A jaxtdist op, declared by its parts (see the module docstring).
+
+    Attributes:
+      name: the public name (``jaxtdist.<name>``), used in errors.
+      forward: ``forward(*arrays, **static) -> (out, residuals)``: the
+        distributed computation (through ``_protocol.Call``).
+      backward: ``backward(residuals, ct, **static) -> tuple`` of cotangents,
+        one per array argument; None: not differentiable.
+      check: ``check(*arrays, **static)`` raising ``ValueError`` on bad
+        arguments, run before anything else.
+      local: ``local(*arrays, **static) -> out``: the computation of a group
+        of one rank; None: the forward runs at world 1 too.
+    """
+    name: str
+    forward: Callable[..., tuple[Any, Any]]
+    backward: Callable[..., tuple] | None = None
+    check: Callable[..., None] | None = None
+    local: Callable[..., Any] | None = None
+
+    def __call__(self, *arrays: jax.Array, axis_name, **static: Any):
+        if isinstance(axis_name, list):
+            axis_name = tuple(axis_name)
+        if self.check is not None:
+            self.check(*arrays, axis_name=axis_name, **static)
+        rt = runtime()
+        layout = check_axis(rt, axis_name, self.name)
+        if layout.world == 1 and self.local is not None:
+            return self.local(*arrays, axis_name=axis_name, **static)
+        previous = program_order_deps(rt)
+        if previous:
+            first, _ = jax.lax.optimization_barrier((arrays[0], previous))
+            arrays = (first,) + tuple(arrays[1:])
+        frozen = tuple(sorted((k, _freeze(v)) for k, v in dict(static, axis_name=axis_name)
+                              .items()))
+        out = self._vjp(frozen, *arrays)
+        record_output(rt, jax.tree_util.tree_leaves(out)[0])
+        return out
+
+    def forward_with_residuals(self, *arrays: jax.Array, axis_name, **static: Any):
+        """The forward pass's (out, residuals), bypassing autodiff (for tuning and tests)."""
+        return self.forward(*arrays, axis_name=axis_name, **static)
+
+    @functools.cached_property
+    def _vjp(self) -> Callable:
+        op = self
+
+        @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+        def call(frozen, *arrays):
+            return op.forward(*arrays, **_static(frozen))[0]
+
+        def fwd(frozen, *arrays):
+            out, residuals = op.forward(*arrays, **_static(frozen))
+            return out, (residuals, arrays)
+
+        def bwd(frozen, saved, ct):
+            residuals, arrays = saved
+            if op.backward is None:
+                raise TypeError(f"jaxtdist.{op.name} is not differentiable; wrap it in a "
+                                "jax.custom_vjp of your own to give it a backward pass")
+            cts = op.backward(residuals, ct, **_static(frozen))
+            return tuple(None if c is None else match_cotangent(c, a)
+                         for c, a in zip(cts, arrays))
+
+        call.defvjp(fwd, bwd)
+        return call
+
+
+def _static(frozen) -> dict:
+    return {k: _thaw(v) for k, v in frozen}
+
+
+def _axes_spec(axes: tuple[str, ...]):
+    if not axes:
+        return None
+    return axes if len(axes) > 1 else axes[0]
+
+
+def pjit_wrapper(op_fn: Callable, *, name: str,
+                 in_specs: Callable[[str, tuple[str, ...]], tuple],
+                 out_specs: Callable[[str, tuple[str, ...]], Any]) -> Callable:
+    """The op ``op_fn`` (called inside shard_map) for pjit-style code.
+
+    ``in_specs(axis_name, batch_axes)`` and ``out_specs(axis_name, batch_axes)``
+    give the shardings (``PartitionSpec``s) of the op's arrays over the mesh:
+    ``batch_axes`` are data-parallel mesh axes (outermost first) and
+    ``axis_name`` the tensor-parallel one. The wrapper takes the op's arrays,
+    ``axis_name``, ``batch_axes``, ``mesh`` (default: the runtime's) and the
+    op's other keyword arguments.
+    """
+
+    def wrapper(*arrays: jax.Array, axis_name: str, batch_axes: str | Sequence[str] = (),
+                mesh=None, **static: Any):
+        rt = runtime()
+        mesh = rt.mesh if mesh is None else mesh
+        batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+        if axis_name in batch_axes:
+            raise ValueError(f"jaxtdist.{name}: axis_name {axis_name!r} is also in "
+                             f"batch_axes {batch_axes}")
+        for a in batch_axes + (axis_name,):
+            if a not in mesh.axis_names:
+                raise ValueError(f"jaxtdist.{name}: {a!r} is not an axis of the mesh; its "
+                                 f"axes are {tuple(mesh.axis_names)}")
+        body = functools.partial(op_fn, axis_name=axis_name, **static)
+        return jax.shard_map(body, mesh=mesh, in_specs=in_specs(axis_name, batch_axes),
+                             out_specs=out_specs(axis_name, batch_axes))(*arrays)
+
+    wrapper.__name__ = name
+    return wrapper
+
+
+def rows_over(axis_name: str | None, batch_axes: tuple[str, ...]):
+    """The mesh axes sharding rows: the batch axes, then ``axis_name`` (if given)."""
+    return _axes_spec(tuple(batch_axes) + ((axis_name,) if axis_name else ()))

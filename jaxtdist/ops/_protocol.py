@@ -1,0 +1,249 @@
+"""The calling protocol: how every op takes a call from arguments to launched kernels.
+
+An op builds one ``Call`` per invocation and goes through it:
+
+1. ``Call(op, axis_name)`` checks the axis against the runtime's mesh and the
+   enclosing ``shard_map``, and finds the group layout (rank, world).
+2. ``call.workspace(name, nbytes, *key)`` declares a symmetric workspace; the
+   runtime allocates it once per key and reuses it on every later call.
+3. ``call.start(ws, deps=...)`` runs the prologue: after the op's inputs and
+   the previous jaxtdist op of the trace (so every device advances epochs in
+   one program order), it advances the workspace's epoch, optionally stages
+   a buffer into the heap, and returns the kernel context as device data.
+4. ``call.launch(kernel, ctx, *args, ...)`` launches a Triton kernel on the
+   runtime's backend (``Runtime.backend``), types its outputs as varying over
+   the mesh, and records the output the next op orders itself after.
+
+``call.run(...)`` does 3 and 4 for the common case of one kernel. Kernel
+arguments follow jax-triton's order: context, inputs, outputs, constexprs.
+
+Example (an op with one kernel and one workspace)::
+
+    call = Call("my_op", axis_name)
+    ws = call.workspace("stage", nbytes, rows, cols, x.dtype.name)
+    out = call.run(my_kernel, x, workspace=ws, out_shape=..., grid=(4,), STAGE_OFF=ws.offset)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtdist.language import _layout as L
+from jaxtdist.runtime import _ffi, _native
+from jaxtdist.runtime._runtime import Layout, Runtime, Workspace, runtime
+
+CTX_INT32_WORDS = 2 * L.CTX_WORDS
+
+
+def _abstract_mesh():
+    try:
+        return jax.sharding.get_abstract_mesh()
+    except AttributeError:  # pragma: no cover - older jax
+        return None
+
+
+def check_axis(rt: Runtime, axis_name, op: str) -> Layout:
+    """Validates ``axis_name`` against the runtime's mesh and the current shard_map."""
+    if axis_name is None:
+        raise ValueError(f"jaxtdist.{op}: axis_name is required (a mesh axis name, or a "
+                         "tuple of them)")
+    layout = rt.layout(axis_name)
+    abstract = _abstract_mesh()
+    if abstract is not None and not abstract.empty:
+        if tuple(abstract.axis_names) != tuple(rt.mesh.axis_names) or tuple(
+                abstract.axis_sizes) != tuple(rt.mesh.devices.shape):
+            raise ValueError(
+                f"jaxtdist.{op}: the shard_map's mesh {dict(abstract.shape)} differs from the "
+                f"mesh given to jaxtdist.initialize {dict(rt.mesh.shape)}; initialize with the "
+                "mesh you shard_map over")
+    return layout
+
+
+def _mesh_position(rt: Runtime, op: str) -> jax.Array:
+    """This device's linear position in the mesh, as device data (int32[1])."""
+    pos = jnp.zeros((), jnp.int32)
+    try:
+        for name, size in zip(rt.mesh.axis_names, rt.mesh.devices.shape):
+            pos = pos * size + jax.lax.axis_index(name).astype(jnp.int32)
+    except NameError as e:
+        raise ValueError(
+            f"jaxtdist.{op} must be called inside jax.shard_map over every axis of the mesh "
+            f"{dict(rt.mesh.shape)} (all axes manual); axis lookup failed: {e}") from None
+    return pos.reshape((1,))
+
+
+def _current_trace():
+    try:
+        from jax._src import core
+        return core.trace_ctx.trace
+    except (ImportError, AttributeError):  # pragma: no cover - other jax versions
+        return None
+
+
+def program_order_deps(rt: Runtime) -> tuple:
+    """The previous jaxtdist output of the trace being built, if any."""
+    last = rt.last_traced_output
+    if last is None:
+        return ()
+    trace, value = last
+    return (value,) if trace is not None and trace is _current_trace() else ()
+
+
+def record_output(rt: Runtime, value: jax.Array) -> None:
+    """Makes ``value`` the one the next jaxtdist op of this trace runs after."""
+    rt.last_traced_output = (_current_trace(), value)
+
+
+def varying_axes(value: jax.Array) -> frozenset | None:
+    """Manual mesh axes ``value`` varies over (None with jax that does not track them)."""
+    aval = jax.typeof(value)
+    if hasattr(aval, "manual_axis_type"):  # jax 0.10
+        return frozenset(aval.manual_axis_type.varying)
+    if hasattr(aval, "vma"):  # jax 0.7 - 0.9, 0.11
+        return frozenset(aval.vma)
+    return None
+
+
+def mark_varying(value: jax.Array, axes: Sequence[str]) -> jax.Array:
+    """Types a kernel output as varying over the manual ``axes`` (it differs per device).
+
+    Custom calls carry no varying-manual-axes type; without this, shard_map's
+    type checks and autodiff would treat per-device results as replicated.
+    """
+    have = varying_axes(value)
+    if have is None:
+        return value
+    missing = tuple(a for a in axes if a not in have)
+    if not missing:
+        return value
+    return jax.lax.pcast(value, missing, to="varying")
+
+
+def _out_list(out_shape) -> tuple[list[jax.ShapeDtypeStruct], bool]:
+    if isinstance(out_shape, (list, tuple)):
+        return [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_shape], True
+    return [jax.ShapeDtypeStruct(out_shape.shape, out_shape.dtype)], False
+
+
+class Call:
+    """One call of a jaxtdist op inside ``shard_map``: see the module docstring.
+
+    Attributes:
+      op: the op's name, for error messages and workspace keys.
+      rt: the runtime.
+      layout: the group layout of ``axis_name`` (``layout.world`` ranks).
+    """
+
+    def __init__(self, op: str, axis_name):
+        self.op = op
+        self.rt = runtime()
+        self.layout = check_axis(self.rt, axis_name, op)
+        self._ws: Workspace | None = None
+        self._launch_holds_rendezvous = False
+
+    @property
+    def world(self) -> int:
+        return self.layout.world
+
+    @property
+    def platform(self) -> str:
+        return self.rt.platform
+
+    def workspace(self, name: str, nbytes: int, *key: Any) -> Workspace:
+        """The symmetric workspace ``name`` of this op for ``key`` (the sizes its layout
+        depends on), allocated on first use; ``HeapExhaustedError`` if it does not fit."""
+        return self.rt.workspace((f"{self.op}/{name}", self.layout.axes) + tuple(key), nbytes)
+
+    def launch_aligns(self, args: Sequence = (), needs_scratch: bool = False) -> bool:
+        """Whether the backend's launch of a kernel with ``args`` holds the launch
+        rendezvous (then the prologue must not)."""
+        return self.rt.backend.aligns_at_launch(self.rt.launcher, args, needs_scratch)
+
+    def start(self, ws: Workspace, *, deps: Sequence = (), stage: jax.Array | None = None,
+              stage_offset: int = 0, parity_bytes: int = 0,
+              align_launch: bool = True) -> jax.Array:
+        """Runs the prologue for workspace ``ws``; returns the kernel context.
+
+        The prologue advances ``ws``'s epoch, so it runs after ``deps`` (the
+        op's inputs) and after the previous jaxtdist op of the same trace:
+        otherwise XLA may order calls differently on different devices (it
+        does on CPU), and their epochs would disagree. With ``align_launch``
+        (and the runtime's ``align_launches``), the prologue ends with a host
+        rendezvous of the group's host threads (``csrc/launch_align.h``); pass
+        False when later host work (the launch, a push) holds it.
+        ``stage``: a buffer copied into the heap at ``stage_offset + (epoch % 2)
+        * parity_bytes`` before the kernel.
+        """
+        rt = self.rt
+        position = _mesh_position(rt, self.op)  # also checks the call is inside shard_map
+        if rt.platform == "gpu":
+            # The CUDA prologue finds its heap from the device ordinal: a constant
+            # spares every call the small XLA kernel that computes the position.
+            position = np.zeros((1,), np.int32)
+        deps = tuple(deps) + program_order_deps(rt)
+        if deps:
+            position, _ = jax.lax.optimization_barrier((position, deps))
+        args = [position] + ([stage] if stage is not None else [])
+        call = _ffi.ffi_call(_native.PROLOGUE_TARGET,
+                             jax.ShapeDtypeStruct((CTX_INT32_WORDS,), jnp.int32),
+                             platform=rt.platform)
+        self._ws = ws
+        self._launch_holds_rendezvous = not align_launch
+        return call(*args, template_offset=np.int64(self.layout.template_offset),
+                    counter_id=np.int64(ws.counter_id), stage_offset=np.int64(stage_offset),
+                    parity_bytes=np.int64(parity_bytes), generation=np.int64(rt.generation),
+                    groups=rt.group_table(self.layout), world=np.int64(self.layout.world),
+                    align_launch=np.int64(align_launch))
+
+    def launch(self, kernel, ctx: jax.Array, *args: Any, out_shape, grid: int | Sequence[int],
+               num_warps: int = 4, num_stages: int = 3, needs_scratch: bool = False,
+               **constexprs: Any):
+        """Runs ``kernel[grid](ctx, *args, *outputs, **constexprs)`` on the backend.
+
+        ``needs_scratch``: the kernel builds tensor descriptors on the device
+        (Triton's global scratch), which only jaxtdist's own launcher provides.
+        Returns the output, or a list of them when ``out_shape`` is a sequence.
+        """
+        rt = self.rt
+        outs, many = _out_list(out_shape)
+        grid = tuple(int(g) for g in grid) if isinstance(grid, (tuple, list)) else (int(grid),)
+        rendezvous = None
+        if self._launch_holds_rendezvous:
+            rendezvous = (self._ws.counter_id, rt.group_table(self.layout), self.layout.world)
+            self._launch_holds_rendezvous = False
+        result = rt.backend.launch(rt, kernel, (ctx,) + tuple(args), outs, grid, num_warps,
+                                   num_stages, constexprs, needs_scratch, rendezvous)
+        result = [mark_varying(r, rt.mesh.axis_names) for r in result]
+        record_output(rt, result[0])
+        return result if many else result[0]
+
+    def push_to_peers(self, ctx: jax.Array, x: jax.Array, **layout: int) -> jax.Array:
+        """Copy-engine pushes of ``x`` into every peer's inbox (backends with copy
+        engines only, see ``CudaHeap.push_to_peers``); they hold the launch
+        rendezvous. Returns the context for the kernel that follows."""
+        rt = self.rt
+        self._launch_holds_rendezvous = False
+        return rt.backend.push_to_peers(rt, ctx, x, counter_id=self._ws.counter_id,
+                                        groups=rt.group_table(self.layout),
+                                        world=self.layout.world, **layout)
+
+    def run(self, kernel, *args: Any, workspace: Workspace, out_shape,
+            grid: int | Sequence[int], deps: Sequence | None = None,
+            stage: jax.Array | None = None, stage_offset: int = 0, parity_bytes: int = 0,
+            num_warps: int = 4, num_stages: int = 3, needs_scratch: bool = False,
+            **constexprs: Any):
+        """``start`` then ``launch``: one kernel after the prologue. ``deps`` defaults
+        to the array arguments."""
+        if deps is None:
+            deps = tuple(a for a in args if isinstance(a, jax.Array))
+        ctx = self.start(workspace, deps=deps, stage=stage, stage_offset=stage_offset,
+                         parity_bytes=parity_bytes,
+                         align_launch=not self.launch_aligns(args, needs_scratch))
+        return self.launch(kernel, ctx, *args, out_shape=out_shape, grid=grid,
+                           num_warps=num_warps, num_stages=num_stages,
+                           needs_scratch=needs_scratch, **constexprs)
