@@ -305,7 +305,7 @@ def probe_host_rate(calls=200, repeats=3, iterations=20,
     import time
     mesh = mesh_of(4)
     rt = td.initialize(mesh)
-    native = rt._native
+    native = rt.native
     for m, n, k in shapes:
         args, _ = _sharded_args(mesh, m, n, k)
         tuned = _shipped_config(rt, m, n, k)
@@ -503,7 +503,7 @@ def probe_rendezvous(rounds=3, iterations=50, calls=40, world=4):
     rng = np.random.default_rng(0)
     try:
         for name, spin in settings.items():
-            rt._native.configure_launch_alignment(True, LAUNCH_ALIGN_TIMEOUT_US, spin)
+            rt.native.configure_launch_alignment(True, LAUNCH_ALIGN_TIMEOUT_US, spin)
             for _ in range(calls):
                 x = rng.standard_normal((world * 64, 1024)).astype(np.float32)
                 xs = jax.block_until_ready(
@@ -521,7 +521,7 @@ def probe_rendezvous(rounds=3, iterations=50, calls=40, world=4):
         times = {(label, name): [] for label, *_ in cases for name in settings}
         for _ in range(rounds):
             for name, spin in settings.items():
-                rt._native.configure_launch_alignment(True, LAUNCH_ALIGN_TIMEOUT_US, spin)
+                rt.native.configure_launch_alignment(True, LAUNCH_ALIGN_TIMEOUT_US, spin)
                 for label, f, args, ref in cases:
                     out, t = profile(f, args, iterations, world)
                     err = rel_err(out, ref)

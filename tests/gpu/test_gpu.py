@@ -182,7 +182,7 @@ def test_ag_matmul_tma_stream_k(world, m_shard, k, n_shard, config, dtype):
     # Three calls: the tiles' arrival counters carry over between calls.
     _check_ag_matmul(mesh, _ag_matmul_fn(mesh, config), world, m_shard, k, n_shard, dtype,
                      calls=3)
-    assert any(key[0] == "ag_matmul_stream_k" for key in rt._workspaces), "no tail was cut"
+    assert any(key[0] == "ag_matmul/stream_k" for key in rt._workspaces), "no tail was cut"
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
