@@ -5,17 +5,17 @@ kernel as its first argument (rank, world size, epoch, peers' heap bases).
 Pointers into the symmetric heap are translated to a peer's copy with
 ``symm_at``: ``peer_ptr = ptr - heap_base[me] + heap_base[peer]``, so peer
 loads, stores and atomics are plain Triton code in both process layouts and
-under Triton's interpreter.
+under Triton's interpreter. The few primitives that need target-specific
+code (fences between memory proxies, data dependences the compiler must not
+break, the loop-free bounded spin) come from ``_lowering``, the one place a
+backend's lowering goes.
 """
-
-import os
 
 import triton
 import triton.language as tl
 
 from jaxtdist.language import _layout as L
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from jaxtdist.language._lowering import consume_token, fence_async_proxy, spin_acquire_ge
 
 _CTX_RANK = tl.constexpr(L.CTX_RANK)
 _CTX_WORLD = tl.constexpr(L.CTX_WORLD)
@@ -31,27 +31,6 @@ _ERR_SIGNAL_OFFSET = tl.constexpr(L.ERR_SIGNAL_OFFSET)
 _ERR_EXPECTED = tl.constexpr(L.ERR_EXPECTED)
 _ERR_SEEN = tl.constexpr(L.ERR_SEEN)
 _ERR_CMP = tl.constexpr(L.ERR_CMP)
-
-# wait_for_tma's spin: $0 = last value seen, $1 = 0 (the token), $2 = signal
-# address, $3 = value, $4 = spin limit. One asm op, so no loop in Triton's IR.
-_SPIN_ASM = """{{
-            .reg .pred %p_done;
-            .reg .s64 %spins;
-            mov.s64 %spins, 0;
-            SPIN_${{:uid}}:
-            ld.acquire.{scope}.global.b32 $0, [$2];
-            setp.ge.s32 %p_done, $0, $3;
-            @%p_done bra DONE_${{:uid}};
-            add.s64 %spins, %spins, 1;
-            setp.lt.s64 %p_done, %spins, $4;
-            @%p_done bra SPIN_${{:uid}};
-            DONE_${{:uid}}:
-            fence.proxy.async.global;
-            mov.b32 $1, 0;
-            }}"""
-_SPIN_ASM_GPU = tl.constexpr(_SPIN_ASM.format(scope="gpu"))
-_SPIN_ASM_SYS = tl.constexpr(_SPIN_ASM.format(scope="sys"))
-
 
 @triton.jit
 def _words(ctx):
@@ -300,91 +279,28 @@ def barrier_all(ctx, signals):
         wait(ctx, signals + peer, e, "ge", peer)
 
 
-if _INTERPRET:
+@triton.jit
+def wait_for_tma(ctx, signal, value, peer=-1, SCOPE: tl.constexpr = tl.constexpr("gpu")):
+    """``wait(ctx, signal, value, "ge", peer, SCOPE)``, then ``fence_async_proxy()``;
+    returns 0, a token to add to the TMA coordinates that read what the wait
+    guards (so that no load is scheduled above the wait).
 
-    @triton.jit
-    def fence_async_proxy():
-        """Orders this thread's earlier memory accesses before its later TMA ones.
+    On NVIDIA GPUs the spin is one inline-asm op, with no loop in Triton's IR:
+    a tile loop that waits this way can still be flattened
+    (``tl.range(..., flatten=True)``), which pipelines the next tile's loads
+    under this tile's epilogue. Every thread acquires for itself. Bounded like
+    ``wait``: a timeout fills the same error record.
 
-        Under the interpreter there is one proxy: nothing to order.
-        """
-        pass
+    Example (a persistent TMA GEMM, tile ``t`` ready once ``flags[t] >= e``)::
 
-    @triton.jit
-    def consume_token(value, token):
-        """Returns ``value``, made data-dependent on ``token`` (a wait's result).
-
-        Under the interpreter programs run in order, so nothing can move.
-        """
-        return value
-
-    @triton.jit
-    def wait_for_tma(ctx, signal, value, peer=-1, SCOPE: tl.constexpr = tl.constexpr("gpu")):
-        """``wait(ctx, signal, value, "ge", peer, SCOPE)``, then ``fence_async_proxy()``;
-        returns 0, a token to add to the TMA coordinates that read what the wait
-        guards. Under the interpreter it is ``wait`` itself."""
-        seen = wait(ctx, signal, value, "ge", peer, SCOPE)
-        return (seen * 0).to(tl.int32)
-
-else:
-
-    @triton.jit
-    def fence_async_proxy():
-        """Orders this thread's earlier memory accesses before its later TMA ones.
-
-        Data that a ``wait`` acquired was written through the generic proxy;
-        TMA loads (tensor descriptors) read through the async proxy, which the
-        acquire alone does not order. Call it after the wait, before the loads.
-        """
-        tl.inline_asm_elementwise("fence.proxy.async.global;\n mov.u32 $0, $1;", "=r,r",
-                                  [tl.full([], 0, tl.int32)], dtype=tl.int32, is_pure=False,
-                                  pack=1)
-
-    @triton.jit
-    def consume_token(value, token):
-        """Returns ``value``, made data-dependent on ``token`` (a wait's result).
-
-        Loads through the returned pointers cannot be scheduled above the wait
-        that produced ``token``.
-        """
-        addr = value.to(tl.int64, bitcast=True)
-        tok = (tl.zeros_like(addr) + token).to(tl.int32)
-        addr = tl.inline_asm_elementwise(
-            "mov.b64 $0, $1;", "=l,l,r", [addr, tok], dtype=tl.int64,
-            is_pure=False, pack=1)
-        return addr.to(value.dtype, bitcast=True)
-
-    @triton.jit
-    def _spin_acquire_ge(signal, value, limit, SCOPE: tl.constexpr):
-        """One inline-asm op: up to ``limit`` re-reads (acquire) of ``*signal`` until
-        it is >= ``value``, then an async-proxy fence. Returns (last value seen, 0)."""
-        return tl.inline_asm_elementwise(
-            _SPIN_ASM_SYS if SCOPE == "sys" else _SPIN_ASM_GPU, "=r,=r,l,r,l",
-            [signal.to(tl.int64, bitcast=True), value, limit], dtype=(tl.int32, tl.int32),
-            is_pure=False, pack=1)
-
-    @triton.jit
-    def wait_for_tma(ctx, signal, value, peer=-1, SCOPE: tl.constexpr = tl.constexpr("gpu")):
-        """``wait(ctx, signal, value, "ge", peer, SCOPE)``, then ``fence_async_proxy()``;
-        returns 0, a token to add to the TMA coordinates that read what the wait
-        guards (so that no load is scheduled above the wait).
-
-        The spin is one inline-asm op, with no loop in Triton's IR: a tile loop
-        that waits this way can still be flattened (``tl.range(..., flatten=True)``),
-        which pipelines the next tile's loads under this tile's epilogue. Every
-        thread acquires for itself. Bounded like ``wait``: a timeout fills the
-        same error record.
-
-        Example (a persistent TMA GEMM, tile ``t`` ready once ``flags[t] >= e``)::
-
-            for t in tl.range(pid, tiles, programs, flatten=True):
-                row0 = t * BLOCK_M + dl.wait_for_tma(ctx, flags + t, e)
-                acc = tl.dot(a_desc.load([row0, 0]), ...)
-        """
-        limit, failed_flag, failed = _wait_state(ctx)
-        # After any timeout of this rank, one read and no spinning (as ``wait``).
-        limit = tl.where(failed, 0, limit)
-        seen, token = _spin_acquire_ge(signal, value, limit, SCOPE)
-        if not ((seen >= value) | failed):
-            _record_timeout(ctx, failed_flag, signal, value, seen, peer, "ge")
-        return token
+        for t in tl.range(pid, tiles, programs, flatten=True):
+            row0 = t * BLOCK_M + dl.wait_for_tma(ctx, flags + t, e)
+            acc = tl.dot(a_desc.load([row0, 0]), ...)
+    """
+    limit, failed_flag, failed = _wait_state(ctx)
+    # After any timeout of this rank, one read and no spinning (as ``wait``).
+    limit = tl.where(failed, 0, limit)
+    seen, token = spin_acquire_ge(signal, value, limit, SCOPE)
+    if not ((seen >= value) | failed):
+        _record_timeout(ctx, failed_flag, signal, value, seen, peer, "ge")
+    return token

@@ -105,6 +105,8 @@ class DistributedOp:
         layout = check_axis(rt, axis_name, self.name)
         if layout.world == 1 and self.local is not None:
             return self.local(*arrays, axis_name=axis_name, **static)
+        if not arrays:  # nothing to differentiate: the protocol orders the call itself
+            return self.forward(axis_name=axis_name, **static)[0]
         previous = program_order_deps(rt)
         if previous:
             first, _ = jax.lax.optimization_barrier((arrays[0], previous))

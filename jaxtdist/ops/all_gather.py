@@ -135,8 +135,10 @@ def all_gather(x: jax.Array, axis_name, *, axis: int = 0, tiled: bool = True,
 
     Example:
       >>> mesh = jax.make_mesh((4,), ("x",)); jaxtdist.initialize(mesh)
+      >>> # The result is the same on every rank, but typed as varying (a custom
+      >>> # call's output), hence check_vma=False for a replicated out_specs.
       >>> f = jax.jit(jax.shard_map(lambda x: jaxtdist.all_gather(x, "x"), mesh=mesh,
-      ...                           in_specs=P("x"), out_specs=P()))
+      ...                           in_specs=P("x"), out_specs=P(), check_vma=False))
     """
     x = jnp.asarray(x)
     if not isinstance(axis, int) or isinstance(axis, bool):

@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxtdist.ops._op import DistributedOp
 from jaxtdist.ops._protocol import Call
 from jaxtdist.ops._shapes import align
 
@@ -64,6 +65,30 @@ def triton_call(*args: Any, kernel, out_shape, grid: int | Sequence[int], axis_n
       ...                            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
       ...                            workspace_bytes=4096, N=x.size)
     """
+    arrays = [a for a in args if _is_array(a)]
+    # Where each argument goes: ("array", i) of the op's arrays, or a Python scalar.
+    slots = tuple(("array", sum(map(_is_array, args[:j]))) if _is_array(a) else ("scalar", a)
+                  for j, a in enumerate(args))
+    if stage is not None:
+        arrays.append(stage)
+    if isinstance(out_shape, list):
+        out_shape = tuple(out_shape)
+    return _TRITON_CALL(*arrays, axis_name=axis_name, kernel=kernel, slots=slots,
+                        out_shape=out_shape, grid=tuple(grid) if isinstance(grid, list) else grid,
+                        workspace_bytes=workspace_bytes, staged=stage is not None, name=name,
+                        num_warps=num_warps, num_stages=num_stages, tma=tma,
+                        constexprs=constexprs)
+
+
+def _is_array(a) -> bool:
+    return isinstance(a, (jax.Array, np.ndarray))
+
+
+def _forward(*arrays, axis_name, kernel, slots, out_shape, grid, workspace_bytes, staged, name,
+             num_warps, num_stages, tma, constexprs):
+    stage = arrays[-1] if staged else None
+    args = tuple(arrays[v] if kind == "array" else v for kind, v in slots)
+    constexprs = dict(constexprs)
     call = Call("triton_call", axis_name)
     names = _arg_names(kernel)
     slot = 0
@@ -84,6 +109,12 @@ def triton_call(*args: Any, kernel, out_shape, grid: int | Sequence[int], axis_n
     if stage is not None:
         constexprs["STAGE"] = stage_offset
         constexprs["STAGE_BYTES"] = slot
-    return call.run(kernel, *args, workspace=ws, out_shape=out_shape, grid=grid, stage=stage,
-                    stage_offset=stage_offset, parity_bytes=slot, num_warps=num_warps,
-                    num_stages=num_stages, needs_scratch=tma, **constexprs)
+    out = call.run(kernel, *args, workspace=ws, out_shape=out_shape, grid=grid, stage=stage,
+                   stage_offset=stage_offset, parity_bytes=slot, num_warps=num_warps,
+                   num_stages=num_stages, needs_scratch=tma, **constexprs)
+    return out, None
+
+
+# No backward: differentiating a user kernel raises an error naming it.
+_TRITON_CALL = DistributedOp("triton_call", forward=_forward)
+

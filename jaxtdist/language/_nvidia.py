@@ -1,0 +1,62 @@
+"""NVIDIA lowering of the target-specific primitives (see ``_lowering``): inline PTX."""
+
+import triton
+import triton.language as tl
+
+# wait_for_tma's spin: $0 = last value seen, $1 = 0 (the token), $2 = signal
+# address, $3 = value, $4 = spin limit. One asm op, so no loop in Triton's IR.
+_SPIN_ASM = """{{
+            .reg .pred %p_done;
+            .reg .s64 %spins;
+            mov.s64 %spins, 0;
+            SPIN_${{:uid}}:
+            ld.acquire.{scope}.global.b32 $0, [$2];
+            setp.ge.s32 %p_done, $0, $3;
+            @%p_done bra DONE_${{:uid}};
+            add.s64 %spins, %spins, 1;
+            setp.lt.s64 %p_done, %spins, $4;
+            @%p_done bra SPIN_${{:uid}};
+            DONE_${{:uid}}:
+            fence.proxy.async.global;
+            mov.b32 $1, 0;
+            }}"""
+_SPIN_ASM_GPU = tl.constexpr(_SPIN_ASM.format(scope="gpu"))
+_SPIN_ASM_SYS = tl.constexpr(_SPIN_ASM.format(scope="sys"))
+
+
+@triton.jit
+def fence_async_proxy():
+    """Orders this thread's earlier memory accesses before its later TMA ones.
+
+    Data that a ``wait`` acquired was written through the generic proxy;
+    TMA loads (tensor descriptors) read through the async proxy, which the
+    acquire alone does not order. Call it after the wait, before the loads.
+    """
+    tl.inline_asm_elementwise("fence.proxy.async.global;\n mov.u32 $0, $1;", "=r,r",
+                              [tl.full([], 0, tl.int32)], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
+@triton.jit
+def consume_token(value, token):
+    """Returns ``value``, made data-dependent on ``token`` (a wait's result).
+
+    Loads through the returned pointers cannot be scheduled above the wait
+    that produced ``token``.
+    """
+    addr = value.to(tl.int64, bitcast=True)
+    tok = (tl.zeros_like(addr) + token).to(tl.int32)
+    addr = tl.inline_asm_elementwise(
+        "mov.b64 $0, $1;", "=l,l,r", [addr, tok], dtype=tl.int64,
+        is_pure=False, pack=1)
+    return addr.to(value.dtype, bitcast=True)
+
+
+@triton.jit
+def spin_acquire_ge(signal, value, limit, SCOPE: tl.constexpr):
+    """One inline-asm op: up to ``limit`` re-reads (acquire) of ``*signal`` until
+    it is >= ``value``, then an async-proxy fence. Returns (last value seen, 0)."""
+    return tl.inline_asm_elementwise(
+        _SPIN_ASM_SYS if SCOPE == "sys" else _SPIN_ASM_GPU, "=r,=r,l,r,l",
+        [signal.to(tl.int64, bitcast=True), value, limit], dtype=(tl.int32, tl.int32),
+        is_pure=False, pack=1)

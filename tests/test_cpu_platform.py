@@ -1,0 +1,258 @@
+"""The op platform: import structure, the heap-backend seam, the op mechanism
+(world 1, autodiff, program order) and typed configs."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxtdist as td
+from tests.conftest import assert_close, cpu_only, f64, place, rand, setup
+
+pytestmark = cpu_only()
+
+PACKAGE = pathlib.Path(td.__file__).parent
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports() -> dict[str, set[str]]:
+    """Module -> jaxtdist modules it imports at module level (function bodies excluded)."""
+    graph = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = _module_name(path)
+        deps = set()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name.startswith("jaxtdist")}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                if node.module.startswith("jaxtdist"):
+                    deps.add(node.module)
+                    deps |= {f"{node.module}.{a.name}" for a in node.names}
+            elif isinstance(node, (ast.If, ast.Try)):  # guarded top-level imports
+                for sub in ast.walk(node):
+                    if isinstance(sub, ast.ImportFrom) and sub.module and sub.module.startswith(
+                            "jaxtdist"):
+                        deps.add(sub.module)
+        graph[name] = deps
+    return {k: {d for d in v if d in graph} for k, v in graph.items()}
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_no_import_circle():
+    """No cycle among jaxtdist's modules (the package __init__s aside, which only
+    re-export)."""
+    graph = {k: {d for d in v if not d.endswith("__init__")} for k, v in _imports().items()}
+    inits = {m for m in graph if (PACKAGE.parent / m.replace(".", "/") / "__init__.py").exists()}
+    graph = {k: v - inits for k, v in graph.items() if k not in inits}
+    state: dict[str, int] = {}
+
+    def visit(node, stack):
+        state[node] = 1
+        for dep in graph.get(node, ()):
+            if state.get(dep) == 1:
+                pytest.fail("import circle: " + " -> ".join(stack + [node, dep]))
+            if state.get(dep) is None:
+                visit(dep, stack + [node])
+        state[node] = 2
+
+    for module in graph:
+        if module not in state:
+            visit(module, [])
+
+
+@pytest.mark.parametrize("package,forbidden", [
+    ("runtime", {"ops", "tune", "kernels", "bench"}),  # runtime knows no op and no tuner
+    ("tune", {"ops", "kernels", "bench"}),             # the tuner finds ops through its registry
+    ("kernels", {"ops", "runtime", "tune", "bench"}),
+    ("language", {"ops", "runtime", "tune", "bench", "kernels"}),
+    ("ops", {"bench"}),
+])
+def test_layering(package, forbidden):
+    for module, deps in _imports().items():
+        if _package(module) != package:
+            continue
+        bad = sorted(d for d in deps if _package(d) in forbidden)
+        assert not bad, f"{module} imports {bad}"
+
+
+def test_kernels_import_no_jax():
+    for path in (PACKAGE / "kernels").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+                 for a in n.names}
+        names |= {n.module.split(".")[0] for n in ast.walk(tree)
+                  if isinstance(n, ast.ImportFrom) and n.module}
+        assert "jax" not in names, f"{path.name} imports jax"
+
+
+# -- the heap-backend seam -------------------------------------------------------
+
+def test_backends_implement_the_seam():
+    from jaxtdist.runtime import _backend
+
+    setup(2)
+    rt = td.runtime.runtime()
+    assert isinstance(rt.backend, _backend.HeapBackend)
+    assert rt.backend_name == "cpu-shared-memory"
+    assert list(rt.backend.positions) == [0, 1]
+    from jaxtdist.runtime._cuda import CudaHeap
+    for name in ("positions", "base_of", "ordinal_of", "error_record", "scratch", "write",
+                 "read", "aligns_at_launch", "launch", "close", "has_copy_engines"):
+        assert hasattr(CudaHeap, name), name
+
+
+def test_unserved_mesh_names_the_missing_backend():
+    import types
+
+    from jaxtdist.runtime import _backend
+
+    devices = tuple(types.SimpleNamespace(process_index=i, platform="gpu") for i in range(2))
+    spec = _backend.BackendSpec("gpu", devices, 1 << 20, None)
+    assert spec.multi_process
+    with pytest.raises(NotImplementedError, match="NVSHMEM backend"):
+        _backend.create_backend(spec)
+
+
+def test_a_registered_backend_serves_its_meshes():
+    """A backend registered for a kind of mesh is the one the runtime creates (the
+    seam an NVSHMEM or ROCm backend slots into); the newest registration wins."""
+    from jaxtdist.runtime import _backend
+    from jaxtdist.runtime._cpu import CpuHeap
+
+    made = []
+
+    def factory(spec):
+        made.append(spec)
+        return CpuHeap(len(spec.devices), spec.heap_bytes)
+
+    _backend.register_backend("test-cpu", factory, applies=lambda s: s.platform == "cpu")
+    try:
+        td.shutdown()
+        mesh = setup(2)
+        rt = td.runtime.runtime()
+        assert rt.backend_name == "test-cpu" and len(made) == 1
+        x = rand((8, 3), jnp.float32)
+        f = jax.jit(jax.shard_map(lambda v: td.all_gather(v, "tp"), mesh=mesh,
+                                  in_specs=P("tp"), out_specs=P(), check_vma=False))
+        np.testing.assert_array_equal(np.asarray(f(place(mesh, x, P("tp")))), x)
+    finally:
+        _backend._REGISTRY[:] = [e for e in _backend._REGISTRY if e.name != "test-cpu"]
+        td.shutdown()
+
+
+# -- world 1: the local computation ---------------------------------------------
+
+def test_world_one_is_the_local_computation():
+    """On an axis of size 1, ag_matmul is x @ w and all_gather is x: no prologue, no
+    kernel, no workspace (the HLO has no custom call), and the same numbers as XLA."""
+    mesh = setup((4, 1), ("dp", "tp"))
+    rt = td.runtime.runtime()
+    used = rt.bytes_in_use
+    x = rand((4 * 6, 16), jnp.bfloat16)
+    w = rand((16, 8), jnp.bfloat16)
+
+    def body(a, b):
+        return td.ag_matmul(a, b, "tp"), td.all_gather(a, "tp"), td.all_gather(a, "tp",
+                                                                             tiled=False)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(("dp", "tp"), None), P(None, "tp")),
+                              out_specs=(P("dp", "tp"), P("dp"), P("dp")), check_vma=False))
+    args = (place(mesh, x, P(("dp", "tp"), None)), place(mesh, w, P(None, "tp")))
+    assert "custom_call" not in f.lower(*args).as_text()
+    out, gathered, stacked = f(*args)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(jnp.asarray(x) @ jnp.asarray(w)))
+    np.testing.assert_array_equal(np.asarray(gathered), x)
+    assert stacked.shape == (4, 6, 16)
+    assert rt.bytes_in_use == used
+
+
+# -- autodiff through the mechanism ----------------------------------------------
+
+@pytest.mark.parametrize("axis,tiled", [(0, True), (1, True), (0, False), (-1, False)])
+def test_all_gather_grad_is_a_reduce_scatter(axis, tiled):
+    mesh = setup(4)
+    x = rand((4 * 3, 5), jnp.float32)
+    t = rand((4 * 3, 5), jnp.float32)  # weights of the loss, replicated per rank below
+
+    def loss(fn, xb):
+        g = fn(xb)
+        return jnp.sum(jnp.sin(g) * jnp.cos(g))
+
+    def per_rank(fn):
+        return jax.jit(jax.shard_map(jax.grad(lambda xb: loss(fn, xb)), mesh=mesh,
+                                     in_specs=P("tp"), out_specs=P("tp")))
+
+    ours = per_rank(lambda v: td.all_gather(v, "tp", axis=axis, tiled=tiled))
+    ref = per_rank(lambda v: jax.lax.all_gather(v, "tp", axis=axis, tiled=tiled))
+    xs = place(mesh, x, P("tp"))
+    del t
+    assert_close(ours(xs), f64(ref(xs)), jnp.float32)
+
+
+def test_triton_call_names_its_missing_backward():
+    from tests.kernels_for_tests import ring_kernel
+
+    mesh = setup(2)
+
+    def loss(v):
+        out = td.triton_call(v, kernel=ring_kernel, grid=(1,), axis_name="tp", N=v.size, BLOCK=16,
+                             out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype),
+                             workspace_bytes=256 + 8 * v.size)
+        return jnp.sum(out)
+
+    f = jax.jit(jax.shard_map(jax.grad(loss), mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
+    with pytest.raises(TypeError, match="triton_call is not differentiable"):
+        f(place(mesh, rand((2 * 64,), jnp.float32), P("tp")))
+
+
+# -- typed configs ---------------------------------------------------------------
+
+def test_configs_are_typed_and_name_their_keys():
+    from jaxtdist.ops._ag_matmul_config import AgMatmulConfig
+    from jaxtdist.ops._config import Problem
+    from jaxtdist.ops.all_gather import AllGatherConfig
+
+    problem = Problem("gpu", 4, (1024, 4096, 4096), "bfloat16")
+    cfg = AgMatmulConfig.default(problem)
+    assert cfg.variant == "ce" and cfg.PUSH_ORDER == "serial"
+    cfg.validate(problem)
+    with pytest.raises(ValueError, match=r"unknown config keys \['BLOK_M'\]"):
+        cfg.replace(BLOK_M=64)
+    with pytest.raises(ValueError, match="BLOCK_N=96 must be a power of 2"):
+        cfg.replace(BLOCK_N=96).validate(problem)
+    with pytest.raises(ValueError, match="BLOCK_C=3 must be a power of 2"):
+        AllGatherConfig().replace(BLOCK_C=3).validate(Problem("gpu", 2, (8, 8), "float32"))
+    assert len(AgMatmulConfig.search_space(problem)) > 5
+
+
+def test_shipped_configs_hold_configs_only():
+    import json
+
+    from jaxtdist.ops._ag_matmul_config import AgMatmulConfig
+    from jaxtdist.ops._config import Problem
+    from jaxtdist.runtime._config_cache import SHIPPED
+
+    data = json.loads(SHIPPED.read_text())
+    assert {"jaxtdist", "triton", "format", "entries"} <= set(data)
+    for key, entry in data["entries"].items():
+        assert set(entry) == {"config", "variant"}, key
+        op, _, world, dims, dtype = key.split("|")
+        problem = Problem("gpu", int(world.split("=")[1]),
+                          tuple(int(d) for d in dims.split("x")), dtype)
+        cfg = AgMatmulConfig.settle(AgMatmulConfig.default(problem), entry["config"])
+        cfg.validate(problem)
+        assert cfg.variant == entry["variant"], key
