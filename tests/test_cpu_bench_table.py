@@ -107,7 +107,7 @@ def test_untuned_table_reports_the_ratio_to_jnp_dot():
     rows.append(dict(m=1000, n=1000, k=1000, dtype="bfloat16", world=1, size=2e9, label="1000",
                      jnp_dot=_stats([7.0]), jaxtdist=dict(error=["ValueError: shape"])))
     table = ag_matmul.untuned_table(_result(ag_matmul.UNTUNED, rows, world=1))
-    assert "| 1024 x 4096 x 4096 | bfloat16 | 100.0 | 104.0 | 1.04 | defaults | 2.0e-03 |" \
+    assert "| 1024 x 4096 x 4096 | bfloat16 | 100.0 | 104.0 | 1.04 | defaults | n/a | n/a | 2.0e-03 |" \
            in table
     assert "| 1000 x 1000 x 1000 | bfloat16 | 7.0 | n/a | n/a |" in table
     assert table.splitlines()[-1] == "ag_matmul / jnp.dot: at most 1.30; 1 of 2 rows within 1.05"

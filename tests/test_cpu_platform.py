@@ -256,3 +256,39 @@ def test_shipped_configs_hold_configs_only():
         cfg = AgMatmulConfig.settle(AgMatmulConfig.default(problem), entry["config"])
         cfg.validate(problem)
         assert cfg.variant == entry["variant"], key
+
+
+def test_gathered_results_are_typed_replicated_over_the_group():
+    """all_gather's result is the same on every rank of the group, and typed so: a
+    replicated out_specs needs no check_vma=False (as with jax.lax.all_gather)."""
+    mesh = setup((2, 2), ("dp", "tp"))
+    x = rand((8, 3), jnp.float32)
+    f = jax.jit(jax.shard_map(lambda v: td.all_gather(v, "tp"), mesh=mesh,
+                              in_specs=P(("dp", "tp")), out_specs=P("dp")))
+    np.testing.assert_array_equal(np.asarray(f(place(mesh, x, P(("dp", "tp"))))), x)
+
+
+def test_every_op_is_tunable_through_one_engine():
+    from jaxtdist.ops._config import KernelConfig
+
+    assert {"ag_matmul", "all_gather"} <= set(td.tune.tunable_ops())
+    with pytest.raises(ValueError, match="no tunable op 'nope'"):
+        td.tune.tune("nope", (1,), jnp.float32, measure=lambda *a: 0.0)
+    assert KernelConfig.variant.fget(None) == "default"
+
+
+def test_all_gather_tuning_on_cpu_with_a_given_measure():
+    """The one engine tunes all_gather too (timing faked on CPU), checking every
+    candidate's output exactly first."""
+    setup(2)
+    seen = []
+
+    def measure(fn, args, world, iterations):
+        seen.append(fn)
+        return 10.0 - len(seen)
+
+    result = td.tune.tune("all_gather", (8, 16), jnp.float32, axis_name="tp",
+                          candidates=[{}, dict(BLOCK_C=8), dict(BLOCK_C=3)], measure=measure,
+                          save=False)
+    assert result["config"]["BLOCK_C"] == 8 and result["variant"] == "pull"
+    assert "power of 2" in result["tried"][2]["error"]

@@ -47,3 +47,15 @@ def test_axis_in_batch_axes_is_refused():
     w = place(mesh, rand((16, 8)), P(None, "tp"))
     with pytest.raises(ValueError, match="also in batch_axes"):
         td.ag_matmul_sharded(x, w, axis_name="tp", batch_axes=("tp",))
+
+
+def test_mesh_axes_not_named_are_replicated():
+    """On a (dp, tp, ep) mesh the result is replicated over ep (typed so: no
+    check_vma error) and matches the product."""
+    mesh = setup((2, 2, 2), ("dp", "tp", "ep"))
+    x = rand((16, 8), jnp.float32)
+    w = rand((8, 4), jnp.float32)
+    layer = jax.jit(functools.partial(td.ag_matmul_sharded, axis_name="tp", batch_axes=("dp",)))
+    out = layer(place(mesh, x, P(("dp", "tp"), None)), place(mesh, w, P(None, "tp")))
+    assert out.sharding.spec == P("dp", "tp")
+    assert_close(out, f64(x) @ f64(w), jnp.float32)

@@ -229,7 +229,7 @@ def test_gpu_candidates_are_valid_configs(world):
     (96, 4096, 8192, BF16, "sm"),      # rows not a multiple of 128
     (128, 4096, 8192, F32, "sm"),      # 32-bit: the pointer kernel
     (1024, 4096, 4096, BF16, "ce"),
-    (1, 4096, 8192, BF16, "sm"),       # decode
+    (1, 4096, 8192, BF16, "push"),     # decode: SM producers push
 ])
 def test_gpu_defaults_pick_the_measured_kernel(m_shard, n, k, dtype, kernel):
     problem = _problem("gpu", 4, m_shard, n, k, dtype)

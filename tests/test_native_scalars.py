@@ -27,6 +27,15 @@ def axpb_kernel(x_ptr, n, alpha, shift, out_ptr, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, alpha * x + shift.to(tl.float32), mask=mask)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_launcher_cache():
+    """A test that fakes the native registration must not leave its fake kernel ids
+    in the launcher's cache, where a later real launch of the same kernel finds them."""
+    _cuda_launch._registered.cache_clear()
+    yield
+    _cuda_launch._registered.cache_clear()
+
+
 def _skip_without_ptxas(fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)

@@ -56,6 +56,15 @@ _INT_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "NUM_COMM", "CHUNK_ROWS
              "COPY_BLOCK_C", "SPLIT_K", "num_warps", "num_stages")
 # At most this many rows over all ranks: the decode configs (one tile over all rows).
 _DECODE_ROWS = {"gpu": 128, "cpu": 32}
+# Decode: bytes of x per gather signal (fewer, larger chunks cost less than a
+# flag per row once shards have several rows).
+_DECODE_SIGNAL_BYTES = 64 << 10
+# The pointer kernel's tiles, largest first.
+_POINTER_TILES = ((128, 256), (128, 128), (128, 64), (64, 64))
+
+
+def _prev_pow2(n: int) -> int:
+    return 1 << max(0, int(n).bit_length() - 1)
 
 
 def tma_misfits(m_shard: int, n: int | None, k: int, itemsize: int, block_m: int) -> list[str]:
@@ -132,15 +141,22 @@ class AgMatmulConfig(KernelConfig):
         """Rows per gather signal (CHUNK_ROWS, with 0 meaning BLOCK_M)."""
         return self.CHUNK_ROWS or self.BLOCK_M
 
+    def kernel_args(self) -> dict:
+        """The tile and gather constexprs every ag_matmul kernel takes."""
+        return dict(BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, BLOCK_K=self.BLOCK_K,
+                    GROUP_M=self.GROUP_M, NUM_COMM=self.NUM_COMM, CHUNK_ROWS=self.chunk_rows,
+                    COPY_BLOCK_C=self.COPY_BLOCK_C, SCOPE=self.SCOPE)
+
     # -- defaults -------------------------------------------------------------
 
     @classmethod
     def default(cls, problem: Problem, allow_tma: bool = True) -> "AgMatmulConfig":
         """One rule over every shape: decode sizes (all ranks' rows in one tile)
-        split K; few row tiles take narrow N tiles so that the tiles still cover
-        the SMs; large shapes take the copy-engine TMA kernel where the shape fits
-        it (2.6x faster than SM producers at 128/4096/8192 and faster on every
-        large shape tuned on 4 x H200, docs/perf). ``allow_tma=False`` gives the
+        push and split K (``_decode``); few row tiles take narrow N tiles so that
+        the tiles still cover the SMs; large shapes take the copy-engine TMA kernel
+        where the shape fits it (2.6x faster than SM producers at 128/4096/8192 and
+        faster on every large shape tuned on 4 x H200), else the pointer kernel's
+        largest tile that still covers the SMs. ``allow_tma=False`` gives the
         pointer kernel's defaults (for configs that ask for its modes)."""
         m_shard, n, k = problem.shape
         world, itemsize = problem.world, problem.itemsize
@@ -155,11 +171,8 @@ class AgMatmulConfig(KernelConfig):
             return cls(BLOCK_M=min(32, max(16, next_pow2(m_shard))), BLOCK_N=32, BLOCK_K=32,
                        GROUP_M=4, NUM_COMM=2, COPY_BLOCK_C=block_c, num_warps=4, num_stages=1)
         block_k = 64 if wide else 128
-        if small:  # decode: one M tile over all ranks' rows, split K, one chunk per row
-            return cls(BLOCK_M=max(16, next_pow2(world * m_shard)), BLOCK_N=64, BLOCK_K=block_k,
-                       GROUP_M=1, NUM_COMM=16, CHUNK_ROWS=1,
-                       COPY_BLOCK_C=min(4096, next_pow2(k)), ALL_ROWS=True,
-                       SPLIT_K=min(4, -(-k // block_k)), num_warps=4, num_stages=4)
+        if small:
+            return cls._decode(problem)
         block_m = min(128, max(16, next_pow2(m_shard)))
         if m_shard <= 256:
             if (allow_tma and not wide and m_shard % 128 == 0
@@ -172,11 +185,36 @@ class AgMatmulConfig(KernelConfig):
         if wide:  # keep 3 stages within shared memory
             return cls(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=32, COPY_BLOCK_C=64, num_warps=8,
                        num_stages=3)
-        tma = allow_tma and not tma_misfits(m_shard, n, k, itemsize, block_m)
-        return cls(BLOCK_M=block_m, BLOCK_N=256 if block_m == 128 else 128, BLOCK_K=64,
-                   COPY_BLOCK_C=128, num_warps=8, num_stages=3, TMA=tma,
-                   PRODUCER="ce" if tma else "sm", CHUNK_ROWS=256 if tma else 0,
-                   PUSH_ORDER="serial" if tma else "parallel")
+        if allow_tma and not tma_misfits(m_shard, n, k, itemsize, block_m):
+            return cls(BLOCK_M=block_m, BLOCK_N=256 if block_m == 128 else 128, BLOCK_K=64,
+                       COPY_BLOCK_C=128, num_warps=8, num_stages=3, TMA=True, PRODUCER="ce",
+                       CHUNK_ROWS=256, PUSH_ORDER="serial")
+        # The pointer kernel: the largest tile whose count still covers the SMs (a
+        # GEMM of fewer tiles than SMs leaves SMs idle for its whole length).
+        for block_m, block_n in _POINTER_TILES:
+            if world * -(-m_shard // block_m) * -(-n // block_n) >= problem.sms:
+                break
+        big = block_m * block_n >= 128 * 256
+        return cls(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, COPY_BLOCK_C=128,
+                   num_warps=8 if big else 4, num_stages=3 if big else 4)
+
+    @classmethod
+    def _decode(cls, problem: Problem) -> "AgMatmulConfig":
+        """All ranks' rows in one M tile (decode): SM producers push each shard into
+        the peers' inboxes with a signal per >= 64 KiB of rows, and split K gives
+        about two resident programs per SM. The tuned 4 x H200 configs of
+        16 x 4096 x 8192 and the fastest world-1 candidate of 128 x 4096 x 8192
+        (47 us against 145 with a signal per row) are this rule's picks."""
+        m_shard, n, k = problem.shape
+        rows = problem.world * m_shard
+        row_bytes = k * problem.itemsize
+        chunk_rows = min(next_pow2(m_shard), next_pow2(-(-_DECODE_SIGNAL_BYTES // row_bytes)))
+        n_tiles = -(-n // 64)
+        split_k = max(1, min(8, _prev_pow2(2 * problem.sms // n_tiles), -(-k // 64)))
+        return cls(BLOCK_M=max(16, next_pow2(rows)), BLOCK_N=64, BLOCK_K=64, GROUP_M=1,
+                   NUM_COMM=8, CHUNK_ROWS=chunk_rows, COPY_BLOCK_C=min(1024, next_pow2(k)),
+                   ALL_ROWS=True, SPLIT_K=split_k, PRODUCER="push", num_warps=4,
+                   num_stages=3 if problem.itemsize == 4 else 4)
 
     @classmethod
     def for_overrides(cls, problem: Problem, asked: Mapping[str, Any]) -> "AgMatmulConfig":
@@ -300,7 +338,7 @@ def _gpu_candidates(problem: Problem) -> list[dict]:
     m_shard, _, _ = problem.shape
     rows = problem.world * m_shard
     if problem.itemsize == 4:
-        return [{}, dict(NUM_COMM=8), dict(NUM_COMM=32)]
+        return [{}] + [dict(NUM_COMM=c) for c in (4, 8, 16, 32)]
     if rows <= _DECODE_ROWS["gpu"]:  # decode: one tile over all rows; split K to fill the GPU
         # Producers push into peers' inboxes (one NVLink crossing, no wait), a flag per 4 rows.
         push4 = dict(PRODUCER="push", CHUNK_ROWS=4, COPY_BLOCK_C=1024)

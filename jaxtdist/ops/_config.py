@@ -3,11 +3,12 @@
 Each op's config is a frozen dataclass deriving ``KernelConfig``: it derives
 its defaults from the problem (``default``), validates itself against a
 problem (``validate``), names its search space for the tuner
-(``search_space``) and gives its kernel's arguments (``kernel_args``).
-``resolve`` picks a call's config the same way for every op: the defaults,
-then the tuning cache's entry for (op, device kind, world, shape, dtype),
-then the caller's overrides; with ``JAXTDIST_AUTOTUNE=1`` a cache miss is
-tuned first.
+(``search_space``), gives its kernel's arguments (``kernel_args``, ``launch_options``)
+and names the kernel ``variant`` it runs.
+``resolve`` picks a call's config the same way for every op: the defaults
+updated by the caller's overrides when there are any, else by the tuning
+cache's entry for (op, device kind, world, shape, dtype); with
+``JAXTDIST_AUTOTUNE=1`` a cache miss is tuned first.
 
 Example:
   >>> cfg = resolve(AgMatmulConfig, problem, rt)           # defaults + tuned entry
@@ -22,6 +23,8 @@ from collections.abc import Mapping
 from typing import Any, ClassVar, TypeVar
 
 import jax.numpy as jnp
+
+from jaxtdist.tune._registry import tunable_ops
 
 C = TypeVar("C", bound="KernelConfig")
 
@@ -53,6 +56,11 @@ class KernelConfig:
 
     OP: ClassVar[str] = ""
 
+    @property
+    def variant(self) -> str:
+        """The kernel this config runs (recorded with tuned entries)."""
+        return "default"
+
     @classmethod
     def keys(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
@@ -76,6 +84,16 @@ class KernelConfig:
     def validate(self, problem: Problem) -> None:
         """Raises ``ValueError`` naming the first constraint ``problem`` puts that this
         config breaks."""
+
+    LAUNCH_KEYS: ClassVar[tuple[str, ...]] = ("num_warps", "num_stages")
+
+    def kernel_args(self) -> dict:
+        """The kernel's constexpr arguments this config sets (launch options aside)."""
+        return {k: v for k, v in self.to_dict().items() if k not in self.LAUNCH_KEYS}
+
+    def launch_options(self) -> dict:
+        """``num_warps`` and ``num_stages`` (those of them the config has)."""
+        return {k: v for k, v in self.to_dict().items() if k in self.LAUNCH_KEYS}
 
     def replace(self: C, **changes: Any) -> C:
         unknown = sorted(set(changes) - set(self.keys()))
@@ -101,7 +119,8 @@ def resolve(config_type: type[C], problem: Problem, rt, config: Mapping[str, Any
     asked = dict(config or {})
     if config is None:
         tuned = rt.tuning.lookup(config_type.OP, problem.world, problem.shape, problem.dtype)
-        if tuned is None and os.environ.get("JAXTDIST_AUTOTUNE") == "1":
+        if (tuned is None and os.environ.get("JAXTDIST_AUTOTUNE") == "1"
+                and config_type.OP in tunable_ops()):
             from jaxtdist.tune import tune
             tuned = tune(config_type.OP, problem.shape, problem.dtype,
                          axis_name=axis_name)["config"]

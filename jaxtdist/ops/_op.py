@@ -15,8 +15,8 @@ The mechanism supplies the rest, once for every op:
   an op without a backward raises a clear error when differentiated;
 - world 1: a group of one rank runs the local computation (what the op costs
   without communication), with JAX's own autodiff;
-- ``sharded(...)``: the op for jit with NamedSharding inputs, no hand-written
-  ``shard_map``.
+- ``pjit_wrapper(...)``: the op for jit with NamedSharding inputs, no
+  hand-written ``shard_map``.
 
 Example (an op whose backward is another op)::
 

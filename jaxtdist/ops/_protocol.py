@@ -181,9 +181,9 @@ class Call:
         """
         rt = self.rt
         position = _mesh_position(rt, self.op)  # also checks the call is inside shard_map
-        if rt.platform == "gpu":
-            # The CUDA prologue finds its heap from the device ordinal: a constant
-            # spares every call the small XLA kernel that computes the position.
+        if rt.backend.locates_by_device:
+            # The handler finds its heap from the device ordinal: a constant spares
+            # every call the small XLA kernel that computes the position.
             position = np.zeros((1,), np.int32)
         deps = tuple(deps) + program_order_deps(rt)
         if deps:
@@ -200,13 +200,31 @@ class Call:
                     groups=rt.group_table(self.layout), world=np.int64(self.layout.world),
                     align_launch=np.int64(align_launch))
 
+    def result_axes(self, *, gathered: Sequence = (), local: Sequence = ()) -> tuple[str, ...]:
+        """The mesh axes a result varies over, when it is a function of the group's
+        copies of ``gathered`` (the same on every rank of the group) and of this
+        rank's ``local`` arrays. Pass it as ``launch(..., varying=...)``.
+
+        With jax that does not track varying axes: every mesh axis.
+        """
+        axes = set()
+        for arrays, drop in ((gathered, set(self.layout.axes)), (local, set())):
+            for a in arrays:
+                have = varying_axes(a)
+                if have is None:
+                    return tuple(self.rt.mesh.axis_names)
+                axes |= set(have) - drop
+        return tuple(a for a in self.rt.mesh.axis_names if a in axes)
+
     def launch(self, kernel, ctx: jax.Array, *args: Any, out_shape, grid: int | Sequence[int],
                num_warps: int = 4, num_stages: int = 3, needs_scratch: bool = False,
-               **constexprs: Any):
+               varying: Sequence[str] | None = None, **constexprs: Any):
         """Runs ``kernel[grid](ctx, *args, *outputs, **constexprs)`` on the backend.
 
         ``needs_scratch``: the kernel builds tensor descriptors on the device
         (Triton's global scratch), which only jaxtdist's own launcher provides.
+        ``varying``: the mesh axes the outputs vary over (``result_axes``); by
+        default every axis (a user kernel may compute anything from its rank).
         Returns the output, or a list of them when ``out_shape`` is a sequence.
         """
         rt = self.rt
@@ -218,7 +236,8 @@ class Call:
             self._launch_holds_rendezvous = False
         result = rt.backend.launch(rt, kernel, (ctx,) + tuple(args), outs, grid, num_warps,
                                    num_stages, constexprs, needs_scratch, rendezvous)
-        result = [mark_varying(r, rt.mesh.axis_names) for r in result]
+        varying = tuple(rt.mesh.axis_names) if varying is None else tuple(varying)
+        result = [mark_varying(r, varying) for r in result]
         record_output(rt, result[0])
         return result if many else result[0]
 
@@ -236,7 +255,7 @@ class Call:
             grid: int | Sequence[int], deps: Sequence | None = None,
             stage: jax.Array | None = None, stage_offset: int = 0, parity_bytes: int = 0,
             num_warps: int = 4, num_stages: int = 3, needs_scratch: bool = False,
-            **constexprs: Any):
+            varying: Sequence[str] | None = None, **constexprs: Any):
         """``start`` then ``launch``: one kernel after the prologue. ``deps`` defaults
         to the array arguments."""
         if deps is None:
@@ -246,4 +265,4 @@ class Call:
                          align_launch=not self.launch_aligns(args, needs_scratch))
         return self.launch(kernel, ctx, *args, out_shape=out_shape, grid=grid,
                            num_warps=num_warps, num_stages=num_stages,
-                           needs_scratch=needs_scratch, **constexprs)
+                           needs_scratch=needs_scratch, varying=varying, **constexprs)

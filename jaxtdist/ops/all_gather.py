@@ -13,12 +13,14 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxtdist.kernels.all_gather import all_gather_kernel
-from jaxtdist.ops._config import KernelConfig, Problem
+from jaxtdist.ops._config import KernelConfig, Problem, resolve
 from jaxtdist.ops._op import DistributedOp
 from jaxtdist.ops._protocol import Call
 from jaxtdist.ops._shapes import GatherWorkspace, check_dtype, next_pow2
+from jaxtdist.tune import _registry
 
 __all__ = ["AllGatherConfig", "all_gather"]
 
@@ -42,7 +44,7 @@ class AllGatherConfig(KernelConfig):
     SCOPE: str = "sys"
     num_warps: int = 4
 
-    variant: ClassVar[str] = "copy"
+    variant: ClassVar[str] = "pull"  # peers' staged shards pulled by SM programs
 
     @classmethod
     def default(cls, problem: Problem) -> "AllGatherConfig":
@@ -51,6 +53,12 @@ class AllGatherConfig(KernelConfig):
         block_c = min(next_pow2(cols), 256 if gpu else 64)
         chunk_rows = max(1, min(64, next_pow2(rows), (16384 if gpu else 2048) // block_c))
         return cls(NUM_WORKERS=128 if gpu else 2, CHUNK_ROWS=chunk_rows, BLOCK_C=block_c)
+
+    @classmethod
+    def search_space(cls, problem: Problem) -> list[dict]:
+        if problem.platform != "gpu":
+            return [{}]
+        return [{}] + [dict(NUM_WORKERS=w, BLOCK_C=c) for w in (32, 64, 132) for c in (128, 512)]
 
     def validate(self, problem: Problem) -> None:
         for key in ("NUM_WORKERS", "CHUNK_ROWS", "BLOCK_C", "num_warps"):
@@ -84,16 +92,15 @@ def _forward(x, *, axis_name, axis, tiled, config=None):
     rows, cols = moved.shape[0], math.prod(moved.shape[1:])
     flat = moved.reshape(rows, cols)
     problem = Problem(call.platform, world, (rows, cols), jnp.dtype(x.dtype).name)
-    cfg = AllGatherConfig.default(problem).replace(**(config or {}))
-    cfg.validate(problem)
+    cfg = resolve(AllGatherConfig, problem, call.rt, config, axis_name=axis_name)
     plan = GatherWorkspace(world, rows, cols, x.dtype, cfg.CHUNK_ROWS)
     ws = call.workspace("gather", plan.nbytes, rows, cols, x.dtype.name)
     out = call.run(all_gather_kernel, flat, workspace=ws,
                    out_shape=jax.ShapeDtypeStruct((world * rows, cols), x.dtype),
-                   grid=(cfg.NUM_WORKERS,), num_warps=cfg.num_warps, num_stages=1, ROWS=rows,
-                   COLS=cols, STAGE_OFF=ws.offset + plan.stage, SLOT_BYTES=plan.slot_bytes,
-                   READY_OFF=ws.offset + plan.ready, NUM_WORKERS=cfg.NUM_WORKERS,
-                   CHUNK_ROWS=cfg.CHUNK_ROWS, BLOCK_C=cfg.BLOCK_C, SCOPE=cfg.SCOPE)
+                   grid=(cfg.NUM_WORKERS,), num_stages=1, **cfg.launch_options(),
+                   varying=call.result_axes(gathered=(flat,)), ROWS=rows, COLS=cols,
+                   STAGE_OFF=ws.offset + plan.stage, SLOT_BYTES=plan.slot_bytes,
+                   READY_OFF=ws.offset + plan.ready, **cfg.kernel_args())
     out = out.reshape((world, rows) + moved.shape[1:])
     if tiled:
         out = out.reshape((world * rows,) + moved.shape[1:])
@@ -135,12 +142,42 @@ def all_gather(x: jax.Array, axis_name, *, axis: int = 0, tiled: bool = True,
 
     Example:
       >>> mesh = jax.make_mesh((4,), ("x",)); jaxtdist.initialize(mesh)
-      >>> # The result is the same on every rank, but typed as varying (a custom
-      >>> # call's output), hence check_vma=False for a replicated out_specs.
       >>> f = jax.jit(jax.shard_map(lambda x: jaxtdist.all_gather(x, "x"), mesh=mesh,
-      ...                           in_specs=P("x"), out_specs=P(), check_vma=False))
+      ...                           in_specs=P("x"), out_specs=P()))
     """
     x = jnp.asarray(x)
     if not isinstance(axis, int) or isinstance(axis, bool):
         raise ValueError(f"jaxtdist.all_gather: axis must be an int, got {axis!r}")
     return _ALL_GATHER(x, axis_name=axis_name, axis=axis, tiled=bool(tiled), config=config)
+
+
+def _tuning_case(axis_name, shape, dtype) -> _registry.TuningCase:
+    """all_gather of [rows, cols] per rank on the runtime's mesh, for the tuner."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxtdist.runtime._runtime import runtime
+
+    rt = runtime()
+    layout = rt.layout(axis_name)
+    axes = layout.axes if len(layout.axes) > 1 else layout.axes[0]
+    rows, cols = shape
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((layout.world * rows, cols)),
+                    dtype)
+    args = (jax.device_put(x, NamedSharding(rt.mesh, P(axes, None))),)
+    problem = Problem(rt.platform, layout.world, (rows, cols), jnp.dtype(dtype).name)
+
+    def compile_candidate(overrides):
+        cfg = resolve(AllGatherConfig, problem, rt, overrides)
+        config = cfg.to_dict()
+        fn = jax.jit(jax.shard_map(lambda v: all_gather(v, axis_name, config=config),
+                                   mesh=rt.mesh, in_specs=P(axes, None), out_specs=P()))
+        return fn, cfg
+
+    return _registry.TuningCase(
+        world=layout.world, shape=(rows, cols), dtype=jnp.dtype(dtype).name,
+        candidates=AllGatherConfig.search_space(problem), args=args,
+        reference=x.astype(jnp.float32), tolerance=0.0, compile=compile_candidate)
+
+
+_registry.register(_registry.Tunable("all_gather", _tuning_case))

@@ -29,8 +29,10 @@ def triton_call(*args: Any, kernel, out_shape, grid: int | Sequence[int], axis_n
     where ``ctx`` is the heap context that ``jaxtdist.language`` primitives
     take (rank, peers, epoch). The same kernel runs on GPUs and on CPU
     (Triton's interpreter, one worker process per rank). On GPUs jaxtdist's
-    own launcher runs it, or jax-triton where the kernel takes Python scalars
-    or the runtime's ``launcher`` is "jax-triton".
+    own launcher runs it (Python scalars are passed at run time: one compiled
+    kernel serves every value), or jax-triton where the runtime's ``launcher``
+    is "jax-triton". Not differentiable: ``jax.grad`` through it raises a
+    ``TypeError``.
 
     Args:
       *args: arrays (passed as pointers) and Python scalars.
@@ -54,7 +56,7 @@ def triton_call(*args: Any, kernel, out_shape, grid: int | Sequence[int], axis_n
       tma: the kernel builds tensor descriptors on the device
         (``tl.make_tensor_descriptor``), which need Triton's global scratch:
         on GPUs it then runs through jaxtdist's own launcher, which provides
-        it from the heap (arrays only, no scalar arguments).
+        it from the heap.
       **constexprs: the kernel's constexpr arguments.
 
     Returns:

@@ -51,7 +51,13 @@ class HeapBackend(Protocol):
 
     @property
     def has_copy_engines(self) -> bool:
-        """Whether ``push_to_peers`` uses DMA engines (else ops push with SM kernels)."""
+        """Whether the backend has ``push_to_peers`` (DMA engines); else ops push
+        with SM kernels."""
+
+    @property
+    def locates_by_device(self) -> bool:
+        """Whether the native handlers find a call's heap from XLA's device ordinal
+        (then the prologue needs no mesh position computed on the device)."""
 
     def base_of(self, position: int) -> int:
         """A position's heap base as this process sees it (peers included)."""
@@ -83,6 +89,12 @@ class HeapBackend(Protocol):
 
     def close(self) -> None:
         """Frees the heap and anything the backend started."""
+
+    # Backends with ``has_copy_engines`` also provide:
+    #   push_to_peers(rt, ctx, x, *, counter_id, groups, world, inbox_offset,
+    #                 parity_bytes, flags_offset, sent_offset, chunk_rows, serial) -> ctx
+    # which enqueues copies of x into every peer's inbox (a flag per chunk) and
+    # returns ctx for the kernel that follows (see ``_cuda.CudaHeap``).
 
 
 @dataclasses.dataclass(frozen=True)

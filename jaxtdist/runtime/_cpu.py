@@ -25,6 +25,7 @@ class CpuHeap:
 
     platform = "cpu"
     has_copy_engines = False
+    locates_by_device = False
 
     def __init__(self, positions: int, heap_bytes: int):
         self.heap_bytes = heap_bytes

@@ -47,6 +47,7 @@ class CudaHeap:
 
     platform = "gpu"
     has_copy_engines = True
+    locates_by_device = True
 
     def __init__(self, native, devices: Sequence, heap_bytes: int):
         self._native = native

@@ -198,8 +198,8 @@ def launch(rt: Runtime, kernel, args: Sequence, outs, grid, num_warps: int,
     compiled = _registered(kernel, types, tuple(sorted(constexprs.items())), num_warps,
                            num_stages, capability)
     device = rt.mesh.devices.flat[0]
-    ordinals = [d.local_hardware_id if d.local_hardware_id is not None else d.id
-                for d in rt.mesh.devices.flat]
+    # The devices this process launches on: the backend's positions.
+    ordinals = [rt.backend.ordinal_of(p) for p in rt.backend.positions]
     native = _native.native()
     limit = native.cuda_max_shared_per_block(ordinals[0])
     if compiled.shared_bytes > limit:
