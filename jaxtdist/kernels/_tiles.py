@@ -1,4 +1,4 @@
-"""Tile helpers shared by every kernel: tile orders and swizzles."""
+"""Tile helpers shared by every kernel: tile orders, swizzles and the pointer GEMM tile."""
 
 import triton
 import triton.language as tl
@@ -40,3 +40,22 @@ def peer_arrival_tile(item, me, world, per_rank, m_tiles_per_rank, n_tiles,
     src = (me + world - 1 - item // per_rank) % world
     tm, tn = grouped_tile(item % per_rank, m_tiles_per_rank, n_tiles, GROUP_M)
     return src, tm, tn
+
+
+@triton.jit
+def dot_tile(a_ptr, b_ptr, rows, row_mask, cols, col_mask, k_lo, k_hi, K: tl.constexpr,
+             N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr):
+    """One output tile of a pointer GEMM: the float32 accumulator of
+    A[rows, k_lo:k_hi] @ B[k_lo:k_hi, cols] for row-major A [*, K] and B [K, N];
+    rows, columns and K beyond the masks / K read as zeros."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ks = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
+        k_mask = ks < K
+        a = tl.load(a_ptr + rows[:, None] * K + ks[None, :],
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptr + ks[:, None] * N + cols[None, :],
+                    mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc)
+    return acc

@@ -1,0 +1,82 @@
+"""matmul_ar: (x @ w) summed over the ranks, every rank gets the whole sum; for
+small M (decode), where latency rules.
+
+One launch, one program per output tile ((m, n) in ``grouped_tile`` order):
+the program computes its tile of this rank's partial product, pushes the
+float32 partial into every peer's heap inbox (stores through ``dl.symm_at``
+pointers, peers in the order me+1, me+2, ...; then the tile's flag in that
+peer's heap is set to the epoch, a release), then waits (acquire) for the
+same tile from each peer (me-1 first: it pushes to this rank first), adds
+the partials to its own in float32 and stores the output tile. One pass
+over w, one crossing of the links per partial, and no second launch: the
+latency is the GEMM of one tile-wave plus one push and one flag.
+
+Inbox layout (``ops/matmul_ar.ArWorkspace``): per call parity (``e % 2``),
+W - 1 slots of [M, N] float32, slot ``(src - dst + W - 1) % W`` of rank
+``dst`` holding the partial of rank ``src``; then one int32 flag per (slot,
+tile).
+
+Reuse: rank s writes a slot of parity p in rank o's inbox at epochs e and
+e + 2. s's kernel e + 2 starts after its kernel e + 1 ended, which waited
+for o's pushes of epoch e + 1; o pushes those in its kernel e + 1, after
+its kernel e (the last reader of parity p) ended. So parity alone keeps
+call e + 2's writes off the data call e still reads; flags compare ">=".
+
+Deadlock: a program pushes before it waits, and waits only on the program
+of the same tile on other ranks, which pushes before it waits too; so the
+grid completes in any order of programs, one at a time included (the
+interpreter).
+"""
+
+import triton
+import triton.language as tl
+
+import jaxtdist.language as dl
+from jaxtdist.kernels._tiles import dot_tile, grouped_tile
+
+
+@triton.jit
+def matmul_ar_kernel(ctx, x_ptr, w_ptr, out_ptr,
+                     M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+                     INBOX_OFF: tl.constexpr, PARITY_BYTES: tl.constexpr,
+                     FLAGS_OFF: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr):
+    """Grid: (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),).
+
+    x: [M, K], w: [K, N] -> out: [M, N], the sum over ranks of x @ w.
+    """
+    tile = tl.program_id(0)
+    me = dl.rank(ctx)
+    world = dl.num_ranks(ctx)
+    e = dl.epoch(ctx)
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    tiles = m_tiles * n_tiles
+    tm, tn = grouped_tile(tile, m_tiles, n_tiles, GROUP_M)
+    rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    cols = tl.max_contiguous(tl.multiple_of(tn * BLOCK_N + tl.arange(0, BLOCK_N), BLOCK_N),
+                             BLOCK_N)
+    col_mask = cols < N
+    acc = dot_tile(x_ptr, w_ptr, rows, row_mask, cols, col_mask, 0, K, K, N,
+                   BLOCK_M, BLOCK_N, BLOCK_K)
+    offs = rows[:, None] * N + cols[None, :]
+    mask = row_mask[:, None] & col_mask[None, :]
+    inbox = dl.heap_ptr(ctx, INBOX_OFF + (e % 2) * PARITY_BYTES, tl.float32)
+    flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
+    slot_elems = M * N
+    for step in range(1, world):
+        dst = (me + step) % world
+        slot = world - 1 - step  # (me - dst + world - 1) % world
+        tl.store(dl.symm_at(ctx, inbox + slot * slot_elems + offs, dst), acc, mask=mask)
+        dl.notify(ctx, flags + slot * tiles + tile, dst, e)
+    for step in range(1, world):
+        # Rank me - step pushes to this rank at its step ``step``, into slot
+        # (src - me + world - 1) % world.
+        src = (me + world - step) % world
+        slot = world - 1 - step
+        token = dl.wait(ctx, flags + slot * tiles + tile, e, "ge", src)
+        acc += tl.load(dl.consume_token(inbox + slot * slot_elems + offs, token), mask=mask,
+                       other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,125 @@
+"""matmul_rs: (x @ w) summed over the ranks and scattered along M, the reduction
+overlapped with the GEMM tile by tile.
+
+Every rank holds x [M, K] (its K shard) and w [K, N]; rank r owns output rows
+[r * M_SHARD, (r + 1) * M_SHARD). One persistent launch computes every output
+tile of this rank's partial product, in the order of
+``rank_major_tile(tile, me + 1, ...)``: the rows owned by rank me+1 first,
+then me+2, ..., and this rank's own rows last.
+
+- A peer's tile is pushed as soon as it is computed: its partial (float32, or
+  the input dtype with PARTIAL_INPUT) is stored through ``dl.symm_at``
+  pointers into the owner's heap inbox, in the slot of this source rank,
+  then the tile's flag in the owner's heap is set to the epoch (``dl.notify``:
+  a release at system scope).
+- An own tile is computed last, and its partial stays in registers: the
+  program waits (acquire) for the tile's flag of each of the other W - 1
+  ranks, adds their partials in float32 and stores the output tile.
+
+Why one kernel and not a GEMM kernel then a reduction kernel: the own tiles
+are the reduction. Since they come last in every program's list, the
+partials of the own rows pushed by peers early in their lists (rank me-1
+pushes to me first) have arrived by then, and the reduction of each output
+tile costs W - 1 reads of local heap memory in the epilogue of a GEMM tile
+that was computed anyway; a second kernel would write this rank's partial
+to memory and read it back, and could not start before the last GEMM tile.
+The price is the tail: the partial from rank me+1 (its last peer step) can
+arrive just before this rank's own tiles need it.
+
+Inbox layout (``ops/matmul_rs.RsWorkspace``): per call parity (``e % 2``),
+W - 1 slots of [M_SHARD, N] partials, slot ``(src - dst + W - 1) % W`` of
+owner ``dst`` holding the partial of source ``src``; then one int32 flag
+per (slot, output tile).
+
+Reuse (why two parities suffice, with no acknowledgement): source s writes
+the slot of parity p in owner o's inbox at epochs e and e + 2; o reads it
+in its kernel of epoch e. s's kernel e + 2 starts after s's kernel e + 1
+ended, and that kernel reduced s's own rows, so it waited for o's pushes of
+epoch e + 1 (every rank pushes to every other in every call). o makes those
+pushes in its kernel e + 1, which starts after its kernel e (the last
+reader of parity p) ended: kernels of one device run in program order
+(``Call`` orders every op after the previous one). So o's reads of epoch e
+come before s's writes of epoch e + 2. A flag may already hold e + 1 (or
+later) when o waits for e: flags compare ">=", and the later value's
+release also publishes the earlier data (s stored it before). Flags and
+epochs only grow, so nothing is reset.
+
+Deadlock: the only waits are an own tile's waits on other ranks' pushes,
+and every rank computes all its peer tiles before any own tile in each
+program. On GPUs the persistent grid is at most one program per SM (all
+resident), tiles dealt round-robin (INTERLEAVE). Under the interpreter a
+rank's programs run one after another, so the tiles are dealt in
+contiguous runs instead: a rank then meets its tiles in index order, all
+pushes (indices below (W - 1) * tiles per rank) before any wait.
+"""
+
+import triton
+import triton.language as tl
+
+import jaxtdist.language as dl
+from jaxtdist.kernels._tiles import dot_tile, rank_major_tile
+
+
+@triton.jit
+def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr,
+                     M_SHARD: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+                     INBOX_OFF: tl.constexpr, PARITY_BYTES: tl.constexpr,
+                     FLAGS_OFF: tl.constexpr, PARTIAL_INPUT: tl.constexpr,
+                     NUM_PROGRAMS: tl.constexpr, INTERLEAVE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr):
+    """Grid: (NUM_PROGRAMS,), at most one program per SM on GPUs (own tiles spin).
+
+    x: [world * M_SHARD, K], w: [K, N] -> out: [M_SHARD, N], this rank's rows of
+    the sum over ranks of x @ w.
+    """
+    pid = tl.program_id(0)
+    me = dl.rank(ctx)
+    world = dl.num_ranks(ctx)
+    e = dl.epoch(ctx)
+    m_tiles = tl.cdiv(M_SHARD, BLOCK_M)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    per_rank = m_tiles * n_tiles
+    tiles = world * per_rank
+    if PARTIAL_INPUT:
+        partial_ty = x_ptr.dtype.element_ty
+    else:
+        partial_ty = tl.float32
+    inbox = dl.heap_ptr(ctx, INBOX_OFF + (e % 2) * PARITY_BYTES, partial_ty)
+    flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
+    slot_elems = M_SHARD * N
+    per_program = tl.cdiv(tiles, NUM_PROGRAMS)
+    for i in range(0, per_program):
+        if INTERLEAVE:
+            tile = pid + i * NUM_PROGRAMS
+        else:
+            tile = pid * per_program + i
+        if tile < tiles:
+            # me + 1's rows first, this rank's own rows last.
+            dst, tm, tn = rank_major_tile(tile, me + 1, world, m_tiles, n_tiles, GROUP_M)
+            rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_mask = rows < M_SHARD
+            cols = tl.max_contiguous(
+                tl.multiple_of(tn * BLOCK_N + tl.arange(0, BLOCK_N), BLOCK_N), BLOCK_N)
+            col_mask = cols < N
+            acc = dot_tile(x_ptr + dst * M_SHARD * K, w_ptr, rows, row_mask, cols, col_mask,
+                           0, K, K, N, BLOCK_M, BLOCK_N, BLOCK_K)
+            offs = rows[:, None] * N + cols[None, :]
+            mask = row_mask[:, None] & col_mask[None, :]
+            tile_in_rank = tm * n_tiles + tn
+            if dst != me:
+                slot = (me - dst + world - 1) % world
+                remote = dl.symm_at(ctx, inbox + slot * slot_elems + offs, dst)
+                tl.store(remote, acc.to(partial_ty), mask=mask)
+                dl.notify(ctx, flags + slot * per_rank + tile_in_rank, dst, e)
+            else:
+                # Sources in the order they push to this rank: me-1 first
+                # (its first peer step), me+1 last (slot W-2 down to 0).
+                for step in range(1, world):
+                    slot = world - 1 - step
+                    src = (me + world - step) % world
+                    token = dl.wait(ctx, flags + slot * per_rank + tile_in_rank, e, "ge", src)
+                    part = tl.load(dl.consume_token(inbox + slot * slot_elems + offs, token),
+                                   mask=mask, other=0.0)
+                    acc += part.to(tl.float32)
+                tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,517 @@
+"""jaxtdist.matmul_rs and jaxtdist.matmul_ar: GEMMs fused with the reduction of
+their partial products over the ranks of a group.
+
+- ``matmul_rs(x, w)``: ``psum_scatter(x @ w, scatter_dimension=0, tiled=True)``,
+  the row-parallel layer of a tensor-parallel MLP; finished tiles are pushed
+  to the rank owning their rows and reduced there while later tiles compute
+  (``kernels/matmul_rs.py``).
+- ``matmul_ar(x, w)``: ``psum(x @ w)`` for small M (decode): every tile's
+  partial goes to every peer, each rank sums (``kernels/matmul_ar.py``).
+
+Shapes (``_check``), plan (the typed configs, ``PartialsWorkspace``), launch
+(``_rs_forward``, ``_ar_forward`` through ``Call``), backward and the local
+computation; ``DistributedOp`` supplies program order, autodiff and world 1,
+``pjit_wrapper`` the pjit-style forms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtdist.kernels.matmul_ar import matmul_ar_kernel
+from jaxtdist.kernels.matmul_rs import matmul_rs_kernel
+from jaxtdist.ops._config import KernelConfig, Problem, resolve
+from jaxtdist.ops._op import DistributedOp, pjit_wrapper, rows_over
+from jaxtdist.ops._protocol import Call, check_axis
+from jaxtdist.ops._shapes import align, check_dtype, next_pow2
+from jaxtdist.runtime._runtime import runtime
+from jaxtdist.tune import _registry
+
+__all__ = ["MatmulArConfig", "MatmulRsConfig", "matmul_ar", "matmul_ar_sharded", "matmul_rs",
+           "matmul_rs_sharded"]
+
+_CPU_PROGRAMS = 3  # the interpreter runs programs one by one: a few show the dealing
+_PARTIALS = ("float32", "input")
+# Tiles of the GPU pointer kernels, largest first: the largest whose count still
+# covers the SMs is the default (fewer tiles than SMs leave SMs idle throughout).
+_RS_TILES = ((128, 128), (128, 64), (64, 64))
+_AR_BLOCK_N = (128, 64, 32)
+
+
+# -- configs ---------------------------------------------------------------------
+
+def _check_blocks(op: str, cfg, keys) -> None:
+    for key in keys:
+        value = getattr(cfg, key)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"jaxtdist.{op}: config {key}={value!r} must be an int >= 1")
+        if key.startswith("BLOCK_") and (value & (value - 1) or value < 16):
+            raise ValueError(f"jaxtdist.{op}: config {key}={value} must be a power of 2 "
+                             ">= 16 (tl.dot's smallest tile)")
+
+
+def _fitting(cls, problem: Problem, candidates: list[dict]) -> list[dict]:
+    fitting = []
+    for overrides in candidates:
+        try:
+            cls.settle(cls.default(problem), overrides).validate(problem)
+        except ValueError:
+            continue
+        if overrides not in fitting:
+            fitting.append(overrides)
+    return fitting
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulRsConfig(KernelConfig):
+    """How matmul_rs's persistent kernel runs one problem.
+
+    Attributes:
+      BLOCK_M, BLOCK_N, BLOCK_K: GEMM tile (powers of 2, >= 16).
+      GROUP_M: row tiles per group of the tile order (L2 reuse of w).
+      NUM_PROGRAMS: persistent programs (0: one per SM on GPUs, at most the
+        tiles; 3 under the interpreter).
+      PARTIAL: dtype of the pushed partials: "float32" (default) or "input"
+        (x's dtype: half the link bytes and inbox memory, rounded partials).
+      num_warps, num_stages: launch options.
+    """
+    OP: ClassVar[str] = "matmul_rs"
+    variant: ClassVar[str] = "push"
+
+    BLOCK_M: int = 128
+    BLOCK_N: int = 128
+    BLOCK_K: int = 64
+    GROUP_M: int = 8
+    NUM_PROGRAMS: int = 0
+    PARTIAL: str = "float32"
+    num_warps: int = 8
+    num_stages: int = 3
+
+    @classmethod
+    def default(cls, problem: Problem) -> "MatmulRsConfig":
+        """One rule: the interpreter takes small tiles and 3 programs; GPUs the
+        largest tile whose count (all ranks' rows) still covers the SMs, BLOCK_K
+        64 (32 for float32, within shared memory), one program per SM."""
+        m, n, _ = problem.shape
+        m_shard = max(1, m // problem.world)
+        fit_m = max(16, next_pow2(m_shard))
+        if problem.platform != "gpu":
+            return cls(BLOCK_M=min(32, fit_m), BLOCK_N=32, BLOCK_K=32, GROUP_M=4,
+                       NUM_PROGRAMS=_CPU_PROGRAMS, num_warps=4, num_stages=1)
+        for block_m, block_n in _RS_TILES:
+            block_m = min(block_m, fit_m)
+            if problem.world * -(-m_shard // block_m) * -(-n // block_n) >= problem.sms:
+                break
+        big = block_m * block_n >= 128 * 128
+        wide = problem.itemsize == 4
+        return cls(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32 if wide else 64,
+                   num_warps=8 if big else 4, num_stages=3 if big or wide else 4)
+
+    def validate(self, problem: Problem) -> None:
+        _check_blocks(self.OP, self, ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps",
+                                      "num_stages"))
+        p = self.NUM_PROGRAMS
+        if isinstance(p, bool) or not isinstance(p, (int, np.integer)) or p < 0:
+            raise ValueError(f"jaxtdist.matmul_rs: config NUM_PROGRAMS={p!r} must be an int "
+                             ">= 0 (0: one per SM)")
+        if problem.platform == "gpu" and p > problem.sms:
+            raise ValueError(f"jaxtdist.matmul_rs: config NUM_PROGRAMS={p} exceeds the "
+                             f"{problem.sms} SMs (the persistent programs spin on each other's "
+                             "ranks and must all be resident)")
+        if self.PARTIAL not in _PARTIALS:
+            raise ValueError(f"jaxtdist.matmul_rs: config PARTIAL={self.PARTIAL!r} must be one "
+                             f"of {_PARTIALS}")
+
+    @classmethod
+    def search_space(cls, problem: Problem) -> list[dict]:
+        if problem.platform != "gpu":
+            return _fitting(cls, problem, [{}, dict(BLOCK_N=16), dict(NUM_PROGRAMS=1),
+                                           dict(PARTIAL="input")])
+        tiles = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=8 if bm * bn >= 128 * 128 else 4)
+                 for bm, bn in ((128, 128), (128, 256), (128, 64), (64, 64))]
+        extra = [dict(t, num_stages=s) for t in tiles[:2] for s in (3, 4)]
+        extra += [dict(PARTIAL="input"), dict(GROUP_M=4), dict(GROUP_M=16)]
+        return _fitting(cls, problem, [{}] + tiles + extra)
+
+    def programs(self, problem: Problem, tiles: int) -> int:
+        """The persistent grid: NUM_PROGRAMS (0: one per SM; 3 under the
+        interpreter), never more than there are tiles."""
+        asked = self.NUM_PROGRAMS or (problem.sms if problem.platform == "gpu"
+                                      else _CPU_PROGRAMS)
+        return max(1, min(asked, tiles))
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulArConfig(KernelConfig):
+    """How matmul_ar's kernel runs one problem (one program per output tile).
+
+    Attributes:
+      BLOCK_M, BLOCK_N, BLOCK_K: GEMM tile (powers of 2, >= 16).
+      GROUP_M: row tiles per group of the tile order.
+      num_warps, num_stages: launch options.
+    """
+    OP: ClassVar[str] = "matmul_ar"
+    variant: ClassVar[str] = "push"
+
+    BLOCK_M: int = 16
+    BLOCK_N: int = 64
+    BLOCK_K: int = 128
+    GROUP_M: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+    @classmethod
+    def default(cls, problem: Problem) -> "MatmulArConfig":
+        """One rule: all rows in one tile up to 64 rows; the widest N tile whose
+        count still covers the SMs (decode reads w once, spread over every SM)."""
+        m, n, _ = problem.shape
+        fit_m = max(16, next_pow2(m))
+        if problem.platform != "gpu":
+            return cls(BLOCK_M=min(32, fit_m), BLOCK_N=32, BLOCK_K=32, num_warps=4,
+                       num_stages=1)
+        block_m = min(64, fit_m)
+        for block_n in _AR_BLOCK_N:
+            if -(-m // block_m) * -(-n // block_n) >= problem.sms:
+                break
+        wide = problem.itemsize == 4
+        return cls(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64 if wide else 128,
+                   GROUP_M=8 if block_m < m else 1, num_warps=4, num_stages=3 if wide else 4)
+
+    def validate(self, problem: Problem) -> None:
+        _check_blocks(self.OP, self, ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps",
+                                      "num_stages"))
+
+    @classmethod
+    def search_space(cls, problem: Problem) -> list[dict]:
+        if problem.platform != "gpu":
+            return _fitting(cls, problem, [{}, dict(BLOCK_N=16), dict(BLOCK_K=16)])
+        return _fitting(cls, problem, [{}] + [
+            dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w)
+            for bn in (32, 64, 128) for bk in (64, 128, 256) for w in (4, 8)])
+
+
+class PartialsWorkspace:
+    """Byte layout of a partials inbox: one int32 flag per (source slot, output
+    tile), then two parities (``epoch % 2``) of ``world - 1`` source slots of
+    ``elems`` partials each (slot ``(src - dst + world - 1) % world``)."""
+
+    def __init__(self, world: int, elems: int, tiles: int, itemsize: int):
+        self.flags = 0
+        self.parity_bytes = align((world - 1) * elems * itemsize)
+        self.inbox = align(4 * (world - 1) * tiles)
+        self.nbytes = self.inbox + 2 * self.parity_bytes
+
+
+# -- shapes ----------------------------------------------------------------------
+
+def _check(op: str, x, w) -> None:
+    for name, a in (("x", x), ("w", w)):
+        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+            raise ValueError(f"jaxtdist.{op}: {name} must be an array, got {type(a).__name__}")
+    if x.ndim != 2 or w.ndim != 2:
+        raise ValueError(f"jaxtdist.{op}: x and w must be 2-D, got x{x.shape} and w{w.shape}")
+    if x.shape[1] != w.shape[0]:
+        raise ValueError(f"jaxtdist.{op}: contraction sizes differ: x{x.shape} has "
+                         f"k={x.shape[1]} but w{w.shape} has k={w.shape[0]}")
+    check_dtype(op, "x", x.dtype)
+    if x.dtype != w.dtype:
+        raise ValueError(f"jaxtdist.{op}: x and w must share a dtype, got {x.dtype.name} and "
+                         f"{w.dtype.name}")
+    if 0 in x.shape or 0 in w.shape:
+        raise ValueError(f"jaxtdist.{op}: empty operand x{x.shape} w{w.shape}")
+
+
+def _rs_check(x, w, *, axis_name, config=None) -> None:
+    del config
+    _check("matmul_rs", x, w)
+    world = check_axis(runtime(), axis_name, "matmul_rs").world
+    if x.shape[0] % world:
+        raise ValueError(f"jaxtdist.matmul_rs: the rows of x (M={x.shape[0]}) must be "
+                         f"divisible by the group size W={world} over {axis_name!r}: each rank "
+                         "gets M / W rows of the sum (as psum_scatter requires)")
+
+
+def _ar_check(x, w, *, axis_name, config=None) -> None:
+    del axis_name, config
+    _check("matmul_ar", x, w)
+
+
+def _sms(rt) -> int:
+    return getattr(rt.mesh.devices.flat[0], "core_count", None) or 132
+
+
+def _problem(call: Call, x, w) -> Problem:
+    return Problem(call.platform, call.world, (x.shape[0], w.shape[1], x.shape[1]),
+                   jnp.dtype(x.dtype).name, _sms(call.rt))
+
+
+# -- matmul_rs -------------------------------------------------------------------
+
+def matmul_rs_kernels(x: jax.Array, w: jax.Array, axis_name, *,
+                      config: dict | None = None) -> jax.Array:
+    """matmul_rs's kernel, at world 1 too (for the tuner and tests); not differentiable.
+
+    ``config`` overrides the defaults (``MatmulRsConfig``) and skips the tuning cache.
+    """
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    _rs_check(x, w, axis_name=axis_name)
+    call = Call("matmul_rs", axis_name)
+    problem = _problem(call, x, w)
+    cfg = resolve(MatmulRsConfig, problem, call.rt, config, axis_name=axis_name)
+    (m, k), n, world = x.shape, w.shape[1], call.world
+    m_shard = m // world
+    partial = x.dtype if cfg.PARTIAL == "input" else jnp.dtype(jnp.float32)
+    per_rank = -(-m_shard // cfg.BLOCK_M) * -(-n // cfg.BLOCK_N)
+    plan = PartialsWorkspace(world, m_shard * n, per_rank, partial.itemsize)
+    # The flags' layout depends on the tiling: calls of another tiling get
+    # their own workspace (and epoch counter).
+    ws = call.workspace("inbox", plan.nbytes, m_shard, n, partial.name, cfg.BLOCK_M,
+                        cfg.BLOCK_N)
+    programs = cfg.programs(problem, world * per_rank)
+    # This rank's rows of a sum over the group: varies over the group's axes
+    # and over whatever x and w vary over.
+    varying = set(call.result_axes(local=(x, w))) | set(call.layout.axes)
+    return call.run(
+        matmul_rs_kernel, x, w, workspace=ws,
+        out_shape=jax.ShapeDtypeStruct((m_shard, n), x.dtype), grid=(programs,),
+        varying=tuple(a for a in call.rt.mesh.axis_names if a in varying),
+        **cfg.launch_options(), M_SHARD=m_shard, N=n, K=k, INBOX_OFF=ws.offset + plan.inbox,
+        PARITY_BYTES=plan.parity_bytes, FLAGS_OFF=ws.offset + plan.flags,
+        PARTIAL_INPUT=cfg.PARTIAL == "input", NUM_PROGRAMS=programs,
+        INTERLEAVE=call.platform == "gpu", BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+        BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M)
+
+
+def _rs_forward(x, w, *, axis_name, config=None):
+    return matmul_rs_kernels(x, w, axis_name, config=config), (x, w)
+
+
+def _rs_backward(residuals, dy, *, axis_name, config=None):
+    del config
+    # Imported here: ag_matmul is matmul_rs's backward (and the reverse).
+    from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered
+
+    x, w = residuals
+    # dx = all_gather(dy) @ w^T, the gather overlapped with the GEMM; the
+    # gathered dy serves dw = x^T @ all_gather(dy).
+    dx, gathered = ag_matmul_with_gathered(dy, w.T, axis_name)
+    dw = jnp.dot(x.T, gathered, preferred_element_type=jnp.float32)
+    return dx, dw
+
+
+def _local(x, w, *, axis_name, config=None):
+    del axis_name, config
+    return jnp.dot(x, w)
+
+
+_MATMUL_RS = DistributedOp("matmul_rs", forward=_rs_forward, backward=_rs_backward,
+                           check=_rs_check, local=_local)
+
+
+def matmul_rs(x: jax.Array, w: jax.Array, axis_name, *, config: dict | None = None) -> jax.Array:
+    """``psum_scatter(x @ w, axis_name, scatter_dimension=0, tiled=True)``, the
+    reduction overlapped with the GEMM.
+
+    Call inside ``jax.shard_map`` over the mesh given to ``jaxtdist.initialize``.
+    Each rank computes its partial product tile by tile, its own rows last;
+    finished tiles go straight into the heap of the rank owning their rows,
+    which sums the W partials in float32. Differentiable: dx is
+    ``ag_matmul(dy, w.T)`` (an all-gather GEMM), dw is ``x.T @ all_gather(dy)``.
+    A group of one rank computes ``x @ w`` alone.
+
+    Args:
+      x: this rank's [M, k_shard] (typically the columns of the activations
+        that match its rows of w).
+      w: this rank's weight, [k_shard, N] (row-sharded over the group).
+      axis_name: mesh axis (or tuple of axes) of the group.
+      config: overrides of the kernel config (``MatmulRsConfig`` keys; advanced).
+
+    Returns:
+      [M / W, N] in x's dtype: this rank's rows of the sum over ranks.
+
+    Raises:
+      ValueError: M not divisible by the group size W, mismatched shapes or dtypes.
+
+    Example:
+      >>> mesh = jax.make_mesh((4,), ("tp",)); jaxtdist.initialize(mesh)
+      >>> f = jax.jit(jax.shard_map(lambda x, w: jaxtdist.matmul_rs(x, w, "tp"), mesh=mesh,
+      ...             in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None)))
+    """
+    return _MATMUL_RS(jnp.asarray(x), jnp.asarray(w), axis_name=axis_name, config=config)
+
+
+# -- matmul_ar -------------------------------------------------------------------
+
+def matmul_ar_kernels(x: jax.Array, w: jax.Array, axis_name, *,
+                      config: dict | None = None) -> jax.Array:
+    """matmul_ar's kernel, at world 1 too (for the tuner and tests); not differentiable."""
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    _ar_check(x, w, axis_name=axis_name)
+    call = Call("matmul_ar", axis_name)
+    problem = _problem(call, x, w)
+    cfg = resolve(MatmulArConfig, problem, call.rt, config, axis_name=axis_name)
+    (m, k), n, world = x.shape, w.shape[1], call.world
+    tiles = -(-m // cfg.BLOCK_M) * -(-n // cfg.BLOCK_N)
+    plan = PartialsWorkspace(world, m * n, tiles, 4)
+    ws = call.workspace("inbox", plan.nbytes, m, n, cfg.BLOCK_M, cfg.BLOCK_N)
+    # The same sum on every rank of the group: like psum, it does not vary over
+    # the group's axes.
+    return call.run(
+        matmul_ar_kernel, x, w, workspace=ws, out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+        grid=(tiles,), varying=call.result_axes(gathered=(x, w)), **cfg.launch_options(),
+        M=m, N=n, K=k, INBOX_OFF=ws.offset + plan.inbox, PARITY_BYTES=plan.parity_bytes,
+        FLAGS_OFF=ws.offset + plan.flags, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+        BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M)
+
+
+def _ar_forward(x, w, *, axis_name, config=None):
+    return matmul_ar_kernels(x, w, axis_name, config=config), (x, w)
+
+
+def _ar_backward(residuals, dy, *, axis_name, config=None):
+    del axis_name, config
+    x, w = residuals
+    # dy is the same on every rank (the cotangent of a psum's output).
+    dx = jnp.dot(dy, w.T, preferred_element_type=jnp.float32)
+    dw = jnp.dot(x.T, dy, preferred_element_type=jnp.float32)
+    return dx, dw
+
+
+_MATMUL_AR = DistributedOp("matmul_ar", forward=_ar_forward, backward=_ar_backward,
+                           check=_ar_check, local=_local)
+
+
+def matmul_ar(x: jax.Array, w: jax.Array, axis_name, *, config: dict | None = None) -> jax.Array:
+    """``psum(x @ w, axis_name)`` as one kernel, for small M (decode).
+
+    Call inside ``jax.shard_map`` over the mesh given to ``jaxtdist.initialize``.
+    Every output tile's partial is pushed into every peer's heap as soon as it
+    is computed, and every rank sums the W partials in float32. The result is
+    the same on every rank of the group (typed like psum's: not varying over
+    ``axis_name``). Differentiable: dx = dy @ w.T, dw = x.T @ dy. A group of
+    one rank computes ``x @ w`` alone.
+
+    Args:
+      x: this rank's [M, k_shard].
+      w: this rank's weight, [k_shard, N].
+      axis_name: mesh axis (or tuple of axes) of the group.
+      config: overrides of the kernel config (``MatmulArConfig`` keys; advanced).
+
+    Returns:
+      [M, N] in x's dtype, the sum over ranks, on every rank.
+
+    Example:
+      >>> mesh = jax.make_mesh((4,), ("tp",)); jaxtdist.initialize(mesh)
+      >>> f = jax.jit(jax.shard_map(lambda x, w: jaxtdist.matmul_ar(x, w, "tp"), mesh=mesh,
+      ...             in_specs=(P(None, "tp"), P("tp", None)), out_specs=P()))
+    """
+    return _MATMUL_AR(jnp.asarray(x), jnp.asarray(w), axis_name=axis_name, config=config)
+
+
+# -- pjit-style wrappers -------------------------------------------------------------
+
+matmul_rs_sharded = pjit_wrapper(
+    matmul_rs, name="matmul_rs_sharded",
+    in_specs=lambda axis, batch: (jax.sharding.PartitionSpec(rows_over(None, batch), axis),
+                                  jax.sharding.PartitionSpec(axis, None)),
+    out_specs=lambda axis, batch: jax.sharding.PartitionSpec(rows_over(axis, batch), None))
+matmul_rs_sharded.__doc__ = """``matmul_rs`` for pjit-style code: the row-parallel layer.
+
+    ``x`` is [M, K] with rows sharded over ``batch_axes`` and columns over
+    ``axis_name``; ``w`` is [K, N] with rows sharded over ``axis_name``. The
+    result is [M, N], the full product, with rows sharded over
+    ``(*batch_axes, axis_name)``: within each batch group, each ``axis_name``
+    rank holds its block of the rows of the sum. Mesh axes not named are
+    replicated.
+
+    Args:
+      x: activations, [M, K].
+      w: weight, [K, N].
+      axis_name: the tensor-parallel mesh axis (keyword).
+      batch_axes: mesh axes that shard the rows (data parallelism), outermost first.
+      mesh: the mesh; defaults to the one given to ``jaxtdist.initialize``.
+      config: as for ``matmul_rs``.
+
+    Example:
+      >>> mesh = jax.make_mesh((2, 4), ("dp", "tp")); jaxtdist.initialize(mesh)
+      >>> layer = jax.jit(functools.partial(jaxtdist.matmul_rs_sharded, axis_name="tp",
+      ...                                   batch_axes=("dp",)))
+      >>> y = layer(h, w2)  # h: P("dp", "tp"), w2: P("tp", None) -> y: P(("dp", "tp"), None)
+    """
+
+matmul_ar_sharded = pjit_wrapper(
+    matmul_ar, name="matmul_ar_sharded",
+    in_specs=lambda axis, batch: (jax.sharding.PartitionSpec(rows_over(None, batch), axis),
+                                  jax.sharding.PartitionSpec(axis, None)),
+    out_specs=lambda axis, batch: jax.sharding.PartitionSpec(rows_over(None, batch), None))
+matmul_ar_sharded.__doc__ = """``matmul_ar`` for pjit-style code.
+
+    ``x`` is [M, K] with rows sharded over ``batch_axes`` and columns over
+    ``axis_name``; ``w`` is [K, N] with rows sharded over ``axis_name``. The
+    result is [M, N] with rows sharded over ``batch_axes``, replicated over
+    ``axis_name``.
+
+    Args:
+      x, w, axis_name, batch_axes, mesh, config: as for ``matmul_rs_sharded``.
+    """
+
+
+# -- tuning ----------------------------------------------------------------------------
+
+def _tuning_case(op: str, axis_name, shape, dtype) -> _registry.TuningCase:
+    """matmul_rs or matmul_ar of ``shape`` = (M, N, k_shard) per rank on the runtime's
+    mesh (x columns and w rows sharded over ``axis_name``), for the tuner."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    rt = runtime()
+    layout = rt.layout(axis_name)
+    world = layout.world
+    axes = layout.axes if len(layout.axes) > 1 else layout.axes[0]
+    m, n, k = shape
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((m, world * k), np.float32) / np.sqrt(world * k), dtype)
+    w = jnp.asarray(rng.standard_normal((world * k, n), np.float32), dtype)
+    args = (jax.device_put(x, NamedSharding(rt.mesh, P(None, axes))),
+            jax.device_put(w, NamedSharding(rt.mesh, P(axes, None))))
+    rs = op == "matmul_rs"
+    out_spec = P(axes, None) if rs else P(None, None)
+    specs = dict(mesh=rt.mesh, in_specs=(P(None, axes), P(axes, None)), out_specs=out_spec,
+                 check_vma=False)
+
+    def reference_fn(xb, wb):
+        y = jnp.dot(xb.astype(jnp.float32), wb.astype(jnp.float32),
+                    precision=jax.lax.Precision.HIGHEST)
+        if rs:
+            return jax.lax.psum_scatter(y, axis_name, scatter_dimension=0, tiled=True)
+        return jax.lax.psum(y, axis_name)
+
+    reference = jax.jit(jax.shard_map(reference_fn, **specs))(*args)
+    config_type, kernels = ((MatmulRsConfig, matmul_rs_kernels) if rs
+                            else (MatmulArConfig, matmul_ar_kernels))
+    problem = Problem(rt.platform, world, tuple(shape), jnp.dtype(dtype).name, _sms(rt))
+
+    def compile_candidate(overrides):
+        cfg = resolve(config_type, problem, rt, overrides)  # explicit: skips the cache
+        config = cfg.to_dict()
+        fn = jax.jit(jax.shard_map(lambda xb, wb: kernels(xb, wb, axis_name, config=config),
+                                   **specs))
+        return fn, cfg
+
+    return _registry.TuningCase(
+        world=world, shape=tuple(shape), dtype=jnp.dtype(dtype).name,
+        candidates=config_type.search_space(problem), args=args, reference=reference,
+        tolerance=1e-5 if jnp.dtype(dtype).itemsize == 4 else 2e-2, compile=compile_candidate)
+
+
+_registry.register(_registry.Tunable(
+    "matmul_rs", lambda axis_name, shape, dtype: _tuning_case("matmul_rs", axis_name, shape,
+                                                               dtype)))
+_registry.register(_registry.Tunable(
+    "matmul_ar", lambda axis_name, shape, dtype: _tuning_case("matmul_ar", axis_name, shape,
+                                                               dtype)))
