@@ -1,0 +1,215 @@
+"""jaxtdist.all_reduce: the sum of an array over the group, on every rank.
+
+Equals ``jax.lax.psum(x, axis_name)``, for any shape (scalars included: the
+array is flattened, and the kernels mask the ragged ends, so nothing is
+padded in memory). Two algorithms (kernels/all_reduce.py): one-shot (every
+rank sums every peer's staged copy; one exchange) for small arrays, two-shot
+(reduce-scatter, then an all-gather of the reduced chunks through the heap)
+for large ones, picked by bytes per rank against
+``AllReduceConfig.ONE_SHOT_MAX_BYTES``. Differentiable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from jaxtdist.kernels.all_reduce import all_reduce_one_shot_kernel, all_reduce_two_shot_kernel
+from jaxtdist.ops._config import KernelConfig, Problem, resolve
+from jaxtdist.ops._op import DistributedOp
+from jaxtdist.ops._protocol import Call, varying_axes
+from jaxtdist.ops._shapes import check_dtype
+from jaxtdist.ops.reduce_scatter import (ReduceWorkspace, fitting, problem_of, slab_grid,
+                                         sum_tuning_case, validate_slab_config)
+from jaxtdist.runtime._runtime import runtime
+from jaxtdist.tune import _registry
+
+__all__ = ["AllReduceConfig", "all_reduce"]
+
+ALGORITHMS = ("auto", "one_shot", "two_shot")
+# Two-shot chunks start on multiples of this many elements (aligned vector accesses).
+CHUNK_ALIGN = 16
+
+
+def two_shot_chunk(n: int, world: int) -> int:
+    """Elements per chunk of the two-shot algorithm (the last chunks short or empty)."""
+    return -(-(-(-n // world)) // CHUNK_ALIGN) * CHUNK_ALIGN
+
+
+# -- config --------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class AllReduceConfig(KernelConfig):
+    """Which all-reduce algorithm runs and how its kernel splits the array.
+
+    Attributes:
+      ALGORITHM: "one_shot", "two_shot", or "auto": one-shot up to
+        ONE_SHOT_MAX_BYTES per rank, two-shot above.
+      ONE_SHOT_MAX_BYTES: the largest array (bytes per rank) "auto" sends one-shot.
+      NUM_PROGRAMS: programs, each owning one slab of whole BLOCKs (of the array
+        one-shot, of every chunk two-shot).
+      BLOCK: elements per load (a power of 2).
+      SCOPE: memory scope of the signals ("sys" or "gpu").
+      num_warps: launch option.
+    """
+    OP: ClassVar[str] = "all_reduce"
+
+    ALGORITHM: str = "auto"
+    # 256 KiB per rank for now: psum on 4 x H200 costs 6.6 us there, where
+    # one-shot's (world - 1) x N reads should still be latency-bound. The
+    # 4-GPU run (issue 22) measures the crossing and sets this default.
+    ONE_SHOT_MAX_BYTES: int = 256 << 10
+    NUM_PROGRAMS: int = 2
+    BLOCK: int = 256
+    SCOPE: str = "sys"
+    num_warps: int = 4
+
+    @property
+    def variant(self) -> str:
+        return self.ALGORITHM
+
+    def algorithm(self, problem: Problem) -> str:
+        """The algorithm this config runs for ``problem`` ("auto" settled by size)."""
+        if self.ALGORITHM != "auto":
+            return self.ALGORITHM
+        (n,) = problem.shape
+        return "one_shot" if n * problem.itemsize <= self.ONE_SHOT_MAX_BYTES else "two_shot"
+
+    def settled(self, problem: Problem) -> "AllReduceConfig":
+        """This config with ALGORITHM settled for ``problem``."""
+        return self.replace(ALGORITHM=self.algorithm(problem))
+
+    @classmethod
+    def default(cls, problem: Problem) -> "AllReduceConfig":
+        (n,) = problem.shape
+        base = cls()
+        one_shot = base.algorithm(problem) == "one_shot"
+        return base.replace(**slab_grid(problem, n if one_shot else
+                                        two_shot_chunk(n, problem.world)))
+
+    def validate(self, problem: Problem) -> None:
+        if self.ALGORITHM not in ALGORITHMS:
+            raise ValueError(f"jaxtdist.all_reduce: config ALGORITHM={self.ALGORITHM!r}; "
+                             f"allowed: {', '.join(repr(a) for a in ALGORITHMS)}")
+        limit = self.ONE_SHOT_MAX_BYTES
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(f"jaxtdist.all_reduce: config ONE_SHOT_MAX_BYTES={limit!r} must "
+                             "be an int >= 0")
+        validate_slab_config(self, problem)
+
+    @classmethod
+    def search_space(cls, problem: Problem) -> list[dict]:
+        algorithms = [dict(ALGORITHM="one_shot"), dict(ALGORITHM="two_shot")]
+        if problem.platform != "gpu":
+            return [{}] + algorithms
+        return fitting(cls, problem, [{}] + [dict(a, NUM_PROGRAMS=p, BLOCK=b)
+                                             for a in algorithms for p in (8, 32, 66, 132)
+                                             for b in (1024, 4096)])
+
+
+# -- the op --------------------------------------------------------------------------
+
+def _check(x, *, axis_name, config=None) -> None:
+    del axis_name, config
+    check_dtype("all_reduce", "x", x.dtype)
+
+
+def _forward(x, *, axis_name, config=None):
+    call = Call("all_reduce", axis_name)
+    world = call.world
+    n = math.prod(x.shape)
+    if n == 0:  # an empty array: nothing to sum
+        return x, x
+    flat = x.reshape(n)
+    problem = problem_of(call.rt, world, n, x.dtype)
+    cfg = resolve(AllReduceConfig, problem, call.rt, config, axis_name=axis_name).settled(problem)
+    programs = cfg.NUM_PROGRAMS
+    common = dict(out_shape=jax.ShapeDtypeStruct((n,), x.dtype), grid=(programs,),
+                  num_stages=1, varying=call.result_axes(gathered=(flat,)),
+                  **cfg.launch_options())
+    if cfg.ALGORITHM == "one_shot":
+        plan = ReduceWorkspace(world, n, x.dtype, programs)
+        ws = call.workspace("one_shot", plan.nbytes, n, x.dtype.name, programs)
+        out = call.run(all_reduce_one_shot_kernel, flat, workspace=ws, N=n,
+                       STAGE_OFF=ws.offset + plan.stage, SLOT_BYTES=plan.slot_bytes,
+                       READY_OFF=ws.offset + plan.ready, **common, **_kernel_args(cfg))
+    else:
+        chunk = two_shot_chunk(n, world)
+        plan = ReduceWorkspace(world, world * chunk, x.dtype, programs, done=True)
+        ws = call.workspace("two_shot", plan.nbytes, n, x.dtype.name, programs)
+        out = call.run(all_reduce_two_shot_kernel, flat, workspace=ws, N=n, CHUNK=chunk,
+                       STAGE_OFF=ws.offset + plan.stage, SLOT_BYTES=plan.slot_bytes,
+                       READY_OFF=ws.offset + plan.ready, DONE_OFF=ws.offset + plan.done,
+                       **common, **_kernel_args(cfg))
+    # x is saved by the op mechanism anyway; the backward reads its varying axes.
+    return out.reshape(x.shape), x
+
+
+def _kernel_args(cfg: AllReduceConfig) -> dict:
+    args = cfg.kernel_args()
+    del args["ALGORITHM"], args["ONE_SHOT_MAX_BYTES"]  # the op's choice, not the kernel's
+    return args
+
+
+def _backward(x, ct, *, axis_name, config=None):
+    group = set(runtime().layout(axis_name).axes)
+    have, primal = varying_axes(ct), varying_axes(x)
+    if have is not None and primal is not None and group <= primal and not group & have:
+        # Typed varying axes (shard_map's check_vma): the result is typed the same
+        # over the group, so JAX has already summed every rank's cotangent (the
+        # transpose of the implicit pvary where the result met per-rank values);
+        # psum's transpose is then the identity, as jax.grad of jax.lax.psum gives.
+        return (ct,)
+    # Untyped (check_vma=False): each rank holds its own cotangent; psum's
+    # transpose is psum.
+    return (all_reduce(ct, axis_name, config=config),)
+
+
+def _local(x, *, axis_name, config=None):
+    del axis_name, config
+    return x
+
+
+_ALL_REDUCE = DistributedOp("all_reduce", forward=_forward, backward=_backward, check=_check,
+                            local=_local)
+
+
+def all_reduce(x: jax.Array, axis_name, *, config: dict | None = None) -> jax.Array:
+    """Sums ``x`` over the ranks of ``axis_name``, like ``jax.lax.psum(x, axis_name)``.
+
+    Call inside ``jax.shard_map`` over the mesh given to ``jaxtdist.initialize``.
+    Any shape (scalars too); bfloat16 and float16 are summed in float32 and
+    rounded once. Every rank of the group gets the same bits. Small arrays go
+    one-shot, large ones two-shot (``config=dict(ALGORITHM=...)`` forces one).
+    Differentiable, as ``jax.lax.psum``.
+
+    Args:
+      x: this rank's array (every rank passes the same shape and dtype).
+      axis_name: mesh axis (or tuple of axes) of the group.
+      config: overrides of the kernel config (``AllReduceConfig`` keys; advanced).
+
+    Returns:
+      The sum, ``x``'s shape and dtype, the same on every rank of the group.
+
+    Example:
+      >>> mesh = jax.make_mesh((4,), ("x",)); jaxtdist.initialize(mesh)
+      >>> f = jax.jit(jax.shard_map(lambda x: jaxtdist.all_reduce(x, "x"), mesh=mesh,
+      ...                           in_specs=P("x"), out_specs=P()))
+    """
+    return _ALL_REDUCE(jnp.asarray(x), axis_name=axis_name, config=config)
+
+
+# -- tuning ----------------------------------------------------------------------------
+
+def _tuning_case(axis_name, shape, dtype) -> _registry.TuningCase:
+    """all_reduce of ``shape`` = (n,) elements per rank, for the tuner (both
+    algorithms are candidates: the tuned entry records the faster)."""
+    return sum_tuning_case(_ALL_REDUCE, AllReduceConfig, axis_name, shape, dtype,
+                           scattered=False, settle=AllReduceConfig.settled)
+
+
+_registry.register(_registry.Tunable("all_reduce", _tuning_case))

@@ -1,0 +1,273 @@
+"""jaxtdist.reduce_scatter: a sum over the group, scattered along one dimension.
+
+Equals ``jax.lax.psum_scatter(x, axis_name, scatter_dimension=d, tiled=True)``.
+The array is moved so that the scattered dimension leads and flattened:
+chunk r (rank r's part of the result) is then contiguous. The kernel
+(kernels/reduce_scatter.py, protocol in kernels/_reduce.py) stages every
+peer's chunk in the heap and pulls its own chunk from every peer, summing in
+float32. Differentiable: the backward pass is an all-gather of the cotangent
+(``jaxtdist.all_gather``). This module also holds what all_reduce shares
+with it: the slab grid's config rule and the workspace layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtdist.kernels.reduce_scatter import reduce_scatter_kernel
+from jaxtdist.ops._config import KernelConfig, Problem, resolve
+from jaxtdist.ops._op import DistributedOp
+from jaxtdist.ops._protocol import Call, check_axis
+from jaxtdist.ops._shapes import align, check_dtype, next_pow2
+from jaxtdist.ops.all_gather import all_gather
+from jaxtdist.runtime._runtime import runtime
+from jaxtdist.tune import _registry
+
+__all__ = ["ReduceScatterConfig", "ReduceWorkspace", "reduce_scatter"]
+
+
+# -- what reduce_scatter and all_reduce share -------------------------------------------
+
+def slab_grid(problem: Problem, slab_elements: int) -> dict:
+    """NUM_PROGRAMS and BLOCK for a kernel whose programs each take one slab of whole
+    BLOCKs out of ``slab_elements``: one BLOCK per program up to one program per SM
+    (latency: a program's remote loads of one block are in flight together), more
+    BLOCKs per program beyond. The interpreter gets 2 programs and small blocks."""
+    if problem.platform != "gpu":
+        return dict(NUM_PROGRAMS=2, BLOCK=min(256, next_pow2(slab_elements)))
+    block = min(2048, next_pow2(slab_elements))
+    return dict(NUM_PROGRAMS=max(1, min(problem.sms, -(-slab_elements // block))), BLOCK=block)
+
+
+def validate_slab_config(cfg: KernelConfig, problem: Problem) -> None:
+    """The constraints every slab-grid config has (``ValueError`` naming the key)."""
+    for key in ("NUM_PROGRAMS", "BLOCK", "num_warps"):
+        value = getattr(cfg, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"jaxtdist.{cfg.OP}: config {key}={value!r} must be an int >= 1")
+    if cfg.BLOCK & (cfg.BLOCK - 1):
+        raise ValueError(f"jaxtdist.{cfg.OP}: config BLOCK={cfg.BLOCK} must be a power of 2")
+    if cfg.SCOPE not in ("sys", "gpu"):
+        raise ValueError(f"jaxtdist.{cfg.OP}: config SCOPE={cfg.SCOPE!r}; allowed: 'sys', "
+                         "'gpu'")
+    # Programs wait on the same program of other ranks: all must be resident.
+    if problem.platform == "gpu" and cfg.NUM_PROGRAMS > problem.sms:
+        raise ValueError(f"jaxtdist.{cfg.OP}: config NUM_PROGRAMS={cfg.NUM_PROGRAMS} exceeds "
+                         f"the {problem.sms} SMs (every program must be resident)")
+
+
+def fitting(config_type, problem: Problem, candidates: list[dict]) -> list[dict]:
+    """The candidates that validate for ``problem``."""
+    out = []
+    for overrides in candidates:
+        try:
+            config_type.settle(config_type.default(problem), overrides).validate(problem)
+        except ValueError:
+            continue
+        out.append(overrides)
+    return out
+
+
+def problem_of(rt, world: int, n: int, dtype) -> Problem:
+    """The per-rank problem of ``n`` elements of ``dtype`` (shape key ``(n,)``)."""
+    sms = getattr(rt.mesh.devices.flat[0], "core_count", None) or 132
+    return Problem(rt.platform, world, (n,), jnp.dtype(dtype).name, sms)
+
+
+class ReduceWorkspace:
+    """Byte layout of a reduction workspace: READY flags (world * programs int32),
+    DONE flags (the two-shot all-reduce's second phase, if ``done``), then two
+    staging slots (call parities) of ``slot_elements``."""
+
+    def __init__(self, world: int, slot_elements: int, dtype, programs: int,
+                 done: bool = False):
+        flags = align(4 * world * programs)
+        self.ready = 0
+        self.done = flags
+        self.slot_bytes = align(slot_elements * np.dtype(dtype).itemsize)
+        self.stage = flags * (2 if done else 1)
+        self.nbytes = self.stage + 2 * self.slot_bytes
+
+
+def tolerance(dtype) -> float:
+    """Relative error of one rounding to ``dtype`` (for the tuner's output check)."""
+    return {"bfloat16": 1e-2, "float16": 2e-3}.get(jnp.dtype(dtype).name, 1e-5)
+
+
+# -- config --------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ReduceScatterConfig(KernelConfig):
+    """How the reduce-scatter kernel splits its chunk over programs.
+
+    Attributes:
+      NUM_PROGRAMS: programs, each owning one slab of whole BLOCKs of every chunk.
+      BLOCK: elements per load (a power of 2).
+      SCOPE: memory scope of the staging signals ("sys" or "gpu").
+      num_warps: launch option.
+    """
+    OP: ClassVar[str] = "reduce_scatter"
+    variant: ClassVar[str] = "pull"  # peers' staged chunks pulled and summed
+
+    NUM_PROGRAMS: int = 2
+    BLOCK: int = 256
+    SCOPE: str = "sys"
+    num_warps: int = 4
+
+    @classmethod
+    def default(cls, problem: Problem) -> "ReduceScatterConfig":
+        (n,) = problem.shape
+        return cls(**slab_grid(problem, max(1, n // problem.world)))
+
+    def validate(self, problem: Problem) -> None:
+        validate_slab_config(self, problem)
+
+    @classmethod
+    def search_space(cls, problem: Problem) -> list[dict]:
+        if problem.platform != "gpu":
+            return [{}, dict(NUM_PROGRAMS=3, BLOCK=64)]
+        return fitting(cls, problem, [{}] + [dict(NUM_PROGRAMS=p, BLOCK=b, num_warps=w)
+                                             for p in (16, 32, 66, 132) for b in (1024, 4096)
+                                             for w in (4, 8)])
+
+
+# -- the op --------------------------------------------------------------------------
+
+def _check(x, *, axis_name, scatter_dimension, config=None) -> None:
+    del config
+    if x.ndim == 0:
+        raise ValueError("jaxtdist.reduce_scatter: x must have at least one dimension, got a "
+                         "scalar")
+    if (isinstance(scatter_dimension, bool) or not isinstance(scatter_dimension, int)
+            or not -x.ndim <= scatter_dimension < x.ndim):
+        raise ValueError(f"jaxtdist.reduce_scatter: scatter_dimension={scatter_dimension!r} is "
+                         f"out of range for x of shape {x.shape}")
+    check_dtype("reduce_scatter", "x", x.dtype)
+    world = check_axis(runtime(), axis_name, "reduce_scatter").world
+    size = x.shape[scatter_dimension]
+    if size % world:
+        raise ValueError(f"jaxtdist.reduce_scatter: scatter_dimension {scatter_dimension} of x "
+                         f"(shape {x.shape}) has size {size}, which the group's {world} ranks "
+                         f"do not divide (psum_scatter with tiled=True requires it)")
+
+
+def _forward(x, *, axis_name, scatter_dimension, config=None):
+    d = scatter_dimension % x.ndim
+    call = Call("reduce_scatter", axis_name)
+    world = call.world
+    moved = jnp.moveaxis(x, d, 0)
+    out_shape = (moved.shape[0] // world,) + moved.shape[1:]
+    n = math.prod(moved.shape)
+    chunk = n // world
+    if chunk == 0:  # an empty array: nothing to sum
+        return jnp.moveaxis(jnp.zeros(out_shape, x.dtype), 0, d), None
+    flat = moved.reshape(n)
+    cfg = resolve(ReduceScatterConfig, problem_of(call.rt, world, n, x.dtype), call.rt, config,
+                  axis_name=axis_name)
+    plan = ReduceWorkspace(world, n, x.dtype, cfg.NUM_PROGRAMS)
+    ws = call.workspace("pull", plan.nbytes, n, x.dtype.name, cfg.NUM_PROGRAMS)
+    # Each rank's result differs: it varies over the group's axes too.
+    varying = set(call.result_axes(local=(flat,))) | set(call.layout.axes)
+    out = call.run(reduce_scatter_kernel, flat, workspace=ws,
+                   out_shape=jax.ShapeDtypeStruct((chunk,), x.dtype),
+                   grid=(cfg.NUM_PROGRAMS,), num_stages=1, **cfg.launch_options(),
+                   varying=tuple(a for a in call.rt.mesh.axis_names if a in varying),
+                   CHUNK=chunk, STAGE_OFF=ws.offset + plan.stage, SLOT_BYTES=plan.slot_bytes,
+                   READY_OFF=ws.offset + plan.ready, **cfg.kernel_args())
+    return jnp.moveaxis(out.reshape(out_shape), 0, d), None
+
+
+def _backward(residuals, ct, *, axis_name, scatter_dimension, config=None):
+    del residuals, config
+    # psum_scatter's transpose: every rank's input gets the whole cotangent.
+    return (all_gather(ct, axis_name, axis=scatter_dimension % ct.ndim, tiled=True),)
+
+
+def _local(x, *, axis_name, scatter_dimension, config=None):
+    del axis_name, scatter_dimension, config
+    return x
+
+
+_REDUCE_SCATTER = DistributedOp("reduce_scatter", forward=_forward, backward=_backward,
+                                check=_check, local=_local)
+
+
+def reduce_scatter(x: jax.Array, axis_name, *, scatter_dimension: int = 0,
+                   config: dict | None = None) -> jax.Array:
+    """Sums ``x`` over the ranks of ``axis_name`` and gives rank r the r-th block of
+    the sum along ``scatter_dimension``, like ``jax.lax.psum_scatter(x, axis_name,
+    scatter_dimension=scatter_dimension, tiled=True)``.
+
+    Call inside ``jax.shard_map`` over the mesh given to ``jaxtdist.initialize``.
+    bfloat16 and float16 inputs are summed in float32 and rounded once.
+    Differentiable (the cotangent is all-gathered).
+
+    Args:
+      x: this rank's array (every rank passes the same shape and dtype); its
+        ``scatter_dimension`` must be divisible by the group's size.
+      axis_name: mesh axis (or tuple of axes) of the group.
+      scatter_dimension: the dimension the sum is split along.
+      config: overrides of the kernel config (``ReduceScatterConfig`` keys; advanced).
+
+    Returns:
+      This rank's block of the sum: ``x``'s shape with ``scatter_dimension``
+      divided by the group's size.
+
+    Example:
+      >>> mesh = jax.make_mesh((4,), ("x",)); jaxtdist.initialize(mesh)
+      >>> f = jax.jit(jax.shard_map(lambda x: jaxtdist.reduce_scatter(x, "x"), mesh=mesh,
+      ...                           in_specs=P("x"), out_specs=P("x")))
+    """
+    return _REDUCE_SCATTER(jnp.asarray(x), axis_name=axis_name,
+                           scatter_dimension=scatter_dimension, config=config)
+
+
+# -- tuning ----------------------------------------------------------------------------
+
+def sum_tuning_case(op: DistributedOp, config_type, axis_name, shape, dtype, *,
+                    scattered: bool, settle=lambda cfg, problem: cfg,
+                    **static) -> _registry.TuningCase:
+    """The tuning case of a sum over the group of ``shape`` = (n,) elements per rank:
+    reduce_scatter's (``scattered``: rank r holds block r of the sum) and all_reduce's
+    (every rank holds the sum). ``settle(cfg, problem)`` finishes a resolved config."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    rt = runtime()
+    layout = rt.layout(axis_name)
+    world, (n,) = layout.world, shape
+    axes = layout.axes if len(layout.axes) > 1 else layout.axes[0]
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((world * n,)), dtype)
+    args = (jax.device_put(x, NamedSharding(rt.mesh, P(axes))),)
+    # The sum; reduce_scatter's blocks in rank order are the sum too.
+    reference = x.astype(jnp.float32).reshape(world, n).sum(0)
+    problem = problem_of(rt, world, n, dtype)
+
+    def compile_candidate(overrides):
+        cfg = settle(resolve(config_type, problem, rt, overrides), problem)
+        config = cfg.to_dict()
+        fn = jax.jit(jax.shard_map(   # forward_with_residuals: the kernel at world 1 too
+            lambda v: op.forward_with_residuals(v, axis_name=axis_name, config=config,
+                                                **static)[0],
+            mesh=rt.mesh, in_specs=P(axes), out_specs=P(axes) if scattered else P()))
+        return fn, cfg
+
+    return _registry.TuningCase(
+        world=world, shape=(n,), dtype=jnp.dtype(dtype).name,
+        candidates=config_type.search_space(problem), args=args, reference=reference,
+        tolerance=tolerance(dtype), compile=compile_candidate)
+
+
+def _tuning_case(axis_name, shape, dtype) -> _registry.TuningCase:
+    """reduce_scatter of ``shape`` = (n,) elements per rank, for the tuner."""
+    return sum_tuning_case(_REDUCE_SCATTER, ReduceScatterConfig, axis_name, shape, dtype,
+                           scattered=True, scatter_dimension=0)
+
+
+_registry.register(_registry.Tunable("reduce_scatter", _tuning_case))
