@@ -67,6 +67,7 @@ PYBIND11_MODULE(_jaxtdist_ffi, m) {
     d["ERR_EXPECTED"] = jaxtdist::kErrExpected;
     d["ERR_SEEN"] = jaxtdist::kErrSeen;
     d["ERR_CMP"] = jaxtdist::kErrCmp;
+    d["ERR_TIMEOUT_NS"] = jaxtdist::kErrTimeoutNs;
     return d;
   });
   m.def("register_heap", [](int position, int device_ordinal, std::uintptr_t base,
@@ -74,10 +75,10 @@ PYBIND11_MODULE(_jaxtdist_ffi, m) {
     jaxtdist::RuntimeState::Get().RegisterHeap(position, device_ordinal, base, bytes,
                                                error_record);
   });
-  m.def("recorded_timeout", [](int position) -> std::string {
+  m.def("recorded_timeout", [](int position, bool earlier) -> std::string {
     auto slot = jaxtdist::RuntimeState::Get().Heap(position);
-    return slot ? jaxtdist::RecordedTimeout(*slot, position) : "";
-  });
+    return slot ? jaxtdist::RecordedTimeout(*slot, position, earlier) : "";
+  }, py::arg("position"), py::arg("earlier") = true);
   m.def("reset", [](std::int64_t generation) {
     jaxtdist::RuntimeState::Get().Reset(generation);
   });

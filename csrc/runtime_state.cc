@@ -89,7 +89,7 @@ std::string NoHeapForPosition(int position) {
          std::to_string(position) + "; call jaxtdist.initialize(mesh) first";
 }
 
-std::string RecordedTimeout(const HeapSlot& slot, int position) {
+std::string RecordedTimeout(const HeapSlot& slot, int position, bool earlier) {
   if (slot.error_record == 0) return "";
   const volatile std::int64_t* rec =
       reinterpret_cast<const volatile std::int64_t*>(slot.error_record);
@@ -100,16 +100,23 @@ std::string RecordedTimeout(const HeapSlot& slot, int position) {
   std::int64_t words[kErrWords];
   for (int i = 0; i < kErrWords; ++i) words[i] = rec[i];  // one read of each volatile word
   const std::int64_t cmp = words[kErrCmp];
-  return "jaxtdist: a wait timed out in an earlier call on rank " +
+  // Seconds with one decimal, without iostreams.
+  const std::int64_t tenths = (words[kErrTimeoutNs] + 50'000'000) / 100'000'000;
+  return std::string("jaxtdist.WaitTimeoutError: a wait timed out after ") +
+         std::to_string(tenths / 10) + "." + std::to_string(tenths % 10) + " s" +
+         (earlier ? " in an earlier call" : "") + " on rank " +
          std::to_string(words[kErrRank]) + " (mesh position " + std::to_string(position) +
          "): it waited for the signal at heap offset " +
          std::to_string(words[kErrSignalOffset]) + " (notified by rank " +
          std::to_string(words[kErrPeer]) + ") to become " +
          (cmp >= 0 && cmp < 6 ? kCmp[cmp] : "?") + " " + std::to_string(words[kErrExpected]) +
          " but last saw " + std::to_string(words[kErrSeen]) +
-         ". A rank did not reach the matching notify (a deadlock, a crashed or missing "
-         "rank, or ops issued in different orders on different ranks). Signals are now out "
-         "of step: call jaxtdist.shutdown() and jaxtdist.initialize(mesh) again.";
+         ". A rank did not reach the matching notify in time (a deadlock, a crashed, missing "
+         "or much slower rank, a lax.cond taken differently on different ranks, or ops "
+         "issued in different orders; raise the bound with "
+         "jaxtdist.initialize(mesh, wait_timeout_s=...) if a peer is legitimately late). "
+         "Signals are now out of step: call jaxtdist.shutdown() and "
+         "jaxtdist.initialize(mesh) again.";
 }
 
 std::string CheckStage(const HeapSlot& heap, std::int64_t template_offset,

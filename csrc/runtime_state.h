@@ -29,6 +29,7 @@ inline constexpr int kErrSignalOffset = 3;
 inline constexpr int kErrExpected = 4;
 inline constexpr int kErrSeen = 5;
 inline constexpr int kErrCmp = 6;
+inline constexpr int kErrTimeoutNs = 7;  // the bound the wait gave up after
 
 struct HeapSlot {
   int device_ordinal = -1;  // -1 for host (CPU backend) heaps.
@@ -74,7 +75,8 @@ std::string NoHeapForDevice(int device_ordinal);
 std::string NoHeapForPosition(int position);
 
 // Describes a wait timeout recorded in `slot`'s error record, or "" if none.
-std::string RecordedTimeout(const HeapSlot& slot, int position);
+// `earlier`: the timeout happened in an earlier call than the one reporting it.
+std::string RecordedTimeout(const HeapSlot& slot, int position, bool earlier = true);
 
 // "" if a program compiled for runtime `generation` may run now.
 std::string CheckGeneration(std::int64_t generation);

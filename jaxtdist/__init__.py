@@ -23,6 +23,7 @@ if _os.environ.get("_JAXTDIST_INTERPRETER_WORKER") != "1":
         JaxtdistError,
         NotInitializedError,
         WaitTimeoutError,
+        WorkerDiedError,
     )
     from jaxtdist import runtime  # the subpackage; runtime.runtime() is the object
     from jaxtdist import tune
@@ -39,6 +40,7 @@ __all__ = [
     "JaxtdistError",
     "NotInitializedError",
     "WaitTimeoutError",
+    "WorkerDiedError",
     "ag_matmul",
     "ag_matmul_sharded",
     "all_gather",

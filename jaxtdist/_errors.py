@@ -15,3 +15,8 @@ class HeapExhaustedError(JaxtdistError):
 
 class WaitTimeoutError(JaxtdistError):
     """A kernel's bounded wait on a signal timed out."""
+
+
+class WorkerDiedError(JaxtdistError):
+    """A process a collective needs died: an interpreter worker of the CPU backend
+    (killed, crashed, out of memory). Recover with ``shutdown()`` + ``initialize()``."""

@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxtdist as td  # noqa: E402
-from jaxtdist.runtime import DEFAULT_HEAP_BYTES, DEFAULT_WAIT_SPINS  # noqa: E402
+from jaxtdist.runtime import DEFAULT_HEAP_BYTES, DEFAULT_WAIT_TIMEOUT_S  # noqa: E402
 
 # Relative-error tolerances against a float64 reference. The interpreter's
 # dot is numpy's, so float32 is exact to rounding.
@@ -79,7 +79,7 @@ def setup(shape, names=("tp",), **kwargs) -> Mesh:
         shape = (shape,)
     mesh = mesh_of(tuple(shape), tuple(names))
     kwargs.setdefault("heap_bytes", DEFAULT_HEAP_BYTES["cpu"])
-    kwargs.setdefault("wait_spins", DEFAULT_WAIT_SPINS["cpu"])
+    kwargs.setdefault("wait_timeout_s", DEFAULT_WAIT_TIMEOUT_S)
     td.initialize(mesh, **kwargs)
     return mesh
 

@@ -169,3 +169,12 @@ def warp_specialized_matmul_kernel(ctx, a_ptr, b_ptr, c_ptr, M: tl.constexpr, N:
         for k0 in tl.range(0, K, BLOCK_K):
             acc = tl.dot(a_desc.load([tm * BLOCK_M, k0]), b_desc.load([k0, tn * BLOCK_N]), acc)
         c_desc.store([tm * BLOCK_M, tn * BLOCK_N], acc.to(c_ptr.dtype.element_ty))
+
+
+@triton.jit
+def to_bfloat16_kernel(ctx, x_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
+    """out = x (float32) cast to bfloat16: the interpreter must round like the GPU."""
+    for start in range(0, N, BLOCK):
+        o = start + tl.arange(0, BLOCK)
+        m = o < N
+        tl.store(out_ptr + o, tl.load(x_ptr + o, mask=m).to(tl.bfloat16), mask=m)

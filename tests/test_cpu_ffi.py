@@ -1,4 +1,4 @@
-"""jaxtdist's GPU FFI calls: XLA side effects without a JAX effect (ops/_ffi.py).
+"""jaxtdist's FFI calls: XLA side effects without a JAX effect (runtime/_ffi.py).
 
 Lowered for CUDA on the CPU machine: no GPU is needed to check the HLO.
 """
@@ -56,11 +56,29 @@ def test_inside_shard_map(check_vma):
     assert len(hlo) == 1 and f"@{TARGET}" in hlo[0] and "has_side_effect = true" in hlo[0]
 
 
-def test_cpu_keeps_jax_ffi_call():
-    """On CPU the call is jax.ffi.ffi_call's, effect included."""
+def test_cpu_lowers_like_jax_ffi_call_without_an_effect():
+    """On CPU too: the HLO is jax.ffi.ffi_call's side-effecting custom call, the jaxpr
+    has no effect (so remat and scan bodies can hold it)."""
     call = _ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((4,), jnp.int32), platform="cpu")
-    jaxpr = jax.make_jaxpr(lambda v: call(v, step=np.int64(1)))(jnp.zeros((4,), jnp.int32))
-    assert jaxpr.effects != set()
+    theirs = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((4,), jnp.int32),
+                              has_side_effect=True)
+    x = jnp.zeros((4,), jnp.int32)
+    assert jax.make_jaxpr(lambda v: call(v, step=np.int64(1)))(x).effects == set()
+
+    def cpu_calls(fn):
+        text = jax.jit(fn).trace(x).lower(lowering_platforms=("cpu",)).as_text()
+        return [line.strip() for line in text.splitlines() if "stablehlo.custom_call" in line]
+
+    ours = cpu_calls(lambda v: call(v, step=np.int64(1)))
+    assert ours == cpu_calls(lambda v: theirs(v, step=np.int64(1)))
+    assert len(ours) == 1 and "has_side_effect = true" in ours[0]
+
+
+def test_kernels_have_no_derivative_of_their_own():
+    call = _ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((4,), jnp.float32), op="my_op")
+    with pytest.raises(TypeError, match=r"jaxtdist.my_op: the native call jaxtdist_test_target "
+                                        "has no derivative"):
+        jax.jvp(lambda v: call(v, step=np.int64(1)), (jnp.zeros(4),), (jnp.ones(4),))
 
 
 def test_unused_outputs_are_not_dropped():

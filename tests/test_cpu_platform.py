@@ -258,14 +258,28 @@ def test_shipped_configs_hold_configs_only():
         assert cfg.variant == entry["variant"], key
 
 
-def test_gathered_results_are_typed_replicated_over_the_group():
-    """all_gather's result is the same on every rank of the group, and typed so: a
-    replicated out_specs needs no check_vma=False (as with jax.lax.all_gather)."""
+def test_results_are_typed_like_jax_lax_collectives():
+    """all_gather's and ag_matmul's results vary over the axes their inputs vary
+    over, as jax.lax.all_gather's (so gradients through either agree), and stay
+    replicated over mesh axes no input varies over."""
+    from jaxtdist.ops._protocol import varying_axes
+
     mesh = setup((2, 2), ("dp", "tp"))
-    x = rand((8, 3), jnp.float32)
-    f = jax.jit(jax.shard_map(lambda v: td.all_gather(v, "tp"), mesh=mesh,
-                              in_specs=P(("dp", "tp")), out_specs=P("dp")))
-    np.testing.assert_array_equal(np.asarray(f(place(mesh, x, P(("dp", "tp"))))), x)
+    seen = {}
+
+    def body(v, w):
+        ours, theirs = td.all_gather(v, "tp"), jax.lax.all_gather(v, "tp", tiled=True)
+        seen["all_gather"] = (varying_axes(ours), varying_axes(theirs))
+        seen["ag_matmul"] = (varying_axes(td.ag_matmul(v, w, "tp")),
+                             varying_axes(theirs @ w))
+        return ours
+
+    jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(None, "tp")),
+                          out_specs=P("tp"))).trace(
+        place(mesh, rand((4, 3), jnp.float32), P("tp")),
+        place(mesh, rand((3, 4), jnp.float32), P(None, "tp")))
+    for name, (ours, theirs) in seen.items():
+        assert ours == theirs == frozenset({"tp"}), (name, ours, theirs)
 
 
 def test_every_op_is_tunable_through_one_engine():
@@ -292,3 +306,25 @@ def test_all_gather_tuning_on_cpu_with_a_given_measure():
                           save=False)
     assert result["config"]["BLOCK_C"] == 8 and result["variant"] == "pull"
     assert "power of 2" in result["tried"][2]["error"]
+
+
+@pytest.mark.parametrize("w_spec", [P(None, "tp"), P(None, None)])
+def test_ag_matmul_grad_with_sharded_or_replicated_weight(w_spec):
+    """Gradients with the weight sharded over the group or replicated (then the
+    weight's cotangent is summed over the group, as JAX's typing says)."""
+    mesh = setup(2)
+    x, w = rand((2 * 4, 6), jnp.float32), rand((6, 4), jnp.float32)
+
+    def loss(a, b):
+        return jnp.sum(jnp.sin(td.ag_matmul(a, b, "tp")) * jnp.sum(td.all_gather(a, "tp")))
+
+    f = jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1)), mesh=mesh,
+                              in_specs=(P("tp", None), w_spec), out_specs=(P("tp", None), w_spec)))
+    gx, gw = f(place(mesh, x, P("tp", None)), place(mesh, w, w_spec))
+    # The rank losses add up (as with jax.lax.all_gather): with w sharded they cover
+    # the product's columns once; with w replicated each rank's covers all of it.
+    copies = 1 if w_spec == P(None, "tp") else 2
+    ref = jax.grad(lambda a, b: copies * jnp.sum(jnp.sin(a @ b) * jnp.sum(a)), argnums=(0, 1))
+    rx, rw = ref(jnp.asarray(x), jnp.asarray(w))
+    assert_close(gx, f64(rx), jnp.float32, factor=10)
+    assert_close(gw, f64(rw), jnp.float32, factor=10)

@@ -76,10 +76,12 @@ PROGRAM = textwrap.dedent("""
     assert lib.peek_epoch(3, 0) == 2  # failed calls advance nothing
 
     record[[L.ERR_FLAG, L.ERR_RANK, L.ERR_PEER, L.ERR_SIGNAL_OFFSET, L.ERR_EXPECTED,
-            L.ERR_SEEN, L.ERR_CMP]] = [1, 1, 2, 4000, 4, 5, L.CMP_CODES["ge"]]
+            L.ERR_SEEN, L.ERR_CMP, L.ERR_TIMEOUT_NS]] = [1, 1, 2, 4000, 4, 5, L.CMP_CODES["ge"],
+                                                        2_500_000_000]
     msg = error()
-    want = ("a wait timed out in an earlier call on rank 1 (mesh position 0): it waited for "
-            "the signal at heap offset 4000 (notified by rank 2) to become >= 4 but last saw 5")
+    want = ("jaxtdist.WaitTimeoutError: a wait timed out after 2.5 s in an earlier call on "
+            "rank 1 (mesh position 0): it waited for the signal at heap offset 4000 (notified "
+            "by rank 2) to become >= 4 but last saw 5")
     assert want in msg, msg
     print("CALL_CONTEXT_OK")
 """)

@@ -93,6 +93,43 @@ def _install_bf16_dot_fix() -> None:
     builder_cls.create_dot = create_dot
 
 
+def float32_to_bfloat16_bits(values: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), rounded to nearest even as GPUs and
+    XLA round; NaN stays NaN (quiet)."""
+    bits = np.ascontiguousarray(values, np.float32).view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
+    out = (rounded >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(values)
+    if np.any(nan):
+        out = np.where(nan, ((bits >> np.uint32(16)) | np.uint32(0x0040)).astype(np.uint16), out)
+    return out
+
+
+def _install_bf16_rounding_fix() -> None:
+    """Makes float32 -> bfloat16 casts round to nearest even under the interpreter.
+
+    Triton 3.6's interpreter truncates (rounds toward zero), doubling the error of
+    every bf16 result against what GPUs and XLA compute.
+    """
+    builder_cls = _interpreter.InterpreterBuilder
+    original = builder_cls.cast_impl
+    if getattr(original, "_jaxtdist_fixed", False):
+        return
+
+    def cast_impl(self, src, dst_type):
+        if (src.dtype.scalar == _interpreter.tl.float32
+                and dst_type.scalar == _interpreter.tl.bfloat16):
+            return _interpreter.TensorHandle(float32_to_bfloat16_bits(src.data),
+                                             dst_type.scalar)
+        return original(self, src, dst_type)
+
+    cast_impl._jaxtdist_fixed = True
+    builder_cls.cast_impl = cast_impl
+    # The cast entry points bound the original at class creation.
+    for name in ("create_fp_trunc", "create_fp_ext"):
+        setattr(builder_cls, name, lambda self, src, dst_type: self.cast_impl(src, dst_type))
+
+
 # Seconds a spinning wait sleeps per poll. Ranks share few cores under the
 # interpreter; a busy spin would starve the rank it waits for.
 _POLL_SLEEP = 1e-4
@@ -117,6 +154,7 @@ def _install_polite_polling() -> None:
 
 _install_scalar_index_fix()
 _install_bf16_dot_fix()
+_install_bf16_rounding_fix()
 _install_polite_polling()
 
 

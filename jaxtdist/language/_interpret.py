@@ -4,8 +4,14 @@ Under Triton's interpreter a rank's programs run one at a time, in order,
 through one memory proxy: nothing to fence and nothing that can move.
 """
 
+import time
+
 import triton
 import triton.language as tl
+
+
+def _host_clock_ns() -> int:
+    return time.monotonic_ns()
 
 
 @triton.jit
@@ -22,12 +28,17 @@ def consume_token(value, token):
 
 
 @triton.jit
+def now_ns():
+    """The host's monotonic clock, in nanoseconds (int64)."""
+    return tl.full([], _host_clock_ns(), tl.int64)
+
+
+@triton.jit
 def spin_acquire_ge(signal, value, limit, SCOPE: tl.constexpr):
-    """Up to ``limit`` acquire re-reads of ``*signal`` until it is >= ``value``.
-    Returns (last value seen, 0)."""
+    """Acquire re-reads of ``*signal`` until it is >= ``value`` or ``limit`` ns
+    have passed. Returns (last value seen, 0)."""
+    start = now_ns()
     seen = tl.atomic_add(signal, 0, sem="acquire", scope=SCOPE)
-    spins = 0
-    while (seen < value) & (spins < limit):
+    while (seen < value) & (now_ns() - start < limit):
         seen = tl.atomic_add(signal, 0, sem="acquire", scope=SCOPE)
-        spins += 1
     return seen, (seen * 0).to(tl.int32)

@@ -11,7 +11,7 @@ MAX_WORLD = CTX_WORDS - 8
 CTX_RANK = 0
 CTX_WORLD = 1
 CTX_EPOCH = 2
-CTX_SPIN_LIMIT = 3
+CTX_WAIT_TIMEOUT_NS = 3  # a wait gives up after this many nanoseconds
 CTX_ERR_ADDR = 4
 CTX_HEAP_BASE = 5
 CTX_POSITION = 6
@@ -26,6 +26,7 @@ ERR_SIGNAL_OFFSET = 3
 ERR_EXPECTED = 4
 ERR_SEEN = 5
 ERR_CMP = 6
+ERR_TIMEOUT_NS = 7  # the bound the wait gave up after
 ERR_WORDS = 8
 
 CMP_CODES = {"eq": 0, "ne": 1, "ge": 2, "gt": 3, "le": 4, "lt": 5}

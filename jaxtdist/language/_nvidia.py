@@ -4,17 +4,20 @@ import triton
 import triton.language as tl
 
 # wait_for_tma's spin: $0 = last value seen, $1 = 0 (the token), $2 = signal
-# address, $3 = value, $4 = spin limit. One asm op, so no loop in Triton's IR.
+# address, $3 = value, $4 = timeout in ns (%globaltimer: nanoseconds). One asm
+# op, so no loop in Triton's IR.
 _SPIN_ASM = """{{
             .reg .pred %p_done;
-            .reg .s64 %spins;
-            mov.s64 %spins, 0;
+            .reg .u64 %t0, %t;
+            .reg .s64 %waited;
+            mov.u64 %t0, %globaltimer;
             SPIN_${{:uid}}:
             ld.acquire.{scope}.global.b32 $0, [$2];
             setp.ge.s32 %p_done, $0, $3;
             @%p_done bra DONE_${{:uid}};
-            add.s64 %spins, %spins, 1;
-            setp.lt.s64 %p_done, %spins, $4;
+            mov.u64 %t, %globaltimer;
+            sub.s64 %waited, %t, %t0;
+            setp.lt.s64 %p_done, %waited, $4;
             @%p_done bra SPIN_${{:uid}};
             DONE_${{:uid}}:
             fence.proxy.async.global;
@@ -54,9 +57,18 @@ def consume_token(value, token):
 
 @triton.jit
 def spin_acquire_ge(signal, value, limit, SCOPE: tl.constexpr):
-    """One inline-asm op: up to ``limit`` re-reads (acquire) of ``*signal`` until
-    it is >= ``value``, then an async-proxy fence. Returns (last value seen, 0)."""
+    """One inline-asm op: acquire re-reads of ``*signal`` until it is >= ``value``
+    or ``limit`` ns have passed, then an async-proxy fence. Returns (last value
+    seen, 0)."""
     return tl.inline_asm_elementwise(
         _SPIN_ASM_SYS if SCOPE == "sys" else _SPIN_ASM_GPU, "=r,=r,l,r,l",
         [signal.to(tl.int64, bitcast=True), value, limit], dtype=(tl.int32, tl.int32),
         is_pure=False, pack=1)
+
+
+@triton.jit
+def now_ns():
+    """The GPU's global timer, in nanoseconds (int64; the same clock on every SM)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r",
+                                     [tl.full([], 0, tl.int32)], dtype=tl.int64,
+                                     is_pure=False, pack=1)

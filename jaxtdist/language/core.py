@@ -15,12 +15,13 @@ import triton
 import triton.language as tl
 
 from jaxtdist.language import _layout as L
-from jaxtdist.language._lowering import consume_token, fence_async_proxy, spin_acquire_ge
+from jaxtdist.language._lowering import (consume_token, fence_async_proxy, now_ns,
+                                         spin_acquire_ge)
 
 _CTX_RANK = tl.constexpr(L.CTX_RANK)
 _CTX_WORLD = tl.constexpr(L.CTX_WORLD)
 _CTX_EPOCH = tl.constexpr(L.CTX_EPOCH)
-_CTX_SPIN_LIMIT = tl.constexpr(L.CTX_SPIN_LIMIT)
+_CTX_WAIT_TIMEOUT_NS = tl.constexpr(L.CTX_WAIT_TIMEOUT_NS)
 _CTX_ERR_ADDR = tl.constexpr(L.CTX_ERR_ADDR)
 _CTX_HEAP_BASE = tl.constexpr(L.CTX_HEAP_BASE)
 _CTX_SCRATCH_ADDR = tl.constexpr(L.CTX_SCRATCH_ADDR)
@@ -31,6 +32,7 @@ _ERR_SIGNAL_OFFSET = tl.constexpr(L.ERR_SIGNAL_OFFSET)
 _ERR_EXPECTED = tl.constexpr(L.ERR_EXPECTED)
 _ERR_SEEN = tl.constexpr(L.ERR_SEEN)
 _ERR_CMP = tl.constexpr(L.ERR_CMP)
+_ERR_TIMEOUT_NS = tl.constexpr(L.ERR_TIMEOUT_NS)
 
 @triton.jit
 def _words(ctx):
@@ -187,22 +189,23 @@ def wait(ctx, signal, value, CMP: tl.constexpr = tl.constexpr("ge"), peer=-1,
 
     ``signal`` is a pointer (usually into this rank's heap; pass a
     ``symm_at`` pointer to watch a peer's). ``peer`` only names the rank that
-    is expected to notify, for the error report. The wait is bounded: after
-    the context's spin limit it records rank, peer, signal offset, expected
-    and seen values in the error record and returns; the host raises an
-    error naming them. Once any wait of this rank has timed out, later waits
+    is expected to notify, for the error report. The wait is bounded in time
+    (``initialize(mesh, wait_timeout_s=...)``): past the bound it records rank,
+    peer, signal offset, expected and seen values and the bound in the error
+    record and returns; the host raises an error naming them. Once any wait of
+    this rank has timed out (or the host has marked the rank failed), waits
     return at once instead of piling up timeouts.
 
     Returns the value last seen, a token for ``consume_token``.
     """
     limit, failed_flag, failed = _wait_state(ctx)
+    start = now_ns()
     seen = tl.atomic_add(signal, 0, sem="acquire", scope=SCOPE)
-    spins = 0
     done = _satisfied(seen, value, CMP) | failed
     while not done:
         seen = tl.atomic_add(signal, 0, sem="acquire", scope=SCOPE)
-        spins += 1
-        done = _satisfied(seen, value, CMP) | (spins >= limit)
+        failed = tl.load(failed_flag, volatile=True) != 0
+        done = _satisfied(seen, value, CMP) | failed | (now_ns() - start >= limit)
     if not (_satisfied(seen, value, CMP) | failed):
         _record_timeout(ctx, failed_flag, signal, value, seen, peer, CMP)
     # The acquiring thread's view extends to the whole program.
@@ -212,13 +215,13 @@ def wait(ctx, signal, value, CMP: tl.constexpr = tl.constexpr("ge"), peer=-1,
 
 @triton.jit
 def _wait_state(ctx):
-    """(spin limit, pointer to the "some wait timed out" word, its value != 0).
+    """(timeout in ns, pointer to the "some wait timed out" word, its value != 0).
 
     That word lives in device memory (the heap's scratch word): the error
     record itself is host memory on GPUs, far too slow to poll.
     """
     words = _words(ctx)
-    limit = tl.load(words + _CTX_SPIN_LIMIT)
+    limit = tl.load(words + _CTX_WAIT_TIMEOUT_NS)
     failed_flag = tl.load(words + _CTX_SCRATCH_ADDR).to(tl.pointer_type(tl.int32))
     failed = tl.load(failed_flag, volatile=True) != 0
     return limit, failed_flag, failed
@@ -245,6 +248,7 @@ def _record_timeout(ctx, failed_flag, signal, value, seen, peer, CMP: tl.constex
     tl.store(err + _ERR_EXPECTED, tl.cast(value, tl.int64))
     tl.store(err + _ERR_SEEN, seen.to(tl.int64))
     tl.store(err + _ERR_CMP, tl.cast(_cmp_code(CMP), tl.int64))
+    tl.store(err + _ERR_TIMEOUT_NS, tl.load(words + _CTX_WAIT_TIMEOUT_NS))
     tl.atomic_xchg(err, 1, sem="release", scope="sys")
 
 

@@ -13,6 +13,8 @@ The mechanism supplies the rest, once for every op:
 - autodiff: a ``jax.custom_vjp`` whose cotangents get their primal's dtype
   and varying mesh axes (summed over axes where the primal was replicated);
   an op without a backward raises a clear error when differentiated;
+- ``jax.vmap``: one whole op call per batch element, in order (a
+  ``lax.map``), each with its own epoch;
 - world 1: a group of one rank runs the local computation (what the op costs
   without communication), with JAX's own autodiff;
 - ``pjit_wrapper(...)``: the op for jit with NamedSharding inputs, no
@@ -75,6 +77,34 @@ def match_cotangent(ct: jax.Array, primal: jax.Array) -> jax.Array:
     return mark_varying(ct, tuple(sorted(want)))
 
 
+def scatter_cotangent(ct: jax.Array, axis_name, scatter_dimension: int = 0,
+                      tiled: bool = True) -> jax.Array:
+    """This rank's block of the group's sum of ``ct``, the cotangent of a gather.
+
+    Where ``ct`` varies over the group's axes, each rank holds its own part and the
+    sum is a reduce-scatter (``psum_scatter``). Where it is typed invariant over
+    them, JAX has already summed the ranks' contributions (the cotangent of a
+    result typed the same on every rank): the block is a slice, and summing again
+    would count every contribution ``world`` times.
+    """
+    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    have = varying_axes(ct)
+    if have is None or set(axes) <= set(have):
+        return jax.lax.psum_scatter(ct, axis_name, scatter_dimension=scatter_dimension,
+                                    tiled=tiled)
+    partial = tuple(a for a in axes if a in have)
+    if partial:
+        ct = jax.lax.psum(ct, partial)
+    rank = jax.lax.axis_index(axis_name)
+    if not tiled:
+        return jax.lax.dynamic_index_in_dim(ct, rank, scatter_dimension, keepdims=False)
+    world = 1
+    for a in axes:
+        world *= jax.lax.axis_size(a)
+    size = ct.shape[scatter_dimension] // world
+    return jax.lax.dynamic_slice_in_dim(ct, rank * size, size, scatter_dimension)
+
+
 @dataclasses.dataclass(frozen=True)
 class DistributedOp:
     """A jaxtdist op, declared by its parts (see the module docstring).
@@ -127,10 +157,12 @@ class DistributedOp:
 
         @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
         def call(frozen, *arrays):
-            return op.forward(*arrays, **_static(frozen))[0]
+            return _one_call_per_element(lambda *a: op.forward(*a, **_static(frozen))[0])(
+                *arrays)
 
         def fwd(frozen, *arrays):
-            out, residuals = op.forward(*arrays, **_static(frozen))
+            out, residuals = _one_call_per_element(
+                lambda *a: op.forward(*a, **_static(frozen)))(*arrays)
             return out, (residuals, arrays)
 
         def bwd(frozen, saved, ct):
@@ -144,6 +176,29 @@ class DistributedOp:
 
         call.defvjp(fwd, bwd)
         return call
+
+
+def _one_call_per_element(fn: Callable) -> Callable:
+    """``fn`` whose batching rule (``jax.vmap``) calls it once per batch element in
+    a ``lax.map``: each element's call is a whole op call with its own prologue,
+    epoch and launch, in order, as if the caller had looped. (Batching the
+    kernel launches inside one call instead would give B launches one epoch:
+    they would race on the same workspace.)"""
+    batched_fn = jax.custom_batching.custom_vmap(fn)
+
+    @batched_fn.def_vmap
+    def rule(axis_size, in_batched, *args):
+        del axis_size
+        mapped = tuple(a for a, b in zip(args, in_batched) if b)
+
+        def one(elements):
+            it = iter(elements)
+            return fn(*(next(it) if b else a for a, b in zip(args, in_batched)))
+
+        outs = jax.lax.map(one, mapped)
+        return outs, jax.tree_util.tree_map(lambda _: True, outs)
+
+    return batched_fn
 
 
 def _static(frozen) -> dict:

@@ -190,8 +190,7 @@ class Call:
             position, _ = jax.lax.optimization_barrier((position, deps))
         args = [position] + ([stage] if stage is not None else [])
         call = _ffi.ffi_call(_native.PROLOGUE_TARGET,
-                             jax.ShapeDtypeStruct((CTX_INT32_WORDS,), jnp.int32),
-                             platform=rt.platform)
+                             jax.ShapeDtypeStruct((CTX_INT32_WORDS,), jnp.int32), op=self.op)
         self._ws = ws
         self._launch_holds_rendezvous = not align_launch
         return call(*args, template_offset=np.int64(self.layout.template_offset),
@@ -201,19 +200,21 @@ class Call:
                     align_launch=np.int64(align_launch))
 
     def result_axes(self, *, gathered: Sequence = (), local: Sequence = ()) -> tuple[str, ...]:
-        """The mesh axes a result varies over, when it is a function of the group's
-        copies of ``gathered`` (the same on every rank of the group) and of this
-        rank's ``local`` arrays. Pass it as ``launch(..., varying=...)``.
+        """The mesh axes a result varies over: every axis any of its inputs varies
+        over, as for ``jax.lax``'s collectives (an ``all_gather``'s result is typed
+        varying over the gathered axes, though its value is the same on every
+        rank of the group). Inputs read from the whole group (``gathered``) and
+        this rank's own (``local``) count alike. Pass it as ``launch(...,
+        varying=...)``; mesh axes no input varies over stay replicated.
 
         With jax that does not track varying axes: every mesh axis.
         """
         axes = set()
-        for arrays, drop in ((gathered, set(self.layout.axes)), (local, set())):
-            for a in arrays:
-                have = varying_axes(a)
-                if have is None:
-                    return tuple(self.rt.mesh.axis_names)
-                axes |= set(have) - drop
+        for a in tuple(gathered) + tuple(local):
+            have = varying_axes(a)
+            if have is None:
+                return tuple(self.rt.mesh.axis_names)
+            axes |= set(have)
         return tuple(a for a in self.rt.mesh.axis_names if a in axes)
 
     def launch(self, kernel, ctx: jax.Array, *args: Any, out_shape, grid: int | Sequence[int],
@@ -235,7 +236,7 @@ class Call:
             rendezvous = (self._ws.counter_id, rt.group_table(self.layout), self.layout.world)
             self._launch_holds_rendezvous = False
         result = rt.backend.launch(rt, kernel, (ctx,) + tuple(args), outs, grid, num_warps,
-                                   num_stages, constexprs, needs_scratch, rendezvous)
+                                   num_stages, constexprs, needs_scratch, rendezvous, op=self.op)
         varying = tuple(rt.mesh.axis_names) if varying is None else tuple(varying)
         result = [mark_varying(r, varying) for r in result]
         record_output(rt, result[0])

@@ -18,7 +18,7 @@ from jaxtdist.kernels.ag_matmul import (ag_matmul_ce_kernel, ag_matmul_kernel,
 from jaxtdist.ops._ag_matmul_config import (AgMatmulConfig, flattens, split_n_tail,
                                             stream_k_tail, tail_stages)
 from jaxtdist.ops._config import Problem, resolve
-from jaxtdist.ops._op import DistributedOp, pjit_wrapper, rows_over
+from jaxtdist.ops._op import DistributedOp, pjit_wrapper, rows_over, scatter_cotangent
 from jaxtdist.ops._protocol import Call
 from jaxtdist.ops._shapes import (GatherWorkspace, InboxWorkspace, SplitKWorkspace,
                                   StreamKWorkspace, check_dtype)
@@ -238,7 +238,7 @@ def _backward(residuals, dy, *, axis_name, config=None):
     gathered, w = residuals
     # dx: the rows of dy @ w^T that belong to this rank, summed over ranks.
     dx_full = jnp.dot(dy, w.T, preferred_element_type=jnp.float32)
-    dx = jax.lax.psum_scatter(dx_full, axis_name, scatter_dimension=0, tiled=True)
+    dx = scatter_cotangent(dx_full, axis_name, 0)
     dw = jnp.dot(gathered.T, dy, preferred_element_type=jnp.float32)
     return dx, dw
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxtdist.kernels.all_gather import all_gather_kernel
 from jaxtdist.ops._config import KernelConfig, Problem, resolve
-from jaxtdist.ops._op import DistributedOp
+from jaxtdist.ops._op import DistributedOp, scatter_cotangent
 from jaxtdist.ops._protocol import Call
 from jaxtdist.ops._shapes import GatherWorkspace, check_dtype, next_pow2
 from jaxtdist.tune import _registry
@@ -110,8 +110,7 @@ def _forward(x, *, axis_name, axis, tiled, config=None):
 
 def _backward(residuals, ct, *, axis_name, axis, tiled, config=None):
     del residuals, config
-    return (jax.lax.psum_scatter(ct, axis_name, scatter_dimension=axis % (ct.ndim - (not tiled)),
-                                 tiled=tiled),)
+    return (scatter_cotangent(ct, axis_name, axis % (ct.ndim - (not tiled)), tiled),)
 
 
 def _local(x, *, axis_name, axis, tiled, config=None):
@@ -142,8 +141,10 @@ def all_gather(x: jax.Array, axis_name, *, axis: int = 0, tiled: bool = True,
 
     Example:
       >>> mesh = jax.make_mesh((4,), ("x",)); jaxtdist.initialize(mesh)
+      >>> # Typed varying over "x", as jax.lax.all_gather's result is: a replicated
+      >>> # out_specs needs check_vma=False, as it would for jax.lax.all_gather.
       >>> f = jax.jit(jax.shard_map(lambda x: jaxtdist.all_gather(x, "x"), mesh=mesh,
-      ...                           in_specs=P("x"), out_specs=P()))
+      ...                           in_specs=P("x"), out_specs=P(), check_vma=False))
     """
     x = jnp.asarray(x)
     if not isinstance(axis, int) or isinstance(axis, bool):
@@ -171,7 +172,8 @@ def _tuning_case(axis_name, shape, dtype) -> _registry.TuningCase:
         cfg = resolve(AllGatherConfig, problem, rt, overrides)
         config = cfg.to_dict()
         fn = jax.jit(jax.shard_map(lambda v: all_gather(v, axis_name, config=config),
-                                   mesh=rt.mesh, in_specs=P(axes, None), out_specs=P()))
+                                   mesh=rt.mesh, in_specs=P(axes, None), out_specs=P(),
+                                   check_vma=False))
         return fn, cfg
 
     return _registry.TuningCase(

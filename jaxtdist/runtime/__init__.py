@@ -3,7 +3,7 @@
 from jaxtdist.runtime._native import native_library_path
 from jaxtdist.runtime._runtime import (
     DEFAULT_HEAP_BYTES,
-    DEFAULT_WAIT_SPINS,
+    DEFAULT_WAIT_TIMEOUT_S,
     Layout,
     Runtime,
     Workspace,
@@ -17,17 +17,19 @@ from jaxtdist._errors import (
     JaxtdistError,
     NotInitializedError,
     WaitTimeoutError,
+    WorkerDiedError,
 )
 
 __all__ = [
     "DEFAULT_HEAP_BYTES",
-    "DEFAULT_WAIT_SPINS",
+    "DEFAULT_WAIT_TIMEOUT_S",
     "HeapExhaustedError",
     "JaxtdistError",
     "Layout",
     "NotInitializedError",
     "Runtime",
     "WaitTimeoutError",
+    "WorkerDiedError",
     "Workspace",
     "initialize",
     "is_initialized",

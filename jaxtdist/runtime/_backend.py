@@ -83,7 +83,7 @@ class HeapBackend(Protocol):
 
     def launch(self, rt, kernel, args: Sequence, outs: Sequence, grid: tuple, num_warps: int,
                num_stages: int, constexprs: dict, needs_scratch: bool,
-               rendezvous: tuple | None) -> list:
+               rendezvous: tuple | None, op: str = "") -> list:
         """Runs ``kernel[grid](*args, *outs, **constexprs)`` inside the traced program;
         returns the outputs."""
 

@@ -34,7 +34,14 @@ class CpuHeap:
         self._view = self._shm.buf
         self._anchor = ctypes.c_char.from_buffer(self._view)
         self.segment_base = ctypes.addressof(self._anchor)
-        self.workers = WorkerPool(positions, self._shm.name, self.segment_base)
+        self.workers = WorkerPool(positions, self._shm.name, self.segment_base,
+                                  on_failure=self._release_waits)
+
+    def _release_waits(self) -> None:
+        """Marks every rank's waits failed (the word ``dl.wait`` polls), so that
+        kernels waiting for a dead rank return at once instead of at their bound."""
+        for pos in self._positions:
+            self.write(pos, self.scratch(pos) - self.base_of(pos), (1).to_bytes(4, "little"))
 
     @property
     def positions(self) -> Sequence[int]:
@@ -65,14 +72,13 @@ class CpuHeap:
 
     def launch(self, rt, kernel, args: Sequence, outs: Sequence, grid: tuple, num_warps: int,
                num_stages: int, constexprs: dict, needs_scratch: bool,
-               rendezvous: tuple | None) -> list:
+               rendezvous: tuple | None, op: str = "") -> list:
         """Runs the kernel in the worker of the calling device's position, from a host
         callback: the context (``args[0]``) says which position that is."""
         del num_warps, num_stages, needs_scratch, rendezvous  # GPU launch options
-        from jax.experimental import io_callback
-
         from jaxtdist.interpret import kernel_reference
-        from jaxtdist.runtime._runtime import runtime
+        from jaxtdist.runtime._ffi import host_kernel
+        from jaxtdist.runtime._runtime import is_initialized, runtime
 
         ref = kernel_reference(kernel)
         array_idx = [i for i, a in enumerate(args)
@@ -82,20 +88,22 @@ class CpuHeap:
         pool = self.workers
 
         def host(*values):
-            if runtime() is not rt:
-                raise JaxtdistError("jaxtdist: this program was traced for an earlier jaxtdist "
-                                    "runtime (initialize or shutdown ran since); trace it again")
+            if not is_initialized() or runtime() is not rt:
+                raise JaxtdistError(
+                    "jaxtdist: this program was traced for a jaxtdist runtime that is gone "
+                    "(jaxtdist.shutdown() or initialize() with other settings ran since, or "
+                    "while this call was in flight); call jaxtdist.initialize(mesh) and trace "
+                    "it again")
             full = list(args)
             for i, v in zip(array_idx, values):
                 full[i] = np.asarray(v)
             position = int(full[0].view(np.int64)[L.CTX_POSITION])
             results, timed_out = pool.run(position, ref, grid, full, out_specs, constexprs)
             if timed_out:
-                message = rt.native.recorded_timeout(position)
-                raise WaitTimeoutError(message.replace("in an earlier call ", ""))
+                raise WaitTimeoutError(rt.native.recorded_timeout(position, False))
             return tuple(results)
 
-        return list(io_callback(host, tuple(outs), *arrays, ordered=False))
+        return host_kernel(host, tuple(outs), *arrays, op=op)
 
     def close(self) -> None:
         self.workers.close()

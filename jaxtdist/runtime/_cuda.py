@@ -108,7 +108,7 @@ class CudaHeap:
 
     def launch(self, rt, kernel, args: Sequence, outs: Sequence, grid: tuple, num_warps: int,
                num_stages: int, constexprs: dict, needs_scratch: bool,
-               rendezvous: tuple | None) -> list:
+               rendezvous: tuple | None, op: str = "") -> list:
         if self.aligns_at_launch(rt.launcher, args, needs_scratch):
             from jaxtdist.runtime import _cuda_launch
             return _cuda_launch.launch(rt, kernel, args, outs, grid, num_warps, num_stages,
@@ -127,8 +127,8 @@ class CudaHeap:
         (aliased: it orders the kernel that follows after the pushes are enqueued).
         The handler is the call's last host work: it holds the launch rendezvous."""
         call = _ffi.ffi_call(_native.CE_GATHER_TARGET,
-                             jax.ShapeDtypeStruct(ctx.shape, ctx.dtype), platform="gpu",
-                             input_output_aliases={1: 0})
+                             jax.ShapeDtypeStruct(ctx.shape, ctx.dtype),
+                             input_output_aliases={1: 0}, op="ag_matmul")
         return call(x, ctx, counter_id=np.int64(counter_id), world=np.int64(world),
                     groups=groups, inbox_offset=np.int64(inbox_offset),
                     parity_bytes=np.int64(parity_bytes), flags_offset=np.int64(flags_offset),

@@ -28,9 +28,12 @@ _MAX_LAYOUTS = 96
 _RESERVED_BYTES = _TEMPLATE_START + _MAX_LAYOUTS * L.CTX_WORDS * 8
 
 DEFAULT_HEAP_BYTES = {"cpu": 32 << 20, "gpu": 1 << 30}
-# Spins before a wait gives up: about 20 s on an H200 (local atomics); under
-# the interpreter each poll also sleeps 0.1 ms, so 600k polls is over a minute.
-DEFAULT_WAIT_SPINS = {"cpu": 600_000, "gpu": 20_000_000}
+# Seconds a kernel's wait spins before it gives up and reports a timeout, the
+# same on CPU and GPU. Long enough for a peer that is legitimately late (a
+# straggler's host busy with data loading, a checkpoint write, a first-call
+# compile on another process), short enough that a deadlock surfaces as an
+# error within minutes rather than as a hang. Tests use seconds.
+DEFAULT_WAIT_TIMEOUT_S = 300.0
 # How long a host thread waits for its group at a launch rendezvous
 # (csrc/launch_align.h) before it launches anyway. Waiting for a member that
 # comes late costs no more than launching early (the kernel would wait for
@@ -90,13 +93,18 @@ def _check_launcher(launcher: str) -> str:
 class Runtime:
     """Owns the symmetric heap of one mesh. Create it with ``jaxtdist.initialize``."""
 
-    def __init__(self, mesh, heap_bytes: int | None = None, wait_spins: int | None = None,
+    def __init__(self, mesh, heap_bytes: int | None = None,
+                 wait_timeout_s: float | None = None,
                  align_launches: bool = True, launcher: str = "native"):
         devices = list(mesh.devices.flat)
         self.mesh = mesh
         self.platform = _platform(devices)
         self.heap_bytes = int(heap_bytes or DEFAULT_HEAP_BYTES[self.platform])
-        self.wait_spins = int(wait_spins or DEFAULT_WAIT_SPINS[self.platform])
+        self.wait_timeout_s = float(DEFAULT_WAIT_TIMEOUT_S if wait_timeout_s is None
+                                    else wait_timeout_s)
+        if not 0 < self.wait_timeout_s <= 1e6:
+            raise ValueError(f"jaxtdist: wait_timeout_s={wait_timeout_s!r}; allowed: seconds in "
+                             "(0, 1e6]")
         if self.heap_bytes < 2 * _RESERVED_BYTES:
             raise ValueError(f"jaxtdist: heap_bytes={self.heap_bytes} is below the minimum "
                              f"{2 * _RESERVED_BYTES}")
@@ -208,7 +216,7 @@ class Runtime:
         words = np.zeros(L.CTX_WORDS, np.int64)
         words[L.CTX_RANK] = rank
         words[L.CTX_WORLD] = world
-        words[L.CTX_SPIN_LIMIT] = self.wait_spins
+        words[L.CTX_WAIT_TIMEOUT_NS] = int(self.wait_timeout_s * 1e9)
         words[L.CTX_ERR_ADDR] = self.backend.error_record(pos)
         words[L.CTX_HEAP_BASE] = self.backend.base_of(pos)
         words[L.CTX_POSITION] = pos
@@ -282,7 +290,7 @@ _RUNTIME_LOCK = threading.Lock()
 _GENERATION = 0  # counts runtimes: programs traced for an older one are refused
 
 
-def initialize(mesh, *, heap_bytes: int | None = None, wait_spins: int | None = None,
+def initialize(mesh, *, heap_bytes: int | None = None, wait_timeout_s: float | None = None,
                align_launches: bool | None = None, launcher: str | None = None) -> Runtime:
     """Creates the symmetric heap for ``mesh``; jaxtdist ops need it.
 
@@ -291,7 +299,9 @@ def initialize(mesh, *, heap_bytes: int | None = None, wait_spins: int | None = 
         peer tables are per group of each collective's axes.
       heap_bytes: bytes of symmetric heap per device (default 1 GiB on GPUs,
         32 MiB on CPU). Workspaces are carved out of it.
-      wait_spins: spins before a kernel's wait gives up and reports a timeout.
+      wait_timeout_s: seconds a kernel's wait spins before it gives up and reports
+        a ``WaitTimeoutError`` naming rank, peer and signal (default 300 s on CPU
+        and GPU: long enough for a legitimately late peer; tests use seconds).
       align_launches: on GPUs (default True), the host threads that launch one
         collective's kernels on the group's devices meet just before the
         launch, as XLA's own collectives do, so that no device's kernel waits
@@ -319,7 +329,8 @@ def initialize(mesh, *, heap_bytes: int | None = None, wait_spins: int | None = 
         if _RUNTIME is not None:
             same = (_RUNTIME.mesh == mesh
                     and (heap_bytes is None or heap_bytes == _RUNTIME.heap_bytes)
-                    and (wait_spins is None or wait_spins == _RUNTIME.wait_spins))
+                    and (wait_timeout_s is None
+                         or float(wait_timeout_s) == _RUNTIME.wait_timeout_s))
             if same:
                 if align_launches is not None:
                     _RUNTIME.align_launches = align_launches
@@ -330,7 +341,7 @@ def initialize(mesh, *, heap_bytes: int | None = None, wait_spins: int | None = 
             _RUNTIME = None
             # Programs traced for the old runtime hold its offsets: retrace.
             jax.clear_caches()
-        _RUNTIME = Runtime(mesh, heap_bytes, wait_spins,
+        _RUNTIME = Runtime(mesh, heap_bytes, wait_timeout_s,
                            True if align_launches is None else align_launches,
                            launcher or "native")
         return _RUNTIME

@@ -1,0 +1,89 @@
+"""GPU: transformations through the op mechanism and a soak of chained kernel calls.
+
+Skipped unless GPUs are visible (``JAXTDIST_TEST_GPU=1``, tests/gpu/run.sh). On one
+GPU the built-in ops are their local computation, so these tests drive the kernels
+themselves: ``triton_call`` and ``ag_matmul_with_gathered``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxtdist as td
+import tests.kernels_for_tests as K
+
+pytestmark = pytest.mark.skipif(
+    jax.devices()[0].platform != "gpu", reason="needs CUDA GPUs (none visible)")
+
+
+def _mesh():
+    n = min(4, len(jax.devices()))
+    mesh = jax.make_mesh((n,), ("tp",), devices=jax.devices()[:n],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    td.initialize(mesh)
+    return mesh, n
+
+
+def test_vmap_and_checkpoint_of_a_user_kernel():
+    """vmap gives each batch element its own call (epoch); jax.checkpoint holds the
+    effect-free calls."""
+    mesh, world = _mesh()
+    n = 1024
+
+    def ring(v):
+        return td.triton_call(v, kernel=K.ring_kernel, grid=(1,), axis_name="tp",
+                              out_shape=jax.ShapeDtypeStruct((n,), jnp.float32),
+                              workspace_bytes=256 + 8 * n, N=n, BLOCK=256)
+
+    f = jax.jit(jax.shard_map(jax.checkpoint(jax.vmap(ring, in_axes=1, out_axes=1)),
+                              mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
+    for _ in range(3):
+        v = np.random.default_rng().standard_normal((world * n, 5)).astype(np.float32)
+        out = np.asarray(f(jax.device_put(v, NamedSharding(mesh, P("tp")))))
+        np.testing.assert_array_equal(
+            out, np.roll(v.reshape(world, n, 5), 1, axis=0).reshape(world * n, 5))
+
+
+def test_soak_1000_chained_kernel_calls():
+    """1,000 chained ag_matmul kernel calls (a scan: each call's input is the last
+    one's output), data changing every call, shapes changing between runs: 0
+    mismatches against float32 products of each call's own input."""
+    from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered
+
+    mesh, world = _mesh()
+    calls = mismatches = 0
+    for m, k in [(128, 256), (256, 512), (128, 256), (384, 128)] * 2 + [(256, 256)] * 2:
+        steps = 100
+        n = k // world
+
+        def chain(a, b):
+            def step(carry, _):
+                y = ag_matmul_with_gathered(carry, b, "tp")[0]       # [world m, n]
+                nxt = jnp.tanh(carry + y[:m, :1].astype(carry.dtype))
+                return nxt, (carry, y)
+            return jax.lax.scan(step, a, None, length=steps)[1]
+
+        f = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=(P("tp", None), P(None, "tp")),
+                                  out_specs=(P(None, "tp", None), P(None, None, "tp")),
+                                  check_vma=False))
+        rng = np.random.default_rng()
+        x = rng.standard_normal((world * m, k)).astype(np.float32)
+        w = (rng.standard_normal((k, world * n)) / np.sqrt(k)).astype(np.float32)
+        carries, ys = f(jax.device_put(jnp.asarray(x, jnp.bfloat16),
+                                       NamedSharding(mesh, P("tp", None))),
+                        jax.device_put(jnp.asarray(w, jnp.bfloat16),
+                                       NamedSharding(mesh, P(None, "tp"))))
+        carries = np.asarray(carries, np.float32)
+        ys = np.asarray(ys, np.float32)
+        wf = np.asarray(jnp.asarray(w, jnp.bfloat16), np.float32)
+        for t in range(steps):
+            ref = carries[t] @ wf
+            err = np.linalg.norm(ys[t] - ref) / np.linalg.norm(ref)
+            mismatches += int(not err < 2e-2)
+            calls += 1
+    assert calls == 1000 and mismatches == 0, (calls, mismatches)

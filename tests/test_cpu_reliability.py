@@ -1,0 +1,288 @@
+"""Transformations, bounded waits, dead workers, bf16 rounding and a soak, on CPU
+(the real kernels under the interpreter)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxtdist as td
+import tests.kernels_for_tests as K
+from tests.conftest import assert_close, cpu_only, f64, place, rand, setup, timeout
+
+pytestmark = cpu_only()
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+ROWS, COLS = P("tp", None), P(None, "tp")
+
+
+def _ag(mesh, body, out_specs=P(None, None, "tp")):
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp", None),
+                                                            P(None, None, "tp")),
+                                 out_specs=out_specs))
+
+
+# -- vmap -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world,batch", [(2, 3), (4, 2)])
+def test_vmap_ag_matmul_is_one_call_per_element(world, batch):
+    """vmap runs one whole op call (own epoch) per batch element: exact on every
+    element, over repeated calls (the failure was whole elements off)."""
+    mesh = setup(world)
+    f = _ag(mesh, jax.vmap(lambda a, b: td.ag_matmul(a, b, "tp")))
+    for _ in range(3):
+        x = rand((batch, world * 3, 16), F32)
+        w = rand((batch, 16, world * 4), F32)
+        out = f(place(mesh, x, P(None, "tp", None)), place(mesh, w, P(None, None, "tp")))
+        for b in range(batch):
+            assert_close(out[b], f64(x[b]) @ f64(w[b]), F32)
+
+
+def test_vmap_all_gather_and_user_kernel():
+    mesh = setup(4)
+    x = rand((2, 4 * 3, 5), F32)
+    f = jax.jit(jax.shard_map(jax.vmap(lambda v: td.all_gather(v, "tp")), mesh=mesh,
+                              in_specs=P(None, "tp"), out_specs=P(), check_vma=False))
+    np.testing.assert_array_equal(np.asarray(f(place(mesh, x, P(None, "tp")))), x)
+
+    n = 8
+
+    def ring(v):  # rank r gets rank r-1's vector
+        return td.triton_call(v, kernel=K.ring_kernel, grid=(1,), axis_name="tp",
+                              out_shape=jax.ShapeDtypeStruct((n,), F32),
+                              workspace_bytes=256 + 8 * n, N=n, BLOCK=8)
+
+    g = jax.jit(jax.shard_map(jax.vmap(ring, in_axes=1, out_axes=1), mesh=mesh,
+                              in_specs=P("tp"), out_specs=P("tp")))
+    v = rand((4 * n, 3), F32)
+    out = np.asarray(g(place(mesh, v, P("tp"))))
+    expect = np.roll(v.reshape(4, n, 3), 1, axis=0).reshape(4 * n, 3)
+    np.testing.assert_array_equal(out, expect)
+
+
+def test_vmap_of_grad():
+    mesh = setup(2)
+    loss = lambda a, b: jnp.sum(jnp.sin(td.ag_matmul(a, b, "tp")))  # noqa: E731
+    f = _ag(mesh, jax.vmap(jax.grad(loss, argnums=(0, 1))),
+            out_specs=(P(None, "tp", None), P(None, None, "tp")))
+    x, w = rand((2, 8, 6), F32), rand((6, 8), F32)
+    w = np.stack([w, 2 * w])
+    gx, gw = f(place(mesh, x, P(None, "tp", None)), place(mesh, w, P(None, None, "tp")))
+    rx, rw = jax.vmap(jax.grad(lambda a, b: jnp.sum(jnp.sin(a @ b)), argnums=(0, 1)))(
+        jnp.asarray(x), jnp.asarray(w))
+    assert_close(gx, f64(rx), F32)
+    assert_close(gw, f64(rw), F32)
+
+
+# -- remat ------------------------------------------------------------------------
+
+POLICIES = {
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+    "everything_saveable": jax.checkpoint_policies.everything_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable":
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "default": None,
+}
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_remat_grad_matches_xla(policy):
+    """jax.checkpoint around a layer with ag_matmul and all_gather, under grad: the
+    recomputed calls run on every device in the same order, so epochs stay in step."""
+    mesh = setup(2)
+
+    def layer(a, b):
+        h = jnp.tanh(td.ag_matmul(a, b, "tp"))
+        return h * jnp.sum(td.all_gather(a, "tp"))
+
+    kw = {} if POLICIES[policy] is None else dict(policy=POLICIES[policy])
+    loss = lambda a, b: jnp.sum(jax.checkpoint(layer, **kw)(a, b) ** 2)  # noqa: E731
+    f = jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1)), mesh=mesh,
+                              in_specs=(ROWS, COLS), out_specs=(ROWS, COLS)))
+    x, w = rand((2 * 4, 8), F32, 0.3), rand((8, 2 * 4), F32, 0.3)
+
+    def ref(a, b):
+        return jnp.sum((jnp.tanh(a @ b) * jnp.sum(a)) ** 2)
+
+    rx, rw = jax.grad(ref, argnums=(0, 1))(jnp.asarray(x), jnp.asarray(w))
+    for _ in range(2):
+        gx, gw = f(place(mesh, x, ROWS), place(mesh, w, COLS))
+        assert_close(gx, f64(rx), F32, factor=10)
+        assert_close(gw, f64(rw), F32, factor=10)
+
+
+# -- second order -----------------------------------------------------------------
+
+@pytest.mark.parametrize("op", ["ag_matmul", "all_gather"])
+def test_second_order_says_it_is_not_supported(op):
+    mesh = setup(2)
+    fn = {"ag_matmul": lambda a, b: td.ag_matmul(a, b, "tp"),
+          "all_gather": lambda a, b: td.all_gather(a, "tp") @ b[:, :1]}[op]
+    inner = jax.grad(lambda a, b: jnp.sum(jnp.sin(fn(a, b))))
+    f = jax.jit(jax.shard_map(jax.grad(lambda a, b: jnp.sum(inner(a, b))), mesh=mesh,
+                              in_specs=(ROWS, COLS), out_specs=ROWS))
+    with pytest.raises(TypeError, match=rf"jaxtdist.{op}: .*no derivative.*grad of grad"):
+        f(place(mesh, rand((8, 4), F32), ROWS), place(mesh, rand((4, 8), F32), COLS))
+
+
+# -- bounded waits ----------------------------------------------------------------
+
+@timeout(60)
+def test_divergent_cond_times_out_within_twice_the_bound():
+    """ag_matmul inside a lax.cond taken on rank 0 only: rank 0 waits for a peer that
+    never comes; the error arrives within twice the bound, naming the wait."""
+    bound = 1.5
+    mesh = setup(2, wait_timeout_s=bound)
+
+    def body(a, b):
+        return jax.lax.cond(jax.lax.axis_index("tp") == 0,
+                            lambda: td.ag_matmul(a, b, "tp"),
+                            lambda: jnp.zeros((2 * a.shape[0], b.shape[1]), a.dtype))
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(ROWS, COLS), out_specs=COLS,
+                              check_vma=False))
+    args = (place(mesh, rand((8, 8), F32), ROWS), place(mesh, rand((8, 8), F32), COLS))
+    compiled = f.lower(*args).compile()
+    try:
+        start = time.monotonic()
+        with pytest.raises(Exception, match="jaxtdist.WaitTimeoutError: a wait timed out"):
+            np.asarray(compiled(*args))
+        assert time.monotonic() - start < 2 * bound
+    finally:
+        td.shutdown()
+
+
+# -- dead workers and shutdown ------------------------------------------------------
+
+def _ag_call(mesh):
+    f = jax.jit(jax.shard_map(lambda a, b: td.ag_matmul(a, b, "tp"), mesh=mesh,
+                              in_specs=(ROWS, COLS), out_specs=COLS))
+    x, w = rand((2 * 4, 8), F32), rand((8, 2 * 4), F32)
+    return f, (place(mesh, x, ROWS), place(mesh, w, COLS)), f64(x) @ f64(w)
+
+
+@timeout(120)
+def test_dead_worker_fails_every_later_call_at_once_and_recovers():
+    mesh = setup(2, wait_timeout_s=60)
+    f, args, ref = _ag_call(mesh)
+    assert_close(f(*args), ref, F32)
+    victim = td.runtime.runtime().backend.workers._procs[1]
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.wait(timeout=10)
+    for _ in range(3):  # this call and every later one: at once, naming the worker
+        start = time.monotonic()
+        with pytest.raises(Exception, match=r"worker of mesh position 1 \(pid \d+\) died"):
+            np.asarray(f(*args))
+        assert time.monotonic() - start < 10
+    td.shutdown()
+    mesh = setup(2)
+    f, args, ref = _ag_call(mesh)
+    assert_close(f(*args), ref, F32)
+
+
+@timeout(120)
+def test_shutdown_waits_for_calls_in_flight():
+    """shutdown() while a call runs: the call finishes (or fails saying why), and
+    shutdown returns; nothing blocks."""
+    mesh = setup(2)
+    f = jax.jit(jax.shard_map(lambda a, b: td.ag_matmul(a, b, "tp"), mesh=mesh,
+                              in_specs=(ROWS, COLS), out_specs=COLS))
+    x, w = rand((2 * 64, 64), F32), rand((64, 2 * 64), F32)
+    args = (place(mesh, x, ROWS), place(mesh, w, COLS))
+    f(*args).block_until_ready()
+    results = {}
+
+    def run():
+        try:
+            results["out"] = np.asarray(f(*args))
+        except Exception as e:  # noqa: BLE001
+            results["error"] = str(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(0.3)
+    start = time.monotonic()
+    td.shutdown()
+    thread.join(60)
+    assert not thread.is_alive()
+    assert time.monotonic() - start < 40
+    if "out" in results:
+        assert_close(results["out"], f64(x) @ f64(w), F32)
+    else:
+        assert "initialize" in results["error"], results["error"]
+
+
+# -- bf16 rounding -------------------------------------------------------------------
+
+def test_interpreter_rounds_bfloat16_to_nearest_even():
+    """The interpreter's float32 -> bfloat16 cast equals numpy/XLA's astype bitwise
+    (Triton 3.6 alone truncates)."""
+    mesh = setup(2)
+    n = 4096
+    x = np.random.default_rng(7).standard_normal(2 * n).astype(np.float32) * 3
+    x[:6] = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1.00390625]  # 1 + 2^-8: a tie, to even
+
+    def body(v):
+        return td.triton_call(v, kernel=K.to_bfloat16_kernel, grid=(1,), axis_name="tp",
+                              out_shape=jax.ShapeDtypeStruct((n,), BF16), N=n, BLOCK=1024)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
+    got = np.asarray(f(place(mesh, x, P("tp")))).view(np.uint16)
+    want = np.asarray(jnp.asarray(x).astype(BF16)).view(np.uint16)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_bf16_ag_matmul_error_matches_xla():
+    mesh = setup(2)
+    x, w = rand((2 * 16, 64), BF16), rand((64, 2 * 16), BF16)
+    f = jax.jit(jax.shard_map(lambda a, b: td.ag_matmul(a, b, "tp"), mesh=mesh,
+                              in_specs=(ROWS, COLS), out_specs=COLS))
+    ref = f64(x) @ f64(w)
+    ours = np.linalg.norm(f64(f(place(mesh, x, ROWS), place(mesh, w, COLS))) - ref)
+    xla = np.linalg.norm(f64(jnp.dot(jnp.asarray(x), jnp.asarray(w))) - ref)
+    assert ours <= 1.2 * xla, (ours, xla)
+
+
+# -- soak -----------------------------------------------------------------------------
+
+@timeout(600)
+def test_soak_chained_calls_with_changing_data_and_shapes():
+    """1,000 calls of each op, chained (each output feeds the next call), changing
+    data every call and shapes between batches; every result checked: 0 mismatches."""
+    mesh = setup(2)
+    calls = 0
+    mismatches = 0
+    steps = 25  # calls per dispatch, chained through a scan
+
+    for m, k, n in [(2, 8, 4), (3, 16, 8), (4, 8, 8), (1, 24, 4)] * 10:
+        def chain(a, b):
+            def step(carry, _):
+                g = td.all_gather(carry, "tp")                   # [2m, k]
+                y = td.ag_matmul(carry, b, "tp")                 # [2m, n]
+                nxt = carry + 0.125 * y[: m, :1] + 0.25 * g[m:, :]
+                return nxt, (carry, g, y)
+            return jax.lax.scan(step, a, None, length=steps)[1]
+
+        f = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=(ROWS, COLS),
+                                  out_specs=(P(None, "tp", None), P(None, None, None),
+                                             P(None, None, "tp")), check_vma=False))
+        x, w = rand((2 * m, k), F32, 0.1), rand((k, 2 * n), F32, 0.1)
+        carries, gs, ys = (np.asarray(v) for v in f(place(mesh, x, ROWS), place(mesh, w, COLS)))
+        # Each call against its own inputs (no compounding of rounding): the gather
+        # is exact, the product holds to float32 rounding.
+        for t in range(steps):
+            mismatches += int(not np.array_equal(gs[t], carries[t]))
+            product = carries[t].astype(np.float64) @ f64(w)
+            mismatches += int(not np.allclose(ys[t], product, rtol=1e-5, atol=1e-6))
+            calls += 1
+        assert np.isfinite(carries).all() and np.abs(carries[-1]).max() > 0
+    assert calls == 1000 and mismatches == 0, (calls, mismatches)
