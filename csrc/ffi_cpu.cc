@@ -17,7 +17,8 @@ ffi::Error PrologueCpu(ffi::Buffer<ffi::S32> position, ffi::RemainingArgs stage,
                        ffi::ResultBuffer<ffi::S32> ctx_out,
                        std::int64_t template_offset, std::int64_t counter_id,
                        std::int64_t stage_offset, std::int64_t parity_bytes,
-                       std::int64_t align_launch, std::int64_t generation,
+                       std::int64_t align_launch, std::int64_t stages,
+                       std::int64_t generation,
                        ffi::Span<const std::int64_t> groups, std::int64_t world) {
   // The interpreter workers start together; host launches need no alignment.
   (void)align_launch;
@@ -27,7 +28,8 @@ ffi::Error PrologueCpu(ffi::Buffer<ffi::S32> position, ffi::RemainingArgs stage,
   if (call.has_error()) return call.error();
   const int pos = call->position;
   const HeapSlot& heap = *call->heap;
-  auto staged = CheckedStage(stage, heap, template_offset, stage_offset, parity_bytes);
+  auto staged =
+      CheckedStage(stage, stages, heap, template_offset, stage_offset, parity_bytes);
   if (staged.has_error()) return staged.error();
   const std::int64_t stage_bytes = staged->bytes;
   const void* stage_data = staged->data;

@@ -29,7 +29,8 @@ auto BindPrologueAttrs(Binding binding) {
                            .template Attr<std::int64_t>("counter_id")
                            .template Attr<std::int64_t>("stage_offset")
                            .template Attr<std::int64_t>("parity_bytes")
-                           .template Attr<std::int64_t>("align_launch"));
+                           .template Attr<std::int64_t>("align_launch")
+                           .template Attr<std::int64_t>("stages"));
 }
 
 // The XLA buffer a prologue stages into its heap slot (none: 0 bytes).
@@ -40,18 +41,25 @@ struct StageSource {
 
 // The prologue's staged buffer (at most one) once it and the context
 // template are known to fit `heap`; else an InvalidArgument error.
+// The first `stages` (0 or 1) of a prologue's remaining operands are the buffer to
+// stage; the rest are the call's ordering dependencies (the previous jaxtdist op's
+// output, the op's inputs): operands only, so that XLA cannot run the prologue,
+// which advances the epoch, before them.
 inline xla::ffi::ErrorOr<StageSource> CheckedStage(const xla::ffi::RemainingArgs& stage,
+                                                   std::int64_t stages,
                                                    const HeapSlot& heap,
                                                    std::int64_t template_offset,
                                                    std::int64_t stage_offset,
                                                    std::int64_t parity_bytes) {
   using xla::ffi::Error;
   using xla::ffi::Unexpected;
-  if (stage.size() > 1) {
-    return Unexpected<Error>(Error::InvalidArgument("jaxtdist prologue stages at most one buffer"));
+  if (stages < 0 || stages > 1 || static_cast<std::int64_t>(stage.size()) < stages) {
+    return Unexpected<Error>(Error::InvalidArgument(
+        "jaxtdist prologue stages at most one buffer (stages=" + std::to_string(stages) +
+        ", operands=" + std::to_string(stage.size()) + ")"));
   }
   StageSource src;
-  if (stage.size() == 1) {
+  if (stages == 1) {
     auto buf = stage.get<xla::ffi::AnyBuffer>(0);
     if (buf.has_error()) return Unexpected<Error>(buf.error());
     src.bytes = static_cast<std::int64_t>(buf->size_bytes());

@@ -27,7 +27,8 @@ if _os.environ.get("_JAXTDIST_INTERPRETER_WORKER") != "1":
     )
     from jaxtdist import runtime  # the subpackage; runtime.runtime() is the object
     from jaxtdist import tune
-    from jaxtdist.ops import ag_matmul, ag_matmul_sharded, all_gather, triton_call
+    from jaxtdist.ops import (ag_matmul, ag_matmul_sharded, all_gather, all_reduce,
+                              reduce_scatter, triton_call)
     from jaxtdist.runtime import initialize, is_initialized, shutdown
 
     def check_errors() -> None:
@@ -44,9 +45,11 @@ __all__ = [
     "ag_matmul",
     "ag_matmul_sharded",
     "all_gather",
+    "all_reduce",
     "check_errors",
     "initialize",
     "is_initialized",
+    "reduce_scatter",
     "runtime",
     "shutdown",
     "triton_call",

@@ -41,7 +41,7 @@ PROGRAM = textwrap.dedent("""
             *a, template_offset=np.int64(0), counter_id=np.int64(3),
             stage_offset=np.int64(4096), parity_bytes=np.int64(stage_bytes),
             generation=np.int64(generation), groups=groups, world=np.int64(world),
-            align_launch=np.int64(1)))
+            align_launch=np.int64(1), stages=np.int64(len(stage))))
         return np.asarray(f(np.array([position], np.int32), *stage)).view(np.int64)
 
     def error(*args, **kwargs):

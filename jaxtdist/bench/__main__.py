@@ -10,9 +10,10 @@ import time
 
 def benchmarks() -> dict:
     """Subcommand -> ``harness.Benchmark``, one per op benchmark."""
-    from jaxtdist.bench import ag_matmul, all_gather
+    from jaxtdist.bench import ag_matmul, all_gather, collectives
 
-    return {b.name: b for b in (ag_matmul.BENCHMARK, all_gather.BENCHMARK, ag_matmul.UNTUNED)}
+    return {b.name: b for b in (ag_matmul.BENCHMARK, all_gather.BENCHMARK, ag_matmul.UNTUNED,
+                                collectives.ALL_REDUCE, collectives.REDUCE_SCATTER)}
 
 
 def _load(path: str) -> dict:

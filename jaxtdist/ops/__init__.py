@@ -2,6 +2,9 @@
 
 from jaxtdist.ops.ag_matmul import ag_matmul, ag_matmul_sharded
 from jaxtdist.ops.all_gather import all_gather
+from jaxtdist.ops.all_reduce import all_reduce
+from jaxtdist.ops.reduce_scatter import reduce_scatter
 from jaxtdist.ops.user import triton_call
 
-__all__ = ["ag_matmul", "ag_matmul_sharded", "all_gather", "triton_call"]
+__all__ = ["ag_matmul", "ag_matmul_sharded", "all_gather", "all_reduce", "reduce_scatter",
+           "triton_call"]

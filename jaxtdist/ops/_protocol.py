@@ -185,10 +185,13 @@ class Call:
             # The handler finds its heap from the device ordinal: a constant spares
             # every call the small XLA kernel that computes the position.
             position = np.zeros((1,), np.int32)
-        deps = tuple(deps) + program_order_deps(rt)
-        if deps:
-            position, _ = jax.lax.optimization_barrier((position, deps))
-        args = [position] + ([stage] if stage is not None else [])
+        # The dependencies are operands of the prologue itself: an optimization
+        # barrier alone does not survive to XLA's scheduling (on CPU, devices then
+        # ran independent prologues in different orders, and calls exchanged data
+        # under mismatched epochs). Operands cost nothing: the handler ignores them.
+        deps = [d for d in tuple(deps) + program_order_deps(rt)
+                if isinstance(d, jax.Array) or hasattr(d, "aval")]
+        args = [position] + ([stage] if stage is not None else []) + deps
         call = _ffi.ffi_call(_native.PROLOGUE_TARGET,
                              jax.ShapeDtypeStruct((CTX_INT32_WORDS,), jnp.int32), op=self.op)
         self._ws = ws
@@ -197,24 +200,26 @@ class Call:
                     counter_id=np.int64(ws.counter_id), stage_offset=np.int64(stage_offset),
                     parity_bytes=np.int64(parity_bytes), generation=np.int64(rt.generation),
                     groups=rt.group_table(self.layout), world=np.int64(self.layout.world),
-                    align_launch=np.int64(align_launch))
+                    align_launch=np.int64(align_launch), stages=np.int64(stage is not None))
 
-    def result_axes(self, *, gathered: Sequence = (), local: Sequence = ()) -> tuple[str, ...]:
-        """The mesh axes a result varies over: every axis any of its inputs varies
-        over, as for ``jax.lax``'s collectives (an ``all_gather``'s result is typed
-        varying over the gathered axes, though its value is the same on every
-        rank of the group). Inputs read from the whole group (``gathered``) and
-        this rank's own (``local``) count alike. Pass it as ``launch(...,
-        varying=...)``; mesh axes no input varies over stay replicated.
+    def result_axes(self, *, reduced: Sequence = (), local: Sequence = ()) -> tuple[str, ...]:
+        """The mesh axes a result varies over, typed as ``jax.lax``'s collectives type
+        theirs: ``local`` inputs count with every axis they vary over (as for
+        ``jax.lax.all_gather``, whose result varies over the gathered axes though
+        its value is the same on every rank); ``reduced`` inputs are summed over
+        the group, so they count without the group's axes (as for
+        ``jax.lax.psum``). Pass it as ``launch(..., varying=...)``; mesh axes no
+        input varies over stay replicated.
 
         With jax that does not track varying axes: every mesh axis.
         """
         axes = set()
-        for a in tuple(gathered) + tuple(local):
-            have = varying_axes(a)
-            if have is None:
-                return tuple(self.rt.mesh.axis_names)
-            axes |= set(have)
+        for arrays, drop in ((reduced, set(self.layout.axes)), (local, set())):
+            for a in arrays:
+                have = varying_axes(a)
+                if have is None:
+                    return tuple(self.rt.mesh.axis_names)
+                axes |= set(have) - drop
         return tuple(a for a in self.rt.mesh.axis_names if a in axes)
 
     def launch(self, kernel, ctx: jax.Array, *args: Any, out_shape, grid: int | Sequence[int],

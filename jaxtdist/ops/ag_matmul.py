@@ -121,7 +121,7 @@ def _launch_sm_producers(call: Call, problem: Problem, cfg: AgMatmulConfig, x, w
     out_shape = (jax.ShapeDtypeStruct((world * m_shard, n), x.dtype),
                  jax.ShapeDtypeStruct((1,) if push else (world * m_shard, k), x.dtype))
     launch = dict(workspace=ws, out_shape=out_shape, **cfg.launch_options(),
-                  varying=call.result_axes(gathered=(x,), local=(w,)))
+                  varying=call.result_axes(local=(x, w)))
     if cfg.TMA:
         programs = persistent_programs(call.platform, problem.sms, cfg.NUM_COMM,
                                        m_tiles * n_tiles)
@@ -216,7 +216,7 @@ def _launch_copy_engines(call: Call, problem: Problem, cfg: AgMatmulConfig, x, w
         ag_matmul_ce_kernel, ctx, x, w,
         out_shape=jax.ShapeDtypeStruct((world * m_shard, n), x.dtype), grid=(programs,),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, needs_scratch=True,
-        varying=call.result_axes(gathered=(x,), local=(w,)),
+        varying=call.result_axes(local=(x, w)),
         M_SHARD=m_shard, N=n, K=k, **offsets, CHUNK_ROWS=cfg.chunk_rows, BLOCK_M=cfg.BLOCK_M,
         BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, NUM_PROGRAMS=programs,
         FLATTEN=flattens(dict(cfg.to_dict(), CHUNK_ROWS=cfg.chunk_rows), world * per_rank,

@@ -98,7 +98,7 @@ def _forward(x, *, axis_name, axis, tiled, config=None):
     out = call.run(all_gather_kernel, flat, workspace=ws,
                    out_shape=jax.ShapeDtypeStruct((world * rows, cols), x.dtype),
                    grid=(cfg.NUM_WORKERS,), num_stages=1, **cfg.launch_options(),
-                   varying=call.result_axes(gathered=(flat,)), ROWS=rows, COLS=cols,
+                   varying=call.result_axes(local=(flat,)), ROWS=rows, COLS=cols,
                    STAGE_OFF=ws.offset + plan.stage, SLOT_BYTES=plan.slot_bytes,
                    READY_OFF=ws.offset + plan.ready, **cfg.kernel_args())
     out = out.reshape((world, rows) + moved.shape[1:])

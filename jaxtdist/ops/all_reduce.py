@@ -129,7 +129,7 @@ def _forward(x, *, axis_name, config=None):
     cfg = resolve(AllReduceConfig, problem, call.rt, config, axis_name=axis_name).settled(problem)
     programs = cfg.NUM_PROGRAMS
     common = dict(out_shape=jax.ShapeDtypeStruct((n,), x.dtype), grid=(programs,),
-                  num_stages=1, varying=call.result_axes(gathered=(flat,)),
+                  num_stages=1, varying=call.result_axes(reduced=(flat,)),
                   **cfg.launch_options())
     if cfg.ALGORITHM == "one_shot":
         plan = ReduceWorkspace(world, n, x.dtype, programs)

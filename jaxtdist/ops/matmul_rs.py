@@ -363,7 +363,7 @@ def matmul_ar_kernels(x: jax.Array, w: jax.Array, axis_name, *,
     # the group's axes.
     return call.run(
         matmul_ar_kernel, x, w, workspace=ws, out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
-        grid=(tiles,), varying=call.result_axes(gathered=(x, w)), **cfg.launch_options(),
+        grid=(tiles,), varying=call.result_axes(reduced=(x, w)), **cfg.launch_options(),
         M=m, N=n, K=k, INBOX_OFF=ws.offset + plan.inbox, PARITY_BYTES=plan.parity_bytes,
         FLAGS_OFF=ws.offset + plan.flags, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
         BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M)
