@@ -319,19 +319,7 @@ class AgMatmulConfig(KernelConfig):
     def search_space(cls, problem: Problem) -> list[dict]:
         """Overrides of the defaults worth timing on GPUs, those that fit the problem,
         each distinct (the defaults are timed once)."""
-        fitting, seen = [], set()
-        for overrides in _gpu_candidates(problem):
-            try:
-                config = cls.settle(cls.default(problem), overrides)
-                config.validate(problem)
-            except ValueError:
-                continue
-            key = tuple(sorted(config.to_dict().items()))
-            if key in seen:
-                continue
-            seen.add(key)
-            fitting.append(overrides)
-        return fitting
+        return cls.fitting(problem, _gpu_candidates(problem))
 
 
 def _gpu_candidates(problem: Problem) -> list[dict]:

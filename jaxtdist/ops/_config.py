@@ -81,6 +81,23 @@ class KernelConfig:
         asked for follow them (op-specific)."""
         return base.replace(**asked)
 
+    @classmethod
+    def fitting(cls, problem: Problem, candidates: list[dict]) -> list[dict]:
+        """The override sets of ``candidates`` that validate for ``problem``, each
+        settling to a distinct config (the defaults and duplicates are timed once)."""
+        kept, seen = [], set()
+        for overrides in candidates:
+            try:
+                config = cls.settle(cls.default(problem), overrides)
+                config.validate(problem)
+            except ValueError:
+                continue
+            key = tuple(sorted(config.to_dict().items()))
+            if key not in seen:
+                seen.add(key)
+                kept.append(overrides)
+        return kept
+
     def validate(self, problem: Problem) -> None:
         """Raises ``ValueError`` naming the first constraint ``problem`` puts that this
         config breaks."""

@@ -48,13 +48,9 @@ def _check(x, w, *, axis_name, config=None) -> None:
         raise ValueError(f"jaxtdist.ag_matmul: empty operand x{x.shape} w{w.shape}")
 
 
-def _sms(call: Call) -> int:
-    return getattr(call.rt.mesh.devices.flat[0], "core_count", None) or 132
-
-
 def _problem(call: Call, x, w) -> Problem:
     return Problem(call.platform, call.world, (x.shape[0], w.shape[1], x.shape[1]),
-                   jnp.dtype(x.dtype).name, _sms(call))
+                   jnp.dtype(x.dtype).name, call.rt.sms)
 
 
 def persistent_programs(platform: str, sms: int, num_comm: int, tiles: int) -> int:
@@ -334,7 +330,7 @@ def _tuning_case(axis_name, shape, dtype) -> _registry.TuningCase:
                                wb.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST),
         **specs))(*args)
     problem = Problem(rt.platform, world, tuple(shape), jnp.dtype(dtype).name,
-                      getattr(rt.mesh.devices.flat[0], "core_count", None) or 132)
+                      rt.sms)
 
     def compile_candidate(overrides):
         # An explicit config skips the cache: defaults + this candidate.

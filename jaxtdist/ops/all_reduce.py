@@ -23,7 +23,7 @@ from jaxtdist.ops._config import KernelConfig, Problem, resolve
 from jaxtdist.ops._op import DistributedOp
 from jaxtdist.ops._protocol import Call, varying_axes
 from jaxtdist.ops._shapes import check_dtype
-from jaxtdist.ops.reduce_scatter import (ReduceWorkspace, fitting, problem_of, slab_grid,
+from jaxtdist.ops.reduce_scatter import (ReduceWorkspace, problem_of, slab_grid,
                                          sum_tuning_case, validate_slab_config)
 from jaxtdist.runtime._runtime import runtime
 from jaxtdist.tune import _registry
@@ -106,7 +106,7 @@ class AllReduceConfig(KernelConfig):
         algorithms = [dict(ALGORITHM="one_shot"), dict(ALGORITHM="two_shot")]
         if problem.platform != "gpu":
             return [{}] + algorithms
-        return fitting(cls, problem, [{}] + [dict(a, NUM_PROGRAMS=p, BLOCK=b)
+        return cls.fitting(problem, [{}] + [dict(a, NUM_PROGRAMS=p, BLOCK=b)
                                              for a in algorithms for p in (8, 32, 66, 132)
                                              for b in (1024, 4096)])
 

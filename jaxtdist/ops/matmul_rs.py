@@ -55,18 +55,6 @@ def _check_blocks(op: str, cfg, keys) -> None:
                              ">= 16 (tl.dot's smallest tile)")
 
 
-def _fitting(cls, problem: Problem, candidates: list[dict]) -> list[dict]:
-    fitting = []
-    for overrides in candidates:
-        try:
-            cls.settle(cls.default(problem), overrides).validate(problem)
-        except ValueError:
-            continue
-        if overrides not in fitting:
-            fitting.append(overrides)
-    return fitting
-
-
 @dataclasses.dataclass(frozen=True)
 class MatmulRsConfig(KernelConfig):
     """How matmul_rs's persistent kernel runs one problem.
@@ -130,13 +118,13 @@ class MatmulRsConfig(KernelConfig):
     @classmethod
     def search_space(cls, problem: Problem) -> list[dict]:
         if problem.platform != "gpu":
-            return _fitting(cls, problem, [{}, dict(BLOCK_N=16), dict(NUM_PROGRAMS=1),
+            return cls.fitting(problem, [{}, dict(BLOCK_N=16), dict(NUM_PROGRAMS=1),
                                            dict(PARTIAL="input")])
         tiles = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=8 if bm * bn >= 128 * 128 else 4)
                  for bm, bn in ((128, 128), (128, 256), (128, 64), (64, 64))]
         extra = [dict(t, num_stages=s) for t in tiles[:2] for s in (3, 4)]
         extra += [dict(PARTIAL="input"), dict(GROUP_M=4), dict(GROUP_M=16)]
-        return _fitting(cls, problem, [{}] + tiles + extra)
+        return cls.fitting(problem, [{}] + tiles + extra)
 
     def programs(self, problem: Problem, tiles: int) -> int:
         """The persistent grid: NUM_PROGRAMS (0: one per SM; 3 under the
@@ -189,8 +177,8 @@ class MatmulArConfig(KernelConfig):
     @classmethod
     def search_space(cls, problem: Problem) -> list[dict]:
         if problem.platform != "gpu":
-            return _fitting(cls, problem, [{}, dict(BLOCK_N=16), dict(BLOCK_K=16)])
-        return _fitting(cls, problem, [{}] + [
+            return cls.fitting(problem, [{}, dict(BLOCK_N=16), dict(BLOCK_K=16)])
+        return cls.fitting(problem, [{}] + [
             dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w)
             for bn in (32, 64, 128) for bk in (64, 128, 256) for w in (4, 8)])
 
@@ -241,13 +229,9 @@ def _ar_check(x, w, *, axis_name, config=None) -> None:
     _check("matmul_ar", x, w)
 
 
-def _sms(rt) -> int:
-    return getattr(rt.mesh.devices.flat[0], "core_count", None) or 132
-
-
 def _problem(call: Call, x, w) -> Problem:
     return Problem(call.platform, call.world, (x.shape[0], w.shape[1], x.shape[1]),
-                   jnp.dtype(x.dtype).name, _sms(call.rt))
+                   jnp.dtype(x.dtype).name, call.rt.sms)
 
 
 # -- matmul_rs -------------------------------------------------------------------
@@ -494,7 +478,7 @@ def _tuning_case(op: str, axis_name, shape, dtype) -> _registry.TuningCase:
     reference = jax.jit(jax.shard_map(reference_fn, **specs))(*args)
     config_type, kernels = ((MatmulRsConfig, matmul_rs_kernels) if rs
                             else (MatmulArConfig, matmul_ar_kernels))
-    problem = Problem(rt.platform, world, tuple(shape), jnp.dtype(dtype).name, _sms(rt))
+    problem = Problem(rt.platform, world, tuple(shape), jnp.dtype(dtype).name, rt.sms)
 
     def compile_candidate(overrides):
         cfg = resolve(config_type, problem, rt, overrides)  # explicit: skips the cache

@@ -62,22 +62,9 @@ def validate_slab_config(cfg: KernelConfig, problem: Problem) -> None:
                          f"the {problem.sms} SMs (every program must be resident)")
 
 
-def fitting(config_type, problem: Problem, candidates: list[dict]) -> list[dict]:
-    """The candidates that validate for ``problem``."""
-    out = []
-    for overrides in candidates:
-        try:
-            config_type.settle(config_type.default(problem), overrides).validate(problem)
-        except ValueError:
-            continue
-        out.append(overrides)
-    return out
-
-
 def problem_of(rt, world: int, n: int, dtype) -> Problem:
     """The per-rank problem of ``n`` elements of ``dtype`` (shape key ``(n,)``)."""
-    sms = getattr(rt.mesh.devices.flat[0], "core_count", None) or 132
-    return Problem(rt.platform, world, (n,), jnp.dtype(dtype).name, sms)
+    return Problem(rt.platform, world, (n,), jnp.dtype(dtype).name, rt.sms)
 
 
 class ReduceWorkspace:
@@ -132,7 +119,7 @@ class ReduceScatterConfig(KernelConfig):
     def search_space(cls, problem: Problem) -> list[dict]:
         if problem.platform != "gpu":
             return [{}, dict(NUM_PROGRAMS=3, BLOCK=64)]
-        return fitting(cls, problem, [{}] + [dict(NUM_PROGRAMS=p, BLOCK=b, num_warps=w)
+        return cls.fitting(problem, [{}] + [dict(NUM_PROGRAMS=p, BLOCK=b, num_warps=w)
                                              for p in (16, 32, 66, 132) for b in (1024, 4096)
                                              for w in (4, 8)])
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxtdist.language import _layout as L
 from jaxtdist.runtime import _native
-from jaxtdist.runtime._backend import BackendSpec, HeapBackend, create_backend
+from jaxtdist.runtime._backend import BackendSpec, create_backend
 from jaxtdist.runtime._config_cache import TuningCache
 from jaxtdist._errors import HeapExhaustedError, NotInitializedError, WaitTimeoutError
 
@@ -100,6 +100,8 @@ class Runtime:
         self.mesh = mesh
         self.platform = _platform(devices)
         self.heap_bytes = int(heap_bytes or DEFAULT_HEAP_BYTES[self.platform])
+        # SMs a persistent grid may fill (devices of one mesh are of one kind).
+        self.sms = int(getattr(devices[0], "core_count", None) or 132)
         self.wait_timeout_s = float(DEFAULT_WAIT_TIMEOUT_S if wait_timeout_s is None
                                     else wait_timeout_s)
         if not 0 < self.wait_timeout_s <= 1e6:

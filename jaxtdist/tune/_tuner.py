@@ -8,7 +8,6 @@ import sys
 import time
 from collections.abc import Callable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
