@@ -27,8 +27,9 @@ if _os.environ.get("_JAXTDIST_INTERPRETER_WORKER") != "1":
     )
     from jaxtdist import runtime  # the subpackage; runtime.runtime() is the object
     from jaxtdist import tune
-    from jaxtdist.ops import (ag_matmul, ag_matmul_sharded, all_gather, all_reduce,
-                              reduce_scatter, triton_call)
+    from jaxtdist.ops import (ag_matmul, ag_matmul_sharded, all_gather, all_reduce, matmul_ar,
+                              matmul_ar_sharded, matmul_rs, matmul_rs_sharded, reduce_scatter,
+                              triton_call)
     from jaxtdist.runtime import initialize, is_initialized, shutdown
 
     def check_errors() -> None:
@@ -49,6 +50,10 @@ __all__ = [
     "check_errors",
     "initialize",
     "is_initialized",
+    "matmul_ar",
+    "matmul_ar_sharded",
+    "matmul_rs",
+    "matmul_rs_sharded",
     "reduce_scatter",
     "runtime",
     "shutdown",

@@ -312,23 +312,118 @@ def test_user_example(source):
         assert_close(out, f64(x) @ f64(w), F32)
 
 
-def test_independent_same_shape_calls_in_one_jit():
-    """Calls with no data dependence share a workspace; every device must run them
-    in one order (jaxtdist chains them in trace order)."""
-    world, m, k, n = 4, 3, 16, 8
+@pytest.mark.parametrize("world", [4, 8])
+def test_independent_same_shape_calls_in_one_jit(world):
+    """10 calls with no data dependence share a workspace; every device must run them
+    in one order (jaxtdist chains them in trace order through the prologue's
+    operands). Before that was a real data dependency, XLA:CPU ran the prologues
+    in different orders on different devices: wrong results for every call, or
+    stalls, in about half the runs at world 4."""
+    m, k, n, calls = 6, 8, 5, 10
     mesh = setup(world)
 
     @jax.jit
     @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("tp", None), P(None, "tp")),
-                       out_specs=P(None, "tp"))
-    def four(x, w):
-        outs = [td.ag_matmul(x * (i + 1), w, "tp") for i in range(3)]
-        outs.append(td.all_gather(x, "tp") @ w)
-        return sum(o * (10.0 ** i) for i, o in enumerate(outs))
+                       out_specs=P(None, None, "tp"))
+    def chain(x, w):
+        return jnp.stack([td.ag_matmul(x * (1.0 + i), w, "tp") for i in range(calls)])
 
-    for _ in range(5):
+    for _ in range(3):
         x, w = rand((world * m, k)), rand((k, world * n))
-        out = four(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp")))
-        ref = f64(x) @ f64(w)
-        expect = sum((i + 1 if i < 3 else 1) * ref * 10.0 ** i for i in range(4))
-        assert rel_err(out, expect) < 1e-5
+        out = chain(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp")))
+        for i in range(calls):
+            err = rel_err(out[i], f64(x) * (1.0 + i) @ f64(w))
+            assert err < 1e-5, f"call {i}: relative error {err:.3g}"
+
+
+NESTINGS = {
+    "jit": lambda f, x: jax.jit(f)(x),
+    "cond": lambda f, x: jax.lax.cond(jax.lax.psum(jnp.sum(x), "tp") > -1e9, f,
+                                      lambda a: f(a) * 0.0, x),
+    "checkpoint": lambda f, x: jax.checkpoint(f)(x),
+    "vmap": lambda f, x: jax.vmap(f)(jnp.stack([x, x]))[1],
+    "scan": lambda f, x: jax.lax.scan(lambda c, a: (c, f(a)), 0.0, jnp.stack([x, x]))[1][1],
+}
+
+
+@pytest.mark.parametrize("nesting", sorted(NESTINGS))
+def test_calls_in_a_nested_trace_follow_the_enclosing_calls(nesting):
+    """Calls inside a nested jit, cond, checkpoint, vmap or scan, with no data
+    dependence on the calls before them in the enclosing shard_map, run after
+    those on every device (the enclosing trace's last output, closed over)."""
+    world, m, k, n, before = 4, 6, 8, 5, 3
+    mesh = setup(world)
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("tp", None), P(None, "tp")),
+                       out_specs=P(None, None, "tp"))
+    def program(x, w):
+        outs = [td.ag_matmul(x * (1.0 + i), w, "tp") for i in range(before)]
+        nested = NESTINGS[nesting](lambda a: td.ag_matmul(a * (1.0 + before), w, "tp"), x)
+        return jnp.stack(outs + [nested])
+
+    for _ in range(3):
+        x, w = rand((world * m, k)), rand((k, world * n))
+        out = program(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp")))
+        for i in range(before + 1):
+            err = rel_err(out[i], f64(x) * (1.0 + i) @ f64(w))
+            assert err < 1e-5, f"call {i}: relative error {err:.3g}"
+
+
+def test_independent_wrapper_calls_in_one_jit():
+    """pjit-style wrappers are separate shard_maps: each takes the previous one's
+    result as an argument, so independent calls keep one order."""
+    world, m, k, n, calls = 4, 6, 8, 5, 6
+    mesh = setup(world)
+    f = jax.jit(lambda x, w: jnp.stack([
+        td.ag_matmul_sharded(x * (1.0 + i), w, axis_name="tp") for i in range(calls)]))
+    for _ in range(3):
+        x, w = rand((world * m, k)), rand((k, world * n))
+        out = f(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp")))
+        for i in range(calls):
+            err = rel_err(out[i], f64(x) * (1.0 + i) @ f64(w))
+            assert err < 1e-5, f"call {i}: relative error {err:.3g}"
+
+
+def test_independent_calls_of_every_op_in_one_jit():
+    """Every op twice, none depending on another, in one program at world 4."""
+    world, m, k, n = 4, 8, 8, 4
+    mesh = setup(world)
+    from jaxtdist.ops.matmul_rs import matmul_ar, matmul_rs
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh,
+                       in_specs=(P("tp", None), P(None, "tp"), P(None, "tp"), P("tp", None)),
+                       out_specs=P())
+    def mixed(x, w, xk, wk):
+        outs = []
+        for i in range(2):
+            s = 1.0 + i
+            outs += [td.ag_matmul(x * s, w, "tp"), td.all_gather(x * s, "tp"),
+                     td.all_reduce(x * s, "tp"), td.reduce_scatter(xk * s, "tp"),
+                     matmul_rs(xk * s, wk, "tp"), matmul_ar(xk * s, wk, "tp")]
+        # Sums over the group give every result replicated, for one out_spec.
+        return [jax.lax.psum(o, "tp") for o in outs]
+
+    for _ in range(2):
+        x, w = rand((world * m, k)), rand((k, world * n))
+        xk, wk = rand((world * m, world * k)), rand((world * k, n))
+        outs = mixed(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp")),
+                     place(mesh, xk, P(None, "tp")), place(mesh, wk, P("tp", None)))
+        xs = [f64(x)[r * m:(r + 1) * m] for r in range(world)]
+        xks = [f64(xk)[:, r * k:(r + 1) * k] for r in range(world)]
+        wks = [f64(wk)[r * k:(r + 1) * k] for r in range(world)]
+        for i in range(2):
+            s = 1.0 + i
+            partial = sum(a * s @ b for a, b in zip(xks, wks))  # [world*m, n]
+            expect = [
+                sum(np.concatenate(xs) * s @ f64(w)[:, r * n:(r + 1) * n] for r in range(world)),
+                world * np.concatenate(xs) * s,
+                world * sum(a * s for a in xs),
+                sum(sum(a * s for a in xks)[r * m:(r + 1) * m] for r in range(world)),
+                sum(partial[r * m:(r + 1) * m] for r in range(world)),
+                world * partial,
+            ]
+            for j, e in enumerate(expect):
+                err = rel_err(outs[6 * i + j], e)
+                assert err < 1e-5, f"call {i}, op {j}: relative error {err:.3g}"

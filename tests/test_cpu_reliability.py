@@ -260,7 +260,7 @@ def test_soak_chained_calls_with_changing_data_and_shapes():
     data every call and shapes between batches; every result checked: 0 mismatches."""
     mesh = setup(2)
     calls = 0
-    mismatches = 0
+    mismatches = []
     steps = 25  # calls per dispatch, chained through a scan
 
     for m, k, n in [(2, 8, 4), (3, 16, 8), (4, 8, 8), (1, 24, 4)] * 10:
@@ -280,9 +280,14 @@ def test_soak_chained_calls_with_changing_data_and_shapes():
         # Each call against its own inputs (no compounding of rounding): the gather
         # is exact, the product holds to float32 rounding.
         for t in range(steps):
-            mismatches += int(not np.array_equal(gs[t], carries[t]))
+            if not np.array_equal(gs[t], carries[t]):
+                mismatches.append(f"all_gather {(m, k, n)} step {t}: "
+                                  f"{np.abs(gs[t] - carries[t]).max():.3g}")
             product = carries[t].astype(np.float64) @ f64(w)
-            mismatches += int(not np.allclose(ys[t], product, rtol=1e-5, atol=1e-6))
+            if not np.allclose(ys[t], product, rtol=1e-5, atol=1e-6):
+                mismatches.append(f"ag_matmul {(m, k, n)} step {t}: max abs error "
+                                  f"{np.abs(ys[t] - product).max():.3g}, max abs value "
+                                  f"{np.abs(product).max():.3g}")
             calls += 1
         assert np.isfinite(carries).all() and np.abs(carries[-1]).max() > 0
-    assert calls == 1000 and mismatches == 0, (calls, mismatches)
+    assert calls == 1000 and not mismatches, (calls, mismatches)

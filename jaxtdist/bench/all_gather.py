@@ -36,7 +36,7 @@ def bench_all_gather(sizes, iterations: int, world: int, dtype=jnp.bfloat16,
         xs = jax.device_put(x, NamedSharding(mesh, P("tp", None)))
         ref = np.asarray(x)
         row = dict(bytes_per_rank=nbytes, world=world, dtype=jnp.dtype(dtype).name,
-                   rounds=rounds, size=float(nbytes), label=_bytes(nbytes))
+                   rounds=rounds, size=float(nbytes), label=h.bytes_label(nbytes))
         row.update(h.interleaved(dict(
             xla_all_gather=h.Contender(xla, (xs,), world, ref, exact=True),
             jaxtdist=h.Contender(ours, (xs,), world, ref, exact=True, aligned=True),
@@ -46,13 +46,6 @@ def bench_all_gather(sizes, iterations: int, world: int, dtype=jnp.bfloat16,
         print(f"{nbytes:>10} | {h.us(row['xla_all_gather']):>9} | {h.us(row['jaxtdist']):>9} | "
               f"{h.us(row['jaxtdist_unaligned']):>9} | exact={_exact(row)}", flush=True)
     return rows
-
-
-def _bytes(n: int) -> str:
-    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale and n % scale == 0:
-            return f"{n // scale} {unit}"
-    return f"{n} B"
 
 
 def _exact(row: dict) -> str:

@@ -17,7 +17,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtdist.bench import harness as h
-from jaxtdist.bench.all_gather import _bytes
 from jaxtdist.bench.shapes import ALL_GATHER_BYTES as SIZES  # the same sizes per rank
 
 
@@ -41,7 +40,7 @@ def _inputs(mesh, nbytes: int, world: int, dtype):
 
 def _row(nbytes: int, world: int, dtype, rounds: int) -> dict:
     return dict(bytes_per_rank=nbytes, world=world, dtype=jnp.dtype(dtype).name, rounds=rounds,
-                size=float(nbytes), label=_bytes(nbytes))
+                size=float(nbytes), label=h.bytes_label(nbytes))
 
 
 def bench_all_reduce(sizes, iterations: int, world: int, dtype=jnp.bfloat16,

@@ -359,3 +359,10 @@ def plot(results: Sequence[dict], png_path: str) -> None:
     fig.savefig(png_path, dpi=110)
     plt.close(fig)
 
+
+def bytes_label(n: int) -> str:
+    """``n`` bytes as a table label: "16 KiB", "8 MiB", "100 B"."""
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} B"

@@ -20,8 +20,7 @@ table also times their kernels at world 1 (``matmul_rs_kernels``,
 ``matmul_ar_kernels``) with the default configs (a fresh, empty user tuning
 cache), what a group of several ranks runs, communication aside.
 
-The sizes are written here (not in ``shapes.py``) until the benchmark is
-registered; move them there then.
+The sizes are in ``shapes.py``.
 """
 
 from __future__ import annotations
@@ -35,24 +34,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtdist.bench import harness as h
-
-# matmul_rs, (M, N, K): x is [M, K] with K split over the world, w is [K, N]; each
-# rank gets M / W rows of the sum. The issue's 4 x H200 targets (local GEMM 258 and
-# 1216 us, dot + psum_scatter 445 and 1580 us at K / 4).
-MATMUL_RS_SHAPES = [(8192, 4096, 12288), (8192, 8192, 29568)]
-# matmul_ar: M rows (decode), K = 8192 split over the world, N = 8192.
-MATMUL_AR_ROWS = [1, 16, 128]
-MATMUL_AR_NK = (8192, 8192)
-# World 1 against jnp.dot: (op, m, n, k, dtype), the per-rank problems of the
-# tables above at W = 4 and one more shape.
-MATMUL_RS_UNTUNED_SHAPES = [
-    ("matmul_rs", 8192, 4096, 3072, "bfloat16"),
-    ("matmul_rs", 8192, 8192, 7392, "bfloat16"),
-    ("matmul_rs", 2048, 4096, 4096, "bfloat16"),
-    ("matmul_ar", 1, 8192, 2048, "bfloat16"),
-    ("matmul_ar", 16, 8192, 2048, "bfloat16"),
-    ("matmul_ar", 128, 8192, 2048, "bfloat16"),
-]
+from jaxtdist.bench.shapes import (MATMUL_AR_NK, MATMUL_AR_ROWS, MATMUL_RS_SHAPES,
+                                   MATMUL_RS_UNTUNED_SHAPES)
 
 X_SPEC, W_SPEC = P(None, "tp"), P("tp", None)
 
@@ -198,18 +181,19 @@ def ar_table(res: dict) -> str:
 
 def _world_argument(parser) -> None:
     parser.add_argument("--world", type=int, default=0, help="devices to run on (default: all)")
+    parser.add_argument("--quick", action="store_true", help="the first size only")
 
 
 def run_rs(args) -> tuple[list[dict], dict]:
     world = args.world or len(jax.devices())
-    return bench_matmul_rs(MATMUL_RS_SHAPES, args.iterations, world, rounds=args.rounds), dict(
-        world=world)
+    shapes = MATMUL_RS_SHAPES[:1] if args.quick else MATMUL_RS_SHAPES
+    return bench_matmul_rs(shapes, args.iterations, world, rounds=args.rounds), dict(world=world)
 
 
 def run_ar(args) -> tuple[list[dict], dict]:
     world = args.world or len(jax.devices())
-    return bench_matmul_ar(MATMUL_AR_ROWS, args.iterations, world, rounds=args.rounds), dict(
-        world=world)
+    rows = MATMUL_AR_ROWS[:1] if args.quick else MATMUL_AR_ROWS
+    return bench_matmul_ar(rows, args.iterations, world, rounds=args.rounds), dict(world=world)
 
 
 BENCHMARK = h.Benchmark(

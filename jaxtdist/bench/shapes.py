@@ -31,3 +31,21 @@ AG_MATMUL_UNTUNED_SHAPES = [
 
 # all_gather: bytes per rank (bf16 rows of 1024 columns).
 ALL_GATHER_BYTES = [16 << 10, 256 << 10, 1 << 20, 8 << 20, 64 << 20]
+
+# matmul_rs, (M, N, K): x is [M, K] with K split over the world, w is [K, N]; each
+# rank gets M / W rows of the sum. The 4 x H200 targets (local GEMM 258 and
+# 1216 us, dot + psum_scatter 445 and 1580 us at K / 4).
+MATMUL_RS_SHAPES = [(8192, 4096, 12288), (8192, 8192, 29568)]
+# matmul_ar: M rows (decode), K = 8192 split over the world, N = 8192.
+MATMUL_AR_ROWS = [1, 16, 128]
+MATMUL_AR_NK = (8192, 8192)
+# World 1 against jnp.dot: (op, m, n, k, dtype), the per-rank problems of the
+# tables above at W = 4 and one more shape.
+MATMUL_RS_UNTUNED_SHAPES = [
+    ("matmul_rs", 8192, 4096, 3072, "bfloat16"),
+    ("matmul_rs", 8192, 8192, 7392, "bfloat16"),
+    ("matmul_rs", 2048, 4096, 4096, "bfloat16"),
+    ("matmul_ar", 1, 8192, 2048, "bfloat16"),
+    ("matmul_ar", 16, 8192, 2048, "bfloat16"),
+    ("matmul_ar", 128, 8192, 2048, "bfloat16"),
+]

@@ -39,7 +39,7 @@ from typing import Any
 
 import jax
 
-from jaxtdist.ops._protocol import (check_axis, mark_varying, program_order_deps,
+from jaxtdist.ops._protocol import (check_axis, mark_varying, order_record, program_order_deps,
                                     record_output, varying_axes)
 from jaxtdist.runtime._runtime import runtime
 
@@ -137,13 +137,14 @@ class DistributedOp:
             return self.local(*arrays, axis_name=axis_name, **static)
         if not arrays:  # nothing to differentiate: the protocol orders the call itself
             return self.forward(axis_name=axis_name, **static)[0]
-        previous = program_order_deps(rt)
-        if previous:
-            first, _ = jax.lax.optimization_barrier((arrays[0], previous))
-            arrays = (first,) + tuple(arrays[1:])
+        # The previous op's output goes in as an argument, so the prologue takes it
+        # as an operand (a data dependency XLA must honour; an optimization barrier
+        # around the inputs did not survive to XLA:CPU's scheduling, and devices
+        # then ran the calls' prologues in different orders under mismatched epochs).
+        after = program_order_deps(rt)
         frozen = tuple(sorted((k, _freeze(v)) for k, v in dict(static, axis_name=axis_name)
                               .items()))
-        out = self._vjp(frozen, *arrays)
+        out = self._vjp(frozen, len(after), *after, *arrays)
         record_output(rt, jax.tree_util.tree_leaves(out)[0])
         return out
 
@@ -155,30 +156,38 @@ class DistributedOp:
     def _vjp(self) -> Callable:
         op = self
 
-        @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-        def call(frozen, *arrays):
-            return _one_call_per_element(lambda *a: op.forward(*a, **_static(frozen))[0])(
-                *arrays)
+        def ordered_forward(frozen, n_after):
+            # The first ``n_after`` arguments are the previous op's output: the call's
+            # prologue runs after it (``_protocol.program_order_deps``).
+            def forward(*args):
+                if n_after:
+                    record_output(runtime(), args[0])
+                return op.forward(*args[n_after:], **_static(frozen))
+            return forward
 
-        def fwd(frozen, *arrays):
-            out, residuals = _one_call_per_element(
-                lambda *a: op.forward(*a, **_static(frozen)))(*arrays)
-            return out, (residuals, arrays)
+        @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+        def call(frozen, n_after, *args):
+            forward = ordered_forward(frozen, n_after)
+            return one_call_per_element(lambda *a: forward(*a)[0])(*args)
 
-        def bwd(frozen, saved, ct):
+        def fwd(frozen, n_after, *args):
+            out, residuals = one_call_per_element(ordered_forward(frozen, n_after))(*args)
+            return out, (residuals, args[n_after:])  # not the order token: no memory held
+
+        def bwd(frozen, n_after, saved, ct):
             residuals, arrays = saved
             if op.backward is None:
                 raise TypeError(f"jaxtdist.{op.name} is not differentiable; wrap it in a "
                                 "jax.custom_vjp of your own to give it a backward pass")
             cts = op.backward(residuals, ct, **_static(frozen))
-            return tuple(None if c is None else match_cotangent(c, a)
-                         for c, a in zip(cts, arrays))
+            return (None,) * n_after + tuple(None if c is None else match_cotangent(c, a)
+                                             for c, a in zip(cts, arrays))
 
         call.defvjp(fwd, bwd)
         return call
 
 
-def _one_call_per_element(fn: Callable) -> Callable:
+def one_call_per_element(fn: Callable) -> Callable:
     """``fn`` whose batching rule (``jax.vmap``) calls it once per batch element in
     a ``lax.map``: each element's call is a whole op call with its own prologue,
     epoch and launch, in order, as if the caller had looped. (Batching the
@@ -236,9 +245,26 @@ def pjit_wrapper(op_fn: Callable, *, name: str,
             if a not in mesh.axis_names:
                 raise ValueError(f"jaxtdist.{name}: {a!r} is not an axis of the mesh; its "
                                  f"axes are {tuple(mesh.axis_names)}")
-        body = functools.partial(op_fn, axis_name=axis_name, **static)
-        return jax.shard_map(body, mesh=mesh, in_specs=in_specs(axis_name, batch_axes),
-                             out_specs=out_specs(axis_name, batch_axes))(*arrays)
+        # Separate shard_maps are separate traces: the previous wrapper's result goes
+        # in as an argument (in its own sharding: nothing moves), so that this
+        # call's prologue runs after it on every device.
+        previous = order_record(rt)
+        after = (previous is not None and previous.spec is not None
+                 and previous.spec[0] == mesh)
+        token, token_spec = ((previous.value,), (previous.spec[1],)) if after else ((), ())
+
+        def body(*args):
+            if after:
+                record_output(rt, args[0])
+            return op_fn(*args[len(token):], axis_name=axis_name, **static)
+
+        spec_out = out_specs(axis_name, batch_axes)
+        out = jax.shard_map(body, mesh=mesh, in_specs=token_spec + tuple(in_specs(
+            axis_name, batch_axes)), out_specs=spec_out)(*token, *arrays)
+        first, first_spec = (out, spec_out) if isinstance(out, jax.Array) else (
+            out[0], spec_out[0])
+        record_output(rt, first, spec=(mesh, first_spec))
+        return out
 
     wrapper.__name__ = name
     return wrapper

@@ -26,6 +26,7 @@ Example (an op with one kernel and one workspace)::
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -85,18 +86,53 @@ def _current_trace():
         return None
 
 
+# Records kept: one per trace; traces are never marked finished, so old ones go.
+_ORDER_RECORDS = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class OrderRecord:
+    """The last jaxtdist output traced in ``trace``; ``spec``: (mesh, PartitionSpec)
+    when it is a pjit-style wrapper's global result (outside shard_map), else None."""
+    trace: Any
+    value: Any
+    spec: Any = None
+
+
+def _lineage(trace) -> list:
+    """``trace`` and the traces it is nested in (jit, scan, cond and remat bodies
+    inside a shard_map have their enclosing trace as parent; shard_map and
+    custom_vjp bodies start a lineage of their own)."""
+    out = []
+    while trace is not None and len(out) < 64:
+        out.append(trace)
+        trace = getattr(trace, "parent_trace", None)
+    return out
+
+
+def order_record(rt: Runtime) -> OrderRecord | None:
+    """The latest record of the current trace or of one it is nested in."""
+    lineage = _lineage(_current_trace())
+    for record in reversed(rt.order_records):
+        if any(record.trace is t for t in lineage):
+            return record
+    return None
+
+
 def program_order_deps(rt: Runtime) -> tuple:
-    """The previous jaxtdist output of the trace being built, if any."""
-    last = rt.last_traced_output
-    if last is None:
-        return ()
-    trace, value = last
-    return (value,) if trace is not None and trace is _current_trace() else ()
+    """The previous jaxtdist output of the trace being built (or of a trace it is
+    nested in: closed over, JAX passes it in), if any."""
+    record = order_record(rt)
+    return () if record is None or record.spec is not None else (record.value,)
 
 
-def record_output(rt: Runtime, value: jax.Array) -> None:
+def record_output(rt: Runtime, value: jax.Array, spec: Any = None) -> None:
     """Makes ``value`` the one the next jaxtdist op of this trace runs after."""
-    rt.last_traced_output = (_current_trace(), value)
+    if not isinstance(value, jax.core.Tracer):
+        return  # run eagerly: dispatch orders it, and a record would hold the array
+    trace = _current_trace()
+    records = [r for r in rt.order_records if r.trace is not trace][-(_ORDER_RECORDS - 1):]
+    rt.order_records = records + [OrderRecord(trace, value, spec)]
 
 
 def varying_axes(value: jax.Array) -> frozenset | None:

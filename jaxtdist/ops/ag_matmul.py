@@ -18,8 +18,9 @@ from jaxtdist.kernels.ag_matmul import (ag_matmul_ce_kernel, ag_matmul_kernel,
 from jaxtdist.ops._ag_matmul_config import (AgMatmulConfig, flattens, split_n_tail,
                                             stream_k_tail, tail_stages)
 from jaxtdist.ops._config import Problem, resolve
-from jaxtdist.ops._op import DistributedOp, pjit_wrapper, rows_over, scatter_cotangent
-from jaxtdist.ops._protocol import Call
+from jaxtdist.ops._op import (DistributedOp, one_call_per_element, pjit_wrapper, rows_over,
+                              scatter_cotangent)
+from jaxtdist.ops._protocol import Call, varying_axes
 from jaxtdist.ops._shapes import (GatherWorkspace, InboxWorkspace, SplitKWorkspace,
                                   StreamKWorkspace, check_dtype)
 from jaxtdist.tune import _registry
@@ -232,9 +233,18 @@ def _forward(x, w, *, axis_name, config=None):
 def _backward(residuals, dy, *, axis_name, config=None):
     del config
     gathered, w = residuals
-    # dx: the rows of dy @ w^T that belong to this rank, summed over ranks.
-    dx_full = jnp.dot(dy, w.T, preferred_element_type=jnp.float32)
-    dx = scatter_cotangent(dx_full, axis_name, 0)
+    # dx: the rows of dy @ w^T that belong to this rank, summed over ranks: a
+    # matmul_rs, the GEMM overlapped with the reduce-scatter. A cotangent typed
+    # the same on every rank is already the group's sum: its rows are sliced.
+    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    have = varying_axes(dy)
+    if have is None or set(axes) <= set(have):
+        # Imported here: matmul_rs's backward is ag_matmul (and the reverse).
+        from jaxtdist.ops.matmul_rs import matmul_rs_kernels
+        dx = one_call_per_element(lambda a, b: matmul_rs_kernels(a, b, axis_name))(dy, w.T)
+    else:
+        dx = scatter_cotangent(jnp.dot(dy, w.T, preferred_element_type=jnp.float32),
+                               axis_name, 0)
     dw = jnp.dot(gathered.T, dy, preferred_element_type=jnp.float32)
     return dx, dw
 

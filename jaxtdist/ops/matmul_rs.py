@@ -26,7 +26,7 @@ import numpy as np
 from jaxtdist.kernels.matmul_ar import matmul_ar_kernel
 from jaxtdist.kernels.matmul_rs import matmul_rs_kernel
 from jaxtdist.ops._config import KernelConfig, Problem, resolve
-from jaxtdist.ops._op import DistributedOp, pjit_wrapper, rows_over
+from jaxtdist.ops._op import DistributedOp, one_call_per_element, pjit_wrapper, rows_over
 from jaxtdist.ops._protocol import Call, check_axis
 from jaxtdist.ops._shapes import align, check_dtype, next_pow2
 from jaxtdist.runtime._runtime import runtime
@@ -283,7 +283,8 @@ def _rs_backward(residuals, dy, *, axis_name, config=None):
     x, w = residuals
     # dx = all_gather(dy) @ w^T, the gather overlapped with the GEMM; the
     # gathered dy serves dw = x^T @ all_gather(dy).
-    dx, gathered = ag_matmul_with_gathered(dy, w.T, axis_name)
+    dx, gathered = one_call_per_element(
+        lambda a, b: ag_matmul_with_gathered(a, b, axis_name))(dy, w.T)
     dw = jnp.dot(x.T, gathered, preferred_element_type=jnp.float32)
     return dx, dw
 

@@ -120,10 +120,11 @@ class Runtime:
         global _GENERATION
         _GENERATION += 1
         self.generation = _GENERATION
-        # The last jaxtdist output traced, with its trace: the next op traced
-        # in the same trace depends on it, so that every device runs
-        # jaxtdist ops (and advances their epochs) in one program order.
-        self.last_traced_output = None
+        # The last jaxtdist output traced in each recent trace (``ops._protocol``'s
+        # program order): the next op traced in that trace, or in one nested in
+        # it, depends on it, so that every device runs jaxtdist ops (and
+        # advances their epochs) in one program order.
+        self.order_records: list = []
         self._layouts: dict[tuple[str, ...], Layout] = {}
         self._workspaces: dict[tuple, Workspace] = {}
         self._next_offset = _RESERVED_BYTES

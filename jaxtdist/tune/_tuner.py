@@ -76,14 +76,14 @@ def tune(op: str, shape, dtype=jnp.bfloat16, *, axis_name="tp", candidates: list
     # JAX's trace state is per thread: a thread of its own runs the candidates
     # eagerly even when tuning starts while the caller is tracing. The caller's
     # trace keeps its record of its last jaxtdist op (program order).
-    caller_last_output = rt.last_traced_output
+    caller_records = list(rt.order_records)
     try:
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxtdist-tune") as pool:
             case, tried = pool.submit(_time_candidates, tunable, axis_name, tuple(shape),
                                       jnp.dtype(dtype).name, candidates, iterations, measure,
                                       progress).result()
     finally:
-        rt.last_traced_output = caller_last_output
+        rt.order_records = caller_records
     timed = [r for r in tried if "us" in r]
     if not timed:
         raise RuntimeError(f"jaxtdist.tune: no {op} candidate ran for shape {tuple(shape)} "

@@ -4,9 +4,9 @@
 # Usage (repo root, on the GPU node): bash tests/gpu/run.sh [--quick]
 #   PHASES="tests tune bench" (default: all three) picks phases;
 #   TUNE_ARGS (e.g. --large) go to python -m jaxtdist.tune;
-#   BENCH_WORLDS (default: "1 N", N the GPUs found) the world sizes ag_matmul and
-#   all_gather are timed at; the world-1 `untuned` table (ag_matmul vs jnp.dot,
-#   default configs) runs on every node;
+#   BENCH_WORLDS (default: "1 N", N the GPUs found) the world sizes every op is
+#   timed at (BENCH_OPS: which ops, default all); the world-1 `untuned` tables
+#   (ag_matmul, matmul_rs, matmul_ar vs jnp.dot, default configs) run on every node;
 #   DOCS=1 also copies the benchmark tables and JSON into docs/perf/.
 # Writes logs and results under ${OUT:-/tmp/jaxtdist-gpu}. The tuning cache is
 # ${JAXTDIST_TUNING_CACHE:-$OUT/tuning.json}: the tune phase writes it, and the
@@ -71,11 +71,13 @@ if has bench; then
     --format=csv,noheader,nounits -lms 250 > "$OUT/clocks.csv" 2>/dev/null &
   CLOCKS_PID=$!
   for W in $WORLDS; do
-    bench all_gather "all_gather_${DEV}x${W}" --world "$W" $ARGS
-    bench ag_matmul "ag_matmul_${DEV}x${W}" --world "$W" $ARGS
+    for OP in ${BENCH_OPS:-all_gather ag_matmul all_reduce reduce_scatter matmul_rs matmul_ar}; do
+      bench "$OP" "${OP}_${DEV}x${W}" --world "$W" $ARGS
+    done
   done
-  # World 1, default configs: a fresh, empty tuning cache (the subcommand makes one).
+  # World 1, default configs: a fresh, empty tuning cache (the subcommands make one).
   bench untuned "ag_matmul_untuned_${DEV}x1" $ITER
+  bench untuned_matmul_rs "matmul_rs_untuned_${DEV}x1" $ITER
   kill "$CLOCKS_PID" 2>/dev/null
   if python3 -c "import matplotlib" 2>/dev/null; then
     for stem in "${TABLES[@]}"; do
