@@ -46,9 +46,10 @@ def _mesh(world: int):
 
 
 def _ops():
-    from jaxtdist.ops import matmul_rs as ops
+    # The module, not the function ``jaxtdist.ops.matmul_rs`` its package exports.
+    import importlib
 
-    return ops
+    return importlib.import_module("jaxtdist.ops.matmul_rs")
 
 
 def _operands(seed: int, mesh, m: int, n: int, k: int, dtype):
