@@ -49,7 +49,8 @@ class AllReduceConfig(KernelConfig):
     Attributes:
       ALGORITHM: "one_shot", "two_shot", or "auto": one-shot up to
         ONE_SHOT_MAX_BYTES per rank, two-shot above.
-      ONE_SHOT_MAX_BYTES: the largest array (bytes per rank) "auto" sends one-shot.
+      ONE_SHOT_MAX_BYTES: the largest array (bytes per rank) "auto" sends one-shot
+        (0, the default: any size at 2 ranks, 256 KiB above).
       NUM_PROGRAMS: programs, each owning one slab of whole BLOCKs (of the array
         one-shot, of every chunk two-shot).
       BLOCK: elements per load (a power of 2).
@@ -59,10 +60,12 @@ class AllReduceConfig(KernelConfig):
     OP: ClassVar[str] = "all_reduce"
 
     ALGORITHM: str = "auto"
-    # 256 KiB per rank for now: psum on 4 x H200 costs 6.6 us there, where
-    # one-shot's (world - 1) x N reads should still be latency-bound. The
-    # 4-GPU run (issue 22) measures the crossing and sets this default.
-    ONE_SHOT_MAX_BYTES: int = 256 << 10
+    # 0: by world size. At 2 ranks both algorithms move N bytes over the link
+    # and one-shot has one step less: measured faster at every size from 16 KiB
+    # to 64 MiB per rank on 2 x H200, so always one-shot. Above 2, 256 KiB until
+    # the 4-GPU run measures the crossing (psum on 4 x H200 costs 6.6 us there,
+    # where one-shot's (world - 1) x N reads should still be latency-bound).
+    ONE_SHOT_MAX_BYTES: int = 0
     NUM_PROGRAMS: int = 2
     BLOCK: int = 256
     SCOPE: str = "sys"
@@ -77,7 +80,8 @@ class AllReduceConfig(KernelConfig):
         if self.ALGORITHM != "auto":
             return self.ALGORITHM
         (n,) = problem.shape
-        return "one_shot" if n * problem.itemsize <= self.ONE_SHOT_MAX_BYTES else "two_shot"
+        limit = self.ONE_SHOT_MAX_BYTES or (1 << 62 if problem.world <= 2 else 256 << 10)
+        return "one_shot" if n * problem.itemsize <= limit else "two_shot"
 
     def settled(self, problem: Problem) -> "AllReduceConfig":
         """This config with ALGORITHM settled for ``problem``."""
