@@ -12,18 +12,46 @@ the same signatures:
   async-proxy fence); returns (last value seen, a zero int32 token).
 - ``now_ns()``: a clock in nanoseconds (int64), the bound of every wait.
 
-Backends: ``_nvidia`` (inline PTX, sm_90), ``_interpret`` (Triton's
-interpreter, where programs run one at a time in order). An AMD lowering
-(AMDGCN, issue 25) and NVSHMEM device calls slot in here.
+Backends: ``_nvidia`` (inline PTX, sm_90), ``_amd`` (AMDGCN, gfx942),
+``_interpret`` (Triton's interpreter, where programs run one at a time in
+order). NVSHMEM device calls slot in here.
+
+The backend is chosen once, when the language is imported, for the GPUs of
+this process: ``TRITON_INTERPRET=1`` -> interpreter; else
+``JAXTDIST_TARGET`` ("cuda" or "hip") if set; else AMD where ROCm's device
+file (/dev/kfd) exists and NVIDIA's does not; else NVIDIA. Kernels compiled for
+another target than the one chosen (cross-compiling gfx942 code on an
+NVIDIA or CPU machine) need ``JAXTDIST_TARGET`` set before the import.
 """
 
 import os
 
-if os.environ.get("TRITON_INTERPRET", "0") == "1":
+
+def _target() -> str:
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return "interpret"
+    asked = os.environ.get("JAXTDIST_TARGET", "")
+    if asked:
+        if asked not in ("cuda", "hip"):
+            raise ValueError(f"jaxtdist.language: JAXTDIST_TARGET={asked!r}; allowed: 'cuda' "
+                             "(NVIDIA), 'hip' (AMD)")
+        return asked
+    # The kernel drivers' device files, not a GPU driver call: importing the
+    # language must not initialize a GPU runtime before JAX does.
+    if os.path.exists("/dev/kfd") and not os.path.exists("/dev/nvidiactl"):
+        return "hip"
+    return "cuda"
+
+
+TARGET = _target()
+
+if TARGET == "interpret":
     from jaxtdist.language._interpret import (consume_token, fence_async_proxy, now_ns,
                                               spin_acquire_ge)
+elif TARGET == "hip":
+    from jaxtdist.language._amd import consume_token, fence_async_proxy, now_ns, spin_acquire_ge
 else:
     from jaxtdist.language._nvidia import (consume_token, fence_async_proxy, now_ns,
                                            spin_acquire_ge)
 
-__all__ = ["consume_token", "fence_async_proxy", "now_ns", "spin_acquire_ge"]
+__all__ = ["TARGET", "consume_token", "fence_async_proxy", "now_ns", "spin_acquire_ge"]

@@ -160,6 +160,7 @@ class AgMatmulConfig(KernelConfig):
         pointer kernel's defaults (for configs that ask for its modes)."""
         m_shard, n, k = problem.shape
         world, itemsize = problem.world, problem.itemsize
+        allow_tma = allow_tma and problem.vendor == "nvidia"  # TMA and copy engines
         wide = itemsize == 4
         small = world * m_shard <= _DECODE_ROWS.get(problem.platform, 32)
         if problem.platform != "gpu":  # the interpreter: small blocks keep it fast
@@ -264,6 +265,10 @@ class AgMatmulConfig(KernelConfig):
             raise ValueError(f"{err}PRODUCER={self.PRODUCER!r}; allowed: {PRODUCERS} (SM "
                              "producer programs that pull, SM producer programs that push, or "
                              "the copy engines)")
+        if (self.TMA or self.PRODUCER == "ce") and problem.vendor != "nvidia":
+            raise ValueError(f"{err}TMA={self.TMA}, PRODUCER={self.PRODUCER!r}: TMA loads and "
+                             f"copy-engine pushes are NVIDIA features ({problem.vendor} GPUs run "
+                             "the pointer kernel: TMA=False, PRODUCER 'sm' or 'push')")
         if self.PRODUCER == "ce" and not self.TMA:
             raise ValueError(f"{err}PRODUCER='ce' needs TMA=True (the copy engines feed the "
                              "persistent TMA kernel only)")

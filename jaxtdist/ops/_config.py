@@ -39,12 +39,15 @@ class Problem:
       shape: the op's shape key (ag_matmul: (m_shard, n, k)).
       dtype: operand dtype name.
       sms: streaming multiprocessors a persistent grid may fill (GPUs).
+      vendor: "nvidia" or "amd": which GPU features exist (AMD has no TMA and
+        no copy-engine pushes: configs that need them are not offered there).
     """
     platform: str
     world: int
     shape: tuple[int, ...]
     dtype: str
     sms: int = 132
+    vendor: str = "nvidia"
 
     @property
     def itemsize(self) -> int:
