@@ -1,0 +1,206 @@
+"""jaxtdist.nn's Flax NNX layers on CPU (8 host devices): forward passes against
+the same parameters in plain JAX, gradients against jax.grad of that reference,
+training steps with optax, decode mode, an axis of size 1, and bad arguments."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+flax = pytest.importorskip("flax")
+optax = pytest.importorskip("optax")
+from flax import nnx  # noqa: E402
+
+from jaxtdist import nn as tdnn  # noqa: E402
+from tests.conftest import f64, place, rand, rel_err, setup  # noqa: E402
+
+TOKENS = P(("dp", "tp"), None)
+MESHES = [(2, 2), (2, 4)]
+
+
+def _sharded(module, mesh):
+    """The module with its parameters placed by their sharding metadata."""
+    graphdef, state = nnx.split(module)
+    shardings = nnx.get_named_sharding(state, mesh)
+    return nnx.merge(graphdef, jax.device_put(state, shardings))
+
+
+def _weights(module) -> dict:
+    """Every parameter as float64 numpy, keyed by its path ("up.kernel", ...)."""
+    _, state = nnx.split(module)
+    return {".".join(str(k) for k in path): f64(np.asarray(v[...]))
+            for path, v in nnx.to_flat_state(state)}
+
+
+def _mlp_reference(w: dict, x, gated: bool, prefix: str = ""):
+    def linear(name, h):
+        y = h @ w[f"{prefix}{name}.kernel"]
+        bias = w.get(f"{prefix}{name}.bias")
+        return y if bias is None else y + bias
+    gelu = lambda a: f64(jax.nn.gelu(jnp.asarray(a, jnp.float32)))  # noqa: E731
+    h = linear("up", x)
+    h = gelu(linear("gate", x)) * h if gated else gelu(h)
+    return linear("down", h)
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES)
+@pytest.mark.parametrize("gated", [False, True])
+def test_mlp_forward_matches_plain_jax(mesh_shape, gated):
+    mesh = setup(mesh_shape, ("dp", "tp"))
+    mlp = _sharded(tdnn.ParallelMLP(16, 8 * mesh_shape[1], gated=gated, batch_axes=("dp",),
+                                    rngs=nnx.Rngs(0)), mesh)
+    x = rand((2 * mesh_shape[1] * 3, 16))
+    y = nnx.jit(lambda m, a: m(a))(mlp, place(mesh, x, TOKENS))
+    assert y.sharding.is_equivalent_to(NamedSharding(mesh, TOKENS), 2)  # sequence parallel
+    assert rel_err(y, _mlp_reference(_weights(mlp), f64(x), gated)) < 1e-5
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES)
+def test_mlp_decode_matches_plain_jax(mesh_shape):
+    """decode=True: tokens on every tp rank, local GEMMs up, matmul_ar down."""
+    mesh = setup(mesh_shape, ("dp", "tp"))
+    mlp = _sharded(tdnn.ParallelMLP(16, 8 * mesh_shape[1], gated=True, batch_axes=("dp",),
+                                    rngs=nnx.Rngs(1)), mesh)
+    x = rand((2 * 3, 16))  # 3 sequences per dp group, one new token each
+    y = nnx.jit(lambda m, a: m(a, decode=True))(mlp, place(mesh, x, P("dp", None)))
+    assert rel_err(y, _mlp_reference(_weights(mlp), f64(x), True)) < 1e-5
+
+
+def _attention_reference(w: dict, x, batch, seq, heads):
+    q, k, v = (x @ w[f"{n}.kernel"] for n in ("query", "key", "value"))
+    shape = (batch, seq, heads, x.shape[1] // heads)
+    o = jax.nn.dot_product_attention(*(jnp.asarray(a.reshape(shape), jnp.float32)
+                                       for a in (q, k, v)), is_causal=True)
+    return f64(o).reshape(batch * seq, -1) @ w["out.kernel"]
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES)
+def test_attention_forward_matches_plain_jax(mesh_shape):
+    mesh = setup(mesh_shape, ("dp", "tp"))
+    tp = mesh_shape[1]
+    heads, seq, batch = 2 * tp, 2 * tp, 4
+    attn = _sharded(tdnn.ParallelAttention(8 * heads, heads, batch_axes=("dp",),
+                                           rngs=nnx.Rngs(2)), mesh)
+    x = rand((batch * seq, 8 * heads))
+    y = nnx.jit(lambda m, a: m(a, seq_len=seq))(attn, place(mesh, x, TOKENS))
+    assert rel_err(y, _attention_reference(_weights(attn), f64(x), batch, seq, heads)) < 1e-5
+
+
+def test_gradients_match_jax_grad_of_the_reference():
+    mesh = setup((2, 4), ("dp", "tp"))
+    mlp = _sharded(tdnn.ParallelMLP(16, 32, gated=True, batch_axes=("dp",),
+                                    rngs=nnx.Rngs(3)), mesh)
+    x = rand((2 * 4 * 2, 16))
+    xs = place(mesh, x, TOKENS)
+
+    grads = nnx.jit(nnx.grad(lambda m, a: jnp.sum(jnp.sin(m(a)))))(mlp, xs)
+    flat = {".".join(str(k) for k in path): np.asarray(v[...])
+            for path, v in nnx.to_flat_state(grads)}
+    weights = {k: jnp.asarray(v, jnp.float32) for k, v in _weights(mlp).items()}
+
+    def loss(w):
+        def linear(name, h):
+            return h @ w[f"{name}.kernel"] + w[f"{name}.bias"]
+        h = jax.nn.gelu(linear("gate", jnp.asarray(x))) * linear("up", jnp.asarray(x))
+        return jnp.sum(jnp.sin(linear("down", h)))
+
+    ref = jax.grad(loss)(weights)
+    assert set(flat) == set(ref)
+    for name in ref:
+        assert rel_err(flat[name], f64(ref[name])) < 1e-4, name
+
+
+def test_training_steps_match_the_reference():
+    """Five optax SGD steps of a sequence-parallel MLP: the same loss curve as the
+    model in plain JAX from the same parameters."""
+    mesh = setup((2, 4), ("dp", "tp"))
+    mlp = _sharded(tdnn.ParallelMLP(16, 32, batch_axes=("dp",), rngs=nnx.Rngs(4)), mesh)
+    x, target = rand((16, 16)), rand((16, 16))
+    xs, ts = place(mesh, x, TOKENS), place(mesh, target, TOKENS)
+    optimizer = nnx.Optimizer(mlp, optax.sgd(0.05), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt, a, t):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(a) - t) ** 2))(model)
+        opt.update(model, grads)
+        return loss
+
+    weights = {k: jnp.asarray(v, jnp.float32) for k, v in _weights(mlp).items()}
+
+    def ref_loss(w):
+        def linear(name, h):
+            return h @ w[f"{name}.kernel"] + w[f"{name}.bias"]
+        y = linear("down", jax.nn.gelu(linear("up", jnp.asarray(x))))
+        return jnp.mean((y - jnp.asarray(target)) ** 2)
+
+    ref_opt = optax.sgd(0.05)
+    ref_state = ref_opt.init(weights)
+    ours, theirs = [], []
+    for _ in range(5):
+        ours.append(float(step(mlp, optimizer, xs, ts)))
+        loss, g = jax.value_and_grad(ref_loss)(weights)
+        updates, ref_state = ref_opt.update(g, ref_state)
+        weights = optax.apply_updates(weights, updates)
+        theirs.append(float(loss))
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5)
+    assert ours[-1] < ours[0]
+
+
+def test_axis_of_size_one_is_the_local_computation():
+    mesh = setup((8, 1), ("dp", "tp"))
+    mlp = _sharded(tdnn.ParallelMLP(16, 32, gated=True, batch_axes=("dp",),
+                                    rngs=nnx.Rngs(5)), mesh)
+    x = rand((16, 16))
+    y = nnx.jit(lambda m, a: m(a))(mlp, place(mesh, x, TOKENS))
+    assert rel_err(y, _mlp_reference(_weights(mlp), f64(x), True)) < 1e-5
+
+
+def test_bad_arguments_say_what_is_allowed():
+    setup((2, 4), ("dp", "tp"))
+    with pytest.raises(ValueError, match="out_features=30 must be divisible by the size 4"):
+        tdnn.ColumnParallelLinear(16, 30, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="'model' is not an axis of the mesh"):
+        tdnn.RowParallelLinear(16, 16, axis_name="model", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="reduce='sum'"):
+        tdnn.RowParallelLinear(16, 16, reduce="sum", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="num_heads=6 must be divisible"):
+        tdnn.ParallelAttention(24, 6, rngs=nnx.Rngs(0))
+    attn = tdnn.ParallelAttention(32, 4, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="whole sequences of seq_len=5"):
+        attn(jnp.zeros((8, 32)), seq_len=5)
+
+
+def test_parameters_are_created_sharded():
+    """Weights live sharded from creation (no gather onto one device first)."""
+    mesh = setup((2, 4), ("dp", "tp"))
+    mlp = tdnn.ParallelMLP(16, 32, gated=True, rngs=nnx.Rngs(6))
+    expect = {"up.kernel": P(None, "tp"), "up.bias": P("tp"), "gate.kernel": P(None, "tp"),
+              "down.kernel": P("tp", None), "down.bias": P(None)}
+    for name, spec in expect.items():
+        layer, param = name.split(".")
+        value = getattr(getattr(mlp, layer), param)[...]
+        assert value.sharding.is_equivalent_to(NamedSharding(mesh, spec), value.ndim), name
+
+
+def test_explicit_mesh_axes():
+    """``jax.make_mesh``'s default axis types (explicit sharding in the types):
+    the layers give their reshapes' shardings and match the reference."""
+    import jaxtdist
+    from tests.conftest import DEFAULT_HEAP_BYTES, DEFAULT_WAIT_TIMEOUT_S
+
+    mesh = jax.make_mesh((2, 4), ("dp", "tp"))
+    jaxtdist.initialize(mesh, heap_bytes=DEFAULT_HEAP_BYTES["cpu"],
+                        wait_timeout_s=DEFAULT_WAIT_TIMEOUT_S)
+    heads, seq, batch = 8, 8, 4
+    attn = tdnn.ParallelAttention(8 * heads, heads, batch_axes=("dp",), rngs=nnx.Rngs(7))
+    mlp = tdnn.ParallelMLP(8 * heads, 32, gated=True, batch_axes=("dp",), rngs=nnx.Rngs(8))
+    x = rand((batch * seq, 8 * heads))
+    xs = place(mesh, x, TOKENS)
+    y = nnx.jit(lambda m, a: m(a, seq_len=seq))(attn, xs)
+    assert rel_err(y, _attention_reference(_weights(attn), f64(x), batch, seq, heads)) < 1e-5
+    z = nnx.jit(lambda m, a: m(a))(mlp, xs)
+    assert rel_err(z, _mlp_reference(_weights(mlp), f64(x), True)) < 1e-5
