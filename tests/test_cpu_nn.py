@@ -204,3 +204,45 @@ def test_explicit_mesh_axes():
     assert rel_err(y, _attention_reference(_weights(attn), f64(x), batch, seq, heads)) < 1e-5
     z = nnx.jit(lambda m, a: m(a))(mlp, xs)
     assert rel_err(z, _mlp_reference(_weights(mlp), f64(x), True)) < 1e-5
+
+
+def test_train_gpt_example_matches_the_xla_model():
+    """examples/train_gpt.py at its tiny size: the jaxtdist GPT and the same GPT on
+    XLA's collectives (impl="xla"), same parameters and batches: the same losses."""
+    import argparse
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "examples" / "train_gpt.py"
+    spec = importlib.util.spec_from_file_location("train_gpt_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    args = argparse.Namespace(vocab=64, d=32, heads=4, layers=2, seq=8, batch=4, steps=3,
+                              lr=3e-3, tp=4)
+    curves = example.train(args)["curves"]
+    np.testing.assert_allclose(curves["jaxtdist"], curves["xla"], rtol=1e-5)
+
+
+def test_orbax_checkpoint_moves_between_jaxtdist_and_xla_models(tmp_path):
+    """A checkpoint of a jaxtdist model restores into the same model on XLA's
+    collectives (and back): parameters are plain sharded arrays."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    mesh = setup((2, 4), ("dp", "tp"))
+    ours = tdnn.ParallelMLP(16, 32, gated=True, batch_axes=("dp",), rngs=nnx.Rngs(9))
+    theirs = tdnn.ParallelMLP(16, 32, gated=True, batch_axes=("dp",), impl="xla",
+                              rngs=nnx.Rngs(10))
+    x = place(mesh, rand((16, 16)), TOKENS)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "ours", nnx.state(ours))
+    with ocp.StandardCheckpointer() as ckpt:
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.state(theirs))
+        nnx.update(theirs, ckpt.restore(tmp_path / "ours", abstract))
+    y_ours = nnx.jit(lambda m, a: m(a))(ours, x)
+    y_theirs = nnx.jit(lambda m, a: m(a))(theirs, x)
+    assert rel_err(y_theirs, f64(y_ours)) < 1e-6
+    back = tdnn.ParallelMLP(16, 32, gated=True, batch_axes=("dp",), rngs=nnx.Rngs(11))
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "theirs", nnx.state(theirs))
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.state(back))
+        nnx.update(back, ckpt.restore(tmp_path / "theirs", abstract))
+    assert rel_err(nnx.jit(lambda m, a: m(a))(back, x), f64(y_ours)) < 1e-6

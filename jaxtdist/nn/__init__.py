@@ -9,7 +9,9 @@ reduce-scatters back to sharded tokens (``matmul_rs``), or all-reduces for
 decode, where every rank holds all tokens (``matmul_ar``). Weights are plain
 ``nnx.Param``s with sharding metadata over the mesh axes, so a checkpoint of
 a jaxtdist model is a checkpoint of the same model written with XLA
-collectives. On an axis of size 1 every layer is its local computation.
+collectives: every layer also takes ``impl="xla"``, the same layer on XLA's
+collectives, for side-by-side comparisons. On an axis of size 1 every layer
+is its local computation.
 
 Example:
   >>> mesh = jax.make_mesh((2, 4), ("dp", "tp")); jaxtdist.initialize(mesh)

@@ -32,7 +32,8 @@ class ParallelAttention(nnx.Module):
 
     def __init__(self, features: int, num_heads: int, *, axis_name: str = "tp",
                  batch_axes: str | Sequence[str] = (), use_bias: bool = False,
-                 dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 dtype=None, param_dtype=jnp.float32, impl: str = "jaxtdist",
+                 rngs: nnx.Rngs):
         if features % num_heads:
             raise ValueError(f"jaxtdist.nn.ParallelAttention: features={features} must be "
                              f"divisible by num_heads={num_heads}")
@@ -40,7 +41,7 @@ class ParallelAttention(nnx.Module):
         self.num_heads = num_heads
         self.head_dim = features // num_heads
         common = dict(axis_name=axis_name, batch_axes=batch_axes, use_bias=use_bias,
-                      dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                      dtype=dtype, param_dtype=param_dtype, impl=impl, rngs=rngs)
         self.query = ColumnParallelLinear(features, features, **common)
         self.key = ColumnParallelLinear(features, features, **common)
         self.value = ColumnParallelLinear(features, features, **common)

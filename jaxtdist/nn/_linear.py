@@ -31,6 +31,14 @@ def check_divisible(layer: str, what: str, value: int, axis_name: str) -> None:
                          f"{size} of mesh axis {axis_name!r} (each rank holds an equal part)")
 
 
+def check_impl(layer: str, impl: str) -> str:
+    if impl not in ("jaxtdist", "xla"):
+        raise ValueError(f"jaxtdist.nn.{layer}: impl={impl!r}; allowed: 'jaxtdist' (the "
+                         "overlapped ops), 'xla' (the same layer with XLA's collectives: "
+                         "a reference with the same parameters)")
+    return impl
+
+
 def _batch_axes(batch_axes: str | Sequence[str]) -> tuple[str, ...]:
     return (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
 
@@ -65,22 +73,26 @@ class ColumnParallelLinear(nnx.Module):
     def __init__(self, in_features: int, out_features: int, *, axis_name: str = "tp",
                  batch_axes: str | Sequence[str] = (), use_bias: bool = True,
                  dtype=None, param_dtype=jnp.float32,
-                 kernel_init=nnx.initializers.lecun_normal(), rngs: nnx.Rngs):
+                 kernel_init=nnx.initializers.lecun_normal(), impl: str = "jaxtdist",
+                 rngs: nnx.Rngs):
         check_divisible("ColumnParallelLinear", "out_features", out_features, axis_name)
+        self.impl = check_impl("ColumnParallelLinear", impl)
         self.axis_name = axis_name
         self.batch_axes = _batch_axes(batch_axes)
         self.dtype = dtype
         self.kernel = nnx.Param(nnx.with_partitioning(kernel_init, (None, axis_name), mesh=_mesh())(
             rngs.params(), (in_features, out_features), param_dtype))
-        self.bias = nnx.Param(nnx.with_partitioning(nnx.initializers.zeros, (axis_name,), mesh=_mesh())(
-            rngs.params(), (out_features,), param_dtype)) if use_bias else None
+        zeros = nnx.with_partitioning(nnx.initializers.zeros, (axis_name,), mesh=_mesh())
+        self.bias = (nnx.Param(zeros(rngs.params(), (out_features,), param_dtype))
+                     if use_bias else None)
 
     def __call__(self, x: jax.Array, *, replicated_tokens: bool = False) -> jax.Array:
         """``replicated_tokens``: x's tokens are already on every ``axis_name`` rank
         (decode): a local GEMM with this rank's columns, nothing to gather."""
         dtype = self.dtype or x.dtype
         w = self.kernel[...].astype(dtype)
-        if replicated_tokens:
+        if replicated_tokens or self.impl == "xla":
+            # XLA gathers the tokens itself where they are sharded (impl="xla").
             y = jax.lax.with_sharding_constraint(
                 jnp.dot(x.astype(dtype), w), _named(P(_rows(self.batch_axes), self.axis_name)))
         else:
@@ -108,8 +120,10 @@ class RowParallelLinear(nnx.Module):
     def __init__(self, in_features: int, out_features: int, *, axis_name: str = "tp",
                  batch_axes: str | Sequence[str] = (), use_bias: bool = True,
                  reduce: str = "scatter", dtype=None, param_dtype=jnp.float32,
-                 kernel_init=nnx.initializers.lecun_normal(), rngs: nnx.Rngs):
+                 kernel_init=nnx.initializers.lecun_normal(), impl: str = "jaxtdist",
+                 rngs: nnx.Rngs):
         check_divisible("RowParallelLinear", "in_features", in_features, axis_name)
+        self.impl = check_impl("RowParallelLinear", impl)
         if reduce not in ("scatter", "all"):
             raise ValueError(f"jaxtdist.nn.RowParallelLinear: reduce={reduce!r}; allowed: "
                              "'scatter' (matmul_rs: tokens come back sharded), 'all' "
@@ -127,7 +141,11 @@ class RowParallelLinear(nnx.Module):
         """``reduce`` overrides the layer's choice for this call ("scatter" or "all")."""
         reduce = reduce or self.reduce
         dtype = self.dtype or x.dtype
-        op = matmul_rs_sharded if reduce == "scatter" else matmul_ar_sharded
-        y = op(x.astype(dtype), self.kernel[...].astype(dtype), axis_name=self.axis_name,
-               batch_axes=self.batch_axes)
+        x, w = x.astype(dtype), self.kernel[...].astype(dtype)
+        if self.impl == "xla":  # XLA reduce-scatters or all-reduces the partial products
+            rows = self.batch_axes + ((self.axis_name,) if reduce == "scatter" else ())
+            y = jax.lax.with_sharding_constraint(jnp.dot(x, w), _named(P(_rows(rows), None)))
+        else:
+            op = matmul_rs_sharded if reduce == "scatter" else matmul_ar_sharded
+            y = op(x, w, axis_name=self.axis_name, batch_axes=self.batch_axes)
         return y if self.bias is None else y + self.bias[...].astype(y.dtype)

@@ -18,6 +18,8 @@ class ParallelMLP(nnx.Module):
     ``(*batch_axes, axis_name)``; the hidden activations are [tokens, hidden]
     with hidden sharded over ``axis_name``. Two overlapped collectives per
     call (three with ``gated``: gate and up gather the tokens each).
+    ``impl="xla"`` builds the same layer on XLA's collectives (a reference
+    with the same parameters).
 
     Example:
       >>> mlp = ParallelMLP(512, 2048, gated=True, batch_axes=("dp",), rngs=nnx.Rngs(0))
@@ -28,9 +30,10 @@ class ParallelMLP(nnx.Module):
     def __init__(self, features: int, hidden: int, *, gated: bool = False,
                  activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
                  axis_name: str = "tp", batch_axes: str | Sequence[str] = (),
-                 use_bias: bool = True, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 use_bias: bool = True, dtype=None, param_dtype=jnp.float32,
+                 impl: str = "jaxtdist", rngs: nnx.Rngs):
         common = dict(axis_name=axis_name, batch_axes=batch_axes, use_bias=use_bias,
-                      dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                      dtype=dtype, param_dtype=param_dtype, impl=impl, rngs=rngs)
         self.up = ColumnParallelLinear(features, hidden, **common)
         self.gate = ColumnParallelLinear(features, hidden, **common) if gated else None
         self.down = RowParallelLinear(hidden, features, **common)

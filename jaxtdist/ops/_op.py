@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from jaxtdist.ops._protocol import (check_axis, mark_varying, order_record, program_order_deps,
                                     record_output, varying_axes)
@@ -144,7 +145,9 @@ class DistributedOp:
         after = program_order_deps(rt)
         frozen = tuple(sorted((k, _freeze(v)) for k, v in dict(static, axis_name=axis_name)
                               .items()))
-        out = self._vjp(frozen, len(after), *after, *arrays)
+        after_specs = tuple((tuple(a.shape), jnp.dtype(a.dtype).name, rt.platform)
+                            for a in after)
+        out = self._vjp(frozen, after_specs, *after, *arrays)
         record_output(rt, jax.tree_util.tree_leaves(out)[0])
         return out
 
@@ -166,25 +169,56 @@ class DistributedOp:
             return forward
 
         @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-        def call(frozen, n_after, *args):
-            forward = ordered_forward(frozen, n_after)
+        def call(frozen, after_specs, *args):
+            forward = ordered_forward(frozen, len(after_specs))
             return one_call_per_element(lambda *a: forward(*a)[0])(*args)
 
-        def fwd(frozen, n_after, *args):
+        def fwd(frozen, after_specs, *args):
+            n_after = len(after_specs)
             out, residuals = one_call_per_element(ordered_forward(frozen, n_after))(*args)
-            return out, (residuals, args[n_after:])  # not the order token: no memory held
+            # Of the order token only its type (an empty slice): no memory held.
+            typed = tuple(a.reshape(-1)[:0] for a in args[:n_after])
+            return out, (residuals, args[n_after:], typed)
 
-        def bwd(frozen, n_after, saved, ct):
-            residuals, arrays = saved
+        def bwd(frozen, after_specs, saved, ct):
+            residuals, arrays, typed = saved
             if op.backward is None:
                 raise TypeError(f"jaxtdist.{op.name} is not differentiable; wrap it in a "
                                 "jax.custom_vjp of your own to give it a backward pass")
             cts = op.backward(residuals, ct, **_static(frozen))
-            return (None,) * n_after + tuple(None if c is None else match_cotangent(c, a)
-                                             for c, a in zip(cts, arrays))
+            cts = tuple(None if c is None else match_cotangent(c, a)
+                        for c, a in zip(cts, arrays))
+            return _order_cotangents(after_specs, typed, cts) + cts
 
         call.defvjp(fwd, bwd)
         return call
+
+
+def _order_cotangents(after_specs: tuple, typed: tuple, cts: tuple) -> tuple:
+    """Cotangents of a call's order tokens (the previous op's output): zero, but on
+    CPU computed from this call's backward results.
+
+    The backward pass runs the calls' backwards in reverse, and the previous op's
+    backward receives the token's cotangent in its own: so it runs after this
+    call's backward on every device. Without that, two calls with no data
+    dependence in the backward pass (the backwards of two pjit-style wrappers)
+    could run in different orders on different devices under XLA:CPU, which
+    runs independent work concurrently. GPUs run one schedule: nothing to add.
+    """
+    if not after_specs:
+        return ()
+    done = [c for c in cts if c is not None]
+    out = []
+    for (shape, dtype, platform), token in zip(after_specs, typed):
+        if platform != "cpu" or not done or not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+            out.append(None)
+            continue
+        probe = min(done, key=lambda c: len(varying_axes(c) or ())).reshape(-1)[:1]
+        probe = probe.astype(jnp.float32)
+        # 1 (0 for NaN), never known before the backward has run; 0 * it stays 0.
+        after_backward = (probe == probe).astype(dtype).reshape(())
+        out.append(match_cotangent(jnp.zeros(shape, dtype) * after_backward, token))
+    return tuple(out)
 
 
 def one_call_per_element(fn: Callable) -> Callable:
