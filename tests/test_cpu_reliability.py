@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxtdist as td
 import tests.kernels_for_tests as K
-from tests.conftest import assert_close, cpu_only, f64, place, rand, setup, timeout
+from tests.conftest import assert_close, cpu_only, f64, place, rand, rel_err, setup, timeout
 
 pytestmark = cpu_only()
 
@@ -283,11 +283,14 @@ def test_soak_chained_calls_with_changing_data_and_shapes():
             if not np.array_equal(gs[t], carries[t]):
                 mismatches.append(f"all_gather {(m, k, n)} step {t}: "
                                   f"{np.abs(gs[t] - carries[t]).max():.3g}")
-            product = carries[t].astype(np.float64) @ f64(w)
-            if not np.allclose(ys[t], product, rtol=1e-5, atol=1e-6):
-                mismatches.append(f"ag_matmul {(m, k, n)} step {t}: max abs error "
-                                  f"{np.abs(ys[t] - product).max():.3g}, max abs value "
-                                  f"{np.abs(product).max():.3g}")
+            product = f64(carries[t]) @ f64(w)
+            # Relative to the whole product: an element near zero in a sum of
+            # terms of size ~10 is off by float32 rounding (~1e-6), while a race
+            # gives another call's data (errors of order 1).
+            err = rel_err(ys[t], product)
+            if err > 1e-5:
+                mismatches.append(f"ag_matmul {(m, k, n)} step {t}: relative error "
+                                  f"{err:.3g}")
             calls += 1
         assert np.isfinite(carries).all() and np.abs(carries[-1]).max() > 0
     assert calls == 1000 and not mismatches, (calls, mismatches)
