@@ -7,12 +7,14 @@ import secrets
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from multiprocessing.connection import Listener
 
 from jaxtdist._errors import JaxtdistError, WorkerDiedError
 
 
 _AUTHKEY_ENV = "_JAXTDIST_WORKER_AUTHKEY"
+_PARENT_ENV = "_JAXTDIST_PARENT_PID"
 _WORKER_ENV = {"TRITON_INTERPRET": "1", "_JAXTDIST_INTERPRETER_WORKER": "1"}
 
 
@@ -41,12 +43,28 @@ def kernel_reference(kernel) -> tuple[str, str, str]:
 
 
 class WorkerPool:
-    """One interpreter process per mesh position, fed through pipes."""
+    """One interpreter process per mesh position this process drives, fed through pipes.
 
-    def __init__(self, positions: int, shm_name: str, segment_base: int,
+    Args:
+      positions: the mesh positions to start workers for: ``range(n)`` in one
+        process, this process's own positions when the mesh spans processes.
+      shm_name: the heap's shared-memory segment, which every worker maps.
+      segment_base: the segment's address in this process (workers translate
+        context addresses from it to their own mapping).
+      on_failure: runs once when a worker is found dead or ``fail`` is called:
+        it releases the other ranks' waits (they would wait for the dead rank
+        until their bound).
+
+    Example:
+      >>> pool = WorkerPool([2, 3], shm.name, base)   # positions 2 and 3 of the mesh
+      >>> outs, timed_out = pool.run(2, kernel_reference(k), (1,), args, specs, {})
+    """
+
+    def __init__(self, positions: int | Sequence[int], shm_name: str, segment_base: int,
                  on_failure=lambda: None):
-        # ``on_failure`` runs once when a worker is found dead: it releases the
-        # other ranks' waits (they would wait for the dead rank until their bound).
+        if isinstance(positions, int):
+            positions = range(positions)
+        positions = [int(p) for p in positions]
         self._on_failure = on_failure
         self._failure: str | None = None
         self._closing = False
@@ -59,16 +77,17 @@ class WorkerPool:
         env = dict(os.environ, **_WORKER_ENV)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         env[_AUTHKEY_ENV] = authkey.hex()
-        self._locks = [threading.Lock() for _ in range(positions)]
-        self._procs = [
-            subprocess.Popen([sys.executable, "-m", "jaxtdist.interpret._worker", str(pos),
-                              shm_name, str(segment_base), listener.address], env=env)
-            for pos in range(positions)
-        ]
-        self._conns = [None] * positions
+        env[_PARENT_ENV] = str(os.getpid())
+        self._locks = {pos: threading.Lock() for pos in positions}
+        self._procs = {
+            pos: subprocess.Popen([sys.executable, "-m", "jaxtdist.interpret._worker", str(pos),
+                                   shm_name, str(segment_base), listener.address], env=env)
+            for pos in positions
+        }
+        self._conns = dict.fromkeys(positions)
         try:
             listener._listener._socket.settimeout(300)
-            for _ in range(positions):
+            for _ in positions:
                 conn = listener.accept()
                 _, pos = conn.recv()
                 self._conns[pos] = conn
@@ -79,7 +98,7 @@ class WorkerPool:
             listener.close()
 
     def _dead_worker(self) -> str | None:
-        for pos, proc in enumerate(self._procs):
+        for pos, proc in self._procs.items():
             code = proc.poll()
             if code is not None:
                 return (f"jaxtdist: the interpreter worker of mesh position {pos} (pid "
@@ -89,10 +108,23 @@ class WorkerPool:
                         "functions again.")
         return None
 
-    def _fail(self, message: str) -> None:
-        if self._failure is None:
-            self._failure = message
+    @property
+    def positions(self) -> list[int]:
+        return list(self._procs)
+
+    def fail(self, message: str) -> None:
+        """Marks the pool failed for a reason found outside it (a peer process died):
+        waits are released, the call in flight and every later one raise
+        ``WorkerDiedError(message)``."""
+        with self._idle:
+            first = self._failure is None
+            if first:
+                self._failure = message
+        if first:
             self._on_failure()
+
+    def _fail(self, message: str) -> None:
+        self.fail(message)
         raise WorkerDiedError(self._failure)
 
     def run(self, position: int, ref, grid, args, out_specs, constexprs):
@@ -112,6 +144,11 @@ class WorkerPool:
                 self._fail(dead)
             if self._failure is not None:
                 raise WorkerDiedError(self._failure)
+            if position not in self._locks:
+                raise JaxtdistError(
+                    f"jaxtdist: a kernel of mesh position {position} reached this process, "
+                    f"whose interpreter workers serve positions {self.positions}; the program "
+                    "runs on a mesh other than the one given to jaxtdist.initialize")
             with self._locks[position]:
                 conn = self._conns[position]
                 try:
@@ -135,6 +172,8 @@ class WorkerPool:
             with self._idle:
                 self._inflight -= 1
                 self._idle.notify_all()
+        if self._failure is not None:  # failed while the kernel ran: its outputs are void
+            raise WorkerDiedError(self._failure)
         if status != "ok":
             raise KernelFailed(f"jaxtdist: kernel {ref[1]} failed on mesh position {position} "
                                f"under the interpreter:\n{payload}")
@@ -146,15 +185,15 @@ class WorkerPool:
         with self._idle:
             self._closing = True
             self._idle.wait_for(lambda: self._inflight == 0, timeout=wait_s)
-        for conn in self._conns:
+        for conn in self._conns.values():
             try:
                 if conn is not None:
                     conn.send(None)
             except (BrokenPipeError, OSError):
                 pass
-        for proc in self._procs:
+        for proc in self._procs.values():
             try:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        self._conns, self._procs = [], []
+        self._conns, self._procs = {}, {}

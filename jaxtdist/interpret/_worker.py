@@ -5,7 +5,6 @@ from __future__ import annotations
 import ctypes
 import importlib
 import importlib.util
-import mmap
 import os
 import sys
 import traceback
@@ -41,11 +40,9 @@ def main(position: int, shm_name: str, main_segment_base: int, conn) -> None:
     from jaxtdist.interpret._launcher import launch
     from jaxtdist.language import _layout as L
 
-    # Map the segment directly: multiprocessing's SharedMemory would also
-    # register it with a resource tracker that unlinks it when we exit.
-    fd = os.open(os.path.join("/dev/shm", shm_name.lstrip("/")), os.O_RDWR)
-    segment = mmap.mmap(fd, 0)
-    os.close(fd)
+    from jaxtdist.interpret._segment import map_segment
+
+    segment = map_segment(shm_name)
     anchor = ctypes.c_char.from_buffer(segment)
     segment_base = ctypes.addressof(anchor)
     shift = segment_base - main_segment_base
@@ -93,8 +90,29 @@ def main(position: int, shm_name: str, main_segment_base: int, conn) -> None:
     segment.close()
 
 
+def _die_with_parent() -> None:
+    """Ends this worker soon after the process that started it dies: a worker
+    spinning in a kernel would otherwise outlive a killed rank (its pipe's EOF
+    is read only between kernels). Polls rather than PR_SET_PDEATHSIG, which
+    fires when the starting *thread* exits, and initialize() may run in any
+    thread."""
+    import threading
+    import time
+
+    parent = int(os.environ.get("_JAXTDIST_PARENT_PID") or os.getppid())
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="jaxtdist-parent-watch", daemon=True).start()
+
+
 if __name__ == "__main__":
     from multiprocessing.connection import Client
+
+    _die_with_parent()
 
     _pos, _shm, _base, _address = sys.argv[1:5]
     _conn = Client(_address, family="AF_UNIX",

@@ -16,21 +16,48 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 
 @dataclasses.dataclass(frozen=True)
 class BackendSpec:
-    """What a backend is asked to serve: the mesh's devices and the heap size."""
+    """What a backend is asked to serve: the mesh's devices and the heap size.
+
+    In a mesh that spans processes, a backend sets up only ``local_positions``
+    (the positions of this process's devices) and reaches the others' heaps
+    through ``bootstrap`` (``_bootstrap.KeyValueBootstrap``: values exchanged
+    through JAX's key-value store, within ``bootstrap_timeout_s``).
+    """
     platform: str                    # "cpu" or "gpu"
     devices: tuple                   # every device of the mesh, in mesh order
     heap_bytes: int
     native: Any                      # the native module (csrc)
+    process_index: int = 0           # this process's jax.process_index()
+    generation: int = 0              # the runtime's generation (names bootstrap keys)
+    bootstrap_timeout_s: float = 300.0
 
     @property
     def multi_process(self) -> bool:
-        return len({d.process_index for d in self.devices}) > 1
+        return len(self.owners) > 1 and len(set(self.owners)) > 1
+
+    @property
+    def owners(self) -> tuple[int, ...]:
+        """The process index owning each mesh position."""
+        return tuple(int(d.process_index) for d in self.devices)
+
+    @property
+    def local_positions(self) -> tuple[int, ...]:
+        """Mesh positions of this process's devices: the ones its backend serves."""
+        return tuple(p for p, o in enumerate(self.owners) if o == self.process_index)
+
+    def bootstrap(self, what: str):
+        """A key-value exchange among the mesh's processes for ``what`` (one deadline)."""
+        from jaxtdist.runtime._bootstrap import KeyValueBootstrap
+
+        return KeyValueBootstrap(what, self.generation, self.bootstrap_timeout_s,
+                                 processes=self.owners)
 
 
 @runtime_checkable
@@ -118,22 +145,59 @@ def backend_names() -> list[str]:
     return [e.name for e in _REGISTRY]
 
 
+# Backends whose module registers them when imported, imported on first need
+# only: the NVSHMEM backend loads NVSHMEM's host library, which a
+# single-process job must not pay for (or lack).
+_LAZY_BACKENDS = {"nvshmem": "jaxtdist.runtime._nvshmem"}
+
+
+def _import_lazy(name: str) -> str:
+    """Imports the module of lazy backend ``name``; "" or why it is unavailable."""
+    if name in backend_names():
+        return ""
+    module = _LAZY_BACKENDS[name]
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            raise  # the module exists but needs something absent: say what
+        return f"{module} does not exist in this jaxtdist"
+    if name not in backend_names():
+        return f"{module} did not register a backend named {name!r}"
+    return ""
+
+
 def create_backend(spec: BackendSpec) -> tuple[str, HeapBackend]:
-    """The (name, backend) serving ``spec``; ``NotImplementedError`` if none does."""
+    """The (name, backend) serving ``spec``; ``NotImplementedError`` if none does.
+
+    A GPU mesh spanning processes is served by the backend named "nvshmem"
+    (``jaxtdist.runtime._nvshmem``, imported here on first need).
+    """
+    why = ""
+    if spec.platform == "gpu" and spec.multi_process:
+        why = _import_lazy("nvshmem")
     for entry in reversed(_REGISTRY):
         if entry.applies(spec):
             return entry.name, entry.factory(spec)
-    layout = "one process per device" if spec.multi_process else "one process"
+    layout = (f"{len(set(spec.owners))} processes" if spec.multi_process else "one process")
+    if spec.platform == "gpu" and spec.multi_process:
+        raise NotImplementedError(
+            f"jaxtdist: a GPU mesh of {len(spec.devices)} devices driven by {layout} needs "
+            "the NVSHMEM backend (a heap backend registered as 'nvshmem'), and none is "
+            f"available: {why or 'it does not serve this mesh'} (registered: "
+            f"{backend_names()}). Until it is, use a mesh of one process's devices (one "
+            "process driving every GPU of a host). See docs/multiprocess.md.")
     raise NotImplementedError(
         f"jaxtdist: no heap backend serves a {spec.platform} mesh of {len(spec.devices)} "
-        f"devices driven by {layout} (registered: {backend_names()}). Multi-process meshes "
-        "need the NVSHMEM backend, which is not implemented yet; use a mesh of this "
-        "process's devices.")
+        f"devices driven by {layout} (registered: {backend_names()}).")
 
 
 def _cpu_factory(spec: BackendSpec) -> HeapBackend:
     from jaxtdist.runtime._cpu import CpuHeap
-    return CpuHeap(len(spec.devices), spec.heap_bytes)
+    if not spec.multi_process:
+        return CpuHeap(len(spec.devices), spec.heap_bytes)
+    return CpuHeap(len(spec.devices), spec.heap_bytes, owners=spec.owners,
+                   bootstrap=spec.bootstrap("cpu-heap"))
 
 
 def _cuda_factory(spec: BackendSpec) -> HeapBackend:
@@ -141,7 +205,8 @@ def _cuda_factory(spec: BackendSpec) -> HeapBackend:
     return CudaHeap(spec.native, spec.devices, spec.heap_bytes)
 
 
-register_backend("cpu-shared-memory", _cpu_factory,
-                 applies=lambda s: s.platform == "cpu" and not s.multi_process)
+# One host's processes share one segment (the CPU emulation of one process per
+# GPU); processes on several hosts are refused with a clear error when mapping.
+register_backend("cpu-shared-memory", _cpu_factory, applies=lambda s: s.platform == "cpu")
 register_backend("cuda-peer", _cuda_factory,
                  applies=lambda s: s.platform == "gpu" and not s.multi_process)

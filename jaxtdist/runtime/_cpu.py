@@ -5,11 +5,21 @@ programs one at a time, so ranks cannot share a process: each mesh position
 gets a worker process that maps the same shared-memory segment and runs the
 kernels for that position. Peer loads, stores and atomics go straight to the
 shared segment, exactly as on GPUs they go over NVLink.
+
+A mesh that spans processes (``jax.distributed`` on one host, the CPU
+emulation of one process per GPU) uses one segment too: the mesh's first
+process creates it and publishes its name through JAX's key-value store,
+every process maps it and starts workers for its own positions only, and the
+creator unlinks the name once every process has mapped it (so no segment
+outlives the job, however it ends). Each process computes peers' bases in its
+own mapping.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
+import socket
 from collections.abc import Sequence
 from multiprocessing import shared_memory
 
@@ -20,26 +30,119 @@ from jaxtdist.interpret import WorkerPool
 from jaxtdist.language import _layout as L
 
 
+# Heap offset of the word a process sets in each of its positions' heaps when it
+# closes the heap cleanly (a peer that exits after that did not die). Inside the
+# reserved head of the heap, after the error record (0) and the scratch word (64).
+_CLOSED_OFFSET = 128
+
+
 class CpuHeap:
-    """Symmetric heap of ``positions`` ranks in one shared-memory segment."""
+    """Symmetric heap of ``positions`` ranks in one shared-memory segment.
+
+    Args:
+      positions: mesh positions (the whole mesh).
+      heap_bytes: bytes of heap per position.
+      owners: the process index owning each position, when the mesh spans
+        processes (``None``: this process owns them all).
+      bootstrap: the key-value exchange with the other processes (needed with
+        ``owners``).
+
+    Example:
+      >>> heap = CpuHeap(8, 32 << 20)       # one process, 8 positions
+      >>> heap.base_of(3) - heap.base_of(0)
+      100663296
+    """
 
     platform = "cpu"
     has_copy_engines = False
     locates_by_device = False
 
-    def __init__(self, positions: int, heap_bytes: int):
+    def __init__(self, positions: int, heap_bytes: int, owners: Sequence[int] | None = None,
+                 bootstrap=None):
         self.heap_bytes = heap_bytes
-        self._positions = tuple(range(positions))
-        self._shm = shared_memory.SharedMemory(create=True, size=positions * heap_bytes)
-        self._view = self._shm.buf
+        self._watch = None
+        self._shm = None
+        self._segment = None
+        self._anchor = None
+        self._unlinked = False
+        self.workers = None
+        me = bootstrap.process_index if bootstrap is not None else None
+        if owners is None:
+            self._positions = tuple(range(positions))
+            self._shm = shared_memory.SharedMemory(create=True, size=positions * heap_bytes)
+            self._view = self._shm.buf
+        else:
+            self._positions = tuple(p for p in range(positions) if owners[p] == me)
+            self._view = self._map_shared(positions * heap_bytes, min(owners), bootstrap)
         self._anchor = ctypes.c_char.from_buffer(self._view)
         self.segment_base = ctypes.addressof(self._anchor)
-        self.workers = WorkerPool(positions, self._shm.name, self.segment_base,
-                                  on_failure=self._release_waits)
+        try:
+            self.workers = WorkerPool(self._positions, self._segment_name, self.segment_base,
+                                      on_failure=self._release_waits)
+            if owners is not None:
+                self._join(owners, bootstrap)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- one heap over several processes -----------------------------------------
+
+    def _map_shared(self, size: int, creator: int, bootstrap) -> memoryview:
+        """Creates (the creator) or maps (the others) the segment; its name travels
+        through the key-value store with the creator's host name."""
+        host = socket.gethostname()
+        if bootstrap.process_index == creator:
+            self._shm = shared_memory.SharedMemory(create=True, size=size)
+            bootstrap.publish("segment", f"{self._shm.name} {size} {host}")
+            return self._shm.buf
+        name, their_size, their_host = bootstrap.get("segment", creator).split(" ", 2)
+        if their_host != host or int(their_size) != size:
+            raise ValueError(
+                f"jaxtdist: the CPU heap of a multi-process mesh is one shared-memory segment "
+                f"on one host, but process {creator} created it on host {their_host!r} "
+                f"({their_size} bytes) and this process (process {bootstrap.process_index}) "
+                f"runs on {host!r} and expects {size} bytes. Run every process of a CPU mesh "
+                "on one host with the same mesh and heap_bytes; several hosts need GPUs and "
+                "the NVSHMEM backend.")
+        from jaxtdist.interpret._segment import map_segment
+
+        self._segment = map_segment(name)
+        self._segment_name_mapped = name
+        return memoryview(self._segment)
+
+    @property
+    def _segment_name(self) -> str:
+        return self._shm.name if self._shm is not None else self._segment_name_mapped
+
+    def _join(self, owners: Sequence[int], bootstrap) -> None:
+        """Waits until every process mapped the segment and started its workers; then
+        the creator unlinks its name and each process watches the others' pids."""
+        pids = [int(v) for v in bootstrap.all_gather("ready", str(os.getpid()))]
+        if self._shm is not None:
+            self._unlink()
+        positions = {p: [pos for pos, o in enumerate(owners) if o == p]
+                     for p in bootstrap.processes}
+        peers = {p: pid for p, pid in zip(bootstrap.processes, pids)
+                 if p != bootstrap.process_index}
+        from jaxtdist.runtime._liveness import PeerWatch
+
+        self._watch = PeerWatch(peers, positions, on_death=self.workers.fail,
+                                exited_cleanly=lambda p: self.closed_cleanly(positions[p]))
+
+    def _unlink(self) -> None:
+        try:
+            self._shm.unlink()
+        except FileNotFoundError:
+            pass
+        self._unlinked = True
+
+    def closed_cleanly(self, positions: Sequence[int]) -> bool:
+        """Whether the process owning ``positions`` closed its heap before exiting."""
+        return all(self.read(p, _CLOSED_OFFSET, 1) == b"\x01" for p in positions)
 
     def _release_waits(self) -> None:
-        """Marks every rank's waits failed (the word ``dl.wait`` polls), so that
-        kernels waiting for a dead rank return at once instead of at their bound."""
+        """Marks this process's ranks' waits failed (the word ``dl.wait`` polls), so
+        that kernels waiting for a dead rank return at once instead of at their bound."""
         for pos in self._positions:
             self.write(pos, self.scratch(pos) - self.base_of(pos), (1).to_bytes(4, "little"))
 
@@ -106,8 +209,22 @@ class CpuHeap:
         return host_kernel(host, tuple(outs), *arrays, op=op)
 
     def close(self) -> None:
-        self.workers.close()
-        del self._anchor
-        self._view.release()
-        self._shm.close()
-        self._shm.unlink()
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
+        if self._anchor is not None:
+            for pos in self._positions:  # peers must not take this exit for a death
+                self.write(pos, _CLOSED_OFFSET, b"\x01")
+            self._anchor = None  # the buffer export must go before the view
+            self._view.release()
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
+        if self._shm is not None:
+            self._shm.close()
+            if not self._unlinked:
+                self._unlink()
+            self._shm = None

@@ -11,13 +11,14 @@ import atexit
 import dataclasses
 import math
 import threading
+import time
 from collections.abc import Sequence
 
 import jax
 import numpy as np
 
 from jaxtdist.language import _layout as L
-from jaxtdist.runtime import _native
+from jaxtdist.runtime import _bootstrap, _native
 from jaxtdist.runtime._backend import BackendSpec, create_backend
 from jaxtdist.runtime._config_cache import TuningCache
 from jaxtdist._errors import HeapExhaustedError, NotInitializedError, WaitTimeoutError
@@ -95,9 +96,20 @@ class Runtime:
 
     def __init__(self, mesh, heap_bytes: int | None = None,
                  wait_timeout_s: float | None = None,
-                 align_launches: bool = True, launcher: str = "native"):
+                 align_launches: bool = True, launcher: str = "native",
+                 bootstrap_timeout_s: float | None = None):
         devices = list(mesh.devices.flat)
         self.mesh = mesh
+        # Mesh positions of this process's devices: the heaps this process sets up
+        # and whose kernels it runs (every position unless the mesh spans processes).
+        me = jax.process_index()
+        self.local_positions = tuple(p for p, d in enumerate(devices) if d.process_index == me)
+        if not self.local_positions:
+            raise ValueError(
+                f"jaxtdist: none of the mesh's {len(devices)} devices belongs to this process "
+                f"(process {me}); pass jaxtdist.initialize the mesh this process's shard_map "
+                "runs on, which includes its devices")
+        self.bootstrap_timeout_s = _bootstrap.bootstrap_timeout_s(bootstrap_timeout_s)
         self.platform = _platform(devices)
         self.heap_bytes = int(heap_bytes or DEFAULT_HEAP_BYTES[self.platform])
         # SMs a persistent grid may fill (devices of one mesh are of one kind).
@@ -133,8 +145,13 @@ class Runtime:
         self.native.configure_launch_alignment(self._align_launches, LAUNCH_ALIGN_TIMEOUT_US,
                                                LAUNCH_ALIGN_SPIN_US)
         self._launcher = _check_launcher(launcher)
+        started = time.perf_counter()
         self.backend_name, self.backend = create_backend(
-            BackendSpec(self.platform, tuple(devices), self.heap_bytes, self.native))
+            BackendSpec(self.platform, tuple(devices), self.heap_bytes, self.native,
+                        process_index=me, generation=self.generation,
+                        bootstrap_timeout_s=self.bootstrap_timeout_s))
+        # Seconds from here to a ready heap on every process (docs/multiprocess.md).
+        self.heap_ready_s = time.perf_counter() - started
         for pos in self.backend.positions:
             self.native.register_heap(pos, self.backend.ordinal_of(pos),
                                       self.backend.base_of(pos), self.heap_bytes,
@@ -294,7 +311,8 @@ _GENERATION = 0  # counts runtimes: programs traced for an older one are refused
 
 
 def initialize(mesh, *, heap_bytes: int | None = None, wait_timeout_s: float | None = None,
-               align_launches: bool | None = None, launcher: str | None = None) -> Runtime:
+               align_launches: bool | None = None, launcher: str | None = None,
+               bootstrap_timeout_s: float | None = None) -> Runtime:
     """Creates the symmetric heap for ``mesh``; jaxtdist ops need it.
 
     Args:
@@ -314,6 +332,11 @@ def initialize(mesh, *, heap_bytes: int | None = None, wait_timeout_s: float | N
         jaxtdist's FFI handler) or "jax-triton" (jaxlib's Triton custom call).
         Read when ops are traced; changing only this setting keeps the
         runtime, and programs traced before keep their launcher.
+      bootstrap_timeout_s: for a mesh spanning processes (``jax.distributed``),
+        seconds this call waits for the other processes to set up their part of
+        the heap before it raises an error naming the missing ones (default
+        ``$JAXTDIST_BOOTSTRAP_TIMEOUT_S``, else 300 s). Every process of the mesh
+        must call ``initialize`` with the same mesh and settings.
 
     Returns:
       The runtime. Calling it again with the same mesh returns the existing
@@ -332,6 +355,8 @@ def initialize(mesh, *, heap_bytes: int | None = None, wait_timeout_s: float | N
         if _RUNTIME is not None:
             same = (_RUNTIME.mesh == mesh
                     and (heap_bytes is None or heap_bytes == _RUNTIME.heap_bytes)
+                    and (bootstrap_timeout_s is None
+                         or float(bootstrap_timeout_s) == _RUNTIME.bootstrap_timeout_s)
                     and (wait_timeout_s is None
                          or float(wait_timeout_s) == _RUNTIME.wait_timeout_s))
             if same:
@@ -346,7 +371,7 @@ def initialize(mesh, *, heap_bytes: int | None = None, wait_timeout_s: float | N
             jax.clear_caches()
         _RUNTIME = Runtime(mesh, heap_bytes, wait_timeout_s,
                            True if align_launches is None else align_launches,
-                           launcher or "native")
+                           launcher or "native", bootstrap_timeout_s)
         return _RUNTIME
 
 

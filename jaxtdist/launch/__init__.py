@@ -1,0 +1,83 @@
+"""Starting multi-process jaxtdist jobs: ``python -m jaxtdist.launch`` and
+the helper its processes call.
+
+One host: ``python -m jaxtdist.launch --nproc-per-node 2 prog.py ARGS`` starts
+2 processes of ``prog.py``, each with the variables below; ``prog.py`` calls
+``jaxtdist.launch.initialize_from_env()`` (or ``jax.distributed.initialize``
+with the same values) before anything else touches JAX's devices. Under
+SLURM, Open MPI or Kubernetes, ``initialize_from_env()`` falls back to JAX's
+own cluster detection. See docs/multiprocess.md.
+
+Example (prog.py):
+  >>> import jaxtdist, jaxtdist.launch
+  >>> jaxtdist.launch.initialize_from_env()
+  >>> mesh = jax.make_mesh((jax.device_count(),), ("tp",))
+  >>> jaxtdist.initialize(mesh)
+"""
+
+from __future__ import annotations
+
+import os
+
+# Set by the launcher in every process it starts.
+ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"   # honoured by jax.distributed.initialize too
+ENV_NUM_PROCESSES = "JAXTDIST_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAXTDIST_PROCESS_ID"
+ENV_LOCAL_RANK = "JAXTDIST_LOCAL_RANK"
+# Optional: seconds JAX's coordination service waits for a silent process
+# before it declares it dead (jax.distributed's heartbeat_timeout_seconds).
+ENV_HEARTBEAT_TIMEOUT = "JAXTDIST_HEARTBEAT_TIMEOUT_S"
+# Optional: seconds jax.distributed.initialize waits for every process to connect.
+ENV_INIT_TIMEOUT = "JAXTDIST_INIT_TIMEOUT_S"
+
+
+def _int_env(name: str) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(float(raw))
+    except ValueError:
+        raise ValueError(f"jaxtdist.launch: ${name}={raw!r} is not a number") from None
+
+
+def distributed_args() -> dict:
+    """The ``jax.distributed.initialize`` arguments the launcher's variables give
+    (empty when this process was not started by ``python -m jaxtdist.launch``)."""
+    args: dict = {}
+    if os.environ.get(ENV_PROCESS_ID) is not None:
+        args = {"coordinator_address": os.environ.get(ENV_COORDINATOR),
+                "num_processes": _int_env(ENV_NUM_PROCESSES),
+                "process_id": _int_env(ENV_PROCESS_ID)}
+        missing = [k for k, v in args.items() if v is None]
+        if missing:
+            raise ValueError(
+                f"jaxtdist.launch: ${ENV_PROCESS_ID} is set but {missing} are not (expected "
+                f"${ENV_COORDINATOR}, ${ENV_NUM_PROCESSES}); start the program with "
+                "`python -m jaxtdist.launch` or unset it")
+    for key, env in (("heartbeat_timeout_seconds", ENV_HEARTBEAT_TIMEOUT),
+                     ("initialization_timeout", ENV_INIT_TIMEOUT)):
+        value = _int_env(env)
+        if value is not None:
+            args[key] = value
+    return args
+
+
+def initialize_from_env(**kwargs) -> None:
+    """``jax.distributed.initialize`` with what ``python -m jaxtdist.launch`` set.
+
+    Outside the launcher it is ``jax.distributed.initialize(**kwargs)``, so
+    JAX's cluster detection (SLURM, Open MPI, Kubernetes) applies. Keyword
+    arguments override the environment. Call it before anything else uses
+    JAX's devices.
+
+    Example:
+      >>> jaxtdist.launch.initialize_from_env(heartbeat_timeout_seconds=20)
+    """
+    import jax
+
+    jax.distributed.initialize(**{**distributed_args(), **kwargs})
+
+
+__all__ = ["ENV_COORDINATOR", "ENV_HEARTBEAT_TIMEOUT", "ENV_INIT_TIMEOUT", "ENV_LOCAL_RANK",
+           "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "distributed_args", "initialize_from_env"]

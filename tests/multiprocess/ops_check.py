@@ -1,0 +1,169 @@
+"""Every jaxtdist op on a mesh spanning processes, checked against a host
+reference computed from the same seeds (no XLA collectives needed).
+
+Started by tests/test_cpu_multiprocess.py through the launcher:
+  python -m jaxtdist.launch --nproc-per-node 2 tests/multiprocess/ops_check.py [--chain N]
+
+Each process checks the shards it holds and prints one ``CHECK op relerr``
+line per op, ``HEAP_READY_S s`` (initialize to a ready heap), ``OK`` at the end.
+With ``--die-after K --victim R``, process R kills itself (SIGKILL) after K
+calls of a chain of ops; the others must fail with an error naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import jaxtdist.launch  # noqa: E402
+
+jaxtdist.launch.initialize_from_env()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jaxtdist as td  # noqa: E402
+from tests import kernels_for_tests as K  # noqa: E402
+
+TOL = 1e-5  # float32; the interpreter's dot is numpy's
+
+
+def place(mesh, x: np.ndarray, spec) -> jax.Array:
+    """A global array of host ``x`` laid out by ``spec`` (each process its shards)."""
+    sharding = NamedSharding(mesh, spec)
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def relerr(out: jax.Array, ref: np.ndarray) -> float:
+    """Largest relative error over the shards this process holds."""
+    worst = 0.0
+    for shard in out.addressable_shards:
+        got = np.asarray(shard.data, np.float64)
+        want = np.asarray(ref[shard.index], np.float64)
+        worst = max(worst, float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)))
+    return worst
+
+
+def rand(seed: int, shape) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def check_all(mesh, world: int) -> dict[str, float]:
+    sm = lambda f, i, o, **kw: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=i, out_specs=o, **kw))
+    m, k, n = 8, 32, 16 * world
+    errs = {}
+    x, w = rand(1, (world * m, k)), rand(2, (k, n))
+    f = sm(lambda a, b: td.ag_matmul(a, b, "tp"), (P("tp", None), P(None, "tp")), P(None, "tp"))
+    errs["ag_matmul"] = relerr(f(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp"))),
+                               x @ w)
+    x = rand(3, (world * 4, 24))
+    f = sm(lambda a: td.all_gather(a, "tp"), P("tp", None), P(None, None), check_vma=False)
+    errs["all_gather"] = relerr(f(place(mesh, x, P("tp", None))), x)
+    x = rand(4, (world, 40))
+    f = sm(lambda a: td.all_reduce(a, "tp"), P("tp", None), P(None, None), check_vma=False)
+    errs["all_reduce"] = relerr(f(place(mesh, x, P("tp", None))), x.sum(0, keepdims=True))
+    x = rand(5, (world, world * 6, 8))
+    f = sm(lambda a: td.reduce_scatter(a[0], "tp")[None], P("tp", None, None),
+           P("tp", None, None))
+    ref = x.sum(0).reshape(world, 6, 8)
+    errs["reduce_scatter"] = relerr(f(place(mesh, x, P("tp", None, None))), ref)
+    x, w = rand(6, (world * 8, world * 16)), rand(7, (world * 16, 24))
+    f = sm(lambda a, b: td.matmul_rs(a, b, "tp"), (P(None, "tp"), P("tp", None)),
+           P("tp", None))
+    errs["matmul_rs"] = relerr(f(place(mesh, x, P(None, "tp")), place(mesh, w, P("tp", None))),
+                               x @ w)
+    x, w = rand(8, (4, world * 16)), rand(9, (world * 16, 24))
+    f = sm(lambda a, b: td.matmul_ar(a, b, "tp"), (P(None, "tp"), P("tp", None)),
+           P(None, None), check_vma=False)
+    errs["matmul_ar"] = relerr(f(place(mesh, x, P(None, "tp")), place(mesh, w, P("tp", None))),
+                               x @ w)
+    nn = 24
+
+    def ring(a):
+        out = td.triton_call(a[0], kernel=K.ring_kernel,
+                             out_shape=jax.ShapeDtypeStruct((nn,), jnp.float32), grid=(1,),
+                             axis_name="tp", workspace_bytes=256 + 2 * 4 * nn, N=nn, BLOCK=8)
+        return out[None]
+
+    f = sm(ring, P("tp", None), P("tp", None))
+    worst = 0.0
+    for seed in (10, 11, 12):  # both buffer parities, reused
+        x = rand(seed, (world, nn))
+        worst = max(worst, relerr(f(place(mesh, x, P("tp", None))), np.roll(x, 1, axis=0)))
+    errs["triton_call"] = worst
+    return errs
+
+
+def chain(mesh, world: int, calls: int, die_after: int | None, victim: int) -> float:
+    """ag_matmul then matmul_rs, ``calls`` times on changing data."""
+    m, k, n = 8, 16, 8 * world
+
+    def step(a, b, c):
+        h = td.ag_matmul(a, b, "tp")          # [world*m, n/world]
+        return td.matmul_rs(h, c, "tp")      # [m, k]
+
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("tp", None), P(None, "tp"),
+                                                          P("tp", None)),
+                              out_specs=P("tp", None)))
+    worst = 0.0
+    for i in range(calls):
+        if die_after is not None and i == die_after and jax.process_index() == victim:
+            print(f"VICTIM dying at call {i}", flush=True)
+            os.kill(os.getpid(), 9)
+        x, w, c = rand(100 + i, (world * m, k)), rand(200 + i, (k, n)), rand(300 + i, (n, k))
+        out = f(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp")),
+                place(mesh, c, P("tp", None)))
+        worst = max(worst, relerr(out, (x @ w) @ c))
+    return worst
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--chain", type=int, default=4)
+    ap.add_argument("--die-after", type=int, default=None)
+    ap.add_argument("--victim", type=int, default=1)
+    ap.add_argument("--wait-timeout-s", type=float, default=60.0)
+    ap.add_argument("--ops", action="store_true", help="check every op")
+    args = ap.parse_args()
+    world = jax.device_count()
+    mesh = jax.make_mesh((world,), ("tp",))
+    t0 = time.perf_counter()
+    rt = td.initialize(mesh, wait_timeout_s=args.wait_timeout_s, heap_bytes=8 << 20)
+    print(f"HEAP_READY_S {time.perf_counter() - t0:.3f} backend={rt.backend_name} "
+          f"local={rt.local_positions} process={jax.process_index()}/{jax.process_count()}",
+          flush=True)
+    bad = []
+    if args.ops:
+        for op, err in check_all(mesh, world).items():
+            print(f"CHECK {op} {err:.3e}", flush=True)
+            if not err <= TOL:
+                bad.append(op)
+    start = time.perf_counter()
+    try:
+        err = chain(mesh, world, args.chain, args.die_after, args.victim)
+    except Exception as e:  # the survivors of --die-after land here
+        # XLA wraps a host callback's error in its traceback: report jaxtdist's line.
+        lines = str(e).splitlines()
+        message = next((ln for ln in reversed(lines) if "jaxtdist" in ln), lines[0])
+        print(f"CHAIN_FAILED after {time.perf_counter() - start:.2f} s: "
+              f"{type(e).__name__}: {message}", flush=True)
+        # jax.distributed's shutdown barrier would wait for the dead process until
+        # its heartbeat timeout: leave at once, as a job that gives up would.
+        os._exit(3)
+    print(f"CHECK chain {err:.3e}", flush=True)
+    if not err <= TOL:
+        bad.append("chain")
+    td.shutdown()
+    print("FAILED " + " ".join(bad) if bad else "OK", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

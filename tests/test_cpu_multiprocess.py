@@ -1,0 +1,147 @@
+"""The multi-process layout on CPU (issue 24, parts 4-6): several processes
+joined by jax.distributed on localhost, one shared-memory heap, started by
+``python -m jaxtdist.launch``; every op against a host reference, a rank
+killed mid-chain, ranks that never join.
+
+Each test starts fresh processes (their JAX must not be this process's), so
+none depends on conftest's 8 host devices.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import cpu_only, timeout
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(ROOT, "tests", "multiprocess")
+
+pytestmark = cpu_only()
+
+
+def launch(nproc: int, script: str, *args: str, launcher_args: tuple[str, ...] = (),
+           limit_s: float = 150) -> tuple[int, str, float]:
+    """Runs ``script`` under the launcher; (exit code, output, seconds)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in sys.path if p])
+    env.pop("JAX_PLATFORMS", None)
+    env["JAX_PLATFORMS"] = "cpu"
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxtdist.launch", "--nproc-per-node", str(nproc),
+         *launcher_args, os.path.join(SCRIPTS, script), *args],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        timeout=limit_s)
+    return proc.returncode, proc.stdout, time.monotonic() - start
+
+
+def rank_lines(out: str, rank: int, tag: str) -> list[str]:
+    return [line.split(f"[rank {rank}] ", 1)[1] for line in out.splitlines()
+            if line.startswith(f"[rank {rank}] {tag}")]
+
+
+@timeout(180)
+@pytest.mark.parametrize("nproc,devices", [(2, 1), (4, 1), (2, 2)])
+def test_every_op_matches_the_host_reference(nproc, devices):
+    """ag_matmul, all_gather, all_reduce, reduce_scatter, matmul_rs, matmul_ar and a
+    user kernel through triton_call on a mesh spanning processes, each process
+    checking its shards against float32 references from the same seeds, then a
+    chain of ag_matmul -> matmul_rs calls on changing data."""
+    code, out, _ = launch(nproc, "ops_check.py", "--ops",
+                          launcher_args=("--cpu-devices-per-process", str(devices)))
+    assert code == 0, out[-4000:]
+    for rank in range(nproc):
+        assert rank_lines(out, rank, "OK") == ["OK"], out[-4000:]
+        checks = dict(line.split()[1:3] for line in rank_lines(out, rank, "CHECK"))
+        assert set(checks) == {"ag_matmul", "all_gather", "all_reduce", "reduce_scatter",
+                               "matmul_rs", "matmul_ar", "triton_call", "chain"}
+        assert all(float(err) <= 1e-5 for err in checks.values()), checks
+        (ready,) = rank_lines(out, rank, "HEAP_READY_S")
+        local = tuple(range(rank * devices, (rank + 1) * devices))
+        assert f"local={local}" in ready, ready
+
+
+@timeout(120)
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_rank_killed_mid_chain_fails_the_job(victim):
+    """SIGKILL one of 2 processes in the middle of chained ops: the launcher exits
+    non-zero; with a grace period the survivor reports, within a second, an error
+    naming the dead process (victim 1), or JAX ends it at once (victim 0 hosts
+    the coordination service)."""
+    code, out, took = launch(2, "ops_check.py", "--chain", "8", "--die-after", "3",
+                             "--victim", str(victim),
+                             launcher_args=("--failure-grace-s", "60"))
+    assert code != 0 and "VICTIM dying" in out, out[-4000:]
+    assert f"[launch] rank {victim} failed (killed by SIGKILL)" in out, out[-4000:]
+    survivor = 1 - victim
+    if victim == 1:
+        (failed,) = rank_lines(out, survivor, "CHAIN_FAILED")
+        assert "process 1 (pid" in failed and "died" in failed, failed
+        seconds = float(re.search(r"after ([\d.]+) s", failed).group(1))
+        assert seconds < 10, failed   # the peer watch looks every 0.2 s
+    else:
+        assert "Terminating process because the JAX distributed service" in out, out[-4000:]
+    assert took < 60, took            # never the kernels' wait bound (60 s here)
+
+
+@timeout(120)
+def test_the_launcher_ends_the_others_at_once():
+    """Without a grace period the launcher ends the surviving rank as soon as one
+    fails, and exits with the failed rank's code (128 + SIGKILL)."""
+    code, out, took = launch(2, "ops_check.py", "--chain", "50", "--die-after", "2",
+                             "--victim", "1")
+    assert code == 128 + 9, out[-4000:]
+    assert "[launch] rank 1 failed (killed by SIGKILL); ending ranks [0]" in out, out[-4000:]
+    assert took < 60, took
+
+
+@timeout(120)
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_rank_that_never_calls_initialize_is_named(victim):
+    """A process in jax.distributed that never calls jaxtdist.initialize: the other
+    fails after bootstrap_timeout_s (3 s here) with an error naming it."""
+    code, out, took = launch(2, "never_joins.py", "--stage", "jaxtdist", "--victim",
+                             str(victim), "--bound-s", "3")
+    assert code == 3, out[-4000:]
+    (failed,) = rank_lines(out, 1 - victim, "FAILED_AFTER")
+    assert "BootstrapTimeoutError" in failed, failed
+    assert f"process {victim} (of 2) did not reach jaxtdist.initialize within 3 s" in failed
+    assert 2.5 < float(failed.split()[1].rstrip(":")) < 10, failed
+    assert took < 60, took
+
+
+@timeout(120)
+def test_a_rank_that_never_joins_jax_distributed_fails_the_job():
+    """A process that never calls jax.distributed.initialize: JAX's own bound
+    (initialization_timeout, 3 s here) ends the others; the launcher exits non-zero."""
+    code, out, took = launch(2, "never_joins.py", "--stage", "distributed", "--bound-s", "3")
+    assert code != 0, out[-4000:]
+    assert "[launch] rank 0 failed" in out, out[-4000:]
+    assert took < 60, took
+
+
+@timeout(60)
+def test_launcher_prefixes_lines_and_passes_the_job_variables(tmp_path):
+    prog = tmp_path / "show.py"
+    prog.write_text("import os, sys\n"
+                    "print(os.environ['JAXTDIST_PROCESS_ID'], os.environ['JAXTDIST_NUM_PROCESSES'],"
+                    " os.environ['JAX_COORDINATOR_ADDRESS'].startswith('127.0.0.1:'),"
+                    " os.environ['CUDA_VISIBLE_DEVICES'], os.environ['JAX_NUM_CPU_DEVICES'],"
+                    " sys.argv[1:])\n")
+    proc = subprocess.run([sys.executable, "-m", "jaxtdist.launch", "--nproc-per-node", "3",
+                           "--cpu-devices-per-process", "2", str(prog), "a", "--b"],
+                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout
+    for r in range(3):
+        assert f"[rank {r}] {r} 3 True {r} 2 ['a', '--b']" in proc.stdout, proc.stdout
+    shared = subprocess.run([sys.executable, "-m", "jaxtdist.launch", "--nproc-per-node", "2",
+                             "--share-gpu", str(prog)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, timeout=60)
+    assert "[rank 1] 1 2 True 0 1 []" in shared.stdout, shared.stdout
