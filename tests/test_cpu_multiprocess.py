@@ -145,3 +145,16 @@ def test_launcher_prefixes_lines_and_passes_the_job_variables(tmp_path):
                              "--share-gpu", str(prog)], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, timeout=60)
     assert "[rank 1] 1 2 True 0 1 []" in shared.stdout, shared.stdout
+
+
+@timeout(120)
+def test_sub_meshes_spanning_processes():
+    """A dp x tp mesh over 2 processes x 2 devices: all_reduce over tp, with tp
+    across the processes and within each (initialize twice: new keys)."""
+    code, out, _ = launch(2, "submesh_check.py",
+                          launcher_args=("--cpu-devices-per-process", "2"))
+    assert code == 0, out[-4000:]
+    for rank in range(2):
+        errs = dict(line.split()[1:3] for line in rank_lines(out, rank, "SUBMESH"))
+        assert set(errs) == {"tp-across", "tp-within"}, out[-4000:]
+        assert all(float(e) <= 1e-6 for e in errs.values()), errs
