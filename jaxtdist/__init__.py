@@ -26,6 +26,7 @@ if _os.environ.get("_JAXTDIST_INTERPRETER_WORKER") != "1":
         WorkerDiedError,
     )
     from jaxtdist import runtime  # the subpackage; runtime.runtime() is the object
+    from jaxtdist.runtime._bootstrap import BootstrapTimeoutError
     from jaxtdist import tune
     from jaxtdist.ops import (ag_matmul, ag_matmul_sharded, all_gather, all_reduce, matmul_ar,
                               matmul_ar_sharded, matmul_rs, matmul_rs_sharded, reduce_scatter,
@@ -38,6 +39,7 @@ if _os.environ.get("_JAXTDIST_INTERPRETER_WORKER") != "1":
         runtime.runtime().check_errors()
 
 __all__ = [
+    "BootstrapTimeoutError",
     "HeapExhaustedError",
     "JaxtdistError",
     "NotInitializedError",

@@ -18,5 +18,7 @@ class WaitTimeoutError(JaxtdistError):
 
 
 class WorkerDiedError(JaxtdistError):
-    """A process a collective needs died: an interpreter worker of the CPU backend
-    (killed, crashed, out of memory). Recover with ``shutdown()`` + ``initialize()``."""
+    """A process a collective needs died: an interpreter worker of the CPU backend,
+    or another process of a multi-process mesh (killed, crashed, out of memory).
+    Recover with ``shutdown()`` + ``initialize()``; a dead rank of a multi-process
+    job needs the job restarted."""
