@@ -42,6 +42,15 @@ std::string Free(int device, std::uintptr_t ptr) {
   return RuntimeError(cudaFree(reinterpret_cast<void*>(ptr)), "cudaFree");
 }
 
+std::string Zero(int device, std::uintptr_t ptr, std::int64_t bytes) {
+  if (auto e = RuntimeError(cudaSetDevice(device), "cudaSetDevice"); !e.empty()) return e;
+  if (auto e = RuntimeError(cudaMemset(reinterpret_cast<void*>(ptr), 0, bytes), "cudaMemset");
+      !e.empty()) {
+    return e;
+  }
+  return RuntimeError(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+}
+
 std::string EnablePeerAccess(int device, int peer) {
   if (device == peer) return "";
   int can = 0;

@@ -12,6 +12,7 @@
 #ifdef JAXTDIST_WITH_CUDA
 #include "ce_gather.h"
 #include "cuda_heap.h"
+#include "nvshmem_host.h"
 #include "triton_launch.h"
 #endif
 
@@ -159,6 +160,9 @@ PYBIND11_MODULE(_jaxtdist_ffi, m) {
     return p;
   });
   m.def("cuda_free", [](int device, std::uintptr_t p) { Raise(jc::Free(device, p)); });
+  m.def("cuda_zero", [](int device, std::uintptr_t p, std::int64_t bytes) {
+    Raise(jc::Zero(device, p, bytes));
+  });
   m.def("cuda_enable_peer_access", [](int device, int peer) {
     Raise(jc::EnablePeerAccess(device, peer));
   });
@@ -188,6 +192,54 @@ PYBIND11_MODULE(_jaxtdist_ffi, m) {
   });
   m.def("preload_triton_kernel", [](std::int64_t id, int device_ordinal) {
     Raise(jaxtdist::PreloadTritonKernel(id, device_ordinal));
+  });
+  // NVSHMEM's host library (jaxtdist/runtime/_nvshmem.py drives it).
+  namespace nv = jaxtdist::nvshmem;
+  m.def("nvshmem_load", [](const std::string& path) { Raise(nv::Load(path)); });
+  m.def("nvshmem_unique_id", [] {
+    std::string id;
+    Raise(nv::GetUniqueId(&id));
+    return py::bytes(id);
+  });
+  m.def("nvshmem_init", [](int device, int rank, int npes, py::bytes id) {
+        std::string s = id;
+        std::string err;
+        {
+          py::gil_scoped_release release;  // the bootstrap waits for every PE
+          err = nv::InitWithUniqueId(device, rank, npes, s);
+        }
+        Raise(err);
+      },
+      py::arg("device"), py::arg("rank"), py::arg("npes"), py::arg("unique_id"));
+  m.def("nvshmem_initialized", [] { return nv::Initialized(); });
+  m.def("nvshmem_my_pe", [] { return nv::MyPe(); });
+  m.def("nvshmem_n_pes", [] { return nv::NPes(); });
+  m.def("nvshmem_malloc", [](int device, std::int64_t bytes) {
+    std::uintptr_t p = 0;
+    std::string err;
+    {
+      py::gil_scoped_release release;  // collective
+      err = nv::Malloc(device, bytes, &p);
+    }
+    Raise(err);
+    return p;
+  });
+  m.def("nvshmem_free", [](std::uintptr_t p) {
+    std::string err;
+    {
+      py::gil_scoped_release release;  // collective
+      err = nv::Free(p);
+    }
+    Raise(err);
+  });
+  m.def("nvshmem_ptr", [](std::uintptr_t p, int pe) { return nv::PeerPtr(p, pe); });
+  m.def("nvshmem_barrier_all", [] {
+    std::string err;
+    {
+      py::gil_scoped_release release;
+      err = nv::BarrierAll();
+    }
+    Raise(err);
   });
   m.def("cuda_free_host", [](std::uintptr_t p) { Raise(jc::FreeHost(p)); });
 #endif

@@ -27,11 +27,13 @@ CUDA_SRCS = [
     "ce_gather.cc",
     "cuda_heap.cc",
     "ffi_cuda.cc",
+    "nvshmem_host.cc",
     "triton_launch.cc",
 ]
 
 CUDA_HDRS = [
     "ce_gather.h",
     "cuda_driver.h",
+    "nvshmem_host.h",
     "triton_launch.h",
 ]

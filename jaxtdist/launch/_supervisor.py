@@ -74,6 +74,15 @@ def child_env(rank: int, opts: LaunchOptions, coordinator: str) -> dict[str, str
         "JAX_NUM_CPU_DEVICES": str(opts.cpu_devices),
         "PYTHONUNBUFFERED": "1",
     })
+    # One host: NVSHMEM's bootstrap talks over loopback and needs no network
+    # transport (peers are NVLink or the same GPU).
+    for key, value in (("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo"),
+                       ("NVSHMEM_REMOTE_TRANSPORT", "none"),
+                       ("NVSHMEM_DISABLE_NVLS", "1")):
+        env.setdefault(key, value)
+    if opts.share_gpu:
+        # Every rank's XLA would preallocate 75% of the one GPU.
+        env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     # XLA's older host-device flag would override JAX_NUM_CPU_DEVICES.
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
                    env.get("XLA_FLAGS", "")).strip()

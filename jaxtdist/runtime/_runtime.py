@@ -113,7 +113,7 @@ class Runtime:
         self.platform = _platform(devices)
         self.heap_bytes = int(heap_bytes or DEFAULT_HEAP_BYTES[self.platform])
         # SMs a persistent grid may fill (devices of one mesh are of one kind).
-        self.sms = int(getattr(devices[0], "core_count", None) or 132)
+        self.sms = int(getattr(devices[self.local_positions[0]], "core_count", None) or 132)
         self.wait_timeout_s = float(DEFAULT_WAIT_TIMEOUT_S if wait_timeout_s is None
                                     else wait_timeout_s)
         if not 0 < self.wait_timeout_s <= 1e6:
@@ -152,6 +152,11 @@ class Runtime:
                         bootstrap_timeout_s=self.bootstrap_timeout_s))
         # Seconds from here to a ready heap on every process (docs/multiprocess.md).
         self.heap_ready_s = time.perf_counter() - started
+        # The launch rendezvous meets host threads of one process; a group spanning
+        # processes has none to meet (its kernels wait for each other on the device).
+        self.multi_process = len(set(self.backend.positions)) < len(devices)
+        if self.multi_process and self._align_launches:
+            self.align_launches = False
         for pos in self.backend.positions:
             self.native.register_heap(pos, self.backend.ordinal_of(pos),
                                       self.backend.base_of(pos), self.heap_bytes,
@@ -167,7 +172,7 @@ class Runtime:
     @align_launches.setter
     def align_launches(self, enabled: bool) -> None:
         # Read by the handlers at run time: compiled programs need no retrace.
-        self._align_launches = bool(enabled)
+        self._align_launches = bool(enabled) and not getattr(self, "multi_process", False)
         self.native.configure_launch_alignment(self._align_launches, LAUNCH_ALIGN_TIMEOUT_US,
                                                LAUNCH_ALIGN_SPIN_US)
 
@@ -327,7 +332,8 @@ def initialize(mesh, *, heap_bytes: int | None = None, wait_timeout_s: float | N
         collective's kernels on the group's devices meet just before the
         launch, as XLA's own collectives do, so that no device's kernel waits
         long for a peer that was launched late. Changing only this setting
-        keeps the runtime and compiled programs.
+        keeps the runtime and compiled programs. Off in a mesh spanning
+        processes (the threads to meet are in other processes).
       launcher: who launches Triton kernels on GPUs: "native" (default,
         jaxtdist's FFI handler) or "jax-triton" (jaxlib's Triton custom call).
         Read when ops are traced; changing only this setting keeps the

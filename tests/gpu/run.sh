@@ -2,7 +2,8 @@
 # The GPU entry point: the GPU suite, the tuner, then the benchmarks for the GPUs
 # this node has; prints a short summary and the tables last.
 # Usage (repo root, on the GPU node): bash tests/gpu/run.sh [--quick]
-#   PHASES="tests tune bench" (default: all three) picks phases;
+#   PHASES="tests tune bench" (default: all three) picks phases; PYTEST_K narrows
+#   the single-process suite (pytest -k);
 #   TUNE_ARGS (e.g. --large) go to python -m jaxtdist.tune;
 #   BENCH_WORLDS (default: "1 N", N the GPUs found) the world sizes every op is
 #   timed at (BENCH_OPS: which ops, default all); the world-1 `untuned` tables
@@ -39,6 +40,11 @@ ARGS="" ITER=""
 TEST_RC=0
 
 if has tests; then
+  # One process per GPU (NVSHMEM), as 2 and 4 processes sharing GPU 0, with and
+  # without MPS: first, from a pytest process that holds no CUDA context.
+  JAXTDIST_TEST_MULTIPROCESS_GPU=1 timeout 900 python3 -m pytest \
+    tests/gpu/test_gpu_multiprocess.py -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests_multiprocess.log"
+  MP_RC=${PIPESTATUS[0]}
   # The suite runs without the user cache (shipped tuned configs still apply).
   # TMA kernels (jaxtdist's own launcher) run first in a process of their own,
   # so that a fault there cannot take the rest of the suite down with it.
@@ -49,6 +55,7 @@ if has tests; then
     -p no:cacheprovider -k "not ag_matmul_tma" 2>&1 | tee "$OUT/gpu_tests.log"
   TEST_RC=${PIPESTATUS[0]}
   [ "$TMA_RC" -ne 0 ] && TEST_RC=$TMA_RC
+  [ "$MP_RC" -ne 0 ] && TEST_RC=$MP_RC
   python3 examples/ag_matmul.py 2>&1 | tail -1 | tee "$OUT/examples.log"
   python3 examples/ring_exchange.py 2>&1 | tail -1 | tee -a "$OUT/examples.log"
 fi
@@ -92,6 +99,7 @@ fi
 
 echo
 if has tests; then
+  echo "== GPU tests (multi-process): $(grep -E '^[0-9]+ (passed|failed|skipped|errors?)' "$OUT/gpu_tests_multiprocess.log" | tail -1)"
   echo "== GPU tests (TMA): $(grep -E '^[0-9]+ (passed|failed|skipped|errors?)' "$OUT/gpu_tests_tma.log" | tail -1)"
   echo "== GPU tests (rest): $(grep -E '^[0-9]+ (passed|failed|skipped|errors?)' "$OUT/gpu_tests.log" | tail -1)"
   cat "$OUT/examples.log"

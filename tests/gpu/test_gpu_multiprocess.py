@@ -1,0 +1,118 @@
+"""GPU: one process per GPU (the NVSHMEM heap), run as 2 and 4 processes sharing
+one GPU, with and without MPS (issue 24, parts 1, 2 and 5 on a one-GPU machine).
+
+Each test starts its processes with ``python -m jaxtdist.launch --share-gpu``;
+they check their shards against host references (XLA's collectives refuse
+several processes on one GPU). The parent must hold no CUDA context of its own
+(an MPS server cannot serve a GPU another context holds memory on), so
+tests/gpu/run.sh runs this file in a pytest process of its own, with
+``JAXTDIST_TEST_MULTIPROCESS_GPU=1``; elsewhere it skips.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from tests.conftest import timeout
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPTS = os.path.join(ROOT, "tests", "multiprocess")
+GPU_TOL = 5e-3  # float32 through TF32 tensor cores
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("JAXTDIST_TEST_MULTIPROCESS_GPU") != "1" or not shutil.which("nvidia-smi"),
+    reason="multi-process GPU tests run from tests/gpu/run.sh in a pytest process of their "
+           "own (JAXTDIST_TEST_MULTIPROCESS_GPU=1) on a machine with a GPU")
+
+
+@pytest.fixture(scope="module", params=["no-mps", "mps"])
+def mps(request):
+    """Runs the module's tests once without, once under an MPS daemon (root only)."""
+    if request.param == "no-mps":
+        yield {}
+        return
+    control = shutil.which("nvidia-cuda-mps-control")
+    if control is None or os.geteuid() != 0:
+        pytest.skip("MPS needs nvidia-cuda-mps-control run as root")
+    pipe = tempfile.mkdtemp(prefix="jaxtdist-mps-pipe-")
+    log = tempfile.mkdtemp(prefix="jaxtdist-mps-log-")
+    env = {"CUDA_MPS_PIPE_DIRECTORY": pipe, "CUDA_MPS_LOG_DIRECTORY": log}
+    subprocess.run([control, "-d"], env={**os.environ, **env}, check=True)
+    try:
+        yield env
+    finally:
+        subprocess.run([control], input=b"quit\n", env={**os.environ, **env}, timeout=30)
+        time.sleep(1)
+
+
+def launch(nproc: int, extra_env: dict, *args: str, grace_s: float = 0,
+           limit_s: float = 240) -> tuple[int, str, float]:
+    env = dict(os.environ)
+    env.update(extra_env)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in sys.path if p])
+    env.pop("JAX_PLATFORMS", None)
+    if extra_env:  # under MPS each process gets its share of the SMs
+        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(100 // nproc)
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxtdist.launch", "--nproc-per-node", str(nproc), "--share-gpu",
+         "--failure-grace-s", str(grace_s), os.path.join(SCRIPTS, "ops_check.py"), *args],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        timeout=limit_s)
+    took = time.monotonic() - start
+    print(proc.stdout[-6000:])
+    return proc.returncode, proc.stdout, took
+
+
+def rank_lines(out: str, rank: int, tag: str) -> list[str]:
+    return [line.split(f"[rank {rank}] ", 1)[1] for line in out.splitlines()
+            if line.startswith(f"[rank {rank}] {tag}")]
+
+
+@timeout(300)
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_every_op_on_the_nvshmem_heap(mps, nproc):
+    """Every built-in op and a user kernel, each process one PE of NVSHMEM, against
+    float32 host references; then 16 chained ag_matmul -> matmul_rs calls."""
+    code, out, _ = launch(nproc, mps, "--ops", "--chain", "16")
+    assert code == 0, out[-6000:]
+    for rank in range(nproc):
+        assert rank_lines(out, rank, "OK") == ["OK"], out[-6000:]
+        (ready,) = rank_lines(out, rank, "HEAP_READY_S")
+        assert "backend=nvshmem" in ready and f"local=({rank},)" in ready, ready
+        checks = dict(line.split()[1:3] for line in rank_lines(out, rank, "CHECK"))
+        assert set(checks) == {"ag_matmul", "all_gather", "all_reduce", "reduce_scatter",
+                               "matmul_rs", "matmul_ar", "triton_call", "chain"}, checks
+        assert all(float(e) <= GPU_TOL for e in checks.values()), checks
+
+
+@timeout(300)
+def test_soak_of_chained_calls(mps):
+    """1,000 chained ag_matmul -> matmul_rs calls on changing data, 2 processes."""
+    code, out, _ = launch(2, mps, "--chain", "1000", limit_s=280)
+    assert code == 0, out[-6000:]
+    for rank in range(2):
+        (chain,) = rank_lines(out, rank, "CHECK chain")
+        assert float(chain.split()[2]) <= GPU_TOL, chain
+
+
+@timeout(300)
+def test_a_rank_killed_mid_chain_fails_the_survivor_within_the_bound(mps):
+    """SIGKILL process 1 during a chain: process 0's next wait gives up within the
+    wait bound (4 s here) and it fails with a timeout naming the silent peer."""
+    bound = 4.0
+    code, out, took = launch(2, mps, "--chain", "12", "--die-after", "3", "--victim", "1",
+                             "--wait-timeout-s", str(bound), grace_s=90)
+    assert code != 0 and "VICTIM dying" in out, out[-6000:]
+    (failed,) = rank_lines(out, 0, "CHAIN_FAILED")
+    assert "timed out" in failed and "rank 0" in failed, failed
+    seconds = float(re.search(r"after ([\d.]+) s", failed).group(1))
+    assert seconds < 2 * bound + 10, failed
