@@ -181,15 +181,18 @@ PYBIND11_MODULE(_jaxtdist_ffi, m) {
     return p;
   });
   m.def("register_triton_kernel", [](py::bytes cubin, std::string name, int num_warps,
-                                     int shared_bytes, std::int64_t scratch_bytes) {
+                                     int shared_bytes, std::int64_t scratch_bytes,
+                                     bool nvshmem) {
     jaxtdist::TritonKernelImage image;
     image.cubin = cubin;
     image.name = std::move(name);
     image.threads = 32 * num_warps;
     image.shared_bytes = shared_bytes;
     image.scratch_bytes = scratch_bytes;
+    image.nvshmem = nvshmem;
     return jaxtdist::RegisterTritonKernel(std::move(image));
-  });
+  }, py::arg("cubin"), py::arg("name"), py::arg("num_warps"), py::arg("shared_bytes"),
+     py::arg("scratch_bytes"), py::arg("nvshmem") = false);
   m.def("preload_triton_kernel", [](std::int64_t id, int device_ordinal) {
     Raise(jaxtdist::PreloadTritonKernel(id, device_ordinal));
   });

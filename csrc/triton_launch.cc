@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "nvshmem_host.h"
 #include "call_context.h"
 #include "cuda_driver.h"
 #include "runtime_state.h"
@@ -116,6 +117,7 @@ class KernelTable {
     CUmodule module = nullptr;
     std::string err =
         cuda::DriverError("cuModuleLoadData", drv.module_load_data(&module, img.cubin.data()));
+    if (err.empty() && img.nvshmem) err = nvshmem::CumoduleInit(module);
     if (err.empty()) {
       err = cuda::DriverError("cuModuleGetFunction",
                               drv.module_get_function(fn, module, img.name.c_str()));

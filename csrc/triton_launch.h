@@ -37,6 +37,9 @@ struct TritonKernelImage {
   int threads = 0;              // 32 * num_warps
   int shared_bytes = 0;         // dynamic shared memory per program
   std::int64_t scratch_bytes = 0;  // global scratch per program (0: none)
+  // The cubin calls NVSHMEM device functions: its module's NVSHMEM device
+  // state is bound (nvshmemx_cumodule_init) when it is loaded.
+  bool nvshmem = false;
 };
 
 // Registers a compiled kernel for every device; returns its id.

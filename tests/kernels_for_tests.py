@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 import jaxtdist.language as dl
+from jaxtdist.language import shmem
 from jaxtdist.kernels._tiles import grouped_tile
 
 
@@ -178,3 +179,34 @@ def to_bfloat16_kernel(ctx, x_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr
         o = start + tl.arange(0, BLOCK)
         m = o < N
         tl.store(out_ptr + o, tl.load(x_ptr + o, mask=m).to(tl.bfloat16), mask=m)
+
+
+@triton.jit
+def shmem_all_gather_kernel(ctx, x_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr,
+                            WORKSPACE: tl.constexpr):
+    """out = x of every rank, in rank order (N float32 each), pushed with
+    NVSHMEM-style puts (``jaxtdist.language.shmem``): the put-based all_gather.
+
+    Workspace: int64 signals at WORKSPACE (slot r: rank r's data of epoch e
+    landed here), int64 acks at WORKSPACE + 512 (rank r is done reading its
+    buffer of epoch e), then two buffers of world * N float32 at WORKSPACE +
+    1024 (parity e % 2). Needs 1024 + 2 * world * N * 4 bytes.
+    """
+    me = dl.rank(ctx)
+    world = dl.num_ranks(ctx)
+    e = dl.epoch(ctx)
+    signals = dl.heap_ptr(ctx, WORKSPACE, tl.int64)
+    acks = dl.heap_ptr(ctx, WORKSPACE + 512, tl.int64)
+    buf = dl.heap_ptr(ctx, WORKSPACE + 1024 + (e % 2) * (world * N * 4), tl.float32)
+    for pe in range(0, world):
+        # pe's buffer of this parity held epoch e - 2's data: pe must be done with it.
+        shmem.signal_wait_until(ctx, acks + pe, "ge", e - 2)
+        shmem.putmem_signal_nbi_block(ctx, buf + me * N, x_ptr, N * 4, signals + me, e, pe)
+    for pe in range(0, world):
+        shmem.signal_wait_until(ctx, signals + pe, "ge", e)
+    for start in range(0, world * N, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < world * N
+        tl.store(out_ptr + offs, tl.load(buf + offs, mask=mask), mask=mask)
+    for pe in range(0, world):
+        shmem.signal_op(ctx, acks + me, e, pe)

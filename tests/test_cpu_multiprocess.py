@@ -60,7 +60,7 @@ def test_every_op_matches_the_host_reference(nproc, devices):
         assert rank_lines(out, rank, "OK") == ["OK"], out[-4000:]
         checks = dict(line.split()[1:3] for line in rank_lines(out, rank, "CHECK"))
         assert set(checks) == {"ag_matmul", "all_gather", "all_reduce", "reduce_scatter",
-                               "matmul_rs", "matmul_ar", "triton_call", "chain"}
+                               "matmul_rs", "matmul_ar", "triton_call", "shmem_all_gather", "chain"}
         assert all(float(err) <= 1e-5 for err in checks.values()), checks
         (ready,) = rank_lines(out, rank, "HEAP_READY_S")
         local = tuple(range(rank * devices, (rank + 1) * devices))

@@ -134,8 +134,15 @@ def _ensure_cache_dir() -> None:
 
 
 def compile_kernel(kernel, arg_types: Sequence[str], constexprs: dict, num_warps: int,
-                   num_stages: int, capability: int):
-    """Compiles ``kernel`` for CUDA ``capability``; returns Triton's compiled kernel."""
+                   num_stages: int, capability: int, shmem: bool = False):
+    """Compiles ``kernel`` for CUDA ``capability``; returns Triton's compiled kernel.
+
+    ``shmem``: the runtime has NVSHMEM's heap, so kernels calling NVSHMEM device
+    functions are linked with its device library (``_shmem_link``); otherwise
+    such a kernel is refused with an error naming what it needs.
+    """
+    from jaxtdist.runtime import _shmem_link
+
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -153,8 +160,12 @@ def compile_kernel(kernel, arg_types: Sequence[str], constexprs: dict, num_warps
     consts = {(kernel.arg_names.index(n),): v for n, v in constexprs.items()}
     src = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
     _ensure_cache_dir()
-    return triton.compile(src, target=GPUTarget("cuda", capability, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+    with _shmem_link.linking(shmem):
+        compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32),
+                                  options=dict(num_warps=num_warps, num_stages=num_stages))
+    if not shmem and _shmem_link.uses_shmem(compiled.asm.get("ptx", "")):
+        raise _shmem_link.needs_nvshmem_error()  # a cubin from Triton's cache
+    return compiled
 
 
 def launch_warps(metadata) -> int:
@@ -166,16 +177,19 @@ def launch_warps(metadata) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _registered(kernel, arg_types: tuple, constexpr_items: tuple, num_warps: int,
-                num_stages: int, capability: int) -> CompiledKernel:
+                num_stages: int, capability: int, shmem: bool = False) -> CompiledKernel:
+    from jaxtdist.runtime import _shmem_link
+
     compiled = compile_kernel(kernel, arg_types, dict(constexpr_items), num_warps, num_stages,
-                              capability)
+                              capability, shmem)
     md = compiled.metadata
     if getattr(md, "num_ctas", 1) != 1 or getattr(md, "profile_scratch_size", 0):
         raise ValueError(f"jaxtdist: kernel {md.name} needs CTA clusters or profile scratch, "
                          "which jaxtdist's launcher does not provide")
     warps = launch_warps(md)
     kernel_id = _native.native().register_triton_kernel(
-        compiled.asm["cubin"], md.name, warps, md.shared, md.global_scratch_size)
+        compiled.asm["cubin"], md.name, warps, md.shared, md.global_scratch_size,
+        _shmem_link.uses_shmem(compiled.asm.get("ptx", "")))
     return CompiledKernel(kernel_id, md.name, md.shared, md.global_scratch_size,
                           md.global_scratch_align)
 
@@ -194,10 +208,10 @@ def launch(rt: Runtime, kernel, args: Sequence, outs, grid, num_warps: int,
     grid = tuple(grid) if isinstance(grid, (tuple, list)) else (int(grid),)
     grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
     types = argument_types(args, outs)
-    capability = compute_capability(rt.mesh.devices.flat[0])
+    device = rt.mesh.devices.flat[rt.backend.positions[0]]
+    capability = compute_capability(device)
     compiled = _registered(kernel, types, tuple(sorted(constexprs.items())), num_warps,
-                           num_stages, capability)
-    device = rt.mesh.devices.flat[0]
+                           num_stages, capability, rt.backend_name == "nvshmem")
     # The devices this process launches on: the backend's positions.
     ordinals = [rt.backend.ordinal_of(p) for p in rt.backend.positions]
     native = _native.native()

@@ -258,6 +258,11 @@ class NvshmemHeap(CudaHeap):
         return self._native.cuda_copy_from_device(self._ordinal,
                                                   self._bases[position] + offset, nbytes)
 
+    def aligns_at_launch(self, launcher: str, args: Sequence, needs_scratch: bool) -> bool:
+        """Always jaxtdist's launcher: it binds NVSHMEM's device state in modules that
+        call NVSHMEM (jaxlib's does not). Nothing to align across processes."""
+        return True
+
     def push_to_peers(self, *args, **kwargs):  # pragma: no cover - has_copy_engines is False
         raise NotImplementedError("jaxtdist: the NVSHMEM heap pushes with SM kernels")
 

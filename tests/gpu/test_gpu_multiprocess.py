@@ -90,7 +90,7 @@ def test_every_op_on_the_nvshmem_heap(mps, nproc):
         assert "backend=nvshmem" in ready and f"local=({rank},)" in ready, ready
         checks = dict(line.split()[1:3] for line in rank_lines(out, rank, "CHECK"))
         assert set(checks) == {"ag_matmul", "all_gather", "all_reduce", "reduce_scatter",
-                               "matmul_rs", "matmul_ar", "triton_call", "chain"}, checks
+                               "matmul_rs", "matmul_ar", "triton_call", "shmem_all_gather", "chain"}, checks
         assert all(float(e) <= GPU_TOL for e in checks.values()), checks
 
 

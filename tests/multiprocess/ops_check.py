@@ -100,6 +100,20 @@ def check_all(mesh, world: int) -> dict[str, float]:
         x = rand(seed, (world, nn))
         worst = max(worst, relerr(f(place(mesh, x, P("tp", None))), np.roll(x, 1, axis=0)))
     errs["triton_call"] = worst
+
+    def shmem_gather(a):
+        return td.triton_call(a[0], kernel=K.shmem_all_gather_kernel,
+                              out_shape=jax.ShapeDtypeStruct((world * nn,), jnp.float32),
+                              grid=(1,), axis_name="tp",
+                              workspace_bytes=1024 + 2 * 4 * world * nn, N=nn, BLOCK=32)[None]
+
+    f = sm(shmem_gather, P("tp", None), P("tp", None))
+    worst = 0.0
+    for seed in (13, 14, 15):  # both buffer parities, reused
+        x = rand(seed, (world, nn))
+        worst = max(worst, relerr(f(place(mesh, x, P("tp", None))),
+                                  np.tile(x.reshape(1, -1), (world, 1))))
+    errs["shmem_all_gather"] = worst
     return errs
 
 
