@@ -53,8 +53,13 @@ def mps(request):
         time.sleep(1)
 
 
+def gpu_count() -> int:
+    out = subprocess.run(["nvidia-smi", "-L"], stdout=subprocess.PIPE, text=True).stdout
+    return sum(line.startswith("GPU ") for line in out.splitlines())
+
+
 def launch(nproc: int, extra_env: dict, *args: str, grace_s: float = 0,
-           limit_s: float = 240) -> tuple[int, str, float]:
+           limit_s: float = 240, share_gpu: bool = True) -> tuple[int, str, float]:
     env = dict(os.environ)
     env.update(extra_env)
     env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in sys.path if p])
@@ -63,8 +68,8 @@ def launch(nproc: int, extra_env: dict, *args: str, grace_s: float = 0,
         env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(100 // nproc)
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxtdist.launch", "--nproc-per-node", str(nproc), "--share-gpu",
-         "--failure-grace-s", str(grace_s), os.path.join(SCRIPTS, "ops_check.py"), *args],
+        [sys.executable, "-m", "jaxtdist.launch", "--nproc-per-node", str(nproc),
+         *(["--share-gpu"] if share_gpu else []), "--failure-grace-s", str(grace_s), os.path.join(SCRIPTS, "ops_check.py"), *args],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         timeout=limit_s)
     took = time.monotonic() - start
@@ -116,3 +121,18 @@ def test_a_rank_killed_mid_chain_fails_the_survivor_within_the_bound(mps):
     assert "timed out" in failed and "rank 0" in failed, failed
     seconds = float(re.search(r"after ([\d.]+) s", failed).group(1))
     assert seconds < 2 * bound + 10, failed
+
+
+@timeout(300)
+def test_one_gpu_per_process():
+    """The production layout: every process its own GPU (peers over NVLink through
+    nvshmem_ptr), every op, then 1,000 chained calls."""
+    n = min(gpu_count(), 4)
+    if n < 2:
+        pytest.skip(f"needs 2 GPUs, {n} visible")
+    code, out, _ = launch(n, {}, "--ops", "--chain", "1000", share_gpu=False, limit_s=280)
+    assert code == 0, out[-6000:]
+    for rank in range(n):
+        assert rank_lines(out, rank, "OK") == ["OK"], out[-6000:]
+        checks = dict(line.split()[1:3] for line in rank_lines(out, rank, "CHECK"))
+        assert len(checks) == 9 and all(float(e) <= GPU_TOL for e in checks.values()), checks
