@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 if "--tiny" in os.sys.argv and "XLA_FLAGS" not in os.environ:
@@ -27,50 +28,9 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxtdist  # noqa: E402
-from jaxtdist import nn as tdnn  # noqa: E402
 
-
-class Block(nnx.Module):
-    """Pre-norm transformer block: parallel attention and gated MLP."""
-
-    def __init__(self, d: int, heads: int, impl: str, rngs: nnx.Rngs):
-        common = dict(batch_axes=("dp",), impl=impl, rngs=rngs)
-        self.norm1 = nnx.LayerNorm(d, rngs=rngs)
-        self.norm2 = nnx.LayerNorm(d, rngs=rngs)
-        self.attn = tdnn.ParallelAttention(d, heads, **common)
-        self.mlp = tdnn.ParallelMLP(d, 4 * d, gated=True, activation=jax.nn.silu, **common)
-
-    def __call__(self, x, seq_len: int):
-        x = x + self.attn(self.norm1(x), seq_len=seq_len)
-        return x + self.mlp(self.norm2(x))
-
-
-class GPT(nnx.Module):
-    """Token embedding, blocks, final norm, LM head; activations [batch * seq, d]
-    with tokens sharded over ("dp", "tp") (sequence parallel)."""
-
-    def __init__(self, vocab: int, d: int, heads: int, layers: int, impl: str,
-                 rngs: nnx.Rngs):
-        self.embed = nnx.Embed(vocab, d, rngs=rngs)
-        self.blocks = nnx.List([Block(d, heads, impl, rngs) for _ in range(layers)])
-        self.norm = nnx.LayerNorm(d, rngs=rngs)
-        self.head = nnx.Linear(d, vocab, use_bias=False, rngs=rngs)
-
-    def __call__(self, tokens, seq_len: int):
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x, seq_len)
-        return self.head(self.norm(x))
-
-
-def make_models(args, mesh):
-    """The jaxtdist model and the XLA one, with identical parameters."""
-    ours = GPT(args.vocab, args.d, args.heads, args.layers, "jaxtdist", nnx.Rngs(0))
-    theirs = GPT(args.vocab, args.d, args.heads, args.layers, "xla", nnx.Rngs(0))
-    for model in (ours, theirs):
-        state = nnx.state(model)
-        nnx.update(model, jax.device_put(state, nnx.get_named_sharding(state, mesh)))
-    return ours, theirs
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _gpt_model import make_models  # noqa: E402  (the GPT, shared with generate.py)
 
 
 def train(args) -> dict:

@@ -246,3 +246,81 @@ def test_orbax_checkpoint_moves_between_jaxtdist_and_xla_models(tmp_path):
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.state(back))
         nnx.update(back, ckpt.restore(tmp_path / "theirs", abstract))
     assert rel_err(nnx.jit(lambda m, a: m(a))(back, x), f64(y_ours)) < 1e-6
+
+
+def _example(name: str):
+    """A module of examples/ (loaded from its file; examples/ is not a package)."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    folder = pathlib.Path(__file__).parent.parent / "examples"
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))  # the examples import examples/_gpt_model.py
+    spec = importlib.util.spec_from_file_location(f"{name}_example", folder / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("impl", ["jaxtdist", "xla"])
+def test_kv_cache_decode_matches_full_recomputation(impl):
+    """The GPT of the examples: prefill of 4 tokens then 4 decode steps with the KV
+    cache give the logits of one forward pass over all 8 tokens without a cache."""
+    mesh = setup((2, 4), ("dp", "tp"))
+    gpt = _example("_gpt_model")
+    vocab, batch, prompt, total = 64, 4, 4, 8
+    model = _sharded(gpt.GPT(vocab, 32, 4, 2, impl, nnx.Rngs(12)), mesh)
+    tokens = np.random.default_rng(3).integers(0, vocab, (batch, total)).astype(np.int32)
+    seq_parallel = NamedSharding(mesh, P(("dp", "tp")))
+    full = nnx.jit(lambda m, t: m(t, total))(model, jax.device_put(tokens.reshape(-1),
+                                                                   seq_parallel))
+    full = f64(np.asarray(full)).reshape(batch, total, vocab)
+
+    model.init_cache(batch, total)
+    logits = nnx.jit(lambda m, t: m(t, prompt))(
+        model, jax.device_put(tokens[:, :prompt].reshape(-1), seq_parallel))
+    assert rel_err(np.asarray(logits).reshape(batch, prompt, vocab), full[:, :prompt]) < 1e-5
+    step = nnx.jit(lambda m, t: m(t, decode=True))
+    for t in range(prompt, total):
+        logits = step(model, jax.device_put(tokens[:, t], NamedSharding(mesh, P("dp"))))
+        assert logits.shape == (batch, vocab)
+        assert rel_err(logits, full[:, t]) < 1e-5, t
+    assert int(model.blocks[0].attn.cache_index[...]) == total
+
+
+def test_kv_cache_misuse_says_what_is_allowed():
+    mesh = setup((2, 4), ("dp", "tp"))
+    attn = _sharded(tdnn.ParallelAttention(32, 4, batch_axes=("dp",), impl="xla",
+                                           rngs=nnx.Rngs(13)), mesh)
+    with pytest.raises(ValueError, match="needs a KV cache; call init_cache"):
+        attn(jnp.zeros((4, 32)), decode=True)
+    with pytest.raises(ValueError, match="seq_len is required"):
+        attn(jnp.zeros((4, 32)))
+    with pytest.raises(ValueError, match="batch=3 must be divisible by the 2 groups"):
+        attn.init_cache(3, 8)
+    attn.init_cache(4, 8)
+    assert attn.cached_key[...].sharding.is_equivalent_to(
+        NamedSharding(mesh, P("dp", None, "tp", None)), 4)
+    with pytest.raises(ValueError, match=r"cache is too short: seq_len=16, the cache holds "
+                                         r"max_len=8 positions; call init_cache\(batch, "
+                                         r"max_len=16\)"):
+        attn(jnp.zeros((4 * 16, 32)), seq_len=16)
+    with pytest.raises(ValueError, match="x holds 2 sequences, the cache was made for 4"):
+        attn(jnp.zeros((2, 32)), decode=True)
+    with pytest.raises(ValueError, match="not seq_len=1"):
+        attn(jnp.zeros((4, 32)), seq_len=1, decode=True)
+
+
+def test_generate_example_decodes_the_same_tokens_with_both_impls():
+    """examples/generate.py at its tiny size: greedy decoding with the KV cache on the
+    jaxtdist GPT and on the XLA one, same parameters: identical tokens."""
+    import argparse
+
+    example = _example("generate")
+    args = argparse.Namespace(vocab=64, d=32, heads=4, layers=2, seq=16, batch=4, lr=1e-2,
+                              prompt_len=8, tokens=6, train_steps=20, tp=4)
+    result = example.generate(args)
+    ours, theirs = result["tokens"]["jaxtdist"], result["tokens"]["xla"]
+    assert ours.shape == (4, 6)
+    np.testing.assert_array_equal(ours, theirs)
