@@ -31,8 +31,12 @@ inline constexpr int kErrSeen = 5;
 inline constexpr int kErrCmp = 6;
 inline constexpr int kErrTimeoutNs = 7;  // the bound the wait gave up after
 
+inline constexpr int kRemoteHeap = -2;
+
 struct HeapSlot {
-  int device_ordinal = -1;  // -1 for host (CPU backend) heaps.
+  // -1 for host (CPU backend) heaps; kRemoteHeap for another process's heap
+  // mapped into this one (NVSHMEM): a destination for copies, never a call's.
+  int device_ordinal = -1;
   std::uintptr_t base = 0;  // address of the heap as this process sees it.
   std::int64_t bytes = 0;
   std::uintptr_t error_record = 0;  // where waits record a timeout (host-visible).

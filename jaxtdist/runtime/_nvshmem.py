@@ -164,9 +164,9 @@ class NvshmemHeap(CudaHeap):
     is where the memory comes from and how peers' bases are found.
     """
 
-    # Copy-engine pushes into another process's memory would need the peer's
-    # pointer valid for cudaMemcpyAsync; SM kernels push instead.
-    has_copy_engines = False
+    # Peers' heaps are mapped into this process (nvshmem_ptr), so the copy
+    # engines push into them as into a peer GPU of one process.
+    has_copy_engines = True
     locates_by_device = True
 
     def __init__(self, spec: BackendSpec):
@@ -263,8 +263,10 @@ class NvshmemHeap(CudaHeap):
         call NVSHMEM (jaxlib's does not). Nothing to align across processes."""
         return True
 
-    def push_to_peers(self, *args, **kwargs):  # pragma: no cover - has_copy_engines is False
-        raise NotImplementedError("jaxtdist: the NVSHMEM heap pushes with SM kernels")
+    @property
+    def remote_bases(self) -> dict[int, int]:
+        """Other processes' positions -> their heap base as mapped in this process."""
+        return {p: b for p, b in self._bases.items() if p != self._position}
 
     def close(self) -> None:
         # The heap stays with the NVSHMEM job (freeing it is collective, and a

@@ -29,6 +29,7 @@ _MAX_LAYOUTS = 96
 _RESERVED_BYTES = _TEMPLATE_START + _MAX_LAYOUTS * L.CTX_WORDS * 8
 
 DEFAULT_HEAP_BYTES = {"cpu": 32 << 20, "gpu": 1 << 30}
+_REMOTE_HEAP = -2  # the device ordinal of a heap of another process (runtime_state.h)
 # Seconds a kernel's wait spins before it gives up and reports a timeout, the
 # same on CPU and GPU. Long enough for a peer that is legitimately late (a
 # straggler's host busy with data loading, a checkpoint write, a first-call
@@ -161,6 +162,9 @@ class Runtime:
             self.native.register_heap(pos, self.backend.ordinal_of(pos),
                                       self.backend.base_of(pos), self.heap_bytes,
                                       self.backend.error_record(pos))
+        # Other processes' heaps mapped into this one: copy-engine pushes' targets.
+        for pos, base in getattr(self.backend, "remote_bases", {}).items():
+            self.native.register_heap(pos, _REMOTE_HEAP, base, self.heap_bytes, 0)
 
     # -- launch alignment -----------------------------------------------------
 
