@@ -188,7 +188,8 @@ def test_parameters_are_created_sharded():
 
 def test_explicit_mesh_axes():
     """``jax.make_mesh``'s default axis types (explicit sharding in the types):
-    the layers give their reshapes' shardings and match the reference."""
+    the layers give their reshapes' shardings and match the reference, decode
+    steps with the KV cache included."""
     import jaxtdist
     from tests.conftest import DEFAULT_HEAP_BYTES, DEFAULT_WAIT_TIMEOUT_S
 
@@ -204,6 +205,16 @@ def test_explicit_mesh_axes():
     assert rel_err(y, _attention_reference(_weights(attn), f64(x), batch, seq, heads)) < 1e-5
     z = nnx.jit(lambda m, a: m(a))(mlp, xs)
     assert rel_err(z, _mlp_reference(_weights(mlp), f64(x), True)) < 1e-5
+    # The KV cache too: prefill of 6 tokens, then 2 decode steps (tokens replicated over tp).
+    attn.init_cache(batch, seq)
+    prompt = x.reshape(batch, seq, -1)
+    nnx.jit(lambda m, a: m(a, seq_len=6))(attn, place(mesh, prompt[:, :6].reshape(-1, 8 * heads),
+                                                      TOKENS))
+    step = nnx.jit(lambda m, a: m(a, decode=True))
+    y = np.asarray(y).reshape(batch, seq, -1)
+    for t in (6, 7):
+        y1 = step(attn, place(mesh, prompt[:, t], P("dp", None)))
+        assert rel_err(y1, f64(y[:, t])) < 1e-5, t
 
 
 def test_train_gpt_example_matches_the_xla_model():
@@ -310,6 +321,10 @@ def test_kv_cache_misuse_says_what_is_allowed():
         attn(jnp.zeros((2, 32)), decode=True)
     with pytest.raises(ValueError, match="not seq_len=1"):
         attn(jnp.zeros((4, 32)), seq_len=1, decode=True)
+    # A full cache (the position is traced: no exception inside jit): NaN, never wrong numbers.
+    nnx.jit(lambda m, a: m(a, seq_len=8))(attn, place(mesh, rand((4 * 8, 32)), TOKENS))
+    y = nnx.jit(lambda m, a: m(a, decode=True))(attn, place(mesh, rand((4, 32)), P("dp", None)))
+    assert np.isnan(np.asarray(y)).all()
 
 
 def test_generate_example_decodes_the_same_tokens_with_both_impls():

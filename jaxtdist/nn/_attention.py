@@ -9,8 +9,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxtdist.nn._linear import (ColumnParallelLinear, RowParallelLinear, _named, _rows,
-                                 check_divisible, group_size)
+from jaxtdist.nn._linear import (ColumnParallelLinear, RowParallelLinear, _explicit, _named,
+                                 _rows, check_divisible, group_size)
 
 
 class ParallelAttention(nnx.Module):
@@ -214,8 +214,7 @@ def _reshape(x: jax.Array, shape: tuple[int, ...], spec: P) -> jax.Array:
     """``x.reshape(shape)``; on a mesh with explicit axes (``jax.make_mesh``'s
     default) the result's sharding must be given: ``spec`` (heads stay on their
     ranks, so no data moves)."""
-    mesh = getattr(jax.typeof(x).sharding, "mesh", None)
-    types = getattr(mesh, "axis_types", ()) or ()
-    if any(t == jax.sharding.AxisType.Explicit for t in types):
+    if _explicit(x):
+        mesh = jax.typeof(x).sharding.mesh
         return jax.lax.reshape(x, shape, out_sharding=jax.sharding.NamedSharding(mesh, spec))
     return x.reshape(shape)

@@ -57,6 +57,22 @@ def _named(spec: P) -> NamedSharding:
     return NamedSharding(_mesh(), spec)
 
 
+def _explicit(x: jax.Array) -> bool:
+    """Whether x's mesh has explicit axes (``jax.make_mesh``'s default): there
+    shardings are part of the types and ``with_sharding_constraint`` refuses them."""
+    mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+    types = getattr(mesh, "axis_types", ()) or ()
+    return any(t == jax.sharding.AxisType.Explicit for t in types)
+
+
+def _dot(x: jax.Array, w: jax.Array, spec: P) -> jax.Array:
+    """``x @ w`` with the result sharded ``spec``: a sharding constraint (XLA moves
+    the data), or on explicit axes the dot's ``out_sharding``."""
+    if _explicit(x) or _explicit(w):
+        return jnp.dot(x, w, out_sharding=_named(spec))
+    return jax.lax.with_sharding_constraint(jnp.dot(x, w), _named(spec))
+
+
 class ColumnParallelLinear(nnx.Module):
     """``y = x @ w + b`` with w's columns sharded over ``axis_name``; the tokens of x
     are all-gathered over ``axis_name`` while multiplying (``ag_matmul``).
@@ -93,8 +109,7 @@ class ColumnParallelLinear(nnx.Module):
         w = self.kernel[...].astype(dtype)
         if replicated_tokens or self.impl == "xla":
             # XLA gathers the tokens itself where they are sharded (impl="xla").
-            y = jax.lax.with_sharding_constraint(
-                jnp.dot(x.astype(dtype), w), _named(P(_rows(self.batch_axes), self.axis_name)))
+            y = _dot(x.astype(dtype), w, P(_rows(self.batch_axes), self.axis_name))
         else:
             y = ag_matmul_sharded(x.astype(dtype), w, axis_name=self.axis_name,
                                   batch_axes=self.batch_axes)
@@ -144,7 +159,7 @@ class RowParallelLinear(nnx.Module):
         x, w = x.astype(dtype), self.kernel[...].astype(dtype)
         if self.impl == "xla":  # XLA reduce-scatters or all-reduces the partial products
             rows = self.batch_axes + ((self.axis_name,) if reduce == "scatter" else ())
-            y = jax.lax.with_sharding_constraint(jnp.dot(x, w), _named(P(_rows(rows), None)))
+            y = _dot(x, w, P(_rows(rows), None))
         else:
             op = matmul_rs_sharded if reduce == "scatter" else matmul_ar_sharded
             y = op(x, w, axis_name=self.axis_name, batch_axes=self.batch_axes)
