@@ -35,8 +35,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxtdist  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _gpt_model import GPT, make_models  # noqa: E402  (the GPT of train_gpt.py)
+from jaxtdist.nn import GPT  # noqa: E402
 
 
 def counting(rng: np.random.Generator, batch: int, length: int, vocab: int) -> np.ndarray:
@@ -106,7 +105,7 @@ def generate(args) -> dict:
     mesh = jax.make_mesh((n // tp, tp), ("dp", "tp"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
     jaxtdist.initialize(mesh)
-    ours, theirs = make_models(args, mesh)
+    ours, theirs = GPT.twins(args.vocab, args.d, args.heads, args.layers, mesh)
     losses = train(theirs, args, mesh)                  # XLA's model trains quickly on CPU
     nnx.update(ours, nnx.state(theirs, nnx.Param))      # same parameters in both
     prompt = counting(np.random.default_rng(2), args.batch, args.prompt_len, args.vocab)

@@ -29,8 +29,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxtdist  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _gpt_model import make_models  # noqa: E402  (the GPT, shared with generate.py)
+from jaxtdist.nn import GPT  # noqa: E402
 
 
 def train(args) -> dict:
@@ -39,7 +38,7 @@ def train(args) -> dict:
     mesh = jax.make_mesh((n // tp, tp), ("dp", "tp"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
     jaxtdist.initialize(mesh)
-    ours, theirs = make_models(args, mesh)
+    ours, theirs = GPT.twins(args.vocab, args.d, args.heads, args.layers, mesh)
     tokens_spec = NamedSharding(mesh, P(("dp", "tp")))
     rng = np.random.default_rng(1)
 

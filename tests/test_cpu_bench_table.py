@@ -183,3 +183,32 @@ def test_matmul_rs_benchmark_finds_its_ops():
     ops = bench._ops()
     for name in ("matmul_rs", "matmul_ar", "matmul_rs_kernels", "matmul_ar_kernels"):
         assert callable(getattr(ops, name)), name
+
+
+def test_model_benchmark_runs_both_models_and_tabulates(monkeypatch):
+    """``python -m jaxtdist.bench model`` on the tiny GPT (CPU, tp=4): both steps of
+    both models run from equal parameters, outputs agree, the table has each step."""
+    import jax
+
+    from jaxtdist.bench import model
+    from tests.conftest import cpu_only
+
+    if jax.devices()[0].platform != "cpu":
+        pytest.skip("CPU: the timing is faked")
+    del cpu_only
+
+    def measure(fn, args, iterations, world):
+        out = None
+        for _ in range(iterations):
+            out = fn(*args)
+        return out, _stats([1.0, 2.0])
+
+    real = harness.interleaved
+    monkeypatch.setattr(harness, "interleaved",
+                        lambda c, it, rounds: real(c, it, rounds, measure=measure))
+    rows = model.bench_model("tiny", 2, 4, 4, rounds=1)
+    assert [r["step"] for r in rows] == ["train", "decode"]
+    assert all(r["output_rel_diff"] < 1e-3 for r in rows), rows
+    text = model.table(dict(world=4, device="cpu", rows=rows, iterations=2, rounds=1))
+    assert "| train |" in text and "| decode |" in text
+    assert "model" in cli.benchmarks()

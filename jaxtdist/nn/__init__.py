@@ -21,7 +21,8 @@ Example:
 """
 
 from jaxtdist.nn._attention import ParallelAttention
+from jaxtdist.nn._gpt import GPT
 from jaxtdist.nn._linear import ColumnParallelLinear, RowParallelLinear
 from jaxtdist.nn._mlp import ParallelMLP
 
-__all__ = ["ColumnParallelLinear", "ParallelAttention", "ParallelMLP", "RowParallelLinear"]
+__all__ = ["GPT", "ColumnParallelLinear", "ParallelAttention", "ParallelMLP", "RowParallelLinear"]

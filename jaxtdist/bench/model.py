@@ -1,0 +1,133 @@
+"""The model benchmark: a training step and a decode step of ``jaxtdist.nn.GPT``
+against the same model on XLA's collectives (``impl="xla"``).
+
+On a (dp, tp) mesh of ``--world`` devices (tp = all of them by default), bf16
+computation, float32 parameters; kernel time per step from CUPTI (every
+kernel of the step summed per device, averaged over devices, median over
+iterations). The training step is value_and_grad plus an Adam update; the
+decode step is one token per sequence through the KV cache (the row-parallel
+layers then use matmul_ar). Both models start from the same parameters and
+their outputs are compared (the loss, the decode logits).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxtdist.bench import harness as h
+
+SIZES = {  # name -> model and batch
+    "small": dict(vocab=32000, d=2048, heads=16, layers=4, seq=1024, batch=8),
+    "tiny": dict(vocab=256, d=64, heads=4, layers=2, seq=64, batch=4),
+}
+
+
+def _steps(model_args: dict, mesh, decode_len: int):
+    import optax
+    from flax import nnx
+
+    from jaxtdist.nn import GPT
+
+    a = model_args
+    models = GPT.twins(a["vocab"], a["d"], a["heads"], a["layers"], mesh, dtype=jnp.bfloat16)
+    tokens_spec = NamedSharding(mesh, P(("dp", "tp")))
+    rng = np.random.default_rng(0)
+    batch = rng.integers(0, a["vocab"], (a["batch"], a["seq"] + 1)).astype(np.int32)
+    tokens = jax.device_put(batch[:, :-1].reshape(-1), tokens_spec)
+    targets = jax.device_put(batch[:, 1:].reshape(-1), tokens_spec)
+
+    def loss_fn(model, tokens, targets):
+        logits = model(tokens, a["seq"])
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(jnp.float32), targets).mean()
+
+    @nnx.jit
+    def train_step(model, optimizer, tokens, targets):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, tokens, targets)
+        optimizer.update(model, grads)
+        return loss
+
+    @nnx.jit
+    def prefill(model, tokens):
+        return model(tokens, a["seq"])
+
+    @nnx.jit
+    def decode_step(model, token):
+        return model(token, decode=True)
+
+    step_token = jax.device_put(batch[:, -1], NamedSharding(mesh, P("dp")))
+    train, decode = {}, {}
+    for name, model in zip(("jaxtdist", "xla"), models):
+        optimizer = nnx.Optimizer(model, optax.adam(1e-4), wrt=nnx.Param)
+        train[name] = (train_step, (model, optimizer, tokens, targets))
+    # Decode on fresh twins (training moved the first pair's parameters apart only by
+    # their rounding, but decode outputs are compared, so start equal).
+    for name, model in zip(("jaxtdist", "xla"),
+                           GPT.twins(a["vocab"], a["d"], a["heads"], a["layers"], mesh,
+                                     dtype=jnp.bfloat16)):
+        model.init_cache(a["batch"], a["seq"] + decode_len)
+        prefill(model, tokens)
+        decode[name] = (decode_step, (model, step_token))
+    return train, decode
+
+
+def bench_model(size: str, iterations: int, world: int, tp: int, rounds: int = 4) -> list[dict]:
+    import jaxtdist as td
+
+    tp = tp or world
+    if world % tp:
+        raise ValueError(f"jaxtdist.bench model: --tp {tp} must divide --world {world}")
+    mesh = jax.make_mesh((world // tp, tp), ("dp", "tp"), devices=jax.devices()[:world],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    td.initialize(mesh)
+    args = SIZES[size]
+    # Every decode call advances the cache: room for all of them.
+    train, decode = _steps(args, mesh, decode_len=iterations + 8)
+    rows = []
+    for step, fns in (("train", train), ("decode", decode)):
+        stats = h.interleaved({name: h.Contender(fn, fargs, world)
+                               for name, (fn, fargs) in fns.items()}, iterations, rounds)
+        outs = {name: np.asarray(fn(*fargs), np.float32) for name, (fn, fargs) in fns.items()}
+        rows.append(dict(step=step, world=world, tp=tp, size=float(len(rows) + 1), label=step,
+                         model=f"{args['layers']} x d{args['d']}, {args['batch']} x "
+                               f"{args['seq']} tokens", **stats,
+                         output_rel_diff=h.rel_err(outs["jaxtdist"], outs["xla"])))
+    return rows
+
+
+COLUMNS = [
+    h.Column("step", lambda r: r["step"]),
+    h.Column("model", lambda r: r["model"]),
+    h.Column("mesh (dp x tp)", lambda r: f"{r['world'] // r['tp']} x {r['tp']}"),
+    h.Column("XLA model", lambda r: h.us(r.get("xla"))),
+    h.Column("jaxtdist model", lambda r: h.us(r.get("jaxtdist"))),
+    h.Column("jaxtdist / XLA", lambda r: h.ratio(r.get("jaxtdist"), r.get("xla"))),
+    h.Column("output diff", lambda r: f"{r['output_rel_diff']:.1e}"),
+]
+
+
+def table(res: dict) -> str:
+    return h.markdown_table(
+        f"GPT training and decode step, bf16, {res['world']} x {res['device']}; "
+        f"{h.timing_note(res)}; output diff: relative difference of the loss (train) "
+        "or the decode logits between the two models", COLUMNS, res["rows"])
+
+
+def _arguments(parser) -> None:
+    parser.add_argument("--world", type=int, default=0, help="devices (default: all)")
+    parser.add_argument("--tp", type=int, default=0, help="tensor-parallel size (default: world)")
+    parser.add_argument("--size", choices=sorted(SIZES), default="small")
+
+
+def run(args) -> tuple[list[dict], dict]:
+    world = args.world or len(jax.devices())
+    return (bench_model(args.size, args.iterations, world, args.tp, rounds=args.rounds),
+            dict(world=world))
+
+
+BENCHMARK = h.Benchmark(name="model", op="model", run=run, table=table,
+                        series=("jaxtdist", "xla"), size_label="step", arguments=_arguments)
