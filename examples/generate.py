@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 if "--tiny" in os.sys.argv and "XLA_FLAGS" not in os.environ:
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
@@ -50,11 +49,7 @@ def train(model: GPT, args, mesh) -> list[float]:
 
     @nnx.jit
     def step(model, optimizer, tokens, targets):
-        def loss_fn(model):
-            logits = model(tokens, args.seq)
-            return optax.softmax_cross_entropy_with_integer_labels(
-                logits.astype(jnp.float32), targets).mean()
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        loss, grads = nnx.value_and_grad(GPT.loss)(model, tokens, targets, args.seq)
         optimizer.update(model, grads)
         return loss
 

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 if "--tiny" in os.sys.argv and "XLA_FLAGS" not in os.environ:
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
@@ -42,14 +40,9 @@ def train(args) -> dict:
     tokens_spec = NamedSharding(mesh, P(("dp", "tp")))
     rng = np.random.default_rng(1)
 
-    def loss_fn(model, tokens, targets):
-        logits = model(tokens, args.seq)
-        return optax.softmax_cross_entropy_with_integer_labels(
-            logits.astype(jnp.float32), targets).mean()
-
     @nnx.jit
     def step(model, optimizer, tokens, targets):
-        loss, grads = nnx.value_and_grad(loss_fn)(model, tokens, targets)
+        loss, grads = nnx.value_and_grad(GPT.loss)(model, tokens, targets, args.seq)
         optimizer.update(model, grads)
         return loss
 

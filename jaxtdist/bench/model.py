@@ -40,14 +40,9 @@ def _steps(model_args: dict, mesh, decode_len: int):
     tokens = jax.device_put(batch[:, :-1].reshape(-1), tokens_spec)
     targets = jax.device_put(batch[:, 1:].reshape(-1), tokens_spec)
 
-    def loss_fn(model, tokens, targets):
-        logits = model(tokens, a["seq"])
-        return optax.softmax_cross_entropy_with_integer_labels(
-            logits.astype(jnp.float32), targets).mean()
-
     @nnx.jit
     def train_step(model, optimizer, tokens, targets):
-        loss, grads = nnx.value_and_grad(loss_fn)(model, tokens, targets)
+        loss, grads = nnx.value_and_grad(GPT.loss)(model, tokens, targets, a["seq"])
         optimizer.update(model, grads)
         return loss
 

@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxtdist import nn as tdnn
@@ -64,6 +65,13 @@ class GPT(nnx.Module):
         for block in self.blocks:
             x = block(x, seq_len, decode=decode)
         return self.head(self.norm(x))
+
+    def loss(self, tokens: jax.Array, targets: jax.Array, seq_len: int) -> jax.Array:
+        """Mean next-token cross entropy, in float32, of ``tokens`` [batch * seq_len]
+        against ``targets`` (same layout)."""
+        logits = self(tokens, seq_len).astype(jnp.float32)
+        picked = jnp.take_along_axis(jax.nn.log_softmax(logits), targets[:, None], axis=-1)
+        return -picked.mean()
 
     @classmethod
     def twins(cls, vocab: int, d: int, heads: int, layers: int, mesh,
