@@ -115,15 +115,20 @@ def test_backends_implement_the_seam():
         assert hasattr(CudaHeap, name), name
 
 
-def test_unserved_mesh_names_the_missing_backend():
+def test_unserved_mesh_names_the_missing_backend(monkeypatch):
+    """A GPU mesh spanning processes with no NVSHMEM backend available (a build
+    without it) is refused naming the backend and why it is missing."""
     import types
 
     from jaxtdist.runtime import _backend
 
+    monkeypatch.setattr(_backend, "_REGISTRY",
+                        [e for e in _backend._REGISTRY if e.name != "nvshmem"])
+    monkeypatch.setattr(_backend, "_import_lazy", lambda name: "its module is absent")
     devices = tuple(types.SimpleNamespace(process_index=i, platform="gpu") for i in range(2))
     spec = _backend.BackendSpec("gpu", devices, 1 << 20, None)
     assert spec.multi_process
-    with pytest.raises(NotImplementedError, match="NVSHMEM backend"):
+    with pytest.raises(NotImplementedError, match="NVSHMEM backend.*its module is absent"):
         _backend.create_backend(spec)
 
 

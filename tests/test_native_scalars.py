@@ -82,7 +82,7 @@ def test_scalar_kernel_compiles_once_for_two_values(monkeypatch):
     scalars in argument order (no value specialized away), then the scratch."""
     registered = []
 
-    def register(cubin, name, warps, shared, scratch):
+    def register(cubin, name, warps, shared, scratch, uses_shmem=False):
         registered.append(name)
         return len(registered) - 1
 
