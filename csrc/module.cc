@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "ffi_host_kernel.h"
 #include "prologue.h"
 #include "runtime_state.h"
 #ifdef JAXTDIST_WITH_CUDA
@@ -34,8 +35,9 @@ PYBIND11_MODULE(_jaxtdist_ffi, m) {
   m.doc() = "jaxtdist native library: XLA FFI handlers and heap helpers";
   // {ffi target name: {platform: handler capsule}}.
   m.def("handlers", [] {
-    py::dict prologue, launch, ce_gather, targets;
+    py::dict prologue, launch, ce_gather, host_kernel, targets;
     prologue["cpu"] = Capsule(reinterpret_cast<void*>(&jaxtdist::JaxtdistPrologueCpu));
+    host_kernel["cpu"] = Capsule(reinterpret_cast<void*>(&jaxtdist::JaxtdistHostKernelCpu));
 #ifdef JAXTDIST_WITH_CUDA
     prologue["CUDA"] = Capsule(reinterpret_cast<void*>(&jaxtdist::JaxtdistPrologueCuda));
     launch["CUDA"] = Capsule(reinterpret_cast<void*>(&jaxtdist::JaxtdistTritonLaunchCuda));
@@ -44,8 +46,12 @@ PYBIND11_MODULE(_jaxtdist_ffi, m) {
     targets["jaxtdist_prologue"] = prologue;
     targets["jaxtdist_triton_launch"] = launch;
     targets["jaxtdist_ce_gather"] = ce_gather;
+    targets["jaxtdist_host_kernel"] = host_kernel;
     return targets;
   });
+  // The Python function the CPU backend's kernel launches call (ffi_host_kernel.h).
+  m.def("set_host_kernel_dispatch",
+        [](py::function dispatch) { jaxtdist::SetHostKernelDispatch(dispatch); });
 #ifdef JAXTDIST_WITH_CUDA
   m.attr("with_cuda") = true;
 #else

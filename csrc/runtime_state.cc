@@ -45,7 +45,8 @@ std::int64_t RuntimeState::generation() const {
 std::string CheckGeneration(std::int64_t generation) {
   const std::int64_t current = RuntimeState::Get().generation();
   if (generation == current) return "";
-  return "jaxtdist: this program was compiled for jaxtdist runtime #" +
+  // Named as the CPU backend names JaxtdistError (jaxtdist/_errors.py runtime_status).
+  return "jaxtdist.JaxtdistError: this program was compiled for jaxtdist runtime #" +
          std::to_string(generation) + " but runtime #" + std::to_string(current) +
          " is active (jaxtdist.initialize or shutdown ran since): its heap offsets and "
          "signals are stale. Trace it again: jax.clear_caches(), or re-create the jitted "

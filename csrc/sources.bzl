@@ -4,10 +4,11 @@
 # list, which is all CMake's parser understands.
 
 # Every build: the runtime registry, the handlers' shared prelude, the CPU
-# prologue and the Python binding.
+# prologue and host-kernel handlers and the Python binding.
 COMMON_SRCS = [
     "call_context.cc",
     "ffi_cpu.cc",
+    "ffi_host_kernel.cc",
     "launch_align.cc",
     "module.cc",
     "runtime_state.cc",
@@ -16,6 +17,7 @@ COMMON_SRCS = [
 COMMON_HDRS = [
     "call_context.h",
     "cuda_heap.h",
+    "ffi_host_kernel.h",
     "launch_align.h",
     "prologue.h",
     "runtime_state.h",

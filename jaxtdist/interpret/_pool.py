@@ -21,6 +21,8 @@ _WORKER_ENV = {"TRITON_INTERPRET": "1", "_JAXTDIST_INTERPRETER_WORKER": "1"}
 class KernelFailed(JaxtdistError):
     """A kernel raised inside an interpreter worker."""
 
+    status = "INTERNAL"  # a bug in the kernel (or the interpreter), not the runtime's state
+
 
 # How long shutdown() waits for calls in flight before it stops the workers.
 SHUTDOWN_WAIT_S = 30.0

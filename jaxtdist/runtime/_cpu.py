@@ -176,8 +176,11 @@ class CpuHeap:
     def launch(self, rt, kernel, args: Sequence, outs: Sequence, grid: tuple, num_warps: int,
                num_stages: int, constexprs: dict, needs_scratch: bool,
                rendezvous: tuple | None, op: str = "") -> list:
-        """Runs the kernel in the worker of the calling device's position, from a host
-        callback: the context (``args[0]``) says which position that is."""
+        """Runs the kernel in the worker of the calling device's position, from the
+        native host-kernel handler (``_ffi.host_kernel``): the context (``args[0]``)
+        says which position that is. Errors reach the user as the handler's status:
+        ``DEADLINE_EXCEEDED: jaxtdist.WaitTimeoutError: ...``,
+        ``UNAVAILABLE: jaxtdist.WorkerDiedError: ...``, and so on."""
         del num_warps, num_stages, needs_scratch, rendezvous  # GPU launch options
         from jaxtdist.interpret import kernel_reference
         from jaxtdist.runtime._ffi import host_kernel
@@ -187,6 +190,8 @@ class CpuHeap:
         array_idx = [i for i, a in enumerate(args)
                      if not isinstance(a, (bool, int, float, np.number))]
         arrays = [args[i] for i in array_idx]
+        # The scalars only: the callable outlives the trace, and must not hold its tracers.
+        scalars = [None if i in array_idx else a for i, a in enumerate(args)]
         out_specs = [(tuple(o.shape), np.dtype(o.dtype)) for o in outs]
         pool = self.workers
 
@@ -197,7 +202,7 @@ class CpuHeap:
                     "(jaxtdist.shutdown() or initialize() with other settings ran since, or "
                     "while this call was in flight); call jaxtdist.initialize(mesh) and trace "
                     "it again")
-            full = list(args)
+            full = list(scalars)
             for i, v in zip(array_idx, values):
                 full[i] = np.asarray(v)
             position = int(full[0].view(np.int64)[L.CTX_POSITION])
@@ -206,15 +211,19 @@ class CpuHeap:
                 raise WaitTimeoutError(rt.native.recorded_timeout(position, False))
             return tuple(results)
 
-        return host_kernel(host, tuple(outs), *arrays, op=op)
+        # Owned by this heap: close() releases the callable (and the runtime it holds).
+        return host_kernel(host, tuple(outs), *arrays, op=op, owner=self)
 
     def close(self) -> None:
         if self._watch is not None:
             self._watch.close()
             self._watch = None
         if self.workers is not None:
-            self.workers.close()
+            self.workers.close()  # after the calls in flight: none of them needs a kernel now
             self.workers = None
+        from jaxtdist.runtime._ffi import release_host_kernels
+
+        release_host_kernels(self)
         if self._anchor is not None:
             for pos in self._positions:  # peers must not take this exit for a death
                 self.write(pos, _CLOSED_OFFSET, b"\x01")

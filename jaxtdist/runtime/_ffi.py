@@ -16,7 +16,8 @@ Being effect-free is also what lets JAX transformations treat the calls as
 ordinary computations: ``jax.checkpoint`` recomputes them (every device
 recomputes the same calls in the same order, so epochs stay in step), and
 ``lax.scan``/``lax.map`` bodies may hold them. The CPU backend's kernels run
-through ``host_kernel``, a primitive of the same kind around a host callback.
+through ``host_kernel``, a primitive of the same kind around a native handler
+that calls back into Python.
 Neither has a derivative: ops differentiate through their own custom rules
 (``ops._op``), and differentiating a kernel itself raises ``no_derivative``'s
 error.
@@ -24,13 +25,17 @@ error.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import ctypes
+import itertools
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 from jax.interpreters import ad, mlir
+
+from jaxtdist._errors import runtime_status
 
 try:  # no public API registers a DCE rule (jax 0.10, 0.11)
     from jax._src.interpreters import partial_eval as _pe
@@ -138,27 +143,120 @@ def ffi_call(target_name: str, result_shape_dtypes, *, platform: str = "gpu",
 
 
 # -- host kernels (the CPU backend) ----------------------------------------------
+#
+# The CPU backend runs a kernel from the native handler jaxtdist_host_kernel
+# (csrc/ffi_host_kernel.cc), which calls ``_dispatch`` with the GIL held. Not
+# io_callback: XLA reports a callback's exception as "INTERNAL: CpuCallback
+# error calling callback: Traceback ...", with jaxtdist's error at the end of a
+# Python traceback, while the handler reports the error's own status and
+# message ("DEADLINE_EXCEEDED: jaxtdist.WaitTimeoutError: ..."), as on GPUs.
+
+HOST_KERNEL_TARGET = "jaxtdist_host_kernel"
 
 _host_kernel_p = jex_core.Primitive("jaxtdist_host_kernel")
 _host_kernel_p.multiple_results = True
 
+# {id: (callable, operand (shape, dtype)s, result (shape, dtype)s)}: the callables
+# of lowered host kernels, under the id the lowering passed the handler, and
+# {owner: ids} for ``release_host_kernels``. Not freed with the executable: JAX
+# keeps a lowering's keepalives with the Python executable object, which async
+# dispatch may free while XLA still runs the program; an owner (the CPU heap)
+# releases its kernels once no call of theirs can run any more.
+_host_callbacks: dict[int, tuple[Callable, tuple, tuple]] = {}
+_host_owned: dict[Hashable, set[int]] = {}
+_host_ids = itertools.count(1)
+_dispatch_set_on: object | None = None  # the native module _dispatch was handed to
+
+
+def release_host_kernels(owner: Hashable) -> None:
+    """Forgets the host kernels lowered for ``owner`` (``host_kernel(..., owner=)``):
+    programs that still call one fail with ``FAILED_PRECONDITION``. Call it once
+    none of them can run any more (the CPU heap does, when it closes)."""
+    for key in _host_owned.pop(owner, ()):
+        _host_callbacks.pop(key, None)
+
+
+def _view(address: int, nbytes: int, shape: tuple, dtype: np.dtype) -> np.ndarray:
+    """A numpy array over ``nbytes`` of XLA's buffer at ``address`` (no copy; valid
+    during the call only)."""
+    if nbytes == 0:  # an empty buffer may have no address
+        return np.zeros(shape, dtype)
+    return np.frombuffer((ctypes.c_char * nbytes).from_address(address), dtype).reshape(shape)
+
+
+def _store(values: Sequence, rets: Sequence[tuple[int, int]], specs: tuple) -> None:
+    """Copies a host kernel's results into XLA's result buffers."""
+    if len(values) != len(specs):
+        raise TypeError(f"the host kernel returned {len(values)} results, expected {len(specs)}")
+    for i, (value, (address, nbytes), (shape, dtype)) in enumerate(zip(values, rets, specs)):
+        value = np.asarray(value)
+        if value.shape != shape or value.dtype != dtype:
+            raise TypeError(f"the host kernel's result {i} is {value.dtype}{list(value.shape)}, "
+                            f"expected {np.dtype(dtype)}{list(shape)}")
+        np.copyto(_view(address, nbytes, shape, dtype), value)
+
+
+def _dispatch(key: int, args: Sequence[tuple[int, int]],
+              rets: Sequence[tuple[int, int]]) -> tuple[str, str] | None:
+    """Runs host kernel ``key`` on the call's buffers (``(address, bytes)`` each).
+
+    Returns:
+      None on success, else the status and message the handler reports
+      (``_errors.runtime_status``): the error's name and message, no traceback.
+    """
+    entry = _host_callbacks.get(key)
+    if entry is None:  # released: its owner (the runtime) is gone
+        return ("FAILED_PRECONDITION",
+                "jaxtdist.JaxtdistError: this program was traced for a jaxtdist runtime that "
+                f"is gone (its host kernel #{key} was released by jaxtdist.shutdown()); call "
+                "jaxtdist.initialize(mesh) and trace it again")
+    callback, arg_specs, ret_specs = entry
+    try:
+        values = []
+        for (address, nbytes), (shape, dtype) in zip(args, arg_specs):
+            value = _view(address, nbytes, shape, dtype)
+            value.flags.writeable = False  # XLA's operand: the kernel must not write it
+            values.append(value)
+        _store(callback(*values), rets, ret_specs)
+    except Exception as e:  # noqa: BLE001 -- every error becomes the call's status
+        return runtime_status(e)
+    return None
+
+
+def _native_with_dispatch():
+    """The native module, its targets registered and ``_dispatch`` handed to it."""
+    global _dispatch_set_on
+    from jaxtdist.runtime._native import native
+
+    module = native()
+    if _dispatch_set_on is not module:
+        if not hasattr(module, "set_host_kernel_dispatch"):
+            raise ImportError(
+                f"jaxtdist's native library {getattr(module, '__file__', module)} predates "
+                "the CPU host-kernel handler: a stale build. Rebuild it "
+                "(`pip install --no-build-isolation -e .`).")
+        module.set_host_kernel_dispatch(_dispatch)
+        _dispatch_set_on = module
+    return module
+
 
 @_host_kernel_p.def_abstract_eval
-def _host_abstract_eval(*avals, callback, results, op):
-    del avals, callback, op
+def _host_abstract_eval(*avals, callback, results, op, owner):
+    del avals, callback, op, owner
     return [jax.core.ShapedArray(shape, jnp.dtype(dtype)) for shape, dtype in results]
 
 
-def _host_lowering(ctx, *operands, callback, results, op):
+def _host_lowering(ctx, *operands, callback, results, op, owner):
     del op
-    from jax.experimental import io_callback
-
-    shapes = tuple(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for shape, dtype in results)
-
-    def body(*args):
-        return list(io_callback(callback, shapes, *args, ordered=False))
-
-    return mlir.lower_fun(body, multiple_results=True)(ctx, *operands)
+    _native_with_dispatch()
+    key = next(_host_ids)
+    _host_callbacks[key] = (
+        callback,
+        tuple((tuple(a.shape), np.dtype(a.dtype)) for a in ctx.avals_in),
+        tuple((tuple(shape), np.dtype(jnp.dtype(dtype))) for shape, dtype in results))
+    _host_owned.setdefault(owner, set()).add(key)
+    rule = jax.ffi.ffi_lowering(HOST_KERNEL_TARGET, has_side_effect=True)
+    return rule(ctx, *operands, callback=np.int64(key))
 
 
 mlir.register_lowering(_host_kernel_p, _host_lowering, platform="cpu")
@@ -168,8 +266,30 @@ if _pe is not None and hasattr(_pe, "dce_rules"):
     _pe.dce_rules[_host_kernel_p] = _keep
 
 
-def host_kernel(callback: Callable, result_shape_dtypes: Sequence, *operands, op: str = ""):
-    """``io_callback(callback, result_shape_dtypes, *operands)`` as an effect-free
-    primitive that XLA still keeps as a side effect (see the module doc)."""
+def host_kernel(callback: Callable, result_shape_dtypes: Sequence, *operands, op: str = "",
+                owner: Hashable = None):
+    """Calls ``callback`` on the host with numpy arrays of ``operands`` (read-only
+    views, valid during the call) and returns its results, as an effect-free
+    primitive that XLA still keeps as a side effect (see the module doc). CPU only.
+
+    ``callback`` returns one array per ``result_shape_dtypes`` entry, of that shape
+    and dtype. An exception it raises fails the program with
+    ``jax.errors.JaxRuntimeError`` whose message is the exception's status, name and
+    message (``DEADLINE_EXCEEDED: jaxtdist.WaitTimeoutError: ...``; see
+    ``_errors.runtime_status``), not a traceback.
+
+    Args:
+      callback: the host function.
+      result_shape_dtypes: ``jax.ShapeDtypeStruct``-likes of its results.
+      *operands: the arrays it receives.
+      op: the jaxtdist op, named in errors.
+      owner: ``release_host_kernels(owner)`` forgets ``callback`` (and what it
+        holds) once no program calling it can run any more; with None it is
+        kept for the life of the process.
+
+    Returns:
+      The list of results.
+    """
     results = tuple((tuple(s.shape), jnp.dtype(s.dtype).name) for s in result_shape_dtypes)
-    return list(_host_kernel_p.bind(*operands, callback=callback, results=results, op=op))
+    return list(_host_kernel_p.bind(*operands, callback=callback, results=results, op=op,
+                                    owner=owner))
