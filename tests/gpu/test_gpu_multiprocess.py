@@ -22,10 +22,13 @@ import time
 import pytest
 
 from tests.conftest import timeout
+from tests.multiprocess.checks import OPS, TRANSFORMS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = os.path.join(ROOT, "tests", "multiprocess")
 GPU_TOL = 5e-3  # float32 through TF32 tensor cores
+# What ops_check.py --ops --transforms reports, then the chain.
+ALL_CHECKS = (*OPS, *TRANSFORMS, "chain")
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("JAXTDIST_TEST_MULTIPROCESS_GPU") != "1" or not shutil.which("nvidia-smi"),
@@ -86,16 +89,16 @@ def rank_lines(out: str, rank: int, tag: str) -> list[str]:
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_every_op_on_the_nvshmem_heap(mps, nproc):
     """Every built-in op and a user kernel, each process one PE of NVSHMEM, against
-    float32 host references; then 16 chained ag_matmul -> matmul_rs calls."""
-    code, out, _ = launch(nproc, mps, "--ops", "--chain", "16")
+    float32 host references, vmap of each built-in op and remat + grad of the
+    matmuls; then 16 chained ag_matmul -> matmul_rs calls."""
+    code, out, _ = launch(nproc, mps, "--ops", "--transforms", "--chain", "16")
     assert code == 0, out[-6000:]
     for rank in range(nproc):
         assert rank_lines(out, rank, "OK") == ["OK"], out[-6000:]
         (ready,) = rank_lines(out, rank, "HEAP_READY_S")
         assert "backend=nvshmem" in ready and f"local=({rank},)" in ready, ready
         checks = dict(line.split()[1:3] for line in rank_lines(out, rank, "CHECK"))
-        assert set(checks) == {"ag_matmul", "all_gather", "all_reduce", "reduce_scatter",
-                               "matmul_rs", "matmul_ar", "triton_call", "shmem_all_gather", "chain"}, checks
+        assert set(checks) == set(ALL_CHECKS), checks
         assert all(float(e) <= GPU_TOL for e in checks.values()), checks
 
 
@@ -130,9 +133,10 @@ def test_one_gpu_per_process():
     n = min(gpu_count(), 4)
     if n < 2:
         pytest.skip(f"needs 2 GPUs, {n} visible")
-    code, out, _ = launch(n, {}, "--ops", "--chain", "1000", share_gpu=False, limit_s=280)
+    code, out, _ = launch(n, {}, "--ops", "--transforms", "--chain", "1000", share_gpu=False, limit_s=280)
     assert code == 0, out[-6000:]
     for rank in range(n):
         assert rank_lines(out, rank, "OK") == ["OK"], out[-6000:]
         checks = dict(line.split()[1:3] for line in rank_lines(out, rank, "CHECK"))
-        assert len(checks) == 9 and all(float(e) <= GPU_TOL for e in checks.values()), checks
+        assert set(checks) == set(ALL_CHECKS), checks
+        assert all(float(e) <= GPU_TOL for e in checks.values()), checks

@@ -2,7 +2,8 @@
 reference computed from the same seeds (no XLA collectives needed).
 
 Started by tests/test_cpu_multiprocess.py through the launcher:
-  python -m jaxtdist.launch --nproc-per-node 2 tests/multiprocess/ops_check.py [--chain N]
+  python -m jaxtdist.launch --nproc-per-node 2 tests/multiprocess/ops_check.py \
+      [--ops [--transforms]] [--chain N]
 
 Each process checks the shards it holds and prints one ``CHECK op relerr``
 line per op, ``HEAP_READY_S s`` (initialize to a ready heap), ``OK`` at the end.
@@ -31,6 +32,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxtdist as td  # noqa: E402
 from tests import kernels_for_tests as K  # noqa: E402
+from tests.multiprocess.checks import OPS, TRANSFORMS  # noqa: E402
 
 # float32: the interpreter's dot is numpy's; GPUs' tensor cores take float32
 # operands as TF32.
@@ -117,6 +119,60 @@ def check_all(mesh, world: int) -> dict[str, float]:
     return errs
 
 
+def check_transforms(mesh, world: int, batch: int = 2) -> dict[str, float]:
+    """``jax.vmap`` of every built-in op (one call per batch element) and the
+    gradients of ag_matmul and matmul_rs under ``jax.checkpoint``, through
+    ``jax.vjp`` of the sharded function: their backward passes are each other's
+    ops, so no XLA collective is needed (several processes sharing a GPU refuse
+    XLA's collectives)."""
+    sm = lambda f, i, o, **kw: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=i, out_specs=o, **kw))
+    errs = {}
+    b = batch
+    x, w = rand(21, (b, world * 8, 32)), rand(22, (b, 32, 16 * world))
+    f = sm(jax.vmap(lambda u, v: td.ag_matmul(u, v, "tp")),
+           (P(None, "tp", None), P(None, None, "tp")), P(None, None, "tp"))
+    errs["vmap_ag_matmul"] = relerr(f(place(mesh, x, P(None, "tp", None)),
+                                      place(mesh, w, P(None, None, "tp"))), x @ w)
+    x = rand(23, (b, world * 4, 24))
+    f = sm(jax.vmap(lambda u: td.all_gather(u, "tp")), P(None, "tp", None),
+           P(None, None, None), check_vma=False)
+    errs["vmap_all_gather"] = relerr(f(place(mesh, x, P(None, "tp", None))), x)
+    x = rand(24, (b, world, 40))
+    f = sm(jax.vmap(lambda u: td.all_reduce(u, "tp")), P(None, "tp", None),
+           P(None, None, None), check_vma=False)
+    errs["vmap_all_reduce"] = relerr(f(place(mesh, x, P(None, "tp", None))),
+                                     x.sum(1, keepdims=True))
+    x = rand(25, (b, world, world * 6, 8))
+    f = sm(jax.vmap(lambda u: td.reduce_scatter(u[0], "tp")[None]),
+           P(None, "tp", None, None), P(None, "tp", None, None))
+    errs["vmap_reduce_scatter"] = relerr(f(place(mesh, x, P(None, "tp", None, None))),
+                                         x.sum(1).reshape(b, world, 6, 8))
+    x, w = rand(26, (b, world * 8, world * 16)), rand(27, (b, world * 16, 24))
+    f = sm(jax.vmap(lambda u, v: td.matmul_rs(u, v, "tp")),
+           (P(None, None, "tp"), P(None, "tp", None)), P(None, "tp", None))
+    errs["vmap_matmul_rs"] = relerr(f(place(mesh, x, P(None, None, "tp")),
+                                      place(mesh, w, P(None, "tp", None))), x @ w)
+    x, w = rand(28, (b, 4, world * 16)), rand(29, (b, world * 16, 24))
+    f = sm(jax.vmap(lambda u, v: td.matmul_ar(u, v, "tp")),
+           (P(None, None, "tp"), P(None, "tp", None)), P(None, None, None), check_vma=False)
+    errs["vmap_matmul_ar"] = relerr(f(place(mesh, x, P(None, None, "tp")),
+                                      place(mesh, w, P(None, "tp", None))), x @ w)
+
+    def grads(op, x, w, g, x_spec, w_spec, y_spec) -> float:
+        f = sm(jax.checkpoint(lambda u, v: op(u, v, "tp")), (x_spec, w_spec), y_spec)
+        y, vjp = jax.vjp(f, place(mesh, x, x_spec), place(mesh, w, w_spec))
+        dx, dw = vjp(place(mesh, g, y_spec))
+        return max(relerr(y, x @ w), relerr(dx, g @ w.T), relerr(dw, x.T @ g))
+
+    x, w, g = rand(30, (world * 8, 32)), rand(31, (32, 16 * world)), rand(32, (world * 8, 16 * world))
+    errs["remat_grad_ag_matmul"] = grads(td.ag_matmul, x, w, g, P("tp", None), P(None, "tp"),
+                                         P(None, "tp"))
+    x, w, g = rand(33, (world * 8, world * 16)), rand(34, (world * 16, 24)), rand(35, (world * 8, 24))
+    errs["remat_grad_matmul_rs"] = grads(td.matmul_rs, x, w, g, P(None, "tp"), P("tp", None),
+                                         P("tp", None))
+    return errs
+
+
 def chain(mesh, world: int, calls: int, die_after: int | None, victim: int) -> float:
     """ag_matmul then matmul_rs, ``calls`` times on changing data."""
     m, k, n = 8, 16, 8 * world
@@ -148,6 +204,8 @@ def main() -> int:
     ap.add_argument("--victim", type=int, default=1)
     ap.add_argument("--wait-timeout-s", type=float, default=60.0)
     ap.add_argument("--ops", action="store_true", help="check every op")
+    ap.add_argument("--transforms", action="store_true",
+                    help="with --ops: also vmap of every op, remat + grad of the matmuls")
     args = ap.parse_args()
     world = jax.device_count()
     mesh = jax.make_mesh((world,), ("tp",))
@@ -158,7 +216,11 @@ def main() -> int:
           f"sms={rt.sms}", flush=True)
     bad = []
     if args.ops:
-        for op, err in check_all(mesh, world).items():
+        errs = check_all(mesh, world)
+        if args.transforms:
+            errs.update(check_transforms(mesh, world))
+        assert tuple(errs) == OPS + (TRANSFORMS if args.transforms else ()), tuple(errs)
+        for op, err in errs.items():
             print(f"CHECK {op} {err:.3e}", flush=True)
             if not err <= TOL:
                 bad.append(op)
@@ -166,9 +228,8 @@ def main() -> int:
     try:
         err = chain(mesh, world, args.chain, args.die_after, args.victim)
     except Exception as e:  # the survivors of --die-after land here
-        # XLA wraps a host callback's error in its traceback: report jaxtdist's line.
-        lines = str(e).splitlines()
-        message = next((ln for ln in reversed(lines) if "jaxtdist" in ln), lines[0])
+        # The status and jaxtdist's error lead the message (its first line).
+        message = str(e).splitlines()[0]
         print(f"CHAIN_FAILED after {time.perf_counter() - start:.2f} s: "
               f"{type(e).__name__}: {message}", flush=True)
         # jax.distributed's shutdown barrier would wait for the dead process until

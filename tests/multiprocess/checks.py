@@ -1,0 +1,10 @@
+"""The names tests/multiprocess/ops_check.py reports (``CHECK name relerr``), in
+its order; the tests that start it assert these sets. No side effects: safe to
+import from a test process."""
+
+# Every op on a mesh spanning processes (--ops).
+OPS = ("ag_matmul", "all_gather", "all_reduce", "reduce_scatter", "matmul_rs", "matmul_ar",
+       "triton_call", "shmem_all_gather")
+# vmap of every built-in op, remat + grad of the two matmuls (--ops --transforms).
+TRANSFORMS = tuple(f"vmap_{op}" for op in OPS[:6]) + ("remat_grad_ag_matmul",
+                                                      "remat_grad_matmul_rs")
