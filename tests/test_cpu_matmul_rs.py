@@ -206,6 +206,35 @@ def test_world_1_is_local():
     assert "jaxtdist" not in text
 
 
+def test_world_1_sums_are_typed_like_psum():
+    """At world 1 matmul_ar and all_reduce of operands varying over the group's axis
+    are typed as jax.lax.psum types them (replicated over it), so out_specs that
+    leave the axis out pass shard_map's check as at larger worlds (the decode
+    layers' P("dp", None)); values and gradients are the local ones."""
+    from jaxtdist.ops._protocol import varying_axes
+
+    mesh = setup((2, 1), ("dp", "tp"))
+    seen = {}
+
+    def body(x, w):
+        y, r = matmul_ar(x, w, "tp"), td.all_reduce(x, "tp")
+        seen.update(y=varying_axes(y), r=varying_axes(r), psum=varying_axes(
+            jax.lax.psum(x @ w, "tp")))
+        return y, r
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("dp", "tp"), P("tp", None)),
+                              out_specs=(P("dp", None), P("dp", None))))
+    x, w = rand((2 * 3, 20)), rand((20, 9))
+    xd, wd = place(mesh, x, P("dp", "tp")), place(mesh, w, P("tp", None))
+    y, r = f(xd, wd)
+    if seen["psum"] is not None:
+        assert seen["y"] == seen["r"] == seen["psum"] == {"dp"}, seen
+    assert rel_err(y, f64(x) @ f64(w)) < 1e-5 and rel_err(r, f64(x)) == 0
+    g = rand((2 * 3, 9))
+    gx = jax.jit(jax.grad(lambda a: jnp.sum(f(a, wd)[0] * g)))(xd)
+    assert rel_err(gx, f64(g) @ f64(w).T) < 1e-5
+
+
 def test_sharded_wrappers():
     """The row-parallel layer pjit-style: x [M, K] rows over dp, columns over tp; w
     rows over tp. The result is x @ w, rows over (dp, tp) (matmul_rs) or dp

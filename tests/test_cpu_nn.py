@@ -157,6 +157,9 @@ def test_axis_of_size_one_is_the_local_computation():
     x = rand((16, 16))
     y = nnx.jit(lambda m, a: m(a))(mlp, place(mesh, x, TOKENS))
     assert rel_err(y, _mlp_reference(_weights(mlp), f64(x), True)) < 1e-5
+    # Decode: matmul_ar at world 1 is typed replicated over "tp", as psum types it.
+    y = nnx.jit(lambda m, a: m(a, decode=True))(mlp, place(mesh, x, P("dp", None)))
+    assert rel_err(y, _mlp_reference(_weights(mlp), f64(x), True)) < 1e-5
 
 
 def test_bad_arguments_say_what_is_allowed():

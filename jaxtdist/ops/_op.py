@@ -120,12 +120,15 @@ class DistributedOp:
         arguments, run before anything else.
       local: ``local(*arrays, **static) -> out``: the computation of a group
         of one rank; None: the forward runs at world 1 too.
+      reduces: the result is the group's sum, typed as ``jax.lax.psum``'s
+        (replicated over the group's axes), at world 1 too.
     """
     name: str
     forward: Callable[..., tuple[Any, Any]]
     backward: Callable[..., tuple] | None = None
     check: Callable[..., None] | None = None
     local: Callable[..., Any] | None = None
+    reduces: bool = False
 
     def __call__(self, *arrays: jax.Array, axis_name, **static: Any):
         if isinstance(axis_name, list):
@@ -135,7 +138,8 @@ class DistributedOp:
         rt = runtime()
         layout = check_axis(rt, axis_name, self.name)
         if layout.world == 1 and self.local is not None:
-            return self.local(*arrays, axis_name=axis_name, **static)
+            out = self.local(*arrays, axis_name=axis_name, **static)
+            return _typed_as_sum(out, layout.axes) if self.reduces else out
         if not arrays:  # nothing to differentiate: the protocol orders the call itself
             return self.forward(axis_name=axis_name, **static)[0]
         # The previous op's output goes in as an argument, so the prologue takes it
@@ -192,6 +196,16 @@ class DistributedOp:
 
         call.defvjp(fwd, bwd)
         return call
+
+
+def _typed_as_sum(out: jax.Array, axes: Sequence[str]) -> jax.Array:
+    """The local result of a group of one rank, typed as the group's sum is (as
+    ``jax.lax.psum`` types it: replicated over ``axes``), so that out_specs that
+    leave ``axes`` out accept it as they do at larger worlds. The psum is over
+    one device: XLA drops it."""
+    have = varying_axes(out)
+    summed = tuple(a for a in axes if have is not None and a in have)
+    return jax.lax.psum(out, summed) if summed else out
 
 
 def _order_cotangents(after_specs: tuple, typed: tuple, cts: tuple) -> tuple:

@@ -179,7 +179,7 @@ def _local(x, *, axis_name, config=None):
 
 
 _ALL_REDUCE = DistributedOp("all_reduce", forward=_forward, backward=_backward, check=_check,
-                            local=_local)
+                            local=_local, reduces=True)
 
 
 def all_reduce(x: jax.Array, axis_name, *, config: dict | None = None) -> jax.Array:

@@ -368,7 +368,7 @@ def _ar_backward(residuals, dy, *, axis_name, config=None):
 
 
 _MATMUL_AR = DistributedOp("matmul_ar", forward=_ar_forward, backward=_ar_backward,
-                           check=_ar_check, local=_local)
+                           check=_ar_check, local=_local, reduces=True)
 
 
 def matmul_ar(x: jax.Array, w: jax.Array, axis_name, *, config: dict | None = None) -> jax.Array:
