@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -53,6 +54,19 @@ def relerr(out: jax.Array, ref: np.ndarray) -> float:
         want = np.asarray(ref[shard.index], np.float64)
         worst = max(worst, float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)))
     return worst
+
+
+def xla_collectives(hlo: str) -> list[str]:
+    """The XLA collectives of a compiled program's text, each with the JAX op that
+    made it (several processes sharing one GPU cannot run them)."""
+    found = []
+    for line in hlo.splitlines():
+        m = re.search(r"\s(all-reduce|all-gather|reduce-scatter|all-to-all|"
+                      r"collective-permute)(-start)?\(", line)
+        if m:
+            name = re.search(r'op_name="([^"]*)"', line)
+            found.append(f"{m.group(1)} from {name.group(1) if name else '?'}")
+    return found
 
 
 def rand(seed: int, shape) -> np.ndarray:
@@ -160,8 +174,18 @@ def check_transforms(mesh, world: int, batch: int = 2) -> dict[str, float]:
 
     def grads(op, x, w, g, x_spec, w_spec, y_spec) -> float:
         f = sm(jax.checkpoint(lambda u, v: op(u, v, "tp")), (x_spec, w_spec), y_spec)
-        y, vjp = jax.vjp(f, place(mesh, x, x_spec), place(mesh, w, w_spec))
-        dx, dw = vjp(place(mesh, g, y_spec))
+
+        def forward_and_backward(u, v, dy):
+            y, vjp = jax.vjp(f, u, v)
+            return (y, *vjp(dy))
+
+        args = (place(mesh, x, x_spec), place(mesh, w, w_spec), place(mesh, g, y_spec))
+        compiled = jax.jit(forward_and_backward).lower(*args).compile()
+        found = xla_collectives(compiled.as_text())
+        if found:  # the backward must be jaxtdist's ops alone
+            print(f"XLA_COLLECTIVES {op.__name__}: {found}", flush=True)
+            return float("inf")
+        y, dx, dw = compiled(*args)
         return max(relerr(y, x @ w), relerr(dx, g @ w.T), relerr(dw, x.T @ g))
 
     x, w, g = rand(30, (world * 8, 32)), rand(31, (32, 16 * world)), rand(32, (world * 8, 16 * world))
