@@ -55,16 +55,17 @@ def test_every_op_matches_the_host_reference(nproc, devices, transforms):
     checking its shards against float32 references from the same seeds (with
     ``transforms``, also vmap of each built-in op and remat + grad of the
     matmuls), then a chain of ag_matmul -> matmul_rs calls on changing data."""
-    from tests.multiprocess.checks import OPS, TRANSFORMS
+    from tests.multiprocess.checks import GRADS, OPS, TRANSFORMS
 
     code, out, _ = launch(nproc, "ops_check.py", "--ops",
-                          *(["--transforms"] if transforms else []),
+                          *(["--transforms", "--grads"] if transforms else []),
                           launcher_args=("--cpu-devices-per-process", str(devices)))
     assert code == 0, out[-4000:]
     for rank in range(nproc):
         assert rank_lines(out, rank, "OK") == ["OK"], out[-4000:]
         checks = dict(line.split()[1:3] for line in rank_lines(out, rank, "CHECK"))
-        assert set(checks) == {*OPS, *(TRANSFORMS if transforms else ()), "chain"}, checks
+        assert set(checks) == {*OPS, *(TRANSFORMS + GRADS if transforms else ()), "chain"}, checks
+        assert "XLA_COLLECTIVES" not in out, out[-4000:]  # the CPU backward keeps its gather
         assert all(float(err) <= 1e-5 for err in checks.values()), checks
         (ready,) = rank_lines(out, rank, "HEAP_READY_S")
         local = tuple(range(rank * devices, (rank + 1) * devices))

@@ -22,12 +22,13 @@ import time
 import pytest
 
 from tests.conftest import timeout
-from tests.multiprocess.checks import OPS, TRANSFORMS
+from tests.multiprocess.checks import GRADS, OPS, TRANSFORMS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = os.path.join(ROOT, "tests", "multiprocess")
 GPU_TOL = 5e-3  # float32 through TF32 tensor cores
-# What ops_check.py --ops --transforms reports, then the chain.
+# What ops_check.py --ops --transforms reports, then the chain (--grads adds GRADS:
+# one GPU per process only, see checks.GRADS).
 ALL_CHECKS = (*OPS, *TRANSFORMS, "chain")
 
 pytestmark = pytest.mark.skipif(
@@ -89,8 +90,8 @@ def rank_lines(out: str, rank: int, tag: str) -> list[str]:
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_every_op_on_the_nvshmem_heap(mps, nproc):
     """Every built-in op and a user kernel, each process one PE of NVSHMEM, against
-    float32 host references, vmap of each built-in op and remat + grad of the
-    matmuls; then 16 chained ag_matmul -> matmul_rs calls."""
+    float32 host references, and vmap of each built-in op; then 16 chained
+    ag_matmul -> matmul_rs calls."""
     code, out, _ = launch(nproc, mps, "--ops", "--transforms", "--chain", "16")
     assert code == 0, out[-6000:]
     for rank in range(nproc):
@@ -133,10 +134,11 @@ def test_one_gpu_per_process():
     n = min(gpu_count(), 4)
     if n < 2:
         pytest.skip(f"needs 2 GPUs, {n} visible")
-    code, out, _ = launch(n, {}, "--ops", "--transforms", "--chain", "1000", share_gpu=False, limit_s=280)
+    code, out, _ = launch(n, {}, "--ops", "--transforms", "--grads", "--chain", "1000",
+                          share_gpu=False, limit_s=280)
     assert code == 0, out[-6000:]
     for rank in range(n):
         assert rank_lines(out, rank, "OK") == ["OK"], out[-6000:]
         checks = dict(line.split()[1:3] for line in rank_lines(out, rank, "CHECK"))
-        assert set(checks) == set(ALL_CHECKS), checks
+        assert set(checks) == {*ALL_CHECKS, *GRADS}, checks
         assert all(float(e) <= GPU_TOL for e in checks.values()), checks
