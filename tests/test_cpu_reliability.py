@@ -367,3 +367,47 @@ def test_soak_chained_calls_with_changing_data_and_shapes():
             calls += 1
         assert np.isfinite(carries).all() and np.abs(carries[-1]).max() > 0
     assert calls == 1000 and not mismatches, (calls, mismatches)
+
+
+def test_soak_of_the_reduction_ops():
+    """1,000 chained calls each of all_reduce, reduce_scatter, matmul_rs and
+    matmul_ar (each step's input is the last step's output), changing data every
+    call and shapes between batches; every result checked against float32
+    references of its own inputs: 0 mismatches."""
+    mesh = setup(2)
+    calls = 0
+    mismatches = []
+    steps = 25
+
+    for m, k, n in [(2, 8, 4), (3, 16, 8), (4, 8, 8), (1, 24, 4)] * 10:
+        def chain(a, b):
+            def step(c, _):                                   # c: [2m, k] per rank
+                r = td.all_reduce(c, "tp")                    # sum of the ranks' c
+                s = td.reduce_scatter(c, "tp")                # rows block of it
+                y = td.matmul_rs(c, b, "tp")                  # rows block of sum c_r @ b_r
+                z = td.matmul_ar(c, b, "tp")                  # all of it
+                nxt = 0.5 * c + 0.125 * r + 0.0625 * z[:, :1]
+                return nxt, (c, r, s, y, z)
+            return jax.lax.scan(step, a, None, length=steps)[1]
+
+        stacked = P(None, "tp", None)
+        f = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=(ROWS, ROWS),
+                                  out_specs=(stacked, P(None, None, None), stacked, stacked,
+                                             P(None, None, None)), check_vma=False))
+        x, w = rand((2 * 2 * m, k), F32), rand((2 * k, n), F32)
+        cs, rs, ss, ys, zs = (np.asarray(v, np.float64)
+                              for v in f(place(mesh, x, ROWS), place(mesh, w, ROWS)))
+        for t in range(steps):
+            c0, c1 = cs[t][: 2 * m], cs[t][2 * m:]
+            total = c0 + c1
+            product = c0 @ f64(w[:k]) + c1 @ f64(w[k:])
+            # A race gives another call's data (errors of order 1); float32
+            # rounding stays near 1e-7.
+            for name, got, ref in (("all_reduce", rs[t], total), ("reduce_scatter", ss[t], total),
+                                   ("matmul_rs", ys[t], product), ("matmul_ar", zs[t], product)):
+                err = rel_err(got, ref)
+                if err > 1e-5:
+                    mismatches.append(f"{name} {(m, k, n)} step {t}: relative error {err:.3g}")
+            calls += 1
+        assert np.isfinite(cs).all() and np.abs(cs[-1]).max() > 0
+    assert calls == 1000 and not mismatches, (calls, mismatches[:10])
