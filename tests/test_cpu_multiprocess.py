@@ -77,25 +77,26 @@ def test_every_op_matches_the_host_reference(nproc, devices, transforms):
 def test_a_rank_killed_mid_chain_fails_the_job(victim):
     """SIGKILL one of 2 processes in the middle of chained ops: the launcher exits
     non-zero; with a grace period the survivor reports, within a second, an error
-    naming the dead process (victim 1), or JAX ends it at once (victim 0 hosts
-    the coordination service)."""
+    naming the dead process, or (victim 0 hosts the coordination service) JAX
+    ends it at once."""
     code, out, took = launch(2, "ops_check.py", "--chain", "8", "--die-after", "3",
                              "--victim", str(victim),
                              launcher_args=("--failure-grace-s", "60"))
     assert code != 0 and "VICTIM dying" in out, out[-4000:]
     assert f"[launch] rank {victim} failed (killed by SIGKILL)" in out, out[-4000:]
     survivor = 1 - victim
-    if victim == 1:
+    # Victim 0 hosts JAX's coordination service: JAX may end the survivor before
+    # jaxtdist's peer watch reports the death (both are a clear end, never a hang).
+    jax_ended_it = "Terminating process because the JAX distributed service" in out
+    if victim == 1 or not jax_ended_it:
         (failed,) = rank_lines(out, survivor, "CHAIN_FAILED")
         # The status and jaxtdist's error lead the message. The type is JaxRuntimeError,
         # or ValueError where jit's C++ path ran a small one-device program inline.
         assert re.search(r": (JaxRuntimeError|ValueError): UNAVAILABLE: "
-                         r"jaxtdist\.WorkerDiedError: process 1 \(pid \d+, mesh positions "
-                         r"\[\d+(, \d+)*\]\) died", failed), failed
+                         rf"jaxtdist\.WorkerDiedError: process {victim} \(pid \d+, mesh "
+                         r"positions \[\d+(, \d+)*\]\) died", failed), failed
         seconds = float(re.search(r"after ([\d.]+) s", failed).group(1))
         assert seconds < 10, failed   # the peer watch looks every 0.2 s
-    else:
-        assert "Terminating process because the JAX distributed service" in out, out[-4000:]
     assert took < 60, took            # never the kernels' wait bound (60 s here)
 
 

@@ -56,6 +56,12 @@ def relerr(out: jax.Array, ref: np.ndarray) -> float:
     return worst
 
 
+def shard_mapper(mesh):
+    """``sm(f, in_specs, out_specs, **kw)``: ``f`` jitted in a shard_map over ``mesh``."""
+    return lambda f, i, o, **kw: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=i, out_specs=o,
+                                                       **kw))
+
+
 def xla_collectives(hlo: str) -> list[str]:
     """The XLA collectives of a compiled program's text, each with the JAX op that
     made it (several processes sharing one GPU cannot run them)."""
@@ -74,7 +80,7 @@ def rand(seed: int, shape) -> np.ndarray:
 
 
 def check_all(mesh, world: int) -> dict[str, float]:
-    sm = lambda f, i, o, **kw: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=i, out_specs=o, **kw))
+    sm = shard_mapper(mesh)
     m, k, n = 8, 32, 16 * world
     errs = {}
     x, w = rand(1, (world * m, k)), rand(2, (k, n))
@@ -135,7 +141,7 @@ def check_all(mesh, world: int) -> dict[str, float]:
 
 def check_transforms(mesh, world: int, batch: int = 2) -> dict[str, float]:
     """``jax.vmap`` of every built-in op (one call per batch element)."""
-    sm = lambda f, i, o, **kw: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=i, out_specs=o, **kw))
+    sm = shard_mapper(mesh)
     errs = {}
     b = batch
     x, w = rand(21, (b, world * 8, 32)), rand(22, (b, 32, 16 * world))
@@ -173,7 +179,7 @@ def check_transforms(mesh, world: int, batch: int = 2) -> dict[str, float]:
 def check_grads(mesh, world: int) -> dict[str, float]:
     """Gradients of ag_matmul and matmul_rs under ``jax.checkpoint``, through
     ``jax.vjp`` of the sharded function, forward and backward in one program."""
-    sm = lambda f, i, o, **kw: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=i, out_specs=o, **kw))
+    sm = shard_mapper(mesh)
     errs = {}
 
     def grads(op, x, w, g, x_spec, w_spec, y_spec) -> float:
