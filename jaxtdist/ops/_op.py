@@ -201,9 +201,9 @@ class DistributedOp:
 def _typed_as_sum(out: jax.Array, axes: Sequence[str]) -> jax.Array:
     """The local result of a group of one rank, typed as the group's sum is (as
     ``jax.lax.psum`` types it: replicated over ``axes``), so that out_specs that
-    leave ``axes`` out accept it as they do at larger worlds. The psum runs over
-    groups of one device (the same all-reduce the XLA form, ``psum(x @ w)``,
-    has at world 1)."""
+    leave ``axes`` out accept it as they do at larger worlds. JAX has no cast from
+    varying to replicated, so this is a psum over groups of one device: a
+    degenerate all-reduce that moves no data."""
     have = varying_axes(out)
     summed = tuple(a for a in axes if have is not None and a in have)
     return jax.lax.psum(out, summed) if summed else out
