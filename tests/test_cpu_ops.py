@@ -286,6 +286,50 @@ def test_ag_matmul_grad(dtype, tol):
     assert rel_err(gw, f64(x).T @ f64(g)) < tol
 
 
+@pytest.mark.parametrize("world,dtype", [(2, F32), (4, BF16)])
+def test_ag_matmul_several_weights(world, dtype):
+    """One gather for several weights: one product each, and their gradients."""
+    mesh = setup(world)
+    m, k, widths = 3, 24, (8, 4, 12)
+    tol = 1e-4 if dtype == F32 else 2e-2
+
+    def loss_td(x, ws, gs):
+        ys = td.ag_matmul(x, ws, "tp")
+        return sum(jnp.sum(y.astype(jnp.float32) * g) for y, g in zip(ys, gs)), ys
+
+    def body(x, ws, gs):
+        (_, ys), grads = jax.value_and_grad(loss_td, argnums=(0, 1), has_aux=True)(x, ws, gs)
+        return ys, grads
+
+    wspec = (P(None, "tp"),) * 3
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp", None), wspec, wspec),
+                              out_specs=(wspec, (P("tp", None), wspec))))
+    x = rand((world * m, k), dtype)
+    ws = tuple(rand((k, world * n), dtype) for n in widths)
+    gs = tuple(rand((world * m, world * n), F32) for n in widths)
+    ys, (gx, gws) = f(place(mesh, x, P("tp", None)),
+                      tuple(place(mesh, w, P(None, "tp")) for w in ws),
+                      tuple(place(mesh, g, P(None, "tp")) for g in gs))
+    for y, w in zip(ys, ws):
+        assert y.shape == (world * m, w.shape[1]) and y.dtype == jnp.dtype(dtype)
+        assert_close(y, f64(x) @ f64(w), dtype)
+    ref_gx = sum(f64(g) @ f64(w).T for g, w in zip(gs, ws))
+    assert rel_err(gx, ref_gx) < tol
+    for gw, g in zip(gws, gs):
+        assert rel_err(gw, f64(x).T @ f64(g)) < tol
+
+
+def test_ag_matmul_several_weights_errors():
+    mesh = setup(2)
+    x = jnp.ones((4, 8), F32)
+    with pytest.raises(ValueError, match="empty sequence"):
+        jax.shard_map(lambda x: td.ag_matmul(x, (), "tp"), mesh=mesh, in_specs=P("tp", None),
+                      out_specs=P())(x)
+    with pytest.raises(ValueError, match=r"weight 1 of 2"):
+        jax.shard_map(lambda x: td.ag_matmul(x, (jnp.ones((8, 2)), jnp.ones((6, 2))), "tp"),
+                      mesh=mesh, in_specs=P("tp", None), out_specs=P())(x)
+
+
 # -- the README / docstring example -----------------------------------------------
 
 

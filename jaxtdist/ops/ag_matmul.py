@@ -258,7 +258,7 @@ _AG_MATMUL = DistributedOp("ag_matmul", forward=_forward, backward=_backward, ch
                            local=_local)
 
 
-def ag_matmul(x: jax.Array, w: jax.Array, axis_name, *, config: dict | None = None) -> jax.Array:
+def ag_matmul(x: jax.Array, w, axis_name, *, config: dict | None = None):
     """``all_gather(x, axis_name, tiled=True) @ w`` with the gather overlapped.
 
     Call inside ``jax.shard_map`` over the mesh given to ``jaxtdist.initialize``.
@@ -266,21 +266,47 @@ def ag_matmul(x: jax.Array, w: jax.Array, axis_name, *, config: dict | None = No
     gathered ``x`` kept from the forward pass. A group of one rank computes
     ``x @ w`` alone.
 
+    Several weights (``w`` a tuple or list, e.g. the Q, K and V projections)
+    share one gather of ``x`` and one launch: the result is one product per
+    weight, and the backward sums the products of all cotangents in one
+    reduce-scatter. The weights are concatenated along N for the launch (a copy
+    of the weights per call, small beside the GEMM).
+
     Args:
       x: this rank's rows, [m_shard, k].
-      w: this rank's weight, [k, n] (typically column-sharded).
+      w: this rank's weight, [k, n] (typically column-sharded), or a tuple of
+        weights [k, n_i] of x's dtype.
       axis_name: mesh axis (or tuple of axes) the rows are sharded over.
       config: overrides of the kernel config (``AgMatmulConfig`` keys; advanced).
 
     Returns:
-      [world * m_shard, n] in x's dtype, accumulated in float32.
+      [world * m_shard, n] in x's dtype, accumulated in float32; for a tuple of
+      weights, a tuple of [world * m_shard, n_i].
 
     Example:
       >>> mesh = jax.make_mesh((4,), ("tp",)); jaxtdist.initialize(mesh)
       >>> f = jax.jit(jax.shard_map(lambda x, w: jaxtdist.ag_matmul(x, w, "tp"), mesh=mesh,
       ...             in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
     """
+    if isinstance(w, (tuple, list)):
+        return _ag_matmul_many(jnp.asarray(x), tuple(w), axis_name, config)
     return _AG_MATMUL(jnp.asarray(x), jnp.asarray(w), axis_name=axis_name, config=config)
+
+
+def _ag_matmul_many(x, ws, axis_name, config):
+    """``ag_matmul`` of one x with several weights: one gather, one launch."""
+    if not ws:
+        raise ValueError("jaxtdist.ag_matmul: w is an empty sequence; give at least one weight")
+    ws = tuple(jnp.asarray(w) for w in ws)
+    for i, w in enumerate(ws):
+        try:
+            _check(x, w, axis_name=axis_name)
+        except ValueError as e:
+            raise ValueError(f"{e} (weight {i} of {len(ws)})") from None
+    widths = [w.shape[1] for w in ws]
+    out = _AG_MATMUL(x, ws[0] if len(ws) == 1 else jnp.concatenate(ws, axis=1),
+                     axis_name=axis_name, config=config)
+    return tuple(jnp.split(out, np.cumsum(widths)[:-1].tolist(), axis=1))
 
 
 ag_matmul_sharded = pjit_wrapper(
