@@ -188,6 +188,9 @@ def test_matmul_rs_benchmark_finds_its_ops():
 def test_model_benchmark_runs_both_models_and_tabulates(monkeypatch):
     """``python -m jaxtdist.bench model`` on the tiny GPT (CPU, tp=4): both steps of
     both models run from equal parameters, outputs agree, the table has each step."""
+    for name in ("flax", "optax"):
+        pytest.importorskip(name, reason=f"the model benchmark needs {name}: "
+                            "pip install -e '.[nn]'")
     import jax
 
     from jaxtdist.bench import model

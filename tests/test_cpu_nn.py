@@ -11,8 +11,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-flax = pytest.importorskip("flax")
-optax = pytest.importorskip("optax")
+flax = pytest.importorskip("flax", reason="jaxtdist.nn needs flax: pip install -e '.[nn]'")
+optax = pytest.importorskip("optax", reason="the training tests need optax: pip install -e '.[nn]'")
 from flax import nnx  # noqa: E402
 
 from jaxtdist import nn as tdnn  # noqa: E402
@@ -240,7 +240,8 @@ def test_train_gpt_example_matches_the_xla_model():
 def test_orbax_checkpoint_moves_between_jaxtdist_and_xla_models(tmp_path):
     """A checkpoint of a jaxtdist model restores into the same model on XLA's
     collectives (and back): parameters are plain sharded arrays."""
-    ocp = pytest.importorskip("orbax.checkpoint")
+    ocp = pytest.importorskip("orbax.checkpoint", reason="checkpoints need orbax-checkpoint: "
+                                  "pip install -e '.[nn]'")
     mesh = setup((2, 4), ("dp", "tp"))
     ours = tdnn.ParallelMLP(16, 32, gated=True, batch_axes=("dp",), rngs=nnx.Rngs(9))
     theirs = tdnn.ParallelMLP(16, 32, gated=True, batch_axes=("dp",), impl="xla",
