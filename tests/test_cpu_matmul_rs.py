@@ -296,8 +296,15 @@ def test_gpu_defaults_and_search_spaces_validate(world):
             p = Problem("gpu", world, (m, 8192, 8192 // world), dtype, 132)
             MatmulArConfig.default(p).validate(p)
             assert MatmulArConfig.search_space(p)[0] == {}
+    # The GEMM core where TMA can address the rows (wave rule: 1024 tiles of 128 x 256
+    # are 7.8 rounds of 132 SMs), the pointer GEMM where it cannot (rows of 33 bf16).
     big = MatmulRsConfig.default(Problem("gpu", 4, (8192, 4096, 3072), "bfloat16", 132))
-    assert (big.BLOCK_M, big.BLOCK_N) == (128, 128)
+    assert (big.BLOCK_M, big.BLOCK_N, big.TMA, big.SUBTILE) == (128, 256, True, 4)
+    odd = MatmulRsConfig.default(Problem("gpu", 4, (40, 33, 7), "bfloat16", 132))
+    assert not odd.TMA
+    p = Problem("gpu", 4, (40, 33, 7), "bfloat16", 132)
+    with pytest.raises(ValueError, match="multiples of 16 bytes"):
+        odd.replace(TMA=True).validate(p)
 
 
 def test_tunes_with_an_explicit_measure():

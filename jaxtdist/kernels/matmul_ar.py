@@ -2,7 +2,9 @@
 small M (decode), where latency rules.
 
 One launch, one program per output tile ((m, n) in ``grouped_tile`` order):
-the program computes its tile of this rank's partial product, pushes the
+the program computes its tile of this rank's partial product (on the GEMM
+core's mainloop, ``_gemm.tile_acc``, where TMA can address the rows; else on
+the pointer GEMM), pushes the
 float32 partial into every peer's heap inbox (stores through ``dl.symm_at``
 pointers, peers in the order me+1, me+2, ...; then the tile's flag in that
 peer's heap is set to the epoch, a release), then waits (acquire) for the
@@ -32,6 +34,7 @@ import triton
 import triton.language as tl
 
 import jaxtdist.language as dl
+from jaxtdist.kernels._gemm import tile_acc
 from jaxtdist.kernels._tiles import dot_tile, grouped_tile
 
 
@@ -41,10 +44,11 @@ def matmul_ar_kernel(ctx, x_ptr, w_ptr, out_ptr,
                      INBOX_OFF: tl.constexpr, PARITY_BYTES: tl.constexpr,
                      FLAGS_OFF: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr):
+                     GROUP_M: tl.constexpr, TMA: tl.constexpr):
     """Grid: (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),).
 
-    x: [M, K], w: [K, N] -> out: [M, N], the sum over ranks of x @ w.
+    x: [M, K], w: [K, N] -> out: [M, N], the sum over ranks of x @ w. TMA: rows
+    of x and w are 16-byte multiples (the GEMM core's loads).
     """
     tile = tl.program_id(0)
     me = dl.rank(ctx)
@@ -59,8 +63,16 @@ def matmul_ar_kernel(ctx, x_ptr, w_ptr, out_ptr,
     cols = tl.max_contiguous(tl.multiple_of(tn * BLOCK_N + tl.arange(0, BLOCK_N), BLOCK_N),
                              BLOCK_N)
     col_mask = cols < N
-    acc = dot_tile(x_ptr, w_ptr, rows, row_mask, cols, col_mask, 0, K, K, N,
-                   BLOCK_M, BLOCK_N, BLOCK_K)
+    if TMA:
+        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[K, N], strides=[N, 1],
+                                           block_shape=[BLOCK_K, BLOCK_N])
+        acc = tile_acc(x_desc, w_desc, tm * BLOCK_M, tn * BLOCK_N, 0, K, BLOCK_M, BLOCK_N,
+                       BLOCK_K)
+    else:
+        acc = dot_tile(x_ptr, w_ptr, rows, row_mask, cols, col_mask, 0, K, K, N,
+                       BLOCK_M, BLOCK_N, BLOCK_K)
     offs = rows[:, None] * N + cols[None, :]
     mask = row_mask[:, None] & col_mask[None, :]
     inbox = dl.heap_ptr(ctx, INBOX_OFF + (e % 2) * PARITY_BYTES, tl.float32)

@@ -3,7 +3,8 @@ overlapped with the GEMM tile by tile.
 
 Every rank holds x [M, K] (its K shard) and w [K, N]; rank r owns output rows
 [r * M_SHARD, (r + 1) * M_SHARD). One persistent launch computes every output
-tile of this rank's partial product, in the order of
+tile of this rank's partial product on the GEMM core (``_gemm``: TMA loads,
+the pipelined mainloop, a subtiled TMA store of the output), in the order of
 ``rank_major_tile(tile, me + 1, ...)``: the rows owned by rank me+1 first,
 then me+2, ..., and this rank's own rows last.
 
@@ -57,6 +58,7 @@ import triton
 import triton.language as tl
 
 import jaxtdist.language as dl
+from jaxtdist.kernels._gemm import out_desc, store_tile, tile_acc
 from jaxtdist.kernels._tiles import dot_tile, rank_major_tile
 
 
@@ -67,11 +69,15 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr,
                      FLAGS_OFF: tl.constexpr, PARTIAL_INPUT: tl.constexpr,
                      NUM_PROGRAMS: tl.constexpr, INTERLEAVE: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr):
+                     GROUP_M: tl.constexpr, SUBTILE: tl.constexpr, TMA: tl.constexpr):
     """Grid: (NUM_PROGRAMS,), at most one program per SM on GPUs (own tiles spin).
 
     x: [world * M_SHARD, K], w: [K, N] -> out: [M_SHARD, N], this rank's rows of
-    the sum over ranks of x @ w.
+    the sum over ranks of x @ w. With TMA (rows of x and w 16-byte multiples)
+    the tiles run on the GEMM core; a row tile at the end of a rank's rows
+    then reads the next rank's first rows too, whose products are dropped
+    (masked pushes, clipped stores). Without, on the pointer GEMM
+    (``dot_tile``), for rows TMA cannot address.
     """
     pid = tl.program_id(0)
     me = dl.rank(ctx)
@@ -88,38 +94,52 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr,
     inbox = dl.heap_ptr(ctx, INBOX_OFF + (e % 2) * PARITY_BYTES, partial_ty)
     flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
     slot_elems = M_SHARD * N
-    per_program = tl.cdiv(tiles, NUM_PROGRAMS)
-    for i in range(0, per_program):
-        if INTERLEAVE:
-            tile = pid + i * NUM_PROGRAMS
+    if TMA:
+        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[world * M_SHARD, K], strides=[K, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[K, N], strides=[N, 1],
+                                           block_shape=[BLOCK_K, BLOCK_N])
+        c_desc = out_desc(out_ptr, M_SHARD, N, BLOCK_M, BLOCK_N, SUBTILE)
+    if INTERLEAVE:
+        first, last, step = pid, tiles, NUM_PROGRAMS
+    else:
+        per_program = tl.cdiv(tiles, NUM_PROGRAMS)
+        first, last, step = pid * per_program, tl.minimum((pid + 1) * per_program, tiles), 1
+    for tile in tl.range(first, last, step):
+        # me + 1's rows first, this rank's own rows last.
+        dst, tm, tn = rank_major_tile(tile, me + 1, world, m_tiles, n_tiles, GROUP_M)
+        row0 = tm * BLOCK_M
+        col0 = tn * BLOCK_N
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = tl.max_contiguous(tl.multiple_of(col0 + tl.arange(0, BLOCK_N), BLOCK_N),
+                                 BLOCK_N)
+        row_mask = rows < M_SHARD
+        col_mask = cols < N
+        if TMA:
+            acc = tile_acc(x_desc, w_desc, dst * M_SHARD + row0, col0, 0, K, BLOCK_M, BLOCK_N,
+                           BLOCK_K)
         else:
-            tile = pid * per_program + i
-        if tile < tiles:
-            # me + 1's rows first, this rank's own rows last.
-            dst, tm, tn = rank_major_tile(tile, me + 1, world, m_tiles, n_tiles, GROUP_M)
-            rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
-            row_mask = rows < M_SHARD
-            cols = tl.max_contiguous(
-                tl.multiple_of(tn * BLOCK_N + tl.arange(0, BLOCK_N), BLOCK_N), BLOCK_N)
-            col_mask = cols < N
             acc = dot_tile(x_ptr + dst * M_SHARD * K, w_ptr, rows, row_mask, cols, col_mask,
                            0, K, K, N, BLOCK_M, BLOCK_N, BLOCK_K)
-            offs = rows[:, None] * N + cols[None, :]
-            mask = row_mask[:, None] & col_mask[None, :]
-            tile_in_rank = tm * n_tiles + tn
-            if dst != me:
-                slot = (me - dst + world - 1) % world
-                remote = dl.symm_at(ctx, inbox + slot * slot_elems + offs, dst)
-                tl.store(remote, acc.to(partial_ty), mask=mask)
-                dl.notify(ctx, flags + slot * per_rank + tile_in_rank, dst, e)
+        offs = rows[:, None] * N + cols[None, :]
+        mask = row_mask[:, None] & col_mask[None, :]
+        tile_in_rank = tm * n_tiles + tn
+        if dst != me:
+            slot = (me - dst + world - 1) % world
+            remote = dl.symm_at(ctx, inbox + slot * slot_elems + offs, dst)
+            tl.store(remote, acc.to(partial_ty), mask=mask)
+            dl.notify(ctx, flags + slot * per_rank + tile_in_rank, dst, e)
+        else:
+            # Sources in the order they push to this rank: me-1 first
+            # (its first peer step), me+1 last (slot W-2 down to 0).
+            for step_back in range(1, world):
+                slot = world - 1 - step_back
+                src = (me + world - step_back) % world
+                token = dl.wait(ctx, flags + slot * per_rank + tile_in_rank, e, "ge", src)
+                part = tl.load(dl.consume_token(inbox + slot * slot_elems + offs, token),
+                               mask=mask, other=0.0)
+                acc += part.to(tl.float32)
+            if TMA:
+                store_tile(c_desc, acc, 0, row0, col0, BLOCK_M, BLOCK_N, SUBTILE)
             else:
-                # Sources in the order they push to this rank: me-1 first
-                # (its first peer step), me+1 last (slot W-2 down to 0).
-                for step in range(1, world):
-                    slot = world - 1 - step
-                    src = (me + world - step) % world
-                    token = dl.wait(ctx, flags + slot * per_rank + tile_in_rank, e, "ge", src)
-                    part = tl.load(dl.consume_token(inbox + slot * slot_elems + offs, token),
-                                   mask=mask, other=0.0)
-                    acc += part.to(tl.float32)
                 tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)

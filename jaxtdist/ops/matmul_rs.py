@@ -26,6 +26,7 @@ import numpy as np
 from jaxtdist.kernels.matmul_ar import matmul_ar_kernel
 from jaxtdist.kernels.matmul_rs import matmul_rs_kernel
 from jaxtdist.ops._config import KernelConfig, Problem, resolve
+from jaxtdist.ops._gemm_config import default_tiles, tma_fits
 from jaxtdist.ops._op import DistributedOp, one_call_per_element, pjit_wrapper, rows_over
 from jaxtdist.ops._protocol import Call, check_axis
 from jaxtdist.ops._shapes import align, check_dtype, next_pow2
@@ -45,6 +46,17 @@ _AR_BLOCK_N = (128, 64, 32)
 
 # -- configs ---------------------------------------------------------------------
 
+def _check_core(cfg, problem: Problem) -> None:
+    """TMA and SUBTILE: the GEMM core's settings."""
+    if not isinstance(cfg.TMA, (bool, np.bool_)):
+        raise ValueError(f"jaxtdist.{cfg.OP}: config TMA={cfg.TMA!r} must be True or False")
+    if cfg.TMA and (why := _tma_misfit(cfg.OP, problem)):
+        raise ValueError(why)
+    if cfg.SUBTILE not in (1, 2, 4) or cfg.BLOCK_N // cfg.SUBTILE < 16:
+        raise ValueError(f"jaxtdist.{cfg.OP}: config SUBTILE={cfg.SUBTILE!r} must be 1, 2 or 4 "
+                         f"with BLOCK_N / SUBTILE >= 16 (BLOCK_N={cfg.BLOCK_N})")
+
+
 def _check_blocks(op: str, cfg, keys) -> None:
     for key in keys:
         value = getattr(cfg, key)
@@ -53,6 +65,16 @@ def _check_blocks(op: str, cfg, keys) -> None:
         if key.startswith("BLOCK_") and (value & (value - 1) or value < 16):
             raise ValueError(f"jaxtdist.{op}: config {key}={value} must be a power of 2 "
                              ">= 16 (tl.dot's smallest tile)")
+
+
+def _tma_misfit(op: str, problem: Problem) -> str | None:
+    """Why TMA cannot serve this problem (None: it can)."""
+    _, n, k = problem.shape
+    if tma_fits(k, n, problem.itemsize):
+        return None
+    return (f"jaxtdist.{op}: config TMA=True needs rows of x (k={k}) and w (n={n}) that are "
+            f"multiples of 16 bytes ({problem.itemsize}-byte elements); leave TMA unset for "
+            "the pointer GEMM")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +88,9 @@ class MatmulRsConfig(KernelConfig):
         tiles; 3 under the interpreter).
       PARTIAL: dtype of the pushed partials: "float32" (default) or "input"
         (x's dtype: half the link bytes and inbox memory, rounded partials).
+      TMA: run the tiles on the GEMM core (TMA loads and stores; needs rows of x
+        and w that are 16-byte multiples), else on the pointer GEMM.
+      SUBTILE: column pieces of the core's output store (1, 2 or 4).
       num_warps, num_stages: launch options.
     """
     OP: ClassVar[str] = "matmul_rs"
@@ -77,28 +102,46 @@ class MatmulRsConfig(KernelConfig):
     GROUP_M: int = 8
     NUM_PROGRAMS: int = 0
     PARTIAL: str = "float32"
+    TMA: bool = True
+    SUBTILE: int = 2
     num_warps: int = 8
     num_stages: int = 3
 
     @classmethod
     def default(cls, problem: Problem) -> "MatmulRsConfig":
-        """One rule: the interpreter takes small tiles and 3 programs; GPUs the
-        largest tile whose count (all ranks' rows) still covers the SMs, BLOCK_K
-        64 (32 for float32, within shared memory), one program per SM."""
-        m, n, _ = problem.shape
+        """One rule: the GEMM core's tile by wave quantisation over every rank's
+        rows (``_gemm_config.default_tiles``), one program per SM; the pointer GEMM
+        where TMA cannot address the rows. The interpreter takes small tiles and
+        3 programs (the same kernel paths)."""
+        m, n, k = problem.shape
         m_shard = max(1, m // problem.world)
         fit_m = max(16, next_pow2(m_shard))
+        tma = tma_fits(k, n, problem.itemsize)
         if problem.platform != "gpu":
             return cls(BLOCK_M=min(32, fit_m), BLOCK_N=32, BLOCK_K=32, GROUP_M=4,
-                       NUM_PROGRAMS=_CPU_PROGRAMS, num_warps=4, num_stages=1)
+                       NUM_PROGRAMS=_CPU_PROGRAMS, TMA=tma, SUBTILE=2, num_warps=4,
+                       num_stages=1)
+        if tma:
+            t = default_tiles(m_shard, problem.world, n, k, problem.itemsize, problem.sms)
+            return cls(BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, BLOCK_K=t.BLOCK_K, TMA=True,
+                       SUBTILE=t.SUBTILE, num_warps=t.num_warps, num_stages=t.num_stages)
         for block_m, block_n in _RS_TILES:
             block_m = min(block_m, fit_m)
             if problem.world * -(-m_shard // block_m) * -(-n // block_n) >= problem.sms:
                 break
         big = block_m * block_n >= 128 * 128
         wide = problem.itemsize == 4
-        return cls(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32 if wide else 64,
-                   num_warps=8 if big else 4, num_stages=3 if big or wide else 4)
+        return cls(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32 if wide else 64, TMA=False,
+                   SUBTILE=1, num_warps=8 if big else 4, num_stages=3 if big or wide else 4)
+
+    @classmethod
+    def settle(cls, base: "MatmulRsConfig", asked) -> "MatmulRsConfig":
+        """``base`` updated by ``asked``; an epilogue cut not asked for narrows with
+        an asked BLOCK_N (pieces stay >= 16 columns)."""
+        cfg = base.replace(**asked)
+        if "SUBTILE" not in asked:
+            cfg = cfg.replace(SUBTILE=max(1, min(cfg.SUBTILE, cfg.BLOCK_N // 16)))
+        return cfg
 
     def validate(self, problem: Problem) -> None:
         _check_blocks(self.OP, self, ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps",
@@ -114,14 +157,16 @@ class MatmulRsConfig(KernelConfig):
         if self.PARTIAL not in _PARTIALS:
             raise ValueError(f"jaxtdist.matmul_rs: config PARTIAL={self.PARTIAL!r} must be one "
                              f"of {_PARTIALS}")
+        _check_core(self, problem)
 
     @classmethod
     def search_space(cls, problem: Problem) -> list[dict]:
         if problem.platform != "gpu":
             return cls.fitting(problem, [{}, dict(BLOCK_N=16), dict(NUM_PROGRAMS=1),
                                            dict(PARTIAL="input")])
-        tiles = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=8 if bm * bn >= 128 * 128 else 4)
-                 for bm, bn in ((128, 128), (128, 256), (128, 64), (64, 64))]
+        tiles = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=8 if bm >= 128 else 4,
+                      SUBTILE=4 if bn == 256 else 2)
+                 for bm, bn in ((128, 128), (128, 256), (64, 256), (64, 128))]
         extra = [dict(t, num_stages=s) for t in tiles[:2] for s in (3, 4)]
         extra += [dict(PARTIAL="input"), dict(GROUP_M=4), dict(GROUP_M=16)]
         return cls.fitting(problem, [{}] + tiles + extra)
@@ -141,6 +186,8 @@ class MatmulArConfig(KernelConfig):
     Attributes:
       BLOCK_M, BLOCK_N, BLOCK_K: GEMM tile (powers of 2, >= 16).
       GROUP_M: row tiles per group of the tile order.
+      TMA: load the operands with TMA (the GEMM core's mainloop; rows of x and w
+        16-byte multiples), else with pointer loads.
       num_warps, num_stages: launch options.
     """
     OP: ClassVar[str] = "matmul_ar"
@@ -150,17 +197,20 @@ class MatmulArConfig(KernelConfig):
     BLOCK_N: int = 64
     BLOCK_K: int = 128
     GROUP_M: int = 1
+    TMA: bool = True
     num_warps: int = 4
     num_stages: int = 4
+    SUBTILE: ClassVar[int] = 1  # the output is stored with the pushes' pointers
 
     @classmethod
     def default(cls, problem: Problem) -> "MatmulArConfig":
         """One rule: all rows in one tile up to 64 rows; the widest N tile whose
         count still covers the SMs (decode reads w once, spread over every SM)."""
-        m, n, _ = problem.shape
+        m, n, k = problem.shape
         fit_m = max(16, next_pow2(m))
+        tma = tma_fits(k, n, problem.itemsize)
         if problem.platform != "gpu":
-            return cls(BLOCK_M=min(32, fit_m), BLOCK_N=32, BLOCK_K=32, num_warps=4,
+            return cls(BLOCK_M=min(32, fit_m), BLOCK_N=32, BLOCK_K=32, TMA=tma, num_warps=4,
                        num_stages=1)
         block_m = min(64, fit_m)
         for block_n in _AR_BLOCK_N:
@@ -168,11 +218,13 @@ class MatmulArConfig(KernelConfig):
                 break
         wide = problem.itemsize == 4
         return cls(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64 if wide else 128,
-                   GROUP_M=8 if block_m < m else 1, num_warps=4, num_stages=3 if wide else 4)
+                   GROUP_M=8 if block_m < m else 1, TMA=tma, num_warps=4,
+                   num_stages=3 if wide else 4)
 
     def validate(self, problem: Problem) -> None:
         _check_blocks(self.OP, self, ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps",
                                       "num_stages"))
+        _check_core(self, problem)
 
     @classmethod
     def search_space(cls, problem: Problem) -> list[dict]:
@@ -261,14 +313,14 @@ def matmul_rs_kernels(x: jax.Array, w: jax.Array, axis_name, *,
     # and over whatever x and w vary over.
     varying = set(call.result_axes(local=(x, w))) | set(call.layout.axes)
     return call.run(
-        matmul_rs_kernel, x, w, workspace=ws,
+        matmul_rs_kernel, x, w, workspace=ws, needs_scratch=cfg.TMA,
         out_shape=jax.ShapeDtypeStruct((m_shard, n), x.dtype), grid=(programs,),
         varying=tuple(a for a in call.rt.mesh.axis_names if a in varying),
         **cfg.launch_options(), M_SHARD=m_shard, N=n, K=k, INBOX_OFF=ws.offset + plan.inbox,
         PARITY_BYTES=plan.parity_bytes, FLAGS_OFF=ws.offset + plan.flags,
         PARTIAL_INPUT=cfg.PARTIAL == "input", NUM_PROGRAMS=programs,
         INTERLEAVE=call.platform == "gpu", BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
-        BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M)
+        BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, SUBTILE=cfg.SUBTILE, TMA=cfg.TMA)
 
 
 def _rs_forward(x, w, *, axis_name, config=None):
@@ -348,10 +400,11 @@ def matmul_ar_kernels(x: jax.Array, w: jax.Array, axis_name, *,
     # the group's axes.
     return call.run(
         matmul_ar_kernel, x, w, workspace=ws, out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+        needs_scratch=cfg.TMA,
         grid=(tiles,), varying=call.result_axes(reduced=(x, w)), **cfg.launch_options(),
         M=m, N=n, K=k, INBOX_OFF=ws.offset + plan.inbox, PARITY_BYTES=plan.parity_bytes,
         FLAGS_OFF=ws.offset + plan.flags, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
-        BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M)
+        BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, TMA=cfg.TMA)
 
 
 def _ar_forward(x, w, *, axis_name, config=None):

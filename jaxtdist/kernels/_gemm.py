@@ -1,0 +1,101 @@
+"""The GEMM core every matmul kernel is built on (ag_matmul, matmul_rs, matmul_ar).
+
+A kernel is the core plus its prologue and epilogue: it makes tensor
+descriptors (TMA) for its operands on the device, takes tiles in its own
+order (rank-rotated, grouped, arrival order), waits for a tile's rows where
+they come from peers, calls ``tile_acc`` (the software-pipelined K loop: TMA
+loads into shared memory ``num_stages`` deep, wgmma on Hopper), and ends the
+tile its own way (``store_tile``: a TMA store, cut along N so that the
+output's shared-memory buffer is a fraction of the tile's; or pushes into
+peers' heaps; or a reduction of peers' partials).
+
+Why descriptors are made on the device: a host-made descriptor would bake one
+buffer's address into the launch, and XLA gives each call new buffers; the
+kernels also address peers' heaps, which only the device knows. It needs
+Triton's global scratch (``needs_scratch=True`` at launch).
+
+Row tiles of different ranks must not mix: where the output stacks every
+rank's rows ([world * rows, N]), ``ranked_out_desc`` views it as [world, rows,
+N] with a block of one rank's BLOCK_M rows, so that TMA clips a tile's store at
+the end of its rank's rows and the rows need not be a multiple of BLOCK_M. The
+loads stay 2-D (the mainloop is the same for every kernel): a tile at the end
+of a rank's rows may read the next rank's first rows, whose products are
+computed and dropped.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tile_acc(a_desc, b_desc, row0, col0, k_lo, k_hi, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr = None):
+    """The mainloop: the float32 accumulator of A[row0:, k_lo:k_hi] @ B[k_lo:k_hi, col0:]
+    for 2-D descriptors of A [M, K] (block [BLOCK_M, BLOCK_K]) and B [K, N] (block
+    [BLOCK_K, BLOCK_N]). NUM_STAGES: the pipeline depth (None: the kernel's
+    num_stages)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+        acc = tl.dot(a_desc.load([row0, k0]), b_desc.load([k0, col0]), acc)
+    return acc
+
+
+@triton.jit
+def out_desc(ptr, rows, cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             SUBTILE: tl.constexpr):
+    """The output descriptor of ``store_tile`` for C [rows, cols]: blocks of
+    BLOCK_N / SUBTILE columns."""
+    return tl.make_tensor_descriptor(ptr, shape=[rows, cols], strides=[cols, 1],
+                                     block_shape=[BLOCK_M, BLOCK_N // SUBTILE])
+
+
+@triton.jit
+def ranked_out_desc(ptr, world, rows, cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    SUBTILE: tl.constexpr):
+    """The output descriptor of ``store_tile(..., RANKED=True)`` for C [world * rows,
+    cols] seen as [world, rows, cols]: a tile's store clips at the end of its rank's
+    rows, so rows need not be a multiple of BLOCK_M."""
+    return tl.make_tensor_descriptor(ptr, shape=[world, rows, cols],
+                                     strides=[rows * cols, cols, 1],
+                                     block_shape=[1, BLOCK_M, BLOCK_N // SUBTILE])
+
+
+@triton.jit
+def _store_piece(c_desc, piece, rank, row0, col0, BLOCK_M: tl.constexpr,
+                 WIDTH: tl.constexpr, RANKED: tl.constexpr):
+    if RANKED:
+        c_desc.store([rank, row0, col0], piece.to(c_desc.dtype).reshape(1, BLOCK_M, WIDTH))
+    else:
+        c_desc.store([row0, col0], piece.to(c_desc.dtype))
+
+
+@triton.jit
+def _halves(acc, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+    """The left and right column halves of a [BLOCK_M, WIDTH] tile."""
+    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, WIDTH // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def store_tile(c_desc, acc, rank, row0, col0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               SUBTILE: tl.constexpr, RANKED: tl.constexpr = False):
+    """Stores the float32 tile ``acc`` at C[row0:, col0:] in C's dtype (with RANKED,
+    at rows row0.. of rank ``rank``'s block, ``ranked_out_desc``), in SUBTILE (1, 2
+    or 4) column pieces: the epilogue's shared-memory buffer is then 1 / SUBTILE
+    of the tile, which leaves room for another pipeline stage."""
+    tl.static_assert(SUBTILE == 1 or SUBTILE == 2 or SUBTILE == 4, "SUBTILE: 1, 2 or 4")
+    if SUBTILE == 1:
+        _store_piece(c_desc, acc, rank, row0, col0, BLOCK_M, BLOCK_N, RANKED)
+    elif SUBTILE == 2:
+        HALF: tl.constexpr = BLOCK_N // 2
+        left, right = _halves(acc, BLOCK_M, BLOCK_N)
+        _store_piece(c_desc, left, rank, row0, col0, BLOCK_M, HALF, RANKED)
+        _store_piece(c_desc, right, rank, row0, col0 + HALF, BLOCK_M, HALF, RANKED)
+    else:
+        Q: tl.constexpr = BLOCK_N // 4
+        left, right = _halves(acc, BLOCK_M, BLOCK_N)
+        a, b = _halves(left, BLOCK_M, BLOCK_N // 2)
+        _store_piece(c_desc, a, rank, row0, col0, BLOCK_M, Q, RANKED)
+        _store_piece(c_desc, b, rank, row0, col0 + Q, BLOCK_M, Q, RANKED)
+        a, b = _halves(right, BLOCK_M, BLOCK_N // 2)
+        _store_piece(c_desc, a, rank, row0, col0 + 2 * Q, BLOCK_M, Q, RANKED)
+        _store_piece(c_desc, b, rank, row0, col0 + 3 * Q, BLOCK_M, Q, RANKED)
