@@ -156,7 +156,8 @@ def ag_matmul_fn(mesh, config=None, axis="tp", batch=None):
     x rows and w columns sharded (x rows also over ``batch``, if given)."""
     from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered
     return jax.jit(jax.shard_map(
-        lambda x, w: ag_matmul_with_gathered(x, w, axis, config=config)[0], mesh=mesh,
+        lambda x, w: ag_matmul_with_gathered(x, w, axis, config=config,
+                gathered=False)[0], mesh=mesh,
         in_specs=(P((batch, axis) if batch else axis, None), P(None, axis)),
         out_specs=P(batch, axis)))
 

@@ -285,7 +285,8 @@ def bench_untuned(shapes, iterations: int, rounds: int = 4) -> list[dict]:
     # several ranks runs on the shape, communication aside): how sound the default
     # rule is on shapes nobody tuned.
     from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered
-    kernels = jax.jit(jax.shard_map(lambda x, w: ag_matmul_with_gathered(x, w, "tp")[0],
+    kernels = jax.jit(jax.shard_map(lambda x, w: ag_matmul_with_gathered(x, w, "tp",
+            gathered=False)[0],
                                     mesh=mesh, in_specs=(P("tp", None), P(None, "tp")),
                                     out_specs=P(None, "tp")))
     dot = jax.jit(jnp.dot)

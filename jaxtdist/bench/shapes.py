@@ -49,3 +49,31 @@ MATMUL_RS_UNTUNED_SHAPES = [
     ("matmul_ar", 16, 8192, 2048, "bfloat16"),
     ("matmul_ar", 128, 8192, 2048, "bfloat16"),
 ]
+
+# The GEMM core at world 1 (``python -m jaxtdist.bench gemm``): (op, m, n, k), bf16,
+# the per-rank problems of real models' tensor-parallel layers. ag_matmul: column
+# parallel (n = N / tp, k = d_model); matmul_rs: row parallel (k = F / tp or
+# d / tp, n = d_model); matmul_ar: decode rows. Llama-3 8B (d 4096, F 14336,
+# QKV 6144), 70B (d 8192, F 28672, QKV 10240), Qwen2.5-7B (d 3584, F 18944,
+# QKV 4608), Mixtral 8x7B (d 4096, F 14336).
+GEMM_SHAPES = [
+    ("ag_matmul", 4096, 3072, 4096),     # 8B QKV, tp 2, prefill 4096
+    ("ag_matmul", 2048, 7168, 4096),     # 8B gate+up, tp 4
+    ("ag_matmul", 4096, 7168, 8192),     # 70B gate+up, tp 8
+    ("ag_matmul", 8192, 1280, 8192),     # 70B QKV, tp 8, prefill 8192
+    ("ag_matmul", 1024, 9472, 3584),     # Qwen-7B gate+up, tp 4
+    ("ag_matmul", 16384, 1536, 4096),    # 8B QKV, tp 4, prefill 16384
+    ("ag_matmul", 512, 3584, 4096),      # Mixtral expert gate+up, tp 8 (2 x 14336 / 8)
+    ("ag_matmul", 64, 7168, 8192),       # 70B gate+up, tp 8, decode 64
+    ("ag_matmul", 16, 3072, 4096),       # 8B QKV, tp 2, decode 16
+    ("matmul_rs", 2048, 4096, 3584),     # 8B down, tp 4
+    ("matmul_rs", 8192, 8192, 3584),     # 70B down, tp 8
+    ("matmul_rs", 4096, 4096, 2048),     # 8B o_proj, tp 2
+    ("matmul_rs", 16384, 3584, 9472),    # Qwen-7B down, tp 2
+    ("matmul_rs", 512, 8192, 2048),      # 70B o_proj, tp 4
+    ("matmul_rs", 1024, 4096, 1792),     # 8B down, tp 8
+    ("matmul_ar", 1, 8192, 3584),        # 70B down, tp 8, decode 1
+    ("matmul_ar", 32, 4096, 7168),       # 8B down, tp 2, decode 32
+    ("matmul_ar", 128, 8192, 2048),      # 70B o_proj, tp 4, decode 128
+    ("matmul_ar", 256, 4096, 512),       # 8B o_proj, tp 8, decode 256
+]

@@ -32,6 +32,7 @@ import triton.language as tl
 
 import jaxtdist.language as dl
 from jaxtdist.kernels._gather import pull_shards, push_shards
+from jaxtdist.kernels._gemm import out_desc, store_tile, tile_acc
 from jaxtdist.kernels._splitk import finish_split_k, finish_stream_k, k_range
 from jaxtdist.kernels._tiles import grouped_tile, peer_arrival_tile, rank_major_tile
 
@@ -167,18 +168,6 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
 
 
 @triton.jit
-def _tma_tile(a_desc, b_desc, row0, col0, k_lo, k_hi, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr = None):
-    """One output tile of a TMA GEMM: the float32 accumulator of
-    A[row0:, k_lo:k_hi] @ B[k_lo:k_hi, col0:]. NUM_STAGES: the K loop's pipeline
-    depth (None: the kernel's num_stages)."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
-        acc = tl.dot(a_desc.load([row0, k0]), b_desc.load([k0, col0]), acc)
-    return acc
-
-
-@triton.jit
 def ag_matmul_tma_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
                          M_SHARD: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                          STAGE_OFF: tl.constexpr, SLOT_BYTES: tl.constexpr,
@@ -187,7 +176,8 @@ def ag_matmul_tma_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
                          CHUNK_ROWS: tl.constexpr, COPY_BLOCK_C: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP_M: tl.constexpr, SCOPE: tl.constexpr,
-                         NUM_PROGRAMS: tl.constexpr, PRODUCERS_JOIN: tl.constexpr):
+                         NUM_PROGRAMS: tl.constexpr, PRODUCERS_JOIN: tl.constexpr,
+                         SUBTILE: tl.constexpr):
     """Grid: (NUM_PROGRAMS,), at most what the GPU holds at once (waits spin).
 
     Same operands as ``ag_matmul_kernel``; M_SHARD is a multiple of BLOCK_M.
@@ -215,16 +205,15 @@ def ag_matmul_tma_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
                                            strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
         b_desc = tl.make_tensor_descriptor(w_ptr, shape=[K, N], strides=[N, 1],
                                            block_shape=[BLOCK_K, BLOCK_N])
-        c_desc = tl.make_tensor_descriptor(out_ptr, shape=[world * M_SHARD, N], strides=[N, 1],
-                                           block_shape=[BLOCK_M, BLOCK_N])
+        c_desc = out_desc(out_ptr, world * M_SHARD, N, BLOCK_M, BLOCK_N, SUBTILE)
         tile = tl.atomic_add(schedule, 1, sem="relaxed", scope="gpu")
         while tile < total:
             src, tm, tn = rank_major_tile(tile, me, world, m_tiles, n_tiles, GROUP_M)
             _wait_tile_rows_for_tma(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS)
             row0 = src * M_SHARD + tm * BLOCK_M
             col0 = tn * BLOCK_N
-            acc = _tma_tile(a_desc, b_desc, row0, col0, 0, K, BLOCK_M, BLOCK_N, BLOCK_K)
-            c_desc.store([row0, col0], acc.to(out_ptr.dtype.element_ty))
+            acc = tile_acc(a_desc, b_desc, row0, col0, 0, K, BLOCK_M, BLOCK_N, BLOCK_K)
+            store_tile(c_desc, acc, 0, row0, col0, BLOCK_M, BLOCK_N, SUBTILE)
             tile = tl.atomic_add(schedule, 1, sem="relaxed", scope="gpu")
         workers = NUM_PROGRAMS if PRODUCERS_JOIN else NUM_PROGRAMS - NUM_COMM
         finished = tl.atomic_add(schedule + 1, 1, sem="acq_rel", scope="gpu")
@@ -259,7 +248,7 @@ def _tail_pieces(ctx, inbox_desc, w_ptr, out_ptr, flags, e, me, world, whole, pe
                                                strides=[N, 1], block_shape=[BLOCK_M, PIECE_N])
             _wait_tile_rows_for_tma(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS)
             row0 = src * M_SHARD + tm * BLOCK_M
-            acc = _tma_tile(inbox_desc, b_desc, row0, col0, 0, K, BLOCK_M, PIECE_N, BLOCK_K,
+            acc = tile_acc(inbox_desc, b_desc, row0, col0, 0, K, BLOCK_M, PIECE_N, BLOCK_K,
                             STAGES)
             c_desc.store([row0, col0], acc.to(out_ptr.dtype.element_ty))
 
@@ -275,7 +264,7 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
                         TAIL_TILES: tl.constexpr, TAIL_UNITS: tl.constexpr,
                         PARTIALS_OFF: tl.constexpr, COUNTERS_OFF: tl.constexpr,
                         TAIL_SPLIT_N: tl.constexpr, TAIL_STAGES: tl.constexpr,
-                        FLATTEN: tl.constexpr):
+                        FLATTEN: tl.constexpr, SUBTILE: tl.constexpr):
     """Grid: (NUM_PROGRAMS,), at most what the GPU holds at once.
 
     x: [M_SHARD, K], w: [K, N] -> out: [world * M_SHARD, N]. Peers push their
@@ -319,15 +308,14 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
                                            block_shape=[BLOCK_M, BLOCK_K])
     b_desc = tl.make_tensor_descriptor(w_ptr, shape=[K, N], strides=[N, 1],
                                        block_shape=[BLOCK_K, BLOCK_N])
-    c_desc = tl.make_tensor_descriptor(out_ptr, shape=[world * M_SHARD, N], strides=[N, 1],
-                                       block_shape=[BLOCK_M, BLOCK_N])
+    c_desc = out_desc(out_ptr, world * M_SHARD, N, BLOCK_M, BLOCK_N, SUBTILE)
     # This rank's rows: ready at once, read from x itself.
     for tile in tl.range(pid, per_rank, NUM_PROGRAMS, flatten=FLATTEN):
         tm, tn = grouped_tile(tile, m_tiles, n_tiles, GROUP_M)
-        acc = _tma_tile(x_desc, b_desc, tm * BLOCK_M, tn * BLOCK_N, 0, K, BLOCK_M, BLOCK_N,
-                        BLOCK_K)
-        c_desc.store([me * M_SHARD + tm * BLOCK_M, tn * BLOCK_N],
-                     acc.to(out_ptr.dtype.element_ty))
+        acc = tile_acc(x_desc, b_desc, tm * BLOCK_M, tn * BLOCK_N, 0, K, BLOCK_M, BLOCK_N,
+                       BLOCK_K)
+        store_tile(c_desc, acc, 0, me * M_SHARD + tm * BLOCK_M, tn * BLOCK_N, BLOCK_M, BLOCK_N,
+                   SUBTILE)
     # Peers' rows from the inbox; rank me-1 pushes to this rank first. The
     # round-robin goes on where the local tiles left it.
     first = (pid + NUM_PROGRAMS - per_rank % NUM_PROGRAMS) % NUM_PROGRAMS
@@ -339,8 +327,8 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
             row0 += _tile_rows_for_tma(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS)
         else:
             _wait_tile_rows_for_tma(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS)
-        acc = _tma_tile(inbox_desc, b_desc, row0, tn * BLOCK_N, 0, K, BLOCK_M, BLOCK_N, BLOCK_K)
-        c_desc.store([row0, tn * BLOCK_N], acc.to(out_ptr.dtype.element_ty))
+        acc = tile_acc(inbox_desc, b_desc, row0, tn * BLOCK_N, 0, K, BLOCK_M, BLOCK_N, BLOCK_K)
+        store_tile(c_desc, acc, 0, row0, tn * BLOCK_N, BLOCK_M, BLOCK_N, SUBTILE)
     if TAIL_TILES > 0 and TAIL_SPLIT_N > 1:
         _tail_pieces(ctx, inbox_desc, w_ptr, out_ptr, flags, e, me, world, whole, per_rank,
                      m_tiles, n_tiles, n_chunks, M_SHARD, N, K, CHUNK_ROWS, BLOCK_M,
@@ -358,7 +346,7 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
                                      GROUP_M)
             _wait_tile_rows_for_tma(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS)
             row0 = src * M_SHARD + tm * BLOCK_M
-            acc = _tma_tile(inbox_desc, b_desc, row0, tn * BLOCK_N,
+            acc = tile_acc(inbox_desc, b_desc, row0, tn * BLOCK_N,
                             (unit - tail * k_blocks) * BLOCK_K,
                             (run_end - tail * k_blocks) * BLOCK_K, BLOCK_M, BLOCK_N, BLOCK_K)
             # The programs whose runs meet this tile: consecutive, from first_program.
@@ -396,3 +384,30 @@ def push_shards_kernel(ctx, x_ptr, done_ptr, M_SHARD: tl.constexpr, K: tl.conste
         for step in range(1, world):
             dl.notify(ctx, sent + step, me, e, "set", "gpu")
         tl.store(done_ptr, e)
+
+
+@triton.jit
+def copy_gathered_kernel(ctx, x_ptr, after_ptr, gathered_ptr, M_SHARD: tl.constexpr,
+                         K: tl.constexpr, INBOX_OFF: tl.constexpr, PARITY_BYTES: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Grid: (cdiv(world * M_SHARD, BLOCK_R), cdiv(K, BLOCK_C)).
+
+    The gathered x [world * M_SHARD, K] (the autodiff residual), copied out of the
+    heap inbox of parity ``epoch % 2`` that the call's GEMM read (peers' rows) and
+    from x (this rank's rows), so that it outlives the inbox's reuse two calls
+    later. Launched after the GEMM (``after_ptr``, its output, orders it there):
+    every peer row has arrived by then.
+    """
+    me = dl.rank(ctx)
+    e = dl.epoch(ctx)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    src = rows // M_SHARD
+    world = dl.num_ranks(ctx)
+    mask = (rows < world * M_SHARD)[:, None] & (cols < K)[None, :]
+    inbox = dl.heap_ptr(ctx, INBOX_OFF + (e % 2) * PARITY_BYTES, x_ptr.dtype.element_ty)
+    own = (src == me)[:, None]
+    from_inbox = tl.load(inbox + rows[:, None] * K + cols[None, :], mask=mask & ~own)
+    from_x = tl.load(x_ptr + (rows - me * M_SHARD)[:, None] * K + cols[None, :], mask=mask & own)
+    tl.store(gathered_ptr + rows[:, None] * K + cols[None, :],
+             tl.where(own, from_x, from_inbox), mask=mask)

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from jaxtdist.ops._config import KernelConfig, Problem
+from jaxtdist.ops._gemm_config import default_tiles
 from jaxtdist.ops._shapes import next_pow2
 
 # PRODUCER="ce": "parallel" pushes to every peer at once (a side stream each),
@@ -106,6 +107,8 @@ class AgMatmulConfig(KernelConfig):
         flattened tile loops ("auto": where measured to pay).
       PUSH_ORDER: copy-engine pushes to every peer at once ("parallel") or
         one after another ("serial").
+      SUBTILE: column pieces of the TMA kernels' output stores (1, 2 or 4;
+        ``_gemm.store_tile``); follows BLOCK_N unless asked for.
     """
     OP: ClassVar[str] = "ag_matmul"
 
@@ -128,6 +131,7 @@ class AgMatmulConfig(KernelConfig):
     TAIL_STAGES: Any = "auto"
     FLATTEN: Any = "auto"
     PUSH_ORDER: str = "parallel"
+    SUBTILE: int = 2
 
     @property
     def variant(self) -> str:
@@ -186,10 +190,14 @@ class AgMatmulConfig(KernelConfig):
         if wide:  # keep 3 stages within shared memory
             return cls(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=32, COPY_BLOCK_C=64, num_warps=8,
                        num_stages=3)
-        if allow_tma and not tma_misfits(m_shard, n, k, itemsize, block_m):
-            return cls(BLOCK_M=block_m, BLOCK_N=256 if block_m == 128 else 128, BLOCK_K=64,
-                       COPY_BLOCK_C=128, num_warps=8, num_stages=3, TMA=True, PRODUCER="ce",
-                       CHUNK_ROWS=256, PUSH_ORDER="serial")
+        if allow_tma and m_shard % 64 == 0 and not tma_misfits(m_shard, n, k, itemsize, 64):
+            # The GEMM core's tile by wave quantisation (``_gemm_config``), row
+            # tiles within each rank's rows.
+            t = default_tiles(m_shard, world, n, k, itemsize, problem.sms, whole_row_tiles=True)
+            return cls(BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, BLOCK_K=t.BLOCK_K,
+                       COPY_BLOCK_C=128, num_warps=t.num_warps, num_stages=t.num_stages,
+                       TMA=True, PRODUCER="ce", CHUNK_ROWS=max(256, t.BLOCK_M),
+                       PUSH_ORDER="serial", SUBTILE=t.SUBTILE)
         # The pointer kernel: the largest tile whose count still covers the SMs (a
         # GEMM of fewer tiles than SMs leaves SMs idle for its whole length).
         for block_m, block_n in _POINTER_TILES:
@@ -232,6 +240,8 @@ class AgMatmulConfig(KernelConfig):
         """``base`` updated by ``asked``; the TMA kernels' fixed modes and the copy
         engines' push order follow the kernel chosen where they were not asked for."""
         cfg = base.replace(**asked)
+        if "SUBTILE" not in asked and "BLOCK_N" in asked:  # the epilogue's cut follows BLOCK_N
+            cfg = cfg.replace(SUBTILE=4 if cfg.BLOCK_N >= 256 else 2 if cfg.BLOCK_N >= 32 else 1)
         if cfg.TMA:  # the TMA kernels have neither mode
             cfg = cfg.replace(**{key: value for key, value in (("ALL_ROWS", False), ("SPLIT_K", 1))
                                  if key not in asked})
@@ -298,6 +308,9 @@ class AgMatmulConfig(KernelConfig):
         if self.FLATTEN is True and self.chunk_rows < self.BLOCK_M:
             raise ValueError(f"{err}FLATTEN=True needs CHUNK_ROWS >= BLOCK_M (one flag per row "
                              f"tile), got CHUNK_ROWS={self.chunk_rows}, BLOCK_M={self.BLOCK_M}")
+        if self.SUBTILE not in (1, 2, 4) or self.BLOCK_N // self.SUBTILE < 16:
+            raise ValueError(f"{err}SUBTILE={self.SUBTILE!r} must be 1, 2 or 4 with BLOCK_N / "
+                             f"SUBTILE >= 16 (BLOCK_N={self.BLOCK_N})")
         if self.PUSH_ORDER not in PUSH_ORDERS:
             raise ValueError(f"{err}PUSH_ORDER={self.PUSH_ORDER!r}; allowed: {PUSH_ORDERS} (copy "
                              "engines push to every peer at once, or to one peer after another)")

@@ -59,7 +59,8 @@ def stages_for(bm: int, bn: int, bk: int, itemsize: int, subtile: int) -> int:
     return max(2, min(MAX_STAGES, (SMEM_BUDGET - epilogue) // stage))
 
 
-def default_tiles(rows: int, world: int, n: int, k: int, itemsize: int, sms: int) -> GemmTiles:
+def default_tiles(rows: int, world: int, n: int, k: int, itemsize: int, sms: int,
+                  whole_row_tiles: bool = False) -> GemmTiles:
     """The GEMM core's tile for ``world`` blocks of ``rows`` x n outputs over k.
 
     Args:
@@ -68,11 +69,16 @@ def default_tiles(rows: int, world: int, n: int, k: int, itemsize: int, sms: int
       n, k: output columns and contraction length.
       itemsize: bytes per operand element (4: float32 keeps tiles <= 128 wide).
       sms: SMs the persistent grid gets.
+      whole_row_tiles: only tiles whose BLOCK_M divides ``rows`` (kernels whose
+        row tiles must not reach into the next rank's rows); ``rows`` must be a
+        multiple of 64.
     """
     wide = itemsize == 4
     shapes = [s for s in TILE_RATES if not (wide and s[1] > 128)]
     if rows <= 64:  # decode-sized rows: no point in 128-row tiles
         shapes = [s for s in shapes if s[0] == 64]
+    if whole_row_tiles:
+        shapes = [s for s in shapes if rows % s[0] == 0]
     bm, bn = min(shapes, key=lambda s: (tile_cost(rows, world, n, sms, *s), -s[0] * s[1]))
     bk = 32 if wide else 64
     subtile = 4 if bn == 256 else 2

@@ -122,6 +122,9 @@ class DistributedOp:
         of one rank; None: the forward runs at world 1 too.
       reduces: the result is the group's sum, typed as ``jax.lax.psum``'s
         (replicated over the group's axes), at world 1 too.
+      primal: ``primal(*arrays, **static) -> (out, None)``: the forward pass when
+        no gradient is taken (residuals that cost work to keep are skipped);
+        None: ``forward``, its residuals dropped.
     """
     name: str
     forward: Callable[..., tuple[Any, Any]]
@@ -129,6 +132,7 @@ class DistributedOp:
     check: Callable[..., None] | None = None
     local: Callable[..., Any] | None = None
     reduces: bool = False
+    primal: Callable[..., tuple[Any, Any]] | None = None
 
     def __call__(self, *arrays: jax.Array, axis_name, **static: Any):
         if isinstance(axis_name, list):
@@ -163,18 +167,18 @@ class DistributedOp:
     def _vjp(self) -> Callable:
         op = self
 
-        def ordered_forward(frozen, n_after):
+        def ordered_forward(frozen, n_after, fn=None):
             # The first ``n_after`` arguments are the previous op's output: the call's
             # prologue runs after it (``_protocol.program_order_deps``).
             def forward(*args):
                 if n_after:
                     record_output(runtime(), args[0])
-                return op.forward(*args[n_after:], **_static(frozen))
+                return (fn or op.forward)(*args[n_after:], **_static(frozen))
             return forward
 
         @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
         def call(frozen, after_specs, *args):
-            forward = ordered_forward(frozen, len(after_specs))
+            forward = ordered_forward(frozen, len(after_specs), op.primal)
             return one_call_per_element(lambda *a: forward(*a)[0])(*args)
 
         def fwd(frozen, after_specs, *args):

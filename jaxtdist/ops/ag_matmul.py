@@ -14,7 +14,8 @@ import numpy as np
 
 from jaxtdist._errors import HeapExhaustedError
 from jaxtdist.kernels.ag_matmul import (ag_matmul_ce_kernel, ag_matmul_kernel,
-                                        ag_matmul_tma_kernel, push_shards_kernel)
+                                        ag_matmul_tma_kernel, copy_gathered_kernel,
+                                        push_shards_kernel)
 from jaxtdist.ops._ag_matmul_config import (AgMatmulConfig, flattens, split_n_tail,
                                             stream_k_tail, tail_stages)
 from jaxtdist.ops._config import Problem, resolve
@@ -30,8 +31,10 @@ __all__ = ["ag_matmul", "ag_matmul_sharded", "ag_matmul_with_gathered"]
 
 # -- shapes ----------------------------------------------------------------------
 
-def _check(x, w, *, axis_name, config=None) -> None:
+def _check(x, w, *, axis_name, config=None, regather=False) -> None:
     del axis_name, config
+    if not isinstance(regather, bool):
+        raise ValueError(f"jaxtdist.ag_matmul: regather={regather!r} must be True or False")
     for name, a in (("x", x), ("w", w)):
         if not hasattr(a, "shape") or not hasattr(a, "dtype"):
             raise ValueError(f"jaxtdist.ag_matmul: {name} must be an array, got "
@@ -69,12 +72,14 @@ def persistent_programs(platform: str, sms: int, num_comm: int, tiles: int) -> i
 # -- plan and launch ---------------------------------------------------------------
 
 def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
-                            config: dict | None = None) -> tuple[jax.Array, jax.Array]:
+                            config: dict | None = None,
+                            gathered: bool = True) -> tuple[jax.Array, jax.Array | None]:
     """Like ``ag_matmul`` but also returns the gathered ``x``, and always runs the
     kernels (at world 1 too); not differentiable.
 
     ``config`` overrides the defaults (``AgMatmulConfig``) and skips the tuning
-    cache; see ``jaxtdist.tune``.
+    cache; see ``jaxtdist.tune``. ``gathered=False`` returns None in its place:
+    the kernels that push into heap inboxes then skip copying it out.
     """
     x, w = jnp.asarray(x), jnp.asarray(w)
     _check(x, w, axis_name=axis_name)
@@ -84,17 +89,31 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
     cfg = resolve(AgMatmulConfig, problem, call.rt, config, base=base, axis_name=axis_name)
     if cfg.variant == "ce":
         try:
-            return _launch_copy_engines(call, problem, cfg, x, w, axis_name)
+            return _launch_copy_engines(call, problem, cfg, x, w, gathered)
         except HeapExhaustedError:
             if "PRODUCER" in (config or {}) or (config or {}).get("STREAM_K") is True:
                 raise
             # A tuned or default choice that does not fit this heap: SM producers
             # need a quarter of the room (staging slots, no inboxes).
             cfg = cfg.replace(PRODUCER="sm", CHUNK_ROWS=min(cfg.chunk_rows, cfg.BLOCK_M))
-    return _launch_sm_producers(call, problem, cfg, x, w, axis_name)
+    return _launch_sm_producers(call, problem, cfg, x, w, gathered)
 
 
-def _launch_sm_producers(call: Call, problem: Problem, cfg: AgMatmulConfig, x, w, axis_name):
+def _copy_gathered(call: Call, ctx, x, out, inbox_offset: int, parity_bytes: int):
+    """The gathered x copied out of the heap inbox the GEMM just read (the residual of
+    the backward pass; the inbox is reused two calls later)."""
+    m_shard, k = x.shape
+    block_c = min(256, max(16, 1 << (k - 1).bit_length()))
+    return call.launch(copy_gathered_kernel, ctx, x, out,
+                       out_shape=jax.ShapeDtypeStruct((call.world * m_shard, k), x.dtype),
+                       grid=(-(-call.world * m_shard // 16), -(-k // block_c)), num_warps=4,
+                       num_stages=1, varying=call.result_axes(local=(x,)), M_SHARD=m_shard,
+                       K=k, INBOX_OFF=inbox_offset, PARITY_BYTES=parity_bytes, BLOCK_R=16,
+                       BLOCK_C=block_c)
+
+
+def _launch_sm_producers(call: Call, problem: Problem, cfg: AgMatmulConfig, x, w,
+                         want_gathered: bool):
     """The pointer and TMA kernels: SM producer programs gather, the rest compute."""
     m_shard, n, k = problem.shape
     world = call.world
@@ -125,7 +144,7 @@ def _launch_sm_producers(call: Call, problem: Problem, cfg: AgMatmulConfig, x, w
         schedule = call.workspace("schedule", 8)
         return tuple(call.run(
             ag_matmul_tma_kernel, x, w, grid=(programs,), needs_scratch=True,
-            SCHEDULE_OFF=schedule.offset, NUM_PROGRAMS=programs,
+            SCHEDULE_OFF=schedule.offset, NUM_PROGRAMS=programs, SUBTILE=cfg.SUBTILE,
             PRODUCERS_JOIN=call.platform == "gpu", **launch, **gather, **tiles))
     split_k = cfg.SPLIT_K
     k_split = -(-(-(-k // split_k)) // cfg.BLOCK_K) * cfg.BLOCK_K
@@ -136,13 +155,16 @@ def _launch_sm_producers(call: Call, problem: Problem, cfg: AgMatmulConfig, x, w
                                   cfg.BLOCK_M, cfg.BLOCK_N, cfg.ALL_ROWS)
         partials_off = split_ws.offset + split_plan.partials
         counters_off = split_ws.offset + split_plan.counters
-    out, gathered = call.run(
-        ag_matmul_kernel, x, w, grid=(cfg.NUM_COMM + split_k * m_tiles * n_tiles,),
+    ctx = call.start(ws, deps=(x, w), align_launch=not call.launch_aligns((x, w)))
+    del launch["workspace"]
+    out, gathered = call.launch(
+        ag_matmul_kernel, ctx, x, w, grid=(cfg.NUM_COMM + split_k * m_tiles * n_tiles,),
         PARTIALS_OFF=partials_off, COUNTERS_OFF=counters_off, K_SPLIT=k_split, SPLIT_K=split_k,
         ALL_ROWS=cfg.ALL_ROWS, PUSH=push, FLAG_SCOPE="sys" if push else "gpu",
         **launch, **gather, **tiles)
-    if push:  # the inboxes are reused by the next call: XLA gathers the residual if used
-        return out, jax.lax.all_gather(x, axis_name, tiled=True)
+    if push:  # the inboxes are reused two calls later: the residual is copied out
+        gathered = (_copy_gathered(call, ctx, x, out, gather["STAGE_OFF"], gather["SLOT_BYTES"])
+                    if want_gathered else None)
     return out, gathered
 
 
@@ -178,7 +200,8 @@ def _tail_plan(call: Call, cfg: AgMatmulConfig, tiles: int, programs: int, k: in
                 COUNTERS_OFF=ws.offset + plan.counters)
 
 
-def _launch_copy_engines(call: Call, problem: Problem, cfg: AgMatmulConfig, x, w, axis_name):
+def _launch_copy_engines(call: Call, problem: Problem, cfg: AgMatmulConfig, x, w,
+                         want_gathered: bool):
     """The gather on the copy engines (an SM push kernel under the interpreter),
     every SM in the persistent TMA GEMM."""
     m_shard, n, k = problem.shape
@@ -217,22 +240,39 @@ def _launch_copy_engines(call: Call, problem: Problem, cfg: AgMatmulConfig, x, w
         M_SHARD=m_shard, N=n, K=k, **offsets, CHUNK_ROWS=cfg.chunk_rows, BLOCK_M=cfg.BLOCK_M,
         BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, NUM_PROGRAMS=programs,
         FLATTEN=flattens(dict(cfg.to_dict(), CHUNK_ROWS=cfg.chunk_rows), world * per_rank,
-                         programs), **tail)
-    # The gathered x (the autodiff residual) lives only in heap inboxes that the
-    # next call reuses: XLA gathers it when it is used (dropped when it is not).
-    return out, jax.lax.all_gather(x, axis_name, tiled=True)
+                         programs), SUBTILE=cfg.SUBTILE, **tail)
+    # The gathered x (the autodiff residual) lives in heap inboxes that the call
+    # after next reuses: copied out when the backward pass needs it.
+    if not want_gathered:
+        return out, None
+    return out, _copy_gathered(call, ctx, x, out, offsets["INBOX_OFF"],
+                               offsets["PARITY_BYTES"])
 
 
 # -- the op --------------------------------------------------------------------------
 
-def _forward(x, w, *, axis_name, config=None):
+def _forward(x, w, *, axis_name, config=None, regather=False):
+    if regather:  # memory over time: the backward gathers x again
+        out = ag_matmul_with_gathered(x, w, axis_name, config=config, gathered=False)[0]
+        return out, (x, w)
     out, gathered = ag_matmul_with_gathered(x, w, axis_name, config=config)
     return out, (gathered, w)
 
 
-def _backward(residuals, dy, *, axis_name, config=None):
+def _primal(x, w, *, axis_name, config=None, regather=False):
+    del regather
+    out = ag_matmul_with_gathered(x, w, axis_name, config=config, gathered=False)[0]
+    return out, None
+
+
+def _backward(residuals, dy, *, axis_name, config=None, regather=False):
     del config
     gathered, w = residuals
+    if regather:
+        # jaxtdist's own all_gather: no XLA collective in the backward pass either.
+        from jaxtdist.ops import all_gather as ag
+        gathered = one_call_per_element(lambda a: ag._forward(
+            a, axis_name=axis_name, axis=0, tiled=True)[0])(gathered)
     # dx: the rows of dy @ w^T that belong to this rank, summed over ranks: a
     # matmul_rs, the GEMM overlapped with the reduce-scatter. A cotangent typed
     # the same on every rank is already the group's sum: its rows are sliced.
@@ -249,16 +289,17 @@ def _backward(residuals, dy, *, axis_name, config=None):
     return dx, dw
 
 
-def _local(x, w, *, axis_name, config=None):
-    del axis_name, config
+def _local(x, w, *, axis_name, config=None, regather=False):
+    del axis_name, config, regather
     return jnp.dot(x, w)
 
 
 _AG_MATMUL = DistributedOp("ag_matmul", forward=_forward, backward=_backward, check=_check,
-                           local=_local)
+                           local=_local, primal=_primal)
 
 
-def ag_matmul(x: jax.Array, w, axis_name, *, config: dict | None = None):
+def ag_matmul(x: jax.Array, w, axis_name, *, config: dict | None = None,
+              regather: bool = False):
     """``all_gather(x, axis_name, tiled=True) @ w`` with the gather overlapped.
 
     Call inside ``jax.shard_map`` over the mesh given to ``jaxtdist.initialize``.
@@ -278,6 +319,13 @@ def ag_matmul(x: jax.Array, w, axis_name, *, config: dict | None = None):
         weights [k, n_i] of x's dtype.
       axis_name: mesh axis (or tuple of axes) the rows are sharded over.
       config: overrides of the kernel config (``AgMatmulConfig`` keys; advanced).
+      regather: what the backward pass uses for the gathered x. False (the
+        default): the forward pass keeps it (copied out of the heap, a pass over
+        [world * m_shard, k] beside the GEMM, and held until the backward, as
+        XLA keeps an ``all_gather`` residual); no collective runs in the
+        backward but its reduce-scatter. True: nothing is kept and the backward
+        gathers x again with jaxtdist's all_gather (memory for time). Neither
+        runs an XLA collective.
 
     Returns:
       [world * m_shard, n] in x's dtype, accumulated in float32; for a tuple of
@@ -289,11 +337,12 @@ def ag_matmul(x: jax.Array, w, axis_name, *, config: dict | None = None):
       ...             in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
     """
     if isinstance(w, (tuple, list)):
-        return _ag_matmul_many(jnp.asarray(x), tuple(w), axis_name, config)
-    return _AG_MATMUL(jnp.asarray(x), jnp.asarray(w), axis_name=axis_name, config=config)
+        return _ag_matmul_many(jnp.asarray(x), tuple(w), axis_name, config, regather)
+    return _AG_MATMUL(jnp.asarray(x), jnp.asarray(w), axis_name=axis_name, config=config,
+                      regather=regather)
 
 
-def _ag_matmul_many(x, ws, axis_name, config):
+def _ag_matmul_many(x, ws, axis_name, config, regather):
     """``ag_matmul`` of one x with several weights: one gather, one launch."""
     if not ws:
         raise ValueError("jaxtdist.ag_matmul: w is an empty sequence; give at least one weight")
@@ -305,7 +354,7 @@ def _ag_matmul_many(x, ws, axis_name, config):
             raise ValueError(f"{e} (weight {i} of {len(ws)})") from None
     widths = [w.shape[1] for w in ws]
     out = _AG_MATMUL(x, ws[0] if len(ws) == 1 else jnp.concatenate(ws, axis=1),
-                     axis_name=axis_name, config=config)
+                     axis_name=axis_name, config=config, regather=regather)
     return tuple(jnp.split(out, np.cumsum(widths)[:-1].tolist(), axis=1))
 
 
@@ -374,7 +423,8 @@ def _tuning_case(axis_name, shape, dtype) -> _registry.TuningCase:
         cfg = resolve(AgMatmulConfig, problem, rt, overrides, base=base)
         config = cfg.to_dict()
         fn = jax.jit(jax.shard_map(
-            lambda xb, wb: ag_matmul_with_gathered(xb, wb, axis_name, config=config)[0], **specs))
+            lambda xb, wb: ag_matmul_with_gathered(xb, wb, axis_name, config=config,
+                                                   gathered=False)[0], **specs))
         return fn, cfg
 
     return _registry.TuningCase(

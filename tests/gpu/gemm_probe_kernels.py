@@ -13,7 +13,7 @@ import triton.language as tl
 
 import jaxtdist.language as dl
 from jaxtdist.kernels._tiles import grouped_tile
-from jaxtdist.kernels.ag_matmul import _tma_tile
+from jaxtdist.kernels._gemm import tile_acc as _tma_tile
 from tests.kernels_for_tests import matmul_descriptors
 
 

@@ -34,7 +34,8 @@ def _ag_specs(mesh):
 def _ag_fn(mesh, config: dict):
     """jit(shard_map) of an ag_matmul over "tp" with ``config`` (``_ag_specs``)."""
     return jax.jit(jax.shard_map(
-        lambda x, w: ag_matmul_with_gathered(x, w, "tp", config=config)[0], **_ag_specs(mesh)))
+        lambda x, w: ag_matmul_with_gathered(x, w, "tp", config=config,
+                gathered=False)[0], **_ag_specs(mesh)))
 
 
 def _shipped_config(rt, m, n, k, world=4) -> dict:
@@ -370,9 +371,10 @@ def gap_functions(mesh, cfg: dict):
     return {
         "cublas_all": gathered(lambda x, w: x @ w),
         "triton_all": gathered(
-            lambda x, w: ag_matmul_with_gathered(x, w, "one", config=cfg)[0]),
+            lambda x, w: ag_matmul_with_gathered(x, w, "one", config=cfg, gathered=False)[0]),
         "fused": jax.jit(jax.shard_map(
-            lambda x, w: ag_matmul_with_gathered(x, w, "tp", config=cfg)[0], **specs)),
+            lambda x, w: ag_matmul_with_gathered(x, w, "tp", config=cfg,
+                    gathered=False)[0], **specs)),
     }
 
 

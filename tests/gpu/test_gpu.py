@@ -57,7 +57,7 @@ def _ring_shift(x, world, shift):
 def _ag_matmul_fn(mesh, config=None):
     from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered
     body = ((lambda x, w: td.ag_matmul(x, w, "tp")) if config is None else
-            (lambda x, w: ag_matmul_with_gathered(x, w, "tp", config=config)[0]))
+            (lambda x, w: ag_matmul_with_gathered(x, w, "tp", config=config, gathered=False)[0]))
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp", None), P(None, "tp")),
                                  out_specs=P(None, "tp")))
 
@@ -348,7 +348,7 @@ def test_submesh_2x2(config):
         x, w = x.reshape(x.shape[1:]), w.reshape(w.shape[1:])
         if config is None:
             return td.ag_matmul(x, w, "tp")[None]
-        return ag_matmul_with_gathered(x, w, "tp", config=config)[0][None]
+        return ag_matmul_with_gathered(x, w, "tp", config=config, gathered=False)[0][None]
 
     x = _rand((2, 2 * m, k), jnp.bfloat16, 1 / np.sqrt(k))
     w = _rand((2, k, 2 * n), jnp.bfloat16)

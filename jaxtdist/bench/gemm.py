@@ -1,0 +1,138 @@
+"""The GEMM core at world 1: every matmul kernel family against ``jnp.dot``.
+
+``python -m jaxtdist.bench gemm``: per (op, m, n, k) of ``shapes.GEMM_SHAPES``
+(bf16, real models' tensor-parallel layers), one device, a fresh empty tuning
+cache (default configs): ``jnp.dot`` of the same operands against the op's
+kernels forced at world 1 (``ag_matmul_with_gathered``, ``matmul_rs_kernels``,
+``matmul_ar_kernels``), which are the kernels a group of several ranks runs,
+communication aside. Relative errors of both against a float32 product.
+``--sweep`` also times a few tile overrides per shape (to fit the default rule).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxtdist.bench import harness as h
+from jaxtdist.bench.shapes import GEMM_SHAPES
+
+# x's and w's specs per op at world 1 (what the ops' shard_maps take).
+_SPECS = {"ag_matmul": (P("tp", None), P(None, "tp")),
+          "matmul_rs": (P(None, "tp"), P("tp", None)),
+          "matmul_ar": (P(None, "tp"), P("tp", None))}
+def _tile(bm: int, bn: int, stages: int | None = None, warps: int | None = None) -> dict:
+    """A full tile override (warps, stages and epilogue cut that fit it)."""
+    from jaxtdist.ops._gemm_config import stages_for
+
+    sub = 4 if bn == 256 else 2
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, SUBTILE=sub,
+                num_warps=warps or (8 if bm == 128 else 4),
+                num_stages=stages or stages_for(bm, bn, 64, 2, sub))
+
+
+def _sweep() -> list[dict]:
+    return [_tile(128, 256), _tile(128, 128), _tile(64, 256), _tile(64, 128),
+            _tile(128, 256, stages=3), _tile(128, 128, warps=4), _tile(128, 128, stages=3)]
+
+
+def _kernel_fn(op: str, mesh, config: dict | None):
+    from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered
+    from jaxtdist.ops.matmul_rs import matmul_ar_kernels, matmul_rs_kernels
+
+    fn = {"ag_matmul": lambda x, w: ag_matmul_with_gathered(x, w, "tp", config=config,
+                                                            gathered=False)[0],
+          "matmul_rs": lambda x, w: matmul_rs_kernels(x, w, "tp", config=config),
+          "matmul_ar": lambda x, w: matmul_ar_kernels(x, w, "tp", config=config)}[op]
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=_SPECS[op], out_specs=P(),
+                                 check_vma=False))
+
+
+def bench_gemm(shapes, iterations: int, rounds: int = 4, sweep: bool = False) -> list[dict]:
+    import jaxtdist as td
+
+    mesh = jax.make_mesh((1,), ("tp",), devices=jax.devices()[:1],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    td.initialize(mesh)
+    device = jax.devices()[0]
+    dot = jax.jit(jnp.dot)
+    rows = []
+    for i, (op, m, n, k) in enumerate(shapes):
+        dtype = jnp.dtype(jnp.bfloat16)
+        x = h.normal(700 + 2 * i, (m, k), dtype, scale=1 / np.sqrt(k))
+        w = h.normal(701 + 2 * i, (k, n), dtype)
+        args = (jax.device_put(x, NamedSharding(mesh, _SPECS[op][0])),
+                jax.device_put(w, NamedSharding(mesh, _SPECS[op][1])))
+        ref = h.float32_matmul(x, w, device)
+        contenders = dict(jnp_dot=h.Contender(dot, args, 1, ref),
+                          kernels=h.Contender(_kernel_fn(op, mesh, None), args, 1, ref))
+        if sweep:
+            for j, cfg in enumerate(_sweep()):
+                if op == "matmul_ar":
+                    cfg = {key: v for key, v in cfg.items() if key != "SUBTILE"}
+                contenders[f"sweep{j}"] = h.Contender(_kernel_fn(op, mesh, cfg), args, 1, ref)
+        row = dict(op=op, m=m, n=n, k=k, dtype=dtype.name, world=1, rounds=rounds,
+                   size=2.0 * m * n * k, label=f"{op} {m}x{n}x{k}")
+        row.update(h.interleaved(contenders, iterations, rounds))
+        rows.append(row)
+        extra = " ".join(f"{name} {h.ratio(row[name], row['jnp_dot'])}"
+                         for name in row if name.startswith("sweep"))
+        print(f"{op} {m} {n} {k}: jnp.dot {h.us(row['jnp_dot'])} | kernels "
+              f"{h.us(row['kernels'])} ({h.ratio(row['kernels'], row['jnp_dot'])}) {extra}",
+              flush=True)
+    return rows
+
+
+def _ratio(r: dict) -> float | None:
+    a, b = r.get("kernels") or {}, r.get("jnp_dot") or {}
+    if "mean_us" not in a or "mean_us" not in b:
+        return None
+    return a["mean_us"] / b["mean_us"]
+
+
+COLUMNS = [
+    h.Column("op", lambda r: r["op"]),
+    h.Column("m x n x k", lambda r: f"{r['m']} x {r['n']} x {r['k']}"),
+    h.Column("jnp.dot", lambda r: h.us(r.get("jnp_dot"))),
+    h.Column("kernels at world 1", lambda r: h.us(r.get("kernels"))),
+    h.Column("kernels / jnp.dot", lambda r: h.ratio(r.get("kernels"), r.get("jnp_dot"))),
+    h.Column("rel err (kernels)", lambda r: h.err(r.get("kernels"))),
+    h.Column("rel err (jnp.dot)", lambda r: h.err(r.get("jnp_dot"))),
+]
+
+
+def table(res: dict) -> str:
+    text = h.markdown_table(
+        f"The GEMM core at world 1: each matmul op's kernels forced at world 1 against "
+        f"jnp.dot of the same operands, bf16, default configs (no tuning cache), 1 x "
+        f"{res['device']}; {h.timing_note(res)}", COLUMNS, res["rows"])
+    ratios = [r for r in map(_ratio, res["rows"]) if r]
+    if ratios:
+        geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        text += (f"\n\nkernels / jnp.dot: geomean {geo:.3f}, max {max(ratios):.2f}, "
+                 f"{sum(r <= 1.15 for r in ratios)} of {len(ratios)} within 1.15")
+    return text
+
+
+def run(args) -> tuple[list[dict], dict]:
+    from jaxtdist.bench.ag_matmul import fresh_tuning_cache
+
+    cache = fresh_tuning_cache()
+    rows = bench_gemm(GEMM_SHAPES, args.iterations, args.rounds, sweep=args.sweep)
+    return rows, dict(world=1, tuning_cache=cache or os.environ.get("JAXTDIST_TUNING_CACHE"))
+
+
+def _arguments(parser) -> None:
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time tile overrides per shape (fitting the default rule)")
+
+
+BENCHMARK = h.Benchmark(name="gemm", op="gemm", run=run, table=table,
+                        series=("kernels", "jnp_dot"), size_label="GEMM FLOP",
+                        arguments=_arguments)
