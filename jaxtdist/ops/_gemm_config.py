@@ -8,6 +8,8 @@ it loads, so it runs closer to the tensor cores' peak):
 
     cost(bm, bn) = ceil(tiles(bm, bn) / SMs) * bm * bn / rate(bm, bn)
 
+and keeps the largest tile unless a smaller one saves a clear margin.
+
 Tiles count every rank's rows separately (a tile never spans two ranks'
 rows). The pipeline depth follows from shared memory: as many stages of
 (BLOCK_M + BLOCK_N) x BLOCK_K operands as fit beside the epilogue's buffer,
@@ -18,11 +20,16 @@ from __future__ import annotations
 
 import dataclasses
 
-# Relative rate of one SM on a tile shape (bf16/f16 on Hopper; float32 takes
-# narrower tiles). 128 x 256 is the shape the fastest Triton GEMMs use (8
-# warps, two warpgroups of 64 rows); smaller tiles load more bytes per FLOP.
-TILE_RATES = {(128, 256): 1.0, (128, 128): 0.86, (64, 256): 0.78, (64, 128): 0.68,
-              (64, 64): 0.45}
+# Relative rate of one SM on a tile shape (bf16/f16), fitted to the tile sweep of
+# ``python -m jaxtdist.bench gemm --sweep`` on 1 x H100 (19 model shapes): 128 x
+# 256 (8 warps, two warpgroups of 64 rows) is the fastest Triton tile; 64 x 256
+# ran at 0.92-0.94 of its rate, 128 x 128 (4 warps) at 0.8-0.95, 64 x 128 at
+# about 0.6. A smaller tile is taken only where its rounds cost at least
+# ``_SWITCH_GAIN`` less (8192 x 1280 x 8192 predicted 9% less for 64 x 256 and
+# ran 1.32x slower: the rates are leads, not laws).
+TILE_RATES = {(128, 256): 1.0, (64, 256): 0.92, (128, 128): 0.85, (64, 128): 0.6,
+              (64, 64): 0.4}
+_SWITCH_GAIN = 0.10
 # Shared memory a GEMM program may plan for (Hopper allows 227 KiB per block;
 # Triton needs some for barriers and layout conversions).
 SMEM_BUDGET = 216 << 10
@@ -79,8 +86,17 @@ def default_tiles(rows: int, world: int, n: int, k: int, itemsize: int, sms: int
         shapes = [s for s in shapes if s[0] == 64]
     if whole_row_tiles:
         shapes = [s for s in shapes if rows % s[0] == 0]
-    bm, bn = min(shapes, key=lambda s: (tile_cost(rows, world, n, sms, *s), -s[0] * s[1]))
+    # Largest tile first; a smaller one must save _SWITCH_GAIN of the best cost so far.
+    shapes.sort(key=lambda s: -s[0] * s[1] * TILE_RATES[s])
+    bm, bn = shapes[0]
+    best = tile_cost(rows, world, n, sms, bm, bn)
+    for s in shapes[1:]:
+        cost = tile_cost(rows, world, n, sms, *s)
+        if cost < (1 - _SWITCH_GAIN) * best:
+            (bm, bn), best = s, cost
     bk = 32 if wide else 64
     subtile = 4 if bn == 256 else 2
-    return GemmTiles(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=8 if bm == 128 else 4,
-                     num_stages=stages_for(bm, bn, bk, itemsize, subtile), SUBTILE=subtile)
+    # 128 x 256 needs two warpgroups for its accumulator; 128 x 128 ran faster on one.
+    return GemmTiles(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=8 if bn * bm > 128 * 128
+                     else 4, num_stages=stages_for(bm, bn, bk, itemsize, subtile),
+                     SUBTILE=subtile)

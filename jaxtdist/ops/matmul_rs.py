@@ -213,10 +213,15 @@ class MatmulArConfig(KernelConfig):
             return cls(BLOCK_M=min(32, fit_m), BLOCK_N=32, BLOCK_K=32, TMA=tma, num_warps=4,
                        num_stages=1)
         block_m = min(64, fit_m)
+        wide = problem.itemsize == 4
+        if block_m == 64 and not wide:
+            # 64 rows or more: 64 x 128 tiles, 64-deep K steps, 5 stages (on 1 x H100,
+            # 0.63x jnp.dot at 128 x 8192 x 2048 against 1.02x with 64 x 64 tiles).
+            return cls(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8 if block_m < m else 1,
+                       TMA=tma, num_warps=4, num_stages=5)
         for block_n in _AR_BLOCK_N:
             if -(-m // block_m) * -(-n // block_n) >= problem.sms:
                 break
-        wide = problem.itemsize == 4
         return cls(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64 if wide else 128,
                    GROUP_M=8 if block_m < m else 1, TMA=tma, num_warps=4,
                    num_stages=3 if wide else 4)
