@@ -317,6 +317,14 @@ def _write(root: pathlib.Path, files: dict[str, str]) -> pathlib.Path:
       "jaxtdist/rt/impl/__init__.py": "",
       "jaxtdist/rt/impl/cpu.py": "from ..reg import get\n"},
      [["jaxtdist.rt.impl.cpu", "jaxtdist.rt.reg"]]),
+    # A registry naming its implementation ("module:function", or a module
+    # imported by importlib) that imports the registry is a circle.
+    ({"jaxtdist/__init__.py": "",
+      "jaxtdist/reg.py": "FACTORIES = {'cpu': 'jaxtdist.impl:make'}\n"
+                         "LAZY = ['jaxtdist.other']\n",
+      "jaxtdist/impl.py": "from jaxtdist.reg import FACTORIES\n",
+      "jaxtdist/other.py": "'Docs naming jaxtdist.reg in prose are no edge.'\n"},
+     [["jaxtdist.impl", "jaxtdist.reg"]]),
     # TYPE_CHECKING imports never run; other packages are ignored.
     ({"jaxtdist/__init__.py": "",
       "jaxtdist/a.py": "import typing\nif typing.TYPE_CHECKING:\n"
@@ -328,3 +336,28 @@ def test_finder_on_small_packages(tmp_path, files, expected):
     """The rules of the module docstring, each on a package made for it."""
     graph = import_graph(_write(tmp_path, files))
     assert cycles(graph) == expected
+
+
+def test_backends_named_by_the_registry_resolve():
+    """The built-in backends are registered by name (so the registry imports
+    none): each name must import and give a callable factory."""
+    import importlib
+
+    from jaxtdist.runtime import _backend
+
+    named = {e.name: e.factory for e in _backend._REGISTRY if isinstance(e.factory, str)}
+    assert {"cpu-shared-memory", "cuda-peer"} <= set(named)
+    for name, factory in named.items():
+        module, _, function = factory.partition(":")
+        assert callable(getattr(importlib.import_module(module), function)), name
+    assert _backend._LAZY_BACKENDS["nvshmem"] == "jaxtdist.runtime._nvshmem"
+
+
+@pytest.mark.parametrize("factory", ["jaxtdist.runtime._cpu", "a:b:c"])
+def test_a_factory_name_without_one_colon_is_refused(factory):
+    """A factory named without exactly one ':' is a ValueError saying the form."""
+    from jaxtdist.runtime import _backend
+
+    with pytest.raises(ValueError, match="'package.module:function'.*test-bad"):
+        _backend.register_backend("test-bad", factory, applies=lambda s: False)
+    assert "test-bad" not in _backend.backend_names()
