@@ -14,7 +14,7 @@ Example:
 
 import os as _os
 
-__version__ = "0.1.0"
+from jaxtdist._version import __version__
 
 # Interpreter workers import kernels only: keep JAX out of those processes.
 if _os.environ.get("_JAXTDIST_INTERPRETER_WORKER") != "1":

@@ -52,26 +52,8 @@ def _package(module: str) -> str:
     return parts[1] if len(parts) > 1 else ""
 
 
-def test_no_import_circle():
-    """No cycle among jaxtdist's modules (the package __init__s aside, which only
-    re-export)."""
-    graph = {k: {d for d in v if not d.endswith("__init__")} for k, v in _imports().items()}
-    inits = {m for m in graph if (PACKAGE.parent / m.replace(".", "/") / "__init__.py").exists()}
-    graph = {k: v - inits for k, v in graph.items() if k not in inits}
-    state: dict[str, int] = {}
-
-    def visit(node, stack):
-        state[node] = 1
-        for dep in graph.get(node, ()):
-            if state.get(dep) == 1:
-                pytest.fail("import circle: " + " -> ".join(stack + [node, dep]))
-            if state.get(dep) is None:
-                visit(dep, stack + [node])
-        state[node] = 2
-
-    for module in graph:
-        if module not in state:
-            visit(module, [])
+# The no-circle check (lazy and by-name imports included, package __init__s as
+# nodes) is tests/test_import_graph.py.
 
 
 @pytest.mark.parametrize("package,forbidden", [

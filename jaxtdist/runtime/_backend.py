@@ -7,8 +7,14 @@ backend (one process per GPU) or a ROCm one registers itself the same way
 and no op changes: ops talk to ``Runtime.backend`` only through this
 interface.
 
+This module neither imports nor names a backend: the implementations import
+it (for ``BackendSpec`` and ``register_backend``). The built-in ones are
+registered from above (``_builtin_backends``, imported by the runtime) by the
+name of their factory (``"module:function"``) or module, imported on first
+use.
+
 Example:
-  >>> from jaxtdist.runtime import register_backend
+  >>> from jaxtdist.runtime._backend import register_backend
   >>> register_backend("nvshmem", lambda spec: NvshmemHeap(spec),
   ...                  applies=lambda spec: spec.multi_process and spec.platform == "gpu")
 """
@@ -124,19 +130,47 @@ class HeapBackend(Protocol):
     # returns ctx for the kernel that follows (see ``_cuda.CudaHeap``).
 
 
+Factory = Callable[[BackendSpec], HeapBackend]
+
+
 @dataclasses.dataclass(frozen=True)
 class _Entry:
     name: str
-    factory: Callable[[BackendSpec], HeapBackend]
+    factory: Factory | str
     applies: Callable[[BackendSpec], bool]
+
+    def create(self, spec: BackendSpec) -> HeapBackend:
+        """Calls the factory, importing it first when it is given by name."""
+        factory = self.factory
+        if isinstance(factory, str):
+            module, _, function = factory.partition(":")
+            factory = getattr(importlib.import_module(module), function)
+        return factory(spec)
 
 
 _REGISTRY: list[_Entry] = []
 
 
-def register_backend(name: str, factory: Callable[[BackendSpec], HeapBackend], *,
+def register_backend(name: str, factory: Factory | str, *,
                      applies: Callable[[BackendSpec], bool]) -> None:
-    """Registers a heap backend; the newest one that ``applies`` to a mesh serves it."""
+    """Registers a heap backend; the newest one that ``applies`` to a mesh serves it.
+
+    Args:
+      name: the backend's name (``Runtime.backend_name``); registering a name
+        again replaces the earlier entry.
+      factory: ``spec -> HeapBackend``, or ``"package.module:function"`` naming
+        one, imported when a mesh first needs it (so that registering a
+        backend imports nothing, and its module may import the runtime).
+      applies: whether the backend serves a mesh (``spec -> bool``).
+
+    Example:
+      >>> register_backend("cpu-shared-memory", "jaxtdist.runtime._cpu:heap_for",
+      ...                  applies=lambda spec: spec.platform == "cpu")
+    """
+    if isinstance(factory, str) and factory.count(":") != 1:
+        raise ValueError(
+            f"jaxtdist: a backend factory given by name is 'package.module:function', "
+            f"got {factory!r} for backend {name!r}; pass the callable or name it so.")
     _REGISTRY[:] = [e for e in _REGISTRY if e.name != name]
     _REGISTRY.append(_Entry(name, factory, applies))
 
@@ -147,15 +181,31 @@ def backend_names() -> list[str]:
 
 # Backends whose module registers them when imported, imported on first need
 # only: the NVSHMEM backend loads NVSHMEM's host library, which a
-# single-process job must not pay for (or lack).
-_LAZY_BACKENDS = {"nvshmem": "jaxtdist.runtime._nvshmem"}
+# single-process job must not pay for (or lack). Filled by
+# ``register_lazy_backend``.
+_LAZY_BACKENDS: dict[str, str] = {}
+
+
+def register_lazy_backend(name: str, module: str) -> None:
+    """Names the module that registers backend ``name`` when imported.
+
+    ``create_backend`` imports it on first need (a GPU mesh spanning processes
+    needs "nvshmem"), so that a job which never needs the backend never imports
+    it.
+
+    Example:
+      >>> register_lazy_backend("nvshmem", "jaxtdist.runtime._nvshmem")
+    """
+    _LAZY_BACKENDS[name] = module
 
 
 def _import_lazy(name: str) -> str:
     """Imports the module of lazy backend ``name``; "" or why it is unavailable."""
     if name in backend_names():
         return ""
-    module = _LAZY_BACKENDS[name]
+    module = _LAZY_BACKENDS.get(name)
+    if module is None:
+        return f"no module registers a backend named {name!r}"
     try:
         importlib.import_module(module)
     except ModuleNotFoundError as e:
@@ -178,7 +228,7 @@ def create_backend(spec: BackendSpec) -> tuple[str, HeapBackend]:
         why = _import_lazy("nvshmem")
     for entry in reversed(_REGISTRY):
         if entry.applies(spec):
-            return entry.name, entry.factory(spec)
+            return entry.name, entry.create(spec)
     layout = (f"{len(set(spec.owners))} processes" if spec.multi_process else "one process")
     if spec.platform == "gpu" and spec.multi_process:
         raise NotImplementedError(
@@ -190,23 +240,3 @@ def create_backend(spec: BackendSpec) -> tuple[str, HeapBackend]:
     raise NotImplementedError(
         f"jaxtdist: no heap backend serves a {spec.platform} mesh of {len(spec.devices)} "
         f"devices driven by {layout} (registered: {backend_names()}).")
-
-
-def _cpu_factory(spec: BackendSpec) -> HeapBackend:
-    from jaxtdist.runtime._cpu import CpuHeap
-    if not spec.multi_process:
-        return CpuHeap(len(spec.devices), spec.heap_bytes)
-    return CpuHeap(len(spec.devices), spec.heap_bytes, owners=spec.owners,
-                   bootstrap=spec.bootstrap("cpu-heap"))
-
-
-def _cuda_factory(spec: BackendSpec) -> HeapBackend:
-    from jaxtdist.runtime._cuda import CudaHeap
-    return CudaHeap(spec.native, spec.devices, spec.heap_bytes)
-
-
-# One host's processes share one segment (the CPU emulation of one process per
-# GPU); processes on several hosts are refused with a clear error when mapping.
-register_backend("cpu-shared-memory", _cpu_factory, applies=lambda s: s.platform == "cpu")
-register_backend("cuda-peer", _cuda_factory,
-                 applies=lambda s: s.platform == "gpu" and not s.multi_process)

@@ -38,7 +38,7 @@ def versions() -> dict:
     import jax
     import triton
 
-    from jaxtdist import __version__
+    from jaxtdist._version import __version__
     return dict(jaxtdist=__version__, triton=triton.__version__, jax=jax.__version__)
 
 

@@ -28,6 +28,7 @@ import numpy as np
 from jaxtdist._errors import JaxtdistError, WaitTimeoutError
 from jaxtdist.interpret import WorkerPool
 from jaxtdist.language import _layout as L
+from jaxtdist.runtime._backend import BackendSpec
 
 
 # Heap offset of the word a process sets in each of its positions' heaps when it
@@ -184,7 +185,6 @@ class CpuHeap:
         del num_warps, num_stages, needs_scratch, rendezvous  # GPU launch options
         from jaxtdist.interpret import kernel_reference
         from jaxtdist.runtime._ffi import host_kernel
-        from jaxtdist.runtime._runtime import is_initialized, runtime
 
         ref = kernel_reference(kernel)
         array_idx = [i for i, a in enumerate(args)
@@ -196,7 +196,7 @@ class CpuHeap:
         pool = self.workers
 
         def host(*values):
-            if not is_initialized() or runtime() is not rt:
+            if not rt.is_current():
                 raise JaxtdistError(
                     "jaxtdist: this program was traced for a jaxtdist runtime that is gone "
                     "(jaxtdist.shutdown() or initialize() with other settings ran since, or "
@@ -237,3 +237,15 @@ class CpuHeap:
             if not self._unlinked:
                 self._unlink()
             self._shm = None
+
+
+def heap_for(spec: BackendSpec) -> CpuHeap:
+    """The "cpu-shared-memory" backend's factory (registered by name in ``_backend``).
+
+    One segment serves the mesh; a mesh spanning processes maps it in each of
+    them, its name exchanged through ``spec.bootstrap``.
+    """
+    if not spec.multi_process:
+        return CpuHeap(len(spec.devices), spec.heap_bytes)
+    return CpuHeap(len(spec.devices), spec.heap_bytes, owners=spec.owners,
+                   bootstrap=spec.bootstrap("cpu-heap"))

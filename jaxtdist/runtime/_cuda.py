@@ -18,6 +18,7 @@ import numpy as np
 from jaxtdist.language import _layout as L
 from jaxtdist._errors import HeapExhaustedError
 from jaxtdist.runtime import _ffi, _native
+from jaxtdist.runtime._backend import BackendSpec
 
 
 def device_ordinal(device) -> int:
@@ -143,3 +144,8 @@ class CudaHeap:
         if getattr(self, "_records", 0):
             self._native.cuda_free_host(self._records)
             self._records = 0
+
+
+def heap_for(spec: BackendSpec) -> CudaHeap:
+    """The "cuda-peer" backend's factory (registered by name in ``_backend``)."""
+    return CudaHeap(spec.native, spec.devices, spec.heap_bytes)

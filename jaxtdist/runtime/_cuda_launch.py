@@ -21,13 +21,16 @@ import functools
 import os
 import tempfile
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
 from jaxtdist.runtime import _ffi
 from jaxtdist.runtime import _native
-from jaxtdist.runtime._runtime import Runtime
+
+if TYPE_CHECKING:  # only annotations: the runtime is above its backends' launchers
+    from jaxtdist.runtime._runtime import Runtime
 
 _POINTER_TYPES = {
     "bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32", "float64": "*fp64",

@@ -38,53 +38,15 @@ from jaxtdist._errors import HeapExhaustedError, JaxtdistError
 from jaxtdist.language import _layout as L
 from jaxtdist.runtime._backend import BackendSpec, register_backend
 from jaxtdist.runtime._cuda import CudaHeap, device_ordinal
+# Finding the host library lives below this backend: kernel linking
+# (``_shmem_link``, called by the CUDA launcher) needs it too. Both names stay
+# importable from here.
+from jaxtdist.runtime._nvshmem_lib import ENV_LIBRARY, host_library_path  # noqa: F401
 
-ENV_LIBRARY = "JAXTDIST_NVSHMEM_LIB"
-_HOST_LIBRARY = "nvidia/nvshmem/lib/libnvshmem_host.so.3"
 # NVSHMEM reserves its symmetric address range at initialisation; physical
 # memory is mapped as nvshmem_malloc asks (CUDA VMM), so the range can be
 # generous. NVSHMEM's own buffers (teams, signals) come from it too.
 _SYMMETRIC_SLACK = 256 << 20
-
-
-def _cuda_major_of_jaxlib() -> int | None:
-    """12 or 13: the CUDA major of the installed jaxlib's CUDA plugin (None: unknown)."""
-    from importlib import metadata
-
-    for major in (13, 12):
-        for dist in (f"jax-cuda{major}-plugin", f"jax_cuda{major}_plugin",
-                     f"jax-cuda{major}-pjrt"):
-            try:
-                metadata.version(dist)
-                return major
-            except metadata.PackageNotFoundError:
-                continue
-    return None
-
-
-def host_library_path() -> str:
-    """Where NVSHMEM's host library is; a ``JaxtdistError`` naming the package if absent."""
-    given = os.environ.get(ENV_LIBRARY)
-    if given:
-        if not os.path.exists(given):
-            raise JaxtdistError(f"jaxtdist: ${ENV_LIBRARY}={given!r} does not exist")
-        return given
-    from importlib import metadata
-
-    major = _cuda_major_of_jaxlib()
-    majors = [major] if major else [13, 12]
-    for m in majors:
-        try:
-            path = str(metadata.distribution(f"nvidia-nvshmem-cu{m}").locate_file(_HOST_LIBRARY))
-        except metadata.PackageNotFoundError:
-            continue
-        if os.path.exists(path):
-            return path
-    want = f"nvidia-nvshmem-cu{major}" if major else "nvidia-nvshmem-cu13 (or -cu12)"
-    raise JaxtdistError(
-        f"jaxtdist: a GPU mesh spanning processes needs NVSHMEM's host library "
-        f"({_HOST_LIBRARY}), which was not found: pip install {want} (the CUDA major of "
-        f"your jaxlib), or point ${ENV_LIBRARY} at libnvshmem_host.so.3.")
 
 
 @dataclasses.dataclass

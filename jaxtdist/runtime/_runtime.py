@@ -20,6 +20,7 @@ import numpy as np
 from jaxtdist.language import _layout as L
 from jaxtdist.runtime import _bootstrap, _native
 from jaxtdist.runtime._backend import BackendSpec, create_backend
+from jaxtdist.runtime import _builtin_backends  # noqa: F401  (registers the built-ins)
 from jaxtdist.runtime._config_cache import TuningCache
 from jaxtdist._errors import HeapExhaustedError, NotInitializedError, WaitTimeoutError
 
@@ -308,6 +309,12 @@ class Runtime:
             message = self.native.recorded_timeout(pos)
             if message:
                 raise WaitTimeoutError(message.replace("in an earlier call ", ""))
+
+    def is_current(self) -> bool:
+        """Whether this is still the process's runtime (no ``shutdown()`` or other
+        ``initialize`` since): backends ask it from launch callbacks, which must not
+        run for a runtime that is gone, without importing this module."""
+        return _RUNTIME is self
 
     def close(self) -> None:
         self.native.reset(0)

@@ -35,7 +35,7 @@ def uses_shmem(ptx: str) -> bool:
 
 
 def _nvshmem_root() -> str:
-    from jaxtdist.runtime._nvshmem import host_library_path
+    from jaxtdist.runtime._nvshmem_lib import host_library_path
 
     return os.path.dirname(os.path.dirname(host_library_path()))  # .../nvidia/nvshmem
 
