@@ -286,6 +286,29 @@ def test_ag_matmul_grad(dtype, tol):
     assert rel_err(gw, f64(x).T @ f64(g)) < tol
 
 
+@pytest.mark.parametrize("regather", [False, True])
+def test_ag_matmul_grad_keeps_or_regathers_x(regather):
+    """Both residual policies give the same gradients, and neither backward runs an
+    XLA collective but the reduce-scatter's own kernels (no all-gather in the HLO)."""
+    world, m, k, n = 4, 3, 16, 8
+    mesh = setup(world)
+
+    def body(x, w, g):
+        loss = lambda a, b: jnp.sum(td.ag_matmul(a, b, "tp", regather=regather) * g)  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1))(x, w)
+
+    specs = (P("tp", None), P(None, "tp"), P(None, "tp"))
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs,
+                              out_specs=(P("tp", None), P(None, "tp"))))
+    x, w, g = rand((world * m, k), F32), rand((k, world * n), F32), rand((world * m, world * n), F32)
+    args = (place(mesh, x, specs[0]), place(mesh, w, specs[1]), place(mesh, g, specs[2]))
+    hlo = f.lower(*args).as_text()
+    assert "stablehlo.all_gather" not in hlo and "all-gather" not in hlo
+    gx, gw = f(*args)
+    assert rel_err(gx, f64(g) @ f64(w).T) < 1e-4
+    assert rel_err(gw, f64(x).T @ f64(g)) < 1e-4
+
+
 @pytest.mark.parametrize("world,dtype", [(2, F32), (4, BF16)])
 def test_ag_matmul_several_weights(world, dtype):
     """One gather for several weights: one product each, and their gradients."""

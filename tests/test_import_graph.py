@@ -61,9 +61,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / PACKAGE
 # edge to the extension and not a request for a name of jaxtdist/__init__.py.
 _EXTENSIONS = ("jaxtdist._jaxtdist_ffi",)
 
-_BEING_FIXED: frozenset[tuple[str, ...]] = frozenset({
-    ("jaxtdist.ops.ag_matmul", "jaxtdist.ops.matmul_rs"),
-})
+_BEING_FIXED: frozenset[tuple[str, ...]] = frozenset()
 
 
 def _module_files(root: pathlib.Path = ROOT) -> dict[str, pathlib.Path | None]:

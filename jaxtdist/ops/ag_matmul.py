@@ -19,6 +19,8 @@ from jaxtdist.kernels.ag_matmul import (ag_matmul_ce_kernel, ag_matmul_kernel,
 from jaxtdist.ops._ag_matmul_config import (AgMatmulConfig, flattens, split_n_tail,
                                             stream_k_tail, tail_stages)
 from jaxtdist.ops._config import Problem, resolve
+from jaxtdist.ops._partial_sums import matmul_rs_kernels
+from jaxtdist.ops.all_gather import _forward as all_gather_forward
 from jaxtdist.ops._op import (DistributedOp, one_call_per_element, pjit_wrapper, rows_over,
                               scatter_cotangent)
 from jaxtdist.ops._protocol import Call, varying_axes
@@ -270,8 +272,7 @@ def _backward(residuals, dy, *, axis_name, config=None, regather=False):
     gathered, w = residuals
     if regather:
         # jaxtdist's own all_gather: no XLA collective in the backward pass either.
-        from jaxtdist.ops import all_gather as ag
-        gathered = one_call_per_element(lambda a: ag._forward(
+        gathered = one_call_per_element(lambda a: all_gather_forward(
             a, axis_name=axis_name, axis=0, tiled=True)[0])(gathered)
     # dx: the rows of dy @ w^T that belong to this rank, summed over ranks: a
     # matmul_rs, the GEMM overlapped with the reduce-scatter. A cotangent typed
@@ -279,8 +280,6 @@ def _backward(residuals, dy, *, axis_name, config=None, regather=False):
     axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
     have = varying_axes(dy)
     if have is None or set(axes) <= set(have):
-        # Imported here: matmul_rs's backward is ag_matmul (and the reverse).
-        from jaxtdist.ops.matmul_rs import matmul_rs_kernels
         dx = one_call_per_element(lambda a, b: matmul_rs_kernels(a, b, axis_name))(dy, w.T)
     else:
         dx = scatter_cotangent(jnp.dot(dy, w.T, preferred_element_type=jnp.float32),

@@ -1,0 +1,342 @@
+"""The launches of matmul_rs's and matmul_ar's kernels: their typed configs, shapes,
+workspaces and the calls through ``Call``, at any world size (the ops of
+``matmul_rs.py`` add autodiff, world 1 and the pjit-style forms).
+
+A module of its own so that ag_matmul's backward (a ``matmul_rs_kernels``) and
+matmul_rs's backward (an ``ag_matmul_with_gathered``) import no op module of
+each other: no import circle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtdist.kernels.matmul_ar import matmul_ar_kernel
+from jaxtdist.kernels.matmul_rs import matmul_rs_kernel
+from jaxtdist.ops._config import KernelConfig, Problem, resolve
+from jaxtdist.ops._gemm_config import default_tiles, tma_fits
+from jaxtdist.ops._protocol import Call, check_axis
+from jaxtdist.ops._shapes import align, check_dtype, next_pow2
+from jaxtdist.runtime._runtime import runtime
+
+__all__ = ["MatmulArConfig", "MatmulRsConfig", "PartialsWorkspace", "matmul_ar_kernels",
+           "matmul_rs_kernels"]
+
+_CPU_PROGRAMS = 3  # the interpreter runs programs one by one: a few show the dealing
+_PARTIALS = ("float32", "input")
+# Tiles of the GPU pointer kernels, largest first: the largest whose count still
+# covers the SMs is the default (fewer tiles than SMs leave SMs idle throughout).
+_RS_TILES = ((128, 128), (128, 64), (64, 64))
+_AR_BLOCK_N = (128, 64, 32)
+
+
+# -- configs ---------------------------------------------------------------------
+
+def _check_core(cfg, problem: Problem) -> None:
+    """TMA and SUBTILE: the GEMM core's settings."""
+    if not isinstance(cfg.TMA, (bool, np.bool_)):
+        raise ValueError(f"jaxtdist.{cfg.OP}: config TMA={cfg.TMA!r} must be True or False")
+    if cfg.TMA and (why := _tma_misfit(cfg.OP, problem)):
+        raise ValueError(why)
+    if cfg.SUBTILE not in (1, 2, 4) or cfg.BLOCK_N // cfg.SUBTILE < 16:
+        raise ValueError(f"jaxtdist.{cfg.OP}: config SUBTILE={cfg.SUBTILE!r} must be 1, 2 or 4 "
+                         f"with BLOCK_N / SUBTILE >= 16 (BLOCK_N={cfg.BLOCK_N})")
+
+
+def _check_blocks(op: str, cfg, keys) -> None:
+    for key in keys:
+        value = getattr(cfg, key)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"jaxtdist.{op}: config {key}={value!r} must be an int >= 1")
+        if key.startswith("BLOCK_") and (value & (value - 1) or value < 16):
+            raise ValueError(f"jaxtdist.{op}: config {key}={value} must be a power of 2 "
+                             ">= 16 (tl.dot's smallest tile)")
+
+
+def _tma_misfit(op: str, problem: Problem) -> str | None:
+    """Why TMA cannot serve this problem (None: it can)."""
+    _, n, k = problem.shape
+    if tma_fits(k, n, problem.itemsize):
+        return None
+    return (f"jaxtdist.{op}: config TMA=True needs rows of x (k={k}) and w (n={n}) that are "
+            f"multiples of 16 bytes ({problem.itemsize}-byte elements); leave TMA unset for "
+            "the pointer GEMM")
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulRsConfig(KernelConfig):
+    """How matmul_rs's persistent kernel runs one problem.
+
+    Attributes:
+      BLOCK_M, BLOCK_N, BLOCK_K: GEMM tile (powers of 2, >= 16).
+      GROUP_M: row tiles per group of the tile order (L2 reuse of w).
+      NUM_PROGRAMS: persistent programs (0: one per SM on GPUs, at most the
+        tiles; 3 under the interpreter).
+      PARTIAL: dtype of the pushed partials: "float32" (default) or "input"
+        (x's dtype: half the link bytes and inbox memory, rounded partials).
+      TMA: run the tiles on the GEMM core (TMA loads and stores; needs rows of x
+        and w that are 16-byte multiples), else on the pointer GEMM.
+      SUBTILE: column pieces of the core's output store (1, 2 or 4).
+      num_warps, num_stages: launch options.
+    """
+    OP: ClassVar[str] = "matmul_rs"
+    variant: ClassVar[str] = "push"
+
+    BLOCK_M: int = 128
+    BLOCK_N: int = 128
+    BLOCK_K: int = 64
+    GROUP_M: int = 8
+    NUM_PROGRAMS: int = 0
+    PARTIAL: str = "float32"
+    TMA: bool = True
+    SUBTILE: int = 2
+    num_warps: int = 8
+    num_stages: int = 3
+
+    @classmethod
+    def default(cls, problem: Problem) -> "MatmulRsConfig":
+        """One rule: the GEMM core's tile by wave quantisation over every rank's
+        rows (``_gemm_config.default_tiles``), one program per SM; the pointer GEMM
+        where TMA cannot address the rows. The interpreter takes small tiles and
+        3 programs (the same kernel paths)."""
+        m, n, k = problem.shape
+        m_shard = max(1, m // problem.world)
+        fit_m = max(16, next_pow2(m_shard))
+        tma = tma_fits(k, n, problem.itemsize)
+        if problem.platform != "gpu":
+            return cls(BLOCK_M=min(32, fit_m), BLOCK_N=32, BLOCK_K=32, GROUP_M=4,
+                       NUM_PROGRAMS=_CPU_PROGRAMS, TMA=tma, SUBTILE=2, num_warps=4,
+                       num_stages=1)
+        if tma:
+            t = default_tiles(m_shard, problem.world, n, k, problem.itemsize, problem.sms)
+            return cls(BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, BLOCK_K=t.BLOCK_K, TMA=True,
+                       SUBTILE=t.SUBTILE, num_warps=t.num_warps, num_stages=t.num_stages)
+        for block_m, block_n in _RS_TILES:
+            block_m = min(block_m, fit_m)
+            if problem.world * -(-m_shard // block_m) * -(-n // block_n) >= problem.sms:
+                break
+        big = block_m * block_n >= 128 * 128
+        wide = problem.itemsize == 4
+        return cls(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32 if wide else 64, TMA=False,
+                   SUBTILE=1, num_warps=8 if big else 4, num_stages=3 if big or wide else 4)
+
+    @classmethod
+    def settle(cls, base: "MatmulRsConfig", asked) -> "MatmulRsConfig":
+        """``base`` updated by ``asked``; an epilogue cut not asked for narrows with
+        an asked BLOCK_N (pieces stay >= 16 columns)."""
+        cfg = base.replace(**asked)
+        if "SUBTILE" not in asked:
+            cfg = cfg.replace(SUBTILE=max(1, min(cfg.SUBTILE, cfg.BLOCK_N // 16)))
+        return cfg
+
+    def validate(self, problem: Problem) -> None:
+        _check_blocks(self.OP, self, ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps",
+                                      "num_stages"))
+        p = self.NUM_PROGRAMS
+        if isinstance(p, bool) or not isinstance(p, (int, np.integer)) or p < 0:
+            raise ValueError(f"jaxtdist.matmul_rs: config NUM_PROGRAMS={p!r} must be an int "
+                             ">= 0 (0: one per SM)")
+        if problem.platform == "gpu" and p > problem.sms:
+            raise ValueError(f"jaxtdist.matmul_rs: config NUM_PROGRAMS={p} exceeds the "
+                             f"{problem.sms} SMs (the persistent programs spin on each other's "
+                             "ranks and must all be resident)")
+        if self.PARTIAL not in _PARTIALS:
+            raise ValueError(f"jaxtdist.matmul_rs: config PARTIAL={self.PARTIAL!r} must be one "
+                             f"of {_PARTIALS}")
+        _check_core(self, problem)
+
+    @classmethod
+    def search_space(cls, problem: Problem) -> list[dict]:
+        if problem.platform != "gpu":
+            return cls.fitting(problem, [{}, dict(BLOCK_N=16), dict(NUM_PROGRAMS=1),
+                                           dict(PARTIAL="input")])
+        tiles = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=8 if bm >= 128 else 4,
+                      SUBTILE=4 if bn == 256 else 2)
+                 for bm, bn in ((128, 128), (128, 256), (64, 256), (64, 128))]
+        extra = [dict(t, num_stages=s) for t in tiles[:2] for s in (3, 4)]
+        extra += [dict(PARTIAL="input"), dict(GROUP_M=4), dict(GROUP_M=16)]
+        return cls.fitting(problem, [{}] + tiles + extra)
+
+    def programs(self, problem: Problem, tiles: int) -> int:
+        """The persistent grid: NUM_PROGRAMS (0: one per SM; 3 under the
+        interpreter), never more than there are tiles."""
+        asked = self.NUM_PROGRAMS or (problem.sms if problem.platform == "gpu"
+                                      else _CPU_PROGRAMS)
+        return max(1, min(asked, tiles))
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulArConfig(KernelConfig):
+    """How matmul_ar's kernel runs one problem (one program per output tile).
+
+    Attributes:
+      BLOCK_M, BLOCK_N, BLOCK_K: GEMM tile (powers of 2, >= 16).
+      GROUP_M: row tiles per group of the tile order.
+      TMA: load the operands with TMA (the GEMM core's mainloop; rows of x and w
+        16-byte multiples), else with pointer loads.
+      num_warps, num_stages: launch options.
+    """
+    OP: ClassVar[str] = "matmul_ar"
+    variant: ClassVar[str] = "push"
+
+    BLOCK_M: int = 16
+    BLOCK_N: int = 64
+    BLOCK_K: int = 128
+    GROUP_M: int = 1
+    TMA: bool = True
+    num_warps: int = 4
+    num_stages: int = 4
+    SUBTILE: ClassVar[int] = 1  # the output is stored with the pushes' pointers
+
+    @classmethod
+    def default(cls, problem: Problem) -> "MatmulArConfig":
+        """One rule: all rows in one tile up to 64 rows; the widest N tile whose
+        count still covers the SMs (decode reads w once, spread over every SM)."""
+        m, n, k = problem.shape
+        fit_m = max(16, next_pow2(m))
+        tma = tma_fits(k, n, problem.itemsize)
+        if problem.platform != "gpu":
+            return cls(BLOCK_M=min(32, fit_m), BLOCK_N=32, BLOCK_K=32, TMA=tma, num_warps=4,
+                       num_stages=1)
+        block_m = min(64, fit_m)
+        wide = problem.itemsize == 4
+        if block_m == 64 and not wide:
+            # 64 rows or more: 64 x 128 tiles, 64-deep K steps, 5 stages (on 1 x H100,
+            # 0.63x jnp.dot at 128 x 8192 x 2048 against 1.02x with 64 x 64 tiles).
+            return cls(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8 if block_m < m else 1,
+                       TMA=tma, num_warps=4, num_stages=5)
+        for block_n in _AR_BLOCK_N:
+            if -(-m // block_m) * -(-n // block_n) >= problem.sms:
+                break
+        return cls(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64 if wide else 128,
+                   GROUP_M=8 if block_m < m else 1, TMA=tma, num_warps=4,
+                   num_stages=3 if wide else 4)
+
+    def validate(self, problem: Problem) -> None:
+        _check_blocks(self.OP, self, ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps",
+                                      "num_stages"))
+        _check_core(self, problem)
+
+    @classmethod
+    def search_space(cls, problem: Problem) -> list[dict]:
+        if problem.platform != "gpu":
+            return cls.fitting(problem, [{}, dict(BLOCK_N=16), dict(BLOCK_K=16)])
+        return cls.fitting(problem, [{}] + [
+            dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w)
+            for bn in (32, 64, 128) for bk in (64, 128, 256) for w in (4, 8)])
+
+
+class PartialsWorkspace:
+    """Byte layout of a partials inbox: one int32 flag per (source slot, output
+    tile), then two parities (``epoch % 2``) of ``world - 1`` source slots of
+    ``elems`` partials each (slot ``(src - dst + world - 1) % world``)."""
+
+    def __init__(self, world: int, elems: int, tiles: int, itemsize: int):
+        self.flags = 0
+        self.parity_bytes = align((world - 1) * elems * itemsize)
+        self.inbox = align(4 * (world - 1) * tiles)
+        self.nbytes = self.inbox + 2 * self.parity_bytes
+
+
+# -- shapes ----------------------------------------------------------------------
+
+def _check(op: str, x, w) -> None:
+    for name, a in (("x", x), ("w", w)):
+        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+            raise ValueError(f"jaxtdist.{op}: {name} must be an array, got {type(a).__name__}")
+    if x.ndim != 2 or w.ndim != 2:
+        raise ValueError(f"jaxtdist.{op}: x and w must be 2-D, got x{x.shape} and w{w.shape}")
+    if x.shape[1] != w.shape[0]:
+        raise ValueError(f"jaxtdist.{op}: contraction sizes differ: x{x.shape} has "
+                         f"k={x.shape[1]} but w{w.shape} has k={w.shape[0]}")
+    check_dtype(op, "x", x.dtype)
+    if x.dtype != w.dtype:
+        raise ValueError(f"jaxtdist.{op}: x and w must share a dtype, got {x.dtype.name} and "
+                         f"{w.dtype.name}")
+    if 0 in x.shape or 0 in w.shape:
+        raise ValueError(f"jaxtdist.{op}: empty operand x{x.shape} w{w.shape}")
+
+
+def _rs_check(x, w, *, axis_name, config=None) -> None:
+    del config
+    _check("matmul_rs", x, w)
+    world = check_axis(runtime(), axis_name, "matmul_rs").world
+    if x.shape[0] % world:
+        raise ValueError(f"jaxtdist.matmul_rs: the rows of x (M={x.shape[0]}) must be "
+                         f"divisible by the group size W={world} over {axis_name!r}: each rank "
+                         "gets M / W rows of the sum (as psum_scatter requires)")
+
+
+def _ar_check(x, w, *, axis_name, config=None) -> None:
+    del axis_name, config
+    _check("matmul_ar", x, w)
+
+
+def _problem(call: Call, x, w) -> Problem:
+    return Problem(call.platform, call.world, (x.shape[0], w.shape[1], x.shape[1]),
+                   jnp.dtype(x.dtype).name, call.rt.sms)
+
+
+# -- launches --------------------------------------------------------------------
+
+def matmul_rs_kernels(x: jax.Array, w: jax.Array, axis_name, *,
+                      config: dict | None = None) -> jax.Array:
+    """matmul_rs's kernel, at world 1 too (for the tuner and tests); not differentiable.
+
+    ``config`` overrides the defaults (``MatmulRsConfig``) and skips the tuning cache.
+    """
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    _rs_check(x, w, axis_name=axis_name)
+    call = Call("matmul_rs", axis_name)
+    problem = _problem(call, x, w)
+    cfg = resolve(MatmulRsConfig, problem, call.rt, config, axis_name=axis_name)
+    (m, k), n, world = x.shape, w.shape[1], call.world
+    m_shard = m // world
+    partial = x.dtype if cfg.PARTIAL == "input" else jnp.dtype(jnp.float32)
+    per_rank = -(-m_shard // cfg.BLOCK_M) * -(-n // cfg.BLOCK_N)
+    plan = PartialsWorkspace(world, m_shard * n, per_rank, partial.itemsize)
+    # The flags' layout depends on the tiling: calls of another tiling get
+    # their own workspace (and epoch counter).
+    ws = call.workspace("inbox", plan.nbytes, m_shard, n, partial.name, cfg.BLOCK_M,
+                        cfg.BLOCK_N)
+    programs = cfg.programs(problem, world * per_rank)
+    # This rank's rows of a sum over the group: varies over the group's axes
+    # and over whatever x and w vary over.
+    varying = set(call.result_axes(local=(x, w))) | set(call.layout.axes)
+    return call.run(
+        matmul_rs_kernel, x, w, workspace=ws, needs_scratch=cfg.TMA,
+        out_shape=jax.ShapeDtypeStruct((m_shard, n), x.dtype), grid=(programs,),
+        varying=tuple(a for a in call.rt.mesh.axis_names if a in varying),
+        **cfg.launch_options(), M_SHARD=m_shard, N=n, K=k, INBOX_OFF=ws.offset + plan.inbox,
+        PARITY_BYTES=plan.parity_bytes, FLAGS_OFF=ws.offset + plan.flags,
+        PARTIAL_INPUT=cfg.PARTIAL == "input", NUM_PROGRAMS=programs,
+        INTERLEAVE=call.platform == "gpu", BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+        BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, SUBTILE=cfg.SUBTILE, TMA=cfg.TMA)
+
+
+def matmul_ar_kernels(x: jax.Array, w: jax.Array, axis_name, *,
+                      config: dict | None = None) -> jax.Array:
+    """matmul_ar's kernel, at world 1 too (for the tuner and tests); not differentiable."""
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    _ar_check(x, w, axis_name=axis_name)
+    call = Call("matmul_ar", axis_name)
+    problem = _problem(call, x, w)
+    cfg = resolve(MatmulArConfig, problem, call.rt, config, axis_name=axis_name)
+    (m, k), n, world = x.shape, w.shape[1], call.world
+    tiles = -(-m // cfg.BLOCK_M) * -(-n // cfg.BLOCK_N)
+    plan = PartialsWorkspace(world, m * n, tiles, 4)
+    ws = call.workspace("inbox", plan.nbytes, m, n, cfg.BLOCK_M, cfg.BLOCK_N)
+    # The same sum on every rank of the group: like psum, it does not vary over
+    # the group's axes.
+    return call.run(
+        matmul_ar_kernel, x, w, workspace=ws, out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+        needs_scratch=cfg.TMA,
+        grid=(tiles,), varying=call.result_axes(reduced=(x, w)), **cfg.launch_options(),
+        M=m, N=n, K=k, INBOX_OFF=ws.offset + plan.inbox, PARITY_BYTES=plan.parity_bytes,
+        FLAGS_OFF=ws.offset + plan.flags, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+        BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, TMA=cfg.TMA)
