@@ -49,3 +49,8 @@ MATMUL_RS_UNTUNED_SHAPES = [
     ("matmul_ar", 16, 8192, 2048, "bfloat16"),
     ("matmul_ar", 128, 8192, 2048, "bfloat16"),
 ]
+
+# flash_decode: (B, Hq, Hkv, D) and the total sequence lengths S (bf16). At world 1
+# one GPU holds the whole cache; at world W each rank holds S / W positions.
+FLASH_DECODE_HEADS = (1, 32, 8, 128)
+FLASH_DECODE_SEQS = [8192, 32768, 131072, 262144]
