@@ -30,8 +30,8 @@ if _os.environ.get("_JAXTDIST_INTERPRETER_WORKER") != "1":
     from jaxtdist import tune
     from jaxtdist.ops import (ag_attention, ag_attention_sharded, ag_matmul,
                               ag_matmul_sharded, all_gather, all_reduce, flash_decode,
-                              flash_decode_sharded, matmul_ar, matmul_ar_sharded, matmul_rs, matmul_rs_sharded, reduce_scatter,
-                              triton_call)
+                              flash_decode_sharded, matmul_ar, matmul_ar_sharded, matmul_rs,
+                              matmul_rs_sharded, reduce_scatter, triton_call)
     from jaxtdist.runtime import initialize, is_initialized, shutdown
 
     def check_errors() -> None:
