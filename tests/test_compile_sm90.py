@@ -265,3 +265,32 @@ def test_flash_decode_compiles_with_tensor_cores_and_its_protocol(dtype, d, grou
     assert "ld.global.sys.acquire" in ptx or "ld.acquire.sys" in ptx  # peers' flags
     assert "release" in ptx
     assert k.metadata.shared <= 227 * 1024
+
+
+@pytest.mark.parametrize("dtype,d,causal", [("bf16", 128, True), ("fp16", 64, False),
+                                            ("fp32", 64, True)])
+def test_ag_attention_compiles_with_tensor_cores(dtype, d, causal):
+    """ag_attention: the attention tiles on tensor cores (wgmma for 128-row query
+    tiles of 16-bit types), pipelined K/V loads, peers' ready flags acquired at
+    system scope, the ready notify a system-scope release."""
+    from jaxtdist.kernels.ag_attention import ag_attention_kernel
+    k = _compile(ag_attention_kernel,
+                 {"ctx": "*i32", "q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}",
+                  "v_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"},
+                 dict(S=8192, HQ=32, HKV=8, D=d, CAUSAL=causal, QK_SCALE=0.1275,
+                      STAGE_OFF=4096, PARITY_BYTES=1 << 26, KV_ELEMS=8192 * 8 * d,
+                      READY_OFF=0, BLOCK_M=128 if dtype != "fp32" else 64,
+                      BLOCK_N=64 if dtype != "fp32" else 32, BLOCK_D=d, IEEE=dtype == "fp32"),
+                 num_warps=8 if d > 64 else 4, num_stages=3 if dtype != "fp32" else 2)
+    ptx = k.asm["ptx"]
+    ops = _ops(k)
+    if dtype != "fp32":
+        assert any(op.startswith(("wgmma", "mma.sync")) for op in ops), dict(ops)
+        assert ops["cp.async.cg.shared.global"] > 0, dict(ops)
+    # The peers' chunks too: the wait's token must not cost the loads their width.
+    narrow = {op: n for op, n in ops.items() if op.startswith("ld.global")
+              and op.endswith((".b16", ".b8"))}
+    assert not narrow, f"K/V loads lost vectorization: {dict(ops)}"
+    assert "ld.global.sys.acquire" in ptx or "ld.acquire.sys" in ptx
+    assert "release" in ptx
+    assert k.metadata.shared <= 227 * 1024
