@@ -54,3 +54,9 @@ MATMUL_RS_UNTUNED_SHAPES = [
 # one GPU holds the whole cache; at world W each rank holds S / W positions.
 FLASH_DECODE_HEADS = (1, 32, 8, 128)
 FLASH_DECODE_SEQS = [8192, 32768, 131072, 262144]
+
+# ag_attention: (B, H, D) (multi-head, causal, bf16) and total sequence lengths S.
+# At world 1 one GPU holds the whole sequence; at world W each rank S / W positions.
+AG_ATTENTION_HEADS = (1, 32, 128)
+AG_ATTENTION_SEQS = [4096, 8192, 16384, 32768]
+AG_ATTENTION_SEQS_MULTI = [32768, 131072]
