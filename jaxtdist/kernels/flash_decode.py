@@ -12,8 +12,9 @@ so every K and V row is read from memory once per call.
    chunk's normalized output, ``lse`` its log-sum-exp (-inf for an empty chunk,
    with ``o = 0``).
 2. Local combine: the program then adds 1 to the group's arrival counter
-   (acquire-release, GPU scope); the one that brings it to ``e * NSPLIT`` (the
-   last of the group in epoch ``e``: counters are never reset) merges the
+   (acquire-release, GPU scope); the one that brings it to NSPLIT (the last of
+   the group) sets it back to 0 for the next call (which starts after this
+   kernel ends: no epoch arithmetic that could overflow) and merges the
    group's NSPLIT partials into this rank's partial.
 3. Exchange: that program pushes its rank's partial into every peer's inbox
    (stores through ``dl.symm_at``, then the flag ``(me, group)`` of that peer set
@@ -159,11 +160,14 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, out_ptr, QK_SCALE: tl
     tl.store(local_o + pid * (BLOCK_G * BLOCK_D) + tile, o)
     tl.store(local_lse + pid * BLOCK_G + g, lse)
 
-    # 2. The group's last program (in epoch e) merges the group's partials.
+    # 2. The group's last program merges the group's partials.
     counter = dl.heap_ptr(ctx, COUNT_OFF, tl.int32) + group
     tl.debug_barrier()  # every thread's stores come before the release
     arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if arrived == e * NSPLIT - 1:
+    if arrived == NSPLIT - 1:
+        # Every program of the group has arrived: none touches the counter again
+        # in this kernel, and the next kernel starts after this one ends.
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
         tl.debug_barrier()  # the acquiring thread's view extends to the program
         m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
         l = tl.zeros((BLOCK_G,), tl.float32)
