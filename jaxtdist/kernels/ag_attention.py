@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 import jaxtdist.language as dl
+from jaxtdist.kernels._tiles import aligned_after
 
 
 @triton.jit
@@ -128,13 +129,9 @@ def ag_attention_kernel(ctx, q_ptr, k_ptr, v_ptr, out_ptr,
         else:
             src = (me + step) % world
         token = dl.wait(ctx, ready + src, e, "ge", src)
-        # The peer's copy, as symm_at finds it, but with the address shift made
-        # data-dependent on the wait (no load above it) and then rounded to 16
-        # bytes, so that the tile loads keep their 16-byte vectorization.
-        shift = dl.consume_token(dl.heap_base(ctx, src) - dl.heap_base(ctx, me), token)
-        shift = (shift >> 4) << 4
-        kb = (stage_k.to(tl.pointer_type(tl.int8), bitcast=True) + shift).to(stage_k.dtype,
-                                                                            bitcast=True)
+        # The peer's staged copy, loads ordered after the wait; aligned_after keeps
+        # the tile loads 16 bytes wide.
+        kb = aligned_after(dl.symm_at(ctx, stage_k, src), token)
         m, l, acc = _attend(q, m, l, acc, kb, kb + KV_ELEMS, b, hk, rows, S, False, S, HKV, D,
                             BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
 

@@ -53,6 +53,7 @@ import triton
 import triton.language as tl
 
 import jaxtdist.language as dl
+from jaxtdist.kernels._tiles import aligned_after
 
 
 @triton.jit
@@ -147,6 +148,9 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, out_ptr, QK_SCALE: tl
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     tile = g[:, None] * BLOCK_D + d[None, :]
+    # Only the GROUP real query rows of the padded tile move through memory.
+    real = g < GROUP
+    real_tile = real[:, None] & (d < BLOCK_D)[None, :]
 
     # 1. This program's chunk of this rank's valid positions.
     valid = tl.minimum(tl.maximum(tl.load(len_ptr + b) - me * S_SHARD, 0), S_SHARD)
@@ -157,8 +161,8 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, out_ptr, QK_SCALE: tl
     o, lse = _finish(m, l, acc)
     local_o = dl.heap_ptr(ctx, LOCAL_OFF, tl.float32)
     local_lse = dl.heap_ptr(ctx, LSE_OFF, tl.float32)
-    tl.store(local_o + pid * (BLOCK_G * BLOCK_D) + tile, o)
-    tl.store(local_lse + pid * BLOCK_G + g, lse)
+    tl.store(local_o + pid * (BLOCK_G * BLOCK_D) + tile, o, mask=real_tile)
+    tl.store(local_lse + pid * BLOCK_G + g, lse, mask=real)
 
     # 2. The group's last program merges the group's partials.
     counter = dl.heap_ptr(ctx, COUNT_OFF, tl.int32) + group
@@ -172,12 +176,16 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, out_ptr, QK_SCALE: tl
         m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
         l = tl.zeros((BLOCK_G,), tl.float32)
         acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
-        for s in range(0, NSPLIT):
-            slot = group * NSPLIT + s
+        # Unrolled (NSPLIT is small, see FlashDecodeConfig): the loads do not
+        # depend on each other, so they are issued ahead instead of one L2
+        # round trip per split.
+        group_o = aligned_after(local_o, arrived) + group * NSPLIT * (BLOCK_G * BLOCK_D)
+        group_lse = aligned_after(local_lse, arrived) + group * NSPLIT * BLOCK_G
+        for s in tl.static_range(NSPLIT):
             # .cg: written by other programs (L2), never stale L1 lines.
-            part_o = tl.load(dl.consume_token(local_o + slot * (BLOCK_G * BLOCK_D) + tile,
-                                              arrived), cache_modifier=".cg")
-            part_lse = tl.load(dl.consume_token(local_lse + slot * BLOCK_G + g, arrived),
+            part_o = tl.load(group_o + s * (BLOCK_G * BLOCK_D) + tile, mask=real_tile,
+                             other=0.0, cache_modifier=".cg")
+            part_lse = tl.load(group_lse + s * BLOCK_G + g, mask=real, other=float("-inf"),
                                cache_modifier=".cg")
             m, l, acc = _merge(m, l, acc, part_lse, part_o)
         o, lse = _finish(m, l, acc)
@@ -191,11 +199,11 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, out_ptr, QK_SCALE: tl
         my_lse = inbox_lse + (me * GROUPS + group) * BLOCK_G + g
         for step in range(1, world):
             dst = (me + step) % world
-            tl.store(dl.symm_at(ctx, my_o, dst), o)
-            tl.store(dl.symm_at(ctx, my_lse, dst), lse)
+            tl.store(dl.symm_at(ctx, my_o, dst), o, mask=real_tile)
+            tl.store(dl.symm_at(ctx, my_lse, dst), lse, mask=real)
             dl.notify(ctx, flags + me * GROUPS + group, dst, e)
-        tl.store(my_o, o)
-        tl.store(my_lse, lse)
+        tl.store(my_o, o, mask=real_tile)
+        tl.store(my_lse, lse, mask=real)
         tl.debug_barrier()  # the own slot is read back below, by any thread
 
         # Merge in rank order: the same operations on the same values everywhere.
@@ -207,11 +215,11 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, out_ptr, QK_SCALE: tl
             if src != me:
                 # ">=": the peer may already have published epoch e + 1 (other parity).
                 token = dl.wait(ctx, flags + src * GROUPS + group, e, "ge", src)
-            part_o = tl.load(dl.consume_token(
-                inbox_o + (src * GROUPS + group) * (BLOCK_G * BLOCK_D) + tile, token),
-                cache_modifier=".cg")
-            part_lse = tl.load(dl.consume_token(inbox_lse + (src * GROUPS + group) * BLOCK_G + g,
-                                                token), cache_modifier=".cg")
+            slot = src * GROUPS + group
+            part_o = tl.load(aligned_after(inbox_o, token) + slot * (BLOCK_G * BLOCK_D) + tile,
+                             mask=real_tile, other=0.0, cache_modifier=".cg")
+            part_lse = tl.load(aligned_after(inbox_lse, token) + slot * BLOCK_G + g, mask=real,
+                               other=float("-inf"), cache_modifier=".cg")
             m, l, acc = _merge(m, l, acc, part_lse, part_o)
         o, lse = _finish(m, l, acc)
         out_rows = b * HQ + h * GROUP + g

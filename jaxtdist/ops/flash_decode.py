@@ -33,6 +33,8 @@ _MAX_GROUP = 128
 # Positions per split at least: fewer make the merge (NSPLIT partials read by one
 # program per KV head) cost more than the chunk it saves.
 _MIN_CHUNK = 512
+# The group's merge is unrolled over the splits (its loads issued ahead): keep it short.
+_MAX_SPLITS = 64
 
 
 # -- config ----------------------------------------------------------------------
@@ -43,8 +45,9 @@ class FlashDecodeConfig(KernelConfig):
 
     Attributes:
       BLOCK_N: positions per step of the online softmax (a power of 2, >= 16).
-      NUM_SPLITS: position chunks per (batch, KV head) on each rank (0: about
-        two programs per SM on GPUs, at least ``_MIN_CHUNK`` positions each).
+      NUM_SPLITS: position chunks per (batch, KV head) on each rank, at most
+        ``_MAX_SPLITS`` (0: about two programs per SM on GPUs, at least
+        ``_MIN_CHUNK`` positions each).
       num_warps, num_stages: launch options.
     """
     OP: ClassVar[str] = "flash_decode"
@@ -71,7 +74,8 @@ class FlashDecodeConfig(KernelConfig):
         steps = -(-s_shard // self.BLOCK_N)
         asked = self.NUM_SPLITS
         if not asked:
-            asked = min(-(-2 * problem.sms // (b * hkv)), -(-s_shard // _MIN_CHUNK))
+            asked = min(-(-2 * problem.sms // (b * hkv)), -(-s_shard // _MIN_CHUNK),
+                        _MAX_SPLITS)
         return max(1, min(asked, steps))
 
     def validate(self, problem: Problem) -> None:
@@ -84,9 +88,11 @@ class FlashDecodeConfig(KernelConfig):
             raise ValueError(f"jaxtdist.flash_decode: config BLOCK_N={self.BLOCK_N} must be a "
                              "power of 2 >= 16 (tl.dot's smallest tile)")
         p = self.NUM_SPLITS
-        if isinstance(p, bool) or not isinstance(p, (int, np.integer)) or p < 0:
+        if (isinstance(p, bool) or not isinstance(p, (int, np.integer)) or p < 0
+                or p > _MAX_SPLITS):
             raise ValueError(f"jaxtdist.flash_decode: config NUM_SPLITS={p!r} must be an int "
-                             ">= 0 (0: chosen from the SMs and the sequence)")
+                             f"in [0, {_MAX_SPLITS}] (0: chosen from the SMs and the sequence; "
+                             "the merge is unrolled over the splits)")
 
     @classmethod
     def search_space(cls, problem: Problem) -> list[dict]:
@@ -95,7 +101,8 @@ class FlashDecodeConfig(KernelConfig):
         b, _, hkv, _, _ = problem.shape
         base = -(-2 * problem.sms // (b * hkv))
         return cls.fitting(problem, [{}] + [
-            dict(BLOCK_N=bn, NUM_SPLITS=max(1, base * f // 2), num_warps=w, num_stages=st)
+            dict(BLOCK_N=bn, NUM_SPLITS=min(_MAX_SPLITS, max(1, base * f // 2)), num_warps=w,
+                 num_stages=st)
             for bn in (32, 64, 128) for f in (1, 2, 4) for w in (4, 8) for st in (2, 3, 4)])
 
 
