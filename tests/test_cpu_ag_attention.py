@@ -162,3 +162,21 @@ def test_ag_attention_errors():
         run(q, k, k, config=dict(BLOCK=16))
     with pytest.raises(ValueError, match="axis"):
         run(q, k, k, axis="tp")
+
+
+def _wall_us(fn, args, world, iterations):
+    import time
+
+    jax.block_until_ready(fn(*args))
+    t = time.perf_counter()
+    for _ in range(iterations):
+        jax.block_until_ready(fn(*args))
+    return (time.perf_counter() - t) / iterations * 1e6
+
+
+def test_ag_attention_tunes_with_an_explicit_measure():
+    setup(2, ("sp",))
+    result = td.tune.tune("ag_attention", (1, 8, 2, 1, 64), jnp.float32, axis_name="sp",
+                          candidates=[{}, dict(BLOCK_N=32)], iterations=1, measure=_wall_us)
+    assert len(result["tried"]) == 2 and all("us" in r for r in result["tried"])
+    assert result["variant"] == "pull"

@@ -197,3 +197,21 @@ def test_flash_decode_errors():
         run(q, k, k, n, config=dict(SPLITS=2))
     with pytest.raises(ValueError, match="not an axis|axis"):
         run(q, k, k, n, axis="tp")
+
+
+def _wall_us(fn, args, world, iterations):
+    import time
+
+    jax.block_until_ready(fn(*args))
+    t = time.perf_counter()
+    for _ in range(iterations):
+        jax.block_until_ready(fn(*args))
+    return (time.perf_counter() - t) / iterations * 1e6
+
+
+def test_flash_decode_tunes_with_an_explicit_measure():
+    setup(2, ("sp",))
+    result = td.tune.tune("flash_decode", (1, 4, 1, 64, 20), jnp.float32, axis_name="sp",
+                          candidates=[{}, dict(NUM_SPLITS=1)], iterations=1, measure=_wall_us)
+    assert len(result["tried"]) == 2 and all("us" in r for r in result["tried"])
+    assert result["variant"] == "split_kv_push"
