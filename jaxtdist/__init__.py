@@ -28,9 +28,10 @@ if _os.environ.get("_JAXTDIST_INTERPRETER_WORKER") != "1":
     from jaxtdist import runtime  # the subpackage; runtime.runtime() is the object
     from jaxtdist.runtime._bootstrap import BootstrapTimeoutError
     from jaxtdist import tune
-    from jaxtdist.ops import (ag_matmul, ag_matmul_sharded, all_gather, all_reduce, matmul_ar,
-                              matmul_ar_sharded, matmul_rs, matmul_rs_sharded, reduce_scatter,
-                              triton_call)
+    from jaxtdist.ops import (ag_attention, ag_attention_sharded, ag_matmul,
+                              ag_matmul_sharded, all_gather, all_reduce, flash_decode,
+                              flash_decode_sharded, matmul_ar, matmul_ar_sharded, matmul_rs,
+                              matmul_rs_sharded, reduce_scatter, triton_call)
     from jaxtdist.runtime import initialize, is_initialized, shutdown
 
     def check_errors() -> None:
@@ -45,11 +46,15 @@ __all__ = [
     "NotInitializedError",
     "WaitTimeoutError",
     "WorkerDiedError",
+    "ag_attention",
+    "ag_attention_sharded",
     "ag_matmul",
     "ag_matmul_sharded",
     "all_gather",
     "all_reduce",
     "check_errors",
+    "flash_decode",
+    "flash_decode_sharded",
     "initialize",
     "is_initialized",
     "matmul_ar",

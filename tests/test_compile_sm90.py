@@ -236,3 +236,61 @@ def test_launch_warps_of_warp_specialized_kernel(num_warps):
     assert launch_warps(k.metadata) >= num_warps
     if num_warps == 4:  # Triton 3.6 specializes this loop at 4 warps (12 in all)
         assert launch_warps(k.metadata) > num_warps
+
+
+@pytest.mark.parametrize("dtype,d,group", [("bf16", 128, 4), ("fp16", 64, 8), ("fp32", 128, 1)])
+def test_flash_decode_compiles_with_tensor_cores_and_its_protocol(dtype, d, group):
+    """flash_decode: the split-KV dots on tensor cores (mma.sync for the 16-row query
+    tile), 16-byte K/V loads, the arrival counter as one acq_rel GPU-scope atomic,
+    partials read from L2 (.cg), the peers' flags with system-scope release/acquire."""
+    from jaxtdist.kernels.flash_decode import flash_decode_kernel
+    block_d = max(16, d)
+    k = _compile(flash_decode_kernel,
+                 {"ctx": "*i32", "q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}",
+                  "v_ptr": f"*{dtype}", "len_ptr": "*i32", "out_ptr": f"*{dtype}"},
+                 dict(QK_SCALE=0.1275, HQ=8 * group, HKV=8, GROUP=group, D=d, S_SHARD=32768,
+                      GROUPS=8, NSPLIT=32, CHUNK=1024, LOCAL_OFF=0, LSE_OFF=1 << 20,
+                      COUNT_OFF=1 << 21, INBOX_OFF=1 << 22, INBOX_LSE=1 << 18,
+                      PARITY_BYTES=1 << 19, FLAGS_OFF=1 << 24, BLOCK_N=64, BLOCK_G=16,
+                      BLOCK_D=block_d, IEEE=dtype == "fp32"),
+                 num_warps=4, num_stages=3)
+    ptx = k.asm["ptx"]
+    ops = _ops(k)
+    if dtype != "fp32":
+        assert any(op.startswith("mma.sync") for op in ops), dict(ops)
+        assert ops["cp.async.cg.shared.global"] > 0, dict(ops)  # pipelined K/V loads
+    assert re.search(r"atom\.global\.gpu\.acq_rel\.add|atom\.acq_rel\.gpu\.global\.add", ptx), \
+        "arrival counter is not an acq_rel GPU-scope atomic"
+    assert ops["ld.global.cg.v4.b32"] > 0, dict(ops)  # partials from L2, 16 bytes wide
+    assert "ld.global.sys.acquire" in ptx or "ld.acquire.sys" in ptx  # peers' flags
+    assert "release" in ptx
+    assert k.metadata.shared <= 227 * 1024
+
+
+@pytest.mark.parametrize("dtype,d,causal", [("bf16", 128, True), ("fp16", 64, False),
+                                            ("fp32", 64, True)])
+def test_ag_attention_compiles_with_tensor_cores(dtype, d, causal):
+    """ag_attention: the attention tiles on tensor cores (wgmma for 128-row query
+    tiles of 16-bit types), pipelined K/V loads, peers' ready flags acquired at
+    system scope, the ready notify a system-scope release."""
+    from jaxtdist.kernels.ag_attention import ag_attention_kernel
+    k = _compile(ag_attention_kernel,
+                 {"ctx": "*i32", "q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}",
+                  "v_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"},
+                 dict(S=8192, HQ=32, HKV=8, D=d, CAUSAL=causal, QK_SCALE=0.1275,
+                      STAGE_OFF=4096, PARITY_BYTES=1 << 26, KV_ELEMS=8192 * 8 * d,
+                      READY_OFF=0, BLOCK_M=128 if dtype != "fp32" else 64,
+                      BLOCK_N=64 if dtype != "fp32" else 32, BLOCK_D=d, IEEE=dtype == "fp32"),
+                 num_warps=8 if d > 64 else 4, num_stages=3 if dtype != "fp32" else 2)
+    ptx = k.asm["ptx"]
+    ops = _ops(k)
+    if dtype != "fp32":
+        assert any(op.startswith(("wgmma", "mma.sync")) for op in ops), dict(ops)
+        assert ops["cp.async.cg.shared.global"] > 0, dict(ops)
+    # The peers' chunks too: the wait's token must not cost the loads their width.
+    narrow = {op: n for op, n in ops.items() if op.startswith("ld.global")
+              and op.endswith((".b16", ".b8"))}
+    assert not narrow, f"K/V loads lost vectorization: {dict(ops)}"
+    assert "ld.global.sys.acquire" in ptx or "ld.acquire.sys" in ptx
+    assert "release" in ptx
+    assert k.metadata.shared <= 227 * 1024

@@ -77,3 +77,13 @@ GEMM_SHAPES = [
     ("matmul_ar", 128, 8192, 2048),      # 70B o_proj, tp 4, decode 128
     ("matmul_ar", 256, 4096, 512),       # 8B o_proj, tp 8, decode 256
 ]
+# flash_decode: (B, Hq, Hkv, D) and the total sequence lengths S (bf16). At world 1
+# one GPU holds the whole cache; at world W each rank holds S / W positions.
+FLASH_DECODE_HEADS = (1, 32, 8, 128)
+FLASH_DECODE_SEQS = [8192, 32768, 131072, 262144]
+
+# ag_attention: (B, H, D) (multi-head, causal, bf16) and total sequence lengths S.
+# At world 1 one GPU holds the whole sequence; at world W each rank S / W positions.
+AG_ATTENTION_HEADS = (1, 32, 128)
+AG_ATTENTION_SEQS = [4096, 8192, 16384, 32768]
+AG_ATTENTION_SEQS_MULTI = [32768, 131072]

@@ -1,7 +1,10 @@
-"""Tile helpers shared by every kernel: tile orders, swizzles and the pointer GEMM tile."""
+"""Tile helpers shared by every kernel: tile orders, swizzles, the pointer GEMM tile,
+and pointers ordered after a wait that keep their alignment."""
 
 import triton
 import triton.language as tl
+
+import jaxtdist.language as dl
 
 
 @triton.jit
@@ -59,3 +62,15 @@ def dot_tile(a_ptr, b_ptr, rows, row_mask, cols, col_mask, k_lo, k_hi, K: tl.con
                     mask=k_mask[:, None] & col_mask[None, :], other=0.0)
         acc = tl.dot(a, b, acc)
     return acc
+
+
+@triton.jit
+def aligned_after(ptr, token):
+    """``ptr`` made data-dependent on ``token`` (a wait's or an atomic's result), so
+    that loads through it cannot move above what produced the token, with the
+    pointer's 16-byte alignment kept for the compiler (``dl.consume_token`` on a
+    block of pointers hides it, and the loads then go out 2 or 4 bytes at a time).
+    """
+    zero = dl.consume_token(token.to(tl.int64) * 0, token)
+    zero = (zero >> 4) << 4
+    return (ptr.to(tl.pointer_type(tl.int8), bitcast=True) + zero).to(ptr.dtype, bitcast=True)

@@ -1,11 +1,14 @@
 """jaxtdist.ops: JAX-side ops (shapes, dtypes, autodiff, dispatch)."""
 
+from jaxtdist.ops.ag_attention import ag_attention, ag_attention_kernels, ag_attention_sharded
 from jaxtdist.ops.ag_matmul import ag_matmul, ag_matmul_sharded
 from jaxtdist.ops.all_gather import all_gather
 from jaxtdist.ops.all_reduce import all_reduce
+from jaxtdist.ops.flash_decode import flash_decode, flash_decode_kernels, flash_decode_sharded
 from jaxtdist.ops.matmul_rs import matmul_ar, matmul_ar_sharded, matmul_rs, matmul_rs_sharded
 from jaxtdist.ops.reduce_scatter import reduce_scatter
 from jaxtdist.ops.user import triton_call
 
-__all__ = ["ag_matmul", "ag_matmul_sharded", "all_gather", "all_reduce", "matmul_ar",
+__all__ = ["ag_attention", "ag_attention_kernels", "ag_attention_sharded", "ag_matmul", "ag_matmul_sharded", "all_gather", "all_reduce", "flash_decode",
+           "flash_decode_kernels", "flash_decode_sharded", "matmul_ar",
            "matmul_ar_sharded", "matmul_rs", "matmul_rs_sharded", "reduce_scatter", "triton_call"]

@@ -136,7 +136,47 @@ def check_all(mesh, world: int) -> dict[str, float]:
         worst = max(worst, relerr(f(place(mesh, x, P("tp", None))),
                                   np.tile(x.reshape(1, -1), (world, 1))))
     errs["shmem_all_gather"] = worst
+    b, hq, hkv, d, s = 2, 8, 2, 64, 5
+    q = rand(16, (b, hq, d))
+    kc, vc = rand(17, (b, world * s, hkv, d)), rand(18, (b, world * s, hkv, d))
+    lens = np.array([world * s - 1, 3], np.int32)  # the second: rank 0's positions only
+    f = sm(lambda a, k_, v_, n: td.flash_decode(a, k_, v_, n, "tp"),
+           (P(), P(None, "tp"), P(None, "tp"), P()), P(), check_vma=False)
+    errs["flash_decode"] = relerr(f(place(mesh, q, P()), place(mesh, kc, P(None, "tp")),
+                                    place(mesh, vc, P(None, "tp")), place(mesh, lens, P())),
+                                  decode_reference(q, kc, vc, lens))
+    q = rand(19, (1, world * 6, 4, 64))
+    kc, vc = rand(20, (1, world * 6, 2, 64)), rand(21, (1, world * 6, 2, 64))
+    spec = P(None, "tp")
+    f = sm(lambda a, k_, v_: td.ag_attention(a, k_, v_, "tp"), (spec,) * 3, spec)
+    errs["ag_attention"] = relerr(f(*(place(mesh, a, spec) for a in (q, kc, vc))),
+                                  causal_reference(q, kc, vc))
     return errs
+
+
+def causal_reference(q, k, v) -> np.ndarray:
+    """float64 causal attention over the whole sequence (GQA)."""
+    bsz, s, hq, d = q.shape
+    hkv = k.shape[2]
+    scores = np.einsum("bqhgd,bkhd->bhgqk", q.reshape(bsz, s, hkv, hq // hkv, d).astype(
+        np.float64), k.astype(np.float64)) / np.sqrt(d)
+    scores = np.where(np.tril(np.ones((s, s), bool)), scores, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    o = np.einsum("bhgqk,bkhd->bqhgd", p / p.sum(-1, keepdims=True), v.astype(np.float64))
+    return o.reshape(bsz, s, hq, d)
+
+
+def decode_reference(q, k, v, kv_len) -> np.ndarray:
+    """float64 decode attention over the whole cache (GQA), masked at kv_len."""
+    bsz, hq, d = q.shape
+    s, hkv = k.shape[1], k.shape[2]
+    scores = np.einsum("bhgd,bshd->bhgs", q.reshape(bsz, hkv, hq // hkv, d).astype(np.float64),
+                       k.astype(np.float64)) / np.sqrt(d)
+    scores = np.where((np.arange(s)[None, :] < kv_len[:, None])[:, None, None, :], scores,
+                      -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    o = np.einsum("bhgs,bshd->bhgd", p / p.sum(-1, keepdims=True), v.astype(np.float64))
+    return o.reshape(bsz, hq, d)
 
 
 def check_transforms(mesh, world: int, batch: int = 2) -> dict[str, float]:

@@ -1,0 +1,177 @@
+"""ag_attention's benchmark: jaxtdist's sequence-parallel attention against XLA's.
+
+B=1, H=32, D=128, causal, bf16 (``shapes.AG_ATTENTION_*``):
+
+- world 1 (default): jaxtdist's forward kernel forced at world 1
+  (``ag_attention_kernels``) against ``jax.nn.dot_product_attention`` (cuDNN
+  where JAX picks it, else XLA) at S of ``AG_ATTENTION_SEQS``;
+- world W > 1 (``--world W``): ``jaxtdist.ag_attention`` against XLA's
+  ``all_gather`` of k and v + ``jax.nn.dot_product_attention`` with the causal
+  mask by global position, at S total of ``AG_ATTENTION_SEQS_MULTI``.
+
+Outputs are checked on 256 query rows per rank (first and last 128) against a
+float32 attention on the device: the full reference would not fit in memory.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxtdist.bench import harness as h
+from jaxtdist.bench.shapes import AG_ATTENTION_HEADS, AG_ATTENTION_SEQS, AG_ATTENTION_SEQS_MULTI
+
+SP = P(None, "sp")
+
+
+def _mesh(world: int):
+    return jax.make_mesh((world,), ("sp",), devices=jax.devices()[:world],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def _ops():
+    import importlib
+
+    return importlib.import_module("jaxtdist.ops.ag_attention")
+
+
+def _checked_rows(s_total: int, world: int) -> np.ndarray:
+    """The query rows whose output is checked: the first and last 128 of each rank."""
+    shard = s_total // world
+    rows = []
+    for r in range(world):
+        lo, hi = r * shard, (r + 1) * shard
+        rows += list(range(lo, min(lo + 128, hi))) + list(range(max(lo, hi - 128), hi))
+    return np.unique(np.asarray(rows))
+
+
+def _reference_rows(q, k, v, rows: np.ndarray) -> np.ndarray:
+    """float32 causal attention of query rows ``rows`` over every key (on the device,
+    128 rows at a time: the scores of all of them would not fit)."""
+    kf, vf = jnp.asarray(k).astype(jnp.float32), jnp.asarray(v).astype(jnp.float32)
+
+    @jax.jit
+    def block(qs, pos):
+        scores = jnp.einsum("bqhd,bkhd->bhqk", qs.astype(jnp.float32), kf,
+                            precision=jax.lax.Precision.HIGHEST) / np.float32(np.sqrt(q.shape[-1]))
+        seen = pos[:, None] >= jnp.arange(kf.shape[1])[None, :]
+        p = jax.nn.softmax(jnp.where(seen, scores, -jnp.inf), axis=-1)
+        return jnp.einsum("bhqk,bkhd->bqhd", p, vf, precision=jax.lax.Precision.HIGHEST)
+
+    qa = jnp.asarray(q)
+    return np.concatenate([np.asarray(block(qa[:, rows[i:i + 128]], jnp.asarray(rows[i:i + 128])))
+                           for i in range(0, len(rows), 128)], axis=1)
+
+
+def _xla_gather_attention(q, k, v):
+    """XLA's sequence parallelism: all_gather k and v, attention with the causal mask
+    of this rank's global positions."""
+    s = q.shape[1]
+    k_all = jax.lax.all_gather(k, "sp", axis=1, tiled=True)
+    v_all = jax.lax.all_gather(v, "sp", axis=1, tiled=True)
+    start = jax.lax.axis_index("sp") * s
+    mask = (start + jnp.arange(s))[:, None] >= jnp.arange(k_all.shape[1])[None, :]
+    return jax.nn.dot_product_attention(q, k_all, v_all, mask=mask[None, None])
+
+
+def bench_ag_attention(seqs, iterations: int, world: int, dtype=jnp.bfloat16,
+                       rounds: int = 4) -> list[dict]:
+    import jaxtdist as td
+
+    ops = _ops()
+    b, hh, d = AG_ATTENTION_HEADS
+    mesh = _mesh(world)
+    td.initialize(mesh)
+    specs = dict(mesh=mesh, in_specs=(SP,) * 3, out_specs=SP, check_vma=False)
+    if world == 1:
+        fns = dict(jaxtdist=jax.jit(jax.shard_map(
+                       lambda *a: ops.ag_attention_kernels(*a, "sp", causal=True), **specs)),
+                   jax_nn_dpa=jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+                       q, k, v, is_causal=True)))
+    else:
+        fns = dict(jaxtdist=jax.jit(jax.shard_map(
+                       lambda *a: td.ag_attention(*a, "sp", causal=True), **specs)),
+                   xla_all_gather_dpa=jax.jit(jax.shard_map(_xla_gather_attention, **specs)))
+    rows = []
+    for i, s in enumerate(seqs):
+        s = -(-s // world) * world
+        q, k, v = (h.normal(600 + 3 * i + j, (b, s, hh, d), dtype) for j in range(3))
+        args = tuple(jax.device_put(a, NamedSharding(mesh, SP)) for a in (q, k, v))
+        flops = 4.0 * b * hh * d * s * s / 2  # causal: half of QK^T and PV
+        row = dict(b=b, h=hh, d=d, seq=s, world=world, dtype=jnp.dtype(dtype).name,
+                   size=float(s), label=f"S={s}", flops=flops)
+        row.update(h.interleaved({name: h.Contender(fn, args, world)
+                                  for name, fn in fns.items()}, iterations, rounds))
+        checked = _checked_rows(s, world)
+        ref = _reference_rows(q, k, v, checked)
+        for name, fn in fns.items():
+            stats = row[name]
+            if "error" in stats:
+                continue
+            out = np.asarray(fn(*args)[:, checked], np.float32)
+            stats["rel_err"] = h.rel_err(out, ref)
+            stats["tflops"] = flops / world / (stats["mean_us"] * 1e-6) / 1e12
+        rows.append(row)
+        print(f"S={s} world={world}: " + " | ".join(f"{n} {h.us(row.get(n))}" for n in fns),
+              flush=True)
+        del args
+    return rows
+
+
+def _tflops(entry: dict | None) -> str:
+    return f"{entry['tflops']:.0f}" if entry and "tflops" in entry else "n/a"
+
+
+WORLD1_COLUMNS = [
+    h.Column("S", lambda r: str(r["seq"])),
+    h.Column("jax.nn.dot_product_attention", lambda r: h.us(r.get("jax_nn_dpa"))),
+    h.Column("jaxtdist kernel", lambda r: h.us(r.get("jaxtdist"))),
+    h.Column("jaxtdist / jax.nn", lambda r: h.ratio(r.get("jaxtdist"), r.get("jax_nn_dpa"))),
+    h.Column("TFLOP/s (jaxtdist)", lambda r: _tflops(r.get("jaxtdist"))),
+    h.Column("rel err", lambda r: h.err(r.get("jaxtdist"))),
+    h.Column("rel err (jax.nn)", lambda r: h.err(r.get("jax_nn_dpa"))),
+]
+
+WORLD_COLUMNS = [
+    h.Column("S total", lambda r: str(r["seq"])),
+    h.Column("all_gather + dot_product_attention", lambda r: h.us(r.get("xla_all_gather_dpa"))),
+    h.Column("jaxtdist.ag_attention", lambda r: h.us(r.get("jaxtdist"))),
+    h.Column("jaxtdist / XLA", lambda r: h.ratio(r.get("jaxtdist"), r.get("xla_all_gather_dpa"))),
+    h.Column("TFLOP/s per GPU", lambda r: _tflops(r.get("jaxtdist"))),
+    h.Column("rel err", lambda r: h.err(r.get("jaxtdist"))),
+]
+
+
+def table(res: dict) -> str:
+    b, hh, d = AG_ATTENTION_HEADS
+    shape = f"B={b}, H={hh}, D={d}, causal, bfloat16"
+    if res["world"] == 1:
+        return h.markdown_table(
+            f"ag_attention's forward at world 1 (kernel forced), {shape}, 1 x {res['device']}; "
+            f"{h.timing_note(res)}", WORLD1_COLUMNS, res["rows"])
+    return h.markdown_table(
+        f"ag_attention forward, {shape}, S total over {res['world']} x {res['device']}; "
+        f"{h.timing_note(res)}", WORLD_COLUMNS, res["rows"])
+
+
+def run(args) -> tuple[list[dict], dict]:
+    world = args.world or 1
+    seqs = AG_ATTENTION_SEQS if world == 1 else AG_ATTENTION_SEQS_MULTI
+    seqs = seqs[:1] if args.quick else seqs
+    return bench_ag_attention(seqs, args.iterations, world, rounds=args.rounds), dict(world=world)
+
+
+def _arguments(parser) -> None:
+    parser.add_argument("--world", type=int, default=1,
+                        help="devices the sequence is sharded over (default 1: the kernel "
+                             "forced at world 1 against jax.nn.dot_product_attention)")
+    parser.add_argument("--quick", action="store_true", help="the first length only")
+
+
+BENCHMARK = h.Benchmark(
+    name="ag_attention", op="ag_attention", run=run, table=table,
+    series=("jaxtdist", "jax_nn_dpa", "xla_all_gather_dpa"), size_label="sequence length",
+    arguments=_arguments)

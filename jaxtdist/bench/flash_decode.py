@@ -1,0 +1,245 @@
+"""flash_decode's benchmark: jaxtdist's decode attention against XLA's.
+
+Per total sequence length S of ``shapes.FLASH_DECODE_SEQS`` (B=1, Hq=32, Hkv=8,
+D=128, bf16, every position valid but the last 3):
+
+- world 1 (the default on one GPU): jaxtdist's kernel forced at world 1
+  (``flash_decode_kernels``) against XLA's decode attention of the same cache
+  (``decode_attention`` in bf16 with float32 softmax, and
+  ``jax.nn.dot_product_attention`` with ``key_value_seq_lengths``), with the KV
+  read bandwidth each reaches (bytes of K and V / kernel time);
+- world W > 1 (``--world W``): ``jaxtdist.flash_decode`` over S / W positions per
+  rank against XLA's way (each rank's partial and log-sum-exp, ``all_gather``
+  of them, merge) and against one GPU holding the whole cache (the kernel at
+  world 1 on device 0).
+
+Every output checked against a float32 reference on the host.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxtdist.bench import harness as h
+from jaxtdist.bench.shapes import FLASH_DECODE_HEADS, FLASH_DECODE_SEQS
+
+SPECS = (P(), P(None, "sp"), P(None, "sp"), P())
+
+
+def _mesh(world: int):
+    return jax.make_mesh((world,), ("sp",), devices=jax.devices()[:world],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def _ops():
+    import importlib
+
+    return importlib.import_module("jaxtdist.ops.flash_decode")
+
+
+def _reference(q, k, v, kv_len) -> np.ndarray:
+    """float32 decode attention on the host, chunked over the sequence (large S)."""
+    q, kv_len = np.asarray(q, np.float32), np.asarray(kv_len)
+    b, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, hkv, hq // hkv, d)
+    m = np.full((b, hkv, hq // hkv, 1), -np.inf, np.float32)
+    l = np.zeros_like(m)
+    acc = np.zeros((b, hkv, hq // hkv, d), np.float32)
+    step = 16384
+    for lo in range(0, k.shape[1], step):
+        kc = np.asarray(k[:, lo:lo + step], np.float32)
+        vc = np.asarray(v[:, lo:lo + step], np.float32)
+        s = np.einsum("bhgd,bshd->bhgs", qg, kc) / np.float32(math.sqrt(d))
+        valid = (lo + np.arange(kc.shape[1]))[None, :] < kv_len[:, None]
+        s = np.where(valid[:, None, None, :], s, -np.inf)
+        m_new = np.maximum(m, s.max(-1, keepdims=True))
+        alpha = np.exp(m - m_new)
+        p = np.exp(s - m_new)
+        l = l * alpha + p.sum(-1, keepdims=True)
+        acc = acc * alpha + np.einsum("bhgs,bshd->bhgd", p, vc)
+        m = m_new
+    return (acc / l).reshape(b, hq, d)
+
+
+def _xla_partial_merge(q, k, v, n):
+    """XLA's distributed decode: this rank's partial (o, lse), all_gather, merge."""
+    b, hq, d = q.shape
+    s, hkv = k.shape[1], k.shape[2]
+    start = jax.lax.axis_index("sp") * s
+    qg = q.reshape(b, hkv, hq // hkv, d)
+    scores = jnp.einsum("bhgd,bshd->bhgs", qg, k, preferred_element_type=jnp.float32)
+    scores = scores / np.float32(math.sqrt(d))
+    valid = (start + jnp.arange(s))[None, :] < n[:, None]
+    scores = jnp.where(valid[:, None, None, :], scores, -jnp.inf)
+    m = jnp.max(scores, -1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(scores - m)
+    l = jnp.sum(p, -1, keepdims=True)
+    o = jnp.einsum("bhgs,bshd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+    o_all = jax.lax.all_gather(o / jnp.where(l > 0, l, 1.0), "sp")  # [W, b, hkv, g, d]
+    lse_all = jax.lax.all_gather(lse, "sp")
+    top = jnp.max(lse_all, 0)
+    w = jnp.exp(lse_all - top)
+    out = jnp.sum(o_all * w, 0) / jnp.sum(w, 0)
+    return out.reshape(b, hq, d).astype(q.dtype)
+
+
+def _operands(seed: int, b: int, hq: int, hkv: int, d: int, s: int, dtype):
+    q = h.normal(seed, (b, hq, d), dtype)
+    k = h.normal(seed + 1, (b, s, hkv, d), dtype)
+    v = h.normal(seed + 2, (b, s, hkv, d), dtype)
+    n = jnp.full((b,), s - 3, jnp.int32)
+    return q, k, v, n
+
+
+def _one_gpu_times(seqs, iterations: int, dtype, rounds: int) -> dict[int, dict]:
+    """The kernel at world 1 holding the whole cache on device 0, per length (run
+    before the W-device mesh is set up: jaxtdist holds one mesh at a time)."""
+    import jaxtdist as td
+
+    ops = _ops()
+    b, hq, hkv, d = FLASH_DECODE_HEADS
+    one = _mesh(1)
+    td.initialize(one)
+    fn = jax.jit(jax.shard_map(lambda *a: ops.flash_decode_kernels(*a, "sp"), mesh=one,
+                               in_specs=SPECS, out_specs=P(), check_vma=False))
+    times = {}
+    for i, s in enumerate(seqs):
+        q, k, v, n = _operands(700 + 3 * i, b, hq, hkv, d, s, dtype)
+        args = tuple(jax.device_put(a, NamedSharding(one, sp)) for a, sp in zip((q, k, v, n),
+                                                                              SPECS))
+        times[s] = h.interleaved(dict(one_gpu=h.Contender(fn, args, 1, _reference(q, k, v, n))),
+                                 iterations, rounds)["one_gpu"]
+        del args
+    return times
+
+
+def bench_flash_decode(seqs, iterations: int, world: int, dtype=jnp.bfloat16,
+                       rounds: int = 4) -> list[dict]:
+    import jaxtdist as td
+
+    ops = _ops()
+    b, hq, hkv, d = FLASH_DECODE_HEADS
+    itemsize = jnp.dtype(dtype).itemsize
+    seqs = [-(-s // world) * world for s in seqs]
+    one_gpu = _one_gpu_times(seqs, iterations, dtype, rounds) if world > 1 else {}
+    mesh = _mesh(world)
+    td.initialize(mesh)
+    specs = dict(mesh=mesh, in_specs=SPECS, out_specs=P(), check_vma=False)
+    if world == 1:
+        fns = dict(
+            jaxtdist=jax.jit(jax.shard_map(lambda *a: ops.flash_decode_kernels(*a, "sp"),
+                                           **specs)),
+            xla_decode=jax.jit(_xla_decode_local),
+            jax_nn_dpa=jax.jit(lambda q, k, v, n: jax.nn.dot_product_attention(
+                q[:, None], k, v, key_value_seq_lengths=n)[:, 0]))
+    else:
+        fns = dict(jaxtdist=jax.jit(jax.shard_map(lambda *a: td.flash_decode(*a, "sp"), **specs)),
+                   xla_all_gather_merge=jax.jit(jax.shard_map(_xla_partial_merge, **specs)))
+    rows = []
+    for i, s in enumerate(seqs):
+        q, k, v, n = _operands(700 + 3 * i, b, hq, hkv, d, s, dtype)
+        ref = _reference(q, k, v, n)
+        args = tuple(jax.device_put(a, NamedSharding(mesh, sp))
+                     for a, sp in zip((q, k, v, n), SPECS))
+        kv_bytes = 2 * b * s * hkv * d * itemsize  # K and V, all ranks together
+        row = dict(b=b, hq=hq, hkv=hkv, d=d, seq=s, world=world, dtype=jnp.dtype(dtype).name,
+                   kv_bytes_per_device=kv_bytes // world, size=float(s), label=f"S={s}")
+        row.update(h.interleaved({name: h.Contender(fn, args, world, ref)
+                                  for name, fn in fns.items()}, iterations, rounds))
+        if s in one_gpu:
+            row["one_gpu"] = one_gpu[s]
+        for name in ("jaxtdist", "xla_decode", "jax_nn_dpa", "one_gpu"):
+            stats = row.get(name)
+            if stats and stats.get("mean_us"):
+                per_device = kv_bytes if name == "one_gpu" else kv_bytes // world
+                stats["kv_tb_s"] = per_device / (stats["mean_us"] * 1e-6) / 1e12
+        rows.append(row)
+        print(f"S={s} world={world}: " + " | ".join(
+            f"{name} {h.us(row.get(name))}" for name in (*fns, "one_gpu") if name in row),
+            flush=True)
+        del args
+    return rows
+
+
+def _xla_decode_local(q, k, v, n):
+    """XLA's decode attention of the whole cache on one device (bf16 dots, float32
+    softmax): ``_xla_partial_merge`` without the exchange."""
+    b, hq, d = q.shape
+    s, hkv = k.shape[1], k.shape[2]
+    qg = q.reshape(b, hkv, hq // hkv, d)
+    scores = jnp.einsum("bhgd,bshd->bhgs", qg, k, preferred_element_type=jnp.float32)
+    scores = scores / np.float32(math.sqrt(d))
+    scores = jnp.where((jnp.arange(s)[None, :] < n[:, None])[:, None, None, :], scores,
+                       -jnp.inf)
+    p = jax.nn.softmax(scores, axis=-1)
+    o = jnp.einsum("bhgs,bshd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.reshape(b, hq, d).astype(q.dtype)
+
+
+def _tb_s(entry: dict | None) -> str:
+    return f"{entry['kv_tb_s']:.2f}" if entry and "kv_tb_s" in entry else "n/a"
+
+
+WORLD1_COLUMNS = [
+    h.Column("S", lambda r: str(r["seq"])),
+    h.Column("KV MiB", lambda r: f"{r['kv_bytes_per_device'] / 2**20:.0f}"),
+    h.Column("XLA decode", lambda r: h.us(r.get("xla_decode"))),
+    h.Column("jax.nn.dot_product_attention", lambda r: h.us(r.get("jax_nn_dpa"))),
+    h.Column("jaxtdist kernel", lambda r: h.us(r.get("jaxtdist"))),
+    h.Column("jaxtdist / XLA decode", lambda r: h.ratio(r.get("jaxtdist"), r.get("xla_decode"))),
+    h.Column("KV read TB/s (jaxtdist)", lambda r: _tb_s(r.get("jaxtdist"))),
+    h.Column("KV read TB/s (XLA decode)", lambda r: _tb_s(r.get("xla_decode"))),
+    h.Column("rel err", lambda r: h.err(r.get("jaxtdist"))),
+]
+
+WORLD_COLUMNS = [
+    h.Column("S total", lambda r: str(r["seq"])),
+    h.Column("one GPU, whole cache", lambda r: h.us(r.get("one_gpu"))),
+    h.Column("XLA partials + all_gather + merge", lambda r: h.us(r.get("xla_all_gather_merge"))),
+    h.Column("jaxtdist.flash_decode", lambda r: h.us(r.get("jaxtdist"))),
+    h.Column("speedup vs one GPU", lambda r: h.ratio(r.get("one_gpu"), r.get("jaxtdist"))),
+    h.Column("jaxtdist / XLA", lambda r: h.ratio(r.get("jaxtdist"),
+                                                 r.get("xla_all_gather_merge"))),
+    h.Column("KV read TB/s per GPU", lambda r: _tb_s(r.get("jaxtdist"))),
+    h.Column("rel err", lambda r: h.err(r.get("jaxtdist"))),
+]
+
+
+def table(res: dict) -> str:
+    b, hq, hkv, d = FLASH_DECODE_HEADS
+    shape = f"B={b}, Hq={hq}, Hkv={hkv}, D={d}, bfloat16"
+    if res["world"] == 1:
+        return h.markdown_table(
+            f"flash_decode at world 1 (kernel forced), {shape}, 1 x {res['device']}; "
+            f"{h.timing_note(res)}", WORLD1_COLUMNS, res["rows"])
+    return h.markdown_table(
+        f"flash_decode, {shape}, S total over {res['world']} x {res['device']}; "
+        f"{h.timing_note(res)}", WORLD_COLUMNS, res["rows"])
+
+
+def run(args) -> tuple[list[dict], dict]:
+    world = args.world or 1
+    seqs = FLASH_DECODE_SEQS[:1] if args.quick else FLASH_DECODE_SEQS
+    return bench_flash_decode(seqs, args.iterations, world, rounds=args.rounds), dict(world=world)
+
+
+def _arguments(parser) -> None:
+    parser.add_argument("--world", type=int, default=1,
+                        help="devices the cache is sharded over (default 1: the kernel forced "
+                             "at world 1 against XLA)")
+    parser.add_argument("--quick", action="store_true", help="the first length only")
+
+
+BENCHMARK = h.Benchmark(
+    name="flash_decode", op="flash_decode", run=run, table=table,
+    series=("jaxtdist", "xla_decode", "jax_nn_dpa", "xla_all_gather_merge", "one_gpu"),
+    size_label="sequence length", arguments=_arguments)

@@ -1,0 +1,227 @@
+"""flash_decode: one query per sequence attending over a KV cache split across ranks
+by position, in one launch.
+
+Grid: ``(B * HKV * NSPLIT,)``; program ``pid`` owns (batch ``b``, KV head ``h``,
+position chunk ``s``) with ``group = pid // NSPLIT = b * HKV + h``. It serves all
+``GROUP = Hq / Hkv`` query heads of its KV head at once (grouped-query attention),
+so every K and V row is read from memory once per call.
+
+1. Split-KV: the program runs an online softmax (float32, base 2) over its chunk
+   of this rank's valid positions (global position ``me * S_SHARD + i`` is valid
+   while it is below ``kv_len[b]``) and stores its partial ``(o, lse)``: ``o`` the
+   chunk's normalized output, ``lse`` its log-sum-exp (-inf for an empty chunk,
+   with ``o = 0``).
+2. Local combine: the program then adds 1 to the group's arrival counter
+   (acquire-release, GPU scope); the one that brings it to NSPLIT (the last of
+   the group) sets it back to 0 for the next call (which starts after this
+   kernel ends: no epoch arithmetic that could overflow) and merges the
+   group's NSPLIT partials into this rank's partial.
+3. Exchange: that program pushes its rank's partial into every peer's inbox
+   (stores through ``dl.symm_at``, then the flag ``(me, group)`` of that peer set
+   to the epoch, a release), stores it in its own inbox, and merges the W
+   ranks' partials in rank order 0, 1, ..., W-1 (waiting for each peer's flag):
+   every rank performs the same float32 operations on the same values, so
+   every rank ends with the same bits. A rank holding no valid position sends
+   ``lse = -inf``, which weighs 0; a sequence with ``kv_len = 0`` gets zeros.
+
+Workspace (byte offsets, see ``ops/flash_decode.DecodeWorkspace``):
+
+- ``LOCAL_OFF``: B * HKV * NSPLIT partials ([BLOCK_G, BLOCK_D] float32 ``o``), then
+  ``LSE_OFF`` their [BLOCK_G] float32 ``lse``; read only by this rank's kernel.
+- ``COUNT_OFF``: B * HKV int32 arrival counters.
+- ``INBOX_OFF``: two parities (``e % 2``) of PARITY_BYTES: W slots (one per source
+  rank) of B * HKV partials ``o``, then their ``lse`` at ``INBOX_LSE``.
+- ``FLAGS_OFF``: W * B * HKV int32 flags, ``(src, group)`` set to the epoch by src.
+
+Reuse: rank s writes parity p of rank o's inbox at epochs e and e + 2. s's
+kernel e + 2 starts after its kernel e + 1 ended, which waited for o's push of
+epoch e + 1 (every group's last program waits for every peer); o pushes that in
+its kernel e + 1, after its kernel e (the last reader of parity p) ended. So
+parity alone keeps call e + 2's data off what call e reads; flags compare ">=".
+The local partials and counters are touched by this rank's kernels only, which
+run one after another.
+
+Deadlock: only the last program of a group waits, and only for the last
+program of the same group on other ranks, which pushes before it waits. Under
+the interpreter programs run in grid order, so each rank reaches group g after
+finishing groups < g. On GPUs at most B * HKV programs wait at once, and blocks
+are dispatched in grid order, so every group's programs run before a later
+group's waiter can hold their SMs.
+"""
+
+import triton
+import triton.language as tl
+
+import jaxtdist.language as dl
+from jaxtdist.kernels._tiles import aligned_after
+
+
+@triton.jit
+def _merge(m, l, acc, lse, o):
+    """Folds one partial (``o`` normalized, ``lse`` its log2-sum-exp, -inf when
+    empty) into the running (max ``m``, weight ``l``, weighted sum ``acc``)."""
+    m_new = tl.maximum(m, lse)
+    # All -inf so far (empty partials only): keep every weight 0, no NaN.
+    safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - safe)
+    w = tl.exp2(lse - safe)
+    return m_new, l * alpha + w, acc * alpha[:, None] + o * w[:, None]
+
+
+@triton.jit
+def _finish(m, l, acc):
+    """(o, lse) of merged partials; o = 0 and lse = -inf where nothing was valid."""
+    has = l > 0
+    l_safe = tl.where(has, l, 1.0)
+    o = tl.where(has[:, None], acc / l_safe[:, None], 0.0)
+    lse = tl.where(has, m + tl.log2(l_safe), float("-inf"))
+    return o, lse
+
+
+@triton.jit
+def _split_kv(q_ptr, k_ptr, v_ptr, b, h, lo, hi, qk_scale,
+              HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+              S_SHARD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+              BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+    """Online softmax of the GROUP query heads of KV head ``h`` over this rank's
+    positions [lo, hi); returns (m, l, acc) in float32, base 2."""
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < D
+    q_rows = b * HQ + h * GROUP + g
+    q = tl.load(q_ptr + q_rows[:, None] * D + d[None, :],
+                mask=(g < GROUP)[:, None] & d_mask[None, :], other=0.0)
+    m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        p_mask = pos < hi
+        # int64: B * S_SHARD * HKV * D passes 2^31 for large caches.
+        rows = ((b * S_SHARD + pos).to(tl.int64) * HKV + h) * D
+        kv_mask = p_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        # Every block holds a valid position (start < hi): the row max is finite.
+        s = tl.where(p_mask[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit
+def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, out_ptr, QK_SCALE: tl.constexpr,
+                        HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr,
+                        D: tl.constexpr, S_SHARD: tl.constexpr, GROUPS: tl.constexpr,
+                        NSPLIT: tl.constexpr, CHUNK: tl.constexpr,
+                        LOCAL_OFF: tl.constexpr, LSE_OFF: tl.constexpr,
+                        COUNT_OFF: tl.constexpr, INBOX_OFF: tl.constexpr,
+                        INBOX_LSE: tl.constexpr, PARITY_BYTES: tl.constexpr,
+                        FLAGS_OFF: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+    """Grid: (GROUPS * NSPLIT,), GROUPS = B * HKV.
+
+    q: [B, HQ, D]; k, v: [B, S_SHARD, HKV, D] (this rank's positions); len_ptr:
+    [B] int32 global valid lengths; out: [B, HQ, D]. ``QK_SCALE`` is
+    softmax's scale times log2(e).
+    """
+    pid = tl.program_id(0)
+    group = pid // NSPLIT
+    split = pid % NSPLIT
+    b = group // HKV
+    h = group % HKV
+    me = dl.rank(ctx)
+    world = dl.num_ranks(ctx)
+    e = dl.epoch(ctx)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    tile = g[:, None] * BLOCK_D + d[None, :]
+    # Only the GROUP real query rows of the padded tile move through memory.
+    real = g < GROUP
+    real_tile = real[:, None] & (d < BLOCK_D)[None, :]
+
+    # 1. This program's chunk of this rank's valid positions.
+    valid = tl.minimum(tl.maximum(tl.load(len_ptr + b) - me * S_SHARD, 0), S_SHARD)
+    lo = split * CHUNK
+    hi = tl.minimum(lo + CHUNK, valid)
+    m, l, acc = _split_kv(q_ptr, k_ptr, v_ptr, b, h, lo, hi, QK_SCALE, HQ, HKV, GROUP, D,
+                          S_SHARD, BLOCK_N, BLOCK_G, BLOCK_D, IEEE)
+    o, lse = _finish(m, l, acc)
+    local_o = dl.heap_ptr(ctx, LOCAL_OFF, tl.float32)
+    local_lse = dl.heap_ptr(ctx, LSE_OFF, tl.float32)
+    tl.store(local_o + pid * (BLOCK_G * BLOCK_D) + tile, o, mask=real_tile)
+    tl.store(local_lse + pid * BLOCK_G + g, lse, mask=real)
+
+    # 2. The group's last program merges the group's partials.
+    counter = dl.heap_ptr(ctx, COUNT_OFF, tl.int32) + group
+    tl.debug_barrier()  # every thread's stores come before the release
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if arrived == NSPLIT - 1:
+        # Every program of the group has arrived: none touches the counter again
+        # in this kernel, and the next kernel starts after this one ends.
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+        tl.debug_barrier()  # the acquiring thread's view extends to the program
+        m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+        l = tl.zeros((BLOCK_G,), tl.float32)
+        acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+        # Unrolled (NSPLIT is small, see FlashDecodeConfig): the loads do not
+        # depend on each other, so they are issued ahead instead of one L2
+        # round trip per split.
+        group_o = aligned_after(local_o, arrived) + group * NSPLIT * (BLOCK_G * BLOCK_D)
+        group_lse = aligned_after(local_lse, arrived) + group * NSPLIT * BLOCK_G
+        for s in tl.static_range(NSPLIT):
+            # .cg: written by other programs (L2), never stale L1 lines.
+            part_o = tl.load(group_o + s * (BLOCK_G * BLOCK_D) + tile, mask=real_tile,
+                             other=0.0, cache_modifier=".cg")
+            part_lse = tl.load(group_lse + s * BLOCK_G + g, mask=real, other=float("-inf"),
+                               cache_modifier=".cg")
+            m, l, acc = _merge(m, l, acc, part_lse, part_o)
+        o, lse = _finish(m, l, acc)
+
+        # 3. Push this rank's partial to every peer, keep it in the own inbox too.
+        inbox_o = dl.heap_ptr(ctx, INBOX_OFF + (e % 2) * PARITY_BYTES, tl.float32)
+        inbox_lse = dl.heap_ptr(ctx, INBOX_OFF + (e % 2) * PARITY_BYTES + INBOX_LSE,
+                                tl.float32)
+        flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
+        my_o = inbox_o + (me * GROUPS + group) * (BLOCK_G * BLOCK_D) + tile
+        my_lse = inbox_lse + (me * GROUPS + group) * BLOCK_G + g
+        for step in range(1, world):
+            dst = (me + step) % world
+            tl.store(dl.symm_at(ctx, my_o, dst), o, mask=real_tile)
+            tl.store(dl.symm_at(ctx, my_lse, dst), lse, mask=real)
+            dl.notify(ctx, flags + me * GROUPS + group, dst, e)
+        tl.store(my_o, o, mask=real_tile)
+        tl.store(my_lse, lse, mask=real)
+        tl.debug_barrier()  # the own slot is read back below, by any thread
+
+        # Merge in rank order: the same operations on the same values everywhere.
+        m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+        l = tl.zeros((BLOCK_G,), tl.float32)
+        acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+        for src in range(0, world):
+            token = e
+            if src != me:
+                # ">=": the peer may already have published epoch e + 1 (other parity).
+                token = dl.wait(ctx, flags + src * GROUPS + group, e, "ge", src)
+            slot = src * GROUPS + group
+            part_o = tl.load(aligned_after(inbox_o, token) + slot * (BLOCK_G * BLOCK_D) + tile,
+                             mask=real_tile, other=0.0, cache_modifier=".cg")
+            part_lse = tl.load(aligned_after(inbox_lse, token) + slot * BLOCK_G + g, mask=real,
+                               other=float("-inf"), cache_modifier=".cg")
+            m, l, acc = _merge(m, l, acc, part_lse, part_o)
+        o, lse = _finish(m, l, acc)
+        out_rows = b * HQ + h * GROUP + g
+        tl.store(out_ptr + out_rows[:, None] * D + d[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=(g < GROUP)[:, None] & (d < D)[None, :])

@@ -1,0 +1,298 @@
+"""jaxtdist.ag_attention: sequence-parallel attention, every rank's queries over every
+rank's keys and values, the KV gather overlapped with the flash-attention tiles.
+
+Shapes (``_check``), plan (``AgAttentionConfig``, ``StageWorkspace``), launch
+(``ag_attention_kernels``), backward through XLA and the local computation;
+``DistributedOp`` supplies program order, autodiff and world 1;
+``pjit_wrapper`` the pjit-style form. The kernel is ``kernels/ag_attention.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtdist.kernels.ag_attention import ag_attention_kernel
+from jaxtdist.ops._config import KernelConfig, Problem, resolve
+from jaxtdist.ops._op import DistributedOp, pjit_wrapper, rows_over
+from jaxtdist.ops._protocol import Call, check_axis
+from jaxtdist.ops._shapes import align, check_dtype, next_pow2
+from jaxtdist.runtime._runtime import runtime
+from jaxtdist.tune import _registry
+
+__all__ = ["AgAttentionConfig", "ag_attention", "ag_attention_kernels", "ag_attention_sharded",
+           "attention"]
+
+_MAX_HEAD_DIM = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class AgAttentionConfig(KernelConfig):
+    """How ag_attention's kernel tiles one problem.
+
+    Attributes:
+      BLOCK_M: query rows per program (a power of 2, >= 16).
+      BLOCK_N: keys per step of the online softmax (a power of 2, >= 16).
+      num_warps, num_stages: launch options.
+    """
+    OP: ClassVar[str] = "ag_attention"
+    variant: ClassVar[str] = "pull"
+
+    BLOCK_M: int = 128
+    BLOCK_N: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+    @classmethod
+    def default(cls, problem: Problem) -> "AgAttentionConfig":
+        """The interpreter takes 16 x 16 tiles; GPUs 128 x 64 (64 x 64 below 128
+        rows per rank), 8 warps for head dims above 64."""
+        _, s, _, _, d = problem.shape
+        if problem.platform != "gpu":
+            return cls(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+        block_m = 128 if s >= 128 else 64
+        return cls(BLOCK_M=block_m, BLOCK_N=64, num_warps=8 if d > 64 else 4, num_stages=3)
+
+    def validate(self, problem: Problem) -> None:
+        for key in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"jaxtdist.ag_attention: config {key}={value!r} must be an "
+                                 "int >= 1")
+            if key.startswith("BLOCK_") and (value & (value - 1) or value < 16):
+                raise ValueError(f"jaxtdist.ag_attention: config {key}={value} must be a "
+                                 "power of 2 >= 16 (tl.dot's smallest tile)")
+
+    @classmethod
+    def search_space(cls, problem: Problem) -> list[dict]:
+        if problem.platform != "gpu":
+            return cls.fitting(problem, [{}, dict(BLOCK_N=32)])
+        return cls.fitting(problem, [{}] + [
+            dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
+            for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)])
+
+
+class StageWorkspace:
+    """Byte layout: W int32 ready flags, then two parities (``epoch % 2``) of this
+    rank's staged k and v ([2, B, S, HKV, D])."""
+
+    def __init__(self, world: int, kv_elems: int, itemsize: int):
+        self.ready = 0
+        self.stage = align(4 * world)
+        self.parity_bytes = align(2 * kv_elems * itemsize)
+        self.nbytes = self.stage + 2 * self.parity_bytes
+
+
+# -- shapes ----------------------------------------------------------------------
+
+def _check(q, k, v, *, axis_name, causal=True, config=None) -> None:
+    del config
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+            raise ValueError(f"jaxtdist.ag_attention: {name} must be an array, got "
+                             f"{type(a).__name__}")
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"jaxtdist.ag_attention: expected q [B, S_shard, Hq, D] and k, v "
+                         f"[B, S_shard, Hkv, D], got q{q.shape}, k{k.shape}, v{v.shape}")
+    if k.shape != v.shape:
+        raise ValueError(f"jaxtdist.ag_attention: k{k.shape} and v{v.shape} must have the "
+                         "same shape")
+    b, s, hq, d = q.shape
+    if (k.shape[0], k.shape[1], k.shape[3]) != (b, s, d):
+        raise ValueError(f"jaxtdist.ag_attention: q{q.shape} and k{k.shape} disagree on B, "
+                         "S_shard or D (q [B, S_shard, Hq, D], k [B, S_shard, Hkv, D]: every "
+                         "rank holds as many keys as queries)")
+    if 0 in q.shape:
+        raise ValueError(f"jaxtdist.ag_attention: empty operand q{q.shape}")
+    if hq % k.shape[2]:
+        raise ValueError(f"jaxtdist.ag_attention: Hq={hq} query heads must be a multiple of "
+                         f"Hkv={k.shape[2]} KV heads (grouped-query attention)")
+    if d > _MAX_HEAD_DIM:
+        raise ValueError(f"jaxtdist.ag_attention: head dim D={d}; at most {_MAX_HEAD_DIM} is "
+                         "supported")
+    check_dtype("ag_attention", "q", q.dtype)
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"jaxtdist.ag_attention: q, k and v must share a dtype, got "
+                         f"{q.dtype.name}, {k.dtype.name} and {v.dtype.name}")
+    if not isinstance(causal, bool):
+        raise ValueError(f"jaxtdist.ag_attention: causal={causal!r} must be True or False")
+    check_axis(runtime(), axis_name, "ag_attention")
+
+
+# -- launch ----------------------------------------------------------------------
+
+def ag_attention_kernels(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *,
+                         causal: bool = True, config: dict | None = None) -> jax.Array:
+    """ag_attention's forward kernel, at world 1 too (for benchmarks and tests); not
+    differentiable. ``config`` overrides the defaults (``AgAttentionConfig``)."""
+    q, k, v = (jnp.asarray(a) for a in (q, k, v))
+    _check(q, k, v, axis_name=axis_name, causal=causal)
+    call = Call("ag_attention", axis_name)
+    b, s, hq, d = q.shape
+    hkv = k.shape[2]
+    problem = Problem(call.platform, call.world, (b, s, hq, hkv, d), jnp.dtype(q.dtype).name,
+                      call.rt.sms)
+    cfg = resolve(AgAttentionConfig, problem, call.rt, config, axis_name=axis_name)
+    kv_elems = b * s * hkv * d
+    plan = StageWorkspace(call.world, kv_elems, q.dtype.itemsize)
+    ws = call.workspace("stage", plan.nbytes, kv_elems, q.dtype.name)
+    # The prologue copies k and v into this rank's heap (parity e % 2) before the
+    # kernel: peers read them from there.
+    staged = jnp.concatenate([k.reshape(-1), v.reshape(-1)])
+    m_tiles = -(-s // cfg.BLOCK_M)
+    return call.run(
+        ag_attention_kernel, q, k, v, workspace=ws, deps=(q, k, v, staged), stage=staged,
+        stage_offset=ws.offset + plan.stage, parity_bytes=plan.parity_bytes,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=(b * hq * m_tiles,),
+        varying=call.result_axes(local=(q, k, v)), **cfg.launch_options(), S=s, HQ=hq,
+        HKV=hkv, D=d, CAUSAL=causal, QK_SCALE=float(math.log2(math.e) / math.sqrt(d)),
+        STAGE_OFF=ws.offset + plan.stage, PARITY_BYTES=plan.parity_bytes, KV_ELEMS=kv_elems,
+        READY_OFF=ws.offset + plan.ready, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+        BLOCK_D=max(16, next_pow2(d)), IEEE=q.dtype == jnp.float32)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
+              q_offset: int | jax.Array = 0) -> jax.Array:
+    """Attention of queries at global positions [q_offset, q_offset + S_q) over keys
+    at [0, S_k), in plain JAX (float32 softmax), GQA by repeating KV heads.
+
+    q [B, S_q, Hq, D], k, v [B, S_k, Hkv, D] -> [B, S_q, Hq, D] in q's dtype.
+    ag_attention's backward differentiates it on the gathered keys.
+    """
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    qg = q.reshape(b, sq, hkv, hq // hkv, d).astype(jnp.float32)
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32),
+                        precision=jax.lax.Precision.HIGHEST) / np.float32(math.sqrt(d))
+    if causal:
+        seen = (q_offset + jnp.arange(sq))[:, None] >= jnp.arange(sk)[None, :]
+        scores = jnp.where(seen, scores, -jnp.inf)
+    p = jax.nn.softmax(scores, axis=-1)
+    o = jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)
+    return o.reshape(b, sq, hq, d).astype(q.dtype)
+
+
+def _forward(q, k, v, *, axis_name, causal=True, config=None):
+    return ag_attention_kernels(q, k, v, axis_name, causal=causal, config=config), (q, k, v)
+
+
+def _backward(residuals, dout, *, axis_name, causal=True, config=None):
+    del config
+    q, k, v = residuals
+    # Through XLA: gather k and v, differentiate plain attention of this rank's
+    # queries (at their global positions) over the whole sequence, and
+    # reduce-scatter the keys' and values' cotangents back to their owners.
+    k_all = jax.lax.all_gather(k, axis_name, axis=1, tiled=True)
+    v_all = jax.lax.all_gather(v, axis_name, axis=1, tiled=True)
+    offset = jax.lax.axis_index(axis_name) * q.shape[1]
+    _, vjp = jax.vjp(lambda a, b_, c: attention(a, b_, c, causal=causal, q_offset=offset),
+                     q, k_all, v_all)
+    dq, dk_all, dv_all = vjp(dout)
+    dk = jax.lax.psum_scatter(dk_all, axis_name, scatter_dimension=1, tiled=True)
+    dv = jax.lax.psum_scatter(dv_all, axis_name, scatter_dimension=1, tiled=True)
+    return dq, dk, dv
+
+
+def _local(q, k, v, *, axis_name, causal=True, config=None):
+    del axis_name, config
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+
+
+_AG_ATTENTION = DistributedOp("ag_attention", forward=_forward, backward=_backward,
+                              check=_check, local=_local)
+
+
+def ag_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *, causal: bool = True,
+                 config: dict | None = None) -> jax.Array:
+    """Attention of this rank's queries over every rank's keys and values, the gather
+    overlapped with the flash-attention tiles.
+
+    Call inside ``jax.shard_map`` over the mesh given to ``jaxtdist.initialize``.
+    q, k, v are sharded on the sequence over ``axis_name``: rank r holds global
+    positions [r * S_shard, (r + 1) * S_shard). One launch: each rank's k and v
+    are staged in its heap; every program starts on its own chunk's tiles at
+    once and on each peer's chunk as soon as that peer has staged it (read over
+    NVLink on GPUs); under causal masking, chunks of later ranks are never
+    fetched. Differentiable: the backward runs through XLA (``all_gather`` of k
+    and v, JAX's attention VJP, ``psum_scatter`` of dk and dv), not fused. A
+    group of one rank runs ``jax.nn.dot_product_attention``.
+
+    Args:
+      q: [B, S_shard, Hq, D], this rank's queries.
+      k, v: [B, S_shard, Hkv, D], this rank's keys and values; Hq a multiple of Hkv.
+      axis_name: mesh axis (or tuple of axes) the sequence is sharded over.
+      causal: mask keys after each query's global position.
+      config: overrides of the kernel config (``AgAttentionConfig`` keys; advanced).
+
+    Returns:
+      [B, S_shard, Hq, D] in q's dtype: this rank's queries' attention output.
+
+    Example:
+      >>> mesh = jax.make_mesh((4,), ("sp",)); jaxtdist.initialize(mesh)
+      >>> spec = P(None, "sp")
+      >>> f = jax.jit(jax.shard_map(lambda q, k, v: jaxtdist.ag_attention(q, k, v, "sp"),
+      ...             mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec))
+    """
+    return _AG_ATTENTION(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), axis_name=axis_name,
+                         causal=causal, config=config)
+
+
+ag_attention_sharded = pjit_wrapper(
+    ag_attention, name="ag_attention_sharded",
+    in_specs=lambda axis, batch: (jax.sharding.PartitionSpec(rows_over(None, batch), axis),) * 3,
+    out_specs=lambda axis, batch: jax.sharding.PartitionSpec(rows_over(None, batch), axis))
+ag_attention_sharded.__doc__ = """``ag_attention`` for pjit-style code: no hand-written ``shard_map``.
+
+    q, k, v [B, S, H, D] have their batch sharded over ``batch_axes`` and their
+    sequence over ``axis_name``; the result is sharded like q.
+
+    Args:
+      q, k, v: the global arrays.
+      axis_name: the mesh axis the sequence is sharded over (keyword).
+      batch_axes: mesh axes that shard the batch, outermost first.
+      mesh: the mesh; defaults to the one given to ``jaxtdist.initialize``.
+      causal, config: as for ``ag_attention``.
+    """
+
+
+# -- tuning ----------------------------------------------------------------------------
+
+def _tuning_case(axis_name, shape, dtype) -> _registry.TuningCase:
+    """Causal ag_attention of ``shape`` = (B, S_shard, Hq, Hkv, D) per rank, for the tuner."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    rt = runtime()
+    layout = rt.layout(axis_name)
+    world = layout.world
+    axes = layout.axes if len(layout.axes) > 1 else layout.axes[0]
+    b, s, hq, hkv, d = shape
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((b, world * s, h, d), np.float32), dtype)
+               for h in (hq, hkv, hkv))
+    spec = P(None, axes)
+    args = tuple(jax.device_put(a, NamedSharding(rt.mesh, spec)) for a in (q, k, v))
+    reference = attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))
+    problem = Problem(rt.platform, world, tuple(shape), jnp.dtype(dtype).name, rt.sms)
+
+    def compile_candidate(overrides):
+        cfg = resolve(AgAttentionConfig, problem, rt, overrides)  # explicit: skips the cache
+        config = cfg.to_dict()
+        fn = jax.jit(jax.shard_map(
+            lambda *a: ag_attention_kernels(*a, axis_name, causal=True, config=config),
+            mesh=rt.mesh, in_specs=(spec,) * 3, out_specs=spec))
+        return fn, cfg
+
+    return _registry.TuningCase(
+        world=world, shape=tuple(shape), dtype=jnp.dtype(dtype).name,
+        candidates=AgAttentionConfig.search_space(problem), args=args, reference=reference,
+        tolerance=1e-5 if jnp.dtype(dtype).itemsize == 4 else 2e-2, compile=compile_candidate)
+
+
+_registry.register(_registry.Tunable("ag_attention", _tuning_case))

@@ -1,0 +1,348 @@
+"""jaxtdist.flash_decode: decode attention (one query per sequence) over a KV cache
+sharded by position across the ranks of a group, in one launch per call.
+
+Shapes (``_check``), plan (``FlashDecodeConfig``, ``DecodeWorkspace``), launch
+(``flash_decode_kernels``), the local computation (``_local``, also the float32
+reference's formula); ``DistributedOp`` supplies program order, world 1 and the
+``TypeError`` on differentiation; ``pjit_wrapper`` the pjit-style form. The kernel
+is ``kernels/flash_decode.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtdist.kernels.flash_decode import flash_decode_kernel
+from jaxtdist.ops._config import KernelConfig, Problem, resolve
+from jaxtdist.ops._op import DistributedOp, pjit_wrapper, rows_over
+from jaxtdist.ops._protocol import Call, check_axis
+from jaxtdist.ops._shapes import align, check_dtype, next_pow2
+from jaxtdist.runtime._runtime import runtime
+from jaxtdist.tune import _registry
+
+__all__ = ["DecodeWorkspace", "FlashDecodeConfig", "decode_attention", "flash_decode",
+           "flash_decode_kernels", "flash_decode_sharded"]
+
+_MAX_HEAD_DIM = 256
+_MAX_GROUP = 128
+# Positions per split at least: fewer make the merge (NSPLIT partials read by one
+# program per KV head) cost more than the chunk it saves.
+_MIN_CHUNK = 512
+# The group's merge is unrolled over the splits (its loads issued ahead): keep it short.
+_MAX_SPLITS = 64
+
+
+# -- config ----------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class FlashDecodeConfig(KernelConfig):
+    """How flash_decode's kernel splits one problem.
+
+    Attributes:
+      BLOCK_N: positions per step of the online softmax (a power of 2, >= 16).
+      NUM_SPLITS: position chunks per (batch, KV head) on each rank, at most
+        ``_MAX_SPLITS`` (0: about two programs per SM on GPUs, at least
+        ``_MIN_CHUNK`` positions each).
+      num_warps, num_stages: launch options.
+    """
+    OP: ClassVar[str] = "flash_decode"
+    variant: ClassVar[str] = "split_kv_push"
+
+    BLOCK_N: int = 64
+    NUM_SPLITS: int = 0
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @classmethod
+    def default(cls, problem: Problem) -> "FlashDecodeConfig":
+        """One rule: the interpreter takes 16-position steps and 2 splits (both
+        merge paths run); GPUs 64-position steps, splits from ``splits``."""
+        if problem.platform != "gpu":
+            return cls(BLOCK_N=16, NUM_SPLITS=2, num_warps=4, num_stages=1)
+        return cls()
+
+    def splits(self, problem: Problem) -> int:
+        """Chunks per (batch, KV head): NUM_SPLITS, or about 2 programs per SM
+        with at least ``_MIN_CHUNK`` positions each; never more than the
+        BLOCK_N steps of the shard."""
+        b, _, hkv, _, s_shard = problem.shape
+        steps = -(-s_shard // self.BLOCK_N)
+        asked = self.NUM_SPLITS
+        if not asked:
+            asked = min(-(-2 * problem.sms // (b * hkv)), -(-s_shard // _MIN_CHUNK),
+                        _MAX_SPLITS)
+        return max(1, min(asked, steps))
+
+    def validate(self, problem: Problem) -> None:
+        for key in ("BLOCK_N", "num_warps", "num_stages"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"jaxtdist.flash_decode: config {key}={value!r} must be an "
+                                 "int >= 1")
+        if self.BLOCK_N & (self.BLOCK_N - 1) or self.BLOCK_N < 16:
+            raise ValueError(f"jaxtdist.flash_decode: config BLOCK_N={self.BLOCK_N} must be a "
+                             "power of 2 >= 16 (tl.dot's smallest tile)")
+        p = self.NUM_SPLITS
+        if (isinstance(p, bool) or not isinstance(p, (int, np.integer)) or p < 0
+                or p > _MAX_SPLITS):
+            raise ValueError(f"jaxtdist.flash_decode: config NUM_SPLITS={p!r} must be an int "
+                             f"in [0, {_MAX_SPLITS}] (0: chosen from the SMs and the sequence; "
+                             "the merge is unrolled over the splits)")
+
+    @classmethod
+    def search_space(cls, problem: Problem) -> list[dict]:
+        if problem.platform != "gpu":
+            return cls.fitting(problem, [{}, dict(NUM_SPLITS=1), dict(BLOCK_N=32)])
+        b, _, hkv, _, _ = problem.shape
+        base = -(-2 * problem.sms // (b * hkv))
+        return cls.fitting(problem, [{}] + [
+            dict(BLOCK_N=bn, NUM_SPLITS=min(_MAX_SPLITS, max(1, base * f // 2)), num_warps=w,
+                 num_stages=st)
+            for bn in (32, 64, 128) for f in (1, 2, 4) for w in (4, 8) for st in (2, 3, 4)])
+
+
+class DecodeWorkspace:
+    """Byte layout of flash_decode's workspace (see ``kernels/flash_decode.py``):
+    the local partials (o, then lse), the arrival counters, two inbox parities
+    (W source slots of o, then of lse) and the W * groups flags."""
+
+    def __init__(self, world: int, groups: int, splits: int, block_g: int, block_d: int):
+        tile = block_g * block_d * 4
+        self.local = 0
+        self.lse = align(groups * splits * tile)
+        self.counters = self.lse + align(groups * splits * block_g * 4)
+        self.inbox_lse = align(world * groups * tile)
+        self.parity_bytes = self.inbox_lse + align(world * groups * block_g * 4)
+        self.inbox = self.counters + align(groups * 4)
+        self.flags = self.inbox + 2 * self.parity_bytes
+        self.nbytes = self.flags + align(world * groups * 4)
+
+
+# -- shapes ----------------------------------------------------------------------
+
+def _check(q, k, v, kv_len, *, axis_name, config=None) -> None:
+    del config
+    for name, a in (("q", q), ("k", k), ("v", v), ("kv_len", kv_len)):
+        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+            raise ValueError(f"jaxtdist.flash_decode: {name} must be an array, got "
+                             f"{type(a).__name__}")
+    if q.ndim != 3 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"jaxtdist.flash_decode: expected q [B, Hq, D] and k, v [B, S_shard, "
+                         f"Hkv, D], got q{q.shape}, k{k.shape}, v{v.shape}")
+    if k.shape != v.shape:
+        raise ValueError(f"jaxtdist.flash_decode: k{k.shape} and v{v.shape} must have the "
+                         "same shape")
+    b, hq, d = q.shape
+    kb, s_shard, hkv, kd = k.shape
+    if kb != b or kd != d:
+        raise ValueError(f"jaxtdist.flash_decode: q{q.shape} and k{k.shape} disagree on the "
+                         "batch B or the head dim D (q [B, Hq, D], k [B, S_shard, Hkv, D])")
+    if 0 in q.shape or 0 in k.shape:
+        raise ValueError(f"jaxtdist.flash_decode: empty operand q{q.shape} k{k.shape}")
+    if hq % hkv:
+        raise ValueError(f"jaxtdist.flash_decode: Hq={hq} query heads must be a multiple of "
+                         f"Hkv={hkv} KV heads (grouped-query attention)")
+    if hq // hkv > _MAX_GROUP:
+        raise ValueError(f"jaxtdist.flash_decode: {hq // hkv} query heads per KV head; at "
+                         f"most {_MAX_GROUP} are supported")
+    if d > _MAX_HEAD_DIM:
+        raise ValueError(f"jaxtdist.flash_decode: head dim D={d}; at most {_MAX_HEAD_DIM} is "
+                         "supported")
+    check_dtype("flash_decode", "q", q.dtype)
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"jaxtdist.flash_decode: q, k and v must share a dtype, got "
+                         f"{q.dtype.name}, {k.dtype.name} and {v.dtype.name}")
+    if kv_len.shape != (b,) or not jnp.issubdtype(kv_len.dtype, jnp.integer):
+        raise ValueError(f"jaxtdist.flash_decode: kv_len must be an integer array of shape "
+                         f"(B,) = ({b},), got {kv_len.dtype.name}{tuple(kv_len.shape)}")
+    check_axis(runtime(), axis_name, "flash_decode")
+
+
+def _problem(call: Call, q, k) -> Problem:
+    b, hq, d = q.shape
+    return Problem(call.platform, call.world, (b, hq, k.shape[2], d, k.shape[1]),
+                   jnp.dtype(q.dtype).name, call.rt.sms)
+
+
+# -- launch ----------------------------------------------------------------------
+
+def flash_decode_kernels(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array,
+                         axis_name, *, config: dict | None = None) -> jax.Array:
+    """flash_decode's kernel, at world 1 too (for benchmarks and tests); not differentiable.
+
+    ``config`` overrides the defaults (``FlashDecodeConfig``) and skips the tuning cache.
+    """
+    q, k, v, kv_len = (jnp.asarray(a) for a in (q, k, v, kv_len))
+    _check(q, k, v, kv_len, axis_name=axis_name)
+    call = Call("flash_decode", axis_name)
+    problem = _problem(call, q, k)
+    cfg = resolve(FlashDecodeConfig, problem, call.rt, config, axis_name=axis_name)
+    b, hq, d = q.shape
+    _, s_shard, hkv, _ = k.shape
+    group = hq // hkv
+    groups = b * hkv
+    splits = cfg.splits(problem)
+    chunk = -(-(-(-s_shard // splits)) // cfg.BLOCK_N) * cfg.BLOCK_N
+    splits = -(-s_shard // chunk)  # no empty trailing chunk
+    block_g, block_d = max(16, next_pow2(group)), max(16, next_pow2(d))
+    plan = DecodeWorkspace(call.world, groups, splits, block_g, block_d)
+    # The layout depends on the groups, the splits and the padded tile.
+    ws = call.workspace("partials", plan.nbytes, groups, splits, block_g, block_d)
+    o = ws.offset
+    # The same value on every rank of the group (like psum's result).
+    return call.run(
+        flash_decode_kernel, q, k, v, kv_len.astype(jnp.int32), workspace=ws,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=(groups * splits,),
+        varying=call.result_axes(reduced=(q, k, v, kv_len)), **cfg.launch_options(),
+        QK_SCALE=float(math.log2(math.e) / math.sqrt(d)), HQ=hq, HKV=hkv, GROUP=group, D=d,
+        S_SHARD=s_shard, GROUPS=groups, NSPLIT=splits, CHUNK=chunk,
+        LOCAL_OFF=o + plan.local, LSE_OFF=o + plan.lse, COUNT_OFF=o + plan.counters,
+        INBOX_OFF=o + plan.inbox, INBOX_LSE=plan.inbox_lse, PARITY_BYTES=plan.parity_bytes,
+        FLAGS_OFF=o + plan.flags, BLOCK_N=cfg.BLOCK_N, BLOCK_G=block_g, BLOCK_D=block_d,
+        IEEE=q.dtype == jnp.float32)
+
+
+def _forward(q, k, v, kv_len, *, axis_name, config=None):
+    return flash_decode_kernels(q, k, v, kv_len, axis_name, config=config), None
+
+
+def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array,
+                     start: int | jax.Array = 0) -> jax.Array:
+    """Decode attention of one KV block in plain JAX (float32 softmax).
+
+    q [B, Hq, D]; k, v [B, S, Hkv, D] holding global positions [start, start + S);
+    positions at or past ``kv_len`` [B] are masked; a sequence with none valid
+    gets zeros. Returns [B, Hq, D] in q's dtype. flash_decode's computation at
+    world 1, and (on the gathered cache, in float32) its reference.
+    """
+    b, hq, d = q.shape
+    s, hkv = k.shape[1], k.shape[2]
+    qg = q.reshape(b, hkv, hq // hkv, d).astype(jnp.float32)
+    scores = jnp.einsum("bhgd,bshd->bhgs", qg, k.astype(jnp.float32),
+                        precision=jax.lax.Precision.HIGHEST) / np.float32(math.sqrt(d))
+    valid = (start + jnp.arange(s))[None, :] < kv_len.astype(jnp.int32)[:, None]  # [B, S]
+    scores = jnp.where(valid[:, None, None, :], scores, -jnp.inf)
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    p = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0))
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("bhgs,bshd->bhgd", p, v.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)
+    o = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0)
+    return o.reshape(b, hq, d).astype(q.dtype)
+
+
+def _local(q, k, v, kv_len, *, axis_name, config=None):
+    del axis_name, config
+    return decode_attention(q, k, v, kv_len)
+
+
+_FLASH_DECODE = DistributedOp("flash_decode", forward=_forward, check=_check, local=_local,
+                              reduces=True)
+
+
+def flash_decode(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array, axis_name, *,
+                 config: dict | None = None) -> jax.Array:
+    """Decode attention over a KV cache sharded by position over ``axis_name``.
+
+    Call inside ``jax.shard_map`` over the mesh given to ``jaxtdist.initialize``.
+    Rank r holds positions [r * S_shard, (r + 1) * S_shard) of every sequence.
+    One launch: each rank computes split-KV partial outputs with their
+    log-sum-exp over its positions (all query heads of a KV head together, so
+    K and V are read once), merges them, pushes its partial into every peer's
+    heap and merges the W partials in rank order, so every rank ends with the
+    same bits. Lengths are data: no recompilation as ``kv_len`` grows. Not
+    differentiable (differentiating it raises ``TypeError``) except at world
+    1, where it is plain JAX.
+
+    Args:
+      q: [B, Hq, D], the same on every rank.
+      k, v: [B, S_shard, Hkv, D], this rank's positions; Hq a multiple of Hkv.
+      kv_len: [B] integers, the global valid lengths (positions at or past
+        them are masked; a rank may hold none; a sequence of length 0 gets zeros).
+      axis_name: mesh axis (or tuple of axes) the cache is sharded over.
+      config: overrides of the kernel config (``FlashDecodeConfig`` keys; advanced).
+
+    Returns:
+      [B, Hq, D] in q's dtype: ``softmax(q k^T / sqrt(D), masked) v`` over the
+      whole sequence, on every rank (typed like psum's result: not varying
+      over ``axis_name``).
+
+    Example:
+      >>> mesh = jax.make_mesh((4,), ("sp",)); jaxtdist.initialize(mesh)
+      >>> f = jax.jit(jax.shard_map(
+      ...     lambda q, k, v, n: jaxtdist.flash_decode(q, k, v, n, "sp"), mesh=mesh,
+      ...     in_specs=(P(), P(None, "sp"), P(None, "sp"), P()), out_specs=P()))
+    """
+    return _FLASH_DECODE(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(kv_len),
+                         axis_name=axis_name, config=config)
+
+
+flash_decode_sharded = pjit_wrapper(
+    flash_decode, name="flash_decode_sharded",
+    in_specs=lambda axis, batch: (
+        jax.sharding.PartitionSpec(rows_over(None, batch)),
+        jax.sharding.PartitionSpec(rows_over(None, batch), axis),
+        jax.sharding.PartitionSpec(rows_over(None, batch), axis),
+        jax.sharding.PartitionSpec(rows_over(None, batch))),
+    out_specs=lambda axis, batch: jax.sharding.PartitionSpec(rows_over(None, batch)))
+flash_decode_sharded.__doc__ = """``flash_decode`` for pjit-style code: no hand-written ``shard_map``.
+
+    q [B, Hq, D] and kv_len [B] have their batch sharded over ``batch_axes`` (or
+    are replicated); k and v [B, S, Hkv, D] their batch over ``batch_axes`` and
+    their positions over ``axis_name``. The result [B, Hq, D] is sharded like q.
+
+    Args:
+      q, k, v, kv_len: the global arrays.
+      axis_name: the mesh axis the positions are sharded over (keyword).
+      batch_axes: mesh axes that shard the batch, outermost first.
+      mesh: the mesh; defaults to the one given to ``jaxtdist.initialize``.
+      config: as for ``flash_decode``.
+    """
+
+
+# -- tuning ----------------------------------------------------------------------------
+
+def _tuning_case(axis_name, shape, dtype) -> _registry.TuningCase:
+    """flash_decode of ``shape`` = (B, Hq, Hkv, D, S_shard) per rank, every position
+    valid but the last, for the tuner."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    rt = runtime()
+    layout = rt.layout(axis_name)
+    world = layout.world
+    axes = layout.axes if len(layout.axes) > 1 else layout.axes[0]
+    b, hq, hkv, d, s_shard = shape
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((b, hq, d), np.float32), dtype)
+    k = jnp.asarray(rng.standard_normal((b, world * s_shard, hkv, d), np.float32), dtype)
+    v = jnp.asarray(rng.standard_normal((b, world * s_shard, hkv, d), np.float32), dtype)
+    n = jnp.full((b,), world * s_shard - 1, jnp.int32)
+    specs = (P(), P(None, axes), P(None, axes), P())
+    args = tuple(jax.device_put(a, NamedSharding(rt.mesh, sp)) for a, sp in zip((q, k, v, n),
+                                                                              specs))
+    reference = decode_attention(q.astype(jnp.float32), k.astype(jnp.float32),
+                                 v.astype(jnp.float32), n)
+    problem = Problem(rt.platform, world, tuple(shape), jnp.dtype(dtype).name, rt.sms)
+
+    def compile_candidate(overrides):
+        cfg = resolve(FlashDecodeConfig, problem, rt, overrides)  # explicit: skips the cache
+        config = cfg.to_dict()
+        fn = jax.jit(jax.shard_map(
+            lambda *a: flash_decode_kernels(*a, axis_name, config=config), mesh=rt.mesh,
+            in_specs=specs, out_specs=P(), check_vma=False))
+        return fn, cfg
+
+    return _registry.TuningCase(
+        world=world, shape=tuple(shape), dtype=jnp.dtype(dtype).name,
+        candidates=FlashDecodeConfig.search_space(problem), args=args, reference=reference,
+        tolerance=1e-5 if jnp.dtype(dtype).itemsize == 4 else 2e-2, compile=compile_candidate)
+
+
+_registry.register(_registry.Tunable("flash_decode", _tuning_case))

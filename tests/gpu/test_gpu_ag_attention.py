@@ -1,0 +1,124 @@
+"""jaxtdist.ag_attention on GPUs, against a float32 reference (attention over the
+whole sequence on the host); skipped without GPUs (run with JAXTDIST_TEST_GPU=1,
+as tests/gpu/run.sh does).
+
+World 1 runs the local computation (jax.nn.dot_product_attention) and the kernel
+forced there (``ag_attention_kernels``); 2 and 4 GPUs run the kernel, causal and
+not, GQA, odd lengths, chained calls on changing data, and gradients."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxtdist as td
+from jaxtdist.ops.ag_attention import ag_attention_kernels, attention
+
+pytestmark = pytest.mark.skipif(
+    jax.devices()[0].platform != "gpu", reason="needs CUDA GPUs (none visible)")
+
+TOL = {jnp.bfloat16: 2e-2, jnp.float16: 5e-3, jnp.float32: 5e-3}
+SP = P(None, "sp")
+_seed = [0]
+
+
+def _rand(shape, dtype):
+    _seed[0] += 1
+    x = np.random.default_rng(_seed[0]).standard_normal(shape, np.float32)
+    return np.asarray(jnp.asarray(x).astype(dtype).astype(jnp.float32))
+
+
+def _mesh(world):
+    if len(jax.devices()) < world:
+        pytest.skip(f"needs {world} GPUs, have {len(jax.devices())}")
+    mesh = jax.make_mesh((world,), ("sp",), devices=jax.devices()[:world],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    td.initialize(mesh)
+    return mesh
+
+
+def _reference(q, k, v, causal):
+    """float32 attention on the host's CPU device (HIGHEST precision)."""
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        return np.asarray(attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                    causal=causal))
+
+
+def _rel(out, ref):
+    out = np.asarray(out, np.float32)
+    assert np.all(np.isfinite(out)), "non-finite output (unwritten or corrupted)"
+    return np.linalg.norm(out - ref) / np.linalg.norm(ref)
+
+
+def _put(mesh, dtype, *arrays):
+    return tuple(jax.device_put(jnp.asarray(a, dtype), NamedSharding(mesh, SP)) for a in arrays)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("b,s,hq,hkv,d", [(1, 1000, 8, 2, 128), (2, 257, 4, 4, 64),
+                                          (1, 512, 16, 2, 128)])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("kernels", [False, True])
+def test_ag_attention(world, dtype, b, s, hq, hkv, d, causal, kernels):
+    if kernels and world > 1:
+        pytest.skip("ag_attention runs the kernel at world > 1 anyway")
+    mesh = _mesh(world)
+    op = ag_attention_kernels if kernels else td.ag_attention
+    f = jax.jit(jax.shard_map(lambda q, k, v: op(q, k, v, "sp", causal=causal), mesh=mesh,
+                              in_specs=(SP,) * 3, out_specs=SP))
+    for _ in range(3):  # both staging parities, and one reused
+        q = _rand((b, world * s, hq, d), dtype)
+        k, v = _rand((b, world * s, hkv, d), dtype), _rand((b, world * s, hkv, d), dtype)
+        out = f(*_put(mesh, dtype, q, k, v))
+        assert out.dtype == jnp.dtype(dtype)
+        assert _rel(out, _reference(q, k, v, causal)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ag_attention_chained_calls(world):
+    """8 calls in one jit, each on the previous output plus fresh data (causal and
+    not alternating), 4 jit calls: staging parities rewritten while peers may lag."""
+    mesh = _mesh(world)
+    b, s, h, d, calls = 1, 384, 8, 128, 8
+
+    def chain(q, k, v, xs):
+        for i in range(calls):
+            q = td.ag_attention(q + xs[i], k, v, "sp", causal=i % 2 == 0)
+        return q
+
+    f = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=(SP, SP, SP, P(None, None, "sp")),
+                              out_specs=SP))
+    for _ in range(4):
+        q, k, v = (_rand((b, world * s, h, d), jnp.float16) for _ in range(3))
+        xs = _rand((calls, b, world * s, h, d), jnp.float16)
+        out = f(*_put(mesh, jnp.float16, q, k, v),
+                jax.device_put(jnp.asarray(xs, jnp.float16),
+                               NamedSharding(mesh, P(None, None, "sp"))))
+        expect = q
+        for i in range(calls):
+            q_in = np.asarray(jnp.asarray(expect + xs[i], jnp.float16), np.float32)
+            expect = _reference(q_in, k, v, i % 2 == 0)
+        assert _rel(out, expect) < 2e-2
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ag_attention_grad(world):
+    mesh = _mesh(world)
+    b, s, hq, hkv, d = 1, 128, 4, 2, 64
+    q = _rand((b, world * s, hq, d), jnp.float32)
+    k, v = _rand((b, world * s, hkv, d), jnp.float32), _rand((b, world * s, hkv, d), jnp.float32)
+    c = _rand(q.shape, jnp.float32)
+    grads = jax.jit(jax.shard_map(
+        lambda q, k, v, c: jax.grad(lambda q, k, v: jnp.sum(
+            td.ag_attention(q, k, v, "sp") * c), argnums=(0, 1, 2))(q, k, v),
+        mesh=mesh, in_specs=(SP,) * 4, out_specs=(SP,) * 3))(*_put(mesh, jnp.float32, q, k, v, c))
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        expect = jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v) * c), argnums=(0, 1, 2))(
+            jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
+    for got, want in zip(grads, expect):
+        assert _rel(got, np.asarray(want)) < 5e-3

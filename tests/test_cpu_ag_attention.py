@@ -1,0 +1,182 @@
+"""jaxtdist.ag_attention on CPU devices (Triton interpreter), against a float64
+reference: attention of each rank's queries over the whole gathered sequence."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxtdist as td
+from tests.conftest import TOL, cpu_only, place, rand, setup
+
+pytestmark = cpu_only()
+
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+SP = P(None, "sp")
+
+
+def _reference(q, k, v, causal) -> np.ndarray:
+    """float64 attention over the whole sequence, GQA, causal by global position."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    b, s, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, s, hkv, hq // hkv, d)
+    scores = np.einsum("bqhgd,bkhd->bhgqk", qg, k) / np.sqrt(d)
+    if causal:
+        scores = np.where(np.tril(np.ones((s, s), bool)), scores, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    o = np.einsum("bhgqk,bkhd->bqhgd", p / p.sum(-1, keepdims=True), v)
+    return o.reshape(b, s, hq, d)
+
+
+def _rel(out, ref) -> float:
+    out = np.asarray(out, np.float64)
+    assert np.all(np.isfinite(out)), "non-finite output"
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def _fn(mesh, causal, config=None, kernels=False, axis="sp"):
+    op = td.ops.ag_attention_kernels if kernels else td.ag_attention
+    return jax.jit(jax.shard_map(lambda q, k, v: op(q, k, v, axis, causal=causal, config=config),
+                                 mesh=mesh, in_specs=(SP, SP, SP), out_specs=SP))
+
+
+def _operands(mesh, world, b, s, hq, hkv, d, dtype):
+    q = rand((b, world * s, hq, d), dtype)
+    k = rand((b, world * s, hkv, d), dtype)
+    v = rand((b, world * s, hkv, d), dtype)
+    return (q, k, v), tuple(place(mesh, a, SP) for a in (q, k, v))
+
+
+# (world, dtype, causal, B, S_shard, Hq, Hkv, D): every world, causal and not, GQA
+# ratios 1, 4 and 8, head dims 64 and 128, odd S_shard, every dtype.
+CASES = [(2, F32, True, 2, 19, 4, 4, 64), (2, BF16, False, 1, 16, 4, 1, 128),
+         (4, F32, False, 1, 9, 8, 2, 64), (4, F16, True, 1, 13, 8, 1, 64),
+         (8, F32, True, 1, 5, 2, 2, 64)]
+
+
+@pytest.mark.parametrize("world,dtype,causal,b,s,hq,hkv,d", CASES)
+def test_ag_attention(world, dtype, causal, b, s, hq, hkv, d):
+    mesh = setup(world, ("sp",))
+    f = _fn(mesh, causal)
+    for _ in range(2):  # a second call: the other staging parity
+        (q, k, v), placed = _operands(mesh, world, b, s, hq, hkv, d, dtype)
+        out = f(*placed)
+        assert out.dtype == jnp.dtype(dtype) and out.shape == q.shape
+        assert _rel(out, _reference(q, k, v, causal)) < TOL[jnp.dtype(dtype)]
+
+
+def test_ag_attention_chained_calls():
+    """Reuse races: 4 calls in one jit, each on the previous output plus fresh data,
+    causal and not alternating, 8 jit calls (staging parities rewritten often)."""
+    world, b, s, hq, hkv, d = 4, 1, 7, 2, 1, 64
+    mesh = setup(world, ("sp",))
+
+    def chain(q, k, v, xs):
+        for i in range(4):
+            q = td.ag_attention(q + xs[i], k, v, "sp", causal=i % 2 == 0)
+            k = k + q[:, :, :hkv] * 0.5
+        return q
+
+    f = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=(SP, SP, SP, P(None, None, "sp")),
+                              out_specs=SP))
+    for _ in range(8):
+        (q, k, v), placed = _operands(mesh, world, b, s, hq, hkv, d, F32)
+        xs = rand((4, b, world * s, hq, d))
+        out = f(*placed, place(mesh, xs, P(None, None, "sp")))
+        expect, kk = np.asarray(q, np.float64), np.asarray(k, np.float64)
+        for i in range(4):
+            expect = _reference(expect + xs[i], kk, v, i % 2 == 0)
+            kk = kk + expect[:, :, :hkv] * 0.5
+        assert _rel(out, expect) < 1e-5
+
+
+@pytest.mark.parametrize("world,causal,hq,hkv", [(2, True, 4, 1), (4, False, 2, 2)])
+def test_ag_attention_grad(world, causal, hq, hkv):
+    """Gradients through XLA's backward, against jax.grad of plain attention on the
+    gathered arrays."""
+    from jaxtdist.ops.ag_attention import attention
+
+    b, s, d = 1, 6, 64
+    mesh = setup(world, ("sp",))
+    (q, k, v), placed = _operands(mesh, world, b, s, hq, hkv, d, F32)
+    c = rand(q.shape)
+    grad = jax.jit(jax.shard_map(
+        lambda q, k, v, c: jax.grad(lambda q, k, v: jnp.sum(
+            td.ag_attention(q, k, v, "sp", causal=causal) * c), argnums=(0, 1, 2))(q, k, v),
+        mesh=mesh, in_specs=(SP,) * 4, out_specs=(SP,) * 3))(*placed, place(mesh, c, SP))
+    expect = jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v, causal=causal) * c),
+                      argnums=(0, 1, 2))(q, k, v)
+    for got, want in zip(grad, expect):
+        assert _rel(got, np.asarray(want, np.float64)) < 1e-5
+
+
+def test_ag_attention_world_1():
+    """A group of one rank runs jax.nn.dot_product_attention; ag_attention_kernels runs
+    the kernel there."""
+    mesh = setup((1, 8), ("sp", "dp"))
+    q, k, v = rand((1, 21, 8, 64)), rand((1, 21, 2, 64)), rand((1, 21, 2, 64))
+    for causal in (True, False):
+        ref = _reference(q, k, v, causal)
+        for kernels in (False, True):
+            f = jax.jit(jax.shard_map(
+                lambda q, k, v, kernels=kernels, causal=causal: (
+                    td.ops.ag_attention_kernels if kernels else td.ag_attention)(
+                        q, k, v, "sp", causal=causal),
+                mesh=mesh, in_specs=(P(),) * 3, out_specs=P()))
+            assert _rel(f(q, k, v), ref) < 1e-5, (causal, kernels)
+
+
+def test_ag_attention_sharded_over_a_submesh():
+    mesh = setup((2, 4), ("dp", "sp"))
+    q, k, v = rand((2, 4 * 5, 2, 64)), rand((2, 4 * 5, 1, 64)), rand((2, 4 * 5, 1, 64))
+    spec = P("dp", "sp")
+    out = jax.jit(lambda *a: td.ag_attention_sharded(*a, axis_name="sp", batch_axes="dp"))(
+        *(place(mesh, a, spec) for a in (q, k, v)))
+    assert _rel(out, _reference(q, k, v, True)) < 1e-5
+
+
+def test_ag_attention_errors():
+    mesh = setup(2, ("sp",))
+    q, k = rand((1, 8, 4, 64)), rand((1, 8, 2, 64))
+
+    def run(q, k, v, causal=True, config=None, axis="sp"):
+        return _fn(mesh, causal, config, axis=axis)(*(place(mesh, a, SP) for a in (q, k, v)))
+
+    with pytest.raises(ValueError, match=r"expected q \[B, S_shard, Hq, D\]"):
+        run(q[0], k, k)
+    with pytest.raises(ValueError, match="must be a multiple of Hkv=2"):
+        run(rand((1, 8, 3, 64)), k, k)
+    with pytest.raises(ValueError, match="disagree on B, S_shard or D"):
+        run(rand((1, 4, 4, 64)), k, k)
+    with pytest.raises(ValueError, match="must share a dtype"):
+        run(q, k, k.astype(np.float16))
+    with pytest.raises(ValueError, match="causal=1 must be True or False"):
+        run(q, k, k, causal=1)
+    with pytest.raises(ValueError, match="BLOCK_M=48 must be a power of 2"):
+        run(q, k, k, config=dict(BLOCK_M=48))
+    with pytest.raises(ValueError, match="unknown config keys"):
+        run(q, k, k, config=dict(BLOCK=16))
+    with pytest.raises(ValueError, match="axis"):
+        run(q, k, k, axis="tp")
+
+
+def _wall_us(fn, args, world, iterations):
+    import time
+
+    jax.block_until_ready(fn(*args))
+    t = time.perf_counter()
+    for _ in range(iterations):
+        jax.block_until_ready(fn(*args))
+    return (time.perf_counter() - t) / iterations * 1e6
+
+
+def test_ag_attention_tunes_with_an_explicit_measure():
+    setup(2, ("sp",))
+    result = td.tune.tune("ag_attention", (1, 8, 2, 1, 64), jnp.float32, axis_name="sp",
+                          candidates=[{}, dict(BLOCK_N=32)], iterations=1, measure=_wall_us)
+    assert len(result["tried"]) == 2 and all("us" in r for r in result["tried"])
+    assert result["variant"] == "pull"

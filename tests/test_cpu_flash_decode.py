@@ -1,0 +1,217 @@
+"""jaxtdist.flash_decode on CPU devices (Triton interpreter), against a float64
+reference: softmax attention over the whole gathered sequence."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxtdist as td
+from tests.conftest import TOL, cpu_only, place, rand, setup
+
+pytestmark = cpu_only()
+
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+SPECS = (P(), P(None, "sp"), P(None, "sp"), P())
+
+
+def _reference(q, k, v, kv_len) -> np.ndarray:
+    """float64 decode attention over the gathered cache; zeros where kv_len == 0."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    b, hq, d = q.shape
+    s, hkv = k.shape[1], k.shape[2]
+    qg = q.reshape(b, hkv, hq // hkv, d)
+    scores = np.einsum("bhgd,bshd->bhgs", qg, k) / np.sqrt(d)
+    valid = np.arange(s)[None, :] < np.asarray(kv_len)[:, None]
+    scores = np.where(valid[:, None, None, :], scores, -np.inf)
+    m = scores.max(-1, keepdims=True)
+    p = np.exp(scores - np.where(np.isfinite(m), m, 0.0))
+    l = p.sum(-1, keepdims=True)
+    o = np.einsum("bhgs,bshd->bhgd", p, v) / np.where(l > 0, l, 1.0)
+    return o.reshape(b, hq, d)
+
+
+def _rel(out, ref) -> float:
+    out = np.asarray(out, np.float64)
+    assert np.all(np.isfinite(out)), "non-finite output"
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def _decode_fn(mesh, config=None, kernels=False, axis="sp"):
+    op = td.ops.flash_decode_kernels if kernels else td.flash_decode
+    return jax.jit(jax.shard_map(lambda q, k, v, n: op(q, k, v, n, axis, config=config),
+                                 mesh=mesh, in_specs=SPECS, out_specs=P()))
+
+
+def _operands(mesh, world, b, hq, hkv, d, s_shard, dtype):
+    q = rand((b, hq, d), dtype)
+    k = rand((b, world * s_shard, hkv, d), dtype)
+    v = rand((b, world * s_shard, hkv, d), dtype)
+    placed = (place(mesh, q, P()), place(mesh, k, P(None, "sp")), place(mesh, v, P(None, "sp")))
+    return (q, k, v), placed
+
+
+# (world, dtype, B, Hq, Hkv, D, S_shard): every world, GQA ratios 1, 4 and 8, head
+# dims 64 and 128, odd S_shard (no multiple of BLOCK_N), every dtype.
+CASES = [(2, F32, 2, 4, 4, 64, 37), (2, BF16, 1, 8, 2, 128, 21),
+         (4, F32, 3, 8, 2, 128, 13), (4, F16, 2, 8, 1, 64, 9),
+         (8, F32, 2, 8, 1, 64, 5)]
+
+
+@pytest.mark.parametrize("world,dtype,b,hq,hkv,d,s_shard", CASES)
+def test_flash_decode(world, dtype, b, hq, hkv, d, s_shard):
+    mesh = setup(world, ("sp",))
+    f = _decode_fn(mesh)
+    total = world * s_shard
+    rng = np.random.default_rng(world * 100 + d)
+    for call in range(2):  # a second call: the other inbox parity
+        (q, k, v), placed = _operands(mesh, world, b, hq, hkv, d, s_shard, dtype)
+        # Ragged lengths: all of the cache, one inside rank 0's positions only
+        # (every other rank holds none valid), and a random one.
+        lens = np.array([total, max(1, s_shard // 2), int(rng.integers(1, total + 1))][:b],
+                        np.int32)
+        if call:
+            lens = lens[::-1].copy()
+        out = f(*placed, place(mesh, lens, P()))
+        assert out.dtype == jnp.dtype(dtype) and out.shape == (b, hq, d)
+        assert _rel(out, _reference(q, k, v, lens)) < TOL[jnp.dtype(dtype)]
+
+
+def test_flash_decode_same_bits_on_every_rank():
+    """Every rank merges the same partials in the same order: identical outputs."""
+    world = 4
+    mesh = setup(world, ("sp",))
+    f = jax.jit(jax.shard_map(lambda q, k, v, n: td.flash_decode(q, k, v, n, "sp")[None],
+                              mesh=mesh, in_specs=SPECS, out_specs=P("sp"), check_vma=False))
+    (q, k, v), placed = _operands(mesh, world, 2, 8, 2, 64, 11, F32)
+    lens = np.array([40, 17], np.int32)
+    out = np.asarray(f(*placed, place(mesh, lens, P())))
+    for r in range(1, world):
+        np.testing.assert_array_equal(out[r], out[0])
+    assert _rel(out[0], _reference(q, k, v, lens)) < 1e-5
+
+
+def test_flash_decode_empty_sequence_gives_zeros():
+    world = 2
+    mesh = setup(world, ("sp",))
+    (q, k, v), placed = _operands(mesh, world, 2, 4, 1, 64, 7, F32)
+    lens = np.array([0, 9], np.int32)
+    out = np.asarray(_decode_fn(mesh)(*placed, place(mesh, lens, P())))
+    np.testing.assert_array_equal(out[0], 0.0)
+    assert _rel(out[1], _reference(q, k, v, lens)[1]) < 1e-5
+
+
+def test_flash_decode_chained_decode_steps():
+    """Reuse races: 50 decode steps (5 per jit call, each step's query built from the
+    previous step's output plus fresh data, the length growing by one per step), on
+    changing caches, with 3 splits per rank (both merge stages busy)."""
+    world, b, hq, hkv, d, s_shard, steps = 4, 2, 4, 1, 64, 6, 5
+    mesh = setup(world, ("sp",))
+    config = dict(NUM_SPLITS=3)
+
+    def chain(q, k, v, qs, n0):
+        outs = []
+        for i in range(steps):
+            q = td.flash_decode(q * 0.5 + qs[i], k, v, n0 + i, "sp", config=config)
+            outs.append(q)
+        return jnp.stack(outs)
+
+    f = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=SPECS[:3] + (P(), P()),
+                              out_specs=P()))
+    for call in range(10):
+        (q, k, v), placed = _operands(mesh, world, b, hq, hkv, d, s_shard, F32)
+        qs = rand((steps, b, hq, d))
+        n0 = np.array([1 + 2 * call, world * s_shard - steps - call], np.int32)
+        out = np.asarray(f(*placed, place(mesh, qs, P()), place(mesh, n0, P())))
+        expect = np.asarray(q, np.float64)
+        for i in range(steps):
+            expect = _reference(expect * 0.5 + qs[i], k, v, n0 + i)
+            assert _rel(out[i], expect) < 1e-5, (call, i)
+
+
+def test_flash_decode_world_1():
+    """A group of one rank is plain JAX; flash_decode_kernels runs the kernel there."""
+    mesh = setup((1, 8), ("sp", "dp"))
+    q, k, v = rand((1, 8, 64)), rand((1, 19, 2, 64)), rand((1, 19, 2, 64))
+    lens = np.array([15], np.int32)
+    ref = _reference(q, k, v, lens)
+    for kernels in (False, True):
+        f = jax.jit(jax.shard_map(
+            lambda q, k, v, n, kernels=kernels: (td.ops.flash_decode_kernels if kernels
+                                                 else td.flash_decode)(q, k, v, n, "sp"),
+            mesh=mesh, in_specs=(P(),) * 4, out_specs=P()))
+        assert _rel(f(q, k, v, lens), ref) < 1e-5
+
+
+def test_flash_decode_sharded_over_a_submesh():
+    """The pjit-style wrapper: batch over "dp", positions over "sp" (2 x 4 mesh)."""
+    mesh = setup((2, 4), ("dp", "sp"))
+    b, hq, hkv, d, s = 4, 4, 2, 64, 4 * 5
+    q, k, v = rand((b, hq, d)), rand((b, s, hkv, d)), rand((b, s, hkv, d))
+    lens = np.array([s, 3, 11, 20], np.int32)
+    out = jax.jit(lambda *a: td.flash_decode_sharded(*a, axis_name="sp", batch_axes="dp"))(
+        place(mesh, q, P("dp")), place(mesh, k, P("dp", "sp")), place(mesh, v, P("dp", "sp")),
+        place(mesh, lens, P("dp")))
+    assert _rel(out, _reference(q, k, v, lens)) < 1e-5
+
+
+def test_flash_decode_is_not_differentiable():
+    mesh = setup(2, ("sp",))
+    (_, _, _), placed = _operands(mesh, 2, 1, 4, 1, 64, 4, F32)
+    lens = place(mesh, np.array([5], np.int32), P())
+    f = jax.jit(jax.shard_map(
+        lambda q, k, v, n: jax.grad(lambda q: td.flash_decode(q, k, v, n, "sp").sum())(q),
+        mesh=mesh, in_specs=SPECS, out_specs=P()))
+    with pytest.raises(TypeError, match="flash_decode is not differentiable"):
+        f(*placed, lens)
+
+
+def test_flash_decode_errors():
+    mesh = setup(2, ("sp",))
+    q, k = np.zeros((1, 4, 64), np.float32), np.zeros((1, 8, 2, 64), np.float32)
+    n = np.array([3], np.int32)
+
+    def run(q, k, v, n, config=None, axis="sp"):
+        return _decode_fn(mesh, config, axis=axis)(
+            place(mesh, q, P()), place(mesh, k, P(None, "sp")), place(mesh, v, P(None, "sp")),
+            place(mesh, n, P()))
+
+    with pytest.raises(ValueError, match=r"expected q \[B, Hq, D\]"):
+        run(q[0], k, k, n)
+    with pytest.raises(ValueError, match="must be a multiple of Hkv=2"):
+        run(np.zeros((1, 3, 64), np.float32), k, k, n)
+    with pytest.raises(ValueError, match="disagree on the batch B or the head dim D"):
+        run(np.zeros((1, 4, 32), np.float32), k, k, n)
+    with pytest.raises(ValueError, match="must share a dtype"):
+        run(q, k, k.astype(np.float16), n)
+    with pytest.raises(ValueError, match=r"kv_len must be an integer array of shape \(B,\)"):
+        run(q, k, k, np.array([3.0], np.float32))
+    with pytest.raises(ValueError, match="supported dtypes"):
+        run(q.astype(np.int32), k.astype(np.int32), k.astype(np.int32), n)
+    with pytest.raises(ValueError, match="BLOCK_N=24 must be a power of 2"):
+        run(q, k, k, n, config=dict(BLOCK_N=24))
+    with pytest.raises(ValueError, match="unknown config keys"):
+        run(q, k, k, n, config=dict(SPLITS=2))
+    with pytest.raises(ValueError, match="not an axis|axis"):
+        run(q, k, k, n, axis="tp")
+
+
+def _wall_us(fn, args, world, iterations):
+    import time
+
+    jax.block_until_ready(fn(*args))
+    t = time.perf_counter()
+    for _ in range(iterations):
+        jax.block_until_ready(fn(*args))
+    return (time.perf_counter() - t) / iterations * 1e6
+
+
+def test_flash_decode_tunes_with_an_explicit_measure():
+    setup(2, ("sp",))
+    result = td.tune.tune("flash_decode", (1, 4, 1, 64, 20), jnp.float32, axis_name="sp",
+                          candidates=[{}, dict(NUM_SPLITS=1)], iterations=1, measure=_wall_us)
+    assert len(result["tried"]) == 2 and all("us" in r for r in result["tried"])
+    assert result["variant"] == "split_kv_push"
