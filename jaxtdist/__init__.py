@@ -29,7 +29,8 @@ if _os.environ.get("_JAXTDIST_INTERPRETER_WORKER") != "1":
     from jaxtdist.runtime._bootstrap import BootstrapTimeoutError
     from jaxtdist import tune
     from jaxtdist.ops import (ag_matmul, ag_matmul_sharded, all_gather, all_reduce, matmul_ar,
-                              matmul_ar_sharded, matmul_rs, matmul_rs_sharded, reduce_scatter,
+                              matmul_ar_sharded, matmul_rs, matmul_rs_sharded, moe_combine,
+                              moe_dispatch, reduce_scatter,
                               triton_call)
     from jaxtdist.runtime import initialize, is_initialized, shutdown
 
@@ -56,6 +57,8 @@ __all__ = [
     "matmul_ar_sharded",
     "matmul_rs",
     "matmul_rs_sharded",
+    "moe_combine",
+    "moe_dispatch",
     "reduce_scatter",
     "runtime",
     "shutdown",
