@@ -226,8 +226,9 @@ def test_moe_world_1_is_local_and_kernels_agree():
 
     outs = []
     for body in (local, kernels):
+        # The kernels' outputs are typed varying over the group's axis ("tp").
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("dp"),) * 3,
-                                  out_specs=(P("dp"), P("dp"))))
+                                  out_specs=(P("dp"), P("dp")), check_vma=False))
         outs.append([np.asarray(o) for o in f(*(place(mesh, a, P("dp"))
                                                 for a in (x, ids, gate)))])
     np.testing.assert_array_equal(outs[0][0], outs[1][0])
@@ -256,7 +257,7 @@ def test_moe_invalid_expert_ids_are_not_sent():
     valid = np.array([[1, 1], [0, 1], [0, 1], [1, 0], [1, 1], [1, 0], [1, 0], [1, 1]])
     np.testing.assert_allclose(np.asarray(out), np.asarray(x) * valid.sum(1, keepdims=True),
                                rtol=1e-6)
-    np.testing.assert_array_equal(np.asarray(invalid), [4, 2])
+    np.testing.assert_array_equal(np.asarray(invalid), [3, 2])
     assert int(np.asarray(sizes).sum()) == valid.sum()
 
 
