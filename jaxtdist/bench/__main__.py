@@ -10,12 +10,12 @@ import time
 
 def benchmarks() -> dict:
     """Subcommand -> ``harness.Benchmark``, one per op benchmark."""
-    from jaxtdist.bench import ag_matmul, all_gather, collectives, matmul_rs, model
+    from jaxtdist.bench import ag_matmul, all_gather, collectives, matmul_rs, model, moe
 
     return {b.name: b for b in (ag_matmul.BENCHMARK, all_gather.BENCHMARK, ag_matmul.UNTUNED,
                                 collectives.ALL_REDUCE, collectives.REDUCE_SCATTER,
                                 matmul_rs.BENCHMARK, matmul_rs.AR_BENCHMARK,
-                                matmul_rs.UNTUNED, model.BENCHMARK)}
+                                matmul_rs.UNTUNED, model.BENCHMARK, moe.BENCHMARK)}
 
 
 def _load(path: str) -> dict:

@@ -49,3 +49,7 @@ MATMUL_RS_UNTUNED_SHAPES = [
     ("matmul_ar", 16, 8192, 2048, "bfloat16"),
     ("matmul_ar", 128, 8192, 2048, "bfloat16"),
 ]
+
+# moe (expert-parallel dispatch + combine): (tokens per rank, hidden, top_k,
+# experts), bf16. Decode (128 tokens) and prefill (4096) at DeepSeek-V3's sizes.
+MOE_SHAPES = [(128, 7168, 8, 256), (4096, 7168, 8, 256)]

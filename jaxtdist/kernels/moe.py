@@ -136,10 +136,15 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
     for step in range(0, W):
         src = (me + step) % W
         token = dl.wait(ctx, flags + src * P + pid, e, "ge", src)
+    # Every load below goes through pointers that depend on the wait (consume_token),
+    # via a zero offset times 16 elements: they keep their known alignment.
+    after = dl.consume_token((me * 0).to(tl.int64), token) * 16
+    hdr = hdr + after
+    meta = meta + after
+    rows = rows + after
     ws = tl.arange(0, WP)[:, None]
     js = offs_e[None, :]
-    cnt = tl.load(dl.consume_token(hdr + ws * HDR_WORDS + js, token),
-                  mask=(ws < W) & (js < E_LOC), other=0)
+    cnt = tl.load(hdr + ws * HDR_WORDS + js, mask=(ws < W) & (js < E_LOC), other=0)
     tot = tl.sum(cnt, axis=0)
     base = tl.cumsum(cnt, axis=0) - cnt + (tl.cumsum(tot, axis=0) - tot)[None, :]
     total = tl.sum(tot, axis=0)
@@ -233,7 +238,9 @@ def moe_combine_kernel(ctx, y_ptr, w_ptr, kmask_ptr, g_ptr, spos_ptr, stk_ptr, s
     for step in range(0, W):
         src = (me + step) % W
         token = dl.wait(ctx, flags + src * P + pid, e, "ge", src)
-    rows = dl.consume_token(inbox, token)
+    # Loads below depend on the wait (consume_token) through a zero offset times 16
+    # elements: the pointer keeps its known alignment (16-byte vector loads).
+    rows = inbox + dl.consume_token((me * 0).to(tl.int64), token) * 16
     t_lo = pid * TP
     t_hi = tl.minimum(t_lo + TP, T)
     for t in range(t_lo, t_hi):
