@@ -3,7 +3,7 @@
 4 ranks over the mesh axis "ep", 8 experts (2 per rank), top-2 routing by a
 learned router, experts as ``jax.lax.ragged_dot``; the target is a fixed random
 MoE layer. Without GPUs it runs on 4 host devices under Triton's interpreter
-(a minute or so). Prints the loss of each step; it falls.
+(a minute or so). Prints the loss of each step on one batch; it falls.
 
     python examples/moe_train.py
 """
@@ -54,10 +54,10 @@ def main() -> None:
         value, grads = jax.shard_map(jax.value_and_grad(loss), mesh=mesh,
                                      in_specs=(specs, specs, P("ep")),
                                      out_specs=(P(), specs))(params, target, x)
-        return value, jax.tree.map(lambda p, g: p - 0.5 * g, params, grads)
+        return value, jax.tree.map(lambda p, g: p - 0.2 * g, params, grads)
 
-    for i in range(8):
-        x = shard(rng.standard_normal((WORLD * TOKENS, HIDDEN)), P("ep"))
+    x = shard(rng.standard_normal((WORLD * TOKENS, HIDDEN)), P("ep"))  # one batch
+    for i in range(10):
         value, params = step(params, target, x)
         print(f"step {i}: loss {float(value):.4f}", flush=True)
 
