@@ -293,8 +293,51 @@ def test_moe_errors():
             lambda x, ids: td.moe_combine(x, td.moe_dispatch(x, ids, "tp", num_experts=4)[2],
                                           jnp.ones(ids.shape), "tp"),
             mesh=mesh, in_specs=(P("tp"), P("tp")), out_specs=P("tp")))(x, ids)
+    with pytest.raises(ValueError, match="handle must be the MoeHandle"):
+        jax.jit(jax.shard_map(lambda x: td.moe_combine(x, "nope", jnp.ones((4, 2)), "tp"),
+                              mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))(x)
     with pytest.raises(ValueError, match="weights must be"):
         jax.jit(jax.shard_map(
             lambda x, ids: td.moe_combine(*td.moe_dispatch(x, ids, "tp", num_experts=4)[::2],
                                           jnp.ones((3, 2)), "tp"),
             mesh=mesh, in_specs=(P("tp"), P("tp")), out_specs=P("tp")))(x, ids)
+
+
+def test_moe_over_a_submesh():
+    """dp x tp mesh, experts over "tp": each dp group exchanges among its own ranks."""
+    mesh = setup((2, 2), ("dp", "tp"))
+    t, h, k, e = 3, 8, 2, 4
+    x = rand((4 * t, h))
+    ids = routing("random", 4, t, k, e, np.random.default_rng(11))
+    gate = rand((4 * t, k))
+    spec = P(("dp", "tp"))
+
+    def body(x, ids, gate):
+        recv, sizes, handle = td.moe_dispatch(x, ids, "tp", num_experts=e)
+        return recv, td.moe_combine(recv * 3.0, handle, gate, "tp")
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec, spec)))
+    recv, out = f(*(place(mesh, a, spec) for a in (x, ids, gate)))
+    for g in range(2):  # each dp group on its own
+        rows = 2 * t * min(k, e // 2)
+        xs, idg = np.asarray(x)[g * 2 * t:(g + 1) * 2 * t], ids[g * 2 * t:(g + 1) * 2 * t]
+        want, _, _, _ = ref_dispatch(np.asarray(xs, np.float64), idg, 2, e, rows)
+        got = np.asarray(recv).reshape(2, 2, rows, h)[g]
+        for d in range(2):
+            np.testing.assert_array_equal(got[d], want[d].astype(np.float32))
+    ref = 3.0 * np.asarray(x) * np.asarray(gate).sum(1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5)
+
+
+def test_moe_bench_table():
+    """The benchmark's table renders from result rows (the timing itself needs GPUs)."""
+    from jaxtdist.bench import __main__ as cli
+    from jaxtdist.bench import moe
+
+    assert "moe" in cli.benchmarks()
+    stats = dict(mean_us=10.0, min_us=9.0)
+    row = dict(tokens=128, hidden=7168, top_k=8, experts=256, reference_dispatch=stats,
+               kernels_dispatch=dict(stats, exact=True), reference_layer=stats,
+               kernels_layer=dict(stats, rel_err=1e-3), ragged_dot=stats)
+    text = moe.table(dict(device="H100", world=1, iterations=10, rounds=2, rows=[row]))
+    assert "128 x 7168, top-8, 256" in text and "True" in text
