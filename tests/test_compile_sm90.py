@@ -294,3 +294,36 @@ def test_ag_attention_compiles_with_tensor_cores(dtype, d, causal):
     assert "ld.global.sys.acquire" in ptx or "ld.acquire.sys" in ptx
     assert "release" in ptx
     assert k.metadata.shared <= 227 * 1024
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_moe_kernels_compile(dtype):
+    """MoE dispatch and combine compile for sm_90 at DeepSeek-V3's decode size (H=7168,
+    top-8, 256 experts over 4 ranks); the row copies keep 16-byte vectors and the
+    flags are system-scope release/acquire."""
+    from jaxtdist.kernels.moe import moe_combine_kernel, moe_dispatch_kernel
+    t, h, k, e_loc, world, programs = 128, 7168, 8, 64, 4, 128
+    kl, meta_words = 8, 1 + 4 * 8
+    i32 = "*i32"
+    d = _compile(moe_dispatch_kernel,
+                 {"ctx": i32, "x_ptr": f"*{dtype}", "slot_ptr": i32, "meta_ptr": i32,
+                  "dcounts_ptr": i32, "bounds_ptr": i32, "recv_ptr": f"*{dtype}",
+                  "rcounts_ptr": i32, "spos_ptr": i32, "stk_ptr": i32, "sranges_ptr": i32},
+                 dict(T=t, H=h, K=k, E_LOC=e_loc, KL=kl, R=world * t * kl, W=world,
+                      P=programs, TP=1, FLAGS_OFF=0, HDR_OFF=4096, META_OFF=1 << 16,
+                      ROWS_OFF=1 << 20, PARITY_BYTES=1 << 24, HDR_WORDS=e_loc + 2 * programs + 1,
+                      META_WORDS=meta_words, SCALED=False, WP=4, EP=64, MP=64,
+                      BLOCK_H=1024),
+                 num_warps=4, num_stages=1)
+    c = _compile(moe_combine_kernel,
+                 {"ctx": i32, "y_ptr": f"*{dtype}", "w_ptr": "*fp32", "kmask_ptr": i32,
+                  "g_ptr": f"*{dtype}", "spos_ptr": i32, "stk_ptr": i32, "sranges_ptr": i32,
+                  "out_ptr": f"*{dtype}", "dots_ptr": "*fp32"},
+                 dict(T=t, F=h, K=k, KL=kl, W=world, P=programs, TP=1, FLAGS_OFF=0,
+                      INBOX_OFF=4096, PARITY_BYTES=1 << 24, DOTS=False, BLOCK_F=1024),
+                 num_warps=4, num_stages=1)
+    for k_ in (d, c):
+        ptx = k_.asm["ptx"]
+        ops = _ops(k_)
+        narrow = {op: n for op, n in ops.items() if op.endswith((".b16", ".b8"))}
+        assert not narrow, f"row copies lost vectorization: {k_.name} {dict(ops)}"
+        assert "ld.global.sys.acquire" in ptx or "ld.acquire.sys" in ptx
+        assert "release" in ptx

@@ -87,3 +87,6 @@ FLASH_DECODE_SEQS = [8192, 32768, 131072, 262144]
 AG_ATTENTION_HEADS = (1, 32, 128)
 AG_ATTENTION_SEQS = [4096, 8192, 16384, 32768]
 AG_ATTENTION_SEQS_MULTI = [32768, 131072]
+# moe (expert-parallel dispatch + combine): (tokens per rank, hidden, top_k,
+# experts), bf16. Decode (128 tokens) and prefill (4096) at DeepSeek-V3's sizes.
+MOE_SHAPES = [(128, 7168, 8, 256), (4096, 7168, 8, 256)]

@@ -1,0 +1,265 @@
+"""moe: expert-parallel dispatch and combine (low-latency push all-to-all).
+
+Experts are split evenly over the W ranks: rank d owns local experts
+``[d * E_LOC, (d + 1) * E_LOC)``. The sender's routing metadata (which ranks
+a token goes to, its slot there, its local experts and their positions) is
+computed on the device by the op (``ops/moe.py``) before the kernel; counts
+are data, so one compiled kernel serves every routing.
+
+Dispatch (``moe_dispatch_kernel``), program p of rank ``me`` owns tokens
+``[p * TP, (p + 1) * TP)``:
+
+1. Push: each token row is loaded once and stored once per destination rank
+   (not once per expert) into that rank's heap inbox, slot ``slot[t, d]`` of
+   the source region ``me``, with its meta row (token index, and per local
+   expert: local expert id, position within (source, expert), k, scale).
+   Then the header (rows per local expert, this program's slot range) and the
+   flag ``FLAGS[me, p]`` in d's heap, set to the epoch (``dl.notify``: a
+   release). Every program notifies every rank in every call, empty or not.
+2. Receive: wait for ``FLAGS[s, p] >= e`` of every source s (the same program
+   id on every rank: no wait targets a program of this rank, so the grid
+   completes in any order; under the interpreter programs run one by one).
+   The headers give the count matrix cnt[s, j]; recv_x is expert-major, and
+   within an expert source-major, then in token order: row (s, t, j) lands at
+   ``sum_{j' < j} tot[j'] + sum_{s' < s} cnt[s', j] + pos``. Rows at R or
+   beyond are dropped (never written). Program p lays out the rows that
+   program p of each source pushed, one load per row chunk and one store per
+   local expert; it also zeroes its share of the unused rows of recv_x and
+   records, per inbox row and local expert, where the row went (for combine).
+
+Combine (``moe_combine_kernel``) is the reverse, by the same program split:
+program p of the experts' rank sends, for each (token, k) pair it holds from
+source s's program p, the y row (zero if the row was dropped) into s's heap
+inbox at row ``t * K + k``, then notifies ``FLAGS[me, p]`` in s's heap; then
+it waits for every rank's ``FLAGS[d, p]`` and sums its tokens' K rows times
+their weights in float32. Every valid (t, k) pair is sent by exactly one rank
+(its expert's); the op masks invalid ones (``KMASK``).
+
+Reuse (both kernels): a source writes a peer's inbox of parity ``e % 2`` at
+epochs e and e + 2; the peer reads it in its kernel e. The source's kernel
+e + 1 waited for the peer's flags of e + 1 (every rank notifies every rank in
+every call), which the peer raises in its kernel e + 1, after its kernel e
+(the last reader) ended. Flags compare ">=" (a fast peer may already be at
+e + 1, writing only the other parity) and only grow: nothing is reset.
+The headers sit in the parity region too, for the same reason.
+
+Workspace layout (byte offsets, ``ops/moe.DispatchWorkspace`` /
+``CombineWorkspace``): FLAGS [W, P] int32, then per parity: dispatch's
+headers [W, HDR_WORDS] int32, meta [W, T, META_WORDS] int32 and rows
+[W, T, H]; combine's inbox [T * K, F].
+"""
+
+import triton
+import triton.language as tl
+
+import jaxtdist.language as dl
+
+
+@triton.jit
+def _pick(vec, idx, j):
+    """vec[j] for a runtime scalar j (vec a 1-D block indexed by ``idx``)."""
+    return tl.sum(tl.where(idx == j, vec, 0), axis=0)
+
+
+@triton.jit
+def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
+                        recv_ptr, rcounts_ptr, spos_ptr, stk_ptr, sranges_ptr,
+                        T: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
+                        E_LOC: tl.constexpr, KL: tl.constexpr, R: tl.constexpr,
+                        W: tl.constexpr, P: tl.constexpr, TP: tl.constexpr,
+                        FLAGS_OFF: tl.constexpr, HDR_OFF: tl.constexpr,
+                        META_OFF: tl.constexpr, ROWS_OFF: tl.constexpr,
+                        PARITY_BYTES: tl.constexpr, HDR_WORDS: tl.constexpr,
+                        META_WORDS: tl.constexpr, SCALED: tl.constexpr,
+                        WP: tl.constexpr, EP: tl.constexpr, MP: tl.constexpr,
+                        BLOCK_H: tl.constexpr):
+    """Grid: (P,), at most one program per SM on GPUs (programs wait on peers').
+
+    Inputs: x [T, H]; slot [T, W] int32 (slot of token t in rank d's inbox, -1:
+    not sent); meta [T, W, META_WORDS] int32; dcounts [W, E_LOC] int32 (rows
+    sent to rank d per local expert); bounds [W, P + 1] int32 (slots of d before
+    program p's tokens). Outputs: recv [R, H]; rcounts [W, E_LOC] int32 (rows
+    received per source and local expert); spos / stk [W * T, KL] int32 (recv
+    row and t * K + k of inbox row (s, i), local expert kk; -1: none or
+    dropped); sranges [W, P, 2] int32 (slot range of each source's program).
+    """
+    pid = tl.program_id(0)
+    me = dl.rank(ctx)
+    e = dl.epoch(ctx)
+    par = (e % 2) * PARITY_BYTES
+    flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
+    hdr = dl.heap_ptr(ctx, HDR_OFF + par, tl.int32)
+    meta = dl.heap_ptr(ctx, META_OFF + par, tl.int32)
+    rows = dl.heap_ptr(ctx, ROWS_OFF + par, x_ptr.dtype.element_ty)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_m = tl.arange(0, MP)
+    offs_e = tl.arange(0, EP)
+
+    # 1. Push this program's tokens, each row once per destination rank.
+    t_lo = pid * TP
+    t_hi = tl.minimum(t_lo + TP, T)
+    for t in range(t_lo, t_hi):
+        for c in range(0, H, BLOCK_H):
+            hm = c + offs_h < H
+            v = tl.load(x_ptr + t * H + c + offs_h, mask=hm)
+            for step in range(0, W):
+                d = (me + step) % W
+                s = tl.load(slot_ptr + t * W + d)
+                if s >= 0:
+                    dst = rows + (me * T + s) * H + c + offs_h
+                    tl.store(dl.symm_at(ctx, dst, d), v, mask=hm)
+        for step in range(0, W):
+            d = (me + step) % W
+            s = tl.load(slot_ptr + t * W + d)
+            if s >= 0:
+                mm = offs_m < META_WORDS
+                m = tl.load(meta_ptr + (t * W + d) * META_WORDS + offs_m, mask=mm)
+                dst = meta + (me * T + s) * META_WORDS + offs_m
+                tl.store(dl.symm_at(ctx, dst, d), m, mask=mm)
+    for step in range(0, W):
+        d = (me + step) % W
+        h = hdr + me * HDR_WORDS
+        em = offs_e < E_LOC
+        cnt = tl.load(dcounts_ptr + d * E_LOC + offs_e, mask=em)
+        tl.store(dl.symm_at(ctx, h + offs_e, d), cnt, mask=em)  # same values from every program
+        lo = tl.load(bounds_ptr + d * (P + 1) + pid)
+        hi = tl.load(bounds_ptr + d * (P + 1) + pid + 1)
+        tl.store(dl.symm_at(ctx, h + E_LOC + 2 * pid, d), lo)
+        tl.store(dl.symm_at(ctx, h + E_LOC + 2 * pid + 1, d), hi)
+        # The total too (from every program): a receiver's program p may read
+        # only what program p of this rank wrote (the flag it waited for).
+        tl.store(dl.symm_at(ctx, h + E_LOC + 2 * P, d), tl.load(bounds_ptr + d * (P + 1) + P))
+        dl.notify(ctx, flags + me * P + pid, d, e)  # release: rows, meta, header first
+
+    # 2. Receive: every source's program pid has pushed.
+    token = me * 0  # int32, the type dl.wait's token has (loop-carried)
+    for step in range(0, W):
+        src = (me + step) % W
+        token = dl.wait(ctx, flags + src * P + pid, e, "ge", src)
+    # Every load below goes through pointers that depend on the wait (consume_token),
+    # via a zero offset times 16 elements: they keep their known alignment.
+    after = dl.consume_token((me * 0).to(tl.int64), token) * 16
+    hdr = hdr + after
+    meta = meta + after
+    rows = rows + after
+    ws = tl.arange(0, WP)[:, None]
+    js = offs_e[None, :]
+    cnt = tl.load(hdr + ws * HDR_WORDS + js, mask=(ws < W) & (js < E_LOC), other=0)
+    tot = tl.sum(cnt, axis=0)
+    base = tl.cumsum(cnt, axis=0) - cnt + (tl.cumsum(tot, axis=0) - tot)[None, :]
+    total = tl.sum(tot, axis=0)
+    if pid == 0:
+        tl.store(rcounts_ptr + ws * E_LOC + js, cnt, mask=(ws < W) & (js < E_LOC))
+    for s in range(0, W):
+        base_s = tl.sum(tl.where(ws == s, base, 0), axis=0)
+        h = hdr + s * HDR_WORDS + E_LOC
+        lo = tl.load(h + 2 * pid)
+        hi = tl.load(h + 2 * pid + 1)
+        tl.store(sranges_ptr + (s * P + pid) * 2, lo)
+        tl.store(sranges_ptr + (s * P + pid) * 2 + 1, hi)
+        for i in range(lo, hi):
+            mrow = meta + (s * T + i) * META_WORDS
+            t = tl.load(mrow)
+            for kk in range(0, KL):
+                j = tl.load(mrow + 1 + 4 * kk)
+                pos = tl.load(mrow + 2 + 4 * kk)
+                k = tl.load(mrow + 3 + 4 * kk)
+                dst = _pick(base_s, offs_e, j) + pos
+                keep = (j >= 0) & (dst < R)
+                tl.store(spos_ptr + (s * T + i) * KL + kk, tl.where(keep, dst, -1))
+                tl.store(stk_ptr + (s * T + i) * KL + kk, tl.where(j >= 0, t * K + k, -1))
+            for c in range(0, H, BLOCK_H):
+                hm = c + offs_h < H
+                v = tl.load(rows + (s * T + i) * H + c + offs_h, mask=hm)
+                for kk in range(0, KL):
+                    # From the meta row again (not spos: a scalar this program stored,
+                    # which other threads of the program need not see yet).
+                    j = tl.load(mrow + 1 + 4 * kk)
+                    dst = _pick(base_s, offs_e, j) + tl.load(mrow + 2 + 4 * kk)
+                    if (j >= 0) & (dst < R):
+                        if SCALED:
+                            scale = tl.load(mrow + 4 + 4 * kk).to(tl.float32, bitcast=True)
+                            out = (v.to(tl.float32) * scale).to(recv_ptr.dtype.element_ty)
+                        else:
+                            out = v
+                        tl.store(recv_ptr + dst * H + c + offs_h, out, mask=hm)
+        # Slots nobody uses: their records say "nothing here" (outputs fully written).
+        n_s = tl.load(h + 2 * P)
+        for i in range(n_s + pid, T, P):
+            for kk in range(0, KL):
+                tl.store(spos_ptr + (s * T + i) * KL + kk, -1)
+                tl.store(stk_ptr + (s * T + i) * KL + kk, -1)
+    # Rows past the received ones are zero (fully written output).
+    for r in range(tl.minimum(total, R) + pid, R, P):
+        for c in range(0, H, BLOCK_H):
+            hm = c + offs_h < H
+            tl.store(recv_ptr + r * H + c + offs_h,
+                     tl.zeros((BLOCK_H,), recv_ptr.dtype.element_ty), mask=hm)
+
+
+@triton.jit
+def moe_combine_kernel(ctx, y_ptr, w_ptr, kmask_ptr, g_ptr, spos_ptr, stk_ptr, sranges_ptr,
+                       out_ptr, dots_ptr, T: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
+                       KL: tl.constexpr, W: tl.constexpr, P: tl.constexpr, TP: tl.constexpr,
+                       FLAGS_OFF: tl.constexpr, INBOX_OFF: tl.constexpr,
+                       PARITY_BYTES: tl.constexpr, DOTS: tl.constexpr,
+                       BLOCK_F: tl.constexpr):
+    """Grid: (P,), the dispatch's P. y [R, F] (rows of this rank's experts);
+    w [T, K] weights and kmask [T, K] int32 (1: a valid pair) of this rank's
+    tokens; spos / stk / sranges from the dispatch. out [T, F] = sum_k w[t, k] *
+    y row of (t, k), float32 accumulation. With DOTS, also dots [T, K] float32 =
+    <y row of (t, k), g[t]> (the weights' cotangent, g the output's)."""
+    pid = tl.program_id(0)
+    me = dl.rank(ctx)
+    e = dl.epoch(ctx)
+    flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
+    inbox = dl.heap_ptr(ctx, INBOX_OFF + (e % 2) * PARITY_BYTES, y_ptr.dtype.element_ty)
+    offs_f = tl.arange(0, BLOCK_F)
+
+    # 1. Send each (t, k) row held for source s's program pid back to s.
+    for step in range(0, W):
+        s = (me + step) % W
+        lo = tl.load(sranges_ptr + (s * P + pid) * 2)
+        hi = tl.load(sranges_ptr + (s * P + pid) * 2 + 1)
+        for i in range(lo, hi):
+            for kk in range(0, KL):
+                tk = tl.load(stk_ptr + (s * T + i) * KL + kk)
+                pos = tl.load(spos_ptr + (s * T + i) * KL + kk)
+                if tk >= 0:
+                    for c in range(0, F, BLOCK_F):
+                        fm = c + offs_f < F
+                        v = tl.load(y_ptr + pos * F + c + offs_f, mask=fm & (pos >= 0),
+                                    other=0.0)
+                        tl.store(dl.symm_at(ctx, inbox + tk * F + c + offs_f, s), v, mask=fm)
+        dl.notify(ctx, flags + me * P + pid, s, e)  # release: the rows above first
+
+    # 2. Sum this program's tokens' rows once every rank's program pid has sent.
+    token = me * 0  # int32, the type dl.wait's token has (loop-carried)
+    for step in range(0, W):
+        src = (me + step) % W
+        token = dl.wait(ctx, flags + src * P + pid, e, "ge", src)
+    # Loads below depend on the wait (consume_token) through a zero offset times 16
+    # elements: the pointer keeps its known alignment (16-byte vector loads).
+    rows = inbox + dl.consume_token((me * 0).to(tl.int64), token) * 16
+    t_lo = pid * TP
+    t_hi = tl.minimum(t_lo + TP, T)
+    for t in range(t_lo, t_hi):
+        for c in range(0, F, BLOCK_F):
+            fm = c + offs_f < F
+            acc = tl.zeros((BLOCK_F,), tl.float32)
+            for k in range(0, K):
+                valid = tl.load(kmask_ptr + t * K + k) != 0
+                wk = tl.load(w_ptr + t * K + k).to(tl.float32)
+                v = tl.load(rows + (t * K + k) * F + c + offs_f, mask=fm & valid, other=0.0)
+                acc += tl.where(valid, wk, 0.0) * v.to(tl.float32)
+            tl.store(out_ptr + t * F + c + offs_f, acc.to(out_ptr.dtype.element_ty), mask=fm)
+        if DOTS:
+            for k in range(0, K):
+                valid = tl.load(kmask_ptr + t * K + k) != 0
+                dot = tl.zeros((BLOCK_F,), tl.float32)
+                for c in range(0, F, BLOCK_F):
+                    fm = (c + offs_f < F) & valid
+                    v = tl.load(rows + (t * K + k) * F + c + offs_f, mask=fm, other=0.0)
+                    g = tl.load(g_ptr + t * F + c + offs_f, mask=fm, other=0.0)
+                    dot += v.to(tl.float32) * g.to(tl.float32)
+                tl.store(dots_ptr + t * K + k, tl.sum(dot, axis=0))

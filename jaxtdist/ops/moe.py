@@ -1,0 +1,568 @@
+"""jaxtdist.moe_dispatch / jaxtdist.moe_combine: expert-parallel all-to-all for MoE.
+
+Experts are split evenly over the ranks of ``axis_name``: with E experts and W
+ranks, rank r owns experts ``[r * E / W, (r + 1) * E / W)``. ``moe_dispatch``
+sends every (token, expert) pair to its expert's rank, grouped by local
+expert; ``moe_combine`` brings the experts' rows back and sums them with the
+routing weights. Routing metadata is computed here on the device (counts are
+data: one compiled program serves every routing); the kernels
+(kernels/moe.py) push rows into peers' heap inboxes. Both are differentiable:
+dispatch's backward is a combine (weights 1), combine's is a dispatch of the
+output's cotangent scaled by the weights, plus the weights' cotangent (the
+combine kernel's dot products). At world 1 both are their local computation
+(a scatter and a gather in pure JAX); ``moe_dispatch_kernels`` /
+``moe_combine_kernels`` run the kernels at any world (benchmarks, tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtdist.kernels.moe import moe_combine_kernel, moe_dispatch_kernel
+from jaxtdist.ops._config import KernelConfig, Problem, resolve
+from jaxtdist.ops._op import DistributedOp
+from jaxtdist.ops._protocol import Call, check_axis
+from jaxtdist.ops._shapes import align, check_dtype, next_pow2
+from jaxtdist.runtime._runtime import runtime
+
+__all__ = ["MoeConfig", "MoeHandle", "moe_combine", "moe_combine_kernels", "moe_dispatch",
+           "moe_dispatch_kernels"]
+
+# Words of a meta row per local expert of a token: local expert id, position
+# within (source, expert), k, scale (float32 bits).
+_FIELDS = 4
+
+
+# -- config ----------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig(KernelConfig):
+    """How the dispatch and combine kernels split the work.
+
+    Attributes:
+      NUM_PROGRAMS: programs; program p owns tokens ``[p * TP, (p + 1) * TP)``
+        on every rank and waits only for program p of the others (on GPUs at
+        most one per SM: all resident). Combine uses its dispatch's value.
+      BLOCK_H: elements of a row per copy step (a power of 2).
+      num_warps: launch option.
+    """
+    OP: ClassVar[str] = "moe"
+    variant: ClassVar[str] = "push"
+
+    NUM_PROGRAMS: int = 2
+    BLOCK_H: int = 64
+    num_warps: int = 4
+
+    @classmethod
+    def default(cls, problem: Problem) -> "MoeConfig":
+        t, h = problem.shape[0], problem.shape[1]
+        if problem.platform != "gpu":  # the interpreter: few programs, small blocks
+            return cls(NUM_PROGRAMS=min(2, t), BLOCK_H=min(64, next_pow2(h)))
+        # Latency: one token per program up to one program per SM (a program's
+        # rows to every peer are in flight together); 16-byte vectors per thread.
+        return cls(NUM_PROGRAMS=max(1, min(problem.sms, t)), BLOCK_H=min(1024, next_pow2(h)))
+
+    def validate(self, problem: Problem) -> None:
+        for key in ("NUM_PROGRAMS", "BLOCK_H", "num_warps"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"jaxtdist.moe: config {key}={value!r} must be an int >= 1")
+        if self.BLOCK_H & (self.BLOCK_H - 1):
+            raise ValueError(f"jaxtdist.moe: config BLOCK_H={self.BLOCK_H} must be a power of 2")
+        if problem.platform == "gpu" and self.NUM_PROGRAMS > problem.sms:
+            raise ValueError(f"jaxtdist.moe: config NUM_PROGRAMS={self.NUM_PROGRAMS} exceeds "
+                             f"the {problem.sms} SMs (every program must be resident)")
+
+
+# -- the handle --------------------------------------------------------------------
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MoeHandle:
+    """What ``moe_combine`` needs from a ``moe_dispatch`` (a pytree: pass it along
+    inside the same ``shard_map``).
+
+    Array fields (per rank):
+      expert_ids: [T, K] int32, the routing this rank's tokens were sent with.
+      recv_counts: [W, E / W] int32, rows received from each source rank for
+        each local expert (before dropping).
+      src_pos: [W * T, min(K, E / W)] int32: for inbox row i of source s (slot
+        ``s * T + i``) and its kk-th local expert, the row of ``recv_x`` it went
+        to, or -1 (no such expert, or dropped).
+      src_tk: same shape: ``t * K + k`` of that (token, k) pair at its source, or -1.
+      src_ranges: [W, P, 2] int32: inbox slots pushed by each source's program p.
+      dropped: int32 scalar: (token, expert) rows this rank dropped (past
+        ``max_recv_rows``); their combine contribution is zero.
+      invalid: int32 scalar: (token, k) pairs of this rank with an expert id
+        outside [0, E) or repeated within the token; they are not sent and
+        contribute zero.
+    Static fields: num_experts, max_recv_rows, programs.
+    """
+    expert_ids: jax.Array
+    recv_counts: jax.Array
+    src_pos: jax.Array
+    src_tk: jax.Array
+    src_ranges: jax.Array
+    dropped: jax.Array
+    invalid: jax.Array
+    num_experts: int = dataclasses.field(metadata=dict(static=True), default=0)
+    max_recv_rows: int = dataclasses.field(metadata=dict(static=True), default=0)
+    programs: int = dataclasses.field(metadata=dict(static=True), default=1)
+
+
+# -- routing metadata (on the device) ------------------------------------------------
+
+def _valid_pairs(expert_ids: jax.Array, num_experts: int) -> jax.Array:
+    """[T, K] bool: ids in [0, E) and not a repeat of an earlier k of the token."""
+    ids = expert_ids
+    in_range = (ids >= 0) & (ids < num_experts)
+    k = ids.shape[1]
+    earlier = jnp.tril(jnp.ones((k, k), bool), -1)  # [k, k'] k' < k
+    repeat = jnp.any((ids[:, :, None] == ids[:, None, :]) & earlier[None], axis=2)
+    return in_range & ~repeat
+
+
+@dataclasses.dataclass(frozen=True)
+class _Routing:
+    valid: jax.Array      # [T, K] bool
+    slot: jax.Array       # [T, W] int32, -1: not sent to d
+    meta: jax.Array       # [T, W, 1 + 4 KL] int32
+    dcounts: jax.Array    # [W, E_LOC] int32
+    bounds: jax.Array     # [W, P + 1] int32
+
+
+def _route(expert_ids, world: int, num_experts: int, programs: int,
+           scale: jax.Array | None) -> _Routing:
+    t, k = expert_ids.shape
+    e_loc = num_experts // world
+    kl = min(k, e_loc)
+    valid = _valid_pairs(expert_ids, num_experts)
+    ids = jnp.where(valid, expert_ids, 0).astype(jnp.int32)
+    dest = jnp.where(valid, ids // e_loc, world)                       # world: nowhere
+    send = jnp.any(dest[:, :, None] == jnp.arange(world)[None, None], axis=1)  # [T, W]
+    csum = jnp.cumsum(send.astype(jnp.int32), axis=0)
+    slot = jnp.where(send, csum - 1, -1).astype(jnp.int32)
+    tp = -(-t // programs)
+    edges = np.minimum(np.arange(programs + 1) * tp, t)
+    padded = jnp.concatenate([jnp.zeros((1, world), jnp.int32), csum], axis=0)
+    bounds = padded[edges].T.astype(jnp.int32)                         # [W, P + 1]
+    onehot = jnp.sum((ids[:, :, None] == jnp.arange(num_experts)[None, None]) & valid[:, :, None],
+                     axis=1, dtype=jnp.int32)                          # [T, E]
+    before = jnp.cumsum(onehot, axis=0) - onehot
+    pos = jnp.take_along_axis(before, ids, axis=1)                     # [T, K]
+    dcounts = jnp.sum(onehot, axis=0).reshape(world, e_loc)
+    # kk: the rank of k among the token's valid experts on the same destination.
+    earlier = jnp.tril(jnp.ones((k, k), bool), -1)
+    same = (dest[:, :, None] == dest[:, None, :]) & valid[:, None, :] & earlier[None]
+    kk = jnp.sum(same, axis=2).astype(jnp.int32)
+    scale = jnp.ones((t, k), jnp.float32) if scale is None else scale.astype(jnp.float32)
+    fields = jnp.stack([ids % e_loc, pos, jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (t, k)),
+                        jax.lax.bitcast_convert_type(scale, jnp.int32)], axis=-1)  # [T, K, 4]
+    table = jnp.full((t, world + 1, kl, _FIELDS), -1, jnp.int32)
+    rows = jnp.broadcast_to(jnp.arange(t)[:, None], (t, k))
+    table = table.at[rows, dest, jnp.minimum(kk, kl - 1)].set(fields, mode="drop")[:, :world]
+    head = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[:, None, None], (t, world, 1))
+    meta = jnp.concatenate([head, table.reshape(t, world, kl * _FIELDS)], axis=2)
+    return _Routing(valid, slot, meta, dcounts, bounds)
+
+
+def _summary(recv_counts: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
+    """group_sizes [E_LOC] (rows kept per local expert) and the rows dropped."""
+    tot = jnp.sum(recv_counts, axis=0)
+    kept = jnp.minimum(jnp.cumsum(tot), rows)
+    sizes = jnp.diff(jnp.concatenate([jnp.zeros((1,), kept.dtype), kept]))
+    dropped = jnp.sum(tot) - kept[-1]
+    return sizes.astype(jnp.int32), dropped.astype(jnp.int32)
+
+
+# -- shapes ----------------------------------------------------------------------
+
+def default_recv_rows(tokens: int, top_k: int, world: int, num_experts: int) -> int:
+    """recv_x's rows by default: every token of every rank, to min(K, E / W) experts."""
+    return world * tokens * min(top_k, num_experts // world)
+
+
+def _check_dispatch(x, expert_ids, *, axis_name, num_experts, max_recv_rows=None,
+                    config=None) -> None:
+    del config
+    world = check_axis(runtime(), axis_name, "moe_dispatch").world
+    if getattr(x, "ndim", None) != 2:
+        raise ValueError(f"jaxtdist.moe_dispatch: x must be [tokens, hidden] (2-D), got shape "
+                         f"{getattr(x, 'shape', None)}")
+    check_dtype("moe_dispatch", "x", x.dtype)
+    if (getattr(expert_ids, "ndim", None) != 2 or expert_ids.shape[0] != x.shape[0]):
+        raise ValueError(f"jaxtdist.moe_dispatch: expert_ids must be [tokens, top_k] with "
+                         f"tokens = x.shape[0] = {x.shape[0]}, got shape "
+                         f"{getattr(expert_ids, 'shape', None)}")
+    if jnp.dtype(expert_ids.dtype) != jnp.int32:
+        raise ValueError(f"jaxtdist.moe_dispatch: expert_ids has dtype "
+                         f"{jnp.dtype(expert_ids.dtype).name}; it must be int32 "
+                         "(use expert_ids.astype(jnp.int32))")
+    if 0 in x.shape or expert_ids.shape[1] == 0:
+        raise ValueError(f"jaxtdist.moe_dispatch: empty operand x{x.shape} "
+                         f"expert_ids{expert_ids.shape}")
+    if (isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1
+            or num_experts % world):
+        raise ValueError(f"jaxtdist.moe_dispatch: num_experts={num_experts!r} must be a "
+                         f"positive multiple of the group size W={world} over {axis_name!r} "
+                         "(experts are split evenly over the ranks)")
+    if expert_ids.shape[1] > num_experts:
+        raise ValueError(f"jaxtdist.moe_dispatch: top_k={expert_ids.shape[1]} (expert_ids' "
+                         f"columns) exceeds num_experts={num_experts}: a token's experts "
+                         "must be distinct")
+    if max_recv_rows is not None and (isinstance(max_recv_rows, bool)
+                                      or not isinstance(max_recv_rows, int)
+                                      or max_recv_rows < 1):
+        raise ValueError(f"jaxtdist.moe_dispatch: max_recv_rows={max_recv_rows!r} must be "
+                         "None (every row fits) or an int >= 1")
+
+
+def _problem(call: Call, tokens: int, hidden: int, dtype) -> Problem:
+    return Problem(call.platform, call.world, (tokens, hidden), jnp.dtype(dtype).name,
+                   call.rt.sms)
+
+
+class DispatchWorkspace:
+    """Byte layout of the dispatch workspace: flags [W, P] int32, then per call
+    parity: headers [W, E_LOC + 2P + 1] int32, meta rows [W, T, 1 + 4 KL] int32,
+    rows [W, T, H]."""
+
+    def __init__(self, world, tokens, hidden, itemsize, e_loc, kl, programs):
+        self.hdr_words = e_loc + 2 * programs + 1
+        self.meta_words = 1 + _FIELDS * kl
+        self.flags = 0
+        self.hdr = align(4 * world * programs)
+        self.meta = self.hdr + align(4 * world * self.hdr_words)
+        self.rows = self.meta + align(4 * world * tokens * self.meta_words)
+        self.parity_bytes = self.rows + align(world * tokens * hidden * itemsize) - self.hdr
+        self.nbytes = self.hdr + 2 * self.parity_bytes
+
+
+class CombineWorkspace:
+    """Byte layout of the combine workspace: flags [W, P] int32, then per call
+    parity an inbox of [T * K, F] rows (row t * K + k: the expert's row of pair (t, k))."""
+
+    def __init__(self, world, tokens, top_k, cols, itemsize, programs):
+        self.flags = 0
+        self.inbox = align(4 * world * programs)
+        self.parity_bytes = align(tokens * top_k * cols * itemsize)
+        self.nbytes = self.inbox + 2 * self.parity_bytes
+
+
+# -- the kernels at any world -------------------------------------------------------
+
+def moe_dispatch_kernels(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_experts: int,
+                         max_recv_rows: int | None = None, scale: jax.Array | None = None,
+                         config: dict | None = None):
+    """moe_dispatch's kernel, at world 1 too (benchmarks, tests); not differentiable.
+
+    ``scale`` [T, K] (optional): the copy of token t for its k-th expert is
+    multiplied by ``scale[t, k]`` (combine's backward uses it).
+    Returns (recv_x, group_sizes, handle), as ``moe_dispatch``.
+    """
+    x, expert_ids = jnp.asarray(x), jnp.asarray(expert_ids)
+    _check_dispatch(x, expert_ids, axis_name=axis_name, num_experts=num_experts,
+                    max_recv_rows=max_recv_rows)
+    call = Call("moe_dispatch", axis_name)
+    world = call.world
+    (t, h), k = x.shape, expert_ids.shape[1]
+    e_loc = num_experts // world
+    kl = min(k, e_loc)
+    rows = max_recv_rows or default_recv_rows(t, k, world, num_experts)
+    cfg = resolve(MoeConfig, _problem(call, t, h, x.dtype), call.rt, config,
+                  axis_name=axis_name)
+    programs = min(cfg.NUM_PROGRAMS, t)
+    route = _route(expert_ids, world, num_experts, programs, scale)
+    plan = DispatchWorkspace(world, t, h, x.dtype.itemsize, e_loc, kl, programs)
+    # The layout depends on all of these: other shapes get their own workspace.
+    ws = call.workspace("push", plan.nbytes, t, h, x.dtype.name, k, num_experts, programs)
+    varying = set(call.result_axes(local=(x, expert_ids))) | set(call.layout.axes)
+    i32 = jnp.int32
+    recv, counts, spos, stk, ranges = call.run(
+        moe_dispatch_kernel, x, route.slot, route.meta, route.dcounts, route.bounds,
+        workspace=ws,
+        out_shape=[jax.ShapeDtypeStruct((rows, h), x.dtype),
+                   jax.ShapeDtypeStruct((world, e_loc), i32),
+                   jax.ShapeDtypeStruct((world * t, kl), i32),
+                   jax.ShapeDtypeStruct((world * t, kl), i32),
+                   jax.ShapeDtypeStruct((world, programs, 2), i32)],
+        grid=(programs,), num_warps=cfg.num_warps, num_stages=1,
+        varying=tuple(a for a in call.rt.mesh.axis_names if a in varying),
+        T=t, H=h, K=k, E_LOC=e_loc, KL=kl, R=rows, W=world, P=programs,
+        TP=-(-t // programs), FLAGS_OFF=ws.offset + plan.flags, HDR_OFF=ws.offset + plan.hdr,
+        META_OFF=ws.offset + plan.meta, ROWS_OFF=ws.offset + plan.rows,
+        PARITY_BYTES=plan.parity_bytes, HDR_WORDS=plan.hdr_words, META_WORDS=plan.meta_words,
+        SCALED=scale is not None, WP=next_pow2(world), EP=next_pow2(e_loc),
+        MP=next_pow2(plan.meta_words), BLOCK_H=cfg.BLOCK_H)
+    sizes, dropped = _summary(counts, rows)
+    invalid = jnp.sum(~route.valid).astype(i32)
+    handle = MoeHandle(expert_ids, counts, spos, stk, ranges, dropped, invalid,
+                       num_experts=num_experts, max_recv_rows=rows, programs=programs)
+    return recv, sizes, handle
+
+
+def moe_combine_kernels(y: jax.Array, handle: MoeHandle, weights: jax.Array, axis_name, *,
+                        cotangent: jax.Array | None = None, config: dict | None = None):
+    """moe_combine's kernel, at world 1 too (benchmarks, tests); not differentiable.
+
+    With ``cotangent`` [T, F], returns (out, dots) where dots[t, k] = <y row of
+    (t, k), cotangent[t]> (float32); else out.
+    """
+    y, weights = jnp.asarray(y), jnp.asarray(weights)
+    _check_combine(y, weights, handle, axis_name=axis_name)
+    call = Call("moe_combine", axis_name)
+    world = call.world
+    t, k = handle.expert_ids.shape
+    f = y.shape[1]
+    programs = handle.programs
+    kl = handle.src_pos.shape[1]
+    cfg = resolve(MoeConfig, _problem(call, t, f, y.dtype), call.rt, config,
+                  axis_name=axis_name)
+    plan = CombineWorkspace(world, t, k, f, y.dtype.itemsize, programs)
+    ws = call.workspace("push", plan.nbytes, t, k, f, y.dtype.name, programs)
+    kmask = _valid_pairs(handle.expert_ids, handle.num_experts).astype(jnp.int32)
+    dots = cotangent is not None
+    g = cotangent if dots else jnp.zeros((1,), y.dtype)
+    varying = set(call.result_axes(local=(y, weights, handle.src_pos))) | set(call.layout.axes)
+    outs = call.run(
+        moe_combine_kernel, y, weights, kmask, g, handle.src_pos, handle.src_tk,
+        handle.src_ranges, workspace=ws,
+        out_shape=[jax.ShapeDtypeStruct((t, f), y.dtype),
+                   jax.ShapeDtypeStruct((t, k) if dots else (1,), jnp.float32)],
+        grid=(programs,), num_warps=cfg.num_warps, num_stages=1,
+        varying=tuple(a for a in call.rt.mesh.axis_names if a in varying),
+        T=t, F=f, K=k, KL=kl, W=world, P=programs, TP=-(-t // programs),
+        FLAGS_OFF=ws.offset + plan.flags, INBOX_OFF=ws.offset + plan.inbox,
+        PARITY_BYTES=plan.parity_bytes, DOTS=dots, BLOCK_F=cfg.BLOCK_H)
+    return (outs[0], outs[1]) if dots else outs[0]
+
+
+# -- the local computation (world 1) ------------------------------------------------
+
+def _local_dispatch(x, expert_ids, *, num_experts, rows, programs):
+    t, k = expert_ids.shape
+    valid = _valid_pairs(expert_ids, num_experts)
+    ids = jnp.where(valid, expert_ids, 0)
+    onehot = jnp.sum((ids[:, :, None] == jnp.arange(num_experts)[None, None])
+                     & valid[:, :, None], axis=1, dtype=jnp.int32)
+    tot = jnp.sum(onehot, axis=0)
+    start = jnp.cumsum(tot) - tot
+    pos = start[ids] + jnp.take_along_axis(jnp.cumsum(onehot, axis=0) - onehot, ids, axis=1)
+    keep = valid & (pos < rows)
+    target = jnp.where(keep, pos, rows).reshape(-1)
+    src = jnp.broadcast_to(x[:, None, :], (t, k, x.shape[1])).reshape(t * k, -1)
+    recv = jnp.zeros((rows, x.shape[1]), x.dtype).at[target].set(src, mode="drop")
+    spos = jnp.where(keep, pos, -1).astype(jnp.int32)
+    stk = jnp.where(valid, jnp.arange(t * k).reshape(t, k), -1).astype(jnp.int32)
+    return recv, tot.reshape(1, -1).astype(jnp.int32), spos, stk, valid
+
+
+def _local_combine(y, weights, src_pos, src_tk, t, k):
+    """out[t] = sum over records (pos, t * K + k) of weights[t, k] * y[pos] (both
+    handle flavours: the local one and the kernels')."""
+    tk = src_tk.reshape(-1)
+    pos = src_pos.reshape(-1)
+    w = jnp.where(tk >= 0, weights.reshape(-1)[jnp.maximum(tk, 0)], 0).astype(jnp.float32)
+    rows = jnp.where((pos >= 0)[:, None], y[jnp.maximum(pos, 0)].astype(jnp.float32), 0)
+    out = jnp.zeros((t, y.shape[1]), jnp.float32).at[jnp.where(tk >= 0, tk // k, t)].add(
+        w[:, None] * rows, mode="drop")
+    return out.astype(y.dtype)
+
+
+# -- the ops ----------------------------------------------------------------------
+
+def _dispatch_forward(x, expert_ids, *, axis_name, num_experts, max_recv_rows=None,
+                      config=None):
+    recv, sizes, handle = moe_dispatch_kernels(x, expert_ids, axis_name,
+                                               num_experts=num_experts,
+                                               max_recv_rows=max_recv_rows, config=config)
+    out = (recv, sizes, handle.recv_counts, handle.src_pos, handle.src_tk, handle.src_ranges,
+           handle.dropped, handle.invalid)
+    return out, (expert_ids, handle.src_pos, handle.src_tk, handle.src_ranges)
+
+
+def _dispatch_backward(residuals, ct, *, axis_name, num_experts, max_recv_rows=None,
+                       config=None):
+    expert_ids, spos, stk, ranges = residuals
+    t, k = expert_ids.shape
+    world = runtime().layout(axis_name).world
+    rows = max_recv_rows or default_recv_rows(t, k, world, num_experts)
+    programs = ranges.shape[1]
+    handle = MoeHandle(expert_ids, None, spos, stk, ranges, None, None, num_experts=num_experts,
+                       max_recv_rows=rows, programs=programs)
+    ct_recv = ct[0]
+    ones = jnp.ones(expert_ids.shape, jnp.float32)
+    # The transpose of copying x[t] to each of its expert rows: sum those rows.
+    dx = moe_combine_kernels(ct_recv, handle, ones, axis_name, config=config)
+    return dx, None
+
+
+def _dispatch_local(x, expert_ids, *, axis_name, num_experts, max_recv_rows=None,
+                    config=None):
+    del axis_name, config
+    t, k = expert_ids.shape
+    rows = max_recv_rows or default_recv_rows(t, k, 1, num_experts)
+    recv, counts, spos, stk, valid = _local_dispatch(x, expert_ids, num_experts=num_experts,
+                                                     rows=rows, programs=1)
+    sizes, dropped = _summary(counts, rows)
+    ranges = jnp.zeros((1, 1, 2), jnp.int32)
+    return (recv, sizes, counts, spos, stk, ranges, dropped,
+            jnp.sum(~valid).astype(jnp.int32))
+
+
+_DISPATCH = DistributedOp("moe_dispatch", forward=_dispatch_forward,
+                          backward=_dispatch_backward, check=_check_dispatch,
+                          local=_dispatch_local)
+
+
+def _check_combine(y, weights, handle, *, axis_name, config=None) -> None:
+    del config
+    check_axis(runtime(), axis_name, "moe_combine")
+    if not isinstance(handle, MoeHandle):
+        raise ValueError(f"jaxtdist.moe_combine: handle must be the MoeHandle that "
+                         f"moe_dispatch returned, got {type(handle).__name__}")
+    if getattr(y, "ndim", None) != 2 or y.shape[0] != handle.max_recv_rows:
+        raise ValueError(f"jaxtdist.moe_combine: y must be [R, F] with R = the dispatch's "
+                         f"max_recv_rows = {handle.max_recv_rows} rows (one per row of recv_x), "
+                         f"got shape {getattr(y, 'shape', None)}")
+    check_dtype("moe_combine", "y", y.dtype)
+    if getattr(weights, "shape", None) != tuple(handle.expert_ids.shape):
+        raise ValueError(f"jaxtdist.moe_combine: weights must be [tokens, top_k] = "
+                         f"{tuple(handle.expert_ids.shape)} like the dispatch's expert_ids, got "
+                         f"shape {getattr(weights, 'shape', None)}")
+    if not jnp.issubdtype(weights.dtype, jnp.floating):
+        raise ValueError(f"jaxtdist.moe_combine: weights has dtype {jnp.dtype(weights.dtype)}; "
+                         "it must be a floating dtype")
+
+
+def _combine_static(handle: MoeHandle) -> dict:
+    return dict(num_experts=handle.num_experts, max_recv_rows=handle.max_recv_rows,
+                programs=handle.programs)
+
+
+def _combine_handle(expert_ids, spos, stk, ranges, static) -> MoeHandle:
+    return MoeHandle(expert_ids, None, spos, stk, ranges, None, None, **static)
+
+
+def _combine_forward(y, weights, expert_ids, spos, stk, ranges, *, axis_name, num_experts,
+                     max_recv_rows, programs, config=None):
+    static = dict(num_experts=num_experts, max_recv_rows=max_recv_rows, programs=programs)
+    handle = _combine_handle(expert_ids, spos, stk, ranges, static)
+    out = moe_combine_kernels(y, handle, weights, axis_name, config=config)
+    return out, (y, weights, expert_ids, spos, stk, ranges)
+
+
+def _combine_backward(residuals, ct, *, axis_name, num_experts, max_recv_rows, programs,
+                      config=None):
+    y, weights, expert_ids, spos, stk, ranges = residuals
+    static = dict(num_experts=num_experts, max_recv_rows=max_recv_rows, programs=programs)
+    handle = _combine_handle(expert_ids, spos, stk, ranges, static)
+    ct = ct.astype(y.dtype)
+    # dy: the cotangent of token t's output, sent to each of its experts' rows,
+    # times the pair's weight (the same routing lays it out as y is).
+    dy, _, _ = moe_dispatch_kernels(ct, expert_ids, axis_name, num_experts=num_experts,
+                                    max_recv_rows=max_recv_rows, scale=weights, config=config)
+    # dweights[t, k] = <y row of (t, k), ct[t]>: the combine kernel's dot products.
+    _, dw = moe_combine_kernels(y, handle, weights, axis_name, cotangent=ct, config=config)
+    return dy, dw, None, None, None, None
+
+
+def _combine_local(y, weights, expert_ids, spos, stk, ranges, *, axis_name, num_experts,
+                   max_recv_rows, programs, config=None):
+    del ranges, axis_name, num_experts, max_recv_rows, programs, config
+    t, k = expert_ids.shape
+    return _local_combine(y, weights, spos, stk, t, k)
+
+
+def _check_combine_op(y, weights, expert_ids, spos, stk, ranges, *, axis_name, num_experts,
+                      max_recv_rows, programs, config=None) -> None:
+    static = dict(num_experts=num_experts, max_recv_rows=max_recv_rows, programs=programs)
+    _check_combine(y, weights, _combine_handle(expert_ids, spos, stk, ranges, static),
+                   axis_name=axis_name)
+
+
+_COMBINE = DistributedOp("moe_combine", forward=_combine_forward, backward=_combine_backward,
+                         check=_check_combine_op, local=_combine_local)
+
+
+def moe_dispatch(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_experts: int,
+                 max_recv_rows: int | None = None,
+                 config: dict | None = None) -> tuple[jax.Array, jax.Array, MoeHandle]:
+    """Sends every (token, expert) pair to the rank of its expert, grouped by local expert.
+
+    Call inside ``jax.shard_map`` over the mesh given to ``jaxtdist.initialize``.
+    Rank r of ``axis_name`` (W ranks) owns experts ``[r * E / W, (r + 1) * E / W)``.
+    A token routed to several experts of one rank crosses the link once. Token
+    counts are data: one compiled program serves every routing. Differentiable
+    in ``x`` (the backward is a combine with weights 1).
+
+    Args:
+      x: [T, H] this rank's tokens (bfloat16, float16 or float32).
+      expert_ids: [T, K] int32 top-K routing, distinct experts per token, in
+        [0, E). Pairs outside [0, E) or repeated within a token are not sent
+        (counted in ``handle.invalid``; they contribute zero in combine).
+      axis_name: mesh axis (or tuple of axes) of the expert-parallel group.
+      num_experts: E, a multiple of W.
+      max_recv_rows: R, the rows of ``recv_x`` (static); default
+        ``W * T * min(K, E / W)`` (nothing can be dropped). Rows past R are
+        dropped and counted in ``handle.dropped``.
+      config: overrides of ``MoeConfig`` (advanced).
+
+    Returns:
+      ``recv_x`` [R, H]: local expert 0's rows first, then expert 1's, ...;
+      within an expert by source rank, then token index; rows past the
+      received ones are zero. ``group_sizes`` [E / W] int32: rows per local
+      expert (``jax.lax.ragged_dot(recv_x, w_local, group_sizes)``).
+      ``handle``: a ``MoeHandle`` for ``moe_combine``.
+
+    Example:
+      >>> def layer(x, ids, w, gate):
+      ...     recv, sizes, handle = jaxtdist.moe_dispatch(x, ids, "ep", num_experts=8)
+      ...     y = jax.lax.ragged_dot(recv, w, sizes)
+      ...     return jaxtdist.moe_combine(y, handle, gate, "ep")
+    """
+    x, expert_ids = jnp.asarray(x), jnp.asarray(expert_ids)
+    out = _DISPATCH(x, expert_ids, axis_name=axis_name, num_experts=num_experts,
+                    max_recv_rows=max_recv_rows, config=config)
+    recv, sizes, counts, spos, stk, ranges, dropped, invalid = out
+    t, k = expert_ids.shape
+    world = check_axis(runtime(), axis_name, "moe_dispatch").world
+    rows = max_recv_rows or default_recv_rows(t, k, world, num_experts)
+    programs = ranges.shape[1]
+    handle = MoeHandle(expert_ids, counts, spos, stk, ranges, dropped, invalid,
+                       num_experts=num_experts, max_recv_rows=rows, programs=programs)
+    return recv, sizes, handle
+
+
+def moe_combine(y: jax.Array, handle: MoeHandle, weights: jax.Array, axis_name, *,
+                config: dict | None = None) -> jax.Array:
+    """Brings the experts' rows back to their tokens and sums them with the weights.
+
+    ``out[t] = sum_k weights[t, k] * (row of y holding token t's copy for
+    expert expert_ids[t, k])``, accumulated in float32, in y's dtype; dropped
+    and invalid pairs contribute zero. Differentiable in ``y`` and ``weights``.
+
+    Args:
+      y: [R, F] the experts' outputs, one row per row of the dispatch's recv_x.
+      handle: the ``MoeHandle`` of that dispatch (same ``axis_name``).
+      weights: [T, K] routing weights of this rank's tokens (any float dtype).
+      axis_name: the dispatch's axis.
+      config: overrides of ``MoeConfig`` (advanced; NUM_PROGRAMS is the dispatch's).
+
+    Returns:
+      [T, F] in y's dtype.
+
+    Example:
+      >>> out = jaxtdist.moe_combine(jax.lax.ragged_dot(recv, w, sizes), handle, gate, "ep")
+    """
+    y, weights = jnp.asarray(y), jnp.asarray(weights)
+    if not isinstance(handle, MoeHandle):
+        _check_combine(y, weights, handle, axis_name=axis_name)
+    return _COMBINE(y, weights, handle.expert_ids, handle.src_pos, handle.src_tk,
+                    handle.src_ranges, axis_name=axis_name, config=config,
+                    **_combine_static(handle))

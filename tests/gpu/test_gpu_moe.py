@@ -1,0 +1,178 @@
+"""moe_dispatch / moe_combine on GPUs: world 1 (the local computation, and the
+kernels themselves), and 2 and 4 GPUs where that many are visible; skipped without
+GPUs. Run with ``JAXTDIST_TEST_GPU=1`` (tests/gpu/run.sh does)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxtdist as td
+from jaxtdist.ops.moe import moe_combine_kernels, moe_dispatch_kernels
+
+pytestmark = pytest.mark.skipif(
+    jax.devices()[0].platform != "gpu", reason="needs CUDA GPUs (none visible)")
+
+_seed = [0]
+
+
+def _mesh(world):
+    if len(jax.devices()) < world:
+        pytest.skip(f"needs {world} GPUs, {len(jax.devices())} visible")
+    mesh = jax.make_mesh((world,), ("ep",), devices=jax.devices()[:world],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    td.initialize(mesh)
+    return mesh
+
+
+def _routing(kind, n, k, e, world, rng):
+    ids = np.argsort(rng.random((n, e)), axis=1)[:, :k].astype(np.int32)
+    e_loc = e // world
+    if kind == "one_rank":  # every token to the last rank's experts
+        ids = (world - 1) * e_loc + np.argsort(rng.random((n, e_loc)), axis=1)[:, :k]
+    elif kind == "one_expert":  # every token to expert 0 first
+        ids = 1 + np.argsort(rng.random((n, e - 1)), axis=1)[:, :k]
+        ids[:, 0] = 0
+    return ids.astype(np.int32)
+
+
+def _reference(x, ids, gate, world, e, rows):
+    """Per rank: recv_x [rows, H] (float64) and the layer's out with identity experts
+    times 2 (y = 2 recv_x), dropped pairs contributing zero."""
+    n, hdim = x.shape
+    t = n // world
+    e_loc = e // world
+    recvs = np.zeros((world, rows, hdim))
+    out = np.zeros((n, hdim))
+    for d in range(world):
+        r = 0
+        for j in range(e_loc):
+            for s in range(world):
+                for tt in range(t):
+                    g = s * t + tt
+                    hit = np.nonzero(ids[g] == d * e_loc + j)[0]
+                    if len(hit):
+                        if r < rows:
+                            recvs[d, r] = x[g]
+                            out[g] += 2.0 * gate[g, hit[0]] * x[g]
+                        r += 1
+    return recvs, out
+
+
+def _check(world, t, hdim, k, e, dtype, kind, rows=None, kernels=False, calls=3):
+    mesh = _mesh(world)
+    op_d, op_c = ((moe_dispatch_kernels, moe_combine_kernels) if kernels
+                  else (td.moe_dispatch, td.moe_combine))
+
+    def body(x, ids, gate):
+        recv, _, handle = op_d(x, ids, "ep", num_experts=e, max_recv_rows=rows)
+        return recv, op_c(recv * 2.0, handle, gate, "ep")
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 3,
+                              out_specs=(P("ep"), P("ep")), check_vma=False))
+    rng = np.random.default_rng(world * 100 + t)
+    r = rows or world * t * min(k, e // world)
+    for _ in range(calls):  # both inbox parities, a fresh routing each time
+        _seed[0] += 1
+        x = jax.random.normal(jax.random.key(_seed[0]), (world * t, hdim), jnp.float32)
+        x = x.astype(dtype)
+        ids = _routing(kind, world * t, k, e, world, rng)
+        gate = rng.random((world * t, k)).astype(np.float32)
+        put = lambda a: jax.device_put(jnp.asarray(a), NamedSharding(mesh, P("ep")))  # noqa: E731
+        recv, out = f(put(x), put(ids), put(gate))
+        xs = np.asarray(x.astype(jnp.float32), np.float64)
+        want_recv, want_out = _reference(xs, ids, gate, world, e, r)
+        np.testing.assert_array_equal(np.asarray(recv.astype(jnp.float32)).reshape(world, r, -1),
+                                      want_recv.astype(np.float32))
+        out = np.asarray(out.astype(jnp.float32), np.float64)
+        assert np.all(np.isfinite(out)), "non-finite output (unwritten or corrupted)"
+        err = np.linalg.norm(out - want_out) / max(np.linalg.norm(want_out), 1e-30)
+        assert err < (2e-2 if dtype == jnp.bfloat16 else 1e-5), (world, t, kind, err)
+
+
+# (T per rank, H, K, E, routing): decode-like, odd T, K = 1, skewed routings.
+CASES = [(128, 7168, 8, 32, "random"), (37, 512, 2, 8, "random"), (64, 256, 1, 4, "random"),
+         (50, 1024, 2, 8, "one_rank"), (33, 768, 4, 16, "one_expert")]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("t,hdim,k,e,kind", CASES)
+def test_moe(world, dtype, t, hdim, k, e, kind):
+    if e % world or k > e // world and kind == "one_rank":
+        pytest.skip("routing needs more experts per rank")
+    _check(world, t, hdim, k, e, dtype, kind)
+    if world == 1:  # the kernels themselves at world 1
+        _check(world, t, hdim, k, e, dtype, kind, kernels=True)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_moe_drops_rows_past_max_recv_rows(world):
+    _check(world, 40, 256, 4, 16, jnp.bfloat16, "one_expert", rows=30, kernels=world == 1)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_moe_chained_calls(world):
+    """Reuse races: 50 dispatch + combine pairs in one jit on changing routings."""
+    mesh = _mesh(world)
+    t, hdim, k, e, calls = 16, 512, 4, 4 * world, 50
+
+    def chain(x, ids):
+        for i in range(calls):
+            recv, _, handle = td.moe_dispatch(x, (ids + i) % e, "ep", num_experts=e)
+            x = td.moe_combine(recv * 0.5 + 1.0, handle, jnp.full(ids.shape, 0.25), "ep")
+        return x
+
+    f = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=(P("ep"), P("ep")),
+                              out_specs=P("ep"), check_vma=False))
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        x = rng.standard_normal((world * t, hdim)).astype(np.float32)
+        ids = _routing("random", world * t, k, e, world, rng)
+        out = f(jax.device_put(x, NamedSharding(mesh, P("ep"))),
+                jax.device_put(ids, NamedSharding(mesh, P("ep"))))
+        ref = x.astype(np.float64)
+        for _ in range(calls):  # K * 0.25 * (0.5 x + 1) = 0.5 x + 1 (K = 4)
+            ref = 0.5 * ref + 1.0
+        np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_moe_gradients(world):
+    mesh = _mesh(world)
+    t, hdim, f_out, k, e = 24, 128, 64, 2, 2 * world
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((world * t, hdim)).astype(np.float32)
+    ids = _routing("random", world * t, k, e, world, rng)
+    w = (rng.standard_normal((e, hdim, f_out)) / np.sqrt(hdim)).astype(np.float32)
+    gate = rng.random((world * t, k)).astype(np.float32)
+    c = rng.standard_normal((world * t, f_out)).astype(np.float32)
+
+    def loss_td(x, w, gate):
+        def body(x, ids, w, gate, c):
+            recv, sizes, handle = td.moe_dispatch(x, ids, "ep", num_experts=e)
+            y = jax.lax.ragged_dot(recv, w, sizes, precision=jax.lax.Precision.HIGHEST)
+            return jax.lax.psum(jnp.sum(td.moe_combine(y, handle, gate, "ep") * c), "ep")
+        return jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 5, out_specs=P(),
+                             check_vma=False)(x, put(ids), w, gate, put(c))
+
+    def loss_ref(x, w, gate):
+        onehot = jax.nn.one_hot(ids, e, dtype=jnp.float32)
+        per = jnp.einsum("nh,ehf->nef", x, w,
+                         precision=jax.lax.Precision.HIGHEST)
+        return jnp.sum(jnp.einsum("nke,nef,nk->nf", onehot, per, gate) * c)
+
+    def put(a):
+        return jax.device_put(jnp.asarray(a), NamedSharding(mesh, P("ep")))
+
+    # w [E, H, F] sharded over the experts: rank r holds its E / W local experts.
+    got = jax.jit(jax.grad(loss_td, argnums=(0, 1, 2)))(put(x), put(w), put(gate))
+    want = jax.grad(loss_ref, argnums=(0, 1, 2))(jnp.asarray(x), jnp.asarray(w),
+                                                 jnp.asarray(gate))
+    for g, r in zip(got, want):
+        g, r = np.asarray(g, np.float64).reshape(-1), np.asarray(r, np.float64).reshape(-1)
+        assert np.linalg.norm(g - r) / np.linalg.norm(r) < 1e-4
