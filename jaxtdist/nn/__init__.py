@@ -20,9 +20,11 @@ Example:
 """
 
 from jaxtdist.nn._attention import ParallelAttention, rope
+from jaxtdist.nn._embed import Embed
+from jaxtdist.nn._hf import load_hf_llama
 from jaxtdist.nn._linear import ColumnParallelLinear, RowParallelLinear
-from jaxtdist.nn._llama import Llama, LlamaConfig
+from jaxtdist.nn._llama import Llama, LlamaConfig, place_on_mesh
 from jaxtdist.nn._mlp import ParallelMLP
 
-__all__ = ["ColumnParallelLinear", "Llama", "LlamaConfig", "ParallelAttention", "ParallelMLP",
-           "RowParallelLinear", "rope"]
+__all__ = ["ColumnParallelLinear", "Embed", "Llama", "LlamaConfig", "ParallelAttention",
+           "ParallelMLP", "RowParallelLinear", "load_hf_llama", "place_on_mesh", "rope"]
