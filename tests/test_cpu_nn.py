@@ -135,7 +135,7 @@ def test_llama_matches_the_reference(mesh_shape, heads, kv, explicit):
         out = nnx.jit(lambda m, t: m(t))(model, tokens)  # plain numpy in: resharded
         assert out.shape == (batch, seq, cfg.vocab)
         assert rel_err(out, ref) < 1e-5
-        assert rel_err(fwd(model, tokens, pos, segs), ref_packed) < 1e-5
+    assert rel_err(fwd(ours, tokens, pos, segs), ref_packed) < 1e-5
 
 
 def test_decode_with_the_kv_cache_matches_the_full_forward():
@@ -222,3 +222,129 @@ def test_gradients_and_five_adamw_steps_match_the_reference():
         theirs.append(float(loss))
     np.testing.assert_allclose(ours, theirs, rtol=2e-5)
     assert ours[-1] < ours[0]
+
+
+# -- checkpoints, the Hugging Face loader, errors ----------------------------------------
+
+def test_orbax_restore_then_train_on_another_mesh(tmp_path):
+    """Parameters and optimizer state saved from a (2, 4) jaxtdist model, restored
+    into the XLA twin on a (4, 2) mesh, then a training step works there."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    cfg = _cfg(4, 2)
+    mesh = _mesh((2, 4))
+    model = tdnn.Llama(cfg, rngs=nnx.Rngs(4))
+    opt = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+    batch = _tokens(np.random.default_rng(5), (4, 9), cfg.vocab)
+    step = nnx.jit(lambda m, o, t, y: (lambda loss_grads: (o.update(m, loss_grads[1]),
+                                                          loss_grads[0])[1])(
+        nnx.value_and_grad(lambda m: m.loss(t, y))(m)))
+    step(model, opt, batch[:, :-1], batch[:, 1:])
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "ck", nnx.state((model, opt)))
+    ref_next = float(step(model, opt, batch[:, :-1], batch[:, 1:]))
+
+    other = jax.make_mesh((4, 2), ("dp", "tp"))
+    theirs = tdnn.Llama(cfg, mesh=other, impl="xla", rngs=nnx.Rngs(9))
+    their_opt = nnx.Optimizer(theirs, optax.adamw(1e-2), wrt=nnx.Param)
+    target = nnx.state((theirs, their_opt))
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                            target)
+    with ocp.StandardCheckpointer() as ckpt:
+        nnx.update((theirs, their_opt), ckpt.restore(tmp_path / "ck", abstract))
+    tdnn.place_on_mesh((theirs, their_opt), other)
+    got = float(step(theirs, their_opt, batch[:, :-1], batch[:, 1:]))
+    assert abs(got - ref_next) < 1e-5 * abs(ref_next)
+
+
+def test_hf_safetensors_checkpoint_loads(tmp_path):
+    """A tiny Hugging Face Llama checkpoint written here (HF names, [out, in]
+    weights): the loaded model's logits are the reference's from those tensors."""
+    from safetensors.numpy import save_file
+
+    mesh = _mesh((2, 4))
+    cfg = _cfg(8, 2)
+    rng = np.random.default_rng(6)
+    hd, kv = cfg.d_model // cfg.num_heads, cfg.num_kv_heads
+    shapes = {"model.embed_tokens.weight": (cfg.vocab, cfg.d_model),
+              "model.norm.weight": (cfg.d_model,), "lm_head.weight": (cfg.vocab, cfg.d_model)}
+    p = "model.layers.0."
+    shapes.update({p + "input_layernorm.weight": (cfg.d_model,),
+                   p + "post_attention_layernorm.weight": (cfg.d_model,),
+                   p + "self_attn.q_proj.weight": (cfg.num_heads * hd, cfg.d_model),
+                   p + "self_attn.k_proj.weight": (kv * hd, cfg.d_model),
+                   p + "self_attn.v_proj.weight": (kv * hd, cfg.d_model),
+                   p + "self_attn.o_proj.weight": (cfg.d_model, cfg.num_heads * hd),
+                   p + "mlp.gate_proj.weight": (cfg.hidden, cfg.d_model),
+                   p + "mlp.up_proj.weight": (cfg.hidden, cfg.d_model),
+                   p + "mlp.down_proj.weight": (cfg.d_model, cfg.hidden)})
+    tensors = {k: (0.3 * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        vocab_size=cfg.vocab, hidden_size=cfg.d_model, num_hidden_layers=1,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=kv,
+        intermediate_size=cfg.hidden, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps,
+        tie_word_embeddings=False)))
+    model = tdnn.load_hf_llama(tmp_path, mesh)
+    w = {k: f64(v) for k, v in tdnn._hf.hf_to_params(tensors).items()}
+    tokens = _tokens(rng, (2, 8), cfg.vocab)
+    out = nnx.jit(lambda m, t: m(t))(model, tokens)
+    assert rel_err(out, _llama_reference(w, tokens, cfg)) < 1e-5
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path)).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    assert rel_err(out, f64(ref)) < 1e-4
+
+
+def test_bad_arguments_name_the_layer_and_the_shapes():
+    mesh = _mesh((2, 4))
+    with pytest.raises(ValueError, match=r"batch_axes=\('data',\) names 'data', not an axis"):
+        tdnn.ParallelMLP(16, 32, batch_axes="data", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="axis_name='model' is not an axis of the mesh"):
+        tdnn.RowParallelLinear(16, 16, axis_name="model", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="impl='cuda'"):
+        tdnn.ParallelMLP(16, 32, impl="cuda", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="out_features=30 must be divisible by the size 4"):
+        tdnn.ColumnParallelLinear(16, 30, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="num_kv_heads=3 must divide over the size 4"):
+        tdnn.ParallelAttention(48, 6 * 4 // 2, num_kv_heads=3, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="num_heads=8 must be a multiple of num_kv_heads=3"):
+        tdnn.ParallelAttention(32, 8, num_kv_heads=3, rngs=nnx.Rngs(0))
+    attn = tdnn.ParallelAttention(32, 4, rngs=nnx.Rngs(0))
+    assert attn.layout.batch_axes == ("dp",)  # the default: every other mesh axis
+    with pytest.raises(ValueError, match=r"ParallelAttention: x has shape \(2, 6, 32\): seq=6 "
+                                         r"must be divisible by the size 4"):
+        attn(jnp.zeros((2, 6, 32)))
+    with pytest.raises(ValueError, match=r"ParallelAttention: x has shape \(2, 8, 16\); "
+                                         r"expected \[batch, seq, 32\]"):
+        attn(jnp.zeros((2, 8, 16)))
+    with pytest.raises(ValueError, match="decode=True needs a KV cache"):
+        attn(jnp.zeros((2, 1, 32)), decode=True)
+    with pytest.raises(ValueError, match="batch=3 must be divisible by the 2 groups"):
+        attn.init_cache(3, 8)
+    attn.init_cache(4, 8)
+    assert attn.cached_key[...].sharding.is_equivalent_to(
+        NamedSharding(mesh, P("dp", None, "tp", None)), 4)
+    with pytest.raises(ValueError, match=r"cache is too short: seq=16, the cache holds max_len=8"):
+        attn(jnp.zeros((4, 16, 32)))
+    with pytest.raises(ValueError, match="x holds 2 sequences, the cache was made for 4"):
+        attn(jnp.zeros((2, 1, 32)), decode=True)
+
+
+def test_xla_impl_needs_no_initialize(monkeypatch):
+    """impl='xla' runs no jaxtdist kernel: a mesh from jax.set_mesh is enough."""
+    from jaxtdist.runtime import _runtime
+
+    monkeypatch.setattr(_runtime, "is_initialized", lambda: False)
+    with pytest.raises(ValueError, match="call jaxtdist.initialize"):
+        tdnn.ParallelMLP(16, 32, rngs=nnx.Rngs(0))
+    mesh = jax.make_mesh((2, 4), ("dp", "tp"))
+    with jax.set_mesh(mesh):
+        mlp = tdnn.ParallelMLP(16, 32, impl="xla", rngs=nnx.Rngs(0))
+    x = np.random.default_rng(7).standard_normal((2, 8, 16)).astype(np.float32)
+    w = _weights(mlp)
+    assert rel_err(nnx.jit(lambda m, a: m(a))(mlp, x), _mlp(w, "", f64(x))) < 1e-5
