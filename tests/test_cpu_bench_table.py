@@ -186,7 +186,7 @@ def test_matmul_rs_benchmark_finds_its_ops():
 
 
 def test_model_benchmark_runs_both_models_and_tabulates(monkeypatch):
-    """``python -m jaxtdist.bench model`` on the tiny GPT (CPU, tp=4): both steps of
+    """``python -m jaxtdist.bench model`` on the tiny Llama (CPU, tp=4): both steps of
     both models run from equal parameters, outputs agree, the table has each step."""
     for name in ("flax", "optax"):
         pytest.importorskip(name, reason=f"the model benchmark needs {name}: "
@@ -211,7 +211,8 @@ def test_model_benchmark_runs_both_models_and_tabulates(monkeypatch):
                         lambda c, it, rounds: real(c, it, rounds, measure=measure))
     rows = model.bench_model("tiny", 2, 4, 4, rounds=1)
     assert [r["step"] for r in rows] == ["train", "decode"]
-    assert all(r["output_rel_diff"] < 1e-3 for r in rows), rows
+    # bf16: the decode logits' sums are reduced in another order (matmul_ar vs psum).
+    assert all(r["output_rel_diff"] < 1e-2 for r in rows), rows
     text = model.table(dict(world=4, device="cpu", rows=rows, iterations=2, rounds=1))
     assert "| train |" in text and "| decode |" in text
     assert "model" in cli.benchmarks()

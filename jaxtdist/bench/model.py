@@ -1,4 +1,5 @@
-"""The model benchmark: a training step and a decode step of ``jaxtdist.nn.GPT``
+"""The model benchmark: a training step and a decode step of ``jaxtdist.nn.Llama``
+(examples/llama.py's model: RMSNorm, RoPE, GQA, SwiGLU)
 against the same model on XLA's collectives (``impl="xla"``).
 
 On a (dp, tp) mesh of ``--world`` devices (tp = all of them by default), bf16
@@ -23,34 +24,43 @@ from jax.sharding import PartitionSpec as P
 from jaxtdist.bench import harness as h
 
 SIZES = {  # name -> model and batch
-    "small": dict(vocab=32000, d=2048, heads=16, layers=4, seq=1024, batch=8),
-    "tiny": dict(vocab=256, d=64, heads=4, layers=2, seq=64, batch=4),
+    "small": dict(vocab=32000, d=2048, heads=16, kv_heads=4, hidden=5632, layers=4, seq=1024,
+                  batch=8),
+    "tiny": dict(vocab=256, d=64, heads=4, kv_heads=2, hidden=128, layers=2, seq=64, batch=4),
 }
+
+
+def _config(a: dict):
+    from jaxtdist.nn import LlamaConfig
+
+    return LlamaConfig(vocab=a["vocab"], d_model=a["d"], num_layers=a["layers"],
+                       num_heads=a["heads"], num_kv_heads=a["kv_heads"], hidden=a["hidden"])
 
 
 def _steps(model_args: dict, mesh, decode_len: int):
     import optax
     from flax import nnx
 
-    from jaxtdist.nn import GPT
+    from jaxtdist.nn import Llama
 
     a = model_args
-    models = GPT.twins(a["vocab"], a["d"], a["heads"], a["layers"], mesh, dtype=jnp.bfloat16)
-    tokens_spec = NamedSharding(mesh, P(("dp", "tp")))
+    cfg = _config(a)
+    models = Llama.twins(cfg, mesh, dtype=jnp.bfloat16)
+    tokens_spec = NamedSharding(mesh, P("dp", "tp"))
     rng = np.random.default_rng(0)
     batch = rng.integers(0, a["vocab"], (a["batch"], a["seq"] + 1)).astype(np.int32)
-    tokens = jax.device_put(batch[:, :-1].reshape(-1), tokens_spec)
-    targets = jax.device_put(batch[:, 1:].reshape(-1), tokens_spec)
+    tokens = jax.device_put(batch[:, :-1], tokens_spec)
+    targets = jax.device_put(batch[:, 1:], tokens_spec)
 
     @nnx.jit
     def train_step(model, optimizer, tokens, targets):
-        loss, grads = nnx.value_and_grad(GPT.loss)(model, tokens, targets, a["seq"])
+        loss, grads = nnx.value_and_grad(Llama.loss)(model, tokens, targets)
         optimizer.update(model, grads)
         return loss
 
     @nnx.jit
     def prefill(model, tokens):
-        return model(tokens, a["seq"])
+        return model(tokens)
 
     def decode_step(model):
         # The logits from parameters, cache and token, as a decoder with a donated
@@ -61,7 +71,7 @@ def _steps(model_args: dict, mesh, decode_len: int):
         graphdef, state = nnx.split(model)
         return jax.jit(lambda st, token: nnx.merge(graphdef, st)(token, decode=True)), state
 
-    step_token = jax.device_put(batch[:, -1], NamedSharding(mesh, P("dp")))
+    step_token = jax.device_put(batch[:, -1:], NamedSharding(mesh, P("dp", None)))
     train, decode = {}, {}
     for name, model in zip(("jaxtdist", "xla"), models):
         optimizer = nnx.Optimizer(model, optax.adam(1e-4), wrt=nnx.Param)
@@ -69,8 +79,7 @@ def _steps(model_args: dict, mesh, decode_len: int):
     # Decode on fresh twins (training moved the first pair's parameters apart only by
     # their rounding, but decode outputs are compared, so start equal).
     for name, model in zip(("jaxtdist", "xla"),
-                           GPT.twins(a["vocab"], a["d"], a["heads"], a["layers"], mesh,
-                                     dtype=jnp.bfloat16)):
+                           Llama.twins(cfg, mesh, dtype=jnp.bfloat16)):
         model.init_cache(a["batch"], a["seq"] + decode_len)
         prefill(model, tokens)
         step, state = decode_step(model)
@@ -84,8 +93,7 @@ def bench_model(size: str, iterations: int, world: int, tp: int, rounds: int = 4
     tp = tp or world
     if world % tp:
         raise ValueError(f"jaxtdist.bench model: --tp {tp} must divide --world {world}")
-    mesh = jax.make_mesh((world // tp, tp), ("dp", "tp"), devices=jax.devices()[:world],
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    mesh = jax.make_mesh((world // tp, tp), ("dp", "tp"), devices=jax.devices()[:world])
     td.initialize(mesh)
     args = SIZES[size]
     # Room in the cache for the timed token after the prompt.
@@ -96,7 +104,8 @@ def bench_model(size: str, iterations: int, world: int, tp: int, rounds: int = 4
                                for name, (fn, fargs) in fns.items()}, iterations, rounds)
         outs = {name: np.asarray(fn(*fargs), np.float32) for name, (fn, fargs) in fns.items()}
         rows.append(dict(step=step, world=world, tp=tp, size=float(len(rows) + 1), label=step,
-                         model=f"{args['layers']} x d{args['d']}, {args['batch']} x "
+                         model=f"{args['layers']} x d{args['d']} GQA {args['heads']}/{args['kv_heads']}, "
+                               f"{args['batch']} x "
                                f"{args['seq']} tokens", **stats,
                          output_rel_diff=h.rel_err(outs["jaxtdist"], outs["xla"])))
     return rows
@@ -115,7 +124,7 @@ COLUMNS = [
 
 def table(res: dict) -> str:
     return h.markdown_table(
-        f"GPT training and decode step, bf16, {res['world']} x {res['device']}; "
+        f"Llama training and decode step, bf16, {res['world']} x {res['device']}; "
         f"{h.timing_note(res)}; output diff: relative difference of the loss (train) "
         "or the decode logits between the two models", COLUMNS, res["rows"])
 

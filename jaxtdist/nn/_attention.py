@@ -1,4 +1,5 @@
-"""Tensor-parallel self-attention: heads split over the tensor-parallel axis."""
+"""Tensor-parallel self-attention of the Llama family: grouped-query heads over the
+tensor-parallel axis, rotary embeddings, packed-sequence masks and a KV cache."""
 
 from __future__ import annotations
 
@@ -7,214 +8,289 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxtdist.nn._linear import (ColumnParallelLinear, RowParallelLinear, _explicit, _named,
-                                 _rows, check_divisible, group_size)
+from jaxtdist.nn._layout import make_layout
+from jaxtdist.nn._linear import ColumnParallelLinear, RowParallelLinear, column_parallel
+
+__all__ = ["ParallelAttention", "rope"]
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embeddings (the Hugging Face Llama convention: halves rotated).
+
+    Args:
+      x: [batch, seq, heads, head_dim].
+      positions: [batch, seq] integer positions.
+      theta: the base of the frequencies (``rope_theta``).
+
+    Example:
+      >>> q = rope(q, jnp.arange(seq)[None], 500000.0)
+    """
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [batch, seq, half]
+    cos, sin = (jnp.concatenate([f(angles)] * 2, -1)[:, :, None, :] for f in (jnp.cos, jnp.sin))
+    xf = x.astype(jnp.float32)
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos + rotated * sin).astype(x.dtype)
 
 
 class ParallelAttention(nnx.Module):
-    """Causal multi-head self-attention with the heads split over ``axis_name``.
+    """Multi-head self-attention, heads split over ``axis_name`` (Megatron style).
 
-    Q, K and V are column-parallel (each rank computes its heads for every
-    token of its batch group, the tokens gathered while multiplying); the
-    attention itself is local per head group (``jax.nn.dot_product_attention``);
-    the output projection is row-parallel, back to sequence-parallel tokens.
+    Q, K and V are column-parallel and share one gather of the sequence-parallel
+    tokens (``ag_matmul`` with three weights); attention is local to each rank's
+    heads; ``o_proj`` is row-parallel, back to sequence-parallel tokens.
+    Grouped-query attention: ``num_kv_heads`` KV heads, sharded over
+    ``axis_name`` when they divide over it, else stored replicated and each rank
+    using the KV head of its query heads (tp a multiple of ``num_kv_heads``).
 
-    Input and output: [batch * seq_len, features], tokens (batch-major)
-    sharded over ``(*batch_axes, axis_name)``; the batch must divide over
-    ``batch_axes``.
+    Parameters, as Hugging Face and MaxText name them: ``q_proj``, ``k_proj``,
+    ``v_proj``, ``o_proj``, each with ``kernel`` [in, out] (and ``bias``).
 
-    Decoding with a KV cache: ``init_cache(batch, max_len)`` creates the cache
-    (``nnx.Cache`` variables, each rank holding the keys and values of its
-    head group), then a call with ``seq_len=`` is the prefill of the prompts
-    (sequence-parallel as above; their keys and values written to positions
-    ``[0, seq_len)``) and a call with ``decode=True`` takes one new token per
-    sequence, replicated over ``axis_name`` ([batch, features], batch over
-    ``batch_axes``): local Q, K, V GEMMs, keys and values appended at the
-    cache's position, attention over the cache, and the output projection
-    all-reduced (``matmul_ar``), every rank getting every token.
+    Decoding: ``init_cache(batch, max_len)``, a call on the prompts fills the
+    cache (the prefill), then calls with ``decode=True`` on [batch, 1, d] add
+    one token each at ``position`` (readable, an int32 scalar). Past
+    ``max_len`` the output is NaN, never a wrong number (``check_room`` raises
+    ahead of a decode loop).
 
     Example:
-      >>> attn = ParallelAttention(512, num_heads=8, batch_axes=("dp",), rngs=nnx.Rngs(0))
-      >>> y = attn(x, seq_len=128)  # x: [batch * 128, 512], P(("dp", "tp"), None)
+      >>> mesh = jax.make_mesh((2, 4), ("dp", "tp")); jaxtdist.initialize(mesh)
+      >>> attn = ParallelAttention(512, 8, num_kv_heads=2, rope_theta=5e5, rngs=nnx.Rngs(0))
+      >>> y = nnx.jit(lambda m, x: m(x))(attn, x)  # x: [batch, seq, 512]
       >>> attn.init_cache(batch, max_len=256)
-      >>> y = attn(prompt, seq_len=128)  # prefill: as above, also fills the cache
-      >>> y1 = attn(x1, decode=True)  # x1: [batch, 512], P("dp", None): one token each
+      >>> y = nnx.jit(lambda m, x: m(x))(attn, prompt)  # prefill
+      >>> y1 = nnx.jit(lambda m, x: m(x, decode=True))(attn, x1)  # x1: [batch, 1, 512]
     """
 
-    def __init__(self, features: int, num_heads: int, *, axis_name: str = "tp",
-                 batch_axes: str | Sequence[str] = (), use_bias: bool = False,
+    def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
+                 head_dim: int | None = None, rope_theta: float | None = None,
+                 use_bias: bool = False, causal: bool = True, axis_name: str = "tp",
+                 batch_axes: str | Sequence[str] | None = None, mesh: Mesh | None = None,
                  dtype=None, param_dtype=jnp.float32, impl: str = "jaxtdist",
                  rngs: nnx.Rngs):
-        if features % num_heads:
-            raise ValueError(f"jaxtdist.nn.ParallelAttention: features={features} must be "
-                             f"divisible by num_heads={num_heads}")
-        check_divisible("ParallelAttention", "num_heads", num_heads, axis_name)
-        self.num_heads = num_heads
-        self.head_dim = features // num_heads
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        common = dict(axis_name=axis_name, batch_axes=batch_axes, use_bias=use_bias,
-                      dtype=dtype, param_dtype=param_dtype, impl=impl, rngs=rngs)
-        self.query = ColumnParallelLinear(features, features, **common)
-        self.key = ColumnParallelLinear(features, features, **common)
-        self.value = ColumnParallelLinear(features, features, **common)
-        self.out = RowParallelLinear(features, features, **common)
+        name = "ParallelAttention"
+        layout = make_layout(name, mesh=mesh, axis_name=axis_name, batch_axes=batch_axes,
+                             impl=impl)
+        tp = layout.tp
+        num_kv_heads = num_kv_heads or num_heads
+        if head_dim is None:
+            if d_model % num_heads:
+                raise ValueError(f"jaxtdist.nn.{name}: d_model={d_model} must be divisible by "
+                                 f"num_heads={num_heads}, or give head_dim=")
+            head_dim = d_model // num_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"jaxtdist.nn.{name}: num_heads={num_heads} must be a multiple of "
+                             f"num_kv_heads={num_kv_heads} (grouped-query attention)")
+        if num_heads % tp:
+            raise ValueError(f"jaxtdist.nn.{name}: num_heads={num_heads} must be divisible by "
+                             f"the size {tp} of mesh axis {axis_name!r} (each rank holds an "
+                             "equal part)")
+        if num_kv_heads % tp and tp % num_kv_heads:
+            raise ValueError(f"jaxtdist.nn.{name}: num_kv_heads={num_kv_heads} must divide over "
+                             f"the size {tp} of mesh axis {axis_name!r}, or divide it (then "
+                             "each KV head is replicated on tp / num_kv_heads ranks)")
+        if rope_theta is not None and head_dim % 2:
+            raise ValueError(f"jaxtdist.nn.{name}: rotary embeddings need an even head_dim, "
+                             f"got {head_dim}")
+        self.layout = layout
+        self.d_model, self.num_heads, self.num_kv_heads = d_model, num_heads, num_kv_heads
+        self.head_dim, self.rope_theta, self.causal = head_dim, rope_theta, causal
+        common = dict(axis_name=axis_name, batch_axes=layout.batch_axes, mesh=layout.mesh,
+                      use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, impl=impl,
+                      rngs=rngs)
+        kv_replicated = head_dim if num_kv_heads % tp else 0
+        self.q_proj = ColumnParallelLinear(d_model, num_heads * head_dim, **common)
+        self.k_proj = ColumnParallelLinear(d_model, num_kv_heads * head_dim,
+                                           replicated_columns=kv_replicated, **common)
+        self.v_proj = ColumnParallelLinear(d_model, num_kv_heads * head_dim,
+                                           replicated_columns=kv_replicated, **common)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, d_model, **common)
+        # KV heads as computed and cached: one per rank at least.
+        self.kv_heads_stored = max(num_kv_heads, tp)
         self.cached_key: nnx.Cache | None = nnx.data(None)
         self.cached_value: nnx.Cache | None = nnx.data(None)
         self.cache_index: nnx.Cache | None = nnx.data(None)
 
+    # -- the KV cache ----------------------------------------------------------------------
     def init_cache(self, batch: int, max_len: int, dtype=None) -> None:
         """Creates (or resets) the KV cache for ``batch`` sequences of up to ``max_len`` tokens.
 
-        The cache is two ``nnx.Cache`` arrays [batch, max_len, num_heads, head_dim]
-        sharded ``P(batch_axes, None, axis_name, None)`` (each rank holds its
-        head group's keys and values) and the next position to write
-        (``cache_index``, an int32 scalar), all module state: ``nnx.jit``
-        carries them in and out of each step.
-
-        Args:
-          batch: the number of sequences decoded together; must divide over
-            ``batch_axes``.
-          max_len: the longest sequence (prompt and generated tokens) the cache holds.
-          dtype: the cache's dtype (default: the layer's ``dtype``, else its
-            ``param_dtype``).
+        Two ``nnx.Cache`` arrays [batch, max_len, kv_heads, head_dim] sharded
+        ``P(batch_axes, None, axis_name, None)`` and the next position
+        (``cache_index``, int32), all module state that ``nnx.jit`` carries.
 
         Raises:
           ValueError: ``batch`` or ``max_len`` not positive, or ``batch`` not
             divisible over ``batch_axes``.
         """
+        lay = self.layout
         if batch < 1 or max_len < 1:
             raise ValueError(f"jaxtdist.nn.ParallelAttention.init_cache: batch={batch}, "
                              f"max_len={max_len}; both must be positive")
-        axes = self.out.batch_axes
-        groups = 1
-        for axis in axes:
-            groups *= group_size(axis)
-        if batch % groups:
+        if batch % lay.dp:
             raise ValueError(f"jaxtdist.nn.ParallelAttention.init_cache: batch={batch} must be "
-                             f"divisible by the {groups} groups of batch_axes={axes} (each "
-                             "group caches its own sequences); pad the batch to a multiple "
-                             f"of {groups}")
-        dtype = dtype or self.dtype or self.param_dtype
-        sharding = _named(P(_rows(axes), None, self.out.axis_name, None))
-        shape = (batch, max_len, self.num_heads, self.head_dim)
+                             f"divisible by the {lay.dp} groups of batch_axes={lay.batch_axes} "
+                             f"(each group caches its own sequences); pad the batch to a "
+                             f"multiple of {lay.dp}")
+        dtype = dtype or self.q_proj.dtype or self.q_proj.kernel.dtype
+        sharding = lay.named(P(lay.rows, None, lay.axis_name, None))
+        shape = (batch, max_len, self.kv_heads_stored, self.head_dim)
         self.cached_key = nnx.Cache(jax.device_put(jnp.zeros(shape, dtype), sharding))
         self.cached_value = nnx.Cache(jax.device_put(jnp.zeros(shape, dtype), sharding))
-        self.cache_index = nnx.Cache(jnp.array(0, jnp.int32))
+        self.cache_index = nnx.Cache(jax.device_put(jnp.array(0, jnp.int32), lay.named(P())))
 
-    def __call__(self, x: jax.Array, *, seq_len: int | None = None,
-                 decode: bool = False) -> jax.Array:
-        """Attention over whole sequences, or one decode step.
+    @property
+    def position(self) -> jax.Array:
+        """The cache's next position (the number of tokens cached); needs ``init_cache``."""
+        if self.cache_index is None:
+            raise ValueError("jaxtdist.nn.ParallelAttention.position: no KV cache; call "
+                             "init_cache(batch, max_len) first")
+        return self.cache_index[...]
+
+    def check_room(self, tokens: int) -> None:
+        """Raises ValueError unless the cache has room for ``tokens`` more decode steps
+        (call outside ``jit``, before a decode loop)."""
+        max_len = self.cached_key.shape[1] if self.cached_key is not None else 0
+        used = int(self.position)
+        if used + tokens > max_len:
+            raise ValueError(f"jaxtdist.nn.ParallelAttention: the KV cache holds max_len="
+                             f"{max_len} positions, {used} used; {tokens} more do not fit. "
+                             f"call init_cache(batch, max_len={used + tokens}) or more")
+
+    # -- the layer -------------------------------------------------------------------------
+    def __call__(self, x: jax.Array, *, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None, decode: bool = False) -> jax.Array:
+        """Attention over whole sequences (with a cache: the prefill), or one decode step.
 
         Args:
-          x: ``decode=False``: [batch * seq_len, features], tokens sharded over
-            ``(*batch_axes, axis_name)``. ``decode=True``: [batch, features],
-            one new token per sequence, replicated over ``axis_name``.
-          seq_len: the length of each sequence of x (``decode=False`` only).
-            With a cache (``init_cache``) this call is the prefill: the keys
-            and values go to the cache's positions ``[0, seq_len)``.
-          decode: one token per sequence, attending to the cache (needs
-            ``init_cache``); it is written at the cache's position, which
-            advances by one. Past ``max_len`` the output is NaN.
+          x: [batch, seq, d_model], any sharding (``P(batch_axes, axis_name, None)``
+            moves nothing); ``decode=True``: [batch, 1, d_model].
+          positions: [batch, seq] rotary positions (default 0..seq-1; in a decode
+            step the cache's position).
+          segment_ids: [batch, seq] ids of packed sequences: tokens attend only
+            within their segment (not in a decode step).
+          decode: one token per sequence, attending to the cache.
 
         Returns:
-          ``decode=False``: [batch * seq_len, features], sharded like x.
-          ``decode=True``: [batch, features], replicated over ``axis_name``.
-
-        Raises:
-          ValueError: a missing or unexpected ``seq_len``, tokens that are not
-            whole sequences, a decode without a cache, or a prompt or batch
-            that does not fit the cache.
+          [batch, seq, d_model], sequence parallel (decode: on every tp rank).
         """
+        lay = self.layout
+        batch, seq = lay.check_input(x, self.d_model, decode)
+        for name, arr in (("positions", positions), ("segment_ids", segment_ids)):
+            if arr is not None and tuple(arr.shape) != (batch, seq):
+                raise ValueError(f"jaxtdist.nn.ParallelAttention: {name} has shape "
+                                 f"{tuple(arr.shape)}; expected [batch, seq] = {(batch, seq)} "
+                                 f"as x {tuple(x.shape)}")
         if decode:
-            if seq_len is not None:
-                raise ValueError("jaxtdist.nn.ParallelAttention: decode=True takes one token "
-                                 f"per sequence, not seq_len={seq_len}; drop seq_len (x is "
-                                 "[batch, features])")
-            return self._decode(x)
-        if seq_len is None:
-            raise ValueError("jaxtdist.nn.ParallelAttention: seq_len is required (x is "
-                             "[batch * seq_len, features]), or decode=True for a decode step")
-        tokens = x.shape[0]
-        if tokens % seq_len:
-            raise ValueError(f"jaxtdist.nn.ParallelAttention: the {tokens} tokens of x must be "
-                             f"whole sequences of seq_len={seq_len}")
-        batch = tokens // seq_len
+            if segment_ids is not None:
+                raise ValueError("jaxtdist.nn.ParallelAttention: segment_ids are not taken by "
+                                 "a decode step (each row is one sequence)")
+            if self.cached_key is None:
+                raise ValueError("jaxtdist.nn.ParallelAttention: decode=True needs a KV cache; "
+                                 "call init_cache(batch, max_len) first, then prefill with "
+                                 "attn(prompt)")
         if self.cached_key is not None:
-            self._check_cache_fits("prefill", batch, seq_len)
+            self._check_cache_fits(batch, 1 if decode else seq)
+        b = lay.batch_spec(batch)
+        q, k, v = column_parallel((self.q_proj, self.k_proj, self.v_proj),
+                                  lay.to_tokens(x, decode), decode=decode)
+        heads = P(b, None, lay.axis_name, None)
+        q = lay.reshape(q, (batch, seq, self.num_heads, self.head_dim), heads)
+        k = lay.reshape(k, (batch, seq, self.kv_heads_stored, self.head_dim), heads)
+        v = lay.reshape(v, (batch, seq, self.kv_heads_stored, self.head_dim), heads)
+        if positions is None:
+            positions = (jnp.broadcast_to(self.cache_index[...], (batch, 1)) if decode else
+                         jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq)))
+        positions = lay.constrain(jnp.asarray(positions, jnp.int32), P(b, None))
+        if decode:
+            o = self._decode(q, k, v, positions, b)
+        else:
+            if self.cached_key is not None:  # prefill: the prompts' keys and values
+                self._prefill_cache(k, v, positions, seq)
+            o = self._attend(q, k, v, positions, segment_ids, b)
+        o = lay.reshape(o, (batch * seq, self.num_heads * self.head_dim), P(
+            b if decode else lay.rows, lay.axis_name))
+        return lay.from_tokens(self.o_proj.project(o, decode=decode), batch, seq, decode)
 
-        rows, tp = _rows(self.out.batch_axes), self.out.axis_name
-
-        def heads(h):  # [batch * seq, heads * dim] -> [batch, seq, heads, dim]
-            return _reshape(h, (batch, seq_len, self.num_heads, self.head_dim),
-                            P(rows, None, tp, None))
-
-        q, k, v = (heads(layer(x)) for layer in (self.query, self.key, self.value))
-        if self.cached_key is not None:  # prefill: the prompts' keys and values
-            self.cached_key[...] = self.cached_key[...].at[:, :seq_len].set(
-                k.astype(self.cached_key.dtype))
-            self.cached_value[...] = self.cached_value[...].at[:, :seq_len].set(
-                v.astype(self.cached_value.dtype))
-            self.cache_index[...] = jnp.array(seq_len, jnp.int32)
-        o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-        return self.out(_reshape(o, (tokens, self.num_heads * self.head_dim), P(rows, tp)))
-
-    def _check_cache_fits(self, what: str, batch: int, seq_len: int) -> None:
+    def _check_cache_fits(self, batch: int, seq: int) -> None:
         cache_batch, max_len = self.cached_key.shape[:2]
         if batch != cache_batch:
-            raise ValueError(f"jaxtdist.nn.ParallelAttention ({what}): x holds {batch} "
-                             f"sequences, the cache was made for {cache_batch}; call "
-                             f"init_cache({batch}, max_len) first")
-        if seq_len > max_len:
-            raise ValueError(f"jaxtdist.nn.ParallelAttention ({what}): the cache is too "
-                             f"short: seq_len={seq_len}, the cache holds max_len={max_len} "
-                             f"positions; call init_cache(batch, max_len={seq_len}) or more "
-                             "(prompt plus tokens to generate)")
+            raise ValueError(f"jaxtdist.nn.ParallelAttention: x holds {batch} sequences, the "
+                             f"cache was made for {cache_batch}; call init_cache({batch}, "
+                             "max_len) first")
+        if seq > max_len:
+            raise ValueError(f"jaxtdist.nn.ParallelAttention: the KV cache is too short: "
+                             f"seq={seq}, the cache holds max_len={max_len} positions; call "
+                             f"init_cache(batch, max_len={seq}) or more (prompt plus tokens "
+                             "to generate)")
 
-    def _decode(self, x: jax.Array) -> jax.Array:
-        if self.cached_key is None:
-            raise ValueError("jaxtdist.nn.ParallelAttention: decode=True needs a KV cache; "
-                             "call init_cache(batch, max_len) first, then prefill with "
-                             "attn(prompt, seq_len=...)")
-        if x.ndim != 2:
-            raise ValueError(f"jaxtdist.nn.ParallelAttention: decode=True takes x of shape "
-                             f"[batch, features] (one token per sequence), got {x.shape}")
-        batch = x.shape[0]
-        self._check_cache_fits("decode", batch, 1)
-        rows, tp = _rows(self.out.batch_axes), self.out.axis_name
+    def _rope(self, a: jax.Array, positions: jax.Array) -> jax.Array:
+        return a if self.rope_theta is None else rope(a, positions, self.rope_theta)
+
+    def _local(self, fn, in_specs, out_specs, *args):
+        """fn on each rank's heads (plain jax: attention is local to a head group)."""
+        return jax.shard_map(fn, mesh=self.layout.mesh, in_specs=in_specs,
+                             out_specs=out_specs)(*args)
+
+    def _attend(self, q, k, v, positions, segment_ids, b):
+        lay = self.layout
+        heads, rows = P(b, None, lay.axis_name, None), P(b, None)
+
+        def local(q, k, v, positions, *segments):
+            q, k = self._rope(q, positions), self._rope(k, positions)
+            seq = q.shape[1]
+            mask = jnp.ones((1, 1, seq, seq), bool)
+            if self.causal:
+                mask = jnp.tril(mask)
+            if segments:
+                (seg,) = segments
+                mask = mask & (seg[:, None, :, None] == seg[:, None, None, :])
+            return jax.nn.dot_product_attention(q, k, v, mask=mask)
+
+        extra = () if segment_ids is None else (
+            lay.constrain(jnp.asarray(segment_ids, jnp.int32), rows),)
+        return self._local(local, (heads, heads, heads, rows) + (rows,) * len(extra), heads,
+                           q, k, v, positions, *extra)
+
+    def _prefill_cache(self, k, v, positions, seq):
+        lay = self.layout
+        b = lay.batch_spec(k.shape[0])
+        heads = P(b, None, lay.axis_name, None)
+
+        def local(k, positions, cache_k, v, cache_v):
+            k = self._rope(k, positions)
+            return (cache_k.at[:, :seq].set(k.astype(cache_k.dtype)),
+                    cache_v.at[:, :seq].set(v.astype(cache_v.dtype)))
+
+        self.cached_key[...], self.cached_value[...] = self._local(
+            local, (heads, P(b, None), heads, heads, heads), (heads, heads),
+            k, positions, self.cached_key[...], v, self.cached_value[...])
+        self.cache_index[...] = jnp.full_like(self.cache_index[...], seq)
+
+    def _decode(self, q, k, v, positions, b):
+        lay = self.layout
+        heads = P(b, None, lay.axis_name, None)
         max_len = self.cached_key.shape[1]
 
-        def heads(h):  # [batch, heads * dim] -> [batch, 1, heads, dim]
-            return _reshape(h, (batch, 1, self.num_heads, self.head_dim),
-                            P(rows, None, tp, None))
+        def local(q, k, v, positions, cache_k, cache_v, index):
+            q, k = self._rope(q, positions), self._rope(k, positions)
+            zero = jnp.zeros((), jnp.int32)
+            cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype),
+                                                   (zero, index, zero, zero))
+            cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype),
+                                                   (zero, index, zero, zero))
+            mask = (jnp.arange(max_len) <= index)[None, None, None, :]
+            o = jax.nn.dot_product_attention(q, cache_k.astype(q.dtype),
+                                             cache_v.astype(q.dtype), mask=mask)
+            o = jnp.where(index < max_len, o, jnp.nan)  # past the cache's end: no answer
+            return o, cache_k, cache_v
 
-        q, k, v = (heads(layer(x, replicated_tokens=True))
-                   for layer in (self.query, self.key, self.value))
         index = self.cache_index[...]
-        start = (jnp.zeros((), jnp.int32), index, jnp.zeros((), jnp.int32),
-                 jnp.zeros((), jnp.int32))
-        keys = jax.lax.dynamic_update_slice(self.cached_key[...],
-                                            k.astype(self.cached_key.dtype), start)
-        values = jax.lax.dynamic_update_slice(self.cached_value[...],
-                                              v.astype(self.cached_value.dtype), start)
-        self.cached_key[...] = keys
-        self.cached_value[...] = values
+        o, self.cached_key[...], self.cached_value[...] = self._local(
+            local, (heads, heads, heads, P(b, None), heads, heads, P()), (heads, heads, heads),
+            q, k, v, positions, self.cached_key[...], self.cached_value[...], index)
         self.cache_index[...] = index + 1
-        mask = (jnp.arange(max_len) <= index)[None, None, None, :]  # [1, 1, q=1, kv]
-        o = jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype),
-                                         mask=mask)
-        o = jnp.where(index < max_len, o, jnp.nan)  # past the cache's end: no answer
-        return self.out(_reshape(o, (batch, self.num_heads * self.head_dim), P(rows, tp)),
-                        reduce="all")
-
-
-def _reshape(x: jax.Array, shape: tuple[int, ...], spec: P) -> jax.Array:
-    """``x.reshape(shape)``; on a mesh with explicit axes (``jax.make_mesh``'s
-    default) the result's sharding must be given: ``spec`` (heads stay on their
-    ranks, so no data moves)."""
-    if _explicit(x):
-        mesh = jax.typeof(x).sharding.mesh
-        return jax.lax.reshape(x, shape, out_sharding=jax.sharding.NamedSharding(mesh, spec))
-    return x.reshape(shape)
+        return o

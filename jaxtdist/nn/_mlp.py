@@ -1,4 +1,4 @@
-"""The tensor-parallel MLP: column-parallel up (and gate), row-parallel down."""
+"""The tensor-parallel MLP: column-parallel gate and up (one gather), row-parallel down."""
 
 from __future__ import annotations
 
@@ -7,44 +7,58 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
-from jaxtdist.nn._linear import ColumnParallelLinear, RowParallelLinear
+from jaxtdist.nn._layout import make_layout
+from jaxtdist.nn._linear import ColumnParallelLinear, RowParallelLinear, column_parallel
+
+__all__ = ["ParallelMLP"]
 
 
 class ParallelMLP(nnx.Module):
-    """``down(act(up(x)))``, or ``down(act(gate(x)) * up(x))`` with ``gated=True``.
+    """``down_proj(act(gate_proj(x)) * up_proj(x))`` (SwiGLU with the default
+    ``activation=jax.nn.silu``), or ``down_proj(act(up_proj(x)))`` with ``gated=False``.
 
-    Sequence parallel in and out: [tokens, features] with tokens sharded over
-    ``(*batch_axes, axis_name)``; the hidden activations are [tokens, hidden]
-    with hidden sharded over ``axis_name``. Two overlapped collectives per
-    call (three with ``gated``: gate and up gather the tokens each).
-    ``impl="xla"`` builds the same layer on XLA's collectives (a reference
-    with the same parameters).
+    [batch, seq, d_model] in and out (sequence parallel); the hidden
+    activations have their features over ``axis_name``. gate and up share one
+    gather of the tokens (``ag_matmul`` with two weights); down reduce-scatters
+    (``matmul_rs``), or all-reduces in a decode step (``matmul_ar``).
+    Parameters as Hugging Face names them: ``gate_proj``, ``up_proj``,
+    ``down_proj``, each with ``kernel`` [in, out] (and ``bias``).
 
     Example:
-      >>> mlp = ParallelMLP(512, 2048, gated=True, batch_axes=("dp",), rngs=nnx.Rngs(0))
-      >>> y = mlp(x)  # [tokens, 512] P(("dp", "tp"), None), the same sharding out
-      >>> y1 = mlp(x1, decode=True)  # [batch, 512] P("dp", None): replicated over tp
+      >>> mesh = jax.make_mesh((2, 4), ("dp", "tp")); jaxtdist.initialize(mesh)
+      >>> mlp = ParallelMLP(512, 2048, rngs=nnx.Rngs(0))
+      >>> y = nnx.jit(lambda m, x: m(x))(mlp, x)  # x: [batch, seq, 512]
+      >>> y1 = nnx.jit(lambda m, x: m(x, decode=True))(mlp, x1)  # x1: [batch, 1, 512]
     """
 
-    def __init__(self, features: int, hidden: int, *, gated: bool = False,
-                 activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
-                 axis_name: str = "tp", batch_axes: str | Sequence[str] = (),
-                 use_bias: bool = True, dtype=None, param_dtype=jnp.float32,
-                 impl: str = "jaxtdist", rngs: nnx.Rngs):
-        common = dict(axis_name=axis_name, batch_axes=batch_axes, use_bias=use_bias,
-                      dtype=dtype, param_dtype=param_dtype, impl=impl, rngs=rngs)
-        self.up = ColumnParallelLinear(features, hidden, **common)
-        self.gate = ColumnParallelLinear(features, hidden, **common) if gated else None
-        self.down = RowParallelLinear(hidden, features, **common)
+    def __init__(self, d_model: int, hidden: int, *, gated: bool = True,
+                 activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
+                 use_bias: bool = False, axis_name: str = "tp",
+                 batch_axes: str | Sequence[str] | None = None, mesh: Mesh | None = None,
+                 dtype=None, param_dtype=jnp.float32, impl: str = "jaxtdist",
+                 rngs: nnx.Rngs):
+        self.layout = make_layout("ParallelMLP", mesh=mesh, axis_name=axis_name,
+                                  batch_axes=batch_axes, impl=impl)
+        self.d_model = d_model
+        common = dict(axis_name=axis_name, batch_axes=self.layout.batch_axes,
+                      mesh=self.layout.mesh, use_bias=use_bias, dtype=dtype,
+                      param_dtype=param_dtype, impl=impl, rngs=rngs)
+        self.gate_proj = ColumnParallelLinear(d_model, hidden, **common) if gated else None
+        self.up_proj = ColumnParallelLinear(d_model, hidden, **common)
+        self.down_proj = RowParallelLinear(hidden, d_model, **common)
         self.activation = activation
 
     def __call__(self, x: jax.Array, *, decode: bool = False) -> jax.Array:
-        """``decode``: x's tokens are on every ``axis_name`` rank (a decode step):
-        local GEMMs up, an all-reduce (``matmul_ar``) down; the output likewise."""
-        h = self.up(x, replicated_tokens=decode)
-        if self.gate is not None:
-            h = self.activation(self.gate(x, replicated_tokens=decode)) * h
+        """x: [batch, seq, d_model]; ``decode``: [batch, 1, d_model], one token each."""
+        lay = self.layout
+        batch, seq = lay.check_input(x, self.d_model, decode)
+        tokens = lay.to_tokens(x, decode)
+        if self.gate_proj is not None:
+            gate, up = column_parallel((self.gate_proj, self.up_proj), tokens, decode=decode)
+            h = self.activation(gate) * up
         else:
-            h = self.activation(h)
-        return self.down(h, reduce="all" if decode else None)
+            (up,) = column_parallel((self.up_proj,), tokens, decode=decode)
+            h = self.activation(up)
+        return lay.from_tokens(self.down_proj.project(h, decode=decode), batch, seq, decode)

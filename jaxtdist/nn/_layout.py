@@ -1,0 +1,196 @@
+"""Where the layers' arrays live: the mesh, the axis names, and the sequence-parallel layout.
+
+A layer is built on one mesh (``mesh=``, else the one given to
+``jaxtdist.initialize``, else the one set with ``jax.set_mesh``) with a
+tensor-parallel axis (``axis_name``) and data-parallel axes (``batch_axes``,
+by default every other axis of the mesh, so that no mesh axis silently
+repeats the work). Activations between layers are [batch, seq, d] sharded
+``P(batch_axes, axis_name, None)`` (sequence parallel); inside a layer they
+are [batch * seq, d] tokens sharded over ``(*batch_axes, axis_name)``, the
+layout of ``ag_matmul`` / ``matmul_rs``. Explicit mesh axes (``jax.make_mesh``'s
+default) and Auto axes are both handled here: the layers never care.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxtdist.runtime import _runtime
+
+__all__ = ["Layout", "make_layout"]
+
+
+def _context_mesh() -> Mesh | None:
+    mesh = jax.sharding.get_mesh()
+    return None if mesh is None or getattr(mesh, "empty", True) else mesh
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A layer's mesh, tensor-parallel axis and batch axes (static: part of the graph)."""
+
+    layer: str
+    mesh: Mesh
+    axis_name: str
+    batch_axes: tuple[str, ...]
+    impl: str
+
+    # -- sizes -------------------------------------------------------------------------
+    @property
+    def tp(self) -> int:
+        return int(self.mesh.shape[self.axis_name])
+
+    @property
+    def dp(self) -> int:
+        out = 1
+        for axis in self.batch_axes:
+            out *= int(self.mesh.shape[axis])
+        return out
+
+    @property
+    def explicit(self) -> bool:
+        return any(t == AxisType.Explicit for t in (self.mesh.axis_types or ()))
+
+    # -- specs -------------------------------------------------------------------------
+    @property
+    def rows(self):
+        """The PartitionSpec entry of data-parallel rows (None: replicated)."""
+        axes = self.batch_axes
+        return None if not axes else axes[0] if len(axes) == 1 else axes
+
+    @property
+    def tokens(self):
+        """The PartitionSpec entry of sequence-parallel tokens."""
+        axes = self.batch_axes + (self.axis_name,)
+        return axes[0] if len(axes) == 1 else axes
+
+    def named(self, spec: P) -> NamedSharding:
+        return NamedSharding(self.mesh, spec)
+
+    # -- moving and reshaping ----------------------------------------------------------
+    def constrain(self, x: jax.Array, spec: P) -> jax.Array:
+        """x laid out as ``spec`` (no data moves when it already is)."""
+        if self.explicit:
+            return jax.sharding.reshard(x, self.named(spec))
+        return jax.lax.with_sharding_constraint(x, self.named(spec))
+
+    def reshape(self, x: jax.Array, shape: tuple[int, ...], spec: P) -> jax.Array:
+        """``x.reshape(shape)`` laid out as ``spec``; on explicit axes the result's
+        sharding is part of its type, so it is given."""
+        if self.explicit:
+            return jax.lax.reshape(x, shape, out_sharding=self.named(spec))
+        return self.constrain(x.reshape(shape), spec)
+
+    def dot(self, x: jax.Array, w: jax.Array, spec: P) -> jax.Array:
+        """``x @ w`` laid out as ``spec``: XLA moves the data (the ``impl="xla"`` path)."""
+        if self.explicit:
+            return jnp.dot(x, w, out_sharding=self.named(spec))
+        return self.constrain(jnp.dot(x, w), spec)
+
+    # -- the [batch, seq, d] <-> tokens boundary --------------------------------------
+    def check_input(self, x: jax.Array, features: int, decode: bool) -> tuple[int, int]:
+        """(batch, seq) of a [batch, seq, features] input, or a ValueError naming the layer."""
+        if x.ndim != 3 or x.shape[-1] != features:
+            raise ValueError(f"jaxtdist.nn.{self.layer}: x has shape {tuple(x.shape)}; expected "
+                             f"[batch, seq, {features}] (features={features}, as the layer "
+                             "was built)")
+        batch, seq = x.shape[:2]
+        if decode:
+            if seq != 1:
+                raise ValueError(f"jaxtdist.nn.{self.layer}: decode=True takes one token per "
+                                 f"sequence, x of shape [batch, 1, {features}]; got "
+                                 f"{tuple(x.shape)}")
+        elif (batch * seq) % (self.dp * self.tp) or seq % self.tp:
+            raise ValueError(
+                f"jaxtdist.nn.{self.layer}: x has shape {tuple(x.shape)}: seq={seq} must be "
+                f"divisible by the size {self.tp} of mesh axis {self.axis_name!r} (sequence "
+                f"parallel) and batch * seq by {self.dp * self.tp} (batch_axes="
+                f"{self.batch_axes} x {self.axis_name!r}); pad the sequence to a multiple "
+                f"of {self.tp}")
+        return batch, seq
+
+    def batch_spec(self, batch: int):
+        """Rows over ``batch_axes`` when the batch divides over them, else replicated
+        (XLA's layers allow such a batch: each group then repeats the work)."""
+        return self.rows if batch % self.dp == 0 else None
+
+    def to_tokens(self, x: jax.Array, decode: bool) -> jax.Array:
+        """[batch, seq, d] -> [batch * seq, d] in the layout the ops take."""
+        batch, seq, d = x.shape
+        b = self.batch_spec(batch)
+        if decode:  # one token per sequence, on every tensor-parallel rank
+            x = self.constrain(x, P(b, None, None))
+            return self.reshape(x, (batch, d), P(b, None))
+        if b is None:  # a batch not divisible over batch_axes: tokens spread over all
+            x = self.constrain(x, P(None, None, None))
+            return self.reshape(x, (batch * seq, d), P(self.tokens, None))
+        x = self.constrain(x, P(b, self.axis_name, None))
+        return self.reshape(x, (batch * seq, d), P(self.tokens, None))
+
+    def from_tokens(self, y: jax.Array, batch: int, seq: int, decode: bool) -> jax.Array:
+        """[batch * seq, d] (the ops' layout) -> [batch, seq, d]."""
+        b = self.batch_spec(batch)
+        if decode:
+            return self.reshape(y, (batch, 1, y.shape[-1]), P(b, None, None))
+        if b is None:
+            y = self.constrain(y, P(None, None))
+            return self.reshape(y, (batch, seq, y.shape[-1]), P(None, None, None))
+        return self.reshape(y, (batch, seq, y.shape[-1]), P(b, self.axis_name, None))
+
+
+def make_layout(layer: str, *, mesh: Mesh | None, axis_name: str,
+                batch_axes: str | Sequence[str] | None, impl: str) -> Layout:
+    """The checked layout of a layer: every name is validated here, at construction.
+
+    Raises:
+      ValueError: an unknown ``impl``, no mesh to be found, an axis name not on the
+        mesh, or ``axis_name`` also among ``batch_axes``.
+    """
+    if impl not in ("jaxtdist", "xla"):
+        raise ValueError(f"jaxtdist.nn.{layer}: impl={impl!r}; allowed: 'jaxtdist' (the "
+                         "overlapped ops), 'xla' (the same layer with XLA's collectives: "
+                         "a reference with the same parameters)")
+    if impl == "jaxtdist":
+        if not _runtime.is_initialized():
+            raise ValueError(f"jaxtdist.nn.{layer}: impl='jaxtdist' runs jaxtdist kernels: call "
+                             "jaxtdist.initialize(mesh) first (impl='xla' needs no initialize)")
+        runtime_mesh = _runtime.runtime().mesh
+        if mesh is not None and mesh != runtime_mesh:
+            raise ValueError(f"jaxtdist.nn.{layer}: mesh={mesh} is not the mesh given to "
+                             f"jaxtdist.initialize ({runtime_mesh}); initialize with this mesh")
+        mesh = runtime_mesh
+    elif mesh is None:
+        mesh = (_runtime.runtime().mesh if _runtime.is_initialized() else _context_mesh())
+        if mesh is None:
+            raise ValueError(f"jaxtdist.nn.{layer}: no mesh: pass mesh=, call "
+                             "jax.set_mesh(mesh), or jaxtdist.initialize(mesh)")
+    names = tuple(mesh.axis_names)
+    if axis_name not in names:
+        raise ValueError(f"jaxtdist.nn.{layer}: axis_name={axis_name!r} is not an axis of the "
+                         f"mesh, whose axes are {names}; pass axis_name= one of them")
+    if batch_axes is None:  # every other axis: none silently repeats the work
+        batch_axes = tuple(a for a in names if a != axis_name)
+    elif isinstance(batch_axes, str):
+        batch_axes = (batch_axes,)
+    batch_axes = tuple(batch_axes)
+    for axis in batch_axes:
+        if axis not in names:
+            raise ValueError(f"jaxtdist.nn.{layer}: batch_axes={batch_axes} names {axis!r}, not "
+                             f"an axis of the mesh, whose axes are {names}")
+    if axis_name in batch_axes:
+        raise ValueError(f"jaxtdist.nn.{layer}: axis_name={axis_name!r} is also in "
+                         f"batch_axes={batch_axes}; the two must differ")
+    return Layout(layer, mesh, axis_name, batch_axes, impl)
+
+
+def check_divisible(layout: Layout, what: str, value: int) -> None:
+    if value % layout.tp:
+        raise ValueError(f"jaxtdist.nn.{layout.layer}: {what}={value} must be divisible by the "
+                         f"size {layout.tp} of mesh axis {layout.axis_name!r} (each rank holds "
+                         "an equal part)")

@@ -1,0 +1,151 @@
+"""A Llama-3-architecture decoder built from ``jaxtdist.nn``: RMSNorm, RoPE,
+grouped-query attention, SwiGLU, tied or untied LM head.
+
+Parameter paths follow Hugging Face's (``layers.0.self_attn.q_proj.kernel`` is
+``model.layers.0.self_attn.q_proj.weight`` transposed), so ``load_hf_llama``
+is a rename and a transpose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxtdist.nn._attention import ParallelAttention
+from jaxtdist.nn._embed import Embed
+from jaxtdist.nn._layout import make_layout
+from jaxtdist.nn._mlp import ParallelMLP
+
+__all__ = ["Llama", "LlamaConfig", "place_on_mesh"]
+
+
+def place_on_mesh(module: nnx.Module, mesh: Mesh) -> None:
+    """Puts every variable of ``module`` on ``mesh`` by its sharding metadata
+    (replicated where it has none): also the fix after a checkpoint restore
+    that left replicated parameters on one device.
+
+    Example:
+      >>> nnx.update(model, restored); place_on_mesh(model, mesh)
+    """
+    state = nnx.state(module)
+    nnx.update(module, jax.device_put(state, nnx.get_named_sharding(state, mesh)))
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """The architecture (Hugging Face ``LlamaConfig`` names in comments).
+
+    Example:
+      >>> cfg = LlamaConfig(vocab=32000, d_model=2048, num_layers=4, num_heads=16,
+      ...                   num_kv_heads=4, hidden=5632)
+    """
+
+    vocab: int                      # vocab_size
+    d_model: int                    # hidden_size
+    num_layers: int                 # num_hidden_layers
+    num_heads: int                  # num_attention_heads
+    num_kv_heads: int | None = None  # num_key_value_heads (None: num_heads)
+    hidden: int | None = None       # intermediate_size (None: 4 * d_model)
+    head_dim: int | None = None     # head_dim (None: d_model // num_heads)
+    rope_theta: float = 500000.0    # rope_theta
+    norm_eps: float = 1e-5          # rms_norm_eps
+    tie_embeddings: bool = False    # tie_word_embeddings
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, **common):
+        dtype = common.get("dtype")
+        self.input_layernorm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=dtype,
+                                           rngs=rngs)
+        self.self_attn = ParallelAttention(cfg.d_model, cfg.num_heads,
+                                           num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                                           rope_theta=cfg.rope_theta, rngs=rngs, **common)
+        self.post_attention_layernorm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps,
+                                                    dtype=dtype, rngs=rngs)
+        self.mlp = ParallelMLP(cfg.d_model, cfg.hidden or 4 * cfg.d_model, rngs=rngs, **common)
+
+    def __call__(self, x, *, positions=None, segment_ids=None, decode=False):
+        x = x + self.self_attn(self.input_layernorm(x), positions=positions,
+                               segment_ids=segment_ids, decode=decode)
+        return x + self.mlp(self.post_attention_layernorm(x), decode=decode)
+
+
+class Llama(nnx.Module):
+    """Token ids [batch, seq] -> logits [batch, seq, vocab].
+
+    Example:
+      >>> mesh = jax.make_mesh((2, 4), ("dp", "tp")); jaxtdist.initialize(mesh)
+      >>> model = Llama(LlamaConfig(256, 64, 2, 4, num_kv_heads=2), rngs=nnx.Rngs(0))
+      >>> logits = nnx.jit(lambda m, t: m(t))(model, tokens)  # tokens [batch, seq]
+      >>> model.init_cache(batch, max_len=64); model(prompt)  # prefill, then:
+      >>> logits1 = nnx.jit(lambda m, t: m(t, decode=True))(model, next_tokens)  # [batch, 1]
+    """
+
+    def __init__(self, cfg: LlamaConfig, *, axis_name: str = "tp",
+                 batch_axes: str | Sequence[str] | None = None, mesh: Mesh | None = None,
+                 dtype=None, param_dtype=jnp.float32, impl: str = "jaxtdist",
+                 rngs: nnx.Rngs):
+        self.config = cfg
+        layout = make_layout("Llama", mesh=mesh, axis_name=axis_name, batch_axes=batch_axes,
+                             impl=impl)
+        self.layout = layout
+        common = dict(axis_name=axis_name, batch_axes=layout.batch_axes, mesh=layout.mesh,
+                      dtype=dtype, param_dtype=param_dtype, impl=impl)
+        self.embed_tokens = Embed(cfg.vocab, cfg.d_model, axis_name=axis_name,
+                                  batch_axes=layout.batch_axes, mesh=layout.mesh, dtype=dtype,
+                                  param_dtype=param_dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, rngs, **common)
+                                for _ in range(cfg.num_layers)])
+        self.norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=dtype, rngs=rngs)
+        self.lm_head = None if cfg.tie_embeddings else nnx.Linear(
+            cfg.d_model, cfg.vocab, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+            kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, None),
+                                              mesh=layout.mesh), rngs=rngs)
+        # Norm scales and the like carry no sharding: replicate them on the mesh too
+        # (else they sit on one device, which explicit axes and restores refuse).
+        place_on_mesh(self, layout.mesh)
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> None:
+        """A KV cache in every layer for ``batch`` sequences of up to ``max_len`` tokens."""
+        for layer in self.layers:
+            layer.self_attn.init_cache(batch, max_len, dtype)
+
+    @property
+    def position(self) -> jax.Array:
+        """The KV cache's next position (tokens cached so far)."""
+        return self.layers[0].self_attn.position
+
+    def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None, decode: bool = False) -> jax.Array:
+        """Logits [batch, seq, vocab] of tokens [batch, seq] (with a cache: the prefill);
+        ``decode``: tokens [batch, 1], one new token per sequence."""
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x = layer(x, positions=positions, segment_ids=segment_ids, decode=decode)
+        x = self.norm(x)
+        if self.lm_head is None:
+            return self.embed_tokens.attend(x)
+        return self.lm_head(x)
+
+    def loss(self, tokens: jax.Array, targets: jax.Array, **kwargs) -> jax.Array:
+        """Mean next-token cross entropy (float32) of tokens [batch, seq] against targets."""
+        logits = self(tokens, **kwargs).astype(jnp.float32)
+        picked = jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1)
+        return -picked.mean()
+
+    @classmethod
+    def twins(cls, cfg: LlamaConfig, mesh: Mesh, **kwargs) -> tuple["Llama", "Llama"]:
+        """The jaxtdist model and the same model on XLA's collectives, same parameters."""
+        ours = cls(cfg, mesh=mesh, impl="jaxtdist", rngs=nnx.Rngs(0), **kwargs)
+        theirs = cls(cfg, mesh=mesh, impl="xla", rngs=nnx.Rngs(0), **kwargs)
+        return ours, theirs
+
+
