@@ -121,7 +121,7 @@ def test_ag_matmul_tma_uses_tma_and_scratch(dtype, block_k):
                              SCHEDULE_OFF=8192, NUM_COMM=16, CHUNK_ROWS=32,
                              COPY_BLOCK_C=128, BLOCK_M=128, BLOCK_N=256 if dtype == "bf16"
                              else 128, BLOCK_K=block_k, GROUP_M=8, SCOPE="sys",
-                             NUM_PROGRAMS=132, PRODUCERS_JOIN=True),
+                             NUM_PROGRAMS=132, PRODUCERS_JOIN=True, SUBTILE=2),
                         num_warps=8, num_stages=3)
     ptx = k.asm["ptx"]
     assert "cp.async.bulk.tensor.2d.shared" in ptx, "A/B tiles are not TMA loads"
@@ -135,7 +135,7 @@ def test_ag_matmul_tma_uses_tma_and_scratch(dtype, block_k):
 def _compile_ce(**tail):
     from jaxtdist.kernels.ag_matmul import ag_matmul_ce_kernel
     tail = dict(dict(TAIL_TILES=0, TAIL_UNITS=0, PARTIALS_OFF=-1, COUNTERS_OFF=-1,
-                     TAIL_SPLIT_N=1, TAIL_STAGES=3, FLATTEN=False), **tail)
+                     TAIL_SPLIT_N=1, TAIL_STAGES=3, FLATTEN=False, SUBTILE=1), **tail)
     return _compile_native(ag_matmul_ce_kernel, ["i32"] + ["bf16"] * 3,
                            dict(M_SHARD=2048, N=2752, K=4096, INBOX_OFF=1 << 20,
                                 PARITY_BYTES=1 << 26, FLAGS_OFF=4096, SENT_OFF=8192,
@@ -327,3 +327,22 @@ def test_moe_kernels_compile(dtype):
         assert not narrow, f"row copies lost vectorization: {k_.name} {dict(ops)}"
         assert "ld.global.sys.acquire" in ptx or "ld.acquire.sys" in ptx
         assert "release" in ptx
+
+
+@pytest.mark.parametrize("tma", [True, False])
+def test_matmul_rs_kernel_runs_on_the_gemm_core(tma):
+    """matmul_rs's tiles: TMA loads and wgmma on the GEMM core (a subtiled TMA store of
+    the own rows), or the pointer GEMM for rows TMA cannot address; both push
+    partials with system-scope releases."""
+    from jaxtdist.kernels.matmul_rs import matmul_rs_kernel
+    k = _compile_native(matmul_rs_kernel, ["i32"] + ["bf16"] * 3,
+                        dict(M_SHARD=2048, N=4096, K=3584, INBOX_OFF=1 << 20,
+                             PARITY_BYTES=1 << 26, FLAGS_OFF=4096, PARTIAL_INPUT=False,
+                             NUM_PROGRAMS=132, INTERLEAVE=True, BLOCK_M=128, BLOCK_N=256,
+                             BLOCK_K=64, GROUP_M=8, SUBTILE=4, TMA=tma),
+                        num_warps=8, num_stages=4 if tma else 3)
+    ptx = k.asm["ptx"]
+    assert "wgmma.mma_async" in ptx
+    assert ("cp.async.bulk.tensor.2d.shared" in ptx) == tma
+    assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == tma  # TMA stores
+    assert "release" in ptx and k.metadata.shared <= 227 * 1024

@@ -450,7 +450,7 @@ def tail_stages(cfg: dict, num_stages: int, pieces: int) -> int:
         return int(cfg["TAIL_STAGES"])
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     # In elements of the operands' dtype (the output's too): the same for all three.
-    whole = num_stages * (block_m + block_n) * block_k + block_m * block_n
+    whole = num_stages * (block_m + block_n) * block_k + block_m * block_n // cfg.get("SUBTILE", 1)
     piece_stage = (block_m + block_n // pieces) * block_k
     return max(num_stages, whole // piece_stage)
 

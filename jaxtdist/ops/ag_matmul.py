@@ -357,8 +357,17 @@ def _ag_matmul_many(x, ws, axis_name, config, regather):
     return tuple(jnp.split(out, np.cumsum(widths)[:-1].tolist(), axis=1))
 
 
+def _one_weight(x, w, axis_name, **kwargs):
+    if isinstance(w, (tuple, list)):
+        raise ValueError("jaxtdist.ag_matmul_sharded: w must be one [K, N] weight, got a "
+                         f"{type(w).__name__} of {len(w)}; for one gather over several weights "
+                         "call jaxtdist.ag_matmul(x, (w1, w2, ...)) inside shard_map, or use "
+                         "jaxtdist.nn.column_parallel")
+    return ag_matmul(x, w, axis_name, **kwargs)
+
+
 ag_matmul_sharded = pjit_wrapper(
-    ag_matmul, name="ag_matmul_sharded",
+    _one_weight, name="ag_matmul_sharded",
     in_specs=lambda axis, batch: (jax.sharding.PartitionSpec(rows_over(axis, batch), None),
                                   jax.sharding.PartitionSpec(None, axis)),
     out_specs=lambda axis, batch: jax.sharding.PartitionSpec(rows_over(None, batch), axis))
