@@ -6,8 +6,10 @@
 #   the single-process suite (pytest -k);
 #   TUNE_ARGS (e.g. --large) go to python -m jaxtdist.tune;
 #   BENCH_WORLDS (default: "1 N", N the GPUs found) the world sizes every op is
-#   timed at (BENCH_OPS: which ops, default all); the world-1 `untuned` tables
-#   (ag_matmul, matmul_rs, matmul_ar vs jnp.dot, default configs) run on every node;
+#   timed at (BENCH_OPS: which ops, default all, the model step included);
+#   WORLD1_BENCHES (default: gemm moe untuned untuned_matmul_rs) run once at
+#   world 1 with default configs: the GEMM core of every matmul family vs
+#   jnp.dot, MoE dispatch/combine, the older untuned tables;
 #   DOCS=1 also copies the benchmark tables and JSON into docs/perf/.
 # Writes logs and results under ${OUT:-/tmp/jaxtdist-gpu}. The tuning cache is
 # ${JAXTDIST_TUNING_CACHE:-$OUT/tuning.json}: the tune phase writes it, and the
@@ -37,6 +39,8 @@ N=$(python3 -c "import jax; print(len(jax.devices()))")
 WORLDS=${BENCH_WORLDS:-$( [ "$N" -gt 1 ] && echo "1 $N" || echo 1 )}
 ARGS="" ITER=""
 [ "$QUICK" = "--quick" ] && ARGS="--quick --iterations 10" ITER="--iterations 10"
+# ITERATIONS=n: every benchmark's iteration count (default: each benchmark's own).
+[ -n "${ITERATIONS:-}" ] && ARGS="${ARGS/--iterations 10/} --iterations $ITERATIONS" ITER="--iterations $ITERATIONS"
 TEST_RC=0
 
 if has tests; then
@@ -78,13 +82,21 @@ if has bench; then
     --format=csv,noheader,nounits -lms 250 > "$OUT/clocks.csv" 2>/dev/null &
   CLOCKS_PID=$!
   for W in $WORLDS; do
-    for OP in ${BENCH_OPS:-all_gather ag_matmul all_reduce reduce_scatter matmul_rs matmul_ar}; do
-      bench "$OP" "${OP}_${DEV}x${W}" --world "$W" $ARGS
+    for OP in ${BENCH_OPS:-all_gather ag_matmul all_reduce reduce_scatter matmul_rs matmul_ar flash_decode ag_attention model}; do
+      # The model benchmark takes no --quick (its size is --size).
+      if [ "$OP" = model ]; then bench model "model_${DEV}x${W}" --world "$W" $ITER
+      else bench "$OP" "${OP}_${DEV}x${W}" --world "$W" $ARGS; fi
     done
   done
   # World 1, default configs: a fresh, empty tuning cache (the subcommands make one).
-  bench untuned "ag_matmul_untuned_${DEV}x1" $ITER
-  bench untuned_matmul_rs "matmul_rs_untuned_${DEV}x1" $ITER
+  for B in ${WORLD1_BENCHES:-gemm moe untuned untuned_matmul_rs}; do
+    case $B in
+      untuned) bench untuned "ag_matmul_untuned_${DEV}x1" $ITER ;;
+      untuned_matmul_rs) bench untuned_matmul_rs "matmul_rs_untuned_${DEV}x1" $ITER ;;
+      moe) bench moe "moe_${DEV}x1" $ARGS ;;
+      *) bench "$B" "${B}_${DEV}x1" $ITER ;;
+    esac
+  done
   kill "$CLOCKS_PID" 2>/dev/null
   if python3 -c "import matplotlib" 2>/dev/null; then
     for stem in "${TABLES[@]}"; do
