@@ -25,6 +25,10 @@ if ((${#missing[@]})); then
   $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
 fi
 command -v bazel >/dev/null || { log "bazel is not on PATH after installing ${PKGS[*]}"; exit 1; }
+# The Bazel rule takes pybind11's headers from the Python it runs; README command 1
+# builds csrc in pip's isolated build environment, so pybind11 may be absent here.
+PY=${PYTHON_BIN_PATH:-${JAXTDIST_PYTHON:-python3}}
+"$PY" -c "import pybind11" 2>/dev/null || { log "installing pybind11 (headers for the Bazel build)"; "$PY" -m pip install -q "pybind11>=2.11" >&2; }
 
 if [[ "${JAXTDIST_BAZEL_CLEAN:-0}" == 1 ]]; then
   log "bazel clean --expunge"
