@@ -267,19 +267,23 @@ def test_flash_decode_compiles_with_tensor_cores_and_its_protocol(dtype, d, grou
     assert k.metadata.shared <= 227 * 1024
 
 
-@pytest.mark.parametrize("dtype,d,causal", [("bf16", 128, True), ("fp16", 64, False),
-                                            ("fp32", 64, True)])
-def test_ag_attention_compiles_with_tensor_cores(dtype, d, causal):
+@pytest.mark.parametrize("dtype,d,causal,inbox", [("bf16", 128, True, True),
+                                                  ("bf16", 128, True, False),
+                                                  ("fp16", 64, False, True),
+                                                  ("fp32", 64, True, False)])
+def test_ag_attention_compiles_with_tensor_cores(dtype, d, causal, inbox):
     """ag_attention: the attention tiles on tensor cores (wgmma for 128-row query
-    tiles of 16-bit types), pipelined K/V loads, peers' ready flags acquired at
-    system scope, the ready notify a system-scope release."""
+    tiles of 16-bit types), pipelined K/V loads, 16 bytes wide from peers' chunks
+    too (local inbox or peers' staged copies); peers' flags acquired, the peer
+    reads' ready notify a system-scope release."""
     from jaxtdist.kernels.ag_attention import ag_attention_kernel
     k = _compile(ag_attention_kernel,
                  {"ctx": "*i32", "q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}",
                   "v_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"},
-                 dict(S=8192, HQ=32, HKV=8, D=d, CAUSAL=causal, QK_SCALE=0.1275,
-                      STAGE_OFF=4096, PARITY_BYTES=1 << 26, KV_ELEMS=8192 * 8 * d,
-                      READY_OFF=0, BLOCK_M=128 if dtype != "fp32" else 64,
+                 dict(B=1, S=8192, HQ=32, HKV=8, D=d, CAUSAL=causal, QK_SCALE=0.1275,
+                      INBOX=inbox, STAGE_OFF=4096, PARITY_BYTES=1 << 26, KV_ELEMS=8192 * 8 * d,
+                      READY_OFF=0, FLAGS_OFF=0, SENT_OFF=512, CHUNK_ROWS=8192 if inbox else 1,
+                      FLAG_SCOPE="gpu" if inbox else "sys", BLOCK_M=128 if dtype != "fp32" else 64,
                       BLOCK_N=64 if dtype != "fp32" else 32, BLOCK_D=d, IEEE=dtype == "fp32"),
                  num_warps=8 if d > 64 else 4, num_stages=3 if dtype != "fp32" else 2)
     ptx = k.asm["ptx"]
@@ -291,8 +295,11 @@ def test_ag_attention_compiles_with_tensor_cores(dtype, d, causal):
     narrow = {op: n for op, n in ops.items() if op.startswith("ld.global")
               and op.endswith((".b16", ".b8"))}
     assert not narrow, f"K/V loads lost vectorization: {dict(ops)}"
-    assert "ld.global.sys.acquire" in ptx or "ld.acquire.sys" in ptx
-    assert "release" in ptx
+    if inbox:
+        assert "ld.global.gpu.acquire" in ptx or "ld.acquire.gpu" in ptx, "inbox flags"
+    else:
+        assert "ld.global.sys.acquire" in ptx or "ld.acquire.sys" in ptx
+        assert "release" in ptx
     assert k.metadata.shared <= 227 * 1024
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_moe_kernels_compile(dtype):

@@ -69,6 +69,20 @@ def test_ag_attention(world, dtype, causal, b, s, hq, hkv, d):
         assert _rel(out, _reference(q, k, v, causal)) < TOL[jnp.dtype(dtype)]
 
 
+@pytest.mark.parametrize("gather", ["inbox", "peer"])
+@pytest.mark.parametrize("world,causal,b,s", [(2, True, 2, 21), (3, False, 1, 16)])
+def test_ag_attention_gather_paths(gather, world, causal, b, s):
+    """Both ways to reach peers' k and v (pushed once into local inboxes, the
+    default; or read from peers' staged copies, the fallback when inboxes do not
+    fit the heap), three calls each (both parities, then the first again), with
+    batches whose rows straddle the inbox's 16-row chunks."""
+    mesh = setup(world, ("sp",))
+    f = _fn(mesh, causal, config=dict(GATHER=gather))
+    for _ in range(3):
+        (q, k, v), placed = _operands(mesh, world, b, s, 4, 2, 64, F32)
+        assert _rel(f(*placed), _reference(q, k, v, causal)) < TOL[jnp.dtype(F32)]
+
+
 def test_ag_attention_chained_calls():
     """Reuse races: 4 calls in one jit, each on the previous output plus fresh data,
     causal and not alternating, 8 jit calls (staging parities rewritten often)."""
@@ -160,6 +174,8 @@ def test_ag_attention_errors():
         run(q, k, k, config=dict(BLOCK_M=48))
     with pytest.raises(ValueError, match="unknown config keys"):
         run(q, k, k, config=dict(BLOCK=16))
+    with pytest.raises(ValueError, match="GATHER='ring'; allowed"):
+        run(q, k, k, config=dict(GATHER="ring"))
     with pytest.raises(ValueError, match="axis"):
         run(q, k, k, axis="tp")
 

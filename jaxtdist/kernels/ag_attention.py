@@ -2,28 +2,34 @@
 flash-attention tiles.
 
 Every rank holds S positions of q, k and v ([B, S, H, D], rank r holding global
-positions [r * S, (r + 1) * S)). Before the kernel, the call's prologue stages
-this rank's k and v into its heap (``STAGE_OFF + (e % 2) * PARITY_BYTES``: k, then
-v, each [B, S, HKV, D]); program 0 then raises this rank's ready flag in every
-peer's heap (``READY_OFF + 4 * me``, set to the epoch, a release).
+positions [r * S, (r + 1) * S)). Grid: (B * HQ * cdiv(S, BLOCK_M),): program
+``pid`` owns BLOCK_M query rows of one (batch, query head). It runs a float32
+online softmax over the chunks of the ranks its queries see, its own chunk first
+(read from k and v directly, no wait), then each peer's. Causal: only ranks
+me, me - 1, ..., 0 (the own chunk masked on the diagonal and cut at the tile's
+last query). Grouped-query attention: query head h reads KV head h // (HQ / HKV).
 
-Grid: (B * HQ * cdiv(S, BLOCK_M),): program ``pid`` owns BLOCK_M query rows of
-one (batch, query head). It runs a float32 online softmax over the chunks of
-the ranks its queries see, its own chunk first (read from k and v directly,
-no wait), then each peer's (loaded from the peer's staged copy through
-``dl.symm_at`` once its ready flag shows the epoch). Causal: only ranks
-me, me - 1, ..., 0 (chunks the queries never see are never fetched), the own
-chunk masked on the diagonal and cut at the tile's last query. Grouped-query
-attention: query head h reads KV head h // (HQ / HKV).
+Two ways to reach a peer's chunk (constexpr INBOX):
 
-Reuse: rank r's prologue rewrites staging parity p at epoch e + 2, after its
-kernel e + 1 ended; program 0 of that kernel waited for every peer's ready
-flag of epoch e + 1, which a peer raises at the start of its kernel e + 1,
-after its kernel e (the last reader of parity p) ended. So parity alone
-keeps the staged data of call e while it is read, causal or not.
+- Inbox (default where the heap holds it): every rank pushes its k and v (one
+  [B * S, 2 * HKV * D] array, k's columns then v's) into every peer's heap inbox
+  of parity ``epoch % 2`` before its kernel starts (copy engines on a side stream
+  on GPUs, ``push_shards_kernel`` elsewhere), raising a flag per chunk. Tiles wait
+  for their peer chunk's flags and read it from local memory: each peer byte
+  crosses the link once, not once per query tile.
+- Peer reads (fallback when the inboxes do not fit): the prologue stages k and v
+  in this rank's heap (``STAGE_OFF + (e % 2) * PARITY_BYTES``), program 0 raises
+  this rank's ready flag in every peer (``READY_OFF + 4 * me``), and tiles load
+  peers' staged copies through ``dl.symm_at``: every query tile reads the whole
+  chunk over the link, so this is link-bound for long sequences.
 
-Deadlock: program 0 notifies before it waits; every other wait is for a
-peer's program 0, which waits for nothing before notifying.
+Reuse: a rank rewrites a peer's inbox (or its own staging) of parity p at epoch
+e + 2, after its kernel e + 1 ended; program 0 of that kernel waited for every
+peer's flags of epoch e + 1 (all of them, causal or not), which a peer raises
+only after its kernel e (the last reader of parity p) ended.
+
+Deadlock: pushes wait for nothing; program 0 notifies before it waits (peer
+reads); every other wait is for a peer's pushes or program 0.
 """
 
 import triton
@@ -34,18 +40,19 @@ from jaxtdist.kernels._tiles import aligned_after
 
 
 @triton.jit
-def _attend(q, m, l, acc, kb, vb, b, hk, rows, hi, DIAG: tl.constexpr,
-            S: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_D: tl.constexpr, QK_SCALE: tl.constexpr, IEEE: tl.constexpr):
-    """Folds keys [0, hi) of one chunk (k at ``kb``, v at ``vb``, [B, S, HKV, D]) into
-    the online softmax (m, l, acc) of the query tile ``q`` (rows ``rows`` of the
-    chunk's positions; with DIAG, key j is seen by row i only when j <= i)."""
+def _attend(q, m, l, acc, kb, vb, rows, hi, DIAG: tl.constexpr, STRIDE: tl.constexpr,
+            D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+            QK_SCALE: tl.constexpr, IEEE: tl.constexpr):
+    """Folds keys [0, hi) of one chunk into the online softmax (m, l, acc) of the
+    query tile ``q`` (rows ``rows`` of the chunk's positions; with DIAG, key j is
+    seen by row i only when j <= i). ``kb``, ``vb``: the chunk's key and value of
+    position 0 for this (batch, KV head); positions are STRIDE elements apart."""
     d = tl.arange(0, BLOCK_D)
     d_mask = d < D
     for start in range(0, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         p_mask = pos < hi
-        offs = ((b * S + pos).to(tl.int64) * HKV + hk) * D
+        offs = pos.to(tl.int64) * STRIDE
         kv_mask = p_mask[:, None] & d_mask[None, :]
         k = tl.load(kb + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if IEEE:
@@ -74,15 +81,22 @@ def _attend(q, m, l, acc, kb, vb, b, hk, rows, hi, DIAG: tl.constexpr,
 
 @triton.jit
 def ag_attention_kernel(ctx, q_ptr, k_ptr, v_ptr, out_ptr,
-                        S: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                        CAUSAL: tl.constexpr, QK_SCALE: tl.constexpr, STAGE_OFF: tl.constexpr,
+                        B: tl.constexpr, S: tl.constexpr, HQ: tl.constexpr,
+                        HKV: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
+                        QK_SCALE: tl.constexpr, INBOX: tl.constexpr, STAGE_OFF: tl.constexpr,
                         PARITY_BYTES: tl.constexpr, KV_ELEMS: tl.constexpr,
-                        READY_OFF: tl.constexpr, BLOCK_M: tl.constexpr,
+                        READY_OFF: tl.constexpr, FLAGS_OFF: tl.constexpr,
+                        SENT_OFF: tl.constexpr, CHUNK_ROWS: tl.constexpr,
+                        FLAG_SCOPE: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
     """Grid: (B * HQ * cdiv(S, BLOCK_M),).
 
     q: [B, S, HQ, D]; k, v: [B, S, HKV, D] (this rank's positions); out: [B, S, HQ, D].
-    KV_ELEMS = B * S * HKV * D (v's offset in the staged copy).
+    INBOX: peers' chunks in this rank's inbox at STAGE_OFF + (e % 2) * PARITY_BYTES
+    ([world * B * S, 2 * HKV * D]; a flag per CHUNK_ROWS rows of each peer at
+    FLAGS_OFF; this rank's pushes raise its sent words at SENT_OFF).
+    Otherwise peers' staged copies (k then v, KV_ELEMS = B * S * HKV * D each) at
+    STAGE_OFF + (e % 2) * PARITY_BYTES, ready flags at READY_OFF.
     """
     pid = tl.program_id(0)
     m_tiles = tl.cdiv(S, BLOCK_M)
@@ -95,11 +109,14 @@ def ag_attention_kernel(ctx, q_ptr, k_ptr, v_ptr, out_ptr,
     world = dl.num_ranks(ctx)
     e = dl.epoch(ctx)
     ready = dl.heap_ptr(ctx, READY_OFF, tl.int32)
-    if pid == 0:
-        # The staged copy of this rank's k and v is in the heap (the prologue ran
-        # before this kernel): tell every peer.
-        for step in range(1, world):
-            dl.notify(ctx, ready + me, (me + step) % world, e)
+    flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
+    n_chunks = tl.cdiv(B * S, CHUNK_ROWS)
+    if not INBOX:
+        if pid == 0:
+            # The staged copy of this rank's k and v is in the heap (the prologue
+            # ran before this kernel): tell every peer.
+            for step in range(1, world):
+                dl.notify(ctx, ready + me, (me + step) % world, e)
 
     rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
     r_mask = rows < S
@@ -113,35 +130,57 @@ def ag_attention_kernel(ctx, q_ptr, k_ptr, v_ptr, out_ptr,
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
 
     # The own chunk first: no wait. Causal: keys up to the tile's last query.
+    own = (b.to(tl.int64) * S * HKV + hk) * D
     if CAUSAL:
-        m, l, acc = _attend(q, m, l, acc, k_ptr, v_ptr, b, hk, rows,
-                            tl.minimum((mt + 1) * BLOCK_M, S), True, S, HKV, D, BLOCK_N,
+        m, l, acc = _attend(q, m, l, acc, k_ptr + own, v_ptr + own, rows,
+                            tl.minimum((mt + 1) * BLOCK_M, S), True, HKV * D, D, BLOCK_N,
                             BLOCK_D, QK_SCALE, IEEE)
         peers = me  # ranks me - 1, ..., 0: every key before every query of this rank
     else:
-        m, l, acc = _attend(q, m, l, acc, k_ptr, v_ptr, b, hk, rows, S, False, S, HKV, D,
-                            BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
+        m, l, acc = _attend(q, m, l, acc, k_ptr + own, v_ptr + own, rows, S, False, HKV * D,
+                            D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
         peers = world - 1
-    stage_k = dl.heap_ptr(ctx, STAGE_OFF + (e % 2) * PARITY_BYTES, k_ptr.dtype.element_ty)
+    staged = dl.heap_ptr(ctx, STAGE_OFF + (e % 2) * PARITY_BYTES, k_ptr.dtype.element_ty)
     for step in range(1, peers + 1):
         if CAUSAL:
             src = me - step
         else:
             src = (me + step) % world
-        token = dl.wait(ctx, ready + src, e, "ge", src)
-        # The peer's staged copy, loads ordered after the wait; aligned_after keeps
-        # the tile loads 16 bytes wide.
-        kb = aligned_after(dl.symm_at(ctx, stage_k, src), token)
-        m, l, acc = _attend(q, m, l, acc, kb, kb + KV_ELEMS, b, hk, rows, S, False, S, HKV, D,
-                            BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
+        if INBOX:
+            # The chunks holding this batch's rows of src, pushed into the local inbox
+            # (one chunk per batch from the copy engines).
+            first = b * S // CHUNK_ROWS
+            token = dl.wait(ctx, flags + src * n_chunks + first, e, "ge", src, FLAG_SCOPE)
+            for chunk in range(first + 1, ((b + 1) * S - 1) // CHUNK_ROWS + 1):
+                token = dl.wait(ctx, flags + src * n_chunks + chunk, e, "ge", src, FLAG_SCOPE)
+            kb = aligned_after(staged, token) + ((src * B + b).to(tl.int64) * S * 2 * HKV
+                                                  + hk) * D
+            m, l, acc = _attend(q, m, l, acc, kb, kb + HKV * D, rows, S, False, 2 * HKV * D,
+                                D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
+        else:
+            token = dl.wait(ctx, ready + src, e, "ge", src)
+            # The peer's staged copy, loads ordered after the wait; aligned_after
+            # keeps the tile loads 16 bytes wide.
+            kb = aligned_after(dl.symm_at(ctx, staged, src), token) + own
+            m, l, acc = _attend(q, m, l, acc, kb, kb + KV_ELEMS, rows, S, False, HKV * D, D,
+                                BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
 
     l_safe = tl.where(l > 0, l, 1.0)
     o = acc / l_safe[:, None]
     tl.store(out_ptr + q_offs[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty),
              mask=r_mask[:, None] & d_mask[None, :])
     if pid == 0:
-        # Every peer has started this epoch, so has finished reading the staging
-        # parity that this rank's next-but-one prologue rewrites.
+        # Every peer has reached this epoch (so has finished reading what this
+        # rank's next-but-one call rewrites), causal or not.
         for step in range(1, world):
             src = (me + step) % world
-            dl.wait(ctx, ready + src, e, "ge", src)
+            if INBOX:
+                for chunk in range(0, n_chunks):
+                    dl.wait(ctx, flags + src * n_chunks + chunk, e, "ge", src, FLAG_SCOPE)
+            else:
+                dl.wait(ctx, ready + src, e, "ge", src)
+        if INBOX:
+            # k and v (the pushes' source) must outlive this rank's pushes.
+            sent = dl.heap_ptr(ctx, SENT_OFF, tl.int32)
+            for step in range(1, world):
+                dl.wait(ctx, sent + step, e, "ge", me, "gpu")

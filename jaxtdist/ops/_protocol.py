@@ -291,7 +291,7 @@ class Call:
         self._launch_holds_rendezvous = False
         return rt.backend.push_to_peers(rt, ctx, x, counter_id=self._ws.counter_id,
                                         groups=rt.group_table(self.layout),
-                                        world=self.layout.world, **layout)
+                                        world=self.layout.world, op=self.op, **layout)
 
     def run(self, kernel, *args: Any, workspace: Workspace, out_shape,
             grid: int | Sequence[int], deps: Sequence | None = None,

@@ -17,11 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxtdist._errors import HeapExhaustedError
 from jaxtdist.kernels.ag_attention import ag_attention_kernel
+from jaxtdist.kernels.ag_matmul import push_shards_kernel
 from jaxtdist.ops._config import KernelConfig, Problem, resolve
 from jaxtdist.ops._op import DistributedOp, pjit_wrapper, rows_over
 from jaxtdist.ops._protocol import Call, check_axis
-from jaxtdist.ops._shapes import align, check_dtype, next_pow2
+from jaxtdist.ops._shapes import InboxWorkspace, align, check_dtype, next_pow2
 from jaxtdist.runtime._runtime import runtime
 from jaxtdist.tune import _registry
 
@@ -39,6 +41,11 @@ class AgAttentionConfig(KernelConfig):
       BLOCK_M: query rows per program (a power of 2, >= 16).
       BLOCK_N: keys per step of the online softmax (a power of 2, >= 16).
       num_warps, num_stages: launch options.
+      GATHER: how peers' k and v are reached: "inbox" (pushed once into this
+        rank's heap, by the copy engines on GPUs, and read locally), "peer"
+        (every query tile reads peers' staged copies over the link: a quarter of
+        the heap, link-bound at long sequences) or "auto" (inbox when it fits the
+        heap, else peer).
     """
     OP: ClassVar[str] = "ag_attention"
     variant: ClassVar[str] = "pull"
@@ -47,6 +54,7 @@ class AgAttentionConfig(KernelConfig):
     BLOCK_N: int = 64
     num_warps: int = 8
     num_stages: int = 3
+    GATHER: str = "auto"
 
     @classmethod
     def default(cls, problem: Problem) -> "AgAttentionConfig":
@@ -59,6 +67,9 @@ class AgAttentionConfig(KernelConfig):
         return cls(BLOCK_M=block_m, BLOCK_N=64, num_warps=8 if d > 64 else 4, num_stages=3)
 
     def validate(self, problem: Problem) -> None:
+        if self.GATHER not in ("auto", "inbox", "peer"):
+            raise ValueError(f"jaxtdist.ag_attention: config GATHER={self.GATHER!r}; allowed: "
+                             "'auto', 'inbox', 'peer'")
         for key in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -139,21 +150,75 @@ def ag_attention_kernels(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *,
                       call.rt.sms)
     cfg = resolve(AgAttentionConfig, problem, call.rt, config, axis_name=axis_name)
     kv_elems = b * s * hkv * d
+    tiles = dict(**cfg.launch_options(), B=b, S=s, HQ=hq, HKV=hkv, D=d, CAUSAL=causal,
+                 QK_SCALE=float(math.log2(math.e) / math.sqrt(d)), KV_ELEMS=kv_elems,
+                 BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=max(16, next_pow2(d)),
+                 IEEE=q.dtype == jnp.float32)
+    grid = (b * hq * -(-s // cfg.BLOCK_M),)
+    out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    varying = call.result_axes(local=(q, k, v))
+    # Inboxes need a bulk push that overlaps the kernel (copy engines, both GPU
+    # layouts) or the interpreter; a GPU backend without them reads peers.
+    inbox_ok = call.rt.backend.has_copy_engines or call.platform != "gpu"
+    if cfg.GATHER == "inbox" and not inbox_ok:
+        raise ValueError("jaxtdist.ag_attention: config GATHER='inbox' needs copy-engine "
+                         "pushes, which this heap backend lacks; use 'auto' or 'peer'")
+    if cfg.GATHER != "peer" and inbox_ok and call.world > 1:
+        try:
+            return _launch_inbox(call, q, k, v, tiles, grid, out_shape, varying)
+        except HeapExhaustedError:
+            if cfg.GATHER == "inbox":
+                raise
     plan = StageWorkspace(call.world, kv_elems, q.dtype.itemsize)
     ws = call.workspace("stage", plan.nbytes, kv_elems, q.dtype.name)
     # The prologue copies k and v into this rank's heap (parity e % 2) before the
     # kernel: peers read them from there.
     staged = jnp.concatenate([k.reshape(-1), v.reshape(-1)])
-    m_tiles = -(-s // cfg.BLOCK_M)
     return call.run(
         ag_attention_kernel, q, k, v, workspace=ws, deps=(q, k, v, staged), stage=staged,
         stage_offset=ws.offset + plan.stage, parity_bytes=plan.parity_bytes,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=(b * hq * m_tiles,),
-        varying=call.result_axes(local=(q, k, v)), **cfg.launch_options(), S=s, HQ=hq,
-        HKV=hkv, D=d, CAUSAL=causal, QK_SCALE=float(math.log2(math.e) / math.sqrt(d)),
-        STAGE_OFF=ws.offset + plan.stage, PARITY_BYTES=plan.parity_bytes, KV_ELEMS=kv_elems,
-        READY_OFF=ws.offset + plan.ready, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
-        BLOCK_D=max(16, next_pow2(d)), IEEE=q.dtype == jnp.float32)
+        out_shape=out_shape, grid=grid, varying=varying, **tiles, INBOX=False,
+        STAGE_OFF=ws.offset + plan.stage, PARITY_BYTES=plan.parity_bytes,
+        READY_OFF=ws.offset + plan.ready, FLAGS_OFF=0, SENT_OFF=0, CHUNK_ROWS=1,
+        FLAG_SCOPE="sys")
+
+
+def _launch_inbox(call: Call, q, k, v, tiles: dict, grid, out_shape, varying):
+    """k and v pushed once into every peer's heap inbox (the copy engines, one chunk
+    flag per (rank, batch); under the interpreter an SM push kernel before the
+    attention kernel, 16-row chunks); the tiles read peers' chunks locally."""
+    b, s, hkv, d = k.shape
+    ce = call.rt.backend.has_copy_engines
+    chunk_rows = s if ce else 16  # the SM push copies pow-2 row blocks
+    # One row per position: k's columns, then v's.
+    kv = jnp.concatenate([k.reshape(b * s, hkv * d), v.reshape(b * s, hkv * d)], axis=1)
+    plan = InboxWorkspace(call.world, b * s, 2 * hkv * d, k.dtype, chunk_rows)
+    ws = call.workspace("inbox", plan.nbytes, b, s, hkv * d, k.dtype.name, chunk_rows)
+    offsets = dict(STAGE_OFF=ws.offset + plan.inbox, PARITY_BYTES=plan.parity_bytes,
+                   FLAGS_OFF=ws.offset + plan.flags, SENT_OFF=ws.offset + plan.sent)
+    ctx = call.start(ws, deps=(q, k, v, kv), align_launch=False)
+    if ce:
+        ctx = call.push_to_peers(ctx, kv, inbox_offset=offsets["STAGE_OFF"],
+                                 parity_bytes=offsets["PARITY_BYTES"],
+                                 flags_offset=offsets["FLAGS_OFF"],
+                                 sent_offset=offsets["SENT_OFF"], chunk_rows=s, serial=False)
+        scope = "gpu"  # flags raised by copy engines, read on this GPU
+    else:
+        # The interpreter runs this kernel's programs in turn, then the attention
+        # kernel (the last program raises the sent words).
+        cols = 2 * hkv * d
+        done = call.launch(push_shards_kernel, ctx, kv,
+                           out_shape=jax.ShapeDtypeStruct((1,), jnp.int32), grid=(2,),
+                           num_warps=4, num_stages=1, M_SHARD=b * s, K=cols,
+                           INBOX_OFF=offsets["STAGE_OFF"], PARITY_BYTES=offsets["PARITY_BYTES"],
+                           FLAGS_OFF=offsets["FLAGS_OFF"], SENT_OFF=offsets["SENT_OFF"],
+                           NUM_COMM=2, CHUNK_ROWS=chunk_rows,
+                           COPY_BLOCK_C=min(256, next_pow2(cols)), SCOPE="sys")
+        ctx, _ = jax.lax.optimization_barrier((ctx, done))
+        scope = "sys"
+    return call.launch(ag_attention_kernel, ctx, q, k, v, out_shape=out_shape, grid=grid,
+                       varying=varying, **tiles, INBOX=True, READY_OFF=0,
+                       CHUNK_ROWS=chunk_rows, FLAG_SCOPE=scope, **offsets)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,

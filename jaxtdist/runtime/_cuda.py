@@ -122,14 +122,14 @@ class CudaHeap:
     def push_to_peers(self, rt, ctx: jax.Array, x: jax.Array, *, counter_id: int,
                       groups: np.ndarray, world: int, inbox_offset: int, parity_bytes: int,
                       flags_offset: int, sent_offset: int, chunk_rows: int,
-                      serial: bool) -> jax.Array:
+                      serial: bool, op: str = "ag_matmul") -> jax.Array:
         """Starts the copy engines pushing ``x`` into every peer's heap inbox, chunk by
         chunk, raising a flag per chunk (``csrc/ce_gather.cc``); returns ``ctx``
         (aliased: it orders the kernel that follows after the pushes are enqueued).
         The handler is the call's last host work: it holds the launch rendezvous."""
         call = _ffi.ffi_call(_native.CE_GATHER_TARGET,
                              jax.ShapeDtypeStruct(ctx.shape, ctx.dtype),
-                             input_output_aliases={1: 0}, op="ag_matmul")
+                             input_output_aliases={1: 0}, op=op)
         return call(x, ctx, counter_id=np.int64(counter_id), world=np.int64(world),
                     groups=groups, inbox_offset=np.int64(inbox_offset),
                     parity_bytes=np.int64(parity_bytes), flags_offset=np.int64(flags_offset),

@@ -79,6 +79,25 @@ def test_ag_attention(world, dtype, b, s, hq, hkv, d, causal, kernels):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("gather", ["inbox", "peer"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_ag_attention_gather_paths(world, gather, causal):
+    """Both ways to reach peers' k and v: the copy engines' push into local inboxes
+    (the default) and reads of peers' staged copies (the fallback), 3 calls each."""
+    mesh = _mesh(world)
+    b, s, hq, hkv, d = 2, 300, 8, 2, 128
+    f = jax.jit(jax.shard_map(
+        lambda q, k, v: td.ag_attention(q, k, v, "sp", causal=causal,
+                                        config=dict(GATHER=gather)),
+        mesh=mesh, in_specs=(SP,) * 3, out_specs=SP))
+    for _ in range(3):
+        q = _rand((b, world * s, hq, d), jnp.bfloat16)
+        k, v = (_rand((b, world * s, hkv, d), jnp.bfloat16) for _ in range(2))
+        out = f(*_put(mesh, jnp.bfloat16, q, k, v))
+        assert _rel(out, _reference(q, k, v, causal)) < TOL[jnp.bfloat16]
+
+
+@pytest.mark.parametrize("world", [2, 4])
 def test_ag_attention_chained_calls(world):
     """8 calls in one jit, each on the previous output plus fresh data (causal and
     not alternating), 4 jit calls: staging parities rewritten while peers may lag."""
