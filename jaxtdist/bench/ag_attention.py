@@ -88,7 +88,11 @@ def bench_ag_attention(seqs, iterations: int, world: int, dtype=jnp.bfloat16,
     ops = _ops()
     b, hh, d = AG_ATTENTION_HEADS
     mesh = _mesh(world)
-    td.initialize(mesh)
+    # Room for the KV inboxes of the longest sequence (2 parities x world ranks' k
+    # and v), else ag_attention falls back to reading peers over the link.
+    s_max = max(seqs) // world
+    inbox = 2 * world * 2 * b * s_max * hh * d * jnp.dtype(dtype).itemsize
+    td.initialize(mesh, heap_bytes=max(1 << 30, inbox + (256 << 20)))
     specs = dict(mesh=mesh, in_specs=(SP,) * 3, out_specs=SP, check_vma=False)
     if world == 1:
         fns = dict(jaxtdist=jax.jit(jax.shard_map(

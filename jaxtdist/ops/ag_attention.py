@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import ClassVar
 
 import jax
@@ -166,9 +167,15 @@ def ag_attention_kernels(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *,
     if cfg.GATHER != "peer" and inbox_ok and call.world > 1:
         try:
             return _launch_inbox(call, q, k, v, tiles, grid, out_shape, varying)
-        except HeapExhaustedError:
+        except HeapExhaustedError as err:
             if cfg.GATHER == "inbox":
                 raise
+            warnings.warn(f"jaxtdist.ag_attention: the KV inboxes do not fit the heap ({err}); "
+                          "every query tile reads peers' k and v over the link instead, "
+                          "which is much slower at long sequences. Raise "
+                          "jaxtdist.initialize(mesh, heap_bytes=...) to at least 4 * world * "
+                          "B * S_shard * Hkv * D * itemsize plus the other ops' workspaces.",
+                          RuntimeWarning, stacklevel=2)
     plan = StageWorkspace(call.world, kv_elems, q.dtype.itemsize)
     ws = call.workspace("stage", plan.nbytes, kv_elems, q.dtype.name)
     # The prologue copies k and v into this rank's heap (parity e % 2) before the

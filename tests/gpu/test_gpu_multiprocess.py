@@ -27,9 +27,8 @@ from tests.multiprocess.checks import GRADS, OPS, TRANSFORMS
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = os.path.join(ROOT, "tests", "multiprocess")
 GPU_TOL = 5e-3  # float32 through TF32 tensor cores
-# What ops_check.py --ops --transforms reports, then the chain (--grads adds GRADS:
-# one GPU per process only, see checks.GRADS).
-ALL_CHECKS = (*OPS, *TRANSFORMS, "chain")
+# What ops_check.py --ops --transforms --grads reports, then the chain.
+ALL_CHECKS = (*OPS, *TRANSFORMS, *GRADS, "chain")
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("JAXTDIST_TEST_MULTIPROCESS_GPU") != "1" or not shutil.which("nvidia-smi"),
@@ -92,8 +91,9 @@ def test_every_op_on_the_nvshmem_heap(mps, nproc):
     """Every built-in op and a user kernel, each process one PE of NVSHMEM, against
     float32 host references, and vmap of each built-in op; then 16 chained
     ag_matmul -> matmul_rs calls."""
-    code, out, _ = launch(nproc, mps, "--ops", "--transforms", "--chain", "16")
+    code, out, _ = launch(nproc, mps, "--ops", "--transforms", "--grads", "--chain", "16")
     assert code == 0, out[-6000:]
+    assert "XLA_COLLECTIVES" not in out, out[-6000:]  # gradients on jaxtdist's kernels only
     for rank in range(nproc):
         assert rank_lines(out, rank, "OK") == ["OK"], out[-6000:]
         (ready,) = rank_lines(out, rank, "HEAP_READY_S")
@@ -140,5 +140,5 @@ def test_one_gpu_per_process():
     for rank in range(n):
         assert rank_lines(out, rank, "OK") == ["OK"], out[-6000:]
         checks = dict(line.split()[1:3] for line in rank_lines(out, rank, "CHECK"))
-        assert set(checks) == {*ALL_CHECKS, *GRADS}, checks
+        assert set(checks) == set(ALL_CHECKS), checks
         assert all(float(e) <= GPU_TOL for e in checks.values()), checks

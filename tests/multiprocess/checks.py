@@ -7,7 +7,6 @@ OPS = ("ag_matmul", "all_gather", "all_reduce", "reduce_scatter", "matmul_rs", "
        "triton_call", "shmem_all_gather", "flash_decode", "ag_attention")
 # vmap of every built-in op (--ops --transforms).
 TRANSFORMS = tuple(f"vmap_{op}" for op in OPS[:6])
-# remat + grad of the two matmuls (--ops --grads). On GPUs their backward gathers
-# the forward's input with XLA's all_gather (NCCL), which several processes
-# sharing one GPU cannot run: only CPU meshes and one GPU per process check them.
+# remat + grad of the two matmuls (--ops --grads): their backward runs on jaxtdist's
+# kernels only (no XLA collective, which processes sharing one GPU could not run).
 GRADS = ("remat_grad_ag_matmul", "remat_grad_matmul_rs")

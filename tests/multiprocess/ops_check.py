@@ -232,7 +232,7 @@ def check_grads(mesh, world: int) -> dict[str, float]:
         args = (place(mesh, x, x_spec), place(mesh, w, w_spec), place(mesh, g, y_spec))
         compiled = jax.jit(forward_and_backward).lower(*args).compile()
         found = xla_collectives(compiled.as_text())
-        if found:  # GPUs gather the residual with XLA's all_gather (see checks.GRADS)
+        if found:  # the tests fail on this line: the backward must need no XLA collective
             print(f"XLA_COLLECTIVES {op.__name__}: {found}", flush=True)
         y, dx, dw = compiled(*args)
         return max(relerr(y, x @ w), relerr(dx, g @ w.T), relerr(dw, x.T @ g))
