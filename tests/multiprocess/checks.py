@@ -8,5 +8,7 @@ OPS = ("ag_matmul", "all_gather", "all_reduce", "reduce_scatter", "matmul_rs", "
 # vmap of every built-in op (--ops --transforms).
 TRANSFORMS = tuple(f"vmap_{op}" for op in OPS[:6])
 # remat + grad of the two matmuls (--ops --grads): their backward runs on jaxtdist's
-# kernels only (no XLA collective, which processes sharing one GPU could not run).
+# kernels only (no XLA collective). With processes sharing one GPU the gradients
+# are still wrong and a wait times out (seen on H100, no MPS): a known defect, see
+# tests/gpu/test_gpu_multiprocess.py's xfail.
 GRADS = ("remat_grad_ag_matmul", "remat_grad_matmul_rs")
