@@ -24,6 +24,7 @@ if _os.environ.get("_JAXTDIST_INTERPRETER_WORKER") != "1":
         NotInitializedError,
         WaitTimeoutError,
         WorkerDiedError,
+        errors,
     )
     from jaxtdist import runtime  # the subpackage; runtime.runtime() is the object
     from jaxtdist.runtime._bootstrap import BootstrapTimeoutError
@@ -54,6 +55,7 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "check_errors",
+    "errors",
     "flash_decode",
     "flash_decode_sharded",
     "initialize",

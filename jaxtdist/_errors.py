@@ -9,6 +9,10 @@ that message in C++; the CPU backend forms it with ``runtime_status``.
 
 from __future__ import annotations
 
+import contextlib
+import re
+from collections.abc import Iterator
+
 
 class JaxtdistError(RuntimeError):
     """Base class of jaxtdist's runtime errors."""
@@ -76,3 +80,49 @@ def runtime_status(error: BaseException) -> tuple[str, str]:
             break
     status = getattr(type(error), "status", None) if isinstance(error, JaxtdistError) else None
     return status or "INTERNAL", f"{name}: {message}" if message else name
+
+
+@contextlib.contextmanager
+def errors() -> Iterator[None]:
+    """Re-raises jaxtdist's errors that reach the caller through compiled code as
+    their own types.
+
+    Inside ``with jaxtdist.errors():``, an exception whose message carries
+    ``jaxtdist.WaitTimeoutError: ...`` (or another jaxtdist error's name), as
+    ``jax.errors.JaxRuntimeError`` or, for small one-device programs, ``ValueError``
+    carry them, is raised again as that jaxtdist type with the same message, the
+    original as its ``__cause__``. Other exceptions pass through unchanged.
+
+    Example:
+      >>> try:
+      ...     with jaxtdist.errors():
+      ...         y = step(x)
+      ... except jaxtdist.WaitTimeoutError:
+      ...     jaxtdist.shutdown(); jaxtdist.initialize(mesh)
+    """
+    try:
+        yield
+    except JaxtdistError:
+        raise
+    except Exception as err:  # noqa: BLE001 - only jaxtdist's own messages are mapped
+        typed = _typed(str(err))
+        if typed is None:
+            raise
+        raise typed from err
+
+
+_NAMED = re.compile(r"jaxtdist\.(\w+): (.*)", re.S)
+
+
+def _typed(message: str) -> JaxtdistError | None:
+    """The jaxtdist error a runtime message names, or None."""
+    found = _NAMED.search(message)
+    if not found:
+        return None
+    classes = {cls.__name__: cls for cls in (JaxtdistError, *_subclasses(JaxtdistError))}
+    cls = classes.get(found.group(1))
+    return cls(found.group(2)) if cls is not None else None
+
+
+def _subclasses(cls: type) -> list[type]:
+    return [c for sub in cls.__subclasses__() for c in (sub, *_subclasses(sub))]

@@ -244,6 +244,12 @@ def test_wait_timeout(kernel):
         # The error stays recorded: check_errors raises it directly...
         with pytest.raises(td.WaitTimeoutError, match=r"timed out.*rank"):
             td.check_errors()
+        # ...as does a later call inside jaxtdist.errors(), typed (the XLA error
+        # as its cause).
+        with pytest.raises(td.WaitTimeoutError, match=r"^a wait timed out") as typed:
+            with td.errors():
+                np.asarray(compiled())
+        assert isinstance(typed.value.__cause__, (jax.errors.JaxRuntimeError, ValueError))
         # ...and a later op fails fast instead of hanging.
         start = time.monotonic()
         with pytest.raises(jax.errors.JaxRuntimeError,
@@ -274,3 +280,19 @@ def test_jitted_function_after_reinitialize():
         assert "initialize" in str(e), f"unhelpful error after re-initialize: {e!r}"
     else:
         assert rel_err(out, f64(x) @ f64(w)) < 1e-5
+
+
+def test_errors_context_maps_only_jaxtdist_messages():
+    with pytest.raises(td.WorkerDiedError, match="^process 1 died") as info:
+        with td.errors():
+            raise ValueError("UNAVAILABLE: jaxtdist.WorkerDiedError: process 1 died")
+    assert isinstance(info.value.__cause__, ValueError)
+    with pytest.raises(td.HeapExhaustedError):
+        with td.errors():
+            raise td.HeapExhaustedError("full")  # already typed: unchanged
+    with pytest.raises(KeyError):
+        with td.errors():
+            raise KeyError("jaxtdist.NoSuchError: not one of ours")
+    with pytest.raises(ValueError, match="plain"):
+        with td.errors():
+            raise ValueError("plain")
