@@ -32,7 +32,8 @@ if _os.environ.get("_JAXTDIST_INTERPRETER_WORKER") != "1":
     from jaxtdist.ops import (ag_attention, ag_attention_sharded, ag_matmul,
                               ag_matmul_sharded, all_gather, all_reduce, flash_decode,
                               flash_decode_sharded, matmul_ar, matmul_ar_sharded, matmul_rs,
-                              matmul_rs_sharded, moe_combine, moe_dispatch, reduce_scatter,
+                              matmul_rs_sharded, moe_combine, moe_dispatch, moe_tp_mlp,
+                              reduce_scatter,
                               triton_call)
     from jaxtdist.runtime import initialize, is_initialized, shutdown
 
@@ -66,6 +67,7 @@ __all__ = [
     "matmul_rs_sharded",
     "moe_combine",
     "moe_dispatch",
+    "moe_tp_mlp",
     "reduce_scatter",
     "runtime",
     "shutdown",

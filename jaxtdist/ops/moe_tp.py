@@ -1,0 +1,134 @@
+"""jaxtdist.moe_tp_mlp: the tensor-parallel mixture-of-experts MLP.
+
+Tokens are sharded over ``axis_name`` on the sequence; every rank holds every
+expert with the FFN dimension sharded over ``axis_name``. The layer is
+all-gather of the tokens (and their routing), per-expert GEMMs on this rank's
+FFN shard (``jax.lax.ragged_dot`` over the (token, expert) pairs sorted by
+expert), the weighted sum over each token's experts, and a reduce-scatter of
+the partial sums back to the tokens' owners. The gather and the reduce-scatter
+are jaxtdist's (no XLA collective); the grouped GEMMs are XLA's. Not yet fused:
+Triton-distributed's two overlapped pieces (all-gather + grouped GEMM,
+grouped GEMM + reduce-scatter) would start each expert's tiles as its tokens
+arrive; this composition runs the three steps one after the other.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxtdist.ops._protocol import check_axis
+from jaxtdist.ops._shapes import check_dtype
+from jaxtdist.ops.all_gather import all_gather
+from jaxtdist.ops.reduce_scatter import reduce_scatter
+from jaxtdist.runtime._runtime import runtime
+
+__all__ = ["moe_tp_mlp"]
+
+
+def _check(x, expert_ids, weights, w1, w2, w_up, axis_name) -> None:
+    if x.ndim != 2:
+        raise ValueError(f"jaxtdist.moe_tp_mlp: x must be [T_shard, H], got x{x.shape}")
+    t, h = x.shape
+    if expert_ids.ndim != 2 or expert_ids.shape[0] != t:
+        raise ValueError(f"jaxtdist.moe_tp_mlp: expert_ids must be [T_shard, K] = [{t}, K] "
+                         f"like x{x.shape}, got expert_ids{expert_ids.shape}")
+    if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
+        raise ValueError(f"jaxtdist.moe_tp_mlp: expert_ids must be integers, got "
+                         f"{expert_ids.dtype.name}")
+    if weights.shape != expert_ids.shape or not jnp.issubdtype(weights.dtype, jnp.floating):
+        raise ValueError(f"jaxtdist.moe_tp_mlp: weights must be floats shaped like expert_ids"
+                         f"{expert_ids.shape}, got {weights.dtype.name}{weights.shape}")
+    if w1.ndim != 3 or w1.shape[1] != h:
+        raise ValueError(f"jaxtdist.moe_tp_mlp: w1 must be [E, H, F_shard] with H={h} (x's "
+                         f"hidden size), got w1{w1.shape}")
+    e, _, f = w1.shape
+    if w2.shape != (e, f, h):
+        raise ValueError(f"jaxtdist.moe_tp_mlp: w2 must be [E, F_shard, H] = {(e, f, h)} to "
+                         f"match w1{w1.shape} and x{x.shape}, got w2{w2.shape}")
+    if w_up is not None and w_up.shape != w1.shape:
+        raise ValueError(f"jaxtdist.moe_tp_mlp: w_up must be shaped like w1{w1.shape}, got "
+                         f"w_up{w_up.shape}")
+    check_dtype("moe_tp_mlp", "x", x.dtype)
+    for name, a in (("w1", w1), ("w2", w2), ("w_up", w_up)):
+        if a is not None and a.dtype != x.dtype:
+            raise ValueError(f"jaxtdist.moe_tp_mlp: {name} has dtype {a.dtype.name}, x "
+                             f"{x.dtype.name}: they must match")
+    check_axis(runtime(), axis_name, "moe_tp_mlp")
+
+
+def _gather_bits(a: jax.Array, axis_name) -> jax.Array:
+    """jaxtdist's all_gather of an int32 array: a gather copies bits, so the ids
+    travel as float32 words and come back exact."""
+    words = jax.lax.bitcast_convert_type(a.astype(jnp.int32), jnp.float32)
+    return jax.lax.bitcast_convert_type(all_gather(words, axis_name), jnp.int32)
+
+
+def moe_tp_mlp(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax.Array,
+               w2: jax.Array, axis_name="tp", *,
+               activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
+               w_up: jax.Array | None = None) -> jax.Array:
+    """A mixture-of-experts MLP with the experts' FFN dimension sharded over ``axis_name``.
+
+    Call inside ``jax.shard_map`` over the mesh given to ``jaxtdist.initialize``.
+    Equivalent to: gather the tokens of every rank; for each token t and each of
+    its K experts e = expert_ids[t, k], ``activation(x[t] @ w1[e]) @ w2[e]``
+    (gated: ``(activation(x[t] @ w1[e]) * (x[t] @ w_up[e])) @ w2[e]``) on this
+    rank's FFN shard, summed with weights[t, k]; then sum over ranks and keep
+    this rank's tokens. Differentiable (x, weights and the expert weights).
+
+    The gather and the reduce-scatter are jaxtdist's ops; the experts run as
+    ``jax.lax.ragged_dot`` over the (token, expert) pairs grouped by expert
+    (counts are data: one compiled program serves every routing). Partial sums
+    travel in float32. The three steps are not overlapped with each other yet.
+    An expert id outside [0, E) contributes nothing.
+
+    Args:
+      x: [T_shard, H], this rank's tokens (sequence sharded over ``axis_name``).
+      expert_ids: [T_shard, K] integer top-K routing of those tokens.
+      weights: [T_shard, K] float routing weights.
+      w1: [E, H, F_shard], every expert's up (or gate) projection, this rank's
+        columns of the FFN dimension.
+      w2: [E, F_shard, H], every expert's down projection, this rank's rows.
+      axis_name: the mesh axis (or tuple of axes) tokens and FFN are sharded over.
+      activation: elementwise, applied to ``x @ w1``.
+      w_up: optional [E, H, F_shard] second projection of a gated MLP (SwiGLU:
+        ``activation=jax.nn.silu``, w1 the gate).
+
+    Returns:
+      [T_shard, H] in x's dtype: this rank's tokens' MLP output.
+
+    Example:
+      >>> mesh = jax.make_mesh((4,), ("tp",)); jaxtdist.initialize(mesh)
+      >>> f = jax.jit(jax.shard_map(
+      ...     lambda x, i, g, a, b: jaxtdist.moe_tp_mlp(x, i, g, a, b, "tp"), mesh=mesh,
+      ...     in_specs=(P("tp"), P("tp"), P("tp"), P(None, None, "tp"), P(None, "tp")),
+      ...     out_specs=P("tp")))
+    """
+    x, expert_ids, weights, w1, w2 = (jnp.asarray(a)
+                                      for a in (x, expert_ids, weights, w1, w2))
+    w_up = None if w_up is None else jnp.asarray(w_up)
+    _check(x, expert_ids, weights, w1, w2, w_up, axis_name)
+    t_shard, k = expert_ids.shape
+    e = w1.shape[0]
+    xs = all_gather(x, axis_name)                                        # [T, H]
+    ids = _gather_bits(expert_ids, axis_name).reshape(-1)                # [T * K]
+    gate = all_gather(weights.astype(jnp.float32), axis_name).reshape(-1)
+    valid = (ids >= 0) & (ids < e)
+    gate = jnp.where(valid, gate, 0.0)
+    ids = jnp.where(valid, ids, e - 1)  # every pair in some group, weighted 0 if invalid
+    order = jnp.argsort(ids, stable=True)
+    token = order // k
+    sizes = jnp.bincount(ids, length=e).astype(jnp.int32)
+    rows = xs[token]                                                     # [T * K, H]
+    hidden = jax.lax.ragged_dot(rows, w1, sizes, preferred_element_type=jnp.float32)
+    hidden = activation(hidden)
+    if w_up is not None:
+        hidden = hidden * jax.lax.ragged_dot(rows, w_up, sizes,
+                                             preferred_element_type=jnp.float32)
+    y = jax.lax.ragged_dot(hidden.astype(x.dtype), w2, sizes,
+                           preferred_element_type=jnp.float32)           # [T * K, H]
+    partial = jnp.zeros(xs.shape, jnp.float32).at[token].add(y * gate[order][:, None])
+    return reduce_scatter(partial, axis_name).astype(x.dtype)

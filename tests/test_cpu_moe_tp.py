@@ -1,0 +1,168 @@
+"""jaxtdist.moe_tp_mlp on CPU devices (Triton interpreter for the gather and the
+reduce-scatter), against a float64 numpy reference of the whole (unsharded)
+layer and jax.grad of a dense plain-JAX twin."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxtdist as td
+from tests.conftest import TOL, cpu_only, place, rand, setup
+
+pytestmark = cpu_only()
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+TOKENS, EXPERTS_W1, EXPERTS_W2 = P("tp", None), P(None, None, "tp"), P(None, "tp", None)
+
+
+def _silu(a):
+    return a / (1.0 + np.exp(-a))
+
+
+def _reference(x, ids, gate, w1, w2, w_up=None) -> np.ndarray:
+    """float64: every token through each of its experts (full FFN), weighted."""
+    x, gate, w1, w2 = (np.asarray(a, np.float64) for a in (x, gate, w1, w2))
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k, e in enumerate(ids[t]):
+            if not 0 <= e < w1.shape[0]:
+                continue
+            h = _silu(x[t] @ w1[e])
+            if w_up is not None:
+                h = h * (x[t] @ np.asarray(w_up[e], np.float64))
+            out[t] += gate[t, k] * (h @ w2[e])
+    return out
+
+
+def _routing(rng, t, k, e) -> np.ndarray:
+    return np.stack([rng.permutation(e)[:k] for _ in range(t)]).astype(np.int32)
+
+
+def _fn(mesh, gated: bool, axis="tp"):
+    if gated:
+        body = lambda x, i, g, a, b, c: td.moe_tp_mlp(x, i, g, a, b, axis, w_up=c)  # noqa: E731
+        specs = (TOKENS, TOKENS, TOKENS, EXPERTS_W1, EXPERTS_W2, EXPERTS_W1)
+    else:
+        body = lambda x, i, g, a, b: td.moe_tp_mlp(x, i, g, a, b, axis)  # noqa: E731
+        specs = (TOKENS, TOKENS, TOKENS, EXPERTS_W1, EXPERTS_W2)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=TOKENS)), specs
+
+
+# (world, dtype, tokens per rank, K, E, H, F, gated): K = 1, 2, 8; odd token counts;
+# one expert and many; world 1 (local computation), 2 and 4.
+CASES = [(2, F32, 5, 2, 4, 16, 32, False), (4, F32, 3, 1, 8, 16, 16, True),
+         (2, BF16, 7, 8, 8, 32, 64, True), (4, BF16, 2, 2, 1, 16, 32, False),
+         (1, F32, 6, 2, 4, 16, 16, False)]
+
+
+@pytest.mark.parametrize("world,dtype,t,k,e,h,f,gated", CASES)
+def test_moe_tp_mlp(world, dtype, t, k, e, h, f, gated):
+    mesh = setup(world, ("tp",))
+    fn, specs = _fn(mesh, gated)
+    rng = np.random.default_rng(world * 100 + t)
+    for _ in range(2):  # fresh data and routing: one program for every routing
+        x = rand((world * t, h), dtype)
+        ids = _routing(rng, world * t, min(k, e), e)
+        gate = rand(ids.shape, F32)
+        w1, w2 = rand((e, h, f), dtype, 0.3), rand((e, f, h), dtype, 0.3)
+        w_up = rand((e, h, f), dtype, 0.3) if gated else None
+        arrays = (x, ids, gate, w1, w2) + ((w_up,) if gated else ())
+        out = fn(*(place(mesh, a, s) for a, s in zip(arrays, specs)))
+        assert out.shape == x.shape and out.dtype == jnp.dtype(dtype)
+        ref = _reference(x, ids, gate, w1, w2, w_up)
+        err = np.linalg.norm(np.asarray(out, np.float64) - ref) / np.linalg.norm(ref)
+        assert err < TOL[jnp.dtype(dtype)] * (1 if dtype == F32 else 2), err
+
+
+def test_moe_tp_mlp_skewed_and_invalid_routing():
+    """Every token to one expert, then ids outside [0, E): those contribute nothing."""
+    world, t, k, e, h, f = 2, 4, 2, 4, 16, 16
+    mesh = setup(world, ("tp",))
+    fn, specs = _fn(mesh, False)
+    x = rand((world * t, h))
+    w1, w2 = rand((e, h, f), scale=0.3), rand((e, f, h), scale=0.3)
+    gate = rand((world * t, k))
+    for ids in (np.tile(np.array([[3, 1]], np.int32), (world * t, 1)),
+                np.array([[0, -1], [e, 2], [1, 3], [7, 0]] * world, np.int32)):
+        arrays = (x, ids, gate, w1, w2)
+        out = fn(*(place(mesh, a, s) for a, s in zip(arrays, specs)))
+        ref = _reference(x, ids, gate, w1, w2)
+        np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("world,gated", [(2, True), (4, False)])
+def test_moe_tp_mlp_grad(world, gated):
+    """Gradients of x, the routing weights and every expert weight, against jax.grad of
+    a dense plain-JAX twin on the unsharded arrays."""
+    t, k, e, h, f = 3, 2, 4, 16, 8 * world
+    mesh = setup(world, ("tp",))
+    fn, specs = _fn(mesh, gated)
+    rng = np.random.default_rng(7)
+    x = rand((world * t, h))
+    ids = _routing(rng, world * t, k, e)
+    gate = rand(ids.shape)
+    w1, w2, w_up = rand((e, h, f), scale=0.3), rand((e, f, h), scale=0.3), rand((e, h, f),
+                                                                                 scale=0.3)
+    c = rand((world * t, h))
+    diff = (0, 2, 3, 4) + ((5,) if gated else ())
+
+    def dense(x, ids, gate, w1, w2, w_up=None):
+        hid = jax.nn.silu(jnp.einsum("th,tkhf->tkf", x, w1[ids]))
+        if w_up is not None:
+            hid = hid * jnp.einsum("th,tkhf->tkf", x, w_up[ids])
+        return jnp.einsum("tkf,tkfh,tk->th", hid, w2[ids], gate)
+
+    arrays = (x, ids, gate, w1, w2) + ((w_up,) if gated else ())
+    placed = tuple(place(mesh, a, s) for a, s in zip(arrays, specs))
+    got = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) * c), argnums=diff))(*placed)
+    with jax.default_matmul_precision("highest"):
+        want = jax.grad(lambda *a: jnp.sum(dense(*a) * c), argnums=diff)(
+            *(jnp.asarray(a) for a in arrays))
+    for g, w in zip(got, want):
+        err = np.linalg.norm(np.asarray(g) - np.asarray(w)) / np.linalg.norm(np.asarray(w))
+        assert err < 1e-5, err
+
+
+def test_moe_tp_mlp_errors():
+    mesh = setup(2, ("tp",))
+    x, ids, gate = rand((4, 16)), np.zeros((4, 2), np.int32), rand((4, 2))
+    w1, w2 = rand((4, 16, 8)), rand((4, 8, 16))
+
+    def run(*arrays, axis="tp", **kw):
+        specs = (TOKENS, TOKENS, TOKENS, EXPERTS_W1, EXPERTS_W2)
+        return jax.jit(jax.shard_map(lambda *a: td.moe_tp_mlp(*a, axis, **kw), mesh=mesh,
+                                     in_specs=specs, out_specs=TOKENS))(
+            *(place(mesh, a, s) for a, s in zip(arrays, specs)))
+
+    with pytest.raises(ValueError, match=r"w2 must be \[E, F_shard, H\]"):
+        run(x, ids, gate, w1, rand((4, 8, 8)))
+    with pytest.raises(ValueError, match="expert_ids must be integers"):
+        run(x, ids.astype(np.float32), gate, w1, w2)
+    with pytest.raises(ValueError, match="weights must be floats shaped like"):
+        run(x, ids, gate[:, :1], w1, w2)
+    with pytest.raises(ValueError, match="w1 has dtype float16"):
+        run(x, ids, gate, w1.astype(np.float16), w2)
+    with pytest.raises(ValueError, match=r"w1 must be \[E, H, F_shard\] with H=16"):
+        run(x, ids, gate, rand((4, 8, 8)), w2)
+    with pytest.raises(ValueError, match="axis"):
+        run(x, ids, gate, w1, w2, axis="sp")
+
+
+def test_moe_tp_mlp_over_a_submesh():
+    """dp x tp: each dp group's tp ranks form their own layer."""
+    mesh = setup((2, 2), ("dp", "tp"))
+    t, k, e, h, f = 3, 2, 4, 16, 16
+    tokens = P(("dp", "tp"), None)
+    specs = (tokens, tokens, tokens, EXPERTS_W1, EXPERTS_W2)
+    fn = jax.jit(jax.shard_map(lambda *a: td.moe_tp_mlp(*a, "tp"), mesh=mesh, in_specs=specs,
+                               out_specs=tokens))
+    x = rand((4 * t, h))
+    ids = _routing(np.random.default_rng(3), 4 * t, k, e)
+    gate, w1, w2 = rand(ids.shape), rand((e, h, f), scale=0.3), rand((e, f, h), scale=0.3)
+    out = fn(*(place(mesh, a, s) for a, s in zip((x, ids, gate, w1, w2), specs)))
+    np.testing.assert_allclose(np.asarray(out), _reference(x, ids, gate, w1, w2), rtol=1e-4,
+                               atol=1e-5)
