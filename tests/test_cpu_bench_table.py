@@ -216,3 +216,26 @@ def test_model_benchmark_runs_both_models_and_tabulates(monkeypatch):
     text = model.table(dict(world=4, device="cpu", rows=rows, iterations=2, rounds=1))
     assert "| train |" in text and "| decode |" in text
     assert "model" in cli.benchmarks()
+
+
+def test_moe_tp_benchmark_runs_both_layers_and_tabulates(monkeypatch):
+    """``python -m jaxtdist.bench moe_tp`` on a small shape (CPU, world 4, faked
+    timing): jaxtdist's layer and the XLA twin both match the float32 reference."""
+    import jax
+
+    from jaxtdist.bench import moe_tp
+
+    if jax.devices()[0].platform != "cpu":
+        pytest.skip("CPU: the timing is faked")
+
+    def measure(fn, args, iterations, world):
+        return fn(*args), _stats([1.0, 2.0])
+
+    real = harness.interleaved
+    monkeypatch.setattr(harness, "interleaved",
+                        lambda c, it, rounds: real(c, it, rounds, measure=measure))
+    rows = moe_tp.bench_moe_tp([(3, 32, 64, 4, 2)], 2, 4, rounds=1, dtype=np.float32)
+    assert rows[0]["jaxtdist"]["rel_err"] < 1e-5 and rows[0]["xla"]["rel_err"] < 1e-5, rows
+    text = moe_tp.table(dict(world=4, device="cpu", rows=rows, iterations=2, rounds=1))
+    assert "| 3 | 32, 64, 4, top-2 |" in text
+    assert "moe_tp" in cli.benchmarks()

@@ -90,3 +90,6 @@ AG_ATTENTION_SEQS_MULTI = [32768, 131072]
 # moe (expert-parallel dispatch + combine): (tokens per rank, hidden, top_k,
 # experts), bf16. Decode (128 tokens) and prefill (4096) at DeepSeek-V3's sizes.
 MOE_SHAPES = [(128, 7168, 8, 256), (4096, 7168, 8, 256)]
+# moe_tp_mlp: (tokens per rank, H, F over all ranks, E, K): Mixtral 8x7B (SwiGLU),
+# decode-sized and prefill-sized token counts.
+MOE_TP_SHAPES = [(128, 4096, 14336, 8, 2), (2048, 4096, 14336, 8, 2)]

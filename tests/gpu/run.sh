@@ -82,7 +82,7 @@ if has bench; then
     --format=csv,noheader,nounits -lms 250 > "$OUT/clocks.csv" 2>/dev/null &
   CLOCKS_PID=$!
   for W in $WORLDS; do
-    for OP in ${BENCH_OPS:-all_gather ag_matmul all_reduce reduce_scatter matmul_rs matmul_ar flash_decode ag_attention model}; do
+    for OP in ${BENCH_OPS:-all_gather ag_matmul all_reduce reduce_scatter matmul_rs matmul_ar flash_decode ag_attention moe_tp model}; do
       # The model benchmark takes no --quick (its size is --size).
       if [ "$OP" = model ]; then bench model "model_${DEV}x${W}" --world "$W" $ITER
       else bench "$OP" "${OP}_${DEV}x${W}" --world "$W" $ARGS; fi

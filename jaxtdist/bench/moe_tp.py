@@ -1,0 +1,127 @@
+"""moe_tp_mlp's benchmark: jaxtdist's tensor-parallel MoE MLP against the same layer
+on XLA's collectives.
+
+``python -m jaxtdist.bench moe_tp [--world W]``, per (tokens per rank, H, F, E, K)
+of ``shapes.MOE_TP_SHAPES`` (bf16, SwiGLU): ``jaxtdist.moe_tp_mlp`` (jaxtdist's
+all_gather and reduce_scatter around ``jax.lax.ragged_dot``) against the XLA twin
+(``jax.lax.all_gather``, the same grouped GEMMs, ``jax.lax.psum_scatter``), both
+checked against a float32 dense computation of the same layer on the device.
+At world 1 both are the local layer (the gathers and the sum are identities).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxtdist.bench import harness as h
+from jaxtdist.bench.shapes import MOE_TP_SHAPES
+
+TOKENS, W_IN, W_OUT = P("tp", None), P(None, None, "tp"), P(None, "tp", None)
+SPECS = (TOKENS, TOKENS, TOKENS, W_IN, W_OUT, W_IN)
+
+
+def _xla_twin(x, ids, gate, w1, w2, w3):
+    """The same layer on XLA's collectives (the reference a JAX user writes today)."""
+    e, k = w1.shape[0], ids.shape[1]
+    xs = jax.lax.all_gather(x, "tp", tiled=True)
+    ids = jax.lax.all_gather(ids, "tp", tiled=True).reshape(-1)
+    gate = jax.lax.all_gather(gate.astype(jnp.float32), "tp", tiled=True).reshape(-1)
+    order = jnp.argsort(ids, stable=True)
+    token = order // k
+    sizes = jnp.bincount(ids, length=e).astype(jnp.int32)
+    rows = xs[token]
+    hid = jax.nn.silu(jax.lax.ragged_dot(rows, w1, sizes, preferred_element_type=jnp.float32))
+    hid = hid * jax.lax.ragged_dot(rows, w3, sizes, preferred_element_type=jnp.float32)
+    y = jax.lax.ragged_dot(hid.astype(x.dtype), w2, sizes, preferred_element_type=jnp.float32)
+    part = jnp.zeros(xs.shape, jnp.float32).at[token].add(y * gate[order][:, None])
+    return jax.lax.psum_scatter(part, "tp", tiled=True).astype(x.dtype)
+
+
+def _reference(x, ids, gate, w1, w2, w3) -> np.ndarray:
+    """float32, dense over each token's experts, on the first device."""
+    @jax.jit
+    def dense(x, ids, gate, w1, w2, w3):
+        f32 = [a.astype(jnp.float32) for a in (x, w1, w2, w3)]
+        x, w1, w2, w3 = f32
+        hid = jax.nn.silu(jnp.einsum("th,tkhf->tkf", x, w1[ids], precision="highest"))
+        hid = hid * jnp.einsum("th,tkhf->tkf", x, w3[ids], precision="highest")
+        return jnp.einsum("tkf,tkfh,tk->th", hid, w2[ids], gate, precision="highest")
+
+    # One token block at a time: w1[ids] for every token would not fit.
+    out = [np.asarray(dense(x[i:i + 64], ids[i:i + 64], gate[i:i + 64], w1, w2, w3))
+           for i in range(0, x.shape[0], 64)]
+    return np.concatenate(out)
+
+
+def bench_moe_tp(shapes, iterations: int, world: int, rounds: int = 4,
+                 dtype=jnp.bfloat16) -> list[dict]:
+    import jaxtdist as td
+
+    mesh = jax.make_mesh((world,), ("tp",), devices=jax.devices()[:world],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    td.initialize(mesh)
+    specs = dict(mesh=mesh, in_specs=SPECS, out_specs=TOKENS)
+    fns = dict(jaxtdist=jax.jit(jax.shard_map(
+                   lambda x, i, g, a, b, c: td.moe_tp_mlp(x, i, g, a, b, "tp", w_up=c),
+                   **specs)),
+               xla=jax.jit(jax.shard_map(_xla_twin, **specs)))
+    rows = []
+    for n, (t, hidden, ffn, e, k) in enumerate(shapes):
+        rng = np.random.default_rng(1500 + n)
+        x = h.normal(1510 + n, (world * t, hidden), dtype)
+        ids = jnp.asarray(np.argsort(rng.random((world * t, e)), 1)[:, :k].astype(np.int32))
+        gate = jnp.asarray(rng.random((world * t, k), np.float32))
+        w1, w3 = (h.normal(1520 + 2 * n + j, (e, hidden, ffn), dtype, scale=hidden ** -0.5)
+                  for j in range(2))
+        w2 = h.normal(1530 + n, (e, ffn, hidden), dtype, scale=ffn ** -0.5)
+        arrays = (x, ids, gate, w1, w2, w3)
+        args = tuple(jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(arrays, SPECS))
+        ref = _reference(*arrays)
+        flops = 2.0 * world * t * k * hidden * ffn * 3
+        row = dict(tokens=t, hidden=hidden, ffn=ffn, experts=e, top_k=k, world=world,
+                   dtype=jnp.dtype(dtype).name, rounds=rounds, size=float(t), flops=flops,
+                   label=f"T={t}")
+        row.update(h.interleaved({name: h.Contender(fn, args, world, ref)
+                                  for name, fn in fns.items()}, iterations, rounds))
+        rows.append(row)
+        print(f"moe_tp T={t} H={hidden} F={ffn} E={e} K={k} world={world}: " + " | ".join(
+            f"{name} {h.us(row.get(name))}" for name in fns), flush=True)
+    return rows
+
+
+COLUMNS = [
+    h.Column("tokens per rank", lambda r: str(r["tokens"])),
+    h.Column("H, F, E, top-K", lambda r: f"{r['hidden']}, {r['ffn']}, {r['experts']}, "
+                                         f"top-{r['top_k']}"),
+    h.Column("XLA collectives", lambda r: h.us(r.get("xla"))),
+    h.Column("jaxtdist.moe_tp_mlp", lambda r: h.us(r.get("jaxtdist"))),
+    h.Column("jaxtdist / XLA", lambda r: h.ratio(r.get("jaxtdist"), r.get("xla"))),
+    h.Column("rel err (jaxtdist)", lambda r: h.err(r.get("jaxtdist"))),
+    h.Column("rel err (XLA)", lambda r: h.err(r.get("xla"))),
+]
+
+
+def table(res: dict) -> str:
+    return h.markdown_table(
+        f"moe_tp_mlp (SwiGLU experts, FFN over tp), bfloat16, {res['world']} x "
+        f"{res['device']}; {h.timing_note(res)}", COLUMNS, res["rows"])
+
+
+def run(args) -> tuple[list[dict], dict]:
+    world = args.world or len(jax.devices())
+    shapes = MOE_TP_SHAPES[:1] if args.quick else MOE_TP_SHAPES
+    return bench_moe_tp(shapes, args.iterations, world, rounds=args.rounds), dict(world=world)
+
+
+def _arguments(parser) -> None:
+    parser.add_argument("--world", type=int, default=0, help="devices (default: all)")
+    parser.add_argument("--quick", action="store_true", help="the first size only")
+
+
+BENCHMARK = h.Benchmark(name="moe_tp", op="moe_tp_mlp", run=run, table=table,
+                        series=("jaxtdist", "xla"), size_label="tokens per rank",
+                        arguments=_arguments)
