@@ -25,19 +25,14 @@ SPECS = (TOKENS, TOKENS, TOKENS, W_IN, W_OUT, W_IN)
 
 
 def _xla_twin(x, ids, gate, w1, w2, w3):
-    """The same layer on XLA's collectives (the reference a JAX user writes today)."""
-    e, k = w1.shape[0], ids.shape[1]
+    """The same layer on XLA's collectives (what a JAX user writes today): the same
+    expert computation between ``jax.lax.all_gather`` and ``psum_scatter``."""
+    from jaxtdist.ops.moe_tp import experts_partial_sum
+
     xs = jax.lax.all_gather(x, "tp", tiled=True)
-    ids = jax.lax.all_gather(ids, "tp", tiled=True).reshape(-1)
-    gate = jax.lax.all_gather(gate.astype(jnp.float32), "tp", tiled=True).reshape(-1)
-    order = jnp.argsort(ids, stable=True)
-    token = order // k
-    sizes = jnp.bincount(ids, length=e).astype(jnp.int32)
-    rows = xs[token]
-    hid = jax.nn.silu(jax.lax.ragged_dot(rows, w1, sizes, preferred_element_type=jnp.float32))
-    hid = hid * jax.lax.ragged_dot(rows, w3, sizes, preferred_element_type=jnp.float32)
-    y = jax.lax.ragged_dot(hid.astype(x.dtype), w2, sizes, preferred_element_type=jnp.float32)
-    part = jnp.zeros(xs.shape, jnp.float32).at[token].add(y * gate[order][:, None])
+    flat_ids = jax.lax.all_gather(ids, "tp", tiled=True).reshape(-1)
+    flat_gate = jax.lax.all_gather(gate.astype(jnp.float32), "tp", tiled=True).reshape(-1)
+    part = experts_partial_sum(xs, flat_ids, flat_gate, ids.shape[1], w1, w2, w3, jax.nn.silu)
     return jax.lax.psum_scatter(part, "tp", tiled=True).astype(x.dtype)
 
 

@@ -66,6 +66,32 @@ def _gather_bits(a: jax.Array, axis_name) -> jax.Array:
     return jax.lax.bitcast_convert_type(all_gather(words, axis_name), jnp.int32)
 
 
+def experts_partial_sum(xs: jax.Array, ids: jax.Array, gate: jax.Array, k: int, w1: jax.Array,
+                        w2: jax.Array, w_up: jax.Array | None,
+                        activation: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """This rank's FFN-shard contribution for every gathered token: [T, H] float32.
+
+    xs [T, H] tokens; ids, gate [T * K] flat routing (pair t * K + j); w1, w_up
+    [E, H, F_shard]; w2 [E, F_shard, H]. Pairs are sorted by expert into the
+    groups of ``jax.lax.ragged_dot``; an id outside [0, E) is weighted 0.
+    """
+    e = w1.shape[0]
+    valid = (ids >= 0) & (ids < e)
+    gate = jnp.where(valid, gate, 0.0)
+    ids = jnp.where(valid, ids, e - 1)  # every pair in some group, weighted 0 if invalid
+    order = jnp.argsort(ids, stable=True)
+    token = order // k
+    sizes = jnp.bincount(ids, length=e).astype(jnp.int32)
+    rows = xs[token]                                                     # [T * K, H]
+    hidden = activation(jax.lax.ragged_dot(rows, w1, sizes, preferred_element_type=jnp.float32))
+    if w_up is not None:
+        hidden = hidden * jax.lax.ragged_dot(rows, w_up, sizes,
+                                             preferred_element_type=jnp.float32)
+    y = jax.lax.ragged_dot(hidden.astype(xs.dtype), w2, sizes,
+                           preferred_element_type=jnp.float32)           # [T * K, H]
+    return jnp.zeros(xs.shape, jnp.float32).at[token].add(y * gate[order][:, None])
+
+
 def moe_tp_mlp(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax.Array,
                w2: jax.Array, axis_name="tp", *,
                activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
@@ -111,24 +137,9 @@ def moe_tp_mlp(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax.
                                       for a in (x, expert_ids, weights, w1, w2))
     w_up = None if w_up is None else jnp.asarray(w_up)
     _check(x, expert_ids, weights, w1, w2, w_up, axis_name)
-    t_shard, k = expert_ids.shape
-    e = w1.shape[0]
+    k = expert_ids.shape[1]
     xs = all_gather(x, axis_name)                                        # [T, H]
     ids = _gather_bits(expert_ids, axis_name).reshape(-1)                # [T * K]
     gate = all_gather(weights.astype(jnp.float32), axis_name).reshape(-1)
-    valid = (ids >= 0) & (ids < e)
-    gate = jnp.where(valid, gate, 0.0)
-    ids = jnp.where(valid, ids, e - 1)  # every pair in some group, weighted 0 if invalid
-    order = jnp.argsort(ids, stable=True)
-    token = order // k
-    sizes = jnp.bincount(ids, length=e).astype(jnp.int32)
-    rows = xs[token]                                                     # [T * K, H]
-    hidden = jax.lax.ragged_dot(rows, w1, sizes, preferred_element_type=jnp.float32)
-    hidden = activation(hidden)
-    if w_up is not None:
-        hidden = hidden * jax.lax.ragged_dot(rows, w_up, sizes,
-                                             preferred_element_type=jnp.float32)
-    y = jax.lax.ragged_dot(hidden.astype(x.dtype), w2, sizes,
-                           preferred_element_type=jnp.float32)           # [T * K, H]
-    partial = jnp.zeros(xs.shape, jnp.float32).at[token].add(y * gate[order][:, None])
+    partial = experts_partial_sum(xs, ids, gate, k, w1, w2, w_up, activation)
     return reduce_scatter(partial, axis_name).astype(x.dtype)
