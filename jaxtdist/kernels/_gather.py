@@ -1,4 +1,4 @@
-"""The gather producers shared by all_gather and ag_matmul.
+"""The gather producers shared by all_gather, ag_matmul and ag_attention.
 
 ``pull_shards`` (below) stages and pulls; ``push_shards`` writes this rank's
 shard straight into every peer's heap inbox, which needs no wait at all.
@@ -131,3 +131,30 @@ def push_shards(ctx, x_ptr, worker, NUM_WORKERS: tl.constexpr, ROWS: tl.constexp
         remote = dl.symm_at(ctx, rows_of_me, dst)
         copy_rows(x_ptr, remote, remote, row0, row_end, COLS, CHUNK_ROWS, BLOCK_C, False)
         dl.notify(ctx, flags + me * n_chunks + chunk, dst, e, "set", SCOPE)
+
+
+@triton.jit
+def push_shards_kernel(ctx, x_ptr, done_ptr, M_SHARD: tl.constexpr, K: tl.constexpr,
+                       INBOX_OFF: tl.constexpr, PARITY_BYTES: tl.constexpr,
+                       FLAGS_OFF: tl.constexpr, SENT_OFF: tl.constexpr,
+                       NUM_COMM: tl.constexpr, CHUNK_ROWS: tl.constexpr,
+                       COPY_BLOCK_C: tl.constexpr, SCOPE: tl.constexpr):
+    """Grid: (NUM_COMM,). What the copy engines do for the inbox consumers
+    (``ag_matmul_ce_kernel``, ``ag_attention_kernel``), by SM programs, for the
+    CPU backend: push x's chunks into every peer's inbox, raise the peer's chunk
+    flag, then (last program) the local sent words and ``done`` (the epoch: a
+    value for XLA to order the consumer after).
+
+    The sent words assume programs run one after another (the interpreter).
+    """
+    pid = tl.program_id(0)
+    me = dl.rank(ctx)
+    world = dl.num_ranks(ctx)
+    e = dl.epoch(ctx)
+    push_shards(ctx, x_ptr, pid, NUM_COMM, M_SHARD, K, INBOX_OFF, PARITY_BYTES, FLAGS_OFF,
+                CHUNK_ROWS, COPY_BLOCK_C, SCOPE, False)
+    if pid == NUM_COMM - 1:
+        sent = dl.heap_ptr(ctx, SENT_OFF, tl.int32)
+        for step in range(1, world):
+            dl.notify(ctx, sent + step, me, e, "set", "gpu")
+        tl.store(done_ptr, e)

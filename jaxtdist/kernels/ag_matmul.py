@@ -23,7 +23,7 @@ their shards into this rank's heap inbox (``csrc/ce_gather.cc``, called
 just before it), raising a flag per chunk, so every SM computes. Tiles go
 round-robin over programs (a static schedule: no counter), local tiles
 first and read straight from ``x``, then each peer's tiles in arrival order.
-``push_shards_kernel`` does the copy engines' part with SM copies: the CPU
+``_gather.push_shards_kernel`` does the copy engines' part with SM copies: the CPU
 backend runs it in their place.
 """
 
@@ -358,32 +358,6 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
     if pid == 0:
         # x must outlive this rank's pushes: they have ended when the kernel has.
         _wait_pushes_sent(ctx, SENT_OFF, me, world, e)
-
-
-@triton.jit
-def push_shards_kernel(ctx, x_ptr, done_ptr, M_SHARD: tl.constexpr, K: tl.constexpr,
-                       INBOX_OFF: tl.constexpr, PARITY_BYTES: tl.constexpr,
-                       FLAGS_OFF: tl.constexpr, SENT_OFF: tl.constexpr,
-                       NUM_COMM: tl.constexpr, CHUNK_ROWS: tl.constexpr,
-                       COPY_BLOCK_C: tl.constexpr, SCOPE: tl.constexpr):
-    """Grid: (NUM_COMM,). What the copy engines do for ``ag_matmul_ce_kernel``, by
-    SM programs, for the CPU backend: push x's chunks into every peer's inbox,
-    raise the peer's chunk flag, then (last program) the local sent words and
-    ``done`` (the epoch: a value for XLA to order the GEMM after).
-
-    The sent words assume programs run one after another (the interpreter).
-    """
-    pid = tl.program_id(0)
-    me = dl.rank(ctx)
-    world = dl.num_ranks(ctx)
-    e = dl.epoch(ctx)
-    push_shards(ctx, x_ptr, pid, NUM_COMM, M_SHARD, K, INBOX_OFF, PARITY_BYTES, FLAGS_OFF,
-                CHUNK_ROWS, COPY_BLOCK_C, SCOPE, False)
-    if pid == NUM_COMM - 1:
-        sent = dl.heap_ptr(ctx, SENT_OFF, tl.int32)
-        for step in range(1, world):
-            dl.notify(ctx, sent + step, me, e, "set", "gpu")
-        tl.store(done_ptr, e)
 
 
 @triton.jit

@@ -20,8 +20,8 @@ import numpy as np
 
 from jaxtdist._errors import HeapExhaustedError
 from jaxtdist.kernels.ag_attention import ag_attention_kernel
-from jaxtdist.kernels.ag_matmul import push_shards_kernel
 from jaxtdist.ops._config import KernelConfig, Problem, resolve
+from jaxtdist.ops._inbox import push_to_inboxes
 from jaxtdist.ops._op import DistributedOp, pjit_wrapper, rows_over
 from jaxtdist.ops._protocol import Call, check_axis
 from jaxtdist.ops._shapes import InboxWorkspace, align, check_dtype, next_pow2
@@ -204,25 +204,11 @@ def _launch_inbox(call: Call, q, k, v, tiles: dict, grid, out_shape, varying):
     offsets = dict(STAGE_OFF=ws.offset + plan.inbox, PARITY_BYTES=plan.parity_bytes,
                    FLAGS_OFF=ws.offset + plan.flags, SENT_OFF=ws.offset + plan.sent)
     ctx = call.start(ws, deps=(q, k, v, kv), align_launch=False)
-    if ce:
-        ctx = call.push_to_peers(ctx, kv, inbox_offset=offsets["STAGE_OFF"],
-                                 parity_bytes=offsets["PARITY_BYTES"],
-                                 flags_offset=offsets["FLAGS_OFF"],
-                                 sent_offset=offsets["SENT_OFF"], chunk_rows=s, serial=False)
-        scope = "gpu"  # flags raised by copy engines, read on this GPU
-    else:
-        # The interpreter runs this kernel's programs in turn, then the attention
-        # kernel (the last program raises the sent words).
-        cols = 2 * hkv * d
-        done = call.launch(push_shards_kernel, ctx, kv,
-                           out_shape=jax.ShapeDtypeStruct((1,), jnp.int32), grid=(2,),
-                           num_warps=4, num_stages=1, M_SHARD=b * s, K=cols,
-                           INBOX_OFF=offsets["STAGE_OFF"], PARITY_BYTES=offsets["PARITY_BYTES"],
-                           FLAGS_OFF=offsets["FLAGS_OFF"], SENT_OFF=offsets["SENT_OFF"],
-                           NUM_COMM=2, CHUNK_ROWS=chunk_rows,
-                           COPY_BLOCK_C=min(256, next_pow2(cols)), SCOPE="sys")
-        ctx, _ = jax.lax.optimization_barrier((ctx, done))
-        scope = "sys"
+    ctx = push_to_inboxes(call, ctx, kv, inbox_offset=offsets["STAGE_OFF"],
+                          parity_bytes=offsets["PARITY_BYTES"], flags_offset=offsets["FLAGS_OFF"],
+                          sent_offset=offsets["SENT_OFF"], chunk_rows=chunk_rows,
+                          copy_block_c=min(256, next_pow2(2 * hkv * d)))
+    scope = "gpu" if ce else "sys"  # copy engines' flags are read on the GPU they land on
     return call.launch(ag_attention_kernel, ctx, q, k, v, out_shape=out_shape, grid=grid,
                        varying=varying, **tiles, INBOX=True, READY_OFF=0,
                        CHUNK_ROWS=chunk_rows, FLAG_SCOPE=scope, **offsets)

@@ -14,11 +14,11 @@ import numpy as np
 
 from jaxtdist._errors import HeapExhaustedError
 from jaxtdist.kernels.ag_matmul import (ag_matmul_ce_kernel, ag_matmul_kernel,
-                                        ag_matmul_tma_kernel, copy_gathered_kernel,
-                                        push_shards_kernel)
+                                        ag_matmul_tma_kernel, copy_gathered_kernel)
 from jaxtdist.ops._ag_matmul_config import (AgMatmulConfig, flattens, split_n_tail,
                                             stream_k_tail, tail_stages)
 from jaxtdist.ops._config import Problem, resolve
+from jaxtdist.ops._inbox import push_to_inboxes
 from jaxtdist.ops._partial_sums import matmul_rs_kernels
 from jaxtdist.ops.all_gather import _forward as all_gather_forward
 from jaxtdist.ops._op import (DistributedOp, one_call_per_element, pjit_wrapper, rows_over,
@@ -218,19 +218,11 @@ def _launch_copy_engines(call: Call, problem: Problem, cfg: AgMatmulConfig, x, w
     # The pushes are the last host work before the GEMM: they, not the
     # prologue, hold the launch rendezvous.
     ctx = call.start(ws, deps=(x, w), align_launch=False)
-    if call.rt.backend.has_copy_engines:
-        ctx = call.push_to_peers(ctx, x, inbox_offset=offsets["INBOX_OFF"],
-                                 parity_bytes=offsets["PARITY_BYTES"],
-                                 flags_offset=offsets["FLAGS_OFF"],
-                                 sent_offset=offsets["SENT_OFF"], chunk_rows=cfg.chunk_rows,
-                                 serial=cfg.PUSH_ORDER == "serial")
-    else:
-        done = call.launch(push_shards_kernel, ctx, x,
-                           out_shape=jax.ShapeDtypeStruct((1,), jnp.int32), grid=(cfg.NUM_COMM,),
-                           num_warps=4, num_stages=1, M_SHARD=m_shard, K=k,
-                           NUM_COMM=cfg.NUM_COMM, CHUNK_ROWS=cfg.chunk_rows,
-                           COPY_BLOCK_C=cfg.COPY_BLOCK_C, SCOPE=cfg.SCOPE, **offsets)
-        ctx, _ = jax.lax.optimization_barrier((ctx, done))
+    ctx = push_to_inboxes(call, ctx, x, inbox_offset=offsets["INBOX_OFF"],
+                          parity_bytes=offsets["PARITY_BYTES"], flags_offset=offsets["FLAGS_OFF"],
+                          sent_offset=offsets["SENT_OFF"], chunk_rows=cfg.chunk_rows,
+                          serial=cfg.PUSH_ORDER == "serial", sm_programs=cfg.NUM_COMM,
+                          copy_block_c=cfg.COPY_BLOCK_C, scope=cfg.SCOPE)
     per_rank = (m_shard // cfg.BLOCK_M) * -(-n // cfg.BLOCK_N)
     programs = persistent_programs(call.platform, problem.sms, 0, world * per_rank)
     tail = _tail_plan(call, cfg, world * per_rank, programs, k, (world - 1) * per_rank)

@@ -122,7 +122,7 @@ class CudaHeap:
     def push_to_peers(self, rt, ctx: jax.Array, x: jax.Array, *, counter_id: int,
                       groups: np.ndarray, world: int, inbox_offset: int, parity_bytes: int,
                       flags_offset: int, sent_offset: int, chunk_rows: int,
-                      serial: bool, op: str = "ag_matmul") -> jax.Array:
+                      serial: bool, op: str) -> jax.Array:
         """Starts the copy engines pushing ``x`` into every peer's heap inbox, chunk by
         chunk, raising a flag per chunk (``csrc/ce_gather.cc``); returns ``ctx``
         (aliased: it orders the kernel that follows after the pushes are enqueued).
