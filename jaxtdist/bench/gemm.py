@@ -27,19 +27,40 @@ from jaxtdist.bench.shapes import GEMM_SHAPES
 _SPECS = {"ag_matmul": (P("tp", None), P(None, "tp")),
           "matmul_rs": (P(None, "tp"), P("tp", None)),
           "matmul_ar": (P(None, "tp"), P("tp", None))}
-def _tile(bm: int, bn: int, stages: int | None = None, warps: int | None = None) -> dict:
+def _tile(bm: int, bn: int, stages: int | None = None, warps: int | None = None,
+          **extra) -> dict:
     """A full tile override (warps, stages and epilogue cut that fit it)."""
     from jaxtdist.ops._gemm_config import stages_for
 
     sub = 4 if bn == 256 else 2
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, SUBTILE=sub,
-                num_warps=warps or (8 if bm == 128 else 4),
-                num_stages=stages or stages_for(bm, bn, 64, 2, sub))
+                num_warps=warps or (8 if bm * bn > 128 * 128 else 4),
+                num_stages=stages or stages_for(bm, bn, 64, 2, sub), **extra)
 
 
-def _sweep() -> list[dict]:
-    return [_tile(128, 256), _tile(128, 128), _tile(64, 256), _tile(64, 128),
-            _tile(128, 256, stages=3), _tile(128, 128, warps=4), _tile(128, 128, stages=3)]
+def _decode(bn: int, bk: int, split_k: int, stages: int, **extra) -> dict:
+    """An override of ag_matmul's decode kernel (one tile over all rows, split K)."""
+    return dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split_k, num_stages=stages, **extra)
+
+
+def _sweep(op: str, m: int) -> list[dict]:
+    """The overrides ``--sweep`` times for one shape: the core's tiles and depths, or
+    the decode kernels' N width, K step and split."""
+    if op == "matmul_ar":
+        return [dict(BLOCK_N=bn, BLOCK_K=bk, num_stages=s)
+                for bn, bk, s in ((64, 128, 4), (128, 128, 3), (128, 64, 5), (64, 256, 3),
+                                  (32, 256, 3), (256, 64, 4))]
+    if op == "ag_matmul" and m <= 128:
+        return [_decode(64, 128, 4, 4), _decode(128, 128, 4, 3), _decode(64, 256, 2, 3),
+                _decode(128, 64, 8, 4), _decode(64, 64, 8, 6), _decode(32, 256, 4, 3),
+                _decode(64, 128, 8, 4, NUM_COMM=1)]
+    sweep = [_tile(128, 256), _tile(128, 256, stages=3), _tile(128, 128),
+             _tile(128, 128, warps=4), _tile(64, 256), _tile(64, 128)]
+    if op == "ag_matmul":
+        sweep += [_tile(128, 256, FLATTEN=False), _tile(128, 128, FLATTEN=True, GROUP_M=16)]
+    else:
+        sweep += [_tile(128, 256, GROUP_M=16), _tile(128, 128, stages=5)]
+    return sweep
 
 
 def _kernel_fn(op: str, mesh, config: dict | None):
@@ -73,12 +94,11 @@ def bench_gemm(shapes, iterations: int, rounds: int = 4, sweep: bool = False) ->
         contenders = dict(jnp_dot=h.Contender(dot, args, 1, ref),
                           kernels=h.Contender(_kernel_fn(op, mesh, None), args, 1, ref))
         if sweep:
-            for j, cfg in enumerate(_sweep()):
-                if op == "matmul_ar":
-                    cfg = {key: v for key, v in cfg.items() if key != "SUBTILE"}
+            for j, cfg in enumerate(_sweep(op, m)):
                 contenders[f"sweep{j}"] = h.Contender(_kernel_fn(op, mesh, cfg), args, 1, ref)
         row = dict(op=op, m=m, n=n, k=k, dtype=dtype.name, world=1, rounds=rounds,
-                   size=2.0 * m * n * k, label=f"{op} {m}x{n}x{k}")
+                   size=2.0 * m * n * k, label=f"{op} {m}x{n}x{k}",
+                   sweep_configs=_sweep(op, m) if sweep else [])
         row.update(h.interleaved(contenders, iterations, rounds))
         rows.append(row)
         extra = " ".join(f"{name} {h.ratio(row[name], row['jnp_dot'])}"
