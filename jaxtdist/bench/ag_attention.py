@@ -3,8 +3,9 @@
 B=1, H=32, D=128, causal, bf16 (``shapes.AG_ATTENTION_*``):
 
 - world 1 (default): jaxtdist's forward kernel forced at world 1
-  (``ag_attention_kernels``) against ``jax.nn.dot_product_attention`` (cuDNN
-  where JAX picks it, else XLA) at S of ``AG_ATTENTION_SEQS``;
+  (``ag_attention_kernels``) against ``jax.nn.dot_product_attention`` (JAX's
+  default pick) and, on GPUs, the same with ``implementation="cudnn"`` at S of
+  ``AG_ATTENTION_SEQS``;
 - world W > 1 (``--world W``): ``jaxtdist.ag_attention`` against XLA's
   ``all_gather`` of k and v + ``jax.nn.dot_product_attention`` with the causal
   mask by global position, at S total of ``AG_ATTENTION_SEQS_MULTI``.
@@ -99,6 +100,9 @@ def bench_ag_attention(seqs, iterations: int, world: int, dtype=jnp.bfloat16,
                        lambda *a: ops.ag_attention_kernels(*a, "sp", causal=True), **specs)),
                    jax_nn_dpa=jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
                        q, k, v, is_causal=True)))
+        if jax.devices()[0].platform == "gpu":  # cuDNN's fused attention, asked for by name
+            fns["cudnn_dpa"] = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+                q, k, v, is_causal=True, implementation="cudnn"))
     else:
         fns = dict(jaxtdist=jax.jit(jax.shard_map(
                        lambda *a: td.ag_attention(*a, "sp", causal=True), **specs)),
@@ -111,11 +115,13 @@ def bench_ag_attention(seqs, iterations: int, world: int, dtype=jnp.bfloat16,
         flops = 4.0 * b * hh * d * s * s / 2  # causal: half of QK^T and PV
         row = dict(b=b, h=hh, d=d, seq=s, world=world, dtype=jnp.dtype(dtype).name,
                    size=float(s), label=f"S={s}", flops=flops)
+        # XLA's own attention materializes [H, S, S] scores: past 8K they do not fit.
+        timed = {name: fn for name, fn in fns.items() if name != "jax_nn_dpa" or s <= 8192}
         row.update(h.interleaved({name: h.Contender(fn, args, world)
-                                  for name, fn in fns.items()}, iterations, rounds))
+                                  for name, fn in timed.items()}, iterations, rounds))
         checked = _checked_rows(s, world)
         ref = _reference_rows(q, k, v, checked)
-        for name, fn in fns.items():
+        for name, fn in timed.items():
             stats = row[name]
             if "error" in stats:
                 continue
@@ -123,7 +129,7 @@ def bench_ag_attention(seqs, iterations: int, world: int, dtype=jnp.bfloat16,
             stats["rel_err"] = h.rel_err(out, ref)
             stats["tflops"] = flops / world / (stats["mean_us"] * 1e-6) / 1e12
         rows.append(row)
-        print(f"S={s} world={world}: " + " | ".join(f"{n} {h.us(row.get(n))}" for n in fns),
+        print(f"S={s} world={world}: " + " | ".join(f"{n} {h.us(row.get(n))}" for n in timed),
               flush=True)
         del args
     return rows
@@ -138,6 +144,8 @@ WORLD1_COLUMNS = [
     h.Column("jax.nn.dot_product_attention", lambda r: h.us(r.get("jax_nn_dpa"))),
     h.Column("jaxtdist kernel", lambda r: h.us(r.get("jaxtdist"))),
     h.Column("jaxtdist / jax.nn", lambda r: h.ratio(r.get("jaxtdist"), r.get("jax_nn_dpa"))),
+    h.Column("cuDNN (implementation='cudnn')", lambda r: h.us(r.get("cudnn_dpa"))),
+    h.Column("jaxtdist / cuDNN", lambda r: h.ratio(r.get("jaxtdist"), r.get("cudnn_dpa"))),
     h.Column("TFLOP/s (jaxtdist)", lambda r: _tflops(r.get("jaxtdist"))),
     h.Column("rel err", lambda r: h.err(r.get("jaxtdist"))),
     h.Column("rel err (jax.nn)", lambda r: h.err(r.get("jax_nn_dpa"))),

@@ -53,7 +53,8 @@ def _sweep(op: str, m: int) -> list[dict]:
     if op == "ag_matmul" and m <= 128:
         return [_decode(64, 128, 4, 4), _decode(128, 128, 4, 3), _decode(64, 256, 2, 3),
                 _decode(128, 64, 8, 4), _decode(64, 64, 8, 6), _decode(32, 256, 4, 3),
-                _decode(64, 128, 8, 4, NUM_COMM=1)]
+                _decode(64, 128, 2, 4), _decode(128, 128, 2, 4), _decode(32, 128, 2, 4),
+                _decode(64, 64, 4, 6)]
     sweep = [_tile(128, 256), _tile(128, 256, stages=3), _tile(128, 128),
              _tile(128, 128, warps=4), _tile(64, 256), _tile(64, 128)]
     if op == "ag_matmul":
@@ -144,13 +145,17 @@ def run(args) -> tuple[list[dict], dict]:
     from jaxtdist.bench.ag_matmul import fresh_tuning_cache
 
     cache = fresh_tuning_cache()
-    rows = bench_gemm(GEMM_SHAPES, args.iterations, args.rounds, sweep=args.sweep)
+    shapes = [s for s in GEMM_SHAPES
+              if not args.only or any(o in f"{s[0]} {s[1]}x{s[2]}x{s[3]}" for o in args.only)]
+    rows = bench_gemm(shapes, args.iterations, args.rounds, sweep=args.sweep)
     return rows, dict(world=1, tuning_cache=cache or os.environ.get("JAXTDIST_TUNING_CACHE"))
 
 
 def _arguments(parser) -> None:
     parser.add_argument("--sweep", action="store_true",
                         help="also time tile overrides per shape (fitting the default rule)")
+    parser.add_argument("--only", nargs="*", default=[],
+                        help="shapes whose label ('op MxNxK') contains one of these strings")
 
 
 BENCHMARK = h.Benchmark(name="gemm", op="gemm", run=run, table=table,

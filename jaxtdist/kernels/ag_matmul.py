@@ -89,7 +89,8 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr,
                      GROUP_M: tl.constexpr, SCOPE: tl.constexpr, ALL_ROWS: tl.constexpr,
-                     PUSH: tl.constexpr, FLAG_SCOPE: tl.constexpr):
+                     PUSH: tl.constexpr, FLAG_SCOPE: tl.constexpr,
+                     TMA_LOADS: tl.constexpr = False):
     """Grid: (NUM_COMM + SPLIT_K * world * cdiv(M_SHARD, BLOCK_M) * cdiv(N, BLOCK_N),),
     or with ``ALL_ROWS`` (BLOCK_M >= world * M_SHARD): (NUM_COMM + SPLIT_K * cdiv(N, BLOCK_N),).
 
@@ -102,6 +103,13 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
     call parity), A is read from it, and ``gathered`` is not written.
     FLAG_SCOPE is the scope of the chunk-flag waits: "gpu" when this GPU's
     producers raise them (pulls), "sys" when peer GPUs' producers do (PUSH).
+
+    TMA_LOADS (ALL_ROWS only; rows of x and w 16-byte multiples): the one row
+    tile runs on the GEMM core's mainloop, A from a descriptor over the whole
+    gathered buffer (TMA fills the tile's rows past the last rank's with zeros),
+    after a proxy fence that orders those loads after the chunk waits. Decode
+    is a stream of w: descriptor loads keep more of it in flight per
+    instruction than pointer loads with masks.
     """
     pid = tl.program_id(0)
     if pid < NUM_COMM:
@@ -129,6 +137,8 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
             tn = tile
             for chunk in range(0, world * n_chunks):
                 dl.wait(ctx, flags + chunk, e, "ge", chunk // n_chunks, FLAG_SCOPE)
+            if TMA_LOADS:
+                dl.fence_async_proxy()
             rows = tl.arange(0, BLOCK_M)
             row_mask = rows < world * M_SHARD
             a_base = gathered_ptr
@@ -147,15 +157,24 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
                                  BLOCK_N)
         col_mask = cols < N
         k_lo, k_hi = k_range(split, K, K_SPLIT)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            ks = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
-            k_mask = ks < K
-            a = tl.load(a_base + rows[:, None] * K + ks[None, :],
-                        mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(w_ptr + ks[:, None] * N + cols[None, :],
-                        mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-            acc = tl.dot(a, b, acc)
+        if TMA_LOADS and ALL_ROWS:
+            a_desc = tl.make_tensor_descriptor(a_base, shape=[world * M_SHARD, K],
+                                               strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
+            b_desc = tl.make_tensor_descriptor(w_ptr, shape=[K, N], strides=[N, 1],
+                                               block_shape=[BLOCK_K, BLOCK_N])
+            acc = tile_acc(a_desc, b_desc, 0, tn * BLOCK_N, k_lo, k_hi, BLOCK_M, BLOCK_N,
+                           BLOCK_K)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                ks = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K),
+                                       BLOCK_K)
+                k_mask = ks < K
+                a = tl.load(a_base + rows[:, None] * K + ks[None, :],
+                            mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                b = tl.load(w_ptr + ks[:, None] * N + cols[None, :],
+                            mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+                acc = tl.dot(a, b, acc)
         out_offs = out_rows[:, None] * N + cols[None, :]
         mask = row_mask[:, None] & col_mask[None, :]
         if SPLIT_K == 1:

@@ -8,7 +8,9 @@ it loads, so it runs closer to the tensor cores' peak):
 
     cost(bm, bn) = ceil(tiles(bm, bn) / SMs) * bm * bn / rate(bm, bn)
 
-and keeps the largest tile unless a smaller one saves a clear margin.
+and keeps the largest tile unless a smaller one saves a clear margin. Where
+even 128 x 128 tiles fill at most one round, the GEMM lasts one tile: the
+rule takes 128 x 128, the most tiles without a second round.
 
 Tiles count every rank's rows separately (a tile never spans two ranks'
 rows). The pipeline depth follows from shared memory: as many stages of
@@ -23,13 +25,16 @@ import dataclasses
 # Relative rate of one SM on a tile shape (bf16/f16), fitted to the tile sweep of
 # ``python -m jaxtdist.bench gemm --sweep`` on 1 x H100 (19 model shapes): 128 x
 # 256 (8 warps, two warpgroups of 64 rows) is the fastest Triton tile; 64 x 256
-# ran at 0.92-0.94 of its rate, 128 x 128 (4 warps) at 0.8-0.95, 64 x 128 at
-# about 0.6. A smaller tile is taken only where its rounds cost at least
-# ``_SWITCH_GAIN`` less (8192 x 1280 x 8192 predicted 9% less for 64 x 256 and
-# ran 1.32x slower: the rates are leads, not laws).
-TILE_RATES = {(128, 256): 1.0, (64, 256): 0.92, (128, 128): 0.85, (64, 128): 0.6,
+# ran at about 0.95 of its rate where both filled their rounds (it won at 2048 x
+# 7168 x 4096 and 1024 x 9472 x 3584, 6% and 11% faster, lost where 128 x 256
+# filled its rounds), 128 x 128 at 0.8-0.95, 64 x 128 at about 0.6. A smaller
+# tile is taken only where its rounds cost at least ``_SWITCH_GAIN`` less.
+TILE_RATES = {(128, 256): 1.0, (64, 256): 0.95, (128, 128): 0.85, (64, 128): 0.6,
               (64, 64): 0.4}
-_SWITCH_GAIN = 0.10
+_SWITCH_GAIN = 0.05
+# Pipeline depth caps per tile: 128 x 256 ran as fast or faster with 3 stages
+# than with the 4 that fit (8 of 9 shapes of the sweep, by 0-2%).
+_MAX_STAGES = {(128, 256): 3}
 # Shared memory a GEMM program may plan for (Hopper allows 227 KiB per block;
 # Triton needs some for barriers and layout conversions).
 SMEM_BUDGET = 216 << 10
@@ -53,10 +58,13 @@ def tma_fits(k: int, n: int, itemsize: int) -> bool:
     return k * itemsize % 16 == 0 and n * itemsize % 16 == 0
 
 
+def _tiles(rows: int, world: int, n: int, bm: int, bn: int) -> int:
+    return world * -(-rows // bm) * -(-n // bn)
+
+
 def tile_cost(rows: int, world: int, n: int, sms: int, bm: int, bn: int) -> float:
     """Rounds of SM-wide waves times one tile's work at its rate (see module doc)."""
-    tiles = world * -(-rows // bm) * -(-n // bn)
-    return -(-tiles // sms) * bm * bn / TILE_RATES[(bm, bn)]
+    return -(-_tiles(rows, world, n, bm, bn) // sms) * bm * bn / TILE_RATES[(bm, bn)]
 
 
 def stages_for(bm: int, bn: int, bk: int, itemsize: int, subtile: int) -> int:
@@ -86,17 +94,25 @@ def default_tiles(rows: int, world: int, n: int, k: int, itemsize: int, sms: int
         shapes = [s for s in shapes if s[0] == 64]
     if whole_row_tiles:
         shapes = [s for s in shapes if rows % s[0] == 0]
-    # Largest tile first; a smaller one must save _SWITCH_GAIN of the best cost so far.
-    shapes.sort(key=lambda s: -s[0] * s[1] * TILE_RATES[s])
-    bm, bn = shapes[0]
-    best = tile_cost(rows, world, n, sms, bm, bn)
-    for s in shapes[1:]:
-        cost = tile_cost(rows, world, n, sms, *s)
-        if cost < (1 - _SWITCH_GAIN) * best:
-            (bm, bn), best = s, cost
+    if (128, 256) in shapes and (128, 128) in shapes and _tiles(
+            rows, world, n, 128, 128) <= sms:
+        # One round that leaves half the SMs idle in 128 x 256: a tile's latency is
+        # the GEMM's, and twice the tiles of 128 x 128 ran 1.14x jnp.dot against
+        # 1.2x for 128 x 256 and 64 x 256 at 512 x 3584 x 4096.
+        bm, bn = 128, 128
+    else:
+        # Largest tile first; a smaller one must save _SWITCH_GAIN of the best cost.
+        shapes.sort(key=lambda s: -s[0] * s[1] * TILE_RATES[s])
+        bm, bn = shapes[0]
+        best = tile_cost(rows, world, n, sms, bm, bn)
+        for s in shapes[1:]:
+            cost = tile_cost(rows, world, n, sms, *s)
+            if cost < (1 - _SWITCH_GAIN) * best:
+                (bm, bn), best = s, cost
     bk = 32 if wide else 64
     subtile = 4 if bn == 256 else 2
-    # 128 x 256 needs two warpgroups for its accumulator; 128 x 128 ran faster on one.
-    return GemmTiles(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=8 if bn * bm > 128 * 128
-                     else 4, num_stages=stages_for(bm, bn, bk, itemsize, subtile),
-                     SUBTILE=subtile)
+    stages = min(stages_for(bm, bn, bk, itemsize, subtile), _MAX_STAGES.get((bm, bn), MAX_STAGES))
+    # 128-row tiles need two warpgroups for their accumulator (8 warps ran as fast
+    # or faster than 4 for 128 x 128 on every shape of the sweep).
+    return GemmTiles(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=8 if bm == 128 else 4,
+                     num_stages=stages, SUBTILE=subtile)
