@@ -39,10 +39,73 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jex_core
+from jax.interpreters import batching, mlir
 
 from jaxtdist.ops._protocol import (check_axis, mark_varying, order_record, program_order_deps,
                                     record_output, varying_axes)
 from jaxtdist.runtime._runtime import runtime
+
+
+try:  # no public API registers a remat (partial-eval) rule (jax 0.10, 0.11)
+    from jax._src.interpreters import partial_eval as _pe
+except ImportError:  # pragma: no cover
+    _pe = None
+try:  # nor names vmap's tracer
+    from jax._src.interpreters.batching import BatchTracer as _BatchTracer
+except ImportError:  # pragma: no cover
+    _BatchTracer = ()
+
+# -- run once under jax.checkpoint ------------------------------------------------------
+#
+# jax.checkpoint recomputes the forward pass of what it wraps inside the backward
+# pass. For a jaxtdist call that recomputation is a second collective call on the
+# same workspace, traced apart from everything else (JAX traces it in a trace of its
+# own), so no data orders it against the first call or against the calls around it:
+# XLA may interleave their prologues and kernels, a kernel then runs with another
+# call's epoch, flags set to a later epoch are lowered again, and a peer waits for
+# ever (2 processes on one GPU: wrong remat gradients, a timed-out wait). JAX never
+# recomputes an op with side effects (it saves its outputs); jaxtdist's calls have
+# none JAX can see (runtime/_ffi.py says why), so the forward pass marks its results
+# with this identity, whose remat rule does what JAX does for side effects: the call
+# runs once, in the forward pass, and what the backward needs of it is saved.
+
+_run_once_p = jex_core.Primitive("jaxtdist_run_once")
+_run_once_p.multiple_results = True
+_run_once_p.def_impl(lambda *xs: list(xs))
+_run_once_p.def_abstract_eval(lambda *avals: list(avals))
+mlir.register_lowering(_run_once_p, lambda ctx, *xs: list(xs))
+batching.primitive_batchers[_run_once_p] = lambda args, dims: (_run_once_p.bind(*args), dims)
+
+
+def _run_once_remat_rule(saveable, unks_in, inst_in, eqn):
+    """Partial eval under jax.checkpoint: known inputs stay in the forward pass and
+    the outputs become residuals (never recomputed), as for an effectful op."""
+    del saveable
+    n = len(eqn.outvars)
+    if any(unks_in):
+        residuals = [v for v, inst in zip(eqn.invars, inst_in)
+                     if not inst and isinstance(v, _pe.Var)]
+        return None, eqn, [True] * n, [True] * n, residuals
+    return eqn, None, [False] * n, [False] * n, []
+
+
+if _pe is not None and hasattr(_pe, "partial_eval_jaxpr_custom_rules"):
+    _pe.partial_eval_jaxpr_custom_rules[_run_once_p] = _run_once_remat_rule
+
+
+def run_once(tree):
+    """``tree`` unchanged; under jax.checkpoint, the calls that made it are not
+    recomputed in the backward pass (see above)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    arrays = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)
+              or hasattr(leaf, "aval")]
+    if not arrays:
+        return tree
+    marked = _run_once_p.bind(*(leaves[i] for i in arrays))
+    for i, value in zip(arrays, marked):
+        leaves[i] = value
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def _freeze(value):
@@ -183,16 +246,32 @@ class DistributedOp:
 
         def fwd(frozen, after_specs, *args):
             n_after = len(after_specs)
-            out, residuals = one_call_per_element(ordered_forward(frozen, n_after))(*args)
+            forward = ordered_forward(frozen, n_after)
+
+            def with_last(*a):
+                # Also the call's last jaxtdist output (the gathered copy-out of an
+                # inbox, say): the backward pass runs after it.
+                out, residuals = forward(*a)
+                record = order_record(runtime())
+                last = out if record is None or record.spec is not None else record.value
+                return out, residuals, _done_token(last, residuals)
+
+            out, residuals, done = run_once(one_call_per_element(with_last)(*args))
             # Of the order token only its type (an empty slice): no memory held.
             typed = tuple(a.reshape(-1)[:0] for a in args[:n_after])
-            return out, (residuals, args[n_after:], typed)
+            return out, (residuals, args[n_after:], typed, done)
 
         def bwd(frozen, after_specs, saved, ct):
-            residuals, arrays, typed = saved
+            residuals, arrays, typed, done = saved
             if op.backward is None:
                 raise TypeError(f"jaxtdist.{op.name} is not differentiable; wrap it in a "
                                 "jax.custom_vjp of your own to give it a backward pass")
+            # The backward's first jaxtdist call runs after the forward call's last
+            # one: custom_vjp traces bwd apart, so no record of the forward reaches it.
+            # (Not under jax.vmap: one_call_per_element's bodies cannot close over a
+            # batched value.)
+            if not isinstance(done, _BatchTracer):
+                record_output(runtime(), done)
             cts = op.backward(residuals, ct, **_static(frozen))
             cts = tuple(None if c is None else match_cotangent(c, a)
                         for c, a in zip(cts, arrays))
@@ -200,6 +279,14 @@ class DistributedOp:
 
         call.defvjp(fwd, bwd)
         return call
+
+
+def _done_token(last: jax.Array, residuals) -> jax.Array:
+    """A residual that the forward call's last output produced: that output itself
+    when the backward keeps it anyway (no memory), else one element of it."""
+    if any(leaf is last for leaf in jax.tree_util.tree_leaves(residuals)):
+        return last
+    return last.reshape(-1)[:1]
 
 
 def _typed_as_sum(out: jax.Array, axes: Sequence[str]) -> jax.Array:

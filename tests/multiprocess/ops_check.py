@@ -6,7 +6,9 @@ Started by tests/test_cpu_multiprocess.py through the launcher:
       [--ops [--transforms] [--grads]] [--chain N]
 
 Each process checks the shards it holds and prints one ``CHECK op relerr``
-line per op, ``HEAP_READY_S s`` (initialize to a ready heap), ``OK`` at the end.
+line per op (with --grads also ``GRAD_PARTS op y=.. dx=.. dw=..``: the errors of
+the three outputs whose largest the CHECK line gives), ``HEAP_READY_S s``
+(initialize to a ready heap), ``OK`` at the end.
 With ``--die-after K --victim R``, process R kills itself (SIGKILL) after K
 calls of a chain of ops; the others must fail with an error naming it.
 """
@@ -235,7 +237,11 @@ def check_grads(mesh, world: int) -> dict[str, float]:
         if found:  # the tests fail on this line: the backward must need no XLA collective
             print(f"XLA_COLLECTIVES {op.__name__}: {found}", flush=True)
         y, dx, dw = compiled(*args)
-        return max(relerr(y, x @ w), relerr(dx, g @ w.T), relerr(dw, x.T @ g))
+        parts = {"y": relerr(y, x @ w), "dx": relerr(dx, g @ w.T), "dw": relerr(dw, x.T @ g)}
+        # Which output is wrong, for a run that fails (the CHECK line has the worst).
+        print(f"GRAD_PARTS remat_grad_{op.__name__} "
+              + " ".join(f"{k}={v:.3e}" for k, v in parts.items()), flush=True)
+        return max(parts.values())
 
     x, w, g = rand(30, (world * 8, 32)), rand(31, (32, 16 * world)), rand(32, (world * 8, 16 * world))
     errs["remat_grad_ag_matmul"] = grads(td.ag_matmul, x, w, g, P("tp", None), P(None, "tp"),

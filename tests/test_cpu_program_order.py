@@ -1,0 +1,119 @@
+"""Every jaxtdist call of a compiled program in one chain of data dependencies.
+
+A call's pieces (prologue, kernels, the copy-out of an inbox) must not
+interleave with another call's on the same workspace, and devices must meet
+the calls in one order: XLA may schedule anything that data does not order
+(several processes sharing one GPU run far apart, so no timing hides it).
+These tests read the compiled program (CPU) and check the order data imposes,
+whatever schedule XLA picked: under jax.checkpoint, where JAX traces the
+backward pass apart and would recompute the forward call there (once a
+second, unordered call on the same workspace: wrong gradients and a timed-out
+wait with 2 processes on one H100), and with the SM-push producers whose
+gathered x is copied out of the inboxes.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxtdist as td
+from tests.conftest import cpu_only, rand, rel_err, setup
+
+pytestmark = cpu_only()
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?(%[\w.\-]+)\s*=\s*.*?\b[\w\-]+\((.*?)\)(?:,|$)")
+
+
+def jaxtdist_calls(hlo: str) -> tuple[list[str], dict[str, set[str]]]:
+    """The jaxtdist custom calls of the entry computation in program text order,
+    and every instruction's ancestors (transitive operands)."""
+    entry = hlo[hlo.index("\nENTRY"):]
+    entry = entry[:entry.index("\n}")]
+    operands, calls = {}, []
+    for line in entry.splitlines()[1:]:
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name = m.group(1)
+        operands[name] = set(re.findall(r"%[\w.\-]+", m.group(2)))
+        if 'custom_call_target="jaxtdist_' in line:
+            calls.append(name)
+    ancestors: dict[str, set[str]] = {}
+
+    def up(name):
+        if name not in ancestors:
+            ancestors[name] = set()
+            for o in operands.get(name, ()):
+                ancestors[name] |= {o} | up(o)
+        return ancestors[name]
+
+    for name in operands:
+        up(name)
+    return calls, ancestors
+
+
+def assert_one_chain(hlo: str, calls_expected: int) -> None:
+    calls, ancestors = jaxtdist_calls(hlo)
+    assert len(calls) == calls_expected, (calls, hlo)
+    for i, a in enumerate(calls):
+        for b in calls[i + 1:]:
+            assert a in ancestors[b] or b in ancestors[a], (
+                f"{a} and {b} are not ordered by data: XLA may interleave them")
+
+
+def remat_grads(mesh, op, x, w, g, specs):
+    """jit(forward and backward) of ``op`` under jax.checkpoint, as
+    tests/multiprocess/ops_check.py checks it."""
+    f = jax.jit(jax.shard_map(jax.checkpoint(lambda u, v: op(u, v, "tp")), mesh=mesh,
+                              in_specs=specs[:2], out_specs=specs[2]))
+
+    def forward_and_backward(u, v, dy):
+        y, vjp = jax.vjp(f, u, v)
+        return (y, *vjp(dy))
+
+    args = tuple(jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w, g), specs))
+    compiled = jax.jit(forward_and_backward).lower(*args).compile()
+    return compiled, args
+
+
+@pytest.fixture(params=["sm", "push"])
+def producer(request, monkeypatch):
+    """ag_matmul's producers: the CPU default (pulls into the gathered output) or SM
+    pushes into heap inboxes, whose gathered x is copied out (the GPU's choice at
+    these sizes)."""
+    if request.param == "push":
+        from jaxtdist.ops._ag_matmul_config import AgMatmulConfig
+        default = AgMatmulConfig.default.__func__
+        monkeypatch.setattr(AgMatmulConfig, "default", classmethod(
+            lambda cls, problem, allow_tma=True: default(cls, problem, allow_tma).replace(
+                PRODUCER="push")))
+    return request.param
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_remat_gradients_run_each_call_once_in_one_chain(world, producer):
+    mesh = setup(world)
+    jax.clear_caches()
+    x, w, g = rand((world * 8, 32)), rand((32, 16 * world)), rand((world * 8, 16 * world))
+    compiled, args = remat_grads(mesh, td.ag_matmul, x, w, g,
+                                 (P("tp", None), P(None, "tp"), P(None, "tp")))
+    # The forward call (prologue, kernel, and the copy-out with pushes), then the
+    # backward's matmul_rs (prologue, kernel): no recomputed call.
+    assert_one_chain(compiled.as_text(), 5 if producer == "push" else 4)
+    y, dx, dw = compiled(*args)
+    for got, want in ((y, x @ w), (dx, g @ w.T), (dw, x.T @ g)):
+        assert rel_err(got, want) < 1e-5
+    x, w, g = (rand((world * 8, world * 16)), rand((world * 16, 24)),
+               rand((world * 8, 24)))
+    compiled, args = remat_grads(mesh, td.matmul_rs, x, w, g,
+                                 (P(None, "tp"), P("tp", None), P("tp", None)))
+    assert_one_chain(compiled.as_text(), 5 if producer == "push" else 4)
+    y, dx, dw = compiled(*args)
+    for got, want in ((y, x @ w), (dx, g @ w.T), (dw, x.T @ g)):
+        assert rel_err(got, want) < 1e-5
+
