@@ -104,12 +104,12 @@ def pull_shards(ctx, x_ptr, out_ptr, worker, NUM_WORKERS: tl.constexpr, ROWS: tl
 def push_shards(ctx, x_ptr, worker, NUM_WORKERS: tl.constexpr, ROWS: tl.constexpr,
                 COLS: tl.constexpr, INBOX_OFF: tl.constexpr, PARITY_BYTES: tl.constexpr,
                 FLAGS_OFF: tl.constexpr, CHUNK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
-                SCOPE: tl.constexpr, TO_SELF: tl.constexpr):
+                SCOPE: tl.constexpr):
     """Producer ``worker`` of ``NUM_WORKERS``: pushes this rank's shard ([ROWS, COLS]),
     chunk by chunk, into rows ``me`` of every peer's inbox (heap, [world * ROWS,
     COLS] at INBOX_OFF + (epoch % 2) * PARITY_BYTES), raising that peer's flag
-    ``FLAGS_OFF[me * chunks + chunk]`` to the epoch after each chunk; with
-    TO_SELF, into its own inbox first. It never waits.
+    ``FLAGS_OFF[me * chunks + chunk]`` to the epoch after each chunk (consumers
+    read their own rows from x). It never waits.
 
     Reuse safety: a rank writes a peer's inbox parity p two calls later only
     after its own kernel of the call in between consumed that peer's pushes,
@@ -122,9 +122,8 @@ def push_shards(ctx, x_ptr, worker, NUM_WORKERS: tl.constexpr, ROWS: tl.constexp
     flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
     rows_of_me = dl.heap_ptr(ctx, INBOX_OFF + (e % 2) * PARITY_BYTES,
                              x_ptr.dtype.element_ty) + me * ROWS * COLS
-    first_step = 0 if TO_SELF else 1
-    for item in range(worker, (world - first_step) * n_chunks, NUM_WORKERS):
-        dst = (me + first_step + item // n_chunks) % world  # self, then nearest peers
+    for item in range(worker, (world - 1) * n_chunks, NUM_WORKERS):
+        dst = (me + 1 + item // n_chunks) % world  # nearest peers first
         chunk = item % n_chunks
         row0 = chunk * CHUNK_ROWS
         row_end = tl.minimum(row0 + CHUNK_ROWS, ROWS)
@@ -152,7 +151,7 @@ def push_shards_kernel(ctx, x_ptr, done_ptr, M_SHARD: tl.constexpr, K: tl.conste
     world = dl.num_ranks(ctx)
     e = dl.epoch(ctx)
     push_shards(ctx, x_ptr, pid, NUM_COMM, M_SHARD, K, INBOX_OFF, PARITY_BYTES, FLAGS_OFF,
-                CHUNK_ROWS, COPY_BLOCK_C, SCOPE, False)
+                CHUNK_ROWS, COPY_BLOCK_C, SCOPE)
     if pid == NUM_COMM - 1:
         sent = dl.heap_ptr(ctx, SENT_OFF, tl.int32)
         for step in range(1, world):

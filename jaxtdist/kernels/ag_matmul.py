@@ -89,33 +89,26 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr,
                      GROUP_M: tl.constexpr, SCOPE: tl.constexpr, ALL_ROWS: tl.constexpr,
-                     PUSH: tl.constexpr, FLAG_SCOPE: tl.constexpr,
-                     TMA_LOADS: tl.constexpr = False):
+                     PUSH: tl.constexpr, FLAG_SCOPE: tl.constexpr):
     """Grid: (NUM_COMM + SPLIT_K * world * cdiv(M_SHARD, BLOCK_M) * cdiv(N, BLOCK_N),),
     or with ``ALL_ROWS`` (BLOCK_M >= world * M_SHARD): (NUM_COMM + SPLIT_K * cdiv(N, BLOCK_N),).
 
     x: [M_SHARD, K], w: [K, N] -> out: [world * M_SHARD, N],
     gathered: [world * M_SHARD, K] (the gathered x, kept for autodiff).
 
-    With PUSH, the producers push x into every rank's heap inbox instead
+    With PUSH, the producers push x into every peer's heap inbox instead
     (``push_shards``: no staging, no wait, one NVLink crossing before a flag);
     STAGE_OFF and SLOT_BYTES then locate the inbox ([world * M_SHARD, K] per
-    call parity), A is read from it, and ``gathered`` is not written.
+    call parity), peers' rows of A are read from it and this rank's straight
+    from x (no wait: the tiles start at once), and ``gathered`` is not written.
     FLAG_SCOPE is the scope of the chunk-flag waits: "gpu" when this GPU's
     producers raise them (pulls), "sys" when peer GPUs' producers do (PUSH).
-
-    TMA_LOADS (ALL_ROWS only; rows of x and w 16-byte multiples): the one row
-    tile runs on the GEMM core's mainloop, A from a descriptor over the whole
-    gathered buffer (TMA fills the tile's rows past the last rank's with zeros),
-    after a proxy fence that orders those loads after the chunk waits. Decode
-    is a stream of w: descriptor loads keep more of it in flight per
-    instruction than pointer loads with masks.
     """
     pid = tl.program_id(0)
     if pid < NUM_COMM:
         if PUSH:
             push_shards(ctx, x_ptr, pid, NUM_COMM, M_SHARD, K, STAGE_OFF, SLOT_BYTES, FLAGS_OFF,
-                        CHUNK_ROWS, COPY_BLOCK_C, SCOPE, True)
+                        CHUNK_ROWS, COPY_BLOCK_C, SCOPE)
         else:
             pull_shards(ctx, x_ptr, gathered_ptr, pid, NUM_COMM, M_SHARD, K, STAGE_OFF,
                         SLOT_BYTES, READY_OFF, FLAGS_OFF, CHUNK_ROWS, COPY_BLOCK_C, SCOPE)
@@ -136,45 +129,51 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
             # Small M: one tile spans every rank's rows, so w is read once.
             tn = tile
             for chunk in range(0, world * n_chunks):
-                dl.wait(ctx, flags + chunk, e, "ge", chunk // n_chunks, FLAG_SCOPE)
-            if TMA_LOADS:
-                dl.fence_async_proxy()
+                if PUSH:
+                    if chunk // n_chunks != me:  # own rows come from x: no flag
+                        dl.wait(ctx, flags + chunk, e, "ge", chunk // n_chunks, FLAG_SCOPE)
+                else:
+                    dl.wait(ctx, flags + chunk, e, "ge", chunk // n_chunks, FLAG_SCOPE)
             rows = tl.arange(0, BLOCK_M)
             row_mask = rows < world * M_SHARD
-            a_base = gathered_ptr
+            if PUSH:
+                own = (rows // M_SHARD) == me
+                a_rows = tl.where(own, x_ptr + (rows - me * M_SHARD) * K, gathered_ptr + rows * K)
+            else:
+                a_rows = gathered_ptr + rows * K
             out_rows = rows
             counter_index = tn
         else:
             src, tm, tn = rank_major_tile(tile, me, world, m_tiles, n_tiles, GROUP_M)
-            _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS, FLAG_SCOPE)
-            # One source for A (local rows included) keeps its loads vectorized.
-            a_base = gathered_ptr + src * M_SHARD * K
             rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
             row_mask = rows < M_SHARD
+            # One source for A per tile keeps its loads vectorized; with pushes, own
+            # rows come from x, with nothing to wait for.
+            a_rows = gathered_ptr + src * M_SHARD * K + rows * K
+            if PUSH:
+                if src == me:
+                    a_rows = x_ptr + rows * K
+                else:
+                    _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS,
+                                    FLAG_SCOPE)
+            else:
+                _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS,
+                                FLAG_SCOPE)
             out_rows = src * M_SHARD + rows
             counter_index = (src * m_tiles + tm) * n_tiles + tn
         cols = tl.max_contiguous(tl.multiple_of(tn * BLOCK_N + tl.arange(0, BLOCK_N), BLOCK_N),
                                  BLOCK_N)
         col_mask = cols < N
         k_lo, k_hi = k_range(split, K, K_SPLIT)
-        if TMA_LOADS and ALL_ROWS:
-            a_desc = tl.make_tensor_descriptor(a_base, shape=[world * M_SHARD, K],
-                                               strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
-            b_desc = tl.make_tensor_descriptor(w_ptr, shape=[K, N], strides=[N, 1],
-                                               block_shape=[BLOCK_K, BLOCK_N])
-            acc = tile_acc(a_desc, b_desc, 0, tn * BLOCK_N, k_lo, k_hi, BLOCK_M, BLOCK_N,
-                           BLOCK_K)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(k_lo, k_hi, BLOCK_K):
-                ks = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K),
-                                       BLOCK_K)
-                k_mask = ks < K
-                a = tl.load(a_base + rows[:, None] * K + ks[None, :],
-                            mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-                b = tl.load(w_ptr + ks[:, None] * N + cols[None, :],
-                            mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-                acc = tl.dot(a, b, acc)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            ks = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
+            k_mask = ks < K
+            a = tl.load(a_rows[:, None] + ks[None, :],
+                        mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(w_ptr + ks[:, None] * N + cols[None, :],
+                        mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            acc = tl.dot(a, b, acc)
         out_offs = out_rows[:, None] * N + cols[None, :]
         mask = row_mask[:, None] & col_mask[None, :]
         if SPLIT_K == 1:

@@ -18,7 +18,6 @@ from jaxtdist.kernels.ag_matmul import (ag_matmul_ce_kernel, ag_matmul_kernel,
 from jaxtdist.ops._ag_matmul_config import (AgMatmulConfig, flattens, split_n_tail,
                                             stream_k_tail, tail_stages)
 from jaxtdist.ops._config import Problem, resolve
-from jaxtdist.ops._gemm_config import tma_fits
 from jaxtdist.ops._inbox import push_to_inboxes
 from jaxtdist.ops._partial_sums import matmul_rs_kernels
 from jaxtdist.ops.all_gather import _forward as all_gather_forward
@@ -158,17 +157,13 @@ def _launch_sm_producers(call: Call, problem: Problem, cfg: AgMatmulConfig, x, w
                                   cfg.BLOCK_M, cfg.BLOCK_N, cfg.ALL_ROWS)
         partials_off = split_ws.offset + split_plan.partials
         counters_off = split_ws.offset + split_plan.counters
-    # Decode's one row tile on the GEMM core's mainloop where TMA can address the rows.
-    tma_loads = (cfg.ALL_ROWS and problem.vendor == "nvidia"
-                 and tma_fits(k, n, problem.itemsize))
-    ctx = call.start(ws, deps=(x, w),
-                     align_launch=not call.launch_aligns((x, w), needs_scratch=tma_loads))
+    ctx = call.start(ws, deps=(x, w), align_launch=not call.launch_aligns((x, w)))
     del launch["workspace"]
     out, gathered = call.launch(
         ag_matmul_kernel, ctx, x, w, grid=(cfg.NUM_COMM + split_k * m_tiles * n_tiles,),
-        needs_scratch=tma_loads, PARTIALS_OFF=partials_off, COUNTERS_OFF=counters_off,
-        K_SPLIT=k_split, SPLIT_K=split_k, ALL_ROWS=cfg.ALL_ROWS, PUSH=push,
-        FLAG_SCOPE="sys" if push else "gpu", TMA_LOADS=tma_loads, **launch, **gather, **tiles)
+        PARTIALS_OFF=partials_off, COUNTERS_OFF=counters_off, K_SPLIT=k_split, SPLIT_K=split_k,
+        ALL_ROWS=cfg.ALL_ROWS, PUSH=push, FLAG_SCOPE="sys" if push else "gpu",
+        **launch, **gather, **tiles)
     if push:  # the inboxes are reused two calls later: the residual is copied out
         gathered = (_copy_gathered(call, ctx, x, out, gather["STAGE_OFF"], gather["SLOT_BYTES"])
                     if want_gathered else None)
