@@ -89,10 +89,11 @@ def bench_ag_attention(seqs, iterations: int, world: int, dtype=jnp.bfloat16,
     ops = _ops()
     b, hh, d = AG_ATTENTION_HEADS
     mesh = _mesh(world)
-    # Room for the KV inboxes of the longest sequence (2 parities x world ranks' k
-    # and v), else ag_attention falls back to reading peers over the link.
-    s_max = max(seqs) // world
-    inbox = 2 * world * 2 * b * s_max * hh * d * jnp.dtype(dtype).itemsize
+    # Room for the KV inboxes of every sequence length (2 parities x world ranks' k
+    # and v; each length keeps its own), else ag_attention falls back to reading
+    # peers over the link (or, at world 1, runs out of heap for its staging).
+    inbox = sum(2 * world * 2 * b * (s // world) * hh * d * jnp.dtype(dtype).itemsize
+                for s in seqs)
     td.initialize(mesh, heap_bytes=max(1 << 30, inbox + (256 << 20)))
     specs = dict(mesh=mesh, in_specs=(SP,) * 3, out_specs=SP, check_vma=False)
     if world == 1:
@@ -176,7 +177,7 @@ def table(res: dict) -> str:
 def run(args) -> tuple[list[dict], dict]:
     world = args.world or 1
     seqs = AG_ATTENTION_SEQS if world == 1 else AG_ATTENTION_SEQS_MULTI
-    seqs = seqs[:1] if args.quick else seqs
+    seqs = seqs[:1] if args.quick else [s for s in seqs if not args.seqs or s in args.seqs]
     return bench_ag_attention(seqs, args.iterations, world, rounds=args.rounds), dict(world=world)
 
 
@@ -185,6 +186,8 @@ def _arguments(parser) -> None:
                         help="devices the sequence is sharded over (default 1: the kernel "
                              "forced at world 1 against jax.nn.dot_product_attention)")
     parser.add_argument("--quick", action="store_true", help="the first length only")
+    parser.add_argument("--seqs", type=int, nargs="*", default=[],
+                        help="only these total sequence lengths (of the default ones)")
 
 
 BENCHMARK = h.Benchmark(
