@@ -36,7 +36,10 @@ def _rel(out, ref):
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-4), (jnp.bfloat16, 3e-2)])
+# float32 dots on GPUs run in TF32 by default (10-bit mantissas), so two models that
+# order their products differently part by more than float32's rounding: 2.6e-4 at
+# world 1 on 1 x H100 (2026-11-25).
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-3), (jnp.bfloat16, 3e-2)])
 def test_llama_matches_the_xla_twin(world, dtype, tol):
     mesh = _mesh(world)
     cfg = tdnn.LlamaConfig(vocab=512, d_model=256, num_layers=2, num_heads=8, num_kv_heads=2,
