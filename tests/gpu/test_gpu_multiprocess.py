@@ -144,10 +144,6 @@ def test_one_gpu_per_process():
         assert all(float(e) <= GPU_TOL for e in checks.values()), checks
 
 
-@pytest.mark.xfail(reason="known defect: with 2 processes sharing one H100 (no MPS) the "
-                   "remat gradients of ag_matmul and matmul_rs came out wrong (relative errors "
-                   "0.73 and 1.08) and a wait timed out (2026-11-25); forward ops all pass",
-                   strict=False)
 @timeout(200)
 def test_gradients_with_processes_sharing_a_gpu():
     """remat + grad of ag_matmul and matmul_rs, their backward on jaxtdist's kernels
