@@ -239,3 +239,30 @@ def test_moe_tp_benchmark_runs_both_layers_and_tabulates(monkeypatch):
     text = moe_tp.table(dict(world=4, device="cpu", rows=rows, iterations=2, rounds=1))
     assert "| 3 | 32, 64, 4, top-2 |" in text
     assert "moe_tp" in cli.benchmarks()
+
+
+def test_gemm_benchmark_checks_every_family_and_tabulates(monkeypatch):
+    """``python -m jaxtdist.bench gemm`` on small shapes (CPU, faked timing): each
+    family's kernels at world 1 match the float32 product, the first call is
+    timed, and the summary line counts the shapes."""
+    import jax
+
+    from jaxtdist.bench import gemm
+
+    if jax.devices()[0].platform != "cpu":
+        pytest.skip("CPU: the timing is faked")
+
+    def measure(fn, args, iterations, world):
+        return fn(*args), _stats([1.0, 2.0])
+
+    real = harness.interleaved
+    monkeypatch.setattr(harness, "interleaved",
+                        lambda c, it, rounds: real(c, it, rounds, measure=measure))
+    rows = gemm.bench_gemm([("ag_matmul", 32, 32, 64), ("matmul_rs", 32, 48, 32),
+                            ("matmul_ar", 4, 32, 32)], 2, rounds=1)
+    for row in rows:
+        assert row["kernels"]["rel_err"] < 1e-2 and row["jnp_dot"]["rel_err"] < 1e-2, row
+        assert row["first_call_s"]["kernels"] > 0 and row["first_call_s"]["jnp_dot"] > 0
+    text = gemm.table(dict(device="cpu", rows=rows, iterations=2, rounds=1))
+    assert "| matmul_rs | 32 x 48 x 32 |" in text
+    assert "geomean 1.000, max 1.00, 3 of 3 within 1.15" in text

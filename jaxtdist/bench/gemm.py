@@ -7,12 +7,16 @@ kernels forced at world 1 (``ag_matmul_with_gathered``, ``matmul_rs_kernels``,
 ``matmul_ar_kernels``), which are the kernels a group of several ranks runs,
 communication aside. Relative errors of both against a float32 product.
 ``--sweep`` also times a few tile overrides per shape (to fit the default rule).
+Each row also records the host time of each contender's first call (tracing
+and compiling included; with a warm Triton disk cache, less than a user's
+first run).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -76,6 +80,12 @@ def _kernel_fn(op: str, mesh, config: dict | None):
                                  check_vma=False))
 
 
+def _first_call_s(fn, args) -> float:
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - t0
+
+
 def bench_gemm(shapes, iterations: int, rounds: int = 4, sweep: bool = False) -> list[dict]:
     import jaxtdist as td
 
@@ -92,14 +102,18 @@ def bench_gemm(shapes, iterations: int, rounds: int = 4, sweep: bool = False) ->
         args = (jax.device_put(x, NamedSharding(mesh, _SPECS[op][0])),
                 jax.device_put(w, NamedSharding(mesh, _SPECS[op][1])))
         ref = h.float32_matmul(x, w, device)
+        kernels = _kernel_fn(op, mesh, None)
+        # What a user waits for on the first call (trace, XLA and Triton compiles):
+        # host time, and an upper bound only where Triton's disk cache is fresh.
+        first_call_s = {"jnp_dot": _first_call_s(dot, args), "kernels": _first_call_s(kernels, args)}
         contenders = dict(jnp_dot=h.Contender(dot, args, 1, ref),
-                          kernels=h.Contender(_kernel_fn(op, mesh, None), args, 1, ref))
+                          kernels=h.Contender(kernels, args, 1, ref))
         if sweep:
             for j, cfg in enumerate(_sweep(op, m)):
                 contenders[f"sweep{j}"] = h.Contender(_kernel_fn(op, mesh, cfg), args, 1, ref)
         row = dict(op=op, m=m, n=n, k=k, dtype=dtype.name, world=1, rounds=rounds,
                    size=2.0 * m * n * k, label=f"{op} {m}x{n}x{k}",
-                   sweep_configs=_sweep(op, m) if sweep else [])
+                   overrides=_sweep(op, m) if sweep else [], first_call_s=first_call_s)
         row.update(h.interleaved(contenders, iterations, rounds))
         rows.append(row)
         extra = " ".join(f"{name} {h.ratio(row[name], row['jnp_dot'])}"
@@ -125,6 +139,9 @@ COLUMNS = [
     h.Column("kernels / jnp.dot", lambda r: h.ratio(r.get("kernels"), r.get("jnp_dot"))),
     h.Column("rel err (kernels)", lambda r: h.err(r.get("kernels"))),
     h.Column("rel err (jnp.dot)", lambda r: h.err(r.get("jnp_dot"))),
+    h.Column("first call, s (kernels / jnp.dot)", lambda r: (
+        f"{r['first_call_s']['kernels']:.2f} / {r['first_call_s']['jnp_dot']:.2f}"
+        if "first_call_s" in r else "n/a")),
 ]
 
 
