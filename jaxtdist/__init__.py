@@ -31,8 +31,9 @@ if _os.environ.get("_JAXTDIST_INTERPRETER_WORKER") != "1":
     from jaxtdist import tune
     from jaxtdist.ops import (ag_attention, ag_attention_sharded, ag_matmul,
                               ag_matmul_sharded, all_gather, all_reduce, flash_decode,
-                              flash_decode_sharded, matmul_ar, matmul_ar_sharded, matmul_rs,
-                              matmul_rs_sharded, moe_combine, moe_dispatch, moe_tp_mlp,
+                              flash_decode_sharded, grouped_matmul, matmul_ar,
+                              matmul_ar_sharded, matmul_rs, matmul_rs_sharded, moe_combine,
+                              moe_dispatch, moe_tp_mlp,
                               reduce_scatter,
                               triton_call)
     from jaxtdist.runtime import initialize, is_initialized, shutdown
@@ -59,6 +60,7 @@ __all__ = [
     "errors",
     "flash_decode",
     "flash_decode_sharded",
+    "grouped_matmul",
     "initialize",
     "is_initialized",
     "matmul_ar",

@@ -1,0 +1,129 @@
+"""Grouped GEMM on the GEMM core: out[R, F] = x[R, H] @ w[g] row group by row group.
+
+Group g owns rows ``[off_g, off_g + size_g)`` of x, ``off_g`` the sum of the
+sizes before it; ``sizes`` [G] int32 is device data (the routing of an MoE
+layer), so one compiled kernel serves every routing. Sizes below zero count
+as zero; groups are clipped at R (rows past R are never read or written, as
+``jax.lax.ragged_dot`` clips them). Rows past ``min(sum(sizes), R)`` are
+written as zeros (the MoE dispatch pads R): every element of out is written.
+
+Schedule: a persistent grid (NUM_PROGRAMS programs, one per SM on GPUs);
+every program computes the group table from ``sizes`` (G <= BLOCK_G, one
+vector: offsets, ends and m-tile counts by ``tl.cumsum``), then takes tiles
+``pid, pid + NUM_PROGRAMS, ...`` of the list: group 0's m-tiles x n-tiles
+(``grouped_tile`` order, GROUP_M row tiles sharing columns), group 1's, ...,
+then the zero tiles of the rows past the groups. A tile's group is the
+number of groups whose tiles end at or before it (a vector compare: no loop).
+
+Row tiles never mix groups: a group's m-tiles start at its own offset (not
+at a multiple of BLOCK_M of x), so a tile holds rows of one group only at
+the top; a tile at a group's end reads the next group's first rows (or, past
+R, TMA's zeros), computes their products and drops them: its store is a
+pointer store masked to the group's rows. Tiles wholly inside their group
+store through the output's TMA descriptor (``store_tile``).
+
+With TMA (``TMA``: rows of x, w and out are 16-byte multiples) the mainloop
+is the GEMM core's ``tile_acc`` on x's descriptor [R, H] and a descriptor of
+the tile's group ``w[g]`` [H, F] made on the device per tile (a per-group
+2-D view: its K bound is the group's H, so a partial last K block reads
+TMA's zeros, never group g + 1's weights). Without TMA, the pointer tile
+``dot_tile`` with masked rows, columns and K. The kernel uses no heap memory
+and no signal: ``ctx`` is the calling protocol's context, unused.
+"""
+
+import triton
+import triton.language as tl
+
+from jaxtdist.kernels._gemm import out_desc, store_tile, tile_acc
+from jaxtdist.kernels._tiles import dot_tile, grouped_tile
+
+
+@triton.jit
+def _pick(values, index, g):
+    """values[g] of a [BLOCK_G] vector (``index`` its arange), as a scalar."""
+    return tl.sum(tl.where(index == g, values, 0), axis=0)
+
+
+@triton.jit
+def group_table(sizes_ptr, R: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
+                BLOCK_M: tl.constexpr):
+    """(index, starts, ends, tile_starts, tile_ends, used) of the groups: row range
+    [starts[g], ends[g]) clipped at R, m-tiles [tile_starts[g], tile_ends[g]) of the
+    list, ``used`` = min(sum(sizes), R), the first row past the groups. Summed in
+    int64 (sizes are data), returned in int32 (clipped at R, they fit)."""
+    index = tl.arange(0, BLOCK_G)
+    sizes = tl.load(sizes_ptr + index, mask=index < G, other=0).to(tl.int64)
+    sizes = tl.minimum(tl.maximum(sizes, 0), R)  # no overflow of the sums
+    ends = tl.cumsum(sizes, axis=0)
+    starts = tl.minimum(ends - sizes, R)
+    ends = tl.minimum(ends, R)
+    m_tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    tile_ends = tl.cumsum(m_tiles, axis=0)
+    used = tl.max(ends, axis=0)
+    return (index, starts.to(tl.int32), ends.to(tl.int32), (tile_ends - m_tiles).to(tl.int32),
+            tile_ends.to(tl.int32), used.to(tl.int32))
+
+
+@triton.jit
+def _store_rows(out_ptr, acc, rows, row_end, cols, F: tl.constexpr):
+    """Pointer store of the tile's rows below ``row_end`` and columns below F."""
+    mask = (rows < row_end)[:, None] & (cols < F)[None, :]
+    tl.store(out_ptr + rows[:, None] * F + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def grouped_gemm_kernel(ctx, x_ptr, w_ptr, sizes_ptr, out_ptr,
+                        R: tl.constexpr, H: tl.constexpr, F: tl.constexpr, G: tl.constexpr,
+                        BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                        NUM_PROGRAMS: tl.constexpr, SUBTILE: tl.constexpr,
+                        TMA: tl.constexpr):
+    """Grid: (NUM_PROGRAMS,). x [R, H], w [G, H, F], sizes [G] int32 -> out [R, F].
+
+    See the module docstring. TMA: H and F times the itemsize are multiples of
+    16 bytes (the launch gives the kernel Triton's global scratch).
+    """
+    pid = tl.program_id(0)
+    index, starts, ends, tile_starts, tile_ends, used = group_table(sizes_ptr, R, G, BLOCK_G,
+                                                                    BLOCK_M)
+    n_tiles: tl.constexpr = (F + BLOCK_N - 1) // BLOCK_N
+    group_tiles = tl.max(tile_ends, axis=0) * n_tiles
+    total = group_tiles + (R - used + BLOCK_M - 1) // BLOCK_M * n_tiles
+    if TMA:
+        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[R, H], strides=[H, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
+        c_desc = out_desc(out_ptr, R, F, BLOCK_M, BLOCK_N, SUBTILE)
+    for tile in range(pid, total, NUM_PROGRAMS):
+        if tile < group_tiles:
+            g = tl.sum((tile_ends * n_tiles <= tile).to(tl.int32), axis=0)
+            first = _pick(tile_starts, index, g)
+            tm, tn = grouped_tile(tile - first * n_tiles, _pick(tile_ends, index, g) - first,
+                                  n_tiles, GROUP_M)
+            row0 = _pick(starts, index, g) + tm * BLOCK_M
+            row_end = _pick(ends, index, g)
+            col0 = tn * BLOCK_N
+            rows = row0 + tl.arange(0, BLOCK_M)
+            cols = col0 + tl.arange(0, BLOCK_N)
+            w_group = w_ptr + g.to(tl.int64) * (H * F)
+            if TMA:
+                w_desc = tl.make_tensor_descriptor(w_group, shape=[H, F], strides=[F, 1],
+                                                   block_shape=[BLOCK_K, BLOCK_N])
+                acc = tile_acc(x_desc, w_desc, row0, col0, 0, H, BLOCK_M,
+                               BLOCK_N, BLOCK_K)
+                if row0 + BLOCK_M <= row_end:
+                    store_tile(c_desc, acc, 0, row0, col0, BLOCK_M, BLOCK_N,
+                               SUBTILE)
+                else:  # the group's last rows: drop the next group's
+                    _store_rows(out_ptr, acc, rows, row_end, cols, F)
+            else:
+                acc = dot_tile(x_ptr, w_group, rows, rows < row_end, cols, cols < F, 0, H, H, F,
+                               BLOCK_M, BLOCK_N, BLOCK_K)
+                _store_rows(out_ptr, acc, rows, row_end, cols, F)
+        else:  # rows past the groups: zeros
+            zero = tile - group_tiles
+            row0 = used + (zero // n_tiles) * BLOCK_M
+            col0 = (zero % n_tiles) * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            _store_rows(out_ptr, acc, row0 + tl.arange(0, BLOCK_M), R,
+                        col0 + tl.arange(0, BLOCK_N), F)

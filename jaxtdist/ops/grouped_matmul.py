@@ -1,0 +1,249 @@
+"""jaxtdist.grouped_matmul: the local grouped GEMM (MoE experts) on the GEMM core.
+
+Shapes (``_check``), plan (``GroupedMatmulConfig``), launch
+(``grouped_matmul_kernels``) and backward (``jax.lax.ragged_dot``'s VJP);
+``DistributedOp`` supplies program order, remat safety and the custom_vjp.
+The op is local: it runs in a group of one device (``axis_name=()``, world
+1), whatever the mesh, and never communicates. The kernel is
+``kernels/grouped_gemm.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtdist.kernels.grouped_gemm import grouped_gemm_kernel
+from jaxtdist.ops._config import KernelConfig, Problem, resolve
+from jaxtdist.ops._gemm_config import default_tiles, stages_for, tma_fits
+from jaxtdist.ops._op import DistributedOp
+from jaxtdist.ops._protocol import Call
+from jaxtdist.ops._shapes import check_dtype, next_pow2
+
+__all__ = ["GroupedMatmulConfig", "grouped_matmul", "grouped_matmul_kernels"]
+
+# Groups the kernel's group table holds (one vector of the kernel: G <= MAX_GROUPS).
+MAX_GROUPS = 256
+# The group of one device every call runs in: no mesh axis, world 1.
+_LOCAL = ()
+# Hopper's shared memory per block, less Triton's barriers and conversions.
+_SMEM_LIMIT = 227 << 10
+
+
+# -- config ----------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class GroupedMatmulConfig(KernelConfig):
+    """How the grouped GEMM tiles one problem (shape key (R, H, F, G)).
+
+    Attributes:
+      BLOCK_M, BLOCK_N, BLOCK_K: the tile (powers of 2, >= 16).
+      GROUP_M: row tiles of one group that share columns in the tile order.
+      NUM_PROGRAMS: programs of the persistent grid (0: one per SM on GPUs,
+        at most the tiles there can be).
+      SUBTILE: column pieces of the TMA store (1, 2 or 4; ``store_tile``).
+      num_warps, num_stages: launch options.
+    """
+    OP: ClassVar[str] = "grouped_matmul"
+    variant: ClassVar[str] = "persistent"
+
+    BLOCK_M: int = 128
+    BLOCK_N: int = 256
+    BLOCK_K: int = 64
+    GROUP_M: int = 8
+    NUM_PROGRAMS: int = 0
+    SUBTILE: int = 4
+    num_warps: int = 8
+    num_stages: int = 3
+
+    @classmethod
+    def default(cls, problem: Problem) -> "GroupedMatmulConfig":
+        """The GEMM core's rule (``default_tiles``) with each group's rows as one
+        rank's (groups tile on their own, like ranks), sized for R / G rows per
+        group; the interpreter takes small tiles and 3 programs."""
+        r, h, f, g = problem.shape
+        if problem.platform != "gpu":
+            return cls(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=2, NUM_PROGRAMS=3,
+                       SUBTILE=2, num_warps=4, num_stages=1)
+        t = default_tiles(max(1, r // g), g, f, h, problem.itemsize, problem.sms)
+        return cls(BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, BLOCK_K=t.BLOCK_K, GROUP_M=8,
+                   NUM_PROGRAMS=0, SUBTILE=t.SUBTILE, num_warps=t.num_warps,
+                   num_stages=t.num_stages)
+
+    def programs(self, problem: Problem) -> int:
+        """The grid: NUM_PROGRAMS, or one per SM (the interpreter: 3), never more
+        than the tiles of the worst routing (every group's last tile partial)."""
+        r, _, f, g = problem.shape
+        bound = (-(-r // self.BLOCK_M) + g) * -(-f // self.BLOCK_N)
+        asked = self.NUM_PROGRAMS or (problem.sms if problem.platform == "gpu" else 3)
+        return max(1, min(asked, bound))
+
+    def validate(self, problem: Problem) -> None:
+        for key in self.keys():
+            value = getattr(self, key)
+            low = 0 if key == "NUM_PROGRAMS" else 1
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+                raise ValueError(f"jaxtdist.grouped_matmul: config {key}={value!r} must be an "
+                                 f"int >= {low}")
+        for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
+            value = getattr(self, key)
+            if value & (value - 1) or value < 16:
+                raise ValueError(f"jaxtdist.grouped_matmul: config {key}={value} must be a "
+                                 "power of 2 >= 16 (tl.dot's smallest tile)")
+        if self.SUBTILE not in (1, 2, 4) or self.BLOCK_N // self.SUBTILE < 8:
+            raise ValueError(f"jaxtdist.grouped_matmul: config SUBTILE={self.SUBTILE} must be "
+                             f"1, 2 or 4, with BLOCK_N / SUBTILE >= 8 (BLOCK_N={self.BLOCK_N})")
+        if problem.platform == "gpu":
+            smem = ((self.BLOCK_M + self.BLOCK_N) * self.BLOCK_K * self.num_stages
+                    + self.BLOCK_M * self.BLOCK_N // self.SUBTILE) * problem.itemsize
+            if smem > _SMEM_LIMIT:
+                raise ValueError(
+                    f"jaxtdist.grouped_matmul: config BLOCK_M={self.BLOCK_M} BLOCK_N="
+                    f"{self.BLOCK_N} BLOCK_K={self.BLOCK_K} num_stages={self.num_stages} "
+                    f"SUBTILE={self.SUBTILE} needs {smem} bytes of shared memory for "
+                    f"{problem.dtype}; at most {_SMEM_LIMIT}")
+
+    @classmethod
+    def search_space(cls, problem: Problem) -> list[dict]:
+        if problem.platform != "gpu":
+            return cls.fitting(problem, [{}, dict(BLOCK_M=32, NUM_PROGRAMS=2)])
+        bk = 32 if problem.itemsize == 4 else 64
+        tiles = [(128, 256), (64, 256), (128, 128), (64, 128)]
+        return cls.fitting(problem, [{}] + [
+            dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SUBTILE=4 if bn == 256 else 2,
+                 num_warps=8 if bm == 128 else 4,
+                 num_stages=min(4, stages_for(bm, bn, bk, problem.itemsize,
+                                              4 if bn == 256 else 2)))
+            for bm, bn in tiles])
+
+
+# -- shapes ----------------------------------------------------------------------
+
+def _check(x, w, group_sizes, *, axis_name=_LOCAL, config=None) -> None:
+    del axis_name, config
+    for name, a in (("x", x), ("w", w), ("group_sizes", group_sizes)):
+        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+            raise ValueError(f"jaxtdist.grouped_matmul: {name} must be an array, got "
+                             f"{type(a).__name__}")
+    if x.ndim != 2 or w.ndim != 3 or group_sizes.ndim != 1:
+        raise ValueError(f"jaxtdist.grouped_matmul: expected x [R, H], w [G, H, F] and "
+                         f"group_sizes [G], got x{x.shape}, w{w.shape}, "
+                         f"group_sizes{group_sizes.shape}")
+    g, h, _ = w.shape
+    if x.shape[1] != h:
+        raise ValueError(f"jaxtdist.grouped_matmul: x{x.shape} and w{w.shape} disagree on H "
+                         "(x [R, H], w [G, H, F])")
+    if group_sizes.shape[0] != g:
+        raise ValueError(f"jaxtdist.grouped_matmul: group_sizes{group_sizes.shape} must have "
+                         f"one size per group of w{w.shape}: ({g},)")
+    if not 1 <= g <= MAX_GROUPS:
+        raise ValueError(f"jaxtdist.grouped_matmul: w{w.shape} has G={g} groups; allowed: "
+                         f"1 to {MAX_GROUPS}")
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"jaxtdist.grouped_matmul: group_sizes must be integers, got "
+                         f"{group_sizes.dtype.name}")
+    check_dtype("grouped_matmul", "x", x.dtype)
+    if w.dtype != x.dtype:
+        raise ValueError(f"jaxtdist.grouped_matmul: w has dtype {w.dtype.name}, x "
+                         f"{x.dtype.name}: they must match (bfloat16, float16 or float32)")
+
+
+def _problem(call: Call, x, w) -> Problem:
+    g, h, f = w.shape
+    return Problem(call.platform, 1, (x.shape[0], h, f, g), jnp.dtype(x.dtype).name,
+                   call.rt.sms)
+
+
+# -- launch ----------------------------------------------------------------------
+
+def grouped_matmul_kernels(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
+                           config: dict | None = None) -> jax.Array:
+    """The grouped GEMM kernel's launch (not differentiable; ``grouped_matmul`` is).
+
+    Call inside ``jax.shard_map`` over the mesh given to ``jaxtdist.initialize``.
+    ``config`` overrides the defaults (``GroupedMatmulConfig``) and skips the
+    tuning cache.
+    """
+    x, w, group_sizes = (jnp.asarray(a) for a in (x, w, group_sizes))
+    _check(x, w, group_sizes)
+    r, h = x.shape
+    g, _, f = w.shape
+    if r == 0 or f == 0 or h == 0:
+        return jnp.zeros((r, f), x.dtype)
+    call = Call("grouped_matmul", _LOCAL)
+    problem = _problem(call, x, w)
+    cfg = resolve(GroupedMatmulConfig, problem, call.rt, config, axis_name=_LOCAL)
+    tma = problem.vendor == "nvidia" and tma_fits(h, f, problem.itemsize)
+    sizes = group_sizes.astype(jnp.int32)
+    # No heap memory: the workspace is the epoch counter the protocol keeps.
+    ws = call.workspace("local", 1)
+    return call.run(
+        grouped_gemm_kernel, x, w, sizes, workspace=ws,
+        out_shape=jax.ShapeDtypeStruct((r, f), x.dtype), grid=(cfg.programs(problem),),
+        needs_scratch=tma, varying=call.result_axes(local=(x, w, sizes)),
+        **cfg.launch_options(), R=r, H=h, F=f, G=g, BLOCK_G=max(16, next_pow2(g)),
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+        NUM_PROGRAMS=cfg.programs(problem), SUBTILE=cfg.SUBTILE, TMA=tma)
+
+
+def _forward(x, w, group_sizes, *, axis_name=_LOCAL, config=None):
+    del axis_name
+    return grouped_matmul_kernels(x, w, group_sizes, config=config), (x, w, group_sizes)
+
+
+def _backward(residuals, ct, *, axis_name=_LOCAL, config=None):
+    del axis_name, config
+    x, w, group_sizes = residuals
+    _, vjp = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, group_sizes), x, w)
+    dx, dw = vjp(ct.astype(x.dtype))
+    return dx, dw, None
+
+
+_GROUPED_MATMUL = DistributedOp("grouped_matmul", forward=_forward, backward=_backward,
+                                check=_check)
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
+                   config: dict | None = None) -> jax.Array:
+    """Grouped matmul: ``jax.lax.ragged_dot(x, w, group_sizes)`` on jaxtdist's GEMM core.
+
+    Group g owns rows ``[off_g, off_g + group_sizes[g])`` of x (``off_g`` the sum
+    of the sizes before it) and multiplies them by ``w[g]``. Sizes are device
+    data: one compiled program serves every routing. Rows past
+    ``sum(group_sizes)`` come out as zeros; groups reaching past R are clipped
+    at R, and negative sizes count as zero (as ragged_dot does).
+
+    Call inside ``jax.shard_map`` over the mesh given to ``jaxtdist.initialize``
+    (any axes: the op is local to each device and never communicates), e.g.
+    on the experts' rows after ``jaxtdist.moe_dispatch``. One persistent
+    kernel: tiles of every (group, row tile, column tile), TMA loads through
+    the GEMM core's mainloop where rows of x, w and the output are 16-byte
+    multiples, a masked pointer GEMM otherwise; results accumulate in float32
+    and are rounded once to x's dtype.
+
+    Differentiable: the backward pass is ``jax.lax.ragged_dot``'s VJP (XLA's
+    grouped GEMMs), not this kernel; ``group_sizes`` gets no cotangent.
+
+    Args:
+      x: [R, H], bfloat16, float16 or float32.
+      w: [G, H, F], x's dtype, 1 <= G <= 256.
+      group_sizes: [G] integers.
+      config: overrides of the kernel config (``GroupedMatmulConfig`` keys; advanced).
+
+    Returns:
+      [R, F] in x's dtype.
+
+    Example:
+      >>> mesh = jax.make_mesh((1,), ("ep",)); jaxtdist.initialize(mesh)
+      >>> f = jax.jit(jax.shard_map(jaxtdist.grouped_matmul, mesh=mesh,
+      ...                           in_specs=(P(), P(), P()), out_specs=P()))
+      >>> y = f(x, w, sizes)   # == jax.lax.ragged_dot(x, w, sizes)
+    """
+    x, w, group_sizes = (jnp.asarray(a) for a in (x, w, group_sizes))
+    _check(x, w, group_sizes)
+    return _GROUPED_MATMUL(x, w, group_sizes.astype(jnp.int32), axis_name=_LOCAL,
+                           config=config)

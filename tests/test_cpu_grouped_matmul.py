@@ -1,0 +1,175 @@
+"""jaxtdist.grouped_matmul on CPU devices (Triton interpreter), against numpy."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxtdist as td
+from tests.conftest import assert_close, cpu_only, place, rand, setup
+
+pytestmark = cpu_only()
+
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+
+
+def _fn(mesh, config=None):
+    return jax.jit(jax.shard_map(
+        lambda x, w, s: td.grouped_matmul(x, w, s, config=config), mesh=mesh,
+        in_specs=(P(), P(), P()), out_specs=P()))
+
+
+def _reference(x, w, sizes) -> np.ndarray:
+    """float32 numpy: group g's rows (clipped at R) times w[g]; the rest zeros."""
+    x, w = np.asarray(x, np.float32), np.asarray(w, np.float32)
+    out = np.zeros((x.shape[0], w.shape[2]), np.float32)
+    start = 0
+    for g, size in enumerate(np.asarray(sizes)):
+        end = min(start + max(int(size), 0), x.shape[0])
+        out[start:end] = x[start:end] @ w[g]
+        start = end
+    return out
+
+
+def _check(mesh, r, h, f, sizes, dtype, config=None):
+    sizes = np.asarray(sizes, np.int32)
+    x, w = rand((r, h), dtype), rand((len(sizes), h, f), dtype)
+    out = _fn(mesh, config)(x, w, sizes)
+    assert out.shape == (r, f) and out.dtype == jnp.dtype(dtype)
+    ref = _reference(x, w, sizes)
+    used = min(int(sizes.clip(0).sum()), r)
+    # Rows past the groups are exact zeros (the output is poisoned with NaN first).
+    np.testing.assert_array_equal(np.asarray(out[used:], np.float32), 0.0)
+    if used:
+        assert_close(out, ref, dtype)
+    return out
+
+
+# (R, H, F, sizes): G = 1, 3, 8; empty groups, one group taking every row, sizes
+# that are no multiple of the row tile (16 on CPU), rows past the sum, H and F no
+# multiple of BLOCK_K = 16 / BLOCK_N = 32 (TMA: rows of 16-byte multiples).
+CASES = [
+    (45, 48, 64, [45]),                        # G=1, every row
+    (45, 40, 48, [29]),                        # G=1, rows past the sum
+    (50, 32, 40, [0, 50, 0]),                  # G=3, one group takes all
+    (50, 48, 32, [17, 0, 20]),                 # G=3, empty middle group, rows past
+    (64, 24, 72, [3, 21, 0, 16, 0, 1, 9, 6]),  # G=8, skewed, 8 zero rows past
+    (37, 40, 48, [0, 0, 0, 0, 0, 0, 0, 0]),    # G=8, every group empty: all zeros
+]
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
+@pytest.mark.parametrize("r,h,f,sizes", CASES)
+def test_grouped_matmul(r, h, f, sizes, dtype):
+    mesh = setup(1, ("ep",))
+    _check(mesh, r, h, f, sizes, dtype)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_grouped_matmul_pointer_path(dtype):
+    """H = 20 and F = 36 half-precision elements are no 16-byte rows: the pointer GEMM."""
+    mesh = setup(1, ("ep",))
+    _check(mesh, 41, 20, 36, [7, 0, 19], dtype)
+
+
+def test_grouped_matmul_sizes_past_r_are_clipped():
+    """Like ragged_dot, a group reaching past R stops at R; later groups get no rows."""
+    mesh = setup(1, ("ep",))
+    x, w = rand((30, 32)), rand((3, 32, 32))
+    sizes = np.array([12, 25, 7], np.int32)
+    out = _fn(mesh)(x, w, sizes)
+    assert_close(out, _reference(x, w, sizes), F32)
+    assert_close(out, jax.lax.ragged_dot(x, w, sizes, precision="highest"), F32)
+
+
+def test_grouped_matmul_config_and_routing_changes():
+    """One compiled program serves every routing; larger tiles and 1 program too."""
+    mesh = setup(1, ("ep",))
+    f = _fn(mesh, config=dict(BLOCK_M=32, BLOCK_N=64, NUM_PROGRAMS=1))
+    x, w = rand((70, 32)), rand((4, 32, 64))
+    for sizes in ([70, 0, 0, 0], [1, 2, 3, 4], [33, 0, 31, 5]):
+        sizes = np.array(sizes, np.int32)
+        assert_close(f(x, w, sizes), _reference(x, w, sizes), F32)
+    assert f._cache_size() == 1
+
+
+def test_grouped_matmul_chained_and_sharded_rows():
+    """Two calls in one jit (the second on the first's output), on 2 devices that
+    each hold their own rows and sizes: the op is local to each device."""
+    mesh = setup(2)
+    r, h, g = 24, 32, 3
+
+    def body(x, w1, w2, s):
+        return td.grouped_matmul(jnp.tanh(td.grouped_matmul(x, w1, s)), w2, s)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(), P(), P("tp")),
+                              out_specs=P("tp")))
+    x, w1, w2 = rand((2 * r, h)), rand((g, h, 48)), rand((g, 48, 16))
+    sizes = np.array([5, 0, 17, 9, 9, 6], np.int32)  # device 0: 22 of 24 rows; device 1: all
+    out = f(place(mesh, x, P("tp")), w1, w2, place(mesh, sizes, P("tp")))
+    ref = np.concatenate([
+        _reference(np.tanh(_reference(x[i * r:(i + 1) * r], w1, sizes[i * g:(i + 1) * g])),
+                   w2, sizes[i * g:(i + 1) * g]) for i in range(2)])
+    assert_close(out, ref, F32)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_grouped_matmul_grad(dtype):
+    mesh = setup(1, ("ep",))
+    x, w, c = rand((40, 32), dtype), rand((3, 32, 48), dtype), rand((40, 48))
+    sizes = np.array([9, 0, 26], np.int32)
+
+    def loss(fn):
+        return lambda x, w, s: jnp.sum(fn(x, w, s).astype(jnp.float32) * c)
+
+    ours = jax.jit(jax.shard_map(jax.grad(loss(td.grouped_matmul), argnums=(0, 1)), mesh=mesh,
+                                 in_specs=(P(), P(), P()), out_specs=(P(), P())))
+    dx, dw = ours(x, w, sizes)
+    rdx, rdw = jax.grad(loss(jax.lax.ragged_dot), argnums=(0, 1))(x, w, sizes)
+    assert dx.dtype == jnp.dtype(dtype) and dw.dtype == jnp.dtype(dtype)
+    assert_close(dx, np.asarray(rdx, np.float32), dtype)
+    assert_close(dw, np.asarray(rdw, np.float32), dtype)
+
+
+def test_grouped_matmul_errors():
+    mesh = setup(1, ("ep",))
+    x, w, s = rand((8, 16)), rand((2, 16, 16)), np.array([4, 4], np.int32)
+    cases = [
+        ((x[0], w, s), "expected x \\[R, H\\], w \\[G, H, F\\]"),
+        ((x, w[:, :8], s), "disagree on H"),
+        ((x, w, s[:1]), "one size per group"),
+        ((x, w, s.astype(np.float32)), "group_sizes must be integers"),
+        ((x.astype(np.int32), w.astype(np.int32), s), "supported dtypes are"),
+        ((x, w.astype(jnp.bfloat16), s), "w has dtype bfloat16, x float32"),
+        ((rand((8, 4)), rand((257, 4, 16)), np.zeros(257, np.int32)), "allowed: 1 to 256"),
+    ]
+    for args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            _fn(mesh)(*args)
+    with pytest.raises(ValueError, match="BLOCK_M=24 must be a power of 2"):
+        _fn(mesh, dict(BLOCK_M=24))(x, w, s)
+    with pytest.raises(ValueError, match="unknown config keys"):
+        _fn(mesh, dict(BLOCK_Q=16))(x, w, s)
+
+
+def test_grouped_matmul_default_tiles_on_gpu_shapes():
+    """The GPU rule: the GEMM core's tiles with groups as ranks; a grid of at most
+    the SMs; configs that overflow shared memory refused."""
+    from jaxtdist.ops._config import Problem
+    from jaxtdist.ops.grouped_matmul import GroupedMatmulConfig
+
+    big = Problem("gpu", 1, (32768, 4096, 14336, 8), "bfloat16", 132)
+    cfg = GroupedMatmulConfig.default(big)
+    cfg.validate(big)
+    assert (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K) == (128, 256, 64)
+    assert cfg.programs(big) == 132
+    small = Problem("gpu", 1, (64, 7168, 2048, 8), "float32", 132)
+    cfg = GroupedMatmulConfig.default(small)
+    cfg.validate(small)
+    assert cfg.BLOCK_N <= 128 and cfg.BLOCK_M == 64
+    with pytest.raises(ValueError, match="shared memory"):
+        cfg.replace(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_stages=6).validate(big)
+    assert GroupedMatmulConfig.search_space(big)[0] == {}
