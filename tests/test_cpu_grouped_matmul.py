@@ -173,3 +173,30 @@ def test_grouped_matmul_default_tiles_on_gpu_shapes():
     with pytest.raises(ValueError, match="shared memory"):
         cfg.replace(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_stages=6).validate(big)
     assert GroupedMatmulConfig.search_space(big)[0] == {}
+
+
+def test_grouped_matmul_benchmark_runs_both_contenders_and_tabulates(monkeypatch):
+    """``python -m jaxtdist.bench grouped_matmul`` on small shapes (CPU, faked timing):
+    grouped_matmul and ragged_dot both match the float32 grouped product; the
+    table's summary counts the shapes within the target."""
+    from jaxtdist.bench import __main__ as cli
+    from jaxtdist.bench import grouped_matmul as bench
+    from jaxtdist.bench import harness
+
+    def measure(fn, args, iterations, world):
+        return fn(*args), dict(mean_us=2.0, min_us=1.0, samples_us=[2.0], min_samples_us=[1.0],
+                               kernels=["k"])
+
+    real = harness.interleaved
+    monkeypatch.setattr(harness, "interleaved",
+                        lambda c, it, rounds: real(c, it, rounds, measure=measure))
+    rows = bench.bench_grouped_matmul([(40, 32, 48, 3, 0.8), (33, 16, 32, 8, 1.0)], 2,
+                                      rounds=1, dtype=jnp.float32)
+    for row in rows:
+        assert row["grouped_matmul"]["rel_err"] < 1e-5, row
+        assert row["ragged_dot"]["rel_err"] < 1e-5, row
+    assert bench.group_sizes(1, 40, 3, 0.8).sum() == 32
+    text = bench.table(dict(device="cpu", rows=rows, iterations=2, rounds=1))
+    assert "| 40 x 32 x 48 | 3 | 80% |" in text
+    assert "geomean 1.000, max 1.00, 2 of 2 within 1.10" in text
+    assert "grouped_matmul" in cli.benchmarks()

@@ -93,3 +93,11 @@ MOE_SHAPES = [(128, 7168, 8, 256), (4096, 7168, 8, 256)]
 # moe_tp_mlp: (tokens per rank, H, F over all ranks, E, K): Mixtral 8x7B (SwiGLU),
 # decode-sized and prefill-sized token counts.
 MOE_TP_SHAPES = [(128, 4096, 14336, 8, 2), (2048, 4096, 14336, 8, 2)]
+# grouped_matmul (the local grouped GEMM against jax.lax.ragged_dot): (rows R, H, F,
+# groups G, rows used / R), bf16. Mixtral 8x7B experts (top-2 of 8; up and down
+# projections) for 2048 and 128 tokens; DeepSeek-V3 experts (top-8 of 256, F = 2048)
+# on an EP-8 rank (32 local experts, 4096 tokens) and all 256 at decode (128 tokens).
+# A used fraction below 1: the dispatch's padding rows past the groups.
+GROUPED_MATMUL_SHAPES = [(4096, 4096, 14336, 8, 1.0), (4096, 14336, 4096, 8, 1.0),
+                         (256, 4096, 14336, 8, 1.0), (4096, 7168, 2048, 32, 0.9),
+                         (4096, 2048, 7168, 32, 0.9), (1024, 7168, 2048, 256, 1.0)]

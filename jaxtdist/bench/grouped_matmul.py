@@ -1,0 +1,115 @@
+"""grouped_matmul's benchmark: ``jaxtdist.grouped_matmul`` against ``jax.lax.ragged_dot``.
+
+``python -m jaxtdist.bench grouped_matmul``: per (R, H, F, G, used) of
+``shapes.GROUPED_MATMUL_SHAPES`` (bf16, one device, default configs), both
+contenders on the same operands and the same group sizes: a routing drawn
+once per shape (``used * R`` rows dealt to the G groups with a mild skew,
+the rest padding rows past the groups). Relative errors of both against the
+float32 grouped product (``ragged_dot`` of float32 operands at HIGHEST
+precision). Issue 33's target: grouped_matmul within 1.10x of ragged_dot.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxtdist.bench import harness as h
+from jaxtdist.bench.shapes import GROUPED_MATMUL_SHAPES
+
+TARGET = 1.10
+
+
+def group_sizes(seed: int, rows: int, groups: int, used: float) -> np.ndarray:
+    """int32 [G]: ``round(used * rows)`` rows dealt to the groups with a mild skew
+    (Dirichlet(2) shares); some groups may get none."""
+    rng = np.random.default_rng(seed)
+    return rng.multinomial(int(round(used * rows)), rng.dirichlet([2.0] * groups)).astype(
+        np.int32)
+
+
+def bench_grouped_matmul(shapes, iterations: int, rounds: int = 4, dtype=jnp.bfloat16,
+                         config: dict | None = None) -> list[dict]:
+    import jaxtdist as td
+
+    device = jax.devices()[0]
+    mesh = jax.make_mesh((1,), ("ep",), devices=[device],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    td.initialize(mesh)
+    ours = jax.jit(jax.shard_map(lambda x, w, s: td.grouped_matmul(x, w, s, config=config),
+                                 mesh=mesh, in_specs=(P(), P(), P()), out_specs=P(),
+                                 check_vma=False))
+    ragged = jax.jit(jax.lax.ragged_dot)
+    exact = jax.jit(lambda x, w, s: jax.lax.ragged_dot(
+        x.astype(jnp.float32), w.astype(jnp.float32), s, precision=jax.lax.Precision.HIGHEST))
+    rows = []
+    for i, (r, hidden, f, g, used) in enumerate(shapes):
+        x = jax.device_put(h.normal(900 + 2 * i, (r, hidden), dtype, scale=hidden ** -0.5),
+                           device)
+        w = jax.device_put(h.normal(901 + 2 * i, (g, hidden, f), dtype), device)
+        sizes = jax.device_put(jnp.asarray(group_sizes(950 + i, r, g, used)), device)
+        ref = np.asarray(exact(x, w, sizes))
+        args = (x, w, sizes)
+        row = dict(R=r, hidden=hidden, ffn=f, groups=g, used=used,
+                   dtype=jnp.dtype(dtype).name, world=1, rounds=rounds,
+                   size=2.0 * float(np.asarray(sizes).sum()) * hidden * f,
+                   label=f"{r}x{hidden}x{f} G={g}")
+        row.update(h.interleaved(dict(
+            ragged_dot=h.Contender(ragged, args, 1, ref),
+            grouped_matmul=h.Contender(ours, args, 1, ref)), iterations, rounds))
+        rows.append(row)
+        print(f"grouped_matmul R={r} H={hidden} F={f} G={g} used={used}: ragged_dot "
+              f"{h.us(row.get('ragged_dot'))} | grouped_matmul {h.us(row.get('grouped_matmul'))}"
+              f" ({h.ratio(row.get('grouped_matmul'), row.get('ragged_dot'))})", flush=True)
+    return rows
+
+
+def _ratio(r: dict) -> float | None:
+    a, b = r.get("grouped_matmul") or {}, r.get("ragged_dot") or {}
+    if "mean_us" not in a or "mean_us" not in b:
+        return None
+    return a["mean_us"] / b["mean_us"]
+
+
+COLUMNS = [
+    h.Column("R x H x F", lambda r: f"{r['R']} x {r['hidden']} x {r['ffn']}"),
+    h.Column("groups", lambda r: str(r["groups"])),
+    h.Column("rows used", lambda r: f"{r['used']:.0%}"),
+    h.Column("ragged_dot", lambda r: h.us(r.get("ragged_dot"))),
+    h.Column("grouped_matmul", lambda r: h.us(r.get("grouped_matmul"))),
+    h.Column("grouped_matmul / ragged_dot",
+             lambda r: h.ratio(r.get("grouped_matmul"), r.get("ragged_dot"))),
+    h.Column("rel err (grouped_matmul)", lambda r: h.err(r.get("grouped_matmul"))),
+    h.Column("rel err (ragged_dot)", lambda r: h.err(r.get("ragged_dot"))),
+]
+
+
+def table(res: dict) -> str:
+    text = h.markdown_table(
+        f"grouped_matmul against jax.lax.ragged_dot on the same groups, "
+        f"{res['rows'][0]['dtype'] if res['rows'] else 'bfloat16'}, default configs, 1 x "
+        f"{res['device']}; {h.timing_note(res)}", COLUMNS, res["rows"])
+    ratios = [q for q in map(_ratio, res["rows"]) if q]
+    if ratios:
+        geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        text += (f"\n\ngrouped_matmul / ragged_dot: geomean {geo:.3f}, max {max(ratios):.2f}, "
+                 f"{sum(q <= TARGET for q in ratios)} of {len(ratios)} within {TARGET:.2f}")
+    return text
+
+
+def run(args) -> tuple[list[dict], dict]:
+    shapes = GROUPED_MATMUL_SHAPES[:2] if args.quick else GROUPED_MATMUL_SHAPES
+    return bench_grouped_matmul(shapes, args.iterations, rounds=args.rounds), dict(world=1)
+
+
+def _arguments(parser) -> None:
+    parser.add_argument("--quick", action="store_true", help="the first two shapes only")
+
+
+BENCHMARK = h.Benchmark(
+    name="grouped_matmul", op="grouped_matmul", run=run, table=table,
+    series=("grouped_matmul", "ragged_dot"), size_label="FLOPs", arguments=_arguments)
