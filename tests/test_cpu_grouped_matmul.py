@@ -200,3 +200,36 @@ def test_grouped_matmul_benchmark_runs_both_contenders_and_tabulates(monkeypatch
     assert "| 40 x 32 x 48 | 3 | 80% |" in text
     assert "geomean 1.000, max 1.00, 2 of 2 within 1.10" in text
     assert "grouped_matmul" in cli.benchmarks()
+
+
+@pytest.mark.parametrize("dtype,tma", [("bf16", True), ("fp32", True), ("bf16", False)])
+def test_grouped_gemm_kernel_compiles_for_sm90(dtype, tma):
+    """The GPU path (not run by the interpreter): TMA loads through the core's
+    mainloop with wgmma, the per-tile w descriptor, TMA stores of whole tiles."""
+    import re
+
+    from jaxtdist.kernels.grouped_gemm import grouped_gemm_kernel
+    from jaxtdist.runtime._cuda_launch import compile_kernel
+
+    bn, bk, sub = (256, 64, 4) if dtype == "bf16" else (128, 32, 2)
+    try:
+        k = compile_kernel(grouped_gemm_kernel, ["*i32", f"*{dtype}", f"*{dtype}", "*i32",
+                                                 f"*{dtype}"],
+                           dict(R=4096, H=4096 if tma else 4100, F=14336, G=8, BLOCK_G=16,
+                                BLOCK_M=128, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+                                NUM_PROGRAMS=132, SUBTILE=sub, TMA=tma),
+                           num_warps=8, num_stages=3, capability=90)
+    except RuntimeError as e:
+        if "ptxas" in str(e).lower():
+            pytest.skip(f"cannot assemble for sm_90 here: {e}")
+        raise
+    ptx = k.asm["ptx"]
+    assert "wgmma.mma_async" in ptx
+    assert k.metadata.shared <= 227 * 1024
+    if tma:
+        assert "cp.async.bulk.tensor.2d.shared" in ptx, "x / w tiles are not TMA loads"
+        assert "cp.async.bulk.tensor.2d.global.shared" in ptx, "no TMA store"
+        assert len(re.findall(r"tensormap\.cp_fenceproxy", ptx)) == 3  # x, w[g], out
+        assert k.metadata.global_scratch_size > 0
+    else:
+        assert "cp.async.bulk.tensor" not in ptx and k.metadata.global_scratch_size == 0
