@@ -233,3 +233,43 @@ def test_grouped_gemm_kernel_compiles_for_sm90(dtype, tma):
         assert k.metadata.global_scratch_size > 0
     else:
         assert "cp.async.bulk.tensor" not in ptx and k.metadata.global_scratch_size == 0
+
+
+@pytest.mark.parametrize("dtype,gated", [(F32, True), (BF16, False)])
+def test_moe_tp_mlp_on_grouped_matmul(dtype, gated):
+    """moe_tp_mlp(grouped_gemm="jaxtdist"): the experts' GEMMs on this kernel, at world
+    2, against the float64 layer; gradients against the default (ragged_dot) path."""
+    from tests.test_cpu_moe_tp import EXPERTS_W1, EXPERTS_W2, TOKENS, _reference, _routing
+
+    world, t, k, e, h, f = 2, 5, 2, 4, 16, 32
+    mesh = setup(world, ("tp",))
+    rng = np.random.default_rng(7)
+    x = rand((world * t, h), dtype)
+    ids = _routing(rng, world * t, k, e)
+    gate = rand(ids.shape, F32)
+    w1, w2 = rand((e, h, f), dtype, 0.3), rand((e, f, h), dtype, 0.3)
+    w_up = rand((e, h, f), dtype, 0.3) if gated else None
+    specs = (TOKENS, TOKENS, TOKENS, EXPERTS_W1, EXPERTS_W2, EXPERTS_W1)
+
+    def layer(which):
+        return lambda x, i, g, a, b, c: td.moe_tp_mlp(
+            x, i, g, a, b, "tp", w_up=c if gated else None, grouped_gemm=which)
+
+    arrays = [place(mesh, a, s) for a, s in zip(
+        (x, ids, gate, w1, w2, w_up if gated else w1), specs)]
+    out = jax.jit(jax.shard_map(layer("jaxtdist"), mesh=mesh, in_specs=specs,
+                                out_specs=TOKENS))(*arrays)
+    assert out.dtype == jnp.dtype(dtype)
+    assert_close(out, _reference(x, ids, gate, w1, w2, w_up), dtype, factor=2)
+
+    def grads(which):
+        loss = lambda *a: jnp.sum(layer(which)(*a).astype(jnp.float32) ** 2)  # noqa: E731
+        return jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 3, 4)), mesh=mesh,
+                                     in_specs=specs, out_specs=(TOKENS, EXPERTS_W1,
+                                                                EXPERTS_W2)))(*arrays)
+
+    for ours, theirs in zip(grads("jaxtdist"), grads("ragged_dot")):
+        assert_close(ours, np.asarray(theirs, np.float32), dtype, factor=2)
+    with pytest.raises(ValueError, match="grouped_gemm='cublas'; allowed"):
+        jax.jit(jax.shard_map(layer("cublas"), mesh=mesh, in_specs=specs,
+                              out_specs=TOKENS))(*arrays)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jaxtdist.ops._protocol import check_axis
 from jaxtdist.ops._shapes import check_dtype
 from jaxtdist.ops.all_gather import all_gather
+from jaxtdist.ops.grouped_matmul import grouped_matmul
 from jaxtdist.ops.reduce_scatter import reduce_scatter
 from jaxtdist.runtime._runtime import runtime
 
@@ -66,15 +67,37 @@ def _gather_bits(a: jax.Array, axis_name) -> jax.Array:
     return jax.lax.bitcast_convert_type(all_gather(words, axis_name), jnp.int32)
 
 
+GROUPED_GEMMS = ("ragged_dot", "jaxtdist")
+
+
+def _check_grouped_gemm(grouped_gemm) -> None:
+    if grouped_gemm not in GROUPED_GEMMS:
+        raise ValueError(f"jaxtdist.moe_tp_mlp: grouped_gemm={grouped_gemm!r}; allowed: "
+                         "'ragged_dot' (XLA's, the default) or 'jaxtdist' "
+                         "(jaxtdist.grouped_matmul)")
+
+
 def experts_partial_sum(xs: jax.Array, ids: jax.Array, gate: jax.Array, k: int, w1: jax.Array,
                         w2: jax.Array, w_up: jax.Array | None,
-                        activation: Callable[[jax.Array], jax.Array]) -> jax.Array:
+                        activation: Callable[[jax.Array], jax.Array],
+                        grouped_gemm: str = "ragged_dot") -> jax.Array:
     """This rank's FFN-shard contribution for every gathered token: [T, H] float32.
 
     xs [T, H] tokens; ids, gate [T * K] flat routing (pair t * K + j); w1, w_up
     [E, H, F_shard]; w2 [E, F_shard, H]. Pairs are sorted by expert into the
     groups of ``jax.lax.ragged_dot``; an id outside [0, E) is weighted 0.
+    ``grouped_gemm``: "ragged_dot" (XLA's grouped GEMM, float32 results) or
+    "jaxtdist" (``jaxtdist.grouped_matmul``, results rounded to xs's dtype;
+    needs E <= 256 and a jaxtdist runtime, inside shard_map).
     """
+    _check_grouped_gemm(grouped_gemm)
+    if grouped_gemm == "jaxtdist":
+        def gemm(a, b, sizes):
+            return grouped_matmul(a, b, sizes).astype(jnp.float32)
+    else:
+        def gemm(a, b, sizes):
+            return jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32)
+
     e = w1.shape[0]
     valid = (ids >= 0) & (ids < e)
     gate = jnp.where(valid, gate, 0.0)
@@ -83,19 +106,17 @@ def experts_partial_sum(xs: jax.Array, ids: jax.Array, gate: jax.Array, k: int, 
     token = order // k
     sizes = jnp.bincount(ids, length=e).astype(jnp.int32)
     rows = xs[token]                                                     # [T * K, H]
-    hidden = activation(jax.lax.ragged_dot(rows, w1, sizes, preferred_element_type=jnp.float32))
+    hidden = activation(gemm(rows, w1, sizes))
     if w_up is not None:
-        hidden = hidden * jax.lax.ragged_dot(rows, w_up, sizes,
-                                             preferred_element_type=jnp.float32)
-    y = jax.lax.ragged_dot(hidden.astype(xs.dtype), w2, sizes,
-                           preferred_element_type=jnp.float32)           # [T * K, H]
+        hidden = hidden * gemm(rows, w_up, sizes)
+    y = gemm(hidden.astype(xs.dtype), w2, sizes)                        # [T * K, H]
     return jnp.zeros(xs.shape, jnp.float32).at[token].add(y * gate[order][:, None])
 
 
 def moe_tp_mlp(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax.Array,
                w2: jax.Array, axis_name="tp", *,
                activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
-               w_up: jax.Array | None = None) -> jax.Array:
+               w_up: jax.Array | None = None, grouped_gemm: str = "ragged_dot") -> jax.Array:
     """A mixture-of-experts MLP with the experts' FFN dimension sharded over ``axis_name``.
 
     Call inside ``jax.shard_map`` over the mesh given to ``jaxtdist.initialize``.
@@ -122,6 +143,9 @@ def moe_tp_mlp(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax.
       activation: elementwise, applied to ``x @ w1``.
       w_up: optional [E, H, F_shard] second projection of a gated MLP (SwiGLU:
         ``activation=jax.nn.silu``, w1 the gate).
+      grouped_gemm: the experts' GEMMs: "ragged_dot" (``jax.lax.ragged_dot``, the
+        default) or "jaxtdist" (``jaxtdist.grouped_matmul``: E <= 256; each GEMM's
+        result rounded to x's dtype before the activation and the sum).
 
     Returns:
       [T_shard, H] in x's dtype: this rank's tokens' MLP output.
@@ -137,9 +161,10 @@ def moe_tp_mlp(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax.
                                       for a in (x, expert_ids, weights, w1, w2))
     w_up = None if w_up is None else jnp.asarray(w_up)
     _check(x, expert_ids, weights, w1, w2, w_up, axis_name)
+    _check_grouped_gemm(grouped_gemm)
     k = expert_ids.shape[1]
     xs = all_gather(x, axis_name)                                        # [T, H]
     ids = _gather_bits(expert_ids, axis_name).reshape(-1)                # [T * K]
     gate = all_gather(weights.astype(jnp.float32), axis_name).reshape(-1)
-    partial = experts_partial_sum(xs, ids, gate, k, w1, w2, w_up, activation)
+    partial = experts_partial_sum(xs, ids, gate, k, w1, w2, w_up, activation, grouped_gemm)
     return reduce_scatter(partial, axis_name).astype(x.dtype)
