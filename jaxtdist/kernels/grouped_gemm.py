@@ -103,7 +103,7 @@ def grouped_gemm_kernel(ctx, x_ptr, w_ptr, sizes_ptr, out_ptr,
             row0 = _pick(starts, index, g) + tm * BLOCK_M
             row_end = _pick(ends, index, g)
             col0 = tn * BLOCK_N
-            rows = row0 + tl.arange(0, BLOCK_M)
+            rows = row0.to(tl.int64) + tl.arange(0, BLOCK_M)  # rows * H, rows * F: int64
             cols = col0 + tl.arange(0, BLOCK_N)
             w_group = w_ptr + g.to(tl.int64) * (H * F)
             if TMA:
@@ -125,5 +125,5 @@ def grouped_gemm_kernel(ctx, x_ptr, w_ptr, sizes_ptr, out_ptr,
             row0 = used + (zero // n_tiles) * BLOCK_M
             col0 = (zero % n_tiles) * BLOCK_N
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            _store_rows(out_ptr, acc, row0 + tl.arange(0, BLOCK_M), R,
+            _store_rows(out_ptr, acc, row0.to(tl.int64) + tl.arange(0, BLOCK_M), R,
                         col0 + tl.arange(0, BLOCK_N), F)
