@@ -7,9 +7,10 @@
 #   TUNE_ARGS (e.g. --large) go to python -m jaxtdist.tune;
 #   BENCH_WORLDS (default: "1 N", N the GPUs found) the world sizes every op is
 #   timed at (BENCH_OPS: which ops, default all, the model step included);
-#   WORLD1_BENCHES (default: gemm moe untuned untuned_matmul_rs) run once at
-#   world 1 with default configs: the GEMM core of every matmul family vs
-#   jnp.dot, MoE dispatch/combine, the older untuned tables;
+#   WORLD1_BENCHES (default: gemm grouped_matmul moe untuned untuned_matmul_rs)
+#   run once at world 1 with default configs: the GEMM core of every matmul
+#   family vs jnp.dot, the grouped GEMM vs ragged_dot, MoE dispatch/combine,
+#   the older untuned tables;
 #   DOCS=1 also copies the benchmark tables and JSON into docs/perf/.
 # Writes logs and results under ${OUT:-/tmp/jaxtdist-gpu}. The tuning cache is
 # ${JAXTDIST_TUNING_CACHE:-$OUT/tuning.json}: the tune phase writes it, and the
@@ -89,7 +90,7 @@ if has bench; then
     done
   done
   # World 1, default configs: a fresh, empty tuning cache (the subcommands make one).
-  for B in ${WORLD1_BENCHES:-gemm moe untuned untuned_matmul_rs}; do
+  for B in ${WORLD1_BENCHES:-gemm grouped_matmul moe untuned untuned_matmul_rs}; do
     case $B in
       untuned) bench untuned "ag_matmul_untuned_${DEV}x1" $ITER ;;
       untuned_matmul_rs) bench untuned_matmul_rs "matmul_rs_untuned_${DEV}x1" $ITER ;;
