@@ -149,16 +149,17 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
             row_mask = rows < M_SHARD
             # One source for A per tile keeps its loads vectorized; with pushes, own
             # rows come from x, with nothing to wait for.
-            a_rows = gathered_ptr + src * M_SHARD * K + rows * K
+            a_base = gathered_ptr + src * M_SHARD * K
             if PUSH:
                 if src == me:
-                    a_rows = x_ptr + rows * K
+                    a_base = x_ptr
                 else:
                     _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS,
                                     FLAG_SCOPE)
             else:
                 _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS,
                                 FLAG_SCOPE)
+            a_rows = a_base + rows * K
             out_rows = src * M_SHARD + rows
             counter_index = (src * m_tiles + tm) * n_tiles + tn
         cols = tl.max_contiguous(tl.multiple_of(tn * BLOCK_N + tl.arange(0, BLOCK_N), BLOCK_N),
