@@ -9,7 +9,9 @@ The mechanism supplies the rest, once for every op:
 
 - program order: the call runs after the previous jaxtdist op of the trace
   (``custom_vjp`` traces its body in a trace of its own, so this happens
-  outside it) and records its output for the next one;
+  outside it) and records its output for the next one, with an order token
+  made by its last kernel where that kernel is a later one (a copy-out of an
+  inbox: ``_protocol.order_token``), in the backward pass too;
 - autodiff: a ``jax.custom_vjp`` whose cotangents get their primal's dtype
   and varying mesh axes (summed over axes where the primal was replicated);
   an op without a backward raises a clear error when differentiated;
@@ -41,9 +43,10 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 from jax.interpreters import batching, mlir
+from jax.sharding import PartitionSpec as P
 
-from jaxtdist.ops._protocol import (check_axis, mark_varying, order_record, program_order_deps,
-                                    record_output, varying_axes)
+from jaxtdist.ops._protocol import (check_axis, mark_varying, order_record, order_token,
+                                    program_order_deps, record_output, varying_axes)
 from jaxtdist.runtime._runtime import runtime
 
 
@@ -213,13 +216,14 @@ class DistributedOp:
         # as an operand (a data dependency XLA must honour; an optimization barrier
         # around the inputs did not survive to XLA:CPU's scheduling, and devices
         # then ran the calls' prologues in different orders under mismatched epochs).
+        # With the previous op's order token (``_protocol.order_token``), second.
         after = program_order_deps(rt)
         frozen = tuple(sorted((k, _freeze(v)) for k, v in dict(static, axis_name=axis_name)
                               .items()))
-        after_specs = tuple((tuple(a.shape), jnp.dtype(a.dtype).name, rt.platform)
-                            for a in after)
-        out = self._vjp(frozen, after_specs, *after, *arrays)
-        record_output(rt, jax.tree_util.tree_leaves(out)[0])
+        after_specs = tuple((tuple(a.shape), jnp.dtype(a.dtype).name, rt.platform, i > 0)
+                            for i, a in enumerate(after))
+        out, token = self._vjp(frozen, after_specs, *after, *arrays)
+        record_output(rt, jax.tree_util.tree_leaves(out)[0], token=token)
         return out
 
     def forward_with_residuals(self, *arrays: jax.Array, axis_name, **static: Any):
@@ -231,18 +235,24 @@ class DistributedOp:
         op = self
 
         def ordered_forward(frozen, n_after, fn=None):
-            # The first ``n_after`` arguments are the previous op's output: the call's
-            # prologue runs after it (``_protocol.program_order_deps``).
+            # The first ``n_after`` arguments are the previous op's output and order
+            # token: the call's prologue runs after them (``program_order_deps``).
             def forward(*args):
                 if n_after:
-                    record_output(runtime(), args[0])
+                    record_output(runtime(), args[0], token=args[1] if n_after > 1 else None)
                 return (fn or op.forward)(*args[n_after:], **_static(frozen))
             return forward
 
         @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
         def call(frozen, after_specs, *args):
-            forward = ordered_forward(frozen, len(after_specs), op.primal)
-            return one_call_per_element(lambda *a: forward(*a)[0])(*args)
+            n_after = len(after_specs)
+            forward = ordered_forward(frozen, n_after, op.primal)
+
+            def with_token(*a):
+                out = forward(*a)[0]
+                return out, order_token(runtime(), _later_output(out, a[:n_after]))
+
+            return one_call_per_element(with_token)(*args)
 
         def fwd(frozen, after_specs, *args):
             n_after = len(after_specs)
@@ -250,35 +260,55 @@ class DistributedOp:
 
             def with_last(*a):
                 # Also the call's last jaxtdist output (the gathered copy-out of an
-                # inbox, say): the backward pass runs after it.
+                # inbox, say): the next op's prologue and the backward pass run after it.
                 out, residuals = forward(*a)
-                record = order_record(runtime())
-                last = out if record is None or record.spec is not None else record.value
-                return out, residuals, _done_token(last, residuals)
+                later = _later_output(out, a[:n_after])
+                last = jax.tree_util.tree_leaves(out)[0] if later is None else later
+                token = order_token(runtime(), later)
+                return (out, token), residuals, _done_token(last, residuals)
 
             out, residuals, done = run_once(one_call_per_element(with_last)(*args))
-            # Of the order token only its type (an empty slice): no memory held.
+            # Of the order tokens only their types (empty slices): no memory held.
             typed = tuple(a.reshape(-1)[:0] for a in args[:n_after])
             return out, (residuals, args[n_after:], typed, done)
 
-        def bwd(frozen, after_specs, saved, ct):
+        def bwd(frozen, after_specs, saved, cts_out):
             residuals, arrays, typed, done = saved
+            ct, ct_token = cts_out
             if op.backward is None:
                 raise TypeError(f"jaxtdist.{op.name} is not differentiable; wrap it in a "
                                 "jax.custom_vjp of your own to give it a backward pass")
             # The backward's first jaxtdist call runs after the forward call's last
-            # one: custom_vjp traces bwd apart, so no record of the forward reaches it.
-            # (Not under jax.vmap: one_call_per_element's bodies cannot close over a
-            # batched value.)
-            if not isinstance(done, _BatchTracer):
-                record_output(runtime(), done)
+            # one (custom_vjp traces bwd apart, so no record of the forward reaches
+            # it) and after the next op's backward (the cotangent of this call's
+            # order token). (Not under jax.vmap: one_call_per_element's bodies cannot
+            # close over a batched value.)
+            ordered = not isinstance(done, _BatchTracer) and not isinstance(ct_token, _BatchTracer)
+            if ordered:
+                record_output(runtime(), done, token=ct_token)
             cts = op.backward(residuals, ct, **_static(frozen))
             cts = tuple(None if c is None else match_cotangent(c, a)
                         for c, a in zip(cts, arrays))
-            return _order_cotangents(after_specs, typed, cts) + cts
+            record = order_record(runtime()) if ordered else None
+            launched = record is not None and record.value is not done
+            last = record.value if launched else (ct_token if ordered else None)
+            return _order_cotangents(after_specs, typed, cts, last) + cts
 
         call.defvjp(fwd, bwd)
         return call
+
+
+def _later_output(out, after: Sequence) -> jax.Array | None:
+    """The call's last kernel output where it is not ``out``'s (the gathered x copied
+    out of an inbox after the GEMM, say): the output of the current trace's latest
+    record, unless that is ``out`` or the previous op's (nothing launched)."""
+    record = order_record(runtime())
+    if record is None or record.spec is not None:
+        return None
+    last = record.value
+    if last is jax.tree_util.tree_leaves(out)[0] or any(last is a for a in after):
+        return None
+    return last
 
 
 def _done_token(last: jax.Array, residuals) -> jax.Array:
@@ -300,30 +330,37 @@ def _typed_as_sum(out: jax.Array, axes: Sequence[str]) -> jax.Array:
     return jax.lax.psum(out, summed) if summed else out
 
 
-def _order_cotangents(after_specs: tuple, typed: tuple, cts: tuple) -> tuple:
-    """Cotangents of a call's order tokens (the previous op's output): zero, but on
-    CPU computed from this call's backward results.
+def _order_cotangents(after_specs: tuple, typed: tuple, cts: tuple,
+                      last: jax.Array | None) -> tuple:
+    """Cotangents of a call's order arguments (the previous op's output and order
+    token): zero, but computed from this call's backward results.
 
     The backward pass runs the calls' backwards in reverse, and the previous op's
-    backward receives the token's cotangent in its own: so it runs after this
-    call's backward on every device. Without that, two calls with no data
-    dependence in the backward pass (the backwards of two pjit-style wrappers)
-    could run in different orders on different devices under XLA:CPU, which
-    runs independent work concurrently. GPUs run one schedule: nothing to add.
+    backward receives these cotangents in its own: so it runs after this call's
+    backward on every device. The token's (one element) is made from ``last``,
+    the backward's last jaxtdist output, on every platform: a backward may end
+    with a kernel that its cotangents do not come from (matmul_rs's copies the
+    gathered dy out of an inbox after the GEMM that makes dx), and the previous
+    op's backward reuses that inbox. The output's, only on CPU: without it, two
+    calls with no data dependence in the backward pass (the backwards of two
+    pjit-style wrappers) could run in different orders on different devices
+    under XLA:CPU, which runs independent work concurrently.
     """
     if not after_specs:
         return ()
     done = [c for c in cts if c is not None]
     out = []
-    for (shape, dtype, platform), token in zip(after_specs, typed):
-        if platform != "cpu" or not done or not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+    for (shape, dtype, platform, is_token), typed_as in zip(after_specs, typed):
+        probe = last if is_token and last is not None else (
+            min(done, key=lambda c: len(varying_axes(c) or ())) if done else None)
+        if probe is None or not jnp.issubdtype(jnp.dtype(dtype), jnp.floating) or (
+                platform != "cpu" and not is_token):
             out.append(None)
             continue
-        probe = min(done, key=lambda c: len(varying_axes(c) or ())).reshape(-1)[:1]
-        probe = probe.astype(jnp.float32)
+        probe = probe.reshape(-1)[:1].astype(jnp.float32)
         # 1 (0 for NaN), never known before the backward has run; 0 * it stays 0.
         after_backward = (probe == probe).astype(dtype).reshape(())
-        out.append(match_cotangent(jnp.zeros(shape, dtype) * after_backward, token))
+        out.append(match_cotangent(jnp.zeros(shape, dtype) * after_backward, typed_as))
     return tuple(out)
 
 
@@ -332,8 +369,13 @@ def one_call_per_element(fn: Callable) -> Callable:
     a ``lax.map``: each element's call is a whole op call with its own prologue,
     epoch and launch, in order, as if the caller had looped. (Batching the
     kernel launches inside one call instead would give B launches one epoch:
-    they would race on the same workspace.)"""
-    batched_fn = jax.custom_batching.custom_vmap(fn)
+    they would race on the same workspace.)
+
+    ``fn`` is traced apart (``custom_vmap``), so its last jaxtdist output is also
+    returned and recorded in the caller's trace: the caller's next call runs
+    after it, not only after ``fn``'s results (which an earlier kernel may make:
+    matmul_rs's backward copies the gathered dy out of an inbox after the GEMM)."""
+    batched_fn = jax.custom_batching.custom_vmap(lambda *args: (fn(*args), _last_record()))
 
     @batched_fn.def_vmap
     def rule(axis_size, in_batched, *args):
@@ -342,12 +384,27 @@ def one_call_per_element(fn: Callable) -> Callable:
 
         def one(elements):
             it = iter(elements)
-            return fn(*(next(it) if b else a for a, b in zip(args, in_batched)))
+            return fn(*(next(it) if b else a for a, b in zip(args, in_batched))), _last_record()
 
         outs = jax.lax.map(one, mapped)
         return outs, jax.tree_util.tree_map(lambda _: True, outs)
 
-    return batched_fn
+    def call(*args):
+        out, last = batched_fn(*args)
+        # (Not a batched value: later bodies would close over it, which they cannot.)
+        if last is not None and not any(isinstance(v, _BatchTracer) for v in last):
+            record_output(runtime(), last[0], token=last[1])
+        return out
+
+    return call
+
+
+def _last_record():
+    """(output, order token) of the current trace's latest record, or None."""
+    record = order_record(runtime())
+    if record is None or record.spec is not None:
+        return None
+    return record.value, record.token
 
 
 def _static(frozen) -> dict:
@@ -388,26 +445,41 @@ def pjit_wrapper(op_fn: Callable, *, name: str,
         # Separate shard_maps are separate traces: the previous wrapper's result goes
         # in as an argument (in its own sharding: nothing moves), so that this
         # call's prologue runs after it on every device.
+        # The order token (``_protocol.order_token``, one element per device) too:
+        # the op's last kernel need not make its result (a copy-out after the GEMM).
         previous = order_record(rt)
         after = (previous is not None and previous.spec is not None
                  and previous.spec[0] == mesh)
-        token, token_spec = ((previous.value,), (previous.spec[1],)) if after else ((), ())
+        every_device = P(tuple(mesh.axis_names))
+        token, token_spec = (((previous.value, previous.token),
+                              (previous.spec[1], every_device)) if after else ((), ()))
 
         def body(*args):
             if after:
-                record_output(rt, args[0])
-            return op_fn(*args[len(token):], axis_name=axis_name, **static)
+                record_output(rt, args[0], token=args[1])
+            out = op_fn(*args[len(token):], axis_name=axis_name, **static)
+            return out, _token_of(out, args[:len(token)])
 
         spec_out = out_specs(axis_name, batch_axes)
-        out = jax.shard_map(body, mesh=mesh, in_specs=token_spec + tuple(in_specs(
-            axis_name, batch_axes)), out_specs=spec_out)(*token, *arrays)
+        out, out_token = jax.shard_map(body, mesh=mesh, in_specs=token_spec + tuple(in_specs(
+            axis_name, batch_axes)), out_specs=(spec_out, every_device))(*token, *arrays)
         first, first_spec = (out, spec_out) if isinstance(out, jax.Array) else (
             out[0], spec_out[0])
-        record_output(rt, first, spec=(mesh, first_spec))
+        record_output(rt, first, spec=(mesh, first_spec), token=out_token)
         return out
 
     wrapper.__name__ = name
     return wrapper
+
+
+def _token_of(out, after: Sequence) -> jax.Array:
+    """The order token of the op that made ``out`` (a shard_map body's result), made
+    from its last kernel's output where that is not ``out``."""
+    rt = runtime()
+    record = order_record(rt)
+    if record is not None and record.spec is None and record.token is not None:
+        return record.token
+    return order_token(rt, _later_output(out, after))
 
 
 def rows_over(axis_name: str | None, batch_axes: tuple[str, ...]):

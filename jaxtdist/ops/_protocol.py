@@ -93,10 +93,12 @@ _ORDER_RECORDS = 32
 @dataclasses.dataclass(frozen=True)
 class OrderRecord:
     """The last jaxtdist output traced in ``trace``; ``spec``: (mesh, PartitionSpec)
-    when it is a pjit-style wrapper's global result (outside shard_map), else None."""
+    when it is a pjit-style wrapper's global result (outside shard_map), else None.
+    ``token``: the op's order token (``order_token``), or None."""
     trace: Any
     value: Any
     spec: Any = None
+    token: Any = None
 
 
 def _lineage(trace) -> list:
@@ -121,18 +123,49 @@ def order_record(rt: Runtime) -> OrderRecord | None:
 
 def program_order_deps(rt: Runtime) -> tuple:
     """The previous jaxtdist output of the trace being built (or of a trace it is
-    nested in: closed over, JAX passes it in), if any."""
+    nested in: closed over, JAX passes it in), and its op's order token, if any."""
     record = order_record(rt)
-    return () if record is None or record.spec is not None else (record.value,)
+    if record is None or record.spec is not None:
+        return ()
+    return (record.value,) + (() if record.token is None else (record.token,))
 
 
-def record_output(rt: Runtime, value: jax.Array, spec: Any = None) -> None:
-    """Makes ``value`` the one the next jaxtdist op of this trace runs after."""
+def record_output(rt: Runtime, value: jax.Array, spec: Any = None, token: Any = None) -> None:
+    """Makes ``value`` (and the op's order ``token``) the one the next jaxtdist op of
+    this trace runs after."""
     if not isinstance(value, jax.core.Tracer):
         return  # run eagerly: dispatch orders it, and a record would hold the array
     trace = _current_trace()
     records = [r for r in rt.order_records if r.trace is not trace][-(_ORDER_RECORDS - 1):]
-    rt.order_records = records + [OrderRecord(trace, value, spec)]
+    rt.order_records = records + [OrderRecord(trace, value, spec, token)]
+
+
+# -- order tokens -------------------------------------------------------------------
+#
+# An op's output is not always its last kernel's: differentiated, ag_matmul copies
+# the gathered x out of its heap inbox after the GEMM (the backward's residual), and
+# a backward pass's last kernel need not make the cotangent that flows on. Only the
+# output reaches the next op's prologue, so XLA may run that later kernel after the
+# next calls, one of which reuses its inbox (parity epoch % 2, two calls later): a
+# silently wrong gradient. Such an op also hands on a token, one element that its
+# last kernel's output made; the next op's prologue takes it as an operand too.
+# Every op hands one on (custom_vjp's primal and differentiated forward passes
+# return the same types); where the output is the last kernel's (every op, not
+# differentiated) it is a constant: an operand, no work on the primal path.
+
+ORDER_TOKEN = jax.ShapeDtypeStruct((1,), jnp.float32)
+
+
+def order_token(rt: Runtime, last: jax.Array | None = None) -> jax.Array:
+    """The order token made by ``last`` (a kernel's output), or a constant (None).
+
+    Typed varying over every mesh axis, whatever ``last`` varies over: so that it
+    has one type on every path, and its cotangent never needs a psum."""
+    if last is None:
+        token = jnp.zeros(ORDER_TOKEN.shape, ORDER_TOKEN.dtype)
+    else:
+        token = last.reshape(-1)[:1].astype(ORDER_TOKEN.dtype)
+    return mark_varying(token, tuple(rt.mesh.axis_names))
 
 
 def varying_axes(value: jax.Array) -> frozenset | None:
