@@ -185,30 +185,14 @@ def test_matmul_rs_benchmark_finds_its_ops():
         assert callable(getattr(ops, name)), name
 
 
-def test_model_benchmark_runs_both_models_and_tabulates(monkeypatch):
+def test_model_benchmark_runs_both_models_and_tabulates(faked_timing):
     """``python -m jaxtdist.bench model`` on the tiny Llama (CPU, tp=4): both steps of
     both models run from equal parameters, outputs agree, the table has each step."""
     for name in ("flax", "optax"):
         pytest.importorskip(name, reason=f"the model benchmark needs {name}: "
                             "pip install -e '.[nn]'")
-    import jax
-
     from jaxtdist.bench import model
-    from tests.conftest import cpu_only
 
-    if jax.devices()[0].platform != "cpu":
-        pytest.skip("CPU: the timing is faked")
-    del cpu_only
-
-    def measure(fn, args, iterations, world):
-        out = None
-        for _ in range(iterations):
-            out = fn(*args)
-        return out, _stats([1.0, 2.0])
-
-    real = harness.interleaved
-    monkeypatch.setattr(harness, "interleaved",
-                        lambda c, it, rounds: real(c, it, rounds, measure=measure))
     rows = model.bench_model("tiny", 2, 4, 4, rounds=1)
     assert [r["step"] for r in rows] == ["train", "decode"]
     # bf16: the decode logits' sums are reduced in another order (matmul_ar vs psum).
@@ -218,22 +202,11 @@ def test_model_benchmark_runs_both_models_and_tabulates(monkeypatch):
     assert "model" in cli.benchmarks()
 
 
-def test_moe_tp_benchmark_runs_both_layers_and_tabulates(monkeypatch):
+def test_moe_tp_benchmark_runs_both_layers_and_tabulates(faked_timing):
     """``python -m jaxtdist.bench moe_tp`` on a small shape (CPU, world 4, faked
     timing): jaxtdist's layer and the XLA twin both match the float32 reference."""
-    import jax
-
     from jaxtdist.bench import moe_tp
 
-    if jax.devices()[0].platform != "cpu":
-        pytest.skip("CPU: the timing is faked")
-
-    def measure(fn, args, iterations, world):
-        return fn(*args), _stats([1.0, 2.0])
-
-    real = harness.interleaved
-    monkeypatch.setattr(harness, "interleaved",
-                        lambda c, it, rounds: real(c, it, rounds, measure=measure))
     rows = moe_tp.bench_moe_tp([(3, 32, 64, 4, 2)], 2, 4, rounds=1, dtype=np.float32)
     assert rows[0]["jaxtdist"]["rel_err"] < 1e-5 and rows[0]["xla"]["rel_err"] < 1e-5, rows
     text = moe_tp.table(dict(world=4, device="cpu", rows=rows, iterations=2, rounds=1))
@@ -241,23 +214,12 @@ def test_moe_tp_benchmark_runs_both_layers_and_tabulates(monkeypatch):
     assert "moe_tp" in cli.benchmarks()
 
 
-def test_gemm_benchmark_checks_every_family_and_tabulates(monkeypatch):
+def test_gemm_benchmark_checks_every_family_and_tabulates(faked_timing):
     """``python -m jaxtdist.bench gemm`` on small shapes (CPU, faked timing): each
     family's kernels at world 1 match the float32 product, the first call is
     timed, and the summary line counts the shapes."""
-    import jax
-
     from jaxtdist.bench import gemm
 
-    if jax.devices()[0].platform != "cpu":
-        pytest.skip("CPU: the timing is faked")
-
-    def measure(fn, args, iterations, world):
-        return fn(*args), _stats([1.0, 2.0])
-
-    real = harness.interleaved
-    monkeypatch.setattr(harness, "interleaved",
-                        lambda c, it, rounds: real(c, it, rounds, measure=measure))
     rows = gemm.bench_gemm([("ag_matmul", 32, 32, 64), ("matmul_rs", 32, 48, 32),
                             ("matmul_ar", 4, 32, 32)], 2, rounds=1)
     for row in rows:

@@ -175,21 +175,12 @@ def test_grouped_matmul_default_tiles_on_gpu_shapes():
     assert GroupedMatmulConfig.search_space(big)[0] == {}
 
 
-def test_grouped_matmul_benchmark_runs_both_contenders_and_tabulates(monkeypatch):
+def test_grouped_matmul_benchmark_runs_both_contenders_and_tabulates(faked_timing):
     """``python -m jaxtdist.bench grouped_matmul`` on small shapes (CPU, faked timing):
     grouped_matmul and ragged_dot both match the float32 grouped product; the
     table's summary counts the shapes within the target."""
     from jaxtdist.bench import __main__ as cli
     from jaxtdist.bench import grouped_matmul as bench
-    from jaxtdist.bench import harness
-
-    def measure(fn, args, iterations, world):
-        return fn(*args), dict(mean_us=2.0, min_us=1.0, samples_us=[2.0], min_samples_us=[1.0],
-                               kernels=["k"])
-
-    real = harness.interleaved
-    monkeypatch.setattr(harness, "interleaved",
-                        lambda c, it, rounds: real(c, it, rounds, measure=measure))
     rows = bench.bench_grouped_matmul([(40, 32, 48, 3, 0.8), (33, 16, 32, 8, 1.0)], 2,
                                       rounds=1, dtype=jnp.float32)
     for row in rows:

@@ -14,7 +14,6 @@ first run).
 
 from __future__ import annotations
 
-import math
 import os
 import time
 
@@ -124,13 +123,6 @@ def bench_gemm(shapes, iterations: int, rounds: int = 4, sweep: bool = False) ->
     return rows
 
 
-def _ratio(r: dict) -> float | None:
-    a, b = r.get("kernels") or {}, r.get("jnp_dot") or {}
-    if "mean_us" not in a or "mean_us" not in b:
-        return None
-    return a["mean_us"] / b["mean_us"]
-
-
 COLUMNS = [
     h.Column("op", lambda r: r["op"]),
     h.Column("m x n x k", lambda r: f"{r['m']} x {r['n']} x {r['k']}"),
@@ -150,11 +142,7 @@ def table(res: dict) -> str:
         f"The GEMM core at world 1: each matmul op's kernels forced at world 1 against "
         f"jnp.dot of the same operands, bf16, default configs (no tuning cache), 1 x "
         f"{res['device']}; {h.timing_note(res)}", COLUMNS, res["rows"])
-    ratios = [r for r in map(_ratio, res["rows"]) if r]
-    if ratios:
-        geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
-        text += (f"\n\nkernels / jnp.dot: geomean {geo:.3f}, max {max(ratios):.2f}, "
-                 f"{sum(r <= 1.15 for r in ratios)} of {len(ratios)} within 1.15")
+    text += h.ratio_summary(res["rows"], "kernels", "jnp_dot", 1.15)
     return text
 
 

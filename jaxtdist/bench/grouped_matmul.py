@@ -11,7 +11,6 @@ precision). Issue 33's target: grouped_matmul within 1.10x of ragged_dot.
 
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp
@@ -68,13 +67,6 @@ def bench_grouped_matmul(shapes, iterations: int, rounds: int = 4, dtype=jnp.bfl
     return rows
 
 
-def _ratio(r: dict) -> float | None:
-    a, b = r.get("grouped_matmul") or {}, r.get("ragged_dot") or {}
-    if "mean_us" not in a or "mean_us" not in b:
-        return None
-    return a["mean_us"] / b["mean_us"]
-
-
 COLUMNS = [
     h.Column("R x H x F", lambda r: f"{r['R']} x {r['hidden']} x {r['ffn']}"),
     h.Column("groups", lambda r: str(r["groups"])),
@@ -93,11 +85,7 @@ def table(res: dict) -> str:
         f"grouped_matmul against jax.lax.ragged_dot on the same groups, "
         f"{res['rows'][0]['dtype'] if res['rows'] else 'bfloat16'}, default configs, 1 x "
         f"{res['device']}; {h.timing_note(res)}", COLUMNS, res["rows"])
-    ratios = [q for q in map(_ratio, res["rows"]) if q]
-    if ratios:
-        geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
-        text += (f"\n\ngrouped_matmul / ragged_dot: geomean {geo:.3f}, max {max(ratios):.2f}, "
-                 f"{sum(q <= TARGET for q in ratios)} of {len(ratios)} within {TARGET:.2f}")
+    text += h.ratio_summary(res["rows"], "grouped_matmul", "ragged_dot", TARGET)
     return text
 
 

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar, TypeVar
 
 import jax.numpy as jnp
+import numpy as np
 
 from jaxtdist.tune._registry import tunable_ops
 
@@ -124,6 +125,19 @@ class KernelConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def check_blocks(op: str, cfg, keys, at_least: dict | None = None) -> None:
+    """Integer config fields ``keys`` of ``cfg``: ints >= 1 (or ``at_least[key]``), and
+    BLOCK_* powers of 2 >= 16 (tl.dot's smallest tile); ValueError naming the field."""
+    for key in keys:
+        value = getattr(cfg, key)
+        low = (at_least or {}).get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise ValueError(f"jaxtdist.{op}: config {key}={value!r} must be an int >= {low}")
+        if key.startswith("BLOCK_") and (value & (value - 1) or value < 16):
+            raise ValueError(f"jaxtdist.{op}: config {key}={value} must be a power of 2 "
+                             ">= 16 (tl.dot's smallest tile)")
 
 
 def resolve(config_type: type[C], problem: Problem, rt, config: Mapping[str, Any] | None = None,

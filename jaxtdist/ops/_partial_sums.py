@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxtdist.kernels.matmul_ar import matmul_ar_kernel
 from jaxtdist.kernels.matmul_rs import matmul_rs_kernel
-from jaxtdist.ops._config import KernelConfig, Problem, resolve
+from jaxtdist.ops._config import KernelConfig, Problem, check_blocks, resolve
 from jaxtdist.ops._gemm_config import default_tiles, tma_fits
 from jaxtdist.ops._protocol import Call, check_axis
 from jaxtdist.ops._shapes import align, check_dtype, next_pow2
@@ -47,16 +47,6 @@ def _check_core(cfg, problem: Problem) -> None:
     if cfg.SUBTILE not in (1, 2, 4) or cfg.BLOCK_N // cfg.SUBTILE < 16:
         raise ValueError(f"jaxtdist.{cfg.OP}: config SUBTILE={cfg.SUBTILE!r} must be 1, 2 or 4 "
                          f"with BLOCK_N / SUBTILE >= 16 (BLOCK_N={cfg.BLOCK_N})")
-
-
-def _check_blocks(op: str, cfg, keys) -> None:
-    for key in keys:
-        value = getattr(cfg, key)
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"jaxtdist.{op}: config {key}={value!r} must be an int >= 1")
-        if key.startswith("BLOCK_") and (value & (value - 1) or value < 16):
-            raise ValueError(f"jaxtdist.{op}: config {key}={value} must be a power of 2 "
-                             ">= 16 (tl.dot's smallest tile)")
 
 
 def _tma_misfit(op: str, problem: Problem) -> str | None:
@@ -136,7 +126,7 @@ class MatmulRsConfig(KernelConfig):
         return cfg
 
     def validate(self, problem: Problem) -> None:
-        _check_blocks(self.OP, self, ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps",
+        check_blocks(self.OP, self, ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps",
                                       "num_stages"))
         p = self.NUM_PROGRAMS
         if isinstance(p, bool) or not isinstance(p, (int, np.integer)) or p < 0:
@@ -223,7 +213,7 @@ class MatmulArConfig(KernelConfig):
                    num_stages=3 if wide else 4)
 
     def validate(self, problem: Problem) -> None:
-        _check_blocks(self.OP, self, ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps",
+        check_blocks(self.OP, self, ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps",
                                       "num_stages"))
         _check_core(self, problem)
 

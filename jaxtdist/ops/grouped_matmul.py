@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtdist.kernels.grouped_gemm import grouped_gemm_kernel
-from jaxtdist.ops._config import KernelConfig, Problem, resolve
+from jaxtdist.ops._config import KernelConfig, Problem, check_blocks, resolve
 from jaxtdist.ops._gemm_config import default_tiles, stages_for, tma_fits
 from jaxtdist.ops._op import DistributedOp
 from jaxtdist.ops._protocol import Call
@@ -83,17 +83,7 @@ class GroupedMatmulConfig(KernelConfig):
         return max(1, min(asked, bound))
 
     def validate(self, problem: Problem) -> None:
-        for key in self.keys():
-            value = getattr(self, key)
-            low = 0 if key == "NUM_PROGRAMS" else 1
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-                raise ValueError(f"jaxtdist.grouped_matmul: config {key}={value!r} must be an "
-                                 f"int >= {low}")
-        for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
-            value = getattr(self, key)
-            if value & (value - 1) or value < 16:
-                raise ValueError(f"jaxtdist.grouped_matmul: config {key}={value} must be a "
-                                 "power of 2 >= 16 (tl.dot's smallest tile)")
+        check_blocks(self.OP, self, self.keys(), at_least={"NUM_PROGRAMS": 0})
         if self.SUBTILE not in (1, 2, 4) or self.BLOCK_N // self.SUBTILE < 8:
             raise ValueError(f"jaxtdist.grouped_matmul: config SUBTILE={self.SUBTILE} must be "
                              f"1, 2 or 4, with BLOCK_N / SUBTILE >= 8 (BLOCK_N={self.BLOCK_N})")
@@ -177,17 +167,18 @@ def grouped_matmul_kernels(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *
     call = Call("grouped_matmul", _LOCAL)
     problem = _problem(call, x, w)
     cfg = resolve(GroupedMatmulConfig, problem, call.rt, config, axis_name=_LOCAL)
+    programs = cfg.programs(problem)
     tma = problem.vendor == "nvidia" and tma_fits(h, f, problem.itemsize)
     sizes = group_sizes.astype(jnp.int32)
     # No heap memory: the workspace is the epoch counter the protocol keeps.
     ws = call.workspace("local", 1)
     return call.run(
         grouped_gemm_kernel, x, w, sizes, workspace=ws,
-        out_shape=jax.ShapeDtypeStruct((r, f), x.dtype), grid=(cfg.programs(problem),),
+        out_shape=jax.ShapeDtypeStruct((r, f), x.dtype), grid=(programs,),
         needs_scratch=tma, varying=call.result_axes(local=(x, w, sizes)),
         **cfg.launch_options(), R=r, H=h, F=f, G=g, BLOCK_G=max(16, next_pow2(g)),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-        NUM_PROGRAMS=cfg.programs(problem), SUBTILE=cfg.SUBTILE, TMA=tma)
+        NUM_PROGRAMS=programs, SUBTILE=cfg.SUBTILE, TMA=tma)
 
 
 def _forward(x, w, group_sizes, *, axis_name=_LOCAL, config=None):
