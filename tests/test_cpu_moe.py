@@ -236,7 +236,9 @@ def test_moe_world_1_is_local_and_kernels_agree():
     np.testing.assert_array_equal(outs[0][0], outs[1][0])
     np.testing.assert_allclose(outs[0][1], outs[1][1], rtol=1e-6)
     ref = 2.0 * np.asarray(x) * np.asarray(gate).sum(1, keepdims=True)
-    np.testing.assert_allclose(outs[0][1], ref, rtol=1e-5)
+    # float32 sums of K terms: elements where the weights nearly cancel are off by
+    # rounding of the terms (|x|, not |out|), hence the atol.
+    np.testing.assert_allclose(outs[0][1], ref, rtol=1e-5, atol=1e-6)
 
 
 def test_moe_invalid_expert_ids_are_not_sent():
