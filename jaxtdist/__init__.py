@@ -33,7 +33,8 @@ if _os.environ.get("_JAXTDIST_INTERPRETER_WORKER") != "1":
                               ag_matmul_sharded, all_gather, all_reduce, flash_decode,
                               flash_decode_sharded, grouped_matmul, matmul_ar,
                               matmul_ar_sharded, matmul_rs, matmul_rs_sharded, moe_combine,
-                              moe_dispatch, moe_tp_mlp,
+                              moe_combine_sharded, moe_dispatch,
+                              moe_dispatch_sharded, moe_tp_mlp,
                               reduce_scatter,
                               triton_call)
     from jaxtdist.runtime import initialize, is_initialized, shutdown
@@ -68,7 +69,9 @@ __all__ = [
     "matmul_rs",
     "matmul_rs_sharded",
     "moe_combine",
+    "moe_combine_sharded",
     "moe_dispatch",
+    "moe_dispatch_sharded",
     "moe_tp_mlp",
     "reduce_scatter",
     "runtime",

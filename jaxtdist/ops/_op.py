@@ -419,15 +419,20 @@ def _axes_spec(axes: tuple[str, ...]):
 
 def pjit_wrapper(op_fn: Callable, *, name: str,
                  in_specs: Callable[[str, tuple[str, ...]], tuple],
-                 out_specs: Callable[[str, tuple[str, ...]], Any]) -> Callable:
+                 out_specs: Callable[[str, tuple[str, ...]], Any],
+                 check: Callable[..., None] | None = None) -> Callable:
     """The op ``op_fn`` (called inside shard_map) for pjit-style code.
 
     ``in_specs(axis_name, batch_axes)`` and ``out_specs(axis_name, batch_axes)``
     give the shardings (``PartitionSpec``s) of the op's arrays over the mesh:
     ``batch_axes`` are data-parallel mesh axes (outermost first) and
-    ``axis_name`` the tensor-parallel one. The wrapper takes the op's arrays,
-    ``axis_name``, ``batch_axes``, ``mesh`` (default: the runtime's) and the
-    op's other keyword arguments.
+    ``axis_name`` the tensor-parallel one. A spec may be a prefix of a pytree
+    argument or result (one ``PartitionSpec`` for every leaf of a handle). The
+    wrapper takes the op's arrays, ``axis_name``, ``batch_axes``, ``mesh``
+    (default: the runtime's) and the op's other keyword arguments.
+    ``check(*arrays, axis_name=, batch_axes=, mesh=, **static)`` (optional)
+    checks the global arguments, raising ``ValueError``, once the axis names
+    are known to be the mesh's.
     """
 
     def wrapper(*arrays: jax.Array, axis_name: str, batch_axes: str | Sequence[str] = (),
@@ -442,6 +447,8 @@ def pjit_wrapper(op_fn: Callable, *, name: str,
             if a not in mesh.axis_names:
                 raise ValueError(f"jaxtdist.{name}: {a!r} is not an axis of the mesh; its "
                                  f"axes are {tuple(mesh.axis_names)}")
+        if check is not None:
+            check(*arrays, axis_name=axis_name, batch_axes=batch_axes, mesh=mesh, **static)
         # Separate shard_maps are separate traces: the previous wrapper's result goes
         # in as an argument (in its own sharding: nothing moves), so that this
         # call's prologue runs after it on every device.

@@ -12,6 +12,8 @@ output's cotangent scaled by the weights, plus the weights' cotangent (the
 combine kernel's dot products). At world 1 both are their local computation
 (a scatter and a gather in pure JAX); ``moe_dispatch_kernels`` /
 ``moe_combine_kernels`` run the kernels at any world (benchmarks, tests).
+``moe_dispatch_sharded`` / ``moe_combine_sharded`` are the pjit-style forms
+(``pjit_wrapper``): global arrays sharded on rows, the handle's arrays too.
 """
 
 from __future__ import annotations
@@ -25,13 +27,13 @@ import numpy as np
 
 from jaxtdist.kernels.moe import moe_combine_kernel, moe_dispatch_kernel
 from jaxtdist.ops._config import KernelConfig, Problem, resolve
-from jaxtdist.ops._op import DistributedOp
+from jaxtdist.ops._op import DistributedOp, pjit_wrapper, rows_over
 from jaxtdist.ops._protocol import Call, check_axis
 from jaxtdist.ops._shapes import align, check_dtype, next_pow2
 from jaxtdist.runtime._runtime import runtime
 
-__all__ = ["MoeConfig", "MoeHandle", "moe_combine", "moe_combine_kernels", "moe_dispatch",
-           "moe_dispatch_kernels"]
+__all__ = ["MoeConfig", "MoeHandle", "moe_combine", "moe_combine_kernels", "moe_combine_sharded",
+           "moe_dispatch", "moe_dispatch_kernels", "moe_dispatch_sharded"]
 
 # Words of a meta row per local expert of a token: local expert id, position
 # within (source, expert), k, scale (float32 bits).
@@ -566,3 +568,174 @@ def moe_combine(y: jax.Array, handle: MoeHandle, weights: jax.Array, axis_name, 
     return _COMBINE(y, weights, handle.expert_ids, handle.src_pos, handle.src_tk,
                     handle.src_ranges, axis_name=axis_name, config=config,
                     **_combine_static(handle))
+
+
+# -- pjit-style wrappers --------------------------------------------------------------
+#
+# Every array of the shard_map form is one rank's block of a global array sharded on
+# its leading dim over rows_over(axis_name, batch_axes): the tokens, recv_x, the
+# group sizes and every array of the handle (one PartitionSpec is the prefix of the
+# whole MoeHandle), so nothing moves in or out. The handle's two scalars (dropped,
+# invalid) become blocks of one element: [G] arrays, G the devices of the rows axes.
+
+def _row_groups(mesh, axis_name: str, batch_axes: tuple[str, ...]) -> tuple[int, str]:
+    """G, the devices sharding rows (batch axes times the expert axis), and words
+    saying so for errors."""
+    axes = tuple(batch_axes) + (axis_name,)
+    groups = int(np.prod([mesh.shape[a] for a in axes]))
+    sizes = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
+    return groups, f"the {groups} devices of the rows' mesh axes ({sizes})"
+
+
+def _dispatch_per_rank(x, expert_ids, axis_name, *, num_experts, max_recv_rows=None,
+                       config=None):
+    recv, sizes, handle = moe_dispatch(x, expert_ids, axis_name, num_experts=num_experts,
+                                       max_recv_rows=max_recv_rows, config=config)
+    return recv, sizes, dataclasses.replace(handle, dropped=handle.dropped[None],
+                                            invalid=handle.invalid[None])
+
+
+def _combine_per_rank(y, handle, weights, axis_name, *, config=None):
+    handle = dataclasses.replace(handle, dropped=handle.dropped[0], invalid=handle.invalid[0])
+    return moe_combine(y, handle, weights, axis_name, config=config)
+
+
+def _check_dispatch_sharded(x, expert_ids, *, axis_name, batch_axes, mesh, num_experts,
+                            max_recv_rows=None, config=None) -> None:
+    del num_experts, max_recv_rows, config  # checked per rank, as moe_dispatch's
+    name = "jaxtdist.moe_dispatch_sharded"
+    groups, words = _row_groups(mesh, axis_name, batch_axes)
+    if getattr(x, "ndim", None) != 2:
+        raise ValueError(f"{name}: x must be the global tokens [W * T, H] (2-D), got shape "
+                         f"{getattr(x, 'shape', None)}")
+    if x.shape[0] % groups:
+        raise ValueError(f"{name}: x has {x.shape[0]} rows, not a multiple of {words}; "
+                         f"its rows are sharded over them (T = rows / {groups} per rank)")
+    if getattr(expert_ids, "ndim", None) != 2 or expert_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"{name}: expert_ids must be [W * T, K] with as many rows as x "
+                         f"({x.shape[0]}), got shape {getattr(expert_ids, 'shape', None)}")
+
+
+def _check_combine_sharded(y, handle, weights, *, axis_name, batch_axes, mesh,
+                           config=None) -> None:
+    del config
+    name = "jaxtdist.moe_combine_sharded"
+    groups, words = _row_groups(mesh, axis_name, batch_axes)
+    if not isinstance(handle, MoeHandle) or getattr(handle.dropped, "shape", None) != (groups,):
+        got = (f"a MoeHandle whose dropped has shape {getattr(handle.dropped, 'shape', None)}"
+               if isinstance(handle, MoeHandle) else type(handle).__name__)
+        raise ValueError(f"{name}: handle must be the MoeHandle that moe_dispatch_sharded "
+                         f"returned with the same axis_name {axis_name!r} and batch_axes "
+                         f"{tuple(batch_axes)} (its dropped: one count per device of {words}: "
+                         f"shape ({groups},)); got {got}")
+    rows = groups * handle.max_recv_rows
+    if getattr(y, "ndim", None) != 2 or y.shape[0] != rows:
+        raise ValueError(f"{name}: y must be [G * R, F] = [{rows}, F]: one row per row of the "
+                         f"dispatch's recv_x (G = {groups} devices, R = max_recv_rows = "
+                         f"{handle.max_recv_rows} per device), got shape "
+                         f"{getattr(y, 'shape', None)}")
+    if getattr(weights, "shape", None) != tuple(handle.expert_ids.shape):
+        raise ValueError(f"{name}: weights must be [W * T, K] = {tuple(handle.expert_ids.shape)} "
+                         f"like the dispatch's expert_ids, got shape "
+                         f"{getattr(weights, 'shape', None)}")
+
+
+def _rows_spec(axis, batch):
+    return jax.sharding.PartitionSpec(rows_over(axis, batch))
+
+
+moe_dispatch_sharded = pjit_wrapper(
+    _dispatch_per_rank, name="moe_dispatch_sharded",
+    in_specs=lambda axis, batch: (_rows_spec(axis, batch),) * 2,
+    out_specs=lambda axis, batch: (_rows_spec(axis, batch),) * 3,
+    check=_check_dispatch_sharded)
+moe_dispatch_sharded.__doc__ = """``moe_dispatch`` for pjit-style code: no hand-written ``shard_map``.
+
+    Call it under ``jax.jit`` (or eagerly) on global arrays. The rows of ``x``
+    and ``expert_ids`` are sharded over ``(*batch_axes, axis_name)``: G devices,
+    each holding T = rows / G tokens; within each batch group the W ranks of
+    ``axis_name`` exchange their tokens (rank r owns experts
+    ``[r * E / W, (r + 1) * E / W)``, as in ``moe_dispatch``). Mesh axes not
+    named are replicated. Ordered after the previous jaxtdist call and
+    differentiable in ``x``, as ``moe_dispatch``.
+
+    Every result is the shard_map form's per-device result, concatenated over
+    the G devices on its leading dim and sharded there like ``x``: nothing
+    moves, and one ``PartitionSpec`` shards the whole handle. The handle's
+    scalars become one element per device:
+
+    - ``recv_x`` [G * R, H]: device g's rows are ``[g * R, (g + 1) * R)``.
+    - ``group_sizes`` [G * E / W] int32: device g's local experts' row counts
+      (reshape to [G, E / W] to read them).
+    - ``handle``: a ``MoeHandle`` for ``moe_combine_sharded``, arrays
+      ``expert_ids`` [G * T, K] (the routing), ``recv_counts`` [G * W, E / W],
+      ``src_pos`` / ``src_tk`` [G * W * T, min(K, E / W)], ``src_ranges``
+      [G * W, P, 2], ``dropped`` and ``invalid`` [G] (each device's counts).
+      Its static fields are the per-device ones (``max_recv_rows`` = R).
+
+    Args:
+      x: [G * T, H] the tokens (bfloat16, float16 or float32).
+      expert_ids: [G * T, K] int32 top-K routing, as for ``moe_dispatch``.
+      axis_name: the expert-parallel mesh axis, one name (keyword).
+      batch_axes: mesh axes that also shard the rows (data parallelism,
+        outermost first); each of their groups has its own experts' copies.
+      mesh: the mesh; defaults to the one given to ``jaxtdist.initialize``.
+      num_experts: E, a multiple of W.
+      max_recv_rows: R, ``recv_x``'s rows per device (static); default
+        ``W * T * min(K, E / W)`` (nothing can be dropped).
+      config: as for ``moe_dispatch``.
+
+    Returns:
+      (recv_x, group_sizes, handle), laid out as above.
+
+    Raises:
+      ValueError: an axis not of the mesh or named twice, rows not a multiple
+        of G, mismatched shapes, or what ``moe_dispatch`` refuses.
+
+    Example:
+      >>> mesh = jax.make_mesh((4,), ("ep",)); jaxtdist.initialize(mesh)
+      >>> @jax.jit
+      ... def layer(x, ids, gate, w):  # x, ids, gate: P("ep") rows; w [4, E / 4, H, F]: P("ep")
+      ...     recv, sizes, handle = jaxtdist.moe_dispatch_sharded(
+      ...         x, ids, axis_name="ep", num_experts=8)
+      ...     y = jax.vmap(jax.lax.ragged_dot)(recv.reshape(4, -1, recv.shape[1]), w,
+      ...                                      sizes.reshape(4, -1))
+      ...     return jaxtdist.moe_combine_sharded(y.reshape(-1, y.shape[2]), handle, gate,
+      ...                                         axis_name="ep")
+    """
+
+moe_combine_sharded = pjit_wrapper(
+    _combine_per_rank, name="moe_combine_sharded",
+    in_specs=lambda axis, batch: (_rows_spec(axis, batch),) * 3,
+    out_specs=_rows_spec,
+    check=_check_combine_sharded)
+moe_combine_sharded.__doc__ = """``moe_combine`` for pjit-style code: no hand-written ``shard_map``.
+
+    ``out[t] = sum_k weights[t, k] * (row of y holding token t's copy for
+    expert expert_ids[t, k])`` for every token t of the global array, each
+    device combining its own tokens (as ``moe_combine``). Ordered after the
+    previous jaxtdist call; differentiable in ``y`` and ``weights``.
+
+    Args:
+      y: [G * R, F] the experts' outputs, one row per row of the dispatch's
+        ``recv_x``, sharded on rows like it.
+      handle: the ``MoeHandle`` that ``moe_dispatch_sharded`` returned (same
+        ``axis_name``, ``batch_axes`` and mesh).
+      weights: [G * T, K] routing weights (any float dtype), sharded on rows.
+      axis_name: the dispatch's axis (keyword).
+      batch_axes: the dispatch's batch axes.
+      mesh: the mesh; defaults to the one given to ``jaxtdist.initialize``.
+      config: as for ``moe_combine``.
+
+    Returns:
+      [G * T, F] in y's dtype, rows sharded over ``(*batch_axes, axis_name)``.
+
+    Raises:
+      ValueError: an axis not of the mesh or named twice, a handle not made by
+        ``moe_dispatch_sharded`` over the same axes, or mismatched shapes.
+
+    Example:
+      >>> recv, sizes, handle = jaxtdist.moe_dispatch_sharded(x, ids, axis_name="ep",
+      ...                                                     num_experts=8)
+      >>> out = jaxtdist.moe_combine_sharded(recv * 2.0, handle, gate, axis_name="ep")
+    """
