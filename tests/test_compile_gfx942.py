@@ -122,7 +122,7 @@ def _problems():
     args = {k: v for k, v in cfg.kernel_args().items() if k not in ("PARTIAL", "NUM_PROGRAMS")}
     out["matmul_rs"] = (dict(args, M_SHARD=m // WORLD, N=n, K=k_shard, INBOX_OFF=1 << 20,
                              PARITY_BYTES=1 << 28, FLAGS_OFF=4096,
-                             PARTIAL_INPUT=cfg.PARTIAL == "input",
+                             PARTIAL_INPUT=cfg.PARTIAL == "input", WORLD=WORLD,
                              NUM_PROGRAMS=cfg.programs(p, tiles), INTERLEAVE=True),
                         cfg.launch_options())
     cfg = pick(MatmulArConfig, (16, 8192, 2048))

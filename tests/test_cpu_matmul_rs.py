@@ -62,7 +62,7 @@ def test_matmul_rs(world, dtype, m_shard, n, k):
 
 
 @pytest.mark.parametrize("config", [dict(NUM_PROGRAMS=1), dict(NUM_PROGRAMS=7, BLOCK_N=16),
-                                    dict(PARTIAL="input"), dict(BLOCK_M=16, GROUP_M=1)])
+                                    dict(PARTIAL="float32"), dict(BLOCK_M=16, GROUP_M=1)])
 def test_matmul_rs_configs(config):
     world = 4
     mesh = setup(world)

@@ -63,7 +63,7 @@ def _sweep(op: str, m: int) -> list[dict]:
     if op == "ag_matmul":
         sweep += [_tile(128, 256, FLATTEN=False), _tile(128, 128, FLATTEN=True, GROUP_M=16)]
     else:
-        sweep += [_tile(128, 256, GROUP_M=16), _tile(128, 128, stages=5)]
+        sweep += [_tile(128, 256, FLATTEN=False), _tile(128, 128, FLATTEN=False)]
     return sweep
 
 
