@@ -8,6 +8,8 @@ import ast
 import json
 import pathlib
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -228,3 +230,107 @@ def test_gemm_benchmark_checks_every_family_and_tabulates(faked_timing):
     text = gemm.table(dict(device="cpu", rows=rows, iterations=2, rounds=1))
     assert "| matmul_rs | 32 x 48 x 32 |" in text
     assert "geomean 1.000, max 1.00, 3 of 3 within 1.15" in text
+
+
+def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                                recv_sizes, *, axis_name):
+    """``jax.lax.ragged_all_to_all``'s semantics from all_gather (XLA:CPU lacks the op):
+    source s's slice for this rank lands at the offset s chose for it."""
+    del recv_sizes
+    me = jax.lax.axis_index(axis_name)
+    ops, ins, sizes, outs = (jax.lax.all_gather(a, axis_name) for a in
+                             (operand, input_offsets, send_sizes, output_offsets))
+    row = jnp.arange(output.shape[0])
+    for s in range(ops.shape[0]):
+        start, size = outs[s, me], sizes[s, me]
+        take = (row >= start) & (row < start + size)
+        src = jnp.clip(ins[s, me] + row - start, 0, operand.shape[0] - 1)
+        output = jnp.where(take[:, None], ops[s][src], output)
+    return output
+
+
+def test_moe_xla_contenders_match_the_reference():
+    """The world-W benchmark's XLA contenders (pure JAX, world 4, float32): the
+    all_to_all layer, and the ragged_all_to_all layer's offsets (the collective
+    emulated: XLA:CPU has none), give x times each token's weight sum; the
+    dispatch's layout reference agrees with the ops' own reference."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxtdist.bench import moe
+    from tests.test_cpu_moe import ref_dispatch
+
+    world, t, hidden, k, e = 4, 5, 16, 3, 8
+    mesh = jax.make_mesh((world,), ("ep",), devices=jax.devices()[:world],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((world * t, hidden)).astype(np.float32)
+    ids = moe._routing(8, world * t, k, e)
+    w = rng.random((world * t, k), np.float32)
+    ref = x * w.sum(1, keepdims=True)
+    args = tuple(jax.device_put(jnp.asarray(a), NamedSharding(mesh, P("ep"))) for a in (x, ids, w))
+    specs = dict(mesh=mesh, in_specs=(P("ep"),) * 3, out_specs=P("ep"), check_vma=False)
+    layers = dict(
+        all_to_all=lambda x, i, w: moe.all_to_all_moe(x, i, w, "ep", world=world, num_experts=e),
+        ragged=lambda x, i, w: moe.ragged_moe(x, i, w, "ep", world=world, num_experts=e,
+                                              ragged_all_to_all=_emulated_ragged_all_to_all))
+    for name, body in layers.items():
+        out = jax.jit(jax.shard_map(body, **specs))(*args)
+        np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5, err_msg=name)
+    # ragged's dispatch: every rank's rows, grouped by source rank, then padding.
+    recv = np.asarray(jax.jit(jax.shard_map(lambda x, i, w: moe.ragged_moe(
+        x, i, w, "ep", world=world, num_experts=e, combine=False,
+        ragged_all_to_all=_emulated_ragged_all_to_all), **specs))(*args))
+    rows = world * t * min(k, e // world)
+    for d in range(world):
+        pairs = (ids // (e // world) == d)
+        want = np.concatenate([np.repeat(x[s * t:(s + 1) * t], pairs[s * t:(s + 1) * t].sum(1),
+                                         axis=0) for s in range(world)])
+        np.testing.assert_array_equal(recv[d * rows:d * rows + len(want)], want)
+        assert not recv[d * rows + len(want):(d + 1) * rows].any()
+    want, _, _, _ = ref_dispatch(x, ids, world, e, rows)
+    np.testing.assert_array_equal(moe.expected_recv(x, ids, world, e),
+                                  np.concatenate(list(want)).astype(np.float32))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_moe_benchmark_runs_and_tabulates(faked_timing, world):
+    """``python -m jaxtdist.bench moe [--world 2]`` on a tiny shape (CPU, faked timing,
+    bf16): at world 1 the kernels against the local computation; at world 2
+    jaxtdist, all_to_all and ragged_all_to_all (which XLA:CPU lacks: its error is
+    recorded) in one table, every combine that ran close to float32, recv_x exact."""
+    from jaxtdist.bench import moe
+
+    shape = (4, 32, 2, 4)
+    if world == 1:
+        rows = moe.bench_moe([shape], 2, rounds=1, heap_bytes=16 << 20)
+        assert rows[0]["kernels_dispatch"]["exact"], rows
+        assert rows[0]["kernels_layer"]["rel_err"] < 1e-2, rows
+        text = moe.table(dict(world=1, device="cpu", rows=rows, iterations=2, rounds=1))
+        assert "| 4 x 32, top-2, 4 | 1.5 | 1.5 | 1.00 |" in text
+        return
+    rows = moe.bench_moe_ep([shape], 2, world, rounds=1, heap_bytes=16 << 20)
+    row = rows[0]
+    assert row["jaxtdist_dispatch"]["exact"], row
+    ran = [n for n in moe.EP_SERIES if "error" not in row[n]]
+    assert {"jaxtdist_layer", "jaxtdist_dispatch", "all_to_all_layer",
+            "all_to_all_dispatch"} <= set(ran), row
+    for name in ran:
+        if name.endswith("_layer"):
+            assert row[name]["rel_err"] < 1e-2, (name, row[name])
+    for name in set(moe.EP_SERIES) - set(ran):
+        assert name.startswith("ragged") and "ragged" in row[name]["error"][0].lower(), row
+    assert row["pair_bytes_per_rank"] == 4 * 2 * 32 * 2
+    assert 0 < row["dispatch_remote_bytes_per_rank"] <= row["dispatch_bytes_per_rank"] \
+        <= row["pair_bytes_per_rank"]
+    assert row["jaxtdist_dispatch"]["gb_per_s"] == row["dispatch_bytes_per_rank"] / 1.5e3
+    res = dict(world=world, device="cpu", rows=rows, iterations=2, rounds=1)
+    text = moe.table(res)
+    lines = text.splitlines()
+    assert lines[2].count("|") == lines[4].count("|") == len(moe.EP_COLUMNS) + 1
+    assert "| 4 x 32, top-2, 4 |" in lines[4] and "expert parallel over 2 x cpu" in lines[0]
+    for header in ("dispatch: jaxtdist", "dispatch: all_to_all", "dispatch: ragged_all_to_all",
+                   "jaxtdist / a2a", "jaxtdist / ragged", "jaxtdist dispatch GB/s",
+                   "d + c: jaxtdist", "rel err: a2a", "rel err: ragged"):
+        assert f"| {header} |" in lines[2], header
+    assert " | 1.00 | " in lines[4]  # jaxtdist / a2a on equal faked times
