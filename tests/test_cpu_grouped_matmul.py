@@ -134,6 +134,28 @@ def test_grouped_matmul_grad(dtype):
     assert_close(dw, np.asarray(rdw, np.float32), dtype)
 
 
+def test_grouped_matmul_vmap_of_remat_grad():
+    """vmap(grad(checkpoint(f))) with w and the sizes unbatched: the backward's
+    kernel call, traced unbatched under remat and batched afterwards, takes the
+    previous call's output as an argument (one_call_per_element), not as a
+    closed-over value that custom_vmap would reject."""
+    mesh = setup(1, ("ep",))
+    x, w = rand((3, 40, 32)), rand((3, 32, 48))
+    sizes = jnp.asarray([9, 0, 26], jnp.int32)
+
+    def loss(fn):
+        return lambda x, w: jnp.sum(jnp.sin(fn(x, w, sizes)))
+
+    ours = jax.jit(jax.shard_map(
+        jax.vmap(jax.grad(jax.checkpoint(loss(td.grouped_matmul)), argnums=(0, 1)),
+                 in_axes=(0, None)), mesh=mesh, in_specs=(P(), P()), out_specs=(P(), P())))
+    dx, dw = ours(x, w)
+    for i in range(3):
+        rdx, rdw = jax.grad(loss(jax.lax.ragged_dot), argnums=(0, 1))(x[i], w)
+        assert_close(dx[i], np.asarray(rdx), F32)
+        assert_close(dw[i], np.asarray(rdw), F32)
+
+
 def test_grouped_matmul_errors():
     mesh = setup(1, ("ep",))
     x, w, s = rand((8, 16)), rand((2, 16, 16)), np.array([4, 4], np.int32)
@@ -193,10 +215,12 @@ def test_grouped_matmul_benchmark_runs_both_contenders_and_tabulates(faked_timin
     assert "grouped_matmul" in cli.benchmarks()
 
 
-@pytest.mark.parametrize("dtype,tma", [("bf16", True), ("fp32", True), ("bf16", False)])
-def test_grouped_gemm_kernel_compiles_for_sm90(dtype, tma):
+@pytest.mark.parametrize("dtype,tma,w_t", [("bf16", True, False), ("fp32", True, False),
+                                            ("bf16", False, False), ("bf16", True, True)])
+def test_grouped_gemm_kernel_compiles_for_sm90(dtype, tma, w_t):
     """The GPU path (not run by the interpreter): TMA loads through the core's
-    mainloop with wgmma, the per-tile w descriptor, TMA stores of whole tiles."""
+    mainloop with wgmma, the per-tile w descriptor, TMA stores of whole tiles;
+    with W_T (the backward's dx) w[g]'s tiles fed to wgmma transposed."""
     import re
 
     from jaxtdist.kernels.grouped_gemm import grouped_gemm_kernel
@@ -208,7 +232,7 @@ def test_grouped_gemm_kernel_compiles_for_sm90(dtype, tma):
                                                  f"*{dtype}"],
                            dict(R=4096, H=4096 if tma else 4100, F=14336, G=8, BLOCK_G=16,
                                 BLOCK_M=128, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-                                NUM_PROGRAMS=132, SUBTILE=sub, TMA=tma),
+                                NUM_PROGRAMS=132, SUBTILE=sub, TMA=tma, W_T=w_t),
                            num_warps=8, num_stages=3, capability=90)
     except RuntimeError as e:
         if "ptxas" in str(e).lower():

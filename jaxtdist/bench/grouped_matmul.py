@@ -7,6 +7,9 @@ once per shape (``used * R`` rows dealt to the G groups with a mild skew,
 the rest padding rows past the groups). Relative errors of both against the
 float32 grouped product (``ragged_dot`` of float32 operands at HIGHEST
 precision). Issue 33's target: grouped_matmul within 1.10x of ragged_dot.
+The backward pass too: the gradients of x and w of ``sum(out * c)`` through
+each op (grouped_matmul: dx on its kernel, dw by ragged_dot's VJP), their
+relative errors against the float32 gradients.
 """
 
 from __future__ import annotations
@@ -45,6 +48,18 @@ def bench_grouped_matmul(shapes, iterations: int, rounds: int = 4, dtype=jnp.bfl
     ragged = jax.jit(jax.lax.ragged_dot)
     exact = jax.jit(lambda x, w, s: jax.lax.ragged_dot(
         x.astype(jnp.float32), w.astype(jnp.float32), s, precision=jax.lax.Precision.HIGHEST))
+
+    def grads(fn):
+        return jax.grad(lambda x, w, s, c: jnp.sum(fn(x, w, s).astype(jnp.float32) * c),
+                        argnums=(0, 1))
+
+    ours_grad = jax.jit(jax.shard_map(
+        grads(lambda x, w, s: td.grouped_matmul(x, w, s, config=config)), mesh=mesh,
+        in_specs=(P(), P(), P(), P()), out_specs=(P(), P()), check_vma=False))
+    ragged_grad = jax.jit(grads(jax.lax.ragged_dot))
+    exact_grad = jax.jit(lambda x, w, s, c: grads(lambda a, b, s: jax.lax.ragged_dot(
+        a, b, s, precision=jax.lax.Precision.HIGHEST))(
+        x.astype(jnp.float32), w.astype(jnp.float32), s, c))
     rows = []
     for i, (r, hidden, f, g, used) in enumerate(shapes):
         x = jax.device_put(h.normal(900 + 2 * i, (r, hidden), dtype, scale=hidden ** -0.5),
@@ -57,9 +72,17 @@ def bench_grouped_matmul(shapes, iterations: int, rounds: int = 4, dtype=jnp.bfl
                    dtype=jnp.dtype(dtype).name, world=1, rounds=rounds,
                    size=2.0 * float(np.asarray(sizes).sum()) * hidden * f,
                    label=f"{r}x{hidden}x{f} G={g}")
+        c = jax.device_put(h.normal(960 + i, (r, f), jnp.float32), device)
         row.update(h.interleaved(dict(
             ragged_dot=h.Contender(ragged, args, 1, ref),
-            grouped_matmul=h.Contender(ours, args, 1, ref)), iterations, rounds))
+            grouped_matmul=h.Contender(ours, args, 1, ref),
+            ragged_dot_grad=h.Contender(ragged_grad, args + (c,), 1),
+            grouped_matmul_grad=h.Contender(ours_grad, args + (c,), 1)), iterations, rounds))
+        want = exact_grad(x, w, sizes, c)
+        for name, fn in (("ragged_dot_grad", ragged_grad), ("grouped_matmul_grad", ours_grad)):
+            if "error" not in row[name]:
+                got = fn(x, w, sizes, c)
+                row[name]["rel_err"] = max(h.rel_err(a, b) for a, b in zip(got, want))
         rows.append(row)
         print(f"grouped_matmul R={r} H={hidden} F={f} G={g} used={used}: ragged_dot "
               f"{h.us(row.get('ragged_dot'))} | grouped_matmul {h.us(row.get('grouped_matmul'))}"
@@ -77,6 +100,10 @@ COLUMNS = [
              lambda r: h.ratio(r.get("grouped_matmul"), r.get("ragged_dot"))),
     h.Column("rel err (grouped_matmul)", lambda r: h.err(r.get("grouped_matmul"))),
     h.Column("rel err (ragged_dot)", lambda r: h.err(r.get("ragged_dot"))),
+    h.Column("backward: ragged_dot", lambda r: h.us(r.get("ragged_dot_grad"))),
+    h.Column("backward: grouped_matmul", lambda r: h.us(r.get("grouped_matmul_grad"))),
+    h.Column("ratio", lambda r: h.ratio(r.get("grouped_matmul_grad"), r.get("ragged_dot_grad"))),
+    h.Column("rel err dx, dw (grouped_matmul)", lambda r: h.err(r.get("grouped_matmul_grad"))),
 ]
 
 

@@ -29,6 +29,11 @@ the tile's group ``w[g]`` [H, F] made on the device per tile (a per-group
 TMA's zeros, never group g + 1's weights). Without TMA, the pointer tile
 ``dot_tile`` with masked rows, columns and K. The kernel uses no heap memory
 and no signal: ``ctx`` is the calling protocol's context, unused.
+
+W_T (TMA only): w is [G, F, H] and group g multiplies by ``w[g].T``, read
+through a descriptor of ``w[g]`` [F, H] in [BLOCK_N, BLOCK_K] blocks that the
+mainloop feeds to wgmma transposed: the backward's dx = dy @ w[g].T needs no
+transposed copy of the weights.
 """
 
 import triton
@@ -78,8 +83,9 @@ def grouped_gemm_kernel(ctx, x_ptr, w_ptr, sizes_ptr, out_ptr,
                         BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                         NUM_PROGRAMS: tl.constexpr, SUBTILE: tl.constexpr,
-                        TMA: tl.constexpr):
-    """Grid: (NUM_PROGRAMS,). x [R, H], w [G, H, F], sizes [G] int32 -> out [R, F].
+                        TMA: tl.constexpr, W_T: tl.constexpr = False):
+    """Grid: (NUM_PROGRAMS,). x [R, H], w [G, H, F] ([G, F, H] with W_T), sizes [G]
+    int32 -> out [R, F].
 
     See the module docstring. TMA: H and F times the itemsize are multiples of
     16 bytes (the launch gives the kernel Triton's global scratch).
@@ -107,16 +113,21 @@ def grouped_gemm_kernel(ctx, x_ptr, w_ptr, sizes_ptr, out_ptr,
             cols = col0 + tl.arange(0, BLOCK_N)
             w_group = w_ptr + g.to(tl.int64) * (H * F)
             if TMA:
-                w_desc = tl.make_tensor_descriptor(w_group, shape=[H, F], strides=[F, 1],
-                                                   block_shape=[BLOCK_K, BLOCK_N])
+                if W_T:
+                    w_desc = tl.make_tensor_descriptor(w_group, shape=[F, H], strides=[H, 1],
+                                                       block_shape=[BLOCK_N, BLOCK_K])
+                else:
+                    w_desc = tl.make_tensor_descriptor(w_group, shape=[H, F], strides=[F, 1],
+                                                       block_shape=[BLOCK_K, BLOCK_N])
                 acc = tile_acc(x_desc, w_desc, row0, col0, 0, H, BLOCK_M,
-                               BLOCK_N, BLOCK_K)
+                               BLOCK_N, BLOCK_K, B_T=W_T)
                 if row0 + BLOCK_M <= row_end:
                     store_tile(c_desc, acc, 0, row0, col0, BLOCK_M, BLOCK_N,
                                SUBTILE)
                 else:  # the group's last rows: drop the next group's
                     _store_rows(out_ptr, acc, rows, row_end, cols, F)
             else:
+                tl.static_assert(not W_T, "W_T needs TMA (the op transposes w otherwise)")
                 acc = dot_tile(x_ptr, w_group, rows, rows < row_end, cols, cols < F, 0, H, H, F,
                                BLOCK_M, BLOCK_N, BLOCK_K)
                 _store_rows(out_ptr, acc, rows, row_end, cols, F)

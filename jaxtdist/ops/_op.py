@@ -375,22 +375,34 @@ def one_call_per_element(fn: Callable) -> Callable:
     returned and recorded in the caller's trace: the caller's next call runs
     after it, not only after ``fn``'s results (which an earlier kernel may make:
     matmul_rs's backward copies the gathered dy out of an inbox after the GEMM)."""
-    batched_fn = jax.custom_batching.custom_vmap(lambda *args: (fn(*args), _last_record()))
-
-    @batched_fn.def_vmap
-    def rule(axis_size, in_batched, *args):
-        del axis_size
-        mapped = tuple(a for a, b in zip(args, in_batched) if b)
-
-        def one(elements):
-            it = iter(elements)
-            return fn(*(next(it) if b else a for a, b in zip(args, in_batched))), _last_record()
-
-        outs = jax.lax.map(one, mapped)
-        return outs, jax.tree_util.tree_map(lambda _: True, outs)
-
     def call(*args):
-        out, last = batched_fn(*args)
+        # The previous output (and token) the body's first call runs after, passed
+        # in as arguments, not closed over: a body traced unbatched (a backward
+        # under jax.checkpoint) may be batched later, and custom_vmap rejects
+        # batched closed-over values.
+        deps = program_order_deps(runtime())
+        n = len(deps)
+
+        def with_deps(*a):
+            if n:
+                record_output(runtime(), a[0], token=a[1] if n > 1 else None)
+            return fn(*a[n:]), _last_record()
+
+        batched_fn = jax.custom_batching.custom_vmap(with_deps)
+
+        @batched_fn.def_vmap
+        def rule(axis_size, in_batched, *a):
+            del axis_size
+            mapped = tuple(x for x, b in zip(a, in_batched) if b)
+
+            def one(elements):
+                it = iter(elements)
+                return with_deps(*(next(it) if b else x for x, b in zip(a, in_batched)))
+
+            outs = jax.lax.map(one, mapped)
+            return outs, jax.tree_util.tree_map(lambda _: True, outs)
+
+        out, last = batched_fn(*deps, *args)
         # (Not a batched value: later bodies would close over it, which they cannot.)
         if last is not None and not any(isinstance(v, _BatchTracer) for v in last):
             record_output(runtime(), last[0], token=last[1])

@@ -1,7 +1,8 @@
 """jaxtdist.grouped_matmul: the local grouped GEMM (MoE experts) on the GEMM core.
 
 Shapes (``_check``), plan (``GroupedMatmulConfig``), launch
-(``grouped_matmul_kernels``) and backward (``jax.lax.ragged_dot``'s VJP);
+(``grouped_matmul_kernels``) and backward (dx on the same kernel, dw by
+``jax.lax.ragged_dot``'s VJP);
 ``DistributedOp`` supplies program order, remat safety and the custom_vjp.
 The op is local: it runs in a group of one device (``axis_name=()``, world
 1), whatever the mesh, and never communicates. The kernel is
@@ -20,7 +21,7 @@ import numpy as np
 from jaxtdist.kernels.grouped_gemm import grouped_gemm_kernel
 from jaxtdist.ops._config import KernelConfig, Problem, check_blocks, resolve
 from jaxtdist.ops._gemm_config import default_tiles, stages_for, tma_fits
-from jaxtdist.ops._op import DistributedOp
+from jaxtdist.ops._op import DistributedOp, one_call_per_element
 from jaxtdist.ops._protocol import Call
 from jaxtdist.ops._shapes import check_dtype, next_pow2
 
@@ -142,12 +143,6 @@ def _check(x, w, group_sizes, *, axis_name=_LOCAL, config=None) -> None:
                          f"{x.dtype.name}: they must match (bfloat16, float16 or float32)")
 
 
-def _problem(call: Call, x, w) -> Problem:
-    g, h, f = w.shape
-    return Problem(call.platform, 1, (x.shape[0], h, f, g), jnp.dtype(x.dtype).name,
-                   call.rt.sms)
-
-
 # -- launch ----------------------------------------------------------------------
 
 def grouped_matmul_kernels(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
@@ -160,15 +155,24 @@ def grouped_matmul_kernels(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *
     """
     x, w, group_sizes = (jnp.asarray(a) for a in (x, w, group_sizes))
     _check(x, w, group_sizes)
+    return _launch(x, w, group_sizes, config, w_t=False)
+
+
+def _launch(x, w, group_sizes, config, *, w_t: bool) -> jax.Array:
+    """x [R, H] times w[g] ([G, H, F]), or with ``w_t`` times w[g].T (w [G, F, H]),
+    row group by row group -> [R, F]."""
     r, h = x.shape
-    g, _, f = w.shape
+    g = w.shape[0]
+    f = w.shape[1] if w_t else w.shape[2]
     if r == 0 or f == 0 or h == 0:
         return jnp.zeros((r, f), x.dtype)
     call = Call("grouped_matmul", _LOCAL)
-    problem = _problem(call, x, w)
+    problem = Problem(call.platform, 1, (r, h, f, g), jnp.dtype(x.dtype).name, call.rt.sms)
     cfg = resolve(GroupedMatmulConfig, problem, call.rt, config, axis_name=_LOCAL)
     programs = cfg.programs(problem)
     tma = problem.vendor == "nvidia" and tma_fits(h, f, problem.itemsize)
+    if w_t and not tma:  # the pointer GEMM reads w[g] row-major: transpose it
+        w, w_t = jnp.swapaxes(w, 1, 2), False
     sizes = group_sizes.astype(jnp.int32)
     # No heap memory: the workspace is the epoch counter the protocol keeps.
     ws = call.workspace("local", 1)
@@ -178,7 +182,7 @@ def grouped_matmul_kernels(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *
         needs_scratch=tma, varying=call.result_axes(local=(x, w, sizes)),
         **cfg.launch_options(), R=r, H=h, F=f, G=g, BLOCK_G=max(16, next_pow2(g)),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-        NUM_PROGRAMS=programs, SUBTILE=cfg.SUBTILE, TMA=tma)
+        NUM_PROGRAMS=programs, SUBTILE=cfg.SUBTILE, TMA=tma, W_T=w_t)
 
 
 def _forward(x, w, group_sizes, *, axis_name=_LOCAL, config=None):
@@ -189,8 +193,14 @@ def _forward(x, w, group_sizes, *, axis_name=_LOCAL, config=None):
 def _backward(residuals, ct, *, axis_name=_LOCAL, config=None):
     del axis_name, config
     x, w, group_sizes = residuals
-    _, vjp = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, group_sizes), x, w)
-    dx, dw = vjp(ct.astype(x.dtype))
+    ct = ct.astype(x.dtype)
+    # dx = ct @ w[g].T per group, on this kernel (w read transposed, no copy);
+    # rows past the groups get zeros, as ragged_dot's VJP gives them.
+    dx = one_call_per_element(lambda a, b, c: _launch(a, b, c, None, w_t=True))(
+        ct, w, group_sizes)
+    # dw[g] = x_g.T @ ct_g contracts over the ragged rows: XLA's ragged_dot VJP.
+    _, vjp = jax.vjp(lambda b: jax.lax.ragged_dot(x, b, group_sizes), w)
+    dw, = vjp(ct)
     return dx, dw, None
 
 
@@ -216,8 +226,9 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     multiples, a masked pointer GEMM otherwise; results accumulate in float32
     and are rounded once to x's dtype.
 
-    Differentiable: the backward pass is ``jax.lax.ragged_dot``'s VJP (XLA's
-    grouped GEMMs), not this kernel; ``group_sizes`` gets no cotangent.
+    Differentiable: dx runs on this kernel (w read transposed); dw, whose
+    contraction runs over each group's rows, is ``jax.lax.ragged_dot``'s VJP
+    (XLA); ``group_sizes`` gets no cotangent.
 
     Args:
       x: [R, H], bfloat16, float16 or float32.

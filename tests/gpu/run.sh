@@ -88,6 +88,8 @@ if has bench; then
       if [ "$OP" = model ]; then bench model "model_${DEV}x${W}" --world "$W" $ITER
       else bench "$OP" "${OP}_${DEV}x${W}" --world "$W" $ARGS; fi
     done
+    # MoE expert-parallel dispatch/combine against XLA's all_to_all and ragged_all_to_all.
+    [ "$W" -gt 1 ] && bench moe "moe_${DEV}x${W}" --world "$W" $ARGS
   done
   # World 1, default configs: a fresh, empty tuning cache (the subcommands make one).
   for B in ${WORLD1_BENCHES:-gemm grouped_matmul moe untuned untuned_matmul_rs}; do
