@@ -69,6 +69,19 @@ def test_ag_attention(world, dtype, causal, b, s, hq, hkv, d):
         assert _rel(out, _reference(q, k, v, causal)) < TOL[jnp.dtype(dtype)]
 
 
+@pytest.mark.parametrize("block_m,block_n", [(16, 32), (32, 16)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_ag_attention_block_shapes(block_m, block_n, causal):
+    """Query tiles narrower and wider than key blocks: the unmasked keys (before the
+    tile's first query, causal; whole blocks, not) end on a key-block boundary,
+    the masked rest (the diagonal, the partial last block) follows."""
+    world = 2
+    mesh = setup(world, ("sp",))
+    f = _fn(mesh, causal, config=dict(BLOCK_M=block_m, BLOCK_N=block_n))
+    (q, k, v), placed = _operands(mesh, world, 1, 50, 2, 1, 64, F32)
+    assert _rel(f(*placed), _reference(q, k, v, causal)) < TOL[jnp.dtype(F32)]
+
+
 @pytest.mark.parametrize("gather", ["inbox", "peer"])
 @pytest.mark.parametrize("world,causal,b,s", [(2, True, 2, 21), (3, False, 1, 16)])
 def test_ag_attention_gather_paths(gather, world, causal, b, s):

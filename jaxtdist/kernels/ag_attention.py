@@ -40,34 +40,49 @@ from jaxtdist.kernels._tiles import aligned_after
 
 
 @triton.jit
-def _attend(q, m, l, acc, kb, vb, rows, hi, DIAG: tl.constexpr, STRIDE: tl.constexpr,
-            D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-            QK_SCALE: tl.constexpr, IEEE: tl.constexpr):
-    """Folds keys [0, hi) of one chunk into the online softmax (m, l, acc) of the
-    query tile ``q`` (rows ``rows`` of the chunk's positions; with DIAG, key j is
-    seen by row i only when j <= i). ``kb``, ``vb``: the chunk's key and value of
-    position 0 for this (batch, KV head); positions are STRIDE elements apart."""
+def _attend_blocks(q, m, l, acc, kb, vb, rows, lo, hi, MASKED: tl.constexpr,
+                   DIAG: tl.constexpr, STRIDE: tl.constexpr, D: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, QK_SCALE: tl.constexpr,
+                   IEEE: tl.constexpr):
+    """Folds keys [lo, hi) of one chunk into the online softmax (m, l, acc) of the
+    query tile ``q`` (rows ``rows`` of the chunk's positions), BLOCK_N at a time.
+
+    MASKED: keys at or past ``hi`` read as absent, and with DIAG key j is seen by
+    row i only when j <= i; rows that have seen no key keep m = -inf. Unmasked
+    (the bulk of the loop): every block is whole and seen by every row, so no
+    compare, select or -inf guard, and the scale folds into one FMA with the
+    shift. ``kb``, ``vb``: the chunk's key and value of position 0 for this
+    (batch, KV head); positions are STRIDE elements apart.
+    """
     d = tl.arange(0, BLOCK_D)
     d_mask = d < D
-    for start in range(0, hi, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
-        p_mask = pos < hi
         offs = pos.to(tl.int64) * STRIDE
-        kv_mask = p_mask[:, None] & d_mask[None, :]
+        if MASKED:
+            p_mask = pos < hi
+            kv_mask = p_mask[:, None] & d_mask[None, :]
+        else:
+            kv_mask = d_mask[None, :]
         k = tl.load(kb + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        seen = p_mask[None, :]
-        if DIAG:
-            seen = seen & (pos[None, :] <= rows[:, None])
-        s = tl.where(seen, s * QK_SCALE, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        # A row with no key seen yet keeps m = -inf: shift by 0 instead (no NaN).
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        if MASKED:
+            seen = p_mask[None, :]
+            if DIAG:
+                seen = seen & (pos[None, :] <= rows[:, None])
+            s = tl.where(seen, s * QK_SCALE, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            # A row with no key seen yet keeps m = -inf: shift by 0 instead (no NaN).
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - shift[:, None])
+        else:
+            m_new = tl.maximum(m, tl.max(s, 1) * QK_SCALE)
+            shift = m_new
+            p = tl.exp2(s * QK_SCALE - shift[:, None])
         alpha = tl.exp2(m - shift)
-        p = tl.exp2(s - shift[:, None])
         l = l * alpha + tl.sum(p, 1)
         v = tl.load(vb + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if IEEE:
@@ -77,6 +92,19 @@ def _attend(q, m, l, acc, kb, vb, rows, hi, DIAG: tl.constexpr, STRIDE: tl.const
         acc = acc * alpha[:, None] + pv
         m = m_new
     return m, l, acc
+
+
+@triton.jit
+def _attend(q, m, l, acc, kb, vb, rows, full, hi, DIAG: tl.constexpr, STRIDE: tl.constexpr,
+            D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+            QK_SCALE: tl.constexpr, IEEE: tl.constexpr):
+    """Keys [0, hi) of one chunk: [0, full) unmasked (``full`` a multiple of
+    BLOCK_N, every key seen by every row), then [full, hi) masked (the causal
+    diagonal with DIAG, the chunk's last partial block)."""
+    m, l, acc = _attend_blocks(q, m, l, acc, kb, vb, rows, 0, full, False, False, STRIDE, D,
+                               BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
+    return _attend_blocks(q, m, l, acc, kb, vb, rows, full, hi, True, DIAG, STRIDE, D, BLOCK_N,
+                          BLOCK_D, QK_SCALE, IEEE)
 
 
 @triton.jit
@@ -102,6 +130,8 @@ def ag_attention_kernel(ctx, q_ptr, k_ptr, v_ptr, out_ptr,
     m_tiles = tl.cdiv(S, BLOCK_M)
     bh = pid // m_tiles
     mt = pid % m_tiles
+    if CAUSAL:  # the longest tiles (last queries) launch first: a shorter tail
+        mt = m_tiles - 1 - mt
     b = bh // HQ
     h = bh % HQ
     hk = h // (HQ // HKV)
@@ -131,14 +161,18 @@ def ag_attention_kernel(ctx, q_ptr, k_ptr, v_ptr, out_ptr,
 
     # The own chunk first: no wait. Causal: keys up to the tile's last query.
     own = (b.to(tl.int64) * S * HKV + hk) * D
+    # Keys of a whole chunk: whole blocks unmasked, the last partial one masked.
+    whole = S // BLOCK_N * BLOCK_N
     if CAUSAL:
+        # Keys before the tile's first query are seen by all its rows.
         m, l, acc = _attend(q, m, l, acc, k_ptr + own, v_ptr + own, rows,
+                            mt * BLOCK_M // BLOCK_N * BLOCK_N,
                             tl.minimum((mt + 1) * BLOCK_M, S), True, HKV * D, D, BLOCK_N,
                             BLOCK_D, QK_SCALE, IEEE)
         peers = me  # ranks me - 1, ..., 0: every key before every query of this rank
     else:
-        m, l, acc = _attend(q, m, l, acc, k_ptr + own, v_ptr + own, rows, S, False, HKV * D,
-                            D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
+        m, l, acc = _attend(q, m, l, acc, k_ptr + own, v_ptr + own, rows, whole, S, False,
+                            HKV * D, D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
         peers = world - 1
     staged = dl.heap_ptr(ctx, STAGE_OFF + (e % 2) * PARITY_BYTES, k_ptr.dtype.element_ty)
     for step in range(1, peers + 1):
@@ -155,15 +189,15 @@ def ag_attention_kernel(ctx, q_ptr, k_ptr, v_ptr, out_ptr,
                 token = dl.wait(ctx, flags + src * n_chunks + chunk, e, "ge", src, FLAG_SCOPE)
             kb = aligned_after(staged, token) + ((src * B + b).to(tl.int64) * S * 2 * HKV
                                                   + hk) * D
-            m, l, acc = _attend(q, m, l, acc, kb, kb + HKV * D, rows, S, False, 2 * HKV * D,
-                                D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
+            m, l, acc = _attend(q, m, l, acc, kb, kb + HKV * D, rows, whole, S, False,
+                                2 * HKV * D, D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
         else:
             token = dl.wait(ctx, ready + src, e, "ge", src)
             # The peer's staged copy, loads ordered after the wait; aligned_after
             # keeps the tile loads 16 bytes wide.
             kb = aligned_after(dl.symm_at(ctx, staged, src), token) + own
-            m, l, acc = _attend(q, m, l, acc, kb, kb + KV_ELEMS, rows, S, False, HKV * D, D,
-                                BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
+            m, l, acc = _attend(q, m, l, acc, kb, kb + KV_ELEMS, rows, whole, S, False,
+                                HKV * D, D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
 
     l_safe = tl.where(l > 0, l, 1.0)
     o = acc / l_safe[:, None]
