@@ -301,13 +301,15 @@ def test_ag_attention_compiles_with_tensor_cores(dtype, d, causal, inbox):
         assert "ld.global.sys.acquire" in ptx or "ld.acquire.sys" in ptx
         assert "release" in ptx
     assert k.metadata.shared <= 227 * 1024
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32", "u8"])
 def test_moe_kernels_compile(dtype):
     """MoE dispatch and combine compile for sm_90 at DeepSeek-V3's decode size (H=7168,
     top-8, 256 experts over 4 ranks); the row copies keep 16-byte vectors and the
     flags are system-scope release/acquire."""
     from jaxtdist.kernels.moe import moe_combine_kernel, moe_dispatch_kernel
     t, h, k, e_loc, world, programs = 128, 7168, 8, 64, 4, 128
+    if dtype == "u8":  # fp8 dispatch: byte rows of 7168 fp8 and 56 float32 scales
+        h = 7168 + 4 * 56
     kl, meta_words = 8, 1 + 4 * 8
     i32 = "*i32"
     d = _compile(moe_dispatch_kernel,
@@ -318,12 +320,13 @@ def test_moe_kernels_compile(dtype):
                       P=programs, TP=1, FLAGS_OFF=0, HDR_OFF=4096, META_OFF=1 << 16,
                       ROWS_OFF=1 << 20, PARITY_BYTES=1 << 24, HDR_WORDS=e_loc + 2 * programs + 1,
                       META_WORDS=meta_words, SCALED=False, WP=4, EP=64, MP=64,
-                      BLOCK_H=1024),
+                      BLOCK_H=2048 if dtype == "u8" else 1024),
                  num_warps=4, num_stages=1)
+    y_dtype = "bf16" if dtype == "u8" else dtype  # the experts' output: bf16 after fp8
     c = _compile(moe_combine_kernel,
-                 {"ctx": i32, "y_ptr": f"*{dtype}", "w_ptr": "*fp32", "kmask_ptr": i32,
-                  "g_ptr": f"*{dtype}", "spos_ptr": i32, "stk_ptr": i32, "sranges_ptr": i32,
-                  "out_ptr": f"*{dtype}", "dots_ptr": "*fp32"},
+                 {"ctx": i32, "y_ptr": f"*{y_dtype}", "w_ptr": "*fp32", "kmask_ptr": i32,
+                  "g_ptr": f"*{y_dtype}", "spos_ptr": i32, "stk_ptr": i32, "sranges_ptr": i32,
+                  "out_ptr": f"*{y_dtype}", "dots_ptr": "*fp32"},
                  dict(T=t, F=h, K=k, KL=kl, W=world, P=programs, TP=1, FLAGS_OFF=0,
                       INBOX_OFF=4096, PARITY_BYTES=1 << 24, DOTS=False, BLOCK_F=1024),
                  num_warps=4, num_stages=1)

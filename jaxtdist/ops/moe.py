@@ -19,7 +19,7 @@ combine kernel's dot products). At world 1 both are their local computation
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -67,7 +67,8 @@ class MoeConfig(KernelConfig):
             return cls(NUM_PROGRAMS=min(2, t), BLOCK_H=min(64, next_pow2(h)))
         # Latency: one token per program up to one program per SM (a program's
         # rows to every peer are in flight together); 16-byte vectors per thread.
-        return cls(NUM_PROGRAMS=max(1, min(problem.sms, t)), BLOCK_H=min(1024, next_pow2(h)))
+        return cls(NUM_PROGRAMS=max(1, min(problem.sms, t)),
+                   BLOCK_H=min(2048 if problem.itemsize == 1 else 1024, next_pow2(h)))
 
     def validate(self, problem: Problem) -> None:
         for key in ("NUM_PROGRAMS", "BLOCK_H", "num_warps"):
@@ -196,7 +197,8 @@ def _check_dispatch(x, expert_ids, *, axis_name, num_experts, max_recv_rows=None
     if getattr(x, "ndim", None) != 2:
         raise ValueError(f"jaxtdist.moe_dispatch: x must be [tokens, hidden] (2-D), got shape "
                          f"{getattr(x, 'shape', None)}")
-    check_dtype("moe_dispatch", "x", x.dtype)
+    if jnp.dtype(x.dtype) != jnp.uint8:  # uint8: byte rows (the fp8 path's, packed)
+        check_dtype("moe_dispatch", "x", x.dtype)
     if (getattr(expert_ids, "ndim", None) != 2 or expert_ids.shape[0] != x.shape[0]):
         raise ValueError(f"jaxtdist.moe_dispatch: expert_ids must be [tokens, top_k] with "
                          f"tokens = x.shape[0] = {x.shape[0]}, got shape "
@@ -212,7 +214,7 @@ def _check_dispatch(x, expert_ids, *, axis_name, num_experts, max_recv_rows=None
             or num_experts % world):
         raise ValueError(f"jaxtdist.moe_dispatch: num_experts={num_experts!r} must be a "
                          f"positive multiple of the group size W={world} over {axis_name!r} "
-                         "(experts are split evenly over the ranks)")
+                         "(an int: experts are split evenly over the ranks)")
     if expert_ids.shape[1] > num_experts:
         raise ValueError(f"jaxtdist.moe_dispatch: top_k={expert_ids.shape[1]} (expert_ids' "
                          f"columns) exceeds num_experts={num_experts}: a token's experts "
@@ -376,6 +378,61 @@ def _local_combine(y, weights, src_pos, src_tk, t, k):
     return out.astype(y.dtype)
 
 
+# -- fp8 dispatch ------------------------------------------------------------------
+
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+def _check_fp8(x, x_scale) -> None:
+    fp8 = jnp.dtype(x.dtype) in FP8_DTYPES
+    if x_scale is None:
+        if fp8:
+            raise ValueError(f"jaxtdist.moe_dispatch: x is {jnp.dtype(x.dtype).name}: fp8 "
+                             "tokens need their scales, x_scale [T, S] float32")
+        return
+    if not fp8:
+        raise ValueError(f"jaxtdist.moe_dispatch: x_scale is given, so x must be fp8 "
+                         f"({', '.join(d.name for d in FP8_DTYPES)}), got "
+                         f"{jnp.dtype(x.dtype).name}; pass x_scale=None to dispatch it as is")
+    t, h = x.shape
+    if (getattr(x_scale, "ndim", None) != 2 or x_scale.shape[0] != t or x_scale.shape[1] < 1
+            or h % x_scale.shape[1]):
+        raise ValueError(f"jaxtdist.moe_dispatch: x_scale must be [T, S] with T = {t} tokens "
+                         f"and S >= 1 dividing H = {h} (one scale per H / S columns of a "
+                         f"token), got shape {getattr(x_scale, 'shape', None)}")
+    if jnp.dtype(x_scale.dtype) != jnp.float32:
+        raise ValueError(f"jaxtdist.moe_dispatch: x_scale has dtype "
+                         f"{jnp.dtype(x_scale.dtype).name}; it must be float32")
+
+
+@jax.custom_jvp
+def _fp8_rows(x, x_scale):
+    """One byte row per token: x's H fp8 bytes, then its S float32 scales' bytes,
+    padded to a multiple of 16 bytes (the row copies' vector width): [T, H + 4 S
+    + pad] uint8. The dispatch moves rows, whatever they hold."""
+    t, h = x.shape
+    pad = -(h + 4 * x_scale.shape[1]) % 16
+    return jnp.concatenate([jax.lax.bitcast_convert_type(x, jnp.uint8),
+                            jax.lax.bitcast_convert_type(x_scale, jnp.uint8).reshape(t, -1),
+                            jnp.zeros((t, pad), jnp.uint8)], axis=1)
+
+
+@_fp8_rows.defjvp
+def _fp8_rows_jvp(primals, tangents):
+    # A bitcast would pass zeros silently: say so instead.
+    raise TypeError("jaxtdist.moe_dispatch: the fp8 path (x_scale given) is not "
+                    "differentiable: quantized tokens carry no gradient here; dispatch the "
+                    "bfloat16 x (x_scale=None) where gradients must flow")
+
+
+def _fp8_unpack(recv, dtype, hidden: int, scales: int):
+    """recv [R, H + 4 S + pad] uint8 -> (recv_x [R, H] fp8, recv_scale [R, S] float32)."""
+    rows = recv.shape[0]
+    scale = jax.lax.bitcast_convert_type(
+        recv[:, hidden:hidden + 4 * scales].reshape(rows, scales, 4), jnp.float32)
+    return jax.lax.bitcast_convert_type(recv[:, :hidden], dtype), scale
+
+
 # -- the ops ----------------------------------------------------------------------
 
 def _dispatch_forward(x, expert_ids, *, axis_name, num_experts, max_recv_rows=None,
@@ -493,8 +550,8 @@ _COMBINE = DistributedOp("moe_combine", forward=_combine_forward, backward=_comb
 
 
 def moe_dispatch(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_experts: int,
-                 max_recv_rows: int | None = None,
-                 config: dict | None = None) -> tuple[jax.Array, jax.Array, MoeHandle]:
+                 max_recv_rows: int | None = None, x_scale: jax.Array | None = None,
+                 config: dict | None = None) -> tuple[Any, jax.Array, MoeHandle]:
     """Sends every (token, expert) pair to the rank of its expert, grouped by local expert.
 
     Call inside ``jax.shard_map`` over the mesh given to ``jaxtdist.initialize``.
@@ -503,8 +560,14 @@ def moe_dispatch(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_experts:
     counts are data: one compiled program serves every routing. Differentiable
     in ``x`` (the backward is a combine with weights 1).
 
+    fp8: with ``x_scale``, x is fp8 (``float8_e4m3fn`` or ``float8_e5m2``) and each
+    token's S float32 scales travel with its row (one transfer, half the bytes
+    of bfloat16); the experts get ``(recv_x, recv_scale)``. Not differentiable
+    (a TypeError says so); combine the experts' bfloat16 output as usual.
+
     Args:
-      x: [T, H] this rank's tokens (bfloat16, float16 or float32).
+      x: [T, H] this rank's tokens (bfloat16, float16 or float32; fp8 with
+        ``x_scale``).
       expert_ids: [T, K] int32 top-K routing, distinct experts per token, in
         [0, E). Pairs outside [0, E) or repeated within a token are not sent
         (counted in ``handle.invalid``; they contribute zero in combine).
@@ -513,12 +576,17 @@ def moe_dispatch(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_experts:
       max_recv_rows: R, the rows of ``recv_x`` (static); default
         ``W * T * min(K, E / W)`` (nothing can be dropped). Rows past R are
         dropped and counted in ``handle.dropped``.
+      x_scale: [T, S] float32 (fp8 x only): token t's columns ``[j * H / S,
+        (j + 1) * H / S)`` are scaled by ``x_scale[t, j]`` (S = 1: per token;
+        S = H / 128: per 128-column block).
       config: overrides of ``MoeConfig`` (advanced).
 
     Returns:
       ``recv_x`` [R, H]: local expert 0's rows first, then expert 1's, ...;
       within an expert by source rank, then token index; rows past the
-      received ones are zero. ``group_sizes`` [E / W] int32: rows per local
+      received ones are zero. With ``x_scale``: the pair ``(recv_x,
+      recv_scale)``, recv_scale [R, S] float32 row for row (zeros past the
+      received rows). ``group_sizes`` [E / W] int32: rows per local
       expert (``jax.lax.ragged_dot(recv_x, w_local, group_sizes)``).
       ``handle``: a ``MoeHandle`` for ``moe_combine``.
 
@@ -529,9 +597,22 @@ def moe_dispatch(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_experts:
       ...     return jaxtdist.moe_combine(y, handle, gate, "ep")
     """
     x, expert_ids = jnp.asarray(x), jnp.asarray(expert_ids)
-    out = _DISPATCH(x, expert_ids, axis_name=axis_name, num_experts=num_experts,
+    # NumPy integers (a config's or a shape's) count as ints; floats and bools do not.
+    num_experts, max_recv_rows = (int(v) if isinstance(v, np.integer)
+                                  and not isinstance(v, np.bool_) else v
+                                  for v in (num_experts, max_recv_rows))
+    if getattr(x, "ndim", None) == 2:
+        if jnp.dtype(x.dtype) == jnp.uint8:  # byte rows are internal (the fp8 path's)
+            check_dtype("moe_dispatch", "x", x.dtype)
+        if x_scale is not None:
+            x_scale = jnp.asarray(x_scale)
+        _check_fp8(x, x_scale)
+    rows_in = x if x_scale is None else _fp8_rows(x, x_scale)
+    out = _DISPATCH(rows_in, expert_ids, axis_name=axis_name, num_experts=num_experts,
                     max_recv_rows=max_recv_rows, config=config)
     recv, sizes, counts, spos, stk, ranges, dropped, invalid = out
+    if x_scale is not None:
+        recv = _fp8_unpack(recv, x.dtype, x.shape[1], x_scale.shape[1])
     t, k = expert_ids.shape
     world = check_axis(runtime(), axis_name, "moe_dispatch").world
     rows = max_recv_rows or default_recv_rows(t, k, world, num_experts)
