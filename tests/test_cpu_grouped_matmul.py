@@ -134,6 +134,35 @@ def test_grouped_matmul_grad(dtype):
     assert_close(dw, np.asarray(rdw, np.float32), dtype)
 
 
+@pytest.mark.parametrize("r,h,f,sizes,dtype", [
+    (40, 32, 48, [9, 0, 26], F32),            # TMA; a group ending mid-block, an empty one
+    (37, 33, 20, [5, 17, 0, 3], F32),         # H * 4 bytes not 16-byte: the pointer path
+    (64, 64, 32, [70, 5], BF16),              # sizes past R: clipped
+    (50, 16, 64, [-3, 20, 0, 0, 11], BF16),   # a negative size counts as zero; padding rows
+])
+def test_grouped_matmul_weight_gradient_kernel(r, h, f, sizes, dtype):
+    """dw[g] = x[rows of g].T @ dy[rows of g] on grouped_dw_kernel, against float32
+    ragged_dot's VJP: rows past the groups and clipped rows contribute nothing."""
+    mesh = setup(1, ("ep",))
+    x, w, c = rand((r, h), dtype), rand((len(sizes), h, f), dtype), rand((r, f))
+    s = np.asarray(sizes, np.int32)
+
+    def loss(fn):
+        return lambda x, w: jnp.sum(fn(x, w, s).astype(jnp.float32) * c)
+
+    dx, dw = jax.jit(jax.shard_map(jax.grad(loss(td.grouped_matmul), argnums=(0, 1)),
+                                   mesh=mesh, in_specs=(P(), P()), out_specs=(P(), P())))(x, w)
+    # Negative sizes count as zero (ragged_dot's own result for them differs).
+    rdx, rdw = jax.grad(loss(lambda a, b, s: jax.lax.ragged_dot(
+        a.astype(F32), b.astype(F32), np.maximum(s, 0), precision=jax.lax.Precision.HIGHEST)),
+        argnums=(0, 1))(x, w)
+    assert dw.shape == w.shape and dw.dtype == w.dtype
+    assert_close(dx, np.asarray(rdx), dtype)
+    assert_close(dw, np.asarray(rdw), dtype)
+    for g in np.nonzero(np.maximum(s, 0) == 0)[0]:
+        np.testing.assert_array_equal(np.asarray(dw[g], np.float32), 0.0)
+
+
 def test_grouped_matmul_vmap_of_remat_grad():
     """vmap(grad(checkpoint(f))) with w and the sizes unbatched: the backward's
     kernel call, traced unbatched under remat and batched afterwards, takes the
@@ -213,6 +242,38 @@ def test_grouped_matmul_benchmark_runs_both_contenders_and_tabulates(faked_timin
     assert "| 40 x 32 x 48 | 3 | 80% |" in text
     assert "geomean 1.000, max 1.00, 2 of 2 within 1.10" in text
     assert "grouped_matmul" in cli.benchmarks()
+
+
+@pytest.mark.parametrize("dtype,tma", [("bf16", True), ("fp32", True), ("bf16", False)])
+def test_grouped_dw_kernel_compiles_for_sm90(dtype, tma):
+    """The weights' gradient kernel on the GPU path: x's tiles TMA-loaded and fed
+    to wgmma transposed, dy's TMA-loaded, dw stored by TMA clipped per group."""
+    import re
+
+    from jaxtdist.kernels.grouped_gemm import grouped_dw_kernel
+    from jaxtdist.runtime._cuda_launch import compile_kernel
+
+    bn, bk, sub = (256, 64, 4) if dtype == "bf16" else (128, 32, 2)
+    try:
+        k = compile_kernel(grouped_dw_kernel, ["*i32", f"*{dtype}", f"*{dtype}", "*i32",
+                                               f"*{dtype}"],
+                           dict(R=4096, H=4096 if tma else 4100, F=14336, G=8, BLOCK_G=16,
+                                BLOCK_M=128, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+                                NUM_PROGRAMS=132, SUBTILE=sub, TMA=tma),
+                           num_warps=8, num_stages=3, capability=90)
+    except RuntimeError as e:
+        if "ptxas" in str(e).lower():
+            pytest.skip(f"cannot assemble for sm_90 here: {e}")
+        raise
+    ptx = k.asm["ptx"]
+    assert "wgmma.mma_async" in ptx or "mma.sync" in ptx
+    assert k.metadata.shared <= 227 * 1024
+    if tma:
+        assert "cp.async.bulk.tensor.2d.shared" in ptx, "x / dy tiles are not TMA loads"
+        assert "cp.async.bulk.tensor.3d.global.shared" in ptx, "no TMA store of dw"
+        assert len(re.findall(r"tensormap\.cp_fenceproxy", ptx)) == 3  # x, dy, dw
+    else:
+        assert "cp.async.bulk.tensor" not in ptx
 
 
 @pytest.mark.parametrize("dtype,tma,w_t", [("bf16", True, False), ("fp32", True, False),

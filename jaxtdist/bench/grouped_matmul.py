@@ -8,7 +8,7 @@ the rest padding rows past the groups). Relative errors of both against the
 float32 grouped product (``ragged_dot`` of float32 operands at HIGHEST
 precision). Issue 33's target: grouped_matmul within 1.10x of ragged_dot.
 The backward pass too: the gradients of x and w of ``sum(out * c)`` through
-each op (grouped_matmul: dx on its kernel, dw by ragged_dot's VJP), their
+each op (grouped_matmul: dx and dw on its kernels), their
 relative errors against the float32 gradients.
 """
 

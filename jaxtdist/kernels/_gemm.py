@@ -30,19 +30,24 @@ import triton.language as tl
 @triton.jit
 def tile_acc(a_desc, b_desc, row0, col0, k_lo, k_hi, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr = None,
-             B_T: tl.constexpr = False):
+             B_T: tl.constexpr = False, A_T: tl.constexpr = False):
     """The mainloop: the float32 accumulator of A[row0:, k_lo:k_hi] @ B[k_lo:k_hi, col0:]
     for 2-D descriptors of A [M, K] (block [BLOCK_M, BLOCK_K]) and B [K, N] (block
-    [BLOCK_K, BLOCK_N]), or with B_T of B's transpose [N, K] (block [BLOCK_N,
-    BLOCK_K]: wgmma reads the tile transposed from shared memory, no copy).
-    NUM_STAGES: the pipeline depth (None: the kernel's num_stages)."""
+    [BLOCK_K, BLOCK_N]); with A_T of A's transpose [K, M] (block [BLOCK_K,
+    BLOCK_M]), with B_T of B's [N, K] (block [BLOCK_N, BLOCK_K]): wgmma reads such
+    tiles transposed from shared memory, no copy. NUM_STAGES: the pipeline depth
+    (None: the kernel's num_stages)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+        if A_T:
+            a = a_desc.load([k0, row0]).T
+        else:
+            a = a_desc.load([row0, k0])
         if B_T:
             b = b_desc.load([col0, k0]).T
         else:
             b = b_desc.load([k0, col0])
-        acc = tl.dot(a_desc.load([row0, k0]), b, acc)
+        acc = tl.dot(a, b, acc)
     return acc
 
 

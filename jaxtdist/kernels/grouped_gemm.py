@@ -30,6 +30,13 @@ TMA's zeros, never group g + 1's weights). Without TMA, the pointer tile
 ``dot_tile`` with masked rows, columns and K. The kernel uses no heap memory
 and no signal: ``ctx`` is the calling protocol's context, unused.
 
+``grouped_dw_kernel``: the weights' gradient dw[g] = x[rows of g].T @ dy[rows
+of g] ([G, H, F]), a contraction over each group's rows: tiles of every (group,
+H tile, F tile), the K loop over the group's whole BLOCK_K row blocks on the
+core (x's tiles read transposed through TMA), then its last partial block with
+masked pointer loads (the next group's rows read as zeros); empty groups
+store zeros.
+
 W_T (TMA only): w is [G, F, H] and group g multiplies by ``w[g].T``, read
 through a descriptor of ``w[g]`` [F, H] in [BLOCK_N, BLOCK_K] blocks that the
 mainloop feeds to wgmma transposed: the backward's dx = dy @ w[g].T needs no
@@ -39,7 +46,7 @@ transposed copy of the weights.
 import triton
 import triton.language as tl
 
-from jaxtdist.kernels._gemm import out_desc, store_tile, tile_acc
+from jaxtdist.kernels._gemm import out_desc, ranked_out_desc, store_tile, tile_acc
 from jaxtdist.kernels._tiles import dot_tile, grouped_tile
 
 
@@ -138,3 +145,60 @@ def grouped_gemm_kernel(ctx, x_ptr, w_ptr, sizes_ptr, out_ptr,
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             _store_rows(out_ptr, acc, row0.to(tl.int64) + tl.arange(0, BLOCK_M), R,
                         col0 + tl.arange(0, BLOCK_N), F)
+
+
+@triton.jit
+def grouped_dw_kernel(ctx, x_ptr, dy_ptr, sizes_ptr, dw_ptr,
+                      R: tl.constexpr, H: tl.constexpr, F: tl.constexpr, G: tl.constexpr,
+                      BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                      NUM_PROGRAMS: tl.constexpr, SUBTILE: tl.constexpr, TMA: tl.constexpr):
+    """Grid: (NUM_PROGRAMS,). x [R, H], dy [R, F], sizes [G] int32 -> dw [G, H, F],
+    dw[g] = x[starts[g]:ends[g]].T @ dy[starts[g]:ends[g]] in float32, rounded once.
+
+    TMA: rows of x, dy and dw are 16-byte multiples (the launch gives the kernel
+    Triton's global scratch).
+    """
+    pid = tl.program_id(0)
+    index, starts, ends, _, _, _ = group_table(sizes_ptr, R, G, BLOCK_G, BLOCK_M)
+    m_tiles: tl.constexpr = (H + BLOCK_M - 1) // BLOCK_M
+    n_tiles: tl.constexpr = (F + BLOCK_N - 1) // BLOCK_N
+    per_group: tl.constexpr = m_tiles * n_tiles
+    if TMA:
+        xt_desc = tl.make_tensor_descriptor(x_ptr, shape=[R, H], strides=[H, 1],
+                                            block_shape=[BLOCK_K, BLOCK_M])
+        dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[R, F], strides=[F, 1],
+                                            block_shape=[BLOCK_K, BLOCK_N])
+        # [G, H, F]: a tile's store clips at the end of its group's H rows.
+        dw_desc = ranked_out_desc(dw_ptr, G, H, F, BLOCK_M, BLOCK_N, SUBTILE)
+    for tile in range(pid, G * per_group, NUM_PROGRAMS):
+        g = tile // per_group
+        tm, tn = grouped_tile(tile % per_group, m_tiles, n_tiles, GROUP_M)
+        row0 = _pick(starts, index, g)
+        row_end = _pick(ends, index, g)
+        whole_end = row0 + (row_end - row0) // BLOCK_K * BLOCK_K
+        hs = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+        fs = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+        if TMA:
+            acc = tile_acc(xt_desc, dy_desc, tm * BLOCK_M, tn * BLOCK_N, row0, whole_end,
+                           BLOCK_M, BLOCK_N, BLOCK_K, A_T=True)
+            tail = whole_end
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            tail = row0
+        # The rest (pointer path: every block) with the group's end masked.
+        for r0 in range(tail, row_end, BLOCK_K):
+            rs = r0 + tl.arange(0, BLOCK_K)
+            r_mask = rs < row_end
+            xt = tl.load(x_ptr + rs.to(tl.int64)[:, None] * H + hs[None, :],
+                         mask=r_mask[:, None] & (hs < H)[None, :], other=0.0)
+            d = tl.load(dy_ptr + rs.to(tl.int64)[:, None] * F + fs[None, :],
+                        mask=r_mask[:, None] & (fs < F)[None, :], other=0.0)
+            acc = tl.dot(tl.trans(xt), d, acc)
+        if TMA:
+            store_tile(dw_desc, acc, g, tm * BLOCK_M, tn * BLOCK_N, BLOCK_M, BLOCK_N, SUBTILE,
+                       RANKED=True)
+        else:
+            tl.store(dw_ptr + tl.cast(g, tl.int64) * (H * F) + hs[:, None] * F + fs[None, :],
+                     acc.to(dw_ptr.dtype.element_ty),
+                     mask=(hs < H)[:, None] & (fs < F)[None, :])

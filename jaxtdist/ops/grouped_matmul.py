@@ -1,8 +1,8 @@
 """jaxtdist.grouped_matmul: the local grouped GEMM (MoE experts) on the GEMM core.
 
 Shapes (``_check``), plan (``GroupedMatmulConfig``), launch
-(``grouped_matmul_kernels``) and backward (dx on the same kernel, dw by
-``jax.lax.ragged_dot``'s VJP);
+(``grouped_matmul_kernels``) and backward (dx on the same kernel, dw on
+``grouped_dw_kernel``);
 ``DistributedOp`` supplies program order, remat safety and the custom_vjp.
 The op is local: it runs in a group of one device (``axis_name=()``, world
 1), whatever the mesh, and never communicates. The kernel is
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtdist.kernels.grouped_gemm import grouped_gemm_kernel
+from jaxtdist.kernels.grouped_gemm import grouped_dw_kernel, grouped_gemm_kernel
 from jaxtdist.ops._config import KernelConfig, Problem, check_blocks, resolve
 from jaxtdist.ops._gemm_config import default_tiles, stages_for, tma_fits
 from jaxtdist.ops._op import DistributedOp, one_call_per_element
@@ -185,6 +185,35 @@ def _launch(x, w, group_sizes, config, *, w_t: bool) -> jax.Array:
         NUM_PROGRAMS=programs, SUBTILE=cfg.SUBTILE, TMA=tma, W_T=w_t)
 
 
+def _launch_dw(x, dy, group_sizes) -> jax.Array:
+    """dw [G, H, F] = x[rows of g].T @ dy[rows of g] per group (the weights' gradient)."""
+    (r, h), f, g = x.shape, dy.shape[1], group_sizes.shape[0]
+    if r == 0 or h == 0 or f == 0:
+        return jnp.zeros((g, h, f), x.dtype)
+    call = Call("grouped_matmul", _LOCAL)
+    problem = Problem(call.platform, 1, (r, h, f, g), jnp.dtype(x.dtype).name, call.rt.sms)
+    if problem.platform == "gpu":
+        # Each group an H x F output over its rows (R / G on average), like a rank's.
+        t = default_tiles(h, g, f, max(1, r // g), problem.itemsize, problem.sms)
+        cfg = GroupedMatmulConfig(BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, BLOCK_K=t.BLOCK_K,
+                                  SUBTILE=t.SUBTILE, num_warps=t.num_warps,
+                                  num_stages=t.num_stages)
+        asked = problem.sms
+    else:
+        cfg, asked = GroupedMatmulConfig.default(problem), 3
+    tiles = g * -(-h // cfg.BLOCK_M) * -(-f // cfg.BLOCK_N)
+    # x's rows read as TMA's K (16-byte rows of x and dy), dw stored by TMA.
+    tma = problem.vendor == "nvidia" and tma_fits(h, f, problem.itemsize)
+    ws = call.workspace("local", 1)
+    return call.run(
+        grouped_dw_kernel, x, dy, group_sizes.astype(jnp.int32), workspace=ws,
+        out_shape=jax.ShapeDtypeStruct((g, h, f), x.dtype), grid=(min(asked, tiles),),
+        needs_scratch=tma, varying=call.result_axes(local=(x, dy, group_sizes)),
+        **cfg.launch_options(), R=r, H=h, F=f, G=g, BLOCK_G=max(16, next_pow2(g)),
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+        NUM_PROGRAMS=min(asked, tiles), SUBTILE=cfg.SUBTILE, TMA=tma)
+
+
 def _forward(x, w, group_sizes, *, axis_name=_LOCAL, config=None):
     del axis_name
     return grouped_matmul_kernels(x, w, group_sizes, config=config), (x, w, group_sizes)
@@ -198,9 +227,8 @@ def _backward(residuals, ct, *, axis_name=_LOCAL, config=None):
     # rows past the groups get zeros, as ragged_dot's VJP gives them.
     dx = one_call_per_element(lambda a, b, c: _launch(a, b, c, None, w_t=True))(
         ct, w, group_sizes)
-    # dw[g] = x_g.T @ ct_g contracts over the ragged rows: XLA's ragged_dot VJP.
-    _, vjp = jax.vjp(lambda b: jax.lax.ragged_dot(x, b, group_sizes), w)
-    dw, = vjp(ct)
+    # dw[g] = x_g.T @ ct_g, a contraction over each group's rows.
+    dw = one_call_per_element(_launch_dw)(x, ct, group_sizes)
     return dx, dw, None
 
 
@@ -216,7 +244,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     of the sizes before it) and multiplies them by ``w[g]``. Sizes are device
     data: one compiled program serves every routing. Rows past
     ``sum(group_sizes)`` come out as zeros; groups reaching past R are clipped
-    at R, and negative sizes count as zero (as ragged_dot does).
+    at R, and negative sizes count as zero (``jax.lax.ragged_dot`` leaves them
+    unspecified).
 
     Call inside ``jax.shard_map`` over the mesh given to ``jaxtdist.initialize``
     (any axes: the op is local to each device and never communicates), e.g.
@@ -226,9 +255,9 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     multiples, a masked pointer GEMM otherwise; results accumulate in float32
     and are rounded once to x's dtype.
 
-    Differentiable: dx runs on this kernel (w read transposed); dw, whose
-    contraction runs over each group's rows, is ``jax.lax.ragged_dot``'s VJP
-    (XLA); ``group_sizes`` gets no cotangent.
+    Differentiable on jaxtdist's kernels: dx on this kernel (w read
+    transposed), dw on its companion (``grouped_dw_kernel``: a contraction
+    over each group's rows); ``group_sizes`` gets no cotangent.
 
     Args:
       x: [R, H], bfloat16, float16 or float32.
