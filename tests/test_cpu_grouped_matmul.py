@@ -244,6 +244,24 @@ def test_grouped_matmul_benchmark_runs_both_contenders_and_tabulates(faked_timin
     assert "grouped_matmul" in cli.benchmarks()
 
 
+def _compile_for_sm90(kernel, dtype: str, tma: bool, **extra):
+    """One of the grouped kernels compiled for sm_90 at 4096 x 4096 x 14336, 8 groups
+    (H = 4100: rows TMA cannot address); skips where ptxas cannot assemble."""
+    from jaxtdist.runtime._cuda_launch import compile_kernel
+
+    bn, bk, sub = (256, 64, 4) if dtype == "bf16" else (128, 32, 2)
+    try:
+        return compile_kernel(kernel, ["*i32", f"*{dtype}", f"*{dtype}", "*i32", f"*{dtype}"],
+                              dict(R=4096, H=4096 if tma else 4100, F=14336, G=8, BLOCK_G=16,
+                                   BLOCK_M=128, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+                                   NUM_PROGRAMS=132, SUBTILE=sub, TMA=tma, **extra),
+                              num_warps=8, num_stages=3, capability=90)
+    except RuntimeError as e:
+        if "ptxas" in str(e).lower():
+            pytest.skip(f"cannot assemble for sm_90 here: {e}")
+        raise
+
+
 @pytest.mark.parametrize("dtype,tma", [("bf16", True), ("fp32", True), ("bf16", False)])
 def test_grouped_dw_kernel_compiles_for_sm90(dtype, tma):
     """The weights' gradient kernel on the GPU path: x's tiles TMA-loaded and fed
@@ -251,20 +269,8 @@ def test_grouped_dw_kernel_compiles_for_sm90(dtype, tma):
     import re
 
     from jaxtdist.kernels.grouped_gemm import grouped_dw_kernel
-    from jaxtdist.runtime._cuda_launch import compile_kernel
 
-    bn, bk, sub = (256, 64, 4) if dtype == "bf16" else (128, 32, 2)
-    try:
-        k = compile_kernel(grouped_dw_kernel, ["*i32", f"*{dtype}", f"*{dtype}", "*i32",
-                                               f"*{dtype}"],
-                           dict(R=4096, H=4096 if tma else 4100, F=14336, G=8, BLOCK_G=16,
-                                BLOCK_M=128, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-                                NUM_PROGRAMS=132, SUBTILE=sub, TMA=tma),
-                           num_warps=8, num_stages=3, capability=90)
-    except RuntimeError as e:
-        if "ptxas" in str(e).lower():
-            pytest.skip(f"cannot assemble for sm_90 here: {e}")
-        raise
+    k = _compile_for_sm90(grouped_dw_kernel, dtype, tma)
     ptx = k.asm["ptx"]
     assert "wgmma.mma_async" in ptx or "mma.sync" in ptx
     assert k.metadata.shared <= 227 * 1024
@@ -285,20 +291,8 @@ def test_grouped_gemm_kernel_compiles_for_sm90(dtype, tma, w_t):
     import re
 
     from jaxtdist.kernels.grouped_gemm import grouped_gemm_kernel
-    from jaxtdist.runtime._cuda_launch import compile_kernel
 
-    bn, bk, sub = (256, 64, 4) if dtype == "bf16" else (128, 32, 2)
-    try:
-        k = compile_kernel(grouped_gemm_kernel, ["*i32", f"*{dtype}", f"*{dtype}", "*i32",
-                                                 f"*{dtype}"],
-                           dict(R=4096, H=4096 if tma else 4100, F=14336, G=8, BLOCK_G=16,
-                                BLOCK_M=128, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-                                NUM_PROGRAMS=132, SUBTILE=sub, TMA=tma, W_T=w_t),
-                           num_warps=8, num_stages=3, capability=90)
-    except RuntimeError as e:
-        if "ptxas" in str(e).lower():
-            pytest.skip(f"cannot assemble for sm_90 here: {e}")
-        raise
+    k = _compile_for_sm90(grouped_gemm_kernel, dtype, tma, W_T=w_t)
     ptx = k.asm["ptx"]
     assert "wgmma.mma_async" in ptx
     assert k.metadata.shared <= 227 * 1024
