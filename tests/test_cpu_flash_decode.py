@@ -215,3 +215,79 @@ def test_flash_decode_tunes_with_an_explicit_measure():
                           candidates=[{}, dict(NUM_SPLITS=1)], iterations=1, measure=_wall_us)
     assert len(result["tried"]) == 2 and all("us" in r for r in result["tried"])
     assert result["variant"] == "split_kv_push"
+
+
+def _paginate(cache: np.ndarray, world: int, page: int, spare: int, rng):
+    """A contiguous cache [B, world * S_shard, Hkv, D] as each rank's page pool
+    [world * (pages + spare), page, Hkv, D] (rank r's pools stacked, in shuffled
+    order, with ``spare`` unused garbage pages each) and block tables
+    [B, world * pages] (rank r's columns: its positions' pages in its own pool)."""
+    b, total, hkv, d = cache.shape
+    s_shard = total // world
+    pages = s_shard // page
+    pools, tables = [], []
+    for r in range(world):
+        order = rng.permutation(b * pages + spare)   # pool slot of (sequence, page)
+        pool = rng.standard_normal((b * pages + spare, page, hkv, d)).astype(cache.dtype)
+        chunk = cache[:, r * s_shard:(r + 1) * s_shard].reshape(b * pages, page, hkv, d)
+        pool[order[:b * pages]] = chunk
+        pools.append(pool)
+        tables.append(order[:b * pages].reshape(b, pages))
+    return np.concatenate(pools), np.concatenate(tables, axis=1).astype(np.int32)
+
+
+@pytest.mark.parametrize("world,dtype,b,hq,hkv,d,s_shard,page", [
+    (1, F32, 2, 4, 2, 64, 24, 8), (2, F32, 2, 8, 2, 64, 32, 16), (4, BF16, 3, 8, 1, 64, 12, 4)])
+def test_flash_decode_paged(world, dtype, b, hq, hkv, d, s_shard, page):
+    """A paged cache (block_table): the same output as the contiguous cache it holds,
+    bit for bit on the kernels' path, and the reference's within tolerance; pages
+    past a sequence's length may hold any id (never read); ids are data."""
+    mesh = setup(world, ("sp",))
+    rng = np.random.default_rng(world * 7 + page)
+    q = rand((b, hq, d), dtype)
+    k = np.asarray(rand((b, world * s_shard, hkv, d), dtype))
+    v = np.asarray(rand((b, world * s_shard, hkv, d), dtype))
+    k_pool, table = _paginate(k, world, page, 3, rng)
+    v_pool, _ = _paginate(v, world, page, 3, np.random.default_rng(world * 7 + page))
+    total = world * s_shard
+    lens = np.array([total, page + 1, int(rng.integers(1, total))][:b], np.int32)
+    # Past its length, a sequence's table holds junk (-1 and huge ids): never read.
+    for i, n in enumerate(lens):
+        for r in range(world):
+            first_unused = -(-max(0, n - r * s_shard) // page)
+            cols = slice(r * (s_shard // page) + first_unused, (r + 1) * (s_shard // page))
+            table[i, cols] = rng.choice([-1, 1 << 30], size=table[i, cols].shape)
+    paged = jax.jit(jax.shard_map(
+        lambda q, k, v, n, t: td.flash_decode(q, k, v, n, "sp", block_table=t), mesh=mesh,
+        in_specs=(P(), P("sp"), P("sp"), P(), P(None, "sp")), out_specs=P()))
+    out = paged(place(mesh, q, P()), place(mesh, jnp.asarray(k_pool, dtype), P("sp")),
+                place(mesh, jnp.asarray(v_pool, dtype), P("sp")), place(mesh, lens, P()),
+                place(mesh, table, P(None, "sp")))
+    contiguous = _decode_fn(mesh)(place(mesh, q, P()), place(mesh, jnp.asarray(k), P(None, "sp")),
+                                  place(mesh, jnp.asarray(v), P(None, "sp")), place(mesh, lens, P()))
+    assert out.dtype == jnp.dtype(dtype) and out.shape == (b, hq, d)
+    assert _rel(out, _reference(q, k, v, lens)) < TOL[jnp.dtype(dtype)]
+    if world > 1:  # the kernels' path: the same blocks in the same order
+        np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                      np.asarray(contiguous, np.float32))
+
+
+def test_flash_decode_paged_errors():
+    mesh = setup(2, ("sp",))
+    q, pool = rand((2, 4, 64)), rand((2 * 6, 4, 2, 64))
+    lens = np.array([8, 8], np.int32)
+
+    def call(k, v, table):
+        return jax.jit(jax.shard_map(
+            lambda q, k, v, n, t: td.flash_decode(q, k, v, n, "sp", block_table=t), mesh=mesh,
+            in_specs=(P(), P("sp"), P("sp"), P(), P(None, "sp")), out_specs=P()))(
+            q, k, v, lens, table)
+
+    with pytest.raises(ValueError, match="block_table must be .B, pages. with B = 2"):
+        call(pool, pool, np.zeros((3, 4), np.int32))
+    with pytest.raises(ValueError, match="block_table has dtype float32"):
+        call(pool, pool, np.zeros((2, 4), np.float32))
+    with pytest.raises(ValueError, match="must be paged .num_pages, page, Hkv, D."):
+        call(rand((2 * 6, 4, 64)), rand((2 * 6, 4, 64)), np.zeros((2, 4), np.int32))
+    with pytest.raises(ValueError, match="page pools"):
+        call(pool, rand((2 * 5, 4, 2, 64)), np.zeros((2, 4), np.int32))

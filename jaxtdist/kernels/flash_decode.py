@@ -79,12 +79,15 @@ def _finish(m, l, acc):
 
 
 @triton.jit
-def _split_kv(q_ptr, k_ptr, v_ptr, b, h, lo, hi, qk_scale,
+def _split_kv(q_ptr, k_ptr, v_ptr, table_ptr, b, h, lo, hi, qk_scale,
               HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
               S_SHARD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-              BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+              BLOCK_D: tl.constexpr, IEEE: tl.constexpr, PAGE: tl.constexpr,
+              NUM_PAGES: tl.constexpr):
     """Online softmax of the GROUP query heads of KV head ``h`` over this rank's
-    positions [lo, hi); returns (m, l, acc) in float32, base 2."""
+    positions [lo, hi); returns (m, l, acc) in float32, base 2. With PAGE > 0 the
+    cache is paged: position i of sequence b is row i % PAGE of page
+    ``table[b, i // PAGE]`` of k, v [NUM_PAGES, PAGE, HKV, D]."""
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     d_mask = d < D
@@ -98,7 +101,15 @@ def _split_kv(q_ptr, k_ptr, v_ptr, b, h, lo, hi, qk_scale,
         pos = start + tl.arange(0, BLOCK_N)
         p_mask = pos < hi
         # int64: B * S_SHARD * HKV * D passes 2^31 for large caches.
-        rows = ((b * S_SHARD + pos).to(tl.int64) * HKV + h) * D
+        if PAGE > 0:
+            page = tl.load(table_ptr + b * (S_SHARD // PAGE) + pos // PAGE, mask=p_mask,
+                           other=0)
+            # Page ids are data: clamped, an id out of range reads a wrong page, never
+            # memory outside the cache.
+            page = tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1)
+            rows = ((page.to(tl.int64) * PAGE + pos % PAGE) * HKV + h) * D
+        else:
+            rows = ((b * S_SHARD + pos).to(tl.int64) * HKV + h) * D
         kv_mask = p_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if IEEE:
@@ -122,7 +133,8 @@ def _split_kv(q_ptr, k_ptr, v_ptr, b, h, lo, hi, qk_scale,
 
 
 @triton.jit
-def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, out_ptr, QK_SCALE: tl.constexpr,
+def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr,
+                        QK_SCALE: tl.constexpr,
                         HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr,
                         D: tl.constexpr, S_SHARD: tl.constexpr, GROUPS: tl.constexpr,
                         NSPLIT: tl.constexpr, CHUNK: tl.constexpr,
@@ -130,12 +142,15 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, out_ptr, QK_SCALE: tl
                         COUNT_OFF: tl.constexpr, INBOX_OFF: tl.constexpr,
                         INBOX_LSE: tl.constexpr, PARITY_BYTES: tl.constexpr,
                         FLAGS_OFF: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+                        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+                        PAGE: tl.constexpr = 0, NUM_PAGES: tl.constexpr = 0):
     """Grid: (GROUPS * NSPLIT,), GROUPS = B * HKV.
 
     q: [B, HQ, D]; k, v: [B, S_SHARD, HKV, D] (this rank's positions); len_ptr:
     [B] int32 global valid lengths; out: [B, HQ, D]. ``QK_SCALE`` is
-    softmax's scale times log2(e).
+    softmax's scale times log2(e). Paged (PAGE > 0): k, v [NUM_PAGES, PAGE, HKV,
+    D], table [B, S_SHARD / PAGE] int32 the pages of this rank's positions
+    (unused otherwise).
     """
     pid = tl.program_id(0)
     group = pid // NSPLIT
@@ -156,8 +171,8 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, out_ptr, QK_SCALE: tl
     valid = tl.minimum(tl.maximum(tl.load(len_ptr + b) - me * S_SHARD, 0), S_SHARD)
     lo = split * CHUNK
     hi = tl.minimum(lo + CHUNK, valid)
-    m, l, acc = _split_kv(q_ptr, k_ptr, v_ptr, b, h, lo, hi, QK_SCALE, HQ, HKV, GROUP, D,
-                          S_SHARD, BLOCK_N, BLOCK_G, BLOCK_D, IEEE)
+    m, l, acc = _split_kv(q_ptr, k_ptr, v_ptr, table_ptr, b, h, lo, hi, QK_SCALE, HQ, HKV,
+                          GROUP, D, S_SHARD, BLOCK_N, BLOCK_G, BLOCK_D, IEEE, PAGE, NUM_PAGES)
     o, lse = _finish(m, l, acc)
     local_o = dl.heap_ptr(ctx, LOCAL_OFF, tl.float32)
     local_lse = dl.heap_ptr(ctx, LSE_OFF, tl.float32)

@@ -164,6 +164,42 @@ def _check(q, k, v, kv_len, *, axis_name, config=None) -> None:
     check_axis(runtime(), axis_name, "flash_decode")
 
 
+def _check_paged(q, k, v, kv_len, block_table, *, axis_name, config=None) -> None:
+    """The paged form: k, v [num_pages, page, Hkv, D], block_table [B, pages] int32."""
+    if getattr(block_table, "ndim", None) != 2 or block_table.shape[0] != q.shape[0]:
+        raise ValueError(f"jaxtdist.flash_decode: block_table must be [B, pages] with B = "
+                         f"{q.shape[0]}, got shape {getattr(block_table, 'shape', None)}")
+    if jnp.dtype(block_table.dtype) != jnp.int32:
+        raise ValueError(f"jaxtdist.flash_decode: block_table has dtype "
+                         f"{jnp.dtype(block_table.dtype).name}; it must be int32")
+    if 0 in block_table.shape:
+        raise ValueError(f"jaxtdist.flash_decode: empty block_table{block_table.shape}")
+    if getattr(k, "shape", None) != getattr(v, "shape", None):
+        raise ValueError(f"jaxtdist.flash_decode: the page pools k{getattr(k, 'shape', None)} "
+                         f"and v{getattr(v, 'shape', None)} must have the same shape")
+    # The rest as for a contiguous cache of B sequences of pages * page positions.
+    _check(q, _as_contiguous(k, block_table), _as_contiguous(v, block_table), kv_len,
+           axis_name=axis_name, config=config)
+
+
+def _as_contiguous(cache, block_table):
+    """The shape-only view a paged cache [num_pages, page, Hkv, D] has as a contiguous
+    one [B, pages * page, Hkv, D] (for the checks)."""
+    if getattr(cache, "ndim", None) != 4:
+        raise ValueError(f"jaxtdist.flash_decode: with block_table, k and v must be paged "
+                         f"[num_pages, page, Hkv, D], got shape {getattr(cache, 'shape', None)}")
+    b, pages = block_table.shape
+    return jax.ShapeDtypeStruct((b, pages * cache.shape[1]) + cache.shape[2:], cache.dtype)
+
+
+def _gather_pages(cache, block_table):
+    """[B, pages * page, Hkv, D]: each sequence's pages in order (ids clamped, as
+    the kernel reads them)."""
+    b, pages = block_table.shape
+    ids = jnp.clip(block_table, 0, cache.shape[0] - 1)
+    return cache[ids].reshape((b, pages * cache.shape[1]) + cache.shape[2:])
+
+
 def _problem(call: Call, q, k) -> Problem:
     b, hq, d = q.shape
     return Problem(call.platform, call.world, (b, hq, k.shape[2], d, k.shape[1]),
@@ -173,18 +209,25 @@ def _problem(call: Call, q, k) -> Problem:
 # -- launch ----------------------------------------------------------------------
 
 def flash_decode_kernels(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array,
-                         axis_name, *, config: dict | None = None) -> jax.Array:
+                         axis_name, *, block_table: jax.Array | None = None,
+                         config: dict | None = None) -> jax.Array:
     """flash_decode's kernel, at world 1 too (for benchmarks and tests); not differentiable.
 
     ``config`` overrides the defaults (``FlashDecodeConfig``) and skips the tuning cache.
     """
     q, k, v, kv_len = (jnp.asarray(a) for a in (q, k, v, kv_len))
-    _check(q, k, v, kv_len, axis_name=axis_name)
+    if block_table is None:
+        _check(q, k, v, kv_len, axis_name=axis_name)
+        cache = k
+    else:
+        block_table = jnp.asarray(block_table)
+        _check_paged(q, k, v, kv_len, block_table, axis_name=axis_name)
+        cache = _as_contiguous(k, block_table)
     call = Call("flash_decode", axis_name)
-    problem = _problem(call, q, k)
+    problem = _problem(call, q, cache)
     cfg = resolve(FlashDecodeConfig, problem, call.rt, config, axis_name=axis_name)
     b, hq, d = q.shape
-    _, s_shard, hkv, _ = k.shape
+    _, s_shard, hkv, _ = cache.shape
     group = hq // hkv
     groups = b * hkv
     splits = cfg.splits(problem)
@@ -196,8 +239,10 @@ def flash_decode_kernels(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.A
     ws = call.workspace("partials", plan.nbytes, groups, splits, block_g, block_d)
     o = ws.offset
     # The same value on every rank of the group (like psum's result).
+    lengths = kv_len.astype(jnp.int32)
+    table = lengths if block_table is None else block_table  # (unused when not paged)
     return call.run(
-        flash_decode_kernel, q, k, v, kv_len.astype(jnp.int32), workspace=ws,
+        flash_decode_kernel, q, k, v, lengths, table, workspace=ws,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=(groups * splits,),
         varying=call.result_axes(reduced=(q, k, v, kv_len)), **cfg.launch_options(),
         QK_SCALE=float(math.log2(math.e) / math.sqrt(d)), HQ=hq, HKV=hkv, GROUP=group, D=d,
@@ -205,7 +250,8 @@ def flash_decode_kernels(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.A
         LOCAL_OFF=o + plan.local, LSE_OFF=o + plan.lse, COUNT_OFF=o + plan.counters,
         INBOX_OFF=o + plan.inbox, INBOX_LSE=plan.inbox_lse, PARITY_BYTES=plan.parity_bytes,
         FLAGS_OFF=o + plan.flags, BLOCK_N=cfg.BLOCK_N, BLOCK_G=block_g, BLOCK_D=block_d,
-        IEEE=q.dtype == jnp.float32)
+        IEEE=q.dtype == jnp.float32, PAGE=0 if block_table is None else k.shape[1],
+        NUM_PAGES=k.shape[0])
 
 
 def _forward(q, k, v, kv_len, *, axis_name, config=None):
@@ -246,7 +292,23 @@ _FLASH_DECODE = DistributedOp("flash_decode", forward=_forward, check=_check, lo
                               reduces=True)
 
 
+def _paged_forward(q, k, v, kv_len, block_table, *, axis_name, config=None):
+    return flash_decode_kernels(q, k, v, kv_len, axis_name, block_table=block_table,
+                                config=config), None
+
+
+def _paged_local(q, k, v, kv_len, block_table, *, axis_name, config=None):
+    del axis_name, config
+    return decode_attention(q, _gather_pages(k, block_table), _gather_pages(v, block_table),
+                            kv_len)
+
+
+_PAGED_DECODE = DistributedOp("flash_decode", forward=_paged_forward, check=_check_paged,
+                              local=_paged_local, reduces=True)
+
+
 def flash_decode(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array, axis_name, *,
+                 block_table: jax.Array | None = None,
                  config: dict | None = None) -> jax.Array:
     """Decode attention over a KV cache sharded by position over ``axis_name``.
 
@@ -266,6 +328,13 @@ def flash_decode(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array, ax
       kv_len: [B] integers, the global valid lengths (positions at or past
         them are masked; a rank may hold none; a sequence of length 0 gets zeros).
       axis_name: mesh axis (or tuple of axes) the cache is sharded over.
+      block_table: [B, pages] int32 (optional): a paged cache. k and v are then
+        this rank's page pool [num_pages, page, Hkv, D], and this rank's
+        position i of sequence b is row ``i % page`` of page
+        ``block_table[b, i // page]`` (S_shard = pages * page). Ids are data
+        (no recompilation as pages are handed out); ids outside [0,
+        num_pages) are clamped: a wrong page is read, never memory outside
+        the pool. Pages past a sequence's length are never read.
       config: overrides of the kernel config (``FlashDecodeConfig`` keys; advanced).
 
     Returns:
@@ -279,8 +348,11 @@ def flash_decode(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array, ax
       ...     lambda q, k, v, n: jaxtdist.flash_decode(q, k, v, n, "sp"), mesh=mesh,
       ...     in_specs=(P(), P(None, "sp"), P(None, "sp"), P()), out_specs=P()))
     """
-    return _FLASH_DECODE(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(kv_len),
-                         axis_name=axis_name, config=config)
+    arrays = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(kv_len))
+    if block_table is not None:
+        return _PAGED_DECODE(*arrays, jnp.asarray(block_table), axis_name=axis_name,
+                             config=config)
+    return _FLASH_DECODE(*arrays, axis_name=axis_name, config=config)
 
 
 flash_decode_sharded = pjit_wrapper(

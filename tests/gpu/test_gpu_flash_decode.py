@@ -122,3 +122,35 @@ def test_flash_decode_chained_decode_steps(world):
             expect = _reference(q_in, k, v, n0 + i)
             assert _rel(out[i], expect) < 3e-2, (call, i)
             expect = out[i]
+
+
+@pytest.mark.parametrize("dtype,page", [(jnp.bfloat16, 16), (jnp.float16, 64)])
+def test_flash_decode_paged_kernel_at_world_1(dtype, page):
+    """The kernel forced at world 1 on a paged cache (shuffled pages, junk ids past
+    each length) gives the contiguous cache's output bit for bit."""
+    mesh = _mesh(1)
+    b, hq, hkv, d, s = 3, 32, 8, 128, 4096
+    rng = np.random.default_rng(page)
+    q, k, v = (_rand(shape, dtype) for shape in ((b, hq, d), (b, s, hkv, d), (b, s, hkv, d)))
+    pages = s // page
+    order = rng.permutation(b * pages + 5)
+    pools = []
+    for cache in (k, v):
+        pool = np.array(_rand((b * pages + 5, page, hkv, d), dtype))  # writable
+        pool[order[:b * pages]] = cache.reshape(b * pages, page, hkv, d)
+        pools.append(jnp.asarray(pool, dtype))
+    table = order[:b * pages].reshape(b, pages).astype(np.int32)
+    lens = np.array([s, page + 3, 1000], np.int32)
+    for i, n in enumerate(lens):
+        table[i, -(-n // page):] = -1  # never read
+    spec5 = (P(), P(), P(), P(), P())
+    paged = jax.jit(jax.shard_map(
+        lambda q, k, v, n, t: flash_decode_kernels(q, k, v, n, "sp", block_table=t),
+        mesh=mesh, in_specs=spec5, out_specs=P()))
+    flat = jax.jit(jax.shard_map(lambda q, k, v, n: flash_decode_kernels(q, k, v, n, "sp"),
+                                 mesh=mesh, in_specs=SPECS, out_specs=P()))
+    qd = jnp.asarray(q, dtype)
+    out = paged(qd, *pools, jnp.asarray(lens), jnp.asarray(table))
+    ref = flat(qd, jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(lens))
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+    assert _rel(out, _reference(q, k, v, lens)) < TOL[dtype]
