@@ -312,6 +312,8 @@ def test_moe_benchmark_runs_and_tabulates(faked_timing, world):
     rows = moe.bench_moe_ep([shape], 2, world, rounds=1, heap_bytes=16 << 20)
     row = rows[0]
     assert row["jaxtdist_dispatch"]["exact"], row
+    assert row["jaxtdist_fp8_dispatch"]["exact"], row  # fp8 rows and scales where they belong
+    assert row["fp8_dispatch_bytes_per_rank"] < row["dispatch_bytes_per_rank"]
     ran = [n for n in moe.EP_SERIES if "error" not in row[n]]
     assert {"jaxtdist_layer", "jaxtdist_dispatch", "all_to_all_layer",
             "all_to_all_dispatch"} <= set(ran), row
@@ -331,6 +333,7 @@ def test_moe_benchmark_runs_and_tabulates(faked_timing, world):
     assert "| 4 x 32, top-2, 4 |" in lines[4] and "expert parallel over 2 x cpu" in lines[0]
     for header in ("dispatch: jaxtdist", "dispatch: all_to_all", "dispatch: ragged_all_to_all",
                    "jaxtdist / a2a", "jaxtdist / ragged", "jaxtdist dispatch GB/s",
-                   "d + c: jaxtdist", "rel err: a2a", "rel err: ragged"):
+                   "d + c: jaxtdist", "rel err: a2a", "rel err: ragged",
+                   "dispatch: jaxtdist fp8 (MB/rank)", "fp8 / bf16", "exact fp8 recv"):
         assert f"| {header} |" in lines[2], header
     assert " | 1.00 | " in lines[4]  # jaxtdist / a2a on equal faked times

@@ -24,7 +24,10 @@ and dispatch + combine of:
   weighted sum in float32;
 - ``ragged``: the same with ``jax.lax.ragged_all_to_all`` on the pairs sorted
   by destination rank (exact sizes; the size matrix by ``all_gather``). Where
-  the platform lacks it (XLA:CPU) the contender records the error.
+  the platform lacks it (XLA:CPU) the contender records the error;
+- ``jaxtdist fp8`` (dispatch only): the same tokens as float8_e4m3fn with a
+  float32 scale per 128 columns (``x_scale``), its dequantized rows checked
+  bit for bit against the dispatch of the dequantized tokens.
 
 Both XLA dispatches deliver the rows grouped by source rank (not expert-major
 like jaxtdist's ``recv_x``) and send one row per (token, k) pair, where
@@ -143,7 +146,25 @@ def world1_table(res: dict) -> str:
 EP_SPEC = P("ep")
 # The plot's series at world W (the Benchmark's own are world 1's).
 EP_SERIES = ("jaxtdist_layer", "all_to_all_layer", "ragged_layer", "jaxtdist_dispatch",
-             "all_to_all_dispatch", "ragged_dispatch")
+             "all_to_all_dispatch", "ragged_dispatch", "jaxtdist_fp8_dispatch")
+
+
+def fp8_tokens(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x [T, H] -> (float8_e4m3fn [T, H], float32 scales [T, S]): one scale per
+    128 columns where 128 divides H (DeepSeek-V3's blocks), else per token."""
+    t, hidden = x.shape
+    blocks = hidden // 128 if hidden % 128 == 0 else 1
+    xb = x.astype(np.float32).reshape(t, blocks, hidden // blocks)
+    scale = np.maximum(np.abs(xb).max(-1), 1e-12) / float(jnp.finfo(jnp.float8_e4m3fn).max)
+    q = np.asarray(jnp.asarray((xb / scale[..., None]).reshape(t, hidden), jnp.float8_e4m3fn))
+    return q, scale.astype(np.float32)
+
+
+def fp8_dequantize(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    t, hidden = q.shape
+    blocks = scale.shape[1]
+    return (q.astype(np.float32).reshape(t, blocks, hidden // blocks)
+            * scale[..., None]).reshape(t, hidden)
 
 
 def _pair_slots(expert_ids, world: int, num_experts: int):
@@ -278,6 +299,11 @@ def bench_moe_ep(shapes, iterations: int, world: int, rounds: int = 4, dtype=jnp
             ragged_layer=lambda x, ids, w, e=e: ragged_moe(
                 x, ids, w, "ep", world=world, num_experts=e))
         fns = {name: jax.jit(jax.shard_map(body, **specs)) for name, body in bodies.items()}
+        # fp8 dispatch: the same routing, fp8 tokens with float32 scales per 128 columns.
+        fns["jaxtdist_fp8_dispatch"] = jax.jit(jax.shard_map(
+            lambda q, s, ids, e=e: td.moe_dispatch(q, ids, "ep", num_experts=e, x_scale=s)[0],
+            mesh=mesh, in_specs=(EP_SPEC,) * 3, out_specs=(EP_SPEC, EP_SPEC),
+            check_vma=False))
         x = h.normal(1600 + i, (world * t, hidden), dtype)
         ids_np = _routing(1700 + i, world * t, k, e)
         w_np = np.random.default_rng(1800 + i).random((world * t, k), np.float32)
@@ -304,9 +330,15 @@ def bench_moe_ep(shapes, iterations: int, world: int, rounds: int = 4, dtype=jnp
                    dispatch_remote_bytes_per_rank=remote * hidden * itemsize,
                    pair_bytes_per_rank=float(t * k * hidden * itemsize),
                    all_to_all_bytes_per_rank=float(world * t * kl * hidden * itemsize))
+        q_np, s_np = fp8_tokens(x_np)
+        fp8_args = (jax.device_put(jnp.asarray(q_np), sharding),
+                    jax.device_put(jnp.asarray(s_np), sharding), args[1])
+        row["fp8_dispatch_bytes_per_rank"] = token_ranks * (
+            hidden + 4 * s_np.shape[1] + (-(hidden + 4 * s_np.shape[1]) % 16))
         row.update(h.interleaved(dict(
             jaxtdist_dispatch=h.Contender(fns["jaxtdist_dispatch"], args, world, recv_ref,
                                           exact=True),
+            jaxtdist_fp8_dispatch=h.Contender(fns["jaxtdist_fp8_dispatch"], fp8_args, world),
             all_to_all_dispatch=h.Contender(fns["all_to_all_dispatch"], args, world),
             ragged_dispatch=h.Contender(fns["ragged_dispatch"], args, world),
             jaxtdist_layer=h.Contender(fns["jaxtdist_layer"], args, world, ref),
@@ -316,6 +348,13 @@ def bench_moe_ep(shapes, iterations: int, world: int, rounds: int = 4, dtype=jnp
         disp = row.get("jaxtdist_dispatch") or {}
         if "mean_us" in disp:
             disp["gb_per_s"] = row["dispatch_bytes_per_rank"] / disp["mean_us"] / 1e3
+        fp8 = row.get("jaxtdist_fp8_dispatch") or {}
+        if "error" not in fp8 and recv_ref is not None:
+            # The dequantized rows where the dequantized tokens' dispatch puts them.
+            rq, rs = fns["jaxtdist_fp8_dispatch"](*fp8_args)
+            fp8["exact"] = bool(np.array_equal(
+                fp8_dequantize(np.asarray(rq), np.asarray(rs)),
+                expected_recv(fp8_dequantize(q_np, s_np), ids_np, world, e)))
         rows.append(row)
         print(f"moe world={world} T={t} H={hidden} K={k} E={e}: " + " | ".join(
             f"{name} {h.us(row.get(name))}" for name in bodies), flush=True)
@@ -347,6 +386,11 @@ EP_COLUMNS = [
     h.Column("jaxtdist / ragged", lambda r: h.ratio(r.get("jaxtdist_dispatch"),
                                                     r.get("ragged_dispatch"))),
     h.Column("jaxtdist dispatch GB/s", _gbps),
+    h.Column("dispatch: jaxtdist fp8 (MB/rank)",
+             lambda r: f"{h.us(r.get('jaxtdist_fp8_dispatch'))} "
+                       f"({_mb(r.get('fp8_dispatch_bytes_per_rank', 0))})"),
+    h.Column("fp8 / bf16", lambda r: h.ratio(r.get("jaxtdist_fp8_dispatch"),
+                                             r.get("jaxtdist_dispatch"))),
     h.Column("d + c: jaxtdist", lambda r: h.us(r.get("jaxtdist_layer"))),
     h.Column("d + c: all_to_all", lambda r: h.us(r.get("all_to_all_layer"))),
     h.Column("d + c: ragged_all_to_all", lambda r: h.us(r.get("ragged_layer"))),
@@ -355,6 +399,7 @@ EP_COLUMNS = [
     h.Column("jaxtdist / ragged ", lambda r: h.ratio(r.get("jaxtdist_layer"),
                                                      r.get("ragged_layer"))),
     h.Column("exact recv_x", lambda r: h.err(r.get("jaxtdist_dispatch"))),
+    h.Column("exact fp8 recv", lambda r: h.err(r.get("jaxtdist_fp8_dispatch"))),
     h.Column("rel err: jaxtdist", lambda r: h.err(r.get("jaxtdist_layer"))),
     h.Column("rel err: a2a", lambda r: h.err(r.get("all_to_all_layer"))),
     h.Column("rel err: ragged", lambda r: h.err(r.get("ragged_layer"))),
