@@ -144,17 +144,19 @@ def test_one_gpu_per_process():
         assert all(float(e) <= GPU_TOL for e in checks.values()), checks
 
 
-@timeout(200)
-def test_gradients_with_processes_sharing_a_gpu():
+@timeout(300)
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_gradients_with_processes_sharing_a_gpu(nproc):
     """remat + grad of ag_matmul and matmul_rs, their backward on jaxtdist's kernels
-    only (no XLA collective, which processes sharing a GPU could not run)."""
+    only (no XLA collective, which processes sharing a GPU could not run), with 2
+    and 4 processes."""
     # Last in the file: a timed-out rank is ended by the launcher, which can leave
     # an MPS daemon unusable for later runs.
-    code, out, _ = launch(2, {}, "--ops", "--grads", "--chain", "2", "--wait-timeout-s", "20",
-                          limit_s=180)
+    code, out, _ = launch(nproc, {}, "--ops", "--grads", "--chain", "2",
+                          "--wait-timeout-s", "20", limit_s=280)
     assert code == 0, out[-6000:]
     assert "XLA_COLLECTIVES" not in out, out[-6000:]
-    for rank in range(2):
+    for rank in range(nproc):
         checks = dict(line.split()[1:3] for line in rank_lines(out, rank, "CHECK"))
         assert set(checks) == {*OPS, *GRADS, "chain"}, checks
         assert all(float(e) <= GPU_TOL for e in checks.values()), checks
