@@ -337,3 +337,19 @@ def test_moe_benchmark_runs_and_tabulates(faked_timing, world):
                    "dispatch: jaxtdist fp8 (MB/rank)", "fp8 / bf16", "exact fp8 recv"):
         assert f"| {header} |" in lines[2], header
     assert " | 1.00 | " in lines[4]  # jaxtdist / a2a on equal faked times
+
+
+def test_flash_decode_benchmark_times_the_paged_cache(faked_timing, monkeypatch):
+    """``python -m jaxtdist.bench flash_decode`` at world 1 (CPU, faked timing, small
+    heads): the paged contender reads the same cache through a shuffled block table
+    and matches the reference like the contiguous kernel."""
+    from jaxtdist.bench import flash_decode
+
+    monkeypatch.setattr(flash_decode, "FLASH_DECODE_HEADS", (1, 4, 2, 32))
+    rows = flash_decode.bench_flash_decode([64], 1, 1, rounds=1)
+    row = rows[0]
+    assert row["jaxtdist"]["rel_err"] < 2e-2 and row["jaxtdist_paged"]["rel_err"] < 2e-2, row
+    text = flash_decode.table(dict(world=1, device="cpu", rows=rows, iterations=1, rounds=1))
+    lines = text.splitlines()
+    assert lines[2].count("|") == lines[4].count("|") == len(flash_decode.WORLD1_COLUMNS) + 1
+    assert "| jaxtdist paged (16-position pages) | paged / contiguous |" in lines[2]

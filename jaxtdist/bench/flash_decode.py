@@ -7,7 +7,8 @@ D=128, bf16, every position valid but the last 3):
   (``flash_decode_kernels``) against XLA's decode attention of the same cache
   (``decode_attention`` in bf16 with float32 softmax, and
   ``jax.nn.dot_product_attention`` with ``key_value_seq_lengths``), with the KV
-  read bandwidth each reaches (bytes of K and V / kernel time);
+  read bandwidth each reaches (bytes of K and V / kernel time), and the kernel
+  on the same cache paged (16-position pages in shuffled order, ``block_table``);
 - world W > 1 (``--world W``): ``jaxtdist.flash_decode`` over S / W positions per
   rank against XLA's way (each rank's partial and log-sum-exp, ``all_gather``
   of them, merge) and against one GPU holding the whole cache (the kernel at
@@ -100,6 +101,24 @@ def _operands(seed: int, b: int, hq: int, hkv: int, d: int, s: int, dtype):
     return q, k, v, n
 
 
+PAGE = 16  # positions per page of the paged contender (vLLM's default block size)
+
+
+def _paged(seed: int, k, v):
+    """k, v [B, S, Hkv, D] as page pools [B * S / PAGE + 1, PAGE, Hkv, D] in shuffled
+    order (one spare page) and the block table [B, S / PAGE] that maps them back."""
+    b, s = k.shape[:2]
+    pages = s // PAGE
+    order = np.random.default_rng(seed).permutation(b * pages + 1)
+    inverse = np.argsort(order)  # pool slot j holds logical page inverse[j] (or the spare)
+    pools = []
+    for cache in (k, v):
+        flat = cache.reshape((b * pages, PAGE) + cache.shape[2:])
+        flat = jnp.concatenate([flat, flat[:1]])  # the spare page
+        pools.append(flat[jnp.asarray(inverse)])
+    return (*pools, jnp.asarray(order[:b * pages].reshape(b, pages), jnp.int32))
+
+
 def _one_gpu_times(seqs, iterations: int, dtype, rounds: int) -> dict[int, dict]:
     """The kernel at world 1 holding the whole cache on device 0, per length (run
     before the W-device mesh is set up: jaxtdist holds one mesh at a time)."""
@@ -153,11 +172,19 @@ def bench_flash_decode(seqs, iterations: int, world: int, dtype=jnp.bfloat16,
         kv_bytes = 2 * b * s * hkv * d * itemsize  # K and V, all ranks together
         row = dict(b=b, hq=hq, hkv=hkv, d=d, seq=s, world=world, dtype=jnp.dtype(dtype).name,
                    kv_bytes_per_device=kv_bytes // world, size=float(s), label=f"S={s}")
-        row.update(h.interleaved({name: h.Contender(fn, args, world, ref)
-                                  for name, fn in fns.items()}, iterations, rounds))
+        contenders = {name: h.Contender(fn, args, world, ref) for name, fn in fns.items()}
+        if world == 1 and s % PAGE == 0:  # the same cache paged: the block table's cost
+            k_pool, v_pool, table = _paged(800 + i, k, v)
+            paged = jax.jit(jax.shard_map(
+                lambda q, kp, vp, n, t: ops.flash_decode_kernels(q, kp, vp, n, "sp",
+                                                                 block_table=t),
+                mesh=mesh, in_specs=(P(),) * 5, out_specs=P(), check_vma=False))
+            contenders["jaxtdist_paged"] = h.Contender(paged, (q, k_pool, v_pool, n, table), 1,
+                                                       ref)
+        row.update(h.interleaved(contenders, iterations, rounds))
         if s in one_gpu:
             row["one_gpu"] = one_gpu[s]
-        for name in ("jaxtdist", "xla_decode", "jax_nn_dpa", "one_gpu"):
+        for name in ("jaxtdist", "jaxtdist_paged", "xla_decode", "jax_nn_dpa", "one_gpu"):
             stats = row.get(name)
             if stats and stats.get("mean_us"):
                 per_device = kv_bytes if name == "one_gpu" else kv_bytes // world
@@ -198,7 +225,11 @@ WORLD1_COLUMNS = [
     h.Column("jaxtdist / XLA decode", lambda r: h.ratio(r.get("jaxtdist"), r.get("xla_decode"))),
     h.Column("KV read TB/s (jaxtdist)", lambda r: _tb_s(r.get("jaxtdist"))),
     h.Column("KV read TB/s (XLA decode)", lambda r: _tb_s(r.get("xla_decode"))),
+    h.Column(f"jaxtdist paged ({PAGE}-position pages)", lambda r: h.us(r.get("jaxtdist_paged"))),
+    h.Column("paged / contiguous", lambda r: h.ratio(r.get("jaxtdist_paged"),
+                                                     r.get("jaxtdist"))),
     h.Column("rel err", lambda r: h.err(r.get("jaxtdist"))),
+    h.Column("rel err (paged)", lambda r: h.err(r.get("jaxtdist_paged"))),
 ]
 
 WORLD_COLUMNS = [
@@ -241,5 +272,6 @@ def _arguments(parser) -> None:
 
 BENCHMARK = h.Benchmark(
     name="flash_decode", op="flash_decode", run=run, table=table,
-    series=("jaxtdist", "xla_decode", "jax_nn_dpa", "xla_all_gather_merge", "one_gpu"),
+    series=("jaxtdist", "jaxtdist_paged", "xla_decode", "jax_nn_dpa", "xla_all_gather_merge",
+            "one_gpu"),
     size_label="sequence length", arguments=_arguments)
