@@ -8,8 +8,9 @@ the pointer GEMM), pushes the
 float32 partial into every peer's heap inbox (stores through ``dl.symm_at``
 pointers, peers in the order me+1, me+2, ...; then the tile's flag in that
 peer's heap is set to the epoch, a release), then waits (acquire) for the
-same tile from each peer (me-1 first: it pushes to this rank first), adds
-the partials to its own in float32 and stores the output tile. One pass
+same tile from each peer and adds the partials in float32 in rank order
+(0, 1, ..., W - 1, its own in its place: the same additions, so the same
+bits, on every rank) and stores the output tile. One pass
 over w, one crossing of the links per partial, and no second launch: the
 latency is the GEMM of one tile-wave plus one push and one flag.
 
@@ -83,12 +84,18 @@ def matmul_ar_kernel(ctx, x_ptr, w_ptr, out_ptr,
         slot = world - 1 - step  # (me - dst + world - 1) % world
         tl.store(dl.symm_at(ctx, inbox + slot * slot_elems + offs, dst), acc, mask=mask)
         dl.notify(ctx, flags + slot * tiles + tile, dst, e)
-    for step in range(1, world):
-        # Rank me - step pushes to this rank at its step ``step``, into slot
-        # (src - me + world - 1) % world.
-        src = (me + world - step) % world
-        slot = world - 1 - step
-        token = dl.wait(ctx, flags + slot * tiles + tile, e, "ge", src)
-        acc += tl.load(dl.consume_token(inbox + slot * slot_elems + offs, token), mask=mask,
-                       other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    # The partials are summed in rank order 0, 1, ..., W - 1 on every rank (this
+    # rank's own in its place), so that every rank rounds the same additions and
+    # holds the same bits; an order starting from the own partial differs per
+    # rank in float32 from W = 3 on.
+    total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for src in range(0, world):
+        if src == me:
+            total += acc
+        else:
+            # Rank src pushes to this rank into slot (src - me + world - 1) % world.
+            slot = (src - me + world - 1) % world
+            token = dl.wait(ctx, flags + slot * tiles + tile, e, "ge", src)
+            total += tl.load(dl.consume_token(inbox + slot * slot_elems + offs, token),
+                             mask=mask, other=0.0)
+    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)

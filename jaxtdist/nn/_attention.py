@@ -37,6 +37,15 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return (xf * cos + rotated * sin).astype(x.dtype)
 
 
+def _dot_product_attention(q, k, v, mask, mesh: Mesh) -> jax.Array:
+    """``jax.nn.dot_product_attention``; float16 on a CPU mesh in float32 (XLA's CPU
+    dot refuses float16 operands with the float32 result it asks for), rounded once."""
+    if q.dtype == jnp.float16 and mesh.devices.flat[0].platform == "cpu":
+        f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+        return jax.nn.dot_product_attention(*f32, mask=mask).astype(q.dtype)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask)
+
+
 class ParallelAttention(nnx.Module):
     """Multi-head self-attention, heads split over ``axis_name`` (Megatron style).
 
@@ -248,7 +257,7 @@ class ParallelAttention(nnx.Module):
             if segments:
                 (seg,) = segments
                 mask = mask & (seg[:, None, :, None] == seg[:, None, None, :])
-            return jax.nn.dot_product_attention(q, k, v, mask=mask)
+            return _dot_product_attention(q, k, v, mask, lay.mesh)
 
         extra = () if segment_ids is None else (
             lay.constrain(jnp.asarray(segment_ids, jnp.int32), rows),)
@@ -283,8 +292,8 @@ class ParallelAttention(nnx.Module):
             cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype),
                                                    (zero, index, zero, zero))
             mask = (jnp.arange(max_len) <= index)[None, None, None, :]
-            o = jax.nn.dot_product_attention(q, cache_k.astype(q.dtype),
-                                             cache_v.astype(q.dtype), mask=mask)
+            o = _dot_product_attention(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype),
+                                       mask, lay.mesh)
             o = jnp.where(index < max_len, o, jnp.nan)  # past the cache's end: no answer
             return o, cache_k, cache_v
 

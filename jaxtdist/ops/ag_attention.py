@@ -259,6 +259,11 @@ def _backward(residuals, dout, *, axis_name, causal=True, config=None):
 
 def _local(q, k, v, *, axis_name, causal=True, config=None):
     del axis_name, config
+    if q.dtype == jnp.float16 and runtime().platform == "cpu":
+        # XLA's CPU dot refuses float16 operands with a float32 result (what
+        # dot_product_attention asks for): attend in float32, round once.
+        f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+        return jax.nn.dot_product_attention(*f32, is_causal=causal).astype(q.dtype)
     return jax.nn.dot_product_attention(q, k, v, is_causal=causal)
 
 

@@ -75,20 +75,26 @@ class AllGatherConfig(KernelConfig):
 
 
 def _check(x, *, axis_name, axis, tiled, config=None) -> None:
-    del axis_name, tiled, config
+    del axis_name, config
     if x.ndim == 0:
         raise ValueError("jaxtdist.all_gather: x must have at least one dimension, got a scalar")
-    if not -x.ndim <= axis < x.ndim:
+    if not 0 <= axis < x.ndim + (not tiled):  # all_gather made it non-negative
         raise ValueError(f"jaxtdist.all_gather: axis={axis} is out of range for x of shape "
-                         f"{x.shape}")
+                         f"{x.shape} (tiled={tiled}: {_axis_range(x.ndim, tiled)})")
     check_dtype("all_gather", "x", x.dtype)
 
 
+def _axis_range(ndim: int, tiled: bool) -> str:
+    n = ndim + (not tiled)
+    return f"axis in [{-n}, {n})" + ("" if tiled else ", the position of the new axis")
+
+
 def _forward(x, *, axis_name, axis, tiled, config=None):
-    axis %= x.ndim
+    # axis >= 0: the dimension concatenated along (tiled), or the position of the
+    # new stacked axis in the result, 0..x.ndim (as jax.lax.all_gather's).
     call = Call("all_gather", axis_name)
     world = call.world
-    moved = jnp.moveaxis(x, axis, 0)
+    moved = jnp.moveaxis(x, axis, 0) if tiled else x
     rows, cols = moved.shape[0], math.prod(moved.shape[1:])
     flat = moved.reshape(rows, cols)
     problem = Problem(call.platform, world, (rows, cols), jnp.dtype(x.dtype).name)
@@ -104,18 +110,17 @@ def _forward(x, *, axis_name, axis, tiled, config=None):
     out = out.reshape((world, rows) + moved.shape[1:])
     if tiled:
         out = out.reshape((world * rows,) + moved.shape[1:])
-        return jnp.moveaxis(out, 0, axis), None
-    return (jnp.moveaxis(out, (0, 1), (axis, axis + 1)) if axis else out), None
+    return jnp.moveaxis(out, 0, axis), None
 
 
 def _backward(residuals, ct, *, axis_name, axis, tiled, config=None):
     del residuals, config
-    return (scatter_cotangent(ct, axis_name, axis % (ct.ndim - (not tiled)), tiled),)
+    return (scatter_cotangent(ct, axis_name, axis, tiled),)
 
 
 def _local(x, *, axis_name, axis, tiled, config=None):
     del axis_name, config
-    return x if tiled else jnp.expand_dims(x, axis % x.ndim)
+    return x if tiled else jnp.expand_dims(x, axis)
 
 
 _ALL_GATHER = DistributedOp("all_gather", forward=_forward, backward=_backward, check=_check,
@@ -147,8 +152,14 @@ def all_gather(x: jax.Array, axis_name, *, axis: int = 0, tiled: bool = True,
       ...                           in_specs=P("x"), out_specs=P(), check_vma=False))
     """
     x = jnp.asarray(x)
-    if not isinstance(axis, int) or isinstance(axis, bool):
+    if not isinstance(axis, (int, np.integer)) or isinstance(axis, (bool, np.bool_)):
         raise ValueError(f"jaxtdist.all_gather: axis must be an int, got {axis!r}")
+    axis = int(axis)  # a NumPy integer too (as jax.lax.all_gather takes)
+    # Negative axes count from the end of the result, as jax.lax.all_gather's: with
+    # tiled=False the stacked axis is new, so -1 (or x.ndim) stacks last.
+    ndim = x.ndim + (not tiled)
+    if x.ndim and -ndim <= axis < ndim:
+        axis %= ndim
     return _ALL_GATHER(x, axis_name=axis_name, axis=axis, tiled=bool(tiled), config=config)
 
 

@@ -211,6 +211,8 @@ def reduce_scatter(x: jax.Array, axis_name, *, scatter_dimension: int = 0,
       >>> f = jax.jit(jax.shard_map(lambda x: jaxtdist.reduce_scatter(x, "x"), mesh=mesh,
       ...                           in_specs=P("x"), out_specs=P("x")))
     """
+    if isinstance(scatter_dimension, np.integer) and not isinstance(scatter_dimension, np.bool_):
+        scatter_dimension = int(scatter_dimension)  # as jax.lax.psum_scatter takes it
     return _REDUCE_SCATTER(jnp.asarray(x), axis_name=axis_name,
                            scatter_dimension=scatter_dimension, config=config)
 

@@ -211,8 +211,16 @@ class Runtime:
 
     def layout(self, axis_name: str | Sequence[str]) -> Layout:
         """The group layout of a collective over ``axis_name`` (one axis or several)."""
-        axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
         names = tuple(self.mesh.axis_names)
+        if isinstance(axis_name, str):
+            axes = (axis_name,)
+        elif isinstance(axis_name, (tuple, list)):
+            axes = tuple(axis_name)
+        else:
+            # An int, bytes or set would be iterated (or fail to be) into nonsense.
+            raise ValueError(f"jaxtdist: axis_name must be a mesh axis name (a str) or a tuple "
+                             f"of them, got {axis_name!r} ({type(axis_name).__name__}); the "
+                             f"mesh's axes are {names}")
         for a in axes:
             if a not in names:
                 raise ValueError(f"jaxtdist: axis_name {a!r} is not an axis of the mesh passed "
