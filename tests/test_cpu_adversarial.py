@@ -330,22 +330,20 @@ def test_all_reduce_and_reduce_scatter_over_axes_of_a_2x3_mesh(axes):
     assert_close(out, ref, F32)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ops/_op.pjit_wrapper (ag_matmul_sharded, matmul_rs_sharded, ...): axis_name=('dp', 'tp') "
-    "raises ValueError \"('dp', 'tp') is not an axis of the mesh; its axes are ('dp', 'tp')\", "
-    "which contradicts itself; the README says axis_name may be a tuple of axes. Either "
-    "accept the tuple or say that the _sharded forms take one axis name"))
-def test_sharded_form_with_a_tuple_axis_name():
-    mesh = setup((2, 3), ("dp", "tp"))
-    x, w = rand((12, 5)), rand((5, 12))
-    try:
-        out = jax.jit(lambda a, b: td.ag_matmul_sharded(a, b, axis_name=("dp", "tp")))(
-            jnp.asarray(x), jnp.asarray(w))
-    except ValueError as e:
-        assert "is not an axis of the mesh" not in str(e), str(e)
-    else:
-        assert_close(out, f64(x) @ f64(w), F32)
-    del mesh
+@pytest.mark.parametrize("op", ["ag_matmul_sharded", "matmul_rs_sharded", "matmul_ar_sharded"])
+def test_sharded_form_with_a_tuple_axis_name(op):
+    """axis_name=("dp", "tp"): the six devices as one group (dp outermost), as a
+    tuple of axes means inside shard_map."""
+    setup((2, 3), ("dp", "tp"))
+    fn = getattr(td, op)
+    x, w = (rand((12, 5)), rand((5, 12))) if op == "ag_matmul_sharded" else (
+        rand((12, 12)), rand((12, 5)))
+    out = jax.jit(lambda a, b: fn(a, b, axis_name=("dp", "tp")))(jnp.asarray(x), jnp.asarray(w))
+    assert_close(out, f64(x) @ f64(w), F32)
+    with pytest.raises(ValueError, match="a tuple of distinct ones"):
+        fn(jnp.asarray(x), jnp.asarray(w), axis_name=("tp", "tp"))
+    with pytest.raises(ValueError, match="is also in batch_axes"):
+        fn(jnp.asarray(x), jnp.asarray(w), axis_name=("dp", "tp"), batch_axes="dp")
 
 
 # -- the _sharded forms on a 2 x 3 mesh ----------------------------------------------

@@ -447,16 +447,25 @@ def pjit_wrapper(op_fn: Callable, *, name: str,
     are known to be the mesh's.
     """
 
-    def wrapper(*arrays: jax.Array, axis_name: str, batch_axes: str | Sequence[str] = (),
-                mesh=None, **static: Any):
+    def wrapper(*arrays: jax.Array, axis_name: str | Sequence[str],
+                batch_axes: str | Sequence[str] = (), mesh=None, **static: Any):
         rt = runtime()
         mesh = rt.mesh if mesh is None else mesh
         batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
-        if axis_name in batch_axes:
+        # A tuple (or list) of axes is one group, outermost first, as inside shard_map.
+        if isinstance(axis_name, (tuple, list)):
+            axis_name = tuple(axis_name)
+            group = axis_name
+        else:
+            group = (axis_name,)
+        if not group or len(set(group)) != len(group):
+            raise ValueError(f"jaxtdist.{name}: axis_name {axis_name!r} must be one mesh axis "
+                             "or a tuple of distinct ones")
+        if set(group) & set(batch_axes):
             raise ValueError(f"jaxtdist.{name}: axis_name {axis_name!r} is also in "
                              f"batch_axes {batch_axes}")
-        for a in batch_axes + (axis_name,):
-            if a not in mesh.axis_names:
+        for a in batch_axes + group:
+            if not isinstance(a, str) or a not in mesh.axis_names:
                 raise ValueError(f"jaxtdist.{name}: {a!r} is not an axis of the mesh; its "
                                  f"axes are {tuple(mesh.axis_names)}")
         if check is not None:
@@ -501,6 +510,9 @@ def _token_of(out, after: Sequence) -> jax.Array:
     return order_token(rt, _later_output(out, after))
 
 
-def rows_over(axis_name: str | None, batch_axes: tuple[str, ...]):
-    """The mesh axes sharding rows: the batch axes, then ``axis_name`` (if given)."""
+def rows_over(axis_name: str | tuple[str, ...] | None, batch_axes: tuple[str, ...]):
+    """The mesh axes sharding rows: the batch axes, then ``axis_name`` (if given; a
+    tuple of axes, outermost first, as one)."""
+    if isinstance(axis_name, tuple):
+        return _axes_spec(tuple(batch_axes) + axis_name)
     return _axes_spec(tuple(batch_axes) + ((axis_name,) if axis_name else ()))
