@@ -328,7 +328,9 @@ def test_moe_over_a_submesh():
         for d in range(2):
             np.testing.assert_array_equal(got[d], want[d].astype(np.float32))
     ref = 3.0 * np.asarray(x) * np.asarray(gate).sum(1, keepdims=True)
-    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5)
+    # atol: where two weights nearly cancel, float32 rounding of the sum is
+    # relatively large (seen: 5.7e-8 on 3.9e-3, with random data from earlier tests).
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-6)
 
 
 def test_moe_bench_table():
