@@ -217,23 +217,19 @@ def test_flash_decode_tunes_with_an_explicit_measure():
     assert result["variant"] == "split_kv_push"
 
 
-def _paginate(cache: np.ndarray, world: int, page: int, spare: int, rng):
-    """A contiguous cache [B, world * S_shard, Hkv, D] as each rank's page pool
-    [world * (pages + spare), page, Hkv, D] (rank r's pools stacked, in shuffled
-    order, with ``spare`` unused garbage pages each) and block tables
-    [B, world * pages] (rank r's columns: its positions' pages in its own pool)."""
-    b, total, hkv, d = cache.shape
-    s_shard = total // world
-    pages = s_shard // page
-    pools, tables = [], []
-    for r in range(world):
-        order = rng.permutation(b * pages + spare)   # pool slot of (sequence, page)
-        pool = rng.standard_normal((b * pages + spare, page, hkv, d)).astype(cache.dtype)
-        chunk = cache[:, r * s_shard:(r + 1) * s_shard].reshape(b * pages, page, hkv, d)
-        pool[order[:b * pages]] = chunk
-        pools.append(pool)
-        tables.append(order[:b * pages].reshape(b, pages))
-    return np.concatenate(pools), np.concatenate(tables, axis=1).astype(np.int32)
+def _paginate(k, v, world: int, page: int, spare: int, seed: int):
+    """Each rank's positions of k, v [B, world * S_shard, Hkv, D] as its own page pools
+    (``paged_cache``: shuffled, with spare pages), stacked over the ranks; the block
+    tables side by side ([B, world * pages]: rank r's columns index its own pool)."""
+    from jaxtdist.bench.flash_decode import paged_cache
+
+    s_shard = k.shape[1] // world
+    ranks = [slice(r * s_shard, (r + 1) * s_shard) for r in range(world)]
+    k_pools, v_pools, tables = zip(*(paged_cache(k[:, r], v[:, r], page, spare, seed + i)
+                                     for i, r in enumerate(ranks)))
+    return (np.concatenate([np.asarray(a) for a in k_pools]),
+            np.concatenate([np.asarray(a) for a in v_pools]),
+            np.concatenate([np.asarray(a) for a in tables], axis=1))
 
 
 @pytest.mark.parametrize("world,dtype,b,hq,hkv,d,s_shard,page", [
@@ -247,8 +243,7 @@ def test_flash_decode_paged(world, dtype, b, hq, hkv, d, s_shard, page):
     q = rand((b, hq, d), dtype)
     k = np.asarray(rand((b, world * s_shard, hkv, d), dtype))
     v = np.asarray(rand((b, world * s_shard, hkv, d), dtype))
-    k_pool, table = _paginate(k, world, page, 3, rng)
-    v_pool, _ = _paginate(v, world, page, 3, np.random.default_rng(world * 7 + page))
+    k_pool, v_pool, table = _paginate(k, v, world, page, 3, world * 7 + page)
     total = world * s_shard
     lens = np.array([total, page + 1, int(rng.integers(1, total))][:b], np.int32)
     # Past its length, a sequence's table holds junk (-1 and huge ids): never read.
@@ -263,8 +258,9 @@ def test_flash_decode_paged(world, dtype, b, hq, hkv, d, s_shard, page):
     out = paged(place(mesh, q, P()), place(mesh, jnp.asarray(k_pool, dtype), P("sp")),
                 place(mesh, jnp.asarray(v_pool, dtype), P("sp")), place(mesh, lens, P()),
                 place(mesh, table, P(None, "sp")))
-    contiguous = _decode_fn(mesh)(place(mesh, q, P()), place(mesh, jnp.asarray(k), P(None, "sp")),
-                                  place(mesh, jnp.asarray(v), P(None, "sp")), place(mesh, lens, P()))
+    contiguous = _decode_fn(mesh)(
+        place(mesh, q, P()), place(mesh, jnp.asarray(k), P(None, "sp")),
+        place(mesh, jnp.asarray(v), P(None, "sp")), place(mesh, lens, P()))
     assert out.dtype == jnp.dtype(dtype) and out.shape == (b, hq, d)
     assert _rel(out, _reference(q, k, v, lens)) < TOL[jnp.dtype(dtype)]
     if world > 1:  # the kernels' path: the same blocks in the same order

@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxtdist as td
+from jaxtdist.bench.moe import fp8_dequantize, fp8_tokens
 from tests.conftest import cpu_only, place, setup
 from tests.test_cpu_moe import routing
 
@@ -20,21 +21,6 @@ pytestmark = cpu_only()
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 EP = P("ep")
-
-
-def _quantize(x: np.ndarray, scales: int, dtype):
-    """x [T, H] float32 -> (fp8 [T, H], scales [T, S] float32), one scale per H / S columns."""
-    t, h = x.shape
-    blocks = x.reshape(t, scales, h // scales)
-    scale = (np.abs(blocks).max(-1) / float(jnp.finfo(dtype).max)).astype(np.float32)
-    q = jnp.asarray((blocks / scale[..., None]).reshape(t, h), dtype)
-    return q, scale
-
-
-def _dequantize(q, scale):
-    t, h = q.shape
-    s = scale.shape[1]
-    return (q.astype(jnp.float32).reshape(t, s, h // s) * scale[..., None]).reshape(t, h)
 
 
 @pytest.mark.parametrize("world,t,h,k,e,scales,dtype,rows", [
@@ -46,15 +32,15 @@ def _dequantize(q, scale):
 def test_fp8_dispatch_matches_the_dequantized_dispatch(world, t, h, k, e, scales, dtype, rows):
     mesh = setup(world, ("ep",))
     rng = np.random.default_rng(world * 100 + h)
-    q, scale = _quantize(rng.standard_normal((world * t, h)).astype(np.float32), scales, dtype)
+    q, scale = fp8_tokens(rng.standard_normal((world * t, h)).astype(np.float32), scales, dtype)
     ids = routing("random", world, t, k, e, rng)
     w = rng.random((world * t, k)).astype(np.float32)
 
     def layer(q, scale, ids, w):
         (rx, rs), sizes, handle = td.moe_dispatch(q, ids, "ep", num_experts=e,
                                                   max_recv_rows=rows, x_scale=scale)
-        deq = _dequantize(rx, rs)
-        ref, ref_sizes, ref_handle = td.moe_dispatch(_dequantize(q, scale), ids, "ep",
+        deq = fp8_dequantize(rx, rs)
+        ref, ref_sizes, ref_handle = td.moe_dispatch(fp8_dequantize(q, scale), ids, "ep",
                                                      num_experts=e, max_recv_rows=rows)
         # The experts' bfloat16 output, combined as usual.
         out = td.moe_combine(deq.astype(jnp.bfloat16), handle, w, "ep")
@@ -79,7 +65,7 @@ def test_fp8_dispatch_errors_and_no_gradient():
     mesh = setup(2, ("ep",))
     rng = np.random.default_rng(0)
     x = rng.standard_normal((8, 32)).astype(np.float32)
-    q, scale = _quantize(x, 2, E4M3)
+    q, scale = fp8_tokens(x, 2, E4M3)
     ids = place(mesh, routing("random", 2, 4, 2, 4, rng), EP)
 
     def call(x, scale):

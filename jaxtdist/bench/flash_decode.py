@@ -104,17 +104,18 @@ def _operands(seed: int, b: int, hq: int, hkv: int, d: int, s: int, dtype):
 PAGE = 16  # positions per page of the paged contender (vLLM's default block size)
 
 
-def _paged(seed: int, k, v):
-    """k, v [B, S, Hkv, D] as page pools [B * S / PAGE + 1, PAGE, Hkv, D] in shuffled
-    order (one spare page) and the block table [B, S / PAGE] that maps them back."""
+def paged_cache(k, v, page: int, spare: int, seed: int):
+    """k, v [B, S, Hkv, D] as page pools [B * S / page + spare, page, Hkv, D] in a
+    shuffled order (``spare`` extra pages, copies of page 0, that no sequence
+    uses) and the block table [B, S / page] int32 that maps them back."""
     b, s = k.shape[:2]
-    pages = s // PAGE
-    order = np.random.default_rng(seed).permutation(b * pages + 1)
-    inverse = np.argsort(order)  # pool slot j holds logical page inverse[j] (or the spare)
+    pages = s // page
+    order = np.random.default_rng(seed).permutation(b * pages + spare)
+    inverse = np.argsort(order)  # pool slot j holds logical page inverse[j] (or a spare)
     pools = []
     for cache in (k, v):
-        flat = cache.reshape((b * pages, PAGE) + cache.shape[2:])
-        flat = jnp.concatenate([flat, flat[:1]])  # the spare page
+        flat = jnp.asarray(cache).reshape((b * pages, page) + tuple(cache.shape[2:]))
+        flat = jnp.concatenate([flat] + [flat[:1]] * spare)
         pools.append(flat[jnp.asarray(inverse)])
     return (*pools, jnp.asarray(order[:b * pages].reshape(b, pages), jnp.int32))
 
@@ -174,7 +175,7 @@ def bench_flash_decode(seqs, iterations: int, world: int, dtype=jnp.bfloat16,
                    kv_bytes_per_device=kv_bytes // world, size=float(s), label=f"S={s}")
         contenders = {name: h.Contender(fn, args, world, ref) for name, fn in fns.items()}
         if world == 1 and s % PAGE == 0:  # the same cache paged: the block table's cost
-            k_pool, v_pool, table = _paged(800 + i, k, v)
+            k_pool, v_pool, table = paged_cache(k, v, PAGE, 1, 800 + i)
             paged = jax.jit(jax.shard_map(
                 lambda q, kp, vp, n, t: ops.flash_decode_kernels(q, kp, vp, n, "sp",
                                                                  block_table=t),

@@ -149,18 +149,22 @@ EP_SERIES = ("jaxtdist_layer", "all_to_all_layer", "ragged_layer", "jaxtdist_dis
              "all_to_all_dispatch", "ragged_dispatch", "jaxtdist_fp8_dispatch")
 
 
-def fp8_tokens(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """x [T, H] -> (float8_e4m3fn [T, H], float32 scales [T, S]): one scale per
-    128 columns where 128 divides H (DeepSeek-V3's blocks), else per token."""
+def fp8_tokens(x: np.ndarray, blocks: int | None = None,
+               dtype=jnp.float8_e4m3fn) -> tuple[np.ndarray, np.ndarray]:
+    """x [T, H] -> (fp8 [T, H], float32 scales [T, S]): each token's H / S columns
+    scaled into the fp8 range. ``blocks`` S (default: one scale per 128 columns
+    where 128 divides H, DeepSeek-V3's blocks, else one per token)."""
     t, hidden = x.shape
-    blocks = hidden // 128 if hidden % 128 == 0 else 1
-    xb = x.astype(np.float32).reshape(t, blocks, hidden // blocks)
-    scale = np.maximum(np.abs(xb).max(-1), 1e-12) / float(jnp.finfo(jnp.float8_e4m3fn).max)
-    q = np.asarray(jnp.asarray((xb / scale[..., None]).reshape(t, hidden), jnp.float8_e4m3fn))
+    if blocks is None:
+        blocks = hidden // 128 if hidden % 128 == 0 else 1
+    xb = np.asarray(x, np.float32).reshape(t, blocks, hidden // blocks)
+    scale = np.maximum(np.abs(xb).max(-1), 1e-12) / float(jnp.finfo(dtype).max)
+    q = np.asarray(jnp.asarray((xb / scale[..., None]).reshape(t, hidden), dtype))
     return q, scale.astype(np.float32)
 
 
-def fp8_dequantize(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+def fp8_dequantize(q, scale):
+    """fp8 [T, H] and scales [T, S] -> float32 [T, H] (NumPy or JAX arrays)."""
     t, hidden = q.shape
     blocks = scale.shape[1]
     return (q.astype(np.float32).reshape(t, blocks, hidden // blocks)

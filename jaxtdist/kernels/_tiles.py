@@ -46,6 +46,13 @@ def peer_arrival_tile(item, me, world, per_rank, m_tiles_per_rank, n_tiles,
 
 
 @triton.jit
+def block_range(block, BLOCK: tl.constexpr):
+    """Indices ``[block * BLOCK, (block + 1) * BLOCK)``, marked contiguous and
+    BLOCK-aligned so that loads and stores through them stay vectorized."""
+    return tl.max_contiguous(tl.multiple_of(block * BLOCK + tl.arange(0, BLOCK), BLOCK), BLOCK)
+
+
+@triton.jit
 def dot_tile(a_ptr, b_ptr, rows, row_mask, cols, col_mask, k_lo, k_hi, K: tl.constexpr,
              N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              BLOCK_K: tl.constexpr):

@@ -34,7 +34,8 @@ import jaxtdist.language as dl
 from jaxtdist.kernels._gather import pull_shards, push_shards
 from jaxtdist.kernels._gemm import out_desc, store_tile, tile_acc
 from jaxtdist.kernels._splitk import finish_split_k, finish_stream_k, k_range
-from jaxtdist.kernels._tiles import grouped_tile, peer_arrival_tile, rank_major_tile
+from jaxtdist.kernels._tiles import (block_range, grouped_tile, peer_arrival_tile,
+                                     rank_major_tile)
 
 
 @triton.jit
@@ -162,8 +163,7 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
             a_rows = a_base + rows * K
             out_rows = src * M_SHARD + rows
             counter_index = (src * m_tiles + tm) * n_tiles + tn
-        cols = tl.max_contiguous(tl.multiple_of(tn * BLOCK_N + tl.arange(0, BLOCK_N), BLOCK_N),
-                                 BLOCK_N)
+        cols = block_range(tn, BLOCK_N)
         col_mask = cols < N
         k_lo, k_hi = k_range(split, K, K_SPLIT)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

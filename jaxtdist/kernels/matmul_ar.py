@@ -36,7 +36,7 @@ import triton.language as tl
 
 import jaxtdist.language as dl
 from jaxtdist.kernels._gemm import tile_acc
-from jaxtdist.kernels._tiles import dot_tile, grouped_tile
+from jaxtdist.kernels._tiles import block_range, dot_tile, grouped_tile
 
 
 @triton.jit
@@ -61,8 +61,7 @@ def matmul_ar_kernel(ctx, x_ptr, w_ptr, out_ptr,
     tm, tn = grouped_tile(tile, m_tiles, n_tiles, GROUP_M)
     rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
-    cols = tl.max_contiguous(tl.multiple_of(tn * BLOCK_N + tl.arange(0, BLOCK_N), BLOCK_N),
-                             BLOCK_N)
+    cols = block_range(tn, BLOCK_N)
     col_mask = cols < N
     if TMA:
         x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1],

@@ -58,7 +58,17 @@ import triton.language as tl
 
 import jaxtdist.language as dl
 from jaxtdist.kernels._gemm import out_desc, store_tile, tile_acc
-from jaxtdist.kernels._tiles import dot_tile, grouped_tile, rank_major_tile
+from jaxtdist.kernels._tiles import block_range, dot_tile, grouped_tile, rank_major_tile
+
+
+@triton.jit
+def _tile_offsets(tm, tn, M_SHARD: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """Element offsets of tile (tm, tn) in a row-major [M_SHARD, N] array, and the
+    mask of its elements inside it."""
+    rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = block_range(tn, BLOCK_N)
+    return rows[:, None] * N + cols[None, :], (rows < M_SHARD)[:, None] & (cols < N)[None, :]
 
 
 @triton.jit
@@ -67,13 +77,10 @@ def _push_partial(ctx, acc, inbox, flags, me, dst, world, e, slot_elems, per_ran
                   BLOCK_N: tl.constexpr, n_tiles):
     """Stores a peer's tile partial into ``dst``'s inbox slot of this source and
     raises the tile's flag there (release at system scope)."""
-    rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.max_contiguous(tl.multiple_of(tn * BLOCK_N + tl.arange(0, BLOCK_N), BLOCK_N),
-                             BLOCK_N)
+    offs, mask = _tile_offsets(tm, tn, M_SHARD, N, BLOCK_M, BLOCK_N)
     slot = (me - dst + world - 1) % world
-    remote = dl.symm_at(ctx, inbox + slot * slot_elems + rows[:, None] * N + cols[None, :], dst)
-    tl.store(remote, acc.to(inbox.dtype.element_ty),
-             mask=(rows < M_SHARD)[:, None] & (cols < N)[None, :])
+    remote = dl.symm_at(ctx, inbox + slot * slot_elems + offs, dst)
+    tl.store(remote, acc.to(inbox.dtype.element_ty), mask=mask)
     dl.notify(ctx, flags + slot * per_rank + tm * n_tiles + tn, dst, e)
 
 
@@ -88,11 +95,7 @@ def _add_partials(ctx, acc, inbox, flags, me, e, slot_elems, per_rank, tm, tn,
     (none at world 1), so that no loop sits in the epilogue of a flattened
     tile loop.
     """
-    rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.max_contiguous(tl.multiple_of(tn * BLOCK_N + tl.arange(0, BLOCK_N), BLOCK_N),
-                             BLOCK_N)
-    offs = rows[:, None] * N + cols[None, :]
-    mask = (rows < M_SHARD)[:, None] & (cols < N)[None, :]
+    offs, mask = _tile_offsets(tm, tn, M_SHARD, N, BLOCK_M, BLOCK_N)
     for step_back in tl.static_range(1, WORLD):
         slot = WORLD - 1 - step_back
         src = (me + WORLD - step_back) % WORLD
@@ -186,11 +189,8 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr,
         if TMA:
             store_tile(c_desc, acc, 0, tm * BLOCK_M, tn * BLOCK_N, BLOCK_M, BLOCK_N, SUBTILE)
         else:
-            rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
-            cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
-            tl.store(out_ptr + rows[:, None] * N + cols[None, :],
-                     acc.to(out_ptr.dtype.element_ty),
-                     mask=(rows < M_SHARD)[:, None] & (cols < N)[None, :])
+            offs, mask = _tile_offsets(tm, tn, M_SHARD, N, BLOCK_M, BLOCK_N)
+            tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -199,7 +199,6 @@ def _pointer_tile(a_ptr, w_ptr, tm, tn, M_SHARD: tl.constexpr, N: tl.constexpr,
                   BLOCK_K: tl.constexpr):
     """The pointer GEMM's tile (tm, tn) of a rank's rows starting at ``a_ptr``."""
     rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.max_contiguous(tl.multiple_of(tn * BLOCK_N + tl.arange(0, BLOCK_N), BLOCK_N),
-                             BLOCK_N)
+    cols = block_range(tn, BLOCK_N)
     return dot_tile(a_ptr, w_ptr, rows, rows < M_SHARD, cols, cols < N, 0, K, K, N, BLOCK_M,
                     BLOCK_N, BLOCK_K)

@@ -70,16 +70,31 @@ class GroupedMatmulConfig(KernelConfig):
         if problem.platform != "gpu":
             return cls(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=2, NUM_PROGRAMS=3,
                        SUBTILE=2, num_warps=4, num_stages=1)
-        t = default_tiles(max(1, r // g), g, f, h, problem.itemsize, problem.sms)
+        return cls._core_tiles(problem, max(1, r // g), f, h)
+
+    @classmethod
+    def weight_gradient(cls, problem: Problem) -> "GroupedMatmulConfig":
+        """The weights' gradient kernel's config (``grouped_dw_kernel``): the same
+        rule, each group an H x F output over its R / G rows on average."""
+        r, h, f, g = problem.shape
+        if problem.platform != "gpu":
+            return cls.default(problem)
+        return cls._core_tiles(problem, h, f, max(1, r // g))
+
+    @classmethod
+    def _core_tiles(cls, problem: Problem, rows: int, n: int, k: int) -> "GroupedMatmulConfig":
+        """``default_tiles`` for G blocks of rows x n outputs over k."""
+        t = default_tiles(rows, problem.shape[3], n, k, problem.itemsize, problem.sms)
         return cls(BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, BLOCK_K=t.BLOCK_K, GROUP_M=8,
                    NUM_PROGRAMS=0, SUBTILE=t.SUBTILE, num_warps=t.num_warps,
                    num_stages=t.num_stages)
 
-    def programs(self, problem: Problem) -> int:
+    def programs(self, problem: Problem, tiles: int | None = None) -> int:
         """The grid: NUM_PROGRAMS, or one per SM (the interpreter: 3), never more
-        than the tiles of the worst routing (every group's last tile partial)."""
+        than ``tiles`` (default: the forward's tiles of the worst routing, every
+        group's last tile partial)."""
         r, _, f, g = problem.shape
-        bound = (-(-r // self.BLOCK_M) + g) * -(-f // self.BLOCK_N)
+        bound = tiles or (-(-r // self.BLOCK_M) + g) * -(-f // self.BLOCK_N)
         asked = self.NUM_PROGRAMS or (problem.sms if problem.platform == "gpu" else 3)
         return max(1, min(asked, bound))
 
@@ -162,27 +177,16 @@ def _launch(x, w, group_sizes, config, *, w_t: bool) -> jax.Array:
     """x [R, H] times w[g] ([G, H, F]), or with ``w_t`` times w[g].T (w [G, F, H]),
     row group by row group -> [R, F]."""
     r, h = x.shape
-    g = w.shape[0]
     f = w.shape[1] if w_t else w.shape[2]
     if r == 0 or f == 0 or h == 0:
         return jnp.zeros((r, f), x.dtype)
-    call = Call("grouped_matmul", _LOCAL)
-    problem = Problem(call.platform, 1, (r, h, f, g), jnp.dtype(x.dtype).name, call.rt.sms)
+    call, problem = _problem(x, f, w.shape[0])
     cfg = resolve(GroupedMatmulConfig, problem, call.rt, config, axis_name=_LOCAL)
-    programs = cfg.programs(problem)
     tma = problem.vendor == "nvidia" and tma_fits(h, f, problem.itemsize)
     if w_t and not tma:  # the pointer GEMM reads w[g] row-major: transpose it
         w, w_t = jnp.swapaxes(w, 1, 2), False
-    sizes = group_sizes.astype(jnp.int32)
-    # No heap memory: the workspace is the epoch counter the protocol keeps.
-    ws = call.workspace("local", 1)
-    return call.run(
-        grouped_gemm_kernel, x, w, sizes, workspace=ws,
-        out_shape=jax.ShapeDtypeStruct((r, f), x.dtype), grid=(programs,),
-        needs_scratch=tma, varying=call.result_axes(local=(x, w, sizes)),
-        **cfg.launch_options(), R=r, H=h, F=f, G=g, BLOCK_G=max(16, next_pow2(g)),
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-        NUM_PROGRAMS=programs, SUBTILE=cfg.SUBTILE, TMA=tma, W_T=w_t)
+    return _run(call, problem, cfg, grouped_gemm_kernel, x, w, group_sizes, (r, f), tma,
+                cfg.programs(problem), W_T=w_t)
 
 
 def _launch_dw(x, dy, group_sizes) -> jax.Array:
@@ -190,28 +194,35 @@ def _launch_dw(x, dy, group_sizes) -> jax.Array:
     (r, h), f, g = x.shape, dy.shape[1], group_sizes.shape[0]
     if r == 0 or h == 0 or f == 0:
         return jnp.zeros((g, h, f), x.dtype)
-    call = Call("grouped_matmul", _LOCAL)
-    problem = Problem(call.platform, 1, (r, h, f, g), jnp.dtype(x.dtype).name, call.rt.sms)
-    if problem.platform == "gpu":
-        # Each group an H x F output over its rows (R / G on average), like a rank's.
-        t = default_tiles(h, g, f, max(1, r // g), problem.itemsize, problem.sms)
-        cfg = GroupedMatmulConfig(BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, BLOCK_K=t.BLOCK_K,
-                                  SUBTILE=t.SUBTILE, num_warps=t.num_warps,
-                                  num_stages=t.num_stages)
-        asked = problem.sms
-    else:
-        cfg, asked = GroupedMatmulConfig.default(problem), 3
+    call, problem = _problem(x, f, g)
+    cfg = GroupedMatmulConfig.weight_gradient(problem)
     tiles = g * -(-h // cfg.BLOCK_M) * -(-f // cfg.BLOCK_N)
     # x's rows read as TMA's K (16-byte rows of x and dy), dw stored by TMA.
     tma = problem.vendor == "nvidia" and tma_fits(h, f, problem.itemsize)
-    ws = call.workspace("local", 1)
+    return _run(call, problem, cfg, grouped_dw_kernel, x, dy, group_sizes, (g, h, f), tma,
+                cfg.programs(problem, tiles))
+
+
+def _problem(x, f: int, g: int) -> tuple[Call, Problem]:
+    """The local call and its problem (R, H, F, G) for x [R, H]."""
+    call = Call("grouped_matmul", _LOCAL)
+    return call, Problem(call.platform, 1, (x.shape[0], x.shape[1], f, g),
+                         jnp.dtype(x.dtype).name, call.rt.sms)
+
+
+def _run(call, problem, cfg, kernel, a, b, group_sizes, out_shape, tma: bool, programs: int,
+         **extra) -> jax.Array:
+    """Launches one of the grouped kernels (same constexprs; no heap memory: the
+    workspace is the epoch counter the protocol keeps)."""
+    r, h, f, g = problem.shape
+    sizes = group_sizes.astype(jnp.int32)
     return call.run(
-        grouped_dw_kernel, x, dy, group_sizes.astype(jnp.int32), workspace=ws,
-        out_shape=jax.ShapeDtypeStruct((g, h, f), x.dtype), grid=(min(asked, tiles),),
-        needs_scratch=tma, varying=call.result_axes(local=(x, dy, group_sizes)),
+        kernel, a, b, sizes, workspace=call.workspace("local", 1),
+        out_shape=jax.ShapeDtypeStruct(out_shape, a.dtype), grid=(programs,),
+        needs_scratch=tma, varying=call.result_axes(local=(a, b, sizes)),
         **cfg.launch_options(), R=r, H=h, F=f, G=g, BLOCK_G=max(16, next_pow2(g)),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-        NUM_PROGRAMS=min(asked, tiles), SUBTILE=cfg.SUBTILE, TMA=tma)
+        NUM_PROGRAMS=programs, SUBTILE=cfg.SUBTILE, TMA=tma, **extra)
 
 
 def _forward(x, w, group_sizes, *, axis_name=_LOCAL, config=None):

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxtdist as td
+from jaxtdist.bench.flash_decode import paged_cache
 from jaxtdist.ops.flash_decode import flash_decode_kernels
 
 pytestmark = pytest.mark.skipif(
@@ -130,16 +131,11 @@ def test_flash_decode_paged_kernel_at_world_1(dtype, page):
     each length) gives the contiguous cache's output bit for bit."""
     mesh = _mesh(1)
     b, hq, hkv, d, s = 3, 32, 8, 128, 4096
-    rng = np.random.default_rng(page)
     q, k, v = (_rand(shape, dtype) for shape in ((b, hq, d), (b, s, hkv, d), (b, s, hkv, d)))
-    pages = s // page
-    order = rng.permutation(b * pages + 5)
-    pools = []
-    for cache in (k, v):
-        pool = np.array(_rand((b * pages + 5, page, hkv, d), dtype))  # writable
-        pool[order[:b * pages]] = cache.reshape(b * pages, page, hkv, d)
-        pools.append(jnp.asarray(pool, dtype))
-    table = order[:b * pages].reshape(b, pages).astype(np.int32)
+    k_pool, v_pool, table = paged_cache(jnp.asarray(k, dtype), jnp.asarray(v, dtype), page, 5,
+                                        page)
+    pools = (k_pool, v_pool)
+    table = np.array(table)  # writable
     lens = np.array([s, page + 3, 1000], np.int32)
     for i, n in enumerate(lens):
         table[i, -(-n // page):] = -1  # never read
