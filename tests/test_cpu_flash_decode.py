@@ -287,3 +287,77 @@ def test_flash_decode_paged_errors():
         call(rand((2 * 6, 4, 64)), rand((2 * 6, 4, 64)), np.zeros((2, 4), np.int32))
     with pytest.raises(ValueError, match="page pools"):
         call(pool, rand((2 * 5, 4, 2, 64)), np.zeros((2, 4), np.int32))
+
+
+def _paginate_sharded(k, v, batches: int, world: int, page: int, spare: int, seed: int):
+    """flash_decode_sharded's paged layout of k, v [B, world * S_shard, Hkv, D] over
+    batches x world devices: the pools of device (d, r) stacked at block d * world + r,
+    the block table [B, world * pages] (batch block d's rows, rank r's columns)."""
+    bb = k.shape[0] // batches
+    parts = [_paginate(k[d * bb:(d + 1) * bb], v[d * bb:(d + 1) * bb], world, page, spare,
+                       seed + 10 * d) for d in range(batches)]
+    k_pools, v_pools, tables = zip(*parts)
+    return np.concatenate(k_pools), np.concatenate(v_pools), np.concatenate(tables)
+
+
+@pytest.mark.parametrize("shape,names,batch,b,s_shard,page", [
+    ((2,), ("sp",), (), 2, 16, 8),
+    ((2, 2), ("dp", "sp"), ("dp",), 4, 8, 4)])
+def test_flash_decode_sharded_paged(shape, names, batch, b, s_shard, page):
+    """flash_decode_sharded(..., block_table=): pools' pages over (*batch_axes, sp),
+    the table's batch over batch_axes and columns over sp. The contiguous wrapper's
+    output on the cache it holds, bit for bit, and the reference's; junk ids past
+    a sequence's length are never read."""
+    mesh = setup(shape, names)
+    batches, world = int(np.prod(shape[:-1])), shape[-1]
+    hq, hkv, d = 4, 2, 64
+    total = world * s_shard
+    rng = np.random.default_rng(world * 3 + b)
+    q = rand((b, hq, d))
+    k, v = rand((b, total, hkv, d)), rand((b, total, hkv, d))
+    k_pool, v_pool, table = _paginate_sharded(k, v, batches, world, page, 2, b)
+    lens = np.array([total, page + 1, 3, total - 1][:b], np.int32)
+    for i, n in enumerate(lens):  # past its length, a sequence's table holds junk
+        for r in range(world):
+            first_unused = -(-max(0, n - r * s_shard) // page)
+            cols = slice(r * (s_shard // page) + first_unused, (r + 1) * (s_shard // page))
+            table[i, cols] = rng.choice([-1, 1 << 30], size=table[i, cols].shape)
+    bspec = P(batch[0] if batch else None)  # q, kv_len, the result: batch over dp
+    kv = P(bspec[0], "sp")                   # k, v and the table: and positions over sp
+    pages = P(tuple(batch) + ("sp",))        # the pools: pages over (*batch_axes, sp)
+    paged = jax.jit(lambda *a: td.flash_decode_sharded(*a[:4], axis_name="sp",
+                                                       batch_axes=batch, block_table=a[4]))
+    out = paged(place(mesh, q, bspec), place(mesh, k_pool, pages), place(mesh, v_pool, pages),
+                place(mesh, lens, bspec), place(mesh, table, kv))
+    contiguous = jax.jit(lambda *a: td.flash_decode_sharded(*a, axis_name="sp",
+                                                            batch_axes=batch))(
+        place(mesh, q, bspec), place(mesh, k, kv), place(mesh, v, kv), place(mesh, lens, bspec))
+    assert out.shape == (b, hq, d) and out.sharding.is_equivalent_to(
+        jax.sharding.NamedSharding(mesh, bspec), 3)
+    assert _rel(out, _reference(q, k, v, lens)) < 1e-5
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(contiguous))
+
+
+def test_flash_decode_sharded_paged_errors():
+    mesh = setup((2, 2), ("dp", "sp"))
+    q, pool, lens = rand((2, 4, 64)), rand((4 * 3, 4, 2, 64)), np.array([8, 8], np.int32)
+
+    def call(q=q, k=pool, v=pool, table=np.zeros((2, 4), np.int32)):
+        return td.flash_decode_sharded(q, k, v, lens[:q.shape[0]], axis_name="sp",
+                                       batch_axes="dp", block_table=table)
+
+    with pytest.raises(ValueError, match=r"flash_decode_sharded: the batch B=3 is not a "
+                                         r"multiple of the 2 devices of batch_axes \(dp=2\)"):
+        call(q=rand((3, 4, 64)), table=np.zeros((3, 4), np.int32))
+    with pytest.raises(ValueError, match=r"k must be the page pools \[G \* num_pages, page, "
+                                         r"Hkv, D\].* G = the 4 devices .*\(dp=2 x sp=2\); "
+                                         r"got shape \(10, 4, 2, 64\)"):
+        call(k=rand((10, 4, 2, 64)))
+    with pytest.raises(ValueError, match=r"page pools k\(12, 4, 2, 64\) and v\(8, 4, 2, 64\)"):
+        call(v=rand((8, 4, 2, 64)))
+    with pytest.raises(ValueError, match=r"block_table must be \[B, W \* pages\] with B = 2 "
+                                         r"and a multiple of the W = 2 ranks .* got shape "
+                                         r"\(2, 3\)"):
+        call(table=np.zeros((2, 3), np.int32))
+    with pytest.raises(ValueError, match="block_table has dtype float32"):
+        call(table=np.zeros((2, 4), np.float32))

@@ -284,3 +284,110 @@ def test_sharded_misuse():
         combine(weights=jnp.ones((8, 3)))
     with pytest.raises(ValueError, match="'tp' is not an axis of the mesh"):
         combine(axis_name="tp")
+
+
+# -- fp8 (x_scale) ----------------------------------------------------------------------
+
+E4M3 = jnp.float8_e4m3fn
+
+
+@pytest.mark.parametrize("shape,names,batch,scales,rows", [
+    ((2,), ("ep",), (), 2, None),
+    ((2, 2), ("dp", "ep"), ("dp",), 1, 3)])  # rows dropped
+def test_sharded_fp8_dispatch(shape, names, batch, scales, rows):
+    """moe_dispatch_sharded(..., x_scale=): the shard_map op's (recv_x, recv_scale),
+    sizes and handle, bit for bit, sharded like x; dequantized, the rows of the
+    float32 dispatch of the dequantized tokens; then a combine_sharded of them."""
+    from jaxtdist.bench.moe import fp8_dequantize, fp8_tokens
+
+    mesh = setup(shape, names)
+    groups, world = int(np.prod(shape)), shape[-1]
+    t, h, k, e = 3, 32, 2, 2 * world
+    spec = P(tuple(batch) + ("ep",))
+    rng = np.random.default_rng(groups * 10 + scales)
+    q, scale = fp8_tokens(rng.standard_normal((groups * t, h)).astype(np.float32), scales, E4M3)
+    ids = routing("random", groups, t, k, e, rng)
+    gate = rand((groups * t, k))
+
+    def sharded(q, scale, ids, gate):
+        (rq, rs), sizes, handle = td.moe_dispatch_sharded(
+            q, ids, axis_name="ep", batch_axes=batch, num_experts=e, max_recv_rows=rows,
+            x_scale=scale)
+        ref, ref_sizes, _ = td.moe_dispatch_sharded(
+            fp8_dequantize(q, scale), ids, axis_name="ep", batch_axes=batch, num_experts=e,
+            max_recv_rows=rows)
+        out = td.moe_combine_sharded(fp8_dequantize(rq, rs), handle, gate, axis_name="ep",
+                                     batch_axes=batch)
+        return rq, rs, sizes, handle, ref, ref_sizes, out
+
+    def body(q, scale, ids, gate):
+        (rq, rs), sizes, handle = td.moe_dispatch(q, ids, "ep", num_experts=e,
+                                                  max_recv_rows=rows, x_scale=scale)
+        out = td.moe_combine(fp8_dequantize(rq, rs), handle, gate, "ep")
+        return rq, rs, sizes, handle.dropped[None], out
+
+    args = [place(mesh, a, spec) for a in (q, scale, ids, gate)]
+    rq, rs, sizes, handle, ref, ref_sizes, out = jax.jit(sharded)(*args)
+    t_rq, t_rs, t_sizes, t_dropped, t_out = jax.jit(jax.shard_map(
+        body, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 5))(*args)
+
+    r = rows or world * t * min(k, e // world)
+    assert rq.dtype == jnp.dtype(E4M3) and rq.shape == (groups * r, h)
+    assert rs.dtype == jnp.float32 and rs.shape == (groups * r, scales)
+    for a in (rq, rs, sizes, out, *jax.tree_util.tree_leaves(handle)):
+        assert a.sharding.is_equivalent_to(NamedSharding(mesh, spec), a.ndim), a.sharding
+    for got, want in ((rq, t_rq), (rs, t_rs), (sizes, t_sizes), (handle.dropped, t_dropped),
+                      (out, t_out)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    np.testing.assert_array_equal(np.asarray(sizes), np.asarray(ref_sizes))
+    assert rel_err(fp8_dequantize(rq, rs), ref) < 1e-6
+    if rows is not None:
+        assert int(np.sum(np.asarray(handle.dropped))) > 0, "no row dropped: tests nothing"
+
+
+def test_sharded_fp8_misuse():
+    from jaxtdist.bench.moe import fp8_tokens
+
+    mesh = setup((2,), ("ep",))
+    spec = P("ep")
+    x = rand((8, 32))
+    q, scale = fp8_tokens(x, 2, E4M3)
+    ids = place(mesh, routing("random", 2, 4, 2, 4, np.random.default_rng(5)), spec)
+
+    def dispatch(x=q, x_scale=scale):
+        return td.moe_dispatch_sharded(
+            place(mesh, x, spec), ids, axis_name="ep", num_experts=4,
+            x_scale=None if x_scale is None else place(mesh, x_scale, spec))
+
+    with pytest.raises(ValueError, match=r"moe_dispatch_sharded: x_scale must be \[W \* T, S\] "
+                                         r"with as many rows as x \(8.* got shape \(4, 2\)"):
+        dispatch(x_scale=scale[:4])
+    with pytest.raises(ValueError, match="fp8 tokens need their scales"):
+        dispatch(x_scale=None)
+    with pytest.raises(ValueError, match="x must be fp8"):
+        dispatch(x=x)
+    with pytest.raises(ValueError, match="S >= 1 dividing H = 32"):
+        dispatch(x_scale=np.ones((8, 3), np.float32))
+    with pytest.raises(ValueError, match="x_scale has dtype bfloat16"):
+        dispatch(x_scale=np.ones((8, 2), jnp.bfloat16))
+    with pytest.raises(TypeError, match="fp8 path .* is not differentiable"):
+        jax.grad(lambda s: jnp.sum(td.moe_dispatch_sharded(
+            place(mesh, q, spec), ids, axis_name="ep", num_experts=4,
+            x_scale=s)[0][1]))(place(mesh, scale, spec))
+
+
+def test_sharded_dispatch_over_a_tuple_of_axes():
+    """axis_name=("dp", "ep"): the four devices as one expert group (dp outermost),
+    as the shard_map op over the same tuple."""
+    mesh = setup((2, 2), ("dp", "ep"))
+    spec, e = P(("dp", "ep")), 8
+    x, ids = rand((12, 8)), routing("random", 4, 3, 2, e, np.random.default_rng(1))
+    args = (place(mesh, x, spec), place(mesh, ids, spec))
+    recv, sizes, handle = jax.jit(lambda x, i: td.moe_dispatch_sharded(
+        x, i, axis_name=("dp", "ep"), num_experts=e))(*args)
+    t_recv, t_sizes = jax.jit(jax.shard_map(
+        lambda x, i: td.moe_dispatch(x, i, ("dp", "ep"), num_experts=e)[:2], mesh=mesh,
+        in_specs=(spec, spec), out_specs=(spec, spec)))(*args)
+    assert handle.dropped.shape == (4,)
+    np.testing.assert_array_equal(np.asarray(recv), np.asarray(t_recv))
+    np.testing.assert_array_equal(np.asarray(sizes), np.asarray(t_sizes))

@@ -355,27 +355,146 @@ def flash_decode(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array, ax
     return _FLASH_DECODE(*arrays, axis_name=axis_name, config=config)
 
 
-flash_decode_sharded = pjit_wrapper(
+# -- pjit-style ---------------------------------------------------------------------
+#
+# Contiguous: q, kv_len and the result have their batch over batch_axes; k, v their
+# batch over batch_axes and positions over axis_name. Paged: each device has its own
+# page pools, so the pools' pages are sharded over (*batch_axes, axis_name), and the
+# block table is laid out as a contiguous cache's positions are (batch over
+# batch_axes, columns over axis_name): every device gets its shard_map arguments and
+# nothing moves.
+
+def _batch_spec(axis, batch):
+    return jax.sharding.PartitionSpec(rows_over(None, batch))
+
+
+def _positions_spec(axis, batch):
+    return jax.sharding.PartitionSpec(rows_over(None, batch), axis)
+
+
+def _pages_spec(axis, batch):
+    return jax.sharding.PartitionSpec(rows_over(axis, batch))
+
+
+def _paged_per_rank(q, k, v, kv_len, block_table, axis_name, *, config=None):
+    return flash_decode(q, k, v, kv_len, axis_name, block_table=block_table, config=config)
+
+
+def _mesh_size(mesh, axes: tuple[str, ...]) -> tuple[int, str]:
+    """The devices of ``axes`` and words naming them (for errors)."""
+    size = int(np.prod([mesh.shape[a] for a in axes]))
+    return size, " x ".join(f"{a}={mesh.shape[a]}" for a in axes) or "no axes"
+
+
+def _check_paged_sharded(q, k, v, kv_len, block_table, *, axis_name, batch_axes, mesh,
+                         config=None) -> None:
+    """The global shapes of the paged form; the rest is checked per device, as
+    ``flash_decode``'s."""
+    del kv_len, config
+    name = "jaxtdist.flash_decode_sharded"
+    group = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    world, group_words = _mesh_size(mesh, group)
+    batches, batch_words = _mesh_size(mesh, tuple(batch_axes))
+    groups, groups_words = _mesh_size(mesh, tuple(batch_axes) + group)
+    if getattr(q, "ndim", None) != 3:
+        raise ValueError(f"{name}: expected q [B, Hq, D], got shape {getattr(q, 'shape', None)}")
+    b = q.shape[0]
+    if b % batches:
+        raise ValueError(f"{name}: the batch B={b} is not a multiple of the {batches} devices "
+                         f"of batch_axes ({batch_words}); q, kv_len and block_table have their "
+                         "batch sharded over them")
+    for label, pool in (("k", k), ("v", v)):
+        if getattr(pool, "ndim", None) != 4 or pool.shape[0] % groups:
+            raise ValueError(f"{name}: with block_table, {label} must be the page pools "
+                             f"[G * num_pages, page, Hkv, D]: device g's pool is pages "
+                             f"[g * num_pages, (g + 1) * num_pages), G = the {groups} devices "
+                             f"of (*batch_axes, axis_name) ({groups_words}); got shape "
+                             f"{getattr(pool, 'shape', None)}")
+    if getattr(k, "shape", None) != getattr(v, "shape", None):
+        raise ValueError(f"{name}: the page pools k{k.shape} and v{v.shape} must have the "
+                         "same shape")
+    if (getattr(block_table, "ndim", None) != 2 or block_table.shape[0] != b
+            or block_table.shape[1] % world):
+        raise ValueError(f"{name}: block_table must be [B, W * pages] with B = {b} and a "
+                         f"multiple of the W = {world} ranks of axis_name ({group_words}) "
+                         "columns (rank r's table: columns [r * pages, (r + 1) * pages), ids "
+                         f"into its own pool), got shape {getattr(block_table, 'shape', None)}")
+
+
+_decode_sharded = pjit_wrapper(
     flash_decode, name="flash_decode_sharded",
-    in_specs=lambda axis, batch: (
-        jax.sharding.PartitionSpec(rows_over(None, batch)),
-        jax.sharding.PartitionSpec(rows_over(None, batch), axis),
-        jax.sharding.PartitionSpec(rows_over(None, batch), axis),
-        jax.sharding.PartitionSpec(rows_over(None, batch))),
-    out_specs=lambda axis, batch: jax.sharding.PartitionSpec(rows_over(None, batch)))
-flash_decode_sharded.__doc__ = """``flash_decode`` for pjit-style code: no hand-written ``shard_map``.
+    in_specs=lambda axis, batch: (_batch_spec(axis, batch), _positions_spec(axis, batch),
+                                  _positions_spec(axis, batch), _batch_spec(axis, batch)),
+    out_specs=_batch_spec)
+_paged_decode_sharded = pjit_wrapper(
+    _paged_per_rank, name="flash_decode_sharded",
+    in_specs=lambda axis, batch: (_batch_spec(axis, batch), _pages_spec(axis, batch),
+                                  _pages_spec(axis, batch), _batch_spec(axis, batch),
+                                  _positions_spec(axis, batch)),
+    out_specs=_batch_spec, check=_check_paged_sharded)
+
+
+def flash_decode_sharded(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array, *,
+                         axis_name: str | tuple[str, ...],
+                         batch_axes: str | tuple[str, ...] = (), mesh=None,
+                         block_table: jax.Array | None = None,
+                         config: dict | None = None) -> jax.Array:
+    """``flash_decode`` for pjit-style code: no hand-written ``shard_map``.
 
     q [B, Hq, D] and kv_len [B] have their batch sharded over ``batch_axes`` (or
     are replicated); k and v [B, S, Hkv, D] their batch over ``batch_axes`` and
-    their positions over ``axis_name``. The result [B, Hq, D] is sharded like q.
+    their positions over ``axis_name`` (W ranks: rank r holds positions
+    ``[r * S / W, (r + 1) * S / W)``). The result [B, Hq, D] is sharded like q.
+    Mesh axes not named are replicated. Not differentiable, as ``flash_decode``.
+
+    Paged cache (``block_table`` given): every device has its own page pools,
+    so k and v are the pools of the G devices of ``(*batch_axes, axis_name)``
+    stacked, [G * num_pages, page, Hkv, D], their pages sharded over those
+    devices (device g, numbered outermost axis first, holds pages ``[g *
+    num_pages, (g + 1) * num_pages)``). ``block_table`` [B, W * pages] int32 is
+    laid out as a contiguous cache's positions are: batch over ``batch_axes``,
+    columns over ``axis_name``; rank r's columns ``[r * pages, (r + 1) *
+    pages)`` are its ``flash_decode`` block table, whose ids index its own
+    pool (``[0, num_pages)``, not the stacked array). So global position i of
+    sequence b (held by rank r = i // (pages * page)) is row ``i % page`` of
+    page ``block_table[b, i // page]`` of rank r's pool. Each device gets
+    exactly its shard_map arguments: nothing moves. Ids are data; ids outside
+    ``[0, num_pages)`` are clamped and pages past a sequence's length never
+    read, as in ``flash_decode``.
 
     Args:
-      q, k, v, kv_len: the global arrays.
-      axis_name: the mesh axis the positions are sharded over (keyword).
+      q: [B, Hq, D] queries.
+      k, v: [B, S, Hkv, D] the cache (S a multiple of W); with ``block_table``,
+        the stacked page pools [G * num_pages, page, Hkv, D].
+      kv_len: [B] integers, the global valid lengths.
+      axis_name: the mesh axis the positions are sharded over, or a tuple of
+        axes taken as one group, outermost first (keyword).
       batch_axes: mesh axes that shard the batch, outermost first.
       mesh: the mesh; defaults to the one given to ``jaxtdist.initialize``.
+      block_table: [B, W * pages] int32 (optional): a paged cache, laid out as
+        above.
       config: as for ``flash_decode``.
+
+    Returns:
+      [B, Hq, D] in q's dtype, sharded like q.
+
+    Raises:
+      ValueError: an axis not of the mesh or named twice; paged: B not a
+        multiple of the batch devices, pools' pages not a multiple of G,
+        block_table not [B, W * pages]; or what ``flash_decode`` refuses.
+
+    Example:
+      >>> mesh = jax.make_mesh((2, 4), ("dp", "sp")); jaxtdist.initialize(mesh)
+      >>> out = jax.jit(lambda q, k, v, n: jaxtdist.flash_decode_sharded(
+      ...     q, k, v, n, axis_name="sp", batch_axes="dp"))(q, k, v, n)
+      >>> # paged: pools P(("dp", "sp")) [8 * num_pages, page, Hkv, D], table P("dp", "sp")
+      >>> out = jax.jit(lambda q, kp, vp, n, t: jaxtdist.flash_decode_sharded(
+      ...     q, kp, vp, n, axis_name="sp", batch_axes="dp", block_table=t))(q, kp, vp, n, t)
     """
+    common = dict(axis_name=axis_name, batch_axes=batch_axes, mesh=mesh, config=config)
+    if block_table is None:
+        return _decode_sharded(q, k, v, kv_len, **common)
+    return _paged_decode_sharded(q, k, v, kv_len, block_table, **common)
 
 
 # -- tuning ----------------------------------------------------------------------------

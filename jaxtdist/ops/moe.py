@@ -654,26 +654,42 @@ def moe_combine(y: jax.Array, handle: MoeHandle, weights: jax.Array, axis_name, 
 # -- pjit-style wrappers --------------------------------------------------------------
 #
 # Every array of the shard_map form is one rank's block of a global array sharded on
-# its leading dim over rows_over(axis_name, batch_axes): the tokens, recv_x, the
-# group sizes and every array of the handle (one PartitionSpec is the prefix of the
-# whole MoeHandle), so nothing moves in or out. The handle's two scalars (dropped,
-# invalid) become blocks of one element: [G] arrays, G the devices of the rows axes.
+# its leading dim over rows_over(axis_name, batch_axes): the tokens (and fp8 scales),
+# recv_x (and recv_scale), the group sizes and every array of the handle (one
+# PartitionSpec is the prefix of the whole MoeHandle), so nothing moves in or out.
+# The handle's two scalars (dropped, invalid) become blocks of one element: [G]
+# arrays, G the devices of the rows axes.
 
-def _row_groups(mesh, axis_name: str, batch_axes: tuple[str, ...]) -> tuple[int, str]:
+def _row_groups(mesh, axis_name: str | tuple[str, ...],
+                batch_axes: tuple[str, ...]) -> tuple[int, str]:
     """G, the devices sharding rows (batch axes times the expert axis), and words
     saying so for errors."""
-    axes = tuple(batch_axes) + (axis_name,)
+    axes = tuple(batch_axes) + (axis_name if isinstance(axis_name, tuple) else (axis_name,))
     groups = int(np.prod([mesh.shape[a] for a in axes]))
     sizes = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
     return groups, f"the {groups} devices of the rows' mesh axes ({sizes})"
+
+
+def _handle_blocks(handle: MoeHandle) -> MoeHandle:
+    """The handle with its scalars as one-element blocks (the pjit-style layout)."""
+    return dataclasses.replace(handle, dropped=handle.dropped[None], invalid=handle.invalid[None])
 
 
 def _dispatch_per_rank(x, expert_ids, axis_name, *, num_experts, max_recv_rows=None,
                        config=None):
     recv, sizes, handle = moe_dispatch(x, expert_ids, axis_name, num_experts=num_experts,
                                        max_recv_rows=max_recv_rows, config=config)
-    return recv, sizes, dataclasses.replace(handle, dropped=handle.dropped[None],
-                                            invalid=handle.invalid[None])
+    return recv, sizes, _handle_blocks(handle)
+
+
+def _dispatch_fp8_per_rank(x, expert_ids, x_scale, axis_name, *, num_experts,
+                           max_recv_rows=None, config=None):
+    (recv, recv_scale), sizes, handle = moe_dispatch(
+        x, expert_ids, axis_name, num_experts=num_experts, max_recv_rows=max_recv_rows,
+        x_scale=x_scale, config=config)
+    # recv_x first and on its own: the wrapper orders the next jaxtdist call after its
+    # first result, which must be an array (not the pair); moe_dispatch_sharded pairs them.
+    return recv, sizes, _handle_blocks(handle), recv_scale
 
 
 def _combine_per_rank(y, handle, weights, axis_name, *, config=None):
@@ -681,9 +697,11 @@ def _combine_per_rank(y, handle, weights, axis_name, *, config=None):
     return moe_combine(y, handle, weights, axis_name, config=config)
 
 
-def _check_dispatch_sharded(x, expert_ids, *, axis_name, batch_axes, mesh, num_experts,
-                            max_recv_rows=None, config=None) -> None:
-    del num_experts, max_recv_rows, config  # checked per rank, as moe_dispatch's
+def _check_dispatch_sharded(x, expert_ids, x_scale=None, *, axis_name, batch_axes, mesh,
+                            num_experts, max_recv_rows=None, config=None) -> None:
+    # num_experts, max_recv_rows, config, the dtypes and x_scale's columns: checked
+    # per rank, as moe_dispatch's.
+    del num_experts, max_recv_rows, config
     name = "jaxtdist.moe_dispatch_sharded"
     groups, words = _row_groups(mesh, axis_name, batch_axes)
     if getattr(x, "ndim", None) != 2:
@@ -695,6 +713,11 @@ def _check_dispatch_sharded(x, expert_ids, *, axis_name, batch_axes, mesh, num_e
     if getattr(expert_ids, "ndim", None) != 2 or expert_ids.shape[0] != x.shape[0]:
         raise ValueError(f"{name}: expert_ids must be [W * T, K] with as many rows as x "
                          f"({x.shape[0]}), got shape {getattr(expert_ids, 'shape', None)}")
+    if x_scale is not None and (getattr(x_scale, "ndim", None) != 2
+                                or x_scale.shape[0] != x.shape[0]):
+        raise ValueError(f"{name}: x_scale must be [W * T, S] with as many rows as x "
+                         f"({x.shape[0]}: one row of S scales per token, sharded like x), got "
+                         f"shape {getattr(x_scale, 'shape', None)}")
 
 
 def _check_combine_sharded(y, handle, weights, *, axis_name, batch_axes, mesh,
@@ -725,12 +748,25 @@ def _rows_spec(axis, batch):
     return jax.sharding.PartitionSpec(rows_over(axis, batch))
 
 
-moe_dispatch_sharded = pjit_wrapper(
+_dispatch_sharded = pjit_wrapper(
     _dispatch_per_rank, name="moe_dispatch_sharded",
     in_specs=lambda axis, batch: (_rows_spec(axis, batch),) * 2,
     out_specs=lambda axis, batch: (_rows_spec(axis, batch),) * 3,
     check=_check_dispatch_sharded)
-moe_dispatch_sharded.__doc__ = """``moe_dispatch`` for pjit-style code: no hand-written ``shard_map``.
+# fp8: x_scale is a third array, sharded on rows like x; recv_scale a fourth result.
+_dispatch_fp8_sharded = pjit_wrapper(
+    _dispatch_fp8_per_rank, name="moe_dispatch_sharded",
+    in_specs=lambda axis, batch: (_rows_spec(axis, batch),) * 3,
+    out_specs=lambda axis, batch: (_rows_spec(axis, batch),) * 4,
+    check=_check_dispatch_sharded)
+
+
+def moe_dispatch_sharded(x: jax.Array, expert_ids: jax.Array, *,
+                         axis_name: str | tuple[str, ...],
+                         batch_axes: str | tuple[str, ...] = (), mesh=None, num_experts: int,
+                         max_recv_rows: int | None = None, x_scale: jax.Array | None = None,
+                         config: dict | None = None) -> tuple[Any, jax.Array, MoeHandle]:
+    """``moe_dispatch`` for pjit-style code: no hand-written ``shard_map``.
 
     Call it under ``jax.jit`` (or eagerly) on global arrays. The rows of ``x``
     and ``expert_ids`` are sharded over ``(*batch_axes, axis_name)``: G devices,
@@ -740,12 +776,20 @@ moe_dispatch_sharded.__doc__ = """``moe_dispatch`` for pjit-style code: no hand-
     named are replicated. Ordered after the previous jaxtdist call and
     differentiable in ``x``, as ``moe_dispatch``.
 
+    fp8: with ``x_scale``, x is fp8 (``float8_e4m3fn`` or ``float8_e5m2``) and
+    each token's S float32 scales travel with its row, as in ``moe_dispatch``;
+    ``x_scale`` is sharded on rows like x (device g gets the scales of its own
+    tokens). Not differentiable (a ``TypeError`` says so).
+
     Every result is the shard_map form's per-device result, concatenated over
     the G devices on its leading dim and sharded there like ``x``: nothing
     moves, and one ``PartitionSpec`` shards the whole handle. The handle's
     scalars become one element per device:
 
     - ``recv_x`` [G * R, H]: device g's rows are ``[g * R, (g + 1) * R)``.
+      With ``x_scale``: the pair ``(recv_x, recv_scale)``, recv_x [G * R, H]
+      in x's fp8 dtype and recv_scale [G * R, S] float32, row for row (zeros
+      past each device's received rows).
     - ``group_sizes`` [G * E / W] int32: device g's local experts' row counts
       (reshape to [G, E / W] to read them).
     - ``handle``: a ``MoeHandle`` for ``moe_combine_sharded``, arrays
@@ -755,23 +799,31 @@ moe_dispatch_sharded.__doc__ = """``moe_dispatch`` for pjit-style code: no hand-
       Its static fields are the per-device ones (``max_recv_rows`` = R).
 
     Args:
-      x: [G * T, H] the tokens (bfloat16, float16 or float32).
+      x: [G * T, H] the tokens (bfloat16, float16 or float32; fp8 with
+        ``x_scale``).
       expert_ids: [G * T, K] int32 top-K routing, as for ``moe_dispatch``.
-      axis_name: the expert-parallel mesh axis, one name (keyword).
+      axis_name: the expert-parallel mesh axis, or a tuple of axes taken as one
+        group, outermost first (keyword).
       batch_axes: mesh axes that also shard the rows (data parallelism,
         outermost first); each of their groups has its own experts' copies.
       mesh: the mesh; defaults to the one given to ``jaxtdist.initialize``.
       num_experts: E, a multiple of W.
       max_recv_rows: R, ``recv_x``'s rows per device (static); default
         ``W * T * min(K, E / W)`` (nothing can be dropped).
+      x_scale: [G * T, S] float32 (fp8 x only), rows sharded like x: token t's
+        columns ``[j * H / S, (j + 1) * H / S)`` are scaled by ``x_scale[t, j]``
+        (S = 1: per token; S = H / 128: per 128-column block).
       config: as for ``moe_dispatch``.
 
     Returns:
-      (recv_x, group_sizes, handle), laid out as above.
+      (recv_x, group_sizes, handle), laid out as above; recv_x is the pair
+      (recv_x, recv_scale) with ``x_scale``.
 
     Raises:
       ValueError: an axis not of the mesh or named twice, rows not a multiple
-        of G, mismatched shapes, or what ``moe_dispatch`` refuses.
+        of G, mismatched shapes (x_scale's rows not x's), or what
+        ``moe_dispatch`` refuses (fp8 x without x_scale, x_scale with x not
+        fp8, S not dividing H, x_scale not float32).
 
     Example:
       >>> mesh = jax.make_mesh((4,), ("ep",)); jaxtdist.initialize(mesh)
@@ -783,7 +835,17 @@ moe_dispatch_sharded.__doc__ = """``moe_dispatch`` for pjit-style code: no hand-
       ...                                      sizes.reshape(4, -1))
       ...     return jaxtdist.moe_combine_sharded(y.reshape(-1, y.shape[2]), handle, gate,
       ...                                         axis_name="ep")
+      >>> # fp8: x_q [4 * T, H] float8_e4m3fn, x_s [4 * T, S] float32, both P("ep") rows
+      >>> (recv_q, recv_s), sizes, handle = jaxtdist.moe_dispatch_sharded(
+      ...     x_q, ids, axis_name="ep", num_experts=8, x_scale=x_s)
     """
+    common = dict(axis_name=axis_name, batch_axes=batch_axes, mesh=mesh,
+                  num_experts=num_experts, max_recv_rows=max_recv_rows, config=config)
+    if x_scale is None:
+        return _dispatch_sharded(x, expert_ids, **common)
+    recv, sizes, handle, recv_scale = _dispatch_fp8_sharded(x, expert_ids, x_scale, **common)
+    return (recv, recv_scale), sizes, handle
+
 
 moe_combine_sharded = pjit_wrapper(
     _combine_per_rank, name="moe_combine_sharded",
