@@ -13,7 +13,8 @@ def profile(fn, args, iterations: int, world: int):
     Returns ``(out, stats)``: ``stats["mean_us"]`` is the median over
     iterations of the kernel time summed per device and averaged over the
     ``world`` devices; ``stats["min_us"]`` the median of the per-kernel-name
-    fastest device's sum (JAX's collective-matmul example's statistic).
+    fastest device's sum (JAX's collective-matmul example's statistic);
+    ``stats["kernel_us"]`` the median per kernel name (where the time goes).
     """
     from jax.experimental.mosaic.gpu import profiler
 
@@ -23,15 +24,23 @@ def profile(fn, args, iterations: int, world: int):
     if iterations == 1:
         per_iter = [per_iter]
     means, mins = [], []
+    per_name = defaultdict(list)  # name -> per-iteration time, summed over launches, per device
     for kernels in per_iter:
+        it = defaultdict(float)
+        for name, t in kernels:
+            it[name] += t * 1e3 / world
+        for name, t in it.items():
+            per_name[name].append(t)
         means.append(sum(t for _, t in kernels) * 1e3 / world)
         fastest = defaultdict(lambda: float("inf"))
         for name, t in kernels:
             fastest[name] = min(fastest[name], t)
         mins.append(sum(fastest.values()) * 1e3)
     names = sorted({name for name, _ in per_iter[0]})
+    kernel_us = {name: round(statistics.median(ts), 3) for name, ts in per_name.items()}
     return out, dict(mean_us=statistics.median(means), min_us=statistics.median(mins),
-                     kernels=names, samples_us=means, min_samples_us=mins)
+                     kernels=names, kernel_us=kernel_us, samples_us=means,
+                     min_samples_us=mins)
 
 
 def merge_rounds(rounds: list[dict]) -> dict:
