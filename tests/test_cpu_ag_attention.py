@@ -209,3 +209,21 @@ def test_ag_attention_tunes_with_an_explicit_measure():
                           candidates=[{}, dict(BLOCK_N=32)], iterations=1, measure=_wall_us)
     assert len(result["tried"]) == 2 and all("us" in r for r in result["tried"])
     assert result["variant"] == "pull"
+
+
+@pytest.mark.parametrize("b,s,hq,d,block_m,warps", [
+    (1, 4096, 32, 128, 64, 4),     # 1024 programs of 128 rows: under 16 rounds of 132 SMs
+    (1, 16384, 32, 128, 128, 8),   # 4096 programs: 128-row tiles
+    (4, 8192, 32, 64, 128, 4),     # enough programs; D = 64: 4 warps
+    (1, 100, 8, 128, 64, 4),       # fewer than 128 rows per rank
+])
+def test_default_tiles_on_gpus(b, s, hq, d, block_m, warps):
+    """GPU defaults: 64-row query tiles where 128-row ones would fill few rounds of
+    the SMs, else 128 rows (8 warps above D = 64); always valid configs."""
+    from jaxtdist.ops._config import Problem
+    from jaxtdist.ops.ag_attention import AgAttentionConfig
+
+    problem = Problem("gpu", 1, (b, s, hq, 8, d), "bfloat16", 132)
+    cfg = AgAttentionConfig.default(problem)
+    assert (cfg.BLOCK_M, cfg.num_warps) == (block_m, warps)
+    cfg.validate(problem)

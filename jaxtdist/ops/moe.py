@@ -166,9 +166,15 @@ def _route(expert_ids, world: int, num_experts: int, programs: int,
     scale = jnp.ones((t, k), jnp.float32) if scale is None else scale.astype(jnp.float32)
     fields = jnp.stack([ids % e_loc, pos, jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (t, k)),
                         jax.lax.bitcast_convert_type(scale, jnp.int32)], axis=-1)  # [T, K, 4]
-    table = jnp.full((t, world + 1, kl, _FIELDS), -1, jnp.int32)
-    rows = jnp.broadcast_to(jnp.arange(t)[:, None], (t, k))
-    table = table.at[rows, dest, jnp.minimum(kk, kl - 1)].set(fields, mode="drop")[:, :world]
+    # Slot (d, j) of token t holds the fields of its valid pair k with dest d and
+    # kk = j (at most one: kk counts the token's distinct experts on d, fewer than
+    # KL). Selected by a masked sum, not a scatter: XLA's GPU scatter of these
+    # 4 T K words took 23 us at T = 128, K = 8 (2 x H200), a fused select 1-2 us.
+    match = ((dest[:, None, None, :] == jnp.arange(world)[None, :, None, None])
+             & (kk[:, None, None, :] == jnp.arange(kl)[None, None, :, None])
+             & valid[:, None, None, :])                                # [T, W, KL, K]
+    picked = jnp.sum(jnp.where(match[..., None], fields[:, None, None], 0), axis=3)
+    table = jnp.where(jnp.any(match, axis=3)[..., None], picked, -1)    # [T, W, KL, 4]
     head = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[:, None, None], (t, world, 1))
     meta = jnp.concatenate([head, table.reshape(t, world, kl * _FIELDS)], axis=2)
     return _Routing(valid, slot, meta, dcounts, bounds)
