@@ -305,6 +305,14 @@ def test_ag_attention_compiles_with_tensor_cores(dtype, d, causal, inbox):
         assert "ld.global.sys.acquire" in ptx or "ld.acquire.sys" in ptx
         assert "release" in ptx
     assert k.metadata.shared <= 227 * 1024
+def _moe_block(h: int, itemsize: int) -> int:
+    """The default copy step of the MoE kernels on GPUs (whole rows up to 16 KB)."""
+    from jaxtdist.ops._config import Problem
+    from jaxtdist.ops.moe import MoeConfig
+    return MoeConfig.default(Problem("gpu", 2, (128, h), {1: "uint8", 2: "bfloat16",
+                                                          4: "float32"}[itemsize], 132)).BLOCK_H
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp32", "u8"])
 def test_moe_kernels_compile(dtype):
     """MoE dispatch and combine compile for sm_90 at DeepSeek-V3's decode size (H=7168,
@@ -315,6 +323,7 @@ def test_moe_kernels_compile(dtype):
     if dtype == "u8":  # fp8 dispatch: byte rows of 7168 fp8 and 56 float32 scales
         h = 7168 + 4 * 56
     kl, meta_words = 8, 1 + 4 * 8
+    block = _moe_block(h, 1 if dtype == "u8" else 4 if dtype == "fp32" else 2)
     i32 = "*i32"
     d = _compile(moe_dispatch_kernel,
                  {"ctx": i32, "x_ptr": f"*{dtype}", "slot_ptr": i32, "meta_ptr": i32,
@@ -324,7 +333,7 @@ def test_moe_kernels_compile(dtype):
                       P=programs, TP=1, FLAGS_OFF=0, HDR_OFF=4096, META_OFF=1 << 16,
                       ROWS_OFF=1 << 20, PARITY_BYTES=1 << 24, HDR_WORDS=e_loc + 2 * programs + 1,
                       META_WORDS=meta_words, SCALED=False, WP=4, EP=64, MP=64,
-                      BLOCK_H=2048 if dtype == "u8" else 1024),
+                      BLOCK_H=block),
                  num_warps=4, num_stages=1)
     y_dtype = "bf16" if dtype == "u8" else dtype  # the experts' output: bf16 after fp8
     c = _compile(moe_combine_kernel,
@@ -332,7 +341,8 @@ def test_moe_kernels_compile(dtype):
                   "g_ptr": f"*{y_dtype}", "spos_ptr": i32, "stk_ptr": i32, "sranges_ptr": i32,
                   "out_ptr": f"*{y_dtype}", "dots_ptr": "*fp32"},
                  dict(T=t, F=h, K=k, KL=kl, W=world, P=programs, TP=1, FLAGS_OFF=0,
-                      INBOX_OFF=4096, PARITY_BYTES=1 << 24, DOTS=False, BLOCK_F=1024),
+                      INBOX_OFF=4096, PARITY_BYTES=1 << 24, DOTS=False,
+                      BLOCK_F=_moe_block(h, 2)),
                  num_warps=4, num_stages=1)
     for k_ in (d, c):
         ptx = k_.asm["ptx"]

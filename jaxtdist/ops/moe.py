@@ -42,6 +42,9 @@ _FIELDS = 4
 
 # -- config ----------------------------------------------------------------------
 
+_ROW_BYTES = 16 << 10  # bytes of a row per copy step on GPUs (32 registers per thread)
+
+
 @dataclasses.dataclass(frozen=True)
 class MoeConfig(KernelConfig):
     """How the dispatch and combine kernels split the work.
@@ -65,10 +68,13 @@ class MoeConfig(KernelConfig):
         t, h = problem.shape[0], problem.shape[1]
         if problem.platform != "gpu":  # the interpreter: few programs, small blocks
             return cls(NUM_PROGRAMS=min(2, t), BLOCK_H=min(64, next_pow2(h)))
-        # Latency: one token per program up to one program per SM (a program's
-        # rows to every peer are in flight together); 16-byte vectors per thread.
+        # Latency: one token per program up to one program per SM, and a whole row
+        # (up to _ROW_BYTES) per copy step, so that every load of a row is in flight
+        # at once. On 2 x H200 (128 tokens per rank, top-8, H 7168, E 256, bf16)
+        # dispatch + combine took 85.4 us with 8192-element steps against 99.5 with
+        # 2048 and 112.9 with 1024 (16 bytes per thread); 8 or 16 warps: no better.
         return cls(NUM_PROGRAMS=max(1, min(problem.sms, t)),
-                   BLOCK_H=min(2048 if problem.itemsize == 1 else 1024, next_pow2(h)))
+                   BLOCK_H=min(_ROW_BYTES // problem.itemsize, next_pow2(h)))
 
     def validate(self, problem: Problem) -> None:
         for key in ("NUM_PROGRAMS", "BLOCK_H", "num_warps"):
