@@ -62,8 +62,21 @@ def _pick(vec, idx, j):
 
 
 @triton.jit
+def _store_row(recv_ptr, tail_ptr, r, cols, v, hm, H: tl.constexpr, SPLIT: tl.constexpr):
+    """Columns ``cols`` of received row r: into recv [R, H]; with SPLIT > 0 the
+    first SPLIT columns into recv [R, SPLIT] and the rest into tail [R, H - SPLIT]
+    (fp8 rows: the tokens' bytes and their scales' land as separate arrays, so
+    that no copy has to cut them apart afterwards)."""
+    if SPLIT == 0:
+        tl.store(recv_ptr + r * H + cols, v, mask=hm)
+    else:
+        tl.store(recv_ptr + r * SPLIT + cols, v, mask=hm & (cols < SPLIT))
+        tl.store(tail_ptr + r * (H - SPLIT) + (cols - SPLIT), v, mask=hm & (cols >= SPLIT))
+
+
+@triton.jit
 def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
-                        recv_ptr, rcounts_ptr, spos_ptr, stk_ptr, sranges_ptr,
+                        recv_ptr, rcounts_ptr, spos_ptr, stk_ptr, sranges_ptr, tail_ptr,
                         T: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
                         E_LOC: tl.constexpr, KL: tl.constexpr, R: tl.constexpr,
                         W: tl.constexpr, P: tl.constexpr, TP: tl.constexpr,
@@ -72,7 +85,7 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
                         PARITY_BYTES: tl.constexpr, HDR_WORDS: tl.constexpr,
                         META_WORDS: tl.constexpr, SCALED: tl.constexpr,
                         WP: tl.constexpr, EP: tl.constexpr, MP: tl.constexpr,
-                        BLOCK_H: tl.constexpr):
+                        BLOCK_H: tl.constexpr, SPLIT: tl.constexpr = 0):
     """Grid: (P,), at most one program per SM on GPUs (programs wait on peers').
 
     Inputs: x [T, H]; slot [T, W] int32 (slot of token t in rank d's inbox, -1:
@@ -82,6 +95,8 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
     received per source and local expert); spos / stk [W * T, KL] int32 (recv
     row and t * K + k of inbox row (s, i), local expert kk; -1: none or
     dropped); sranges [W, P, 2] int32 (slot range of each source's program).
+    SPLIT > 0: recv is [R, SPLIT] and tail [R, H - SPLIT] holds the rest of each
+    row (``_store_row``); else tail is unused.
     """
     pid = tl.program_id(0)
     me = dl.rank(ctx)
@@ -182,7 +197,7 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
                             out = (v.to(tl.float32) * scale).to(recv_ptr.dtype.element_ty)
                         else:
                             out = v
-                        tl.store(recv_ptr + dst * H + c + offs_h, out, mask=hm)
+                        _store_row(recv_ptr, tail_ptr, dst, c + offs_h, out, hm, H, SPLIT)
         # Slots nobody uses: their records say "nothing here" (outputs fully written).
         n_s = tl.load(h + 2 * P)
         for i in range(n_s + pid, T, P):
@@ -193,8 +208,8 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
     for r in range(tl.minimum(total, R) + pid, R, P):
         for c in range(0, H, BLOCK_H):
             hm = c + offs_h < H
-            tl.store(recv_ptr + r * H + c + offs_h,
-                     tl.zeros((BLOCK_H,), recv_ptr.dtype.element_ty), mask=hm)
+            _store_row(recv_ptr, tail_ptr, r, c + offs_h,
+                       tl.zeros((BLOCK_H,), recv_ptr.dtype.element_ty), hm, H, SPLIT)
 
 
 @triton.jit

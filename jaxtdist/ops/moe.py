@@ -202,9 +202,9 @@ def default_recv_rows(tokens: int, top_k: int, world: int, num_experts: int) -> 
     return world * tokens * min(top_k, num_experts // world)
 
 
-def _check_dispatch(x, expert_ids, *, axis_name, num_experts, max_recv_rows=None,
+def _check_dispatch(x, expert_ids, *, axis_name, num_experts, max_recv_rows=None, split=0,
                     config=None) -> None:
-    del config
+    del config, split  # split: internal (moe_dispatch's fp8 rows), set consistently
     world = check_axis(runtime(), axis_name, "moe_dispatch").world
     if getattr(x, "ndim", None) != 2:
         raise ValueError(f"jaxtdist.moe_dispatch: x must be [tokens, hidden] (2-D), got shape "
@@ -274,11 +274,13 @@ class CombineWorkspace:
 
 def moe_dispatch_kernels(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_experts: int,
                          max_recv_rows: int | None = None, scale: jax.Array | None = None,
-                         config: dict | None = None):
+                         split: int = 0, config: dict | None = None):
     """moe_dispatch's kernel, at world 1 too (benchmarks, tests); not differentiable.
 
     ``scale`` [T, K] (optional): the copy of token t for its k-th expert is
-    multiplied by ``scale[t, k]`` (combine's backward uses it).
+    multiplied by ``scale[t, k]`` (combine's backward uses it). ``split`` (0 <
+    split < H): recv_x is the pair ([R, split], [R, H - split]) of each row's
+    first columns and the rest (fp8 byte rows: tokens and scales).
     Returns (recv_x, group_sizes, handle), as ``moe_dispatch``.
     """
     x, expert_ids = jnp.asarray(x), jnp.asarray(expert_ids)
@@ -299,14 +301,19 @@ def moe_dispatch_kernels(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_
     ws = call.workspace("push", plan.nbytes, t, h, x.dtype.name, k, num_experts, programs)
     varying = set(call.result_axes(local=(x, expert_ids))) | set(call.layout.axes)
     i32 = jnp.int32
-    recv, counts, spos, stk, ranges = call.run(
+    if not 0 <= split < h:
+        raise ValueError(f"jaxtdist.moe_dispatch: split={split} must be in [0, H={h})")
+    # With split, the rows' first columns and the rest land in two arrays; without,
+    # the second output is a one-element placeholder the kernel never writes.
+    recv, counts, spos, stk, ranges, tail = call.run(
         moe_dispatch_kernel, x, route.slot, route.meta, route.dcounts, route.bounds,
         workspace=ws,
-        out_shape=[jax.ShapeDtypeStruct((rows, h), x.dtype),
+        out_shape=[jax.ShapeDtypeStruct((rows, split or h), x.dtype),
                    jax.ShapeDtypeStruct((world, e_loc), i32),
                    jax.ShapeDtypeStruct((world * t, kl), i32),
                    jax.ShapeDtypeStruct((world * t, kl), i32),
-                   jax.ShapeDtypeStruct((world, programs, 2), i32)],
+                   jax.ShapeDtypeStruct((world, programs, 2), i32),
+                   jax.ShapeDtypeStruct((rows, h - split) if split else (1,), x.dtype)],
         grid=(programs,), num_warps=cfg.num_warps, num_stages=1,
         varying=tuple(a for a in call.rt.mesh.axis_names if a in varying),
         T=t, H=h, K=k, E_LOC=e_loc, KL=kl, R=rows, W=world, P=programs,
@@ -314,7 +321,9 @@ def moe_dispatch_kernels(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_
         META_OFF=ws.offset + plan.meta, ROWS_OFF=ws.offset + plan.rows,
         PARITY_BYTES=plan.parity_bytes, HDR_WORDS=plan.hdr_words, META_WORDS=plan.meta_words,
         SCALED=scale is not None, WP=next_pow2(world), EP=next_pow2(e_loc),
-        MP=next_pow2(plan.meta_words), BLOCK_H=cfg.BLOCK_H)
+        MP=next_pow2(plan.meta_words), BLOCK_H=cfg.BLOCK_H, SPLIT=split)
+    if split:
+        recv = (recv, tail)
     sizes, dropped = _summary(counts, rows)
     invalid = jnp.sum(~route.valid).astype(i32)
     handle = MoeHandle(expert_ids, counts, spos, stk, ranges, dropped, invalid,
@@ -437,28 +446,32 @@ def _fp8_rows_jvp(primals, tangents):
                     "bfloat16 x (x_scale=None) where gradients must flow")
 
 
-def _fp8_unpack(recv, dtype, hidden: int, scales: int):
-    """recv [R, H + 4 S + pad] uint8 -> (recv_x [R, H] fp8, recv_scale [R, S] float32)."""
-    rows = recv.shape[0]
+def _fp8_unpack(recv, dtype, scales: int):
+    """(tokens [R, H] uint8, tails [R, 4 S + pad] uint8), the dispatch's two parts of
+    each byte row -> (recv_x [R, H] fp8, recv_scale [R, S] float32): bitcasts and
+    a slice of the small tails only."""
+    tokens, tails = recv
     scale = jax.lax.bitcast_convert_type(
-        recv[:, hidden:hidden + 4 * scales].reshape(rows, scales, 4), jnp.float32)
-    return jax.lax.bitcast_convert_type(recv[:, :hidden], dtype), scale
+        tails[:, :4 * scales].reshape(tails.shape[0], scales, 4), jnp.float32)
+    return jax.lax.bitcast_convert_type(tokens, dtype), scale
 
 
 # -- the ops ----------------------------------------------------------------------
 
-def _dispatch_forward(x, expert_ids, *, axis_name, num_experts, max_recv_rows=None,
+def _dispatch_forward(x, expert_ids, *, axis_name, num_experts, max_recv_rows=None, split=0,
                       config=None):
     recv, sizes, handle = moe_dispatch_kernels(x, expert_ids, axis_name,
                                                num_experts=num_experts,
-                                               max_recv_rows=max_recv_rows, config=config)
+                                               max_recv_rows=max_recv_rows, split=split,
+                                               config=config)
     out = (recv, sizes, handle.recv_counts, handle.src_pos, handle.src_tk, handle.src_ranges,
            handle.dropped, handle.invalid)
     return out, (expert_ids, handle.src_pos, handle.src_tk, handle.src_ranges)
 
 
-def _dispatch_backward(residuals, ct, *, axis_name, num_experts, max_recv_rows=None,
+def _dispatch_backward(residuals, ct, *, axis_name, num_experts, max_recv_rows=None, split=0,
                        config=None):
+    del split  # only the fp8 path splits rows, and it is not differentiable
     expert_ids, spos, stk, ranges = residuals
     t, k = expert_ids.shape
     world = runtime().layout(axis_name).world
@@ -473,13 +486,15 @@ def _dispatch_backward(residuals, ct, *, axis_name, num_experts, max_recv_rows=N
     return dx, None
 
 
-def _dispatch_local(x, expert_ids, *, axis_name, num_experts, max_recv_rows=None,
+def _dispatch_local(x, expert_ids, *, axis_name, num_experts, max_recv_rows=None, split=0,
                     config=None):
     del axis_name, config
     t, k = expert_ids.shape
     rows = max_recv_rows or default_recv_rows(t, k, 1, num_experts)
     recv, counts, spos, stk, valid = _local_dispatch(x, expert_ids, num_experts=num_experts,
                                                      rows=rows, programs=1)
+    if split:
+        recv = (recv[:, :split], recv[:, split:])
     sizes, dropped = _summary(counts, rows)
     ranges = jnp.zeros((1, 1, 2), jnp.int32)
     return (recv, sizes, counts, spos, stk, ranges, dropped,
@@ -620,11 +635,13 @@ def moe_dispatch(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_experts:
             x_scale = jnp.asarray(x_scale)
         _check_fp8(x, x_scale)
     rows_in = x if x_scale is None else _fp8_rows(x, x_scale)
+    # fp8: each byte row's token bytes and scale bytes come back as two arrays.
+    split = x.shape[1] if x_scale is not None else 0
     out = _DISPATCH(rows_in, expert_ids, axis_name=axis_name, num_experts=num_experts,
-                    max_recv_rows=max_recv_rows, config=config)
+                    max_recv_rows=max_recv_rows, split=split, config=config)
     recv, sizes, counts, spos, stk, ranges, dropped, invalid = out
     if x_scale is not None:
-        recv = _fp8_unpack(recv, x.dtype, x.shape[1], x_scale.shape[1])
+        recv = _fp8_unpack(recv, x.dtype, x_scale.shape[1])
     t, k = expert_ids.shape
     world = check_axis(runtime(), axis_name, "moe_dispatch").world
     rows = max_recv_rows or default_recv_rows(t, k, world, num_experts)
