@@ -28,6 +28,7 @@ EP = P("ep")
     (2, 6, 64, 2, 4, 2, E4M3, None),
     (2, 5, 96, 3, 8, 3, E5M2, 9),        # rows past max_recv_rows dropped
     (4, 3, 32, 4, 8, 1, E4M3, None),
+    (2, 4, 40, 2, 4, 5, E4M3, None),     # token bytes not a multiple of 16 (recv's pitch)
 ])
 def test_fp8_dispatch_matches_the_dequantized_dispatch(world, t, h, k, e, scales, dtype, rows):
     mesh = setup(world, ("ep",))

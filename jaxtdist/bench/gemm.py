@@ -50,9 +50,13 @@ def _sweep(op: str, m: int) -> list[dict]:
     """The overrides ``--sweep`` times for one shape: the core's tiles and depths, or
     the decode kernels' N width, K step and split."""
     if op == "matmul_ar":
+        # Pointer loads too (TMA=False): one program per tile builds its descriptors
+        # on the device, a cost a 4-7 us decode GEMM may feel.
         return [dict(BLOCK_N=bn, BLOCK_K=bk, num_stages=s)
                 for bn, bk, s in ((64, 128, 4), (128, 128, 3), (128, 64, 5), (64, 256, 3),
-                                  (32, 256, 3), (256, 64, 4))]
+                                  (32, 256, 3), (256, 64, 4))] + [
+                    dict(TMA=False), dict(TMA=False, BLOCK_K=64, num_stages=5),
+                    dict(TMA=False, BLOCK_N=128, BLOCK_K=64, num_stages=4)]
     if op == "ag_matmul" and m <= 128:
         return [_decode(64, 128, 4, 4), _decode(128, 128, 4, 3), _decode(64, 256, 2, 3),
                 _decode(128, 64, 8, 4), _decode(64, 64, 8, 6), _decode(32, 256, 4, 3),

@@ -153,6 +153,34 @@ def check_all(mesh, world: int) -> dict[str, float]:
     f = sm(lambda a, k_, v_: td.ag_attention(a, k_, v_, "tp"), (spec,) * 3, spec)
     errs["ag_attention"] = relerr(f(*(place(mesh, a, spec) for a in (q, kc, vc))),
                                   causal_reference(q, kc, vc))
+    # MoE: tokens to their experts' ranks, identity experts (times 2), weighted back;
+    # then the same with fp8 tokens and scales (dequantized by the experts).
+    from jaxtdist.bench.moe import fp8_dequantize, fp8_tokens
+
+    t, hdim, k, e = 5, 32, 2, 2 * world
+    x = rand(25, (world * t, hdim))
+    ids = np.argsort(np.random.default_rng(26).random((world * t, e)), axis=1)[:, :k]
+    ids = ids.astype(np.int32)
+    gate = rand(27, (world * t, k))
+    ep = P("tp")
+
+    def moe_layer(a, i, g):
+        recv, _, handle = td.moe_dispatch(a, i, "tp", num_experts=e)
+        return td.moe_combine(2 * recv, handle, g, "tp")
+
+    f = sm(moe_layer, (ep,) * 3, ep)
+    errs["moe"] = relerr(f(*(place(mesh, a, ep) for a in (x, ids, gate))),
+                         2 * x.astype(np.float64) * gate.sum(1, keepdims=True))
+    q8, scale = fp8_tokens(x, 2)
+
+    def moe_fp8_layer(a, sc, i, g):
+        (recv, recv_scale), _, handle = td.moe_dispatch(a, i, "tp", num_experts=e, x_scale=sc)
+        return td.moe_combine(fp8_dequantize(recv, recv_scale), handle, g, "tp")
+
+    f = sm(moe_fp8_layer, (ep,) * 4, ep)
+    deq = np.asarray(q8, np.float64).reshape(world * t, 2, -1) * scale[..., None]
+    errs["moe_fp8"] = relerr(f(*(place(mesh, a, ep) for a in (q8, scale, ids, gate))),
+                             deq.reshape(world * t, hdim) * gate.sum(1, keepdims=True))
     return errs
 
 
