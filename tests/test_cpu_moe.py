@@ -345,3 +345,43 @@ def test_moe_bench_table():
                kernels_layer=dict(stats, rel_err=1e-3), ragged_dot=stats)
     text = moe.table(dict(device="H100", world=1, iterations=10, rounds=2, rows=[row]))
     assert "128 x 7168, top-8, 256" in text and "True" in text
+
+
+@pytest.mark.parametrize("world,t,k,e,kind,programs", [
+    (1, 7, 2, 4, "random", 2),
+    (2, 6, 3, 8, "random", 4),       # programs of 2 tokens
+    (2, 5, 2, 4, "one_rank", 2),     # T not a multiple of the programs
+    (4, 3, 2, 8, "one_expert", 3),
+    (2, 9, 3, 4, "empty_expert", 2), # K > E / W: KL = E / W
+    (2, 4, 2, 4, "invalid", 2),      # ids outside [0, E) and repeats
+])
+def test_routing_kernels_match_the_xla_routing(world, t, k, e, kind, programs):
+    """config ROUTING="kernels" (kernels/moe_route.py) gives the dispatch every word
+    the XLA routing gives it: the same recv_x, sizes and handle, bit for bit, with
+    and without the combine backward's scale."""
+    mesh = setup(world)
+    rng = np.random.default_rng(world * 31 + t)
+    x = rand((world * t, 16))
+    ids = routing("random" if kind == "invalid" else kind, world, t, k, e, rng)
+    if kind == "invalid":
+        ids[0, 0], ids[1, 1], ids[2, 1] = e, -3, ids[2, 0]
+    scale = rand((world * t, k))
+    outs = []
+    for routing_at in ("xla", "kernels"):
+        cfg = dict(ROUTING=routing_at, NUM_PROGRAMS=programs)
+
+        def body(x, ids, scale, cfg=cfg):
+            recv, sizes, hd = moe_dispatch_kernels(x, ids, "tp", num_experts=e, config=cfg)
+            scaled, _, _ = moe_dispatch_kernels(x, ids, "tp", num_experts=e, scale=scale,
+                                                config=cfg)
+            return (recv, scaled, sizes[None], hd.recv_counts[None], hd.src_pos, hd.src_tk,
+                    hd.src_ranges[None], hd.dropped[None], hd.invalid[None])
+
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"),) * 3,
+                                  out_specs=(P("tp"),) * 9, check_vma=False))
+        outs.append([np.asarray(o) for o in f(*(place(mesh, a, P("tp"))
+                                                for a in (x, ids, scale)))])
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a, b)
+    if kind == "invalid":  # rank 0's tokens 0, 1, 2: out of range, negative, a repeat
+        assert outs[1][-1].tolist() == [3, 0]

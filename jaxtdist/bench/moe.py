@@ -146,7 +146,8 @@ def world1_table(res: dict) -> str:
 EP_SPEC = P("ep")
 # The plot's series at world W (the Benchmark's own are world 1's).
 EP_SERIES = ("jaxtdist_layer", "all_to_all_layer", "ragged_layer", "jaxtdist_dispatch",
-             "all_to_all_dispatch", "ragged_dispatch", "jaxtdist_fp8_dispatch")
+             "all_to_all_dispatch", "ragged_dispatch", "jaxtdist_fp8_dispatch",
+             "jaxtdist_dispatch_routing_kernels")
 
 
 def fp8_tokens(x: np.ndarray, blocks: int | None = None,
@@ -302,6 +303,10 @@ def bench_moe_ep(shapes, iterations: int, world: int, rounds: int = 4, dtype=jnp
                 x, ids, w, "ep", world=world, num_experts=e, combine=False),
             ragged_layer=lambda x, ids, w, e=e: ragged_moe(
                 x, ids, w, "ep", world=world, num_experts=e))
+        # The routing metadata by jaxtdist's kernels instead of XLA's (config ROUTING).
+        bodies["jaxtdist_dispatch_routing_kernels"] = (
+            lambda x, ids, w, e=e: td.moe_dispatch(x, ids, "ep", num_experts=e,
+                                                   config=dict(ROUTING="kernels"))[0])
         fns = {name: jax.jit(jax.shard_map(body, **specs)) for name, body in bodies.items()}
         # fp8 dispatch: the same routing, fp8 tokens with float32 scales per 128 columns.
         fns["jaxtdist_fp8_dispatch"] = jax.jit(jax.shard_map(
@@ -343,6 +348,8 @@ def bench_moe_ep(shapes, iterations: int, world: int, rounds: int = 4, dtype=jnp
             jaxtdist_dispatch=h.Contender(fns["jaxtdist_dispatch"], args, world, recv_ref,
                                           exact=True),
             jaxtdist_fp8_dispatch=h.Contender(fns["jaxtdist_fp8_dispatch"], fp8_args, world),
+            jaxtdist_dispatch_routing_kernels=h.Contender(
+                fns["jaxtdist_dispatch_routing_kernels"], args, world, recv_ref, exact=True),
             all_to_all_dispatch=h.Contender(fns["all_to_all_dispatch"], args, world),
             ragged_dispatch=h.Contender(fns["ragged_dispatch"], args, world),
             jaxtdist_layer=h.Contender(fns["jaxtdist_layer"], args, world, ref),
@@ -383,6 +390,8 @@ EP_COLUMNS = [
     h.Column("MB/rank: (t, k) pairs, a2a dense", lambda r: f"{_mb(r['pair_bytes_per_rank'])}, "
                                                            f"{_mb(r['all_to_all_bytes_per_rank'])}"),
     h.Column("dispatch: jaxtdist", lambda r: h.us(r.get("jaxtdist_dispatch"))),
+    h.Column("dispatch: jaxtdist, routing kernels",
+             lambda r: h.us(r.get("jaxtdist_dispatch_routing_kernels"))),
     h.Column("dispatch: all_to_all", lambda r: h.us(r.get("all_to_all_dispatch"))),
     h.Column("dispatch: ragged_all_to_all", lambda r: h.us(r.get("ragged_dispatch"))),
     h.Column("jaxtdist / a2a", lambda r: h.ratio(r.get("jaxtdist_dispatch"),

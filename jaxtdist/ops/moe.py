@@ -19,6 +19,7 @@ combine kernel's dot products). At world 1 both are their local computation
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, ClassVar
 
 import jax
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtdist.kernels.moe import moe_combine_kernel, moe_dispatch_kernel
+from jaxtdist.kernels.moe_route import moe_route_count_kernel, moe_route_kernel
 from jaxtdist.ops._config import KernelConfig, Problem, resolve
 from jaxtdist.ops._op import DistributedOp, pjit_wrapper, rows_over
 from jaxtdist.ops._protocol import Call, check_axis
@@ -55,6 +57,10 @@ class MoeConfig(KernelConfig):
         most one per SM: all resident). Combine uses its dispatch's value.
       BLOCK_H: elements of a row per copy step (a power of 2).
       num_warps: launch option.
+      ROUTING: where the dispatch's routing metadata (slots, expert positions,
+        counts) is computed: "xla" (a dozen small XLA fusions; the default
+        while the alternative is untimed on GPUs) or "kernels" (two launches of
+        ``kernels/moe_route.py`` on the dispatch's program split).
     """
     OP: ClassVar[str] = "moe"
     variant: ClassVar[str] = "push"
@@ -62,6 +68,7 @@ class MoeConfig(KernelConfig):
     NUM_PROGRAMS: int = 2
     BLOCK_H: int = 64
     num_warps: int = 4
+    ROUTING: str = "xla"
 
     @classmethod
     def default(cls, problem: Problem) -> "MoeConfig":
@@ -81,6 +88,9 @@ class MoeConfig(KernelConfig):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"jaxtdist.moe: config {key}={value!r} must be an int >= 1")
+        if self.ROUTING not in ("xla", "kernels"):
+            raise ValueError(f"jaxtdist.moe: config ROUTING={self.ROUTING!r}; allowed: 'xla', "
+                             "'kernels'")
         if self.BLOCK_H & (self.BLOCK_H - 1):
             raise ValueError(f"jaxtdist.moe: config BLOCK_H={self.BLOCK_H} must be a power of 2")
         if problem.platform == "gpu" and self.NUM_PROGRAMS > problem.sms:
@@ -138,7 +148,7 @@ def _valid_pairs(expert_ids: jax.Array, num_experts: int) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class _Routing:
-    valid: jax.Array      # [T, K] bool
+    invalid: jax.Array    # [] int32: pairs with an id outside [0, E) or repeated
     slot: jax.Array       # [T, W] int32, -1: not sent to d
     meta: jax.Array       # [T, W, 1 + 4 KL] int32
     dcounts: jax.Array    # [W, E_LOC] int32
@@ -183,7 +193,39 @@ def _route(expert_ids, world: int, num_experts: int, programs: int,
     table = jnp.where(jnp.any(match, axis=3)[..., None], picked, -1)    # [T, W, KL, 4]
     head = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[:, None, None], (t, world, 1))
     meta = jnp.concatenate([head, table.reshape(t, world, kl * _FIELDS)], axis=2)
-    return _Routing(valid, slot, meta, dcounts, bounds)
+    return _Routing(jnp.sum(~valid).astype(jnp.int32), slot, meta, dcounts, bounds)
+
+
+def _route_on_device(call: Call, ctx: jax.Array, expert_ids, world: int, num_experts: int,
+                     programs: int, scale: jax.Array | None) -> _Routing:
+    """``_route``'s words from ``kernels/moe_route.py`` (two launches after the
+    dispatch's prologue ``ctx``): per-program counts, then slots and meta rows."""
+    t, k = expert_ids.shape
+    e_loc = num_experts // world
+    kl = min(k, e_loc)
+    tp = -(-t // programs)
+    kp, ep, wp = next_pow2(k), next_pow2(num_experts), next_pow2(world)
+    i32 = jnp.int32
+    ids = expert_ids.astype(i32)
+    scale = jnp.ones((t, k), jnp.float32) if scale is None else scale.astype(jnp.float32)
+    # Tokens per step: a [BT, KP, EP] one-hot block of at most 8192 words.
+    bt = max(1, min(next_pow2(tp), 8192 // (kp * ep)))
+    common = dict(K=k, E=num_experts, E_LOC=e_loc, W=world, TP=tp, KP=kp, EP=ep, WP=wp, BT=bt)
+    hist = call.launch(moe_route_count_kernel, ctx, ids,
+                       out_shape=jax.ShapeDtypeStruct((programs, num_experts + world + 1), i32),
+                       grid=(programs,), num_warps=4, num_stages=1,
+                       varying=call.result_axes(local=(ids,)), T=t, **common)
+    slot, meta, dcounts, bounds, invalid = call.launch(
+        moe_route_kernel, ctx, ids, scale, hist,
+        out_shape=[jax.ShapeDtypeStruct((t, world), i32),
+                   jax.ShapeDtypeStruct((t, world, 1 + _FIELDS * kl), i32),
+                   jax.ShapeDtypeStruct((world, e_loc), i32),
+                   jax.ShapeDtypeStruct((world, programs + 1), i32),
+                   jax.ShapeDtypeStruct((1,), i32)],
+        grid=(programs,), num_warps=4, num_stages=1,
+        varying=call.result_axes(local=(ids, scale)), T=t, KL=kl, P=programs,
+        KLP=next_pow2(kl), PB=max(1, min(next_pow2(programs), 4096 // ep)), **common)
+    return _Routing(invalid[0], slot, meta, dcounts, bounds)
 
 
 def _summary(recv_counts: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
@@ -295,7 +337,6 @@ def moe_dispatch_kernels(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_
     cfg = resolve(MoeConfig, _problem(call, t, h, x.dtype), call.rt, config,
                   axis_name=axis_name)
     programs = min(cfg.NUM_PROGRAMS, t)
-    route = _route(expert_ids, world, num_experts, programs, scale)
     plan = DispatchWorkspace(world, t, h, x.dtype.itemsize, e_loc, kl, programs)
     # The layout depends on all of these: other shapes get their own workspace.
     ws = call.workspace("push", plan.nbytes, t, h, x.dtype.name, k, num_experts, programs)
@@ -305,9 +346,17 @@ def moe_dispatch_kernels(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_
         raise ValueError(f"jaxtdist.moe_dispatch: split={split} must be in [0, H={h})")
     # With split, the rows' first columns and the rest land in two arrays; without,
     # the second output is a one-element placeholder the kernel never writes.
-    recv, counts, spos, stk, ranges, tail = call.run(
-        moe_dispatch_kernel, x, route.slot, route.meta, route.dcounts, route.bounds,
-        workspace=ws,
+    if cfg.ROUTING == "kernels":
+        # The routing kernels run after the prologue, before the dispatch kernel.
+        ctx = call.start(ws, deps=(x, expert_ids) + (() if scale is None else (scale,)),
+                         align_launch=not call.launch_aligns((x, expert_ids)))
+        route = _route_on_device(call, ctx, expert_ids, world, num_experts, programs, scale)
+        dispatch = functools.partial(call.launch, moe_dispatch_kernel, ctx)
+    else:
+        route = _route(expert_ids, world, num_experts, programs, scale)
+        dispatch = functools.partial(call.run, moe_dispatch_kernel, workspace=ws)
+    recv, counts, spos, stk, ranges, tail = dispatch(
+        x, route.slot, route.meta, route.dcounts, route.bounds,
         out_shape=[jax.ShapeDtypeStruct((rows, split or h), x.dtype),
                    jax.ShapeDtypeStruct((world, e_loc), i32),
                    jax.ShapeDtypeStruct((world * t, kl), i32),
@@ -325,8 +374,7 @@ def moe_dispatch_kernels(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_
     if split:
         recv = (recv, tail)
     sizes, dropped = _summary(counts, rows)
-    invalid = jnp.sum(~route.valid).astype(i32)
-    handle = MoeHandle(expert_ids, counts, spos, stk, ranges, dropped, invalid,
+    handle = MoeHandle(expert_ids, counts, spos, stk, ranges, dropped, route.invalid,
                        num_experts=num_experts, max_recv_rows=rows, programs=programs)
     return recv, sizes, handle
 
