@@ -381,6 +381,18 @@ def _gbps(r: dict) -> str:
     return f"{entry['gb_per_s']:.0f}" if "gb_per_s" in entry else "n/a"
 
 
+def _versus_xla(label: str, what: str, extra: list | None = None) -> list:
+    """Columns of one measurement (``what``: "dispatch" or "layer"): jaxtdist's time,
+    ``extra``, XLA's all_to_all and ragged_all_to_all times, jaxtdist's ratios to them."""
+    ours, a2a, ragged = f"jaxtdist_{what}", f"all_to_all_{what}", f"ragged_{what}"
+    return [h.Column(f"{label}: jaxtdist", lambda r: h.us(r.get(ours))), *(extra or []),
+            h.Column(f"{label}: all_to_all", lambda r: h.us(r.get(a2a))),
+            h.Column(f"{label}: ragged_all_to_all", lambda r: h.us(r.get(ragged))),
+            h.Column(f"{label}: jaxtdist / a2a", lambda r: h.ratio(r.get(ours), r.get(a2a))),
+            h.Column(f"{label}: jaxtdist / ragged",
+                     lambda r: h.ratio(r.get(ours), r.get(ragged)))]
+
+
 EP_COLUMNS = [
     h.Column("T x H, top-K, E", lambda r: f"{r['tokens']} x {r['hidden']}, top-{r['top_k']}, "
                                           f"{r['experts']}"),
@@ -389,28 +401,16 @@ EP_COLUMNS = [
                        f"({_mb(r['dispatch_remote_bytes_per_rank'])})"),
     h.Column("MB/rank: (t, k) pairs, a2a dense", lambda r: f"{_mb(r['pair_bytes_per_rank'])}, "
                                                            f"{_mb(r['all_to_all_bytes_per_rank'])}"),
-    h.Column("dispatch: jaxtdist", lambda r: h.us(r.get("jaxtdist_dispatch"))),
-    h.Column("dispatch: jaxtdist, routing kernels",
-             lambda r: h.us(r.get("jaxtdist_dispatch_routing_kernels"))),
-    h.Column("dispatch: all_to_all", lambda r: h.us(r.get("all_to_all_dispatch"))),
-    h.Column("dispatch: ragged_all_to_all", lambda r: h.us(r.get("ragged_dispatch"))),
-    h.Column("jaxtdist / a2a", lambda r: h.ratio(r.get("jaxtdist_dispatch"),
-                                                 r.get("all_to_all_dispatch"))),
-    h.Column("jaxtdist / ragged", lambda r: h.ratio(r.get("jaxtdist_dispatch"),
-                                                    r.get("ragged_dispatch"))),
+    *_versus_xla("dispatch", "dispatch", extra=[
+        h.Column("dispatch: jaxtdist, routing kernels",
+                 lambda r: h.us(r.get("jaxtdist_dispatch_routing_kernels")))]),
     h.Column("jaxtdist dispatch GB/s", _gbps),
     h.Column("dispatch: jaxtdist fp8 (MB/rank)",
              lambda r: f"{h.us(r.get('jaxtdist_fp8_dispatch'))} "
                        f"({_mb(r.get('fp8_dispatch_bytes_per_rank', 0))})"),
     h.Column("fp8 / bf16", lambda r: h.ratio(r.get("jaxtdist_fp8_dispatch"),
                                              r.get("jaxtdist_dispatch"))),
-    h.Column("d + c: jaxtdist", lambda r: h.us(r.get("jaxtdist_layer"))),
-    h.Column("d + c: all_to_all", lambda r: h.us(r.get("all_to_all_layer"))),
-    h.Column("d + c: ragged_all_to_all", lambda r: h.us(r.get("ragged_layer"))),
-    h.Column("jaxtdist / a2a ", lambda r: h.ratio(r.get("jaxtdist_layer"),
-                                                  r.get("all_to_all_layer"))),
-    h.Column("jaxtdist / ragged ", lambda r: h.ratio(r.get("jaxtdist_layer"),
-                                                     r.get("ragged_layer"))),
+    *_versus_xla("d + c", "layer"),
     h.Column("exact recv_x", lambda r: h.err(r.get("jaxtdist_dispatch"))),
     h.Column("exact fp8 recv", lambda r: h.err(r.get("jaxtdist_fp8_dispatch"))),
     h.Column("rel err: jaxtdist", lambda r: h.err(r.get("jaxtdist_layer"))),

@@ -510,6 +510,16 @@ def _token_of(out, after: Sequence) -> jax.Array:
     return order_token(rt, _later_output(out, after))
 
 
+def mesh_devices(mesh, axes: Sequence[str]) -> tuple[int, str]:
+    """The devices of mesh ``axes`` together, and words naming them for errors
+    ("dp=2 x sp=4"; "no axes" for none)."""
+    axes = tuple(axes)
+    size = 1
+    for a in axes:
+        size *= int(mesh.shape[a])
+    return size, " x ".join(f"{a}={mesh.shape[a]}" for a in axes) or "no axes"
+
+
 def rows_over(axis_name: str | tuple[str, ...] | None, batch_axes: tuple[str, ...]):
     """The mesh axes sharding rows: the batch axes, then ``axis_name`` (if given; a
     tuple of axes, outermost first, as one)."""

@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxtdist.kernels.flash_decode import flash_decode_kernel
 from jaxtdist.ops._config import KernelConfig, Problem, resolve
-from jaxtdist.ops._op import DistributedOp, pjit_wrapper, rows_over
+from jaxtdist.ops._op import DistributedOp, mesh_devices, pjit_wrapper, rows_over
 from jaxtdist.ops._protocol import Call, check_axis
 from jaxtdist.ops._shapes import align, check_dtype, next_pow2
 from jaxtdist.runtime._runtime import runtime
@@ -380,12 +380,6 @@ def _paged_per_rank(q, k, v, kv_len, block_table, axis_name, *, config=None):
     return flash_decode(q, k, v, kv_len, axis_name, block_table=block_table, config=config)
 
 
-def _mesh_size(mesh, axes: tuple[str, ...]) -> tuple[int, str]:
-    """The devices of ``axes`` and words naming them (for errors)."""
-    size = int(np.prod([mesh.shape[a] for a in axes]))
-    return size, " x ".join(f"{a}={mesh.shape[a]}" for a in axes) or "no axes"
-
-
 def _check_paged_sharded(q, k, v, kv_len, block_table, *, axis_name, batch_axes, mesh,
                          config=None) -> None:
     """The global shapes of the paged form; the rest is checked per device, as
@@ -393,9 +387,9 @@ def _check_paged_sharded(q, k, v, kv_len, block_table, *, axis_name, batch_axes,
     del kv_len, config
     name = "jaxtdist.flash_decode_sharded"
     group = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    world, group_words = _mesh_size(mesh, group)
-    batches, batch_words = _mesh_size(mesh, tuple(batch_axes))
-    groups, groups_words = _mesh_size(mesh, tuple(batch_axes) + group)
+    world, group_words = mesh_devices(mesh, group)
+    batches, batch_words = mesh_devices(mesh, tuple(batch_axes))
+    groups, groups_words = mesh_devices(mesh, tuple(batch_axes) + group)
     if getattr(q, "ndim", None) != 3:
         raise ValueError(f"{name}: expected q [B, Hq, D], got shape {getattr(q, 'shape', None)}")
     b = q.shape[0]

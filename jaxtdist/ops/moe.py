@@ -29,7 +29,7 @@ import numpy as np
 from jaxtdist.kernels.moe import moe_combine_kernel, moe_dispatch_kernel
 from jaxtdist.kernels.moe_route import moe_route_count_kernel, moe_route_kernel
 from jaxtdist.ops._config import KernelConfig, Problem, resolve
-from jaxtdist.ops._op import DistributedOp, pjit_wrapper, rows_over
+from jaxtdist.ops._op import DistributedOp, mesh_devices, pjit_wrapper, rows_over
 from jaxtdist.ops._protocol import Call, check_axis
 from jaxtdist.ops._shapes import align, check_dtype, next_pow2
 from jaxtdist.runtime._runtime import runtime
@@ -156,7 +156,9 @@ class _Routing:
 
 
 def _route(expert_ids, world: int, num_experts: int, programs: int,
-           scale: jax.Array | None) -> _Routing:
+           scale: jax.Array) -> _Routing:
+    """The dispatch's routing words in XLA; ``scale`` [T, K] float32 (the copies'
+    factors, their bits travel in the meta rows)."""
     t, k = expert_ids.shape
     e_loc = num_experts // world
     kl = min(k, e_loc)
@@ -179,7 +181,6 @@ def _route(expert_ids, world: int, num_experts: int, programs: int,
     earlier = jnp.tril(jnp.ones((k, k), bool), -1)
     same = (dest[:, :, None] == dest[:, None, :]) & valid[:, None, :] & earlier[None]
     kk = jnp.sum(same, axis=2).astype(jnp.int32)
-    scale = jnp.ones((t, k), jnp.float32) if scale is None else scale.astype(jnp.float32)
     fields = jnp.stack([ids % e_loc, pos, jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (t, k)),
                         jax.lax.bitcast_convert_type(scale, jnp.int32)], axis=-1)  # [T, K, 4]
     # Slot (d, j) of token t holds the fields of its valid pair k with dest d and
@@ -197,7 +198,7 @@ def _route(expert_ids, world: int, num_experts: int, programs: int,
 
 
 def _route_on_device(call: Call, ctx: jax.Array, expert_ids, world: int, num_experts: int,
-                     programs: int, scale: jax.Array | None) -> _Routing:
+                     programs: int, scale: jax.Array) -> _Routing:
     """``_route``'s words from ``kernels/moe_route.py`` (two launches after the
     dispatch's prologue ``ctx``): per-program counts, then slots and meta rows."""
     t, k = expert_ids.shape
@@ -207,7 +208,6 @@ def _route_on_device(call: Call, ctx: jax.Array, expert_ids, world: int, num_exp
     kp, ep, wp = next_pow2(k), next_pow2(num_experts), next_pow2(world)
     i32 = jnp.int32
     ids = expert_ids.astype(i32)
-    scale = jnp.ones((t, k), jnp.float32) if scale is None else scale.astype(jnp.float32)
     # Tokens per step: a [BT, KP, EP] one-hot block of at most 8192 words.
     bt = max(1, min(next_pow2(tp), 8192 // (kp * ep)))
     common = dict(K=k, E=num_experts, E_LOC=e_loc, W=world, TP=tp, KP=kp, EP=ep, WP=wp, BT=bt)
@@ -344,17 +344,19 @@ def moe_dispatch_kernels(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_
     i32 = jnp.int32
     if not 0 <= split < h:
         raise ValueError(f"jaxtdist.moe_dispatch: split={split} must be in [0, H={h})")
-    # With split, the rows' first columns and the rest land in two arrays; without,
-    # the second output is a one-element placeholder the kernel never writes.
+    factors = (jnp.ones((t, k), jnp.float32) if scale is None
+               else jnp.asarray(scale).astype(jnp.float32))
     if cfg.ROUTING == "kernels":
         # The routing kernels run after the prologue, before the dispatch kernel.
         ctx = call.start(ws, deps=(x, expert_ids) + (() if scale is None else (scale,)),
                          align_launch=not call.launch_aligns((x, expert_ids)))
-        route = _route_on_device(call, ctx, expert_ids, world, num_experts, programs, scale)
+        route = _route_on_device(call, ctx, expert_ids, world, num_experts, programs, factors)
         dispatch = functools.partial(call.launch, moe_dispatch_kernel, ctx)
     else:
-        route = _route(expert_ids, world, num_experts, programs, scale)
+        route = _route(expert_ids, world, num_experts, programs, factors)
         dispatch = functools.partial(call.run, moe_dispatch_kernel, workspace=ws)
+    # With split, the rows' first columns and the rest land in two arrays; without,
+    # the last output is a one-element placeholder the kernel never writes.
     recv, counts, spos, stk, ranges, tail = dispatch(
         x, route.slot, route.meta, route.dcounts, route.bounds,
         out_shape=[jax.ShapeDtypeStruct((rows, split or h), x.dtype),
@@ -742,8 +744,7 @@ def _row_groups(mesh, axis_name: str | tuple[str, ...],
     """G, the devices sharding rows (batch axes times the expert axis), and words
     saying so for errors."""
     axes = tuple(batch_axes) + (axis_name if isinstance(axis_name, tuple) else (axis_name,))
-    groups = int(np.prod([mesh.shape[a] for a in axes]))
-    sizes = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
+    groups, sizes = mesh_devices(mesh, axes)
     return groups, f"the {groups} devices of the rows' mesh axes ({sizes})"
 
 
