@@ -1,0 +1,175 @@
+"""Probes behind default configs: an op's own kernels under config overrides, timed
+side by side with the contender they must beat (CUPTI, interleaved rounds, one
+process). The numbers quoted in the defaults' comments and in docs/perf come
+from these.
+
+Usage (repo root, GPU node): python3 tests/gpu/probe_defaults.py {moe,attention,
+flash_decode,gemm}. ``moe`` needs 2 GPUs (world 2); the others run on one.
+Prints one line per shape: each variant's median time, its ratio to the
+contender, its error.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxtdist as td
+from jaxtdist.bench import harness as h
+
+
+def _mesh(world: int, axis: str):
+    return jax.make_mesh((world,), (axis,), devices=jax.devices()[:world],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def _report(title: str, stats: dict, base: str) -> None:
+    print(f"{title}: " + " | ".join(
+        f"{name} {h.us(s)} ({h.ratio(s, stats[base])}) err={s.get('rel_err', s.get('error'))}"
+        for name, s in stats.items()), flush=True)
+
+
+def probe_moe() -> None:
+    """Dispatch and dispatch + combine, world 2, DeepSeek-V3's decode routing: the
+    copy step (BLOCK_H) and warps (MoeConfig)."""
+    from jaxtdist.bench import moe as mb
+
+    world, (t, hidden, k, e) = 2, (128, 7168, 8, 256)
+    mesh = _mesh(world, "ep")
+    td.initialize(mesh, heap_bytes=2 * mb.ep_heap_bytes([(t, hidden, k, e)], world, 2))
+    specs = dict(mesh=mesh, in_specs=(mb.EP_SPEC,) * 3, out_specs=mb.EP_SPEC, check_vma=False)
+    variants = {"default": None, "h1024w4": dict(BLOCK_H=1024), "h2048w4": dict(BLOCK_H=2048),
+                "h4096w4": dict(BLOCK_H=4096), "h8192w4": dict(BLOCK_H=8192),
+                "h8192w8": dict(BLOCK_H=8192, num_warps=8),
+                "h8192w16": dict(BLOCK_H=8192, num_warps=16),
+                "routing_kernels": dict(ROUTING="kernels")}
+    x = h.normal(1600, (world * t, hidden), jnp.bfloat16)
+    ids = mb._routing(1700, world * t, k, e)
+    w = np.random.default_rng(1800).random((world * t, k), np.float32)
+    args = tuple(jax.device_put(a, NamedSharding(mesh, mb.EP_SPEC))
+                 for a in (x, jnp.asarray(ids), jnp.asarray(w)))
+    ref = np.asarray(x, np.float32) * w.sum(1, keepdims=True)  # identity experts
+    contenders = {}
+    for name, cfg in variants.items():
+        def dispatch(x, ids, w, cfg=cfg):
+            return td.moe_dispatch(x, ids, "ep", num_experts=e, config=cfg)[0]
+
+        def layer(x, ids, w, cfg=cfg):
+            recv, _, handle = td.moe_dispatch(x, ids, "ep", num_experts=e, config=cfg)
+            return td.moe_combine(recv, handle, w, "ep", config=cfg)
+
+        contenders[f"d_{name}"] = h.Contender(jax.jit(jax.shard_map(dispatch, **specs)), args,
+                                              world)
+        contenders[f"l_{name}"] = h.Contender(jax.jit(jax.shard_map(layer, **specs)), args,
+                                              world, ref)
+    for name, s in h.interleaved(contenders, 40, 4).items():
+        kernels = "; ".join(f"{k_} {v:.1f}" for k_, v in s.get("kernel_us", {}).items()
+                            if "moe" in k_)
+        print(f"{name}: {h.us(s)} err={s.get('rel_err', s.get('error'))} kernels: {kernels}",
+              flush=True)
+
+
+def probe_attention() -> None:
+    """ag_attention's kernel at world 1 against cuDNN: query and key tiles, warps,
+    stages (AgAttentionConfig), B=1, H=32, D=128, causal, bf16."""
+    from jaxtdist.ops.ag_attention import ag_attention_kernels
+
+    mesh = _mesh(1, "sp")
+    td.initialize(mesh, heap_bytes=1 << 30)
+    sp = P(None, "sp")
+    specs = dict(mesh=mesh, in_specs=(sp,) * 3, out_specs=sp, check_vma=False)
+    cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="cudnn"))
+    variants = {"default": None, "m128n64w8": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8),
+                "m128n128w8": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8),
+                "m128n128w8s2": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
+                "m64n64w4": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4),
+                "m64n64w4s4": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4),
+                "m64n128w4": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4)}
+    for s in (4096, 16384):
+        q, k, v = (h.normal(600 + j, (1, s, 32, 128), jnp.bfloat16) for j in range(3))
+        args = tuple(jax.device_put(a, NamedSharding(mesh, sp)) for a in (q, k, v))
+        ref = np.asarray(cudnn(*args), np.float32)  # compared with cuDNN's output
+        contenders = dict(cudnn=h.Contender(cudnn, args, 1, ref))
+        for name, cfg in variants.items():
+            fn = jax.jit(jax.shard_map(
+                lambda *a, cfg=cfg: ag_attention_kernels(*a, "sp", causal=True, config=cfg),
+                **specs))
+            contenders[name] = h.Contender(fn, args, 1, ref)
+        _report(f"S={s}", h.interleaved(contenders, 12, 3), "cudnn")
+
+
+def probe_flash_decode() -> None:
+    """flash_decode's kernel at world 1 against XLA's decode: splits, step, warps."""
+    from jaxtdist.bench import flash_decode as fb
+    from jaxtdist.ops.flash_decode import flash_decode_kernels
+
+    mesh = fb._mesh(1)
+    td.initialize(mesh)
+    specs = dict(mesh=mesh, in_specs=fb.SPECS, out_specs=P(), check_vma=False)
+    variants = {"default": None, "sp32": dict(NUM_SPLITS=32), "sp64": dict(NUM_SPLITS=64),
+                "sp16_n32": dict(NUM_SPLITS=16, BLOCK_N=32),
+                "sp16_s4": dict(NUM_SPLITS=16, num_stages=4),
+                "sp32_w8": dict(NUM_SPLITS=32, num_warps=8)}
+    b, hq, hkv, d = fb.FLASH_DECODE_HEADS
+    for i, s in enumerate((8192, 32768, 131072)):
+        q, k, v, n = fb._operands(700 + 3 * i, b, hq, hkv, d, s, jnp.bfloat16)
+        ref = fb._reference(q, k, v, n)
+        args = tuple(jax.device_put(a, NamedSharding(mesh, sp))
+                     for a, sp in zip((q, k, v, n), fb.SPECS))
+        contenders = dict(xla=h.Contender(jax.jit(fb._xla_decode_local), args, 1, ref))
+        for name, cfg in variants.items():
+            fn = jax.jit(jax.shard_map(
+                lambda *a, cfg=cfg: flash_decode_kernels(*a, "sp", config=cfg), **specs))
+            contenders[name] = h.Contender(fn, args, 1, ref)
+        _report(f"S={s}", h.interleaved(contenders, 20, 4), "xla")
+
+
+def probe_gemm() -> None:
+    """The GEMM core's slowest shapes at world 1 against jnp.dot: tiles, K steps,
+    pointer loads (the ops' configs)."""
+    from jaxtdist.bench.gemm import _SPECS, _kernel_fn, _tile
+
+    mesh = _mesh(1, "tp")
+    td.initialize(mesh)
+    cases = {
+        ("matmul_ar", 256, 4096, 512): {
+            "m128n128k64w8": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8,
+                                  num_stages=4),
+            "m128n64k64": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_stages=4),
+            "m64n64k128": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_stages=4),
+            "m64n128k256": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=256, num_stages=2),
+            "pointer": dict(TMA=False)},
+        ("matmul_ar", 32, 4096, 7168): {"pointer": dict(TMA=False),
+                                        "n32k256": dict(BLOCK_N=32, BLOCK_K=256,
+                                                        num_stages=3)},
+        ("ag_matmul", 512, 3584, 4096): {
+            "stream_k": dict(STREAM_K=True), "t64x256": _tile(64, 256),
+            "t128x128s5": _tile(128, 128, stages=5), "t64x128": _tile(64, 128)},
+    }
+    dot = jax.jit(jnp.dot)
+    for i, ((op, m, n, k), variants) in enumerate(cases.items()):
+        x = h.normal(700 + 2 * i, (m, k), jnp.bfloat16, scale=1 / np.sqrt(k))
+        w = h.normal(701 + 2 * i, (k, n), jnp.bfloat16)
+        args = (jax.device_put(x, NamedSharding(mesh, _SPECS[op][0])),
+                jax.device_put(w, NamedSharding(mesh, _SPECS[op][1])))
+        ref = h.float32_matmul(x, w, jax.devices()[0])
+        contenders = dict(jnp_dot=h.Contender(dot, args, 1, ref),
+                          default=h.Contender(_kernel_fn(op, mesh, None), args, 1, ref))
+        for name, cfg in variants.items():
+            contenders[name] = h.Contender(_kernel_fn(op, mesh, cfg), args, 1, ref)
+        _report(f"{op} {m}x{n}x{k}", h.interleaved(contenders, 30, 3), "jnp_dot")
+
+
+PROBES = {"moe": probe_moe, "attention": probe_attention, "flash_decode": probe_flash_decode,
+          "gemm": probe_gemm}
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or sys.argv[1] not in PROBES:
+        sys.exit(f"usage: python3 tests/gpu/probe_defaults.py {{{','.join(PROBES)}}}")
+    PROBES[sys.argv[1]]()
