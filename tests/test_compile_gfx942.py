@@ -127,7 +127,10 @@ def _problems():
                         cfg.launch_options())
     cfg = pick(MatmulArConfig, (16, 8192, 2048))
     out["matmul_ar"] = (dict(cfg.kernel_args(), M=16, N=8192, K=2048, INBOX_OFF=1 << 20,
-                             PARITY_BYTES=1 << 24, FLAGS_OFF=4096), cfg.launch_options())
+                             PARITY_BYTES=1 << 24, FLAGS_OFF=4096, PARTIALS_OFF=1 << 27,
+                             COUNTERS_OFF=1 << 28,
+                             K_SPLIT=-(-2048 // (cfg.SPLIT_K * cfg.BLOCK_K)) * cfg.BLOCK_K),
+                        cfg.launch_options())
     out["language_primitives"] = (dict(N=4096, BLOCK=1024, WORKSPACE=65536),
                                   dict(num_warps=4))
     return out

@@ -396,3 +396,22 @@ def test_moe_routing_kernels_compile(t, world):
                      dict(common, KL=8, P=programs, KLP=8, PB=16), num_warps=4, num_stages=1)
     for kern in (count, route):
         assert kern.metadata.shared <= 227 * 1024
+
+
+@pytest.mark.parametrize("tma,split_k", [(False, 4), (True, 2)])
+def test_matmul_ar_split_k_compiles(tma, split_k):
+    """matmul_ar's decode tiles split along K (32 x 4096 x 7168 at 128 columns, the
+    GPU default's pointer loads, and TMA): tensor cores, the split-K counter's
+    acq_rel GPU-scope atomic, system-scope releases for the pushes."""
+    from jaxtdist.kernels.matmul_ar import matmul_ar_kernel
+    k = _compile_native(matmul_ar_kernel, ["i32"] + ["bf16"] * 3,
+                        dict(M=32, N=4096, K=7168, INBOX_OFF=1 << 20, PARITY_BYTES=1 << 22,
+                             FLAGS_OFF=4096, PARTIALS_OFF=1 << 24, COUNTERS_OFF=1 << 26,
+                             SPLIT_K=split_k, K_SPLIT=7168 // split_k, BLOCK_M=32,
+                             BLOCK_N=128, BLOCK_K=128, GROUP_M=1, TMA=tma),
+                        num_warps=4, num_stages=4)
+    ptx = k.asm["ptx"]
+    assert "mma.sync" in ptx or "wgmma.mma_async" in ptx
+    assert ("cp.async.bulk.tensor.2d.shared" in ptx) == tma
+    assert re.search(r"atom\.global\.gpu\.acq_rel\.add|atom\.acq_rel\.gpu\.global\.add", ptx)
+    assert "release" in ptx and k.metadata.shared <= 227 * 1024

@@ -67,16 +67,20 @@ def test_matmul_ops_odd_shapes(world, op, shape, dtype):
 
 
 @pytest.mark.parametrize("world", [3, 4])
-@pytest.mark.parametrize("shape", [(4, 16, 8), (16, 32, 32), (2, 5, 3)])
-def test_matmul_ar_same_bits_on_every_rank(world, shape):
+@pytest.mark.parametrize("shape,split_k", [((4, 16, 8), 1), ((16, 32, 32), 1), ((2, 5, 3), 1),
+                                           ((3, 40, 24), 3)])
+def test_matmul_ar_same_bits_on_every_rank(world, shape, split_k):
     """Regression: matmul_ar's float32 sum had each rank add the partials in its own
     order (its own first), so from 3 ranks on the ranks' results differed in the
     last bits (up to 211 of 1024 elements at W=4), against the README's "the same
-    bits everywhere". Fixed in kernels/matmul_ar.py: rank order on every rank."""
+    bits everywhere". Fixed in kernels/matmul_ar.py: rank order on every rank. With
+    K split, each rank's partial is summed in split order before the push."""
     mesh = setup(world)
     m, k, n = shape
     x, w = rand((m, world * k)), rand((world * k, n))
-    f = _sm(mesh, lambda a, b: td.matmul_ar(a, b, "tp")[None], (COLS, ROWS), P("tp"))
+    cfg = dict(SPLIT_K=split_k, BLOCK_K=16) if split_k > 1 else None
+    f = _sm(mesh, lambda a, b: td.matmul_ar(a, b, "tp", config=cfg)[None], (COLS, ROWS),
+            P("tp"))
     out = np.asarray(f(place(mesh, x, COLS), place(mesh, w, ROWS)))
     for r in range(1, world):
         np.testing.assert_array_equal(out[r], out[0], err_msg=f"rank {r} differs from rank 0")

@@ -84,6 +84,28 @@ def test_matmul_ar(world, dtype, m, n, k):
         _check(f, mesh, m, n, world * k, dtype)
 
 
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_matmul_ar_split_k(world, split_k):
+    """SPLIT_K programs per tile, K per rank 70 (5 blocks of 16; split in whole blocks:
+    48 + 22 at SPLIT_K=2, 32 + 32 + 6 at 3); two calls in one jit, run twice: the
+    arrival counters only grow, nothing is reset."""
+    m, n, k = 5, 40, 70
+    mesh = setup(world)
+    cfg = dict(SPLIT_K=split_k, BLOCK_K=16)
+
+    def two(x, w):
+        return jnp.stack([matmul_ar_kernels(x, w, "tp", config=cfg),
+                          matmul_ar_kernels(2.0 * x, w, "tp", config=cfg)])
+
+    f = jax.jit(jax.shard_map(two, mesh=mesh, in_specs=(X_SPEC, W_SPEC), out_specs=P()))
+    for _ in range(2):
+        x, w = rand((m, world * k)), rand((world * k, n))
+        out = f(place(mesh, x, X_SPEC), place(mesh, w, W_SPEC))
+        y = f64(x) @ f64(w)
+        assert rel_err(out[0], y) < 1e-5 and rel_err(out[1], 2.0 * y) < 1e-5
+
+
 def test_over_tp_of_a_dp_tp_mesh():
     """A (2, 2) dp x tp mesh, the collectives over "tp": each dp group sums its own
     partials (dp groups hold different rows and weights)."""
@@ -267,6 +289,10 @@ def test_errors():
             make(mesh, dict(BLOCK_N=24))(x, w)
         with pytest.raises(ValueError, match=r"BLOCK_K=8 must be a power of 2 >= 16"):
             make(mesh, dict(BLOCK_K=8))(x, w)
+    with pytest.raises(ValueError, match="SPLIT_K=0 must be an int >= 1"):
+        _ar_fn(mesh, dict(SPLIT_K=0))(x, w)
+    with pytest.raises(ValueError, match=r"SPLIT_K=2 exceeds the 1 blocks of K=2 \(BLOCK_K=32\)"):
+        _ar_fn(mesh, dict(SPLIT_K=2))(x, w)
     with pytest.raises(ValueError, match="PARTIAL='bf16' must be one of"):
         _rs_fn(mesh, dict(PARTIAL="bf16"))(x, w)
     with pytest.raises(ValueError, match="NUM_PROGRAMS=-1 must be an int >= 0"):
@@ -300,6 +326,11 @@ def test_gpu_defaults_and_search_spaces_validate(world):
     # are 7.8 rounds of 132 SMs), the pointer GEMM where it cannot (rows of 33 bf16).
     big = MatmulRsConfig.default(Problem("gpu", 4, (8192, 4096, 3072), "bfloat16", 132))
     assert (big.BLOCK_M, big.BLOCK_N, big.TMA, big.SUBTILE) == (128, 256, True, 4)
+    # Decode rows: pointer loads, 128 columns a tile and K split to cover the SMs.
+    for shape, block_n, split_k in (((32, 4096, 7168), 128, 4), ((1, 8192, 3584), 128, 2),
+                                    ((1, 1024, 1024), 32, 1)):
+        ar = MatmulArConfig.default(Problem("gpu", 1, shape, "bfloat16", 132))
+        assert (ar.TMA, ar.BLOCK_N, ar.SPLIT_K) == (False, block_n, split_k), ar
     odd = MatmulRsConfig.default(Problem("gpu", 4, (40, 33, 7), "bfloat16", 132))
     assert not odd.TMA
     p = Problem("gpu", 4, (40, 33, 7), "bfloat16", 132)

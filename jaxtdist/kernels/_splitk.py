@@ -3,8 +3,10 @@
 Split K (``finish_split_k``): K is cut into SPLIT_K ranges. Each program
 stores its float32 partial tile into its own plane of a heap workspace
 ([SPLIT_K, rows, N]), then counts itself in on the tile's counter. The last
-of the SPLIT_K programs to arrive adds the other planes to its own
-accumulator and writes the output.
+of the SPLIT_K programs to arrive sums the planes in split order 0, 1, ...,
+SPLIT_K - 1 (``split_k_total``: the same additions, so the same bits,
+whichever program arrives last) and writes the output, or, in matmul_ar,
+goes on to push the tile's sum to the peers.
 
 Stream-K tail (``finish_stream_k``): the last partial wave of a persistent
 GEMM is cut into equal runs of K blocks, one per program, so that a tile may
@@ -41,21 +43,40 @@ def _arrive_last(counter, parts):
 
 
 @triton.jit
-def finish_split_k(acc, split, out_ptrs, partials, plane_offs, mask, counter,
-                   plane, SPLIT_K: tl.constexpr):
-    """Combines SPLIT_K partial tiles of one output tile; the last arrival stores it.
+def split_k_total(acc, split, partials, plane_offs, mask, counter, plane,
+                  SPLIT_K: tl.constexpr):
+    """Stores this program's partial tile ``acc`` (split ``split`` of SPLIT_K) and
+    counts it in; returns (last, total): whether this program arrived last of
+    the tile's SPLIT_K, and then the float32 sum of the tile's partials (else
+    ``acc``).
 
     ``partials`` is the float32 workspace base, ``plane_offs`` the tile's
     offsets within one plane of ``plane`` elements, ``counter`` the tile's int32
-    arrival counter.
+    arrival counter. The planes are added in split order 0, 1, ..., SPLIT_K - 1
+    with this program's own in its place: starting from the own accumulator
+    would make the rounding depend on which program arrives last.
     """
     tl.store(partials + split * plane + plane_offs, acc, mask=mask)
-    if _arrive_last(counter, SPLIT_K):
-        total = acc
+    last = _arrive_last(counter, SPLIT_K)
+    total = acc
+    if last:
+        total = tl.zeros_like(acc)
         for other in range(0, SPLIT_K):
             # .cg: read the other programs' partials from L2, not a stale L1.
-            total += tl.load(partials + other * plane + plane_offs,
-                             mask=mask & (other != split), other=0.0, cache_modifier=".cg")
+            part = tl.load(partials + other * plane + plane_offs,
+                           mask=mask & (other != split), other=0.0, cache_modifier=".cg")
+            total += tl.where(other == split, acc, part)
+    return last, total
+
+
+@triton.jit
+def finish_split_k(acc, split, out_ptrs, partials, plane_offs, mask, counter,
+                   plane, SPLIT_K: tl.constexpr):
+    """Combines SPLIT_K partial tiles of one output tile (``split_k_total``); the
+    last arrival stores it."""
+    last, total = split_k_total(acc, split, partials, plane_offs, mask, counter, plane,
+                                SPLIT_K)
+    if last:
         tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=mask)
 
 

@@ -21,7 +21,7 @@ from jaxtdist.kernels.matmul_rs import matmul_rs_kernel
 from jaxtdist.ops._config import KernelConfig, Problem, check_blocks, resolve
 from jaxtdist.ops._gemm_config import default_tiles, tma_fits
 from jaxtdist.ops._protocol import Call, check_axis
-from jaxtdist.ops._shapes import align, check_dtype, next_pow2
+from jaxtdist.ops._shapes import SplitKWorkspace, align, check_dtype, next_pow2
 from jaxtdist.runtime._runtime import runtime
 
 __all__ = ["MatmulArConfig", "MatmulRsConfig", "PartialsWorkspace", "matmul_ar_kernels",
@@ -34,6 +34,11 @@ _PARTIALS = ("float32", "input")
 _RS_TILES = ((128, 128), (128, 64), (64, 64))
 _AR_BLOCK_N = (128, 64, 32)
 _AR_COVER = 0.9
+# matmul_ar's K splits, and the least K a split keeps (8 steps of 128: the
+# pipeline's prologue and the partial's round trip through the workspace stay
+# small against the split's own loads of w).
+_AR_SPLITS = (1, 2, 4, 8)
+_AR_MIN_K_SPLIT = 1024
 
 
 # -- configs ---------------------------------------------------------------------
@@ -180,6 +185,8 @@ class MatmulArConfig(KernelConfig):
       GROUP_M: row tiles per group of the tile order.
       TMA: load the operands with TMA (the GEMM core's mainloop; rows of x and w
         16-byte multiples), else with pointer loads.
+      SPLIT_K: programs per output tile, each over its own range of K (at most
+        the K blocks; their float32 partials meet in a local workspace first).
       num_warps, num_stages: launch options.
     """
     OP: ClassVar[str] = "matmul_ar"
@@ -190,15 +197,16 @@ class MatmulArConfig(KernelConfig):
     BLOCK_K: int = 128
     GROUP_M: int = 1
     TMA: bool = True
+    SPLIT_K: int = 1
     num_warps: int = 4
     num_stages: int = 4
     SUBTILE: ClassVar[int] = 1  # the output is stored with the pushes' pointers
 
     @classmethod
     def default(cls, problem: Problem) -> "MatmulArConfig":
-        """One rule: all rows in one tile up to 64 rows; the widest N tile whose
-        count still covers nearly every SM (decode reads w once, spread over the
-        SMs)."""
+        """One rule: all rows in one tile up to 64 rows; below 64 rows (decode), pointer
+        loads and the widest N tile whose count, times a K split, still covers nearly
+        every SM (decode reads w once, spread over the SMs)."""
         m, n, k = problem.shape
         fit_m = max(16, next_pow2(m))
         tma = tma_fits(k, n, problem.itemsize)
@@ -212,28 +220,48 @@ class MatmulArConfig(KernelConfig):
             # 0.63x jnp.dot at 128 x 8192 x 2048 against 1.02x with 64 x 64 tiles).
             return cls(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8 if block_m < m else 1,
                        TMA=tma, num_warps=4, num_stages=5)
-        # The widest N tile whose count covers nearly every SM: at 1 x 8192 x 3584 on
-        # 1 x H100, 128 tiles of 64 columns (4 SMs idle) ran 1.07x jnp.dot against
-        # 1.22x for 256 tiles of 32 (each program's loads too narrow to stream w).
+        # Decode rows, on 1 x H200 at 32 x 4096 x 7168 (jnp.dot 19.0 us, itself split
+        # K): 128 tiles of 32 columns ran 24.4 us with TMA, 22.4 with pointer loads
+        # (a tiny kernel pays for building descriptors on the device), and tiles of
+        # 32 columns load w too narrowly to stream it (on 1 x H100 at 1 x 8192 x 3584,
+        # 64 columns ran 1.07x jnp.dot, 32 columns 1.22x). So pointer loads, and the
+        # widest N tile whose count times a K split (each split >= 1024 of K) covers
+        # nearly every SM: there 32 tiles of 128 columns x 4 splits, at 1 x 8192 x
+        # 3584 64 tiles x 2 splits; narrower tiles only where K is too short to split.
+        m_tiles = -(-m // block_m)
+        splits = [s for s in _AR_SPLITS if s == 1 or k // s >= _AR_MIN_K_SPLIT]
         for block_n in _AR_BLOCK_N:
-            if -(-m // block_m) * -(-n // block_n) >= _AR_COVER * problem.sms:
+            tiles = m_tiles * -(-n // block_n)
+            split_k = next((s for s in splits if tiles * s >= _AR_COVER * problem.sms),
+                           splits[-1])
+            if tiles * split_k >= _AR_COVER * problem.sms:
                 break
         return cls(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64 if wide else 128,
-                   GROUP_M=8 if block_m < m else 1, TMA=tma, num_warps=4,
+                   GROUP_M=8 if block_m < m else 1, TMA=False, SPLIT_K=split_k, num_warps=4,
                    num_stages=3 if wide else 4)
 
     def validate(self, problem: Problem) -> None:
-        check_blocks(self.OP, self, ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps",
-                                      "num_stages"))
+        check_blocks(self.OP, self, ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K",
+                                      "num_warps", "num_stages"))
+        k_blocks = -(-problem.shape[2] // self.BLOCK_K)
+        if self.SPLIT_K > k_blocks:
+            raise ValueError(f"jaxtdist.matmul_ar: config SPLIT_K={self.SPLIT_K} exceeds the "
+                             f"{k_blocks} blocks of K={problem.shape[2]} "
+                             f"(BLOCK_K={self.BLOCK_K})")
         _check_core(self, problem)
 
     @classmethod
     def search_space(cls, problem: Problem) -> list[dict]:
         if problem.platform != "gpu":
-            return cls.fitting(problem, [{}, dict(BLOCK_N=16), dict(BLOCK_K=16)])
-        return cls.fitting(problem, [{}] + [
-            dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w)
-            for bn in (32, 64, 128) for bk in (64, 128, 256) for w in (4, 8)])
+            return cls.fitting(problem, [{}, dict(BLOCK_N=16), dict(BLOCK_K=16),
+                                           dict(SPLIT_K=2), dict(TMA=False)])
+        tiles = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w)
+                 for bn in (32, 64, 128) for bk in (64, 128, 256) for w in (4, 8)]
+        # Loads and K splits: the decode rows' open questions (TMA against pointer
+        # loads, wide N tiles split along K against narrow ones).
+        splits = [dict(TMA=tma, BLOCK_N=bn, SPLIT_K=s)
+                  for tma in (False, True) for bn in (64, 128) for s in (1, 2, 4, 8)]
+        return cls.fitting(problem, [{}] + tiles + splits)
 
 
 class PartialsWorkspace:
@@ -337,12 +365,25 @@ def matmul_ar_kernels(x: jax.Array, w: jax.Array, axis_name, *,
     tiles = -(-m // cfg.BLOCK_M) * -(-n // cfg.BLOCK_N)
     plan = PartialsWorkspace(world, m * n, tiles, 4)
     ws = call.workspace("inbox", plan.nbytes, m, n, cfg.BLOCK_M, cfg.BLOCK_N)
+    split_k = cfg.SPLIT_K
+    k_split = -(-k // (split_k * cfg.BLOCK_K)) * cfg.BLOCK_K  # whole K blocks per split
+    partials_off = counters_off = -1
+    if split_k > 1:
+        # The counters count SPLIT_K arrivals per tile and call: calls of another
+        # split or tiling get their own.
+        split_plan = SplitKWorkspace(split_k, m, n, tiles)
+        split_ws = call.workspace("split_k", split_plan.nbytes, m, n, split_k, cfg.BLOCK_M,
+                                  cfg.BLOCK_N)
+        partials_off = split_ws.offset + split_plan.partials
+        counters_off = split_ws.offset + split_plan.counters
     # The same sum on every rank of the group: like psum, it does not vary over
     # the group's axes.
     return call.run(
         matmul_ar_kernel, x, w, workspace=ws, out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
         needs_scratch=cfg.TMA,
-        grid=(tiles,), varying=call.result_axes(reduced=(x, w)), **cfg.launch_options(),
-        M=m, N=n, K=k, INBOX_OFF=ws.offset + plan.inbox, PARITY_BYTES=plan.parity_bytes,
-        FLAGS_OFF=ws.offset + plan.flags, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
-        BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, TMA=cfg.TMA)
+        grid=(split_k * tiles,), varying=call.result_axes(reduced=(x, w)),
+        **cfg.launch_options(), M=m, N=n, K=k, INBOX_OFF=ws.offset + plan.inbox,
+        PARITY_BYTES=plan.parity_bytes, FLAGS_OFF=ws.offset + plan.flags,
+        PARTIALS_OFF=partials_off, COUNTERS_OFF=counters_off, SPLIT_K=split_k,
+        K_SPLIT=k_split, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+        GROUP_M=cfg.GROUP_M, TMA=cfg.TMA)

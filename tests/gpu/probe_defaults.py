@@ -130,9 +130,18 @@ def probe_flash_decode() -> None:
         _report(f"S={s}", h.interleaved(contenders, 20, 4), "xla")
 
 
+def _ar_decode(block_n: int, split_k: int, tma: bool = False, **more) -> dict:
+    """{name: config} of a matmul_ar decode variant: loads (TMA or pointer), N tile,
+    K split, and any other overrides (named after their values)."""
+    short = {"BLOCK_K": "k", "num_warps": "w", "num_stages": "st"}
+    name = f"{'tma' if tma else 'ptr'}_n{block_n}s{split_k}" + "".join(
+        f"_{short[key]}{value}" for key, value in more.items())
+    return {name: dict(TMA=tma, BLOCK_N=block_n, SPLIT_K=split_k, **more)}
+
+
 def probe_gemm() -> None:
     """The GEMM core's slowest shapes at world 1 against jnp.dot: tiles, K steps,
-    pointer loads (the ops' configs)."""
+    pointer loads, matmul_ar's K splits (the ops' configs)."""
     from jaxtdist.bench.gemm import _SPECS, _kernel_fn, _tile
 
     mesh = _mesh(1, "tp")
@@ -145,9 +154,21 @@ def probe_gemm() -> None:
             "m64n64k128": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_stages=4),
             "m64n128k256": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=256, num_stages=2),
             "pointer": dict(TMA=False)},
-        ("matmul_ar", 32, 4096, 7168): {"pointer": dict(TMA=False),
-                                        "n32k256": dict(BLOCK_N=32, BLOCK_K=256,
-                                                        num_stages=3)},
+        # Decode rows (issue 32): the default is now pointer loads with wide N tiles
+        # split along K (n128s4 here, n128s2 at 1 x 8192 x 3584); against the old
+        # default (TMA, 32 / 64 columns, no split) and the neighbours of the new one.
+        ("matmul_ar", 32, 4096, 7168): dict(
+            _ar_decode(32, 1, tma=True), **_ar_decode(32, 1), **_ar_decode(64, 2),
+            **_ar_decode(64, 4), **_ar_decode(128, 2), **_ar_decode(128, 4, num_warps=8),
+            **_ar_decode(128, 8), **_ar_decode(128, 4, tma=True),
+            **_ar_decode(128, 4, BLOCK_K=64, num_stages=6)),
+        ("matmul_ar", 1, 8192, 3584): dict(
+            _ar_decode(64, 1, tma=True), **_ar_decode(64, 1), **_ar_decode(64, 2),
+            **_ar_decode(128, 1), **_ar_decode(128, 4), **_ar_decode(128, 2, num_warps=8),
+            **_ar_decode(128, 2, tma=True)),
+        # The 64-row path keeps TMA (0.74x jnp.dot on 1 x H200); pointer loads won at
+        # 256 x 4096 x 512 above: does that carry over?
+        ("matmul_ar", 128, 8192, 2048): {"pointer": dict(TMA=False)},
         ("ag_matmul", 512, 3584, 4096): {
             "stream_k": dict(STREAM_K=True), "t64x256": _tile(64, 256),
             "t128x128s5": _tile(128, 128, stages=5), "t64x128": _tile(64, 128)},
