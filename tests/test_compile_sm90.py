@@ -333,7 +333,7 @@ def test_moe_kernels_compile(dtype):
                  dict(T=t, H=h, K=k, E_LOC=e_loc, KL=kl, R=world * t * kl, W=world,
                       P=programs, TP=1, FLAGS_OFF=0, HDR_OFF=4096, META_OFF=1 << 16,
                       ROWS_OFF=1 << 20, PARITY_BYTES=1 << 24, HDR_WORDS=e_loc + 2 * programs + 1,
-                      META_WORDS=meta_words, SCALED=False, WP=4, EP=64, MP=64,
+                      META_WORDS=meta_words, SCALED=False, WP=4, EP=64, MP=64, KLP=8,
                       BLOCK_H=block, SPLIT=7168 if dtype == "u8" else 0),
                  num_warps=4, num_stages=1)
     y_dtype = "bf16" if dtype == "u8" else dtype  # the experts' output: bf16 after fp8
@@ -342,7 +342,7 @@ def test_moe_kernels_compile(dtype):
                   "g_ptr": f"*{y_dtype}", "spos_ptr": i32, "stk_ptr": i32, "sranges_ptr": i32,
                   "out_ptr": f"*{y_dtype}", "dots_ptr": "*fp32"},
                  dict(T=t, F=h, K=k, KL=kl, W=world, P=programs, TP=1, FLAGS_OFF=0,
-                      INBOX_OFF=4096, PARITY_BYTES=1 << 24, DOTS=False,
+                      INBOX_OFF=4096, PARITY_BYTES=1 << 24, DOTS=False, KP=8, KLP=8,
                       BLOCK_F=_moe_block(h, 2)),
                  num_warps=4, num_stages=1)
     for k_ in (d, c):
@@ -393,7 +393,7 @@ def test_moe_routing_kernels_compile(t, world):
                      {"ctx": i32, "ids_ptr": i32, "scale_ptr": "*fp32", "hist_ptr": i32,
                       "slot_ptr": i32, "meta_ptr": i32, "dcounts_ptr": i32, "bounds_ptr": i32,
                       "invalid_ptr": i32},
-                     dict(common, KL=8, P=programs, KLP=8, PB=16), num_warps=4, num_stages=1)
+                     dict(common, KL=8, P=programs, KLP=8, PB=64), num_warps=8, num_stages=1)
     for kern in (count, route):
         assert kern.metadata.shared <= 227 * 1024
 

@@ -334,7 +334,7 @@ def test_moe_benchmark_runs_and_tabulates(faked_timing, world):
     for header in ("dispatch: jaxtdist", "dispatch: all_to_all", "dispatch: ragged_all_to_all",
                    "dispatch: jaxtdist / a2a", "dispatch: jaxtdist / ragged",
                    "jaxtdist dispatch GB/s", "d + c: jaxtdist", "d + c: jaxtdist / a2a",
-                   "dispatch: jaxtdist, routing kernels", "rel err: a2a", "rel err: ragged",
+                   "dispatch: jaxtdist, routing by XLA", "rel err: a2a", "rel err: ragged",
                    "dispatch: jaxtdist fp8 (MB/rank)", "fp8 / bf16", "exact fp8 recv"):
         assert f"| {header} |" in lines[2], header
     assert " | 1.00 | " in lines[4]  # jaxtdist / a2a on equal faked times

@@ -147,7 +147,7 @@ EP_SPEC = P("ep")
 # The plot's series at world W (the Benchmark's own are world 1's).
 EP_SERIES = ("jaxtdist_layer", "all_to_all_layer", "ragged_layer", "jaxtdist_dispatch",
              "all_to_all_dispatch", "ragged_dispatch", "jaxtdist_fp8_dispatch",
-             "jaxtdist_dispatch_routing_kernels")
+             "jaxtdist_dispatch_routing_xla")
 
 
 def fp8_tokens(x: np.ndarray, blocks: int | None = None,
@@ -303,10 +303,10 @@ def bench_moe_ep(shapes, iterations: int, world: int, rounds: int = 4, dtype=jnp
                 x, ids, w, "ep", world=world, num_experts=e, combine=False),
             ragged_layer=lambda x, ids, w, e=e: ragged_moe(
                 x, ids, w, "ep", world=world, num_experts=e))
-        # The routing metadata by jaxtdist's kernels instead of XLA's (config ROUTING).
-        bodies["jaxtdist_dispatch_routing_kernels"] = (
+        # The routing metadata by XLA instead of jaxtdist's kernels (config ROUTING).
+        bodies["jaxtdist_dispatch_routing_xla"] = (
             lambda x, ids, w, e=e: td.moe_dispatch(x, ids, "ep", num_experts=e,
-                                                   config=dict(ROUTING="kernels"))[0])
+                                                   config=dict(ROUTING="xla"))[0])
         fns = {name: jax.jit(jax.shard_map(body, **specs)) for name, body in bodies.items()}
         # fp8 dispatch: the same routing, fp8 tokens with float32 scales per 128 columns.
         fns["jaxtdist_fp8_dispatch"] = jax.jit(jax.shard_map(
@@ -348,8 +348,8 @@ def bench_moe_ep(shapes, iterations: int, world: int, rounds: int = 4, dtype=jnp
             jaxtdist_dispatch=h.Contender(fns["jaxtdist_dispatch"], args, world, recv_ref,
                                           exact=True),
             jaxtdist_fp8_dispatch=h.Contender(fns["jaxtdist_fp8_dispatch"], fp8_args, world),
-            jaxtdist_dispatch_routing_kernels=h.Contender(
-                fns["jaxtdist_dispatch_routing_kernels"], args, world, recv_ref, exact=True),
+            jaxtdist_dispatch_routing_xla=h.Contender(
+                fns["jaxtdist_dispatch_routing_xla"], args, world, recv_ref, exact=True),
             all_to_all_dispatch=h.Contender(fns["all_to_all_dispatch"], args, world),
             ragged_dispatch=h.Contender(fns["ragged_dispatch"], args, world),
             jaxtdist_layer=h.Contender(fns["jaxtdist_layer"], args, world, ref),
@@ -402,8 +402,8 @@ EP_COLUMNS = [
     h.Column("MB/rank: (t, k) pairs, a2a dense", lambda r: f"{_mb(r['pair_bytes_per_rank'])}, "
                                                            f"{_mb(r['all_to_all_bytes_per_rank'])}"),
     *_versus_xla("dispatch", "dispatch", extra=[
-        h.Column("dispatch: jaxtdist, routing kernels",
-                 lambda r: h.us(r.get("jaxtdist_dispatch_routing_kernels")))]),
+        h.Column("dispatch: jaxtdist, routing by XLA",
+                 lambda r: h.us(r.get("jaxtdist_dispatch_routing_xla")))]),
     h.Column("jaxtdist dispatch GB/s", _gbps),
     h.Column("dispatch: jaxtdist fp8 (MB/rank)",
              lambda r: f"{h.us(r.get('jaxtdist_fp8_dispatch'))} "

@@ -75,6 +75,24 @@ def _store_row(recv_ptr, tail_ptr, r, cols, v, hm, H: tl.constexpr, SPLIT: tl.co
 
 
 @triton.jit
+def _scatter_chunk(recv_ptr, tail_ptr, v, cols, hm, dsts, keeps, scales, offs_kl,
+                   KL: tl.constexpr, H: tl.constexpr, SPLIT: tl.constexpr,
+                   SCALED: tl.constexpr):
+    """Stores one chunk ``v`` (columns ``cols``) of a received row at each of its
+    local experts' recv rows ``dsts`` (where ``keeps``); all from registers, so
+    the KL stores go out back to back."""
+    for kk in range(0, KL):
+        if _pick(keeps, offs_kl, kk) != 0:
+            dst = _pick(dsts, offs_kl, kk)
+            if SCALED:
+                out = (v.to(tl.float32) * _pick(scales, offs_kl, kk)).to(
+                    recv_ptr.dtype.element_ty)
+            else:
+                out = v
+            _store_row(recv_ptr, tail_ptr, dst, cols, out, hm, H, SPLIT)
+
+
+@triton.jit
 def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
                         recv_ptr, rcounts_ptr, spos_ptr, stk_ptr, sranges_ptr, tail_ptr,
                         T: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
@@ -85,7 +103,7 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
                         PARITY_BYTES: tl.constexpr, HDR_WORDS: tl.constexpr,
                         META_WORDS: tl.constexpr, SCALED: tl.constexpr,
                         WP: tl.constexpr, EP: tl.constexpr, MP: tl.constexpr,
-                        BLOCK_H: tl.constexpr, SPLIT: tl.constexpr = 0):
+                        KLP: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT: tl.constexpr = 0):
     """Grid: (P,), at most one program per SM on GPUs (programs wait on peers').
 
     Inputs: x [T, H]; slot [T, W] int32 (slot of token t in rank d's inbox, -1:
@@ -96,7 +114,8 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
     row and t * K + k of inbox row (s, i), local expert kk; -1: none or
     dropped); sranges [W, P, 2] int32 (slot range of each source's program).
     SPLIT > 0: recv is [R, SPLIT] and tail [R, H - SPLIT] holds the rest of each
-    row (``_store_row``); else tail is unused.
+    row (``_store_row``); else tail is unused. WP, EP, MP, KLP: W, E_LOC,
+    META_WORDS and KL rounded up to powers of 2 (vector widths).
     """
     pid = tl.program_id(0)
     me = dl.rank(ctx)
@@ -109,41 +128,55 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
     offs_h = tl.arange(0, BLOCK_H)
     offs_m = tl.arange(0, MP)
     offs_e = tl.arange(0, EP)
+    offs_kl = tl.arange(0, KLP)
+    kl_m = offs_kl < KL
 
-    # 1. Push this program's tokens, each row once per destination rank.
+    # 1. Push this program's tokens, each row once per destination rank. The
+    # token's slots and meta rows are loaded as blocks up front, beside the row:
+    # one memory latency for all of them, not one per destination.
+    offs_w = tl.arange(0, WP)
+    wm = offs_w < W
+    mm = wm[:, None] & (offs_m[None, :] < META_WORDS)
+    # The header's words per destination, loaded now: their latency hides behind the rows'.
+    em = offs_e < E_LOC
+    dcounts = tl.load(dcounts_ptr + offs_w[:, None] * E_LOC + offs_e[None, :],
+                      mask=wm[:, None] & em[None, :], other=0)
+    bounds = bounds_ptr + offs_w * (P + 1)
+    los = tl.load(bounds + pid, mask=wm, other=0)
+    his = tl.load(bounds + pid + 1, mask=wm, other=0)
+    totals = tl.load(bounds + P, mask=wm, other=0)
     t_lo = pid * TP
     t_hi = tl.minimum(t_lo + TP, T)
     for t in range(t_lo, t_hi):
+        slots = tl.load(slot_ptr + t * W + offs_w, mask=wm, other=-1)
+        metas = tl.load(meta_ptr + (t * W + offs_w[:, None]) * META_WORDS + offs_m[None, :],
+                        mask=mm, other=0)
         for c in range(0, H, BLOCK_H):
             hm = c + offs_h < H
             v = tl.load(x_ptr + t * H + c + offs_h, mask=hm)
             for step in range(0, W):
                 d = (me + step) % W
-                s = tl.load(slot_ptr + t * W + d)
+                s = _pick(slots, offs_w, d)
                 if s >= 0:
                     dst = rows + (me * T + s) * H + c + offs_h
                     tl.store(dl.symm_at(ctx, dst, d), v, mask=hm)
         for step in range(0, W):
             d = (me + step) % W
-            s = tl.load(slot_ptr + t * W + d)
+            s = _pick(slots, offs_w, d)
             if s >= 0:
-                mm = offs_m < META_WORDS
-                m = tl.load(meta_ptr + (t * W + d) * META_WORDS + offs_m, mask=mm)
+                m = tl.sum(tl.where(offs_w[:, None] == d, metas, 0), axis=0)
                 dst = meta + (me * T + s) * META_WORDS + offs_m
-                tl.store(dl.symm_at(ctx, dst, d), m, mask=mm)
+                tl.store(dl.symm_at(ctx, dst, d), m, mask=offs_m < META_WORDS)
+    h = hdr + me * HDR_WORDS
     for step in range(0, W):
         d = (me + step) % W
-        h = hdr + me * HDR_WORDS
-        em = offs_e < E_LOC
-        cnt = tl.load(dcounts_ptr + d * E_LOC + offs_e, mask=em)
+        cnt = tl.sum(tl.where(offs_w[:, None] == d, dcounts, 0), axis=0)
         tl.store(dl.symm_at(ctx, h + offs_e, d), cnt, mask=em)  # same values from every program
-        lo = tl.load(bounds_ptr + d * (P + 1) + pid)
-        hi = tl.load(bounds_ptr + d * (P + 1) + pid + 1)
-        tl.store(dl.symm_at(ctx, h + E_LOC + 2 * pid, d), lo)
-        tl.store(dl.symm_at(ctx, h + E_LOC + 2 * pid + 1, d), hi)
+        tl.store(dl.symm_at(ctx, h + E_LOC + 2 * pid, d), _pick(los, offs_w, d))
+        tl.store(dl.symm_at(ctx, h + E_LOC + 2 * pid + 1, d), _pick(his, offs_w, d))
         # The total too (from every program): a receiver's program p may read
         # only what program p of this rank wrote (the flag it waited for).
-        tl.store(dl.symm_at(ctx, h + E_LOC + 2 * P, d), tl.load(bounds_ptr + d * (P + 1) + P))
+        tl.store(dl.symm_at(ctx, h + E_LOC + 2 * P, d), _pick(totals, offs_w, d))
         dl.notify(ctx, flags + me * P + pid, d, e)  # release: rows, meta, header first
 
     # 2. Receive: every source's program pid has pushed.
@@ -165,45 +198,52 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
     total = tl.sum(tot, axis=0)
     if pid == 0:
         tl.store(rcounts_ptr + ws * E_LOC + js, cnt, mask=(ws < W) & (js < E_LOC))
+    # Every source's slot range for this program and slot total, loaded together
+    # with the counts (one latency, not one per source).
+    ranges = hdr + offs_w * HDR_WORDS + E_LOC
+    los = tl.load(ranges + 2 * pid, mask=wm, other=0)
+    his = tl.load(ranges + 2 * pid + 1, mask=wm, other=0)
+    used = tl.load(ranges + 2 * P, mask=wm, other=0)
+    tl.store(sranges_ptr + (offs_w * P + pid) * 2, los, mask=wm)
+    tl.store(sranges_ptr + (offs_w * P + pid) * 2 + 1, his, mask=wm)
     for s in range(0, W):
         base_s = tl.sum(tl.where(ws == s, base, 0), axis=0)
-        h = hdr + s * HDR_WORDS + E_LOC
-        lo = tl.load(h + 2 * pid)
-        hi = tl.load(h + 2 * pid + 1)
-        tl.store(sranges_ptr + (s * P + pid) * 2, lo)
-        tl.store(sranges_ptr + (s * P + pid) * 2 + 1, hi)
+        lo = _pick(los, offs_w, s)
+        hi = _pick(his, offs_w, s)
         for i in range(lo, hi):
+            # The row's first chunk is loaded before the meta words (it does not
+            # depend on them), and the meta words as vectors: the row's copies
+            # then wait for one memory latency, not one per local expert.
+            row = rows + (s * T + i) * H
+            v = tl.load(row + offs_h, mask=offs_h < H)
             mrow = meta + (s * T + i) * META_WORDS
             t = tl.load(mrow)
-            for kk in range(0, KL):
-                j = tl.load(mrow + 1 + 4 * kk)
-                pos = tl.load(mrow + 2 + 4 * kk)
-                k = tl.load(mrow + 3 + 4 * kk)
-                dst = _pick(base_s, offs_e, j) + pos
-                keep = (j >= 0) & (dst < R)
-                tl.store(spos_ptr + (s * T + i) * KL + kk, tl.where(keep, dst, -1))
-                tl.store(stk_ptr + (s * T + i) * KL + kk, tl.where(j >= 0, t * K + k, -1))
-            for c in range(0, H, BLOCK_H):
+            experts = tl.load(mrow + 1 + 4 * offs_kl, mask=kl_m, other=-1)
+            poss = tl.load(mrow + 2 + 4 * offs_kl, mask=kl_m, other=0)
+            ks = tl.load(mrow + 3 + 4 * offs_kl, mask=kl_m, other=0)
+            scales = tl.zeros((KLP,), tl.float32)
+            if SCALED:
+                scales = tl.load(mrow + 4 + 4 * offs_kl, mask=kl_m, other=0).to(
+                    tl.float32, bitcast=True)
+            # recv row of each local expert: its first row plus the position.
+            dsts = tl.sum(tl.where(offs_e[None, :] == experts[:, None], base_s[None, :], 0),
+                          axis=1) + poss
+            keeps = ((experts >= 0) & (dsts < R)).to(tl.int32)
+            out = (s * T + i) * KL + offs_kl
+            tl.store(spos_ptr + out, tl.where(keeps != 0, dsts, -1), mask=kl_m)
+            tl.store(stk_ptr + out, tl.where(experts >= 0, t * K + ks, -1), mask=kl_m)
+            _scatter_chunk(recv_ptr, tail_ptr, v, offs_h, offs_h < H, dsts, keeps, scales,
+                           offs_kl, KL, H, SPLIT, SCALED)
+            for c in range(BLOCK_H, H, BLOCK_H):
                 hm = c + offs_h < H
-                v = tl.load(rows + (s * T + i) * H + c + offs_h, mask=hm)
-                for kk in range(0, KL):
-                    # From the meta row again (not spos: a scalar this program stored,
-                    # which other threads of the program need not see yet).
-                    j = tl.load(mrow + 1 + 4 * kk)
-                    dst = _pick(base_s, offs_e, j) + tl.load(mrow + 2 + 4 * kk)
-                    if (j >= 0) & (dst < R):
-                        if SCALED:
-                            scale = tl.load(mrow + 4 + 4 * kk).to(tl.float32, bitcast=True)
-                            out = (v.to(tl.float32) * scale).to(recv_ptr.dtype.element_ty)
-                        else:
-                            out = v
-                        _store_row(recv_ptr, tail_ptr, dst, c + offs_h, out, hm, H, SPLIT)
+                v = tl.load(row + c + offs_h, mask=hm)
+                _scatter_chunk(recv_ptr, tail_ptr, v, c + offs_h, hm, dsts, keeps, scales,
+                               offs_kl, KL, H, SPLIT, SCALED)
         # Slots nobody uses: their records say "nothing here" (outputs fully written).
-        n_s = tl.load(h + 2 * P)
-        for i in range(n_s + pid, T, P):
-            for kk in range(0, KL):
-                tl.store(spos_ptr + (s * T + i) * KL + kk, -1)
-                tl.store(stk_ptr + (s * T + i) * KL + kk, -1)
+        for i in range(_pick(used, offs_w, s) + pid, T, P):
+            none = tl.full((KLP,), -1, tl.int32)
+            tl.store(spos_ptr + (s * T + i) * KL + offs_kl, none, mask=kl_m)
+            tl.store(stk_ptr + (s * T + i) * KL + offs_kl, none, mask=kl_m)
     # Rows past the received ones are zero (fully written output).
     for r in range(tl.minimum(total, R) + pid, R, P):
         for c in range(0, H, BLOCK_H):
@@ -218,34 +258,46 @@ def moe_combine_kernel(ctx, y_ptr, w_ptr, kmask_ptr, g_ptr, spos_ptr, stk_ptr, s
                        KL: tl.constexpr, W: tl.constexpr, P: tl.constexpr, TP: tl.constexpr,
                        FLAGS_OFF: tl.constexpr, INBOX_OFF: tl.constexpr,
                        PARITY_BYTES: tl.constexpr, DOTS: tl.constexpr,
-                       BLOCK_F: tl.constexpr):
+                       KP: tl.constexpr, KLP: tl.constexpr, BLOCK_F: tl.constexpr):
     """Grid: (P,), the dispatch's P. y [R, F] (rows of this rank's experts);
     w [T, K] weights and kmask [T, K] int32 (1: a valid pair) of this rank's
     tokens; spos / stk / sranges from the dispatch. out [T, F] = sum_k w[t, k] *
     y row of (t, k), float32 accumulation. With DOTS, also dots [T, K] float32 =
-    <y row of (t, k), g[t]> (the weights' cotangent, g the output's)."""
+    <y row of (t, k), g[t]> (the weights' cotangent, g the output's). KP, KLP:
+    K and KL rounded up to powers of 2.
+
+    Both steps move all rows of a token at once, [KLP or KP, BLOCK_F / KLP or KP]
+    blocks of BLOCK_F elements: the loads of a token's rows are in flight
+    together, one memory latency per block instead of one per row.
+    """
     pid = tl.program_id(0)
     me = dl.rank(ctx)
     e = dl.epoch(ctx)
     flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
     inbox = dl.heap_ptr(ctx, INBOX_OFF + (e % 2) * PARITY_BYTES, y_ptr.dtype.element_ty)
-    offs_f = tl.arange(0, BLOCK_F)
+    SEND_F: tl.constexpr = max(BLOCK_F // KLP, 16)
+    SUM_F: tl.constexpr = max(BLOCK_F // KP, 16)
+    offs_kl = tl.arange(0, KLP)
+    offs_k = tl.arange(0, KP)
 
     # 1. Send each (t, k) row held for source s's program pid back to s.
+    offs_f = tl.arange(0, SEND_F)
     for step in range(0, W):
         s = (me + step) % W
         lo = tl.load(sranges_ptr + (s * P + pid) * 2)
         hi = tl.load(sranges_ptr + (s * P + pid) * 2 + 1)
         for i in range(lo, hi):
-            for kk in range(0, KL):
-                tk = tl.load(stk_ptr + (s * T + i) * KL + kk)
-                pos = tl.load(spos_ptr + (s * T + i) * KL + kk)
-                if tk >= 0:
-                    for c in range(0, F, BLOCK_F):
-                        fm = c + offs_f < F
-                        v = tl.load(y_ptr + pos * F + c + offs_f, mask=fm & (pos >= 0),
-                                    other=0.0)
-                        tl.store(dl.symm_at(ctx, inbox + tk * F + c + offs_f, s), v, mask=fm)
+            tks = tl.load(stk_ptr + (s * T + i) * KL + offs_kl, mask=offs_kl < KL, other=-1)
+            poss = tl.load(spos_ptr + (s * T + i) * KL + offs_kl, mask=offs_kl < KL, other=-1)
+            # A dropped row (pos -1) of a valid pair goes back as zeros.
+            send = (tks >= 0)[:, None]
+            src = y_ptr + poss[:, None].to(tl.int64) * F
+            dst = dl.symm_at(ctx, inbox + tks[:, None].to(tl.int64) * F, s)
+            for c in range(0, F, SEND_F):
+                cols = (c + offs_f)[None, :]
+                fm = cols < F
+                v = tl.load(src + cols, mask=send & fm & (poss >= 0)[:, None], other=0.0)
+                tl.store(dst + cols, v, mask=send & fm)
         dl.notify(ctx, flags + me * P + pid, s, e)  # release: the rows above first
 
     # 2. Sum this program's tokens' rows once every rank's program pid has sent.
@@ -256,25 +308,25 @@ def moe_combine_kernel(ctx, y_ptr, w_ptr, kmask_ptr, g_ptr, spos_ptr, stk_ptr, s
     # Loads below depend on the wait (consume_token) through a zero offset times 16
     # elements: the pointer keeps its known alignment (16-byte vector loads).
     rows = inbox + dl.consume_token((me * 0).to(tl.int64), token) * 16
+    offs_f = tl.arange(0, SUM_F)
+    km = offs_k < K
     t_lo = pid * TP
     t_hi = tl.minimum(t_lo + TP, T)
     for t in range(t_lo, t_hi):
-        for c in range(0, F, BLOCK_F):
-            fm = c + offs_f < F
-            acc = tl.zeros((BLOCK_F,), tl.float32)
-            for k in range(0, K):
-                valid = tl.load(kmask_ptr + t * K + k) != 0
-                wk = tl.load(w_ptr + t * K + k).to(tl.float32)
-                v = tl.load(rows + (t * K + k) * F + c + offs_f, mask=fm & valid, other=0.0)
-                acc += tl.where(valid, wk, 0.0) * v.to(tl.float32)
-            tl.store(out_ptr + t * F + c + offs_f, acc.to(out_ptr.dtype.element_ty), mask=fm)
+        valid = (tl.load(kmask_ptr + t * K + offs_k, mask=km, other=0) != 0)[:, None]
+        wk = tl.load(w_ptr + t * K + offs_k, mask=km, other=0.0).to(tl.float32)[:, None]
+        wk = tl.where(valid, wk, 0.0)
+        pair_rows = rows + (t * K + offs_k)[:, None].to(tl.int64) * F
+        dot = tl.zeros((KP, SUM_F), tl.float32)
+        for c in range(0, F, SUM_F):
+            cols = c + offs_f
+            fm = cols < F
+            v = tl.load(pair_rows + cols[None, :], mask=valid & fm[None, :], other=0.0)
+            v = v.to(tl.float32)
+            acc = tl.sum(wk * v, axis=0)
+            tl.store(out_ptr + t * F + cols, acc.to(out_ptr.dtype.element_ty), mask=fm)
+            if DOTS:
+                g = tl.load(g_ptr + t * F + cols, mask=fm, other=0.0)
+                dot += v * g.to(tl.float32)[None, :]
         if DOTS:
-            for k in range(0, K):
-                valid = tl.load(kmask_ptr + t * K + k) != 0
-                dot = tl.zeros((BLOCK_F,), tl.float32)
-                for c in range(0, F, BLOCK_F):
-                    fm = (c + offs_f < F) & valid
-                    v = tl.load(rows + (t * K + k) * F + c + offs_f, mask=fm, other=0.0)
-                    g = tl.load(g_ptr + t * F + c + offs_f, mask=fm, other=0.0)
-                    dot += v.to(tl.float32) * g.to(tl.float32)
-                tl.store(dots_ptr + t * K + k, tl.sum(dot, axis=0))
+            tl.store(dots_ptr + t * K + offs_k, tl.sum(dot, axis=1), mask=km)
