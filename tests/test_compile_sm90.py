@@ -288,7 +288,8 @@ def test_ag_attention_compiles_with_tensor_cores(dtype, d, causal, inbox):
                       INBOX=inbox, STAGE_OFF=4096, PARITY_BYTES=1 << 26, KV_ELEMS=8192 * 8 * d,
                       READY_OFF=0, FLAGS_OFF=0, SENT_OFF=512, CHUNK_ROWS=8192 if inbox else 1,
                       FLAG_SCOPE="gpu" if inbox else "sys", BLOCK_M=128 if dtype != "fp32" else 64,
-                      BLOCK_N=64 if dtype != "fp32" else 32, BLOCK_D=d, IEEE=dtype == "fp32"),
+                      BLOCK_N=64 if dtype != "fp32" else 32, BLOCK_D=d, IEEE=dtype == "fp32",
+                      OVERLAP=False, MASKED_STAGES=0, HEAD_GROUP=1),
                  num_warps=8 if d > 64 else 4, num_stages=3 if dtype != "fp32" else 2)
     ptx = k.asm["ptx"]
     ops = _ops(k)
@@ -305,6 +306,32 @@ def test_ag_attention_compiles_with_tensor_cores(dtype, d, causal, inbox):
         assert "ld.global.sys.acquire" in ptx or "ld.acquire.sys" in ptx
         assert "release" in ptx
     assert k.metadata.shared <= 227 * 1024
+@pytest.mark.parametrize("overlap,masked_stages,head_group,block_n",
+                         [(True, 0, 1, 64), (True, 1, 32, 128), (False, 2, 4, 64)])
+def test_ag_attention_knobs_compile(overlap, masked_stages, head_group, block_n):
+    """ag_attention's variants (the two dots pipelined across key blocks, the masked
+    loop's own stages, head-grouped causal order) for Hopper: wgmma, cp.async K/V loads 16
+    bytes wide, and within shared memory."""
+    from jaxtdist.kernels.ag_attention import ag_attention_kernel
+    k = _compile(ag_attention_kernel,
+                 {"ctx": "*i32", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
+                  "out_ptr": "*bf16"},
+                 dict(B=1, S=16384, HQ=32, HKV=32, D=128, CAUSAL=True, QK_SCALE=0.1275,
+                      INBOX=True, STAGE_OFF=4096, PARITY_BYTES=1 << 28,
+                      KV_ELEMS=16384 * 32 * 128, READY_OFF=0, FLAGS_OFF=0, SENT_OFF=512,
+                      CHUNK_ROWS=16384, FLAG_SCOPE="gpu", BLOCK_M=128, BLOCK_N=block_n,
+                      BLOCK_D=128, IEEE=False, OVERLAP=overlap,
+                      MASKED_STAGES=masked_stages, HEAD_GROUP=head_group),
+                 num_warps=8, num_stages=3)
+    ops = _ops(k)
+    assert any(op.startswith("wgmma") for op in ops), dict(ops)
+    assert ops["cp.async.cg.shared.global"] > 0, dict(ops)
+    narrow = {op: n for op, n in ops.items() if op.startswith("ld.global")
+              and op.endswith((".b16", ".b8"))}
+    assert not narrow, f"K/V loads lost vectorization: {dict(ops)}"
+    assert k.metadata.shared <= 227 * 1024
+
+
 def _moe_block(h: int, itemsize: int) -> int:
     """The default copy step of the MoE kernels on GPUs (whole rows up to 16 KB)."""
     from jaxtdist.ops._config import Problem

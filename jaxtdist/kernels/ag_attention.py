@@ -40,71 +40,140 @@ from jaxtdist.kernels._tiles import aligned_after
 
 
 @triton.jit
-def _attend_blocks(q, m, l, acc, kb, vb, rows, lo, hi, MASKED: tl.constexpr,
-                   DIAG: tl.constexpr, STRIDE: tl.constexpr, D: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, QK_SCALE: tl.constexpr,
-                   IEEE: tl.constexpr):
-    """Folds keys [lo, hi) of one chunk into the online softmax (m, l, acc) of the
-    query tile ``q`` (rows ``rows`` of the chunk's positions), BLOCK_N at a time.
+def _load_kv(base, pos, hi, STRIDE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+             MASKED: tl.constexpr):
+    """Rows ``pos`` of one chunk's keys or values ([len(pos), BLOCK_D]); with MASKED,
+    rows at or past ``hi`` read as 0. No mask at all where none is needed (an
+    unmasked block and D == BLOCK_D)."""
+    d = tl.arange(0, BLOCK_D)
+    ptrs = base + pos.to(tl.int64)[:, None] * STRIDE + d[None, :]
+    if MASKED:
+        if BLOCK_D == D:
+            return tl.load(ptrs, mask=(pos < hi)[:, None], other=0.0)
+        return tl.load(ptrs, mask=(pos < hi)[:, None] & (d < D)[None, :], other=0.0)
+    if BLOCK_D == D:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=(d < D)[None, :], other=0.0)
+
+
+@triton.jit
+def _qk(q, k, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(q, tl.trans(k), input_precision="ieee")
+    return tl.dot(q, tl.trans(k))
+
+
+@triton.jit
+def _pv(p, v, acc, IEEE: tl.constexpr):
+    """acc + p @ v, p rounded to v's type (bf16/fp16 tensor-core operands)."""
+    if IEEE:
+        return tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+    return tl.dot(p.to(v.dtype), v, acc)
+
+
+@triton.jit
+def _attend_block(q, m, l, acc, kb, vb, rows, start, hi, MASKED: tl.constexpr,
+                  DIAG: tl.constexpr, STRIDE: tl.constexpr, D: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, QK_SCALE: tl.constexpr,
+                  IEEE: tl.constexpr):
+    """Folds keys [start, start + BLOCK_N) of one chunk into the online softmax
+    (m, l, acc) of the query tile ``q`` (rows ``rows`` of the chunk's positions).
 
     MASKED: keys at or past ``hi`` read as absent, and with DIAG key j is seen by
     row i only when j <= i; rows that have seen no key keep m = -inf. Unmasked
-    (the bulk of the loop): every block is whole and seen by every row, so no
+    (the bulk of the loop): the block is whole and seen by every row, so no
     compare, select or -inf guard, and the scale folds into one FMA with the
     shift. ``kb``, ``vb``: the chunk's key and value of position 0 for this
     (batch, KV head); positions are STRIDE elements apart.
     """
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < D
-    for start in range(lo, hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        offs = pos.to(tl.int64) * STRIDE
-        if MASKED:
-            p_mask = pos < hi
-            kv_mask = p_mask[:, None] & d_mask[None, :]
-        else:
-            kv_mask = d_mask[None, :]
-        k = tl.load(kb + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        if MASKED:
-            seen = p_mask[None, :]
-            if DIAG:
-                seen = seen & (pos[None, :] <= rows[:, None])
-            s = tl.where(seen, s * QK_SCALE, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            # A row with no key seen yet keeps m = -inf: shift by 0 instead (no NaN).
-            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - shift[:, None])
-        else:
-            m_new = tl.maximum(m, tl.max(s, 1) * QK_SCALE)
-            shift = m_new
-            p = tl.exp2(s * QK_SCALE - shift[:, None])
-        alpha = tl.exp2(m - shift)
+    pos = start + tl.arange(0, BLOCK_N)
+    s = _qk(q, _load_kv(kb, pos, hi, STRIDE, D, BLOCK_D, MASKED), IEEE)
+    if MASKED:
+        seen = (pos < hi)[None, :]
+        if DIAG:
+            seen = seen & (pos[None, :] <= rows[:, None])
+        s = tl.where(seen, s * QK_SCALE, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        # A row with no key seen yet keeps m = -inf: shift by 0 instead (no NaN).
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - shift[:, None])
+    else:
+        m_new = tl.maximum(m, tl.max(s, 1) * QK_SCALE)
+        shift = m_new
+        p = tl.exp2(s * QK_SCALE - shift[:, None])
+    alpha = tl.exp2(m - shift)
+    l = l * alpha + tl.sum(p, 1)
+    # The rescale is the dot's accumulator (wgmma adds into it); Triton made the
+    # same of acc * alpha + dot(p, v).
+    acc = _pv(p, _load_kv(vb, pos, hi, STRIDE, D, BLOCK_D, MASKED), acc * alpha[:, None], IEEE)
+    return m_new, l, acc
+
+
+@triton.jit
+def _attend_overlapped(q, m, l, acc, kb, vb, full, STRIDE: tl.constexpr, D: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, QK_SCALE: tl.constexpr,
+                       IEEE: tl.constexpr):
+    """Keys [0, full) unmasked (``full`` a multiple of BLOCK_N), software-pipelined
+    across the two dots: each step issues the next block's QK^T, then the
+    previous block's P.V, and runs the next block's softmax while that P.V is
+    still on the tensor cores (wgmma completes in issue order, so waiting for
+    QK^T leaves P.V in flight); acc is rescaled once P.V has landed. In
+    ``_attend_block`` order every softmax waits for all the dots before it.
+    Triton 3.6 still waits for each wgmma right after issuing it (a dot whose
+    result is used in the same iteration), so this loses on H200 (1.58x cuDNN
+    against 1.28 at S = 16384): kept for compilers that place the waits later."""
+    if full > 0:
+        s = _qk(q, _load_kv(kb, tl.arange(0, BLOCK_N), full, STRIDE, D, BLOCK_D, False), IEEE)
+        m_new = tl.maximum(m, tl.max(s, 1) * QK_SCALE)
+        p = tl.exp2(s * QK_SCALE - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
         l = l * alpha + tl.sum(p, 1)
-        v = tl.load(vb + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
+        acc = acc * alpha[:, None]
         m = m_new
+        for start in range(BLOCK_N, full, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)
+            s = _qk(q, _load_kv(kb, pos, full, STRIDE, D, BLOCK_D, False), IEEE)
+            acc = _pv(p, _load_kv(vb, pos - BLOCK_N, full, STRIDE, D, BLOCK_D, False), acc,
+                      IEEE)
+            m_new = tl.maximum(m, tl.max(s, 1) * QK_SCALE)
+            p = tl.exp2(s * QK_SCALE - m_new[:, None])
+            alpha = tl.exp2(m - m_new)
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            m = m_new
+        pos = full - BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = _pv(p, _load_kv(vb, pos, full, STRIDE, D, BLOCK_D, False), acc, IEEE)
     return m, l, acc
 
 
 @triton.jit
 def _attend(q, m, l, acc, kb, vb, rows, full, hi, DIAG: tl.constexpr, STRIDE: tl.constexpr,
             D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-            QK_SCALE: tl.constexpr, IEEE: tl.constexpr):
+            QK_SCALE: tl.constexpr, IEEE: tl.constexpr, OVERLAP: tl.constexpr,
+            MASKED_STAGES: tl.constexpr):
     """Keys [0, hi) of one chunk: [0, full) unmasked (``full`` a multiple of
-    BLOCK_N, every key seen by every row), then [full, hi) masked (the causal
-    diagonal with DIAG, the chunk's last partial block)."""
-    m, l, acc = _attend_blocks(q, m, l, acc, kb, vb, rows, 0, full, False, False, STRIDE, D,
-                               BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
-    return _attend_blocks(q, m, l, acc, kb, vb, rows, full, hi, True, DIAG, STRIDE, D, BLOCK_N,
-                          BLOCK_D, QK_SCALE, IEEE)
+    BLOCK_N, every key seen by every row; with OVERLAP the two dots pipelined,
+    ``_attend_overlapped``), then [full, hi) masked (the causal diagonal with
+    DIAG, the chunk's last partial block). The unmasked loop is pipelined with
+    the launch's num_stages; the masked one (one or two blocks) with
+    MASKED_STAGES when that is > 0: a deep pipeline of so short a loop costs its
+    prologue and buffers for little overlap."""
+    if OVERLAP:
+        m, l, acc = _attend_overlapped(q, m, l, acc, kb, vb, full, STRIDE, D, BLOCK_N, BLOCK_D,
+                                       QK_SCALE, IEEE)
+    else:
+        for start in range(0, full, BLOCK_N):
+            m, l, acc = _attend_block(q, m, l, acc, kb, vb, rows, start, hi, False, False,
+                                      STRIDE, D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
+    if MASKED_STAGES > 0:
+        for start in tl.range(full, hi, BLOCK_N, num_stages=MASKED_STAGES):
+            m, l, acc = _attend_block(q, m, l, acc, kb, vb, rows, start, hi, True, DIAG,
+                                      STRIDE, D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
+    else:
+        for start in range(full, hi, BLOCK_N):
+            m, l, acc = _attend_block(q, m, l, acc, kb, vb, rows, start, hi, True, DIAG,
+                                      STRIDE, D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
+    return m, l, acc
 
 
 @triton.jit
@@ -116,7 +185,9 @@ def ag_attention_kernel(ctx, q_ptr, k_ptr, v_ptr, out_ptr,
                         READY_OFF: tl.constexpr, FLAGS_OFF: tl.constexpr,
                         SENT_OFF: tl.constexpr, CHUNK_ROWS: tl.constexpr,
                         FLAG_SCOPE: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+                        OVERLAP: tl.constexpr, MASKED_STAGES: tl.constexpr,
+                        HEAD_GROUP: tl.constexpr):
     """Grid: (B * HQ * cdiv(S, BLOCK_M),).
 
     q: [B, S, HQ, D]; k, v: [B, S, HKV, D] (this rank's positions); out: [B, S, HQ, D].
@@ -125,13 +196,26 @@ def ag_attention_kernel(ctx, q_ptr, k_ptr, v_ptr, out_ptr,
     FLAGS_OFF; this rank's pushes raise its sent words at SENT_OFF).
     Otherwise peers' staged copies (k then v, KV_ELEMS = B * S * HKV * D each) at
     STAGE_OFF + (e % 2) * PARITY_BYTES, ready flags at READY_OFF.
+    OVERLAP, MASKED_STAGES: see ``_attend``.
+    HEAD_GROUP (causal): the tiles of HEAD_GROUP consecutive (batch, head) pairs
+    launch together, longest (last queries) first: 1 keeps each head's tiles
+    together (the concurrent programs share one head's K/V in L2); B * HQ orders
+    every head's longest tiles before any shorter one (the least tail).
     """
     pid = tl.program_id(0)
     m_tiles = tl.cdiv(S, BLOCK_M)
-    bh = pid // m_tiles
-    mt = pid % m_tiles
-    if CAUSAL:  # the longest tiles (last queries) launch first: a shorter tail
-        mt = m_tiles - 1 - mt
+    if CAUSAL:
+        # Causal tiles grow with their last query: the longest launch first, so
+        # the last programs to start are short ones (a shorter tail).
+        per_group = HEAD_GROUP * m_tiles
+        group = pid // per_group
+        heads = tl.minimum(B * HQ - group * HEAD_GROUP, HEAD_GROUP)  # the last group's
+        in_group = pid % per_group
+        bh = group * HEAD_GROUP + in_group % heads
+        mt = m_tiles - 1 - in_group // heads
+    else:
+        bh = pid // m_tiles
+        mt = pid % m_tiles
     b = bh // HQ
     h = bh % HQ
     hk = h // (HQ // HKV)
@@ -151,10 +235,9 @@ def ag_attention_kernel(ctx, q_ptr, k_ptr, v_ptr, out_ptr,
     rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
     r_mask = rows < S
     d = tl.arange(0, BLOCK_D)
-    d_mask = d < D
+    rd_mask = r_mask[:, None] & (d < D)[None, :]
     q_offs = ((b * S + rows).to(tl.int64) * HQ + h) * D
-    q = tl.load(q_ptr + q_offs[:, None] + d[None, :], mask=r_mask[:, None] & d_mask[None, :],
-                other=0.0)
+    q = tl.load(q_ptr + q_offs[:, None] + d[None, :], mask=rd_mask, other=0.0)
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
@@ -168,11 +251,12 @@ def ag_attention_kernel(ctx, q_ptr, k_ptr, v_ptr, out_ptr,
         m, l, acc = _attend(q, m, l, acc, k_ptr + own, v_ptr + own, rows,
                             mt * BLOCK_M // BLOCK_N * BLOCK_N,
                             tl.minimum((mt + 1) * BLOCK_M, S), True, HKV * D, D, BLOCK_N,
-                            BLOCK_D, QK_SCALE, IEEE)
+                            BLOCK_D, QK_SCALE, IEEE, OVERLAP, MASKED_STAGES)
         peers = me  # ranks me - 1, ..., 0: every key before every query of this rank
     else:
         m, l, acc = _attend(q, m, l, acc, k_ptr + own, v_ptr + own, rows, whole, S, False,
-                            HKV * D, D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
+                            HKV * D, D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE, OVERLAP,
+                            MASKED_STAGES)
         peers = world - 1
     staged = dl.heap_ptr(ctx, STAGE_OFF + (e % 2) * PARITY_BYTES, k_ptr.dtype.element_ty)
     for step in range(1, peers + 1):
@@ -190,19 +274,21 @@ def ag_attention_kernel(ctx, q_ptr, k_ptr, v_ptr, out_ptr,
             kb = aligned_after(staged, token) + ((src * B + b).to(tl.int64) * S * 2 * HKV
                                                   + hk) * D
             m, l, acc = _attend(q, m, l, acc, kb, kb + HKV * D, rows, whole, S, False,
-                                2 * HKV * D, D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
+                                2 * HKV * D, D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE,
+                                OVERLAP, MASKED_STAGES)
         else:
             token = dl.wait(ctx, ready + src, e, "ge", src)
             # The peer's staged copy, loads ordered after the wait; aligned_after
             # keeps the tile loads 16 bytes wide.
             kb = aligned_after(dl.symm_at(ctx, staged, src), token) + own
             m, l, acc = _attend(q, m, l, acc, kb, kb + KV_ELEMS, rows, whole, S, False,
-                                HKV * D, D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
+                                HKV * D, D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE, OVERLAP,
+                                MASKED_STAGES)
 
     l_safe = tl.where(l > 0, l, 1.0)
     o = acc / l_safe[:, None]
     tl.store(out_ptr + q_offs[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=r_mask[:, None] & d_mask[None, :])
+             mask=rd_mask)
     if pid == 0:
         # Every peer has reached this epoch (so has finished reading what this
         # rank's next-but-one call rewrites), causal or not.

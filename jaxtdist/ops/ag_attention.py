@@ -37,6 +37,12 @@ _MAX_HEAD_DIM = 256
 # 358.9 for 128 x 64 with 8 warps at S = 4096 (7.8 rounds), 4210.6 against 4201.6
 # at S = 16384 (31 rounds); BLOCK_N = 128, 2 or 4 stages, and TMA loads were slower.
 _MIN_WAVES = 16
+# Causal program order with 64-row tiles (few rounds: the tail counts): 4 (batch,
+# head) pairs' tiles interleaved, longest first. Same H200 problem at S = 4096:
+# 312.4 us against 336.4 for each head's tiles alone (8 heads: 313.2; all heads:
+# 317.5, K/V of every head in flight). 128-row tiles keep each head alone:
+# 4 heads ran 1-2% slower at S = 16384 and 32768 (4229.7 / 4189.0, 16924 / 16579).
+_HEAD_GROUP = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +58,20 @@ class AgAttentionConfig(KernelConfig):
         (every query tile reads peers' staged copies over the link: a quarter of
         the heap, link-bound at long sequences) or "auto" (inbox when it fits the
         heap, else peer).
+      OVERLAP: software-pipeline the two dots of the unmasked key loop: issue
+        the next key block's QK^T, then this block's P.V, and run the next
+        block's softmax while P.V is still on the tensor cores (the overlap
+        FlashAttention-3 gets within a warpgroup; without it each softmax waits
+        for every dot issued before it). Slower with Triton 3.6, which waits for
+        each wgmma right after issuing it (H200: 1.58x cuDNN against 1.28 at
+        S = 16384).
+      MASKED_STAGES: software-pipeline stages of the masked key loop (the causal
+        diagonal, a chunk's partial last block: one or two blocks); 0 takes
+        num_stages, as the unmasked loop does (1 was within noise on H200).
+      HEAD_GROUP: causal program order: the query tiles of HEAD_GROUP consecutive
+        (batch, head) pairs launch interleaved, longest first. 1: each head's
+        tiles together (K/V of few heads in flight, L2-friendly); B * Hq: every
+        head's longest tiles first (the shortest tail).
     """
     OP: ClassVar[str] = "ag_attention"
     variant: ClassVar[str] = "pull"
@@ -61,25 +81,38 @@ class AgAttentionConfig(KernelConfig):
     num_warps: int = 8
     num_stages: int = 3
     GATHER: str = "auto"
+    OVERLAP: bool = False
+    MASKED_STAGES: int = 0
+    HEAD_GROUP: int = 1
 
     @classmethod
     def default(cls, problem: Problem) -> "AgAttentionConfig":
         """The interpreter takes 16 x 16 tiles; GPUs 128 x 64 with 8 warps for head
         dims above 64, and 64 x 64 with 4 warps where 128-row programs would fill
         fewer than ``_MIN_WAVES`` rounds of the SMs (or a rank has fewer than 128
-        rows): more, shorter programs balance the causal triangle's uneven ones."""
+        rows): more, shorter programs balance the causal triangle's uneven ones.
+        There, causal tiles of ``_HEAD_GROUP`` heads launch together, longest
+        first."""
         b, s, hq, _, d = problem.shape
         if problem.platform != "gpu":
             return cls(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
         if s < 128 or b * hq * -(-s // 128) < _MIN_WAVES * problem.sms:
-            return cls(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
+            return cls(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3,
+                       HEAD_GROUP=_HEAD_GROUP)
         return cls(BLOCK_M=128, BLOCK_N=64, num_warps=8 if d > 64 else 4, num_stages=3)
 
     def validate(self, problem: Problem) -> None:
         if self.GATHER not in ("auto", "inbox", "peer"):
             raise ValueError(f"jaxtdist.ag_attention: config GATHER={self.GATHER!r}; allowed: "
                              "'auto', 'inbox', 'peer'")
-        for key in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"):
+        if not isinstance(self.OVERLAP, (bool, np.bool_)):
+            raise ValueError(f"jaxtdist.ag_attention: config OVERLAP={self.OVERLAP!r} must "
+                             "be True or False")
+        value = self.MASKED_STAGES
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"jaxtdist.ag_attention: config MASKED_STAGES={value!r} must be "
+                             "an int >= 0 (0: num_stages)")
+        for key in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "HEAD_GROUP"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"jaxtdist.ag_attention: config {key}={value!r} must be an "
@@ -162,7 +195,9 @@ def ag_attention_kernels(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *,
     tiles = dict(**cfg.launch_options(), B=b, S=s, HQ=hq, HKV=hkv, D=d, CAUSAL=causal,
                  QK_SCALE=float(math.log2(math.e) / math.sqrt(d)), KV_ELEMS=kv_elems,
                  BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=max(16, next_pow2(d)),
-                 IEEE=q.dtype == jnp.float32)
+                 IEEE=q.dtype == jnp.float32, OVERLAP=bool(cfg.OVERLAP),
+                 MASKED_STAGES=int(cfg.MASKED_STAGES),
+                 HEAD_GROUP=min(int(cfg.HEAD_GROUP), b * hq))
     grid = (b * hq * -(-s // cfg.BLOCK_M),)
     out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
     varying = call.result_axes(local=(q, k, v))
