@@ -326,9 +326,10 @@ def test_gpu_defaults_and_search_spaces_validate(world):
     # are 7.8 rounds of 132 SMs), the pointer GEMM where it cannot (rows of 33 bf16).
     big = MatmulRsConfig.default(Problem("gpu", 4, (8192, 4096, 3072), "bfloat16", 132))
     assert (big.BLOCK_M, big.BLOCK_N, big.TMA, big.SUBTILE) == (128, 256, True, 4)
-    # Decode rows: pointer loads, 128 columns a tile and K split to cover the SMs.
-    for shape, block_n, split_k in (((32, 4096, 7168), 128, 4), ((1, 8192, 3584), 128, 2),
-                                    ((1, 1024, 1024), 32, 1)):
+    # matmul_ar: pointer loads; decode rows 64 columns a tile and K split to cover
+    # the SMs, 32 columns where K is too short to split.
+    for shape, block_n, split_k in (((32, 4096, 7168), 64, 2), ((1, 8192, 3584), 64, 1),
+                                    ((1, 1024, 1024), 32, 1), ((128, 8192, 2048), 128, 1)):
         ar = MatmulArConfig.default(Problem("gpu", 1, shape, "bfloat16", 132))
         assert (ar.TMA, ar.BLOCK_N, ar.SPLIT_K) == (False, block_n, split_k), ar
     odd = MatmulRsConfig.default(Problem("gpu", 4, (40, 33, 7), "bfloat16", 132))

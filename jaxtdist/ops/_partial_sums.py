@@ -32,7 +32,7 @@ _PARTIALS = ("float32", "input")
 # Tiles of the GPU pointer kernels, largest first: the largest whose count still
 # covers the SMs is the default (fewer tiles than SMs leave SMs idle throughout).
 _RS_TILES = ((128, 128), (128, 64), (64, 64))
-_AR_BLOCK_N = (128, 64, 32)
+_AR_BLOCK_N = (64, 32)
 _AR_COVER = 0.9
 # matmul_ar's K splits, and the least K a split keeps (8 steps of 128: the
 # pipeline's prologue and the partial's round trip through the workspace stay
@@ -204,30 +204,32 @@ class MatmulArConfig(KernelConfig):
 
     @classmethod
     def default(cls, problem: Problem) -> "MatmulArConfig":
-        """One rule: all rows in one tile up to 64 rows; below 64 rows (decode), pointer
-        loads and the widest N tile whose count, times a K split, still covers nearly
-        every SM (decode reads w once, spread over the SMs)."""
+        """One rule: pointer loads; all rows in one tile up to 64 rows; below 64 rows
+        (decode), the widest N tile up to 64 whose count, times a K split, still
+        covers nearly every SM (decode reads w once, spread over the SMs)."""
         m, n, k = problem.shape
         fit_m = max(16, next_pow2(m))
         tma = tma_fits(k, n, problem.itemsize)
         if problem.platform != "gpu":
             return cls(BLOCK_M=min(32, fit_m), BLOCK_N=32, BLOCK_K=32, TMA=tma, num_warps=4,
                        num_stages=1)
+        # Pointer loads on every shape: on 1 x H200 (world 1, CUPTI) TMA ran 12.2 us
+        # against 10.8 at 128 x 8192 x 2048, 6.7 against 5.3 at 256 x 4096 x 512 and
+        # 24.3 against 22.2 at 32 x 4096 x 7168: a kernel this short pays for building
+        # its descriptors on the device.
         block_m = min(64, fit_m)
         wide = problem.itemsize == 4
         if block_m == 64 and not wide:
             # 64 rows or more: 64 x 128 tiles, 64-deep K steps, 5 stages (on 1 x H100,
             # 0.63x jnp.dot at 128 x 8192 x 2048 against 1.02x with 64 x 64 tiles).
             return cls(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8 if block_m < m else 1,
-                       TMA=tma, num_warps=4, num_stages=5)
-        # Decode rows, on 1 x H200 at 32 x 4096 x 7168 (jnp.dot 19.0 us, itself split
-        # K): 128 tiles of 32 columns ran 24.4 us with TMA, 22.4 with pointer loads
-        # (a tiny kernel pays for building descriptors on the device), and tiles of
-        # 32 columns load w too narrowly to stream it (on 1 x H100 at 1 x 8192 x 3584,
-        # 64 columns ran 1.07x jnp.dot, 32 columns 1.22x). So pointer loads, and the
-        # widest N tile whose count times a K split (each split >= 1024 of K) covers
-        # nearly every SM: there 32 tiles of 128 columns x 4 splits, at 1 x 8192 x
-        # 3584 64 tiles x 2 splits; narrower tiles only where K is too short to split.
+                       TMA=False, num_warps=4, num_stages=5)
+        # Decode rows: 64 columns a tile, and K split (each split >= 1024 of K) until the
+        # tiles times the splits cover nearly every SM; 32 columns only where K is too
+        # short to split. On 1 x H200 at 32 x 4096 x 7168 (jnp.dot 19.1 us, itself split
+        # K) 64 tiles x 2 splits ran 18.6 us, 32 x 4 of 128 columns 20.0, 128 x 1 of 32
+        # columns 22.2 (too narrow to stream w); at 1 x 8192 x 3584 (jnp.dot 15.9) 128
+        # x 1 of 64 columns 15.8, 64 x 2 of 128 columns 16.9.
         m_tiles = -(-m // block_m)
         splits = [s for s in _AR_SPLITS if s == 1 or k // s >= _AR_MIN_K_SPLIT]
         for block_n in _AR_BLOCK_N:

@@ -43,11 +43,13 @@ def probe_moe() -> None:
     mesh = _mesh(world, "ep")
     td.initialize(mesh, heap_bytes=2 * mb.ep_heap_bytes([(t, hidden, k, e)], world, 2))
     specs = dict(mesh=mesh, in_specs=(mb.EP_SPEC,) * 3, out_specs=mb.EP_SPEC, check_vma=False)
-    variants = {"default": None, "h1024w4": dict(BLOCK_H=1024), "h2048w4": dict(BLOCK_H=2048),
-                "h4096w4": dict(BLOCK_H=4096), "h8192w4": dict(BLOCK_H=8192),
+    # BLOCK_H: elements per copy step (the combine moves a token's rows as one
+    # [KL, BLOCK_H / KL] block per step).
+    variants = {"default": None, "h4096w4": dict(BLOCK_H=4096),
                 "h8192w8": dict(BLOCK_H=8192, num_warps=8),
-                "h8192w16": dict(BLOCK_H=8192, num_warps=16),
-                "routing_kernels": dict(ROUTING="kernels")}
+                "h16384w8": dict(BLOCK_H=16384, num_warps=8),
+                "h32768w16": dict(BLOCK_H=32768, num_warps=16),
+                "routing_xla": dict(ROUTING="xla")}
     x = h.normal(1600, (world * t, hidden), jnp.bfloat16)
     ids = mb._routing(1700, world * t, k, e)
     w = np.random.default_rng(1800).random((world * t, k), np.float32)
@@ -147,28 +149,24 @@ def probe_gemm() -> None:
     mesh = _mesh(1, "tp")
     td.initialize(mesh)
     cases = {
+        # matmul_ar's default is pointer loads everywhere (TMA lost on all four shapes
+        # on 1 x H200). 64-row tiles: the pointer GEMM's tiles at 256 x 4096 x 512.
         ("matmul_ar", 256, 4096, 512): {
-            "m128n128k64w8": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8,
-                                  num_stages=4),
-            "m128n64k64": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_stages=4),
-            "m64n64k128": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_stages=4),
-            "m64n128k256": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=256, num_stages=2),
-            "pointer": dict(TMA=False)},
-        # Decode rows (issue 32): the default is now pointer loads with wide N tiles
-        # split along K (n128s4 here, n128s2 at 1 x 8192 x 3584); against the old
-        # default (TMA, 32 / 64 columns, no split) and the neighbours of the new one.
+            "tma": dict(TMA=True),
+            "m64n64k64": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64),
+            "m64n128k128s3": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_stages=3),
+            "m128n128k64w8": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8),
+            "m64n256k64w8": dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=8,
+                                 num_stages=3),
+            "m64n128k64w8": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8)},
+        # Decode rows: 64 columns and K splits to cover the SMs (n64s2 here, n64s1 at
+        # 1 x 8192 x 3584), against 128 columns and the old TMA default.
         ("matmul_ar", 32, 4096, 7168): dict(
-            _ar_decode(32, 1, tma=True), **_ar_decode(32, 1), **_ar_decode(64, 2),
-            **_ar_decode(64, 4), **_ar_decode(128, 2), **_ar_decode(128, 4, num_warps=8),
-            **_ar_decode(128, 8), **_ar_decode(128, 4, tma=True),
-            **_ar_decode(128, 4, BLOCK_K=64, num_stages=6)),
+            _ar_decode(32, 1, tma=True), **_ar_decode(64, 4), **_ar_decode(128, 4),
+            **_ar_decode(64, 2, num_warps=8)),
         ("matmul_ar", 1, 8192, 3584): dict(
-            _ar_decode(64, 1, tma=True), **_ar_decode(64, 1), **_ar_decode(64, 2),
-            **_ar_decode(128, 1), **_ar_decode(128, 4), **_ar_decode(128, 2, num_warps=8),
-            **_ar_decode(128, 2, tma=True)),
-        # The 64-row path keeps TMA (0.74x jnp.dot on 1 x H200); pointer loads won at
-        # 256 x 4096 x 512 above: does that carry over?
-        ("matmul_ar", 128, 8192, 2048): {"pointer": dict(TMA=False)},
+            _ar_decode(64, 1, tma=True), **_ar_decode(64, 2), **_ar_decode(128, 2)),
+        ("matmul_ar", 128, 8192, 2048): {"tma": dict(TMA=True)},
         ("ag_matmul", 512, 3584, 4096): {
             "stream_k": dict(STREAM_K=True), "t64x256": _tile(64, 256),
             "t128x128s5": _tile(128, 128, stages=5), "t64x128": _tile(64, 128)},
