@@ -289,7 +289,7 @@ def test_ag_attention_compiles_with_tensor_cores(dtype, d, causal, inbox):
                       READY_OFF=0, FLAGS_OFF=0, SENT_OFF=512, CHUNK_ROWS=8192 if inbox else 1,
                       FLAG_SCOPE="gpu" if inbox else "sys", BLOCK_M=128 if dtype != "fp32" else 64,
                       BLOCK_N=64 if dtype != "fp32" else 32, BLOCK_D=d, IEEE=dtype == "fp32",
-                      OVERLAP=False, MASKED_STAGES=0, HEAD_GROUP=1),
+                      HEAD_GROUP=1),
                  num_warps=8 if d > 64 else 4, num_stages=3 if dtype != "fp32" else 2)
     ptx = k.asm["ptx"]
     ops = _ops(k)
@@ -306,12 +306,12 @@ def test_ag_attention_compiles_with_tensor_cores(dtype, d, causal, inbox):
         assert "ld.global.sys.acquire" in ptx or "ld.acquire.sys" in ptx
         assert "release" in ptx
     assert k.metadata.shared <= 227 * 1024
-@pytest.mark.parametrize("overlap,masked_stages,head_group,block_n",
-                         [(True, 0, 1, 64), (True, 1, 32, 128), (False, 2, 4, 64)])
-def test_ag_attention_knobs_compile(overlap, masked_stages, head_group, block_n):
-    """ag_attention's variants (the two dots pipelined across key blocks, the masked
-    loop's own stages, head-grouped causal order) for Hopper: wgmma, cp.async K/V loads 16
-    bytes wide, and within shared memory."""
+
+
+@pytest.mark.parametrize("head_group,block_n", [(32, 128), (4, 64)])
+def test_ag_attention_head_groups_compile(head_group, block_n):
+    """ag_attention's head-grouped causal order (HEAD_GROUP) for Hopper: wgmma,
+    cp.async K/V loads 16 bytes wide, and within shared memory."""
     from jaxtdist.kernels.ag_attention import ag_attention_kernel
     k = _compile(ag_attention_kernel,
                  {"ctx": "*i32", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
@@ -320,8 +320,7 @@ def test_ag_attention_knobs_compile(overlap, masked_stages, head_group, block_n)
                       INBOX=True, STAGE_OFF=4096, PARITY_BYTES=1 << 28,
                       KV_ELEMS=16384 * 32 * 128, READY_OFF=0, FLAGS_OFF=0, SENT_OFF=512,
                       CHUNK_ROWS=16384, FLAG_SCOPE="gpu", BLOCK_M=128, BLOCK_N=block_n,
-                      BLOCK_D=128, IEEE=False, OVERLAP=overlap,
-                      MASKED_STAGES=masked_stages, HEAD_GROUP=head_group),
+                      BLOCK_D=128, IEEE=False, HEAD_GROUP=head_group),
                  num_warps=8, num_stages=3)
     ops = _ops(k)
     assert any(op.startswith("wgmma") for op in ops), dict(ops)

@@ -231,19 +231,14 @@ def test_default_tiles_on_gpus(b, s, hq, d, block_m, warps):
 
 
 @pytest.mark.parametrize("knobs,causal,b,hq,d", [
-    (dict(OVERLAP=True), True, 2, 4, 64),
-    (dict(OVERLAP=True, BLOCK_M=32), False, 1, 4, 40),   # D below BLOCK_D: masked dims
-    (dict(OVERLAP=True, BLOCK_M=64), True, 1, 2, 64),    # no unmasked block at all
-    (dict(OVERLAP=True, MASKED_STAGES=1), True, 2, 4, 40),
-    (dict(MASKED_STAGES=1, BLOCK_M=32), True, 1, 2, 64),
     (dict(HEAD_GROUP=3), True, 2, 4, 64),                # 8 (batch, head) pairs: 3, 3, 2
-    (dict(HEAD_GROUP=64, OVERLAP=True, MASKED_STAGES=2), True, 2, 4, 64),  # clipped to 8
+    (dict(HEAD_GROUP=3, BLOCK_M=32), True, 1, 4, 40),    # D below BLOCK_D: masked dims
+    (dict(HEAD_GROUP=64), True, 2, 4, 64),               # clipped to 8
     (dict(HEAD_GROUP=8), False, 2, 4, 64),               # not causal: no reordering
 ])
 def test_ag_attention_kernel_knobs(knobs, causal, b, hq, d):
-    """The forward kernel's variants (the two dots pipelined across key blocks, the
-    masked loop's stages, the causal program order over head groups), world 2 and
-    world 1 (the own chunk only), against the float64 reference."""
+    """The causal program order over head groups (HEAD_GROUP), world 2 and world 1
+    (the own chunk only), against the float64 reference."""
     for world in (2, 1):
         mesh = setup(world, ("sp",))
         f = _fn(mesh, causal, config=knobs, kernels=True)
@@ -254,8 +249,7 @@ def test_ag_attention_kernel_knobs(knobs, causal, b, hq, d):
 def test_ag_attention_knob_errors():
     mesh = setup(2, ("sp",))
     q = rand((1, 8, 2, 64))
-    for config, match in ((dict(OVERLAP=1), "OVERLAP=1 must be True or False"),
-                          (dict(MASKED_STAGES=-1), "MASKED_STAGES=-1 must be an int >= 0"),
-                          (dict(HEAD_GROUP=0), "HEAD_GROUP=0 must be an int >= 1")):
+    for config, match in ((dict(HEAD_GROUP=0), "HEAD_GROUP=0 must be an int >= 1"),
+                          (dict(HEAD_GROUP=True), "HEAD_GROUP=True must be an int >= 1")):
         with pytest.raises(ValueError, match=match):
             _fn(mesh, True, config, kernels=True)(*(place(mesh, a, SP) for a in (q, q, q)))

@@ -110,69 +110,18 @@ def _attend_block(q, m, l, acc, kb, vb, rows, start, hi, MASKED: tl.constexpr,
 
 
 @triton.jit
-def _attend_overlapped(q, m, l, acc, kb, vb, full, STRIDE: tl.constexpr, D: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, QK_SCALE: tl.constexpr,
-                       IEEE: tl.constexpr):
-    """Keys [0, full) unmasked (``full`` a multiple of BLOCK_N), software-pipelined
-    across the two dots: each step issues the next block's QK^T, then the
-    previous block's P.V, and runs the next block's softmax while that P.V is
-    still on the tensor cores (wgmma completes in issue order, so waiting for
-    QK^T leaves P.V in flight); acc is rescaled once P.V has landed. In
-    ``_attend_block`` order every softmax waits for all the dots before it.
-    Triton 3.6 still waits for each wgmma right after issuing it (a dot whose
-    result is used in the same iteration), so this loses on H200 (1.58x cuDNN
-    against 1.28 at S = 16384): kept for compilers that place the waits later."""
-    if full > 0:
-        s = _qk(q, _load_kv(kb, tl.arange(0, BLOCK_N), full, STRIDE, D, BLOCK_D, False), IEEE)
-        m_new = tl.maximum(m, tl.max(s, 1) * QK_SCALE)
-        p = tl.exp2(s * QK_SCALE - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        m = m_new
-        for start in range(BLOCK_N, full, BLOCK_N):
-            pos = start + tl.arange(0, BLOCK_N)
-            s = _qk(q, _load_kv(kb, pos, full, STRIDE, D, BLOCK_D, False), IEEE)
-            acc = _pv(p, _load_kv(vb, pos - BLOCK_N, full, STRIDE, D, BLOCK_D, False), acc,
-                      IEEE)
-            m_new = tl.maximum(m, tl.max(s, 1) * QK_SCALE)
-            p = tl.exp2(s * QK_SCALE - m_new[:, None])
-            alpha = tl.exp2(m - m_new)
-            l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            m = m_new
-        pos = full - BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = _pv(p, _load_kv(vb, pos, full, STRIDE, D, BLOCK_D, False), acc, IEEE)
-    return m, l, acc
-
-
-@triton.jit
 def _attend(q, m, l, acc, kb, vb, rows, full, hi, DIAG: tl.constexpr, STRIDE: tl.constexpr,
             D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-            QK_SCALE: tl.constexpr, IEEE: tl.constexpr, OVERLAP: tl.constexpr,
-            MASKED_STAGES: tl.constexpr):
+            QK_SCALE: tl.constexpr, IEEE: tl.constexpr):
     """Keys [0, hi) of one chunk: [0, full) unmasked (``full`` a multiple of
-    BLOCK_N, every key seen by every row; with OVERLAP the two dots pipelined,
-    ``_attend_overlapped``), then [full, hi) masked (the causal diagonal with
-    DIAG, the chunk's last partial block). The unmasked loop is pipelined with
-    the launch's num_stages; the masked one (one or two blocks) with
-    MASKED_STAGES when that is > 0: a deep pipeline of so short a loop costs its
-    prologue and buffers for little overlap."""
-    if OVERLAP:
-        m, l, acc = _attend_overlapped(q, m, l, acc, kb, vb, full, STRIDE, D, BLOCK_N, BLOCK_D,
-                                       QK_SCALE, IEEE)
-    else:
-        for start in range(0, full, BLOCK_N):
-            m, l, acc = _attend_block(q, m, l, acc, kb, vb, rows, start, hi, False, False,
-                                      STRIDE, D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
-    if MASKED_STAGES > 0:
-        for start in tl.range(full, hi, BLOCK_N, num_stages=MASKED_STAGES):
-            m, l, acc = _attend_block(q, m, l, acc, kb, vb, rows, start, hi, True, DIAG,
-                                      STRIDE, D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
-    else:
-        for start in range(full, hi, BLOCK_N):
-            m, l, acc = _attend_block(q, m, l, acc, kb, vb, rows, start, hi, True, DIAG,
-                                      STRIDE, D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
+    BLOCK_N, every key seen by every row), then [full, hi) masked (the causal
+    diagonal with DIAG, the chunk's last partial block)."""
+    for start in range(0, full, BLOCK_N):
+        m, l, acc = _attend_block(q, m, l, acc, kb, vb, rows, start, hi, False, False,
+                                  STRIDE, D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
+    for start in range(full, hi, BLOCK_N):
+        m, l, acc = _attend_block(q, m, l, acc, kb, vb, rows, start, hi, True, DIAG,
+                                  STRIDE, D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
     return m, l, acc
 
 
@@ -186,7 +135,6 @@ def ag_attention_kernel(ctx, q_ptr, k_ptr, v_ptr, out_ptr,
                         SENT_OFF: tl.constexpr, CHUNK_ROWS: tl.constexpr,
                         FLAG_SCOPE: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
-                        OVERLAP: tl.constexpr, MASKED_STAGES: tl.constexpr,
                         HEAD_GROUP: tl.constexpr):
     """Grid: (B * HQ * cdiv(S, BLOCK_M),).
 
@@ -196,7 +144,6 @@ def ag_attention_kernel(ctx, q_ptr, k_ptr, v_ptr, out_ptr,
     FLAGS_OFF; this rank's pushes raise its sent words at SENT_OFF).
     Otherwise peers' staged copies (k then v, KV_ELEMS = B * S * HKV * D each) at
     STAGE_OFF + (e % 2) * PARITY_BYTES, ready flags at READY_OFF.
-    OVERLAP, MASKED_STAGES: see ``_attend``.
     HEAD_GROUP (causal): the tiles of HEAD_GROUP consecutive (batch, head) pairs
     launch together, longest (last queries) first: 1 keeps each head's tiles
     together (the concurrent programs share one head's K/V in L2); B * HQ orders
@@ -251,12 +198,11 @@ def ag_attention_kernel(ctx, q_ptr, k_ptr, v_ptr, out_ptr,
         m, l, acc = _attend(q, m, l, acc, k_ptr + own, v_ptr + own, rows,
                             mt * BLOCK_M // BLOCK_N * BLOCK_N,
                             tl.minimum((mt + 1) * BLOCK_M, S), True, HKV * D, D, BLOCK_N,
-                            BLOCK_D, QK_SCALE, IEEE, OVERLAP, MASKED_STAGES)
+                            BLOCK_D, QK_SCALE, IEEE)
         peers = me  # ranks me - 1, ..., 0: every key before every query of this rank
     else:
         m, l, acc = _attend(q, m, l, acc, k_ptr + own, v_ptr + own, rows, whole, S, False,
-                            HKV * D, D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE, OVERLAP,
-                            MASKED_STAGES)
+                            HKV * D, D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
         peers = world - 1
     staged = dl.heap_ptr(ctx, STAGE_OFF + (e % 2) * PARITY_BYTES, k_ptr.dtype.element_ty)
     for step in range(1, peers + 1):
@@ -274,16 +220,14 @@ def ag_attention_kernel(ctx, q_ptr, k_ptr, v_ptr, out_ptr,
             kb = aligned_after(staged, token) + ((src * B + b).to(tl.int64) * S * 2 * HKV
                                                   + hk) * D
             m, l, acc = _attend(q, m, l, acc, kb, kb + HKV * D, rows, whole, S, False,
-                                2 * HKV * D, D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE,
-                                OVERLAP, MASKED_STAGES)
+                                2 * HKV * D, D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
         else:
             token = dl.wait(ctx, ready + src, e, "ge", src)
             # The peer's staged copy, loads ordered after the wait; aligned_after
             # keeps the tile loads 16 bytes wide.
             kb = aligned_after(dl.symm_at(ctx, staged, src), token) + own
             m, l, acc = _attend(q, m, l, acc, kb, kb + KV_ELEMS, rows, whole, S, False,
-                                HKV * D, D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE, OVERLAP,
-                                MASKED_STAGES)
+                                HKV * D, D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
 
     l_safe = tl.where(l > 0, l, 1.0)
     o = acc / l_safe[:, None]

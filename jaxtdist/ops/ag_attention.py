@@ -58,16 +58,6 @@ class AgAttentionConfig(KernelConfig):
         (every query tile reads peers' staged copies over the link: a quarter of
         the heap, link-bound at long sequences) or "auto" (inbox when it fits the
         heap, else peer).
-      OVERLAP: software-pipeline the two dots of the unmasked key loop: issue
-        the next key block's QK^T, then this block's P.V, and run the next
-        block's softmax while P.V is still on the tensor cores (the overlap
-        FlashAttention-3 gets within a warpgroup; without it each softmax waits
-        for every dot issued before it). Slower with Triton 3.6, which waits for
-        each wgmma right after issuing it (H200: 1.58x cuDNN against 1.28 at
-        S = 16384).
-      MASKED_STAGES: software-pipeline stages of the masked key loop (the causal
-        diagonal, a chunk's partial last block: one or two blocks); 0 takes
-        num_stages, as the unmasked loop does (1 was within noise on H200).
       HEAD_GROUP: causal program order: the query tiles of HEAD_GROUP consecutive
         (batch, head) pairs launch interleaved, longest first. 1: each head's
         tiles together (K/V of few heads in flight, L2-friendly); B * Hq: every
@@ -81,8 +71,6 @@ class AgAttentionConfig(KernelConfig):
     num_warps: int = 8
     num_stages: int = 3
     GATHER: str = "auto"
-    OVERLAP: bool = False
-    MASKED_STAGES: int = 0
     HEAD_GROUP: int = 1
 
     @classmethod
@@ -105,13 +93,6 @@ class AgAttentionConfig(KernelConfig):
         if self.GATHER not in ("auto", "inbox", "peer"):
             raise ValueError(f"jaxtdist.ag_attention: config GATHER={self.GATHER!r}; allowed: "
                              "'auto', 'inbox', 'peer'")
-        if not isinstance(self.OVERLAP, (bool, np.bool_)):
-            raise ValueError(f"jaxtdist.ag_attention: config OVERLAP={self.OVERLAP!r} must "
-                             "be True or False")
-        value = self.MASKED_STAGES
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-            raise ValueError(f"jaxtdist.ag_attention: config MASKED_STAGES={value!r} must be "
-                             "an int >= 0 (0: num_stages)")
         for key in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "HEAD_GROUP"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -195,9 +176,7 @@ def ag_attention_kernels(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *,
     tiles = dict(**cfg.launch_options(), B=b, S=s, HQ=hq, HKV=hkv, D=d, CAUSAL=causal,
                  QK_SCALE=float(math.log2(math.e) / math.sqrt(d)), KV_ELEMS=kv_elems,
                  BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=max(16, next_pow2(d)),
-                 IEEE=q.dtype == jnp.float32, OVERLAP=bool(cfg.OVERLAP),
-                 MASKED_STAGES=int(cfg.MASKED_STAGES),
-                 HEAD_GROUP=min(int(cfg.HEAD_GROUP), b * hq))
+                 IEEE=q.dtype == jnp.float32, HEAD_GROUP=min(int(cfg.HEAD_GROUP), b * hq))
     grid = (b * hq * -(-s // cfg.BLOCK_M),)
     out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
     varying = call.result_axes(local=(q, k, v))
