@@ -355,21 +355,22 @@ def test_moe_kernels_compile(dtype):
                  {"ctx": i32, "x_ptr": f"*{dtype}", "slot_ptr": i32, "meta_ptr": i32,
                   "dcounts_ptr": i32, "bounds_ptr": i32, "recv_ptr": f"*{dtype}",
                   "rcounts_ptr": i32, "spos_ptr": i32, "stk_ptr": i32, "sranges_ptr": i32,
-                  "tail_ptr": f"*{dtype}"},
+                  "tail_ptr": f"*{dtype}", "trace_ptr": i32},
                  dict(T=t, H=h, K=k, E_LOC=e_loc, KL=kl, R=world * t * kl, W=world,
                       P=programs, TP=1, FLAGS_OFF=0, HDR_OFF=4096, META_OFF=1 << 16,
                       ROWS_OFF=1 << 20, PARITY_BYTES=1 << 24, HDR_WORDS=e_loc + 2 * programs + 1,
                       META_WORDS=meta_words, SCALED=False, WP=4, EP=64, MP=64, KLP=8,
-                      BLOCK_H=block, SPLIT=7168 if dtype == "u8" else 0),
+                      BLOCK_H=block, SPLIT=7168 if dtype == "u8" else 0,
+                      TRACE=dtype == "bf16"),  # the probes' phase stamps compile too
                  num_warps=4, num_stages=1)
     y_dtype = "bf16" if dtype == "u8" else dtype  # the experts' output: bf16 after fp8
     c = _compile(moe_combine_kernel,
                  {"ctx": i32, "y_ptr": f"*{y_dtype}", "w_ptr": "*fp32", "kmask_ptr": i32,
                   "g_ptr": f"*{y_dtype}", "spos_ptr": i32, "stk_ptr": i32, "sranges_ptr": i32,
-                  "out_ptr": f"*{y_dtype}", "dots_ptr": "*fp32"},
+                  "out_ptr": f"*{y_dtype}", "dots_ptr": "*fp32", "trace_ptr": i32},
                  dict(T=t, F=h, K=k, KL=kl, W=world, P=programs, TP=1, FLAGS_OFF=0,
                       INBOX_OFF=4096, PARITY_BYTES=1 << 24, DOTS=False, KP=8, KLP=8,
-                      BLOCK_F=_moe_block(h, 2)),
+                      BLOCK_F=_moe_block(h, 2), TRACE=dtype == "bf16"),
                  num_warps=4, num_stages=1)
     for k_ in (d, c):
         ptx = k_.asm["ptx"]

@@ -241,6 +241,35 @@ def test_moe_world_1_is_local_and_kernels_agree():
     np.testing.assert_allclose(outs[0][1], ref, rtol=1e-5, atol=1e-6)
 
 
+def test_moe_kernels_trace_their_phases():
+    """trace=True: the same outputs, plus per-program timestamps whose phases run in
+    order (the probes' view of where the kernels' time goes)."""
+    world, t, h, k, e = 2, 5, 16, 2, 4
+    mesh = setup(world)
+    x = rand((world * t, h))
+    ids = routing("random", world, t, k, e, np.random.default_rng(5))
+    gate = rand((world * t, k))
+
+    def body(x, ids, gate):
+        recv, sizes, handle = moe_dispatch_kernels(x, ids, "tp", num_experts=e)
+        recv_t, _, handle_t, d_stamps = moe_dispatch_kernels(x, ids, "tp", num_experts=e,
+                                                             trace=True)
+        out = moe_combine_kernels(recv, handle, gate, "tp")
+        out_t, c_stamps = moe_combine_kernels(recv_t, handle_t, gate, "tp", trace=True)
+        return recv, recv_t, out, out_t, d_stamps[None], c_stamps[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"),) * 3,
+                              out_specs=(P("tp"),) * 6, check_vma=False))
+    recv, recv_t, out, out_t, d_stamps, c_stamps = (
+        np.asarray(a) for a in f(*(place(mesh, a, P("tp")) for a in (x, ids, gate))))
+    np.testing.assert_array_equal(recv, recv_t)
+    np.testing.assert_array_equal(out, out_t)
+    assert d_stamps.shape == (world, 2, 6) and c_stamps.shape == (world, 2, 6)
+    for stamps, phases in ((d_stamps, 6), (c_stamps, 4)):
+        steps = np.diff(stamps[..., :phases].astype(np.int64), axis=-1) % (1 << 32)
+        assert (steps < 1 << 31).all(), stamps  # non-decreasing modulo 2**32
+
+
 def test_moe_invalid_expert_ids_are_not_sent():
     """Ids outside [0, E) and repeats within a token: not sent, counted, zero in
     combine; nothing else changes (no memory written out of place)."""

@@ -54,6 +54,11 @@ import triton.language as tl
 
 import jaxtdist.language as dl
 
+# Timestamps per program with TRACE: dispatch start, rows and meta pushed, headers
+# and flags sent, peers' flags seen, rows laid out, end; combine start, rows sent,
+# peers' flags seen, end.
+TRACE_PHASES = tl.constexpr(6)
+
 
 @triton.jit
 def _pick(vec, idx, j):
@@ -72,6 +77,15 @@ def _store_row(recv_ptr, tail_ptr, r, cols, v, hm, H: tl.constexpr, SPLIT: tl.co
     else:
         tl.store(recv_ptr + r * SPLIT + cols, v, mask=hm & (cols < SPLIT))
         tl.store(tail_ptr + r * (H - SPLIT) + (cols - SPLIT), v, mask=hm & (cols >= SPLIT))
+
+
+@triton.jit
+def _stamp(trace_ptr, pid, phase, TRACE: tl.constexpr):
+    """With TRACE, the GPU's clock (low 32 bits of ns) at ``phase`` of program
+    ``pid`` into trace [P, TRACE_PHASES] int32 (a probe's view of where the time
+    goes); nothing otherwise."""
+    if TRACE:
+        tl.store(trace_ptr + pid * TRACE_PHASES + phase, dl.now_ns().to(tl.int32))
 
 
 @triton.jit
@@ -95,6 +109,7 @@ def _scatter_chunk(recv_ptr, tail_ptr, v, cols, hm, dsts, keeps, scales, offs_kl
 @triton.jit
 def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
                         recv_ptr, rcounts_ptr, spos_ptr, stk_ptr, sranges_ptr, tail_ptr,
+                        trace_ptr,
                         T: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
                         E_LOC: tl.constexpr, KL: tl.constexpr, R: tl.constexpr,
                         W: tl.constexpr, P: tl.constexpr, TP: tl.constexpr,
@@ -103,7 +118,8 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
                         PARITY_BYTES: tl.constexpr, HDR_WORDS: tl.constexpr,
                         META_WORDS: tl.constexpr, SCALED: tl.constexpr,
                         WP: tl.constexpr, EP: tl.constexpr, MP: tl.constexpr,
-                        KLP: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT: tl.constexpr = 0):
+                        KLP: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT: tl.constexpr = 0,
+                        TRACE: tl.constexpr = False):
     """Grid: (P,), at most one program per SM on GPUs (programs wait on peers').
 
     Inputs: x [T, H]; slot [T, W] int32 (slot of token t in rank d's inbox, -1:
@@ -115,9 +131,11 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
     dropped); sranges [W, P, 2] int32 (slot range of each source's program).
     SPLIT > 0: recv is [R, SPLIT] and tail [R, H - SPLIT] holds the rest of each
     row (``_store_row``); else tail is unused. WP, EP, MP, KLP: W, E_LOC,
-    META_WORDS and KL rounded up to powers of 2 (vector widths).
+    META_WORDS and KL rounded up to powers of 2 (vector widths). TRACE: phase
+    timestamps into trace (``_stamp``); else trace is unused.
     """
     pid = tl.program_id(0)
+    _stamp(trace_ptr, pid, 0, TRACE)
     me = dl.rank(ctx)
     e = dl.epoch(ctx)
     par = (e % 2) * PARITY_BYTES
@@ -167,6 +185,7 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
                 m = tl.sum(tl.where(offs_w[:, None] == d, metas, 0), axis=0)
                 dst = meta + (me * T + s) * META_WORDS + offs_m
                 tl.store(dl.symm_at(ctx, dst, d), m, mask=offs_m < META_WORDS)
+    _stamp(trace_ptr, pid, 1, TRACE)
     h = hdr + me * HDR_WORDS
     for step in range(0, W):
         d = (me + step) % W
@@ -179,11 +198,14 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
         tl.store(dl.symm_at(ctx, h + E_LOC + 2 * P, d), _pick(totals, offs_w, d))
         dl.notify(ctx, flags + me * P + pid, d, e)  # release: rows, meta, header first
 
+    _stamp(trace_ptr, pid, 2, TRACE)
+
     # 2. Receive: every source's program pid has pushed.
     token = me * 0  # int32, the type dl.wait's token has (loop-carried)
     for step in range(0, W):
         src = (me + step) % W
         token = dl.wait(ctx, flags + src * P + pid, e, "ge", src)
+    _stamp(trace_ptr, pid, 3, TRACE)
     # Every load below goes through pointers that depend on the wait (consume_token),
     # via a zero offset times 16 elements: they keep their known alignment.
     after = dl.consume_token((me * 0).to(tl.int64), token) * 16
@@ -244,21 +266,24 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
             none = tl.full((KLP,), -1, tl.int32)
             tl.store(spos_ptr + (s * T + i) * KL + offs_kl, none, mask=kl_m)
             tl.store(stk_ptr + (s * T + i) * KL + offs_kl, none, mask=kl_m)
+    _stamp(trace_ptr, pid, 4, TRACE)
     # Rows past the received ones are zero (fully written output).
     for r in range(tl.minimum(total, R) + pid, R, P):
         for c in range(0, H, BLOCK_H):
             hm = c + offs_h < H
             _store_row(recv_ptr, tail_ptr, r, c + offs_h,
                        tl.zeros((BLOCK_H,), recv_ptr.dtype.element_ty), hm, H, SPLIT)
+    _stamp(trace_ptr, pid, 5, TRACE)
 
 
 @triton.jit
 def moe_combine_kernel(ctx, y_ptr, w_ptr, kmask_ptr, g_ptr, spos_ptr, stk_ptr, sranges_ptr,
-                       out_ptr, dots_ptr, T: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
+                       out_ptr, dots_ptr, trace_ptr, T: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
                        KL: tl.constexpr, W: tl.constexpr, P: tl.constexpr, TP: tl.constexpr,
                        FLAGS_OFF: tl.constexpr, INBOX_OFF: tl.constexpr,
                        PARITY_BYTES: tl.constexpr, DOTS: tl.constexpr,
-                       KP: tl.constexpr, KLP: tl.constexpr, BLOCK_F: tl.constexpr):
+                       KP: tl.constexpr, KLP: tl.constexpr, BLOCK_F: tl.constexpr,
+                       TRACE: tl.constexpr = False):
     """Grid: (P,), the dispatch's P. y [R, F] (rows of this rank's experts);
     w [T, K] weights and kmask [T, K] int32 (1: a valid pair) of this rank's
     tokens; spos / stk / sranges from the dispatch. out [T, F] = sum_k w[t, k] *
@@ -268,9 +293,11 @@ def moe_combine_kernel(ctx, y_ptr, w_ptr, kmask_ptr, g_ptr, spos_ptr, stk_ptr, s
 
     Both steps move all rows of a token at once, [KLP or KP, BLOCK_F / KLP or KP]
     blocks of BLOCK_F elements: the loads of a token's rows are in flight
-    together, one memory latency per block instead of one per row.
+    together, one memory latency per block instead of one per row. TRACE: phase
+    timestamps into trace (``_stamp``); else trace is unused.
     """
     pid = tl.program_id(0)
+    _stamp(trace_ptr, pid, 0, TRACE)
     me = dl.rank(ctx)
     e = dl.epoch(ctx)
     flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
@@ -299,12 +326,14 @@ def moe_combine_kernel(ctx, y_ptr, w_ptr, kmask_ptr, g_ptr, spos_ptr, stk_ptr, s
                 v = tl.load(src + cols, mask=send & fm & (poss >= 0)[:, None], other=0.0)
                 tl.store(dst + cols, v, mask=send & fm)
         dl.notify(ctx, flags + me * P + pid, s, e)  # release: the rows above first
+    _stamp(trace_ptr, pid, 1, TRACE)
 
     # 2. Sum this program's tokens' rows once every rank's program pid has sent.
     token = me * 0  # int32, the type dl.wait's token has (loop-carried)
     for step in range(0, W):
         src = (me + step) % W
         token = dl.wait(ctx, flags + src * P + pid, e, "ge", src)
+    _stamp(trace_ptr, pid, 2, TRACE)
     # Loads below depend on the wait (consume_token) through a zero offset times 16
     # elements: the pointer keeps its known alignment (16-byte vector loads).
     rows = inbox + dl.consume_token((me * 0).to(tl.int64), token) * 16
@@ -330,3 +359,4 @@ def moe_combine_kernel(ctx, y_ptr, w_ptr, kmask_ptr, g_ptr, spos_ptr, stk_ptr, s
                 dot += v * g.to(tl.float32)[None, :]
         if DOTS:
             tl.store(dots_ptr + t * K + offs_k, tl.sum(dot, axis=1), mask=km)
+    _stamp(trace_ptr, pid, 3, TRACE)

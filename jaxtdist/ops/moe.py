@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtdist.kernels.moe import moe_combine_kernel, moe_dispatch_kernel
+from jaxtdist.kernels.moe import TRACE_PHASES, moe_combine_kernel, moe_dispatch_kernel
 from jaxtdist.kernels.moe_route import moe_route_count_kernel, moe_route_kernel
 from jaxtdist.ops._config import KernelConfig, Problem, resolve
 from jaxtdist.ops._op import DistributedOp, mesh_devices, pjit_wrapper, rows_over
@@ -326,8 +326,12 @@ class CombineWorkspace:
 
 def moe_dispatch_kernels(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_experts: int,
                          max_recv_rows: int | None = None, scale: jax.Array | None = None,
-                         split: int = 0, config: dict | None = None):
+                         split: int = 0, config: dict | None = None, trace: bool = False):
     """moe_dispatch's kernel, at world 1 too (benchmarks, tests); not differentiable.
+
+    With ``trace``, also returns an int32 [P, 6] array of per-program timestamps
+    (low 32 bits of the GPU's ns clock; subtract modulo 2**32) at the kernel's
+    phases (``kernels/moe.py``, TRACE_PHASES): a probe's view of where the time goes.
 
     ``scale`` [T, K] (optional): the copy of token t for its k-th expert is
     multiplied by ``scale[t, k]`` (combine's backward uses it). ``split`` (0 <
@@ -367,14 +371,15 @@ def moe_dispatch_kernels(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_
         dispatch = functools.partial(call.run, moe_dispatch_kernel, workspace=ws)
     # With split, the rows' first columns and the rest land in two arrays; without,
     # the last output is a one-element placeholder the kernel never writes.
-    recv, counts, spos, stk, ranges, tail = dispatch(
+    recv, counts, spos, stk, ranges, tail, stamps = dispatch(
         x, route.slot, route.meta, route.dcounts, route.bounds,
         out_shape=[jax.ShapeDtypeStruct((rows, split or h), x.dtype),
                    jax.ShapeDtypeStruct((world, e_loc), i32),
                    jax.ShapeDtypeStruct((world * t, kl), i32),
                    jax.ShapeDtypeStruct((world * t, kl), i32),
                    jax.ShapeDtypeStruct((world, programs, 2), i32),
-                   jax.ShapeDtypeStruct((rows, h - split) if split else (1,), x.dtype)],
+                   jax.ShapeDtypeStruct((rows, h - split) if split else (1,), x.dtype),
+                   _trace_shape(trace, programs)],
         grid=(programs,), num_warps=cfg.num_warps, num_stages=1,
         varying=tuple(a for a in call.rt.mesh.axis_names if a in varying),
         T=t, H=h, K=k, E_LOC=e_loc, KL=kl, R=rows, W=world, P=programs,
@@ -382,21 +387,30 @@ def moe_dispatch_kernels(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_
         META_OFF=ws.offset + plan.meta, ROWS_OFF=ws.offset + plan.rows,
         PARITY_BYTES=plan.parity_bytes, HDR_WORDS=plan.hdr_words, META_WORDS=plan.meta_words,
         SCALED=scale is not None, WP=next_pow2(world), EP=next_pow2(e_loc),
-        MP=next_pow2(plan.meta_words), KLP=next_pow2(kl), BLOCK_H=cfg.BLOCK_H, SPLIT=split)
+        MP=next_pow2(plan.meta_words), KLP=next_pow2(kl), BLOCK_H=cfg.BLOCK_H, SPLIT=split,
+        TRACE=trace)
     if split:
         recv = (recv, tail)
     sizes, dropped = _summary(counts, rows)
     handle = MoeHandle(expert_ids, counts, spos, stk, ranges, dropped, route.invalid,
                        num_experts=num_experts, max_recv_rows=rows, programs=programs)
-    return recv, sizes, handle
+    return (recv, sizes, handle, stamps) if trace else (recv, sizes, handle)
+
+
+def _trace_shape(trace: bool, programs: int) -> jax.ShapeDtypeStruct:
+    """The kernels' timestamps output: [P, TRACE_PHASES] int32 with ``trace``,
+    else a one-element placeholder the kernel never writes."""
+    return jax.ShapeDtypeStruct((programs, TRACE_PHASES.value) if trace else (1,), jnp.int32)
 
 
 def moe_combine_kernels(y: jax.Array, handle: MoeHandle, weights: jax.Array, axis_name, *,
-                        cotangent: jax.Array | None = None, config: dict | None = None):
+                        cotangent: jax.Array | None = None, config: dict | None = None,
+                        trace: bool = False):
     """moe_combine's kernel, at world 1 too (benchmarks, tests); not differentiable.
 
     With ``cotangent`` [T, F], returns (out, dots) where dots[t, k] = <y row of
-    (t, k), cotangent[t]> (float32); else out.
+    (t, k), cotangent[t]> (float32); else out. With ``trace``, the int32 [P, 6]
+    timestamps (as ``moe_dispatch_kernels``'s; phases 0-3) come last.
     """
     y, weights = jnp.asarray(y), jnp.asarray(weights)
     _check_combine(y, weights, handle, axis_name=axis_name)
@@ -418,14 +432,17 @@ def moe_combine_kernels(y: jax.Array, handle: MoeHandle, weights: jax.Array, axi
         moe_combine_kernel, y, weights, kmask, g, handle.src_pos, handle.src_tk,
         handle.src_ranges, workspace=ws,
         out_shape=[jax.ShapeDtypeStruct((t, f), y.dtype),
-                   jax.ShapeDtypeStruct((t, k) if dots else (1,), jnp.float32)],
+                   jax.ShapeDtypeStruct((t, k) if dots else (1,), jnp.float32),
+                   _trace_shape(trace, programs)],
         grid=(programs,), num_warps=cfg.num_warps, num_stages=1,
         varying=tuple(a for a in call.rt.mesh.axis_names if a in varying),
         T=t, F=f, K=k, KL=kl, W=world, P=programs, TP=-(-t // programs),
         FLAGS_OFF=ws.offset + plan.flags, INBOX_OFF=ws.offset + plan.inbox,
         PARITY_BYTES=plan.parity_bytes, DOTS=dots, KP=next_pow2(k), KLP=next_pow2(kl),
-        BLOCK_F=cfg.BLOCK_H)
-    return (outs[0], outs[1]) if dots else outs[0]
+        BLOCK_F=cfg.BLOCK_H, TRACE=trace)
+    out, dots_out, stamps = outs
+    result = ((out, dots_out) if dots else (out,)) + ((stamps,) if trace else ())
+    return result if len(result) > 1 else out
 
 
 # -- the local computation (world 1) ------------------------------------------------

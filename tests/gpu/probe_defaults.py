@@ -3,8 +3,9 @@ side by side with the contender they must beat (CUPTI, interleaved rounds, one
 process). The numbers quoted in the defaults' comments and in docs/perf come
 from these.
 
-Usage (repo root, GPU node): python3 tests/gpu/probe_defaults.py {moe,attention,
-flash_decode,gemm}. ``moe`` needs 2 GPUs (world 2); the others run on one.
+Usage (repo root, GPU node): python3 tests/gpu/probe_defaults.py {moe,moe_trace,
+attention,flash_decode,gemm}. ``moe`` and ``moe_trace`` need 2 GPUs (world 2); the
+others run on one.
 Prints one line per shape: each variant's median time, its ratio to the
 contender, its error.
 """
@@ -74,6 +75,52 @@ def probe_moe() -> None:
                             if "moe" in k_)
         print(f"{name}: {h.us(s)} err={s.get('rel_err', s.get('error'))} kernels: {kernels}",
               flush=True)
+
+
+def probe_moe_trace(t: int = 128, hidden: int = 7168, k: int = 8, e: int = 256,
+                    runs: int = 20) -> None:
+    """Where dispatch's and combine's kernel time goes, world 2, DeepSeek-V3's decode
+    routing: per-program phase timestamps (``trace=True``), median and max over
+    programs of each phase, per device, in us."""
+    from jaxtdist.bench import moe as mb
+    from jaxtdist.ops.moe import moe_combine_kernels, moe_dispatch_kernels
+
+    world = 2
+    mesh = _mesh(world, "ep")
+    td.initialize(mesh, heap_bytes=2 * mb.ep_heap_bytes([(t, hidden, k, e)], world, 2))
+
+    def body(x, ids, w):
+        recv, _, handle, d_stamps = moe_dispatch_kernels(x, ids, "ep", num_experts=e,
+                                                         trace=True)
+        _, c_stamps = moe_combine_kernels(recv, handle, w, "ep", trace=True)
+        return d_stamps[None], c_stamps[None]
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(mb.EP_SPEC,) * 3,
+                               out_specs=(mb.EP_SPEC,) * 2, check_vma=False))
+    x = h.normal(1600, (world * t, hidden), jnp.bfloat16)
+    ids = mb._routing(1700, world * t, k, e)
+    w = np.random.default_rng(1800).random((world * t, k), np.float32)
+    args = tuple(jax.device_put(a, NamedSharding(mesh, mb.EP_SPEC))
+                 for a in (x, jnp.asarray(ids), jnp.asarray(w)))
+    phases = {"dispatch": ("push rows+meta", "headers+flags", "wait peers", "lay out",
+                           "zero tail"),
+              "combine": ("send rows+flags", "wait peers", "sum")}
+    runs = [fn(*args) for _ in range(runs)][runs // 4:]  # after warm-up
+    for kernel, stamps in zip(phases, zip(*runs)):
+        # [runs, world, P, 6] int32 ns (low bits): steps modulo 2**32, in us.
+        st = np.stack([np.asarray(s_).astype(np.int64) for s_ in stamps])
+        names = phases[kernel]
+        steps = np.diff(st[..., :len(names) + 1], axis=-1) % (1 << 32) / 1e3
+        start_spread = (st[..., 0] - st[..., 0].min(axis=-1, keepdims=True)) % (1 << 32) / 1e3
+        total = (st[..., len(names)] - st[..., 0].min(axis=-1, keepdims=True)) % (1 << 32) / 1e3
+        for dev in range(world):
+            cells = " | ".join(f"{n} {np.median(steps[:, dev, :, i]):.1f}/"
+                               f"{np.max(np.median(steps[:, dev], axis=0)[:, i]):.1f}"
+                               for i, n in enumerate(names))
+            print(f"{kernel} dev {dev}: program start spread "
+                  f"{np.median(np.max(start_spread[:, dev], axis=-1)):.1f} | {cells} | "
+                  f"first start to last end {np.median(np.max(total[:, dev], axis=-1)):.1f} "
+                  "(median/max over programs, us)", flush=True)
 
 
 def probe_attention() -> None:
@@ -185,8 +232,8 @@ def probe_gemm() -> None:
         _report(f"{op} {m}x{n}x{k}", h.interleaved(contenders, 30, 3), "jnp_dot")
 
 
-PROBES = {"moe": probe_moe, "attention": probe_attention, "flash_decode": probe_flash_decode,
-          "gemm": probe_gemm}
+PROBES = {"moe": probe_moe, "moe_trace": probe_moe_trace, "attention": probe_attention,
+          "flash_decode": probe_flash_decode, "gemm": probe_gemm}
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in PROBES:
