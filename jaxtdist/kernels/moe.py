@@ -278,9 +278,9 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
 
 @triton.jit
 def moe_combine_kernel(ctx, y_ptr, w_ptr, kmask_ptr, g_ptr, spos_ptr, stk_ptr, sranges_ptr,
-                       out_ptr, dots_ptr, trace_ptr, T: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
-                       KL: tl.constexpr, W: tl.constexpr, P: tl.constexpr, TP: tl.constexpr,
-                       FLAGS_OFF: tl.constexpr, INBOX_OFF: tl.constexpr,
+                       out_ptr, dots_ptr, trace_ptr, T: tl.constexpr, F: tl.constexpr,
+                       K: tl.constexpr, KL: tl.constexpr, W: tl.constexpr, P: tl.constexpr,
+                       TP: tl.constexpr, FLAGS_OFF: tl.constexpr, INBOX_OFF: tl.constexpr,
                        PARITY_BYTES: tl.constexpr, DOTS: tl.constexpr,
                        KP: tl.constexpr, KLP: tl.constexpr, BLOCK_F: tl.constexpr,
                        TRACE: tl.constexpr = False):
