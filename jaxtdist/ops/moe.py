@@ -55,7 +55,9 @@ class MoeConfig(KernelConfig):
       NUM_PROGRAMS: programs; program p owns tokens ``[p * TP, (p + 1) * TP)``
         on every rank and waits only for program p of the others (on GPUs at
         most one per SM: all resident). Combine uses its dispatch's value.
-      BLOCK_H: elements of a row per copy step (a power of 2).
+      BLOCK_H: elements per copy step (a power of 2): of one row in the
+        dispatch; the combine moves a token's rows together, BLOCK_H / KL
+        columns of each per step.
       num_warps: launch option.
       ROUTING: where the dispatch's routing metadata (slots, expert positions,
         counts) is computed: "kernels" (the GPU default: two launches of
