@@ -84,6 +84,17 @@ def setup(shape, names=("tp",), **kwargs) -> Mesh:
     return mesh
 
 
+def gpu_mesh(world: int, axis: str) -> Mesh:
+    """A 1-D mesh (Auto axis ``axis``) over the first ``world`` GPUs, with jaxtdist
+    initialized on it at its default settings; skips when fewer are visible."""
+    if len(jax.devices()) < world:
+        pytest.skip(f"needs {world} GPUs, {len(jax.devices())} visible")
+    mesh = jax.make_mesh((world,), (axis,), devices=jax.devices()[:world],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    td.initialize(mesh)
+    return mesh
+
+
 def rand(shape, dtype=jnp.float32, scale=1.0) -> np.ndarray:
     """Fresh standard-normal data (new seed on every call), rounded to ``dtype``,
     returned as a float32/64-exact numpy array in ``dtype``."""

@@ -35,14 +35,29 @@ def _report(title: str, stats: dict, base: str) -> None:
         for name, s in stats.items()), flush=True)
 
 
+def _moe_setup(world: int, t: int, hidden: int, k: int, e: int):
+    """The MoE probes' mesh (axis "ep", runtime with room for both kernels'
+    workspaces) and operands: bf16 tokens, a random top-k routing and weights,
+    placed rows-sharded. Returns (mesh, (x, ids, w) placed, x, w)."""
+    from jaxtdist.bench import moe as mb
+
+    mesh = _mesh(world, "ep")
+    td.initialize(mesh, heap_bytes=2 * mb.ep_heap_bytes([(t, hidden, k, e)], world, 2))
+    x = h.normal(1600, (world * t, hidden), jnp.bfloat16)
+    ids = mb._routing(1700, world * t, k, e)
+    w = np.random.default_rng(1800).random((world * t, k), np.float32)
+    args = tuple(jax.device_put(a, NamedSharding(mesh, mb.EP_SPEC))
+                 for a in (x, jnp.asarray(ids), jnp.asarray(w)))
+    return mesh, args, x, w
+
+
 def probe_moe() -> None:
     """Dispatch and dispatch + combine, world 2, DeepSeek-V3's decode routing: the
     copy step (BLOCK_H) and warps (MoeConfig)."""
     from jaxtdist.bench import moe as mb
 
     world, (t, hidden, k, e) = 2, (128, 7168, 8, 256)
-    mesh = _mesh(world, "ep")
-    td.initialize(mesh, heap_bytes=2 * mb.ep_heap_bytes([(t, hidden, k, e)], world, 2))
+    mesh, args, x, w = _moe_setup(world, t, hidden, k, e)
     specs = dict(mesh=mesh, in_specs=(mb.EP_SPEC,) * 3, out_specs=mb.EP_SPEC, check_vma=False)
     # BLOCK_H: elements per copy step (the combine moves a token's rows as one
     # [KL, BLOCK_H / KL] block per step).
@@ -51,11 +66,6 @@ def probe_moe() -> None:
                 "h16384w8": dict(BLOCK_H=16384, num_warps=8),
                 "h32768w16": dict(BLOCK_H=32768, num_warps=16),
                 "routing_xla": dict(ROUTING="xla")}
-    x = h.normal(1600, (world * t, hidden), jnp.bfloat16)
-    ids = mb._routing(1700, world * t, k, e)
-    w = np.random.default_rng(1800).random((world * t, k), np.float32)
-    args = tuple(jax.device_put(a, NamedSharding(mesh, mb.EP_SPEC))
-                 for a in (x, jnp.asarray(ids), jnp.asarray(w)))
     ref = np.asarray(x, np.float32) * w.sum(1, keepdims=True)  # identity experts
     contenders = {}
     for name, cfg in variants.items():
@@ -86,8 +96,7 @@ def probe_moe_trace(t: int = 128, hidden: int = 7168, k: int = 8, e: int = 256,
     from jaxtdist.ops.moe import moe_combine_kernels, moe_dispatch_kernels
 
     world = 2
-    mesh = _mesh(world, "ep")
-    td.initialize(mesh, heap_bytes=2 * mb.ep_heap_bytes([(t, hidden, k, e)], world, 2))
+    mesh, args, _, _ = _moe_setup(world, t, hidden, k, e)
 
     def body(x, ids, w):
         recv, _, handle, d_stamps = moe_dispatch_kernels(x, ids, "ep", num_experts=e,
@@ -97,11 +106,6 @@ def probe_moe_trace(t: int = 128, hidden: int = 7168, k: int = 8, e: int = 256,
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(mb.EP_SPEC,) * 3,
                                out_specs=(mb.EP_SPEC,) * 2, check_vma=False))
-    x = h.normal(1600, (world * t, hidden), jnp.bfloat16)
-    ids = mb._routing(1700, world * t, k, e)
-    w = np.random.default_rng(1800).random((world * t, k), np.float32)
-    args = tuple(jax.device_put(a, NamedSharding(mesh, mb.EP_SPEC))
-                 for a in (x, jnp.asarray(ids), jnp.asarray(w)))
     phases = {"dispatch": ("push rows+meta", "headers+flags", "wait peers", "lay out",
                            "zero tail"),
               "combine": ("send rows+flags", "wait peers", "sum")}

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxtdist as td
 from jaxtdist.ops.ag_attention import ag_attention_kernels, attention
+from tests.conftest import gpu_mesh
 
 pytestmark = pytest.mark.skipif(
     jax.devices()[0].platform != "gpu", reason="needs CUDA GPUs (none visible)")
@@ -31,12 +32,7 @@ def _rand(shape, dtype):
 
 
 def _mesh(world):
-    if len(jax.devices()) < world:
-        pytest.skip(f"needs {world} GPUs, have {len(jax.devices())}")
-    mesh = jax.make_mesh((world,), ("sp",), devices=jax.devices()[:world],
-                         axis_types=(jax.sharding.AxisType.Auto,))
-    td.initialize(mesh)
-    return mesh
+    return gpu_mesh(world, "sp")
 
 
 def _reference(q, k, v, causal):

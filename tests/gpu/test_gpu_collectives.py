@@ -12,9 +12,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import jaxtdist as td
 from jaxtdist.ops.all_reduce import all_reduce
 from jaxtdist.ops.reduce_scatter import reduce_scatter
+from tests.conftest import gpu_mesh
 
 pytestmark = pytest.mark.skipif(
     jax.devices()[0].platform != "gpu", reason="needs CUDA GPUs (none visible)")
@@ -30,12 +30,7 @@ def _rand(shape, dtype):
 
 
 def _mesh(world):
-    if len(jax.devices()) < world:
-        pytest.skip(f"needs {world} GPUs, have {len(jax.devices())}")
-    mesh = jax.make_mesh((world,), ("tp",), devices=jax.devices()[:world],
-                         axis_types=(jax.sharding.AxisType.Auto,))
-    td.initialize(mesh)
-    return mesh
+    return gpu_mesh(world, "tp")
 
 
 def _rel(out, ref):

@@ -11,9 +11,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import jaxtdist as td
 from jaxtdist.ops.matmul_rs import (matmul_ar, matmul_ar_kernels, matmul_rs,
                                     matmul_rs_kernels)
+from tests.conftest import gpu_mesh
 
 pytestmark = pytest.mark.skipif(
     jax.devices()[0].platform != "gpu", reason="needs CUDA GPUs (none visible)")
@@ -30,12 +30,7 @@ def _rand(shape, dtype, scale=1.0):
 
 
 def _mesh(world):
-    if len(jax.devices()) < world:
-        pytest.skip(f"needs {world} GPUs, {len(jax.devices())} visible")
-    mesh = jax.make_mesh((world,), ("tp",), devices=jax.devices()[:world],
-                         axis_types=(jax.sharding.AxisType.Auto,))
-    td.initialize(mesh)
-    return mesh
+    return gpu_mesh(world, "tp")
 
 
 def _check(mesh, op, out_spec, m, n, k, dtype, calls=3):

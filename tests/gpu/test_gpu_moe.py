@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxtdist as td
 from jaxtdist.ops.moe import moe_combine_kernels, moe_dispatch_kernels
+from tests.conftest import gpu_mesh
 
 pytestmark = pytest.mark.skipif(
     jax.devices()[0].platform != "gpu", reason="needs CUDA GPUs (none visible)")
@@ -21,12 +22,7 @@ _seed = [0]
 
 
 def _mesh(world):
-    if len(jax.devices()) < world:
-        pytest.skip(f"needs {world} GPUs, {len(jax.devices())} visible")
-    mesh = jax.make_mesh((world,), ("ep",), devices=jax.devices()[:world],
-                         axis_types=(jax.sharding.AxisType.Auto,))
-    td.initialize(mesh)
-    return mesh
+    return gpu_mesh(world, "ep")
 
 
 def _routing(kind, n, k, e, world, rng):

@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 
 import jaxtdist as td
 from tests.test_cpu_moe_tp import EXPERTS_W1, EXPERTS_W2, TOKENS, _reference, _routing
+from tests.conftest import gpu_mesh
 
 pytestmark = pytest.mark.skipif(
     jax.devices()[0].platform != "gpu", reason="needs CUDA GPUs (none visible)")
@@ -22,12 +23,7 @@ BF16, F32 = jnp.bfloat16, jnp.float32
 
 
 def _mesh(world):
-    if len(jax.devices()) < world:
-        pytest.skip(f"needs {world} GPUs, {len(jax.devices())} visible")
-    mesh = jax.make_mesh((world,), ("tp",), devices=jax.devices()[:world],
-                         axis_types=(jax.sharding.AxisType.Auto,))
-    td.initialize(mesh)
-    return mesh
+    return gpu_mesh(world, "tp")
 
 
 def _normal(rng, shape, dtype, scale=1.0):
