@@ -129,7 +129,8 @@ def probe_moe_trace(t: int = 128, hidden: int = 7168, k: int = 8, e: int = 256,
 
 def probe_attention() -> None:
     """ag_attention's kernel at world 1 against cuDNN: query and key tiles, warps,
-    stages (AgAttentionConfig), B=1, H=32, D=128, causal, bf16."""
+    stages and the causal order over head groups (AgAttentionConfig), B=1, H=32,
+    D=128, causal, bf16."""
     from jaxtdist.ops.ag_attention import ag_attention_kernels
 
     mesh = _mesh(1, "sp")
@@ -143,7 +144,9 @@ def probe_attention() -> None:
                 "m128n128w8s2": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
                 "m64n64w4": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4),
                 "m64n64w4s4": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4),
-                "m64n128w4": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4)}
+                "m64n128w4": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4),
+                "head_group1": dict(HEAD_GROUP=1), "head_group4": dict(HEAD_GROUP=4),
+                "head_group8": dict(HEAD_GROUP=8)}
     for s in (4096, 16384):
         q, k, v = (h.normal(600 + j, (1, s, 32, 128), jnp.bfloat16) for j in range(3))
         args = tuple(jax.device_put(a, NamedSharding(mesh, sp)) for a in (q, k, v))
