@@ -287,6 +287,7 @@ def test_ag_attention_compiles_with_tensor_cores(dtype, d, causal, inbox):
                  dict(B=1, S=8192, HQ=32, HKV=8, D=d, CAUSAL=causal, QK_SCALE=0.1275,
                       INBOX=inbox, STAGE_OFF=4096, PARITY_BYTES=1 << 26, KV_ELEMS=8192 * 8 * d,
                       READY_OFF=0, FLAGS_OFF=0, SENT_OFF=512, CHUNK_ROWS=8192 if inbox else 1,
+                      KV_STRIDE=(2 if inbox else 1) * 8 * d, V_OFF=8 * d if inbox else 0,
                       FLAG_SCOPE="gpu" if inbox else "sys", BLOCK_M=128 if dtype != "fp32" else 64,
                       BLOCK_N=64 if dtype != "fp32" else 32, BLOCK_D=d, IEEE=dtype == "fp32",
                       HEAD_GROUP=1),
@@ -319,7 +320,8 @@ def test_ag_attention_head_groups_compile(head_group, block_n):
                  dict(B=1, S=16384, HQ=32, HKV=32, D=128, CAUSAL=True, QK_SCALE=0.1275,
                       INBOX=True, STAGE_OFF=4096, PARITY_BYTES=1 << 28,
                       KV_ELEMS=16384 * 32 * 128, READY_OFF=0, FLAGS_OFF=0, SENT_OFF=512,
-                      CHUNK_ROWS=16384, FLAG_SCOPE="gpu", BLOCK_M=128, BLOCK_N=block_n,
+                      CHUNK_ROWS=16384, KV_STRIDE=2 * 32 * 128, V_OFF=32 * 128,
+                      FLAG_SCOPE="gpu", BLOCK_M=128, BLOCK_N=block_n,
                       BLOCK_D=128, IEEE=False, HEAD_GROUP=head_group),
                  num_warps=8, num_stages=3)
     ops = _ops(k)

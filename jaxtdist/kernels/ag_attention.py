@@ -133,12 +133,16 @@ def ag_attention_kernel(ctx, q_ptr, k_ptr, v_ptr, out_ptr,
                         PARITY_BYTES: tl.constexpr, KV_ELEMS: tl.constexpr,
                         READY_OFF: tl.constexpr, FLAGS_OFF: tl.constexpr,
                         SENT_OFF: tl.constexpr, CHUNK_ROWS: tl.constexpr,
+                        KV_STRIDE: tl.constexpr, V_OFF: tl.constexpr,
                         FLAG_SCOPE: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
                         HEAD_GROUP: tl.constexpr):
     """Grid: (B * HQ * cdiv(S, BLOCK_M),).
 
-    q: [B, S, HQ, D]; k, v: [B, S, HKV, D] (this rank's positions); out: [B, S, HQ, D].
+    q: [B, S, HQ, D]; out: [B, S, HQ, D]. This rank's keys and values: rows of
+    KV_STRIDE elements, v at V_OFF elements past k (k, v: [B, S, HKV, D], V_OFF 0;
+    INBOX: k_ptr = v_ptr = the [B * S, 2 * HKV * D] array the copy engines push,
+    which being an operand outlives the pushes, V_OFF = HKV * D).
     INBOX: peers' chunks in this rank's inbox at STAGE_OFF + (e % 2) * PARITY_BYTES
     ([world * B * S, 2 * HKV * D]; a flag per CHUNK_ROWS rows of each peer at
     FLAGS_OFF; this rank's pushes raise its sent words at SENT_OFF).
@@ -190,19 +194,19 @@ def ag_attention_kernel(ctx, q_ptr, k_ptr, v_ptr, out_ptr,
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
 
     # The own chunk first: no wait. Causal: keys up to the tile's last query.
-    own = (b.to(tl.int64) * S * HKV + hk) * D
+    own = b.to(tl.int64) * S * KV_STRIDE + hk * D
     # Keys of a whole chunk: whole blocks unmasked, the last partial one masked.
     whole = S // BLOCK_N * BLOCK_N
     if CAUSAL:
         # Keys before the tile's first query are seen by all its rows.
-        m, l, acc = _attend(q, m, l, acc, k_ptr + own, v_ptr + own, rows,
+        m, l, acc = _attend(q, m, l, acc, k_ptr + own, v_ptr + V_OFF + own, rows,
                             mt * BLOCK_M // BLOCK_N * BLOCK_N,
-                            tl.minimum((mt + 1) * BLOCK_M, S), True, HKV * D, D, BLOCK_N,
+                            tl.minimum((mt + 1) * BLOCK_M, S), True, KV_STRIDE, D, BLOCK_N,
                             BLOCK_D, QK_SCALE, IEEE)
         peers = me  # ranks me - 1, ..., 0: every key before every query of this rank
     else:
-        m, l, acc = _attend(q, m, l, acc, k_ptr + own, v_ptr + own, rows, whole, S, False,
-                            HKV * D, D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
+        m, l, acc = _attend(q, m, l, acc, k_ptr + own, v_ptr + V_OFF + own, rows, whole, S,
+                            False, KV_STRIDE, D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
         peers = world - 1
     staged = dl.heap_ptr(ctx, STAGE_OFF + (e % 2) * PARITY_BYTES, k_ptr.dtype.element_ty)
     for step in range(1, peers + 1):
@@ -225,7 +229,8 @@ def ag_attention_kernel(ctx, q_ptr, k_ptr, v_ptr, out_ptr,
             token = dl.wait(ctx, ready + src, e, "ge", src)
             # The peer's staged copy, loads ordered after the wait; aligned_after
             # keeps the tile loads 16 bytes wide.
-            kb = aligned_after(dl.symm_at(ctx, staged, src), token) + own
+            kb = aligned_after(dl.symm_at(ctx, staged, src), token) + (
+                (b.to(tl.int64) * S * HKV + hk) * D)
             m, l, acc = _attend(q, m, l, acc, kb, kb + KV_ELEMS, rows, whole, S, False,
                                 HKV * D, D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
 
@@ -244,7 +249,8 @@ def ag_attention_kernel(ctx, q_ptr, k_ptr, v_ptr, out_ptr,
             else:
                 dl.wait(ctx, ready + src, e, "ge", src)
         if INBOX:
-            # k and v (the pushes' source) must outlive this rank's pushes.
+            # The pushes' source (k_ptr) must outlive them: this kernel, whose
+            # operand it is, ends after they have.
             sent = dl.heap_ptr(ctx, SENT_OFF, tl.int32)
             for step in range(1, world):
                 dl.wait(ctx, sent + step, e, "ge", me, "gpu")

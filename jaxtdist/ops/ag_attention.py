@@ -209,7 +209,7 @@ def ag_attention_kernels(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *,
         out_shape=out_shape, grid=grid, varying=varying, **tiles, INBOX=False,
         STAGE_OFF=ws.offset + plan.stage, PARITY_BYTES=plan.parity_bytes,
         READY_OFF=ws.offset + plan.ready, FLAGS_OFF=0, SENT_OFF=0, CHUNK_ROWS=1,
-        FLAG_SCOPE="sys")
+        KV_STRIDE=hkv * d, V_OFF=0, FLAG_SCOPE="sys")
 
 
 def _launch_inbox(call: Call, q, k, v, tiles: dict, grid, out_shape, varying):
@@ -231,9 +231,14 @@ def _launch_inbox(call: Call, q, k, v, tiles: dict, grid, out_shape, varying):
                           sent_offset=offsets["SENT_OFF"], chunk_rows=chunk_rows,
                           copy_block_c=min(256, next_pow2(2 * hkv * d)))
     scope = "gpu" if ce else "sys"  # copy engines' flags are read on the GPU they land on
-    return call.launch(ag_attention_kernel, ctx, q, k, v, out_shape=out_shape, grid=grid,
+    # The kernel reads its own chunk from kv, not k and v: kv must stay alive until
+    # the copy engines have read it, and XLA keeps only a kernel's operands alive
+    # (as the ce push's alone, its buffer could become the kernel's output while
+    # peers were still being sent it).
+    return call.launch(ag_attention_kernel, ctx, q, kv, kv, out_shape=out_shape, grid=grid,
                        varying=varying, **tiles, INBOX=True, READY_OFF=0,
-                       CHUNK_ROWS=chunk_rows, FLAG_SCOPE=scope, **offsets)
+                       CHUNK_ROWS=chunk_rows, KV_STRIDE=2 * hkv * d, V_OFF=hkv * d,
+                       FLAG_SCOPE=scope, **offsets)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,

@@ -4,8 +4,8 @@ process). The numbers quoted in the defaults' comments and in docs/perf come
 from these.
 
 Usage (repo root, GPU node): python3 tests/gpu/probe_defaults.py {moe,moe_trace,
-attention,flash_decode,gemm}. ``moe`` and ``moe_trace`` need 2 GPUs (world 2); the
-others run on one.
+attention,flash_decode,gemm} [world]. ``moe`` and ``moe_trace`` run at the world
+given (default 2) and need that many GPUs; the others run on one.
 Prints one line per shape: each variant's median time, its ratio to the
 contender, its error.
 """
@@ -51,12 +51,12 @@ def _moe_setup(world: int, t: int, hidden: int, k: int, e: int):
     return mesh, args, x, w
 
 
-def probe_moe() -> None:
-    """Dispatch and dispatch + combine, world 2, DeepSeek-V3's decode routing: the
+def probe_moe(world: int = 2) -> None:
+    """Dispatch and dispatch + combine, at `world`, DeepSeek-V3's decode routing: the
     copy step (BLOCK_H) and warps (MoeConfig)."""
     from jaxtdist.bench import moe as mb
 
-    world, (t, hidden, k, e) = 2, (128, 7168, 8, 256)
+    t, hidden, k, e = 128, 7168, 8, 256
     mesh, args, x, w = _moe_setup(world, t, hidden, k, e)
     specs = dict(mesh=mesh, in_specs=(mb.EP_SPEC,) * 3, out_specs=mb.EP_SPEC, check_vma=False)
     # BLOCK_H: elements per copy step (the combine moves a token's rows as one
@@ -87,15 +87,14 @@ def probe_moe() -> None:
               flush=True)
 
 
-def probe_moe_trace(t: int = 128, hidden: int = 7168, k: int = 8, e: int = 256,
-                    runs: int = 20) -> None:
-    """Where dispatch's and combine's kernel time goes, world 2, DeepSeek-V3's decode
+def probe_moe_trace(world: int = 2, t: int = 128, hidden: int = 7168, k: int = 8,
+                    e: int = 256, runs: int = 20) -> None:
+    """Where dispatch's and combine's kernel time goes, at `world`, DeepSeek-V3's decode
     routing: per-program phase timestamps (``trace=True``), median and max over
     programs of each phase, per device, in us."""
     from jaxtdist.bench import moe as mb
     from jaxtdist.ops.moe import moe_combine_kernels, moe_dispatch_kernels
 
-    world = 2
     mesh, args, _, _ = _moe_setup(world, t, hidden, k, e)
 
     def body(x, ids, w):
@@ -243,6 +242,6 @@ PROBES = {"moe": probe_moe, "moe_trace": probe_moe_trace, "attention": probe_att
           "flash_decode": probe_flash_decode, "gemm": probe_gemm}
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2 or sys.argv[1] not in PROBES:
-        sys.exit(f"usage: python3 tests/gpu/probe_defaults.py {{{','.join(PROBES)}}}")
-    PROBES[sys.argv[1]]()
+    if len(sys.argv) not in (2, 3) or sys.argv[1] not in PROBES:
+        sys.exit(f"usage: python3 tests/gpu/probe_defaults.py {{{','.join(PROBES)}}} [world]")
+    PROBES[sys.argv[1]](*map(int, sys.argv[2:]))
