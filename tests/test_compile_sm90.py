@@ -341,8 +341,9 @@ def _moe_block(h: int, itemsize: int) -> int:
                                                           4: "float32"}[itemsize], 132)).BLOCK_H
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32", "u8"])
-def test_moe_kernels_compile(dtype):
+@pytest.mark.parametrize("dtype,dots", [("bf16", False), ("fp32", False), ("u8", False),
+                                        ("bf16", True)])
+def test_moe_kernels_compile(dtype, dots):
     """MoE dispatch and combine compile for sm_90 at DeepSeek-V3's decode size (H=7168,
     top-8, 256 experts over 4 ranks); the row copies keep 16-byte vectors and the
     flags are system-scope release/acquire."""
@@ -368,10 +369,12 @@ def test_moe_kernels_compile(dtype):
     y_dtype = "bf16" if dtype == "u8" else dtype  # the experts' output: bf16 after fp8
     c = _compile(moe_combine_kernel,
                  {"ctx": i32, "y_ptr": f"*{y_dtype}", "w_ptr": "*fp32", "kmask_ptr": i32,
-                  "g_ptr": f"*{y_dtype}", "spos_ptr": i32, "stk_ptr": i32, "sranges_ptr": i32,
-                  "out_ptr": f"*{y_dtype}", "dots_ptr": "*fp32", "trace_ptr": i32},
-                 dict(T=t, F=h, K=k, KL=kl, W=world, P=programs, TP=1, FLAGS_OFF=0,
-                      INBOX_OFF=4096, PARITY_BYTES=1 << 24, DOTS=False, KP=8, KLP=8,
+                  "ids_ptr": i32, "g_ptr": f"*{y_dtype}", "spos_ptr": i32, "stk_ptr": i32,
+                  "sranges_ptr": i32, "out_ptr": f"*{y_dtype}", "dots_ptr": "*fp32",
+                  "trace_ptr": i32},
+                 dict(T=t, F=h, K=k, KL=kl, W=world, P=programs, TP=1, E_LOC=e_loc,
+                      FLAGS_OFF=0, WFLAGS_OFF=2048, INBOX_OFF=4096, WBOX_OFF=4096 + (1 << 23),
+                      PARITY_BYTES=1 << 24, DOTS=dots, KP=8, KLP=8, WP=4,
                       BLOCK_F=_moe_block(h, 2), TRACE=dtype == "bf16"),
                  num_warps=4, num_stages=1)
     for k_ in (d, c):

@@ -206,8 +206,8 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr,
         o, lse = _finish(m, l, acc)
 
         # 3. Push this rank's partial to every peer, keep it in the own inbox too.
-        inbox_o = dl.heap_ptr(ctx, INBOX_OFF + (e % 2) * PARITY_BYTES, tl.float32)
-        inbox_lse = dl.heap_ptr(ctx, INBOX_OFF + (e % 2) * PARITY_BYTES + INBOX_LSE,
+        inbox_o = dl.heap_ptr(ctx, INBOX_OFF + (e % 2).to(tl.int64) * PARITY_BYTES, tl.float32)
+        inbox_lse = dl.heap_ptr(ctx, INBOX_OFF + (e % 2).to(tl.int64) * PARITY_BYTES + INBOX_LSE,
                                 tl.float32)
         flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
         my_o = inbox_o + (me * GROUPS + group) * (BLOCK_G * BLOCK_D) + tile

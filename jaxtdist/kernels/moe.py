@@ -27,15 +27,20 @@ Dispatch (``moe_dispatch_kernel``), program p of rank ``me`` owns tokens
    local expert; it also zeroes its share of the unused rows of recv_x and
    records, per inbox row and local expert, where the row went (for combine).
 
-Combine (``moe_combine_kernel``) is the reverse, by the same program split:
-program p of the experts' rank sends, for each (token, k) pair it holds from
-source s's program p, the y row (zero if the row was dropped) into s's heap
-inbox at row ``t * K + k``, then notifies ``FLAGS[me, p]`` in s's heap; then
-it waits for every rank's ``FLAGS[d, p]`` and sums its tokens' K rows times
-their weights in float32. Every valid (t, k) pair is sent by exactly one rank
-(its expert's); the op masks invalid ones (``KMASK``).
+Combine (``moe_combine_kernel``) is the reverse, by the same program split.
+Forward: program p of every rank first pushes its tokens' weights into every
+rank's weight box and notifies ``WFLAGS[me, p]``; program p of the experts'
+rank then, for each token it holds from source s's program p, weighs and sums
+that token's local expert rows (float32) and sends the one row into s's heap
+inbox at row ``me * T + t``, then notifies ``FLAGS[me, p]`` in s's heap;
+last it waits for every rank's ``FLAGS[d, p]`` and sums, per token, the rows
+of the ranks the token went to (read from its routing). Backward (DOTS): the
+rows of (t, k) pairs go back unweighed, to inbox row ``t * K + k``, and the
+source weighs them (the weights' cotangent needs each pair's row). Every row
+a source reads is written by exactly one rank in the same call; invalid pairs
+(``KMASK``) contribute zero.
 
-Reuse (both kernels): a source writes a peer's inbox of parity ``e % 2`` at
+Reuse (both kernels): a source writes a peer's inbox (or weight box) of parity ``e % 2`` at
 epochs e and e + 2; the peer reads it in its kernel e. The source's kernel
 e + 1 waited for the peer's flags of e + 1 (every rank notifies every rank in
 every call), which the peer raises in its kernel e + 1, after its kernel e
@@ -46,7 +51,8 @@ The headers sit in the parity region too, for the same reason.
 Workspace layout (byte offsets, ``ops/moe.DispatchWorkspace`` /
 ``CombineWorkspace``): FLAGS [W, P] int32, then per parity: dispatch's
 headers [W, HDR_WORDS] int32, meta [W, T, META_WORDS] int32 and rows
-[W, T, H]; combine's inbox [T * K, F].
+[W, T, H]; combine's (after WFLAGS [W, P]) inbox of [W, T] or [T * K] rows of
+F and weight box [W, T, K] float32.
 """
 
 import triton
@@ -138,7 +144,7 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
     _stamp(trace_ptr, pid, 0, TRACE)
     me = dl.rank(ctx)
     e = dl.epoch(ctx)
-    par = (e % 2) * PARITY_BYTES
+    par = (e % 2).to(tl.int64) * PARITY_BYTES
     flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
     hdr = dl.heap_ptr(ctx, HDR_OFF + par, tl.int32)
     meta = dl.heap_ptr(ctx, META_OFF + par, tl.int32)
@@ -277,54 +283,102 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
 
 
 @triton.jit
-def moe_combine_kernel(ctx, y_ptr, w_ptr, kmask_ptr, g_ptr, spos_ptr, stk_ptr, sranges_ptr,
-                       out_ptr, dots_ptr, trace_ptr, T: tl.constexpr, F: tl.constexpr,
-                       K: tl.constexpr, KL: tl.constexpr, W: tl.constexpr, P: tl.constexpr,
-                       TP: tl.constexpr, FLAGS_OFF: tl.constexpr, INBOX_OFF: tl.constexpr,
-                       PARITY_BYTES: tl.constexpr, DOTS: tl.constexpr,
-                       KP: tl.constexpr, KLP: tl.constexpr, BLOCK_F: tl.constexpr,
+def moe_combine_kernel(ctx, y_ptr, w_ptr, kmask_ptr, ids_ptr, g_ptr, spos_ptr, stk_ptr,
+                       sranges_ptr, out_ptr, dots_ptr, trace_ptr, T: tl.constexpr,
+                       F: tl.constexpr, K: tl.constexpr, KL: tl.constexpr, W: tl.constexpr,
+                       P: tl.constexpr, TP: tl.constexpr, E_LOC: tl.constexpr,
+                       FLAGS_OFF: tl.constexpr, WFLAGS_OFF: tl.constexpr,
+                       INBOX_OFF: tl.constexpr, WBOX_OFF: tl.constexpr,
+                       PARITY_BYTES: tl.constexpr, DOTS: tl.constexpr, KP: tl.constexpr,
+                       KLP: tl.constexpr, WP: tl.constexpr, BLOCK_F: tl.constexpr,
                        TRACE: tl.constexpr = False):
     """Grid: (P,), the dispatch's P. y [R, F] (rows of this rank's experts);
-    w [T, K] weights and kmask [T, K] int32 (1: a valid pair) of this rank's
-    tokens; spos / stk / sranges from the dispatch. out [T, F] = sum_k w[t, k] *
-    y row of (t, k), float32 accumulation. With DOTS, also dots [T, K] float32 =
-    <y row of (t, k), g[t]> (the weights' cotangent, g the output's). KP, KLP:
-    K and KL rounded up to powers of 2.
+    w [T, K] weights, kmask [T, K] int32 (1: a valid pair) and ids [T, K] (the
+    routing) of this rank's tokens; spos / stk / sranges from the dispatch.
+    out [T, F] = sum_k w[t, k] * y row of (t, k), float32 accumulation. KP, KLP,
+    WP: K, KL and W rounded up to powers of 2.
 
-    Both steps move all rows of a token at once, [KLP or KP, BLOCK_F / KLP or KP]
-    blocks of BLOCK_F elements: the loads of a token's rows are in flight
-    together, one memory latency per block instead of one per row. TRACE: phase
-    timestamps into trace (``_stamp``); else trace is unused.
+    Without DOTS (the forward) the experts' rank reduces first: program p pushes
+    its tokens' weights (0 for invalid pairs) into every rank's weight box
+    (WBOX, [W, T, K] float32, flag WFLAGS[me, p]); the experts' rank sums each
+    received row's local pairs, w * y in float32, and sends one row per (token,
+    rank) back, in y's type, to the source's inbox row ``me * T + t``; the source
+    sums the rows of the ranks its token went to. A token's rows cross the link
+    once per rank, as in the dispatch, not once per expert.
+    With DOTS (the backward) each pair's row goes back on its own, to inbox row
+    ``t * K + k``, and dots [T, K] float32 = <y row of (t, k), g[t]> (the
+    weights' cotangent, g the output's) come out beside out.
+
+    Every step moves a token's rows together, [KLP, KP or WP, BLOCK_F / that]
+    blocks: their loads are in flight at once. TRACE: phase timestamps into
+    trace (``_stamp``); else trace is unused.
     """
     pid = tl.program_id(0)
     _stamp(trace_ptr, pid, 0, TRACE)
     me = dl.rank(ctx)
     e = dl.epoch(ctx)
+    par = (e % 2).to(tl.int64) * PARITY_BYTES
     flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
-    inbox = dl.heap_ptr(ctx, INBOX_OFF + (e % 2) * PARITY_BYTES, y_ptr.dtype.element_ty)
+    wflags = dl.heap_ptr(ctx, WFLAGS_OFF, tl.int32)
+    inbox = dl.heap_ptr(ctx, INBOX_OFF + par, y_ptr.dtype.element_ty)
+    wbox = dl.heap_ptr(ctx, WBOX_OFF + par, tl.float32)
     SEND_F: tl.constexpr = max(BLOCK_F // KLP, 16)
-    SUM_F: tl.constexpr = max(BLOCK_F // KP, 16)
+    SUM_F: tl.constexpr = max(BLOCK_F // (KP if DOTS else WP), 16)
     offs_kl = tl.arange(0, KLP)
     offs_k = tl.arange(0, KP)
+    km = offs_k < K
+    t_lo = pid * TP
+    t_hi = tl.minimum(t_lo + TP, T)
 
-    # 1. Send each (t, k) row held for source s's program pid back to s.
+    # 0. Forward: this program's tokens' weights to every rank (their experts' ranks
+    # weigh the rows before sending them back).
+    if not DOTS:
+        for t in range(t_lo, t_hi):
+            valid = tl.load(kmask_ptr + t * K + offs_k, mask=km, other=0) != 0
+            wk = tl.where(valid, tl.load(w_ptr + t * K + offs_k, mask=km, other=0.0), 0.0)
+            for step in range(0, W):
+                d = (me + step) % W
+                tl.store(dl.symm_at(ctx, wbox + (me * T + t) * K + offs_k, d),
+                         wk.to(tl.float32), mask=km)
+        for step in range(0, W):
+            dl.notify(ctx, wflags + me * P + pid, (me + step) % W, e)  # release: weights first
+
+    # 1. Send the rows held for source s's program pid back to s.
     offs_f = tl.arange(0, SEND_F)
     for step in range(0, W):
         s = (me + step) % W
         lo = tl.load(sranges_ptr + (s * P + pid) * 2)
         hi = tl.load(sranges_ptr + (s * P + pid) * 2 + 1)
+        if not DOTS:
+            token = dl.wait(ctx, wflags + s * P + pid, e, "ge", s)
+            # Loads of s's weights depend on the wait (consume_token).
+            weights = wbox + s * T * K + dl.consume_token((me * 0).to(tl.int64), token) * 4
         for i in range(lo, hi):
             tks = tl.load(stk_ptr + (s * T + i) * KL + offs_kl, mask=offs_kl < KL, other=-1)
             poss = tl.load(spos_ptr + (s * T + i) * KL + offs_kl, mask=offs_kl < KL, other=-1)
-            # A dropped row (pos -1) of a valid pair goes back as zeros.
-            send = (tks >= 0)[:, None]
             src = y_ptr + poss[:, None].to(tl.int64) * F
-            dst = dl.symm_at(ctx, inbox + tks[:, None].to(tl.int64) * F, s)
-            for c in range(0, F, SEND_F):
-                cols = (c + offs_f)[None, :]
-                fm = cols < F
-                v = tl.load(src + cols, mask=send & fm & (poss >= 0)[:, None], other=0.0)
-                tl.store(dst + cols, v, mask=send & fm)
+            if DOTS:
+                # A dropped row (pos -1) of a valid pair goes back as zeros.
+                send = (tks >= 0)[:, None]
+                dst = dl.symm_at(ctx, inbox + tks[:, None].to(tl.int64) * F, s)
+                for c in range(0, F, SEND_F):
+                    cols = (c + offs_f)[None, :]
+                    fm = cols < F
+                    v = tl.load(src + cols, mask=send & fm & (poss >= 0)[:, None], other=0.0)
+                    tl.store(dst + cols, v, mask=send & fm)
+            else:
+                # One row per (token, rank): the pairs' rows weighed and summed here
+                # (dropped rows count zero; a token whose rows all dropped gets zeros).
+                keep = ((tks >= 0) & (poss >= 0))[:, None]
+                wk = tl.load(weights + tks, mask=tks >= 0, other=0.0)[:, None]
+                t = tl.max(tks, axis=0) // K
+                dst = dl.symm_at(ctx, inbox + (me * T + t).to(tl.int64) * F, s)
+                for c in range(0, F, SEND_F):
+                    cols = c + offs_f
+                    fm = cols < F
+                    v = tl.load(src + cols[None, :], mask=keep & fm[None, :], other=0.0)
+                    part = tl.sum(wk * v.to(tl.float32), axis=0)
+                    tl.store(dst + cols, part.to(y_ptr.dtype.element_ty), mask=fm)
         dl.notify(ctx, flags + me * P + pid, s, e)  # release: the rows above first
     _stamp(trace_ptr, pid, 1, TRACE)
 
@@ -338,25 +392,36 @@ def moe_combine_kernel(ctx, y_ptr, w_ptr, kmask_ptr, g_ptr, spos_ptr, stk_ptr, s
     # elements: the pointer keeps its known alignment (16-byte vector loads).
     rows = inbox + dl.consume_token((me * 0).to(tl.int64), token) * 16
     offs_f = tl.arange(0, SUM_F)
-    km = offs_k < K
-    t_lo = pid * TP
-    t_hi = tl.minimum(t_lo + TP, T)
+    offs_w = tl.arange(0, WP)
     for t in range(t_lo, t_hi):
-        valid = (tl.load(kmask_ptr + t * K + offs_k, mask=km, other=0) != 0)[:, None]
-        wk = tl.load(w_ptr + t * K + offs_k, mask=km, other=0.0).to(tl.float32)[:, None]
-        wk = tl.where(valid, wk, 0.0)
-        pair_rows = rows + (t * K + offs_k)[:, None].to(tl.int64) * F
-        dot = tl.zeros((KP, SUM_F), tl.float32)
-        for c in range(0, F, SUM_F):
-            cols = c + offs_f
-            fm = cols < F
-            v = tl.load(pair_rows + cols[None, :], mask=valid & fm[None, :], other=0.0)
-            v = v.to(tl.float32)
-            acc = tl.sum(wk * v, axis=0)
-            tl.store(out_ptr + t * F + cols, acc.to(out_ptr.dtype.element_ty), mask=fm)
-            if DOTS:
+        valid = tl.load(kmask_ptr + t * K + offs_k, mask=km, other=0) != 0
+        if DOTS:
+            wk = tl.load(w_ptr + t * K + offs_k, mask=km, other=0.0).to(tl.float32)[:, None]
+            wk = tl.where(valid[:, None], wk, 0.0)
+            pair_rows = rows + (t * K + offs_k)[:, None].to(tl.int64) * F
+            dot = tl.zeros((KP, SUM_F), tl.float32)
+            for c in range(0, F, SUM_F):
+                cols = c + offs_f
+                fm = cols < F
+                v = tl.load(pair_rows + cols[None, :], mask=valid[:, None] & fm[None, :],
+                            other=0.0)
+                v = v.to(tl.float32)
+                acc = tl.sum(wk * v, axis=0)
+                tl.store(out_ptr + t * F + cols, acc.to(out_ptr.dtype.element_ty), mask=fm)
                 g = tl.load(g_ptr + t * F + cols, mask=fm, other=0.0)
                 dot += v * g.to(tl.float32)[None, :]
-        if DOTS:
             tl.store(dots_ptr + t * K + offs_k, tl.sum(dot, axis=1), mask=km)
+        else:
+            # The ranks token t went to: those of its valid pairs' experts.
+            ranks = tl.load(ids_ptr + t * K + offs_k, mask=km, other=0) // E_LOC
+            sent = tl.sum(((ranks[None, :] == offs_w[:, None]) & valid[None, :]).to(tl.int32),
+                          axis=1) > 0
+            rank_rows = rows + (offs_w * T + t)[:, None].to(tl.int64) * F
+            for c in range(0, F, SUM_F):
+                cols = c + offs_f
+                fm = cols < F
+                v = tl.load(rank_rows + cols[None, :], mask=sent[:, None] & fm[None, :],
+                            other=0.0)
+                acc = tl.sum(v.to(tl.float32), axis=0)
+                tl.store(out_ptr + t * F + cols, acc.to(out_ptr.dtype.element_ty), mask=fm)
     _stamp(trace_ptr, pid, 3, TRACE)

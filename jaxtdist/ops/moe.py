@@ -314,13 +314,18 @@ class DispatchWorkspace:
 
 
 class CombineWorkspace:
-    """Byte layout of the combine workspace: flags [W, P] int32, then per call
-    parity an inbox of [T * K, F] rows (row t * K + k: the expert's row of pair (t, k))."""
+    """Byte layout of the combine workspace: flags [W, P] and weight flags [W, P]
+    int32, then per call parity an inbox of rows and a weight box [W, T, K]
+    float32. Inbox rows: [W, T] (row ``d * T + t``: token t's rows of rank d,
+    weighed and summed there: the forward) or [T * K] (row ``t * K + k``: the
+    expert's row of pair (t, k): the backward); room for both."""
 
     def __init__(self, world, tokens, top_k, cols, itemsize, programs):
         self.flags = 0
-        self.inbox = align(4 * world * programs)
-        self.parity_bytes = align(tokens * top_k * cols * itemsize)
+        self.wflags = 4 * world * programs
+        self.inbox = align(8 * world * programs)
+        self.wbox = align(max(world, top_k) * tokens * cols * itemsize)
+        self.parity_bytes = self.wbox + align(4 * world * tokens * top_k)
         self.nbytes = self.inbox + 2 * self.parity_bytes
 
 
@@ -431,16 +436,18 @@ def moe_combine_kernels(y: jax.Array, handle: MoeHandle, weights: jax.Array, axi
     g = cotangent if dots else jnp.zeros((1,), y.dtype)
     varying = set(call.result_axes(local=(y, weights, handle.src_pos))) | set(call.layout.axes)
     outs = call.run(
-        moe_combine_kernel, y, weights, kmask, g, handle.src_pos, handle.src_tk,
-        handle.src_ranges, workspace=ws,
+        moe_combine_kernel, y, weights, kmask, handle.expert_ids, g, handle.src_pos,
+        handle.src_tk, handle.src_ranges, workspace=ws,
         out_shape=[jax.ShapeDtypeStruct((t, f), y.dtype),
                    jax.ShapeDtypeStruct((t, k) if dots else (1,), jnp.float32),
                    _trace_shape(trace, programs)],
         grid=(programs,), num_warps=cfg.num_warps, num_stages=1,
         varying=tuple(a for a in call.rt.mesh.axis_names if a in varying),
         T=t, F=f, K=k, KL=kl, W=world, P=programs, TP=-(-t // programs),
-        FLAGS_OFF=ws.offset + plan.flags, INBOX_OFF=ws.offset + plan.inbox,
-        PARITY_BYTES=plan.parity_bytes, DOTS=dots, KP=next_pow2(k), KLP=next_pow2(kl),
+        E_LOC=handle.num_experts // world, FLAGS_OFF=ws.offset + plan.flags,
+        WFLAGS_OFF=ws.offset + plan.wflags, INBOX_OFF=ws.offset + plan.inbox,
+        WBOX_OFF=ws.offset + plan.inbox + plan.wbox, PARITY_BYTES=plan.parity_bytes,
+        DOTS=dots, KP=next_pow2(k), KLP=next_pow2(kl), WP=next_pow2(world),
         BLOCK_F=cfg.BLOCK_H, TRACE=trace)
     out, dots_out, stamps = outs
     result = ((out, dots_out) if dots else (out,)) + ((stamps,) if trace else ())

@@ -63,6 +63,7 @@ def probe_moe(world: int = 2) -> None:
     # [KL, BLOCK_H / KL] block per step).
     variants = {"default": None, "h4096w4": dict(BLOCK_H=4096),
                 "h8192w8": dict(BLOCK_H=8192, num_warps=8),
+                "h8192w16": dict(BLOCK_H=8192, num_warps=16),
                 "h16384w8": dict(BLOCK_H=16384, num_warps=8),
                 "h32768w16": dict(BLOCK_H=32768, num_warps=16),
                 "routing_xla": dict(ROUTING="xla")}
