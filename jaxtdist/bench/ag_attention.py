@@ -74,7 +74,11 @@ def _xla_gather_attention(q, k, v):
     k_all = jax.lax.all_gather(k, "sp", axis=1, tiled=True)
     v_all = jax.lax.all_gather(v, "sp", axis=1, tiled=True)
     start = jax.lax.axis_index("sp") * s
-    mask = (start + jnp.arange(s))[:, None] >= jnp.arange(k_all.shape[1])[None, :]
+    # From iotas, not jnp.arange: a concrete mask became a lowering constant of
+    # S_shard x S bytes (4.3 GB at 128K over 4 ranks), which took minutes to compile.
+    shape = (s, k_all.shape[1])
+    mask = start + jax.lax.broadcasted_iota(jnp.int32, shape, 0) >= jax.lax.broadcasted_iota(
+        jnp.int32, shape, 1)
     try:  # cuDNN's fused attention where it takes the mask: XLA's would not fit at 32K
         return jax.nn.dot_product_attention(q, k_all, v_all, mask=mask[None, None],
                                             implementation="cudnn")

@@ -17,8 +17,8 @@ so every K and V row is read from memory once per call.
    kernel ends: no epoch arithmetic that could overflow) and merges the
    group's NSPLIT partials into this rank's partial.
 3. Exchange: that program pushes its rank's partial into every peer's inbox
-   (stores through ``dl.symm_at``, then the flag ``(me, group)`` of that peer set
-   to the epoch, a release), stores it in its own inbox, and merges the W
+   (stores through ``dl.symm_at``; then, every peer's stores issued, the flag
+   ``(me, group)`` of each peer set to the epoch, a release), stores it in its own inbox, and merges the W
    ranks' partials in rank order 0, 1, ..., W-1 (waiting for each peer's flag):
    every rank performs the same float32 operations on the same values, so
    every rank ends with the same bits. A rank holding no valid position sends
@@ -206,9 +206,9 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr,
         o, lse = _finish(m, l, acc)
 
         # 3. Push this rank's partial to every peer, keep it in the own inbox too.
-        inbox_o = dl.heap_ptr(ctx, INBOX_OFF + (e % 2).to(tl.int64) * PARITY_BYTES, tl.float32)
-        inbox_lse = dl.heap_ptr(ctx, INBOX_OFF + (e % 2).to(tl.int64) * PARITY_BYTES + INBOX_LSE,
-                                tl.float32)
+        parity = INBOX_OFF + (e % 2).to(tl.int64) * PARITY_BYTES
+        inbox_o = dl.heap_ptr(ctx, parity, tl.float32)
+        inbox_lse = dl.heap_ptr(ctx, parity + INBOX_LSE, tl.float32)
         flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
         my_o = inbox_o + (me * GROUPS + group) * (BLOCK_G * BLOCK_D) + tile
         my_lse = inbox_lse + (me * GROUPS + group) * BLOCK_G + g
@@ -216,7 +216,10 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr,
             dst = (me + step) % world
             tl.store(dl.symm_at(ctx, my_o, dst), o, mask=real_tile)
             tl.store(dl.symm_at(ctx, my_lse, dst), lse, mask=real)
-            dl.notify(ctx, flags + me * GROUPS + group, dst, e)
+        # Flags after every peer's stores: the first release drains them all (a
+        # flag between peers cost a link round trip apiece).
+        for step in range(1, world):
+            dl.notify(ctx, flags + me * GROUPS + group, (me + step) % world, e)
         tl.store(my_o, o, mask=real_tile)
         tl.store(my_lse, lse, mask=real)
         tl.debug_barrier()  # the own slot is read back below, by any thread

@@ -13,9 +13,10 @@ Dispatch (``moe_dispatch_kernel``), program p of rank ``me`` owns tokens
    (not once per expert) into that rank's heap inbox, slot ``slot[t, d]`` of
    the source region ``me``, with its meta row (token index, and per local
    expert: local expert id, position within (source, expert), k, scale).
-   Then the header (rows per local expert, this program's slot range) and the
-   flag ``FLAGS[me, p]`` in d's heap, set to the epoch (``dl.notify``: a
-   release). Every program notifies every rank in every call, empty or not.
+   Then the header (rows per local expert, this program's slot range) to every
+   rank, and last the flags ``FLAGS[me, p]`` in every rank's heap, set to the
+   epoch (``dl.notify``: a release). Every program notifies every rank in
+   every call, empty or not.
 2. Receive: wait for ``FLAGS[s, p] >= e`` of every source s (the same program
    id on every rank: no wait targets a program of this rank, so the grid
    completes in any order; under the interpreter programs run one by one).
@@ -32,8 +33,9 @@ Forward: program p of every rank first pushes its tokens' weights into every
 rank's weight box and notifies ``WFLAGS[me, p]``; program p of the experts'
 rank then, for each token it holds from source s's program p, weighs and sums
 that token's local expert rows (float32) and sends the one row into s's heap
-inbox at row ``me * T + t``, then notifies ``FLAGS[me, p]`` in s's heap;
-last it waits for every rank's ``FLAGS[d, p]`` and sums, per token, the rows
+inbox at row ``me * T + t``; with every source's rows sent, it notifies
+``FLAGS[me, p]`` in each source's heap (one release drains them all); last
+it waits for every rank's ``FLAGS[d, p]`` and sums, per token, the rows
 of the ranks the token went to (read from its routing). Backward (DOTS): the
 rows of (t, k) pairs go back unweighed, to inbox row ``t * K + k``, and the
 source weighs them (the weights' cotangent needs each pair's row). Every row
@@ -202,7 +204,11 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
         # The total too (from every program): a receiver's program p may read
         # only what program p of this rank wrote (the flag it waited for).
         tl.store(dl.symm_at(ctx, h + E_LOC + 2 * P, d), _pick(totals, offs_w, d))
-        dl.notify(ctx, flags + me * P + pid, d, e)  # release: rows, meta, header first
+    # Flags after every rank's stores: a release waits for the stores before it to
+    # land, so the first one drains them all and the rest find nothing in flight
+    # (a flag raised between each rank's stores cost a link round trip apiece).
+    for step in range(0, W):
+        dl.notify(ctx, flags + me * P + pid, (me + step) % W, e)  # release: rows, meta, header
 
     _stamp(trace_ptr, pid, 2, TRACE)
 
@@ -343,12 +349,17 @@ def moe_combine_kernel(ctx, y_ptr, w_ptr, kmask_ptr, ids_ptr, g_ptr, spos_ptr, s
         for step in range(0, W):
             dl.notify(ctx, wflags + me * P + pid, (me + step) % W, e)  # release: weights first
 
-    # 1. Send the rows held for source s's program pid back to s.
+    # 1. Send the rows held for source s's program pid back to s. Every source's
+    # slot range is loaded at once (one memory latency, not one per source).
     offs_f = tl.arange(0, SEND_F)
+    offs_w = tl.arange(0, WP)
+    ranges = sranges_ptr + (offs_w * P + pid) * 2
+    los = tl.load(ranges, mask=offs_w < W, other=0)
+    his = tl.load(ranges + 1, mask=offs_w < W, other=0)
     for step in range(0, W):
         s = (me + step) % W
-        lo = tl.load(sranges_ptr + (s * P + pid) * 2)
-        hi = tl.load(sranges_ptr + (s * P + pid) * 2 + 1)
+        lo = _pick(los, offs_w, s)
+        hi = _pick(his, offs_w, s)
         if not DOTS:
             token = dl.wait(ctx, wflags + s * P + pid, e, "ge", s)
             # Loads of s's weights depend on the wait (consume_token).
@@ -379,7 +390,9 @@ def moe_combine_kernel(ctx, y_ptr, w_ptr, kmask_ptr, ids_ptr, g_ptr, spos_ptr, s
                     v = tl.load(src + cols[None, :], mask=keep & fm[None, :], other=0.0)
                     part = tl.sum(wk * v.to(tl.float32), axis=0)
                     tl.store(dst + cols, part.to(y_ptr.dtype.element_ty), mask=fm)
-        dl.notify(ctx, flags + me * P + pid, s, e)  # release: the rows above first
+    # Flags once every rank's rows are in flight: one release drains them all.
+    for step in range(0, W):
+        dl.notify(ctx, flags + me * P + pid, (me + step) % W, e)  # release: the rows first
     _stamp(trace_ptr, pid, 1, TRACE)
 
     # 2. Sum this program's tokens' rows once every rank's program pid has sent.
@@ -392,7 +405,6 @@ def moe_combine_kernel(ctx, y_ptr, w_ptr, kmask_ptr, ids_ptr, g_ptr, spos_ptr, s
     # elements: the pointer keeps its known alignment (16-byte vector loads).
     rows = inbox + dl.consume_token((me * 0).to(tl.int64), token) * 16
     offs_f = tl.arange(0, SUM_F)
-    offs_w = tl.arange(0, WP)
     for t in range(t_lo, t_hi):
         valid = tl.load(kmask_ptr + t * K + offs_k, mask=km, other=0) != 0
         if DOTS:
