@@ -333,6 +333,23 @@ def test_ag_attention_head_groups_compile(head_group, block_n):
     assert k.metadata.shared <= 227 * 1024
 
 
+def test_parities_past_2_gib_compile():
+    """A double-buffered region whose parity is over 2 GiB: ag_attention's inboxes at
+    S_shard 32768 with 32 KV heads over 4 ranks (a 32-bit ``(e % 2) * PARITY_BYTES``
+    failed to compile there: "Scalar 2147487744 is out of range for type int32")."""
+    from jaxtdist.kernels.ag_attention import ag_attention_kernel
+    s, hkv, d = 32768, 32, 128
+    _compile(ag_attention_kernel,
+             {"ctx": "*i32", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
+              "out_ptr": "*bf16"},
+             dict(B=1, S=s, HQ=32, HKV=hkv, D=d, CAUSAL=True, QK_SCALE=0.1275, INBOX=True,
+                  STAGE_OFF=4096, PARITY_BYTES=4 * s * 2 * hkv * d * 2 + 4096,
+                  KV_ELEMS=s * hkv * d, READY_OFF=0, FLAGS_OFF=0, SENT_OFF=512, CHUNK_ROWS=s,
+                  KV_STRIDE=2 * hkv * d, V_OFF=hkv * d, FLAG_SCOPE="gpu", BLOCK_M=128,
+                  BLOCK_N=64, BLOCK_D=d, IEEE=False, HEAD_GROUP=1),
+             num_warps=8, num_stages=3)
+
+
 def _moe_block(h: int, itemsize: int) -> int:
     """The default copy step of the MoE kernels on GPUs (whole rows up to 16 KB)."""
     from jaxtdist.ops._config import Problem

@@ -199,8 +199,13 @@ def all_to_all_moe(x, expert_ids, weights, axis_name: str, *, world: int, num_ex
     t, k = expert_ids.shape
     cap = t * min(k, num_experts // world)
     dest, pos, _ = _pair_slots(expert_ids, world, num_experts)
-    rows = jnp.repeat(x, k, axis=0)                                         # [T * K, H]
-    send = jnp.zeros((world, cap, x.shape[1]), x.dtype).at[dest, pos].set(rows)
+    # The buffer by a gather of rows (slot -> its pair's token), not a scatter of
+    # rows into it: XLA's GPU scatter of [T * K, H] rows took 487 of this
+    # contender's 696 us on 4 x H200 (128 tokens, top-8, H 7168).
+    pair = jnp.full((world * cap,), -1, jnp.int32).at[dest * cap + pos].set(
+        jnp.arange(t * k, dtype=jnp.int32))
+    send = jnp.where((pair >= 0)[:, None], x[jnp.maximum(pair, 0) // k], 0).reshape(
+        world, cap, x.shape[1])
     recv = jax.lax.all_to_all(send, axis_name, 0, 0)                       # [W (source), C, H]
     if not combine:
         return recv.reshape(world * cap, -1)
