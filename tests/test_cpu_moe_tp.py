@@ -166,3 +166,23 @@ def test_moe_tp_mlp_over_a_submesh():
     out = fn(*(place(mesh, a, s) for a, s in zip((x, ids, gate, w1, w2), specs)))
     np.testing.assert_allclose(np.asarray(out), _reference(x, ids, gate, w1, w2), rtol=1e-4,
                                atol=1e-5)
+
+
+def test_grouped_gemm_auto_picks_by_platform(monkeypatch):
+    """grouped_gemm="auto" (the default): jaxtdist.grouped_matmul on GPUs for 16-bit
+    types and at most 256 experts, jax.lax.ragged_dot otherwise (here: the CPU)."""
+    from jaxtdist.ops import moe_tp
+
+    setup(2)
+    assert moe_tp._pick_grouped_gemm("auto", 8, BF16) == "ragged_dot"  # CPU
+    assert moe_tp._pick_grouped_gemm("jaxtdist", 8, F32) == "jaxtdist"  # as asked
+
+    class Gpu:
+        platform = "gpu"
+
+    monkeypatch.setattr(moe_tp, "runtime", lambda: Gpu())
+    assert moe_tp._pick_grouped_gemm("auto", 8, BF16) == "jaxtdist"
+    assert moe_tp._pick_grouped_gemm("auto", 8, jnp.float16) == "jaxtdist"
+    assert moe_tp._pick_grouped_gemm("auto", 8, F32) == "ragged_dot"
+    assert moe_tp._pick_grouped_gemm("auto", 257, BF16) == "ragged_dot"
+    assert moe_tp._pick_grouped_gemm("ragged_dot", 8, BF16) == "ragged_dot"

@@ -3,8 +3,9 @@ on XLA's collectives.
 
 ``python -m jaxtdist.bench moe_tp [--world W]``, per (tokens per rank, H, F, E, K)
 of ``shapes.MOE_TP_SHAPES`` (bf16, SwiGLU): ``jaxtdist.moe_tp_mlp`` (jaxtdist's
-all_gather and reduce_scatter around ``jax.lax.ragged_dot``) against the XLA twin
-(``jax.lax.all_gather``, the same grouped GEMMs, ``jax.lax.psum_scatter``), both
+all_gather and reduce_scatter around its default grouped GEMMs: on GPUs
+``jaxtdist.grouped_matmul``) against the XLA twin (``jax.lax.all_gather``,
+``jax.lax.ragged_dot``, ``jax.lax.psum_scatter``), both
 checked against a float32 dense computation of the same layer on the device.
 At world 1 both are the local layer (the gathers and the sum are identities).
 """
@@ -32,7 +33,8 @@ def _xla_twin(x, ids, gate, w1, w2, w3):
     xs = jax.lax.all_gather(x, "tp", tiled=True)
     flat_ids = jax.lax.all_gather(ids, "tp", tiled=True).reshape(-1)
     flat_gate = jax.lax.all_gather(gate.astype(jnp.float32), "tp", tiled=True).reshape(-1)
-    part = experts_partial_sum(xs, flat_ids, flat_gate, ids.shape[1], w1, w2, w3, jax.nn.silu)
+    part = experts_partial_sum(xs, flat_ids, flat_gate, ids.shape[1], w1, w2, w3, jax.nn.silu,
+                               grouped_gemm="ragged_dot")
     return jax.lax.psum_scatter(part, "tp", tiled=True).astype(x.dtype)
 
 
