@@ -117,6 +117,16 @@ def probe_moe_trace(world: int = 2, t: int = 128, hidden: int = 7168, k: int = 8
         steps = np.diff(st[..., :len(names) + 1], axis=-1) % (1 << 32) / 1e3
         start_spread = (st[..., 0] - st[..., 0].min(axis=-1, keepdims=True)) % (1 << 32) / 1e3
         total = (st[..., len(names)] - st[..., 0].min(axis=-1, keepdims=True)) % (1 << 32) / 1e3
+        # Across devices (their global timers agree on one host): when each device's
+        # first program started and its last one ended, from the earliest start of
+        # any device in the same run: a late rank shows as everyone else waiting.
+        first = st[..., 0].min(axis=-1)                                  # [runs, world]
+        zero = first.min(axis=-1, keepdims=True)
+        late = np.median((first - zero) % (1 << 32), axis=0) / 1e3
+        done = np.median((st[..., len(names)].max(axis=-1) - zero) % (1 << 32), axis=0) / 1e3
+        print(f"{kernel} across devices: start " + " ".join(f"{v:.1f}" for v in late)
+              + " | end " + " ".join(f"{v:.1f}" for v in done) + " (us after the first start)",
+              flush=True)
         for dev in range(world):
             cells = " | ".join(f"{n} {np.median(steps[:, dev, :, i]):.1f}/"
                                f"{np.max(np.median(steps[:, dev], axis=0)[:, i]):.1f}"
