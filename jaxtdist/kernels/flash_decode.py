@@ -216,8 +216,7 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr,
             dst = (me + step) % world
             tl.store(dl.symm_at(ctx, my_o, dst), o, mask=real_tile)
             tl.store(dl.symm_at(ctx, my_lse, dst), lse, mask=real)
-        # Flags after every peer's stores: the first release drains them all (a
-        # flag between peers cost a link round trip apiece).
+        # Flags after every peer's stores: the first release drains them all.
         for step in range(1, world):
             dl.notify(ctx, flags + me * GROUPS + group, (me + step) % world, e)
         tl.store(my_o, o, mask=real_tile)

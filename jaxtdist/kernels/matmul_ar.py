@@ -120,8 +120,7 @@ def _all_reduce_tile(ctx, acc, out_ptr, offs, mask, tile, tiles, M: tl.constexpr
         dst = (me + step) % world
         slot = world - 1 - step  # (me - dst + world - 1) % world
         tl.store(dl.symm_at(ctx, inbox + slot * slot_elems + offs, dst), acc, mask=mask)
-    # Flags after every peer's stores: the first release drains them all (a flag
-    # between peers cost a link round trip apiece).
+    # Flags after every peer's stores: the first release drains them all.
     for step in range(1, world):
         dl.notify(ctx, flags + (world - 1 - step) * tiles + tile, (me + step) % world, e)
     # The partials are summed in rank order 0, 1, ..., W - 1 on every rank (this
