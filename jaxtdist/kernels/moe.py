@@ -81,10 +81,11 @@ def _store_row(recv_ptr, tail_ptr, r, cols, v, hm, H: tl.constexpr, SPLIT: tl.co
     (fp8 rows: the tokens' bytes and their scales' land as separate arrays, so
     that no copy has to cut them apart afterwards)."""
     if SPLIT == 0:
-        tl.store(recv_ptr + r * H + cols, v, mask=hm)
+        tl.store(recv_ptr + tl.cast(r, tl.int64) * H + cols, v, mask=hm)
     else:
-        tl.store(recv_ptr + r * SPLIT + cols, v, mask=hm & (cols < SPLIT))
-        tl.store(tail_ptr + r * (H - SPLIT) + (cols - SPLIT), v, mask=hm & (cols >= SPLIT))
+        tl.store(recv_ptr + tl.cast(r, tl.int64) * SPLIT + cols, v, mask=hm & (cols < SPLIT))
+        tl.store(tail_ptr + tl.cast(r, tl.int64) * (H - SPLIT) + (cols - SPLIT), v,
+                 mask=hm & (cols >= SPLIT))
 
 
 @triton.jit
@@ -184,7 +185,7 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
                 d = (me + step) % W
                 s = _pick(slots, offs_w, d)
                 if s >= 0:
-                    dst = rows + (me * T + s) * H + c + offs_h
+                    dst = rows + (me * T + s).to(tl.int64) * H + c + offs_h
                     tl.store(dl.symm_at(ctx, dst, d), v, mask=hm)
         for step in range(0, W):
             d = (me + step) % W
@@ -248,7 +249,7 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
             # The row's first chunk is loaded before the meta words (it does not
             # depend on them), and the meta words as vectors: the row's copies
             # then wait for one memory latency, not one per local expert.
-            row = rows + (s * T + i) * H
+            row = rows + tl.cast(s * T + i, tl.int64) * H
             v = tl.load(row + offs_h, mask=offs_h < H)
             mrow = meta + (s * T + i) * META_WORDS
             t = tl.load(mrow)
