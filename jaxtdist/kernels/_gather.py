@@ -73,8 +73,8 @@ def pull_shards(ctx, x_ptr, out_ptr, worker, NUM_WORKERS: tl.constexpr, ROWS: tl
     for chunk in range(worker, n_chunks, NUM_WORKERS):
         row0 = chunk * CHUNK_ROWS
         row_end = tl.minimum(row0 + CHUNK_ROWS, ROWS)
-        copy_rows(x_ptr, slot, out_ptr + me * ROWS * COLS, row0, row_end, COLS, CHUNK_ROWS,
-                   BLOCK_C, True)
+        copy_rows(x_ptr, slot, out_ptr + tl.cast(me, tl.int64) * (ROWS * COLS), row0, row_end,
+                  COLS, CHUNK_ROWS, BLOCK_C, True)
         for step in range(1, world):
             dl.notify(ctx, ready + me * n_chunks + chunk, (me + step) % world, e, "set", SCOPE)
         if FLAGS_OFF >= 0:
@@ -92,8 +92,8 @@ def pull_shards(ctx, x_ptr, out_ptr, worker, NUM_WORKERS: tl.constexpr, ROWS: tl
             row0 = chunk * CHUNK_ROWS
             row_end = tl.minimum(row0 + CHUNK_ROWS, ROWS)
             dl.wait(ctx, ready + src * n_chunks + chunk, e, "ge", src, SCOPE)
-            copy_rows(dl.symm_at(ctx, slot, src), out_ptr + src * ROWS * COLS, out_ptr, row0,
-                       row_end, COLS, CHUNK_ROWS, BLOCK_C, False)
+            copy_rows(dl.symm_at(ctx, slot, src), out_ptr + tl.cast(src, tl.int64) * (ROWS * COLS),
+                      out_ptr, row0, row_end, COLS, CHUNK_ROWS, BLOCK_C, False)
             if FLAGS_OFF >= 0:
                 flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
                 # Local flag, read on this GPU only: release at GPU scope.
@@ -121,7 +121,7 @@ def push_shards(ctx, x_ptr, worker, NUM_WORKERS: tl.constexpr, ROWS: tl.constexp
     n_chunks = tl.cdiv(ROWS, CHUNK_ROWS)
     flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
     rows_of_me = dl.heap_ptr(ctx, INBOX_OFF + (e % 2).to(tl.int64) * PARITY_BYTES,
-                             x_ptr.dtype.element_ty) + me * ROWS * COLS
+                             x_ptr.dtype.element_ty) + tl.cast(me, tl.int64) * (ROWS * COLS)
     for item in range(worker, (world - 1) * n_chunks, NUM_WORKERS):
         dst = (me + 1 + item // n_chunks) % world  # nearest peers first
         chunk = item % n_chunks

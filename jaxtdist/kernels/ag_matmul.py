@@ -150,7 +150,7 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
             row_mask = rows < M_SHARD
             # One source for A per tile keeps its loads vectorized; with pushes, own
             # rows come from x, with nothing to wait for.
-            a_base = gathered_ptr + src * M_SHARD * K
+            a_base = gathered_ptr + tl.cast(src, tl.int64) * (M_SHARD * K)
             if PUSH:
                 if src == me:
                     a_base = x_ptr
@@ -394,7 +394,8 @@ def copy_gathered_kernel(ctx, x_ptr, after_ptr, gathered_ptr, M_SHARD: tl.conste
     """
     me = dl.rank(ctx)
     e = dl.epoch(ctx)
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    # int64 rows: world * M_SHARD * K may pass 2^31 elements.
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     src = rows // M_SHARD
     world = dl.num_ranks(ctx)

@@ -165,8 +165,8 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr,
                 acc = tile_acc(x_desc, w_desc, dst * M_SHARD + tm * BLOCK_M, tn * BLOCK_N, 0,
                                K, BLOCK_M, BLOCK_N, BLOCK_K)
             else:
-                acc = _pointer_tile(x_ptr + dst * M_SHARD * K, w_ptr, tm, tn, M_SHARD, N, K,
-                                    BLOCK_M, BLOCK_N, BLOCK_K)
+                acc = _pointer_tile(x_ptr + tl.cast(dst, tl.int64) * (M_SHARD * K), w_ptr, tm, tn,
+                                    M_SHARD, N, K, BLOCK_M, BLOCK_N, BLOCK_K)
             _push_partial(ctx, acc, inbox, flags, me, dst, WORLD, e, slot_elems, per_rank, tm,
                           tn, M_SHARD, N, BLOCK_M, BLOCK_N, n_tiles)
     # Own tiles, last: the round-robin goes on where the peers' tiles left it.
@@ -182,8 +182,8 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr,
             acc = tile_acc(x_desc, w_desc, me * M_SHARD + tm * BLOCK_M, tn * BLOCK_N, 0, K,
                            BLOCK_M, BLOCK_N, BLOCK_K)
         else:
-            acc = _pointer_tile(x_ptr + me * M_SHARD * K, w_ptr, tm, tn, M_SHARD, N, K,
-                                BLOCK_M, BLOCK_N, BLOCK_K)
+            acc = _pointer_tile(x_ptr + tl.cast(me, tl.int64) * (M_SHARD * K), w_ptr, tm, tn,
+                                M_SHARD, N, K, BLOCK_M, BLOCK_N, BLOCK_K)
         acc = _add_partials(ctx, acc, inbox, flags, me, e, slot_elems, per_rank, tm, tn,
                             M_SHARD, N, BLOCK_M, BLOCK_N, n_tiles, WORLD)
         if TMA:
