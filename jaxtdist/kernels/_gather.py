@@ -67,7 +67,7 @@ def pull_shards(ctx, x_ptr, out_ptr, worker, NUM_WORKERS: tl.constexpr, ROWS: tl
     me = dl.rank(ctx)
     world = dl.num_ranks(ctx)
     e = dl.epoch(ctx)
-    slot = dl.heap_ptr(ctx, STAGE_OFF + (e % 2).to(tl.int64) * SLOT_BYTES, x_ptr.dtype.element_ty)
+    slot = dl.parity_ptr(ctx, STAGE_OFF, SLOT_BYTES, x_ptr.dtype.element_ty)
     ready = dl.heap_ptr(ctx, READY_OFF, tl.int32)
     n_chunks = tl.cdiv(ROWS, CHUNK_ROWS)
     for chunk in range(worker, n_chunks, NUM_WORKERS):
@@ -120,7 +120,7 @@ def push_shards(ctx, x_ptr, worker, NUM_WORKERS: tl.constexpr, ROWS: tl.constexp
     e = dl.epoch(ctx)
     n_chunks = tl.cdiv(ROWS, CHUNK_ROWS)
     flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
-    rows_of_me = dl.heap_ptr(ctx, INBOX_OFF + (e % 2).to(tl.int64) * PARITY_BYTES,
+    rows_of_me = dl.parity_ptr(ctx, INBOX_OFF, PARITY_BYTES,
                              x_ptr.dtype.element_ty) + tl.cast(me, tl.int64) * (ROWS * COLS)
     for item in range(worker, (world - 1) * n_chunks, NUM_WORKERS):
         dst = (me + 1 + item // n_chunks) % world  # nearest peers first

@@ -208,7 +208,7 @@ def ag_attention_kernel(ctx, q_ptr, k_ptr, v_ptr, out_ptr,
         m, l, acc = _attend(q, m, l, acc, k_ptr + own, v_ptr + V_OFF + own, rows, whole, S,
                             False, KV_STRIDE, D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
         peers = world - 1
-    staged = dl.heap_ptr(ctx, STAGE_OFF + (e % 2).to(tl.int64) * PARITY_BYTES,
+    staged = dl.parity_ptr(ctx, STAGE_OFF, PARITY_BYTES,
                           k_ptr.dtype.element_ty)
     for step in range(1, peers + 1):
         if CAUSAL:

@@ -122,7 +122,7 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
         n_chunks = tl.cdiv(M_SHARD, CHUNK_ROWS)
         flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
         if PUSH:
-            gathered_ptr = dl.heap_ptr(ctx, STAGE_OFF + (e % 2).to(tl.int64) * SLOT_BYTES,
+            gathered_ptr = dl.parity_ptr(ctx, STAGE_OFF, SLOT_BYTES,
                                        x_ptr.dtype.element_ty)
         tile = (pid - NUM_COMM) // SPLIT_K
         split = (pid - NUM_COMM) % SPLIT_K
@@ -320,7 +320,7 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
     per_rank = m_tiles * n_tiles
     n_chunks = (M_SHARD + CHUNK_ROWS - 1) // CHUNK_ROWS
     flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
-    inbox = dl.heap_ptr(ctx, INBOX_OFF + (e % 2).to(tl.int64) * PARITY_BYTES,
+    inbox = dl.parity_ptr(ctx, INBOX_OFF, PARITY_BYTES,
                          x_ptr.dtype.element_ty)
     x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M_SHARD, K], strides=[K, 1],
                                        block_shape=[BLOCK_M, BLOCK_K])
@@ -393,14 +393,13 @@ def copy_gathered_kernel(ctx, x_ptr, after_ptr, gathered_ptr, M_SHARD: tl.conste
     every peer row has arrived by then.
     """
     me = dl.rank(ctx)
-    e = dl.epoch(ctx)
     # int64 rows: world * M_SHARD * K may pass 2^31 elements.
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     src = rows // M_SHARD
     world = dl.num_ranks(ctx)
     mask = (rows < world * M_SHARD)[:, None] & (cols < K)[None, :]
-    inbox = dl.heap_ptr(ctx, INBOX_OFF + (e % 2).to(tl.int64) * PARITY_BYTES,
+    inbox = dl.parity_ptr(ctx, INBOX_OFF, PARITY_BYTES,
                          x_ptr.dtype.element_ty)
     own = (src == me)[:, None]
     from_inbox = tl.load(inbox + rows[:, None] * K + cols[None, :], mask=mask & ~own)

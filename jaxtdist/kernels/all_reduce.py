@@ -48,7 +48,7 @@ def all_reduce_one_shot_kernel(ctx, x_ptr, out_ptr, N: tl.constexpr, STAGE_OFF: 
     me = dl.rank(ctx)
     world = dl.num_ranks(ctx)
     e = dl.epoch(ctx)
-    slot = dl.heap_ptr(ctx, STAGE_OFF + (e % 2).to(tl.int64) * SLOT_BYTES, x_ptr.dtype.element_ty)
+    slot = dl.parity_ptr(ctx, STAGE_OFF, SLOT_BYTES, x_ptr.dtype.element_ty)
     ready = dl.heap_ptr(ctx, READY_OFF, tl.int32) + pid
     lo, hi = slab_bounds(pid, N, NUM_PROGRAMS, BLOCK)
     copy_range(x_ptr, slot, lo, hi, BLOCK)
@@ -79,7 +79,7 @@ def all_reduce_two_shot_kernel(ctx, x_ptr, out_ptr, N: tl.constexpr, CHUNK: tl.c
     me = dl.rank(ctx)
     world = dl.num_ranks(ctx)
     e = dl.epoch(ctx)
-    slot = dl.heap_ptr(ctx, STAGE_OFF + (e % 2).to(tl.int64) * SLOT_BYTES, x_ptr.dtype.element_ty)
+    slot = dl.parity_ptr(ctx, STAGE_OFF, SLOT_BYTES, x_ptr.dtype.element_ty)
     ready = dl.heap_ptr(ctx, READY_OFF, tl.int32)
     done = dl.heap_ptr(ctx, DONE_OFF, tl.int32) + pid
     lo, hi = slab_bounds(pid, CHUNK, NUM_PROGRAMS, BLOCK)

@@ -206,9 +206,8 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr,
         o, lse = _finish(m, l, acc)
 
         # 3. Push this rank's partial to every peer, keep it in the own inbox too.
-        parity = INBOX_OFF + (e % 2).to(tl.int64) * PARITY_BYTES
-        inbox_o = dl.heap_ptr(ctx, parity, tl.float32)
-        inbox_lse = dl.heap_ptr(ctx, parity + INBOX_LSE, tl.float32)
+        inbox_o = dl.parity_ptr(ctx, INBOX_OFF, PARITY_BYTES, tl.float32)
+        inbox_lse = dl.parity_ptr(ctx, INBOX_OFF + INBOX_LSE, PARITY_BYTES, tl.float32)
         flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
         my_o = inbox_o + (me * GROUPS + group) * (BLOCK_G * BLOCK_D) + tile
         my_lse = inbox_lse + (me * GROUPS + group) * BLOCK_G + g

@@ -113,7 +113,7 @@ def _all_reduce_tile(ctx, acc, out_ptr, offs, mask, tile, tiles, M: tl.constexpr
     me = dl.rank(ctx)
     world = dl.num_ranks(ctx)
     e = dl.epoch(ctx)
-    inbox = dl.heap_ptr(ctx, INBOX_OFF + (e % 2).to(tl.int64) * PARITY_BYTES, tl.float32)
+    inbox = dl.parity_ptr(ctx, INBOX_OFF, PARITY_BYTES, tl.float32)
     flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
     slot_elems = M * N
     for step in range(1, world):

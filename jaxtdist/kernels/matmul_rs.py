@@ -142,7 +142,7 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr,
         partial_ty = x_ptr.dtype.element_ty
     else:
         partial_ty = tl.float32
-    inbox = dl.heap_ptr(ctx, INBOX_OFF + (e % 2).to(tl.int64) * PARITY_BYTES, partial_ty)
+    inbox = dl.parity_ptr(ctx, INBOX_OFF, PARITY_BYTES, partial_ty)
     flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
     slot_elems = M_SHARD * N
     if TMA:

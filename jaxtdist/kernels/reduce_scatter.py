@@ -23,8 +23,7 @@ def reduce_scatter_kernel(ctx, x_ptr, out_ptr, CHUNK: tl.constexpr, STAGE_OFF: t
     ranks of their chunk ``me``."""
     pid = tl.program_id(0)
     world = dl.num_ranks(ctx)
-    e = dl.epoch(ctx)
-    slot = dl.heap_ptr(ctx, STAGE_OFF + (e % 2).to(tl.int64) * SLOT_BYTES, x_ptr.dtype.element_ty)
+    slot = dl.parity_ptr(ctx, STAGE_OFF, SLOT_BYTES, x_ptr.dtype.element_ty)
     ready = dl.heap_ptr(ctx, READY_OFF, tl.int32)
     lo, hi = slab_bounds(pid, CHUNK, NUM_PROGRAMS, BLOCK)
     n = world * CHUNK

@@ -84,6 +84,14 @@ def heap_ptr(ctx, offset, dtype: tl.constexpr):
 
 
 @triton.jit
+def parity_ptr(ctx, offset, parity_bytes, dtype: tl.constexpr):
+    """Pointer to byte ``offset`` of this call's parity (``epoch % 2``) of a
+    double-buffered heap region whose parities are ``parity_bytes`` apart,
+    typed ``dtype``. The parity's offset is 64-bit: regions pass 2 GiB."""
+    return heap_ptr(ctx, offset + (epoch(ctx) % 2).to(tl.int64) * parity_bytes, dtype)
+
+
+@triton.jit
 def symm_at(ctx, ptr, peer):
     """Translates ``ptr`` (into this rank's heap) to the same place in ``peer``'s heap.
 

@@ -324,8 +324,8 @@ class CombineWorkspace:
         self.flags = 0
         self.wflags = 4 * world * programs
         self.inbox = align(8 * world * programs)
-        self.wbox = align(max(world, top_k) * tokens * cols * itemsize)
-        self.parity_bytes = self.wbox + align(4 * world * tokens * top_k)
+        self.wbox_in_parity = align(max(world, top_k) * tokens * cols * itemsize)
+        self.parity_bytes = self.wbox_in_parity + align(4 * world * tokens * top_k)
         self.nbytes = self.inbox + 2 * self.parity_bytes
 
 
@@ -446,7 +446,7 @@ def moe_combine_kernels(y: jax.Array, handle: MoeHandle, weights: jax.Array, axi
         T=t, F=f, K=k, KL=kl, W=world, P=programs, TP=-(-t // programs),
         E_LOC=handle.num_experts // world, FLAGS_OFF=ws.offset + plan.flags,
         WFLAGS_OFF=ws.offset + plan.wflags, INBOX_OFF=ws.offset + plan.inbox,
-        WBOX_OFF=ws.offset + plan.inbox + plan.wbox, PARITY_BYTES=plan.parity_bytes,
+        WBOX_OFF=ws.offset + plan.inbox + plan.wbox_in_parity, PARITY_BYTES=plan.parity_bytes,
         DOTS=dots, KP=next_pow2(k), KLP=next_pow2(kl), WP=next_pow2(world),
         BLOCK_F=cfg.BLOCK_H, TRACE=trace)
     out, dots_out, stamps = outs

@@ -53,6 +53,17 @@ def _put(mesh, dtype, *arrays):
     return tuple(jax.device_put(jnp.asarray(a, dtype), NamedSharding(mesh, SP)) for a in arrays)
 
 
+def _check_calls(f, mesh, dtype, b, s, hq, hkv, d, causal, calls):
+    """``calls`` calls of ``f`` on fresh q, k, v ([b, s, hq or hkv, d] global), each
+    checked against the float32 reference."""
+    for _ in range(calls):
+        q = _rand((b, s, hq, d), dtype)
+        k, v = (_rand((b, s, hkv, d), dtype) for _ in range(2))
+        out = f(*_put(mesh, dtype, q, k, v))
+        assert out.dtype == jnp.dtype(dtype)
+        assert _rel(out, _reference(q, k, v, causal)) < TOL[dtype]
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("b,s,hq,hkv,d", [(1, 1000, 8, 2, 128), (2, 257, 4, 4, 64),
@@ -66,12 +77,8 @@ def test_ag_attention(world, dtype, b, s, hq, hkv, d, causal, kernels):
     op = ag_attention_kernels if kernels else td.ag_attention
     f = jax.jit(jax.shard_map(lambda q, k, v: op(q, k, v, "sp", causal=causal), mesh=mesh,
                               in_specs=(SP,) * 3, out_specs=SP))
-    for _ in range(3):  # both staging parities, and one reused
-        q = _rand((b, world * s, hq, d), dtype)
-        k, v = _rand((b, world * s, hkv, d), dtype), _rand((b, world * s, hkv, d), dtype)
-        out = f(*_put(mesh, dtype, q, k, v))
-        assert out.dtype == jnp.dtype(dtype)
-        assert _rel(out, _reference(q, k, v, causal)) < TOL[dtype]
+    # Three calls: both staging parities, and one reused.
+    _check_calls(f, mesh, dtype, b, world * s, hq, hkv, d, causal, 3)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -86,11 +93,7 @@ def test_ag_attention_gather_paths(world, gather, causal):
         lambda q, k, v: td.ag_attention(q, k, v, "sp", causal=causal,
                                         config=dict(GATHER=gather)),
         mesh=mesh, in_specs=(SP,) * 3, out_specs=SP))
-    for _ in range(3):
-        q = _rand((b, world * s, hq, d), jnp.bfloat16)
-        k, v = (_rand((b, world * s, hkv, d), jnp.bfloat16) for _ in range(2))
-        out = f(*_put(mesh, jnp.bfloat16, q, k, v))
-        assert _rel(out, _reference(q, k, v, causal)) < TOL[jnp.bfloat16]
+    _check_calls(f, mesh, jnp.bfloat16, b, world * s, hq, hkv, d, causal, 3)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -104,11 +107,7 @@ def test_ag_attention_pushed_kv_outlives_the_copies(world):
     b, s, hq, hkv, d = 1, 1000, 8, 4, 128
     f = jax.jit(jax.shard_map(lambda q, k, v: td.ag_attention(q, k, v, "sp", causal=False),
                               mesh=mesh, in_specs=(SP,) * 3, out_specs=SP))
-    for _ in range(10):
-        q = _rand((b, world * s, hq, d), jnp.bfloat16)
-        k, v = (_rand((b, world * s, hkv, d), jnp.bfloat16) for _ in range(2))
-        out = f(*_put(mesh, jnp.bfloat16, q, k, v))
-        assert _rel(out, _reference(q, k, v, False)) < TOL[jnp.bfloat16]
+    _check_calls(f, mesh, jnp.bfloat16, b, world * s, hq, hkv, d, False, 10)
 
 
 @pytest.mark.parametrize("world", [2, 4])
