@@ -37,7 +37,7 @@ def ring_exchange_kernel(ctx, x_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constex
     ack = dl.heap_ptr(ctx, WORKSPACE + ACK, tl.int32)
     # Double buffering: call e receives into the buffer of parity e % 2, so
     # the next call's data (parity (e + 1) % 2) cannot clobber this one's.
-    buf = dl.heap_ptr(ctx, WORKSPACE + BUFFERS + (e % 2) * (N * 4), tl.float32)
+    buf = dl.parity_ptr(ctx, WORKSPACE + BUFFERS, N * 4, tl.float32)
 
     # 1. Reuse race: nxt's buffer of this parity last held the data of epoch
     #    e - 2. Parity alone does not make it free: nothing else in the ring
