@@ -126,9 +126,11 @@ def _problems():
                              NUM_PROGRAMS=cfg.programs(p, tiles), INTERLEAVE=True),
                         cfg.launch_options())
     cfg = pick(MatmulArConfig, (16, 8192, 2048))
-    out["matmul_ar"] = (dict(cfg.kernel_args(), M=16, N=8192, K=2048, INBOX_OFF=1 << 20,
+    args = {k: v for k, v in cfg.kernel_args().items() if k != "PARTIAL"}
+    out["matmul_ar"] = (dict(args, M=16, N=8192, K=2048, INBOX_OFF=1 << 20,
                              PARITY_BYTES=1 << 24, FLAGS_OFF=4096, PARTIALS_OFF=1 << 27,
-                             COUNTERS_OFF=1 << 28,
+                             COUNTERS_OFF=1 << 28, RESULTS_OFF=-1, RFLAGS_OFF=-1,
+                             PARTIAL_INPUT=cfg.PARTIAL == "input",
                              K_SPLIT=-(-2048 // (cfg.SPLIT_K * cfg.BLOCK_K)) * cfg.BLOCK_K),
                         cfg.launch_options())
     out["language_primitives"] = (dict(N=4096, BLOCK=1024, WORKSPACE=65536),

@@ -358,12 +358,13 @@ def _moe_block(h: int, itemsize: int) -> int:
                                                           4: "float32"}[itemsize], 132)).BLOCK_H
 
 
-@pytest.mark.parametrize("dtype,dots", [("bf16", False), ("fp32", False), ("u8", False),
-                                        ("bf16", True)])
-def test_moe_kernels_compile(dtype, dots):
+@pytest.mark.parametrize("dtype,dots,send_rows", [("bf16", False, True), ("fp32", False, True),
+                                                  ("u8", False, True), ("bf16", True, True),
+                                                  ("bf16", False, False)])
+def test_moe_kernels_compile(dtype, dots, send_rows):
     """MoE dispatch and combine compile for sm_90 at DeepSeek-V3's decode size (H=7168,
-    top-8, 256 experts over 4 ranks); the row copies keep 16-byte vectors and the
-    flags are system-scope release/acquire."""
+    top-8, 256 experts over 4 ranks), the combine's both ways of weighing rows; the
+    row copies keep 16-byte vectors and the flags are system-scope release/acquire."""
     from jaxtdist.kernels.moe import moe_combine_kernel, moe_dispatch_kernel
     t, h, k, e_loc, world, programs = 128, 7168, 8, 64, 4, 128
     if dtype == "u8":  # fp8 dispatch: byte rows of 7168 fp8 and 56 float32 scales
@@ -392,7 +393,7 @@ def test_moe_kernels_compile(dtype, dots):
                  dict(T=t, F=h, K=k, KL=kl, W=world, P=programs, TP=1, E_LOC=e_loc,
                       FLAGS_OFF=0, WFLAGS_OFF=2048, INBOX_OFF=4096, WBOX_OFF=4096 + (1 << 23),
                       PARITY_BYTES=1 << 24, DOTS=dots, KP=8, KLP=8, WP=4,
-                      BLOCK_F=_moe_block(h, 2), TRACE=dtype == "bf16"),
+                      BLOCK_F=_moe_block(h, 2), SEND_ROWS=send_rows, TRACE=dtype == "bf16"),
                  num_warps=4, num_stages=1)
     for k_ in (d, c):
         ptx = k_.asm["ptx"]
@@ -457,10 +458,28 @@ def test_matmul_ar_split_k_compiles(tma, split_k):
                         dict(M=32, N=4096, K=7168, INBOX_OFF=1 << 20, PARITY_BYTES=1 << 22,
                              FLAGS_OFF=4096, PARTIALS_OFF=1 << 24, COUNTERS_OFF=1 << 26,
                              SPLIT_K=split_k, K_SPLIT=7168 // split_k, BLOCK_M=32,
-                             BLOCK_N=128, BLOCK_K=128, GROUP_M=1, TMA=tma),
+                             BLOCK_N=128, BLOCK_K=128, GROUP_M=1, TMA=tma, TWO_SHOT=False,
+                             RESULTS_OFF=-1, RFLAGS_OFF=-1, PARTIAL_INPUT=False),
                         num_warps=4, num_stages=4)
     ptx = k.asm["ptx"]
     assert "mma.sync" in ptx or "wgmma.mma_async" in ptx
     assert ("cp.async.bulk.tensor.2d.shared" in ptx) == tma
     assert re.search(r"atom\.global\.gpu\.acq_rel\.add|atom\.acq_rel\.gpu\.global\.add", ptx)
     assert "release" in ptx and k.metadata.shared <= 227 * 1024
+
+
+def test_matmul_ar_two_shot_compiles():
+    """matmul_ar's two shot at 128 x 8192 (the default from 3 ranks on there):
+    bf16 partials to the tile's owner, the owner's sum broadcast, both under
+    system-scope releases and acquires."""
+    from jaxtdist.kernels.matmul_ar import matmul_ar_kernel
+    k = _compile_native(matmul_ar_kernel, ["i32"] + ["bf16"] * 3,
+                        dict(M=128, N=8192, K=2048, INBOX_OFF=1 << 20, PARITY_BYTES=1 << 24,
+                             FLAGS_OFF=4096, PARTIALS_OFF=-1, COUNTERS_OFF=-1, SPLIT_K=1,
+                             K_SPLIT=2048, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8,
+                             TMA=False, TWO_SHOT=True, RESULTS_OFF=(1 << 20) + 3 * (1 << 21),
+                             RFLAGS_OFF=8192, PARTIAL_INPUT=True),
+                        num_warps=4, num_stages=5)
+    ptx = k.asm["ptx"]
+    assert "mma.sync" in ptx or "wgmma.mma_async" in ptx
+    assert "release" in ptx and "acquire" in ptx and k.metadata.shared <= 227 * 1024

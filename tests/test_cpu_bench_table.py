@@ -187,6 +187,20 @@ def test_matmul_rs_benchmark_finds_its_ops():
         assert callable(getattr(ops, name)), name
 
 
+def test_matmul_ar_benchmark_times_both_exchanges(faked_timing, monkeypatch):
+    """``python -m jaxtdist.bench matmul_ar`` on a small shape (CPU, world 4, faked
+    timing): the default, one shot and two shot all match the float32 product and
+    have their columns."""
+    from jaxtdist.bench import matmul_rs as bench
+
+    monkeypatch.setattr(bench, "MATMUL_AR_NK", (48, 64))
+    rows = bench.bench_matmul_ar([5], 2, 4, rounds=1)
+    for name in ("jaxtdist", "jaxtdist_one_shot", "jaxtdist_two_shot", "xla_dot_psum"):
+        assert rows[0][name]["rel_err"] < 1e-2, (name, rows[0][name])
+    text = bench.ar_table(dict(world=4, device="cpu", rows=rows, iterations=2, rounds=1))
+    assert "| one shot | two shot |" in text and "| 5 | 48 | 64 |" in text
+
+
 def test_model_benchmark_runs_both_models_and_tabulates(faked_timing):
     """``python -m jaxtdist.bench model`` on the tiny Llama (CPU, tp=4): both steps of
     both models run from equal parameters, outputs agree, the table has each step."""

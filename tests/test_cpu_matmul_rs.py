@@ -106,6 +106,60 @@ def test_matmul_ar_split_k(world, split_k):
         assert rel_err(out[0], y) < 1e-5 and rel_err(out[1], 2.0 * y) < 1e-5
 
 
+# (world, dtype, M, N, k per rank, config): two shot on several tiles (owners
+# rank t % W, some ranks owning none at 2 tiles over 4 ranks), split K, both
+# partial dtypes, through the op (autodiff's forward) and its kernel.
+TWO_SHOT_CASES = [(3, F32, 16, 70, 20, dict(BLOCK_N=16)),
+                  (4, BF16, 40, 33, 12, dict(BLOCK_N=32)),
+                  (4, F32, 5, 40, 70, dict(SPLIT_K=3, BLOCK_K=16, BLOCK_N=16,
+                                           PARTIAL="float32")),
+                  (2, F16, 16, 24, 9, dict(BLOCK_N=16))]
+
+
+@pytest.mark.parametrize("world,dtype,m,n,k,config", TWO_SHOT_CASES)
+def test_matmul_ar_two_shot(world, dtype, m, n, k, config):
+    """Each tile reduced on its owner and broadcast: the same bits on every rank,
+    twice in one jit and on two calls (both parities, the epochs' flags)."""
+    mesh = setup(world)
+    cfg = dict(config, TWO_SHOT=True)
+
+    def two(x, w):
+        return jnp.stack([matmul_ar(x, w, "tp", config=cfg),
+                          matmul_ar_kernels(2.0 * x, w, "tp", config=cfg)])[None]
+
+    f = jax.jit(jax.shard_map(two, mesh=mesh, in_specs=(X_SPEC, W_SPEC), out_specs=P("tp"),
+                              check_vma=False))
+    for _ in range(2):
+        x, w = rand((m, world * k), dtype), rand((world * k, n), dtype)
+        out = np.asarray(f(place(mesh, x, X_SPEC), place(mesh, w, W_SPEC)))
+        for r in range(1, world):
+            np.testing.assert_array_equal(out[r], out[0], err_msg=f"rank {r} differs")
+        y = f64(x) @ f64(w)
+        assert_close(out[0, 0], y, dtype)
+        assert_close(out[0, 1], 2.0 * y, dtype)
+
+
+def test_matmul_ar_default_exchange():
+    """Two shot in x's dtype where one shot's float32 partials pass 4 MB per rank
+    from 3 ranks on; one shot in float32 elsewhere; TWO_SHOT asked alone brings its
+    partials' default."""
+    def cfg(world, m, n=8192, platform="gpu", **asked):
+        p = Problem(platform, world, (m, n, 2048), "bfloat16", 132)
+        return MatmulArConfig.settle(MatmulArConfig.default(p), asked)
+
+    assert (cfg(4, 128).TWO_SHOT, cfg(4, 128).PARTIAL) == (True, "input")
+    assert (cfg(4, 16).TWO_SHOT, cfg(4, 16).PARTIAL) == (False, "float32")
+    assert not cfg(2, 1024).TWO_SHOT  # two ranks: the same bytes either way
+    assert cfg(4, 128, TWO_SHOT=False).PARTIAL == "float32"
+    assert cfg(4, 16, TWO_SHOT=True).PARTIAL == "input"
+    with pytest.raises(ValueError, match="TWO_SHOT"):
+        MatmulArConfig.default(Problem("gpu", 4, (16, 8192, 2048), "bfloat16", 132)).replace(
+            TWO_SHOT=1).validate(Problem("gpu", 4, (16, 8192, 2048), "bfloat16", 132))
+    with pytest.raises(ValueError, match="PARTIAL"):
+        cfg(4, 16, PARTIAL="bf16").validate(Problem("gpu", 4, (16, 8192, 2048), "bfloat16",
+                                                    132))
+
+
 def test_over_tp_of_a_dp_tp_mesh():
     """A (2, 2) dp x tp mesh, the collectives over "tp": each dp group sums its own
     partials (dp groups hold different rows and weights)."""

@@ -78,17 +78,17 @@ def _layer_fn(mesh, e, rows=None, config=None):
         recv, sizes, handle = td.moe_dispatch(x, ids, "tp", num_experts=e, max_recv_rows=rows,
                                               config=config)
         y = jax.lax.ragged_dot(recv, w[0], sizes)
-        out = td.moe_combine(y, handle, gate, "tp")
+        out = td.moe_combine(y, handle, gate, "tp", config=config)
         return recv, sizes[None], handle.dropped[None], out
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P("tp"), P("tp"), P("tp")),
                                  out_specs=(P("tp"), P("tp"), P("tp"), P("tp"))))
 
 
-def _run_case(world, t, h, f, k, e, dtype, kind="random", rows=None, calls=2):
+def _run_case(world, t, h, f, k, e, dtype, kind="random", rows=None, calls=2, config=None):
     mesh = setup(world)
     e_loc = e // world
-    fn = _layer_fn(mesh, e, rows)
+    fn = _layer_fn(mesh, e, rows, config)
     rng = np.random.default_rng(world * 1000 + t * 10 + k)
     r = rows or world * t * min(k, e_loc)
     for _ in range(calls):  # both parities, changing routings
@@ -135,6 +135,16 @@ CASES = [(2, 5, 24, 16, 2, 4, F32, "random"),
 @pytest.mark.parametrize("world,t,h,f,k,e,dtype,kind", CASES)
 def test_moe_layer(world, t, h, f, k, e, dtype, kind):
     _run_case(world, t, h, f, k, e, dtype, kind)
+
+
+@pytest.mark.parametrize("send,block_h,rows", [("rows", 4, None), ("rows", 8, 7),
+                                               ("blocks", 4, 7), ("blocks", 32, None)])
+def test_moe_combine_send_ways(send, block_h, rows):
+    """The combine's two ways of weighing a token's rows on the experts' rank
+    (config COMBINE_SEND), rows split in several BLOCK_H steps or one, with rows
+    dropped (past max_recv_rows) or not."""
+    _run_case(4, 5, 16, 12, 4, 8, BF16, rows=rows,
+              config=dict(COMBINE_SEND=send, BLOCK_H=block_h))
 
 
 @pytest.mark.parametrize("world,rows", [(2, 3), (4, 5)])
@@ -319,6 +329,8 @@ def test_moe_errors():
     mesh = setup(2)
     with pytest.raises(ValueError, match="max_recv_rows=0"):
         call(x, ids, num_experts=4, max_recv_rows=0)
+    with pytest.raises(ValueError, match="COMBINE_SEND='row'; allowed: 'rows', 'blocks'"):
+        call(x, ids, num_experts=4, config=dict(COMBINE_SEND="row"))
     with pytest.raises(ValueError, match="y must be"):
         jax.jit(jax.shard_map(
             lambda x, ids: td.moe_combine(x, td.moe_dispatch(x, ids, "tp", num_experts=4)[2],

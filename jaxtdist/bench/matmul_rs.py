@@ -119,6 +119,10 @@ def bench_matmul_ar(ms, iterations: int, world: int, dtype=jnp.bfloat16,
     td.initialize(mesh)
     specs = dict(mesh=mesh, in_specs=(X_SPEC, W_SPEC), out_specs=P(), check_vma=False)
     ours = jax.jit(jax.shard_map(lambda x, w: ops.matmul_ar(x, w, "tp"), **specs))
+    # Both exchanges forced (each with its default partials), beside the default's pick.
+    shots = {f"jaxtdist_{name}": jax.jit(jax.shard_map(
+        lambda x, w, two=two: ops.matmul_ar(x, w, "tp", config=dict(TWO_SHOT=two)), **specs))
+        for name, two in (("one_shot", False), ("two_shot", True))} if world > 1 else {}
     xla = jax.jit(jax.shard_map(lambda x, w: jax.lax.psum(x @ w, "tp"), **specs))
     local = jax.jit(jnp.dot)
     n, k = MATMUL_AR_NK
@@ -134,12 +138,14 @@ def bench_matmul_ar(ms, iterations: int, world: int, dtype=jnp.bfloat16,
             local_gemm=h.Contender(local, (jax.device_put(x[:, :k_shard], devices[0]),
                                            jax.device_put(w[:k_shard], devices[0])), 1),
             xla_dot_psum=h.Contender(xla, args, world, ref),
-            jaxtdist=h.Contender(ours, args, world, ref, aligned=True)), iterations, rounds))
+            jaxtdist=h.Contender(ours, args, world, ref, aligned=True),
+            **{name: h.Contender(f, args, world, ref, aligned=True)
+               for name, f in shots.items()}), iterations, rounds))
         row["jaxtdist"].update(_config_source("matmul_ar", world, (m, n, k_shard), dtype))
         rows.append(row)
         print(f"matmul_ar M={m}: " + " | ".join(
             f"{name} {h.us(row.get(name))}" for name in ("local_gemm", "xla_dot_psum",
-                                                         "jaxtdist")), flush=True)
+                                                         "jaxtdist", *shots)), flush=True)
     return rows
 
 
@@ -161,9 +167,12 @@ AR_COLUMNS = _SHAPE + [
     h.Column("local GEMM", lambda r: h.us(r.get("local_gemm"))),
     h.Column("dot + psum", lambda r: h.us(r.get("xla_dot_psum"))),
     h.Column("jaxtdist", lambda r: h.us(r.get("jaxtdist"))),
+    h.Column("one shot", lambda r: h.us(r.get("jaxtdist_one_shot"))),
+    h.Column("two shot", lambda r: h.us(r.get("jaxtdist_two_shot"))),
     h.Column("jaxtdist / (dot + psum)", lambda r: h.ratio(r.get("jaxtdist"),
                                                           r.get("xla_dot_psum"))),
     h.Column("rel err", lambda r: h.err(r.get("jaxtdist"))),
+    h.Column("rel err (two shot)", lambda r: h.err(r.get("jaxtdist_two_shot"))),
 ]
 
 

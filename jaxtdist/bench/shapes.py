@@ -37,7 +37,7 @@ ALL_GATHER_BYTES = [16 << 10, 256 << 10, 1 << 20, 8 << 20, 64 << 20]
 # 1216 us, dot + psum_scatter 445 and 1580 us at K / 4).
 MATMUL_RS_SHAPES = [(8192, 4096, 12288), (8192, 8192, 29568)]
 # matmul_ar: M rows (decode), K = 8192 split over the world, N = 8192.
-MATMUL_AR_ROWS = [1, 16, 128]
+MATMUL_AR_ROWS = [1, 16, 64, 128, 512]
 MATMUL_AR_NK = (8192, 8192)
 # World 1 against jnp.dot: (op, m, n, k, dtype), the per-rank problems of the
 # tables above at W = 4 and one more shape.

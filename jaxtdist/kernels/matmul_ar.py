@@ -20,16 +20,29 @@ partial, and no second launch: the latency is the GEMM of one tile-wave
 plus one push and one flag. Split K lets wide N tiles (long loads of w)
 still fill the SMs at decode sizes.
 
-Inbox layout (``ops/matmul_ar.ArWorkspace``): per call parity (``e % 2``),
-W - 1 slots of [M, N] float32, slot ``(src - dst + W - 1) % W`` of rank
-``dst`` holding the partial of rank ``src``; then one int32 flag per (slot,
-tile).
+Two shot (``TWO_SHOT``, for large tiles, where bytes rule): tile t has an
+owner, rank ``t % W``. The others push their partial to the owner only and
+wait; the owner sums the W partials in rank order, stores the tile and pushes
+the rounded sum into every peer's results box, which they copy out. Per rank
+(W - 1) / W of the partials and of the output cross the links, against
+(W - 1) whole partials in one shot. Partials go in float32 or, with
+``PARTIAL_INPUT``, in x's dtype (half the bytes, one more rounding).
+
+Inbox layout (``ops/_partial_sums.PartialsWorkspace``): one int32 flag per
+(slot, tile), then (two shot) one int32 result flag per tile; per call
+parity (``e % 2``), W - 1 slots of [M, N] partials, slot ``(src - dst + W -
+1) % W`` of rank ``dst`` holding the partial of rank ``src``, then (two shot)
+the [M, N] results box in the output's dtype.
 
 Reuse: rank s writes a slot of parity p in rank o's inbox at epochs e and
 e + 2. s's kernel e + 2 starts after its kernel e + 1 ended, which waited
 for o's pushes of epoch e + 1; o pushes those in its kernel e + 1, after
 its kernel e (the last reader of parity p) ended. So parity alone keeps
 call e + 2's writes off the data call e still reads; flags compare ">=".
+Two shot: a non-owner's kernel e + 1 waited for the owner's sum of e + 1,
+pushed after the owner's kernel e read the partials; the owner pushes its sum
+of e + 2 after its kernel e + 1 waited for the peer's partial of e + 1, pushed
+after the peer's kernel e copied the sum out.
 The split workspace is local and rewritten whole by every call, its
 counters only grow (``_splitk``); a call's last arrivals read it before the
 kernel ends, and the next call's kernel starts after that.
@@ -41,7 +54,9 @@ arrival waits only on peers' last arrivals of the same tile, which push
 before they wait, and a tile's programs are consecutive, so dispatched
 before any later tile's (in-order dispatch: none of them waits for an SM
 behind a later tile's waiting program). So the grid completes in any order
-of programs, one at a time included (the interpreter).
+of programs, one at a time included (the interpreter). Two shot: a
+non-owner pushes before it waits for the owner's sum, and the owner waits
+only on those pushes before it sends the sum: the same holds.
 """
 
 import triton
@@ -60,14 +75,18 @@ def matmul_ar_kernel(ctx, x_ptr, w_ptr, out_ptr,
                      FLAGS_OFF: tl.constexpr, PARTIALS_OFF: tl.constexpr,
                      COUNTERS_OFF: tl.constexpr, SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, TMA: tl.constexpr):
+                     GROUP_M: tl.constexpr, TMA: tl.constexpr, TWO_SHOT: tl.constexpr,
+                     RESULTS_OFF: tl.constexpr, RFLAGS_OFF: tl.constexpr,
+                     PARTIAL_INPUT: tl.constexpr):
     """Grid: (SPLIT_K * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),).
 
     x: [M, K], w: [K, N] -> out: [M, N], the sum over ranks of x @ w. TMA: rows
     of x and w are 16-byte multiples (the GEMM core's loads). Split ``s`` covers K
     [s * K_SPLIT, (s + 1) * K_SPLIT) (K_SPLIT a multiple of BLOCK_K); with SPLIT_K
     > 1, PARTIALS_OFF holds SPLIT_K float32 planes of [M, N] and COUNTERS_OFF one
-    int32 counter per tile (``SplitKWorkspace``).
+    int32 counter per tile (``SplitKWorkspace``). TWO_SHOT: reduce each tile on its
+    owner rank and broadcast the sum (``_two_shot_tile``), else one shot;
+    PARTIAL_INPUT: partials cross the links in x's dtype, else in float32.
     """
     pid = tl.program_id(0)
     tile = pid // SPLIT_K
@@ -92,34 +111,37 @@ def matmul_ar_kernel(ctx, x_ptr, w_ptr, out_ptr,
                        BLOCK_M, BLOCK_N, BLOCK_K)
     offs = rows[:, None] * N + cols[None, :]
     mask = row_mask[:, None] & col_mask[None, :]
-    if SPLIT_K == 1:
-        _all_reduce_tile(ctx, acc, out_ptr, offs, mask, tile, m_tiles * n_tiles, M, N,
-                         INBOX_OFF, PARITY_BYTES, FLAGS_OFF)
+    if SPLIT_K > 1:
+        last, acc = split_k_total(acc, split, dl.heap_ptr(ctx, PARTIALS_OFF, tl.float32),
+                                  offs, mask, dl.heap_ptr(ctx, COUNTERS_OFF, tl.int32) + tile,
+                                  M * N, SPLIT_K)
     else:
-        last, total = split_k_total(acc, split, dl.heap_ptr(ctx, PARTIALS_OFF, tl.float32),
-                                    offs, mask, dl.heap_ptr(ctx, COUNTERS_OFF, tl.int32) + tile,
-                                    M * N, SPLIT_K)
-        if last:
-            _all_reduce_tile(ctx, total, out_ptr, offs, mask, tile, m_tiles * n_tiles, M, N,
-                             INBOX_OFF, PARITY_BYTES, FLAGS_OFF)
+        last = True
+    if last:
+        pdtype = x_ptr.dtype.element_ty if PARTIAL_INPUT else tl.float32
+        inbox = dl.parity_ptr(ctx, INBOX_OFF, PARITY_BYTES, pdtype)
+        flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
+        if TWO_SHOT:
+            results = dl.parity_ptr(ctx, RESULTS_OFF, PARITY_BYTES, out_ptr.dtype.element_ty)
+            _two_shot_tile(ctx, acc, out_ptr, offs, mask, tile, m_tiles * n_tiles, M * N, inbox,
+                           flags, results, dl.heap_ptr(ctx, RFLAGS_OFF, tl.int32))
+        else:
+            _one_shot_tile(ctx, acc, out_ptr, offs, mask, tile, m_tiles * n_tiles, M * N, inbox,
+                           flags)
 
 
 @triton.jit
-def _all_reduce_tile(ctx, acc, out_ptr, offs, mask, tile, tiles, M: tl.constexpr,
-                     N: tl.constexpr, INBOX_OFF: tl.constexpr, PARITY_BYTES: tl.constexpr,
-                     FLAGS_OFF: tl.constexpr):
+def _one_shot_tile(ctx, acc, out_ptr, offs, mask, tile, tiles, slot_elems, inbox, flags):
     """Pushes this rank's partial ``acc`` of tile ``tile`` to every peer, waits for
     theirs and stores the sum over the ranks at ``out_ptr + offs``."""
     me = dl.rank(ctx)
     world = dl.num_ranks(ctx)
     e = dl.epoch(ctx)
-    inbox = dl.parity_ptr(ctx, INBOX_OFF, PARITY_BYTES, tl.float32)
-    flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
-    slot_elems = M * N
+    part = acc.to(inbox.dtype.element_ty)
     for step in range(1, world):
         dst = (me + step) % world
         slot = world - 1 - step  # (me - dst + world - 1) % world
-        tl.store(dl.symm_at(ctx, inbox + slot * slot_elems + offs, dst), acc, mask=mask)
+        tl.store(dl.symm_at(ctx, inbox + slot * slot_elems + offs, dst), part, mask=mask)
     # Flags after every peer's stores: the first release drains them all.
     for step in range(1, world):
         dl.notify(ctx, flags + (world - 1 - step) * tiles + tile, (me + step) % world, e)
@@ -127,14 +149,59 @@ def _all_reduce_tile(ctx, acc, out_ptr, offs, mask, tile, tiles, M: tl.constexpr
     # rank's own in its place), so that every rank rounds the same additions and
     # holds the same bits; an order starting from the own partial differs per
     # rank in float32 from W = 3 on.
-    total = tl.zeros_like(acc)
+    total = _sum_in_rank_order(ctx, part.to(tl.float32), offs, mask, tile, tiles, slot_elems,
+                               inbox, flags)
+    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sum_in_rank_order(ctx, own, offs, mask, tile, tiles, slot_elems, inbox, flags):
+    """The float32 sum of tile ``tile``'s partials over the ranks, in rank order
+    (this rank's ``own`` in its place): waits for each peer's."""
+    me = dl.rank(ctx)
+    world = dl.num_ranks(ctx)
+    e = dl.epoch(ctx)
+    total = tl.zeros_like(own)
     for src in range(0, world):
         if src == me:
-            total += acc
+            total += own
         else:
             # Rank src pushes to this rank into slot (src - me + world - 1) % world.
             slot = (src - me + world - 1) % world
             token = dl.wait(ctx, flags + slot * tiles + tile, e, "ge", src)
             total += tl.load(dl.consume_token(inbox + slot * slot_elems + offs, token),
-                             mask=mask, other=0.0)
-    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+                             mask=mask, other=0.0).to(tl.float32)
+    return total
+
+
+@triton.jit
+def _two_shot_tile(ctx, acc, out_ptr, offs, mask, tile, tiles, slot_elems, inbox, flags,
+                   results, rflags):
+    """Tile ``tile``'s owner (rank ``tile % world``) gathers every peer's partial,
+    sums them in rank order and pushes the rounded sum into every peer's results
+    box; the others push their partial to the owner and copy the owner's sum
+    into ``out_ptr + offs``. Each rank sends (W - 1) / W of the partials and
+    of the output once: against one shot's (W - 1) whole partials, the bytes
+    of large tiles, at the price of a second link round trip."""
+    me = dl.rank(ctx)
+    world = dl.num_ranks(ctx)
+    e = dl.epoch(ctx)
+    owner = tile % world
+    if owner != me:
+        slot = (me - owner + world - 1) % world
+        tl.store(dl.symm_at(ctx, inbox + slot * slot_elems + offs, owner),
+                 acc.to(inbox.dtype.element_ty), mask=mask)
+        dl.notify(ctx, flags + slot * tiles + tile, owner, e)  # release: the partial
+        token = dl.wait(ctx, rflags + tile, e, "ge", owner)
+        y = tl.load(dl.consume_token(results + offs, token), mask=mask)
+        tl.store(out_ptr + offs, y, mask=mask)
+    else:
+        # Its own partial rounds like the peers' (the same error wherever a tile lands).
+        own = acc.to(inbox.dtype.element_ty).to(tl.float32)
+        total = _sum_in_rank_order(ctx, own, offs, mask, tile, tiles, slot_elems, inbox, flags)
+        y = total.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + offs, y, mask=mask)
+        for step in range(1, world):
+            tl.store(dl.symm_at(ctx, results + offs, (me + step) % world), y, mask=mask)
+        for step in range(1, world):
+            dl.notify(ctx, rflags + tile, (me + step) % world, e)  # release: the sum

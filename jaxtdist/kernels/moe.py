@@ -297,7 +297,7 @@ def moe_combine_kernel(ctx, y_ptr, w_ptr, kmask_ptr, ids_ptr, g_ptr, spos_ptr, s
                        INBOX_OFF: tl.constexpr, WBOX_OFF: tl.constexpr,
                        PARITY_BYTES: tl.constexpr, DOTS: tl.constexpr, KP: tl.constexpr,
                        KLP: tl.constexpr, WP: tl.constexpr, BLOCK_F: tl.constexpr,
-                       TRACE: tl.constexpr = False):
+                       SEND_ROWS: tl.constexpr, TRACE: tl.constexpr = False):
     """Grid: (P,), the dispatch's P. y [R, F] (rows of this rank's experts);
     w [T, K] weights, kmask [T, K] int32 (1: a valid pair) and ids [T, K] (the
     routing) of this rank's tokens; spos / stk / sranges from the dispatch.
@@ -316,8 +316,12 @@ def moe_combine_kernel(ctx, y_ptr, w_ptr, kmask_ptr, ids_ptr, g_ptr, spos_ptr, s
     weights' cotangent, g the output's) come out beside out.
 
     Every step moves a token's rows together, [KLP, KP or WP, BLOCK_F / that]
-    blocks: their loads are in flight at once. TRACE: phase timestamps into
-    trace (``_stamp``); else trace is unused.
+    blocks: their loads are in flight at once; except (SEND_ROWS, the forward)
+    the experts' rank's weighing, which loads only the valid pairs' rows, BLOCK_F
+    columns of one at a time (a token has about K / W pairs on a rank, and a
+    [KLP, BLOCK_F / KLP] step of mostly masked rows took one load latency per
+    BLOCK_F / KLP columns). TRACE: phase timestamps into trace (``_stamp``);
+    else trace is unused.
     """
     pid = tl.program_id(0)
     _stamp(trace_ptr, pid, 0, TRACE)
@@ -351,6 +355,7 @@ def moe_combine_kernel(ctx, y_ptr, w_ptr, kmask_ptr, ids_ptr, g_ptr, spos_ptr, s
     # 1. Send the rows held for source s's program pid back to s. Every source's
     # slot range is loaded at once (one memory latency, not one per source).
     offs_f = tl.arange(0, SEND_F)
+    offs_row = tl.arange(0, BLOCK_F)
     offs_w = tl.arange(0, WP)
     ranges = sranges_ptr + (offs_w * P + pid) * 2
     los = tl.load(ranges, mask=offs_w < W, other=0)
@@ -376,6 +381,22 @@ def moe_combine_kernel(ctx, y_ptr, w_ptr, kmask_ptr, ids_ptr, g_ptr, spos_ptr, s
                     fm = cols < F
                     v = tl.load(src + cols, mask=send & fm & (poss >= 0)[:, None], other=0.0)
                     tl.store(dst + cols, v, mask=send & fm)
+            elif SEND_ROWS:
+                # One row per (token, rank), as below, from the valid pairs' rows only.
+                keep = (tks >= 0) & (poss >= 0)
+                wks = tl.load(weights + tks, mask=tks >= 0, other=0.0)
+                t = tl.max(tks, axis=0) // K
+                dst = dl.symm_at(ctx, inbox + (me * T + t).to(tl.int64) * F, s)
+                for c in range(0, F, BLOCK_F):
+                    cols = c + offs_row
+                    fm = cols < F
+                    part = tl.zeros((BLOCK_F,), tl.float32)
+                    for j in range(0, KL):
+                        if _pick(keep.to(tl.int32), offs_kl, j) != 0:
+                            row = y_ptr + tl.cast(_pick(poss, offs_kl, j), tl.int64) * F
+                            v = tl.load(row + cols, mask=fm, other=0.0)
+                            part += _pick(wks, offs_kl, j) * v.to(tl.float32)
+                    tl.store(dst + cols, part.to(y_ptr.dtype.element_ty), mask=fm)
             else:
                 # One row per (token, rank): the pairs' rows weighed and summed here
                 # (dropped rows count zero; a token whose rows all dropped gets zeros).

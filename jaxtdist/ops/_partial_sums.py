@@ -39,6 +39,10 @@ _AR_COVER = 0.9
 # small against the split's own loads of w).
 _AR_SPLITS = (1, 2, 4, 8)
 _AR_MIN_K_SPLIT = 1024
+# Above this many bytes of one-shot partials per rank matmul_ar reduces in two
+# shots (W >= 3). On 4 x H200 one shot ran 23.4 us at 16 x 8192 (1.5 MB per
+# rank) against XLA's 31.4, and 82.2 at 128 x 8192 (12 MB) against 50.8.
+_AR_ONE_SHOT_BYTES = 4 << 20
 
 
 # -- configs ---------------------------------------------------------------------
@@ -187,6 +191,15 @@ class MatmulArConfig(KernelConfig):
         16-byte multiples), else with pointer loads.
       SPLIT_K: programs per output tile, each over its own range of K (at most
         the K blocks; their float32 partials meet in a local workspace first).
+      TWO_SHOT: reduce each tile on one owner rank and broadcast its sum (each
+        rank sends (W - 1) / W of the partials and of the output), else one
+        shot (every partial to every peer: one link round trip, (W - 1) x the
+        partials' bytes). Default: two shot from 3 ranks on where one shot
+        would send more than ``_AR_ONE_SHOT_BYTES`` per rank.
+      PARTIAL: dtype of the pushed partials, "float32" or "input" (x's dtype:
+        half the bytes, one more rounding). Default: "input" with two shot
+        (bytes rule), "float32" with one shot (latency rules). The sum is
+        float32 either way, and the same bits on every rank.
       num_warps, num_stages: launch options.
     """
     OP: ClassVar[str] = "matmul_ar"
@@ -198,12 +211,36 @@ class MatmulArConfig(KernelConfig):
     GROUP_M: int = 1
     TMA: bool = True
     SPLIT_K: int = 1
+    TWO_SHOT: bool = False
+    PARTIAL: str = "float32"
     num_warps: int = 4
     num_stages: int = 4
     SUBTILE: ClassVar[int] = 1  # the output is stored with the pushes' pointers
 
     @classmethod
     def default(cls, problem: Problem) -> "MatmulArConfig":
+        """The tiles of ``_default_tiles``; the exchange by bytes: two shot with
+        partials in x's dtype from 3 ranks on where one shot's float32 partials
+        would pass ``_AR_ONE_SHOT_BYTES`` per rank, else one shot in float32."""
+        m, n, _ = problem.shape
+        cfg = cls._default_tiles(problem)
+        # One shot's bytes per rank: (W - 1) float32 partials of [M, N]. At W = 2
+        # two shot sends as many bytes, with a second round trip.
+        if problem.world >= 3 and (problem.world - 1) * m * n * 4 > _AR_ONE_SHOT_BYTES:
+            cfg = cfg.replace(TWO_SHOT=True, PARTIAL="input")
+        return cfg
+
+    @classmethod
+    def settle(cls, base: "MatmulArConfig", asked) -> "MatmulArConfig":
+        """``base`` updated by ``asked``; partials asked for by TWO_SHOT alone follow
+        its default (two shot in x's dtype, one shot in float32)."""
+        cfg = base.replace(**asked)
+        if "TWO_SHOT" in asked and "PARTIAL" not in asked:
+            cfg = cfg.replace(PARTIAL="input" if cfg.TWO_SHOT else "float32")
+        return cfg
+
+    @classmethod
+    def _default_tiles(cls, problem: Problem) -> "MatmulArConfig":
         """One rule: pointer loads; all rows in one tile up to 64 rows; below 64 rows
         (decode), the widest N tile up to 64 whose count, times a K split, still
         covers nearly every SM (decode reads w once, spread over the SMs)."""
@@ -250,31 +287,46 @@ class MatmulArConfig(KernelConfig):
             raise ValueError(f"jaxtdist.matmul_ar: config SPLIT_K={self.SPLIT_K} exceeds the "
                              f"{k_blocks} blocks of K={problem.shape[2]} "
                              f"(BLOCK_K={self.BLOCK_K})")
+        if not isinstance(self.TWO_SHOT, (bool, np.bool_)):
+            raise ValueError(f"jaxtdist.matmul_ar: config TWO_SHOT={self.TWO_SHOT!r} must be "
+                             "True or False")
+        if self.PARTIAL not in _PARTIALS:
+            raise ValueError(f"jaxtdist.matmul_ar: config PARTIAL={self.PARTIAL!r} must be one "
+                             f"of {_PARTIALS}")
         _check_core(self, problem)
 
     @classmethod
     def search_space(cls, problem: Problem) -> list[dict]:
         if problem.platform != "gpu":
             return cls.fitting(problem, [{}, dict(BLOCK_N=16), dict(BLOCK_K=16),
-                                           dict(SPLIT_K=2), dict(TMA=False)])
+                                           dict(SPLIT_K=2), dict(TMA=False),
+                                           dict(TWO_SHOT=True), dict(PARTIAL="input")])
         tiles = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w)
                  for bn in (32, 64, 128) for bk in (64, 128, 256) for w in (4, 8)]
         # Loads and K splits: the decode rows' open questions (TMA against pointer
         # loads, wide N tiles split along K against narrow ones).
         splits = [dict(TMA=tma, BLOCK_N=bn, SPLIT_K=s)
                   for tma in (False, True) for bn in (64, 128) for s in (1, 2, 4, 8)]
-        return cls.fitting(problem, [{}] + tiles + splits)
+        exchange = [dict(TWO_SHOT=t, PARTIAL=p) for t in (False, True)
+                    for p in _PARTIALS] if problem.world > 1 else []
+        return cls.fitting(problem, [{}] + tiles + splits + exchange)
 
 
 class PartialsWorkspace:
     """Byte layout of a partials inbox: one int32 flag per (source slot, output
-    tile), then two parities (``epoch % 2``) of ``world - 1`` source slots of
-    ``elems`` partials each (slot ``(src - dst + world - 1) % world``)."""
+    tile), then (``result_bytes`` > 0, matmul_ar's two shot) one int32 result
+    flag per tile; then two parities (``epoch % 2``) of ``world - 1`` source
+    slots of ``elems`` partials each (slot ``(src - dst + world - 1) % world``),
+    followed by a results box of ``result_bytes`` (``results``: its offset
+    within a parity)."""
 
-    def __init__(self, world: int, elems: int, tiles: int, itemsize: int):
+    def __init__(self, world: int, elems: int, tiles: int, itemsize: int,
+                 result_bytes: int = 0):
         self.flags = 0
-        self.parity_bytes = align((world - 1) * elems * itemsize)
-        self.inbox = align(4 * (world - 1) * tiles)
+        self.result_flags = align(4 * (world - 1) * tiles)
+        self.inbox = align(self.result_flags + (4 * tiles if result_bytes else 0))
+        self.results = align((world - 1) * elems * itemsize)
+        self.parity_bytes = self.results + align(result_bytes)
         self.nbytes = self.inbox + 2 * self.parity_bytes
 
 
@@ -365,8 +417,14 @@ def matmul_ar_kernels(x: jax.Array, w: jax.Array, axis_name, *,
     cfg = resolve(MatmulArConfig, problem, call.rt, config, axis_name=axis_name)
     (m, k), n, world = x.shape, w.shape[1], call.world
     tiles = -(-m // cfg.BLOCK_M) * -(-n // cfg.BLOCK_N)
-    plan = PartialsWorkspace(world, m * n, tiles, 4)
-    ws = call.workspace("inbox", plan.nbytes, m, n, cfg.BLOCK_M, cfg.BLOCK_N)
+    partial = x.dtype if cfg.PARTIAL == "input" else jnp.dtype(jnp.float32)
+    two_shot = bool(cfg.TWO_SHOT and world > 1)
+    plan = PartialsWorkspace(world, m * n, tiles, partial.itemsize,
+                             m * n * x.dtype.itemsize if two_shot else 0)
+    # The flags' layout depends on the tiling and the exchange: calls of another
+    # get their own workspace (and epoch counter).
+    ws = call.workspace("inbox", plan.nbytes, m, n, cfg.BLOCK_M, cfg.BLOCK_N, partial.name,
+                        two_shot)
     split_k = cfg.SPLIT_K
     k_split = -(-k // (split_k * cfg.BLOCK_K)) * cfg.BLOCK_K  # whole K blocks per split
     partials_off = counters_off = -1
@@ -388,4 +446,6 @@ def matmul_ar_kernels(x: jax.Array, w: jax.Array, axis_name, *,
         PARITY_BYTES=plan.parity_bytes, FLAGS_OFF=ws.offset + plan.flags,
         PARTIALS_OFF=partials_off, COUNTERS_OFF=counters_off, SPLIT_K=split_k,
         K_SPLIT=k_split, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-        GROUP_M=cfg.GROUP_M, TMA=cfg.TMA)
+        GROUP_M=cfg.GROUP_M, TMA=cfg.TMA, TWO_SHOT=two_shot,
+        RESULTS_OFF=ws.offset + plan.inbox + plan.results,
+        RFLAGS_OFF=ws.offset + plan.result_flags, PARTIAL_INPUT=cfg.PARTIAL == "input")

@@ -65,6 +65,10 @@ class MoeConfig(KernelConfig):
         128 tokens per rank, top-8, H 7168, E 256 the dispatch took 35.5 us
         with them against 50.6 us with "xla") or "xla" (a dozen small XLA
         fusions, bit for bit the same words; the default under the interpreter).
+      COMBINE_SEND: how the combine's forward weighs a token's rows on the
+        experts' rank: "rows" (the default: only the valid pairs' rows, BLOCK_H
+        columns of one row per load) or "blocks" (all min(K, E / W) pair slots
+        of the token as one [KL, BLOCK_H / KL] block per step, masked).
     """
     OP: ClassVar[str] = "moe"
     variant: ClassVar[str] = "push"
@@ -73,6 +77,7 @@ class MoeConfig(KernelConfig):
     BLOCK_H: int = 64
     num_warps: int = 4
     ROUTING: str = "kernels"
+    COMBINE_SEND: str = "rows"
 
     @classmethod
     def default(cls, problem: Problem) -> "MoeConfig":
@@ -97,6 +102,9 @@ class MoeConfig(KernelConfig):
         if self.ROUTING not in ("xla", "kernels"):
             raise ValueError(f"jaxtdist.moe: config ROUTING={self.ROUTING!r}; allowed: 'xla', "
                              "'kernels'")
+        if self.COMBINE_SEND not in ("rows", "blocks"):
+            raise ValueError(f"jaxtdist.moe: config COMBINE_SEND={self.COMBINE_SEND!r}; "
+                             "allowed: 'rows', 'blocks'")
         if self.BLOCK_H & (self.BLOCK_H - 1):
             raise ValueError(f"jaxtdist.moe: config BLOCK_H={self.BLOCK_H} must be a power of 2")
         if problem.platform == "gpu" and self.NUM_PROGRAMS > problem.sms:
@@ -448,7 +456,7 @@ def moe_combine_kernels(y: jax.Array, handle: MoeHandle, weights: jax.Array, axi
         WFLAGS_OFF=ws.offset + plan.wflags, INBOX_OFF=ws.offset + plan.inbox,
         WBOX_OFF=ws.offset + plan.inbox + plan.wbox_in_parity, PARITY_BYTES=plan.parity_bytes,
         DOTS=dots, KP=next_pow2(k), KLP=next_pow2(kl), WP=next_pow2(world),
-        BLOCK_F=cfg.BLOCK_H, TRACE=trace)
+        BLOCK_F=cfg.BLOCK_H, SEND_ROWS=cfg.COMBINE_SEND == "rows", TRACE=trace)
     out, dots_out, stamps = outs
     result = ((out, dots_out) if dots else (out,)) + ((stamps,) if trace else ())
     return result if len(result) > 1 else out

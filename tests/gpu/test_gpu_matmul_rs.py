@@ -78,9 +78,25 @@ def test_matmul_ar_split_k(world, split_k, tma):
     """SPLIT_K programs per tile, K per rank 1000 (8 blocks of 128, the last split
     short), pointer and TMA loads: 4 calls in one jit, run twice (the arrival
     counters only grow), the same bits on every rank."""
+    _check_chained_ar(world, 16, 1000, world * 1000,
+                      dict(SPLIT_K=split_k, TMA=tma, BLOCK_N=64, BLOCK_K=128))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("m,config", [
+    (128, dict(TWO_SHOT=True)),
+    (200, dict(TWO_SHOT=True, PARTIAL="float32", TMA=True, BLOCK_M=64)),
+    (16, dict(TWO_SHOT=True, SPLIT_K=3, BLOCK_N=64, BLOCK_K=128))])
+def test_matmul_ar_two_shot(world, m, config):
+    """Each tile reduced on its owner rank and broadcast: bf16 and float32
+    partials, TMA and pointer loads, split K; the same bits on every rank."""
+    _check_chained_ar(world, m, 1000, world * 1000, config)
+
+
+def _check_chained_ar(world, m, n, k, cfg, calls=4):
+    """``calls`` matmul_ar kernels in one jit, run twice (the arrival counters and
+    flags only grow): the same bits on every rank, each near the float32 product."""
     mesh = _mesh(world)
-    m, n, k, calls = 16, 1000, world * 1000, 4
-    cfg = dict(SPLIT_K=split_k, TMA=tma, BLOCK_N=64, BLOCK_K=128)
 
     def chain(x, w):
         return jnp.stack([matmul_ar_kernels(x * (1.0 + i), w, "tp", config=cfg)

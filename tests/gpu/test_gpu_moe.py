@@ -59,14 +59,14 @@ def _reference(x, ids, gate, world, e, rows):
     return recvs, out
 
 
-def _check(world, t, hdim, k, e, dtype, kind, rows=None, kernels=False, calls=3):
+def _check(world, t, hdim, k, e, dtype, kind, rows=None, kernels=False, calls=3, config=None):
     mesh = _mesh(world)
     op_d, op_c = ((moe_dispatch_kernels, moe_combine_kernels) if kernels
                   else (td.moe_dispatch, td.moe_combine))
 
     def body(x, ids, gate):
-        recv, _, handle = op_d(x, ids, "ep", num_experts=e, max_recv_rows=rows)
-        return recv, op_c(recv * 2.0, handle, gate, "ep")
+        recv, _, handle = op_d(x, ids, "ep", num_experts=e, max_recv_rows=rows, config=config)
+        return recv, op_c(recv * 2.0, handle, gate, "ep", config=config)
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 3,
                               out_specs=(P("ep"), P("ep")), check_vma=False))
@@ -104,6 +104,15 @@ def test_moe(world, dtype, t, hdim, k, e, kind):
     _check(world, t, hdim, k, e, dtype, kind)
     if world == 1:  # the kernels themselves at world 1
         _check(world, t, hdim, k, e, dtype, kind, kernels=True)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("send", ["rows", "blocks"])
+def test_moe_combine_send_ways(world, send):
+    """The combine's two ways of weighing a token's rows (config COMBINE_SEND), at
+    DeepSeek-V3's row and in two steps of a row, with rows dropped."""
+    _check(world, 64, 7168, 8, 32, jnp.bfloat16, "random", rows=300,
+           config=dict(COMBINE_SEND=send, BLOCK_H=4096))
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
