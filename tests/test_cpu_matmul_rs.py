@@ -140,7 +140,7 @@ def test_matmul_ar_two_shot(world, dtype, m, n, k, config):
 
 
 def test_matmul_ar_default_exchange():
-    """Two shot in x's dtype where one shot's float32 partials pass 4 MB per rank
+    """Two shot in x's dtype where one shot's float32 partials pass 2 MB per rank
     from 3 ranks on; one shot in float32 elsewhere; TWO_SHOT asked alone brings its
     partials' default."""
     def cfg(world, m, n=8192, platform="gpu", **asked):
@@ -149,6 +149,7 @@ def test_matmul_ar_default_exchange():
 
     assert (cfg(4, 128).TWO_SHOT, cfg(4, 128).PARTIAL) == (True, "input")
     assert (cfg(4, 16).TWO_SHOT, cfg(4, 16).PARTIAL) == (False, "float32")
+    assert cfg(4, 32).TWO_SHOT and not cfg(4, 16, n=4096).TWO_SHOT
     assert not cfg(2, 1024).TWO_SHOT  # two ranks: the same bytes either way
     assert cfg(4, 128, TWO_SHOT=False).PARTIAL == "float32"
     assert cfg(4, 16, TWO_SHOT=True).PARTIAL == "input"

@@ -40,9 +40,10 @@ _AR_COVER = 0.9
 _AR_SPLITS = (1, 2, 4, 8)
 _AR_MIN_K_SPLIT = 1024
 # Above this many bytes of one-shot partials per rank matmul_ar reduces in two
-# shots (W >= 3). On 4 x H200 one shot ran 23.4 us at 16 x 8192 (1.5 MB per
-# rank) against XLA's 31.4, and 82.2 at 128 x 8192 (12 MB) against 50.8.
-_AR_ONE_SHOT_BYTES = 4 << 20
+# shots (W >= 3). On 4 x H100 at N 8192, K 8192 split: 16 rows (1.5 MB) one shot
+# 25.5 us, two shot 25.3; 64 rows (6 MB) 62.1 against 47.0; 128 rows 88.7
+# against 56.2; 1 row 20.8 against 25.2.
+_AR_ONE_SHOT_BYTES = 2 << 20
 
 
 # -- configs ---------------------------------------------------------------------
