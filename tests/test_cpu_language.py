@@ -167,3 +167,21 @@ def test_fence_and_consume_token_broadcast(world):
         x = rand((world * n,))
         out = np.asarray(f(place(mesh, x, P("tp"))))
         np.testing.assert_array_equal(out.reshape(world, n), np.tile(x[:n], (world, 1)))
+
+
+@pytest.mark.parametrize("world,peer_major", [(2, False), (3, True)])
+def test_push_probe_kernel_lands_every_row(world, peer_major):
+    """The GPU probe of SM-store pushes (``probe_defaults.py push``) times a kernel
+    that must move what XLA's all_gather moves: with CHECK, every rank's inbox
+    holds every source's rows, on two calls (both parities)."""
+    from tests.gpu.probe_defaults import push_fn
+
+    mesh = setup(world, ("ep",))
+    rows, cols = 5, 32
+    f = push_fn(mesh, rows, cols, programs=2, block=16, peer_major=peer_major, check=True)
+    for _ in range(2):
+        x = rand((world * rows, cols), jnp.bfloat16)
+        out = np.asarray(f(place(mesh, x, P("ep"))).astype(jnp.float32))
+        want = np.asarray(x.astype(jnp.float32))
+        for r in range(world):
+            np.testing.assert_array_equal(out[r * world * rows:(r + 1) * world * rows], want)

@@ -4,8 +4,9 @@ process). The numbers quoted in the defaults' comments and in docs/perf come
 from these.
 
 Usage (repo root, GPU node): python3 tests/gpu/probe_defaults.py {moe,moe_trace,
-attention,flash_decode,gemm} [world]. ``moe`` and ``moe_trace`` run at the world
-given (default 2) and need that many GPUs; the others run on one.
+attention,flash_decode,gemm,push} [world]. ``moe`` and ``moe_trace`` run at the
+world given (default 2), ``push`` at 4 by default, and need that many GPUs; the
+others run on one.
 Prints one line per shape: each variant's median time, its ratio to the
 contender, its error.
 """
@@ -240,8 +241,65 @@ def probe_gemm() -> None:
         _report(f"{op} {m}x{n}x{k}", h.interleaved(contenders, 30, 3), "jnp_dot")
 
 
+def push_fn(mesh, rows: int, cols: int, programs: int, block: int, peer_major: bool,
+            check: bool = False, num_warps: int = 4):
+    """``push_rows_kernel`` over the mesh's "ep" axis as a jitted function of x
+    [world * rows, cols] (rows-sharded); CHECK returns every rank's inbox."""
+    from tests.gpu import push_probe_kernels as pk
+
+    world = mesh.shape["ep"]
+
+    def body(x):
+        out = (jax.ShapeDtypeStruct((world * rows, cols), x.dtype) if check
+               else jax.ShapeDtypeStruct((programs,), jnp.int32))
+        return td.triton_call(
+            x, kernel=pk.push_rows_kernel, grid=(programs,), axis_name="ep", out_shape=out,
+            workspace_bytes=pk.push_workspace_bytes(world, programs, rows, cols,
+                                                    x.dtype.itemsize),
+            name=f"push_probe_{programs}", num_warps=num_warps, num_stages=1, ROWS=rows,
+            COLS=cols, W=world, P=programs, BLOCK=block, PEER_MAJOR=peer_major, CHECK=check,
+            ITEMSIZE=x.dtype.itemsize, FLAG_BYTES=pk.flag_bytes(world, programs))
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"),
+                                 check_vma=False))
+
+
+def probe_push(world: int = 4) -> None:
+    """SM-store pushes of every rank's rows to every peer (the traffic of an
+    all_gather, and the dispatch's at 128 tokens x 7168, bf16): egress GB/s per
+    GPU by programs, warps, columns per store step and store order, beside
+    XLA's all_gather of the same rows."""
+    mesh = _mesh(world, "ep")
+    shapes = ((128, 7168), (1024, 7168))
+    from tests.gpu import push_probe_kernels as pk
+    td.initialize(mesh, heap_bytes=64 * 1024 * 1024 + 8 * sum(
+        pk.push_workspace_bytes(world, 132, r, c, 2) for r, c in shapes))
+    variants = {f"p{p}w{w}b{b}{'_peer' if pm else ''}": (p, w, b, pm)
+                for p, w, b, pm in [(132, 4, 1024, False), (132, 4, 2048, False),
+                                    (132, 8, 2048, False), (132, 16, 4096, False),
+                                    (132, 4, 1024, True), (66, 4, 1024, False),
+                                    (32, 8, 2048, False), (16, 16, 4096, False)]}
+    gather = jax.jit(jax.shard_map(lambda x: jax.lax.all_gather(x, "ep", tiled=True),
+                                   mesh=mesh, in_specs=P("ep"), out_specs=P("ep"),
+                                   check_vma=False))
+    for rows, cols in shapes:
+        x = jax.device_put(h.normal(1900, (world * rows, cols), jnp.bfloat16),
+                           NamedSharding(mesh, P("ep")))
+        contenders = {"xla_all_gather": h.Contender(gather, (x,), world)}
+        for name, (p, w, b, pm) in variants.items():
+            contenders[name] = h.Contender(push_fn(mesh, rows, cols, min(p, rows), b, pm,
+                                                   num_warps=w), (x,), world)
+        stats = h.interleaved(contenders, 20, 4)
+        egress = (world - 1) * rows * cols * 2
+        print(f"push {rows} x {cols} bf16 to {world - 1} peers ({egress / 1e6:.1f} MB out "
+              "per GPU): " + " | ".join(
+                  f"{n} {h.us(s)} us ({egress / s['mean_us'] / 1e3:.0f} GB/s)"
+                  if s and "mean_us" in s else f"{n} n/a" for n, s in stats.items()),
+              flush=True)
+
+
 PROBES = {"moe": probe_moe, "moe_trace": probe_moe_trace, "attention": probe_attention,
-          "flash_decode": probe_flash_decode, "gemm": probe_gemm}
+          "flash_decode": probe_flash_decode, "gemm": probe_gemm, "push": probe_push}
 
 if __name__ == "__main__":
     if len(sys.argv) not in (2, 3) or sys.argv[1] not in PROBES:
