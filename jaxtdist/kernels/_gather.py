@@ -120,8 +120,8 @@ def push_shards(ctx, x_ptr, worker, NUM_WORKERS: tl.constexpr, ROWS: tl.constexp
     e = dl.epoch(ctx)
     n_chunks = tl.cdiv(ROWS, CHUNK_ROWS)
     flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
-    rows_of_me = dl.parity_ptr(ctx, INBOX_OFF, PARITY_BYTES,
-                             x_ptr.dtype.element_ty) + tl.cast(me, tl.int64) * (ROWS * COLS)
+    rows_of_me = (dl.parity_ptr(ctx, INBOX_OFF, PARITY_BYTES, x_ptr.dtype.element_ty)
+                  + tl.cast(me, tl.int64) * (ROWS * COLS))
     for item in range(worker, (world - 1) * n_chunks, NUM_WORKERS):
         dst = (me + 1 + item // n_chunks) % world  # nearest peers first
         chunk = item % n_chunks

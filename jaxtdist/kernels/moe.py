@@ -46,8 +46,9 @@ Reuse (both kernels): a source writes a peer's inbox (or weight box) of parity
 ``e % 2`` at epochs e and e + 2; the peer reads it in its kernel e. The
 source's kernel e + 1 waited for the peer's flags of e + 1 (every rank
 notifies every rank in every call), which the peer raises in its kernel
-e + 1, after its kernel e (the last reader) ended. Flags compare ">=" (a fast peer may already be at
-e + 1, writing only the other parity) and only grow: nothing is reset.
+e + 1, after its kernel e (the last reader) ended. Flags compare ">=" (a
+fast peer may already be at e + 1, writing only the other parity) and only
+grow: nothing is reset.
 The headers sit in the parity region too, for the same reason.
 
 Workspace layout (byte offsets, ``ops/moe.DispatchWorkspace`` /
