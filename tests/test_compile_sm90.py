@@ -29,7 +29,15 @@ def _skip_without_ptxas():
         raise
 
 
+def _gemm_defaults(fn, constexprs: dict) -> dict:
+    """The GEMM kernels' DOT_PRECISION at its default (the backend's) unless given."""
+    if "DOT_PRECISION" in fn.arg_names:
+        return dict(dict(DOT_PRECISION=None), **constexprs)
+    return constexprs
+
+
 def _compile(fn, pointers: dict, constexprs: dict, **options):
+    constexprs = _gemm_defaults(fn, constexprs)
     signature = dict(pointers)
     signature.update({name: "constexpr" for name in constexprs})
     # jax-triton passes XLA buffers as 16-byte divisible pointers.
@@ -44,8 +52,8 @@ def _compile_native(fn, pointer_types: list, constexprs: dict, **options):
     """Compiles a kernel for jaxtdist's own launcher (TMA kernels: global scratch)."""
     from jaxtdist.runtime._cuda_launch import compile_kernel
     with _skip_without_ptxas():
-        return compile_kernel(fn, [f"*{t}" for t in pointer_types], constexprs,
-                              capability=90, **options)
+        return compile_kernel(fn, [f"*{t}" for t in pointer_types],
+                              _gemm_defaults(fn, constexprs), capability=90, **options)
 
 
 def _ops(kernel) -> collections.Counter:
@@ -483,3 +491,47 @@ def test_matmul_ar_two_shot_compiles():
     ptx = k.asm["ptx"]
     assert "mma.sync" in ptx or "wgmma.mma_async" in ptx
     assert "release" in ptx and "acquire" in ptx and k.metadata.shared <= 227 * 1024
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_float32_dots_follow_the_precision(tma):
+    """matmul_ar's kernel on float32 under each DOT_PRECISION: the backend's TF32
+    (operands truncated by the tensor cores), "tf32_rn" (the NVIDIA default: the
+    same MMAs on operands rounded to nearest first), "tf32x3" (JAX's "highest":
+    each operand split into two TF32 parts, three products: more MMAs)."""
+    from jaxtdist.kernels.matmul_ar import matmul_ar_kernel
+
+    def compiled(precision):
+        return _compile_native(
+            matmul_ar_kernel, ["i32"] + ["fp32"] * 3,
+            dict(M=64, N=4096, K=4096, INBOX_OFF=1 << 20, PARITY_BYTES=1 << 22,
+                 FLAGS_OFF=4096, PARTIALS_OFF=-1, COUNTERS_OFF=-1, SPLIT_K=1, K_SPLIT=4096,
+                 BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, GROUP_M=1, TMA=tma, TWO_SHOT=False,
+                 RESULTS_OFF=-1, RFLAGS_OFF=-1, PARTIAL_INPUT=False,
+                 DOT_PRECISION=precision),
+            num_warps=4, num_stages=3).asm["ptx"]
+
+    def mmas(ptx):
+        return len(re.findall(r"wgmma\.mma_async[\w.]*tf32|mma\.sync[\w.]*tf32", ptx))
+
+    truncated, rounded, split = compiled(None), compiled("tf32_rn"), compiled("tf32x3")
+    assert "cvt.rna.tf32.f32" not in truncated
+    assert "cvt.rna.tf32.f32" in rounded and 0 < mmas(truncated) == mmas(rounded)
+    assert "cvt.rna.tf32.f32" in split and mmas(rounded) < mmas(split)
+
+
+def test_float32_rounded_dots_on_the_persistent_tma_kernel():
+    """The persistent TMA GEMM (ag_matmul's) on float32 with operands rounded to TF32
+    in registers: still TMA loads and wgmma, within shared memory."""
+    from jaxtdist.kernels.ag_matmul import ag_matmul_tma_kernel
+    k = _compile_native(ag_matmul_tma_kernel, ["i32"] + ["fp32"] * 4,
+                        dict(M_SHARD=1024, N=4096, K=4096, STAGE_OFF=65536,
+                             SLOT_BYTES=1 << 24, READY_OFF=0, FLAGS_OFF=4096,
+                             SCHEDULE_OFF=8192, NUM_COMM=16, CHUNK_ROWS=32,
+                             COPY_BLOCK_C=128, BLOCK_M=128, BLOCK_N=128, BLOCK_K=32,
+                             GROUP_M=8, SCOPE="sys", NUM_PROGRAMS=132, PRODUCERS_JOIN=True,
+                             SUBTILE=2, DOT_PRECISION="tf32_rn"),
+                        num_warps=8, num_stages=3)
+    ptx = k.asm["ptx"]
+    assert "cp.async.bulk.tensor.2d.shared" in ptx and "cvt.rna.tf32.f32" in ptx
+    assert "wgmma.mma_async" in ptx and k.metadata.shared <= 227 * 1024

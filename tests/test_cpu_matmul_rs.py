@@ -427,3 +427,39 @@ def test_vmap_of_grad():
         jnp.asarray(x), jnp.asarray(w))
     assert_close(gx, f64(rx), F32)
     assert_close(gw, f64(rw), F32)
+
+
+def test_gemm_kernels_follow_the_matmul_precision(monkeypatch):
+    """Every GEMM kernel gets its DOT_PRECISION from JAX's matmul precision when
+    traced: the backend's default (None: TF32 on NVIDIA) unless float32 accuracy is
+    asked for ("tf32x3"), and the default for 16-bit inputs whatever is asked."""
+    from jaxtdist.ops._protocol import Call
+    seen = []
+    launch = Call.launch
+
+    def record(self, kernel, *args, **kwargs):
+        if "DOT_PRECISION" in kernel.arg_names:
+            seen.append((kernel.__name__, kwargs["DOT_PRECISION"]))
+        return launch(self, kernel, *args, **kwargs)
+
+    monkeypatch.setattr(Call, "launch", record)
+    mesh = setup(2)
+    sizes = jnp.array([3, 5], jnp.int32)
+    calls = {
+        "ag_matmul": (lambda x, w: td.ag_matmul(x, w, "tp"), (P("tp"), P()), P("tp")),
+        "matmul_rs": (lambda x, w: td.matmul_rs(x, w, "tp"), (X_SPEC, W_SPEC), P("tp")),
+        "matmul_ar": (lambda x, w: td.matmul_ar(x, w, "tp"), (X_SPEC, W_SPEC), P()),
+        "grouped": (lambda x, w: td.grouped_matmul(x, w.reshape(2, 16, 16), sizes),
+                    (P(), P()), P()),
+    }
+    for precision, dtype, want in ((None, F32, None), ("highest", F32, "tf32x3"),
+                                   ("float32", F32, "tf32x3"), ("tensorfloat32", F32, None),
+                                   ("highest", BF16, None)):
+        for name, (fn, in_specs, out_spec) in calls.items():
+            del seen[:]
+            f = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec,
+                              check_vma=False)
+            x, w = jnp.zeros((8, 16), dtype), jnp.zeros((32, 16), dtype)
+            with jax.default_matmul_precision(precision):
+                jax.eval_shape(f, x, w if name == "grouped" else w[:16])
+            assert seen and all(p == want for _, p in seen), (precision, dtype, name, seen)

@@ -1,10 +1,12 @@
-"""Tile helpers shared by every kernel: tile orders, swizzles, the pointer GEMM tile,
-and pointers ordered after a wait that keep their alignment."""
+"""Tile helpers shared by every kernel: tile orders, swizzles, the dot of a GEMM
+step and the pointer GEMM tile, and pointers ordered after a wait that keep their
+alignment."""
 
 import triton
 import triton.language as tl
 
 import jaxtdist.language as dl
+from jaxtdist.language._lowering import round_tf32
 
 
 @triton.jit
@@ -53,12 +55,29 @@ def block_range(block, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def dot_acc(a, b, acc, DOT_PRECISION: tl.constexpr):
+    """``acc + a @ b``. DOT_PRECISION (``ops._precision``) applies to float32 inputs:
+    ``tl.dot``'s input precision (None: the backend's default), or "tf32_rn": TF32
+    with both operands first rounded to nearest. The tensor cores read float32
+    operands as TF32 by dropping the low mantissa bits, a bias that leaves 2.6x
+    the error of cuBLAS's TF32 GEMMs (1 x H100)."""
+    if DOT_PRECISION == "tf32_rn":
+        acc = tl.dot(round_tf32(a), round_tf32(b), acc, input_precision="tf32")
+    elif DOT_PRECISION == "tf32_rn_a":  # A only: wgmma reads A from registers
+        acc = tl.dot(round_tf32(a), b, acc, input_precision="tf32")
+    else:
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
 def dot_tile(a_ptr, b_ptr, rows, row_mask, cols, col_mask, k_lo, k_hi, K: tl.constexpr,
              N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr):
+             BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One output tile of a pointer GEMM: the float32 accumulator of
     A[rows, k_lo:k_hi] @ B[k_lo:k_hi, cols] for row-major A [*, K] and B [K, N];
-    rows, columns and K beyond the masks / K read as zeros."""
+    rows, columns and K beyond the masks / K read as zeros; DOT_PRECISION as in
+    ``_gemm.tile_acc``."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
@@ -67,7 +86,7 @@ def dot_tile(a_ptr, b_ptr, rows, row_mask, cols, col_mask, k_lo, k_hi, K: tl.con
                     mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptr + ks[:, None] * N + cols[None, :],
                     mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        acc = tl.dot(a, b, acc)
+        acc = dot_acc(a, b, acc, DOT_PRECISION)
     return acc
 
 

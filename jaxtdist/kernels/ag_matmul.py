@@ -34,7 +34,7 @@ import jaxtdist.language as dl
 from jaxtdist.kernels._gather import pull_shards, push_shards
 from jaxtdist.kernels._gemm import out_desc, store_tile, tile_acc
 from jaxtdist.kernels._splitk import finish_split_k, finish_stream_k, k_range
-from jaxtdist.kernels._tiles import (block_range, grouped_tile, peer_arrival_tile,
+from jaxtdist.kernels._tiles import (block_range, dot_acc, grouped_tile, peer_arrival_tile,
                                      rank_major_tile)
 
 
@@ -90,7 +90,8 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr,
                      GROUP_M: tl.constexpr, SCOPE: tl.constexpr, ALL_ROWS: tl.constexpr,
-                     PUSH: tl.constexpr, FLAG_SCOPE: tl.constexpr):
+                     PUSH: tl.constexpr, FLAG_SCOPE: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr):
     """Grid: (NUM_COMM + SPLIT_K * world * cdiv(M_SHARD, BLOCK_M) * cdiv(N, BLOCK_N),),
     or with ``ALL_ROWS`` (BLOCK_M >= world * M_SHARD): (NUM_COMM + SPLIT_K * cdiv(N, BLOCK_N),).
 
@@ -174,7 +175,7 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
                         mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             b = tl.load(w_ptr + ks[:, None] * N + cols[None, :],
                         mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-            acc = tl.dot(a, b, acc)
+            acc = dot_acc(a, b, acc, DOT_PRECISION)
         out_offs = out_rows[:, None] * N + cols[None, :]
         mask = row_mask[:, None] & col_mask[None, :]
         if SPLIT_K == 1:
@@ -196,7 +197,7 @@ def ag_matmul_tma_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP_M: tl.constexpr, SCOPE: tl.constexpr,
                          NUM_PROGRAMS: tl.constexpr, PRODUCERS_JOIN: tl.constexpr,
-                         SUBTILE: tl.constexpr):
+                         SUBTILE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Grid: (NUM_PROGRAMS,), at most what the GPU holds at once (waits spin).
 
     Same operands as ``ag_matmul_kernel``; M_SHARD is a multiple of BLOCK_M.
@@ -231,7 +232,8 @@ def ag_matmul_tma_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
             _wait_tile_rows_for_tma(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS)
             row0 = src * M_SHARD + tm * BLOCK_M
             col0 = tn * BLOCK_N
-            acc = tile_acc(a_desc, b_desc, row0, col0, 0, K, BLOCK_M, BLOCK_N, BLOCK_K)
+            acc = tile_acc(a_desc, b_desc, row0, col0, 0, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                           DOT_PRECISION)
             store_tile(c_desc, acc, 0, row0, col0, BLOCK_M, BLOCK_N, SUBTILE)
             tile = tl.atomic_add(schedule, 1, sem="relaxed", scope="gpu")
         workers = NUM_PROGRAMS if PRODUCERS_JOIN else NUM_PROGRAMS - NUM_COMM
@@ -247,7 +249,8 @@ def _tail_pieces(ctx, inbox_desc, w_ptr, out_ptr, flags, e, me, world, whole, pe
                  m_tiles, n_tiles, n_chunks, M_SHARD: tl.constexpr, N: tl.constexpr,
                  K: tl.constexpr, CHUNK_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 TAIL_TILES: tl.constexpr, PIECES: tl.constexpr, STAGES: tl.constexpr):
+                 TAIL_TILES: tl.constexpr, PIECES: tl.constexpr, STAGES: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
     """The copy-engine kernel's split-N tail: program p computes piece p % PIECES
     (BLOCK_N / PIECES columns) of tail tile p // PIECES, the peer tiles dealt
     after ``whole``, reading A through the kernel's ``inbox_desc``. Pieces of one
@@ -268,7 +271,7 @@ def _tail_pieces(ctx, inbox_desc, w_ptr, out_ptr, flags, e, me, world, whole, pe
             _wait_tile_rows_for_tma(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS)
             row0 = src * M_SHARD + tm * BLOCK_M
             acc = tile_acc(inbox_desc, b_desc, row0, col0, 0, K, BLOCK_M, PIECE_N, BLOCK_K,
-                            STAGES)
+                            DOT_PRECISION, STAGES)
             c_desc.store([row0, col0], acc.to(out_ptr.dtype.element_ty))
 
 
@@ -283,7 +286,8 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
                         TAIL_TILES: tl.constexpr, TAIL_UNITS: tl.constexpr,
                         PARTIALS_OFF: tl.constexpr, COUNTERS_OFF: tl.constexpr,
                         TAIL_SPLIT_N: tl.constexpr, TAIL_STAGES: tl.constexpr,
-                        FLATTEN: tl.constexpr, SUBTILE: tl.constexpr):
+                        FLATTEN: tl.constexpr, SUBTILE: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr):
     """Grid: (NUM_PROGRAMS,), at most what the GPU holds at once.
 
     x: [M_SHARD, K], w: [K, N] -> out: [world * M_SHARD, N]. Peers push their
@@ -333,7 +337,7 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
     for tile in tl.range(pid, per_rank, NUM_PROGRAMS, flatten=FLATTEN):
         tm, tn = grouped_tile(tile, m_tiles, n_tiles, GROUP_M)
         acc = tile_acc(x_desc, b_desc, tm * BLOCK_M, tn * BLOCK_N, 0, K, BLOCK_M, BLOCK_N,
-                       BLOCK_K)
+                       BLOCK_K, DOT_PRECISION)
         store_tile(c_desc, acc, 0, me * M_SHARD + tm * BLOCK_M, tn * BLOCK_N, BLOCK_M, BLOCK_N,
                    SUBTILE)
     # Peers' rows from the inbox; rank me-1 pushes to this rank first. The
@@ -347,12 +351,14 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
             row0 += _tile_rows_for_tma(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS)
         else:
             _wait_tile_rows_for_tma(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS)
-        acc = tile_acc(inbox_desc, b_desc, row0, tn * BLOCK_N, 0, K, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc = tile_acc(inbox_desc, b_desc, row0, tn * BLOCK_N, 0, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                       DOT_PRECISION)
         store_tile(c_desc, acc, 0, row0, tn * BLOCK_N, BLOCK_M, BLOCK_N, SUBTILE)
     if TAIL_TILES > 0 and TAIL_SPLIT_N > 1:
         _tail_pieces(ctx, inbox_desc, w_ptr, out_ptr, flags, e, me, world, whole, per_rank,
                      m_tiles, n_tiles, n_chunks, M_SHARD, N, K, CHUNK_ROWS, BLOCK_M,
-                     BLOCK_N, BLOCK_K, GROUP_M, TAIL_TILES, TAIL_SPLIT_N, TAIL_STAGES)
+                     BLOCK_N, BLOCK_K, GROUP_M, TAIL_TILES, TAIL_SPLIT_N, TAIL_STAGES,
+                     DOT_PRECISION)
     if TAIL_TILES > 0 and TAIL_SPLIT_N == 1:
         k_blocks = tl.cdiv(K, BLOCK_K)
         partials = dl.heap_ptr(ctx, PARTIALS_OFF, tl.float32)
@@ -368,7 +374,8 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
             row0 = src * M_SHARD + tm * BLOCK_M
             acc = tile_acc(inbox_desc, b_desc, row0, tn * BLOCK_N,
                             (unit - tail * k_blocks) * BLOCK_K,
-                            (run_end - tail * k_blocks) * BLOCK_K, BLOCK_M, BLOCK_N, BLOCK_K)
+                            (run_end - tail * k_blocks) * BLOCK_K, BLOCK_M, BLOCK_N, BLOCK_K,
+                            DOT_PRECISION)
             # The programs whose runs meet this tile: consecutive, from first_program.
             first_program = tail * k_blocks // TAIL_UNITS
             parts = ((tail + 1) * k_blocks - 1) // TAIL_UNITS - first_program + 1

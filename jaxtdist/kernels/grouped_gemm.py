@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from jaxtdist.kernels._gemm import out_desc, ranked_out_desc, store_tile, tile_acc
-from jaxtdist.kernels._tiles import dot_tile, grouped_tile
+from jaxtdist.kernels._tiles import dot_acc, dot_tile, grouped_tile
 
 
 @triton.jit
@@ -90,7 +90,8 @@ def grouped_gemm_kernel(ctx, x_ptr, w_ptr, sizes_ptr, out_ptr,
                         BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                         NUM_PROGRAMS: tl.constexpr, SUBTILE: tl.constexpr,
-                        TMA: tl.constexpr, W_T: tl.constexpr = False):
+                        TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                        W_T: tl.constexpr = False):
     """Grid: (NUM_PROGRAMS,). x [R, H], w [G, H, F] ([G, F, H] with W_T), sizes [G]
     int32 -> out [R, F].
 
@@ -127,7 +128,7 @@ def grouped_gemm_kernel(ctx, x_ptr, w_ptr, sizes_ptr, out_ptr,
                     w_desc = tl.make_tensor_descriptor(w_group, shape=[H, F], strides=[F, 1],
                                                        block_shape=[BLOCK_K, BLOCK_N])
                 acc = tile_acc(x_desc, w_desc, row0, col0, 0, H, BLOCK_M,
-                               BLOCK_N, BLOCK_K, B_T=W_T)
+                               BLOCK_N, BLOCK_K, DOT_PRECISION, B_T=W_T)
                 if row0 + BLOCK_M <= row_end:
                     store_tile(c_desc, acc, 0, row0, col0, BLOCK_M, BLOCK_N,
                                SUBTILE)
@@ -136,7 +137,7 @@ def grouped_gemm_kernel(ctx, x_ptr, w_ptr, sizes_ptr, out_ptr,
             else:
                 tl.static_assert(not W_T, "W_T needs TMA (the op transposes w otherwise)")
                 acc = dot_tile(x_ptr, w_group, rows, rows < row_end, cols, cols < F, 0, H, H, F,
-                               BLOCK_M, BLOCK_N, BLOCK_K)
+                               BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
                 _store_rows(out_ptr, acc, rows, row_end, cols, F)
         else:  # rows past the groups: zeros
             zero = tile - group_tiles
@@ -152,7 +153,8 @@ def grouped_dw_kernel(ctx, x_ptr, dy_ptr, sizes_ptr, dw_ptr,
                       R: tl.constexpr, H: tl.constexpr, F: tl.constexpr, G: tl.constexpr,
                       BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                      NUM_PROGRAMS: tl.constexpr, SUBTILE: tl.constexpr, TMA: tl.constexpr):
+                      NUM_PROGRAMS: tl.constexpr, SUBTILE: tl.constexpr, TMA: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
     """Grid: (NUM_PROGRAMS,). x [R, H], dy [R, F], sizes [G] int32 -> dw [G, H, F],
     dw[g] = x[starts[g]:ends[g]].T @ dy[starts[g]:ends[g]] in float32, rounded once.
 
@@ -181,7 +183,7 @@ def grouped_dw_kernel(ctx, x_ptr, dy_ptr, sizes_ptr, dw_ptr,
         fs = tn * BLOCK_N + tl.arange(0, BLOCK_N)
         if TMA:
             acc = tile_acc(xt_desc, dy_desc, tm * BLOCK_M, tn * BLOCK_N, row0, whole_end,
-                           BLOCK_M, BLOCK_N, BLOCK_K, A_T=True)
+                           BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, A_T=True)
             tail = whole_end
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -194,7 +196,7 @@ def grouped_dw_kernel(ctx, x_ptr, dy_ptr, sizes_ptr, dw_ptr,
                          mask=r_mask[:, None] & (hs < H)[None, :], other=0.0)
             d = tl.load(dy_ptr + rs.to(tl.int64)[:, None] * F + fs[None, :],
                         mask=r_mask[:, None] & (fs < F)[None, :], other=0.0)
-            acc = tl.dot(tl.trans(xt), d, acc)
+            acc = dot_acc(tl.trans(xt), d, acc, DOT_PRECISION)
         if TMA:
             store_tile(dw_desc, acc, g, tm * BLOCK_M, tn * BLOCK_N, BLOCK_M, BLOCK_N, SUBTILE,
                        RANKED=True)

@@ -77,7 +77,7 @@ def matmul_ar_kernel(ctx, x_ptr, w_ptr, out_ptr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, TMA: tl.constexpr, TWO_SHOT: tl.constexpr,
                      RESULTS_OFF: tl.constexpr, RFLAGS_OFF: tl.constexpr,
-                     PARTIAL_INPUT: tl.constexpr):
+                     PARTIAL_INPUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Grid: (SPLIT_K * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),).
 
     x: [M, K], w: [K, N] -> out: [M, N], the sum over ranks of x @ w. TMA: rows
@@ -105,10 +105,10 @@ def matmul_ar_kernel(ctx, x_ptr, w_ptr, out_ptr,
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[K, N], strides=[N, 1],
                                            block_shape=[BLOCK_K, BLOCK_N])
         acc = tile_acc(x_desc, w_desc, tm * BLOCK_M, tn * BLOCK_N, k_lo, k_hi, BLOCK_M,
-                       BLOCK_N, BLOCK_K)
+                       BLOCK_N, BLOCK_K, DOT_PRECISION)
     else:
         acc = dot_tile(x_ptr, w_ptr, rows, row_mask, cols, col_mask, k_lo, k_hi, K, N,
-                       BLOCK_M, BLOCK_N, BLOCK_K)
+                       BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
     offs = rows[:, None] * N + cols[None, :]
     mask = row_mask[:, None] & col_mask[None, :]
     if SPLIT_K > 1:

@@ -114,7 +114,7 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr,
                      WORLD: tl.constexpr, NUM_PROGRAMS: tl.constexpr, INTERLEAVE: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, SUBTILE: tl.constexpr, TMA: tl.constexpr,
-                     FLATTEN: tl.constexpr):
+                     FLATTEN: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Grid: (NUM_PROGRAMS,), at most one program per SM on GPUs (own tiles spin).
 
     x: [WORLD * M_SHARD, K], w: [K, N] -> out: [M_SHARD, N], this rank's rows of
@@ -163,10 +163,10 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr,
             dst, tm, tn = rank_major_tile(tile, me + 1, WORLD, m_tiles, n_tiles, GROUP_M)
             if TMA:
                 acc = tile_acc(x_desc, w_desc, dst * M_SHARD + tm * BLOCK_M, tn * BLOCK_N, 0,
-                               K, BLOCK_M, BLOCK_N, BLOCK_K)
+                               K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
             else:
                 acc = _pointer_tile(x_ptr + tl.cast(dst, tl.int64) * (M_SHARD * K), w_ptr, tm, tn,
-                                    M_SHARD, N, K, BLOCK_M, BLOCK_N, BLOCK_K)
+                                    M_SHARD, N, K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
             _push_partial(ctx, acc, inbox, flags, me, dst, WORLD, e, slot_elems, per_rank, tm,
                           tn, M_SHARD, N, BLOCK_M, BLOCK_N, n_tiles)
     # Own tiles, last: the round-robin goes on where the peers' tiles left it.
@@ -180,10 +180,10 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr,
         tm, tn = grouped_tile(tile, m_tiles, n_tiles, GROUP_M)
         if TMA:
             acc = tile_acc(x_desc, w_desc, me * M_SHARD + tm * BLOCK_M, tn * BLOCK_N, 0, K,
-                           BLOCK_M, BLOCK_N, BLOCK_K)
+                           BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
         else:
             acc = _pointer_tile(x_ptr + tl.cast(me, tl.int64) * (M_SHARD * K), w_ptr, tm, tn,
-                                M_SHARD, N, K, BLOCK_M, BLOCK_N, BLOCK_K)
+                                M_SHARD, N, K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
         acc = _add_partials(ctx, acc, inbox, flags, me, e, slot_elems, per_rank, tm, tn,
                             M_SHARD, N, BLOCK_M, BLOCK_N, n_tiles, WORLD)
         if TMA:
@@ -196,9 +196,9 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr,
 @triton.jit
 def _pointer_tile(a_ptr, w_ptr, tm, tn, M_SHARD: tl.constexpr, N: tl.constexpr,
                   K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+                  BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """The pointer GEMM's tile (tm, tn) of a rank's rows starting at ``a_ptr``."""
     rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = block_range(tn, BLOCK_N)
     return dot_tile(a_ptr, w_ptr, rows, rows < M_SHARD, cols, cols < N, 0, K, K, N, BLOCK_M,
-                    BLOCK_N, BLOCK_K)
+                    BLOCK_N, BLOCK_K, DOT_PRECISION)

@@ -47,11 +47,13 @@ TARGET = _target()
 
 if TARGET == "interpret":
     from jaxtdist.language._interpret import (consume_token, fence_async_proxy, now_ns,
-                                              spin_acquire_ge)
+                                              round_tf32, spin_acquire_ge)
 elif TARGET == "hip":
-    from jaxtdist.language._amd import consume_token, fence_async_proxy, now_ns, spin_acquire_ge
+    from jaxtdist.language._amd import (consume_token, fence_async_proxy, now_ns, round_tf32,
+                                         spin_acquire_ge)
 else:
     from jaxtdist.language._nvidia import (consume_token, fence_async_proxy, now_ns,
-                                           spin_acquire_ge)
+                                           round_tf32, spin_acquire_ge)
 
-__all__ = ["TARGET", "consume_token", "fence_async_proxy", "now_ns", "spin_acquire_ge"]
+__all__ = ["TARGET", "consume_token", "fence_async_proxy", "now_ns", "round_tf32",
+           "spin_acquire_ge"]

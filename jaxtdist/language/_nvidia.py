@@ -72,3 +72,11 @@ def now_ns():
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r",
                                      [tl.full([], 0, tl.int32)], dtype=tl.int64,
                                      is_pure=False, pack=1)
+
+
+@triton.jit
+def round_tf32(x):
+    """float32 ``x`` rounded to TF32 (10 mantissa bits), to nearest, ties away from
+    zero; the tensor cores themselves drop the low 13 bits (round toward zero)."""
+    return tl.inline_asm_elementwise("cvt.rna.tf32.f32 $0, $1;", "=r,r", [x],
+                                     dtype=tl.float32, is_pure=True, pack=1)

@@ -20,6 +20,7 @@ from jaxtdist.kernels.matmul_ar import matmul_ar_kernel
 from jaxtdist.kernels.matmul_rs import matmul_rs_kernel
 from jaxtdist.ops._config import KernelConfig, Problem, check_blocks, resolve
 from jaxtdist.ops._gemm_config import default_tiles, tma_fits
+from jaxtdist.ops._precision import dot_precision
 from jaxtdist.ops._protocol import Call, check_axis
 from jaxtdist.ops._shapes import SplitKWorkspace, align, check_dtype, next_pow2
 from jaxtdist.runtime._runtime import runtime
@@ -405,7 +406,8 @@ def matmul_rs_kernels(x: jax.Array, w: jax.Array, axis_name, *,
         PARTIAL_INPUT=cfg.PARTIAL == "input", WORLD=world, NUM_PROGRAMS=programs,
         INTERLEAVE=call.platform == "gpu", BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
         BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, SUBTILE=cfg.SUBTILE, TMA=cfg.TMA,
-        FLATTEN=bool(cfg.FLATTEN and cfg.TMA))
+        FLATTEN=bool(cfg.FLATTEN and cfg.TMA),
+        DOT_PRECISION=dot_precision(x.dtype, problem.platform, problem.vendor))
 
 
 def matmul_ar_kernels(x: jax.Array, w: jax.Array, axis_name, *,
@@ -449,4 +451,5 @@ def matmul_ar_kernels(x: jax.Array, w: jax.Array, axis_name, *,
         K_SPLIT=k_split, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
         GROUP_M=cfg.GROUP_M, TMA=cfg.TMA, TWO_SHOT=two_shot,
         RESULTS_OFF=ws.offset + plan.inbox + plan.results,
-        RFLAGS_OFF=ws.offset + plan.result_flags, PARTIAL_INPUT=cfg.PARTIAL == "input")
+        RFLAGS_OFF=ws.offset + plan.result_flags, PARTIAL_INPUT=cfg.PARTIAL == "input",
+        DOT_PRECISION=dot_precision(x.dtype, problem.platform, problem.vendor))

@@ -20,6 +20,7 @@ from jaxtdist.ops._ag_matmul_config import (AgMatmulConfig, flattens, split_n_ta
 from jaxtdist.ops._config import Problem, resolve
 from jaxtdist.ops._inbox import push_to_inboxes
 from jaxtdist.ops._partial_sums import matmul_rs_kernels
+from jaxtdist.ops._precision import dot_precision
 from jaxtdist.ops.all_gather import _forward as all_gather_forward
 from jaxtdist.ops._op import (DistributedOp, one_call_per_element, pjit_wrapper, rows_over,
                               scatter_cotangent)
@@ -131,7 +132,8 @@ def _launch_sm_producers(call: Call, problem: Problem, cfg: AgMatmulConfig, x, w
         gather = dict(STAGE_OFF=ws.offset + plan.stage, SLOT_BYTES=plan.slot_bytes,
                       READY_OFF=ws.offset + plan.ready, FLAGS_OFF=ws.offset + plan.flags)
     gather.update(M_SHARD=m_shard, N=n, K=k)
-    tiles = cfg.kernel_args()
+    tiles = dict(cfg.kernel_args(),
+                 DOT_PRECISION=dot_precision(x.dtype, problem.platform, problem.vendor))
     n_tiles = -(-n // cfg.BLOCK_N)
     m_tiles = 1 if cfg.ALL_ROWS else world * -(-m_shard // cfg.BLOCK_M)
     # With pushes the gathered x stays in the heap inboxes: a one-element
@@ -234,7 +236,8 @@ def _launch_copy_engines(call: Call, problem: Problem, cfg: AgMatmulConfig, x, w
         M_SHARD=m_shard, N=n, K=k, **offsets, CHUNK_ROWS=cfg.chunk_rows, BLOCK_M=cfg.BLOCK_M,
         BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, NUM_PROGRAMS=programs,
         FLATTEN=flattens(dict(cfg.to_dict(), CHUNK_ROWS=cfg.chunk_rows), world * per_rank,
-                         programs), SUBTILE=cfg.SUBTILE, **tail)
+                         programs), SUBTILE=cfg.SUBTILE,
+        DOT_PRECISION=dot_precision(x.dtype, problem.platform, problem.vendor), **tail)
     # The gathered x (the autodiff residual) lives in heap inboxes that the call
     # after next reuses: copied out when the backward pass needs it.
     if not want_gathered:

@@ -16,12 +16,12 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxtdist.kernels.grouped_gemm import grouped_dw_kernel, grouped_gemm_kernel
 from jaxtdist.ops._config import KernelConfig, Problem, check_blocks, resolve
 from jaxtdist.ops._gemm_config import default_tiles, stages_for, tma_fits
 from jaxtdist.ops._op import DistributedOp, one_call_per_element
+from jaxtdist.ops._precision import dot_precision
 from jaxtdist.ops._protocol import Call
 from jaxtdist.ops._shapes import check_dtype, next_pow2
 
@@ -222,7 +222,8 @@ def _run(call, problem, cfg, kernel, a, b, group_sizes, out_shape, tma: bool, pr
         needs_scratch=tma, varying=call.result_axes(local=(a, b, sizes)),
         **cfg.launch_options(), R=r, H=h, F=f, G=g, BLOCK_G=max(16, next_pow2(g)),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-        NUM_PROGRAMS=programs, SUBTILE=cfg.SUBTILE, TMA=tma, **extra)
+        NUM_PROGRAMS=programs, SUBTILE=cfg.SUBTILE, TMA=tma,
+        DOT_PRECISION=dot_precision(a.dtype, problem.platform, problem.vendor), **extra)
 
 
 def _forward(x, w, group_sizes, *, axis_name=_LOCAL, config=None):

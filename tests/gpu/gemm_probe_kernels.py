@@ -21,7 +21,7 @@ from tests.kernels_for_tests import matmul_descriptors
 def _store_tile(a_desc, b_desc, c_desc, row0, col0, K: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """C[row0:, col0:] = A[row0:, :] @ B[:, col0:] for one tile."""
-    acc = _tma_tile(a_desc, b_desc, row0, col0, 0, K, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = _tma_tile(a_desc, b_desc, row0, col0, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, None)
     c_desc.store([row0, col0], acc.to(c_desc.dtype))
 
 

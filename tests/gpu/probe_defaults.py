@@ -4,7 +4,7 @@ process). The numbers quoted in the defaults' comments and in docs/perf come
 from these.
 
 Usage (repo root, GPU node): python3 tests/gpu/probe_defaults.py {moe,moe_trace,
-attention,flash_decode,gemm,push} [world]. ``moe`` and ``moe_trace`` run at the
+attention,flash_decode,gemm,push,float32} [world]. ``moe`` and ``moe_trace`` run at the
 world given (default 2), ``push`` at 4 by default, and need that many GPUs; the
 others run on one.
 Prints one line per shape: each variant's median time, its ratio to the
@@ -272,13 +272,15 @@ def probe_push(world: int = 4) -> None:
     mesh = _mesh(world, "ep")
     shapes = ((128, 7168), (1024, 7168))
     from tests.gpu import push_probe_kernels as pk
-    td.initialize(mesh, heap_bytes=64 * 1024 * 1024 + 8 * sum(
+    td.initialize(mesh, heap_bytes=64 * 1024 * 1024 + 16 * sum(
         pk.push_workspace_bytes(world, 132, r, c, 2) for r, c in shapes))
     variants = {f"p{p}w{w}b{b}{'_peer' if pm else ''}": (p, w, b, pm)
                 for p, w, b, pm in [(132, 4, 1024, False), (132, 4, 2048, False),
                                     (132, 8, 2048, False), (132, 16, 4096, False),
                                     (132, 4, 1024, True), (66, 4, 1024, False),
-                                    (32, 8, 2048, False), (16, 16, 4096, False)]}
+                                    (32, 8, 2048, False), (16, 16, 4096, False),
+                                    (264, 4, 1024, False), (264, 8, 2048, False),
+                                    (528, 4, 1024, False)]}
     gather = jax.jit(jax.shard_map(lambda x: jax.lax.all_gather(x, "ep", tiled=True),
                                    mesh=mesh, in_specs=P("ep"), out_specs=P("ep"),
                                    check_vma=False))
@@ -298,8 +300,63 @@ def probe_push(world: int = 4) -> None:
               flush=True)
 
 
+def probe_float32() -> None:
+    """float32 GEMM kernels at world 1 beside jnp.dot, under JAX's default matmul
+    precision (ours: TF32 on operands rounded to nearest, and truncated as the
+    tensor cores read them) and "highest" (ours: tf32x3): the float32 default's
+    cost and error (errors against float64)."""
+    import contextlib
+    import importlib
+
+    from jaxtdist.bench.gemm import _SPECS, _kernel_fn
+
+    mesh = _mesh(1, "tp")
+    td.initialize(mesh)
+    modules = [importlib.import_module(m) for m in ("jaxtdist.ops.ag_matmul",
+                                                     "jaxtdist.ops._partial_sums")]
+
+    @contextlib.contextmanager
+    def forced(precision):  # the kernels' DOT_PRECISION for float32, whatever JAX asks
+        originals = [m.dot_precision for m in modules]
+        for m in modules:
+            m.dot_precision = lambda *a, **k: precision
+        try:
+            yield
+        finally:
+            for m, f in zip(modules, originals):
+                m.dot_precision = f
+
+    def compiled(fn, args, precision=None, force=False, dot=None):
+        with jax.default_matmul_precision(precision), \
+                (forced(dot) if force else contextlib.nullcontext()):
+            return jax.jit(fn).lower(*args).compile()
+
+    for i, (op, m, n, k) in enumerate((("ag_matmul", 4096, 4096, 4096),
+                                       ("matmul_rs", 2048, 4096, 3584),
+                                       ("matmul_ar", 128, 8192, 2048))):
+        x = h.normal(800 + 2 * i, (m, k), jnp.float32, scale=1 / np.sqrt(k))
+        w = h.normal(801 + 2 * i, (k, n), jnp.float32)
+        args = (jax.device_put(x, NamedSharding(mesh, _SPECS[op][0])),
+                jax.device_put(w, NamedSharding(mesh, _SPECS[op][1])))
+        ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+
+        def ours():  # a fresh function each time: no trace shared across precisions
+            return _kernel_fn(op, mesh, None)
+
+        contenders = {
+            "jnp_dot": h.Contender(compiled(jnp.dot, args), args, 1, ref),
+            "default": h.Contender(compiled(ours(), args), args, 1, ref),
+            "truncated": h.Contender(compiled(ours(), args, force=True), args, 1, ref),
+            "a_rounded": h.Contender(compiled(ours(), args, force=True, dot="tf32_rn_a"),
+                                     args, 1, ref),
+            "jnp_dot_highest": h.Contender(compiled(jnp.dot, args, "highest"), args, 1, ref),
+            "tf32x3": h.Contender(compiled(ours(), args, "highest"), args, 1, ref)}
+        _report(f"{op} {m}x{n}x{k} float32", h.interleaved(contenders, 20, 3), "jnp_dot")
+
+
 PROBES = {"moe": probe_moe, "moe_trace": probe_moe_trace, "attention": probe_attention,
-          "flash_decode": probe_flash_decode, "gemm": probe_gemm, "push": probe_push}
+          "flash_decode": probe_flash_decode, "gemm": probe_gemm, "push": probe_push,
+          "float32": probe_float32}
 
 if __name__ == "__main__":
     if len(sys.argv) not in (2, 3) or sys.argv[1] not in PROBES:

@@ -139,3 +139,39 @@ def test_chained_calls(world):
                 out = np.asarray(out, np.float32)
                 want = want * (1.0 + i)
                 assert np.linalg.norm(out - want) / np.linalg.norm(want) < 2e-2, i
+
+
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs", "matmul_ar"])
+def test_float32_kernels_follow_the_matmul_precision(op):
+    """float32 GEMM kernels at world 1 against a float64 product, beside XLA's dot:
+    under JAX's default precision both round to TF32 (ours no more than 1.5x XLA's
+    error); under "highest" both keep float32's accuracy (ours: tf32x3)."""
+    import contextlib
+
+    from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered
+    mesh = _mesh(1)
+    kernels = {"ag_matmul": lambda x, w: ag_matmul_with_gathered(x, w, "tp",
+                                                                 gathered=False)[0],
+               "matmul_rs": lambda x, w: matmul_rs_kernels(x, w, "tp"),
+               "matmul_ar": lambda x, w: matmul_ar_kernels(x, w, "tp")}
+    m, n, k = (16, 4096, 4096) if op == "matmul_ar" else (1024, 2048, 2048)
+    x, w = _rand((m, k), jnp.float32, 1 / np.sqrt(k)), _rand((k, n), jnp.float32)
+    ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+
+    def err(out):
+        out = np.asarray(out, np.float64)
+        assert np.all(np.isfinite(out)), "non-finite output (unwritten or corrupted)"
+        return np.linalg.norm(out - ref) / np.linalg.norm(ref)
+
+    errors = {}
+    for precision in (None, "highest"):
+        scope = (jax.default_matmul_precision(precision) if precision
+                 else contextlib.nullcontext())
+        with scope:  # traced inside: the kernels read the precision when traced
+            ours = jax.jit(jax.shard_map(kernels[op], mesh=mesh, in_specs=(P(), P()),
+                                         out_specs=P(), check_vma=False))(x, w)
+            xla = jax.jit(jnp.dot)(x, w)
+        errors[precision] = (err(ours), err(xla))
+    (ours_tf32, xla_tf32), (ours_f32, xla_f32) = errors[None], errors["highest"]
+    assert ours_tf32 <= 1.5 * xla_tf32, errors
+    assert ours_f32 < 1e-5 and ours_f32 < 0.1 * ours_tf32, errors

@@ -1,0 +1,49 @@
+"""The input precision of the GEMM kernels' float32 dots, from JAX's matmul precision.
+
+XLA's float32 dots on NVIDIA GPUs run on TF32 tensor cores unless the precision asks
+for more (``jax.default_matmul_precision("highest")`` or the
+``jax_default_matmul_precision`` flag). The kernels follow the same setting, read when
+the op is traced. By default, TF32 on NVIDIA GPUs with the operands rounded to
+nearest first ("tf32_rn", ``kernels._tiles.dot_acc``: the tensor cores alone drop
+the low bits, 2.6x cuBLAS's error), the backend's default elsewhere (float32 on
+AMD; the interpreter multiplies exactly). When float32 accuracy is asked for, three
+TF32 products on NVIDIA (Triton's ``tf32x3``: float32's accuracy, measured 2e-7
+against XLA's 4-8e-7 on 1 x H100) and float32 on AMD. bf16 and f16 inputs are
+multiplied exactly either way.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# JAX's precision names that allow TF32 (XLA on GPU rounds to TF32 under them too);
+# any other name asks for float32's accuracy.
+_TF32_NAMES = frozenset({
+    "default", "fastest", "high", "bfloat16", "tensorfloat32", "DEFAULT", "HIGH",
+    "BF16_BF16_F32", "TF32_TF32_F32", "F16_F16_F32", "ANY_F8_ANY_F8_F32",
+    "ANY_F8_ANY_F8_F32_FAST_ACCUM", "ANY_F8_ANY_F8_ANY", "ANY_F8_ANY_F8_ANY_FAST_ACCUM",
+})
+
+
+def dot_precision(dtype, platform: str = "gpu", vendor: str = "nvidia") -> str | None:
+    """A GEMM kernel's ``DOT_PRECISION`` (``kernels._tiles.dot_acc``) for ``dtype``
+    inputs under the current ``jax.default_matmul_precision``: None (the backend's
+    default; also for 16-bit inputs, where it does not apply), "tf32_rn" (the
+    default for float32 on NVIDIA GPUs), or "tf32x3" (NVIDIA, and the interpreter) /
+    "ieee" (AMD) when float32 accuracy is asked for.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> dot_precision(jnp.float32)
+        'tf32_rn'
+        >>> with jax.default_matmul_precision("highest"):
+        ...     dot_precision(jnp.float32)
+        'tf32x3'
+    """
+    if jnp.dtype(dtype) != jnp.dtype(jnp.float32):
+        return None
+    name = jax.config.jax_default_matmul_precision
+    if name is None or str(name) in _TF32_NAMES:
+        return "tf32_rn" if platform == "gpu" and vendor == "nvidia" else None
+    return "ieee" if vendor == "amd" else "tf32x3"
