@@ -81,7 +81,7 @@ def _problems():
 
     heap = dict(STAGE_OFF=1 << 16, SLOT_BYTES=1 << 24, READY_OFF=0, FLAGS_OFF=4096,
                 INBOX_OFF=1 << 20, PARITY_BYTES=1 << 26, SENT_OFF=8192, DONE_OFF=12288,
-                PARTIALS_OFF=-1, COUNTERS_OFF=-1, DOT_PRECISION=None)
+                PARTIALS_OFF=-1, COUNTERS_OFF=-1, DOT_PRECISION=None, B_T=False)
     out = {}
 
     cfg = pick(AllGatherConfig, (1024, 4096))
@@ -121,7 +121,7 @@ def _problems():
     tiles = WORLD * -(-(m // WORLD) // cfg.BLOCK_M) * -(-n // cfg.BLOCK_N)
     args = {k: v for k, v in cfg.kernel_args().items() if k not in ("PARTIAL", "NUM_PROGRAMS")}
     out["matmul_rs"] = (dict(args, M_SHARD=m // WORLD, N=n, K=k_shard, INBOX_OFF=1 << 20,
-                             PARITY_BYTES=1 << 28, FLAGS_OFF=4096, DOT_PRECISION=None,
+                             PARITY_BYTES=1 << 28, FLAGS_OFF=4096, DOT_PRECISION=None, B_T=False,
                              PARTIAL_INPUT=cfg.PARTIAL == "input", WORLD=WORLD,
                              NUM_PROGRAMS=cfg.programs(p, tiles), INTERLEAVE=True),
                         cfg.launch_options())
@@ -130,7 +130,7 @@ def _problems():
     out["matmul_ar"] = (dict(args, M=16, N=8192, K=2048, INBOX_OFF=1 << 20,
                              PARITY_BYTES=1 << 24, FLAGS_OFF=4096, PARTIALS_OFF=1 << 27,
                              COUNTERS_OFF=1 << 28, RESULTS_OFF=-1, RFLAGS_OFF=-1,
-                             PARTIAL_INPUT=cfg.PARTIAL == "input", DOT_PRECISION=None,
+                             PARTIAL_INPUT=cfg.PARTIAL == "input", DOT_PRECISION=None, B_T=False,
                              K_SPLIT=-(-2048 // (cfg.SPLIT_K * cfg.BLOCK_K)) * cfg.BLOCK_K),
                         cfg.launch_options())
     out["language_primitives"] = (dict(N=4096, BLOCK=1024, WORKSPACE=65536),

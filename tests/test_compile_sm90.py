@@ -30,10 +30,11 @@ def _skip_without_ptxas():
 
 
 def _gemm_defaults(fn, constexprs: dict) -> dict:
-    """The GEMM kernels' DOT_PRECISION at its default (the backend's) unless given."""
-    if "DOT_PRECISION" in fn.arg_names:
-        return dict(dict(DOT_PRECISION=None), **constexprs)
-    return constexprs
+    """The GEMM kernels' DOT_PRECISION (the backend's) and B_T (w [K, N] as given)
+    at their defaults unless given."""
+    defaults = {name: value for name, value in (("DOT_PRECISION", None), ("B_T", False))
+                if name in fn.arg_names}
+    return dict(defaults, **constexprs)
 
 
 def _compile(fn, pointers: dict, constexprs: dict, **options):
@@ -521,8 +522,9 @@ def test_float32_dots_follow_the_precision(tma):
 
 
 def test_float32_rounded_dots_on_the_persistent_tma_kernel():
-    """The persistent TMA GEMM (ag_matmul's) on float32 with operands rounded to TF32
-    in registers: still TMA loads and wgmma, within shared memory."""
+    """The persistent TMA GEMM (ag_matmul's) on float32 as its default runs it: w
+    read K-major (B_T; XLA rounded it), x's tiles rounded to TF32 in registers
+    ("tf32_rn_a"): still TMA loads and wgmma, within shared memory."""
     from jaxtdist.kernels.ag_matmul import ag_matmul_tma_kernel
     k = _compile_native(ag_matmul_tma_kernel, ["i32"] + ["fp32"] * 4,
                         dict(M_SHARD=1024, N=4096, K=4096, STAGE_OFF=65536,
@@ -530,8 +532,27 @@ def test_float32_rounded_dots_on_the_persistent_tma_kernel():
                              SCHEDULE_OFF=8192, NUM_COMM=16, CHUNK_ROWS=32,
                              COPY_BLOCK_C=128, BLOCK_M=128, BLOCK_N=128, BLOCK_K=32,
                              GROUP_M=8, SCOPE="sys", NUM_PROGRAMS=132, PRODUCERS_JOIN=True,
-                             SUBTILE=2, DOT_PRECISION="tf32_rn"),
+                             SUBTILE=2, DOT_PRECISION="tf32_rn_a", B_T=True),
                         num_warps=8, num_stages=3)
     ptx = k.asm["ptx"]
     assert "cp.async.bulk.tensor.2d.shared" in ptx and "cvt.rna.tf32.f32" in ptx
     assert "wgmma.mma_async" in ptx and k.metadata.shared <= 227 * 1024
+
+
+@pytest.mark.parametrize("b_t", [False, True])
+def test_float32_weights_read_k_major(b_t):
+    """matmul_rs's TMA GEMM on float32: with w's transpose (B_T, the float32
+    default) B's tiles go to wgmma as TMA left them; w [K, N] itself is N-major,
+    which TF32 wgmma cannot read, so each K step rewrites B's tile in shared
+    memory with scalar stores."""
+    from jaxtdist.kernels.matmul_rs import matmul_rs_kernel
+    k = _compile_native(matmul_rs_kernel, ["i32"] + ["fp32"] * 3,
+                        dict(M_SHARD=2048, N=4096, K=3584, INBOX_OFF=1 << 20,
+                             PARITY_BYTES=1 << 26, FLAGS_OFF=4096, PARTIAL_INPUT=True, WORLD=1,
+                             NUM_PROGRAMS=132, INTERLEAVE=True, BLOCK_M=128, BLOCK_N=128,
+                             BLOCK_K=32, GROUP_M=8, SUBTILE=2, TMA=True, FLATTEN=True,
+                             B_T=b_t), num_warps=8, num_stages=5)
+    ptx = k.asm["ptx"]
+    assert "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32" in ptx
+    # The epilogue's and the flags' few scalar shared stores either way.
+    assert (ptx.count("st.shared.b32") > 10) != b_t, ptx.count("st.shared.b32")

@@ -463,3 +463,28 @@ def test_gemm_kernels_follow_the_matmul_precision(monkeypatch):
             with jax.default_matmul_precision(precision):
                 jax.eval_shape(f, x, w if name == "grouped" else w[:16])
             assert seen and all(p == want for _, p in seen), (precision, dtype, name, seen)
+
+
+def test_tf32_rounding_for_tma_operands():
+    """XLA's rounding of TMA GEMM operands (the "tf32_rn" default on NVIDIA GPUs):
+    to nearest with ties away from zero on 10 mantissa bits, infinities and NaNs
+    kept; w always, x unless its exact values must stay (then the kernel rounds
+    A: "tf32_rn_a"); other precisions leave the operands alone."""
+    from jaxtdist.ops._precision import round_to_tf32, tma_operands
+    x = rand((64, 48), F32)
+    bits = np.asarray(x).view(np.uint32).astype(np.int64)
+    magnitude = bits & 0x7FFFFFFF
+    want = ((bits & 0x80000000) | (((magnitude + 0x1000) >> 13) << 13)).astype(np.uint32)
+    assert (np.asarray(round_to_tf32(x)).view(np.uint32) == want).all()
+    special = np.array([np.inf, -np.inf, np.nan, 0.0, -0.0, 1 + 2**-11, -1 - 2**-11,
+                        1 + 2**-12], np.float32)
+    np.testing.assert_array_equal(np.asarray(round_to_tf32(special)),
+                                  [np.inf, -np.inf, np.nan, 0.0, -0.0, 1 + 2**-10,
+                                   -1 - 2**-10, 1.0])
+    w = rand((48, 32), F32)
+    rx, rw, precision = tma_operands("tf32_rn", x, w)
+    assert precision is None and (rx == round_to_tf32(x)).all() and (rw == round_to_tf32(w)).all()
+    rx, rw, precision = tma_operands("tf32_rn", x, w, round_x=False)
+    assert precision == "tf32_rn_a" and (rx == x).all() and (rw == round_to_tf32(w)).all()
+    for other in (None, "tf32x3", "ieee"):
+        assert tma_operands(other, x, w)[2] == other and (tma_operands(other, x, w)[1] == w).all()

@@ -56,6 +56,21 @@ def tile_acc(a_desc, b_desc, row0, col0, k_lo, k_hi, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
+def weight_desc(w_ptr, K, N, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, B_T: tl.constexpr):
+    """B's descriptor for ``tile_acc``: of w [K, N], or with B_T of its transpose
+    [N, K], K-major (pass ``B_T=B_T`` to ``tile_acc`` too). float32 takes the
+    transpose (``ops._gemm_config.weights_k_major``): TF32 wgmma reads B only
+    K-major, and an N-major tile is rewritten in shared memory at every K step."""
+    if B_T:
+        desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1],
+                                         block_shape=[BLOCK_N, BLOCK_K])
+    else:
+        desc = tl.make_tensor_descriptor(w_ptr, shape=[K, N], strides=[N, 1],
+                                         block_shape=[BLOCK_K, BLOCK_N])
+    return desc
+
+
+@triton.jit
 def out_desc(ptr, rows, cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              SUBTILE: tl.constexpr):
     """The output descriptor of ``store_tile`` for C [rows, cols]: blocks of

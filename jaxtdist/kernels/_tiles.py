@@ -58,12 +58,13 @@ def block_range(block, BLOCK: tl.constexpr):
 def dot_acc(a, b, acc, DOT_PRECISION: tl.constexpr):
     """``acc + a @ b``. DOT_PRECISION (``ops._precision``) applies to float32 inputs:
     ``tl.dot``'s input precision (None: the backend's default), or "tf32_rn": TF32
-    with both operands first rounded to nearest. The tensor cores read float32
-    operands as TF32 by dropping the low mantissa bits, a bias that leaves 2.6x
-    the error of cuBLAS's TF32 GEMMs (1 x H100)."""
+    with both operands first rounded to nearest ("tf32_rn_a": A only, B rounded
+    by the op). The tensor cores read float32 operands as TF32 by dropping the
+    low mantissa bits, a bias that leaves 2.6x the error of cuBLAS's TF32 GEMMs
+    (1 x H100)."""
     if DOT_PRECISION == "tf32_rn":
         acc = tl.dot(round_tf32(a), round_tf32(b), acc, input_precision="tf32")
-    elif DOT_PRECISION == "tf32_rn_a":  # A only: wgmma reads A from registers
+    elif DOT_PRECISION == "tf32_rn_a":
         acc = tl.dot(round_tf32(a), b, acc, input_precision="tf32")
     else:
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)

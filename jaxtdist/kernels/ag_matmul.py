@@ -32,7 +32,7 @@ import triton.language as tl
 
 import jaxtdist.language as dl
 from jaxtdist.kernels._gather import pull_shards, push_shards
-from jaxtdist.kernels._gemm import out_desc, store_tile, tile_acc
+from jaxtdist.kernels._gemm import out_desc, store_tile, tile_acc, weight_desc
 from jaxtdist.kernels._splitk import finish_split_k, finish_stream_k, k_range
 from jaxtdist.kernels._tiles import (block_range, dot_acc, grouped_tile, peer_arrival_tile,
                                      rank_major_tile)
@@ -197,7 +197,8 @@ def ag_matmul_tma_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP_M: tl.constexpr, SCOPE: tl.constexpr,
                          NUM_PROGRAMS: tl.constexpr, PRODUCERS_JOIN: tl.constexpr,
-                         SUBTILE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                         SUBTILE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                         B_T: tl.constexpr):
     """Grid: (NUM_PROGRAMS,), at most what the GPU holds at once (waits spin).
 
     Same operands as ``ag_matmul_kernel``; M_SHARD is a multiple of BLOCK_M.
@@ -223,8 +224,7 @@ def ag_matmul_tma_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
         schedule = dl.heap_ptr(ctx, SCHEDULE_OFF, tl.int32)
         a_desc = tl.make_tensor_descriptor(gathered_ptr, shape=[world * M_SHARD, K],
                                            strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
-        b_desc = tl.make_tensor_descriptor(w_ptr, shape=[K, N], strides=[N, 1],
-                                           block_shape=[BLOCK_K, BLOCK_N])
+        b_desc = weight_desc(w_ptr, K, N, BLOCK_K, BLOCK_N, B_T)
         c_desc = out_desc(out_ptr, world * M_SHARD, N, BLOCK_M, BLOCK_N, SUBTILE)
         tile = tl.atomic_add(schedule, 1, sem="relaxed", scope="gpu")
         while tile < total:
@@ -233,7 +233,7 @@ def ag_matmul_tma_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
             row0 = src * M_SHARD + tm * BLOCK_M
             col0 = tn * BLOCK_N
             acc = tile_acc(a_desc, b_desc, row0, col0, 0, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                           DOT_PRECISION)
+                           DOT_PRECISION, B_T=B_T)
             store_tile(c_desc, acc, 0, row0, col0, BLOCK_M, BLOCK_N, SUBTILE)
             tile = tl.atomic_add(schedule, 1, sem="relaxed", scope="gpu")
         workers = NUM_PROGRAMS if PRODUCERS_JOIN else NUM_PROGRAMS - NUM_COMM
@@ -250,7 +250,7 @@ def _tail_pieces(ctx, inbox_desc, w_ptr, out_ptr, flags, e, me, world, whole, pe
                  K: tl.constexpr, CHUNK_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                  TAIL_TILES: tl.constexpr, PIECES: tl.constexpr, STAGES: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, B_T: tl.constexpr):
     """The copy-engine kernel's split-N tail: program p computes piece p % PIECES
     (BLOCK_N / PIECES columns) of tail tile p // PIECES, the peer tiles dealt
     after ``whole``, reading A through the kernel's ``inbox_desc``. Pieces of one
@@ -264,14 +264,13 @@ def _tail_pieces(ctx, inbox_desc, w_ptr, out_ptr, flags, e, me, world, whole, pe
                                         n_tiles, GROUP_M)
         col0 = tn * BLOCK_N + (pid % PIECES) * PIECE_N
         if col0 < N:  # the last column of tiles may end before its last pieces
-            b_desc = tl.make_tensor_descriptor(w_ptr, shape=[K, N], strides=[N, 1],
-                                               block_shape=[BLOCK_K, PIECE_N])
+            b_desc = weight_desc(w_ptr, K, N, BLOCK_K, PIECE_N, B_T)
             c_desc = tl.make_tensor_descriptor(out_ptr, shape=[world * M_SHARD, N],
                                                strides=[N, 1], block_shape=[BLOCK_M, PIECE_N])
             _wait_tile_rows_for_tma(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS)
             row0 = src * M_SHARD + tm * BLOCK_M
             acc = tile_acc(inbox_desc, b_desc, row0, col0, 0, K, BLOCK_M, PIECE_N, BLOCK_K,
-                            DOT_PRECISION, STAGES)
+                            DOT_PRECISION, STAGES, B_T=B_T)
             c_desc.store([row0, col0], acc.to(out_ptr.dtype.element_ty))
 
 
@@ -287,7 +286,7 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
                         PARTIALS_OFF: tl.constexpr, COUNTERS_OFF: tl.constexpr,
                         TAIL_SPLIT_N: tl.constexpr, TAIL_STAGES: tl.constexpr,
                         FLATTEN: tl.constexpr, SUBTILE: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr):
+                        DOT_PRECISION: tl.constexpr, B_T: tl.constexpr):
     """Grid: (NUM_PROGRAMS,), at most what the GPU holds at once.
 
     x: [M_SHARD, K], w: [K, N] -> out: [world * M_SHARD, N]. Peers push their
@@ -330,14 +329,13 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
                                        block_shape=[BLOCK_M, BLOCK_K])
     inbox_desc = tl.make_tensor_descriptor(inbox, shape=[world * M_SHARD, K], strides=[K, 1],
                                            block_shape=[BLOCK_M, BLOCK_K])
-    b_desc = tl.make_tensor_descriptor(w_ptr, shape=[K, N], strides=[N, 1],
-                                       block_shape=[BLOCK_K, BLOCK_N])
+    b_desc = weight_desc(w_ptr, K, N, BLOCK_K, BLOCK_N, B_T)
     c_desc = out_desc(out_ptr, world * M_SHARD, N, BLOCK_M, BLOCK_N, SUBTILE)
     # This rank's rows: ready at once, read from x itself.
     for tile in tl.range(pid, per_rank, NUM_PROGRAMS, flatten=FLATTEN):
         tm, tn = grouped_tile(tile, m_tiles, n_tiles, GROUP_M)
         acc = tile_acc(x_desc, b_desc, tm * BLOCK_M, tn * BLOCK_N, 0, K, BLOCK_M, BLOCK_N,
-                       BLOCK_K, DOT_PRECISION)
+                       BLOCK_K, DOT_PRECISION, B_T=B_T)
         store_tile(c_desc, acc, 0, me * M_SHARD + tm * BLOCK_M, tn * BLOCK_N, BLOCK_M, BLOCK_N,
                    SUBTILE)
     # Peers' rows from the inbox; rank me-1 pushes to this rank first. The
@@ -352,13 +350,13 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
         else:
             _wait_tile_rows_for_tma(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS)
         acc = tile_acc(inbox_desc, b_desc, row0, tn * BLOCK_N, 0, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                       DOT_PRECISION)
+                       DOT_PRECISION, B_T=B_T)
         store_tile(c_desc, acc, 0, row0, tn * BLOCK_N, BLOCK_M, BLOCK_N, SUBTILE)
     if TAIL_TILES > 0 and TAIL_SPLIT_N > 1:
         _tail_pieces(ctx, inbox_desc, w_ptr, out_ptr, flags, e, me, world, whole, per_rank,
                      m_tiles, n_tiles, n_chunks, M_SHARD, N, K, CHUNK_ROWS, BLOCK_M,
                      BLOCK_N, BLOCK_K, GROUP_M, TAIL_TILES, TAIL_SPLIT_N, TAIL_STAGES,
-                     DOT_PRECISION)
+                     DOT_PRECISION, B_T)
     if TAIL_TILES > 0 and TAIL_SPLIT_N == 1:
         k_blocks = tl.cdiv(K, BLOCK_K)
         partials = dl.heap_ptr(ctx, PARTIALS_OFF, tl.float32)
@@ -375,7 +373,7 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
             acc = tile_acc(inbox_desc, b_desc, row0, tn * BLOCK_N,
                             (unit - tail * k_blocks) * BLOCK_K,
                             (run_end - tail * k_blocks) * BLOCK_K, BLOCK_M, BLOCK_N, BLOCK_K,
-                            DOT_PRECISION)
+                            DOT_PRECISION, B_T=B_T)
             # The programs whose runs meet this tile: consecutive, from first_program.
             first_program = tail * k_blocks // TAIL_UNITS
             parts = ((tail + 1) * k_blocks - 1) // TAIL_UNITS - first_program + 1

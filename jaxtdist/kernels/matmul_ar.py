@@ -63,7 +63,7 @@ import triton
 import triton.language as tl
 
 import jaxtdist.language as dl
-from jaxtdist.kernels._gemm import tile_acc
+from jaxtdist.kernels._gemm import tile_acc, weight_desc
 from jaxtdist.kernels._splitk import k_range, split_k_total
 from jaxtdist.kernels._tiles import block_range, dot_tile, grouped_tile
 
@@ -77,7 +77,8 @@ def matmul_ar_kernel(ctx, x_ptr, w_ptr, out_ptr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, TMA: tl.constexpr, TWO_SHOT: tl.constexpr,
                      RESULTS_OFF: tl.constexpr, RFLAGS_OFF: tl.constexpr,
-                     PARTIAL_INPUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                     PARTIAL_INPUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     B_T: tl.constexpr):
     """Grid: (SPLIT_K * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),).
 
     x: [M, K], w: [K, N] -> out: [M, N], the sum over ranks of x @ w. TMA: rows
@@ -102,11 +103,11 @@ def matmul_ar_kernel(ctx, x_ptr, w_ptr, out_ptr,
     if TMA:
         x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1],
                                            block_shape=[BLOCK_M, BLOCK_K])
-        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[K, N], strides=[N, 1],
-                                           block_shape=[BLOCK_K, BLOCK_N])
+        w_desc = weight_desc(w_ptr, K, N, BLOCK_K, BLOCK_N, B_T)
         acc = tile_acc(x_desc, w_desc, tm * BLOCK_M, tn * BLOCK_N, k_lo, k_hi, BLOCK_M,
-                       BLOCK_N, BLOCK_K, DOT_PRECISION)
+                       BLOCK_N, BLOCK_K, DOT_PRECISION, B_T=B_T)
     else:
+        tl.static_assert(not B_T, "B_T: TMA loads only")
         acc = dot_tile(x_ptr, w_ptr, rows, row_mask, cols, col_mask, k_lo, k_hi, K, N,
                        BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
     offs = rows[:, None] * N + cols[None, :]

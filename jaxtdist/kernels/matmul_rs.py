@@ -57,7 +57,7 @@ import triton
 import triton.language as tl
 
 import jaxtdist.language as dl
-from jaxtdist.kernels._gemm import out_desc, store_tile, tile_acc
+from jaxtdist.kernels._gemm import out_desc, store_tile, tile_acc, weight_desc
 from jaxtdist.kernels._tiles import block_range, dot_tile, grouped_tile, rank_major_tile
 
 
@@ -114,7 +114,8 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr,
                      WORLD: tl.constexpr, NUM_PROGRAMS: tl.constexpr, INTERLEAVE: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, SUBTILE: tl.constexpr, TMA: tl.constexpr,
-                     FLATTEN: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                     FLATTEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     B_T: tl.constexpr):
     """Grid: (NUM_PROGRAMS,), at most one program per SM on GPUs (own tiles spin).
 
     x: [WORLD * M_SHARD, K], w: [K, N] -> out: [M_SHARD, N], this rank's rows of
@@ -148,9 +149,10 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr,
     if TMA:
         x_desc = tl.make_tensor_descriptor(x_ptr, shape=[WORLD * M_SHARD, K], strides=[K, 1],
                                            block_shape=[BLOCK_M, BLOCK_K])
-        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[K, N], strides=[N, 1],
-                                           block_shape=[BLOCK_K, BLOCK_N])
+        w_desc = weight_desc(w_ptr, K, N, BLOCK_K, BLOCK_N, B_T)
         c_desc = out_desc(out_ptr, M_SHARD, N, BLOCK_M, BLOCK_N, SUBTILE)
+    else:
+        tl.static_assert(not B_T, "B_T: TMA loads only")
     # Peers' tiles, me+1's rows first. Under the interpreter (programs run one
     # after another) program 0 pushes them all, before any program waits.
     peer_tiles = (WORLD - 1) * per_rank
@@ -163,7 +165,7 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr,
             dst, tm, tn = rank_major_tile(tile, me + 1, WORLD, m_tiles, n_tiles, GROUP_M)
             if TMA:
                 acc = tile_acc(x_desc, w_desc, dst * M_SHARD + tm * BLOCK_M, tn * BLOCK_N, 0,
-                               K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+                               K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, B_T=B_T)
             else:
                 acc = _pointer_tile(x_ptr + tl.cast(dst, tl.int64) * (M_SHARD * K), w_ptr, tm, tn,
                                     M_SHARD, N, K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
@@ -180,7 +182,7 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr,
         tm, tn = grouped_tile(tile, m_tiles, n_tiles, GROUP_M)
         if TMA:
             acc = tile_acc(x_desc, w_desc, me * M_SHARD + tm * BLOCK_M, tn * BLOCK_N, 0, K,
-                           BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+                           BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, B_T=B_T)
         else:
             acc = _pointer_tile(x_ptr + tl.cast(me, tl.int64) * (M_SHARD * K), w_ptr, tm, tn,
                                 M_SHARD, N, K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)

@@ -58,6 +58,15 @@ def tma_fits(k: int, n: int, itemsize: int) -> bool:
     return k * itemsize % 16 == 0 and n * itemsize % 16 == 0
 
 
+def weights_k_major(itemsize: int, tma: bool) -> bool:
+    """Whether a TMA GEMM reads w [k, n] through its transpose [n, k] (the kernels'
+    ``B_T``; the op passes ``w.T``): for float32, whose TF32 wgmma reads B only
+    K-major (an N-major B tile is rewritten in shared memory at every K step, which
+    made float32 GEMMs 5-6x cuBLAS's time on one H100). The transpose is one pass
+    over w."""
+    return tma and itemsize == 4
+
+
 def _tiles(rows: int, world: int, n: int, bm: int, bn: int) -> int:
     return world * -(-rows // bm) * -(-n // bn)
 

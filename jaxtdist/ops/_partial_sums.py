@@ -19,8 +19,8 @@ import numpy as np
 from jaxtdist.kernels.matmul_ar import matmul_ar_kernel
 from jaxtdist.kernels.matmul_rs import matmul_rs_kernel
 from jaxtdist.ops._config import KernelConfig, Problem, check_blocks, resolve
-from jaxtdist.ops._gemm_config import default_tiles, tma_fits
-from jaxtdist.ops._precision import dot_precision
+from jaxtdist.ops._gemm_config import default_tiles, tma_fits, weights_k_major
+from jaxtdist.ops._precision import dot_precision, tma_operands
 from jaxtdist.ops._protocol import Call, check_axis
 from jaxtdist.ops._shapes import SplitKWorkspace, align, check_dtype, next_pow2
 from jaxtdist.runtime._runtime import runtime
@@ -373,6 +373,16 @@ def _problem(call: Call, x, w) -> Problem:
 
 # -- launches --------------------------------------------------------------------
 
+def _operands(problem: Problem, tma: bool, x, w):
+    """(x, w, DOT_PRECISION) as the kernel takes them: float32 operands of TMA loads
+    rounded by XLA where the precision asks for TF32 (``ops._precision``), w
+    transposed where read K-major (``weights_k_major``)."""
+    precision = dot_precision(x.dtype, problem.platform, problem.vendor)
+    if tma:
+        x, w, precision = tma_operands(precision, x, w)
+    return x, w.T if weights_k_major(x.dtype.itemsize, tma) else w, precision
+
+
 def matmul_rs_kernels(x: jax.Array, w: jax.Array, axis_name, *,
                       config: dict | None = None) -> jax.Array:
     """matmul_rs's kernel, at world 1 too (for the tuner and tests); not differentiable.
@@ -397,8 +407,9 @@ def matmul_rs_kernels(x: jax.Array, w: jax.Array, axis_name, *,
     # This rank's rows of a sum over the group: varies over the group's axes
     # and over whatever x and w vary over.
     varying = set(call.result_axes(local=(x, w))) | set(call.layout.axes)
+    x_in, w_in, precision = _operands(problem, cfg.TMA, x, w)
     return call.run(
-        matmul_rs_kernel, x, w, workspace=ws, needs_scratch=cfg.TMA,
+        matmul_rs_kernel, x_in, w_in, workspace=ws, needs_scratch=cfg.TMA,
         out_shape=jax.ShapeDtypeStruct((m_shard, n), x.dtype), grid=(programs,),
         varying=tuple(a for a in call.rt.mesh.axis_names if a in varying),
         **cfg.launch_options(), M_SHARD=m_shard, N=n, K=k, INBOX_OFF=ws.offset + plan.inbox,
@@ -406,8 +417,8 @@ def matmul_rs_kernels(x: jax.Array, w: jax.Array, axis_name, *,
         PARTIAL_INPUT=cfg.PARTIAL == "input", WORLD=world, NUM_PROGRAMS=programs,
         INTERLEAVE=call.platform == "gpu", BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
         BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, SUBTILE=cfg.SUBTILE, TMA=cfg.TMA,
-        FLATTEN=bool(cfg.FLATTEN and cfg.TMA),
-        DOT_PRECISION=dot_precision(x.dtype, problem.platform, problem.vendor))
+        FLATTEN=bool(cfg.FLATTEN and cfg.TMA), DOT_PRECISION=precision,
+        B_T=weights_k_major(x.dtype.itemsize, cfg.TMA))
 
 
 def matmul_ar_kernels(x: jax.Array, w: jax.Array, axis_name, *,
@@ -441,8 +452,10 @@ def matmul_ar_kernels(x: jax.Array, w: jax.Array, axis_name, *,
         counters_off = split_ws.offset + split_plan.counters
     # The same sum on every rank of the group: like psum, it does not vary over
     # the group's axes.
+    x_in, w_in, precision = _operands(problem, cfg.TMA, x, w)
     return call.run(
-        matmul_ar_kernel, x, w, workspace=ws, out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+        matmul_ar_kernel, x_in, w_in, workspace=ws,
+        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
         needs_scratch=cfg.TMA,
         grid=(split_k * tiles,), varying=call.result_axes(reduced=(x, w)),
         **cfg.launch_options(), M=m, N=n, K=k, INBOX_OFF=ws.offset + plan.inbox,
@@ -452,4 +465,4 @@ def matmul_ar_kernels(x: jax.Array, w: jax.Array, axis_name, *,
         GROUP_M=cfg.GROUP_M, TMA=cfg.TMA, TWO_SHOT=two_shot,
         RESULTS_OFF=ws.offset + plan.inbox + plan.results,
         RFLAGS_OFF=ws.offset + plan.result_flags, PARTIAL_INPUT=cfg.PARTIAL == "input",
-        DOT_PRECISION=dot_precision(x.dtype, problem.platform, problem.vendor))
+        DOT_PRECISION=precision, B_T=weights_k_major(x.dtype.itemsize, cfg.TMA))

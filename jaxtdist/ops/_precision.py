@@ -4,12 +4,15 @@ XLA's float32 dots on NVIDIA GPUs run on TF32 tensor cores unless the precision 
 for more (``jax.default_matmul_precision("highest")`` or the
 ``jax_default_matmul_precision`` flag). The kernels follow the same setting, read when
 the op is traced. By default, TF32 on NVIDIA GPUs with the operands rounded to
-nearest first ("tf32_rn", ``kernels._tiles.dot_acc``: the tensor cores alone drop
-the low bits, 2.6x cuBLAS's error), the backend's default elsewhere (float32 on
-AMD; the interpreter multiplies exactly). When float32 accuracy is asked for, three
-TF32 products on NVIDIA (Triton's ``tf32x3``: float32's accuracy, measured 2e-7
-against XLA's 4-8e-7 on 1 x H100) and float32 on AMD. bf16 and f16 inputs are
-multiplied exactly either way.
+nearest first ("tf32_rn": the tensor cores alone drop the low bits, 2.6x cuBLAS's
+error), the backend's default elsewhere (float32 on AMD; the interpreter multiplies
+exactly). Pointer GEMMs round in registers (``kernels._tiles.dot_acc``); TMA GEMMs
+feed the tensor cores from shared memory, where rounding would cost a pass through
+registers per K step, so XLA rounds their operands beforehand (``tma_operands``,
+fused with the weights' transpose). When float32 accuracy is asked for, three TF32
+products on NVIDIA (Triton's ``tf32x3``: float32's accuracy, measured 2e-7 against
+XLA's 4-8e-7 on 1 x H100) and float32 on AMD. bf16 and f16 inputs are multiplied
+exactly either way.
 """
 
 from __future__ import annotations
@@ -47,3 +50,31 @@ def dot_precision(dtype, platform: str = "gpu", vendor: str = "nvidia") -> str |
     if name is None or str(name) in _TF32_NAMES:
         return "tf32_rn" if platform == "gpu" and vendor == "nvidia" else None
     return "ieee" if vendor == "amd" else "tf32x3"
+
+
+def round_to_tf32(a: jax.Array) -> jax.Array:
+    """float32 ``a`` rounded to TF32 (10 mantissa bits) to nearest, ties away from
+    zero, as ``cvt.rna.tf32.f32`` rounds; NaNs stay NaNs.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> float(round_to_tf32(jnp.float32(1 + 2**-11)))  # a tie: away from zero
+        1.0009765625
+    """
+    bits = jax.lax.bitcast_convert_type(a, jnp.uint32)
+    rounded = jax.lax.bitcast_convert_type(
+        (bits + jnp.uint32(0x1000)) & jnp.uint32(0xFFFFE000), jnp.float32)
+    return jnp.where(jnp.isnan(a), a, rounded)
+
+
+def tma_operands(precision: str | None, x: jax.Array, w: jax.Array, *,
+                 round_x: bool = True) -> tuple[jax.Array, jax.Array, str | None]:
+    """A TMA GEMM's operands and kernel ``DOT_PRECISION`` for ``precision``
+    (``dot_precision``'s): under "tf32_rn" XLA rounds w, and x unless ``round_x``
+    is False (x's exact values are needed: ag_matmul's gathered x), which the
+    kernel then rounds in registers ("tf32_rn_a"); else all unchanged."""
+    if precision != "tf32_rn":
+        return x, w, precision
+    if round_x:
+        return round_to_tf32(x), round_to_tf32(w), None
+    return x, round_to_tf32(w), "tf32_rn_a"

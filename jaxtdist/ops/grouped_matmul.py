@@ -19,9 +19,9 @@ import jax.numpy as jnp
 
 from jaxtdist.kernels.grouped_gemm import grouped_dw_kernel, grouped_gemm_kernel
 from jaxtdist.ops._config import KernelConfig, Problem, check_blocks, resolve
-from jaxtdist.ops._gemm_config import default_tiles, stages_for, tma_fits
+from jaxtdist.ops._gemm_config import default_tiles, stages_for, tma_fits, weights_k_major
 from jaxtdist.ops._op import DistributedOp, one_call_per_element
-from jaxtdist.ops._precision import dot_precision
+from jaxtdist.ops._precision import dot_precision, tma_operands
 from jaxtdist.ops._protocol import Call
 from jaxtdist.ops._shapes import check_dtype, next_pow2
 
@@ -185,6 +185,8 @@ def _launch(x, w, group_sizes, config, *, w_t: bool) -> jax.Array:
     tma = problem.vendor == "nvidia" and tma_fits(h, f, problem.itemsize)
     if w_t and not tma:  # the pointer GEMM reads w[g] row-major: transpose it
         w, w_t = jnp.swapaxes(w, 1, 2), False
+    elif not w_t and weights_k_major(problem.itemsize, tma):
+        w, w_t = jnp.swapaxes(w, 1, 2), True
     return _run(call, problem, cfg, grouped_gemm_kernel, x, w, group_sizes, (r, f), tma,
                 cfg.programs(problem), W_T=w_t)
 
@@ -216,14 +218,18 @@ def _run(call, problem, cfg, kernel, a, b, group_sizes, out_shape, tma: bool, pr
     workspace is the epoch counter the protocol keeps)."""
     r, h, f, g = problem.shape
     sizes = group_sizes.astype(jnp.int32)
+    varying = call.result_axes(local=(a, b, sizes))
+    precision = dot_precision(a.dtype, problem.platform, problem.vendor)
+    if tma:  # float32 TMA operands rounded by XLA (ops._precision)
+        a, b, precision = tma_operands(precision, a, b)
     return call.run(
         kernel, a, b, sizes, workspace=call.workspace("local", 1),
         out_shape=jax.ShapeDtypeStruct(out_shape, a.dtype), grid=(programs,),
-        needs_scratch=tma, varying=call.result_axes(local=(a, b, sizes)),
+        needs_scratch=tma, varying=varying,
         **cfg.launch_options(), R=r, H=h, F=f, G=g, BLOCK_G=max(16, next_pow2(g)),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
         NUM_PROGRAMS=programs, SUBTILE=cfg.SUBTILE, TMA=tma,
-        DOT_PRECISION=dot_precision(a.dtype, problem.platform, problem.vendor), **extra)
+        DOT_PRECISION=precision, **extra)
 
 
 def _forward(x, w, group_sizes, *, axis_name=_LOCAL, config=None):

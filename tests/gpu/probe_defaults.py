@@ -303,8 +303,9 @@ def probe_push(world: int = 4) -> None:
 def probe_float32() -> None:
     """float32 GEMM kernels at world 1 beside jnp.dot, under JAX's default matmul
     precision (ours: TF32 on operands rounded to nearest, and truncated as the
-    tensor cores read them) and "highest" (ours: tf32x3): the float32 default's
-    cost and error (errors against float64)."""
+    tensor cores read them; the TMA GEMM where float32's default is the pointer
+    one) and "highest" (ours: tf32x3): the float32 default's cost and error
+    (errors against float64)."""
     import contextlib
     import importlib
 
@@ -347,10 +348,12 @@ def probe_float32() -> None:
             "jnp_dot": h.Contender(compiled(jnp.dot, args), args, 1, ref),
             "default": h.Contender(compiled(ours(), args), args, 1, ref),
             "truncated": h.Contender(compiled(ours(), args, force=True), args, 1, ref),
-            "a_rounded": h.Contender(compiled(ours(), args, force=True, dot="tf32_rn_a"),
-                                     args, 1, ref),
             "jnp_dot_highest": h.Contender(compiled(jnp.dot, args, "highest"), args, 1, ref),
             "tf32x3": h.Contender(compiled(ours(), args, "highest"), args, 1, ref)}
+        if op != "matmul_rs":  # float32's default there is the pointer GEMM
+            tma = dict(TMA=True) if op == "matmul_ar" else dict(TMA=True, PRODUCER="ce")
+            contenders["tma"] = h.Contender(
+                compiled(_kernel_fn(op, mesh, tma), args), args, 1, ref)
         _report(f"{op} {m}x{n}x{k} float32", h.interleaved(contenders, 20, 3), "jnp_dot")
 
 
