@@ -46,7 +46,8 @@ transposed copy of the weights.
 import triton
 import triton.language as tl
 
-from jaxtdist.kernels._gemm import out_desc, ranked_out_desc, store_tile, tile_acc
+from jaxtdist.kernels._gemm import (out_desc, ranked_out_desc, store_tile, tile_acc,
+                                   weight_desc)
 from jaxtdist.kernels._tiles import dot_acc, dot_tile, grouped_tile
 
 
@@ -121,12 +122,7 @@ def grouped_gemm_kernel(ctx, x_ptr, w_ptr, sizes_ptr, out_ptr,
             cols = col0 + tl.arange(0, BLOCK_N)
             w_group = w_ptr + g.to(tl.int64) * (H * F)
             if TMA:
-                if W_T:
-                    w_desc = tl.make_tensor_descriptor(w_group, shape=[F, H], strides=[H, 1],
-                                                       block_shape=[BLOCK_N, BLOCK_K])
-                else:
-                    w_desc = tl.make_tensor_descriptor(w_group, shape=[H, F], strides=[F, 1],
-                                                       block_shape=[BLOCK_K, BLOCK_N])
+                w_desc = weight_desc(w_group, H, F, BLOCK_K, BLOCK_N, W_T)
                 acc = tile_acc(x_desc, w_desc, row0, col0, 0, H, BLOCK_M,
                                BLOCK_N, BLOCK_K, DOT_PRECISION, B_T=W_T)
                 if row0 + BLOCK_M <= row_end:
