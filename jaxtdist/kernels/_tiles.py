@@ -78,7 +78,7 @@ def dot_tile(a_ptr, b_ptr, rows, row_mask, cols, col_mask, k_lo, k_hi, K: tl.con
     """One output tile of a pointer GEMM: the float32 accumulator of
     A[rows, k_lo:k_hi] @ B[k_lo:k_hi, cols] for row-major A [*, K] and B [K, N];
     rows, columns and K beyond the masks / K read as zeros; DOT_PRECISION as in
-    ``_gemm.tile_acc``."""
+    ``dot_acc``."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)

@@ -201,7 +201,8 @@ def ag_matmul_tma_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
                          B_T: tl.constexpr):
     """Grid: (NUM_PROGRAMS,), at most what the GPU holds at once (waits spin).
 
-    Same operands as ``ag_matmul_kernel``; M_SHARD is a multiple of BLOCK_M.
+    Same operands as ``ag_matmul_kernel`` (w [N, K] with B_T: ``_gemm.weight_desc``);
+    M_SHARD is a multiple of BLOCK_M.
     The first NUM_COMM programs gather; the others (and, with
     PRODUCERS_JOIN, the producers once done) take tiles in
     ``rank_major_tile`` order from the counter at SCHEDULE_OFF. The last
@@ -289,7 +290,8 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
                         DOT_PRECISION: tl.constexpr, B_T: tl.constexpr):
     """Grid: (NUM_PROGRAMS,), at most what the GPU holds at once.
 
-    x: [M_SHARD, K], w: [K, N] -> out: [world * M_SHARD, N]. Peers push their
+    x: [M_SHARD, K], w: [K, N] ([N, K] with B_T: ``_gemm.weight_desc``) -> out:
+    [world * M_SHARD, N]. Peers push their
     shards into this rank's heap inbox of parity ``epoch % 2`` ([world *
     M_SHARD, K] at INBOX_OFF), raising chunk flags at FLAGS_OFF, while this
     runs; this rank's pushes raise its "sent" words at SENT_OFF. M_SHARD is

@@ -81,7 +81,8 @@ def matmul_ar_kernel(ctx, x_ptr, w_ptr, out_ptr,
                      B_T: tl.constexpr):
     """Grid: (SPLIT_K * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),).
 
-    x: [M, K], w: [K, N] -> out: [M, N], the sum over ranks of x @ w. TMA: rows
+    x: [M, K], w: [K, N] ([N, K] with B_T, TMA only: ``_gemm.weight_desc``) -> out:
+    [M, N], the sum over ranks of x @ w. TMA: rows
     of x and w are 16-byte multiples (the GEMM core's loads). Split ``s`` covers K
     [s * K_SPLIT, (s + 1) * K_SPLIT) (K_SPLIT a multiple of BLOCK_K); with SPLIT_K
     > 1, PARTIALS_OFF holds SPLIT_K float32 planes of [M, N] and COUNTERS_OFF one

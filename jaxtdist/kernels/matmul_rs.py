@@ -118,7 +118,8 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr,
                      B_T: tl.constexpr):
     """Grid: (NUM_PROGRAMS,), at most one program per SM on GPUs (own tiles spin).
 
-    x: [WORLD * M_SHARD, K], w: [K, N] -> out: [M_SHARD, N], this rank's rows of
+    x: [WORLD * M_SHARD, K], w: [K, N] ([N, K] with B_T, TMA only: ``_gemm.weight_desc``)
+    -> out: [M_SHARD, N], this rank's rows of
     the sum over ranks of x @ w. With TMA (rows of x and w 16-byte multiples)
     the tiles run on the GEMM core; a row tile at the end of a rank's rows
     then reads the next rank's first rows too, whose products are dropped
