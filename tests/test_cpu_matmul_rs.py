@@ -465,12 +465,13 @@ def test_gemm_kernels_follow_the_matmul_precision(monkeypatch):
             assert seen and all(p == want for _, p in seen), (precision, dtype, name, seen)
 
 
-def test_tf32_rounding_for_tma_operands():
-    """XLA's rounding of TMA GEMM operands (the "tf32_rn" default on NVIDIA GPUs):
-    to nearest with ties away from zero on 10 mantissa bits, infinities and NaNs
-    kept; w always, x unless its exact values must stay (then the kernel rounds
-    A: "tf32_rn_a"); other precisions leave the operands alone."""
-    from jaxtdist.ops._precision import round_to_tf32, tma_operands
+def test_tf32_rounding_of_kernel_operands():
+    """The "tf32_rn" default on NVIDIA GPUs: XLA rounds a TMA GEMM's operands (to
+    nearest, ties away from zero, on 10 mantissa bits; infinities and NaNs kept):
+    w always, x unless its exact values must stay (the kernel then rounds A,
+    "tf32_rn_a"); pointer GEMMs round in the kernel; w handed over K-major on
+    request; other precisions, dtypes and the interpreter leave the operands alone."""
+    from jaxtdist.ops._precision import kernel_operands, round_to_tf32
     x = rand((64, 48), F32)
     bits = np.asarray(x).view(np.uint32).astype(np.int64)
     magnitude = bits & 0x7FFFFFFF
@@ -482,9 +483,21 @@ def test_tf32_rounding_for_tma_operands():
                                   [np.inf, -np.inf, np.nan, 0.0, -0.0, 1 + 2**-10,
                                    -1 - 2**-10, 1.0])
     w = rand((48, 32), F32)
-    rx, rw, precision = tma_operands("tf32_rn", x, w)
-    assert precision is None and (rx == round_to_tf32(x)).all() and (rw == round_to_tf32(w)).all()
-    rx, rw, precision = tma_operands("tf32_rn", x, w, round_x=False)
-    assert precision == "tf32_rn_a" and (rx == x).all() and (rw == round_to_tf32(w)).all()
-    for other in (None, "tf32x3", "ieee"):
-        assert tma_operands(other, x, w)[2] == other and (tma_operands(other, x, w)[1] == w).all()
+    gpu = Problem("gpu", 1, (64, 32, 48), "float32", 132)
+    rx, rw, precision = kernel_operands(gpu, x, w, tma=True)
+    assert precision is None and (rx == round_to_tf32(x)).all()
+    assert (rw == round_to_tf32(w)).all()
+    rx, rw, precision = kernel_operands(gpu, x, w, tma=True, exact_x=True, k_major=True)
+    assert precision == "tf32_rn_a" and (rx == x).all() and (rw == round_to_tf32(w).T).all()
+    rx, rw, precision = kernel_operands(gpu, x, w, tma=False)
+    assert precision == "tf32_rn" and (rx == x).all() and (rw == w).all()
+    with jax.default_matmul_precision("highest"):
+        rx, rw, precision = kernel_operands(gpu, x, w, tma=True, k_major=True)
+    assert precision == "tf32x3" and (rx == x).all() and (rw == w.T).all()
+    cpu = Problem("cpu", 1, (64, 32, 48), "float32", 4)
+    amd = Problem("gpu", 1, (64, 32, 48), "float32", 304, vendor="amd")
+    bf16 = Problem("gpu", 1, (64, 32, 48), "bfloat16", 132)
+    for problem, a, b in ((cpu, x, w), (amd, x, w),
+                          (bf16, x.astype(BF16), w.astype(BF16))):
+        rx, rw, precision = kernel_operands(problem, a, b, tma=True)
+        assert precision is None and (rx == a).all() and (rw == b).all(), problem

@@ -20,7 +20,7 @@ from jaxtdist.kernels.matmul_ar import matmul_ar_kernel
 from jaxtdist.kernels.matmul_rs import matmul_rs_kernel
 from jaxtdist.ops._config import KernelConfig, Problem, check_blocks, resolve
 from jaxtdist.ops._gemm_config import default_tiles, tma_fits, weights_k_major
-from jaxtdist.ops._precision import dot_precision, tma_operands
+from jaxtdist.ops._precision import kernel_operands
 from jaxtdist.ops._protocol import Call, check_axis
 from jaxtdist.ops._shapes import SplitKWorkspace, align, check_dtype, next_pow2
 from jaxtdist.runtime._runtime import runtime
@@ -373,16 +373,6 @@ def _problem(call: Call, x, w) -> Problem:
 
 # -- launches --------------------------------------------------------------------
 
-def _operands(problem: Problem, tma: bool, x, w):
-    """(x, w, DOT_PRECISION) as the kernel takes them: float32 operands of TMA loads
-    rounded by XLA where the precision asks for TF32 (``ops._precision``), w
-    transposed where read K-major (``weights_k_major``)."""
-    precision = dot_precision(x.dtype, problem.platform, problem.vendor)
-    if tma:
-        x, w, precision = tma_operands(precision, x, w)
-    return x, w.T if weights_k_major(x.dtype.itemsize, tma) else w, precision
-
-
 def matmul_rs_kernels(x: jax.Array, w: jax.Array, axis_name, *,
                       config: dict | None = None) -> jax.Array:
     """matmul_rs's kernel, at world 1 too (for the tuner and tests); not differentiable.
@@ -407,7 +397,8 @@ def matmul_rs_kernels(x: jax.Array, w: jax.Array, axis_name, *,
     # This rank's rows of a sum over the group: varies over the group's axes
     # and over whatever x and w vary over.
     varying = set(call.result_axes(local=(x, w))) | set(call.layout.axes)
-    x_in, w_in, precision = _operands(problem, cfg.TMA, x, w)
+    b_t = weights_k_major(x.dtype.itemsize, cfg.TMA)
+    x_in, w_in, precision = kernel_operands(problem, x, w, tma=cfg.TMA, k_major=b_t)
     return call.run(
         matmul_rs_kernel, x_in, w_in, workspace=ws, needs_scratch=cfg.TMA,
         out_shape=jax.ShapeDtypeStruct((m_shard, n), x.dtype), grid=(programs,),
@@ -417,8 +408,7 @@ def matmul_rs_kernels(x: jax.Array, w: jax.Array, axis_name, *,
         PARTIAL_INPUT=cfg.PARTIAL == "input", WORLD=world, NUM_PROGRAMS=programs,
         INTERLEAVE=call.platform == "gpu", BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
         BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, SUBTILE=cfg.SUBTILE, TMA=cfg.TMA,
-        FLATTEN=bool(cfg.FLATTEN and cfg.TMA), DOT_PRECISION=precision,
-        B_T=weights_k_major(x.dtype.itemsize, cfg.TMA))
+        FLATTEN=bool(cfg.FLATTEN and cfg.TMA), DOT_PRECISION=precision, B_T=b_t)
 
 
 def matmul_ar_kernels(x: jax.Array, w: jax.Array, axis_name, *,
@@ -452,7 +442,8 @@ def matmul_ar_kernels(x: jax.Array, w: jax.Array, axis_name, *,
         counters_off = split_ws.offset + split_plan.counters
     # The same sum on every rank of the group: like psum, it does not vary over
     # the group's axes.
-    x_in, w_in, precision = _operands(problem, cfg.TMA, x, w)
+    b_t = weights_k_major(x.dtype.itemsize, cfg.TMA)
+    x_in, w_in, precision = kernel_operands(problem, x, w, tma=cfg.TMA, k_major=b_t)
     return call.run(
         matmul_ar_kernel, x_in, w_in, workspace=ws,
         out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
@@ -465,4 +456,4 @@ def matmul_ar_kernels(x: jax.Array, w: jax.Array, axis_name, *,
         GROUP_M=cfg.GROUP_M, TMA=cfg.TMA, TWO_SHOT=two_shot,
         RESULTS_OFF=ws.offset + plan.inbox + plan.results,
         RFLAGS_OFF=ws.offset + plan.result_flags, PARTIAL_INPUT=cfg.PARTIAL == "input",
-        DOT_PRECISION=precision, B_T=weights_k_major(x.dtype.itemsize, cfg.TMA))
+        DOT_PRECISION=precision, B_T=b_t)

@@ -8,7 +8,7 @@ nearest first ("tf32_rn": the tensor cores alone drop the low bits, 2.6x cuBLAS'
 error), the backend's default elsewhere (float32 on AMD; the interpreter multiplies
 exactly). Pointer GEMMs round in registers (``kernels._tiles.dot_acc``); TMA GEMMs
 feed the tensor cores from shared memory, where rounding would cost a pass through
-registers per K step, so XLA rounds their operands beforehand (``tma_operands``,
+registers per K step, so XLA rounds their operands beforehand (``kernel_operands``,
 fused with the weights' transpose). When float32 accuracy is asked for, three TF32
 products on NVIDIA (Triton's ``tf32x3``: float32's accuracy, measured 2e-7 against
 XLA's 4-8e-7 on 1 x H100) and float32 on AMD. bf16 and f16 inputs are multiplied
@@ -17,8 +17,13 @@ exactly either way.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
+
+if TYPE_CHECKING:  # annotations only
+    from jaxtdist.ops._config import Problem
 
 # JAX's precision names that allow TF32 (XLA on GPU rounds to TF32 under them too);
 # any other name asks for float32's accuracy.
@@ -67,14 +72,26 @@ def round_to_tf32(a: jax.Array) -> jax.Array:
     return jnp.where(jnp.isnan(a), a, rounded)
 
 
-def tma_operands(precision: str | None, x: jax.Array, w: jax.Array, *,
-                 round_x: bool = True) -> tuple[jax.Array, jax.Array, str | None]:
-    """A TMA GEMM's operands and kernel ``DOT_PRECISION`` for ``precision``
-    (``dot_precision``'s): under "tf32_rn" XLA rounds w, and x unless ``round_x``
-    is False (x's exact values are needed: ag_matmul's gathered x), which the
-    kernel then rounds in registers ("tf32_rn_a"); else all unchanged."""
-    if precision != "tf32_rn":
-        return x, w, precision
-    if round_x:
-        return round_to_tf32(x), round_to_tf32(w), None
-    return x, round_to_tf32(w), "tf32_rn_a"
+def kernel_operands(problem: Problem, x: jax.Array, w: jax.Array, *, tma: bool,
+                    exact_x: bool = False,
+                    k_major: bool = False) -> tuple[jax.Array, jax.Array, str | None]:
+    """(x, w, DOT_PRECISION) as a GEMM kernel for ``problem`` takes them, under the
+    current ``jax.default_matmul_precision`` (``dot_precision``).
+
+    Pointer kernels (``tma`` False) round "tf32_rn" operands in registers. TMA
+    kernels feed the tensor cores from shared memory, so there XLA rounds w, and x
+    unless ``exact_x`` (ag_matmul: the gathered x is the backward's residual), whose
+    tiles the kernel then rounds ("tf32_rn_a"). ``k_major``: w handed over with its
+    last two axes swapped (the kernels' ``B_T``, ``ops._gemm_config.weights_k_major``),
+    in the same XLA fusion as its rounding.
+    """
+    precision = dot_precision(x.dtype, problem.platform, problem.vendor)
+    if tma and precision == "tf32_rn":
+        w = round_to_tf32(w)
+        if exact_x:
+            precision = "tf32_rn_a"
+        else:
+            x, precision = round_to_tf32(x), None
+    if k_major:
+        w = jnp.swapaxes(w, -1, -2)
+    return x, w, precision

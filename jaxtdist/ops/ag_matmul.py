@@ -21,7 +21,7 @@ from jaxtdist.ops._config import Problem, resolve
 from jaxtdist.ops._gemm_config import weights_k_major
 from jaxtdist.ops._inbox import push_to_inboxes
 from jaxtdist.ops._partial_sums import matmul_rs_kernels
-from jaxtdist.ops._precision import dot_precision, tma_operands
+from jaxtdist.ops._precision import kernel_operands
 from jaxtdist.ops.all_gather import _forward as all_gather_forward
 from jaxtdist.ops._op import (DistributedOp, one_call_per_element, pjit_wrapper, rows_over,
                               scatter_cotangent)
@@ -116,15 +116,6 @@ def _copy_gathered(call: Call, ctx, x, out, inbox_offset: int, parity_bytes: int
                        BLOCK_C=block_c)
 
 
-def _tma_weights(problem: Problem, x, w):
-    """(w, DOT_PRECISION) as a TMA kernel takes them (``ops._precision``): x stays
-    exact (the gathered x is the backward's residual), w is rounded by XLA where
-    the precision asks for TF32 and transposed where read K-major."""
-    precision = dot_precision(x.dtype, problem.platform, problem.vendor)
-    _, w, precision = tma_operands(precision, x, w, round_x=False)
-    return (w.T if weights_k_major(x.dtype.itemsize, True) else w), precision
-
-
 def _launch_sm_producers(call: Call, problem: Problem, cfg: AgMatmulConfig, x, w,
                          want_gathered: bool):
     """The pointer and TMA kernels: SM producer programs gather, the rest compute."""
@@ -142,8 +133,9 @@ def _launch_sm_producers(call: Call, problem: Problem, cfg: AgMatmulConfig, x, w
         gather = dict(STAGE_OFF=ws.offset + plan.stage, SLOT_BYTES=plan.slot_bytes,
                       READY_OFF=ws.offset + plan.ready, FLAGS_OFF=ws.offset + plan.flags)
     gather.update(M_SHARD=m_shard, N=n, K=k)
-    tiles = dict(cfg.kernel_args(),
-                 DOT_PRECISION=dot_precision(x.dtype, problem.platform, problem.vendor))
+    b_t = weights_k_major(x.dtype.itemsize, cfg.TMA)
+    _, w, precision = kernel_operands(problem, x, w, tma=cfg.TMA, exact_x=True, k_major=b_t)
+    tiles = dict(cfg.kernel_args(), DOT_PRECISION=precision)
     n_tiles = -(-n // cfg.BLOCK_N)
     m_tiles = 1 if cfg.ALL_ROWS else world * -(-m_shard // cfg.BLOCK_M)
     # With pushes the gathered x stays in the heap inboxes: a one-element
@@ -156,13 +148,10 @@ def _launch_sm_producers(call: Call, problem: Problem, cfg: AgMatmulConfig, x, w
         programs = persistent_programs(call.platform, problem.sms, cfg.NUM_COMM,
                                        m_tiles * n_tiles)
         schedule = call.workspace("schedule", 8)
-        w_in, precision = _tma_weights(problem, x, w)
         return tuple(call.run(
-            ag_matmul_tma_kernel, x, w_in, grid=(programs,), needs_scratch=True,
+            ag_matmul_tma_kernel, x, w, grid=(programs,), needs_scratch=True,
             SCHEDULE_OFF=schedule.offset, NUM_PROGRAMS=programs, SUBTILE=cfg.SUBTILE,
-            PRODUCERS_JOIN=call.platform == "gpu",
-            B_T=weights_k_major(x.dtype.itemsize, True), **launch, **gather,
-            **dict(tiles, DOT_PRECISION=precision)))
+            PRODUCERS_JOIN=call.platform == "gpu", B_T=b_t, **launch, **gather, **tiles))
     split_k = cfg.SPLIT_K
     k_split = -(-(-(-k // split_k)) // cfg.BLOCK_K) * cfg.BLOCK_K
     partials_off = counters_off = -1
@@ -241,7 +230,8 @@ def _launch_copy_engines(call: Call, problem: Problem, cfg: AgMatmulConfig, x, w
     per_rank = (m_shard // cfg.BLOCK_M) * -(-n // cfg.BLOCK_N)
     programs = persistent_programs(call.platform, problem.sms, 0, world * per_rank)
     tail = _tail_plan(call, cfg, world * per_rank, programs, k, (world - 1) * per_rank)
-    w_in, precision = _tma_weights(problem, x, w)
+    b_t = weights_k_major(x.dtype.itemsize, True)
+    _, w_in, precision = kernel_operands(problem, x, w, tma=True, exact_x=True, k_major=b_t)
     out = call.launch(
         ag_matmul_ce_kernel, ctx, x, w_in,
         out_shape=jax.ShapeDtypeStruct((world * m_shard, n), x.dtype), grid=(programs,),
@@ -251,7 +241,7 @@ def _launch_copy_engines(call: Call, problem: Problem, cfg: AgMatmulConfig, x, w
         BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, NUM_PROGRAMS=programs,
         FLATTEN=flattens(dict(cfg.to_dict(), CHUNK_ROWS=cfg.chunk_rows), world * per_rank,
                          programs), SUBTILE=cfg.SUBTILE,
-        DOT_PRECISION=precision, B_T=weights_k_major(x.dtype.itemsize, True), **tail)
+        DOT_PRECISION=precision, B_T=b_t, **tail)
     # The gathered x (the autodiff residual) lives in heap inboxes that the call
     # after next reuses: copied out when the backward pass needs it.
     if not want_gathered:

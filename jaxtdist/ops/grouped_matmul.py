@@ -21,7 +21,7 @@ from jaxtdist.kernels.grouped_gemm import grouped_dw_kernel, grouped_gemm_kernel
 from jaxtdist.ops._config import KernelConfig, Problem, check_blocks, resolve
 from jaxtdist.ops._gemm_config import default_tiles, stages_for, tma_fits, weights_k_major
 from jaxtdist.ops._op import DistributedOp, one_call_per_element
-from jaxtdist.ops._precision import dot_precision, tma_operands
+from jaxtdist.ops._precision import kernel_operands
 from jaxtdist.ops._protocol import Call
 from jaxtdist.ops._shapes import check_dtype, next_pow2
 
@@ -219,9 +219,7 @@ def _run(call, problem, cfg, kernel, a, b, group_sizes, out_shape, tma: bool, pr
     r, h, f, g = problem.shape
     sizes = group_sizes.astype(jnp.int32)
     varying = call.result_axes(local=(a, b, sizes))
-    precision = dot_precision(a.dtype, problem.platform, problem.vendor)
-    if tma:  # float32 TMA operands rounded by XLA (ops._precision)
-        a, b, precision = tma_operands(precision, a, b)
+    a, b, precision = kernel_operands(problem, a, b, tma=tma)
     return call.run(
         kernel, a, b, sizes, workspace=call.workspace("local", 1),
         out_shape=jax.ShapeDtypeStruct(out_shape, a.dtype), grid=(programs,),

@@ -313,19 +313,16 @@ def probe_float32() -> None:
 
     mesh = _mesh(1, "tp")
     td.initialize(mesh)
-    modules = [importlib.import_module(m) for m in ("jaxtdist.ops.ag_matmul",
-                                                     "jaxtdist.ops._partial_sums")]
+    precision_module = importlib.import_module("jaxtdist.ops._precision")
 
     @contextlib.contextmanager
     def forced(precision):  # the kernels' DOT_PRECISION for float32, whatever JAX asks
-        originals = [m.dot_precision for m in modules]
-        for m in modules:
-            m.dot_precision = lambda *a, **k: precision
+        original = precision_module.dot_precision
+        precision_module.dot_precision = lambda *a, **k: precision
         try:
             yield
         finally:
-            for m, f in zip(modules, originals):
-                m.dot_precision = f
+            precision_module.dot_precision = original
 
     def compiled(fn, args, precision=None, force=False, dot=None):
         with jax.default_matmul_precision(precision), \
