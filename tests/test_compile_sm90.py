@@ -248,13 +248,19 @@ def test_launch_warps_of_warp_specialized_kernel(num_warps):
 
 
 @pytest.mark.parametrize("dtype,d,group,page", [("bf16", 128, 4, 0), ("fp16", 64, 8, 0),
-                                               ("fp32", 128, 1, 0), ("bf16", 128, 4, 16)])
+                                               ("fp32", 128, 1, 0), ("bf16", 128, 4, 16),
+                                               ("bf16", 256, 8, 0)])
 def test_flash_decode_compiles_with_tensor_cores_and_its_protocol(dtype, d, group, page):
-    """flash_decode: the split-KV dots on tensor cores (mma.sync for the 16-row query
-    tile), 16-byte K/V loads (paged too: rows through the block table), the arrival
-    counter as one acq_rel GPU-scope atomic, partials read from L2 (.cg), the peers'
-    flags with system-scope release/acquire."""
+    """flash_decode with its GPU default config: the split-KV dots on tensor cores
+    (mma.sync for the 16-row query tile), 16-byte K/V loads (paged too: rows
+    through the block table), the arrival counter as one acq_rel GPU-scope atomic,
+    partials read from L2 (.cg), the peers' flags with system-scope
+    release/acquire, within the shared memory of an SM."""
     from jaxtdist.kernels.flash_decode import flash_decode_kernel
+    from jaxtdist.ops._config import Problem
+    from jaxtdist.ops.flash_decode import FlashDecodeConfig
+    name = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype]
+    cfg = FlashDecodeConfig.default(Problem("gpu", 4, (1, 8 * group, 8, d, 32768), name))
     block_d = max(16, d)
     k = _compile(flash_decode_kernel,
                  {"ctx": "*i32", "q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}",
@@ -263,10 +269,10 @@ def test_flash_decode_compiles_with_tensor_cores_and_its_protocol(dtype, d, grou
                  dict(QK_SCALE=0.1275, HQ=8 * group, HKV=8, GROUP=group, D=d, S_SHARD=32768,
                       GROUPS=8, NSPLIT=32, CHUNK=1024, LOCAL_OFF=0, LSE_OFF=1 << 20,
                       COUNT_OFF=1 << 21, INBOX_OFF=1 << 22, INBOX_LSE=1 << 18,
-                      PARITY_BYTES=1 << 19, FLAGS_OFF=1 << 24, BLOCK_N=64, BLOCK_G=16,
-                      BLOCK_D=block_d, IEEE=dtype == "fp32", PAGE=page,
-                      NUM_PAGES=4096 if page else 0),
-                 num_warps=4, num_stages=3)
+                      PARITY_BYTES=1 << 19, FLAGS_OFF=1 << 24, BLOCK_N=cfg.BLOCK_N,
+                      BLOCK_G=max(16, group), BLOCK_D=block_d, IEEE=dtype == "fp32",
+                      PAGE=page, NUM_PAGES=4096 if page else 0),
+                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     ptx = k.asm["ptx"]
     ops = _ops(k)
     if dtype != "fp32":

@@ -217,6 +217,26 @@ def test_flash_decode_tunes_with_an_explicit_measure():
     assert result["variant"] == "split_kv_push"
 
 
+@pytest.mark.parametrize("dtype,b,hkv,d,s_shard,block_n,splits", [
+    ("bfloat16", 1, 8, 128, 32768, 128, 16),   # one program per SM (132 SMs)
+    ("bfloat16", 1, 8, 128, 4096, 128, 8),     # at least 512 positions a split
+    ("bfloat16", 4, 8, 128, 131072, 128, 4),
+    ("bfloat16", 32, 8, 128, 8192, 128, 1),    # more groups than SMs
+    ("float16", 1, 8, 256, 32768, 64, 16),     # 128-position tiles would not fit
+    ("float32", 1, 8, 128, 32768, 64, 16),
+])
+def test_flash_decode_gpu_default(dtype, b, hkv, d, s_shard, block_n, splits):
+    """The GPU default: 128-position steps where two stages of K and V tiles fit,
+    one program per SM (no second wave), chunks of at least 512 positions."""
+    from jaxtdist.ops._config import Problem
+    from jaxtdist.ops.flash_decode import FlashDecodeConfig
+
+    problem = Problem("gpu", 4, (b, 4 * hkv, hkv, d, s_shard), dtype, sms=132)
+    cfg = FlashDecodeConfig.default(problem)
+    assert (cfg.BLOCK_N, cfg.splits(problem)) == (block_n, splits)
+    cfg.validate(problem)
+
+
 def _paginate(k, v, world: int, page: int, spare: int, seed: int):
     """Each rank's positions of k, v [B, world * S_shard, Hkv, D] as its own page pools
     (``paged_cache``: shuffled, with spare pages), stacked over the ranks; the block

@@ -224,6 +224,15 @@ def test_configs_are_typed_and_name_their_keys():
     with pytest.raises(ValueError, match="BLOCK_C=3 must be a power of 2"):
         AllGatherConfig().replace(BLOCK_C=3).validate(Problem("gpu", 2, (8, 8), "float32"))
     assert len(AgMatmulConfig.search_space(problem)) > 5
+    # float32: the TMA GEMM (K-major w) where rows allow it, 128-wide tiles at most;
+    # the pointer GEMM where they do not.
+    for world, rows in ((1, 4096), (4, 512)):
+        f32 = Problem("gpu", world, (rows, 4096, 4096), "float32")
+        cfg = AgMatmulConfig.default(f32)
+        assert cfg.variant == "ce" and cfg.BLOCK_N <= 128 and cfg.BLOCK_K == 32, cfg
+        cfg.validate(f32)
+    ragged = Problem("gpu", 2, (1000, 4096, 4096), "float32")
+    assert not AgMatmulConfig.default(ragged).TMA
 
 
 def test_shipped_configs_hold_configs_only():

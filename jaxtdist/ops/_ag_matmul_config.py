@@ -187,9 +187,6 @@ class AgMatmulConfig(KernelConfig):
                            PRODUCER="ce", PUSH_ORDER="serial")
             return cls(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, CHUNK_ROWS=min(16, block_m),
                        COPY_BLOCK_C=256, num_warps=4, num_stages=3 if wide else 4)
-        if wide:  # keep 3 stages within shared memory
-            return cls(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=32, COPY_BLOCK_C=64, num_warps=8,
-                       num_stages=3)
         if allow_tma and m_shard % 64 == 0 and not tma_misfits(m_shard, n, k, itemsize, 64):
             # The GEMM core's tile by wave quantisation (``_gemm_config``), row
             # tiles within each rank's rows.
@@ -198,6 +195,9 @@ class AgMatmulConfig(KernelConfig):
                        COPY_BLOCK_C=128, num_warps=t.num_warps, num_stages=t.num_stages,
                        TMA=True, PRODUCER="ce", CHUNK_ROWS=max(256, t.BLOCK_M),
                        PUSH_ORDER="serial", SUBTILE=t.SUBTILE)
+        if wide:  # keep 3 stages within shared memory
+            return cls(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=32, COPY_BLOCK_C=64, num_warps=8,
+                       num_stages=3)
         # The pointer kernel: the largest tile whose count still covers the SMs (a
         # GEMM of fewer tiles than SMs leaves SMs idle for its whole length).
         for block_m, block_n in _POINTER_TILES:

@@ -170,12 +170,16 @@ def probe_flash_decode() -> None:
     mesh = fb._mesh(1)
     td.initialize(mesh)
     specs = dict(mesh=mesh, in_specs=fb.SPECS, out_specs=P(), check_vma=False)
-    variants = {"default": None, "sp32": dict(NUM_SPLITS=32), "sp64": dict(NUM_SPLITS=64),
-                "sp16_n32": dict(NUM_SPLITS=16, BLOCK_N=32),
-                "sp16_s4": dict(NUM_SPLITS=16, num_stages=4),
-                "sp32_w8": dict(NUM_SPLITS=32, num_warps=8)}
+    variants = {"default": None, "n128": dict(BLOCK_N=128),
+                "n128_s2": dict(BLOCK_N=128, num_stages=2),
+                "n128_s2_w8": dict(BLOCK_N=128, num_stages=2, num_warps=8),
+                "n128_sp16": dict(BLOCK_N=128, NUM_SPLITS=16),
+                "n128_sp16_s4": dict(BLOCK_N=128, NUM_SPLITS=16, num_stages=4),
+                "n64_sp16": dict(NUM_SPLITS=16),
+                "n128_s2_sp48": dict(BLOCK_N=128, num_stages=2, NUM_SPLITS=48),
+                "n256_s2_w8_sp16": dict(BLOCK_N=256, num_stages=2, num_warps=8, NUM_SPLITS=16)}
     b, hq, hkv, d = fb.FLASH_DECODE_HEADS
-    for i, s in enumerate((8192, 32768, 131072)):
+    for i, s in enumerate((32768, 131072, 8192)):
         q, k, v, n = fb._operands(700 + 3 * i, b, hq, hkv, d, s, jnp.bfloat16)
         ref = fb._reference(q, k, v, n)
         args = tuple(jax.device_put(a, NamedSharding(mesh, sp))
@@ -303,8 +307,7 @@ def probe_push(world: int = 4) -> None:
 def probe_float32() -> None:
     """float32 GEMM kernels at world 1 beside jnp.dot, under JAX's default matmul
     precision (ours: TF32 on operands rounded to nearest, and truncated as the
-    tensor cores read them; the TMA GEMM where float32's default is the pointer
-    one) and "highest" (ours: tf32x3): the float32 default's cost and error
+    tensor cores read them; the other kernel family where the default has two) and "highest" (ours: tf32x3): the float32 default's cost and error
     (errors against float64)."""
     import contextlib
     import importlib
@@ -330,6 +333,7 @@ def probe_float32() -> None:
             return jax.jit(fn).lower(*args).compile()
 
     for i, (op, m, n, k) in enumerate((("ag_matmul", 4096, 4096, 4096),
+                                       ("ag_matmul", 512, 4096, 4096),
                                        ("matmul_rs", 2048, 4096, 3584),
                                        ("matmul_ar", 128, 8192, 2048))):
         x = h.normal(800 + 2 * i, (m, k), jnp.float32, scale=1 / np.sqrt(k))
@@ -347,10 +351,18 @@ def probe_float32() -> None:
             "truncated": h.Contender(compiled(ours(), args, force=True), args, 1, ref),
             "jnp_dot_highest": h.Contender(compiled(jnp.dot, args, "highest"), args, 1, ref),
             "tf32x3": h.Contender(compiled(ours(), args, "highest"), args, 1, ref)}
-        if op != "matmul_rs":  # float32's default there is the pointer GEMM
-            tma = dict(TMA=True) if op == "matmul_ar" else dict(TMA=True, PRODUCER="ce")
+        if op == "matmul_ar":  # float32's default there is the pointer GEMM
             contenders["tma"] = h.Contender(
-                compiled(_kernel_fn(op, mesh, tma), args), args, 1, ref)
+                compiled(_kernel_fn(op, mesh, dict(TMA=True)), args), args, 1, ref)
+        if op == "ag_matmul":  # the default is the TMA GEMM, whose tiles round x
+            contenders["pointer"] = h.Contender(
+                compiled(_kernel_fn(op, mesh, dict(TMA=False)), args), args, 1, ref)
+            # x rounded by XLA instead (what the kernel gets without "tf32_rn_a").
+            f = ours()
+            rounded = jax.jit(lambda a, b: f(precision_module.round_to_tf32(a),
+                                              precision_module.round_to_tf32(b)))
+            contenders["x_rounded_by_xla"] = h.Contender(
+                compiled(rounded, args, force=True), args, 1, ref)
         _report(f"{op} {m}x{n}x{k} float32", h.interleaved(contenders, 20, 3), "jnp_dot")
 
 
