@@ -235,6 +235,8 @@ def test_flash_decode_gpu_default(dtype, b, hkv, d, s_shard, block_n, splits):
     cfg = FlashDecodeConfig.default(problem)
     assert (cfg.BLOCK_N, cfg.splits(problem)) == (block_n, splits)
     cfg.validate(problem)
+    amd = Problem("gpu", 4, (b, 4 * hkv, hkv, d, s_shard), dtype, sms=304, vendor="amd")
+    assert FlashDecodeConfig.default(amd).BLOCK_N == 64
 
 
 def _paginate(k, v, world: int, page: int, spare: int, seed: int):

@@ -65,8 +65,8 @@ class FlashDecodeConfig(KernelConfig):
     @classmethod
     def default(cls, problem: Problem) -> "FlashDecodeConfig":
         """One rule: the interpreter takes 16-position steps and 2 splits (both
-        merge paths run). GPUs take 128-position steps where two stages of K and
-        V tiles fit ``_WIDE_STEP_SMEM`` (bf16 and f16 up to D = 128), else 64,
+        merge paths run). NVIDIA GPUs take 128-position steps where two stages of
+        K and V tiles fit ``_WIDE_STEP_SMEM`` (bf16 and f16 up to D = 128), else 64,
         and splits from ``splits``. On one H100 (B=1, Hq=32, Hkv=8, D=128)
         128-position steps with one program per SM took 50.2 / 179.3 / 11.9 us at
         32K / 128K / 8K positions, against 55.8 / 186.1 / 15.1 for 64-position
@@ -74,7 +74,9 @@ class FlashDecodeConfig(KernelConfig):
         if problem.platform != "gpu":
             return cls(BLOCK_N=16, NUM_SPLITS=2, num_warps=4, num_stages=1)
         block_d = max(16, next_pow2(problem.shape[3]))
-        wide = 2 * 2 * 128 * block_d * problem.itemsize <= _WIDE_STEP_SMEM
+        # AMD's 64 KiB of LDS per CU holds no such tiles.
+        wide = (problem.vendor == "nvidia"
+                and 2 * 2 * 128 * block_d * problem.itemsize <= _WIDE_STEP_SMEM)
         return cls(BLOCK_N=128 if wide else 64)
 
     def splits(self, problem: Problem) -> int:
