@@ -239,6 +239,24 @@ def test_flash_decode_gpu_default(dtype, b, hkv, d, s_shard, block_n, splits):
     assert FlashDecodeConfig.default(amd).BLOCK_N == 64
 
 
+def test_flash_decode_config_beyond_shared_memory_is_refused():
+    from jaxtdist.ops._config import Problem
+    from jaxtdist.ops.flash_decode import FlashDecodeConfig
+
+    problem = Problem("gpu", 2, (1, 32, 8, 256, 32768), "bfloat16")
+    with pytest.raises(ValueError, match=r"BLOCK_N=128, num_stages=3 keeps 256 KiB .*head dim "
+                                         r"256, bfloat16.* lower BLOCK_N or num_stages"):
+        FlashDecodeConfig(BLOCK_N=128, num_stages=3).validate(problem)
+    FlashDecodeConfig(BLOCK_N=128, num_stages=2).validate(problem)
+    # The tuner never offers such a candidate.
+    tried = [FlashDecodeConfig.settle(FlashDecodeConfig.default(problem), o)
+             for o in FlashDecodeConfig.search_space(problem)]
+    assert tried and all((c.num_stages - 1) * c.BLOCK_N <= 227 for c in tried)  # x 1 KiB
+    assert any(c.BLOCK_N == 128 for c in tried)
+    FlashDecodeConfig(BLOCK_N=128, num_stages=3).validate(Problem("cpu", 2, problem.shape,
+                                                                  "bfloat16"))
+
+
 def _paginate(k, v, world: int, page: int, spare: int, seed: int):
     """Each rank's positions of k, v [B, world * S_shard, Hkv, D] as its own page pools
     (``paged_cache``: shuffled, with spare pages), stacked over the ranks; the block

@@ -37,6 +37,8 @@ _MIN_CHUNK = 512
 # 128-position steps where their K and V tiles of two stages in flight take at most
 # this much shared memory (one resident program per SM), else 64.
 _WIDE_STEP_SMEM = 160 * 1024
+# Shared memory of one Hopper SM available to a program.
+_SM90_SMEM = 227 * 1024
 # The group's merge is unrolled over the splits (its loads issued ahead): keep it short.
 _MAX_SPLITS = 64
 
@@ -106,6 +108,16 @@ class FlashDecodeConfig(KernelConfig):
             raise ValueError(f"jaxtdist.flash_decode: config NUM_SPLITS={p!r} must be an int "
                              f"in [0, {_MAX_SPLITS}] (0: chosen from the SMs and the sequence; "
                              "the merge is unrolled over the splits)")
+        if problem.platform == "gpu" and problem.vendor == "nvidia" and self.num_stages > 1:
+            # The pipeline keeps num_stages - 1 K and V tiles in shared memory.
+            block_d = max(16, next_pow2(problem.shape[3]))
+            tiles = (self.num_stages - 1) * 2 * self.BLOCK_N * block_d * problem.itemsize
+            if tiles > _SM90_SMEM:
+                raise ValueError(
+                    f"jaxtdist.flash_decode: config BLOCK_N={self.BLOCK_N}, num_stages="
+                    f"{self.num_stages} keeps {tiles >> 10} KiB of K and V tiles (head dim "
+                    f"{problem.shape[3]}, {problem.dtype}) in shared memory; an SM has "
+                    f"{_SM90_SMEM >> 10} KiB: lower BLOCK_N or num_stages")
 
     @classmethod
     def search_space(cls, problem: Problem) -> list[dict]:
