@@ -39,6 +39,17 @@ _MIN_CHUNK = 512
 _WIDE_STEP_SMEM = 160 * 1024
 # Shared memory of one Hopper SM available to a program.
 _SM90_SMEM = 227 * 1024
+
+
+def _padded(n: int) -> int:
+    """A tile dimension of the kernel: ``n`` padded to a power of 2, at least 16 (tl.dot)."""
+    return max(16, next_pow2(n))
+
+
+def _kv_stage_bytes(problem: Problem, block_n: int, num_stages: int) -> int:
+    """Shared memory of the K and V tiles the kernel's pipeline keeps in flight
+    (num_stages - 1 of each) for ``problem``'s head dim and dtype."""
+    return (num_stages - 1) * 2 * block_n * _padded(problem.shape[3]) * problem.itemsize
 # The group's merge is unrolled over the splits (its loads issued ahead): keep it short.
 _MAX_SPLITS = 64
 
@@ -75,10 +86,9 @@ class FlashDecodeConfig(KernelConfig):
         steps with two programs per SM."""
         if problem.platform != "gpu":
             return cls(BLOCK_N=16, NUM_SPLITS=2, num_warps=4, num_stages=1)
-        block_d = max(16, next_pow2(problem.shape[3]))
         # AMD's 64 KiB of LDS per CU holds no such tiles.
         wide = (problem.vendor == "nvidia"
-                and 2 * 2 * 128 * block_d * problem.itemsize <= _WIDE_STEP_SMEM)
+                and _kv_stage_bytes(problem, 128, cls.num_stages) <= _WIDE_STEP_SMEM)
         return cls(BLOCK_N=128 if wide else 64)
 
     def splits(self, problem: Problem) -> int:
@@ -109,9 +119,7 @@ class FlashDecodeConfig(KernelConfig):
                              f"in [0, {_MAX_SPLITS}] (0: chosen from the SMs and the sequence; "
                              "the merge is unrolled over the splits)")
         if problem.platform == "gpu" and problem.vendor == "nvidia" and self.num_stages > 1:
-            # The pipeline keeps num_stages - 1 K and V tiles in shared memory.
-            block_d = max(16, next_pow2(problem.shape[3]))
-            tiles = (self.num_stages - 1) * 2 * self.BLOCK_N * block_d * problem.itemsize
+            tiles = _kv_stage_bytes(problem, self.BLOCK_N, self.num_stages)
             if tiles > _SM90_SMEM:
                 raise ValueError(
                     f"jaxtdist.flash_decode: config BLOCK_N={self.BLOCK_N}, num_stages="
@@ -257,7 +265,7 @@ def flash_decode_kernels(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.A
     splits = cfg.splits(problem)
     chunk = -(-(-(-s_shard // splits)) // cfg.BLOCK_N) * cfg.BLOCK_N
     splits = -(-s_shard // chunk)  # no empty trailing chunk
-    block_g, block_d = max(16, next_pow2(group)), max(16, next_pow2(d))
+    block_g, block_d = _padded(group), _padded(d)
     plan = DecodeWorkspace(call.world, groups, splits, block_g, block_d)
     # The layout depends on the groups, the splits and the padded tile.
     ws = call.workspace("partials", plan.nbytes, groups, splits, block_g, block_d)
