@@ -474,7 +474,7 @@ def test_matmul_ar_split_k_compiles(tma, split_k):
                              FLAGS_OFF=4096, PARTIALS_OFF=1 << 24, COUNTERS_OFF=1 << 26,
                              SPLIT_K=split_k, K_SPLIT=7168 // split_k, BLOCK_M=32,
                              BLOCK_N=128, BLOCK_K=128, GROUP_M=1, TMA=tma, TWO_SHOT=False,
-                             RESULTS_OFF=-1, RFLAGS_OFF=-1, PARTIAL_INPUT=False),
+                             RESULTS_OFF=-1, RFLAGS_OFF=-1, OWN_OFF=1 << 29, PARTIAL_INPUT=False),
                         num_warps=4, num_stages=4)
     ptx = k.asm["ptx"]
     assert "mma.sync" in ptx or "wgmma.mma_async" in ptx
@@ -483,18 +483,64 @@ def test_matmul_ar_split_k_compiles(tma, split_k):
     assert "release" in ptx and k.metadata.shared <= 227 * 1024
 
 
+def _stack_bytes(kernel) -> int:
+    """Per-thread stack (register spills) of a compiled kernel, from cuobjdump."""
+    import pathlib
+    import subprocess
+    import tempfile
+
+    import triton.backends.nvidia as nv
+    tool = pathlib.Path(nv.__file__).parent / "bin" / "cuobjdump"
+    if not tool.exists():
+        pytest.skip("Triton's cuobjdump is not installed")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([str(tool), "--dump-resource-usage", f.name],
+                               capture_output=True, text=True, check=True).stdout
+    return int(re.search(r"STACK:(\d+)", usage).group(1))
+
+
+@pytest.mark.parametrize("m,n,k,bm,bn,warps,stages,tma,two_shot", [
+    (256, 4096, 512, 128, 64, 8, 4, False, False),
+    (256, 4096, 512, 64, 128, 4, 3, False, False),
+    (512, 8192, 4096, 128, 256, 8, 3, True, False),
+    (512, 8192, 4096, 128, 256, 8, 3, False, False),
+    (512, 8192, 4096, 128, 128, 8, 4, False, True)])
+def test_matmul_ar_epilogue_does_not_spill(m, n, k, bm, bn, warps, stages, tma, two_shot):
+    """matmul_ar's exchange sums a few rows at a time from memory: the tile's
+    accumulator, sum, a peer's partial and offsets in registers at once spilled
+    (255 registers and a stack) and cost 1.2-1.6x the GEMM's time at world 1."""
+    from jaxtdist.kernels.matmul_ar import matmul_ar_kernel
+    k = _compile_native(matmul_ar_kernel, ["i32"] + ["bf16"] * 3,
+                        dict(M=m, N=n, K=k, INBOX_OFF=1 << 20, PARITY_BYTES=1 << 26,
+                             FLAGS_OFF=4096, PARTIALS_OFF=-1, COUNTERS_OFF=-1, SPLIT_K=1,
+                             K_SPLIT=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8,
+                             TMA=tma, TWO_SHOT=two_shot,
+                             RESULTS_OFF=(1 << 20) + (1 << 25) if two_shot else -1,
+                             RFLAGS_OFF=8192 if two_shot else -1, OWN_OFF=1 << 29,
+                             PARTIAL_INPUT=two_shot),
+                        num_warps=warps, num_stages=stages)
+    assert _stack_bytes(k) == 0
+
+
 def test_matmul_ar_two_shot_compiles():
     """matmul_ar's two shot at 128 x 8192 (the default from 3 ranks on there):
     bf16 partials to the tile's owner, the owner's sum broadcast, both under
     system-scope releases and acquires."""
     from jaxtdist.kernels.matmul_ar import matmul_ar_kernel
+    from jaxtdist.ops._config import Problem
+    from jaxtdist.ops._partial_sums import MatmulArConfig
+    cfg = MatmulArConfig.default(Problem("gpu", 4, (128, 8192, 2048), "bfloat16", 132))
+    assert cfg.TWO_SHOT
     k = _compile_native(matmul_ar_kernel, ["i32"] + ["bf16"] * 3,
                         dict(M=128, N=8192, K=2048, INBOX_OFF=1 << 20, PARITY_BYTES=1 << 24,
                              FLAGS_OFF=4096, PARTIALS_OFF=-1, COUNTERS_OFF=-1, SPLIT_K=1,
-                             K_SPLIT=2048, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8,
-                             TMA=False, TWO_SHOT=True, RESULTS_OFF=(1 << 20) + 3 * (1 << 21),
-                             RFLAGS_OFF=8192, PARTIAL_INPUT=True),
-                        num_warps=4, num_stages=5)
+                             K_SPLIT=2048, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+                             BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, TMA=cfg.TMA,
+                             TWO_SHOT=True, RESULTS_OFF=(1 << 20) + 3 * (1 << 21),
+                             RFLAGS_OFF=8192, OWN_OFF=1 << 29, PARTIAL_INPUT=True),
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     ptx = k.asm["ptx"]
     assert "mma.sync" in ptx or "wgmma.mma_async" in ptx
     assert "release" in ptx and "acquire" in ptx and k.metadata.shared <= 227 * 1024
@@ -514,7 +560,7 @@ def test_float32_dots_follow_the_precision(tma):
             dict(M=64, N=4096, K=4096, INBOX_OFF=1 << 20, PARITY_BYTES=1 << 22,
                  FLAGS_OFF=4096, PARTIALS_OFF=-1, COUNTERS_OFF=-1, SPLIT_K=1, K_SPLIT=4096,
                  BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, GROUP_M=1, TMA=tma, TWO_SHOT=False,
-                 RESULTS_OFF=-1, RFLAGS_OFF=-1, PARTIAL_INPUT=False,
+                 RESULTS_OFF=-1, RFLAGS_OFF=-1, OWN_OFF=1 << 29, PARTIAL_INPUT=False,
                  DOT_PRECISION=precision),
             num_warps=4, num_stages=3).asm["ptx"]
 

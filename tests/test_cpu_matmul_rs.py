@@ -161,6 +161,22 @@ def test_matmul_ar_default_exchange():
                                                     132))
 
 
+@pytest.mark.parametrize("m,n,tile,warps", [(1024, 4096, (128, 256), 8),
+                                             (512, 8192, (128, 256), 8),
+                                             (1024, 2048, (128, 128), 8),
+                                             (256, 4096, (128, 64), 8),
+                                             (128, 8192, (128, 64), 8), (96, 4096, (64, 128), 4),
+                                             (64, 4096, (64, 128), 4)])
+def test_matmul_ar_default_tiles(m, n, tile, warps):
+    """16-bit GPU tiles from 64 rows: from 128 rows, 128 rows a tile (two warpgroups)
+    and the widest N whose tiles still cover the SMs; 64 x 128 with one warpgroup
+    below; pointer loads; the config fits its problem."""
+    p = Problem("gpu", 2, (m, n, 512), "bfloat16", 132)
+    cfg = MatmulArConfig.default(p)
+    assert ((cfg.BLOCK_M, cfg.BLOCK_N), cfg.num_warps, cfg.TMA) == (tile, warps, False)
+    cfg.validate(p)
+
+
 def test_over_tp_of_a_dp_tp_mesh():
     """A (2, 2) dp x tp mesh, the collectives over "tp": each dp group sums its own
     partials (dp groups hold different rows and weights)."""
@@ -384,7 +400,7 @@ def test_gpu_defaults_and_search_spaces_validate(world):
     # matmul_ar: pointer loads; decode rows 64 columns a tile and K split to cover
     # the SMs, 32 columns where K is too short to split.
     for shape, block_n, split_k in (((32, 4096, 7168), 64, 2), ((1, 8192, 3584), 64, 1),
-                                    ((1, 1024, 1024), 32, 1), ((128, 8192, 2048), 128, 1)):
+                                    ((1, 1024, 1024), 32, 1), ((128, 8192, 2048), 64, 1)):
         ar = MatmulArConfig.default(Problem("gpu", 1, shape, "bfloat16", 132))
         assert (ar.TMA, ar.BLOCK_N, ar.SPLIT_K) == (False, block_n, split_k), ar
     odd = MatmulRsConfig.default(Problem("gpu", 4, (40, 33, 7), "bfloat16", 132))

@@ -258,9 +258,22 @@ class MatmulArConfig(KernelConfig):
         # its descriptors on the device.
         block_m = min(64, fit_m)
         wide = problem.itemsize == 4
+        if m >= 128 and not wide:
+            # 128 rows or more: 128-row tiles (two warpgroups), the widest of 256, 128
+            # and 64 columns whose tiles still cover nearly every SM. On 1 x H100
+            # (CUPTI, world 1): 128 x 64 ran 11.8 us at 128 x 8192 x 2048 (jnp.dot
+            # 18.0; 64 x 128 with 4 warps 14.3) and 4.2 at 256 x 4096 x 512 (4.0);
+            # 128 x 256 45.5 at 512 x 8192 x 4096 (45.2; 128 x 128 53.3).
+            m_tiles = -(-m // 128)
+            block_n = next((bn for bn in (256, 128) if m_tiles * -(-n // bn)
+                            >= _AR_COVER * problem.sms), 64)
+            return cls(BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=64,
+                       GROUP_M=8 if 128 < m else 1, TMA=False, num_warps=8,
+                       num_stages=3 if block_n == 256 else 4)
         if block_m == 64 and not wide:
-            # 64 rows or more: 64 x 128 tiles, 64-deep K steps, 5 stages (on 1 x H100,
-            # 0.63x jnp.dot at 128 x 8192 x 2048 against 1.02x with 64 x 64 tiles).
+            # 64 to 127 rows: 64 x 128 tiles, 64-deep K steps, 5 stages (the rule for
+            # 128 rows before: 0.63-0.77x jnp.dot at 128 x 8192 x 2048 on 1 x H100,
+            # against 1.02x with 64 x 64 tiles).
             return cls(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8 if block_m < m else 1,
                        TMA=False, num_warps=4, num_stages=5)
         # Decode rows: 64 columns a tile, and K split (each split >= 1024 of K) until the
@@ -320,16 +333,19 @@ class PartialsWorkspace:
     flag per tile; then two parities (``epoch % 2``) of ``world - 1`` source
     slots of ``elems`` partials each (slot ``(src - dst + world - 1) % world``),
     followed by a results box of ``result_bytes`` (``results``: its offset
-    within a parity)."""
+    within a parity); with ``own``, one local plane of ``elems`` partials last."""
 
     def __init__(self, world: int, elems: int, tiles: int, itemsize: int,
-                 result_bytes: int = 0):
+                 result_bytes: int = 0, own: bool = False):
         self.flags = 0
         self.result_flags = align(4 * (world - 1) * tiles)
         self.inbox = align(self.result_flags + (4 * tiles if result_bytes else 0))
         self.results = align((world - 1) * elems * itemsize)
         self.parity_bytes = self.results + align(result_bytes)
-        self.nbytes = self.inbox + 2 * self.parity_bytes
+        # ``own``: a local plane of ``elems`` partials after the parities (matmul_ar's
+        # own partial while it sums the ranks').
+        self.own = self.inbox + 2 * self.parity_bytes
+        self.nbytes = self.own + (align(elems * itemsize) if own else 0)
 
 
 # -- shapes ----------------------------------------------------------------------
@@ -424,7 +440,7 @@ def matmul_ar_kernels(x: jax.Array, w: jax.Array, axis_name, *,
     partial = x.dtype if cfg.PARTIAL == "input" else jnp.dtype(jnp.float32)
     two_shot = bool(cfg.TWO_SHOT and world > 1)
     plan = PartialsWorkspace(world, m * n, tiles, partial.itemsize,
-                             m * n * x.dtype.itemsize if two_shot else 0)
+                             m * n * x.dtype.itemsize if two_shot else 0, own=world > 1)
     # The flags' layout depends on the tiling and the exchange: calls of another
     # get their own workspace (and epoch counter).
     ws = call.workspace("inbox", plan.nbytes, m, n, cfg.BLOCK_M, cfg.BLOCK_N, partial.name,
@@ -455,5 +471,6 @@ def matmul_ar_kernels(x: jax.Array, w: jax.Array, axis_name, *,
         K_SPLIT=k_split, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
         GROUP_M=cfg.GROUP_M, TMA=cfg.TMA, TWO_SHOT=two_shot,
         RESULTS_OFF=ws.offset + plan.inbox + plan.results,
-        RFLAGS_OFF=ws.offset + plan.result_flags, PARTIAL_INPUT=cfg.PARTIAL == "input",
+        RFLAGS_OFF=ws.offset + plan.result_flags, OWN_OFF=ws.offset + plan.own,
+        PARTIAL_INPUT=cfg.PARTIAL == "input",
         DOT_PRECISION=precision, B_T=b_t)

@@ -210,15 +210,21 @@ def probe_gemm() -> None:
     td.initialize(mesh)
     cases = {
         # matmul_ar's default is pointer loads everywhere (TMA lost on all four shapes
-        # on 1 x H200). 64-row tiles: the pointer GEMM's tiles at 256 x 4096 x 512.
+        # on 1 x H200); from 128 rows 128 x 64 tiles with 8 warps (default), against
+        # the previous 64 x 128 with 4 warps and other pointer tiles.
         ("matmul_ar", 256, 4096, 512): {
             "tma": dict(TMA=True),
-            "m64n64k64": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64),
-            "m64n128k128s3": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_stages=3),
-            "m128n128k64w8": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8),
-            "m64n256k64w8": dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=8,
-                                 num_stages=3),
-            "m64n128k64w8": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8)},
+            "m64n128k64s5": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4,
+                                 num_stages=5),
+            "m64n64k128s3": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_stages=3),
+            "m128n64k128s3w8": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=8,
+                                    num_stages=3),
+            "m128n64k64s5w8": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8,
+                                   num_stages=5),
+            "m128n64k64s4w4": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=4,
+                                   num_stages=4),
+            "m128n32k128s4w4": dict(BLOCK_M=128, BLOCK_N=32, BLOCK_K=128, num_warps=4,
+                                    num_stages=4)},
         # Decode rows: 64 columns and K splits to cover the SMs (n64s2 here, n64s1 at
         # 1 x 8192 x 3584), against 128 columns and the old TMA default.
         ("matmul_ar", 32, 4096, 7168): dict(
@@ -226,7 +232,18 @@ def probe_gemm() -> None:
             **_ar_decode(64, 2, num_warps=8)),
         ("matmul_ar", 1, 8192, 3584): dict(
             _ar_decode(64, 1, tma=True), **_ar_decode(64, 2), **_ar_decode(128, 2)),
-        ("matmul_ar", 128, 8192, 2048): {"tma": dict(TMA=True)},
+        ("matmul_ar", 128, 8192, 2048): {
+            "tma": dict(TMA=True),
+            "m64n128k64s5": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4,
+                                 num_stages=5),
+            "m64n64k128s3": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_stages=3),
+            "m128n64k128s3w8": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=8,
+                                    num_stages=3)},
+        ("matmul_ar", 512, 8192, 4096): {
+            "m64n128k64s5": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4,
+                                 num_stages=5),
+            "m128n128k64s4w8": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8,
+                                    num_stages=4)},
         ("ag_matmul", 512, 3584, 4096): {
             "stream_k": dict(STREAM_K=True), "t64x256": _tile(64, 256),
             "t128x128s5": _tile(128, 128, stages=5), "t64x128": _tile(64, 128)},
