@@ -29,7 +29,8 @@ import numpy as np
 from jaxtdist.kernels.moe import TRACE_PHASES, moe_combine_kernel, moe_dispatch_kernel
 from jaxtdist.kernels.moe_route import moe_route_count_kernel, moe_route_kernel
 from jaxtdist.ops._config import KernelConfig, Problem, resolve
-from jaxtdist.ops._op import DistributedOp, mesh_devices, pjit_wrapper, rows_over
+from jaxtdist.ops._op import (DistributedOp, mesh_devices, one_call_per_element, pjit_wrapper,
+                              rows_over)
 from jaxtdist.ops._protocol import Call, check_axis
 from jaxtdist.ops._shapes import align, check_dtype, next_pow2
 from jaxtdist.runtime._runtime import runtime
@@ -134,7 +135,8 @@ class MoeHandle:
       invalid: int32 scalar: (token, k) pairs of this rank with an expert id
         outside [0, E) or repeated within the token; they are not sent and
         contribute zero.
-    Static fields: num_experts, max_recv_rows, programs.
+    Static fields: num_experts, max_recv_rows, programs, axis_name (the
+    dispatch's group, as a tuple of mesh axes; None: not recorded, not checked).
     """
     expert_ids: jax.Array
     recv_counts: jax.Array
@@ -146,6 +148,15 @@ class MoeHandle:
     num_experts: int = dataclasses.field(metadata=dict(static=True), default=0)
     max_recv_rows: int = dataclasses.field(metadata=dict(static=True), default=0)
     programs: int = dataclasses.field(metadata=dict(static=True), default=1)
+    axis_name: tuple[str, ...] | None = dataclasses.field(metadata=dict(static=True),
+                                                          default=None)
+
+
+def _group(axis_name) -> Any:
+    """``axis_name`` as a tuple of mesh axes ("ep" and ("ep",) name one group)."""
+    if isinstance(axis_name, str):
+        return (axis_name,)
+    return tuple(axis_name) if isinstance(axis_name, (list, tuple)) else axis_name
 
 
 # -- routing metadata (on the device) ------------------------------------------------
@@ -408,7 +419,8 @@ def moe_dispatch_kernels(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_
         recv = (recv, tail)
     sizes, dropped = _summary(counts, rows)
     handle = MoeHandle(expert_ids, counts, spos, stk, ranges, dropped, route.invalid,
-                       num_experts=num_experts, max_recv_rows=rows, programs=programs)
+                       num_experts=num_experts, max_recv_rows=rows, programs=programs,
+                       axis_name=_group(axis_name))
     return (recv, sizes, handle, stamps) if trace else (recv, sizes, handle)
 
 
@@ -572,12 +584,16 @@ def _dispatch_backward(residuals, ct, *, axis_name, num_experts, max_recv_rows=N
     world = runtime().layout(axis_name).world
     rows = max_recv_rows or default_recv_rows(t, k, world, num_experts)
     programs = ranges.shape[1]
-    handle = MoeHandle(expert_ids, None, spos, stk, ranges, None, None, num_experts=num_experts,
-                       max_recv_rows=rows, programs=programs)
-    ct_recv = ct[0]
     ones = jnp.ones(expert_ids.shape, jnp.float32)
-    # The transpose of copying x[t] to each of its expert rows: sum those rows.
-    dx = moe_combine_kernels(ct_recv, handle, ones, axis_name, config=config)
+
+    def combine(ct_recv, ids, pos, tk, rng):
+        handle = MoeHandle(ids, None, pos, tk, rng, None, None, num_experts=num_experts,
+                           max_recv_rows=rows, programs=programs)
+        return moe_combine_kernels(ct_recv, handle, ones, axis_name, config=config)
+
+    # The transpose of copying x[t] to each of its expert rows: sum those rows (one
+    # whole kernel call per element under jax.vmap, like every backward's).
+    dx = one_call_per_element(combine)(ct[0], expert_ids, spos, stk, ranges)
     return dx, None
 
 
@@ -603,10 +619,25 @@ _DISPATCH = DistributedOp("moe_dispatch", forward=_dispatch_forward,
 
 def _check_combine(y, weights, handle, *, axis_name, config=None) -> None:
     del config
-    check_axis(runtime(), axis_name, "moe_combine")
+    world = check_axis(runtime(), axis_name, "moe_combine").world
     if not isinstance(handle, MoeHandle):
         raise ValueError(f"jaxtdist.moe_combine: handle must be the MoeHandle that "
                          f"moe_dispatch returned, got {type(handle).__name__}")
+    # The handle's arrays are laid out for the dispatch's group: combining over
+    # another group reads them with the wrong W (a wrong result, or worse: kernels
+    # indexing past the handle's arrays).
+    if handle.axis_name is not None and handle.axis_name != _group(axis_name):
+        raise ValueError(f"jaxtdist.moe_combine: axis_name={axis_name!r}, but the handle "
+                         f"comes from a moe_dispatch over {handle.axis_name!r}; combine over "
+                         "the dispatch's axis_name")
+    tokens = getattr(handle.expert_ids, "shape", (None,))[0]
+    ranks = getattr(handle.src_ranges, "shape", (None,))[0]
+    if ranks != world or getattr(handle.src_pos, "shape", (None,))[0] != world * tokens:
+        raise ValueError(f"jaxtdist.moe_combine: the handle was made by a moe_dispatch over "
+                         f"{ranks} ranks (src_ranges "
+                         f"{getattr(handle.src_ranges, 'shape', None)}), but axis_name "
+                         f"{axis_name!r} has W={world} ranks; combine over the dispatch's "
+                         "axis_name, with its handle unchanged")
     if getattr(y, "ndim", None) != 2 or y.shape[0] != handle.max_recv_rows:
         raise ValueError(f"jaxtdist.moe_combine: y must be [R, F] with R = the dispatch's "
                          f"max_recv_rows = {handle.max_recv_rows} rows (one per row of recv_x), "
@@ -642,14 +673,22 @@ def _combine_backward(residuals, ct, *, axis_name, num_experts, max_recv_rows, p
                       config=None):
     y, weights, expert_ids, spos, stk, ranges = residuals
     static = dict(num_experts=num_experts, max_recv_rows=max_recv_rows, programs=programs)
-    handle = _combine_handle(expert_ids, spos, stk, ranges, static)
     ct = ct.astype(y.dtype)
-    # dy: the cotangent of token t's output, sent to each of its experts' rows,
-    # times the pair's weight (the same routing lays it out as y is).
-    dy, _, _ = moe_dispatch_kernels(ct, expert_ids, axis_name, num_experts=num_experts,
-                                    max_recv_rows=max_recv_rows, scale=weights, config=config)
-    # dweights[t, k] = <y row of (t, k), ct[t]>: the combine kernel's dot products.
-    _, dw = moe_combine_kernels(y, handle, weights, axis_name, cotangent=ct, config=config)
+
+    def dispatch(ct, ids, w):
+        # dy: the cotangent of token t's output, sent to each of its experts' rows,
+        # times the pair's weight (the same routing lays it out as y is).
+        return moe_dispatch_kernels(ct, ids, axis_name, num_experts=num_experts,
+                                    max_recv_rows=max_recv_rows, scale=w, config=config)[0]
+
+    def combine(y, w, ct, ids, pos, tk, rng):
+        # dweights[t, k] = <y row of (t, k), ct[t]>: the combine kernel's dot products.
+        return moe_combine_kernels(y, _combine_handle(ids, pos, tk, rng, static), w,
+                                   axis_name, cotangent=ct, config=config)[1]
+
+    # One whole kernel call per element under jax.vmap, like every backward's.
+    dy = one_call_per_element(dispatch)(ct, expert_ids, weights)
+    dw = one_call_per_element(combine)(y, weights, ct, expert_ids, spos, stk, ranges)
     return dy, dw, None, None, None, None
 
 
@@ -742,7 +781,8 @@ def moe_dispatch(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_experts:
     rows = max_recv_rows or default_recv_rows(t, k, world, num_experts)
     programs = ranges.shape[1]
     handle = MoeHandle(expert_ids, counts, spos, stk, ranges, dropped, invalid,
-                       num_experts=num_experts, max_recv_rows=rows, programs=programs)
+                       num_experts=num_experts, max_recv_rows=rows, programs=programs,
+                       axis_name=_group(axis_name))
     return recv, sizes, handle
 
 
@@ -768,8 +808,9 @@ def moe_combine(y: jax.Array, handle: MoeHandle, weights: jax.Array, axis_name, 
       >>> out = jaxtdist.moe_combine(jax.lax.ragged_dot(recv, w, sizes), handle, gate, "ep")
     """
     y, weights = jnp.asarray(y), jnp.asarray(weights)
-    if not isinstance(handle, MoeHandle):
-        _check_combine(y, weights, handle, axis_name=axis_name)
+    # Here, with the handle itself: _COMBINE's check sees only its arrays (not the
+    # dispatch's axis_name).
+    _check_combine(y, weights, handle, axis_name=axis_name)
     return _COMBINE(y, weights, handle.expert_ids, handle.src_pos, handle.src_tk,
                     handle.src_ranges, axis_name=axis_name, config=config,
                     **_combine_static(handle))
