@@ -100,7 +100,7 @@ def _store_piece(c_desc, piece, rank, row0, col0, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
-def _halves(acc, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+def column_halves(acc, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
     """The left and right column halves of a [BLOCK_M, WIDTH] tile."""
     return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, WIDTH // 2)), (0, 2, 1)))
 
@@ -117,15 +117,15 @@ def store_tile(c_desc, acc, rank, row0, col0, BLOCK_M: tl.constexpr, BLOCK_N: tl
         _store_piece(c_desc, acc, rank, row0, col0, BLOCK_M, BLOCK_N, RANKED)
     elif SUBTILE == 2:
         HALF: tl.constexpr = BLOCK_N // 2
-        left, right = _halves(acc, BLOCK_M, BLOCK_N)
+        left, right = column_halves(acc, BLOCK_M, BLOCK_N)
         _store_piece(c_desc, left, rank, row0, col0, BLOCK_M, HALF, RANKED)
         _store_piece(c_desc, right, rank, row0, col0 + HALF, BLOCK_M, HALF, RANKED)
     else:
         Q: tl.constexpr = BLOCK_N // 4
-        left, right = _halves(acc, BLOCK_M, BLOCK_N)
-        a, b = _halves(left, BLOCK_M, BLOCK_N // 2)
+        left, right = column_halves(acc, BLOCK_M, BLOCK_N)
+        a, b = column_halves(left, BLOCK_M, BLOCK_N // 2)
         _store_piece(c_desc, a, rank, row0, col0, BLOCK_M, Q, RANKED)
         _store_piece(c_desc, b, rank, row0, col0 + Q, BLOCK_M, Q, RANKED)
-        a, b = _halves(right, BLOCK_M, BLOCK_N // 2)
+        a, b = column_halves(right, BLOCK_M, BLOCK_N // 2)
         _store_piece(c_desc, a, rank, row0, col0 + 2 * Q, BLOCK_M, Q, RANKED)
         _store_piece(c_desc, b, rank, row0, col0 + 3 * Q, BLOCK_M, Q, RANKED)

@@ -16,6 +16,8 @@ then me+2, ..., and this rank's own rows last.
 - An own tile is computed last, and its partial stays in registers: the
   program waits (acquire) for the tile's flag of each of the other W - 1
   ranks, adds their partials in float32 and stores the output tile.
+- Both epilogues run a column piece (SUBTILE of them) at a time, so that a
+  peer's partial and the offsets fit in registers beside the accumulator.
 
 Why one kernel and not a GEMM kernel then a reduction kernel: the own tiles
 are the reduction. Since they come last in every program's list, the
@@ -57,53 +59,90 @@ import triton
 import triton.language as tl
 
 import jaxtdist.language as dl
-from jaxtdist.kernels._gemm import out_desc, store_tile, tile_acc, weight_desc
+from jaxtdist.kernels._gemm import column_halves, out_desc, store_tile, tile_acc, weight_desc
 from jaxtdist.kernels._tiles import block_range, dot_tile, grouped_tile, rank_major_tile
 
 
 @triton.jit
-def _tile_offsets(tm, tn, M_SHARD: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
-    """Element offsets of tile (tm, tn) in a row-major [M_SHARD, N] array, and the
-    mask of its elements inside it."""
+def _piece_offsets(tm, col0, M_SHARD: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr,
+                   WIDTH: tl.constexpr):
+    """Element offsets of columns [col0, col0 + WIDTH) of row tile ``tm`` in a
+    row-major [M_SHARD, N] array, and the mask of those inside it."""
     rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = block_range(tn, BLOCK_N)
+    cols = col0 + tl.arange(0, WIDTH)
     return rows[:, None] * N + cols[None, :], (rows < M_SHARD)[:, None] & (cols < N)[None, :]
 
 
 @triton.jit
-def _push_partial(ctx, acc, inbox, flags, me, dst, world, e, slot_elems, per_rank, tm, tn,
-                  M_SHARD: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, n_tiles):
-    """Stores a peer's tile partial into ``dst``'s inbox slot of this source and
-    raises the tile's flag there (release at system scope)."""
-    offs, mask = _tile_offsets(tm, tn, M_SHARD, N, BLOCK_M, BLOCK_N)
-    slot = (me - dst + world - 1) % world
-    remote = dl.symm_at(ctx, inbox + slot * slot_elems + offs, dst)
-    tl.store(remote, acc.to(inbox.dtype.element_ty), mask=mask)
-    dl.notify(ctx, flags + slot * per_rank + tm * n_tiles + tn, dst, e)
+def _piece(ctx, piece, col0, OWN: tl.constexpr, inbox, flags, me, e, slot_elems, per_rank,
+           dst, tm, tn, n_tiles, c_desc, out_ptr, M_SHARD: tl.constexpr, N: tl.constexpr,
+           BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, WORLD: tl.constexpr,
+           TMA: tl.constexpr):
+    """Columns [col0, col0 + WIDTH) of a tile's partial ``piece``. A peer's tile
+    (not OWN): stored into ``dst``'s inbox slot of this source. An own tile: the
+    other ranks' partials added, each after its tile flag (sources in the order
+    they push to this rank: me-1 first, me+1 last; unrolled, none at world 1),
+    and stored as output."""
+    offs, mask = _piece_offsets(tm, col0, M_SHARD, N, BLOCK_M, WIDTH)
+    if not OWN:
+        slot = (me - dst + WORLD - 1) % WORLD
+        tl.store(dl.symm_at(ctx, inbox + slot * slot_elems + offs, dst),
+                 piece.to(inbox.dtype.element_ty), mask=mask)
+    else:
+        for step_back in tl.static_range(1, WORLD):
+            slot = WORLD - 1 - step_back
+            src = (me + WORLD - step_back) % WORLD
+            token = dl.wait(ctx, flags + slot * per_rank + tm * n_tiles + tn, e, "ge", src)
+            part = tl.load(dl.consume_token(inbox + slot * slot_elems + offs, token),
+                           mask=mask, other=0.0)
+            piece += part.to(tl.float32)
+        if TMA:
+            c_desc.store([tm * BLOCK_M, col0], piece.to(c_desc.dtype))
+        else:
+            tl.store(out_ptr + offs, piece.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _add_partials(ctx, acc, inbox, flags, me, e, slot_elems, per_rank, tm, tn,
-                  M_SHARD: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, n_tiles, WORLD: tl.constexpr):
-    """``acc`` plus the other ranks' partials of this own tile, each after its flag.
-
-    Sources in the order they push to this rank: me-1 first (its first peer
-    step), me+1 last (slot W-2 down to 0). Unrolled over WORLD - 1 sources
-    (none at world 1), so that no loop sits in the epilogue of a flattened
-    tile loop.
-    """
-    offs, mask = _tile_offsets(tm, tn, M_SHARD, N, BLOCK_M, BLOCK_N)
-    for step_back in tl.static_range(1, WORLD):
-        slot = WORLD - 1 - step_back
-        src = (me + WORLD - step_back) % WORLD
-        token = dl.wait(ctx, flags + slot * per_rank + tm * n_tiles + tn, e, "ge", src)
-        part = tl.load(dl.consume_token(inbox + slot * slot_elems + offs, token), mask=mask,
-                       other=0.0)
-        acc += part.to(tl.float32)
-    return acc
+def _epilogue(ctx, acc, OWN: tl.constexpr, inbox, flags, me, e, slot_elems, per_rank, dst, tm,
+              tn, n_tiles, c_desc, out_ptr, M_SHARD: tl.constexpr, N: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUBTILE: tl.constexpr,
+              WORLD: tl.constexpr, TMA: tl.constexpr):
+    """A tile's push (peer's tile) or reduction and store (own tile), SUBTILE
+    column pieces one after another: the accumulator, a peer's partial and the
+    offsets of the whole tile at once took more than 255 registers per thread
+    and spilled at world > 1 (128 x 256 tiles), while a piece's fit beside the
+    rest of the accumulator. SUBTILE is the output descriptor's cut too."""
+    col0 = tn * BLOCK_N
+    if SUBTILE == 1:
+        _piece(ctx, acc, col0, OWN, inbox, flags, me, e, slot_elems, per_rank, dst, tm, tn,
+               n_tiles, c_desc, out_ptr, M_SHARD, N, BLOCK_M, BLOCK_N, WORLD, TMA)
+    elif SUBTILE == 2:
+        HALF: tl.constexpr = BLOCK_N // 2
+        left, right = column_halves(acc, BLOCK_M, BLOCK_N)
+        _piece(ctx, left, col0, OWN, inbox, flags, me, e, slot_elems, per_rank, dst, tm, tn,
+               n_tiles, c_desc, out_ptr, M_SHARD, N, BLOCK_M, HALF, WORLD, TMA)
+        _piece(ctx, right, col0 + HALF, OWN, inbox, flags, me, e, slot_elems, per_rank, dst,
+               tm, tn, n_tiles, c_desc, out_ptr, M_SHARD, N, BLOCK_M, HALF, WORLD, TMA)
+    else:
+        tl.static_assert(SUBTILE == 4, "SUBTILE: 1, 2 or 4")
+        HALF: tl.constexpr = BLOCK_N // 2
+        Q: tl.constexpr = BLOCK_N // 4
+        left, right = column_halves(acc, BLOCK_M, BLOCK_N)
+        a, b = column_halves(left, BLOCK_M, HALF)
+        _piece(ctx, a, col0, OWN, inbox, flags, me, e, slot_elems, per_rank, dst, tm, tn,
+               n_tiles, c_desc, out_ptr, M_SHARD, N, BLOCK_M, Q, WORLD, TMA)
+        _piece(ctx, b, col0 + Q, OWN, inbox, flags, me, e, slot_elems, per_rank, dst, tm, tn,
+               n_tiles, c_desc, out_ptr, M_SHARD, N, BLOCK_M, Q, WORLD, TMA)
+        a, b = column_halves(right, BLOCK_M, HALF)
+        _piece(ctx, a, col0 + 2 * Q, OWN, inbox, flags, me, e, slot_elems, per_rank, dst, tm,
+               tn, n_tiles, c_desc, out_ptr, M_SHARD, N, BLOCK_M, Q, WORLD, TMA)
+        _piece(ctx, b, col0 + 3 * Q, OWN, inbox, flags, me, e, slot_elems, per_rank, dst, tm,
+               tn, n_tiles, c_desc, out_ptr, M_SHARD, N, BLOCK_M, Q, WORLD, TMA)
+    if not OWN:
+        # Every piece stored: the tile's flag in the owner's heap (a release at
+        # system scope publishes them all).
+        slot = (me - dst + WORLD - 1) % WORLD
+        dl.notify(ctx, flags + slot * per_rank + tm * n_tiles + tn, dst, e)
 
 
 @triton.jit
@@ -154,6 +193,7 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr,
         c_desc = out_desc(out_ptr, M_SHARD, N, BLOCK_M, BLOCK_N, SUBTILE)
     else:
         tl.static_assert(not B_T, "B_T: TMA loads only")
+        c_desc = None  # pointer stores
     # Peers' tiles, me+1's rows first. Under the interpreter (programs run one
     # after another) program 0 pushes them all, before any program waits.
     peer_tiles = (WORLD - 1) * per_rank
@@ -170,8 +210,9 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr,
             else:
                 acc = _pointer_tile(x_ptr + tl.cast(dst, tl.int64) * (M_SHARD * K), w_ptr, tm, tn,
                                     M_SHARD, N, K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
-            _push_partial(ctx, acc, inbox, flags, me, dst, WORLD, e, slot_elems, per_rank, tm,
-                          tn, M_SHARD, N, BLOCK_M, BLOCK_N, n_tiles)
+            _epilogue(ctx, acc, False, inbox, flags, me, e, slot_elems, per_rank, dst, tm, tn,
+                      n_tiles, c_desc, out_ptr, M_SHARD, N, BLOCK_M, BLOCK_N, SUBTILE, WORLD,
+                      TMA)
     # Own tiles, last: the round-robin goes on where the peers' tiles left it.
     if INTERLEAVE:
         first, last, step = (pid + NUM_PROGRAMS - peer_tiles % NUM_PROGRAMS) % NUM_PROGRAMS, \
@@ -187,13 +228,12 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr,
         else:
             acc = _pointer_tile(x_ptr + tl.cast(me, tl.int64) * (M_SHARD * K), w_ptr, tm, tn,
                                 M_SHARD, N, K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
-        acc = _add_partials(ctx, acc, inbox, flags, me, e, slot_elems, per_rank, tm, tn,
-                            M_SHARD, N, BLOCK_M, BLOCK_N, n_tiles, WORLD)
-        if TMA:
+        if WORLD == 1 and TMA:
             store_tile(c_desc, acc, 0, tm * BLOCK_M, tn * BLOCK_N, BLOCK_M, BLOCK_N, SUBTILE)
         else:
-            offs, mask = _tile_offsets(tm, tn, M_SHARD, N, BLOCK_M, BLOCK_N)
-            tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            _epilogue(ctx, acc, True, inbox, flags, me, e, slot_elems, per_rank, me, tm, tn,
+                      n_tiles, c_desc, out_ptr, M_SHARD, N, BLOCK_M, BLOCK_N, SUBTILE, WORLD,
+                      TMA)
 
 
 @triton.jit
