@@ -130,6 +130,7 @@ def _problems():
     out["matmul_ar"] = (dict(args, M=16, N=8192, K=2048, INBOX_OFF=1 << 20,
                              PARITY_BYTES=1 << 24, FLAGS_OFF=4096, PARTIALS_OFF=1 << 27,
                              COUNTERS_OFF=1 << 28, RESULTS_OFF=-1, RFLAGS_OFF=-1, OWN_OFF=1 << 29,
+                             PARK=False,
                              PARTIAL_INPUT=cfg.PARTIAL == "input", DOT_PRECISION=None, B_T=False,
                              K_SPLIT=-(-2048 // (cfg.SPLIT_K * cfg.BLOCK_K)) * cfg.BLOCK_K),
                         cfg.launch_options())

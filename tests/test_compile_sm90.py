@@ -478,7 +478,8 @@ def test_matmul_ar_split_k_compiles(tma, split_k):
                              FLAGS_OFF=4096, PARTIALS_OFF=1 << 24, COUNTERS_OFF=1 << 26,
                              SPLIT_K=split_k, K_SPLIT=7168 // split_k, BLOCK_M=32,
                              BLOCK_N=128, BLOCK_K=128, GROUP_M=1, TMA=tma, TWO_SHOT=False,
-                             RESULTS_OFF=-1, RFLAGS_OFF=-1, OWN_OFF=1 << 29, PARTIAL_INPUT=False),
+                             RESULTS_OFF=-1, RFLAGS_OFF=-1, OWN_OFF=1 << 29, PARK=False,
+                             PARTIAL_INPUT=False),
                         num_warps=4, num_stages=4)
     ptx = k.asm["ptx"]
     assert "mma.sync" in ptx or "wgmma.mma_async" in ptx
@@ -512,9 +513,10 @@ def _stack_bytes(kernel) -> int:
     (512, 8192, 4096, 128, 256, 8, 3, False, False),
     (512, 8192, 4096, 128, 128, 8, 4, False, True)])
 def test_matmul_ar_epilogue_does_not_spill(m, n, k, bm, bn, warps, stages, tma, two_shot):
-    """matmul_ar's exchange sums a few rows at a time from memory: the tile's
-    accumulator, sum, a peer's partial and offsets in registers at once spilled
-    (255 registers and a stack) and cost 1.2-1.6x the GEMM's time at world 1."""
+    """matmul_ar's exchange: large tiles sum a few rows at a time from memory (the
+    tile's accumulator, sum, a peer's partial and offsets in registers at once
+    spilled: 255 registers and a stack, 1.2-1.6x the GEMM's time at world 1);
+    128 x 64 with 8 warps sums in registers without spilling."""
     from jaxtdist.kernels.matmul_ar import matmul_ar_kernel
     k = _compile_native(matmul_ar_kernel, ["i32"] + ["bf16"] * 3,
                         dict(M=m, N=n, K=k, INBOX_OFF=1 << 20, PARITY_BYTES=1 << 26,
@@ -523,6 +525,7 @@ def test_matmul_ar_epilogue_does_not_spill(m, n, k, bm, bn, warps, stages, tma, 
                              TMA=tma, TWO_SHOT=two_shot,
                              RESULTS_OFF=(1 << 20) + (1 << 25) if two_shot else -1,
                              RFLAGS_OFF=8192 if two_shot else -1, OWN_OFF=1 << 29,
+                             PARK=bm * bn > 32 * 32 * warps,
                              PARTIAL_INPUT=two_shot),
                         num_warps=warps, num_stages=stages)
     assert _stack_bytes(k) == 0
@@ -543,7 +546,9 @@ def test_matmul_ar_two_shot_compiles():
                              K_SPLIT=2048, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
                              BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, TMA=cfg.TMA,
                              TWO_SHOT=True, RESULTS_OFF=(1 << 20) + 3 * (1 << 21),
-                             RFLAGS_OFF=8192, OWN_OFF=1 << 29, PARTIAL_INPUT=True),
+                             RFLAGS_OFF=8192, OWN_OFF=1 << 29,
+                             PARK=cfg.BLOCK_M * cfg.BLOCK_N > 32 * 32 * cfg.num_warps,
+                             PARTIAL_INPUT=True),
                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     ptx = k.asm["ptx"]
     assert "mma.sync" in ptx or "wgmma.mma_async" in ptx
@@ -564,7 +569,8 @@ def test_float32_dots_follow_the_precision(tma):
             dict(M=64, N=4096, K=4096, INBOX_OFF=1 << 20, PARITY_BYTES=1 << 22,
                  FLAGS_OFF=4096, PARTIALS_OFF=-1, COUNTERS_OFF=-1, SPLIT_K=1, K_SPLIT=4096,
                  BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, GROUP_M=1, TMA=tma, TWO_SHOT=False,
-                 RESULTS_OFF=-1, RFLAGS_OFF=-1, OWN_OFF=1 << 29, PARTIAL_INPUT=False,
+                 RESULTS_OFF=-1, RFLAGS_OFF=-1, OWN_OFF=1 << 29, PARK=True,
+                 PARTIAL_INPUT=False,
                  DOT_PRECISION=precision),
             num_warps=4, num_stages=3).asm["ptx"]
 

@@ -139,10 +139,29 @@ def test_matmul_ar_two_shot(world, dtype, m, n, k, config):
         assert_close(out[0, 1], 2.0 * y, dtype)
 
 
+@pytest.mark.parametrize("world,two_shot", [(2, False), (3, False), (2, True), (4, True)])
+def test_matmul_ar_parked_epilogue(world, two_shot):
+    """Tiles of more than 32 float32 elements per thread (here 64 x 32 with one warp)
+    park their own partial and sum 16 rows at a time (the last row tile partly
+    outside M); the same bits on every rank, two calls (both parities)."""
+    m, n, k = 70, 48, 24
+    mesh = setup(world)
+    cfg = dict(BLOCK_M=64, BLOCK_N=32, num_warps=1, TWO_SHOT=two_shot)
+    f = jax.jit(jax.shard_map(lambda x, w: matmul_ar_kernels(x, w, "tp", config=cfg)[None],
+                              mesh=mesh, in_specs=(X_SPEC, W_SPEC), out_specs=P("tp"),
+                              check_vma=False))
+    for _ in range(2):
+        x, w = rand((m, world * k)), rand((world * k, n))
+        out = np.asarray(f(place(mesh, x, X_SPEC), place(mesh, w, W_SPEC)))
+        for r in range(1, world):
+            np.testing.assert_array_equal(out[r], out[0], err_msg=f"rank {r} differs")
+        assert rel_err(out[0], f64(x) @ f64(w)) < (1e-2 if two_shot else 1e-5)
+
+
 def test_matmul_ar_default_exchange():
-    """Two shot in x's dtype where one shot's float32 partials pass 2 MB per rank
-    from 3 ranks on; one shot in float32 elsewhere; TWO_SHOT asked alone brings its
-    partials' default."""
+    """Two shot in x's dtype where one shot's float32 partials pass 2 MB per rank;
+    one shot in float32 elsewhere; TWO_SHOT asked alone brings its partials'
+    default."""
     def cfg(world, m, n=8192, platform="gpu", **asked):
         p = Problem(platform, world, (m, n, 2048), "bfloat16", 132)
         return MatmulArConfig.settle(MatmulArConfig.default(p), asked)
@@ -150,7 +169,7 @@ def test_matmul_ar_default_exchange():
     assert (cfg(4, 128).TWO_SHOT, cfg(4, 128).PARTIAL) == (True, "input")
     assert (cfg(4, 16).TWO_SHOT, cfg(4, 16).PARTIAL) == (False, "float32")
     assert cfg(4, 32).TWO_SHOT and not cfg(4, 16, n=4096).TWO_SHOT
-    assert not cfg(2, 1024).TWO_SHOT  # two ranks: the same bytes either way
+    assert cfg(2, 1024).TWO_SHOT and not cfg(2, 64).TWO_SHOT  # two ranks: 2 MB too
     assert cfg(4, 128, TWO_SHOT=False).PARTIAL == "float32"
     assert cfg(4, 16, TWO_SHOT=True).PARTIAL == "input"
     with pytest.raises(ValueError, match="TWO_SHOT"):

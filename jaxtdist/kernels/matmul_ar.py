@@ -77,8 +77,9 @@ def matmul_ar_kernel(ctx, x_ptr, w_ptr, out_ptr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, TMA: tl.constexpr, TWO_SHOT: tl.constexpr,
                      RESULTS_OFF: tl.constexpr, RFLAGS_OFF: tl.constexpr,
-                     OWN_OFF: tl.constexpr, PARTIAL_INPUT: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, B_T: tl.constexpr):
+                     OWN_OFF: tl.constexpr, PARK: tl.constexpr,
+                     PARTIAL_INPUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     B_T: tl.constexpr):
     """Grid: (SPLIT_K * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),).
 
     x: [M, K], w: [K, N] ([N, K] with B_T, TMA only: ``_gemm.weight_desc``) -> out:
@@ -88,9 +89,10 @@ def matmul_ar_kernel(ctx, x_ptr, w_ptr, out_ptr,
     > 1, PARTIALS_OFF holds SPLIT_K float32 planes of [M, N] and COUNTERS_OFF one
     int32 counter per tile (``SplitKWorkspace``). TWO_SHOT: reduce each tile on its
     owner rank and broadcast the sum (``_two_shot_tile``), else one shot;
-    PARTIAL_INPUT: partials cross the links in x's dtype, else in float32. OWN_OFF
-    (world > 1): a local [M, N] plane of partials (their dtype) where a program
-    parks its own partial while it sums the ranks' a few rows at a time.
+    PARTIAL_INPUT: partials cross the links in x's dtype, else in float32. PARK
+    (large tiles): a program parks its own partial in OWN_OFF, a local [M, N]
+    plane of partials (their dtype), and sums the ranks' a few rows at a time
+    (``_park``); else it sums whole tiles in registers.
     """
     pid = tl.program_id(0)
     tile = pid // SPLIT_K
@@ -136,10 +138,11 @@ def matmul_ar_kernel(ctx, x_ptr, w_ptr, out_ptr,
                                         out_ptr.dtype.element_ty)
                 _two_shot_tile(ctx, acc, out_ptr, offs, mask, tile, m_tiles * n_tiles, M * N,
                                inbox, flags, results, dl.heap_ptr(ctx, RFLAGS_OFF, tl.int32),
-                               own, tm * BLOCK_M, cols, col_mask, M, N, BLOCK_M)
+                               own, tm * BLOCK_M, cols, col_mask, M, N, BLOCK_M, PARK)
             else:
                 _one_shot_tile(ctx, acc, out_ptr, offs, mask, tile, m_tiles * n_tiles, M * N,
-                               inbox, flags, own, tm * BLOCK_M, cols, col_mask, M, N, BLOCK_M)
+                               inbox, flags, own, tm * BLOCK_M, cols, col_mask, M, N, BLOCK_M,
+                               PARK)
 
 
 @triton.jit
@@ -154,20 +157,70 @@ def _rows_step(row0, r0, cols, col_mask, M: tl.constexpr, N: tl.constexpr,
 def _park(own, part, offs, mask):
     """Stores this program's partial into the own plane, readable by all its threads.
 
-    The epilogues then sum the ranks' partials from memory a few rows at a time,
-    not on the whole tile in registers: the accumulator, the running sum, a
-    peer's partial and the tile's offsets together took more than 255 registers
-    per thread and spilled (even at world 1, where that code does not run). On
-    one H100 the same mainloop ended by a plain store ran 4.0 us against 4.7 at
-    256 x 4096 x 512, and 46 against 74 at 512 x 8192 x 4096."""
+    With large tiles the epilogues then sum the ranks' partials from memory a
+    few rows at a time, not on the whole tile in registers: the accumulator,
+    the running sum, a peer's partial and the tile's offsets together took more
+    than 255 registers per thread and spilled (even at world 1, where that code
+    does not run). On one H100 the same mainloop ended by a plain store ran 4.0
+    us against 4.7 at 256 x 4096 x 512, and 46 against 74 at 512 x 8192 x 4096.
+    Small tiles sum in registers: 128 x 64 with 8 warps did not spill, and
+    parking took its 128 x 8192 x 4096 call over 2 x H100 from 51.8 to 57.7 us."""
     tl.store(own + offs, part, mask=mask)
     tl.debug_barrier()
 
 
 @triton.jit
+def _sum_store(ctx, part, own, out_ptr, offs, mask, tile, tiles, slot_elems, inbox, flags,
+               results, row0, cols, col_mask, M: tl.constexpr, N: tl.constexpr,
+               BLOCK_M: tl.constexpr, PARK: tl.constexpr, BROADCAST: tl.constexpr):
+    """Sums tile ``tile``'s partials over the ranks in rank order (this rank's
+    ``part`` in its place) and stores the sum at ``out_ptr + offs``; BROADCAST
+    (two shot's owner) also into every peer's ``results``. PARK: a quarter of the
+    tile at a time from 64 rows on, this rank's partial read back from ``own``."""
+    if PARK:
+        _park(own, part, offs, mask)
+        ROWS: tl.constexpr = BLOCK_M // 4 if BLOCK_M >= 64 else BLOCK_M
+        for r0 in range(0, BLOCK_M, ROWS):
+            step_offs, step_mask = _rows_step(row0, r0, cols, col_mask, M, N, ROWS)
+            mine = tl.load(own + step_offs, mask=step_mask, other=0.0).to(tl.float32)
+            _sum_store_rows(ctx, mine, out_ptr, step_offs, step_mask, tile, tiles, slot_elems,
+                            inbox, flags, results, BROADCAST)
+    else:
+        _sum_store_rows(ctx, part.to(tl.float32), out_ptr, offs, mask, tile, tiles, slot_elems,
+                        inbox, flags, results, BROADCAST)
+
+
+@triton.jit
+def _sum_store_rows(ctx, mine, out_ptr, offs, mask, tile, tiles, slot_elems, inbox, flags,
+                    results, BROADCAST: tl.constexpr):
+    # The partials are summed in rank order 0, 1, ..., W - 1 on every rank (this
+    # rank's own in its place), so that every rank rounds the same additions and
+    # holds the same bits; an order starting from the own partial differs per
+    # rank in float32 from W = 3 on.
+    me = dl.rank(ctx)
+    world = dl.num_ranks(ctx)
+    e = dl.epoch(ctx)
+    total = tl.zeros(offs.shape, tl.float32)
+    for src in range(0, world):
+        if src == me:
+            total += mine
+        else:
+            # Rank src pushes to this rank into slot (src - me + world - 1) % world.
+            slot = (src - me + world - 1) % world
+            token = dl.wait(ctx, flags + slot * tiles + tile, e, "ge", src)
+            total += tl.load(dl.consume_token(inbox + slot * slot_elems + offs, token),
+                             mask=mask, other=0.0).to(tl.float32)
+    y = total.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs, y, mask=mask)
+    if BROADCAST:
+        for step in range(1, world):
+            tl.store(dl.symm_at(ctx, results + offs, (me + step) % world), y, mask=mask)
+
+
+@triton.jit
 def _one_shot_tile(ctx, acc, out_ptr, offs, mask, tile, tiles, slot_elems, inbox, flags, own,
                    row0, cols, col_mask, M: tl.constexpr, N: tl.constexpr,
-                   BLOCK_M: tl.constexpr):
+                   BLOCK_M: tl.constexpr, PARK: tl.constexpr):
     """Pushes this rank's partial ``acc`` of tile ``tile`` to every peer, waits for
     theirs and stores the sum over the ranks at ``out_ptr + offs``."""
     me = dl.rank(ctx)
@@ -181,44 +234,14 @@ def _one_shot_tile(ctx, acc, out_ptr, offs, mask, tile, tiles, slot_elems, inbox
     # Flags after every peer's stores: the first release drains them all.
     for step in range(1, world):
         dl.notify(ctx, flags + (world - 1 - step) * tiles + tile, (me + step) % world, e)
-    _park(own, part, offs, mask)
-    # The partials are summed in rank order 0, 1, ..., W - 1 on every rank (this
-    # rank's own in its place), so that every rank rounds the same additions and
-    # holds the same bits; an order starting from the own partial differs per
-    # rank in float32 from W = 3 on.
-    # A quarter of the tile at a time from 64 rows on (``_park``).
-    ROWS: tl.constexpr = BLOCK_M // 4 if BLOCK_M >= 64 else BLOCK_M
-    for r0 in range(0, BLOCK_M, ROWS):
-        step_offs, step_mask = _rows_step(row0, r0, cols, col_mask, M, N, ROWS)
-        total = _sum_in_rank_order(ctx, own, step_offs, step_mask, tile, tiles, slot_elems,
-                                   inbox, flags)
-        tl.store(out_ptr + step_offs, total.to(out_ptr.dtype.element_ty), mask=step_mask)
-
-
-@triton.jit
-def _sum_in_rank_order(ctx, own, offs, mask, tile, tiles, slot_elems, inbox, flags):
-    """The float32 sum of tile ``tile``'s partials at ``offs`` over the ranks, in
-    rank order (this rank's read from ``own``): waits for each peer's."""
-    me = dl.rank(ctx)
-    world = dl.num_ranks(ctx)
-    e = dl.epoch(ctx)
-    total = tl.zeros(offs.shape, tl.float32)
-    for src in range(0, world):
-        if src == me:
-            total += tl.load(own + offs, mask=mask, other=0.0).to(tl.float32)
-        else:
-            # Rank src pushes to this rank into slot (src - me + world - 1) % world.
-            slot = (src - me + world - 1) % world
-            token = dl.wait(ctx, flags + slot * tiles + tile, e, "ge", src)
-            total += tl.load(dl.consume_token(inbox + slot * slot_elems + offs, token),
-                             mask=mask, other=0.0).to(tl.float32)
-    return total
+    _sum_store(ctx, part, own, out_ptr, offs, mask, tile, tiles, slot_elems, inbox, flags,
+               None, row0, cols, col_mask, M, N, BLOCK_M, PARK, False)
 
 
 @triton.jit
 def _two_shot_tile(ctx, acc, out_ptr, offs, mask, tile, tiles, slot_elems, inbox, flags,
                    results, rflags, own, row0, cols, col_mask, M: tl.constexpr,
-                   N: tl.constexpr, BLOCK_M: tl.constexpr):
+                   N: tl.constexpr, BLOCK_M: tl.constexpr, PARK: tl.constexpr):
     """Tile ``tile``'s owner (rank ``tile % world``) gathers every peer's partial,
     sums them in rank order and pushes the rounded sum into every peer's results
     box; the others push their partial to the owner and copy the owner's sum
@@ -239,16 +262,8 @@ def _two_shot_tile(ctx, acc, out_ptr, offs, mask, tile, tiles, slot_elems, inbox
         tl.store(out_ptr + offs, y, mask=mask)
     else:
         # Its own partial rounds like the peers' (the same error wherever a tile lands).
-        _park(own, acc.to(inbox.dtype.element_ty), offs, mask)
-        ROWS: tl.constexpr = BLOCK_M // 4 if BLOCK_M >= 64 else BLOCK_M
-        for r0 in range(0, BLOCK_M, ROWS):
-            step_offs, step_mask = _rows_step(row0, r0, cols, col_mask, M, N, ROWS)
-            total = _sum_in_rank_order(ctx, own, step_offs, step_mask, tile, tiles, slot_elems,
-                                       inbox, flags)
-            y = total.to(out_ptr.dtype.element_ty)
-            tl.store(out_ptr + step_offs, y, mask=step_mask)
-            for step in range(1, world):
-                tl.store(dl.symm_at(ctx, results + step_offs, (me + step) % world), y,
-                         mask=step_mask)
+        _sum_store(ctx, acc.to(inbox.dtype.element_ty), own, out_ptr, offs, mask, tile, tiles,
+                   slot_elems, inbox, flags, results, row0, cols, col_mask, M, N, BLOCK_M,
+                   PARK, True)
         for step in range(1, world):
             dl.notify(ctx, rflags + tile, (me + step) % world, e)  # release: the sum

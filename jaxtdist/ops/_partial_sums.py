@@ -41,7 +41,7 @@ _AR_COVER = 0.9
 _AR_SPLITS = (1, 2, 4, 8)
 _AR_MIN_K_SPLIT = 1024
 # Above this many bytes of one-shot partials per rank matmul_ar reduces in two
-# shots (W >= 3). On 4 x H100 at N 8192, K 8192 split: 16 rows (1.5 MB) one shot
+# shots. On 4 x H100 at N 8192, K 8192 split: 16 rows (1.5 MB) one shot
 # 25.5 us, two shot 25.3; 64 rows (6 MB) 62.1 against 47.0; 128 rows 88.7
 # against 56.2; 1 row 20.8 against 25.2.
 _AR_ONE_SHOT_BYTES = 2 << 20
@@ -196,8 +196,8 @@ class MatmulArConfig(KernelConfig):
       TWO_SHOT: reduce each tile on one owner rank and broadcast its sum (each
         rank sends (W - 1) / W of the partials and of the output), else one
         shot (every partial to every peer: one link round trip, (W - 1) x the
-        partials' bytes). Default: two shot from 3 ranks on where one shot
-        would send more than ``_AR_ONE_SHOT_BYTES`` per rank.
+        partials' bytes). Default: two shot where one shot would send more
+        than ``_AR_ONE_SHOT_BYTES`` per rank.
       PARTIAL: dtype of the pushed partials, "float32" or "input" (x's dtype:
         half the bytes, one more rounding). Default: "input" with two shot
         (bytes rule), "float32" with one shot (latency rules). The sum is
@@ -222,13 +222,15 @@ class MatmulArConfig(KernelConfig):
     @classmethod
     def default(cls, problem: Problem) -> "MatmulArConfig":
         """The tiles of ``_default_tiles``; the exchange by bytes: two shot with
-        partials in x's dtype from 3 ranks on where one shot's float32 partials
-        would pass ``_AR_ONE_SHOT_BYTES`` per rank, else one shot in float32."""
+        partials in x's dtype where one shot's float32 partials would pass
+        ``_AR_ONE_SHOT_BYTES`` per rank, else one shot in float32."""
         m, n, _ = problem.shape
         cfg = cls._default_tiles(problem)
         # One shot's bytes per rank: (W - 1) float32 partials of [M, N]. At W = 2
-        # two shot sends as many bytes, with a second round trip.
-        if problem.world >= 3 and (problem.world - 1) * m * n * 4 > _AR_ONE_SHOT_BYTES:
+        # two shot sends as many partials, but in x's dtype: on 2 x H100 (N 8192,
+        # K 8192 split) 54.1 us against one shot's 57.7 at 128 rows, 112.9 against
+        # 125.2 at 512; 47.8 against 44.4 at 64 rows (2 MB).
+        if problem.world >= 2 and (problem.world - 1) * m * n * 4 > _AR_ONE_SHOT_BYTES:
             cfg = cfg.replace(TWO_SHOT=True, PARTIAL="input")
         return cfg
 
@@ -439,8 +441,12 @@ def matmul_ar_kernels(x: jax.Array, w: jax.Array, axis_name, *,
     tiles = -(-m // cfg.BLOCK_M) * -(-n // cfg.BLOCK_N)
     partial = x.dtype if cfg.PARTIAL == "input" else jnp.dtype(jnp.float32)
     two_shot = bool(cfg.TWO_SHOT and world > 1)
+    # Tiles of more than 32 float32 elements per thread park their own partial
+    # (kernels/matmul_ar._park); smaller ones sum in registers.
+    park = cfg.BLOCK_M * cfg.BLOCK_N > 32 * 32 * cfg.num_warps
     plan = PartialsWorkspace(world, m * n, tiles, partial.itemsize,
-                             m * n * x.dtype.itemsize if two_shot else 0, own=world > 1)
+                             m * n * x.dtype.itemsize if two_shot else 0,
+                             own=park and world > 1)
     # The flags' layout depends on the tiling and the exchange: calls of another
     # get their own workspace (and epoch counter).
     ws = call.workspace("inbox", plan.nbytes, m, n, cfg.BLOCK_M, cfg.BLOCK_N, partial.name,
@@ -471,6 +477,6 @@ def matmul_ar_kernels(x: jax.Array, w: jax.Array, axis_name, *,
         K_SPLIT=k_split, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
         GROUP_M=cfg.GROUP_M, TMA=cfg.TMA, TWO_SHOT=two_shot,
         RESULTS_OFF=ws.offset + plan.inbox + plan.results,
-        RFLAGS_OFF=ws.offset + plan.result_flags, OWN_OFF=ws.offset + plan.own,
+        RFLAGS_OFF=ws.offset + plan.result_flags, OWN_OFF=ws.offset + plan.own, PARK=park,
         PARTIAL_INPUT=cfg.PARTIAL == "input",
         DOT_PRECISION=precision, B_T=b_t)
