@@ -141,8 +141,8 @@ def _check(q, k, v, *, axis_name, causal=True, config=None) -> None:
         raise ValueError(f"jaxtdist.ag_attention: q{q.shape} and k{k.shape} disagree on B, "
                          "S_shard or D (q [B, S_shard, Hq, D], k [B, S_shard, Hkv, D]: every "
                          "rank holds as many keys as queries)")
-    if 0 in q.shape:
-        raise ValueError(f"jaxtdist.ag_attention: empty operand q{q.shape}")
+    if 0 in q.shape or 0 in k.shape:
+        raise ValueError(f"jaxtdist.ag_attention: empty operand q{q.shape} k{k.shape}")
     if hq % k.shape[2]:
         raise ValueError(f"jaxtdist.ag_attention: Hq={hq} query heads must be a multiple of "
                          f"Hkv={k.shape[2]} KV heads (grouped-query attention)")
@@ -158,6 +158,12 @@ def _check(q, k, v, *, axis_name, causal=True, config=None) -> None:
     check_axis(runtime(), axis_name, "ag_attention")
 
 
+def _causal(causal):
+    """A NumPy bool (``np.True_``, what NumPy comparisons give) as the Python bool it
+    equals; anything else unchanged (``_check`` refuses what is not a bool)."""
+    return bool(causal) if isinstance(causal, np.bool_) else causal
+
+
 # -- launch ----------------------------------------------------------------------
 
 def ag_attention_kernels(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *,
@@ -165,6 +171,7 @@ def ag_attention_kernels(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *,
     """ag_attention's forward kernel, at world 1 too (for benchmarks and tests); not
     differentiable. ``config`` overrides the defaults (``AgAttentionConfig``)."""
     q, k, v = (jnp.asarray(a) for a in (q, k, v))
+    causal = _causal(causal)
     _check(q, k, v, axis_name=axis_name, causal=causal)
     call = Call("ag_attention", axis_name)
     b, s, hq, d = q.shape
@@ -330,7 +337,7 @@ def ag_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *, causal:
       ...             mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec))
     """
     return _AG_ATTENTION(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), axis_name=axis_name,
-                         causal=causal, config=config)
+                         causal=_causal(causal), config=config)
 
 
 ag_attention_sharded = pjit_wrapper(

@@ -209,6 +209,11 @@ def _check_paged(q, k, v, kv_len, block_table, *, axis_name, config=None) -> Non
     if getattr(k, "shape", None) != getattr(v, "shape", None):
         raise ValueError(f"jaxtdist.flash_decode: the page pools k{getattr(k, 'shape', None)} "
                          f"and v{getattr(v, 'shape', None)} must have the same shape")
+    if getattr(k, "ndim", None) == 4 and 0 in k.shape:
+        # (The contiguous view below has no num_pages: a pool of 0 pages would pass, and
+        # clamping ids into [0, num_pages) would then read outside it.)
+        raise ValueError(f"jaxtdist.flash_decode: empty page pool k{k.shape}; "
+                         "[num_pages, page, Hkv, D] needs at least one page of one position")
     # The rest as for a contiguous cache of B sequences of pages * page positions.
     _check(q, _as_contiguous(k, block_table), _as_contiguous(v, block_table), kv_len,
            axis_name=axis_name, config=config)
@@ -230,6 +235,19 @@ def _gather_pages(cache, block_table):
     b, pages = block_table.shape
     ids = jnp.clip(block_table, 0, cache.shape[0] - 1)
     return cache[ids].reshape((b, pages * cache.shape[1]) + cache.shape[2:])
+
+
+def _int32_lengths(kv_len):
+    """kv_len (checked: integers) as int32 in [0, 2**31 - 1]: lengths past int32's
+    range read the whole cache instead of wrapping around on the cast, and negative
+    ones are 0 (none valid) before the kernel subtracts a rank's first position
+    (int32: -2**31 - r * S_shard would wrap to a large length)."""
+    hi = np.iinfo(np.int32).max
+    if jnp.iinfo(kv_len.dtype).max > hi:
+        kv_len = jnp.minimum(kv_len, np.array(hi, kv_len.dtype))
+    if jnp.issubdtype(kv_len.dtype, jnp.signedinteger):
+        kv_len = jnp.maximum(kv_len, np.array(0, kv_len.dtype))
+    return kv_len.astype(jnp.int32)
 
 
 def _problem(call: Call, q, k) -> Problem:
@@ -271,7 +289,7 @@ def flash_decode_kernels(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.A
     ws = call.workspace("partials", plan.nbytes, groups, splits, block_g, block_d)
     o = ws.offset
     # The same value on every rank of the group (like psum's result).
-    lengths = kv_len.astype(jnp.int32)
+    lengths = _int32_lengths(kv_len)
     table = lengths if block_table is None else block_table  # (unused when not paged)
     return call.run(
         flash_decode_kernel, q, k, v, lengths, table, workspace=ws,
@@ -302,22 +320,25 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array
     b, hq, d = q.shape
     s, hkv = k.shape[1], k.shape[2]
     qg = q.reshape(b, hkv, hq // hkv, d).astype(jnp.float32)
-    scores = jnp.einsum("bhgd,bshd->bhgs", qg, k.astype(jnp.float32),
-                        precision=jax.lax.Precision.HIGHEST) / np.float32(math.sqrt(d))
     valid = (start + jnp.arange(s))[None, :] < kv_len.astype(jnp.int32)[:, None]  # [B, S]
+    # Positions past the length may hold anything (stale or never written slots):
+    # zeroed, so that NaN or inf there cannot reach the output (0 * inf is NaN) or
+    # q's gradient, as the kernels never load them.
+    k, v = (jnp.where(valid[:, :, None, None], a.astype(jnp.float32), 0.0) for a in (k, v))
+    scores = jnp.einsum("bhgd,bshd->bhgs", qg, k,
+                        precision=jax.lax.Precision.HIGHEST) / np.float32(math.sqrt(d))
     scores = jnp.where(valid[:, None, None, :], scores, -jnp.inf)
     m = jnp.max(scores, axis=-1, keepdims=True)
     p = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0))
     l = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("bhgs,bshd->bhgd", p, v.astype(jnp.float32),
-                   precision=jax.lax.Precision.HIGHEST)
+    o = jnp.einsum("bhgs,bshd->bhgd", p, v, precision=jax.lax.Precision.HIGHEST)
     o = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0)
     return o.reshape(b, hq, d).astype(q.dtype)
 
 
 def _local(q, k, v, kv_len, *, axis_name, config=None):
     del axis_name, config
-    return decode_attention(q, k, v, kv_len)
+    return decode_attention(q, k, v, _int32_lengths(kv_len))
 
 
 _FLASH_DECODE = DistributedOp("flash_decode", forward=_forward, check=_check, local=_local,
@@ -332,7 +353,7 @@ def _paged_forward(q, k, v, kv_len, block_table, *, axis_name, config=None):
 def _paged_local(q, k, v, kv_len, block_table, *, axis_name, config=None):
     del axis_name, config
     return decode_attention(q, _gather_pages(k, block_table), _gather_pages(v, block_table),
-                            kv_len)
+                            _int32_lengths(kv_len))
 
 
 _PAGED_DECODE = DistributedOp("flash_decode", forward=_paged_forward, check=_check_paged,
