@@ -315,23 +315,29 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array
     q [B, Hq, D]; k, v [B, S, Hkv, D] holding global positions [start, start + S);
     positions at or past ``kv_len`` [B] are masked; a sequence with none valid
     gets zeros. Returns [B, Hq, D] in q's dtype. flash_decode's computation at
-    world 1, and (on the gathered cache, in float32) its reference.
+    world 1: 16-bit operands go to the tensor cores as they are (float32
+    accumulation; the weights rounded to v's dtype, as the kernel does), float32
+    ones in full float32 (its reference, on the gathered cache).
     """
     b, hq, d = q.shape
     s, hkv = k.shape[1], k.shape[2]
-    qg = q.reshape(b, hkv, hq // hkv, d).astype(jnp.float32)
+    exact = jnp.float32 in (q.dtype, k.dtype, v.dtype)
+    dtype = jnp.float32 if exact else jnp.promote_types(k.dtype, v.dtype)
+    precision = jax.lax.Precision.HIGHEST if exact else None
     valid = (start + jnp.arange(s))[None, :] < kv_len.astype(jnp.int32)[:, None]  # [B, S]
     # Positions past the length may hold anything (stale or never written slots):
     # zeroed, so that NaN or inf there cannot reach the output (0 * inf is NaN) or
     # q's gradient, as the kernels never load them.
-    k, v = (jnp.where(valid[:, :, None, None], a.astype(jnp.float32), 0.0) for a in (k, v))
-    scores = jnp.einsum("bhgd,bshd->bhgs", qg, k,
-                        precision=jax.lax.Precision.HIGHEST) / np.float32(math.sqrt(d))
+    k, v = (jnp.where(valid[:, :, None, None], a.astype(dtype), 0) for a in (k, v))
+    qg = q.reshape(b, hkv, hq // hkv, d).astype(dtype)
+    scores = jnp.einsum("bhgd,bshd->bhgs", qg, k, precision=precision,
+                        preferred_element_type=jnp.float32) / np.float32(math.sqrt(d))
     scores = jnp.where(valid[:, None, None, :], scores, -jnp.inf)
     m = jnp.max(scores, axis=-1, keepdims=True)
     p = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0))
     l = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("bhgs,bshd->bhgd", p, v, precision=jax.lax.Precision.HIGHEST)
+    o = jnp.einsum("bhgs,bshd->bhgd", p.astype(dtype), v, precision=precision,
+                   preferred_element_type=jnp.float32)
     o = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0)
     return o.reshape(b, hq, d).astype(q.dtype)
 
