@@ -384,8 +384,10 @@ def flash_decode(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array, ax
     Args:
       q: [B, Hq, D], the same on every rank.
       k, v: [B, S_shard, Hkv, D], this rank's positions; Hq a multiple of Hkv.
-      kv_len: [B] integers, the global valid lengths (positions at or past
-        them are masked; a rank may hold none; a sequence of length 0 gets zeros).
+      kv_len: [B] integers, the global valid lengths, the same on every rank
+        (positions at or past them are masked; a rank may hold none; a sequence
+        of length 0 gets zeros; lengths that differ across ranks are not
+        detected and give a wrong result).
       axis_name: mesh axis (or tuple of axes) the cache is sharded over.
       block_table: [B, pages] int32 (optional): a paged cache. k and v are then
         this rank's page pool [num_pages, page, Hkv, D], and this rank's
