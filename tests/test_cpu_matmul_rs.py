@@ -158,6 +158,26 @@ def test_matmul_ar_parked_epilogue(world, two_shot):
         assert rel_err(out[0], f64(x) @ f64(w)) < (1e-2 if two_shot else 1e-5)
 
 
+def test_matmul_ar_parked_and_register_sums_get_their_own_workspaces():
+    """Two configs of one shape and tiling, one summing in registers and one parking
+    its partial (more warps' worth of elements per thread): the parking call's
+    workspace holds its own plane, not the first call's smaller workspace reused."""
+    from jaxtdist.runtime import runtime
+    m, n, k, world = 66, 40, 24, 2
+    mesh = setup(world)
+    x, w = rand((m, world * k)), rand((world * k, n))
+    args = (place(mesh, x, X_SPEC), place(mesh, w, W_SPEC))
+    for warps in (8, 1):  # 64 x 32 tiles: 8 warps sum in registers, 1 warp parks
+        cfg = dict(BLOCK_M=64, BLOCK_N=32, num_warps=warps)
+        f = jax.jit(jax.shard_map(lambda a, b: matmul_ar_kernels(a, b, "tp", config=cfg),
+                                  mesh=mesh, in_specs=(X_SPEC, W_SPEC), out_specs=P(),
+                                  check_vma=False))
+        assert rel_err(f(*args), f64(x) @ f64(w)) < 1e-5
+    inboxes = [ws for key, ws in runtime()._workspaces.items()
+               if key[0] == "matmul_ar/inbox" and key[2:6] == (m, n, 64, 32)]
+    assert len(inboxes) == 2 and inboxes[0].nbytes < inboxes[1].nbytes
+
+
 def test_matmul_ar_default_exchange():
     """Two shot in x's dtype where one shot's float32 partials pass 2 MB per rank;
     one shot in float32 elsewhere; TWO_SHOT asked alone brings its partials'

@@ -447,10 +447,11 @@ def matmul_ar_kernels(x: jax.Array, w: jax.Array, axis_name, *,
     plan = PartialsWorkspace(world, m * n, tiles, partial.itemsize,
                              m * n * x.dtype.itemsize if two_shot else 0,
                              own=park and world > 1)
-    # The flags' layout depends on the tiling and the exchange: calls of another
-    # get their own workspace (and epoch counter).
+    # The flags' layout depends on the tiling and the exchange, and the own plane on
+    # park: calls of another get their own workspace (and epoch counter), not a
+    # smaller one reused.
     ws = call.workspace("inbox", plan.nbytes, m, n, cfg.BLOCK_M, cfg.BLOCK_N, partial.name,
-                        two_shot)
+                        two_shot, park)
     split_k = cfg.SPLIT_K
     k_split = -(-k // (split_k * cfg.BLOCK_K)) * cfg.BLOCK_K  # whole K blocks per split
     partials_off = counters_off = -1
