@@ -55,6 +55,13 @@ def block_range(block, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def block_offsets(rows, cols, M, N):
+    """Offsets of the block ``rows`` x ``cols`` of a row-major [M, N] array, and the
+    mask of its elements inside it."""
+    return rows[:, None] * N + cols[None, :], (rows < M)[:, None] & (cols < N)[None, :]
+
+
+@triton.jit
 def dot_acc(a, b, acc, DOT_PRECISION: tl.constexpr):
     """``acc + a @ b``. DOT_PRECISION (``ops._precision``) applies to float32 inputs:
     ``tl.dot``'s input precision (None: the backend's default), or "tf32_rn": TF32

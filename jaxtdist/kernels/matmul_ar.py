@@ -65,7 +65,7 @@ import triton.language as tl
 import jaxtdist.language as dl
 from jaxtdist.kernels._gemm import tile_acc, weight_desc
 from jaxtdist.kernels._splitk import k_range, split_k_total
-from jaxtdist.kernels._tiles import block_range, dot_tile, grouped_tile
+from jaxtdist.kernels._tiles import block_offsets, block_range, dot_tile, grouped_tile
 
 
 @triton.jit
@@ -115,8 +115,7 @@ def matmul_ar_kernel(ctx, x_ptr, w_ptr, out_ptr,
         tl.static_assert(not B_T, "B_T: TMA loads only")
         acc = dot_tile(x_ptr, w_ptr, rows, row_mask, cols, col_mask, k_lo, k_hi, K, N,
                        BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
-    offs = rows[:, None] * N + cols[None, :]
-    mask = row_mask[:, None] & col_mask[None, :]
+    offs, mask = block_offsets(rows, cols, M, N)
     if SPLIT_K > 1:
         last, acc = split_k_total(acc, split, dl.heap_ptr(ctx, PARTIALS_OFF, tl.float32),
                                   offs, mask, dl.heap_ptr(ctx, COUNTERS_OFF, tl.int32) + tile,
@@ -138,19 +137,18 @@ def matmul_ar_kernel(ctx, x_ptr, w_ptr, out_ptr,
                                         out_ptr.dtype.element_ty)
                 _two_shot_tile(ctx, acc, out_ptr, offs, mask, tile, m_tiles * n_tiles, M * N,
                                inbox, flags, results, dl.heap_ptr(ctx, RFLAGS_OFF, tl.int32),
-                               own, tm * BLOCK_M, cols, col_mask, M, N, BLOCK_M, PARK)
+                               own, tm * BLOCK_M, cols, M, N, BLOCK_M, PARK)
             else:
                 _one_shot_tile(ctx, acc, out_ptr, offs, mask, tile, m_tiles * n_tiles, M * N,
-                               inbox, flags, own, tm * BLOCK_M, cols, col_mask, M, N, BLOCK_M,
+                               inbox, flags, own, tm * BLOCK_M, cols, M, N, BLOCK_M,
                                PARK)
 
 
 @triton.jit
-def _rows_step(row0, r0, cols, col_mask, M: tl.constexpr, N: tl.constexpr,
+def _rows_step(row0, r0, cols, M: tl.constexpr, N: tl.constexpr,
                ROWS: tl.constexpr):
     """Offsets and mask of rows [row0 + r0, row0 + r0 + ROWS) of a tile's columns ``cols``."""
-    rows = row0 + r0 + tl.arange(0, ROWS)
-    return rows[:, None] * N + cols[None, :], (rows < M)[:, None] & col_mask[None, :]
+    return block_offsets(row0 + r0 + tl.arange(0, ROWS), cols, M, N)
 
 
 @triton.jit
@@ -171,7 +169,7 @@ def _park(own, part, offs, mask):
 
 @triton.jit
 def _sum_store(ctx, part, own, out_ptr, offs, mask, tile, tiles, slot_elems, inbox, flags,
-               results, row0, cols, col_mask, M: tl.constexpr, N: tl.constexpr,
+               results, row0, cols, M: tl.constexpr, N: tl.constexpr,
                BLOCK_M: tl.constexpr, PARK: tl.constexpr, BROADCAST: tl.constexpr):
     """Sums tile ``tile``'s partials over the ranks in rank order (this rank's
     ``part`` in its place) and stores the sum at ``out_ptr + offs``; BROADCAST
@@ -181,7 +179,7 @@ def _sum_store(ctx, part, own, out_ptr, offs, mask, tile, tiles, slot_elems, inb
         _park(own, part, offs, mask)
         ROWS: tl.constexpr = BLOCK_M // 4 if BLOCK_M >= 64 else BLOCK_M
         for r0 in range(0, BLOCK_M, ROWS):
-            step_offs, step_mask = _rows_step(row0, r0, cols, col_mask, M, N, ROWS)
+            step_offs, step_mask = _rows_step(row0, r0, cols, M, N, ROWS)
             mine = tl.load(own + step_offs, mask=step_mask, other=0.0).to(tl.float32)
             _sum_store_rows(ctx, mine, out_ptr, step_offs, step_mask, tile, tiles, slot_elems,
                             inbox, flags, results, BROADCAST)
@@ -219,7 +217,7 @@ def _sum_store_rows(ctx, mine, out_ptr, offs, mask, tile, tiles, slot_elems, inb
 
 @triton.jit
 def _one_shot_tile(ctx, acc, out_ptr, offs, mask, tile, tiles, slot_elems, inbox, flags, own,
-                   row0, cols, col_mask, M: tl.constexpr, N: tl.constexpr,
+                   row0, cols, M: tl.constexpr, N: tl.constexpr,
                    BLOCK_M: tl.constexpr, PARK: tl.constexpr):
     """Pushes this rank's partial ``acc`` of tile ``tile`` to every peer, waits for
     theirs and stores the sum over the ranks at ``out_ptr + offs``."""
@@ -235,12 +233,12 @@ def _one_shot_tile(ctx, acc, out_ptr, offs, mask, tile, tiles, slot_elems, inbox
     for step in range(1, world):
         dl.notify(ctx, flags + (world - 1 - step) * tiles + tile, (me + step) % world, e)
     _sum_store(ctx, part, own, out_ptr, offs, mask, tile, tiles, slot_elems, inbox, flags,
-               None, row0, cols, col_mask, M, N, BLOCK_M, PARK, False)
+               None, row0, cols, M, N, BLOCK_M, PARK, False)
 
 
 @triton.jit
 def _two_shot_tile(ctx, acc, out_ptr, offs, mask, tile, tiles, slot_elems, inbox, flags,
-                   results, rflags, own, row0, cols, col_mask, M: tl.constexpr,
+                   results, rflags, own, row0, cols, M: tl.constexpr,
                    N: tl.constexpr, BLOCK_M: tl.constexpr, PARK: tl.constexpr):
     """Tile ``tile``'s owner (rank ``tile % world``) gathers every peer's partial,
     sums them in rank order and pushes the rounded sum into every peer's results
@@ -263,7 +261,7 @@ def _two_shot_tile(ctx, acc, out_ptr, offs, mask, tile, tiles, slot_elems, inbox
     else:
         # Its own partial rounds like the peers' (the same error wherever a tile lands).
         _sum_store(ctx, acc.to(inbox.dtype.element_ty), own, out_ptr, offs, mask, tile, tiles,
-                   slot_elems, inbox, flags, results, row0, cols, col_mask, M, N, BLOCK_M,
+                   slot_elems, inbox, flags, results, row0, cols, M, N, BLOCK_M,
                    PARK, True)
         for step in range(1, world):
             dl.notify(ctx, rflags + tile, (me + step) % world, e)  # release: the sum

@@ -60,7 +60,8 @@ import triton.language as tl
 
 import jaxtdist.language as dl
 from jaxtdist.kernels._gemm import column_halves, out_desc, store_tile, tile_acc, weight_desc
-from jaxtdist.kernels._tiles import block_range, dot_tile, grouped_tile, rank_major_tile
+from jaxtdist.kernels._tiles import (block_offsets, block_range, dot_tile, grouped_tile,
+                                     rank_major_tile)
 
 
 @triton.jit
@@ -68,9 +69,8 @@ def _piece_offsets(tm, col0, M_SHARD: tl.constexpr, N: tl.constexpr, BLOCK_M: tl
                    WIDTH: tl.constexpr):
     """Element offsets of columns [col0, col0 + WIDTH) of row tile ``tm`` in a
     row-major [M_SHARD, N] array, and the mask of those inside it."""
-    rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = col0 + tl.arange(0, WIDTH)
-    return rows[:, None] * N + cols[None, :], (rows < M_SHARD)[:, None] & (cols < N)[None, :]
+    return block_offsets(tm * BLOCK_M + tl.arange(0, BLOCK_M), col0 + tl.arange(0, WIDTH),
+                         M_SHARD, N)
 
 
 @triton.jit

@@ -152,13 +152,6 @@ class MoeHandle:
                                                           default=None)
 
 
-def _group(axis_name) -> Any:
-    """``axis_name`` as a tuple of mesh axes ("ep" and ("ep",) name one group)."""
-    if isinstance(axis_name, str):
-        return (axis_name,)
-    return tuple(axis_name) if isinstance(axis_name, (list, tuple)) else axis_name
-
-
 # -- routing metadata (on the device) ------------------------------------------------
 
 def _valid_pairs(expert_ids: jax.Array, num_experts: int) -> jax.Array:
@@ -420,7 +413,7 @@ def moe_dispatch_kernels(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_
     sizes, dropped = _summary(counts, rows)
     handle = MoeHandle(expert_ids, counts, spos, stk, ranges, dropped, route.invalid,
                        num_experts=num_experts, max_recv_rows=rows, programs=programs,
-                       axis_name=_group(axis_name))
+                       axis_name=call.layout.axes)
     return (recv, sizes, handle, stamps) if trace else (recv, sizes, handle)
 
 
@@ -619,14 +612,15 @@ _DISPATCH = DistributedOp("moe_dispatch", forward=_dispatch_forward,
 
 def _check_combine(y, weights, handle, *, axis_name, config=None) -> None:
     del config
-    world = check_axis(runtime(), axis_name, "moe_combine").world
+    layout = check_axis(runtime(), axis_name, "moe_combine")
+    world = layout.world
     if not isinstance(handle, MoeHandle):
         raise ValueError(f"jaxtdist.moe_combine: handle must be the MoeHandle that "
                          f"moe_dispatch returned, got {type(handle).__name__}")
     # The handle's arrays are laid out for the dispatch's group: combining over
     # another group reads them with the wrong W (a wrong result, or worse: kernels
     # indexing past the handle's arrays).
-    if handle.axis_name is not None and handle.axis_name != _group(axis_name):
+    if handle.axis_name is not None and handle.axis_name != layout.axes:
         raise ValueError(f"jaxtdist.moe_combine: axis_name={axis_name!r}, but the handle "
                          f"comes from a moe_dispatch over {handle.axis_name!r}; combine over "
                          "the dispatch's axis_name")
@@ -777,12 +771,12 @@ def moe_dispatch(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_experts:
     if x_scale is not None:
         recv = _fp8_unpack(recv, x.dtype, x_scale.shape[1])
     t, k = expert_ids.shape
-    world = check_axis(runtime(), axis_name, "moe_dispatch").world
-    rows = max_recv_rows or default_recv_rows(t, k, world, num_experts)
+    layout = check_axis(runtime(), axis_name, "moe_dispatch")
+    rows = max_recv_rows or default_recv_rows(t, k, layout.world, num_experts)
     programs = ranges.shape[1]
     handle = MoeHandle(expert_ids, counts, spos, stk, ranges, dropped, invalid,
                        num_experts=num_experts, max_recv_rows=rows, programs=programs,
-                       axis_name=_group(axis_name))
+                       axis_name=layout.axes)
     return recv, sizes, handle
 
 
