@@ -419,21 +419,24 @@ def test_moe_kernels_compile(dtype, dots, send_rows):
         assert "release" in ptx
 
 
-@pytest.mark.parametrize("tma,flatten,world", [(True, True, 4), (True, False, 4),
-                                               (False, False, 4), (True, True, 1)])
-def test_matmul_rs_kernel_runs_on_the_gemm_core(tma, flatten, world):
+@pytest.mark.parametrize("tma,flatten,world,push_tma", [
+    (True, True, 4, False), (True, False, 4, False), (False, False, 4, False),
+    (True, True, 1, False), (True, False, 4, True), (True, False, 2, True)])
+def test_matmul_rs_kernel_runs_on_the_gemm_core(tma, flatten, world, push_tma):
     """matmul_rs's tiles: TMA loads and wgmma on the GEMM core (a subtiled TMA store of
     the own rows), or the pointer GEMM for rows TMA cannot address; both push
-    partials with system-scope releases."""
+    partials with system-scope releases (PUSH_TMA: as TMA stores, each flag after
+    a wait for them)."""
     from jaxtdist.kernels.matmul_rs import matmul_rs_kernel
     k = _compile_native(matmul_rs_kernel, ["i32"] + ["bf16"] * 3,
                         dict(M_SHARD=2048, N=4096, K=3584, INBOX_OFF=1 << 20,
-                             PARITY_BYTES=1 << 26, FLAGS_OFF=4096, PARTIAL_INPUT=False,
+                             PARITY_BYTES=1 << 26, FLAGS_OFF=4096, PARTIAL_INPUT=push_tma,
                              WORLD=world, NUM_PROGRAMS=132, INTERLEAVE=True, BLOCK_M=128,
                              BLOCK_N=256, BLOCK_K=64, GROUP_M=8, SUBTILE=4, TMA=tma,
-                             FLATTEN=flatten),
+                             FLATTEN=flatten, PUSH_TMA=push_tma),
                         num_warps=8, num_stages=3)
     ptx = k.asm["ptx"]
+    assert ("cp.async.bulk.wait_group 0;" in ptx) == push_tma
     assert "wgmma.mma_async" in ptx
     assert ("cp.async.bulk.tensor.2d.shared" in ptx) == tma
     assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == tma  # TMA stores

@@ -71,6 +71,17 @@ def test_matmul_rs_configs(config):
         _check(f, mesh, world * 21, 37, world * 10, dtype)
 
 
+@pytest.mark.parametrize("world,push", [(4, "tma"), (2, "stores")])
+def test_matmul_rs_push_ways(world, push):
+    """Both ways a peer's tile reaches its owner (TMA stores with the flag a tile
+    later, SM stores), on rows TMA can address, several tiles per program."""
+    mesh = setup(world)
+    f = _rs_fn(mesh, dict(PUSH=push, TMA=True, NUM_PROGRAMS=2, BLOCK_M=16, BLOCK_N=16))
+    for dtype in (F32, BF16):
+        for _ in range(2):  # both inbox parities
+            _check(f, mesh, world * 40, 48, world * 16, dtype)
+
+
 # (world, dtype, M, N, k per rank): decode rows (1, 5, 16), one case of two row tiles.
 AR_CASES = [(2, F32, 1, 40, 20), (2, BF16, 16, 33, 36), (4, BF16, 16, 33, 12),
             (4, F32, 40, 17, 50), (8, F16, 5, 24, 9), (8, F32, 1, 70, 5)]
@@ -405,6 +416,10 @@ def test_errors():
         _ar_fn(mesh, dict(SPLIT_K=2))(x, w)
     with pytest.raises(ValueError, match="PARTIAL='bf16' must be one of"):
         _rs_fn(mesh, dict(PARTIAL="bf16"))(x, w)
+    with pytest.raises(ValueError, match="PUSH='dma' must be one of"):
+        _rs_fn(mesh, dict(PUSH="dma"))(x, w)
+    with pytest.raises(ValueError, match="PUSH='tma' needs TMA=True"):
+        _rs_fn(mesh, dict(PUSH="tma", TMA=False))(x, w)
     with pytest.raises(ValueError, match="NUM_PROGRAMS=-1 must be an int >= 0"):
         _rs_fn(mesh, dict(NUM_PROGRAMS=-1))(x, w)
     with pytest.raises(ValueError, match="dtype int32"):

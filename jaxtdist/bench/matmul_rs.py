@@ -80,6 +80,10 @@ def bench_matmul_rs(shapes, iterations: int, world: int, dtype=jnp.bfloat16,
     specs = dict(mesh=mesh, in_specs=(X_SPEC, W_SPEC), out_specs=P("tp", None),
                  check_vma=False)
     ours = jax.jit(jax.shard_map(lambda x, w: ops.matmul_rs(x, w, "tp"), **specs))
+    # Both ways a peer's tile leaves (TMA stores, SM stores) forced, beside the default.
+    pushes = {f"jaxtdist_push_{push}": jax.jit(jax.shard_map(
+        lambda x, w, push=push: ops.matmul_rs(x, w, "tp", config=dict(PUSH=push)), **specs))
+        for push in ("tma", "stores")} if world > 1 else {}
     xla = jax.jit(jax.shard_map(
         lambda x, w: jax.lax.psum_scatter(x @ w, "tp", scatter_dimension=0, tiled=True),
         **specs))
@@ -99,12 +103,15 @@ def bench_matmul_rs(shapes, iterations: int, world: int, dtype=jnp.bfloat16,
             local_gemm=h.Contender(local, (x0, w0), 1),
             local_gemm_all_devices=h.Contender(local_all, args, world),
             xla_dot_psum_scatter=h.Contender(xla, args, world, ref),
-            jaxtdist=h.Contender(ours, args, world, ref, aligned=True)), iterations, rounds))
+            jaxtdist=h.Contender(ours, args, world, ref, aligned=True),
+            **{name: h.Contender(f, args, world, ref, aligned=True)
+               for name, f in pushes.items()}), iterations, rounds))
         row["jaxtdist"].update(_config_source("matmul_rs", world, (m, n, k_shard), dtype))
         rows.append(row)
         print(f"matmul_rs {m} {n} {k}: " + " | ".join(
             f"{name} {h.us(row.get(name))}" for name in
-            ("local_gemm", "local_gemm_all_devices", "xla_dot_psum_scatter", "jaxtdist")),
+            ("local_gemm", "local_gemm_all_devices", "xla_dot_psum_scatter", "jaxtdist",
+             *pushes)),
             flush=True)
     return rows
 
@@ -158,6 +165,8 @@ RS_COLUMNS = _SHAPE + [
     h.Column("(b) dot + psum_scatter", lambda r: h.us(r.get("xla_dot_psum_scatter"))),
     h.Column("(d) jaxtdist", lambda r: h.us(r.get("jaxtdist"))),
     h.Column("(d) fastest device", lambda r: h.us_min(r.get("jaxtdist"))),
+    h.Column("TMA-store pushes", lambda r: h.us(r.get("jaxtdist_push_tma"))),
+    h.Column("SM-store pushes", lambda r: h.us(r.get("jaxtdist_push_stores"))),
     h.Column("(d)/(a)", lambda r: h.ratio(r.get("jaxtdist"), r.get("local_gemm"))),
     h.Column("(d)/(b)", lambda r: h.ratio(r.get("jaxtdist"), r.get("xla_dot_psum_scatter"))),
     h.Column("rel err (d)", lambda r: h.err(r.get("jaxtdist"))),

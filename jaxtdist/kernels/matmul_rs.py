@@ -9,10 +9,11 @@ the pipelined mainloop, a subtiled TMA store of the output), in the order of
 then me+2, ..., and this rank's own rows last.
 
 - A peer's tile is pushed as soon as it is computed: its partial (float32, or
-  the input dtype with PARTIAL_INPUT) is stored through ``dl.symm_at``
-  pointers into the owner's heap inbox, in the slot of this source rank,
-  then the tile's flag in the owner's heap is set to the epoch (``dl.notify``:
-  a release at system scope).
+  the input dtype with PARTIAL_INPUT) goes into the owner's heap inbox, in the
+  slot of this source rank, as TMA stores (PUSH_TMA; its flag is raised after
+  the next tile's mainloop, once ``dl.wait_tma_stores`` finds them landed) or
+  as SM stores through ``dl.symm_at`` pointers (its flag raised at once); the
+  flag is set to the epoch (``dl.notify``: a release at system scope).
 - An own tile is computed last, and its partial stays in registers: the
   program waits (acquire) for the tile's flag of each of the other W - 1
   ranks, adds their partials in float32 and stores the output tile.
@@ -141,8 +142,24 @@ def _epilogue(ctx, acc, OWN: tl.constexpr, inbox, flags, me, e, slot_elems, per_
     if not OWN:
         # Every piece stored: the tile's flag in the owner's heap (a release at
         # system scope publishes them all).
-        slot = (me - dst + WORLD - 1) % WORLD
-        dl.notify(ctx, flags + slot * per_rank + tm * n_tiles + tn, dst, e)
+        _raise_flag(ctx, flags, me, e, per_rank, dst, tm, tn, n_tiles, WORLD)
+
+
+@triton.jit
+def _raise_flag(ctx, flags, me, e, per_rank, dst, tm, tn, n_tiles, WORLD: tl.constexpr):
+    """Peer tile (tm, tn)'s flag in owner ``dst``'s heap, in the slot of this source."""
+    slot = (me - dst + WORLD - 1) % WORLD
+    dl.notify(ctx, flags + slot * per_rank + tm * n_tiles + tn, dst, e)
+
+
+@triton.jit
+def _publish(ctx, tile, flags, me, e, per_rank, m_tiles, n_tiles, GROUP_M: tl.constexpr,
+             WORLD: tl.constexpr):
+    """Raises the flag of peer tile ``tile`` (of this rank's list) once its TMA
+    stores have landed."""
+    dst, tm, tn = rank_major_tile(tile, me + 1, WORLD, m_tiles, n_tiles, GROUP_M)
+    dl.wait_tma_stores()
+    _raise_flag(ctx, flags, me, e, per_rank, dst, tm, tn, n_tiles, WORLD)
 
 
 @triton.jit
@@ -154,7 +171,7 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, SUBTILE: tl.constexpr, TMA: tl.constexpr,
                      FLATTEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                     B_T: tl.constexpr):
+                     B_T: tl.constexpr, PUSH_TMA: tl.constexpr = False):
     """Grid: (NUM_PROGRAMS,), at most one program per SM on GPUs (own tiles spin).
 
     x: [WORLD * M_SHARD, K], w: [K, N] ([N, K] with B_T, TMA only: ``_gemm.weight_desc``)
@@ -172,6 +189,15 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr,
     1.27x before). A flattened loop that pushes or adds partials ran 2.7x
     slower on 2 x H100 (8192 x 4096 x 12288: 2093 us against 777), so the op
     never asks for one there.
+
+    PUSH_TMA (TMA only): a peer tile goes out as TMA stores into the owner's
+    inbox (``store_tile`` on a descriptor of the peer's slot): the TMA unit
+    moves it while the program goes on to the next tile, where SM stores held
+    the program until the link took them. Every program pushes at the same
+    point of each round of tiles, so the link's bursts cost the SM stores'
+    programs about the whole exchange (8192 x 4096 x 12288 on 2 x H100: 689
+    us against a 514 us GEMM). Its flag is raised one tile later, when the
+    stores have long landed (``_publish``), so no release waits on the link.
     """
     pid = tl.program_id(0)
     me = dl.rank(ctx)
@@ -202,6 +228,7 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr,
             first, last, step = pid, peer_tiles, NUM_PROGRAMS
         else:
             first, last, step = 0, tl.where(pid == 0, peer_tiles, 0), 1
+        pending = first - step  # PUSH_TMA: the tile whose flag is not raised yet
         for tile in tl.range(first, last, step):
             dst, tm, tn = rank_major_tile(tile, me + 1, WORLD, m_tiles, n_tiles, GROUP_M)
             if TMA:
@@ -210,9 +237,25 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr,
             else:
                 acc = _pointer_tile(x_ptr + tl.cast(dst, tl.int64) * (M_SHARD * K), w_ptr, tm, tn,
                                     M_SHARD, N, K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
-            _epilogue(ctx, acc, False, inbox, flags, me, e, slot_elems, per_rank, dst, tm, tn,
-                      n_tiles, c_desc, out_ptr, M_SHARD, N, BLOCK_M, BLOCK_N, SUBTILE, WORLD,
-                      TMA)
+            if PUSH_TMA:
+                tl.static_assert(TMA, "PUSH_TMA: the GEMM core's tiles only")
+                if pending >= first:
+                    _publish(ctx, pending, flags, me, e, per_rank, m_tiles, n_tiles, GROUP_M,
+                             WORLD)
+                # Made after the wait above: no store in flight still reads it.
+                slot = (me - dst + WORLD - 1) % WORLD
+                peer_desc = out_desc(dl.symm_at(ctx, inbox + slot * slot_elems, dst), M_SHARD,
+                                     N, BLOCK_M, BLOCK_N, SUBTILE)
+                store_tile(peer_desc, acc, 0, tm * BLOCK_M, tn * BLOCK_N, BLOCK_M, BLOCK_N,
+                           SUBTILE)
+                pending = tile
+            else:
+                _epilogue(ctx, acc, False, inbox, flags, me, e, slot_elems, per_rank, dst, tm,
+                          tn, n_tiles, c_desc, out_ptr, M_SHARD, N, BLOCK_M, BLOCK_N, SUBTILE,
+                          WORLD, TMA)
+        if PUSH_TMA:
+            if pending >= first:
+                _publish(ctx, pending, flags, me, e, per_rank, m_tiles, n_tiles, GROUP_M, WORLD)
     # Own tiles, last: the round-robin goes on where the peers' tiles left it.
     if INTERLEAVE:
         first, last, step = (pid + NUM_PROGRAMS - peer_tiles % NUM_PROGRAMS) % NUM_PROGRAMS, \

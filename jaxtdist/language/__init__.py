@@ -31,6 +31,7 @@ from jaxtdist.language.core import (
     symm_at,
     wait,
     wait_for_tma,
+    wait_tma_stores,
 )
 
 __all__ = [
@@ -53,4 +54,5 @@ __all__ = [
     "symm_at",
     "wait",
     "wait_for_tma",
+    "wait_tma_stores",
 ]

@@ -23,6 +23,12 @@ def fence_async_proxy():
 
 
 @triton.jit
+def wait_tma_stores():
+    """Waits for this thread's TMA stores: AMD has none (no TMA proxy)."""
+    pass
+
+
+@triton.jit
 def consume_token(value, token):
     """Returns ``value``: the wait that made ``token`` is a Triton acquire atomic,
     which the compiler already orders the later loads after."""

@@ -22,6 +22,12 @@ def fence_async_proxy():
 
 
 @triton.jit
+def wait_tma_stores():
+    """Waits for this thread's TMA stores: the interpreter's are done when issued."""
+    pass
+
+
+@triton.jit
 def consume_token(value, token):
     """Returns ``value``; programs run in order, so nothing can move."""
     return value

@@ -11,6 +11,9 @@ the same signatures:
   ``*signal`` until ``>= value`` or ``limit`` ns have passed (then an
   async-proxy fence); returns (last value seen, a zero int32 token).
 - ``now_ns()``: a clock in nanoseconds (int64), the bound of every wait.
+- ``wait_tma_stores()``: waits until this thread's TMA stores are written and
+  orders them before its later generic accesses (a release then publishes
+  them).
 
 Backends: ``_nvidia`` (inline PTX, sm_90), ``_amd`` (AMDGCN, gfx942),
 ``_interpret`` (Triton's interpreter, where programs run one at a time in
@@ -47,13 +50,13 @@ TARGET = _target()
 
 if TARGET == "interpret":
     from jaxtdist.language._interpret import (consume_token, fence_async_proxy, now_ns,
-                                              round_tf32, spin_acquire_ge)
+                                              round_tf32, spin_acquire_ge, wait_tma_stores)
 elif TARGET == "hip":
     from jaxtdist.language._amd import (consume_token, fence_async_proxy, now_ns, round_tf32,
-                                         spin_acquire_ge)
+                                         spin_acquire_ge, wait_tma_stores)
 else:
     from jaxtdist.language._nvidia import (consume_token, fence_async_proxy, now_ns,
-                                           round_tf32, spin_acquire_ge)
+                                           round_tf32, spin_acquire_ge, wait_tma_stores)
 
 __all__ = ["TARGET", "consume_token", "fence_async_proxy", "now_ns", "round_tf32",
-           "spin_acquire_ge"]
+           "spin_acquire_ge", "wait_tma_stores"]

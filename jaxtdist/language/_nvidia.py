@@ -41,6 +41,17 @@ def fence_async_proxy():
 
 
 @triton.jit
+def wait_tma_stores():
+    """Waits until this thread's TMA stores (tensor-descriptor stores, async
+    proxy) have been written, then orders them before its later generic
+    accesses: a release after it publishes them. (Triton's own wait after a
+    descriptor store is only for the read of its shared-memory source.)"""
+    tl.inline_asm_elementwise(
+        "cp.async.bulk.wait_group 0;\n fence.proxy.async.global;\n mov.u32 $0, $1;", "=r,r",
+        [tl.full([], 0, tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def consume_token(value, token):
     """Returns ``value``, made data-dependent on ``token`` (a wait's result).
 

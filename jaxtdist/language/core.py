@@ -16,7 +16,7 @@ import triton.language as tl
 
 from jaxtdist.language import _layout as L
 from jaxtdist.language._lowering import (consume_token, fence_async_proxy, now_ns,
-                                         spin_acquire_ge)
+                                         spin_acquire_ge, wait_tma_stores)
 
 _CTX_RANK = tl.constexpr(L.CTX_RANK)
 _CTX_WORLD = tl.constexpr(L.CTX_WORLD)

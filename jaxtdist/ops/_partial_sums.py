@@ -30,6 +30,7 @@ __all__ = ["MatmulArConfig", "MatmulRsConfig", "PartialsWorkspace", "matmul_ar_k
 
 _CPU_PROGRAMS = 3  # the interpreter runs programs one by one: a few show the dealing
 _PARTIALS = ("float32", "input")
+_PUSHES = ("auto", "tma", "stores")
 # Tiles of the GPU pointer kernels, largest first: the largest whose count still
 # covers the SMs is the default (fewer tiles than SMs leave SMs idle throughout).
 _RS_TILES = ((128, 128), (128, 64), (64, 64))
@@ -90,6 +91,11 @@ class MatmulRsConfig(KernelConfig):
       FLATTEN: at world 1, fuse the tile loop with its K loop (TMA only), so
         that the next tile's first loads go out under this tile's epilogue
         (ignored at world > 1, where a fused loop measured 2.7x slower).
+      PUSH: how a peer's tile reaches its owner: "tma" (TMA stores into the
+        owner's inbox, its flag raised a tile later: the program computes on
+        while the TMA unit sends; TMA tiles only) or "stores" (SM stores
+        through peer pointers, then the flag); "auto" (default): "tma" with
+        TMA, else "stores".
       num_warps, num_stages: launch options.
     """
     OP: ClassVar[str] = "matmul_rs"
@@ -104,6 +110,7 @@ class MatmulRsConfig(KernelConfig):
     TMA: bool = True
     SUBTILE: int = 2
     FLATTEN: bool = True
+    PUSH: str = "auto"
     num_warps: int = 8
     num_stages: int = 3
 
@@ -157,6 +164,12 @@ class MatmulRsConfig(KernelConfig):
         if self.PARTIAL not in _PARTIALS:
             raise ValueError(f"jaxtdist.matmul_rs: config PARTIAL={self.PARTIAL!r} must be one "
                              f"of {_PARTIALS}")
+        if self.PUSH not in _PUSHES:
+            raise ValueError(f"jaxtdist.matmul_rs: config PUSH={self.PUSH!r} must be one of "
+                             f"{_PUSHES}")
+        if self.PUSH == "tma" and not self.TMA:
+            raise ValueError("jaxtdist.matmul_rs: config PUSH='tma' needs TMA=True (the GEMM "
+                             "core's tiles); use PUSH='stores' or 'auto' with the pointer GEMM")
         if not isinstance(self.FLATTEN, (bool, np.bool_)):
             raise ValueError(f"jaxtdist.matmul_rs: config FLATTEN={self.FLATTEN!r} must be True "
                              "or False")
@@ -166,12 +179,14 @@ class MatmulRsConfig(KernelConfig):
     def search_space(cls, problem: Problem) -> list[dict]:
         if problem.platform != "gpu":
             return cls.fitting(problem, [{}, dict(BLOCK_N=16), dict(NUM_PROGRAMS=1),
-                                           dict(PARTIAL="float32"), dict(FLATTEN=False)])
+                                           dict(PARTIAL="float32"), dict(FLATTEN=False),
+                                           dict(PUSH="stores")])
         tiles = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=8 if bm >= 128 else 4,
                       SUBTILE=4 if bn == 256 else 2)
                  for bm, bn in ((128, 128), (128, 256), (64, 256), (64, 128))]
         extra = [dict(t, num_stages=s) for t in tiles[:2] for s in (3, 4)]
-        extra += [dict(PARTIAL="float32"), dict(GROUP_M=4), dict(GROUP_M=16), dict(FLATTEN=False)]
+        extra += [dict(PARTIAL="float32"), dict(GROUP_M=4), dict(GROUP_M=16), dict(FLATTEN=False),
+                  dict(PUSH="stores")]
         return cls.fitting(problem, [{}] + tiles + extra)
 
     def programs(self, problem: Problem, tiles: int) -> int:
@@ -426,7 +441,8 @@ def matmul_rs_kernels(x: jax.Array, w: jax.Array, axis_name, *,
         PARTIAL_INPUT=cfg.PARTIAL == "input", WORLD=world, NUM_PROGRAMS=programs,
         INTERLEAVE=call.platform == "gpu", BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
         BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, SUBTILE=cfg.SUBTILE, TMA=cfg.TMA,
-        FLATTEN=bool(cfg.FLATTEN and cfg.TMA), DOT_PRECISION=precision, B_T=b_t)
+        FLATTEN=bool(cfg.FLATTEN and cfg.TMA), DOT_PRECISION=precision, B_T=b_t,
+        PUSH_TMA=world > 1 and cfg.TMA and cfg.PUSH != "stores")
 
 
 def matmul_ar_kernels(x: jax.Array, w: jax.Array, axis_name, *,

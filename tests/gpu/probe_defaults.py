@@ -4,7 +4,7 @@ process). The numbers quoted in the defaults' comments and in docs/perf come
 from these.
 
 Usage (repo root, GPU node): python3 tests/gpu/probe_defaults.py {moe,moe_trace,
-attention,flash_decode,gemm,push,float32} [world]. ``moe`` and ``moe_trace`` run at the
+attention,flash_decode,gemm,push,float32,rs_loop} [world]. ``moe`` and ``moe_trace`` run at the
 world given (default 2), ``push`` at 4 by default, and need that many GPUs; the
 others run on one.
 Prints one line per shape: each variant's median time, its ratio to the
@@ -383,9 +383,33 @@ def probe_float32() -> None:
         _report(f"{op} {m}x{n}x{k} float32", h.interleaved(contenders, 20, 3), "jnp_dot")
 
 
+def probe_rs_loop() -> None:
+    """matmul_rs's kernels at world 1 on the per-rank problems of its world-2 and
+    world-4 benchmark shapes: the fused tile-and-K loop (FLATTEN, world 1 only)
+    against the loop every world > 1 runs, and jnp.dot (what the GEMM half of
+    the overlapped op costs before any push)."""
+    from jaxtdist.bench.gemm import _SPECS, _kernel_fn
+
+    mesh = _mesh(1, "tp")
+    td.initialize(mesh)
+    dot = jax.jit(jnp.dot)
+    for i, (m, n, k) in enumerate([(8192, 4096, 6144), (8192, 8192, 14784),
+                                   (8192, 4096, 3072)]):
+        x = h.normal(900 + 2 * i, (m, k), jnp.bfloat16, scale=1 / np.sqrt(k))
+        w = h.normal(901 + 2 * i, (k, n), jnp.bfloat16)
+        args = (jax.device_put(x, NamedSharding(mesh, _SPECS["matmul_rs"][0])),
+                jax.device_put(w, NamedSharding(mesh, _SPECS["matmul_rs"][1])))
+        ref = h.float32_matmul(x, w, jax.devices()[0])
+        contenders = dict(jnp_dot=h.Contender(dot, args, 1, ref),
+                          flatten=h.Contender(_kernel_fn("matmul_rs", mesh, None), args, 1, ref),
+                          tile_loop=h.Contender(_kernel_fn("matmul_rs", mesh,
+                                                           dict(FLATTEN=False)), args, 1, ref))
+        _report(f"matmul_rs {m}x{n}x{k}", h.interleaved(contenders, 20, 3), "jnp_dot")
+
+
 PROBES = {"moe": probe_moe, "moe_trace": probe_moe_trace, "attention": probe_attention,
           "flash_decode": probe_flash_decode, "gemm": probe_gemm, "push": probe_push,
-          "float32": probe_float32}
+          "float32": probe_float32, "rs_loop": probe_rs_loop}
 
 if __name__ == "__main__":
     if len(sys.argv) not in (2, 3) or sys.argv[1] not in PROBES:
