@@ -158,6 +158,99 @@ def test_flash_decode_sharded_over_a_submesh():
     assert _rel(out, _reference(q, k, v, lens)) < 1e-5
 
 
+def _decode_module():
+    # (``jaxtdist.ops.flash_decode`` is the function: the package re-exports it.)
+    import importlib
+    return importlib.import_module("jaxtdist.ops.flash_decode")
+
+
+def test_flash_decode_kernels_at_world_1_only_on_gpus():
+    """The kernel forward with the local VJP is taken at world 1 on GPUs only: off
+    GPUs (the slow interpreter) and at world > 1 the op is what it was."""
+    import types
+
+    fd = _decode_module()
+    for world, gpu_expected in ((1, True), (2, False)):
+        setup(world, ("sp",))
+        rt = fd.runtime()
+        gpu = types.SimpleNamespace(platform="gpu", layout=rt.layout, mesh=rt.mesh)
+        assert fd._kernels_at_world_1(gpu, "sp") is gpu_expected
+        assert fd._kernels_at_world_1(rt, "sp") is False
+
+
+@pytest.mark.parametrize("paged,dtype", [(True, F32), (False, BF16)])
+def test_flash_decode_kernel_at_world_1_is_differentiable(monkeypatch, paged, dtype):
+    """At world 1 on GPUs (forced here) the forward is the kernel (flash_decode_kernels'
+    bits) and the backward the VJP of the plain-JAX local computation: q, k and v's
+    gradients are the plain path's, under jit + shard_map and under jax.vmap, with a
+    0 length and NaN / inf past the lengths (never read forward, masked backward)."""
+    fd = _decode_module()
+    mesh = setup(1, ("sp",))
+    b, hq, hkv, d, s, page = 3, 4, 2, 16, 24, 8
+    lens = np.array([0, page + 3, s - 5], np.int32)
+    q, w = rand((b, hq, d), dtype), rand((2, b, hq, d))
+    k, v = np.array(rand((b, s, hkv, d), dtype)), np.array(rand((b, s, hkv, d), dtype))
+    # vmap's two problems: these operands, and them halved.
+    refs = [_reference(q * f, k * f, v * f, lens) for f in (1.0, 0.5)]
+    for i, n in enumerate(lens):  # stale slots past the length
+        k[i, n:], v[i, n:] = np.nan, np.inf
+    table = ()
+    if paged:
+        k, v, t = _paginate(k, v, 1, page, 2, seed=int(lens[1]))
+        for i, n in enumerate(lens):  # junk ids past the length: never read
+            t[i, -(-n // page):] = -1 if i % 2 else 1 << 30
+        table = (t,)
+    args = [place(mesh, jnp.asarray(a, dtype), P()) for a in (q, k, v)]
+    args += [place(mesh, a, P()) for a in (lens,) + table]
+    in_axes = (0, 0, 0, None) + (None,) * len(table)
+
+    def op(fn):
+        def call(q, k, v, n, *t):
+            # The cache typed as sharded over "sp" (as with in_specs P(None, "sp")).
+            k, v = (jax.lax.pcast(a, ("sp",), to="varying") for a in (k, v))
+            return fn(q, k, v, n, "sp", block_table=t[0] if t else None)
+        return call
+
+    def halved(*a):  # vmap's operands: q, k and v batched, lengths and table shared
+        return [jnp.stack([x, x * 0.5]) if ax == 0 else x for x, ax in zip(a, in_axes)]
+
+    def forwards(*a):
+        return (op(td.flash_decode)(*a), op(td.ops.flash_decode_kernels)(*a),
+                jax.vmap(op(td.flash_decode), in_axes=in_axes)(*halved(*a)))
+
+    def loss(i):
+        def f(*a):
+            out = op(td.flash_decode)(*a)
+            return jnp.sum(out.astype(F32) * w[i]), out
+        return jax.grad(f, argnums=(0, 1, 2), has_aux=True)
+
+    def grads(*a):
+        return loss(0)(*a), jax.vmap(loss(1), in_axes=in_axes)(*halved(*a))
+
+    def run(kernels, fn):
+        # Traced (and run) while the choice is patched in: flash_decode reads it then.
+        monkeypatch.setattr(fd, "_kernels_at_world_1", lambda rt, axis_name: kernels)
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P()))(*args)
+
+    f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    tol = TOL[jnp.dtype(dtype)]
+    out, kernel_out, outs = run(True, forwards)  # no gradient: the primal pass
+    assert out.dtype == jnp.dtype(dtype) and _rel(out, refs[0]) < tol
+    np.testing.assert_array_equal(f32(out), f32(kernel_out))
+    np.testing.assert_array_equal(f32(out[0]), 0.0)  # length 0
+    np.testing.assert_array_equal(f32(outs[0]), f32(out))
+    assert _rel(outs[1], refs[1]) < tol
+    (got, got_out), (got_v, got_v_out) = run(True, grads)
+    np.testing.assert_array_equal(f32(got_out), f32(out))  # the forward with residuals
+    np.testing.assert_array_equal(f32(got_v_out), f32(outs))
+    (want, _), (want_v, _) = run(False, grads)  # the plain-JAX local computation
+    close = dict(rtol=1e-6, atol=1e-6) if dtype == F32 else dict(rtol=2e-2, atol=2e-2)
+    for name, g, r in zip(["dq", "dk", "dv"] * 2, got + got_v, want + want_v):
+        assert np.all(np.isfinite(f32(g))), name
+        np.testing.assert_allclose(f32(g), f32(r), err_msg=name, **close)
+    assert np.any(f32(got[0]) != 0) and np.any(f32(got_v[0][1]) != 0)
+
+
 def test_flash_decode_is_not_differentiable():
     mesh = setup(2, ("sp",))
     (_, _, _), placed = _operands(mesh, 2, 1, 4, 1, 64, 4, F32)

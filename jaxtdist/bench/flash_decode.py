@@ -4,7 +4,8 @@ Per total sequence length S of ``shapes.FLASH_DECODE_SEQS`` (B=1, Hq=32, Hkv=8,
 D=128, bf16, every position valid but the last 3):
 
 - world 1 (the default on one GPU): jaxtdist's kernel forced at world 1
-  (``flash_decode_kernels``) against XLA's decode attention of the same cache
+  (``flash_decode_kernels``) and the op itself (at world 1 its local
+  computation) against XLA's decode attention of the same cache
   (``decode_attention`` in bf16 with float32 softmax, and
   ``jax.nn.dot_product_attention`` with ``key_value_seq_lengths``), with the KV
   read bandwidth each reaches (bytes of K and V / kernel time), and the kernel
@@ -158,6 +159,8 @@ def bench_flash_decode(seqs, iterations: int, world: int, dtype=jnp.bfloat16,
         fns = dict(
             jaxtdist=jax.jit(jax.shard_map(lambda *a: ops.flash_decode_kernels(*a, "sp"),
                                            **specs)),
+            # What a user's call costs at world 1: the op's local computation.
+            op=jax.jit(jax.shard_map(lambda *a: td.flash_decode(*a, "sp"), **specs)),
             xla_decode=jax.jit(_xla_decode_local),
             jax_nn_dpa=jax.jit(lambda q, k, v, n: jax.nn.dot_product_attention(
                 q[:, None], k, v, key_value_seq_lengths=n)[:, 0]))
@@ -185,7 +188,7 @@ def bench_flash_decode(seqs, iterations: int, world: int, dtype=jnp.bfloat16,
         row.update(h.interleaved(contenders, iterations, rounds))
         if s in one_gpu:
             row["one_gpu"] = one_gpu[s]
-        for name in ("jaxtdist", "jaxtdist_paged", "xla_decode", "jax_nn_dpa", "one_gpu"):
+        for name in ("jaxtdist", "jaxtdist_paged", "op", "xla_decode", "jax_nn_dpa", "one_gpu"):
             stats = row.get(name)
             if stats and stats.get("mean_us"):
                 per_device = kv_bytes if name == "one_gpu" else kv_bytes // world
@@ -222,6 +225,7 @@ WORLD1_COLUMNS = [
     h.Column("KV MiB", lambda r: f"{r['kv_bytes_per_device'] / 2**20:.0f}"),
     h.Column("XLA decode", lambda r: h.us(r.get("xla_decode"))),
     h.Column("jax.nn.dot_product_attention", lambda r: h.us(r.get("jax_nn_dpa"))),
+    h.Column("jaxtdist.flash_decode (world 1: local computation)", lambda r: h.us(r.get("op"))),
     h.Column("jaxtdist kernel", lambda r: h.us(r.get("jaxtdist"))),
     h.Column("jaxtdist / XLA decode", lambda r: h.ratio(r.get("jaxtdist"), r.get("xla_decode"))),
     h.Column("KV read TB/s (jaxtdist)", lambda r: _tb_s(r.get("jaxtdist"))),
@@ -273,6 +277,6 @@ def _arguments(parser) -> None:
 
 BENCHMARK = h.Benchmark(
     name="flash_decode", op="flash_decode", run=run, table=table,
-    series=("jaxtdist", "jaxtdist_paged", "xla_decode", "jax_nn_dpa", "xla_all_gather_merge",
+    series=("jaxtdist", "jaxtdist_paged", "op", "xla_decode", "jax_nn_dpa", "xla_all_gather_merge",
             "one_gpu"),
     size_label="sequence length", arguments=_arguments)

@@ -4,8 +4,9 @@ sharded by position across the ranks of a group, in one launch per call.
 Shapes (``_check``), plan (``FlashDecodeConfig``, ``DecodeWorkspace``), launch
 (``flash_decode_kernels``), the local computation (``_local``, also the float32
 reference's formula); ``DistributedOp`` supplies program order, world 1 and the
-``TypeError`` on differentiation; ``pjit_wrapper`` the pjit-style form. The kernel
-is ``kernels/flash_decode.py``.
+``TypeError`` on differentiation; ``pjit_wrapper`` the pjit-style form. At world 1
+on GPUs the kernel runs, with the local computation's VJP as its backward
+(``_kernels_at_world_1``). The kernel is ``kernels/flash_decode.py``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import numpy as np
 
 from jaxtdist.kernels.flash_decode import flash_decode_kernel
 from jaxtdist.ops._config import KernelConfig, Problem, resolve
-from jaxtdist.ops._op import DistributedOp, mesh_devices, pjit_wrapper, rows_over
+from jaxtdist.ops._op import (DistributedOp, _typed_as_sum, mesh_devices, pjit_wrapper,
+                              rows_over)
 from jaxtdist.ops._protocol import Call, check_axis
 from jaxtdist.ops._shapes import align, check_dtype, next_pow2
 from jaxtdist.runtime._runtime import runtime
@@ -315,7 +317,8 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array
     q [B, Hq, D]; k, v [B, S, Hkv, D] holding global positions [start, start + S);
     positions at or past ``kv_len`` [B] are masked; a sequence with none valid
     gets zeros. Returns [B, Hq, D] in q's dtype. flash_decode's computation at
-    world 1: 16-bit operands go to the tensor cores as they are (float32
+    world 1 under the interpreter, and what its backward differentiates at world
+    1 on GPUs: 16-bit operands go to the tensor cores as they are (float32
     accumulation; the weights rounded to v's dtype, as the kernel does), float32
     ones in full float32 (its reference, on the gathered cache).
     """
@@ -366,6 +369,49 @@ _PAGED_DECODE = DistributedOp("flash_decode", forward=_paged_forward, check=_che
                               local=_paged_local, reduces=True)
 
 
+# -- world 1 on GPUs: the kernel forward, the local computation's VJP backward --------
+#
+# The local computation zeroes K and V past the length (two copies of the cache):
+# on one H100 (B=1, Hq=32, Hkv=8, D=128, bf16) it took 43.4 / 155.2 / 571.9 us at
+# 8K / 32K / 128K positions, the kernel (which never reads past the length) 13.3 /
+# 52.2 / 180.8. So on GPUs a group of one rank runs the kernel, and its backward
+# differentiates the local computation, recomputed from the inputs. Under the
+# Triton interpreter the local computation stays (the interpreter is slow).
+
+def _kernels_at_world_1(rt, axis_name) -> bool:
+    """Whether ``flash_decode`` over ``axis_name`` runs the kernel at world 1 (GPUs)."""
+    return rt.platform == "gpu" and check_axis(rt, axis_name, "flash_decode").world == 1
+
+
+def _with_inputs(forward):
+    """``forward`` keeping its array arguments as the residuals (the backward
+    recomputes the local computation from them)."""
+    def with_inputs(*arrays, axis_name, config=None):
+        return forward(*arrays, axis_name=axis_name, config=config)[0], arrays
+    return with_inputs
+
+
+def _local_vjp(local):
+    """The backward of ``local``'s VJP: cotangents of q, k and v; none for kv_len and
+    block_table (integers)."""
+    def backward(residuals, ct, *, axis_name, config=None):
+        q, k, v, *rest = residuals
+        axes = check_axis(runtime(), axis_name, "flash_decode").axes
+        # Typed as the kernel's result is (psum's type: not varying over the
+        # group), so that ct's type is the one the VJP expects.
+        _, vjp = jax.vjp(lambda q, k, v: _typed_as_sum(
+            local(q, k, v, *rest, axis_name=axis_name, config=config), axes), q, k, v)
+        return vjp(ct) + (None,) * len(rest)
+    return backward
+
+
+_KERNEL_DECODE = DistributedOp("flash_decode", forward=_with_inputs(_forward), primal=_forward,
+                               backward=_local_vjp(_local), check=_check, reduces=True)
+_KERNEL_PAGED_DECODE = DistributedOp(
+    "flash_decode", forward=_with_inputs(_paged_forward), primal=_paged_forward,
+    backward=_local_vjp(_paged_local), check=_check_paged, reduces=True)
+
+
 def flash_decode(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array, axis_name, *,
                  block_table: jax.Array | None = None,
                  config: dict | None = None) -> jax.Array:
@@ -379,7 +425,10 @@ def flash_decode(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array, ax
     heap and merges the W partials in rank order, so every rank ends with the
     same bits. Lengths are data: no recompilation as ``kv_len`` grows. Not
     differentiable (differentiating it raises ``TypeError``) except at world
-    1, where it is plain JAX.
+    1: there, on GPUs, the kernel runs (it never reads past the length) and the
+    backward is the VJP of ``decode_attention`` (plain JAX, recomputed from q, k,
+    v); under the Triton interpreter (CPU) the op is ``decode_attention``, with
+    JAX's autodiff. kv_len and block_table get no cotangent.
 
     Args:
       q: [B, Hq, D], the same on every rank.
@@ -410,10 +459,12 @@ def flash_decode(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array, ax
       ...     in_specs=(P(), P(None, "sp"), P(None, "sp"), P()), out_specs=P()))
     """
     arrays = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(kv_len))
+    kernels = _kernels_at_world_1(runtime(), axis_name)
     if block_table is not None:
-        return _PAGED_DECODE(*arrays, jnp.asarray(block_table), axis_name=axis_name,
-                             config=config)
-    return _FLASH_DECODE(*arrays, axis_name=axis_name, config=config)
+        op = _KERNEL_PAGED_DECODE if kernels else _PAGED_DECODE
+        return op(*arrays, jnp.asarray(block_table), axis_name=axis_name, config=config)
+    return (_KERNEL_DECODE if kernels else _FLASH_DECODE)(*arrays, axis_name=axis_name,
+                                                          config=config)
 
 
 # -- pjit-style ---------------------------------------------------------------------
@@ -500,7 +551,8 @@ def flash_decode_sharded(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.A
     are replicated); k and v [B, S, Hkv, D] their batch over ``batch_axes`` and
     their positions over ``axis_name`` (W ranks: rank r holds positions
     ``[r * S / W, (r + 1) * S / W)``). The result [B, Hq, D] is sharded like q.
-    Mesh axes not named are replicated. Not differentiable, as ``flash_decode``.
+    Mesh axes not named are replicated. Differentiable where ``flash_decode`` is
+    (a group of one rank).
 
     Paged cache (``block_table`` given): every device has its own page pools,
     so k and v are the pools of the G devices of ``(*batch_axes, axis_name)``
