@@ -30,9 +30,10 @@ def _skip_without_ptxas():
 
 
 def _gemm_defaults(fn, constexprs: dict) -> dict:
-    """The GEMM kernels' DOT_PRECISION (the backend's) and B_T (w [K, N] as given)
-    at their defaults unless given."""
-    defaults = {name: value for name, value in (("DOT_PRECISION", None), ("B_T", False))
+    """The GEMM kernels' DOT_PRECISION (the backend's), B_T (w [K, N] as given) and
+    matmul_rs's pushes (SM stores) at their defaults unless given."""
+    defaults = {name: value for name, value in (("DOT_PRECISION", None), ("B_T", False),
+                                                ("PUSH_TMA", False), ("PUSH_SUBTILE", 1))
                 if name in fn.arg_names}
     return dict(defaults, **constexprs)
 

@@ -171,7 +171,8 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, SUBTILE: tl.constexpr, TMA: tl.constexpr,
                      FLATTEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                     B_T: tl.constexpr, PUSH_TMA: tl.constexpr = False):
+                     B_T: tl.constexpr, PUSH_TMA: tl.constexpr = False,
+                     PUSH_SUBTILE: tl.constexpr = 1):
     """Grid: (NUM_PROGRAMS,), at most one program per SM on GPUs (own tiles spin).
 
     x: [WORLD * M_SHARD, K], w: [K, N] ([N, K] with B_T, TMA only: ``_gemm.weight_desc``)
@@ -198,6 +199,10 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr,
     programs about the whole exchange (8192 x 4096 x 12288 on 2 x H100: 689
     us against a 514 us GEMM). Its flag is raised one tile later, when the
     stores have long landed (``_publish``), so no release waits on the link.
+    PUSH_SUBTILE: the pieces of that store (1 where shared memory holds the
+    whole tile: Triton waits for a piece's buffer to be read out, at the
+    link's pace, before the next piece reuses it, and the last piece's wait
+    falls under the next tile's mainloop).
     """
     pid = tl.program_id(0)
     me = dl.rank(ctx)
@@ -245,9 +250,9 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr,
                 # Made after the wait above: no store in flight still reads it.
                 slot = (me - dst + WORLD - 1) % WORLD
                 peer_desc = out_desc(dl.symm_at(ctx, inbox + slot * slot_elems, dst), M_SHARD,
-                                     N, BLOCK_M, BLOCK_N, SUBTILE)
+                                     N, BLOCK_M, BLOCK_N, PUSH_SUBTILE)
                 store_tile(peer_desc, acc, 0, tm * BLOCK_M, tn * BLOCK_N, BLOCK_M, BLOCK_N,
-                           SUBTILE)
+                           PUSH_SUBTILE)
                 pending = tile
             else:
                 _epilogue(ctx, acc, False, inbox, flags, me, e, slot_elems, per_rank, dst, tm,

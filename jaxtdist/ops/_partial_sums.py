@@ -19,7 +19,7 @@ import numpy as np
 from jaxtdist.kernels.matmul_ar import matmul_ar_kernel
 from jaxtdist.kernels.matmul_rs import matmul_rs_kernel
 from jaxtdist.ops._config import KernelConfig, Problem, check_blocks, resolve
-from jaxtdist.ops._gemm_config import default_tiles, tma_fits, weights_k_major
+from jaxtdist.ops._gemm_config import SMEM_BUDGET, default_tiles, tma_fits, weights_k_major
 from jaxtdist.ops._precision import kernel_operands
 from jaxtdist.ops._protocol import Call, check_axis
 from jaxtdist.ops._shapes import SplitKWorkspace, align, check_dtype, next_pow2
@@ -406,6 +406,18 @@ def _problem(call: Call, x, w) -> Problem:
 
 # -- launches --------------------------------------------------------------------
 
+def _push_pieces(cfg: MatmulRsConfig, itemsize: int, partial_itemsize: int) -> int:
+    """Column pieces of a peer tile's TMA store (PUSH_SUBTILE): as few as fit in
+    shared memory beside the pipeline's stages. A piece's buffer is free again
+    only once TMA has read it out, at the link's pace: the last piece's wait
+    falls under the next tile's mainloop, every earlier one holds the program."""
+    stages = cfg.num_stages * (cfg.BLOCK_M + cfg.BLOCK_N) * cfg.BLOCK_K * itemsize
+    for pieces in (1, 2):
+        if stages + cfg.BLOCK_M * cfg.BLOCK_N // pieces * partial_itemsize <= SMEM_BUDGET:
+            return pieces
+    return cfg.SUBTILE
+
+
 def matmul_rs_kernels(x: jax.Array, w: jax.Array, axis_name, *,
                       config: dict | None = None) -> jax.Array:
     """matmul_rs's kernel, at world 1 too (for the tuner and tests); not differentiable.
@@ -442,7 +454,8 @@ def matmul_rs_kernels(x: jax.Array, w: jax.Array, axis_name, *,
         INTERLEAVE=call.platform == "gpu", BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
         BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, SUBTILE=cfg.SUBTILE, TMA=cfg.TMA,
         FLATTEN=bool(cfg.FLATTEN and cfg.TMA), DOT_PRECISION=precision, B_T=b_t,
-        PUSH_TMA=world > 1 and cfg.TMA and cfg.PUSH != "stores")
+        PUSH_TMA=world > 1 and cfg.TMA and cfg.PUSH != "stores",
+        PUSH_SUBTILE=_push_pieces(cfg, x_in.dtype.itemsize, partial.itemsize))
 
 
 def matmul_ar_kernels(x: jax.Array, w: jax.Array, axis_name, *,
