@@ -270,7 +270,7 @@ def test_flash_decode_compiles_with_tensor_cores_and_its_protocol(dtype, d, grou
                  dict(QK_SCALE=0.1275, HQ=8 * group, HKV=8, GROUP=group, D=d, S_SHARD=32768,
                       GROUPS=8, NSPLIT=32, CHUNK=1024, LOCAL_OFF=0, LSE_OFF=1 << 20,
                       COUNT_OFF=1 << 21, INBOX_OFF=1 << 22, INBOX_LSE=1 << 18,
-                      PARITY_BYTES=1 << 19, FLAGS_OFF=1 << 24, BLOCK_N=cfg.BLOCK_N,
+                      INBOX_LEN=3 << 17, PARITY_BYTES=1 << 19, FLAGS_OFF=1 << 24, BLOCK_N=cfg.BLOCK_N,
                       BLOCK_G=max(16, group), BLOCK_D=block_d, IEEE=dtype == "fp32",
                       PAGE=page, NUM_PAGES=4096 if page else 0),
                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)

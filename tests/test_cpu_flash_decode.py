@@ -494,3 +494,25 @@ def test_flash_decode_sharded_paged_errors():
         call(table=np.zeros((2, 3), np.int32))
     with pytest.raises(ValueError, match="block_table has dtype float32"):
         call(table=np.zeros((2, 4), np.float32))
+
+
+def test_lengths_that_differ_across_ranks_give_nan():
+    """kv_len must be the same on every rank: a sequence whose length differs
+    gets NaN on every rank (the ranks exchange their lengths with the
+    partials), the others their attention; the next call, with agreeing
+    lengths, is whole again."""
+    world, b, s_shard = 2, 3, 11
+    mesh = setup(world, ("sp",))
+    f = jax.jit(jax.shard_map(lambda q, k, v, n: td.flash_decode(q, k, v, n, "sp"), mesh=mesh,
+                              in_specs=(P(), P(None, "sp"), P(None, "sp"), P("sp")),
+                              out_specs=P()))
+    (q, k, v), placed = _operands(mesh, world, b, 4, 2, 64, s_shard, F32)
+    agreed = np.array([2 * s_shard, 5, 16], np.int32)
+    per_rank = np.concatenate([agreed, agreed])
+    per_rank[b + 1] = 7  # rank 1 sees sequence 1 at length 7, rank 0 at 5
+    out = np.asarray(f(*placed, place(mesh, per_rank, P("sp"))), np.float64)
+    assert np.all(np.isnan(out[1]))
+    ref = _reference(q, k, v, agreed)
+    assert _rel(out[[0, 2]], ref[[0, 2]]) < TOL[jnp.dtype(F32)]
+    out = f(*placed, place(mesh, np.concatenate([agreed, agreed]), P("sp")))
+    assert _rel(out, ref) < TOL[jnp.dtype(F32)]

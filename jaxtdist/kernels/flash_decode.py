@@ -16,13 +16,16 @@ so every K and V row is read from memory once per call.
    the group) sets it back to 0 for the next call (which starts after this
    kernel ends: no epoch arithmetic that could overflow) and merges the
    group's NSPLIT partials into this rank's partial.
-3. Exchange: that program pushes its rank's partial into every peer's inbox
+3. Exchange: that program pushes its rank's partial (and the length it masked
+   with) into every peer's inbox
    (stores through ``dl.symm_at``; then, every peer's stores issued, the flag
    ``(me, group)`` of each peer set to the epoch, a release), stores it in its own inbox, and merges the W
    ranks' partials in rank order 0, 1, ..., W-1 (waiting for each peer's flag):
    every rank performs the same float32 operations on the same values, so
    every rank ends with the same bits. A rank holding no valid position sends
    ``lse = -inf``, which weighs 0; a sequence with ``kv_len = 0`` gets zeros.
+   A sequence whose length differs between ranks gets NaN on every rank (each
+   rank compares its peers' lengths with its own).
 
 Workspace (byte offsets, see ``ops/flash_decode.DecodeWorkspace``):
 
@@ -30,7 +33,8 @@ Workspace (byte offsets, see ``ops/flash_decode.DecodeWorkspace``):
   ``LSE_OFF`` their [BLOCK_G] float32 ``lse``; read only by this rank's kernel.
 - ``COUNT_OFF``: B * HKV int32 arrival counters.
 - ``INBOX_OFF``: two parities (``e % 2``) of PARITY_BYTES: W slots (one per source
-  rank) of B * HKV partials ``o``, then their ``lse`` at ``INBOX_LSE``.
+  rank) of B * HKV partials ``o``, then their ``lse`` at ``INBOX_LSE``, then
+  the sources' int32 lengths at ``INBOX_LEN``.
 - ``FLAGS_OFF``: W * B * HKV int32 flags, ``(src, group)`` set to the epoch by src.
 
 Reuse: rank s writes parity p of rank o's inbox at epochs e and e + 2. s's
@@ -140,7 +144,8 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr,
                         NSPLIT: tl.constexpr, CHUNK: tl.constexpr,
                         LOCAL_OFF: tl.constexpr, LSE_OFF: tl.constexpr,
                         COUNT_OFF: tl.constexpr, INBOX_OFF: tl.constexpr,
-                        INBOX_LSE: tl.constexpr, PARITY_BYTES: tl.constexpr,
+                        INBOX_LSE: tl.constexpr, INBOX_LEN: tl.constexpr,
+                        PARITY_BYTES: tl.constexpr,
                         FLAGS_OFF: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
                         PAGE: tl.constexpr = 0, NUM_PAGES: tl.constexpr = 0):
@@ -168,7 +173,8 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr,
     real_tile = real[:, None] & (d < BLOCK_D)[None, :]
 
     # 1. This program's chunk of this rank's valid positions.
-    valid = tl.minimum(tl.maximum(tl.load(len_ptr + b) - me * S_SHARD, 0), S_SHARD)
+    length = tl.load(len_ptr + b)
+    valid = tl.minimum(tl.maximum(length - me * S_SHARD, 0), S_SHARD)
     lo = split * CHUNK
     hi = tl.minimum(lo + CHUNK, valid)
     m, l, acc = _split_kv(q_ptr, k_ptr, v_ptr, table_ptr, b, h, lo, hi, QK_SCALE, HQ, HKV,
@@ -211,10 +217,12 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr,
         flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
         my_o = inbox_o + (me * GROUPS + group) * (BLOCK_G * BLOCK_D) + tile
         my_lse = inbox_lse + (me * GROUPS + group) * BLOCK_G + g
+        inbox_len = dl.parity_ptr(ctx, INBOX_OFF + INBOX_LEN, PARITY_BYTES, tl.int32)
         for step in range(1, world):
             dst = (me + step) % world
             tl.store(dl.symm_at(ctx, my_o, dst), o, mask=real_tile)
             tl.store(dl.symm_at(ctx, my_lse, dst), lse, mask=real)
+            tl.store(dl.symm_at(ctx, inbox_len + me * GROUPS + group, dst), length)
         # Flags after every peer's stores: the first release drains them all.
         for step in range(1, world):
             dl.notify(ctx, flags + me * GROUPS + group, (me + step) % world, e)
@@ -226,11 +234,15 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr,
         m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
         l = tl.zeros((BLOCK_G,), tl.float32)
         acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+        agree = length == length  # every rank merged with this rank's length
         for src in range(0, world):
             token = e
             if src != me:
                 # ">=": the peer may already have published epoch e + 1 (other parity).
                 token = dl.wait(ctx, flags + src * GROUPS + group, e, "ge", src)
+                seen = tl.load(aligned_after(inbox_len, token) + src * GROUPS + group,
+                               cache_modifier=".cg")
+                agree = agree & (seen == length)
             slot = src * GROUPS + group
             part_o = tl.load(aligned_after(inbox_o, token) + slot * (BLOCK_G * BLOCK_D) + tile,
                              mask=real_tile, other=0.0, cache_modifier=".cg")
@@ -238,6 +250,10 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr,
                                other=float("-inf"), cache_modifier=".cg")
             m, l, acc = _merge(m, l, acc, part_lse, part_o)
         o, lse = _finish(m, l, acc)
+        # kv_len must be the same on every rank: where it is not, the ranks masked
+        # different positions and their merge is no attention at all, so the
+        # sequence's output is NaN rather than a wrong number.
+        o = tl.where(agree, o, float("nan"))
         out_rows = b * HQ + h * GROUP + g
         tl.store(out_ptr + out_rows[:, None] * D + d[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=(g < GROUP)[:, None] & (d < D)[None, :])

@@ -144,7 +144,8 @@ class FlashDecodeConfig(KernelConfig):
 class DecodeWorkspace:
     """Byte layout of flash_decode's workspace (see ``kernels/flash_decode.py``):
     the local partials (o, then lse), the arrival counters, two inbox parities
-    (W source slots of o, then of lse) and the W * groups flags."""
+    (W source slots of o, then of lse, then of the length each source merged
+    with) and the W * groups flags."""
 
     def __init__(self, world: int, groups: int, splits: int, block_g: int, block_d: int):
         tile = block_g * block_d * 4
@@ -152,7 +153,8 @@ class DecodeWorkspace:
         self.lse = align(groups * splits * tile)
         self.counters = self.lse + align(groups * splits * block_g * 4)
         self.inbox_lse = align(world * groups * tile)
-        self.parity_bytes = self.inbox_lse + align(world * groups * block_g * 4)
+        self.inbox_len = self.inbox_lse + align(world * groups * block_g * 4)
+        self.parity_bytes = self.inbox_len + align(world * groups * 4)
         self.inbox = self.counters + align(groups * 4)
         self.flags = self.inbox + 2 * self.parity_bytes
         self.nbytes = self.flags + align(world * groups * 4)
@@ -300,7 +302,8 @@ def flash_decode_kernels(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.A
         QK_SCALE=float(math.log2(math.e) / math.sqrt(d)), HQ=hq, HKV=hkv, GROUP=group, D=d,
         S_SHARD=s_shard, GROUPS=groups, NSPLIT=splits, CHUNK=chunk,
         LOCAL_OFF=o + plan.local, LSE_OFF=o + plan.lse, COUNT_OFF=o + plan.counters,
-        INBOX_OFF=o + plan.inbox, INBOX_LSE=plan.inbox_lse, PARITY_BYTES=plan.parity_bytes,
+        INBOX_OFF=o + plan.inbox, INBOX_LSE=plan.inbox_lse, INBOX_LEN=plan.inbox_len,
+        PARITY_BYTES=plan.parity_bytes,
         FLAGS_OFF=o + plan.flags, BLOCK_N=cfg.BLOCK_N, BLOCK_G=block_g, BLOCK_D=block_d,
         IEEE=q.dtype == jnp.float32, PAGE=0 if block_table is None else k.shape[1],
         NUM_PAGES=k.shape[0])
@@ -435,8 +438,9 @@ def flash_decode(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array, ax
       k, v: [B, S_shard, Hkv, D], this rank's positions; Hq a multiple of Hkv.
       kv_len: [B] integers, the global valid lengths, the same on every rank
         (positions at or past them are masked; a rank may hold none; a sequence
-        of length 0 gets zeros; lengths that differ across ranks are not
-        detected and give a wrong result).
+        of length 0 gets zeros; a sequence whose length differs across ranks
+        gets NaN on every rank: the ranks exchange their lengths with their
+        partials).
       axis_name: mesh axis (or tuple of axes) the cache is sharded over.
       block_table: [B, pages] int32 (optional): a paged cache. k and v are then
         this rank's page pool [num_pages, page, Hkv, D], and this rank's
