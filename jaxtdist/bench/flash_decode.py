@@ -225,7 +225,7 @@ WORLD1_COLUMNS = [
     h.Column("KV MiB", lambda r: f"{r['kv_bytes_per_device'] / 2**20:.0f}"),
     h.Column("XLA decode", lambda r: h.us(r.get("xla_decode"))),
     h.Column("jax.nn.dot_product_attention", lambda r: h.us(r.get("jax_nn_dpa"))),
-    h.Column("jaxtdist.flash_decode (world 1: local computation)", lambda r: h.us(r.get("op"))),
+    h.Column("jaxtdist.flash_decode (the op at world 1)", lambda r: h.us(r.get("op"))),
     h.Column("jaxtdist kernel", lambda r: h.us(r.get("jaxtdist"))),
     h.Column("jaxtdist / XLA decode", lambda r: h.ratio(r.get("jaxtdist"), r.get("xla_decode"))),
     h.Column("KV read TB/s (jaxtdist)", lambda r: _tb_s(r.get("jaxtdist"))),
