@@ -193,12 +193,12 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr,
 
     PUSH_TMA (TMA only): a peer tile goes out as TMA stores into the owner's
     inbox (``store_tile`` on a descriptor of the peer's slot): the TMA unit
-    moves it while the program goes on to the next tile, where SM stores held
-    the program until the link took them. Every program pushes at the same
-    point of each round of tiles, so the link's bursts cost the SM stores'
-    programs about the whole exchange (8192 x 4096 x 12288 on 2 x H100: 689
-    us against a 514 us GEMM). Its flag is raised one tile later, when the
-    stores have long landed (``_publish``), so no release waits on the link.
+    moves it while the program goes on to the next tile, where SM stores hold
+    the program until the link takes them (8192 x 4096 x 12288 on 2 x H100:
+    671 us against 688 with SM stores, a 508-515 us GEMM; the exchange is
+    still not hidden, and starting the programs apart did not help). Its
+    flag is raised one tile later, when the stores have long landed
+    (``_publish``), so no release waits on the link.
     PUSH_SUBTILE: the pieces of that store (1 where shared memory holds the
     whole tile: Triton waits for a piece's buffer to be read out, at the
     link's pace, before the next piece reuses it, and the last piece's wait
