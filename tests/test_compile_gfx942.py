@@ -119,9 +119,12 @@ def _problems():
     cfg = pick(MatmulRsConfig, (m, n, k_shard))
     p = problem((m, n, k_shard))
     tiles = WORLD * -(-(m // WORLD) // cfg.BLOCK_M) * -(-n // cfg.BLOCK_N)
-    args = {k: v for k, v in cfg.kernel_args().items() if k not in ("PARTIAL", "NUM_PROGRAMS")}
+    args = {k: v for k, v in cfg.kernel_args().items()
+            if k not in ("PARTIAL", "NUM_PROGRAMS", "PUSH")}
+    # No TMA on AMD: peer tiles leave as SM stores.
     out["matmul_rs"] = (dict(args, M_SHARD=m // WORLD, N=n, K=k_shard, INBOX_OFF=1 << 20,
                              PARITY_BYTES=1 << 28, FLAGS_OFF=4096, DOT_PRECISION=None, B_T=False,
+                             PUSH_TMA=False, PUSH_SUBTILE=1,
                              PARTIAL_INPUT=cfg.PARTIAL == "input", WORLD=WORLD,
                              NUM_PROGRAMS=cfg.programs(p, tiles), INTERLEAVE=True),
                         cfg.launch_options())
