@@ -43,7 +43,7 @@ KERNELS = {
                             ["i32", "bf16", "bf16"], ["wait", "notify"]),
     "all_reduce_two_shot": ("all_reduce", "all_reduce_two_shot_kernel",
                             ["i32", "bf16", "bf16"], ["wait", "notify"]),
-    "matmul_rs": ("matmul_rs", "matmul_rs_kernel", ["i32"] + ["bf16"] * 3,
+    "matmul_rs": ("matmul_rs", "matmul_rs_kernel", ["i32"] + ["bf16"] * 3 + ["i32"],
                   ["wait", "notify", "mfma"]),
     "matmul_ar": ("matmul_ar", "matmul_ar_kernel", ["i32"] + ["bf16"] * 3,
                   ["wait", "notify", "mfma"]),
@@ -124,7 +124,7 @@ def _problems():
     # No TMA on AMD: peer tiles leave as SM stores.
     out["matmul_rs"] = (dict(args, M_SHARD=m // WORLD, N=n, K=k_shard, INBOX_OFF=1 << 20,
                              PARITY_BYTES=1 << 28, FLAGS_OFF=4096, DOT_PRECISION=None, B_T=False,
-                             PUSH_TMA=False, PUSH_SUBTILE=1,
+                             PUSH_TMA=False, PUSH_SUBTILE=1, TRACE_TILES=0,
                              PARTIAL_INPUT=cfg.PARTIAL == "input", WORLD=WORLD,
                              NUM_PROGRAMS=cfg.programs(p, tiles), INTERLEAVE=True),
                         cfg.launch_options())

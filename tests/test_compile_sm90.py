@@ -33,7 +33,8 @@ def _gemm_defaults(fn, constexprs: dict) -> dict:
     """The GEMM kernels' DOT_PRECISION (the backend's), B_T (w [K, N] as given) and
     matmul_rs's pushes (SM stores) at their defaults unless given."""
     defaults = {name: value for name, value in (("DOT_PRECISION", None), ("B_T", False),
-                                                ("PUSH_TMA", False), ("PUSH_SUBTILE", 1))
+                                                ("PUSH_TMA", False), ("PUSH_SUBTILE", 1),
+                                                ("TRACE_TILES", 0))
                 if name in fn.arg_names}
     return dict(defaults, **constexprs)
 
@@ -429,7 +430,7 @@ def test_matmul_rs_kernel_runs_on_the_gemm_core(tma, flatten, world, push_tma):
     partials with system-scope releases (PUSH_TMA: as TMA stores, each flag after
     a wait for them)."""
     from jaxtdist.kernels.matmul_rs import matmul_rs_kernel
-    k = _compile_native(matmul_rs_kernel, ["i32"] + ["bf16"] * 3,
+    k = _compile_native(matmul_rs_kernel, ["i32"] + ["bf16"] * 3 + ["i32"],
                         dict(M_SHARD=2048, N=4096, K=3584, INBOX_OFF=1 << 20,
                              PARITY_BYTES=1 << 26, FLAGS_OFF=4096, PARTIAL_INPUT=push_tma,
                              WORLD=world, NUM_PROGRAMS=132, INTERLEAVE=True, BLOCK_M=128,
@@ -612,7 +613,7 @@ def test_float32_weights_read_k_major(b_t):
     which TF32 wgmma cannot read, so each K step rewrites B's tile in shared
     memory with scalar stores."""
     from jaxtdist.kernels.matmul_rs import matmul_rs_kernel
-    k = _compile_native(matmul_rs_kernel, ["i32"] + ["fp32"] * 3,
+    k = _compile_native(matmul_rs_kernel, ["i32"] + ["fp32"] * 3 + ["i32"],
                         dict(M_SHARD=2048, N=4096, K=3584, INBOX_OFF=1 << 20,
                              PARITY_BYTES=1 << 26, FLAGS_OFF=4096, PARTIAL_INPUT=True, WORLD=1,
                              NUM_PROGRAMS=132, INTERLEAVE=True, BLOCK_M=128, BLOCK_N=128,

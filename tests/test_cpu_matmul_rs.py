@@ -82,6 +82,31 @@ def test_matmul_rs_push_ways(world, push):
             _check(f, mesh, world * 40, 48, world * 16, dtype)
 
 
+def test_matmul_rs_kernel_traces_its_tiles():
+    """trace_tiles: the same output, plus each program's clock stamps per tile (start,
+    mainloop done, epilogue done) that run in order (the probes' view of where the
+    time goes): one program, every tile traced."""
+    world, m_shard, n, k = 2, 40, 48, 16
+    cfg = dict(NUM_PROGRAMS=1, BLOCK_M=16, BLOCK_N=16)
+    tiles = world * -(-m_shard // 16) * -(-n // 16)
+    mesh = setup(world)
+
+    def body(x, w):
+        out_t, stamps = matmul_rs_kernels(x, w, "tp", config=cfg, trace_tiles=tiles)
+        return matmul_rs_kernels(x, w, "tp", config=cfg), out_t, stamps[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(X_SPEC, W_SPEC),
+                              out_specs=(P("tp", None), P("tp", None), P("tp"))))
+    x, w = rand((world * m_shard, world * k), F32), rand((world * k, n), F32)
+    out, out_t, stamps = (np.asarray(a) for a in f(place(mesh, x, X_SPEC),
+                                                    place(mesh, w, W_SPEC)))
+    np.testing.assert_array_equal(out, out_t)
+    assert_close(out_t, f64(x) @ f64(w), F32)
+    assert stamps.shape == (world, 1, tiles, 3)
+    steps = np.diff(stamps.reshape(world, -1).astype(np.int64), axis=-1) % (1 << 32)
+    assert (steps < 1 << 31).all(), stamps  # non-decreasing modulo 2**32
+
+
 # (world, dtype, M, N, k per rank): decode rows (1, 5, 16), one case of two row tiles.
 AR_CASES = [(2, F32, 1, 40, 20), (2, BF16, 16, 33, 36), (4, BF16, 16, 33, 12),
             (4, F32, 40, 17, 50), (8, F16, 5, 24, 9), (8, F32, 1, 70, 5)]

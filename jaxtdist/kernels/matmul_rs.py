@@ -63,6 +63,7 @@ import jaxtdist.language as dl
 from jaxtdist.kernels._gemm import column_halves, out_desc, store_tile, tile_acc, weight_desc
 from jaxtdist.kernels._tiles import (block_offsets, block_range, dot_tile, grouped_tile,
                                      rank_major_tile)
+from jaxtdist.kernels._trace import stamp
 
 
 @triton.jit
@@ -163,7 +164,7 @@ def _publish(ctx, tile, flags, me, e, per_rank, m_tiles, n_tiles, GROUP_M: tl.co
 
 
 @triton.jit
-def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr,
+def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr, trace_ptr,
                      M_SHARD: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                      INBOX_OFF: tl.constexpr, PARITY_BYTES: tl.constexpr,
                      FLAGS_OFF: tl.constexpr, PARTIAL_INPUT: tl.constexpr,
@@ -172,7 +173,7 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr,
                      GROUP_M: tl.constexpr, SUBTILE: tl.constexpr, TMA: tl.constexpr,
                      FLATTEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
                      B_T: tl.constexpr, PUSH_TMA: tl.constexpr = False,
-                     PUSH_SUBTILE: tl.constexpr = 1):
+                     PUSH_SUBTILE: tl.constexpr = 1, TRACE_TILES: tl.constexpr = 0):
     """Grid: (NUM_PROGRAMS,), at most one program per SM on GPUs (own tiles spin).
 
     x: [WORLD * M_SHARD, K], w: [K, N] ([N, K] with B_T, TMA only: ``_gemm.weight_desc``)
@@ -203,6 +204,10 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr,
     whole tile: Triton waits for a piece's buffer to be read out, at the
     link's pace, before the next piece reuses it, and the last piece's wait
     falls under the next tile's mainloop).
+    TRACE_TILES (a probe's view, 0: off): for each program's first TRACE_TILES
+    tiles (peers' then own), the clock when the tile starts, when its mainloop
+    is done and when its epilogue is (trace [NUM_PROGRAMS, TRACE_TILES, 3]
+    int32, ``_trace.stamp``).
     """
     pid = tl.program_id(0)
     me = dl.rank(ctx)
@@ -235,6 +240,9 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr,
             first, last, step = 0, tl.where(pid == 0, peer_tiles, 0), 1
         pending = first - step  # PUSH_TMA: the tile whose flag is not raised yet
         for tile in tl.range(first, last, step):
+            at = trace_ptr + (pid * TRACE_TILES + (tile - first) // step) * 3
+            traced = (tile - first) // step < TRACE_TILES
+            stamp(at, TRACE_TILES > 0, traced)
             dst, tm, tn = rank_major_tile(tile, me + 1, WORLD, m_tiles, n_tiles, GROUP_M)
             if TMA:
                 acc = tile_acc(x_desc, w_desc, dst * M_SHARD + tm * BLOCK_M, tn * BLOCK_N, 0,
@@ -242,6 +250,7 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr,
             else:
                 acc = _pointer_tile(x_ptr + tl.cast(dst, tl.int64) * (M_SHARD * K), w_ptr, tm, tn,
                                     M_SHARD, N, K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+            stamp(at + 1, TRACE_TILES > 0, traced)
             if PUSH_TMA:
                 tl.static_assert(TMA, "PUSH_TMA: the GEMM core's tiles only")
                 if pending >= first:
@@ -258,9 +267,13 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr,
                 _epilogue(ctx, acc, False, inbox, flags, me, e, slot_elems, per_rank, dst, tm,
                           tn, n_tiles, c_desc, out_ptr, M_SHARD, N, BLOCK_M, BLOCK_N, SUBTILE,
                           WORLD, TMA)
+            stamp(at + 2, TRACE_TILES > 0, traced)
+        done = tl.maximum(last - first + step - 1, 0) // step  # peer tiles computed here
         if PUSH_TMA:
             if pending >= first:
                 _publish(ctx, pending, flags, me, e, per_rank, m_tiles, n_tiles, GROUP_M, WORLD)
+    else:
+        done = 0
     # Own tiles, last: the round-robin goes on where the peers' tiles left it.
     if INTERLEAVE:
         first, last, step = (pid + NUM_PROGRAMS - peer_tiles % NUM_PROGRAMS) % NUM_PROGRAMS, \
@@ -269,6 +282,9 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr,
         per_program = tl.cdiv(per_rank, NUM_PROGRAMS)
         first, last, step = pid * per_program, tl.minimum((pid + 1) * per_program, per_rank), 1
     for tile in tl.range(first, last, step, flatten=FLATTEN and WORLD == 1):
+        at = trace_ptr + (pid * TRACE_TILES + done + (tile - first) // step) * 3
+        traced = done + (tile - first) // step < TRACE_TILES
+        stamp(at, TRACE_TILES > 0, traced)
         tm, tn = grouped_tile(tile, m_tiles, n_tiles, GROUP_M)
         if TMA:
             acc = tile_acc(x_desc, w_desc, me * M_SHARD + tm * BLOCK_M, tn * BLOCK_N, 0, K,
@@ -276,12 +292,14 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr,
         else:
             acc = _pointer_tile(x_ptr + tl.cast(me, tl.int64) * (M_SHARD * K), w_ptr, tm, tn,
                                 M_SHARD, N, K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+        stamp(at + 1, TRACE_TILES > 0, traced)
         if WORLD == 1 and TMA:
             store_tile(c_desc, acc, 0, tm * BLOCK_M, tn * BLOCK_N, BLOCK_M, BLOCK_N, SUBTILE)
         else:
             _epilogue(ctx, acc, True, inbox, flags, me, e, slot_elems, per_rank, me, tm, tn,
                       n_tiles, c_desc, out_ptr, M_SHARD, N, BLOCK_M, BLOCK_N, SUBTILE, WORLD,
                       TMA)
+        stamp(at + 2, TRACE_TILES > 0, traced)
 
 
 @triton.jit

@@ -62,6 +62,7 @@ import triton
 import triton.language as tl
 
 import jaxtdist.language as dl
+from jaxtdist.kernels._trace import stamp
 
 # Timestamps per program with TRACE: dispatch start, rows and meta pushed, headers
 # and flags sent, peers' flags seen, rows laid out, end; combine start, rows sent,
@@ -94,8 +95,7 @@ def _stamp(trace_ptr, pid, phase, TRACE: tl.constexpr):
     """With TRACE, the GPU's clock (low 32 bits of ns) at ``phase`` of program
     ``pid`` into trace [P, TRACE_PHASES] int32 (a probe's view of where the time
     goes); nothing otherwise."""
-    if TRACE:
-        tl.store(trace_ptr + pid * TRACE_PHASES + phase, dl.now_ns().to(tl.int32))
+    stamp(trace_ptr + pid * TRACE_PHASES + phase, TRACE)
 
 
 @triton.jit

@@ -420,10 +420,13 @@ def _push_pieces(cfg: MatmulRsConfig, itemsize: int, partial_itemsize: int) -> i
 
 
 def matmul_rs_kernels(x: jax.Array, w: jax.Array, axis_name, *,
-                      config: dict | None = None) -> jax.Array:
+                      config: dict | None = None, trace_tiles: int = 0):
     """matmul_rs's kernel, at world 1 too (for the tuner and tests); not differentiable.
 
     ``config`` overrides the defaults (``MatmulRsConfig``) and skips the tuning cache.
+    With ``trace_tiles`` > 0 (a probe's view), also returns the int32
+    [programs, trace_tiles, 3] clock stamps of each program's first tiles: start,
+    mainloop done, epilogue done (low 32 bits of ns).
     """
     x, w = jnp.asarray(x), jnp.asarray(w)
     _rs_check(x, w, axis_name=axis_name)
@@ -445,9 +448,13 @@ def matmul_rs_kernels(x: jax.Array, w: jax.Array, axis_name, *,
     varying = set(call.result_axes(local=(x, w))) | set(call.layout.axes)
     b_t = weights_k_major(x.dtype.itemsize, cfg.TMA)
     x_in, w_in, precision = kernel_operands(problem, x, w, tma=cfg.TMA, k_major=b_t)
-    return call.run(
+    # Without trace_tiles, the stamps' output is a one-element placeholder the
+    # kernel never writes.
+    stamps = (programs, trace_tiles, 3) if trace_tiles else (1,)
+    out, trace = call.run(
         matmul_rs_kernel, x_in, w_in, workspace=ws, needs_scratch=cfg.TMA,
-        out_shape=jax.ShapeDtypeStruct((m_shard, n), x.dtype), grid=(programs,),
+        out_shape=[jax.ShapeDtypeStruct((m_shard, n), x.dtype),
+                   jax.ShapeDtypeStruct(stamps, jnp.int32)], grid=(programs,),
         varying=tuple(a for a in call.rt.mesh.axis_names if a in varying),
         **cfg.launch_options(), M_SHARD=m_shard, N=n, K=k, INBOX_OFF=ws.offset + plan.inbox,
         PARITY_BYTES=plan.parity_bytes, FLAGS_OFF=ws.offset + plan.flags,
@@ -457,7 +464,9 @@ def matmul_rs_kernels(x: jax.Array, w: jax.Array, axis_name, *,
         FLATTEN=bool(cfg.FLATTEN and cfg.TMA), DOT_PRECISION=precision, B_T=b_t,
         PUSH_TMA=world > 1 and cfg.TMA and (cfg.PUSH == "tma" or (
             cfg.PUSH == "auto" and problem.platform == "gpu")),
-        PUSH_SUBTILE=_push_pieces(cfg, x_in.dtype.itemsize, partial.itemsize))
+        PUSH_SUBTILE=_push_pieces(cfg, x_in.dtype.itemsize, partial.itemsize),
+        TRACE_TILES=trace_tiles)
+    return (out, trace) if trace_tiles else out
 
 
 def matmul_ar_kernels(x: jax.Array, w: jax.Array, axis_name, *,

@@ -4,8 +4,8 @@ process). The numbers quoted in the defaults' comments and in docs/perf come
 from these.
 
 Usage (repo root, GPU node): python3 tests/gpu/probe_defaults.py {moe,moe_trace,
-attention,flash_decode,gemm,push,float32,rs_loop} [world]. ``moe`` and ``moe_trace`` run at the
-world given (default 2), ``push`` at 4 by default, and need that many GPUs; the
+attention,flash_decode,gemm,push,float32,rs_loop,rs_trace} [world]. ``moe`` and ``moe_trace`` run at the
+world given (default 2), ``push`` and ``rs_trace`` at 4 by default, and need that many GPUs; the
 others run on one.
 Prints one line per shape: each variant's median time, its ratio to the
 contender, its error.
@@ -407,9 +407,97 @@ def probe_rs_loop() -> None:
         _report(f"matmul_rs {m}x{n}x{k}", h.interleaved(contenders, 20, 3), "jnp_dot")
 
 
+def _rs_phases(stamps: np.ndarray, counts: list, peer: list) -> dict:
+    """Per-phase medians (us) of matmul_rs's tile stamps [P, T, 3] of one device:
+    program p's first counts[p] tiles are traced, its first peer[p] of them peers'."""
+    t = stamps.astype(np.int64)
+    t0 = min(int(t[p, 0, 0]) for p in range(len(counts)) if counts[p])
+    rel = lambda a: ((a - t0) % (1 << 32)) / 1e3  # noqa: E731 - us since the first start
+    main = {"peer": [], "own": []}
+    epi = {"peer": [], "own": []}
+    gaps, peer_end, end = [], [], []
+    for p, c in enumerate(counts):
+        for i in range(c):
+            kind = "peer" if i < peer[p] else "own"
+            start, mid, stop = (rel(t[p, i, j]) for j in range(3))
+            main[kind].append(mid - start)
+            epi[kind].append(stop - mid)
+            if i:
+                gaps.append(start - rel(t[p, i - 1, 2]))
+        if peer[p]:
+            peer_end.append(rel(t[p, peer[p] - 1, 2]))
+        if c:
+            end.append(rel(t[p, c - 1, 2]))
+    med = lambda v, q=50: float(np.percentile(v, q)) if v else float("nan")  # noqa: E731
+    return dict(span=max(end), peer_end=med(peer_end), main_peer=med(main["peer"]),
+                epi_peer=med(epi["peer"]), epi_peer_p90=med(epi["peer"], 90),
+                main_own=med(main["own"]), epi_own=med(epi["own"]),
+                epi_own_p90=med(epi["own"], 90), gap=med(gaps))
+
+
+def probe_rs_trace(world: int = 4, m: int = 8192, n: int = 4096, k: int = 12288) -> None:
+    """matmul_rs at ``world`` (default 4) on its benchmark's 8192 x 4096 x 12288,
+    where the exchange is not hidden: per-tile clock stamps (``trace_tiles``) of
+    the default, SM-store pushes, float32 partials and 128 x 128 tiles, and of the
+    same kernel at world 1 on one rank's problem (the GEMM half alone), with each
+    variant's CUPTI time. Prints per variant the medians over devices of: kernel
+    span, when the peers' tiles are done, a peer tile's mainloop and epilogue
+    (push issue, and with TMA pushes the previous tile's store wait and flag),
+    an own tile's mainloop and epilogue (flag waits, partial loads, store)."""
+    from jaxtdist.ops._config import Problem
+    from jaxtdist.ops._partial_sums import MatmulRsConfig, matmul_rs_kernels
+
+    sms = getattr(jax.devices()[0], "core_count", 0) or 4
+    variants = {"default": {}, "sm_stores": dict(PUSH="stores"),
+                "float32_partials": dict(PARTIAL="float32"),
+                "tiles_128x128": dict(BLOCK_M=128, BLOCK_N=128, SUBTILE=2, num_stages=4)}
+    for w_ in (world, 1):
+        mesh = _mesh(w_, "tp")
+        td.initialize(mesh)
+        k_shard = k // world
+        x = h.normal(2100, (m, k_shard * w_), jnp.bfloat16, scale=1 / np.sqrt(k))
+        wt = h.normal(2101, (k_shard * w_, n), jnp.bfloat16)
+        args = (jax.device_put(x, NamedSharding(mesh, P(None, "tp"))),
+                jax.device_put(wt, NamedSharding(mesh, P("tp", None))))
+        ref = h.float32_matmul(x, wt, jax.devices()[0])
+        base = MatmulRsConfig.default(Problem("gpu", w_, (m, n, k_shard * w_), "bfloat16",
+                                              sms))
+        contenders, traces = {}, {}
+        for name, extra in (variants if w_ > 1 else {"world_1": dict(FLATTEN=False)}).items():
+            cfg = dict(dict(BLOCK_M=base.BLOCK_M, BLOCK_N=base.BLOCK_N,
+                            SUBTILE=base.SUBTILE, num_stages=base.num_stages), **extra)
+            bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+            per_rank = -(-(m // w_) // bm) * -(-n // bn)
+            peer_tiles, programs = (w_ - 1) * per_rank, min(sms, w_ * per_rank)
+            peer = [len(range(p, peer_tiles, programs)) for p in range(programs)]
+            own = [len(range((p + programs - peer_tiles % programs) % programs, per_rank,
+                             programs)) for p in range(programs)]
+            counts = [a + b for a, b in zip(peer, own)]
+            specs = dict(mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)),
+                         check_vma=False)
+            contenders[name] = h.Contender(jax.jit(jax.shard_map(
+                lambda a, b, cfg=cfg: matmul_rs_kernels(a, b, "tp", config=cfg),
+                out_specs=P("tp", None), **specs)), args, w_, ref, aligned=True)
+            traced = jax.jit(jax.shard_map(
+                lambda a, b, cfg=cfg, c=max(counts): matmul_rs_kernels(
+                    a, b, "tp", config=cfg, trace_tiles=c)[1][None],
+                out_specs=P("tp"), **specs))
+            for _ in range(5):
+                stamps = np.asarray(traced(*args))
+            phases = [_rs_phases(stamps[d], counts, peer) for d in range(w_)]
+            traces[name] = {key: float(np.median([ph[key] for ph in phases]))
+                            for key in phases[0]}
+            print(f"rs_trace world {w_} {name} {bm}x{bn}: " + " ".join(
+                f"{key}={v:.1f}" for key, v in traces[name].items()), flush=True)
+        stats = h.interleaved(contenders, 40, 4)
+        print(f"rs_trace world {w_} CUPTI: " + " | ".join(
+            f"{name} {h.us(st)} err={st.get('rel_err')}" for name, st in stats.items()),
+            flush=True)
+
+
 PROBES = {"moe": probe_moe, "moe_trace": probe_moe_trace, "attention": probe_attention,
           "flash_decode": probe_flash_decode, "gemm": probe_gemm, "push": probe_push,
-          "float32": probe_float32, "rs_loop": probe_rs_loop}
+          "float32": probe_float32, "rs_loop": probe_rs_loop, "rs_trace": probe_rs_trace}
 
 if __name__ == "__main__":
     if len(sys.argv) not in (2, 3) or sys.argv[1] not in PROBES:
