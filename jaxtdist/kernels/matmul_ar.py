@@ -65,7 +65,8 @@ import triton.language as tl
 import jaxtdist.language as dl
 from jaxtdist.kernels._gemm import tile_acc, weight_desc
 from jaxtdist.kernels._splitk import k_range, split_k_total
-from jaxtdist.kernels._tiles import block_offsets, block_range, dot_tile, grouped_tile
+from jaxtdist.kernels._tiles import (aligned_after, block_offsets, block_range, dot_tile,
+                                     grouped_tile)
 
 
 @triton.jit
@@ -206,7 +207,9 @@ def _sum_store_rows(ctx, mine, out_ptr, offs, mask, tile, tiles, slot_elems, inb
             # Rank src pushes to this rank into slot (src - me + world - 1) % world.
             slot = (src - me + world - 1) % world
             token = dl.wait(ctx, flags + slot * tiles + tile, e, "ge", src)
-            total += tl.load(dl.consume_token(inbox + slot * slot_elems + offs, token),
+            # After the wait, alignment kept (16-byte loads; a token on the block of
+            # pointers made them 2-byte loads).
+            total += tl.load(aligned_after(inbox + slot * slot_elems, token) + offs,
                              mask=mask, other=0.0).to(tl.float32)
     y = total.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs, y, mask=mask)
@@ -256,7 +259,7 @@ def _two_shot_tile(ctx, acc, out_ptr, offs, mask, tile, tiles, slot_elems, inbox
                  acc.to(inbox.dtype.element_ty), mask=mask)
         dl.notify(ctx, flags + slot * tiles + tile, owner, e)  # release: the partial
         token = dl.wait(ctx, rflags + tile, e, "ge", owner)
-        y = tl.load(dl.consume_token(results + offs, token), mask=mask)
+        y = tl.load(aligned_after(results, token) + offs, mask=mask)
         tl.store(out_ptr + offs, y, mask=mask)
     else:
         # Its own partial rounds like the peers' (the same error wherever a tile lands).
