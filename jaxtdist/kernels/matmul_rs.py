@@ -198,9 +198,10 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr, trace_ptr,
     PUSH_TMA (TMA only): a peer tile goes out as TMA stores into the owner's
     inbox (``store_tile`` on a descriptor of the peer's slot): the TMA unit
     moves it while the program goes on to the next tile, where SM stores hold
-    the program until the link takes them (8192 x 4096 x 12288 on 2 x H100:
-    671 us against 688 with SM stores, a 508-515 us GEMM; the exchange is
-    still not hidden, and starting the programs apart did not help). Its
+    the program until the link takes them (8192 x 4096 x 12288 on 4 x H100:
+    377 us against 414 with SM stores, a 266 us GEMM; per-tile stamps put what
+    is left of the exchange in the own tiles' epilogue, 17 us against 1.6 at
+    world 1: docs/perf/rs_trace_*). Its
     flag is raised one tile later, when the stores have long landed
     (``_publish``), so no release waits on the link.
     PUSH_SUBTILE: the pieces of that store (1 where shared memory holds the
