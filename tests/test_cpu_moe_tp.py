@@ -127,12 +127,12 @@ def test_moe_tp_mlp_grad(world, gated):
         assert err < 1e-5, err
 
 
-def test_moe_tp_mlp_under_vmap():
+@pytest.mark.parametrize("grouped_gemm", ["jaxtdist", "auto"])
+def test_moe_tp_mlp_under_vmap(grouped_gemm):
     """jax.vmap over a leading batch of layers' inputs (each element its own routing),
     forward and grad, against the float64 reference and the per-element gradients,
-    with jaxtdist's grouped GEMM (with ragged_dot the batched group sizes have no
-    batching rule in JAX: docs/errors.md)."""
-    grouped_gemm = "jaxtdist"
+    with jaxtdist's grouped GEMM and with the default (ragged_dot on CPU, whose
+    batched group sizes JAX cannot batch: moe_tp runs them one element at a time)."""
     world, batch, t, k, e, h, f = 2, 2, 3, 2, 4, 16, 16
     mesh = setup(world, ("tp",))
     rng = np.random.default_rng(9)

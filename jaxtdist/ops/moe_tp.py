@@ -91,6 +91,38 @@ def _pick_grouped_gemm(grouped_gemm: str, experts: int, dtype) -> str:
     return "jaxtdist" if fast else "ragged_dot"
 
 
+def _ragged_dot(a: jax.Array, b: jax.Array, sizes: jax.Array) -> jax.Array:
+    return jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32)
+
+
+def _ragged_dot_pullback(a, b, sizes, dy):
+    return jax.vjp(lambda a, b: _ragged_dot(a, b, sizes), a, b)[1](dy)
+
+
+# JAX has no batching rule for ragged_dot with batched group sizes (each vmapped
+# element routes its own tokens), so under vmap the forward and its pullback run
+# one element after another (lax.map); without vmap they are ragged_dot itself.
+_ragged_dot_each = jax.custom_batching.sequential_vmap(_ragged_dot)
+_ragged_dot_pullback_each = jax.custom_batching.sequential_vmap(_ragged_dot_pullback)
+
+
+@jax.custom_vjp
+def _ragged_gemm(a: jax.Array, b: jax.Array, sizes: jax.Array) -> jax.Array:
+    """``ragged_dot(a, b, sizes)`` in float32 that vmap and grad both accept."""
+    return _ragged_dot_each(a, b, sizes)
+
+
+def _ragged_gemm_fwd(a, b, sizes):
+    return _ragged_dot_each(a, b, sizes), (a, b, sizes)
+
+
+def _ragged_gemm_bwd(residuals, dy):
+    return (*_ragged_dot_pullback_each(*residuals, dy), None)
+
+
+_ragged_gemm.defvjp(_ragged_gemm_fwd, _ragged_gemm_bwd)
+
+
 def experts_partial_sum(xs: jax.Array, ids: jax.Array, gate: jax.Array, k: int, w1: jax.Array,
                         w2: jax.Array, w_up: jax.Array | None,
                         activation: Callable[[jax.Array], jax.Array],
@@ -111,8 +143,7 @@ def experts_partial_sum(xs: jax.Array, ids: jax.Array, gate: jax.Array, k: int, 
         def gemm(a, b, sizes):
             return grouped_matmul(a, b, sizes).astype(jnp.float32)
     else:
-        def gemm(a, b, sizes):
-            return jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32)
+        gemm = _ragged_gemm
 
     e = w1.shape[0]
     valid = (ids >= 0) & (ids < e)
