@@ -105,6 +105,12 @@ def test_matmul_rs_kernel_traces_its_tiles():
     assert stamps.shape == (world, 1, tiles, 3)
     steps = np.diff(stamps.reshape(world, -1).astype(np.int64), axis=-1) % (1 << 32)
     assert (steps < 1 << 31).all(), stamps  # non-decreasing modulo 2**32
+    for bad in (-1, 2.0, True):
+        with pytest.raises(ValueError, match="trace_tiles"):
+            jax.jit(jax.shard_map(
+                lambda x, w, bad=bad: matmul_rs_kernels(x, w, "tp", trace_tiles=bad)[1],
+                mesh=mesh, in_specs=(X_SPEC, W_SPEC), out_specs=P("tp")))(
+                    place(mesh, x, X_SPEC), place(mesh, w, W_SPEC))
 
 
 # (world, dtype, M, N, k per rank): decode rows (1, 5, 16), one case of two row tiles.

@@ -430,6 +430,9 @@ def matmul_rs_kernels(x: jax.Array, w: jax.Array, axis_name, *,
     """
     x, w = jnp.asarray(x), jnp.asarray(w)
     _rs_check(x, w, axis_name=axis_name)
+    if isinstance(trace_tiles, bool) or not isinstance(trace_tiles, int) or trace_tiles < 0:
+        raise ValueError(f"jaxtdist.matmul_rs: trace_tiles={trace_tiles!r} must be an int >= 0 "
+                         "(0: no stamps)")
     call = Call("matmul_rs", axis_name)
     problem = _problem(call, x, w)
     cfg = resolve(MatmulRsConfig, problem, call.rt, config, axis_name=axis_name)
