@@ -16,7 +16,8 @@ then me+2, ..., and this rank's own rows last.
   flag is set to the epoch (``dl.notify``: a release at system scope).
 - An own tile is computed last, and its partial stays in registers: the
   program waits (acquire) for the tile's flag of each of the other W - 1
-  ranks, adds their partials in float32 and stores the output tile.
+  ranks, once per tile, then adds their partials in float32 (every piece's
+  W - 1 loads in flight together) and stores the output tile.
 - Both epilogues run a column piece (SUBTILE of them) at a time, so that a
   peer's partial and the offsets fit in registers beside the accumulator.
 
@@ -91,15 +92,11 @@ def _piece(ctx, piece, col0, OWN: tl.constexpr, inbox, flags, me, e, slot_elems,
         tl.store(dl.symm_at(ctx, inbox + slot * slot_elems + offs, dst),
                  piece.to(inbox.dtype.element_ty), mask=mask)
     else:
+        # ``inbox`` is ordered after every source's flag of this tile (_own_inbox):
+        # the W - 1 partials' loads of the piece go out together.
         for step_back in tl.static_range(1, WORLD):
             slot = WORLD - 1 - step_back
-            src = (me + WORLD - step_back) % WORLD
-            token = dl.wait(ctx, flags + slot * per_rank + tm * n_tiles + tn, e, "ge", src)
-            # The slot's base ordered after the wait, its alignment kept: the loads
-            # go out 16 bytes at a time (a token on the block of pointers made them
-            # 2-byte loads, 25-65 us per 128 x 256 tile at worlds 2-4 on H100).
-            part = tl.load(aligned_after(inbox + slot * slot_elems, token) + offs,
-                           mask=mask, other=0.0)
+            part = tl.load(inbox + slot * slot_elems + offs, mask=mask, other=0.0)
             piece += part.to(tl.float32)
         if TMA:
             c_desc.store([tm * BLOCK_M, col0], piece.to(c_desc.dtype))
@@ -118,6 +115,8 @@ def _epilogue(ctx, acc, OWN: tl.constexpr, inbox, flags, me, e, slot_elems, per_
     and spilled at world > 1 (128 x 256 tiles), while a piece's fit beside the
     rest of the accumulator. SUBTILE is the output descriptor's cut too."""
     col0 = tn * BLOCK_N
+    if OWN:
+        inbox = _own_inbox(ctx, inbox, flags, me, e, per_rank, tm, tn, n_tiles, WORLD)
     if SUBTILE == 1:
         _piece(ctx, acc, col0, OWN, inbox, flags, me, e, slot_elems, per_rank, dst, tm, tn,
                n_tiles, c_desc, out_ptr, M_SHARD, N, BLOCK_M, BLOCK_N, WORLD, TMA)
@@ -147,6 +146,20 @@ def _epilogue(ctx, acc, OWN: tl.constexpr, inbox, flags, me, e, slot_elems, per_
         # Every piece stored: the tile's flag in the owner's heap (a release at
         # system scope publishes them all).
         _raise_flag(ctx, flags, me, e, per_rank, dst, tm, tn, n_tiles, WORLD)
+
+
+@triton.jit
+def _own_inbox(ctx, inbox, flags, me, e, per_rank, tm, tn, n_tiles, WORLD: tl.constexpr):
+    """``inbox`` ordered after the flags of own tile (tm, tn) from every other rank
+    (waited once per tile, in the order they push to this rank: me-1 first,
+    me+1 last), its 16-byte alignment kept (``aligned_after``: a token on a
+    block of pointers made the partials' loads 2 bytes wide)."""
+    for step_back in tl.static_range(1, WORLD):
+        slot = WORLD - 1 - step_back
+        src = (me + WORLD - step_back) % WORLD
+        token = dl.wait(ctx, flags + slot * per_rank + tm * n_tiles + tn, e, "ge", src)
+        inbox = aligned_after(inbox, token)
+    return inbox
 
 
 @triton.jit

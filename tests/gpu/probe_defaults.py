@@ -495,9 +495,47 @@ def probe_rs_trace(world: int = 4, m: int = 8192, n: int = 4096, k: int = 12288)
             flush=True)
 
 
+def probe_fd_world(world: int = 4) -> None:
+    """flash_decode at ``world`` on S = 8K, 32K and 128K total: the default against
+    other splits and steps, launch alignment off, and the local kernel at world 1 on
+    one rank's shard (what the exchange adds). Mean and fastest device."""
+    from jaxtdist.bench import flash_decode as fb
+    from jaxtdist.ops.flash_decode import flash_decode_kernels
+
+    b, hq, hkv, d = fb.FLASH_DECODE_HEADS
+    variants = {"default": (None, True), "unaligned": (None, False),
+                "sp8": (dict(NUM_SPLITS=8), True), "sp32": (dict(NUM_SPLITS=32), True),
+                "n64_sp32": (dict(BLOCK_N=64, NUM_SPLITS=32), True),
+                "n64_sp48_st4": (dict(BLOCK_N=64, NUM_SPLITS=48, num_stages=4), True)}
+    for w_ in (1, world):
+        mesh = fb._mesh(w_)
+        td.initialize(mesh)
+        specs = dict(mesh=mesh, in_specs=fb.SPECS, out_specs=P(), check_vma=False)
+        for i, s in enumerate((8192, 32768, 131072)):
+            s_rank = s // world
+            q, k, v, n = fb._operands(900 + 3 * i, b, hq, hkv, d, s_rank * w_, jnp.bfloat16)
+            ref = fb._reference(q, k, v, n)
+            args = tuple(jax.device_put(a, NamedSharding(mesh, sp))
+                         for a, sp in zip((q, k, v, n), fb.SPECS))
+            contenders = {}
+            for name, (cfg, aligned) in (variants if w_ > 1 else
+                                         {"world_1_shard": (None, True),
+                                          "w1_sp32": (dict(NUM_SPLITS=32), True),
+                                          "w1_n64_sp48_st4": (dict(BLOCK_N=64, NUM_SPLITS=48,
+                                                                   num_stages=4), True)}).items():
+                fn = jax.jit(jax.shard_map(
+                    lambda *a, cfg=cfg: flash_decode_kernels(*a, "sp", config=cfg), **specs))
+                contenders[name] = h.Contender(fn, args, w_, ref, aligned=aligned)
+            stats = h.interleaved(contenders, 40, 4)
+            print(f"fd world {w_} S/rank={s_rank}: " + " | ".join(
+                f"{name} {h.us(st)} (min dev {h.us_min(st)}) err={st.get('rel_err')}"
+                for name, st in stats.items()), flush=True)
+
+
 PROBES = {"moe": probe_moe, "moe_trace": probe_moe_trace, "attention": probe_attention,
           "flash_decode": probe_flash_decode, "gemm": probe_gemm, "push": probe_push,
-          "float32": probe_float32, "rs_loop": probe_rs_loop, "rs_trace": probe_rs_trace}
+          "float32": probe_float32, "rs_loop": probe_rs_loop, "rs_trace": probe_rs_trace,
+          "fd_world": probe_fd_world}
 
 if __name__ == "__main__":
     if len(sys.argv) not in (2, 3) or sys.argv[1] not in PROBES:
