@@ -20,7 +20,9 @@ os.environ["JAXTDIST_TUNING_CACHE"] = os.path.join(
     __import__("tempfile").mkdtemp(prefix="jaxtdist-tests-"), "tuning.json")
 
 import functools  # noqa: E402
+import inspect  # noqa: E402
 import itertools  # noqa: E402
+import re  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -124,6 +126,56 @@ def assert_close(out, ref, dtype, factor=1.0):
 
 def f64(x) -> np.ndarray:
     return np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+
+
+def _first_argument(text: str) -> str:
+    """The text of a call's first argument: ``text`` up to its first top-level comma."""
+    depth = 0
+    for i, ch in enumerate(text):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            if depth == 0:
+                return text[:i].strip()
+            depth -= 1
+        elif ch == "," and depth == 0:
+            return text[:i].strip()
+    return text.strip()
+
+
+def _mesh_key(item):
+    """The mesh a test sets up, as far as its ``world`` parameter or its first
+    ``setup(...)`` call tell (None when neither does): tests of one key share a
+    runtime."""
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    if "world" in params:
+        return repr(params["world"])
+    try:
+        source = inspect.getsource(item.function)
+    except (AttributeError, OSError, TypeError):
+        return None
+    match = re.search(r"\bsetup\(", source)
+    if match is None:
+        return None
+    arg = _first_argument(source[match.end():])
+    return repr(params[arg]) if arg in params else arg
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Runs each file's tests grouped by the mesh they set up (groups in the order
+    of their first test, tests in file order within a group). A test on another
+    mesh than the last one's replaces the runtime: new interpreter workers (which
+    interpret each kernel afresh) and cleared JAX caches, about a second or more
+    each time; parametrized tests alternating worlds 2, 4, 8 paid that on nearly
+    every test. Only the order changes: every test still sets up its own mesh."""
+    ordered = []
+    for _, group in itertools.groupby(items, key=lambda item: item.path):
+        keyed = [(_mesh_key(item), item) for item in group]
+        rank = {}
+        for key, _ in keyed:
+            rank.setdefault(key, len(rank))
+        ordered += [item for _, item in sorted(keyed, key=lambda pair: rank[pair[0]])]
+    items[:] = ordered
 
 
 @pytest.fixture(autouse=True)

@@ -152,10 +152,65 @@ def _install_polite_polling() -> None:
     builder_cls.create_atomic_rmw = create_atomic_rmw
 
 
+def _install_device_call_fast_path() -> None:
+    """Skips Triton's re-patching of ``triton.language`` on every device-function call
+    when the language is patched already.
+
+    Triton 3.6's interpreter patches the language modules (``tl``, ``tl.core``,
+    the tensor class, ``tl.math``, tensor descriptors) once per launch, and again
+    on every call of a ``@triton.jit`` helper from a kernel: an
+    ``inspect.getmembers`` of each module per call, which patches nothing more
+    once the launch's patch is in place (it replaces builtins only, and those are
+    gone). jaxtdist's kernels call helpers thousands of times per launch; that
+    re-patching was about a third of the workers' time. Each module's builtins
+    are patched, and restored, all at once, so one builtin per module tells
+    whether the module is patched now; a helper whose modules are not all
+    patched (``tl.core`` used by a helper but not by the kernel) patches as before.
+    """
+    cls = _interpreter.InterpretedFunction
+    original = cls.__call__
+    if getattr(original, "_jaxtdist_fixed", False):
+        return
+    tl, is_builtin = _interpreter.tl, _interpreter.tl.core.is_builtin
+
+    def a_builtin(namespace) -> str:
+        return next(name for name in dir(namespace) if is_builtin(getattr(namespace, name)))
+
+    # (namespace, the name of one of its builtins), read before any launch patches them.
+    tensor_probe = (tl.tensor, a_builtin(tl.tensor))
+    descriptor_probe = (tl.core.tensor_descriptor_base, a_builtin(tl.core.tensor_descriptor_base))
+    probes = {tl: [(tl, a_builtin(tl)), (tl.math, a_builtin(tl.math))],
+              tl.core: [(tl.core, a_builtin(tl.core))]}
+    for lang in probes:
+        probes[lang] += [tensor_probe, descriptor_probe]
+    langs_of: dict = {}
+
+    def patched(fn) -> bool:
+        langs = langs_of.get(fn)
+        if langs is None:  # what _patch_lang(fn) patches: tl and/or tl.core
+            langs = langs_of[fn] = tuple({id(v): v for v in fn.__globals__.values()
+                                          if v is tl or v is tl.core}.values())
+        return bool(langs) and not any(is_builtin(getattr(namespace, name))
+                                       for lang in langs for namespace, name in probes[lang])
+
+    def __call__(self, *args, **kwargs):
+        if not patched(self.fn):
+            _interpreter._patch_lang(self.fn)
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise _interpreter.InterpreterError(repr(e)) from e
+
+    __call__._jaxtdist_fixed = True
+    cls.__call__ = __call__
+
+
 _install_scalar_index_fix()
 _install_bf16_dot_fix()
 _install_bf16_rounding_fix()
 _install_polite_polling()
+_install_device_call_fast_path()
 
 
 class _InPlaceGridExecutor(GridExecutor):
