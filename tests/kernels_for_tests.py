@@ -105,7 +105,8 @@ def ids_kernel(ctx, out_ptr):
 @triton.jit
 def fenced_broadcast_kernel(ctx, x_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr,
                             WORKSPACE: tl.constexpr):
-    """Rank 0's x to every rank: plain peer stores, ``fence``, then notifies.
+    """Rank 0's x to every rank: plain peer stores, then ``notify_peers`` (a fence,
+    then relaxed signals).
 
     Workspace: int32 signal at WORKSPACE, an int32 ack per rank at WORKSPACE + 64,
     float32 buffers (parity e % 2) at WORKSPACE + 256. Every rank acks (to rank 0)
@@ -124,9 +125,8 @@ def fenced_broadcast_kernel(ctx, x_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.cons
                 offs = start + tl.arange(0, BLOCK)
                 mask = offs < N
                 dl.store_peer(ctx, buf + offs, tl.load(x_ptr + offs, mask=mask), peer, mask=mask)
-        dl.fence(ctx)
-        for peer in range(0, world):
-            dl.notify(ctx, signal, peer, e)
+        # One fence, then relaxed signals (dl.fence and relaxed dl.notify inside).
+        dl.notify_peers(ctx, signal, e, INCLUDE_SELF=True)
     token = dl.wait(ctx, signal, e, "ge", 0)
     for start in range(0, N, BLOCK):
         offs = start + tl.arange(0, BLOCK)

@@ -34,7 +34,7 @@ def _gemm_defaults(fn, constexprs: dict) -> dict:
     matmul_rs's pushes (SM stores) at their defaults unless given."""
     defaults = {name: value for name, value in (("DOT_PRECISION", None), ("B_T", False),
                                                 ("PUSH_TMA", False), ("PUSH_SUBTILE", 1),
-                                                ("TRACE_TILES", 0))
+                                                ("TRACE_TILES", 0), ("TRACE", 0))
                 if name in fn.arg_names}
     return dict(defaults, **constexprs)
 
@@ -116,7 +116,8 @@ def test_language_primitives_compile():
     k = _compile(fenced_broadcast_kernel, {"ctx": "*i32", "x_ptr": "*fp32", "out_ptr": "*fp32"},
                  dict(N=4096, BLOCK=1024, WORKSPACE=65536), num_warps=4, num_stages=1)
     ptx = k.asm["ptx"]
-    assert "atom.global.sys.acq_rel.add" in ptx, "fence missing"
+    assert "fence.acq_rel.sys" in ptx, "fence missing"
+    assert "atom.global.sys.relaxed.exch" in ptx  # notify_peers' signals after the fence
     assert "mov.b64" in ptx  # consume_token's data dependence
     assert "ld.global.sys.acquire" in ptx and "release" in ptx
 
@@ -267,7 +268,7 @@ def test_flash_decode_compiles_with_tensor_cores_and_its_protocol(dtype, d, grou
     k = _compile(flash_decode_kernel,
                  {"ctx": "*i32", "q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}",
                   "v_ptr": f"*{dtype}", "len_ptr": "*i32", "table_ptr": "*i32",
-                  "out_ptr": f"*{dtype}"},
+                  "out_ptr": f"*{dtype}", "trace_ptr": "*i32"},
                  dict(QK_SCALE=0.1275, HQ=8 * group, HKV=8, GROUP=group, D=d, S_SHARD=32768,
                       GROUPS=8, NSPLIT=32, CHUNK=1024, LOCAL_OFF=0, LSE_OFF=1 << 20,
                       COUNT_OFF=1 << 21, INBOX_OFF=1 << 22, INBOX_LSE=1 << 18,
@@ -284,7 +285,8 @@ def test_flash_decode_compiles_with_tensor_cores_and_its_protocol(dtype, d, grou
         "arrival counter is not an acq_rel GPU-scope atomic"
     assert ops["ld.global.cg.v4.b32"] > 0, dict(ops)  # partials from L2, 16 bytes wide
     assert "ld.global.sys.acquire" in ptx or "ld.acquire.sys" in ptx  # peers' flags
-    assert "release" in ptx
+    # notify_peers: one fence, then the relaxed flags (not one release per peer).
+    assert "fence.acq_rel.sys" in ptx and "atom.global.sys.relaxed.exch" in ptx
     assert k.metadata.shared <= 227 * 1024
 
 

@@ -94,6 +94,43 @@ def test_flash_decode_same_bits_on_every_rank():
     assert _rel(out[0], _reference(q, k, v, lens)) < 1e-5
 
 
+def test_flash_decode_kernel_traces_its_phases():
+    """trace=True: the same output, plus each program's clock stamps (the probes'
+    view): start and split done for every program, in order; a group's last
+    program also stamps its merge, pushes, peers' merge and store, in order."""
+    world, b, hq, hkv, d, s_shard = 2, 1, 4, 2, 64, 40
+    cfg = dict(NUM_SPLITS=2)
+    mesh = setup(world, ("sp",))
+
+    def body(q, k, v, n):
+        out_t, stamps = td.ops.flash_decode_kernels(q, k, v, n, "sp", config=cfg, trace=True)
+        return td.ops.flash_decode_kernels(q, k, v, n, "sp", config=cfg), out_t, stamps[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=SPECS,
+                              out_specs=(P(), P(), P("sp")), check_vma=False))
+    (q, k, v), placed = _operands(mesh, world, b, hq, hkv, d, s_shard, F32)
+    lens = np.array([world * s_shard - 3], np.int32)
+    out, out_t, stamps = (np.asarray(a) for a in f(*placed, place(mesh, lens, P())))
+    np.testing.assert_array_equal(out, out_t)
+    assert _rel(out_t, _reference(q, k, v, lens)) < TOL[jnp.dtype(F32)]
+    programs = b * hkv * cfg["NUM_SPLITS"]
+    assert stamps.shape == (world, programs, 6)
+    stamps = stamps.astype(np.int64)
+
+    def ordered(cols):  # non-decreasing modulo 2**32 along the last axis
+        return bool(((np.diff(cols, axis=-1) % (1 << 32)) < (1 << 31)).all())
+
+    assert ordered(stamps[..., :2]), stamps
+    # Under the interpreter programs run in grid order: the last split of each group
+    # is its merger.
+    by_group = stamps.reshape(world, b * hkv, cfg["NUM_SPLITS"], 6)
+    last = by_group[:, :, -1]
+    assert ordered(last), last
+    assert (by_group[:, :, :-1, 2:] == 0).all(), by_group  # only mergers stamp the rest
+    with pytest.raises(ValueError, match="trace"):
+        td.ops.flash_decode_kernels(*placed, place(mesh, lens, P()), "sp", trace=1)
+
+
 def test_flash_decode_empty_sequence_gives_zeros():
     world = 2
     mesh = setup(world, ("sp",))

@@ -75,8 +75,7 @@ def pull_shards(ctx, x_ptr, out_ptr, worker, NUM_WORKERS: tl.constexpr, ROWS: tl
         row_end = tl.minimum(row0 + CHUNK_ROWS, ROWS)
         copy_rows(x_ptr, slot, out_ptr + tl.cast(me, tl.int64) * (ROWS * COLS), row0, row_end,
                   COLS, CHUNK_ROWS, BLOCK_C, True)
-        for step in range(1, world):
-            dl.notify(ctx, ready + me * n_chunks + chunk, (me + step) % world, e, "set", SCOPE)
+        dl.notify_peers(ctx, ready + me * n_chunks + chunk, e, "set", SCOPE)
         if FLAGS_OFF >= 0:
             flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
             dl.notify(ctx, flags + me * n_chunks + chunk, me, e, "set", "gpu")

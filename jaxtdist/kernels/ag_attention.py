@@ -180,8 +180,7 @@ def ag_attention_kernel(ctx, q_ptr, k_ptr, v_ptr, out_ptr,
         if pid == 0:
             # The staged copy of this rank's k and v is in the heap (the prologue
             # ran before this kernel): tell every peer.
-            for step in range(1, world):
-                dl.notify(ctx, ready + me, (me + step) % world, e)
+            dl.notify_peers(ctx, ready + me, e)
 
     rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
     r_mask = rows < S

@@ -52,8 +52,7 @@ def all_reduce_one_shot_kernel(ctx, x_ptr, out_ptr, N: tl.constexpr, STAGE_OFF: 
     ready = dl.heap_ptr(ctx, READY_OFF, tl.int32) + pid
     lo, hi = slab_bounds(pid, N, NUM_PROGRAMS, BLOCK)
     copy_range(x_ptr, slot, lo, hi, BLOCK)
-    for step in range(1, world):
-        dl.notify(ctx, ready + me * NUM_PROGRAMS, (me + step) % world, e, "set", SCOPE)
+    dl.notify_peers(ctx, ready + me * NUM_PROGRAMS, e, "set", SCOPE)
     for step in range(1, world):
         src = (me + step) % world
         dl.wait(ctx, ready + src * NUM_PROGRAMS, e, "ge", src, SCOPE)
@@ -87,8 +86,7 @@ def all_reduce_two_shot_kernel(ctx, x_ptr, out_ptr, N: tl.constexpr, CHUNK: tl.c
     stage_for_peers(ctx, x_ptr, slot, ready, pid, lo, hi, CHUNK, N, NUM_PROGRAMS, BLOCK, SCOPE)
     reduce_own_chunk(ctx, x_ptr, slot, ready, out_ptr + me * CHUNK, slot + me * CHUNK, pid, lo,
                      hi, CHUNK, N, NUM_PROGRAMS, BLOCK, SCOPE, True)
-    for step in range(1, world):
-        dl.notify(ctx, done + me * NUM_PROGRAMS, (me + step) % world, e, "set", SCOPE)
+    dl.notify_peers(ctx, done + me * NUM_PROGRAMS, e, "set", SCOPE)
     # Phase 2: all-gather of the reduced chunks, straight from the owners' slots.
     for step in range(1, world):
         src = (me + step) % world

@@ -58,6 +58,7 @@ import triton.language as tl
 
 import jaxtdist.language as dl
 from jaxtdist.kernels._tiles import aligned_after
+from jaxtdist.kernels._trace import stamp
 
 
 @triton.jit
@@ -137,7 +138,7 @@ def _split_kv(q_ptr, k_ptr, v_ptr, table_ptr, b, h, lo, hi, qk_scale,
 
 
 @triton.jit
-def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr,
+def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr, trace_ptr,
                         QK_SCALE: tl.constexpr,
                         HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr,
                         D: tl.constexpr, S_SHARD: tl.constexpr, GROUPS: tl.constexpr,
@@ -148,16 +149,22 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr,
                         PARITY_BYTES: tl.constexpr,
                         FLAGS_OFF: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
-                        PAGE: tl.constexpr = 0, NUM_PAGES: tl.constexpr = 0):
+                        PAGE: tl.constexpr = 0, NUM_PAGES: tl.constexpr = 0,
+                        TRACE: tl.constexpr = 0):
     """Grid: (GROUPS * NSPLIT,), GROUPS = B * HKV.
 
     q: [B, HQ, D]; k, v: [B, S_SHARD, HKV, D] (this rank's positions); len_ptr:
     [B] int32 global valid lengths; out: [B, HQ, D]. ``QK_SCALE`` is
     softmax's scale times log2(e). Paged (PAGE > 0): k, v [NUM_PAGES, PAGE, HKV,
     D], table [B, S_SHARD / PAGE] int32 the pages of this rank's positions
-    (unused otherwise).
+    (unused otherwise). TRACE (a probe's view): int32 [GROUPS * NSPLIT, 6] clock
+    stamps per program at trace_ptr (``_trace.stamp``): start, split-KV done and
+    arrived; for a group's last program also local merge done, pushes and flags
+    issued, every peer's partial merged, output stored (0 for the others).
     """
     pid = tl.program_id(0)
+    at = trace_ptr + pid * 6
+    stamp(at, TRACE)
     group = pid // NSPLIT
     split = pid % NSPLIT
     b = group // HKV
@@ -189,6 +196,9 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr,
     counter = dl.heap_ptr(ctx, COUNT_OFF, tl.int32) + group
     tl.debug_barrier()  # every thread's stores come before the release
     arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    stamp(at + 1, TRACE)
+    if TRACE:  # 0: not the group's merger (the merger's stamps overwrite these)
+        tl.store(at + 2 + tl.arange(0, 4), tl.zeros((4,), tl.int32))
     if arrived == NSPLIT - 1:
         # Every program of the group has arrived: none touches the counter again
         # in this kernel, and the next kernel starts after this one ends.
@@ -210,6 +220,7 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr,
                                cache_modifier=".cg")
             m, l, acc = _merge(m, l, acc, part_lse, part_o)
         o, lse = _finish(m, l, acc)
+        stamp(at + 2, TRACE)
 
         # 3. Push this rank's partial to every peer, keep it in the own inbox too.
         inbox_o = dl.parity_ptr(ctx, INBOX_OFF, PARITY_BYTES, tl.float32)
@@ -223,12 +234,12 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr,
             tl.store(dl.symm_at(ctx, my_o, dst), o, mask=real_tile)
             tl.store(dl.symm_at(ctx, my_lse, dst), lse, mask=real)
             tl.store(dl.symm_at(ctx, inbox_len + me * GROUPS + group, dst), length)
-        # Flags after every peer's stores: the first release drains them all.
-        for step in range(1, world):
-            dl.notify(ctx, flags + me * GROUPS + group, (me + step) % world, e)
+        # Flags after every peer's stores, behind one fence (notify_peers).
+        dl.notify_peers(ctx, flags + me * GROUPS + group, e)
         tl.store(my_o, o, mask=real_tile)
         tl.store(my_lse, lse, mask=real)
         tl.debug_barrier()  # the own slot is read back below, by any thread
+        stamp(at + 3, TRACE)
 
         # Merge in rank order: the same operations on the same values everywhere.
         m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
@@ -250,6 +261,7 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr,
                                other=float("-inf"), cache_modifier=".cg")
             m, l, acc = _merge(m, l, acc, part_lse, part_o)
         o, lse = _finish(m, l, acc)
+        stamp(at + 4, TRACE)
         # kv_len must be the same on every rank: where it is not, the ranks masked
         # different positions and their merge is no attention at all, so the
         # sequence's output is NaN rather than a wrong number.
@@ -257,3 +269,4 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr,
         out_rows = b * HQ + h * GROUP + g
         tl.store(out_ptr + out_rows[:, None] * D + d[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=(g < GROUP)[:, None] & (d < D)[None, :])
+        stamp(at + 5, TRACE)

@@ -232,9 +232,12 @@ def _one_shot_tile(ctx, acc, out_ptr, offs, mask, tile, tiles, slot_elems, inbox
         dst = (me + step) % world
         slot = world - 1 - step  # (me - dst + world - 1) % world
         tl.store(dl.symm_at(ctx, inbox + slot * slot_elems + offs, dst), part, mask=mask)
-    # Flags after every peer's stores: the first release drains them all.
+    # Flags after every peer's stores, behind one fence (as dl.notify_peers: the
+    # relaxed flags go out together, not one round trip apart).
+    dl.fence(ctx)
     for step in range(1, world):
-        dl.notify(ctx, flags + (world - 1 - step) * tiles + tile, (me + step) % world, e)
+        dl.notify(ctx, flags + (world - 1 - step) * tiles + tile, (me + step) % world, e,
+                  "set", "sys", "relaxed")
     _sum_store(ctx, part, own, out_ptr, offs, mask, tile, tiles, slot_elems, inbox, flags,
                None, row0, cols, M, N, BLOCK_M, PARK, False)
 
@@ -266,5 +269,4 @@ def _two_shot_tile(ctx, acc, out_ptr, offs, mask, tile, tiles, slot_elems, inbox
         _sum_store(ctx, acc.to(inbox.dtype.element_ty), own, out_ptr, offs, mask, tile, tiles,
                    slot_elems, inbox, flags, results, row0, cols, M, N, BLOCK_M,
                    PARK, True)
-        for step in range(1, world):
-            dl.notify(ctx, rflags + tile, (me + step) % world, e)  # release: the sum
+        dl.notify_peers(ctx, rflags + tile, e)  # the sum first

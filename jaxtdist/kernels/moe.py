@@ -205,11 +205,9 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
         # The total too (from every program): a receiver's program p may read
         # only what program p of this rank wrote (the flag it waited for).
         tl.store(dl.symm_at(ctx, h + E_LOC + 2 * P, d), _pick(totals, offs_w, d))
-    # Flags after every rank's stores: a release waits for the stores before it to
-    # land, so the first one drains them all and the rest find nothing in flight.
-    # (On 4 x H200 this timed the same as a flag after each rank's stores.)
-    for step in range(0, W):
-        dl.notify(ctx, flags + me * P + pid, (me + step) % W, e)  # release: rows, meta, header
+    # Flags after every rank's stores, behind one fence: the relaxed flags go out
+    # together (W releases went out one round trip to a peer apart).
+    dl.notify_peers(ctx, flags + me * P + pid, e, INCLUDE_SELF=True)  # rows, meta, header
 
     _stamp(trace_ptr, pid, 2, TRACE)
 
@@ -350,8 +348,7 @@ def moe_combine_kernel(ctx, y_ptr, w_ptr, kmask_ptr, ids_ptr, g_ptr, spos_ptr, s
                 d = (me + step) % W
                 tl.store(dl.symm_at(ctx, wbox + (me * T + t) * K + offs_k, d),
                          wk.to(tl.float32), mask=km)
-        for step in range(0, W):
-            dl.notify(ctx, wflags + me * P + pid, (me + step) % W, e)  # release: weights first
+        dl.notify_peers(ctx, wflags + me * P + pid, e, INCLUDE_SELF=True)  # weights first
 
     # 1. Send the rows held for source s's program pid back to s. Every source's
     # slot range is loaded at once (one memory latency, not one per source).
@@ -411,9 +408,8 @@ def moe_combine_kernel(ctx, y_ptr, w_ptr, kmask_ptr, ids_ptr, g_ptr, spos_ptr, s
                     v = tl.load(src + cols[None, :], mask=keep & fm[None, :], other=0.0)
                     part = tl.sum(wk * v.to(tl.float32), axis=0)
                     tl.store(dst + cols, part.to(y_ptr.dtype.element_ty), mask=fm)
-    # Flags once every rank's rows are in flight: one release drains them all.
-    for step in range(0, W):
-        dl.notify(ctx, flags + me * P + pid, (me + step) % W, e)  # release: the rows first
+    # Flags once every rank's rows are in flight, behind one fence.
+    dl.notify_peers(ctx, flags + me * P + pid, e, INCLUDE_SELF=True)  # the rows first
     _stamp(trace_ptr, pid, 1, TRACE)
 
     # 2. Sum this program's tokens' rows once every rank's program pid has sent.

@@ -36,6 +36,14 @@ def consume_token(value, token):
 
 
 @triton.jit
+def fence_system(scratch):
+    """An acquire-release read-modify-write at system scope of int32 ``scratch``
+    (a word of this rank): LLVM's AMDGPU lowering makes it a full system-scope
+    fence (L2 write-back before, invalidate after)."""
+    tl.atomic_add(scratch, 0, sem="acq_rel", scope="sys")
+
+
+@triton.jit
 def now_ns():
     """The GPU's constant real-time counter (``s_memrealtime``, 100 MHz), in
     nanoseconds (int64; the same clock on every CU)."""

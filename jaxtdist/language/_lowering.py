@@ -10,6 +10,9 @@ the same signatures:
 - ``spin_acquire_ge(signal, value, limit, SCOPE)``: acquire re-reads of
   ``*signal`` until ``>= value`` or ``limit`` ns have passed (then an
   async-proxy fence); returns (last value seen, a zero int32 token).
+- ``fence_system(scratch)``: a system-scope acquire-release fence by the
+  calling thread (``scratch``: an int32 word of this rank, for targets that
+  fence through a read-modify-write).
 - ``now_ns()``: a clock in nanoseconds (int64), the bound of every wait.
 - ``wait_tma_stores()``: waits until this thread's TMA stores are written and
   orders them before its later generic accesses (a release then publishes
@@ -49,14 +52,16 @@ def _target() -> str:
 TARGET = _target()
 
 if TARGET == "interpret":
-    from jaxtdist.language._interpret import (consume_token, fence_async_proxy, now_ns,
-                                              round_tf32, spin_acquire_ge, wait_tma_stores)
+    from jaxtdist.language._interpret import (consume_token, fence_async_proxy, fence_system,
+                                              now_ns, round_tf32, spin_acquire_ge,
+                                              wait_tma_stores)
 elif TARGET == "hip":
-    from jaxtdist.language._amd import (consume_token, fence_async_proxy, now_ns, round_tf32,
-                                         spin_acquire_ge, wait_tma_stores)
+    from jaxtdist.language._amd import (consume_token, fence_async_proxy, fence_system, now_ns,
+                                         round_tf32, spin_acquire_ge, wait_tma_stores)
 else:
-    from jaxtdist.language._nvidia import (consume_token, fence_async_proxy, now_ns,
-                                           round_tf32, spin_acquire_ge, wait_tma_stores)
+    from jaxtdist.language._nvidia import (consume_token, fence_async_proxy, fence_system,
+                                           now_ns, round_tf32, spin_acquire_ge,
+                                           wait_tma_stores)
 
-__all__ = ["TARGET", "consume_token", "fence_async_proxy", "now_ns", "round_tf32",
+__all__ = ["TARGET", "consume_token", "fence_async_proxy", "fence_system", "now_ns", "round_tf32",
            "spin_acquire_ge", "wait_tma_stores"]

@@ -78,6 +78,17 @@ def spin_acquire_ge(signal, value, limit, SCOPE: tl.constexpr):
 
 
 @triton.jit
+def fence_system(scratch):
+    """A ``fence.acq_rel.sys`` by this thread: with a strong (relaxed or
+    stronger) write after it, a release pattern of PTX's memory model, so later
+    relaxed signals publish everything this thread's fence ordered before them.
+    ``scratch`` (an int32 word of this rank) is unused here."""
+    tl.inline_asm_elementwise("fence.acq_rel.sys;\n mov.u32 $0, $1;", "=r,r",
+                              [tl.full([], 0, tl.int32)], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
+@triton.jit
 def now_ns():
     """The GPU's global timer, in nanoseconds (int64; the same clock on every SM)."""
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r",

@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 
 from jaxtdist.language import _layout as L
-from jaxtdist.language._lowering import (consume_token, fence_async_proxy, now_ns,
-                                         spin_acquire_ge, wait_tma_stores)
+from jaxtdist.language._lowering import (consume_token, fence_async_proxy, fence_system,
+                                         now_ns, spin_acquire_ge, wait_tma_stores)
 
 _CTX_RANK = tl.constexpr(L.CTX_RANK)
 _CTX_WORLD = tl.constexpr(L.CTX_WORLD)
@@ -140,20 +140,43 @@ def get(ctx, dst, src, n, peer, BLOCK: tl.constexpr):
 
 @triton.jit
 def notify(ctx, signal, peer, value, OP: tl.constexpr = tl.constexpr("set"),
-           SCOPE: tl.constexpr = tl.constexpr("sys")):
+           SCOPE: tl.constexpr = tl.constexpr("sys"), SEM: tl.constexpr = tl.constexpr("release")):
     """Sets (``OP="set"``) or adds to (``OP="add"``) ``peer``'s copy of ``signal``.
 
     Release semantics at ``SCOPE`` ("sys" by default; "gpu" suffices for a
     signal that only this GPU reads): every store this program made before
-    the notify is visible to whoever acquires the signal.
+    the notify is visible to whoever acquires the signal. ``SEM="relaxed"``:
+    no ordering of its own, for a signal right after a ``fence`` (which then
+    publishes the stores before it); see ``notify_peers``.
     """
     remote = symm_at(ctx, signal, peer)
     # Every thread's earlier stores happen before the one thread's release.
     tl.debug_barrier()
     if OP == "add":
-        tl.atomic_add(remote, value, sem="release", scope=SCOPE)
+        tl.atomic_add(remote, value, sem=SEM, scope=SCOPE)
     else:
-        tl.atomic_xchg(remote, value, sem="release", scope=SCOPE)
+        tl.atomic_xchg(remote, value, sem=SEM, scope=SCOPE)
+
+
+@triton.jit
+def notify_peers(ctx, signal, value, OP: tl.constexpr = tl.constexpr("set"),
+                 SCOPE: tl.constexpr = tl.constexpr("sys"),
+                 INCLUDE_SELF: tl.constexpr = tl.constexpr(False)):
+    """``notify`` of every other rank's copy of ``signal`` (me + 1 first; this
+    rank's own copy first with ``INCLUDE_SELF``), with one system-scope fence for
+    all of them: every store this program made before is visible to whoever
+    acquires any of the signals.
+
+    Why not W - 1 notifies: each release waits until everything before it,
+    the previous signal's round trip to its peer included, has completed, so
+    the signals went out one NVLink round trip apart (about 8 us for 3 peers on
+    H100); after one fence the relaxed signals are in flight together.
+    """
+    me = rank(ctx)
+    world = num_ranks(ctx)
+    fence(ctx)
+    for step in range(0 if INCLUDE_SELF else 1, world):
+        notify(ctx, signal, (me + step) % world, value, OP, SCOPE, "relaxed")
 
 
 @triton.jit
@@ -264,13 +287,13 @@ def _record_timeout(ctx, failed_flag, signal, value, seen, peer, CMP: tl.constex
 def fence(ctx):
     """Orders this program's earlier memory operations before its later ones, system-wide.
 
-    A CTA barrier (so every thread's accesses count), then one acquire-release
-    read-modify-write at system scope on this rank's scratch word, which PTX
-    makes a fence for everything ordered before it.
+    A CTA barrier (so every thread's accesses count), then a system-scope
+    acquire-release fence (``fence.acq_rel.sys`` on NVIDIA; an acquire-release
+    read-modify-write of this rank's scratch word where that is the fence).
     """
     tl.debug_barrier()
     scratch = tl.load(_words(ctx) + _CTX_SCRATCH_ADDR).to(tl.pointer_type(tl.int32))
-    tl.atomic_add(scratch, 0, sem="acq_rel", scope="sys")
+    fence_system(scratch)
     tl.debug_barrier()
 
 

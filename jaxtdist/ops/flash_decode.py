@@ -264,11 +264,15 @@ def _problem(call: Call, q, k) -> Problem:
 
 def flash_decode_kernels(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array,
                          axis_name, *, block_table: jax.Array | None = None,
-                         config: dict | None = None) -> jax.Array:
+                         config: dict | None = None, trace: bool = False):
     """flash_decode's kernel, at world 1 too (for benchmarks and tests); not differentiable.
 
     ``config`` overrides the defaults (``FlashDecodeConfig``) and skips the tuning cache.
+    With ``trace`` (a probe's view) also returns the kernel's int32 [programs, 6]
+    clock stamps (see ``kernels/flash_decode.flash_decode_kernel``).
     """
+    if not isinstance(trace, bool):
+        raise ValueError(f"jaxtdist.flash_decode: trace={trace!r} must be a bool")
     q, k, v, kv_len = (jnp.asarray(a) for a in (q, k, v, kv_len))
     if block_table is None:
         _check(q, k, v, kv_len, axis_name=axis_name)
@@ -295,9 +299,13 @@ def flash_decode_kernels(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.A
     # The same value on every rank of the group (like psum's result).
     lengths = _int32_lengths(kv_len)
     table = lengths if block_table is None else block_table  # (unused when not paged)
-    return call.run(
+    # Without trace, the stamps' output is a one-element placeholder the kernel
+    # never writes.
+    stamps = (groups * splits, 6) if trace else (1,)
+    out, stamped = call.run(
         flash_decode_kernel, q, k, v, lengths, table, workspace=ws,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=(groups * splits,),
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                   jax.ShapeDtypeStruct(stamps, jnp.int32)], grid=(groups * splits,),
         varying=call.result_axes(reduced=(q, k, v, kv_len)), **cfg.launch_options(),
         QK_SCALE=float(math.log2(math.e) / math.sqrt(d)), HQ=hq, HKV=hkv, GROUP=group, D=d,
         S_SHARD=s_shard, GROUPS=groups, NSPLIT=splits, CHUNK=chunk,
@@ -306,7 +314,8 @@ def flash_decode_kernels(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.A
         PARITY_BYTES=plan.parity_bytes,
         FLAGS_OFF=o + plan.flags, BLOCK_N=cfg.BLOCK_N, BLOCK_G=block_g, BLOCK_D=block_d,
         IEEE=q.dtype == jnp.float32, PAGE=0 if block_table is None else k.shape[1],
-        NUM_PAGES=k.shape[0])
+        NUM_PAGES=k.shape[0], TRACE=trace)
+    return (out, stamped) if trace else out
 
 
 def _forward(q, k, v, kv_len, *, axis_name, config=None):

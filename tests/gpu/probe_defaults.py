@@ -532,10 +532,59 @@ def probe_fd_world(world: int = 4) -> None:
                 for name, st in stats.items()), flush=True)
 
 
+def probe_fd_trace(world: int = 4) -> None:
+    """flash_decode at ``world`` and at world 1 on one rank's shard: clock stamps
+    (``flash_decode_kernels(trace=True)``) of S/rank = 2K and 32K. Per device (us
+    from that device's first program start): when the split-KV work is done (last
+    program), and for the groups' mergers (medians) the local merge, the pushes
+    and flags, the wait and merge of the peers' partials, the store; then the
+    devices' first starts against each other (global timers, comparable only as
+    far as the GPUs' timers agree)."""
+    from jaxtdist.bench import flash_decode as fb
+    from jaxtdist.ops.flash_decode import flash_decode_kernels
+
+    b, hq, hkv, d = fb.FLASH_DECODE_HEADS
+    for w_ in (1, world):
+        mesh = fb._mesh(w_)
+        td.initialize(mesh)
+        specs = dict(mesh=mesh, in_specs=fb.SPECS, check_vma=False)
+        traced = jax.jit(jax.shard_map(
+            lambda *a: flash_decode_kernels(*a, "sp", trace=True)[1][None],
+            out_specs=P("sp"), **specs))
+        for i, s_rank in enumerate((2048, 32768)):
+            q, k, v, n = fb._operands(950 + 3 * i, b, hq, hkv, d, s_rank * w_, jnp.bfloat16)
+            args = tuple(jax.device_put(a, NamedSharding(mesh, sp))
+                         for a, sp in zip((q, k, v, n), fb.SPECS))
+            runs = []
+            for _ in range(30):
+                runs.append(np.asarray(traced(*args)).astype(np.int64))
+            rows = []
+            for st in runs[10:]:
+                mergers = st[:, :, 2] != 0  # the kernel stores 0 for the others
+                t0 = st[:, :, 0].min(axis=1)  # per device
+                rel = ((st - t0[:, None, None]) % (1 << 32)) / 1e3  # us
+                per_dev = []
+                for dev in range(w_):
+                    mm = rel[dev][mergers[dev]]
+                    per_dev.append(dict(
+                        split_end=rel[dev, :, 1].max(),
+                        merger_arrive=np.median(mm[:, 1]), local_merge=np.median(mm[:, 2] - mm[:, 1]),
+                        push=np.median(mm[:, 3] - mm[:, 2]), peers=np.median(mm[:, 4] - mm[:, 3]),
+                        peers_max=(mm[:, 4] - mm[:, 3]).max(), store=np.median(mm[:, 5] - mm[:, 4]),
+                        end=mm[:, 5].max(), start_vs_first=((t0[dev] - t0.min()) % (1 << 32)) / 1e3))
+                rows.append(per_dev)
+            for dev in range(w_):
+                keys = rows[0][dev].keys()
+                print(f"fd_trace world {w_} S/rank={s_rank} dev {dev}: " + " ".join(
+                    f"{key}={np.median([r[dev][key] for r in rows]):.1f}" for key in keys),
+                    flush=True)
+
+
 PROBES = {"moe": probe_moe, "moe_trace": probe_moe_trace, "attention": probe_attention,
           "flash_decode": probe_flash_decode, "gemm": probe_gemm, "push": probe_push,
           "float32": probe_float32, "rs_loop": probe_rs_loop, "rs_trace": probe_rs_trace,
-          "fd_world": probe_fd_world}
+          "fd_world": probe_fd_world,
+          "fd_trace": probe_fd_trace}
 
 if __name__ == "__main__":
     if len(sys.argv) not in (2, 3) or sys.argv[1] not in PROBES:
