@@ -272,7 +272,7 @@ def test_flash_decode_compiles_with_tensor_cores_and_its_protocol(dtype, d, grou
                  dict(QK_SCALE=0.1275, HQ=8 * group, HKV=8, GROUP=group, D=d, S_SHARD=32768,
                       GROUPS=8, NSPLIT=32, CHUNK=1024, LOCAL_OFF=0, LSE_OFF=1 << 20,
                       COUNT_OFF=1 << 21, INBOX_OFF=1 << 22, INBOX_LSE=1 << 18,
-                      INBOX_LEN=3 << 17, PARITY_BYTES=1 << 19, FLAGS_OFF=1 << 24, BLOCK_N=cfg.BLOCK_N,
+                      INBOX_LEN=3 << 17, PARITY_BYTES=1 << 19, BLOCK_N=cfg.BLOCK_N,
                       BLOCK_G=max(16, group), BLOCK_D=block_d, IEEE=dtype == "fp32",
                       PAGE=page, NUM_PAGES=4096 if page else 0),
                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -284,9 +284,11 @@ def test_flash_decode_compiles_with_tensor_cores_and_its_protocol(dtype, d, grou
     assert re.search(r"atom\.global\.gpu\.acq_rel\.add|atom\.acq_rel\.gpu\.global\.add", ptx), \
         "arrival counter is not an acq_rel GPU-scope atomic"
     assert ops["ld.global.cg.v4.b32"] > 0, dict(ops)  # partials from L2, 16 bytes wide
-    assert "ld.global.sys.acquire" in ptx or "ld.acquire.sys" in ptx  # peers' flags
-    # notify_peers: one fence, then the relaxed flags (not one release per peer).
-    assert "fence.acq_rel.sys" in ptx and "atom.global.sys.relaxed.exch" in ptx
+    # The exchange: tagged 8-byte words, stored 16 bytes at a time and re-read
+    # volatile (no flag, no fence).
+    assert ops["st.global.v2.b64"] > 0, dict(ops)
+    assert re.search(r"ld\.volatile\.global(\.v2)?\.b64", ptx), dict(ops)
+    assert "fence.acq_rel.sys" not in ptx
     assert k.metadata.shared <= 227 * 1024
 
 

@@ -17,12 +17,14 @@ so every K and V row is read from memory once per call.
    kernel ends: no epoch arithmetic that could overflow) and merges the
    group's NSPLIT partials into this rank's partial.
 3. Exchange: that program pushes its rank's partial (and the length it masked
-   with) into every peer's inbox
-   (stores through ``dl.symm_at``; then, every peer's stores issued, the flag
-   ``(me, group)`` of each peer set to the epoch, a release), stores it in its own inbox, and merges the W
-   ranks' partials in rank order 0, 1, ..., W-1 (waiting for each peer's flag):
-   every rank performs the same float32 operations on the same values, so
-   every rank ends with the same bits. A rank holding no valid position sends
+   with) into every peer's inbox as tagged words (``dl.pack_tagged``: each
+   32-bit value beside the epoch in one 8-byte store, through ``dl.symm_at``;
+   no flag, no fence), and merges the W ranks' partials in rank order 0, 1,
+   ..., W-1 (its own from registers, a peer's once every word of it carries
+   this call's epoch, ``dl.wait_tagged``): every rank performs the same
+   float32 operations on the same values, so every rank ends with the same
+   bits. (On 4 x H100 flags behind a fence took 5 us per exchange, one
+   release per peer 8 us.) A rank holding no valid position sends
    ``lse = -inf``, which weighs 0; a sequence with ``kv_len = 0`` gets zeros.
    A sequence whose length differs between ranks gets NaN on every rank (each
    rank compares its peers' lengths with its own).
@@ -34,14 +36,14 @@ Workspace (byte offsets, see ``ops/flash_decode.DecodeWorkspace``):
 - ``COUNT_OFF``: B * HKV int32 arrival counters.
 - ``INBOX_OFF``: two parities (``e % 2``) of PARITY_BYTES: W slots (one per source
   rank) of B * HKV partials ``o``, then their ``lse`` at ``INBOX_LSE``, then
-  the sources' int32 lengths at ``INBOX_LEN``.
-- ``FLAGS_OFF``: W * B * HKV int32 flags, ``(src, group)`` set to the epoch by src.
+  the sources' lengths at ``INBOX_LEN``, all int64 tagged words.
 
 Reuse: rank s writes parity p of rank o's inbox at epochs e and e + 2. s's
 kernel e + 2 starts after its kernel e + 1 ended, which waited for o's push of
 epoch e + 1 (every group's last program waits for every peer); o pushes that in
 its kernel e + 1, after its kernel e (the last reader of parity p) ended. So
-parity alone keeps call e + 2's data off what call e reads; flags compare ">=".
+parity alone keeps call e + 2's data off what call e reads, and a word tagged e
+is call e's (the heap starts zeroed, epochs start at 1).
 The local partials and counters are touched by this rank's kernels only, which
 run one after another.
 
@@ -146,8 +148,7 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr, t
                         LOCAL_OFF: tl.constexpr, LSE_OFF: tl.constexpr,
                         COUNT_OFF: tl.constexpr, INBOX_OFF: tl.constexpr,
                         INBOX_LSE: tl.constexpr, INBOX_LEN: tl.constexpr,
-                        PARITY_BYTES: tl.constexpr,
-                        FLAGS_OFF: tl.constexpr, BLOCK_N: tl.constexpr,
+                        PARITY_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
                         PAGE: tl.constexpr = 0, NUM_PAGES: tl.constexpr = 0,
                         TRACE: tl.constexpr = 0):
@@ -222,23 +223,21 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr, t
         o, lse = _finish(m, l, acc)
         stamp(at + 2, TRACE)
 
-        # 3. Push this rank's partial to every peer, keep it in the own inbox too.
-        inbox_o = dl.parity_ptr(ctx, INBOX_OFF, PARITY_BYTES, tl.float32)
-        inbox_lse = dl.parity_ptr(ctx, INBOX_OFF + INBOX_LSE, PARITY_BYTES, tl.float32)
-        flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
+        # 3. Push this rank's partial to every peer as tagged words.
+        inbox_o = dl.parity_ptr(ctx, INBOX_OFF, PARITY_BYTES, tl.int64)
+        inbox_lse = dl.parity_ptr(ctx, INBOX_OFF + INBOX_LSE, PARITY_BYTES, tl.int64)
+        inbox_len = dl.parity_ptr(ctx, INBOX_OFF + INBOX_LEN, PARITY_BYTES, tl.int64)
         my_o = inbox_o + (me * GROUPS + group) * (BLOCK_G * BLOCK_D) + tile
         my_lse = inbox_lse + (me * GROUPS + group) * BLOCK_G + g
-        inbox_len = dl.parity_ptr(ctx, INBOX_OFF + INBOX_LEN, PARITY_BYTES, tl.int32)
+        my_len = inbox_len + me * GROUPS + group
+        o_words = dl.pack_tagged(o, e)
+        lse_words = dl.pack_tagged(lse, e)
+        len_words = dl.pack_tagged(length, e)
         for step in range(1, world):
             dst = (me + step) % world
-            tl.store(dl.symm_at(ctx, my_o, dst), o, mask=real_tile)
-            tl.store(dl.symm_at(ctx, my_lse, dst), lse, mask=real)
-            tl.store(dl.symm_at(ctx, inbox_len + me * GROUPS + group, dst), length)
-        # Flags after every peer's stores, behind one fence (notify_peers).
-        dl.notify_peers(ctx, flags + me * GROUPS + group, e)
-        tl.store(my_o, o, mask=real_tile)
-        tl.store(my_lse, lse, mask=real)
-        tl.debug_barrier()  # the own slot is read back below, by any thread
+            tl.store(dl.symm_at(ctx, my_o, dst), o_words, mask=real_tile)
+            tl.store(dl.symm_at(ctx, my_lse, dst), lse_words, mask=real)
+            tl.store(dl.symm_at(ctx, my_len, dst), len_words)
         stamp(at + 3, TRACE)
 
         # Merge in rank order: the same operations on the same values everywhere.
@@ -246,19 +245,27 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr, t
         l = tl.zeros((BLOCK_G,), tl.float32)
         acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
         agree = length == length  # every rank merged with this rank's length
+        # This rank's own partial as the peers receive it (their masked rows too).
+        own_o = tl.where(real_tile, o, 0.0)
+        own_lse = tl.where(real, lse, float("-inf"))
         for src in range(0, world):
-            token = e
+            part_o = own_o
+            part_lse = own_lse
             if src != me:
-                # ">=": the peer may already have published epoch e + 1 (other parity).
-                token = dl.wait(ctx, flags + src * GROUPS + group, e, "ge", src)
-                seen = tl.load(aligned_after(inbox_len, token) + src * GROUPS + group,
-                               cache_modifier=".cg")
+                # Parity e % 2 holds only this call's words or an earlier call's
+                # (epoch e - 2 or less): equal tags are this call's.
+                slot = src * GROUPS + group
+                part_o = dl.unpack_tagged(dl.wait_tagged(
+                    ctx, inbox_o + slot * (BLOCK_G * BLOCK_D), tile, real_tile, e, src),
+                    tl.float32)
+                part_o = tl.where(real_tile, part_o, 0.0)
+                part_lse = dl.unpack_tagged(dl.wait_tagged(
+                    ctx, inbox_lse + slot * BLOCK_G, g, real, e, src), tl.float32)
+                part_lse = tl.where(real, part_lse, float("-inf"))
+                one = tl.arange(0, 1)
+                seen = tl.max(dl.unpack_tagged(dl.wait_tagged(ctx, inbox_len + slot, one,
+                                                              one == 0, e, src), tl.int32), 0)
                 agree = agree & (seen == length)
-            slot = src * GROUPS + group
-            part_o = tl.load(aligned_after(inbox_o, token) + slot * (BLOCK_G * BLOCK_D) + tile,
-                             mask=real_tile, other=0.0, cache_modifier=".cg")
-            part_lse = tl.load(aligned_after(inbox_lse, token) + slot * BLOCK_G + g, mask=real,
-                               other=float("-inf"), cache_modifier=".cg")
             m, l, acc = _merge(m, l, acc, part_lse, part_o)
         o, lse = _finish(m, l, acc)
         stamp(at + 4, TRACE)

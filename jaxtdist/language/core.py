@@ -180,6 +180,46 @@ def notify_peers(ctx, signal, value, OP: tl.constexpr = tl.constexpr("set"),
 
 
 @triton.jit
+def pack_tagged(value, tag):
+    """int64 words holding ``value``'s 32 bits (float32 or int32) low and ``tag``
+    (int32) high: a message that needs no flag and no fence. An aligned 8-byte
+    store is single-copy atomic, so a reader (``wait_tagged``) that sees a
+    word's tag sees its value; each call's tag (its epoch) tells its words
+    from an earlier call's."""
+    bits = value.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    return bits | (tl.cast(tag, tl.int64) << 32)
+
+
+@triton.jit
+def unpack_tagged(words, dtype: tl.constexpr):
+    """The values of ``pack_tagged`` words, as ``dtype`` (float32 or int32)."""
+    return words.to(tl.int32).to(dtype, bitcast=True)
+
+
+@triton.jit
+def wait_tagged(ctx, base, offs, mask, tag, peer=-1):
+    """Re-reads the int64 words ``base + offs`` (a block; where ``mask``) until
+    every one carries ``tag`` (``pack_tagged``); returns them. Bounded like ``wait`` (the
+    error names ``base``'s word). The low-latency exchange: the sender's
+    stores of tagged words are the whole protocol, one NVLink crossing."""
+    limit, failed_flag, failed = _wait_state(ctx)
+    start = now_ns()
+    got = tl.load(base + offs, mask=mask, other=0, volatile=True)
+    ok = tl.min(tl.where(mask, (got >> 32).to(tl.int32) == tag, True).to(tl.int32)) != 0
+    done = ok | failed
+    while not done:
+        got = tl.load(base + offs, mask=mask, other=0, volatile=True)
+        ok = tl.min(tl.where(mask, (got >> 32).to(tl.int32) == tag, True).to(tl.int32)) != 0
+        failed = tl.load(failed_flag, volatile=True) != 0
+        done = ok | failed | (now_ns() - start >= limit)
+    if not (ok | failed):
+        seen = (tl.load(base, volatile=True) >> 32).to(tl.int32)
+        _record_timeout(ctx, failed_flag, base, tag, seen, peer, "eq")
+    tl.debug_barrier()
+    return got
+
+
+@triton.jit
 def _satisfied(seen, value, CMP: tl.constexpr):
     if CMP == "eq":
         ok = seen == value

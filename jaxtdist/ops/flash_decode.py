@@ -145,19 +145,19 @@ class DecodeWorkspace:
     """Byte layout of flash_decode's workspace (see ``kernels/flash_decode.py``):
     the local partials (o, then lse), the arrival counters, two inbox parities
     (W source slots of o, then of lse, then of the length each source merged
-    with) and the W * groups flags."""
+    with, as tagged 8-byte words)."""
 
     def __init__(self, world: int, groups: int, splits: int, block_g: int, block_d: int):
         tile = block_g * block_d * 4
         self.local = 0
         self.lse = align(groups * splits * tile)
         self.counters = self.lse + align(groups * splits * block_g * 4)
-        self.inbox_lse = align(world * groups * tile)
-        self.inbox_len = self.inbox_lse + align(world * groups * block_g * 4)
-        self.parity_bytes = self.inbox_len + align(world * groups * 4)
+        # The inbox holds tagged words (8 bytes per 32-bit value).
+        self.inbox_lse = align(world * groups * 2 * tile)
+        self.inbox_len = self.inbox_lse + align(world * groups * block_g * 8)
+        self.parity_bytes = self.inbox_len + align(world * groups * 8)
         self.inbox = self.counters + align(groups * 4)
-        self.flags = self.inbox + 2 * self.parity_bytes
-        self.nbytes = self.flags + align(world * groups * 4)
+        self.nbytes = self.inbox + 2 * self.parity_bytes
 
 
 # -- shapes ----------------------------------------------------------------------
@@ -311,8 +311,7 @@ def flash_decode_kernels(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.A
         S_SHARD=s_shard, GROUPS=groups, NSPLIT=splits, CHUNK=chunk,
         LOCAL_OFF=o + plan.local, LSE_OFF=o + plan.lse, COUNT_OFF=o + plan.counters,
         INBOX_OFF=o + plan.inbox, INBOX_LSE=plan.inbox_lse, INBOX_LEN=plan.inbox_len,
-        PARITY_BYTES=plan.parity_bytes,
-        FLAGS_OFF=o + plan.flags, BLOCK_N=cfg.BLOCK_N, BLOCK_G=block_g, BLOCK_D=block_d,
+        PARITY_BYTES=plan.parity_bytes, BLOCK_N=cfg.BLOCK_N, BLOCK_G=block_g, BLOCK_D=block_d,
         IEEE=q.dtype == jnp.float32, PAGE=0 if block_table is None else k.shape[1],
         NUM_PAGES=k.shape[0], TRACE=trace)
     return (out, stamped) if trace else out
