@@ -65,6 +65,18 @@ def withheld_tma_kernel(ctx, out_ptr, WORKSPACE: tl.constexpr):
 
 
 @triton.jit
+def withheld_tagged_kernel(ctx, out_ptr, WORKSPACE: tl.constexpr):
+    """Waits for tagged words nobody sends (``dl.wait_tagged``); must time out the
+    same way."""
+    e = dl.epoch(ctx)
+    words = dl.heap_ptr(ctx, WORKSPACE, tl.int64)
+    offs = tl.arange(0, 16)
+    got = dl.wait_tagged(ctx, words, offs, offs < 16, e + 1000,
+                         (dl.rank(ctx) + 1) % dl.num_ranks(ctx))
+    tl.store(out_ptr, tl.max(dl.unpack_tagged(got, tl.int32), 0))
+
+
+@triton.jit
 def staged_prev_kernel(ctx, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr,
                        WORKSPACE: tl.constexpr, STAGE: tl.constexpr,
                        STAGE_BYTES: tl.constexpr):

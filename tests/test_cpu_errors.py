@@ -210,11 +210,12 @@ def test_heap_exhausted():
         td.shutdown()
 
 
-@pytest.mark.parametrize("kernel", ["withheld_kernel", "withheld_tma_kernel"])
-def test_wait_timeout(kernel):
+@pytest.mark.parametrize("kernel,cmp", [("withheld_kernel", ">="), ("withheld_tma_kernel", ">="),
+                                        ("withheld_tagged_kernel", "==")])
+def test_wait_timeout(kernel, cmp):
     """A wait nobody notifies times out within twice its bound in seconds, with a
     precise error naming the wait; the runtime stays poisoned until shutdown +
-    initialize. Both waits: ``wait`` and ``wait_for_tma``."""
+    initialize. Every wait: ``wait``, ``wait_for_tma`` and ``wait_tagged``."""
     bound = 1.0
     mesh = setup(WORLD, wait_timeout_s=bound)
 
@@ -238,7 +239,7 @@ def test_wait_timeout(kernel):
         assert msg.startswith(f"DEADLINE_EXCEEDED: jaxtdist.WaitTimeoutError: a wait timed "
                               f"out after {bound:.1f} s on rank"), msg
         assert "Traceback" not in msg, msg
-        assert "to become >= 1001" in msg, msg  # epoch 1 + 1000
+        assert f"to become {cmp} 1001" in msg, msg  # epoch 1 + 1000
         assert "last saw 0" in msg, msg
         assert "jaxtdist.shutdown()" in msg, msg
         # The error stays recorded: check_errors raises it directly...
