@@ -77,6 +77,23 @@ def test_all_gather_vectorized(dtype):
     assert ops["ld.global.v4.b32"] > 0 and ops["st.global.v4.b32"] > 0
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_all_reduce_push_sends_tagged_words_16_bytes_at_a_time(dtype):
+    """all_reduce one-shot push: the tagged words go out as 16-byte stores
+    (two 8-byte words, each single-copy atomic) and are re-read volatile; no
+    fence, no flag."""
+    from jaxtdist.kernels.all_reduce import all_reduce_push_kernel
+    k = _compile(all_reduce_push_kernel, {"ctx": "*i32", "x_ptr": f"*{dtype}",
+                                          "out_ptr": f"*{dtype}"},
+                 dict(N=8192, INBOX_OFF=65536, PARITY_BYTES=1 << 20, NUM_PROGRAMS=4,
+                      BLOCK=1024, SCOPE="sys"), num_warps=4, num_stages=1)
+    ptx = k.asm["ptx"]
+    ops = _ops(k)
+    assert ops["st.global.v2.b64"] > 0, dict(ops)
+    assert re.search(r"ld\.volatile\.global\.v2\.b64", ptx), dict(ops)
+    assert "fence.acq_rel.sys" not in ptx, dict(ops)
+
+
 @pytest.mark.parametrize("all_rows,split_k,push", [(False, 1, False), (True, 1, False),
                                                    (False, 2, False), (True, 8, False),
                                                    (True, 4, True), (False, 1, True)])

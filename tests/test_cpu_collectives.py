@@ -95,6 +95,10 @@ AR_CASES = [
     (4, F32, (1000,), dict(ALGORITHM="two_shot", NUM_PROGRAMS=3, BLOCK=64)),
     (8, F32, (5,), dict(ALGORITHM="two_shot")),
     (8, BF16, (3, 50), None),
+    # Tagged-word pushes: ragged slabs, several programs and blocks.
+    (2, BF16, (300,), dict(ALGORITHM="one_shot_push")),
+    (4, F32, (1000,), dict(ALGORITHM="one_shot_push", NUM_PROGRAMS=3, BLOCK=64)),
+    (8, F16, (5,), dict(ALGORITHM="one_shot_push")),
 ]
 
 
@@ -140,8 +144,8 @@ def test_all_reduce_picks_by_bytes_per_rank(monkeypatch):
 
 
 def test_chained_calls_on_changing_data():
-    """Reuse races: 50 calls (all_reduce one-shot and two-shot, and reduce_scatter,
-    in turn), 5 chained in one jit, each on the previous result plus fresh per-rank
+    """Reuse races: 50 calls (all_reduce one-shot, two-shot and one-shot push, and
+    reduce_scatter, in turn), 5 chained in one jit, each on the previous result plus fresh per-rank
     data so that a buffer read a call late shows; the jitted chain runs 10 times
     back to back on new data, without waiting in between (epochs go on)."""
     world, n, inner, outer = 4, 24, 5, 10
@@ -154,7 +158,8 @@ def test_chained_calls_on_changing_data():
                 x = jnp.tile(reduce_scatter(z, "tp"), world)
             else:
                 x = all_reduce(z, "tp", config=dict(
-                    ALGORITHM="one_shot" if i % 3 == 0 else "two_shot"))
+                    ALGORITHM=("one_shot", "one_shot_push")[i // 3] if i % 3 == 0
+                    else "two_shot"))
         return x
 
     f = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=(P("tp"), P("tp")),

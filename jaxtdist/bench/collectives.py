@@ -56,6 +56,7 @@ def bench_all_reduce(sizes, iterations: int, world: int, dtype=jnp.bfloat16,
     ours = {name: fn(lambda v, a=algorithm: all_reduce(v, "tp", config=None if a is None
                                                          else dict(ALGORITHM=a)))
             for name, algorithm in (("jaxtdist", None), ("jaxtdist_one_shot", "one_shot"),
+                                    ("jaxtdist_one_shot_push", "one_shot_push"),
                                     ("jaxtdist_two_shot", "two_shot"))}
     rows = []
     for nbytes in sizes:
@@ -102,6 +103,7 @@ AR_COLUMNS = [
     h.Column("jax.lax.psum", lambda r: h.us(r.get("xla_psum"))),
     h.Column("jaxtdist.all_reduce", lambda r: h.us(r.get("jaxtdist"))),
     h.Column("one-shot", lambda r: h.us(r.get("jaxtdist_one_shot"))),
+    h.Column("one-shot push (tagged words)", lambda r: h.us(r.get("jaxtdist_one_shot_push"))),
     h.Column("two-shot", lambda r: h.us(r.get("jaxtdist_two_shot"))),
     h.Column("jaxtdist / XLA", lambda r: h.ratio(r.get("jaxtdist"), r.get("xla_psum"))),
     h.Column("rel. error", lambda r: h.err(r.get("jaxtdist"))),

@@ -1,4 +1,5 @@
-"""all_reduce: one-shot (every rank sums every peer's staged copy) and two-shot
+"""all_reduce: one-shot (every rank sums every peer's staged copy), one-shot
+push (every rank pushes its array into every peer as tagged words) and two-shot
 (reduce-scatter, then an all-gather of the reduced chunks through the heap).
 
 One-shot: one exchange (one signal round trip), each rank reads
@@ -62,6 +63,51 @@ def all_reduce_one_shot_kernel(ctx, x_ptr, out_ptr, N: tl.constexpr, STAGE_OFF: 
         acc = tl.zeros((BLOCK,), tl.float32)
         for src in range(0, world):  # rank order on every rank: bit-identical results
             acc += tl.load(dl.symm_at(ctx, slot, src) + offs, mask=mask).to(tl.float32)
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def all_reduce_push_kernel(ctx, x_ptr, out_ptr, N: tl.constexpr, INBOX_OFF: tl.constexpr,
+                           PARITY_BYTES: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+                           BLOCK: tl.constexpr, SCOPE: tl.constexpr):
+    """Grid: (NUM_PROGRAMS,). out[N] = sum over ranks of x[N], one-shot by pushes:
+    program p stores its slab of x, each element's float32 bits beside the epoch
+    (``dl.pack_tagged``, one 8-byte word), into slot ``me`` of every peer's
+    inbox (parity ``e % 2``, W slots of N words), with no flag and no fence;
+    then it sums its slab's W copies in rank order (its own from x, a peer's
+    once its words carry the epoch, ``dl.wait_tagged``). One crossing of the
+    links where one-shot takes a signal and then remote reads; 8 bytes per
+    element on the wire. (SCOPE: unused, no signal.)
+
+    Reuse: a peer rewrites parity p of this rank's inbox at epoch e + 2 from its
+    kernel e + 2, which starts after its kernel e + 1 waited for this rank's
+    words of e + 1, pushed after this rank's kernel e (the reader of parity p)
+    ended. Every word of parity p is this call's or an earlier one's (tag e - 2
+    or less, or 0: the heap starts zeroed)."""
+    pid = tl.program_id(0)
+    me = dl.rank(ctx)
+    world = dl.num_ranks(ctx)
+    e = dl.epoch(ctx)
+    inbox = dl.parity_ptr(ctx, INBOX_OFF, PARITY_BYTES, tl.int64)
+    lo, hi = slab_bounds(pid, N, NUM_PROGRAMS, BLOCK)
+    for off in range(lo, hi, BLOCK):
+        offs = off + tl.arange(0, BLOCK)
+        mask = offs < hi
+        words = dl.pack_tagged(tl.load(x_ptr + offs, mask=mask).to(tl.float32), e)
+        for step in range(1, world):
+            tl.store(dl.symm_at(ctx, inbox + me * N + offs, (me + step) % world), words,
+                     mask=mask)
+    for off in range(lo, hi, BLOCK):
+        offs = off + tl.arange(0, BLOCK)
+        mask = offs < hi
+        acc = tl.zeros((BLOCK,), tl.float32)
+        for src in range(0, world):  # rank order on every rank: bit-identical results
+            if src == me:
+                part = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
+            else:
+                part = dl.unpack_tagged(dl.wait_tagged(ctx, inbox + src * N, offs, mask, e, src),
+                                        tl.float32)
+            acc += part
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 

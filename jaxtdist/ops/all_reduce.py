@@ -18,7 +18,8 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from jaxtdist.kernels.all_reduce import all_reduce_one_shot_kernel, all_reduce_two_shot_kernel
+from jaxtdist.kernels.all_reduce import (all_reduce_one_shot_kernel, all_reduce_push_kernel,
+                                         all_reduce_two_shot_kernel)
 from jaxtdist.ops._config import KernelConfig, Problem, resolve
 from jaxtdist.ops._op import DistributedOp
 from jaxtdist.ops._protocol import Call, varying_axes
@@ -30,7 +31,7 @@ from jaxtdist.tune import _registry
 
 __all__ = ["AllReduceConfig", "all_reduce"]
 
-ALGORITHMS = ("auto", "one_shot", "two_shot")
+ALGORITHMS = ("auto", "one_shot", "one_shot_push", "two_shot")
 # Two-shot chunks start on multiples of this many elements (aligned vector accesses).
 CHUNK_ALIGN = 16
 
@@ -48,7 +49,9 @@ class AllReduceConfig(KernelConfig):
 
     Attributes:
       ALGORITHM: "one_shot", "two_shot", or "auto": one-shot up to
-        ONE_SHOT_MAX_BYTES per rank, two-shot above.
+        ONE_SHOT_MAX_BYTES per rank, two-shot above. "one_shot_push": every
+        rank pushes its array into every peer as tagged words (8 bytes per
+        element, no flag or fence; not picked by "auto" until GPUs time it).
       ONE_SHOT_MAX_BYTES: the largest array (bytes per rank) "auto" sends one-shot
         (0, the default: any size at 2 ranks, 256 KiB above).
       NUM_PROGRAMS: programs, each owning one slab of whole BLOCKs (of the array
@@ -135,7 +138,14 @@ def _forward(x, *, axis_name, config=None):
     common = dict(out_shape=jax.ShapeDtypeStruct((n,), x.dtype), grid=(programs,),
                   num_stages=1, varying=call.result_axes(reduced=(flat,)),
                   **cfg.launch_options())
-    if cfg.ALGORITHM == "one_shot":
+    if cfg.ALGORITHM == "one_shot_push":
+        # W slots of n tagged words per parity (the plan's flags go unused).
+        plan = ReduceWorkspace(world, world * n, jnp.int64, programs)
+        ws = call.workspace("one_shot_push", plan.nbytes, n, x.dtype.name, programs)
+        out = call.run(all_reduce_push_kernel, flat, workspace=ws, N=n,
+                       INBOX_OFF=ws.offset + plan.stage, PARITY_BYTES=plan.slot_bytes,
+                       **common, **_kernel_args(cfg))
+    elif cfg.ALGORITHM == "one_shot":
         plan = ReduceWorkspace(world, n, x.dtype, programs)
         ws = call.workspace("one_shot", plan.nbytes, n, x.dtype.name, programs)
         out = call.run(all_reduce_one_shot_kernel, flat, workspace=ws, N=n,
