@@ -11,8 +11,8 @@ all but the last of the tile's programs end there, and the last sums the
 planes in split order (the same bits whichever arrives last) and goes on as
 the one program of SPLIT_K = 1 does: it pushes the float32 partial into
 every peer's heap inbox (stores through ``dl.symm_at`` pointers, peers in
-the order me+1, me+2, ...; then the tile's flag in that peer's heap is set
-to the epoch, a release), then waits (acquire) for the same tile from each
+the order me+1, me+2, ...; then, behind one fence, the tile's flag in each
+peer's heap is set to the epoch), then waits (acquire) for the same tile from each
 peer and adds the partials in float32 in rank order (0, 1, ..., W - 1, its
 own in its place: the same additions, so the same bits, on every rank) and
 stores the output tile. One pass over w, one crossing of the links per

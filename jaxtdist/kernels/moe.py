@@ -15,8 +15,8 @@ Dispatch (``moe_dispatch_kernel``), program p of rank ``me`` owns tokens
    expert: local expert id, position within (source, expert), k, scale).
    Then the header (rows per local expert, this program's slot range) to every
    rank, and last the flags ``FLAGS[me, p]`` in every rank's heap, set to the
-   epoch (``dl.notify``: a release). Every program notifies every rank in
-   every call, empty or not.
+   epoch, behind one fence (``dl.notify_peers``). Every program notifies every
+   rank in every call, empty or not.
 2. Receive: wait for ``FLAGS[s, p] >= e`` of every source s (the same program
    id on every rank: no wait targets a program of this rank, so the grid
    completes in any order; under the interpreter programs run one by one).
