@@ -43,6 +43,9 @@ KERNELS = {
                             ["i32", "bf16", "bf16"], ["wait", "notify"]),
     "all_reduce_two_shot": ("all_reduce", "all_reduce_two_shot_kernel",
                             ["i32", "bf16", "bf16"], ["wait", "notify"]),
+    # Tagged words: no flag, so neither release nor acquire to look for.
+    "all_reduce_one_shot_push": ("all_reduce", "all_reduce_push_kernel",
+                                 ["i32", "bf16", "bf16"], []),
     "matmul_rs": ("matmul_rs", "matmul_rs_kernel", ["i32"] + ["bf16"] * 3 + ["i32"],
                   ["wait", "notify", "mfma"]),
     "matmul_ar": ("matmul_ar", "matmul_ar_kernel", ["i32"] + ["bf16"] * 3,
@@ -105,12 +108,15 @@ def _problems():
     out["reduce_scatter"] = (dict(CHUNK=n // WORLD, STAGE_OFF=heap["STAGE_OFF"],
                                   SLOT_BYTES=heap["SLOT_BYTES"], READY_OFF=0,
                                   **cfg.kernel_args()), cfg.launch_options())
-    for algorithm in ("one_shot", "two_shot"):
+    for algorithm in ("one_shot_push", "one_shot", "two_shot"):
         cfg = pick(AllReduceConfig, (n,), ALGORITHM=algorithm)
         args = {k: v for k, v in cfg.kernel_args().items()
-                if k not in ("ALGORITHM", "ONE_SHOT_MAX_BYTES")}
-        args.update(N=n, STAGE_OFF=heap["STAGE_OFF"], SLOT_BYTES=heap["SLOT_BYTES"],
-                    READY_OFF=0)
+                if k not in ("ALGORITHM", "PUSH_MAX_BYTES", "ONE_SHOT_MAX_BYTES")}
+        if algorithm == "one_shot_push":
+            args.update(N=n, INBOX_OFF=heap["STAGE_OFF"], PARITY_BYTES=heap["SLOT_BYTES"])
+        else:
+            args.update(N=n, STAGE_OFF=heap["STAGE_OFF"], SLOT_BYTES=heap["SLOT_BYTES"],
+                        READY_OFF=0)
         if algorithm == "two_shot":
             args.update(CHUNK=two_shot_chunk(n, WORLD), DONE_OFF=heap["DONE_OFF"])
         out[f"all_reduce_{algorithm}"] = (args, cfg.launch_options())

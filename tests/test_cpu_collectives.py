@@ -128,14 +128,18 @@ def test_all_reduce_over_tp_of_a_dp_tp_mesh():
 
 
 def test_all_reduce_picks_by_bytes_per_rank(monkeypatch):
-    """One-shot up to ONE_SHOT_MAX_BYTES per rank, two-shot above; the result typed
-    the same over the group (a replicated out_specs passes shard_map's checks)."""
+    """The push up to PUSH_MAX_BYTES ((world - 1) x bytes per rank), one-shot up to
+    ONE_SHOT_MAX_BYTES per rank, two-shot above; the result typed the same over
+    the group (a replicated out_specs passes shard_map's checks)."""
     mesh = setup(2)
     seen = _launched(monkeypatch)
     x = rand((2, 64), F32)
-    for config, kernel in ((None, "all_reduce_one_shot_kernel"),
-                           (dict(ONE_SHOT_MAX_BYTES=255), "all_reduce_two_shot_kernel"),
-                           (dict(ONE_SHOT_MAX_BYTES=256), "all_reduce_one_shot_kernel")):
+    big = dict(PUSH_MAX_BYTES=255)
+    for config, kernel in ((None, "all_reduce_push_kernel"),
+                           (dict(PUSH_MAX_BYTES=256), "all_reduce_push_kernel"),
+                           (big, "all_reduce_one_shot_kernel"),
+                           (dict(big, ONE_SHOT_MAX_BYTES=255), "all_reduce_two_shot_kernel"),
+                           (dict(big, ONE_SHOT_MAX_BYTES=256), "all_reduce_one_shot_kernel")):
         f = jax.jit(jax.shard_map(lambda v: all_reduce(v, "tp", config=config), mesh=mesh,
                                   in_specs=P("tp"), out_specs=P()))
         out = f(place(mesh, x.reshape(-1), P("tp")))  # 64 float32 = 256 bytes per rank
@@ -250,6 +254,8 @@ def test_bad_inputs_raise():
         call(lambda v: all_reduce(v, "tp", config=dict(BLOCKS=4)), x)
     with pytest.raises(ValueError, match="ONE_SHOT_MAX_BYTES=-1 must be an int >= 0"):
         call(lambda v: all_reduce(v, "tp", config=dict(ONE_SHOT_MAX_BYTES=-1)), x)
+    with pytest.raises(ValueError, match="PUSH_MAX_BYTES=True must be an int >= 0"):
+        call(lambda v: all_reduce(v, "tp", config=dict(PUSH_MAX_BYTES=True)), x)
 
 
 def test_configs_on_gpu_problems():
@@ -260,8 +266,10 @@ def test_configs_on_gpu_problems():
 
     small = Problem("gpu", 4, (8192,), "bfloat16")          # 16 KiB per rank
     large = Problem("gpu", 4, (32 << 20,), "bfloat16")      # 64 MiB per rank
+    mid = Problem("gpu", 4, (256 << 10,), "bfloat16")       # 512 KiB per rank
     cfg = AllReduceConfig.default(small)
-    assert cfg.settled(small).ALGORITHM == "one_shot" and cfg.NUM_PROGRAMS == 4
+    assert cfg.settled(small).ALGORITHM == "one_shot_push" and cfg.NUM_PROGRAMS == 4
+    assert AllReduceConfig.default(mid).settled(mid).ALGORITHM == "one_shot"
     cfg = AllReduceConfig.default(large)
     assert cfg.settled(large).variant == "two_shot" and cfg.NUM_PROGRAMS == large.sms
     assert ReduceScatterConfig.default(large).NUM_PROGRAMS == large.sms

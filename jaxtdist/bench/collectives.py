@@ -129,7 +129,7 @@ def _table(op: str, columns):
 def _runner(bench_fn):
     def run(args) -> tuple[list[dict], dict]:
         world = args.world or len(jax.devices())
-        sizes = SIZES[:3] if args.quick else SIZES
+        sizes = args.sizes or (SIZES[:3] if args.quick else SIZES)
         rows = bench_fn(sizes, args.iterations, world, rounds=args.rounds)
         import jaxtdist as td
 
@@ -139,6 +139,8 @@ def _runner(bench_fn):
 
 def _arguments(parser) -> None:
     parser.add_argument("--quick", action="store_true", help="first three sizes only")
+    parser.add_argument("--sizes", type=int, nargs="+", default=None,
+                        help="bytes per rank to time (default: the standard sizes)")
     parser.add_argument("--world", type=int, default=0,
                         help="devices to run on (default: all)")
 

@@ -150,8 +150,10 @@ def notify(ctx, signal, peer, value, OP: tl.constexpr = tl.constexpr("set"),
     publishes the stores before it); see ``notify_peers``.
     """
     remote = symm_at(ctx, signal, peer)
-    # Every thread's earlier stores happen before the one thread's release.
-    tl.debug_barrier()
+    if SEM == "release":
+        # Every thread's earlier stores happen before the one thread's release
+        # (relaxed: the fence before it has its own barrier).
+        tl.debug_barrier()
     if OP == "add":
         tl.atomic_add(remote, value, sem=SEM, scope=SCOPE)
     else:

@@ -2,11 +2,12 @@
 
 Equals ``jax.lax.psum(x, axis_name)``, for any shape (scalars included: the
 array is flattened, and the kernels mask the ragged ends, so nothing is
-padded in memory). Two algorithms (kernels/all_reduce.py): one-shot (every
-rank sums every peer's staged copy; one exchange) for small arrays, two-shot
+padded in memory). Three algorithms (kernels/all_reduce.py), picked by bytes
+per rank (``AllReduceConfig``): the push (every rank stores its array into
+every peer's inbox as tagged words, no flag: one crossing) for small arrays,
+one-shot (every rank sums every peer's staged copy) for mid sizes, two-shot
 (reduce-scatter, then an all-gather of the reduced chunks through the heap)
-for large ones, picked by bytes per rank against
-``AllReduceConfig.ONE_SHOT_MAX_BYTES``. Differentiable.
+for large ones. Differentiable.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from jaxtdist.tune import _registry
 __all__ = ["AllReduceConfig", "all_reduce"]
 
 ALGORITHMS = ("auto", "one_shot", "one_shot_push", "two_shot")
+# (world - 1) x bytes per rank up to which "auto" pushes tagged words (PUSH_MAX_BYTES).
+PUSH_MAX_BYTES = 384 << 10
 # Two-shot chunks start on multiples of this many elements (aligned vector accesses).
 CHUNK_ALIGN = 16
 
@@ -48,12 +51,17 @@ class AllReduceConfig(KernelConfig):
     """Which all-reduce algorithm runs and how its kernel splits the array.
 
     Attributes:
-      ALGORITHM: "one_shot", "two_shot", or "auto": one-shot up to
-        ONE_SHOT_MAX_BYTES per rank, two-shot above. "one_shot_push": every
-        rank pushes its array into every peer as tagged words (8 bytes per
-        element, no flag or fence; not picked by "auto" until GPUs time it).
+      ALGORITHM: "one_shot_push", "one_shot", "two_shot", or "auto": by
+        size, the push up to PUSH_MAX_BYTES, one-shot up to ONE_SHOT_MAX_BYTES,
+        two-shot above. "one_shot_push": every rank pushes its array into every
+        peer as tagged words (8 bytes per element on the wire, no flag and no
+        fence: one crossing of the links); "one_shot": every rank stages its
+        array, raises a flag and reads every peer's copy; "two_shot":
+        reduce-scatter, then all-gather.
+      PUSH_MAX_BYTES: the largest (world - 1) x bytes per rank "auto" pushes
+        (0, the default: 384 KiB, so 256 KiB per rank at 2 ranks, 128 KiB at 4).
       ONE_SHOT_MAX_BYTES: the largest array (bytes per rank) "auto" sends one-shot
-        (0, the default: any size at 2 ranks, 256 KiB above).
+        (0, the default: any size at 2 ranks, 1 MiB above).
       NUM_PROGRAMS: programs, each owning one slab of whole BLOCKs (of the array
         one-shot, of every chunk two-shot).
       BLOCK: elements per load (a power of 2).
@@ -63,11 +71,15 @@ class AllReduceConfig(KernelConfig):
     OP: ClassVar[str] = "all_reduce"
 
     ALGORITHM: str = "auto"
+    # 0: 384 KiB of tagged words' payload. On 4 x H100 the push took 9.0-12.8 us
+    # from 4 to 128 KiB per rank (one-shot 14.1-15.7) and 18.0 at 256 KiB (one-shot
+    # 15.5); on 2 x H100 4.0-7.1 us up to 256 KiB (one-shot 6.5-7.6), 16.2 at 1 MiB
+    # (11.5): the tagged words' doubled bytes cost more than the round trip they save.
+    PUSH_MAX_BYTES: int = 0
     # 0: by world size. At 2 ranks both algorithms move N bytes over the link
     # and one-shot has one step less: measured faster at every size from 16 KiB
-    # to 64 MiB per rank on 2 x H200, so always one-shot. Above 2, 256 KiB until
-    # the 4-GPU run measures the crossing (psum on 4 x H200 costs 6.6 us there,
-    # where one-shot's (world - 1) x N reads should still be latency-bound).
+    # to 64 MiB per rank on 2 x H200, so always one-shot. Above 2, 1 MiB: on
+    # 4 x H100 one-shot took 27.2-27.7 us at 1 MiB per rank, two-shot 34.2-35.4.
     ONE_SHOT_MAX_BYTES: int = 0
     NUM_PROGRAMS: int = 2
     BLOCK: int = 256
@@ -83,8 +95,11 @@ class AllReduceConfig(KernelConfig):
         if self.ALGORITHM != "auto":
             return self.ALGORITHM
         (n,) = problem.shape
-        limit = self.ONE_SHOT_MAX_BYTES or (1 << 62 if problem.world <= 2 else 256 << 10)
-        return "one_shot" if n * problem.itemsize <= limit else "two_shot"
+        nbytes = n * problem.itemsize
+        if (problem.world - 1) * nbytes <= (self.PUSH_MAX_BYTES or PUSH_MAX_BYTES):
+            return "one_shot_push"
+        limit = self.ONE_SHOT_MAX_BYTES or (1 << 62 if problem.world <= 2 else 1 << 20)
+        return "one_shot" if nbytes <= limit else "two_shot"
 
     def settled(self, problem: Problem) -> "AllReduceConfig":
         """This config with ALGORITHM settled for ``problem``."""
@@ -94,7 +109,7 @@ class AllReduceConfig(KernelConfig):
     def default(cls, problem: Problem) -> "AllReduceConfig":
         (n,) = problem.shape
         base = cls()
-        one_shot = base.algorithm(problem) == "one_shot"
+        one_shot = base.algorithm(problem) != "two_shot"
         return base.replace(**slab_grid(problem, n if one_shot else
                                         two_shot_chunk(n, problem.world)))
 
@@ -102,15 +117,16 @@ class AllReduceConfig(KernelConfig):
         if self.ALGORITHM not in ALGORITHMS:
             raise ValueError(f"jaxtdist.all_reduce: config ALGORITHM={self.ALGORITHM!r}; "
                              f"allowed: {', '.join(repr(a) for a in ALGORITHMS)}")
-        limit = self.ONE_SHOT_MAX_BYTES
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-            raise ValueError(f"jaxtdist.all_reduce: config ONE_SHOT_MAX_BYTES={limit!r} must "
-                             "be an int >= 0")
+        for key in ("PUSH_MAX_BYTES", "ONE_SHOT_MAX_BYTES"):
+            limit = getattr(self, key)
+            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+                raise ValueError(f"jaxtdist.all_reduce: config {key}={limit!r} must be an "
+                                 "int >= 0")
         validate_slab_config(self, problem)
 
     @classmethod
     def search_space(cls, problem: Problem) -> list[dict]:
-        algorithms = [dict(ALGORITHM="one_shot"), dict(ALGORITHM="two_shot")]
+        algorithms = [dict(ALGORITHM=a) for a in ("one_shot_push", "one_shot", "two_shot")]
         if problem.platform != "gpu":
             return [{}] + algorithms
         return cls.fitting(problem, [{}] + [dict(a, NUM_PROGRAMS=p, BLOCK=b)
@@ -165,7 +181,8 @@ def _forward(x, *, axis_name, config=None):
 
 def _kernel_args(cfg: AllReduceConfig) -> dict:
     args = cfg.kernel_args()
-    del args["ALGORITHM"], args["ONE_SHOT_MAX_BYTES"]  # the op's choice, not the kernel's
+    # The op's choice, not the kernel's.
+    del args["ALGORITHM"], args["PUSH_MAX_BYTES"], args["ONE_SHOT_MAX_BYTES"]
     return args
 
 
@@ -197,8 +214,9 @@ def all_reduce(x: jax.Array, axis_name, *, config: dict | None = None) -> jax.Ar
 
     Call inside ``jax.shard_map`` over the mesh given to ``jaxtdist.initialize``.
     Any shape (scalars too); bfloat16 and float16 are summed in float32 and
-    rounded once. Every rank of the group gets the same bits. Small arrays go
-    one-shot, large ones two-shot (``config=dict(ALGORITHM=...)`` forces one).
+    rounded once. Every rank of the group gets the same bits. Small arrays are
+    pushed as tagged words, mid sizes go one-shot, large ones two-shot
+    (``config=dict(ALGORITHM=...)`` forces one).
     Differentiable, as ``jax.lax.psum``.
 
     Args:
