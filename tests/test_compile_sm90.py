@@ -417,8 +417,8 @@ def test_moe_kernels_compile(dtype, dots, send_rows):
                   "tail_ptr": f"*{dtype}", "trace_ptr": i32},
                  dict(T=t, H=h, K=k, E_LOC=e_loc, KL=kl, R=world * t * kl, W=world,
                       P=programs, TP=1, FLAGS_OFF=0, HDR_OFF=4096, META_OFF=1 << 16,
-                      ROWS_OFF=1 << 20, PARITY_BYTES=1 << 24, HDR_WORDS=e_loc + 3,
-                      META_WORDS=meta_words, SCALED=False, WP=4, HWP=128, MP=64, KLP=8,
+                      ROWS_OFF=1 << 20, PARITY_BYTES=1 << 24, HDR_WORDS=e_loc + 2 * programs + 1,
+                      META_WORDS=meta_words, SCALED=False, WP=4, EP=64, MP=64, KLP=8,
                       BLOCK_H=block, SPLIT=7168 if dtype == "u8" else 0,
                       TRACE=dtype == "bf16"),  # the probes' phase stamps compile too
                  num_warps=4, num_stages=1)

@@ -9,28 +9,24 @@ are data, so one compiled kernel serves every routing.
 Dispatch (``moe_dispatch_kernel``), program p of rank ``me`` owns tokens
 ``[p * TP, (p + 1) * TP)``:
 
-1. Push: first the header (rows per local expert, this program's slot range,
-   the slots used) to every rank as tagged words (``dl.pack_tagged``: no flag
-   needed), then each token row, loaded once and stored once per destination
-   rank (not once per expert) into that rank's heap inbox, slot ``slot[t, d]``
-   of the source region ``me``, with its meta row (token index, and per local
+1. Push: each token row is loaded once and stored once per destination rank
+   (not once per expert) into that rank's heap inbox, slot ``slot[t, d]`` of
+   the source region ``me``, with its meta row (token index, and per local
    expert: local expert id, position within (source, expert), k, scale).
-2. While those stores drain: wait for every source's program-p header
-   (``dl.wait_tagged``). They give the count matrix cnt[s, j]; recv_x is
-   expert-major, and within an expert source-major, then in token order: row
-   (s, t, j) lands at ``sum_{j' < j} tot[j'] + sum_{s' < s} cnt[s', j] + pos``,
-   and the rows past the total are unused: the program zeroes its share of
-   them now (recv_x is fully written), not after the exchange. Then the flags
-   ``FLAGS[me, p]`` in every rank's heap, set to the epoch, behind one fence
-   (``dl.notify_peers``). Every program notifies every rank in every call,
-   empty or not.
-3. Receive: wait for ``FLAGS[s, p] >= e`` of every source s (the same program
+   Then the header (rows per local expert, this program's slot range) to every
+   rank, and last the flags ``FLAGS[me, p]`` in every rank's heap, set to the
+   epoch, behind one fence (``dl.notify_peers``). Every program notifies every
+   rank in every call, empty or not.
+2. Receive: wait for ``FLAGS[s, p] >= e`` of every source s (the same program
    id on every rank: no wait targets a program of this rank, so the grid
    completes in any order; under the interpreter programs run one by one).
-   Rows at R or beyond are dropped (never written). Program p lays out the
-   rows that program p of each source pushed, one load per row chunk and one
-   store per local expert, and records, per inbox row and local expert, where
-   the row went (for combine).
+   The headers give the count matrix cnt[s, j]; recv_x is expert-major, and
+   within an expert source-major, then in token order: row (s, t, j) lands at
+   ``sum_{j' < j} tot[j'] + sum_{s' < s} cnt[s', j] + pos``. Rows at R or
+   beyond are dropped (never written). Program p lays out the rows that
+   program p of each source pushed, one load per row chunk and one store per
+   local expert; it also zeroes its share of the unused rows of recv_x and
+   records, per inbox row and local expert, where the row went (for combine).
 
 Combine (``moe_combine_kernel``) is the reverse, by the same program split.
 Forward: program p of every rank first pushes its tokens' weights into every
@@ -53,12 +49,11 @@ notifies every rank in every call), which the peer raises in its kernel
 e + 1, after its kernel e (the last reader) ended. Flags compare ">=" (a
 fast peer may already be at e + 1, writing only the other parity) and only
 grow: nothing is reset.
-The headers sit in the parity region too, and carry the epoch besides.
+The headers sit in the parity region too, for the same reason.
 
 Workspace layout (byte offsets, ``ops/moe.DispatchWorkspace`` /
 ``CombineWorkspace``): FLAGS [W, P] int32, then per parity: dispatch's
-headers [W, P, HDR_WORDS] tagged int64 words (E_LOC counts, slot range,
-slots used), meta [W, T, META_WORDS] int32 and rows
+headers [W, HDR_WORDS] int32, meta [W, T, META_WORDS] int32 and rows
 [W, T, H]; combine's (after WFLAGS [W, P]) inbox of [W, T] or [T * K] rows of
 F and weight box [W, T, K] float32.
 """
@@ -69,9 +64,9 @@ import triton.language as tl
 import jaxtdist.language as dl
 from jaxtdist.kernels._trace import stamp
 
-# Timestamps per program with TRACE: dispatch start, headers, rows and meta pushed,
-# peers' headers seen and unused rows zeroed, flags sent, peers' flags seen, rows
-# laid out (end); combine start, rows sent, peers' flags seen, end.
+# Timestamps per program with TRACE: dispatch start, rows and meta pushed, headers
+# and flags sent, peers' flags seen, rows laid out, end; combine start, rows sent,
+# peers' flags seen, end.
 TRACE_PHASES = tl.constexpr(6)
 
 
@@ -132,7 +127,7 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
                         META_OFF: tl.constexpr, ROWS_OFF: tl.constexpr,
                         PARITY_BYTES: tl.constexpr, HDR_WORDS: tl.constexpr,
                         META_WORDS: tl.constexpr, SCALED: tl.constexpr,
-                        WP: tl.constexpr, HWP: tl.constexpr, MP: tl.constexpr,
+                        WP: tl.constexpr, EP: tl.constexpr, MP: tl.constexpr,
                         KLP: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT: tl.constexpr = 0,
                         TRACE: tl.constexpr = False):
     """Grid: (P,), at most one program per SM on GPUs (programs wait on peers').
@@ -145,8 +140,8 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
     row and t * K + k of inbox row (s, i), local expert kk; -1: none or
     dropped); sranges [W, P, 2] int32 (slot range of each source's program).
     SPLIT > 0: recv is [R, SPLIT] and tail [R, H - SPLIT] holds the rest of each
-    row (``_store_row``); else tail is unused. WP, HWP, MP, KLP: W, HDR_WORDS
-    (E_LOC + 3), META_WORDS and KL rounded up to powers of 2 (vector widths). TRACE: phase
+    row (``_store_row``); else tail is unused. WP, EP, MP, KLP: W, E_LOC,
+    META_WORDS and KL rounded up to powers of 2 (vector widths). TRACE: phase
     timestamps into trace (``_stamp``); else trace is unused.
     """
     pid = tl.program_id(0)
@@ -154,41 +149,29 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
     me = dl.rank(ctx)
     e = dl.epoch(ctx)
     flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
-    hdr = dl.parity_ptr(ctx, HDR_OFF, PARITY_BYTES, tl.int64)
+    hdr = dl.parity_ptr(ctx, HDR_OFF, PARITY_BYTES, tl.int32)
     meta = dl.parity_ptr(ctx, META_OFF, PARITY_BYTES, tl.int32)
     rows = dl.parity_ptr(ctx, ROWS_OFF, PARITY_BYTES, x_ptr.dtype.element_ty)
     offs_h = tl.arange(0, BLOCK_H)
     offs_m = tl.arange(0, MP)
+    offs_e = tl.arange(0, EP)
     offs_kl = tl.arange(0, KLP)
     kl_m = offs_kl < KL
+
+    # 1. Push this program's tokens, each row once per destination rank. The
+    # token's slots and meta rows are loaded as blocks up front, beside the row:
+    # one memory latency for all of them, not one per destination.
     offs_w = tl.arange(0, WP)
     wm = offs_w < W
-    ws = offs_w[:, None]
-
-    # 1. The header for every destination d, [W, HDR_WORDS]: rows per local expert,
-    # then this program's slot range and the slots used there (the same counts and
-    # total from every program: a receiver's program p reads program p's header).
-    offs_c = tl.arange(0, HWP)
-    cs = offs_c[None, :]
+    mm = wm[:, None] & (offs_m[None, :] < META_WORDS)
+    # The header's words per destination, loaded now: their latency hides behind the rows'.
+    em = offs_e < E_LOC
+    dcounts = tl.load(dcounts_ptr + offs_w[:, None] * E_LOC + offs_e[None, :],
+                      mask=wm[:, None] & em[None, :], other=0)
     bounds = bounds_ptr + offs_w * (P + 1)
     los = tl.load(bounds + pid, mask=wm, other=0)
     his = tl.load(bounds + pid + 1, mask=wm, other=0)
     totals = tl.load(bounds + P, mask=wm, other=0)
-    header = tl.load(dcounts_ptr + ws * E_LOC + cs, mask=(ws < W) & (cs < E_LOC), other=0)
-    header = tl.where(cs == E_LOC, los[:, None], header)
-    header = tl.where(cs == E_LOC + 1, his[:, None], header)
-    header = tl.where(cs == E_LOC + 2, totals[:, None], header)
-    words = dl.pack_tagged(header, e)
-    h_out = hdr + (me * P + pid) * HDR_WORDS + offs_c
-    for step in range(0, W):
-        d = (me + step) % W
-        tl.store(dl.symm_at(ctx, h_out, d), tl.sum(tl.where(ws == d, words, 0), axis=0),
-                 mask=offs_c < HDR_WORDS)
-
-    # Then this program's tokens, each row once per destination rank. The token's
-    # slots and meta rows are loaded as blocks up front, beside the row: one memory
-    # latency for all of them, not one per destination.
-    mm = wm[:, None] & (offs_m[None, :] < META_WORDS)
     t_lo = pid * TP
     t_hi = tl.minimum(t_lo + TP, T)
     for t in range(t_lo, t_hi):
@@ -212,49 +195,52 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
                 dst = meta + (me * T + s) * META_WORDS + offs_m
                 tl.store(dl.symm_at(ctx, dst, d), m, mask=offs_m < META_WORDS)
     _stamp(trace_ptr, pid, 1, TRACE)
-
-    # 2. While the rows drain: every source's program-pid header (tagged words, no
-    # flag), so the receive's geometry and the unused rows are known now.
-    got = dl.unpack_tagged(
-        dl.wait_tagged(ctx, hdr, (ws * P + pid) * HDR_WORDS + cs,
-                       (ws < W) & (cs < HDR_WORDS), e), tl.int32)
-    cnt = tl.where(cs < E_LOC, got, 0)  # [WP, HWP]: cnt[s, j] for j < E_LOC
-    tot = tl.sum(cnt, axis=0)
-    base = tl.cumsum(cnt, axis=0) - cnt + (tl.cumsum(tot, axis=0) - tot)[None, :]
-    total = tl.sum(tot, axis=0)
-    if pid == 0:
-        tl.store(rcounts_ptr + ws * E_LOC + cs, cnt, mask=(ws < W) & (cs < E_LOC))
-    los = tl.sum(tl.where(cs == E_LOC, got, 0), axis=1)
-    his = tl.sum(tl.where(cs == E_LOC + 1, got, 0), axis=1)
-    used = tl.sum(tl.where(cs == E_LOC + 2, got, 0), axis=1)
-    tl.store(sranges_ptr + (offs_w * P + pid) * 2, los, mask=wm)
-    tl.store(sranges_ptr + (offs_w * P + pid) * 2 + 1, his, mask=wm)
-    # Rows past the received ones are zero (fully written output): local stores,
-    # in the shadow of the pushes' drain.
-    for r in range(tl.minimum(total, R) + pid, R, P):
-        for c in range(0, H, BLOCK_H):
-            hm = c + offs_h < H
-            _store_row(recv_ptr, tail_ptr, r, c + offs_h,
-                       tl.zeros((BLOCK_H,), recv_ptr.dtype.element_ty), hm, H, SPLIT)
-    _stamp(trace_ptr, pid, 2, TRACE)
+    h = hdr + me * HDR_WORDS
+    for step in range(0, W):
+        d = (me + step) % W
+        cnt = tl.sum(tl.where(offs_w[:, None] == d, dcounts, 0), axis=0)
+        tl.store(dl.symm_at(ctx, h + offs_e, d), cnt, mask=em)  # same values from every program
+        tl.store(dl.symm_at(ctx, h + E_LOC + 2 * pid, d), _pick(los, offs_w, d))
+        tl.store(dl.symm_at(ctx, h + E_LOC + 2 * pid + 1, d), _pick(his, offs_w, d))
+        # The total too (from every program): a receiver's program p may read
+        # only what program p of this rank wrote (the flag it waited for).
+        tl.store(dl.symm_at(ctx, h + E_LOC + 2 * P, d), _pick(totals, offs_w, d))
     # Flags after every rank's stores, behind one fence: the relaxed flags go out
     # together (W releases went out one round trip to a peer apart).
-    dl.notify_peers(ctx, flags + me * P + pid, e, INCLUDE_SELF=True)  # rows and meta
-    _stamp(trace_ptr, pid, 3, TRACE)
+    dl.notify_peers(ctx, flags + me * P + pid, e, INCLUDE_SELF=True)  # rows, meta, header
 
-    # 3. Receive: every source's program pid has pushed.
+    _stamp(trace_ptr, pid, 2, TRACE)
+
+    # 2. Receive: every source's program pid has pushed.
     token = me * 0  # int32, the type dl.wait's token has (loop-carried)
     for step in range(0, W):
         src = (me + step) % W
         token = dl.wait(ctx, flags + src * P + pid, e, "ge", src)
-    _stamp(trace_ptr, pid, 4, TRACE)
+    _stamp(trace_ptr, pid, 3, TRACE)
     # Every load below goes through pointers that depend on the wait (consume_token),
     # via a zero offset times 16 elements: they keep their known alignment.
     after = dl.consume_token((me * 0).to(tl.int64), token) * 16
+    hdr = hdr + after
     meta = meta + after
     rows = rows + after
+    ws = tl.arange(0, WP)[:, None]
+    js = offs_e[None, :]
+    cnt = tl.load(hdr + ws * HDR_WORDS + js, mask=(ws < W) & (js < E_LOC), other=0)
+    tot = tl.sum(cnt, axis=0)
+    base = tl.cumsum(cnt, axis=0) - cnt + (tl.cumsum(tot, axis=0) - tot)[None, :]
+    total = tl.sum(tot, axis=0)
+    if pid == 0:
+        tl.store(rcounts_ptr + ws * E_LOC + js, cnt, mask=(ws < W) & (js < E_LOC))
+    # Every source's slot range for this program and slot total, loaded together
+    # with the counts (one latency, not one per source).
+    ranges = hdr + offs_w * HDR_WORDS + E_LOC
+    los = tl.load(ranges + 2 * pid, mask=wm, other=0)
+    his = tl.load(ranges + 2 * pid + 1, mask=wm, other=0)
+    used = tl.load(ranges + 2 * P, mask=wm, other=0)
+    tl.store(sranges_ptr + (offs_w * P + pid) * 2, los, mask=wm)
+    tl.store(sranges_ptr + (offs_w * P + pid) * 2 + 1, his, mask=wm)
     for s in range(0, W):
-        base_s = tl.sum(tl.where(ws == s, base, 0), axis=0)  # [HWP], j < E_LOC
+        base_s = tl.sum(tl.where(ws == s, base, 0), axis=0)
         lo = _pick(los, offs_w, s)
         hi = _pick(his, offs_w, s)
         for i in range(lo, hi):
@@ -273,7 +259,7 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
                 scales = tl.load(mrow + 4 + 4 * offs_kl, mask=kl_m, other=0).to(
                     tl.float32, bitcast=True)
             # recv row of each local expert: its first row plus the position.
-            dsts = tl.sum(tl.where(offs_c[None, :] == experts[:, None], base_s[None, :], 0),
+            dsts = tl.sum(tl.where(offs_e[None, :] == experts[:, None], base_s[None, :], 0),
                           axis=1) + poss
             keeps = ((experts >= 0) & (dsts < R)).to(tl.int32)
             out = (s * T + i) * KL + offs_kl
@@ -291,6 +277,13 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
             none = tl.full((KLP,), -1, tl.int32)
             tl.store(spos_ptr + (s * T + i) * KL + offs_kl, none, mask=kl_m)
             tl.store(stk_ptr + (s * T + i) * KL + offs_kl, none, mask=kl_m)
+    _stamp(trace_ptr, pid, 4, TRACE)
+    # Rows past the received ones are zero (fully written output).
+    for r in range(tl.minimum(total, R) + pid, R, P):
+        for c in range(0, H, BLOCK_H):
+            hm = c + offs_h < H
+            _store_row(recv_ptr, tail_ptr, r, c + offs_h,
+                       tl.zeros((BLOCK_H,), recv_ptr.dtype.element_ty), hm, H, SPLIT)
     _stamp(trace_ptr, pid, 5, TRACE)
 
 

@@ -311,15 +311,15 @@ def _problem(call: Call, tokens: int, hidden: int, dtype) -> Problem:
 
 class DispatchWorkspace:
     """Byte layout of the dispatch workspace: flags [W, P] int32, then per call
-    parity: headers [W, P, E_LOC + 3] tagged int64 words, meta rows
-    [W, T, 1 + 4 KL] int32, rows [W, T, H]."""
+    parity: headers [W, E_LOC + 2P + 1] int32, meta rows [W, T, 1 + 4 KL] int32,
+    rows [W, T, H]."""
 
     def __init__(self, world, tokens, hidden, itemsize, e_loc, kl, programs):
-        self.hdr_words = e_loc + 3
+        self.hdr_words = e_loc + 2 * programs + 1
         self.meta_words = 1 + _FIELDS * kl
         self.flags = 0
         self.hdr = align(4 * world * programs)
-        self.meta = self.hdr + align(8 * world * programs * self.hdr_words)
+        self.meta = self.hdr + align(4 * world * self.hdr_words)
         self.rows = self.meta + align(4 * world * tokens * self.meta_words)
         self.parity_bytes = self.rows + align(world * tokens * hidden * itemsize) - self.hdr
         self.nbytes = self.hdr + 2 * self.parity_bytes
@@ -405,7 +405,7 @@ def moe_dispatch_kernels(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_
         TP=-(-t // programs), FLAGS_OFF=ws.offset + plan.flags, HDR_OFF=ws.offset + plan.hdr,
         META_OFF=ws.offset + plan.meta, ROWS_OFF=ws.offset + plan.rows,
         PARITY_BYTES=plan.parity_bytes, HDR_WORDS=plan.hdr_words, META_WORDS=plan.meta_words,
-        SCALED=scale is not None, WP=next_pow2(world), HWP=next_pow2(plan.hdr_words),
+        SCALED=scale is not None, WP=next_pow2(world), EP=next_pow2(e_loc),
         MP=next_pow2(plan.meta_words), KLP=next_pow2(kl), BLOCK_H=cfg.BLOCK_H, SPLIT=split,
         TRACE=trace)
     if split:

@@ -105,8 +105,8 @@ def probe_moe_trace(world: int = 2, t: int = 128, hidden: int = 7168, k: int = 8
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(mb.EP_SPEC,) * 3,
                                out_specs=(mb.EP_SPEC,) * 2, check_vma=False))
-    phases = {"dispatch": ("push headers+rows+meta", "peers' headers, zero tail",
-                           "fence+flags", "wait peers", "lay out"),
+    phases = {"dispatch": ("push rows+meta", "headers+flags", "wait peers", "lay out",
+                           "zero tail"),
               "combine": ("send rows+flags", "wait peers", "sum")}
     runs = [fn(*args) for _ in range(runs)][runs // 4:]  # after warm-up
     for kernel, stamps in zip(phases, zip(*runs)):
