@@ -266,7 +266,7 @@ def test_configs_on_gpu_problems():
 
     small = Problem("gpu", 4, (8192,), "bfloat16")          # 16 KiB per rank
     large = Problem("gpu", 4, (32 << 20,), "bfloat16")      # 64 MiB per rank
-    mid = Problem("gpu", 4, (256 << 10,), "bfloat16")       # 512 KiB per rank
+    mid = Problem("gpu", 4, (1 << 20,), "bfloat16")         # 2 MiB per rank
     cfg = AllReduceConfig.default(small)
     assert cfg.settled(small).ALGORITHM == "one_shot_push" and cfg.NUM_PROGRAMS == 4
     assert AllReduceConfig.default(mid).settled(mid).ALGORITHM == "one_shot"

@@ -61,7 +61,7 @@ class AllReduceConfig(KernelConfig):
       PUSH_MAX_BYTES: the largest (world - 1) x bytes per rank "auto" pushes
         (0, the default: 384 KiB, so 256 KiB per rank at 2 ranks, 128 KiB at 4).
       ONE_SHOT_MAX_BYTES: the largest array (bytes per rank) "auto" sends one-shot
-        (0, the default: any size at 2 ranks, 1 MiB above).
+        (0, the default: any size at 2 ranks, 2 MiB above).
       NUM_PROGRAMS: programs, each owning one slab of whole BLOCKs (of the array
         one-shot, of every chunk two-shot).
       BLOCK: elements per load (a power of 2).
@@ -78,8 +78,9 @@ class AllReduceConfig(KernelConfig):
     PUSH_MAX_BYTES: int = 0
     # 0: by world size. At 2 ranks both algorithms move N bytes over the link
     # and one-shot has one step less: measured faster at every size from 16 KiB
-    # to 64 MiB per rank on 2 x H200, so always one-shot. Above 2, 1 MiB: on
-    # 4 x H100 one-shot took 27.2-27.7 us at 1 MiB per rank, two-shot 34.2-35.4.
+    # to 64 MiB per rank on 2 x H200, so always one-shot. Above 2, 2 MiB: on
+    # 4 x H100 one-shot took 22.7 / 34.3 / 96.1 us at 1 / 2 / 8 MiB per rank,
+    # two-shot 32.1 / 37.2 / 66.1.
     ONE_SHOT_MAX_BYTES: int = 0
     NUM_PROGRAMS: int = 2
     BLOCK: int = 256
@@ -98,7 +99,7 @@ class AllReduceConfig(KernelConfig):
         nbytes = n * problem.itemsize
         if (problem.world - 1) * nbytes <= (self.PUSH_MAX_BYTES or PUSH_MAX_BYTES):
             return "one_shot_push"
-        limit = self.ONE_SHOT_MAX_BYTES or (1 << 62 if problem.world <= 2 else 1 << 20)
+        limit = self.ONE_SHOT_MAX_BYTES or (1 << 62 if problem.world <= 2 else 2 << 20)
         return "one_shot" if nbytes <= limit else "two_shot"
 
     def settled(self, problem: Problem) -> "AllReduceConfig":
