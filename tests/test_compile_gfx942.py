@@ -46,6 +46,8 @@ KERNELS = {
     # Tagged words: no flag, so neither release nor acquire to look for.
     "all_reduce_one_shot_push": ("all_reduce", "all_reduce_push_kernel",
                                  ["i32", "bf16", "bf16"], []),
+    "all_reduce_one_shot_push_flags": ("all_reduce", "all_reduce_push_flags_kernel",
+                                       ["i32", "bf16", "bf16"], ["wait", "notify"]),
     "matmul_rs": ("matmul_rs", "matmul_rs_kernel", ["i32"] + ["bf16"] * 3 + ["i32"],
                   ["wait", "notify", "mfma"]),
     "matmul_ar": ("matmul_ar", "matmul_ar_kernel", ["i32"] + ["bf16"] * 3,
@@ -108,12 +110,15 @@ def _problems():
     out["reduce_scatter"] = (dict(CHUNK=n // WORLD, STAGE_OFF=heap["STAGE_OFF"],
                                   SLOT_BYTES=heap["SLOT_BYTES"], READY_OFF=0,
                                   **cfg.kernel_args()), cfg.launch_options())
-    for algorithm in ("one_shot_push", "one_shot", "two_shot"):
+    for algorithm in ("one_shot_push", "one_shot_push_flags", "one_shot", "two_shot"):
         cfg = pick(AllReduceConfig, (n,), ALGORITHM=algorithm)
         args = {k: v for k, v in cfg.kernel_args().items()
                 if k not in ("ALGORITHM", "PUSH_MAX_BYTES", "ONE_SHOT_MAX_BYTES")}
         if algorithm == "one_shot_push":
             args.update(N=n, INBOX_OFF=heap["STAGE_OFF"], PARITY_BYTES=heap["SLOT_BYTES"])
+        elif algorithm == "one_shot_push_flags":
+            args.update(N=n, INBOX_OFF=heap["STAGE_OFF"], SLOT_BYTES=heap["SLOT_BYTES"],
+                        READY_OFF=0)
         else:
             args.update(N=n, STAGE_OFF=heap["STAGE_OFF"], SLOT_BYTES=heap["SLOT_BYTES"],
                         READY_OFF=0)

@@ -94,6 +94,23 @@ def test_all_reduce_push_sends_tagged_words_16_bytes_at_a_time(dtype):
     assert "fence.acq_rel.sys" not in ptx, dict(ops)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_all_reduce_push_flags_stores_16_bytes_then_one_fence(dtype):
+    """all_reduce one-shot push behind flags: the values go to the peers as 16-byte
+    stores, then one system-scope fence, relaxed flags and acquire waits; the sum
+    reads the inbox 16 bytes at a time."""
+    from jaxtdist.kernels.all_reduce import all_reduce_push_flags_kernel
+    k = _compile(all_reduce_push_flags_kernel, {"ctx": "*i32", "x_ptr": f"*{dtype}",
+                                                "out_ptr": f"*{dtype}"},
+                 dict(N=8192, INBOX_OFF=65536, SLOT_BYTES=1 << 20, READY_OFF=0,
+                      NUM_PROGRAMS=4, BLOCK=1024, SCOPE="sys"), num_warps=4, num_stages=1)
+    ptx = k.asm["ptx"]
+    ops = _ops(k)
+    assert ops["st.global.v4.b32"] > 0 and ops["ld.global.v4.b32"] > 0, dict(ops)
+    assert ptx.count("fence.acq_rel.sys") == 1, dict(ops)
+    assert "ld.global.sys.acquire" in ptx or "ld.acquire.sys" in ptx, dict(ops)
+
+
 @pytest.mark.parametrize("all_rows,split_k,push", [(False, 1, False), (True, 1, False),
                                                    (False, 2, False), (True, 8, False),
                                                    (True, 4, True), (False, 1, True)])

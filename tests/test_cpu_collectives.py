@@ -99,6 +99,10 @@ AR_CASES = [
     (2, BF16, (300,), dict(ALGORITHM="one_shot_push")),
     (4, F32, (1000,), dict(ALGORITHM="one_shot_push", NUM_PROGRAMS=3, BLOCK=64)),
     (8, F16, (5,), dict(ALGORITHM="one_shot_push")),
+    # Pushed values behind flags.
+    (2, BF16, (300,), dict(ALGORITHM="one_shot_push_flags")),
+    (4, F32, (1000,), dict(ALGORITHM="one_shot_push_flags", NUM_PROGRAMS=3, BLOCK=64)),
+    (8, F16, (5,), dict(ALGORITHM="one_shot_push_flags")),
 ]
 
 
@@ -148,7 +152,7 @@ def test_all_reduce_picks_by_bytes_per_rank(monkeypatch):
 
 
 def test_chained_calls_on_changing_data():
-    """Reuse races: 50 calls (all_reduce one-shot, two-shot and one-shot push, and
+    """Reuse races: 50 calls (all_reduce one-shot, two-shot, both one-shot pushes and
     reduce_scatter, in turn), 5 chained in one jit, each on the previous result plus fresh per-rank
     data so that a buffer read a call late shows; the jitted chain runs 10 times
     back to back on new data, without waiting in between (epochs go on)."""
@@ -163,7 +167,7 @@ def test_chained_calls_on_changing_data():
             else:
                 x = all_reduce(z, "tp", config=dict(
                     ALGORITHM=("one_shot", "one_shot_push")[i // 3] if i % 3 == 0
-                    else "two_shot"))
+                    else ("two_shot", "one_shot_push_flags")[i // 3]))
         return x
 
     f = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=(P("tp"), P("tp")),

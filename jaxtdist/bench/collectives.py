@@ -57,6 +57,7 @@ def bench_all_reduce(sizes, iterations: int, world: int, dtype=jnp.bfloat16,
                                                          else dict(ALGORITHM=a)))
             for name, algorithm in (("jaxtdist", None), ("jaxtdist_one_shot", "one_shot"),
                                     ("jaxtdist_one_shot_push", "one_shot_push"),
+                                    ("jaxtdist_push_flags", "one_shot_push_flags"),
                                     ("jaxtdist_two_shot", "two_shot"))}
     rows = []
     for nbytes in sizes:
@@ -104,6 +105,7 @@ AR_COLUMNS = [
     h.Column("jaxtdist.all_reduce", lambda r: h.us(r.get("jaxtdist"))),
     h.Column("one-shot", lambda r: h.us(r.get("jaxtdist_one_shot"))),
     h.Column("one-shot push (tagged words)", lambda r: h.us(r.get("jaxtdist_one_shot_push"))),
+    h.Column("one-shot push (flags)", lambda r: h.us(r.get("jaxtdist_push_flags"))),
     h.Column("two-shot", lambda r: h.us(r.get("jaxtdist_two_shot"))),
     h.Column("jaxtdist / XLA", lambda r: h.ratio(r.get("jaxtdist"), r.get("xla_psum"))),
     h.Column("rel. error", lambda r: h.err(r.get("jaxtdist"))),

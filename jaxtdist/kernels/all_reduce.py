@@ -1,6 +1,7 @@
 """all_reduce: one-shot (every rank sums every peer's staged copy), one-shot
-push (every rank pushes its array into every peer as tagged words) and two-shot
-(reduce-scatter, then an all-gather of the reduced chunks through the heap).
+push (every rank pushes its array into every peer as tagged words, or as its
+values behind flags) and two-shot (reduce-scatter, then an all-gather of the
+reduced chunks through the heap).
 
 One-shot: one exchange (one signal round trip), each rank reads
 (world - 1) x N elements over the links: latency-optimal for small arrays.
@@ -67,6 +68,31 @@ def all_reduce_one_shot_kernel(ctx, x_ptr, out_ptr, N: tl.constexpr, STAGE_OFF: 
 
 
 @triton.jit
+def _sum_pushed(ctx, x_ptr, out_ptr, inbox, lo, hi, N: tl.constexpr, BLOCK: tl.constexpr,
+                TAGGED: tl.constexpr):
+    """out[lo:hi] = the W copies of x[lo:hi] summed in rank order (the same bits on
+    every rank): this rank's from x, peer src's from slot src of ``inbox`` (W
+    slots of N), as tagged words waited for (TAGGED) or values already flagged."""
+    me = dl.rank(ctx)
+    world = dl.num_ranks(ctx)
+    e = dl.epoch(ctx)
+    for off in range(lo, hi, BLOCK):
+        offs = off + tl.arange(0, BLOCK)
+        mask = offs < hi
+        acc = tl.zeros((BLOCK,), tl.float32)
+        for src in range(0, world):
+            if src == me:
+                part = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
+            elif TAGGED:
+                part = dl.unpack_tagged(dl.wait_tagged(ctx, inbox + src * N, offs, mask, e, src),
+                                        tl.float32)
+            else:
+                part = tl.load(inbox + src * N + offs, mask=mask).to(tl.float32)
+            acc += part
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def all_reduce_push_kernel(ctx, x_ptr, out_ptr, N: tl.constexpr, INBOX_OFF: tl.constexpr,
                            PARITY_BYTES: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
                            BLOCK: tl.constexpr, SCOPE: tl.constexpr):
@@ -97,18 +123,49 @@ def all_reduce_push_kernel(ctx, x_ptr, out_ptr, N: tl.constexpr, INBOX_OFF: tl.c
         for step in range(1, world):
             tl.store(dl.symm_at(ctx, inbox + me * N + offs, (me + step) % world), words,
                      mask=mask)
+    _sum_pushed(ctx, x_ptr, out_ptr, inbox, lo, hi, N, BLOCK, True)
+
+
+@triton.jit
+def all_reduce_push_flags_kernel(ctx, x_ptr, out_ptr, N: tl.constexpr, INBOX_OFF: tl.constexpr,
+                                 SLOT_BYTES: tl.constexpr, READY_OFF: tl.constexpr,
+                                 NUM_PROGRAMS: tl.constexpr, BLOCK: tl.constexpr,
+                                 SCOPE: tl.constexpr):
+    """Grid: (NUM_PROGRAMS,). out[N] = sum over ranks of x[N], one-shot by pushes
+    of the values themselves: program p stores its slab of x into slot ``me`` of
+    every peer's inbox (parity ``e % 2``, W slots of N elements of x's dtype),
+    then raises READY[me, p] in every peer's heap behind one fence
+    (``dl.notify_peers``); it waits for READY[src, p] of every peer and sums its
+    slab's W copies in rank order (its own from x) from local memory. Remote
+    writes only, in x's bytes: the tagged push's one crossing costs twice the
+    bytes, one-shot's remote reads a round trip each.
+
+    Reuse: as ``all_reduce_push_kernel``'s (a peer rewrites parity p at epoch
+    e + 2 only after its kernel e + 1 waited for this rank's flags of e + 1,
+    raised after this rank's kernel e, the reader of parity p, ended); flags
+    compare ">=" and only grow."""
+    pid = tl.program_id(0)
+    me = dl.rank(ctx)
+    world = dl.num_ranks(ctx)
+    e = dl.epoch(ctx)
+    inbox = dl.parity_ptr(ctx, INBOX_OFF, SLOT_BYTES, x_ptr.dtype.element_ty)
+    ready = dl.heap_ptr(ctx, READY_OFF, tl.int32) + pid
+    lo, hi = slab_bounds(pid, N, NUM_PROGRAMS, BLOCK)
     for off in range(lo, hi, BLOCK):
         offs = off + tl.arange(0, BLOCK)
         mask = offs < hi
-        acc = tl.zeros((BLOCK,), tl.float32)
-        for src in range(0, world):  # rank order on every rank: bit-identical results
-            if src == me:
-                part = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
-            else:
-                part = dl.unpack_tagged(dl.wait_tagged(ctx, inbox + src * N, offs, mask, e, src),
-                                        tl.float32)
-            acc += part
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        v = tl.load(x_ptr + offs, mask=mask)
+        for step in range(1, world):
+            tl.store(dl.symm_at(ctx, inbox + me * N + offs, (me + step) % world), v, mask=mask)
+    dl.notify_peers(ctx, ready + me * NUM_PROGRAMS, e, "set", SCOPE)
+    token = me * 0  # int32, the type dl.wait's token has (loop-carried)
+    for step in range(1, world):
+        src = (me + step) % world
+        token = dl.wait(ctx, ready + src * NUM_PROGRAMS, e, "ge", src, SCOPE)
+    # The inbox loads depend on the waits (consume_token), through a zero offset
+    # times 16 elements: the pointer keeps its known alignment.
+    inbox = inbox + dl.consume_token((me * 0).to(tl.int64), token) * 16
+    _sum_pushed(ctx, x_ptr, out_ptr, inbox, lo, hi, N, BLOCK, False)
 
 
 @triton.jit

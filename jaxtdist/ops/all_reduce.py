@@ -19,8 +19,8 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from jaxtdist.kernels.all_reduce import (all_reduce_one_shot_kernel, all_reduce_push_kernel,
-                                         all_reduce_two_shot_kernel)
+from jaxtdist.kernels.all_reduce import (all_reduce_one_shot_kernel, all_reduce_push_flags_kernel,
+                                         all_reduce_push_kernel, all_reduce_two_shot_kernel)
 from jaxtdist.ops._config import KernelConfig, Problem, resolve
 from jaxtdist.ops._op import DistributedOp
 from jaxtdist.ops._protocol import Call, varying_axes
@@ -32,7 +32,7 @@ from jaxtdist.tune import _registry
 
 __all__ = ["AllReduceConfig", "all_reduce"]
 
-ALGORITHMS = ("auto", "one_shot", "one_shot_push", "two_shot")
+ALGORITHMS = ("auto", "one_shot", "one_shot_push", "one_shot_push_flags", "two_shot")
 # (world - 1) x bytes per rank up to which "auto" pushes tagged words (PUSH_MAX_BYTES).
 PUSH_MAX_BYTES = 384 << 10
 # Two-shot chunks start on multiples of this many elements (aligned vector accesses).
@@ -55,7 +55,9 @@ class AllReduceConfig(KernelConfig):
         size, the push up to PUSH_MAX_BYTES, one-shot up to ONE_SHOT_MAX_BYTES,
         two-shot above. "one_shot_push": every rank pushes its array into every
         peer as tagged words (8 bytes per element on the wire, no flag and no
-        fence: one crossing of the links); "one_shot": every rank stages its
+        fence: one crossing of the links); "one_shot_push_flags": every rank
+        pushes its values into every peer, then a flag behind one fence (not
+        picked by "auto" until GPUs time it); "one_shot": every rank stages its
         array, raises a flag and reads every peer's copy; "two_shot":
         reduce-scatter, then all-gather.
       PUSH_MAX_BYTES: the largest (world - 1) x bytes per rank "auto" pushes
@@ -127,7 +129,8 @@ class AllReduceConfig(KernelConfig):
 
     @classmethod
     def search_space(cls, problem: Problem) -> list[dict]:
-        algorithms = [dict(ALGORITHM=a) for a in ("one_shot_push", "one_shot", "two_shot")]
+        algorithms = [dict(ALGORITHM=a) for a in ("one_shot_push", "one_shot_push_flags",
+                                                  "one_shot", "two_shot")]
         if problem.platform != "gpu":
             return [{}] + algorithms
         return cls.fitting(problem, [{}] + [dict(a, NUM_PROGRAMS=p, BLOCK=b)
@@ -162,6 +165,13 @@ def _forward(x, *, axis_name, config=None):
         out = call.run(all_reduce_push_kernel, flat, workspace=ws, N=n,
                        INBOX_OFF=ws.offset + plan.stage, PARITY_BYTES=plan.slot_bytes,
                        **common, **_kernel_args(cfg))
+    elif cfg.ALGORITHM == "one_shot_push_flags":
+        # W slots of n values per parity; READY flags [W, P].
+        plan = ReduceWorkspace(world, world * n, x.dtype, programs)
+        ws = call.workspace("one_shot_push_flags", plan.nbytes, n, x.dtype.name, programs)
+        out = call.run(all_reduce_push_flags_kernel, flat, workspace=ws, N=n,
+                       INBOX_OFF=ws.offset + plan.stage, SLOT_BYTES=plan.slot_bytes,
+                       READY_OFF=ws.offset + plan.ready, **common, **_kernel_args(cfg))
     elif cfg.ALGORITHM == "one_shot":
         plan = ReduceWorkspace(world, n, x.dtype, programs)
         ws = call.workspace("one_shot", plan.nbytes, n, x.dtype.name, programs)
