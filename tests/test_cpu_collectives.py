@@ -281,6 +281,11 @@ def test_configs_on_gpu_problems():
         ReduceScatterConfig().replace(NUM_PROGRAMS=200).validate(large)
     for config_type in (AllReduceConfig, ReduceScatterConfig):
         assert len(config_type.search_space(large)) > 4
+    # The pushes (W copies of the array in every heap) are candidates for small arrays only.
+    searched = {c.get("ALGORITHM") for c in AllReduceConfig.search_space(small)}
+    assert {"one_shot_push", "one_shot_push_flags", "one_shot", "two_shot"} <= searched
+    searched = {c.get("ALGORITHM") for c in AllReduceConfig.search_space(large)}
+    assert not searched & {"one_shot_push", "one_shot_push_flags"}, searched
 
 
 @pytest.mark.parametrize("op,variant", [("all_reduce", "two_shot"),

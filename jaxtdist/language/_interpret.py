@@ -36,8 +36,8 @@ def consume_token(value, token):
 @triton.jit
 def fence_system(scratch):
     """An acquire-release read-modify-write at system scope of int32 ``scratch``
-    (a word of this rank): LLVM's AMDGPU lowering makes it a full system-scope
-    fence (L2 write-back before, invalidate after)."""
+    (a word of this rank): the interpreter runs it as an atomic on the shared
+    heap, ordered like every access of the rank's one process."""
     tl.atomic_add(scratch, 0, sem="acq_rel", scope="sys")
 
 

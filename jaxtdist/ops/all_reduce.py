@@ -129,8 +129,14 @@ class AllReduceConfig(KernelConfig):
 
     @classmethod
     def search_space(cls, problem: Problem) -> list[dict]:
-        algorithms = [dict(ALGORITHM=a) for a in ("one_shot_push", "one_shot_push_flags",
-                                                  "one_shot", "two_shot")]
+        # The pushes keep W copies of the array per parity in every rank's heap
+        # (the tagged push at 8 bytes per element), and a workspace stays once
+        # allocated: candidates only up to a few times the sizes "auto" pushes.
+        nbytes = problem.shape[0] * problem.itemsize
+        pushes = [a for a, fits in (
+            ("one_shot_push", (problem.world - 1) * nbytes <= 4 * PUSH_MAX_BYTES),
+            ("one_shot_push_flags", nbytes <= 8 << 20)) if fits]
+        algorithms = [dict(ALGORITHM=a) for a in pushes + ["one_shot", "two_shot"]]
         if problem.platform != "gpu":
             return [{}] + algorithms
         return cls.fitting(problem, [{}] + [dict(a, NUM_PROGRAMS=p, BLOCK=b)
