@@ -413,6 +413,43 @@ def _moe_block(h: int, itemsize: int) -> int:
                                                           4: "float32"}[itemsize], 132)).BLOCK_H
 
 
+def _compile_dispatch(dtype, t, h, k, e_loc, world, programs, block, **options):
+    from jaxtdist.kernels.moe import moe_dispatch_kernel
+    i32 = "*i32"
+    kl = min(k, e_loc)
+    meta_words = 1 + 4 * kl
+    tp = -(-t // programs)
+    return _compile(moe_dispatch_kernel,
+                    {"ctx": i32, "x_ptr": f"*{dtype}", "slot_ptr": i32, "meta_ptr": i32,
+                     "dcounts_ptr": i32, "bounds_ptr": i32, "ids_ptr": i32,
+                     "factor_ptr": "*fp32", "recv_ptr": f"*{dtype}", "rcounts_ptr": i32,
+                     "spos_ptr": i32, "stk_ptr": i32, "sranges_ptr": i32,
+                     "tail_ptr": f"*{dtype}", "trace_ptr": i32, "invalid_ptr": i32},
+                    dict(T=t, H=h, K=k, E_LOC=e_loc, KL=kl, R=world * t * kl, W=world,
+                         P=programs, TP=tp, FLAGS_OFF=0, HDR_OFF=4096, META_OFF=1 << 16,
+                         ROWS_OFF=1 << 20, PARITY_BYTES=1 << 24,
+                         HDR_WORDS=e_loc + 2 * programs + 1, META_WORDS=meta_words,
+                         SCALED=False, WP=1 << (world - 1).bit_length(),
+                         EP=1 << (e_loc - 1).bit_length(),
+                         MP=1 << (meta_words - 1).bit_length(), KLP=1 << (kl - 1).bit_length(),
+                         BLOCK_H=block, ROUTE_OFF=1 << 26, KP=1 << (k - 1).bit_length(),
+                         EPG=1 << (world * e_loc - 1).bit_length(),
+                         BT=max(1, min(1 << (tp - 1).bit_length(), 8192 // (8 * world * e_loc))),
+                         BS=min(1 << (t - 1).bit_length(), 128), **options),
+                    num_warps=4, num_stages=1)
+
+
+@pytest.mark.parametrize("t,world", [(128, 4), (4096, 8)])
+def test_moe_fused_routing_compiles(t, world):
+    """The dispatch kernel with its routing fused (config ROUTING="fused"), top-8 of
+    256 experts, decode and prefill token counts: the histograms and the CTA barrier
+    compile, within shared memory."""
+    d = _compile_dispatch("bf16", t, 7168, 8, 256 // world, world, 128,
+                          _moe_block(7168, 2), SPLIT=0, TRACE=False, ROUTE=True)
+    assert d.metadata.shared <= 227 * 1024
+    assert "bar.sync" in d.asm["ptx"] or "barrier.sync" in d.asm["ptx"]
+
+
 @pytest.mark.parametrize("dtype,dots,send_rows", [("bf16", False, True), ("fp32", False, True),
                                                   ("u8", False, True), ("bf16", True, True),
                                                   ("bf16", False, False)])
@@ -420,25 +457,17 @@ def test_moe_kernels_compile(dtype, dots, send_rows):
     """MoE dispatch and combine compile for sm_90 at DeepSeek-V3's decode size (H=7168,
     top-8, 256 experts over 4 ranks), the combine's both ways of weighing rows; the
     row copies keep 16-byte vectors and the flags are system-scope release/acquire."""
-    from jaxtdist.kernels.moe import moe_combine_kernel, moe_dispatch_kernel
+    from jaxtdist.kernels.moe import moe_combine_kernel
     t, h, k, e_loc, world, programs = 128, 7168, 8, 64, 4, 128
     if dtype == "u8":  # fp8 dispatch: byte rows of 7168 fp8 and 56 float32 scales
         h = 7168 + 4 * 56
-    kl, meta_words = 8, 1 + 4 * 8
+    kl = 8
     block = _moe_block(h, 1 if dtype == "u8" else 4 if dtype == "fp32" else 2)
     i32 = "*i32"
-    d = _compile(moe_dispatch_kernel,
-                 {"ctx": i32, "x_ptr": f"*{dtype}", "slot_ptr": i32, "meta_ptr": i32,
-                  "dcounts_ptr": i32, "bounds_ptr": i32, "recv_ptr": f"*{dtype}",
-                  "rcounts_ptr": i32, "spos_ptr": i32, "stk_ptr": i32, "sranges_ptr": i32,
-                  "tail_ptr": f"*{dtype}", "trace_ptr": i32},
-                 dict(T=t, H=h, K=k, E_LOC=e_loc, KL=kl, R=world * t * kl, W=world,
-                      P=programs, TP=1, FLAGS_OFF=0, HDR_OFF=4096, META_OFF=1 << 16,
-                      ROWS_OFF=1 << 20, PARITY_BYTES=1 << 24, HDR_WORDS=e_loc + 2 * programs + 1,
-                      META_WORDS=meta_words, SCALED=False, WP=4, EP=64, MP=64, KLP=8,
-                      BLOCK_H=block, SPLIT=7168 if dtype == "u8" else 0,
-                      TRACE=dtype == "bf16"),  # the probes' phase stamps compile too
-                 num_warps=4, num_stages=1)
+    d = _compile_dispatch(dtype, t, h, k, e_loc, world, programs, block,
+                          SPLIT=7168 if dtype == "u8" else 0,
+                          TRACE=dtype == "bf16",  # the probes' phase stamps compile too
+                          ROUTE=dtype != "fp32")  # the fused routing too
     y_dtype = "bf16" if dtype == "u8" else dtype  # the experts' output: bf16 after fp8
     c = _compile(moe_combine_kernel,
                  {"ctx": i32, "y_ptr": f"*{y_dtype}", "w_ptr": "*fp32", "kmask_ptr": i32,

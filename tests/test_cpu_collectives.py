@@ -132,16 +132,19 @@ def test_all_reduce_over_tp_of_a_dp_tp_mesh():
 
 
 def test_all_reduce_picks_by_bytes_per_rank(monkeypatch):
-    """The push up to PUSH_MAX_BYTES ((world - 1) x bytes per rank), one-shot up to
-    ONE_SHOT_MAX_BYTES per rank, two-shot above; the result typed the same over
-    the group (a replicated out_specs passes shard_map's checks)."""
+    """The tagged push up to PUSH_MAX_BYTES ((world - 1) x bytes per rank), the push
+    with flags up to PUSH_FLAGS_MAX_BYTES per rank,
+    one-shot up to ONE_SHOT_MAX_BYTES per rank, two-shot above; the result typed
+    the same over the group (a replicated out_specs passes shard_map's checks)."""
     mesh = setup(2)
     seen = _launched(monkeypatch)
     x = rand((2, 64), F32)
-    big = dict(PUSH_MAX_BYTES=255)
+    big = dict(PUSH_MAX_BYTES=255, PUSH_FLAGS_MAX_BYTES=1)
     for config, kernel in ((None, "all_reduce_push_kernel"),
                            (dict(PUSH_MAX_BYTES=256), "all_reduce_push_kernel"),
+                           (dict(PUSH_MAX_BYTES=255), "all_reduce_push_flags_kernel"),
                            (big, "all_reduce_one_shot_kernel"),
+                           (dict(big, PUSH_FLAGS_MAX_BYTES=256), "all_reduce_push_flags_kernel"),
                            (dict(big, ONE_SHOT_MAX_BYTES=255), "all_reduce_two_shot_kernel"),
                            (dict(big, ONE_SHOT_MAX_BYTES=256), "all_reduce_one_shot_kernel")):
         f = jax.jit(jax.shard_map(lambda v: all_reduce(v, "tp", config=config), mesh=mesh,
@@ -260,6 +263,8 @@ def test_bad_inputs_raise():
         call(lambda v: all_reduce(v, "tp", config=dict(ONE_SHOT_MAX_BYTES=-1)), x)
     with pytest.raises(ValueError, match="PUSH_MAX_BYTES=True must be an int >= 0"):
         call(lambda v: all_reduce(v, "tp", config=dict(PUSH_MAX_BYTES=True)), x)
+    with pytest.raises(ValueError, match="PUSH_FLAGS_MAX_BYTES=1.5 must be an int >= 0"):
+        call(lambda v: all_reduce(v, "tp", config=dict(PUSH_FLAGS_MAX_BYTES=1.5)), x)
 
 
 def test_configs_on_gpu_problems():
@@ -274,6 +279,15 @@ def test_configs_on_gpu_problems():
     cfg = AllReduceConfig.default(small)
     assert cfg.settled(small).ALGORITHM == "one_shot_push" and cfg.NUM_PROGRAMS == 4
     assert AllReduceConfig.default(mid).settled(mid).ALGORITHM == "one_shot"
+    # Above the tagged push, values and flags up to 1 MiB per rank at 2 ranks, 512 KiB above.
+    for world, n, algorithm in ((4, 65536, "one_shot_push"), (4, 65537, "one_shot_push_flags"),
+                                (4, 262144, "one_shot_push_flags"), (4, 262145, "one_shot"),
+                                (8, 32768, "one_shot_push_flags"), (8, 262145, "one_shot"),
+                                (2, 196608, "one_shot_push"), (2, 196609, "one_shot_push_flags"),
+                                (2, 524288, "one_shot_push_flags"), (2, 524289, "one_shot")):
+        problem = Problem("gpu", world, (n,), "bfloat16")
+        assert AllReduceConfig.default(problem).settled(problem).ALGORITHM == algorithm, (
+            world, n)
     cfg = AllReduceConfig.default(large)
     assert cfg.settled(large).variant == "two_shot" and cfg.NUM_PROGRAMS == large.sms
     assert ReduceScatterConfig.default(large).NUM_PROGRAMS == large.sms

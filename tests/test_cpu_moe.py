@@ -397,8 +397,9 @@ def test_moe_bench_table():
     (2, 4, 2, 4, "invalid", 2),      # ids outside [0, E) and repeats
 ])
 def test_routing_kernels_match_the_xla_routing(world, t, k, e, kind, programs):
-    """config ROUTING="kernels" (kernels/moe_route.py) gives the dispatch every word
-    the XLA routing gives it: the same recv_x, sizes and handle, bit for bit, with
+    """config ROUTING="kernels" (kernels/moe_route.py) and "fused" (the words
+    computed inside the dispatch kernel) give the dispatch every word the XLA
+    routing gives it: the same recv_x, sizes and handle, bit for bit, with
     and without the combine backward's scale."""
     mesh = setup(world)
     rng = np.random.default_rng(world * 31 + t)
@@ -408,7 +409,7 @@ def test_routing_kernels_match_the_xla_routing(world, t, k, e, kind, programs):
         ids[0, 0], ids[1, 1], ids[2, 1] = e, -3, ids[2, 0]
     scale = rand((world * t, k))
     outs = []
-    for routing_at in ("xla", "kernels"):
+    for routing_at in ("xla", "kernels", "fused"):
         cfg = dict(ROUTING=routing_at, NUM_PROGRAMS=programs)
 
         def body(x, ids, scale, cfg=cfg):
@@ -422,7 +423,8 @@ def test_routing_kernels_match_the_xla_routing(world, t, k, e, kind, programs):
                                   out_specs=(P("tp"),) * 9, check_vma=False))
         outs.append([np.asarray(o) for o in f(*(place(mesh, a, P("tp"))
                                                 for a in (x, ids, scale)))])
-    for a, b in zip(*outs):
-        np.testing.assert_array_equal(a, b)
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            np.testing.assert_array_equal(a, b)
     if kind == "invalid":  # rank 0's tokens 0, 1, 2: out of range, negative, a repeat
-        assert outs[1][-1].tolist() == [3, 0]
+        assert outs[1][-1].tolist() == outs[2][-1].tolist() == [3, 0]

@@ -264,7 +264,7 @@ def table(res: dict) -> str:
 
 def run(args) -> tuple[list[dict], dict]:
     world = args.world or 1
-    seqs = FLASH_DECODE_SEQS[:1] if args.quick else FLASH_DECODE_SEQS
+    seqs = args.seqs or (FLASH_DECODE_SEQS[:1] if args.quick else FLASH_DECODE_SEQS)
     return bench_flash_decode(seqs, args.iterations, world, rounds=args.rounds), dict(world=world)
 
 
@@ -273,6 +273,8 @@ def _arguments(parser) -> None:
                         help="devices the cache is sharded over (default 1: the kernel forced "
                              "at world 1 against XLA)")
     parser.add_argument("--quick", action="store_true", help="the first length only")
+    parser.add_argument("--seqs", type=int, nargs="+", default=None,
+                        help="total sequence lengths to time (default: the standard lengths)")
 
 
 BENCHMARK = h.Benchmark(

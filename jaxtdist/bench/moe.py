@@ -147,7 +147,10 @@ EP_SPEC = P("ep")
 # The plot's series at world W (the Benchmark's own are world 1's).
 EP_SERIES = ("jaxtdist_layer", "all_to_all_layer", "ragged_layer", "jaxtdist_dispatch",
              "all_to_all_dispatch", "ragged_dispatch", "jaxtdist_fp8_dispatch",
-             "jaxtdist_dispatch_routing_xla")
+             "jaxtdist_dispatch_routing_xla", "jaxtdist_dispatch_routing_kernels")
+# The dispatch's routing words computed otherwise than by the GPU default
+# (MoeConfig.ROUTING, "fused"), each timed beside it.
+ROUTINGS = ("xla", "kernels")
 
 
 def fp8_tokens(x: np.ndarray, blocks: int | None = None,
@@ -308,10 +311,11 @@ def bench_moe_ep(shapes, iterations: int, world: int, rounds: int = 4, dtype=jnp
                 x, ids, w, "ep", world=world, num_experts=e, combine=False),
             ragged_layer=lambda x, ids, w, e=e: ragged_moe(
                 x, ids, w, "ep", world=world, num_experts=e))
-        # The routing metadata by XLA instead of jaxtdist's kernels (config ROUTING).
-        bodies["jaxtdist_dispatch_routing_xla"] = (
-            lambda x, ids, w, e=e: td.moe_dispatch(x, ids, "ep", num_experts=e,
-                                                   config=dict(ROUTING="xla"))[0])
+        # The routing metadata computed the other ways (config ROUTING).
+        for routing in ROUTINGS:
+            bodies[f"jaxtdist_dispatch_routing_{routing}"] = (
+                lambda x, ids, w, e=e, routing=routing: td.moe_dispatch(
+                    x, ids, "ep", num_experts=e, config=dict(ROUTING=routing))[0])
         fns = {name: jax.jit(jax.shard_map(body, **specs)) for name, body in bodies.items()}
         # fp8 dispatch: the same routing, fp8 tokens with float32 scales per 128 columns.
         fns["jaxtdist_fp8_dispatch"] = jax.jit(jax.shard_map(
@@ -353,8 +357,9 @@ def bench_moe_ep(shapes, iterations: int, world: int, rounds: int = 4, dtype=jnp
             jaxtdist_dispatch=h.Contender(fns["jaxtdist_dispatch"], args, world, recv_ref,
                                           exact=True),
             jaxtdist_fp8_dispatch=h.Contender(fns["jaxtdist_fp8_dispatch"], fp8_args, world),
-            jaxtdist_dispatch_routing_xla=h.Contender(
-                fns["jaxtdist_dispatch_routing_xla"], args, world, recv_ref, exact=True),
+            **{f"jaxtdist_dispatch_routing_{r}": h.Contender(
+                fns[f"jaxtdist_dispatch_routing_{r}"], args, world, recv_ref, exact=True)
+               for r in ROUTINGS},
             all_to_all_dispatch=h.Contender(fns["all_to_all_dispatch"], args, world),
             ragged_dispatch=h.Contender(fns["ragged_dispatch"], args, world),
             jaxtdist_layer=h.Contender(fns["jaxtdist_layer"], args, world, ref),
@@ -408,7 +413,9 @@ EP_COLUMNS = [
                                                            f"{_mb(r['all_to_all_bytes_per_rank'])}"),
     *_versus_xla("dispatch", "dispatch", extra=[
         h.Column("dispatch: jaxtdist, routing by XLA",
-                 lambda r: h.us(r.get("jaxtdist_dispatch_routing_xla")))]),
+                 lambda r: h.us(r.get("jaxtdist_dispatch_routing_xla"))),
+        h.Column("dispatch: jaxtdist, routing by two kernels",
+                 lambda r: h.us(r.get("jaxtdist_dispatch_routing_kernels")))]),
     h.Column("jaxtdist dispatch GB/s", _gbps),
     h.Column("dispatch: jaxtdist fp8 (MB/rank)",
              lambda r: f"{h.us(r.get('jaxtdist_fp8_dispatch'))} "

@@ -63,6 +63,7 @@ import triton.language as tl
 
 import jaxtdist.language as dl
 from jaxtdist.kernels._trace import stamp
+from jaxtdist.kernels.moe_route import route_program
 
 # Timestamps per program with TRACE: dispatch start, rows and meta pushed, headers
 # and flags sent, peers' flags seen, rows laid out, end; combine start, rows sent,
@@ -117,9 +118,9 @@ def _scatter_chunk(recv_ptr, tail_ptr, v, cols, hm, dsts, keeps, scales, offs_kl
 
 
 @triton.jit
-def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
-                        recv_ptr, rcounts_ptr, spos_ptr, stk_ptr, sranges_ptr, tail_ptr,
-                        trace_ptr,
+def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr, ids_ptr,
+                        factor_ptr, recv_ptr, rcounts_ptr, spos_ptr, stk_ptr, sranges_ptr,
+                        tail_ptr, trace_ptr, invalid_ptr,
                         T: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
                         E_LOC: tl.constexpr, KL: tl.constexpr, R: tl.constexpr,
                         W: tl.constexpr, P: tl.constexpr, TP: tl.constexpr,
@@ -129,13 +130,17 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
                         META_WORDS: tl.constexpr, SCALED: tl.constexpr,
                         WP: tl.constexpr, EP: tl.constexpr, MP: tl.constexpr,
                         KLP: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT: tl.constexpr = 0,
-                        TRACE: tl.constexpr = False):
+                        TRACE: tl.constexpr = False, ROUTE: tl.constexpr = False,
+                        ROUTE_OFF: tl.constexpr = 0, KP: tl.constexpr = 1,
+                        EPG: tl.constexpr = 1, BT: tl.constexpr = 1,
+                        BS: tl.constexpr = 1):
     """Grid: (P,), at most one program per SM on GPUs (programs wait on peers').
 
     Inputs: x [T, H]; slot [T, W] int32 (slot of token t in rank d's inbox, -1:
     not sent); meta [T, W, META_WORDS] int32; dcounts [W, E_LOC] int32 (rows
     sent to rank d per local expert); bounds [W, P + 1] int32 (slots of d before
-    program p's tokens). Outputs: recv [R, H]; rcounts [W, E_LOC] int32 (rows
+    program p's tokens); ids [T, K] int32 and factor [T, K] float32 (the
+    copies' factors) are read only with ROUTE. Outputs: recv [R, H]; rcounts [W, E_LOC] int32 (rows
     received per source and local expert); spos / stk [W * T, KL] int32 (recv
     row and t * K + k of inbox row (s, i), local expert kk; -1: none or
     dropped); sranges [W, P, 2] int32 (slot range of each source's program).
@@ -143,6 +148,14 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
     row (``_store_row``); else tail is unused. WP, EP, MP, KLP: W, E_LOC,
     META_WORDS and KL rounded up to powers of 2 (vector widths). TRACE: phase
     timestamps into trace (``_stamp``); else trace is unused.
+
+    ROUTE (the fused routing): each program computes its tokens' routing words
+    first (``moe_route.route_program``) into its rows of a scratch region of the
+    heap at ROUTE_OFF (slot [T, W], meta [T, W, META_WORDS], dcounts [P, W *
+    E_LOC], bounds [P, W, 3]) and reads them back behind a CTA barrier; the
+    inputs slot, meta, dcounts and bounds are then unused, and invalid [1] gets
+    the invalid pairs (program 0). KP, EPG: K and W * E_LOC rounded up to powers
+    of 2; BT, BS: tokens per routing step (``route_program``).
     """
     pid = tl.program_id(0)
     _stamp(trace_ptr, pid, 0, TRACE)
@@ -157,6 +170,18 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
     offs_e = tl.arange(0, EP)
     offs_kl = tl.arange(0, KLP)
     kl_m = offs_kl < KL
+    if ROUTE:
+        slot_ptr = dl.heap_ptr(ctx, ROUTE_OFF, tl.int32)
+        meta_ptr = dl.heap_ptr(ctx, ROUTE_OFF + 4 * T * W, tl.int32)
+        dcounts_ptr = dl.heap_ptr(ctx, ROUTE_OFF + 4 * T * W * (1 + META_WORDS), tl.int32)
+        bounds_ptr = dl.heap_ptr(ctx, ROUTE_OFF + 4 * (T * W * (1 + META_WORDS) + P * W * E_LOC),
+                                 tl.int32)
+        route_program(ids_ptr, factor_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
+                      invalid_ptr, pid, T, K, W * E_LOC, E_LOC, KL, W, TP, KP, EPG, WP, KLP, BT,
+                      BS)
+        # The words each thread reads below were written by others of this program.
+        tl.debug_barrier()
+        dcounts_ptr += pid * (W * E_LOC)
 
     # 1. Push this program's tokens, each row once per destination rank. The
     # token's slots and meta rows are loaded as blocks up front, beside the row:
@@ -168,10 +193,16 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
     em = offs_e < E_LOC
     dcounts = tl.load(dcounts_ptr + offs_w[:, None] * E_LOC + offs_e[None, :],
                       mask=wm[:, None] & em[None, :], other=0)
-    bounds = bounds_ptr + offs_w * (P + 1)
-    los = tl.load(bounds + pid, mask=wm, other=0)
-    his = tl.load(bounds + pid + 1, mask=wm, other=0)
-    totals = tl.load(bounds + P, mask=wm, other=0)
+    if ROUTE:
+        bounds = bounds_ptr + (pid * W + offs_w) * 3
+        los = tl.load(bounds, mask=wm, other=0)
+        his = tl.load(bounds + 1, mask=wm, other=0)
+        totals = tl.load(bounds + 2, mask=wm, other=0)
+    else:
+        bounds = bounds_ptr + offs_w * (P + 1)
+        los = tl.load(bounds + pid, mask=wm, other=0)
+        his = tl.load(bounds + pid + 1, mask=wm, other=0)
+        totals = tl.load(bounds + P, mask=wm, other=0)
     t_lo = pid * TP
     t_hi = tl.minimum(t_lo + TP, T)
     for t in range(t_lo, t_hi):

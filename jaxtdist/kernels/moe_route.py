@@ -3,6 +3,8 @@ instead of a dozen XLA fusions (``ops/moe._route`` computes the same words).
 
 Program p owns tokens ``[p * TP, (p + 1) * TP)``, the dispatch's split.
 
+Two launches (config ROUTING="kernels"):
+
 1. ``moe_route_count_kernel``: program p counts its tokens' valid (token,
    expert) pairs per expert, the tokens it sends to each rank, and its invalid
    pairs: row p of ``hist`` [P, E + W + 1].
@@ -13,6 +15,11 @@ Program p owns tokens ``[p * TP, (p + 1) * TP)``, the dispatch's split.
    expert's rows from this rank, k, scale bits) and bounds[:, p]. Program 0
    also writes the totals: rows per expert (dcounts), bounds[:, P] and the
    invalid pairs.
+
+Fused (config ROUTING="fused"): ``route_program``, called by program p of the
+dispatch kernel itself, scans every token's ids for the counts before its own
+tokens and in all (histograms; T K words, from L2), then writes its tokens'
+words as ``moe_route_kernel`` does: no launch and no other program to wait for.
 
 A pair (t, k) is valid when its id is in [0, E) and not a repeat of an earlier
 k of the same token. No program waits for another (the interpreter runs them
@@ -87,7 +94,6 @@ def moe_route_kernel(ctx, ids_ptr, scale_ptr, hist_ptr, slot_ptr, meta_ptr, dcou
     BT: tokens per step."""
     pid = tl.program_id(0)
     HW: tl.constexpr = E + W + 1
-    META_WORDS: tl.constexpr = 1 + 4 * KL
     es = tl.arange(0, EP)
     ws = tl.arange(0, WP)
     # Rows of earlier programs: where this program's slots and positions start.
@@ -114,10 +120,23 @@ def moe_route_kernel(ctx, ids_ptr, scale_ptr, hist_ptr, slot_ptr, meta_ptr, dcou
         pre_d = tl.zeros((WP,), tl.int32)
     tl.store(bounds_ptr + ws * (P + 1) + pid, pre_d, mask=ws < W)
 
+    t_lo = pid * TP
+    _route_tokens(ids_ptr, scale_ptr, slot_ptr, meta_ptr, t_lo, tl.minimum(t_lo + TP, T),
+                  pre_e, pre_d, K, E, E_LOC, KL, W, KP, EP, WP, KLP, BT)
+
+
+@triton.jit
+def _route_tokens(ids_ptr, scale_ptr, slot_ptr, meta_ptr, t_lo, t_hi, pre_e, pre_d,
+                  K: tl.constexpr, E: tl.constexpr, E_LOC: tl.constexpr, KL: tl.constexpr,
+                  W: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, WP: tl.constexpr,
+                  KLP: tl.constexpr, BT: tl.constexpr):
+    """Slots and meta rows of tokens [t_lo, t_hi), BT at a time, given the pairs
+    per expert (pre_e [EP]) and the tokens per rank (pre_d [WP]) before t_lo."""
+    META_WORDS: tl.constexpr = 1 + 4 * KL
+    es = tl.arange(0, EP)
+    ws = tl.arange(0, WP)
     ks = tl.arange(0, KP)
     js = tl.arange(0, KLP)
-    t_lo = pid * TP
-    t_hi = tl.minimum(t_lo + TP, T)
     for t0 in range(t_lo, t_hi, BT):
         t, inb, valid, vid, dest, send = _pairs(ids_ptr, t0, t_hi, K, E, E_LOC, W, KP, WP, BT)
         tm = t < t_hi
@@ -158,3 +177,48 @@ def moe_route_kernel(ctx, ids_ptr, scale_ptr, hist_ptr, slot_ptr, meta_ptr, dcou
                                                      axis=1), -1), mask=jm)
             tl.store(words + 3, tl.where(hit, tl.sum(tl.where(match, bits[:, :, None], 0),
                                                      axis=1), -1), mask=jm)
+
+
+@triton.jit
+def route_program(ids_ptr, scale_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr, invalid_ptr,
+                  pid, T: tl.constexpr, K: tl.constexpr, E: tl.constexpr,
+                  E_LOC: tl.constexpr, KL: tl.constexpr, W: tl.constexpr, TP: tl.constexpr,
+                  KP: tl.constexpr, EP: tl.constexpr, WP: tl.constexpr, KLP: tl.constexpr,
+                  BT: tl.constexpr, BS: tl.constexpr):
+    """The routing words of program pid's tokens, computed by the program itself
+    (the dispatch's fused routing). ids [T, K] int32, scale [T, K] float32 ->
+    slot [T, W] and meta [T, W, 1 + 4 KL] of its tokens; dcounts [E] (row pid of
+    [P, E]: pairs per expert, every token); bounds [W, 3] (row pid of [P, W, 3]:
+    per rank, the tokens sent there before this program's tokens, before their
+    end, and in all); program 0 also invalid [1]. Every program reads all T K
+    ids: each count is a histogram of BS tokens' pairs per step (BT: tokens per
+    step of its own tokens' words, a [BT, KP, EP] block)."""
+    t_lo = pid * TP
+    t_hi = tl.minimum(t_lo + TP, T)
+    all_e = tl.zeros((EP,), tl.int32)
+    pre_e = tl.zeros((EP,), tl.int32)
+    all_d = tl.zeros((WP,), tl.int32)
+    pre_d = tl.zeros((WP,), tl.int32)
+    end_d = tl.zeros((WP,), tl.int32)
+    bad = tl.zeros((KP,), tl.int32)
+    for t0 in range(0, T, BS):
+        t, inb, valid, vid, dest, send = _pairs(ids_ptr, t0, T, K, E, E_LOC, W, KP, WP, BS)
+        before = (t < t_lo)[:, None]
+        flat = tl.reshape(vid, (BS * KP,))
+        all_e += tl.histogram(flat, EP, mask=tl.reshape(valid, (BS * KP,)))
+        pre_e += tl.histogram(flat, EP, mask=tl.reshape(valid & before, (BS * KP,)))
+        all_d += tl.sum(send, axis=0)
+        pre_d += tl.sum(tl.where(before, send, 0), axis=0)
+        end_d += tl.sum(tl.where((t < t_hi)[:, None], send, 0), axis=0)
+        bad += tl.sum((inb & ~valid).to(tl.int32), axis=0)
+    es = tl.arange(0, EP)
+    ws = tl.arange(0, WP)
+    tl.store(dcounts_ptr + pid * E + es, all_e, mask=es < E)
+    b = bounds_ptr + (pid * W + ws) * 3
+    tl.store(b, pre_d, mask=ws < W)
+    tl.store(b + 1, end_d, mask=ws < W)
+    tl.store(b + 2, all_d, mask=ws < W)
+    if pid == 0:
+        tl.store(invalid_ptr, tl.sum(bad, axis=0))
+    _route_tokens(ids_ptr, scale_ptr, slot_ptr, meta_ptr, t_lo, t_hi, pre_e, pre_d, K, E, E_LOC,
+                  KL, W, KP, EP, WP, KLP, BT)

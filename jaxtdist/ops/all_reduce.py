@@ -2,10 +2,11 @@
 
 Equals ``jax.lax.psum(x, axis_name)``, for any shape (scalars included: the
 array is flattened, and the kernels mask the ragged ends, so nothing is
-padded in memory). Three algorithms (kernels/all_reduce.py), picked by bytes
-per rank (``AllReduceConfig``): the push (every rank stores its array into
-every peer's inbox as tagged words, no flag: one crossing) for small arrays,
-one-shot (every rank sums every peer's staged copy) for mid sizes, two-shot
+padded in memory). Four algorithms (kernels/all_reduce.py), picked by bytes
+per rank (``AllReduceConfig``): the pushes (every rank stores its array into
+every peer's inbox: as tagged words, no flag, one crossing, for small arrays;
+as values behind one flag up to 1 MiB per rank at 2 ranks, 512 KiB above), one-shot
+(every rank sums every peer's staged copy) for mid sizes, two-shot
 (reduce-scatter, then an all-gather of the reduced chunks through the heap)
 for large ones. Differentiable.
 """
@@ -35,6 +36,9 @@ __all__ = ["AllReduceConfig", "all_reduce"]
 ALGORITHMS = ("auto", "one_shot", "one_shot_push", "one_shot_push_flags", "two_shot")
 # (world - 1) x bytes per rank up to which "auto" pushes tagged words (PUSH_MAX_BYTES).
 PUSH_MAX_BYTES = 384 << 10
+# Bytes per rank up to which "auto" pushes values and flags (PUSH_FLAGS_MAX_BYTES):
+# up to 2 ranks, and above.
+PUSH_FLAGS_MAX_BYTES = (1 << 20, 512 << 10)
 # Two-shot chunks start on multiples of this many elements (aligned vector accesses).
 CHUNK_ALIGN = 16
 
@@ -51,17 +55,22 @@ class AllReduceConfig(KernelConfig):
     """Which all-reduce algorithm runs and how its kernel splits the array.
 
     Attributes:
-      ALGORITHM: "one_shot_push", "one_shot", "two_shot", or "auto": by
-        size, the push up to PUSH_MAX_BYTES, one-shot up to ONE_SHOT_MAX_BYTES,
-        two-shot above. "one_shot_push": every rank pushes its array into every
-        peer as tagged words (8 bytes per element on the wire, no flag and no
-        fence: one crossing of the links); "one_shot_push_flags": every rank
-        pushes its values into every peer, then a flag behind one fence (not
-        picked by "auto" until GPUs time it); "one_shot": every rank stages its
-        array, raises a flag and reads every peer's copy; "two_shot":
-        reduce-scatter, then all-gather.
-      PUSH_MAX_BYTES: the largest (world - 1) x bytes per rank "auto" pushes
-        (0, the default: 384 KiB, so 256 KiB per rank at 2 ranks, 128 KiB at 4).
+      ALGORITHM: "one_shot_push", "one_shot_push_flags", "one_shot",
+        "two_shot", or "auto": by size, the tagged push up to PUSH_MAX_BYTES,
+        the push with flags up to PUSH_FLAGS_MAX_BYTES, one-shot up to
+        ONE_SHOT_MAX_BYTES, two-shot above. "one_shot_push": every rank pushes
+        its array into every peer as tagged words (8 bytes per element on the
+        wire, no flag and no fence: one crossing of the links);
+        "one_shot_push_flags": every rank pushes its values into every peer,
+        then a flag behind one fence; "one_shot": every rank stages its array,
+        raises a flag and reads every peer's copy; "two_shot": reduce-scatter,
+        then all-gather.
+      PUSH_MAX_BYTES: the largest (world - 1) x bytes per rank "auto" pushes as
+        tagged words (0, the default: 384 KiB, so 256 KiB per rank at 2 ranks,
+        128 KiB at 4).
+      PUSH_FLAGS_MAX_BYTES: the largest array (bytes per rank) "auto" pushes
+        with flags, above the tagged push's sizes (0, the default: 1 MiB at 2
+        ranks, 512 KiB above).
       ONE_SHOT_MAX_BYTES: the largest array (bytes per rank) "auto" sends one-shot
         (0, the default: any size at 2 ranks, 2 MiB above).
       NUM_PROGRAMS: programs, each owning one slab of whole BLOCKs (of the array
@@ -78,6 +87,11 @@ class AllReduceConfig(KernelConfig):
     # 15.5); on 2 x H100 4.0-7.1 us up to 256 KiB (one-shot 6.5-7.6), 16.2 at 1 MiB
     # (11.5): the tagged words' doubled bytes cost more than the round trip they save.
     PUSH_MAX_BYTES: int = 0
+    # 0: by world size. On 4 x H100 the push with flags took 13.4 / 17.7 / 25.1 /
+    # 35.6 us at 256 KiB / 512 KiB / 1 MiB / 2 MiB per rank, one-shot 15.6 / 18.3 /
+    # 25.1 / 35.1, the tagged push 18.8 / 30.7 / 54.4 / 94.6; on 2 x H100 7.2 /
+    # 10.1 / 10.9 at 256 KiB / 512 KiB / 1 MiB, one-shot 7.7 / 9.9 / 12.1.
+    PUSH_FLAGS_MAX_BYTES: int = 0
     # 0: by world size. At 2 ranks both algorithms move N bytes over the link
     # and one-shot has one step less: measured faster at every size from 16 KiB
     # to 64 MiB per rank on 2 x H200, so always one-shot. Above 2, 2 MiB: on
@@ -101,6 +115,9 @@ class AllReduceConfig(KernelConfig):
         nbytes = n * problem.itemsize
         if (problem.world - 1) * nbytes <= (self.PUSH_MAX_BYTES or PUSH_MAX_BYTES):
             return "one_shot_push"
+        flags_limit = self.PUSH_FLAGS_MAX_BYTES or PUSH_FLAGS_MAX_BYTES[problem.world > 2]
+        if nbytes <= flags_limit:
+            return "one_shot_push_flags"
         limit = self.ONE_SHOT_MAX_BYTES or (1 << 62 if problem.world <= 2 else 2 << 20)
         return "one_shot" if nbytes <= limit else "two_shot"
 
@@ -120,7 +137,7 @@ class AllReduceConfig(KernelConfig):
         if self.ALGORITHM not in ALGORITHMS:
             raise ValueError(f"jaxtdist.all_reduce: config ALGORITHM={self.ALGORITHM!r}; "
                              f"allowed: {', '.join(repr(a) for a in ALGORITHMS)}")
-        for key in ("PUSH_MAX_BYTES", "ONE_SHOT_MAX_BYTES"):
+        for key in ("PUSH_MAX_BYTES", "PUSH_FLAGS_MAX_BYTES", "ONE_SHOT_MAX_BYTES"):
             limit = getattr(self, key)
             if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
                 raise ValueError(f"jaxtdist.all_reduce: config {key}={limit!r} must be an "
@@ -199,7 +216,8 @@ def _forward(x, *, axis_name, config=None):
 def _kernel_args(cfg: AllReduceConfig) -> dict:
     args = cfg.kernel_args()
     # The op's choice, not the kernel's.
-    del args["ALGORITHM"], args["PUSH_MAX_BYTES"], args["ONE_SHOT_MAX_BYTES"]
+    del args["ALGORITHM"], args["PUSH_MAX_BYTES"], args["PUSH_FLAGS_MAX_BYTES"]
+    del args["ONE_SHOT_MAX_BYTES"]
     return args
 
 
@@ -232,7 +250,8 @@ def all_reduce(x: jax.Array, axis_name, *, config: dict | None = None) -> jax.Ar
     Call inside ``jax.shard_map`` over the mesh given to ``jaxtdist.initialize``.
     Any shape (scalars too); bfloat16 and float16 are summed in float32 and
     rounded once. Every rank of the group gets the same bits. Small arrays are
-    pushed as tagged words, mid sizes go one-shot, large ones two-shot
+    pushed as tagged words, then as values behind a flag (up to 1 MiB per rank
+    at 2 ranks, 512 KiB above), mid sizes go one-shot, large ones two-shot
     (``config=dict(ALGORITHM=...)`` forces one).
     Differentiable, as ``jax.lax.psum``.
 

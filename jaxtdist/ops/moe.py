@@ -61,11 +61,14 @@ class MoeConfig(KernelConfig):
         columns of each per step.
       num_warps: launch option.
       ROUTING: where the dispatch's routing metadata (slots, expert positions,
-        counts) is computed: "kernels" (the GPU default: two launches of
-        ``kernels/moe_route.py`` on the dispatch's program split; on 2 x H200 at
-        128 tokens per rank, top-8, H 7168, E 256 the dispatch took 35.5 us
-        with them against 50.6 us with "xla") or "xla" (a dozen small XLA
-        fusions, bit for bit the same words; the default under the interpreter).
+        counts) is computed: "fused" (the GPU default: each program of the
+        dispatch kernel computes its tokens' words itself, from every token's
+        ids, with no launch before it), "kernels" (two launches of
+        ``kernels/moe_route.py`` on the dispatch's program split before the
+        dispatch kernel; on 2 x H200 at 128 tokens per rank, top-8, H 7168, E
+        256 the dispatch took 35.5 us with them against 50.6 us with "xla") or
+        "xla" (a dozen small XLA fusions; the default under the interpreter).
+        All three give the same words, bit for bit.
       COMBINE_SEND: how the combine's forward weighs a token's rows on the
         experts' rank: "rows" (the default: only the valid pairs' rows, BLOCK_H
         columns of one row per load) or "blocks" (all min(K, E / W) pair slots
@@ -77,7 +80,7 @@ class MoeConfig(KernelConfig):
     NUM_PROGRAMS: int = 2
     BLOCK_H: int = 64
     num_warps: int = 4
-    ROUTING: str = "kernels"
+    ROUTING: str = "fused"
     COMBINE_SEND: str = "rows"
 
     @classmethod
@@ -100,9 +103,9 @@ class MoeConfig(KernelConfig):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"jaxtdist.moe: config {key}={value!r} must be an int >= 1")
-        if self.ROUTING not in ("xla", "kernels"):
+        if self.ROUTING not in ("xla", "kernels", "fused"):
             raise ValueError(f"jaxtdist.moe: config ROUTING={self.ROUTING!r}; allowed: 'xla', "
-                             "'kernels'")
+                             "'kernels', 'fused'")
         if self.COMBINE_SEND not in ("rows", "blocks"):
             raise ValueError(f"jaxtdist.moe: config COMBINE_SEND={self.COMBINE_SEND!r}; "
                              "allowed: 'rows', 'blocks'")
@@ -221,6 +224,12 @@ def _route(expert_ids, world: int, num_experts: int, programs: int,
 _PREFIX_WORDS = 16384
 
 
+def _route_tokens_per_step(tokens_per_program: int, top_k: int, num_experts: int) -> int:
+    """BT of the routing kernels: a [BT, KP, EP] one-hot block of at most 8192 words."""
+    return max(1, min(next_pow2(tokens_per_program),
+                      8192 // (next_pow2(top_k) * next_pow2(num_experts))))
+
+
 def _route_on_device(call: Call, ctx: jax.Array, expert_ids, world: int, num_experts: int,
                      programs: int, scale: jax.Array) -> _Routing:
     """``_route``'s words from ``kernels/moe_route.py`` (two launches after the
@@ -232,8 +241,7 @@ def _route_on_device(call: Call, ctx: jax.Array, expert_ids, world: int, num_exp
     kp, ep, wp = next_pow2(k), next_pow2(num_experts), next_pow2(world)
     i32 = jnp.int32
     ids = expert_ids.astype(i32)
-    # Tokens per step: a [BT, KP, EP] one-hot block of at most 8192 words.
-    bt = max(1, min(next_pow2(tp), 8192 // (kp * ep)))
+    bt = _route_tokens_per_step(tp, k, num_experts)
     common = dict(K=k, E=num_experts, E_LOC=e_loc, W=world, TP=tp, KP=kp, EP=ep, WP=wp, BT=bt)
     hist = call.launch(moe_route_count_kernel, ctx, ids,
                        out_shape=jax.ShapeDtypeStruct((programs, num_experts + world + 1), i32),
@@ -312,7 +320,9 @@ def _problem(call: Call, tokens: int, hidden: int, dtype) -> Problem:
 class DispatchWorkspace:
     """Byte layout of the dispatch workspace: flags [W, P] int32, then per call
     parity: headers [W, E_LOC + 2P + 1] int32, meta rows [W, T, 1 + 4 KL] int32,
-    rows [W, T, H]."""
+    rows [W, T, H]; last, this rank's scratch for the fused routing's words
+    (``kernels/moe.py``, ROUTE: slot [T, W], meta [T, W, 1 + 4 KL], dcounts
+    [P, W * E_LOC], bounds [P, W, 3] int32; written and read by one kernel)."""
 
     def __init__(self, world, tokens, hidden, itemsize, e_loc, kl, programs):
         self.hdr_words = e_loc + 2 * programs + 1
@@ -322,7 +332,9 @@ class DispatchWorkspace:
         self.meta = self.hdr + align(4 * world * self.hdr_words)
         self.rows = self.meta + align(4 * world * tokens * self.meta_words)
         self.parity_bytes = self.rows + align(world * tokens * hidden * itemsize) - self.hdr
-        self.nbytes = self.hdr + 2 * self.parity_bytes
+        self.route = self.hdr + 2 * self.parity_bytes
+        self.nbytes = self.route + align(4 * (tokens * world * (1 + self.meta_words)
+                                              + programs * world * (e_loc + 3)))
 
 
 class CombineWorkspace:
@@ -379,6 +391,8 @@ def moe_dispatch_kernels(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_
         raise ValueError(f"jaxtdist.moe_dispatch: split={split} must be in [0, H={h})")
     factors = (jnp.ones((t, k), jnp.float32) if scale is None
                else jnp.asarray(scale).astype(jnp.float32))
+    ids = expert_ids.astype(i32)
+    fused = cfg.ROUTING == "fused"
     if cfg.ROUTING == "kernels":
         # The routing kernels run after the prologue, before the dispatch kernel.
         ctx = call.start(ws, deps=(x, expert_ids) + (() if scale is None else (scale,)),
@@ -386,19 +400,25 @@ def moe_dispatch_kernels(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_
         route = _route_on_device(call, ctx, expert_ids, world, num_experts, programs, factors)
         dispatch = functools.partial(call.launch, moe_dispatch_kernel, ctx)
     else:
-        route = _route(expert_ids, world, num_experts, programs, factors)
+        if fused:  # the dispatch kernel computes the words itself: unused inputs
+            none = jnp.zeros((1,), i32)
+            route = _Routing(None, none, none, none, none)
+        else:
+            route = _route(expert_ids, world, num_experts, programs, factors)
         dispatch = functools.partial(call.run, moe_dispatch_kernel, workspace=ws)
     # With split, the rows' first columns and the rest land in two arrays; without,
-    # the last output is a one-element placeholder the kernel never writes.
-    recv, counts, spos, stk, ranges, tail, stamps = dispatch(
-        x, route.slot, route.meta, route.dcounts, route.bounds,
+    # the last output is a one-element placeholder the kernel never writes (as is
+    # invalid without the fused routing).
+    recv, counts, spos, stk, ranges, tail, stamps, invalid = dispatch(
+        x, route.slot, route.meta, route.dcounts, route.bounds, ids, factors,
         out_shape=[jax.ShapeDtypeStruct((rows, split or h), x.dtype),
                    jax.ShapeDtypeStruct((world, e_loc), i32),
                    jax.ShapeDtypeStruct((world * t, kl), i32),
                    jax.ShapeDtypeStruct((world * t, kl), i32),
                    jax.ShapeDtypeStruct((world, programs, 2), i32),
                    jax.ShapeDtypeStruct((rows, h - split) if split else (1,), x.dtype),
-                   _trace_shape(trace, programs)],
+                   _trace_shape(trace, programs),
+                   jax.ShapeDtypeStruct((1,), i32)],
         grid=(programs,), num_warps=cfg.num_warps, num_stages=1,
         varying=tuple(a for a in call.rt.mesh.axis_names if a in varying),
         T=t, H=h, K=k, E_LOC=e_loc, KL=kl, R=rows, W=world, P=programs,
@@ -407,11 +427,14 @@ def moe_dispatch_kernels(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_
         PARITY_BYTES=plan.parity_bytes, HDR_WORDS=plan.hdr_words, META_WORDS=plan.meta_words,
         SCALED=scale is not None, WP=next_pow2(world), EP=next_pow2(e_loc),
         MP=next_pow2(plan.meta_words), KLP=next_pow2(kl), BLOCK_H=cfg.BLOCK_H, SPLIT=split,
-        TRACE=trace)
+        TRACE=trace, ROUTE=fused, ROUTE_OFF=ws.offset + plan.route, KP=next_pow2(k),
+        EPG=next_pow2(num_experts), BT=_route_tokens_per_step(-(-t // programs), k, num_experts),
+        BS=min(next_pow2(t), max(1, 1024 // next_pow2(k))))
     if split:
         recv = (recv, tail)
     sizes, dropped = _summary(counts, rows)
-    handle = MoeHandle(expert_ids, counts, spos, stk, ranges, dropped, route.invalid,
+    handle = MoeHandle(expert_ids, counts, spos, stk, ranges, dropped,
+                       invalid[0] if fused else route.invalid,
                        num_experts=num_experts, max_recv_rows=rows, programs=programs,
                        axis_name=call.layout.axes)
     return (recv, sizes, handle, stamps) if trace else (recv, sizes, handle)

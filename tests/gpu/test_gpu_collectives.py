@@ -19,6 +19,8 @@ from tests.conftest import gpu_mesh
 pytestmark = pytest.mark.skipif(
     jax.devices()[0].platform != "gpu", reason="needs CUDA GPUs (none visible)")
 
+# The all-reduce algorithm of call i of the chained test (i % 3 == 2: reduce_scatter).
+ALGOS = ("one_shot", "two_shot", None, "one_shot_push", "one_shot_push_flags")
 TOL = {jnp.bfloat16: 1e-2, jnp.float16: 2e-3, jnp.float32: 1e-5}
 _seed = [0]
 
@@ -51,6 +53,12 @@ def _run(mesh, body, x, dtype):
 @pytest.mark.parametrize("n", [8192, 1000003, 1 << 22])   # 16 KiB bf16, odd, 8 MiB bf16
 @pytest.mark.parametrize("algorithm", ["auto", "one_shot", "two_shot"])
 def test_all_reduce(world, dtype, n, algorithm):
+    _check_all_reduce(world, dtype, n, algorithm)
+
+
+def _check_all_reduce(world, dtype, n, algorithm):
+    """all_reduce of fresh [world, n] data with ``algorithm``: the float32 sum on
+    rank 0, the same bits on every rank."""
     mesh = _mesh(world)
     x = _rand((world, n), dtype)
     out, _ = _run(mesh, lambda v: all_reduce(v, "tp", config=dict(ALGORITHM=algorithm)), x,
@@ -59,6 +67,16 @@ def test_all_reduce(world, dtype, n, algorithm):
     assert _rel(out[0], x.sum(0)) < TOL[dtype]
     for r in range(1, world):
         np.testing.assert_array_equal(out[r], out[0])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("n", [8192, 1000003])   # 16 KiB bf16, odd
+@pytest.mark.parametrize("algorithm", ["one_shot_push", "one_shot_push_flags"])
+def test_all_reduce_pushes(world, dtype, n, algorithm):
+    """The push algorithms (each rank's values stored into every peer's heap),
+    which "auto" picks for small arrays only."""
+    _check_all_reduce(world, dtype, n, algorithm)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -74,7 +92,7 @@ def test_reduce_scatter(world, dtype, shape):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_back_to_back_calls_on_changing_data(world):
-    """20 calls of a jitted chain of 6 (both all-reduce algorithms, reduce_scatter)
+    """20 calls of a jitted chain of 6 (four all-reduce algorithms, reduce_scatter)
     queued without waiting: a fast rank runs calls ahead of a slow one."""
     mesh = _mesh(world)
     n = 1 << 16
@@ -85,7 +103,7 @@ def test_back_to_back_calls_on_changing_data(world):
             if i % 3 == 2:
                 v = jnp.tile(reduce_scatter(z, "tp"), world)
             else:
-                v = all_reduce(z, "tp", config=dict(ALGORITHM=("one_shot", "two_shot")[i % 3]))
+                v = all_reduce(z, "tp", config=dict(ALGORITHM=ALGOS[i % 5]))
         return v
 
     f = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=(P("tp"), P("tp")),
