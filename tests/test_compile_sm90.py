@@ -308,7 +308,7 @@ def test_flash_decode_compiles_with_tensor_cores_and_its_protocol(dtype, d, grou
                       COUNT_OFF=1 << 21, INBOX_OFF=1 << 22, INBOX_LSE=1 << 18,
                       INBOX_LEN=3 << 17, PARITY_BYTES=1 << 19, BLOCK_N=cfg.BLOCK_N,
                       BLOCK_G=max(16, group), BLOCK_D=block_d, IEEE=dtype == "fp32",
-                      PAGE=page, NUM_PAGES=4096 if page else 0),
+                      PAGE=page, NUM_PAGES=4096 if page else 0, GP=group, WP=4),
                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     ptx = k.asm["ptx"]
     ops = _ops(k)
@@ -317,13 +317,21 @@ def test_flash_decode_compiles_with_tensor_cores_and_its_protocol(dtype, d, grou
         assert ops["cp.async.cg.shared.global"] > 0, dict(ops)  # pipelined K/V loads
     assert re.search(r"atom\.global\.gpu\.acq_rel\.add|atom\.acq_rel\.gpu\.global\.add", ptx), \
         "arrival counter is not an acq_rel GPU-scope atomic"
-    assert ops["ld.global.cg.v4.b32"] > 0, dict(ops)  # partials from L2, 16 bytes wide
-    # The exchange: tagged 8-byte words, stored 16 bytes at a time and re-read
+    # Partials from L2, 16 bytes wide (one float per thread where one query row of
+    # 128 values is all there is).
+    assert ops["ld.global.cg.v4.b32" if group > 1 else "ld.global.cg.b32"] > 0, dict(ops)
+    # The exchange: tagged 8-byte words, stored 16 bytes at a time (one word per
+    # thread where one query row of 128 words is all there is) and re-read
     # volatile (no flag, no fence).
-    assert ops["st.global.v2.b64"] > 0, dict(ops)
+    assert ops["st.global.v2.b64" if group > 1 else "st.global.b64"] > 0, dict(ops)
     assert re.search(r"ld\.volatile\.global(\.v2)?\.b64", ptx), dict(ops)
     assert "fence.acq_rel.sys" not in ptx
     assert k.metadata.shared <= 227 * 1024
+    # The peers' merge holds a block of partials in registers: no spills for bf16
+    # caches (fp16 at D=64 with 32 splits keeps 8 bytes; float32's IEEE dots,
+    # CUDA-core FMAs, leave less room: about 640 bytes).
+    if dtype == "bf16":
+        assert _stack_bytes(k) == 0
 
 
 @pytest.mark.parametrize("dtype,d,causal,inbox", [("bf16", 128, True, True),

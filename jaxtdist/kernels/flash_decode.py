@@ -19,12 +19,15 @@ so every K and V row is read from memory once per call.
 3. Exchange: that program pushes its rank's partial (and the length it masked
    with) into every peer's inbox as tagged words (``dl.pack_tagged``: each
    32-bit value beside the epoch in one 8-byte store, through ``dl.symm_at``;
-   no flag, no fence), and merges the W ranks' partials in rank order 0, 1,
-   ..., W-1 (its own from registers, a peer's once every word of it carries
-   this call's epoch, ``dl.wait_tagged``): every rank performs the same
-   float32 operations on the same values, so every rank ends with the same
-   bits. (On 4 x H100 flags behind a fence took 5 us per exchange, one
-   release per peer 8 us.) A rank holding no valid position sends
+   no flag, no fence), waits until every word of every peer carries this
+   call's epoch (``dl.wait_tagged``: three waits, the outputs, the
+   log-sum-exps and the lengths of all peers, not three per peer: each wait
+   is at least one L2 round trip and a barrier; with three per peer every GPU
+   of 4 x H100 spent 6-8 us there, with three in all the last to start spends
+   2.4), and merges the W ranks' partials as one [W, ...] block (its
+   own from registers): every rank performs the same float32 operations on
+   the same values, so every rank ends with the same bits. (On 4 x H100 flags
+   behind a fence took 5 us per exchange, one release per peer 8 us.) A rank holding no valid position sends
    ``lse = -inf``, which weighs 0; a sequence with ``kv_len = 0`` gets zeros.
    A sequence whose length differs between ranks gets NaN on every rank (each
    rank compares its peers' lengths with its own).
@@ -73,6 +76,19 @@ def _merge(m, l, acc, lse, o):
     alpha = tl.exp2(m - safe)
     w = tl.exp2(lse - safe)
     return m_new, l * alpha + w, acc * alpha[:, None] + o * w[:, None]
+
+
+@triton.jit
+def _merge_block(m, l, acc, lse, o):
+    """Folds a block of partials (``o`` [S, G, D] normalized, ``lse`` [S, G]; -inf
+    and 0 where empty or masked) into the running (``m``, ``l``, ``acc``) at once:
+    one rescale per block, not one per partial."""
+    m_new = tl.maximum(m, tl.max(lse, 0))
+    safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - safe)
+    w = tl.exp2(lse - safe[None, :])
+    return (m_new, l * alpha + tl.sum(w, 0),
+            acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 0))
 
 
 @triton.jit
@@ -151,7 +167,7 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr, t
                         PARITY_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
                         PAGE: tl.constexpr = 0, NUM_PAGES: tl.constexpr = 0,
-                        TRACE: tl.constexpr = 0):
+                        TRACE: tl.constexpr = 0, GP: tl.constexpr = 16, WP: tl.constexpr = 1):
     """Grid: (GROUPS * NSPLIT,), GROUPS = B * HKV.
 
     q: [B, HQ, D]; k, v: [B, S_SHARD, HKV, D] (this rank's positions); len_ptr:
@@ -162,6 +178,8 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr, t
     stamps per program at trace_ptr (``_trace.stamp``): start, split-KV done and
     arrived; for a group's last program also local merge done, pushes and flags
     issued, every peer's partial merged, output stored (0 for the others).
+    GP: GROUP rounded up to a power of 2 (<= BLOCK_G); WP: the world size
+    rounded up to a power of 2.
     """
     pid = tl.program_id(0)
     at = trace_ptr + pid * 6
@@ -205,75 +223,83 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr, t
         # in this kernel, and the next kernel starts after this one ends.
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
         tl.debug_barrier()  # the acquiring thread's view extends to the program
-        m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
-        l = tl.zeros((BLOCK_G,), tl.float32)
-        acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+        # From here on only the GROUP real query rows (GP, a power of 2 >= GROUP):
+        # the peers' merge holds a block of partials, and BLOCK_G rows would not fit.
+        gp = tl.arange(0, GP)
+        tile_p = gp[:, None] * BLOCK_D + d[None, :]
+        real_p = gp < GROUP
+        real_tile_p = real_p[:, None] & (d < BLOCK_D)[None, :]
+        m_p = tl.full((GP,), float("-inf"), tl.float32)
+        l_p = tl.zeros((GP,), tl.float32)
+        acc_p = tl.zeros((GP, BLOCK_D), tl.float32)
         # Unrolled (NSPLIT is small, see FlashDecodeConfig): the loads do not
         # depend on each other, so they are issued ahead instead of one L2
-        # round trip per split.
+        # round trip per split; each fold is elementwise, in registers (a block of
+        # partials folded at once, reduced across threads, took 4.0 us against
+        # 2.8 at 16 splits on 4 x H100).
         group_o = aligned_after(local_o, arrived) + group * NSPLIT * (BLOCK_G * BLOCK_D)
         group_lse = aligned_after(local_lse, arrived) + group * NSPLIT * BLOCK_G
         for s in tl.static_range(NSPLIT):
             # .cg: written by other programs (L2), never stale L1 lines.
-            part_o = tl.load(group_o + s * (BLOCK_G * BLOCK_D) + tile, mask=real_tile,
+            part_o = tl.load(group_o + s * (BLOCK_G * BLOCK_D) + tile_p, mask=real_tile_p,
                              other=0.0, cache_modifier=".cg")
-            part_lse = tl.load(group_lse + s * BLOCK_G + g, mask=real, other=float("-inf"),
+            part_lse = tl.load(group_lse + s * BLOCK_G + gp, mask=real_p, other=float("-inf"),
                                cache_modifier=".cg")
-            m, l, acc = _merge(m, l, acc, part_lse, part_o)
-        o, lse = _finish(m, l, acc)
+            m_p, l_p, acc_p = _merge(m_p, l_p, acc_p, part_lse, part_o)
+        o_p, lse_p = _finish(m_p, l_p, acc_p)
         stamp(at + 2, TRACE)
 
         # 3. Push this rank's partial to every peer as tagged words.
         inbox_o = dl.parity_ptr(ctx, INBOX_OFF, PARITY_BYTES, tl.int64)
         inbox_lse = dl.parity_ptr(ctx, INBOX_OFF + INBOX_LSE, PARITY_BYTES, tl.int64)
         inbox_len = dl.parity_ptr(ctx, INBOX_OFF + INBOX_LEN, PARITY_BYTES, tl.int64)
-        my_o = inbox_o + (me * GROUPS + group) * (BLOCK_G * BLOCK_D) + tile
-        my_lse = inbox_lse + (me * GROUPS + group) * BLOCK_G + g
+        my_o = inbox_o + (me * GROUPS + group) * (BLOCK_G * BLOCK_D) + tile_p
+        my_lse = inbox_lse + (me * GROUPS + group) * BLOCK_G + gp
         my_len = inbox_len + me * GROUPS + group
-        o_words = dl.pack_tagged(o, e)
-        lse_words = dl.pack_tagged(lse, e)
+        o_words = dl.pack_tagged(o_p, e)
+        lse_words = dl.pack_tagged(lse_p, e)
         len_words = dl.pack_tagged(length, e)
         for step in range(1, world):
             dst = (me + step) % world
-            tl.store(dl.symm_at(ctx, my_o, dst), o_words, mask=real_tile)
-            tl.store(dl.symm_at(ctx, my_lse, dst), lse_words, mask=real)
+            tl.store(dl.symm_at(ctx, my_o, dst), o_words, mask=real_tile_p)
+            tl.store(dl.symm_at(ctx, my_lse, dst), lse_words, mask=real_p)
             tl.store(dl.symm_at(ctx, my_len, dst), len_words)
         stamp(at + 3, TRACE)
 
-        # Merge in rank order: the same operations on the same values everywhere.
-        m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
-        l = tl.zeros((BLOCK_G,), tl.float32)
-        acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
-        agree = length == length  # every rank merged with this rank's length
-        # This rank's own partial as the peers receive it (their masked rows too).
-        own_o = tl.where(real_tile, o, 0.0)
-        own_lse = tl.where(real, lse, float("-inf"))
-        for src in range(0, world):
-            part_o = own_o
-            part_lse = own_lse
-            if src != me:
-                # Parity e % 2 holds only this call's words or an earlier call's
-                # (epoch e - 2 or less): equal tags are this call's.
-                slot = src * GROUPS + group
-                part_o = dl.unpack_tagged(dl.wait_tagged(
-                    ctx, inbox_o + slot * (BLOCK_G * BLOCK_D), tile, real_tile, e, src),
-                    tl.float32)
-                part_o = tl.where(real_tile, part_o, 0.0)
-                part_lse = dl.unpack_tagged(dl.wait_tagged(
-                    ctx, inbox_lse + slot * BLOCK_G, g, real, e, src), tl.float32)
-                part_lse = tl.where(real, part_lse, float("-inf"))
-                one = tl.arange(0, 1)
-                seen = tl.max(dl.unpack_tagged(dl.wait_tagged(ctx, inbox_len + slot, one,
-                                                              one == 0, e, src), tl.int32), 0)
-                agree = agree & (seen == length)
-            m, l, acc = _merge(m, l, acc, part_lse, part_o)
-        o, lse = _finish(m, l, acc)
+        # Every peer's words at once (three waits, not three per peer), then one
+        # merge of the W partials: the same operations on the same values on
+        # every rank (this rank's own partial from registers, as the peers
+        # received it), so every rank ends with the same bits.
+        src = tl.arange(0, WP)
+        peer = (src != me) & (src < world)
+        slot = src * GROUPS + group
+        # Parity e % 2 holds only this call's words or an earlier call's (epoch
+        # e - 2 or less): equal tags are this call's.
+        got_o = dl.unpack_tagged(dl.wait_tagged(
+            ctx, inbox_o, slot[:, None, None] * (BLOCK_G * BLOCK_D) + tile_p[None],
+            peer[:, None, None] & real_tile_p[None], e), tl.float32)
+        got_lse = dl.unpack_tagged(dl.wait_tagged(
+            ctx, inbox_lse, slot[:, None] * BLOCK_G + gp[None, :],
+            peer[:, None] & real_p[None, :], e), tl.float32)
+        seen = dl.unpack_tagged(dl.wait_tagged(ctx, inbox_len, slot, peer, e), tl.int32)
+        # kv_len must agree: every rank merged with this rank's length.
+        agree = tl.min(tl.where(peer, seen == length, True).to(tl.int32), 0) != 0
+        mine = (src == me)
+        all_o = tl.where(mine[:, None, None], tl.where(real_tile_p, o_p, 0.0)[None],
+                         tl.where(peer[:, None, None] & real_tile_p[None], got_o, 0.0))
+        all_lse = tl.where(mine[:, None], tl.where(real_p, lse_p, float("-inf"))[None, :],
+                           tl.where(peer[:, None] & real_p[None, :], got_lse, float("-inf")))
+        m_p = tl.full((GP,), float("-inf"), tl.float32)
+        l_p = tl.zeros((GP,), tl.float32)
+        acc_p = tl.zeros((GP, BLOCK_D), tl.float32)
+        m_p, l_p, acc_p = _merge_block(m_p, l_p, acc_p, all_lse, all_o)
+        o_p, lse_p = _finish(m_p, l_p, acc_p)
         stamp(at + 4, TRACE)
         # kv_len must be the same on every rank: where it is not, the ranks masked
         # different positions and their merge is no attention at all, so the
         # sequence's output is NaN rather than a wrong number.
-        o = tl.where(agree, o, float("nan"))
-        out_rows = b * HQ + h * GROUP + g
-        tl.store(out_ptr + out_rows[:, None] * D + d[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=(g < GROUP)[:, None] & (d < D)[None, :])
+        o_p = tl.where(agree, o_p, float("nan"))
+        out_rows = b * HQ + h * GROUP + gp
+        tl.store(out_ptr + out_rows[:, None] * D + d[None, :], o_p.to(out_ptr.dtype.element_ty),
+                 mask=real_p[:, None] & (d < D)[None, :])
         stamp(at + 5, TRACE)

@@ -313,7 +313,7 @@ def flash_decode_kernels(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.A
         INBOX_OFF=o + plan.inbox, INBOX_LSE=plan.inbox_lse, INBOX_LEN=plan.inbox_len,
         PARITY_BYTES=plan.parity_bytes, BLOCK_N=cfg.BLOCK_N, BLOCK_G=block_g, BLOCK_D=block_d,
         IEEE=q.dtype == jnp.float32, PAGE=0 if block_table is None else k.shape[1],
-        NUM_PAGES=k.shape[0], TRACE=trace)
+        NUM_PAGES=k.shape[0], TRACE=trace, GP=next_pow2(group), WP=next_pow2(call.world))
     return (out, stamped) if trace else out
 
 
