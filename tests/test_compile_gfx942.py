@@ -1,4 +1,5 @@
-"""Compiles every built-in kernel for AMD CDNA3 (gfx942: MI300X, MI325X) on any machine.
+"""Compiles the built-in kernels for AMD CDNA3 (gfx942: MI300X, MI325X) on any machine
+(not yet the MoE routing kernels of ROUTING="kernels" nor the grouped GEMM).
 
 Triton compiles for ``GPUTarget("hip", "gfx942", 64)`` with no ROCm installed.
 The language picks its AMD lowering when imported with ``JAXTDIST_TARGET=hip``,
@@ -52,6 +53,18 @@ KERNELS = {
                   ["wait", "notify", "mfma"]),
     "matmul_ar": ("matmul_ar", "matmul_ar_kernel", ["i32"] + ["bf16"] * 3,
                   ["wait", "notify", "mfma"]),
+    # The routing words computed in the kernel (ROUTING="fused": histograms, a CTA barrier).
+    "moe_dispatch": ("moe", "moe_dispatch_kernel",
+                     ["i32", "bf16"] + ["i32"] * 5 + ["fp32", "bf16"] + ["i32"] * 4
+                     + ["bf16", "i32", "i32"], ["wait", "notify"]),
+    "moe_combine": ("moe", "moe_combine_kernel",
+                    ["i32", "bf16", "fp32", "i32", "i32", "bf16", "i32", "i32", "i32", "bf16",
+                     "fp32", "i32"], ["wait", "notify"]),
+    # Tagged words, as the push all-reduce.
+    "flash_decode": ("flash_decode", "flash_decode_kernel",
+                     ["i32", "bf16", "bf16", "bf16", "i32", "i32", "bf16", "i32"], []),
+    "ag_attention": ("ag_attention", "ag_attention_kernel", ["i32"] + ["bf16"] * 4,
+                     ["wait", "notify"]),
     # fence, consume_token, notify and wait of jaxtdist.language in a user kernel.
     "language_primitives": ("tests.kernels_for_tests", "fenced_broadcast_kernel",
                             ["i32", "fp32", "fp32"], ["wait", "notify"]),
@@ -148,8 +161,58 @@ def _problems():
                              PARTIAL_INPUT=cfg.PARTIAL == "input", DOT_PRECISION=None, B_T=False,
                              K_SPLIT=-(-2048 // (cfg.SPLIT_K * cfg.BLOCK_K)) * cfg.BLOCK_K),
                         cfg.launch_options())
+    out.update(_attention_and_moe(problem))
     out["language_primitives"] = (dict(N=4096, BLOCK=1024, WORKSPACE=65536),
                                   dict(num_warps=4))
+    return out
+
+
+def _attention_and_moe(problem) -> dict:
+    """MoE dispatch and combine at DeepSeek-V3's decode size (128 tokens, H 7168,
+    top-8 of 256 experts), flash_decode at 32K positions per rank (Hq 32, Hkv 8,
+    D 128) and ag_attention at 8K per rank, each at its op's default config."""
+    from jaxtdist.ops._shapes import next_pow2
+    from jaxtdist.ops.ag_attention import AgAttentionConfig
+    from jaxtdist.ops.flash_decode import FlashDecodeConfig
+    from jaxtdist.ops.moe import MoeConfig
+
+    out = {}
+    t, h, k, e = 128, 7168, 8, 256
+    cfg = MoeConfig.default(problem((t, h)))
+    assert cfg.ROUTING == "fused"
+    e_loc, kl, programs = e // WORLD, min(k, e // WORLD), min(cfg.NUM_PROGRAMS, t)
+    meta_words = 1 + 4 * kl
+    out["moe_dispatch"] = (dict(
+        T=t, H=h, K=k, E_LOC=e_loc, KL=kl, R=WORLD * t * kl, W=WORLD, P=programs,
+        TP=-(-t // programs), FLAGS_OFF=0, HDR_OFF=4096, META_OFF=1 << 16, ROWS_OFF=1 << 20,
+        PARITY_BYTES=1 << 24, HDR_WORDS=e_loc + 2 * programs + 1, META_WORDS=meta_words,
+        SCALED=False, WP=next_pow2(WORLD), EP=next_pow2(e_loc), MP=next_pow2(meta_words),
+        KLP=next_pow2(kl), BLOCK_H=cfg.BLOCK_H, SPLIT=0, TRACE=False, ROUTE=True,
+        ROUTE_OFF=1 << 26, KP=next_pow2(k), EPG=next_pow2(e), BT=1, BS=128),
+        dict(num_warps=cfg.num_warps, num_stages=1))
+    out["moe_combine"] = (dict(
+        T=t, F=h, K=k, KL=kl, W=WORLD, P=programs, TP=-(-t // programs), E_LOC=e_loc,
+        FLAGS_OFF=0, WFLAGS_OFF=2048, INBOX_OFF=4096, WBOX_OFF=4096 + (1 << 23),
+        PARITY_BYTES=1 << 24, DOTS=False, KP=next_pow2(k), KLP=next_pow2(kl),
+        WP=next_pow2(WORLD), BLOCK_F=cfg.BLOCK_H, SEND_ROWS=cfg.COMBINE_SEND == "rows",
+        TRACE=False), dict(num_warps=cfg.num_warps, num_stages=1))
+    s_shard, group = 32768, 4
+    p = problem((1, 8 * group, 8, 128, s_shard))
+    cfg = FlashDecodeConfig.default(p)
+    splits = cfg.splits(p)
+    out["flash_decode"] = (dict(
+        QK_SCALE=0.1275, HQ=8 * group, HKV=8, GROUP=group, D=128, S_SHARD=s_shard, GROUPS=8,
+        NSPLIT=splits, CHUNK=-(-s_shard // splits), LOCAL_OFF=0, LSE_OFF=1 << 20,
+        COUNT_OFF=1 << 21, INBOX_OFF=1 << 22, INBOX_LSE=1 << 18, INBOX_LEN=3 << 17,
+        PARITY_BYTES=1 << 19, BLOCK_N=cfg.BLOCK_N, BLOCK_G=16, BLOCK_D=128, IEEE=False,
+        PAGE=0, NUM_PAGES=0, TRACE=0, GP=group, WP=next_pow2(WORLD)), cfg.launch_options())
+    s_rank, d = 8192, 128
+    cfg = AgAttentionConfig.default(problem((1, s_rank, 32, 8, d)))
+    out["ag_attention"] = (dict(
+        B=1, S=s_rank, HQ=32, HKV=8, D=d, CAUSAL=True, QK_SCALE=0.1275, INBOX=False,
+        STAGE_OFF=4096, PARITY_BYTES=1 << 26, KV_ELEMS=s_rank * 8 * d, READY_OFF=0,
+        FLAGS_OFF=0, SENT_OFF=512, CHUNK_ROWS=1, KV_STRIDE=8 * d, V_OFF=0, FLAG_SCOPE="sys",
+        BLOCK_D=d, IEEE=False, **cfg.kernel_args()), cfg.launch_options())
     return out
 
 
