@@ -423,6 +423,8 @@ def _moe_block(h: int, itemsize: int) -> int:
 
 def _compile_dispatch(dtype, t, h, k, e_loc, world, programs, block, **options):
     from jaxtdist.kernels.moe import moe_dispatch_kernel
+    from jaxtdist.ops._shapes import next_pow2
+    from jaxtdist.ops.moe import _route_scan_tokens, _route_tokens_per_step
     i32 = "*i32"
     kl = min(k, e_loc)
     meta_words = 1 + 4 * kl
@@ -437,13 +439,11 @@ def _compile_dispatch(dtype, t, h, k, e_loc, world, programs, block, **options):
                          P=programs, TP=tp, FLAGS_OFF=0, HDR_OFF=4096, META_OFF=1 << 16,
                          ROWS_OFF=1 << 20, PARITY_BYTES=1 << 24,
                          HDR_WORDS=e_loc + 2 * programs + 1, META_WORDS=meta_words,
-                         SCALED=False, WP=1 << (world - 1).bit_length(),
-                         EP=1 << (e_loc - 1).bit_length(),
-                         MP=1 << (meta_words - 1).bit_length(), KLP=1 << (kl - 1).bit_length(),
-                         BLOCK_H=block, ROUTE_OFF=1 << 26, KP=1 << (k - 1).bit_length(),
-                         EPG=1 << (world * e_loc - 1).bit_length(),
-                         BT=max(1, min(1 << (tp - 1).bit_length(), 8192 // (8 * world * e_loc))),
-                         BS=min(1 << (t - 1).bit_length(), 128), **options),
+                         SCALED=False, WP=next_pow2(world), EP=next_pow2(e_loc),
+                         MP=next_pow2(meta_words), KLP=next_pow2(kl), BLOCK_H=block,
+                         ROUTE_OFF=1 << 26, KP=next_pow2(k), EPG=next_pow2(world * e_loc),
+                         BT=_route_tokens_per_step(tp, k, world * e_loc),
+                         BS=_route_scan_tokens(t, k), **options),
                     num_warps=4, num_stages=1)
 
 

@@ -230,6 +230,12 @@ def _route_tokens_per_step(tokens_per_program: int, top_k: int, num_experts: int
                       8192 // (next_pow2(top_k) * next_pow2(num_experts))))
 
 
+def _route_scan_tokens(tokens: int, top_k: int) -> int:
+    """BS of the fused routing: tokens per step of its scan over every token's ids
+    (1024 pairs per histogram)."""
+    return min(next_pow2(tokens), max(1, 1024 // next_pow2(top_k)))
+
+
 def _route_on_device(call: Call, ctx: jax.Array, expert_ids, world: int, num_experts: int,
                      programs: int, scale: jax.Array) -> _Routing:
     """``_route``'s words from ``kernels/moe_route.py`` (two launches after the
@@ -429,7 +435,7 @@ def moe_dispatch_kernels(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_
         MP=next_pow2(plan.meta_words), KLP=next_pow2(kl), BLOCK_H=cfg.BLOCK_H, SPLIT=split,
         TRACE=trace, ROUTE=fused, ROUTE_OFF=ws.offset + plan.route, KP=next_pow2(k),
         EPG=next_pow2(num_experts), BT=_route_tokens_per_step(-(-t // programs), k, num_experts),
-        BS=min(next_pow2(t), max(1, 1024 // next_pow2(k))))
+        BS=_route_scan_tokens(t, k))
     if split:
         recv = (recv, tail)
     sizes, dropped = _summary(counts, rows)
