@@ -30,7 +30,8 @@ so every K and V row is read from memory once per call.
    behind a fence took 5 us per exchange, one release per peer 8 us.) A rank holding no valid position sends
    ``lse = -inf``, which weighs 0; a sequence with ``kv_len = 0`` gets zeros.
    A sequence whose length differs between ranks gets NaN on every rank (each
-   rank compares its peers' lengths with its own).
+   rank compares its peers' lengths with its own). At world 1 there is nothing
+   to exchange: the local merge is the output.
 
 Workspace (byte offsets, see ``ops/flash_decode.DecodeWorkspace``):
 
@@ -171,7 +172,7 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr, t
     """Grid: (GROUPS * NSPLIT,), GROUPS = B * HKV.
 
     q: [B, HQ, D]; k, v: [B, S_SHARD, HKV, D] (this rank's positions); len_ptr:
-    [B] int32 global valid lengths; out: [B, HQ, D]. ``QK_SCALE`` is
+    [B] int32 global valid lengths (negative: 0); out: [B, HQ, D]. ``QK_SCALE`` is
     softmax's scale times log2(e). Paged (PAGE > 0): k, v [NUM_PAGES, PAGE, HKV,
     D], table [B, S_SHARD / PAGE] int32 the pages of this rank's positions
     (unused otherwise). TRACE (a probe's view): int32 [GROUPS * NSPLIT, 6] clock
@@ -199,7 +200,8 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr, t
     real_tile = real[:, None] & (d < BLOCK_D)[None, :]
 
     # 1. This program's chunk of this rank's valid positions.
-    length = tl.load(len_ptr + b)
+    # A negative length is 0 (none valid): the op passes int32 lengths unclamped.
+    length = tl.maximum(tl.load(len_ptr + b), 0)
     valid = tl.minimum(tl.maximum(length - me * S_SHARD, 0), S_SHARD)
     lo = split * CHUNK
     hi = tl.minimum(lo + CHUNK, valid)
@@ -249,52 +251,59 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr, t
         o_p, lse_p = _finish(m_p, l_p, acc_p)
         stamp(at + 2, TRACE)
 
-        # 3. Push this rank's partial to every peer as tagged words.
-        inbox_o = dl.parity_ptr(ctx, INBOX_OFF, PARITY_BYTES, tl.int64)
-        inbox_lse = dl.parity_ptr(ctx, INBOX_OFF + INBOX_LSE, PARITY_BYTES, tl.int64)
-        inbox_len = dl.parity_ptr(ctx, INBOX_OFF + INBOX_LEN, PARITY_BYTES, tl.int64)
-        my_o = inbox_o + (me * GROUPS + group) * (BLOCK_G * BLOCK_D) + tile_p
-        my_lse = inbox_lse + (me * GROUPS + group) * BLOCK_G + gp
-        my_len = inbox_len + me * GROUPS + group
-        o_words = dl.pack_tagged(o_p, e)
-        lse_words = dl.pack_tagged(lse_p, e)
-        len_words = dl.pack_tagged(length, e)
-        for step in range(1, world):
-            dst = (me + step) % world
-            tl.store(dl.symm_at(ctx, my_o, dst), o_words, mask=real_tile_p)
-            tl.store(dl.symm_at(ctx, my_lse, dst), lse_words, mask=real_p)
-            tl.store(dl.symm_at(ctx, my_len, dst), len_words)
-        stamp(at + 3, TRACE)
+        agree = length == length  # a scalar of the type the exchange's test has
+        # World 1 (the kernel forced on one GPU): the local merge is the output
+        # (a merge of one partial returns it unchanged, bit for bit).
+        if world > 1:
+            # 3. Push this rank's partial to every peer as tagged words.
+            inbox_o = dl.parity_ptr(ctx, INBOX_OFF, PARITY_BYTES, tl.int64)
+            inbox_lse = dl.parity_ptr(ctx, INBOX_OFF + INBOX_LSE, PARITY_BYTES, tl.int64)
+            inbox_len = dl.parity_ptr(ctx, INBOX_OFF + INBOX_LEN, PARITY_BYTES, tl.int64)
+            my_o = inbox_o + (me * GROUPS + group) * (BLOCK_G * BLOCK_D) + tile_p
+            my_lse = inbox_lse + (me * GROUPS + group) * BLOCK_G + gp
+            my_len = inbox_len + me * GROUPS + group
+            o_words = dl.pack_tagged(o_p, e)
+            lse_words = dl.pack_tagged(lse_p, e)
+            len_words = dl.pack_tagged(length, e)
+            for step in range(1, world):
+                dst = (me + step) % world
+                tl.store(dl.symm_at(ctx, my_o, dst), o_words, mask=real_tile_p)
+                tl.store(dl.symm_at(ctx, my_lse, dst), lse_words, mask=real_p)
+                tl.store(dl.symm_at(ctx, my_len, dst), len_words)
+            stamp(at + 3, TRACE)
 
-        # Every peer's words at once (three waits, not three per peer), then one
-        # merge of the W partials: the same operations on the same values on
-        # every rank (this rank's own partial from registers, as the peers
-        # received it), so every rank ends with the same bits.
-        src = tl.arange(0, WP)
-        peer = (src != me) & (src < world)
-        slot = src * GROUPS + group
-        # Parity e % 2 holds only this call's words or an earlier call's (epoch
-        # e - 2 or less): equal tags are this call's.
-        got_o = dl.unpack_tagged(dl.wait_tagged(
-            ctx, inbox_o, slot[:, None, None] * (BLOCK_G * BLOCK_D) + tile_p[None],
-            peer[:, None, None] & real_tile_p[None], e), tl.float32)
-        got_lse = dl.unpack_tagged(dl.wait_tagged(
-            ctx, inbox_lse, slot[:, None] * BLOCK_G + gp[None, :],
-            peer[:, None] & real_p[None, :], e), tl.float32)
-        seen = dl.unpack_tagged(dl.wait_tagged(ctx, inbox_len, slot, peer, e), tl.int32)
-        # kv_len must agree: every rank merged with this rank's length.
-        agree = tl.min(tl.where(peer, seen == length, True).to(tl.int32), 0) != 0
-        mine = (src == me)
-        all_o = tl.where(mine[:, None, None], tl.where(real_tile_p, o_p, 0.0)[None],
-                         tl.where(peer[:, None, None] & real_tile_p[None], got_o, 0.0))
-        all_lse = tl.where(mine[:, None], tl.where(real_p, lse_p, float("-inf"))[None, :],
-                           tl.where(peer[:, None] & real_p[None, :], got_lse, float("-inf")))
-        m_p = tl.full((GP,), float("-inf"), tl.float32)
-        l_p = tl.zeros((GP,), tl.float32)
-        acc_p = tl.zeros((GP, BLOCK_D), tl.float32)
-        m_p, l_p, acc_p = _merge_block(m_p, l_p, acc_p, all_lse, all_o)
-        o_p, lse_p = _finish(m_p, l_p, acc_p)
-        stamp(at + 4, TRACE)
+            # Every peer's words at once (three waits, not three per peer), then one
+            # merge of the W partials: the same operations on the same values on
+            # every rank (this rank's own partial from registers, as the peers
+            # received it), so every rank ends with the same bits.
+            src = tl.arange(0, WP)
+            peer = (src != me) & (src < world)
+            slot = src * GROUPS + group
+            # Parity e % 2 holds only this call's words or an earlier call's (epoch
+            # e - 2 or less): equal tags are this call's.
+            got_o = dl.unpack_tagged(dl.wait_tagged(
+                ctx, inbox_o, slot[:, None, None] * (BLOCK_G * BLOCK_D) + tile_p[None],
+                peer[:, None, None] & real_tile_p[None], e), tl.float32)
+            got_lse = dl.unpack_tagged(dl.wait_tagged(
+                ctx, inbox_lse, slot[:, None] * BLOCK_G + gp[None, :],
+                peer[:, None] & real_p[None, :], e), tl.float32)
+            seen = dl.unpack_tagged(dl.wait_tagged(ctx, inbox_len, slot, peer, e), tl.int32)
+            # kv_len must agree: every rank merged with this rank's length.
+            agree = tl.min(tl.where(peer, seen == length, True).to(tl.int32), 0) != 0
+            mine = (src == me)
+            all_o = tl.where(mine[:, None, None], tl.where(real_tile_p, o_p, 0.0)[None],
+                             tl.where(peer[:, None, None] & real_tile_p[None], got_o, 0.0))
+            all_lse = tl.where(mine[:, None], tl.where(real_p, lse_p, float("-inf"))[None, :],
+                               tl.where(peer[:, None] & real_p[None, :], got_lse, float("-inf")))
+            m_p = tl.full((GP,), float("-inf"), tl.float32)
+            l_p = tl.zeros((GP,), tl.float32)
+            acc_p = tl.zeros((GP, BLOCK_D), tl.float32)
+            m_p, l_p, acc_p = _merge_block(m_p, l_p, acc_p, all_lse, all_o)
+            o_p, lse_p = _finish(m_p, l_p, acc_p)
+            stamp(at + 4, TRACE)
+        else:
+            stamp(at + 3, TRACE)
+            stamp(at + 4, TRACE)
         # kv_len must be the same on every rank: where it is not, the ranks masked
         # different positions and their merge is no attention at all, so the
         # sequence's output is NaN rather than a wrong number.

@@ -162,25 +162,18 @@ def probe_attention() -> None:
         _report(f"S={s}", h.interleaved(contenders, 12, 3), "cudnn")
 
 
-def probe_flash_decode() -> None:
-    """flash_decode's kernel at world 1 against XLA's decode: splits, step, warps."""
+def _fd_world_1(variants: dict, seqs, dtype, seed: int) -> None:
+    """flash_decode's kernel at world 1 under each config of ``variants`` (None: the
+    default) against XLA's decode, per sequence length."""
     from jaxtdist.bench import flash_decode as fb
     from jaxtdist.ops.flash_decode import flash_decode_kernels
 
     mesh = fb._mesh(1)
     td.initialize(mesh)
     specs = dict(mesh=mesh, in_specs=fb.SPECS, out_specs=P(), check_vma=False)
-    variants = {"default": None, "n128": dict(BLOCK_N=128),
-                "n128_s2": dict(BLOCK_N=128, num_stages=2),
-                "n128_s2_w8": dict(BLOCK_N=128, num_stages=2, num_warps=8),
-                "n128_sp16": dict(BLOCK_N=128, NUM_SPLITS=16),
-                "n128_sp16_s4": dict(BLOCK_N=128, NUM_SPLITS=16, num_stages=4),
-                "n64_sp16": dict(NUM_SPLITS=16),
-                "n128_s2_sp48": dict(BLOCK_N=128, num_stages=2, NUM_SPLITS=48),
-                "n256_s2_w8_sp16": dict(BLOCK_N=256, num_stages=2, num_warps=8, NUM_SPLITS=16)}
     b, hq, hkv, d = fb.FLASH_DECODE_HEADS
-    for i, s in enumerate((32768, 131072, 8192)):
-        q, k, v, n = fb._operands(700 + 3 * i, b, hq, hkv, d, s, jnp.bfloat16)
+    for i, s in enumerate(seqs):
+        q, k, v, n = fb._operands(seed + 3 * i, b, hq, hkv, d, s, dtype)
         ref = fb._reference(q, k, v, n)
         args = tuple(jax.device_put(a, NamedSharding(mesh, sp))
                      for a, sp in zip((q, k, v, n), fb.SPECS))
@@ -189,7 +182,30 @@ def probe_flash_decode() -> None:
             fn = jax.jit(jax.shard_map(
                 lambda *a, cfg=cfg: flash_decode_kernels(*a, "sp", config=cfg), **specs))
             contenders[name] = h.Contender(fn, args, 1, ref)
-        _report(f"S={s}", h.interleaved(contenders, 20, 4), "xla")
+        _report(f"{jnp.dtype(dtype).name} S={s}", h.interleaved(contenders, 20, 4), "xla")
+
+
+def probe_flash_decode() -> None:
+    """flash_decode's kernel at world 1 against XLA's decode: splits, step, warps."""
+    _fd_world_1({"default": None, "n128": dict(BLOCK_N=128),
+                 "n128_s2": dict(BLOCK_N=128, num_stages=2),
+                 "n128_s2_w8": dict(BLOCK_N=128, num_stages=2, num_warps=8),
+                 "n128_sp16": dict(BLOCK_N=128, NUM_SPLITS=16),
+                 "n128_sp16_s4": dict(BLOCK_N=128, NUM_SPLITS=16, num_stages=4),
+                 "n64_sp16": dict(NUM_SPLITS=16),
+                 "n128_s2_sp48": dict(BLOCK_N=128, num_stages=2, NUM_SPLITS=48),
+                 "n256_s2_w8_sp16": dict(BLOCK_N=256, num_stages=2, num_warps=8, NUM_SPLITS=16)},
+                (32768, 131072, 8192), jnp.bfloat16, 700)
+
+
+def probe_fd_f32() -> None:
+    """flash_decode's kernel at world 1 on float32 caches (IEEE dots on CUDA cores)
+    against XLA's decode: 32-position steps with 8 warps (the default, no register
+    spills on sm_90) against 64 with 4 (the default before, which spills)."""
+    _fd_world_1({"default": None, "n64_w8": dict(BLOCK_N=64, num_warps=8),
+                 "n32_w4": dict(BLOCK_N=32, num_warps=4),
+                 "n64_w4": dict(BLOCK_N=64, num_warps=4)},
+                (8192, 32768), jnp.float32, 800)
 
 
 def _ar_decode(block_n: int, split_k: int, tma: bool = False, **more) -> dict:
@@ -201,7 +217,20 @@ def _ar_decode(block_n: int, split_k: int, tma: bool = False, **more) -> dict:
     return {name: dict(TMA=tma, BLOCK_N=block_n, SPLIT_K=split_k, **more)}
 
 
-def probe_gemm() -> None:
+def _ag_decode_variants() -> dict:
+    """{name: config} of ag_matmul's decode kernel: N tile, K split, K step, stages,
+    warps, producer programs."""
+    out = {}
+    for bn, sk, more in [(64, 2, {}), (64, 8, {}), (128, 4, {}), (128, 8, {}), (32, 4, {}),
+                         (32, 8, {}), (64, 4, dict(BLOCK_K=128, num_stages=3)),
+                         (64, 8, dict(num_stages=6)), (128, 8, dict(num_warps=8)),
+                         (64, 4, dict(NUM_COMM=1)), (128, 16, {}), (256, 8, dict(num_warps=8))]:
+        name = f"n{bn}s{sk}" + "".join(f"_{key}{value}" for key, value in more.items())
+        out[name] = dict(BLOCK_N=bn, SPLIT_K=sk, ALL_ROWS=True, **more)
+    return out
+
+
+def probe_gemm(only: str = "") -> None:
     """The GEMM core's slowest shapes at world 1 against jnp.dot: tiles, K steps,
     pointer loads, matmul_ar's K splits (the ops' configs)."""
     from jaxtdist.bench.gemm import _SPECS, _kernel_fn, _tile
@@ -247,9 +276,13 @@ def probe_gemm() -> None:
         ("ag_matmul", 512, 3584, 4096): {
             "stream_k": dict(STREAM_K=True), "t64x256": _tile(64, 256),
             "t128x128s5": _tile(128, 128, stages=5), "t64x128": _tile(64, 128)},
+        # Decode rows (one tile over all rows, split K; default n64 s4 k64, 4 stages).
+        ("ag_matmul", 16, 3072, 4096): _ag_decode_variants(),
     }
     dot = jax.jit(jnp.dot)
     for i, ((op, m, n, k), variants) in enumerate(cases.items()):
+        if only and f"{op} {m}x{n}x{k}" != only:
+            continue
         x = h.normal(700 + 2 * i, (m, k), jnp.bfloat16, scale=1 / np.sqrt(k))
         w = h.normal(701 + 2 * i, (k, n), jnp.bfloat16)
         args = (jax.device_put(x, NamedSharding(mesh, _SPECS[op][0])),
@@ -567,7 +600,8 @@ def probe_fd_trace(world: int = 4) -> None:
                 for dev in range(w_):
                     mm = rel[dev][mergers[dev]]
                     per_dev.append(dict(
-                        split_end=rel[dev, :, 1].max(),
+                        split_min=rel[dev, :, 1].min(), split_med=np.median(rel[dev, :, 1]),
+                        start_max=rel[dev, :, 0].max(), split_end=rel[dev, :, 1].max(),
                         merger_arrive=np.median(mm[:, 1]), local_merge=np.median(mm[:, 2] - mm[:, 1]),
                         push=np.median(mm[:, 3] - mm[:, 2]), peers=np.median(mm[:, 4] - mm[:, 3]),
                         peers_max=(mm[:, 4] - mm[:, 3]).max(), store=np.median(mm[:, 5] - mm[:, 4]),
@@ -584,9 +618,10 @@ PROBES = {"moe": probe_moe, "moe_trace": probe_moe_trace, "attention": probe_att
           "flash_decode": probe_flash_decode, "gemm": probe_gemm, "push": probe_push,
           "float32": probe_float32, "rs_loop": probe_rs_loop, "rs_trace": probe_rs_trace,
           "fd_world": probe_fd_world,
-          "fd_trace": probe_fd_trace}
+          "fd_trace": probe_fd_trace, "fd_f32": probe_fd_f32}
 
 if __name__ == "__main__":
     if len(sys.argv) not in (2, 3) or sys.argv[1] not in PROBES:
-        sys.exit(f"usage: python3 tests/gpu/probe_defaults.py {{{','.join(PROBES)}}} [world]")
-    PROBES[sys.argv[1]](*map(int, sys.argv[2:]))
+        sys.exit(f"usage: python3 tests/gpu/probe_defaults.py {{{','.join(PROBES)}}} [world]"
+                 " (gemm: [\"op MxNxK\"], that case only)")
+    PROBES[sys.argv[1]](*(int(a) if a.isdigit() else a for a in sys.argv[2:]))

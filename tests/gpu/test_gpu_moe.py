@@ -221,12 +221,15 @@ def test_moe_fp8_dispatch(world, dtype):
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_moe_routing_kernels_match_xla_routing(world):
+@pytest.mark.parametrize("t", [128, 1000])
+def test_moe_routing_kernels_match_xla_routing(world, t):
     """config ROUTING="kernels" and "fused" (the routing metadata by jaxtdist's
-    kernels, apart or inside the dispatch kernel) give the same recv_x, sizes and combine output as the XLA routing, bit for bit, over two
-    calls (DeepSeek-V3's decode routing: 128 tokens, top-8 of 256 experts)."""
+    kernels, apart or inside the dispatch kernel) give the same recv_x, sizes and
+    combine output as the XLA routing, bit for bit, over two calls (DeepSeek-V3's
+    routing: top-8 of 256 experts; 128 tokens per rank, one step of the fused
+    routing's scan over the ids, and 1000, eight steps, the last one partial)."""
     mesh = _mesh(world)
-    t, hdim, k, e = 128, 1024, 8, 256
+    hdim, k, e = 1024, 8, 256
     rng = np.random.default_rng(40 + world)
     x = jnp.asarray(rng.standard_normal((world * t, hdim)), jnp.bfloat16)
     ids = _routing("random", world * t, k, e, world, rng)
