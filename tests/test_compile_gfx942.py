@@ -205,7 +205,7 @@ def _attention_and_moe(problem) -> dict:
         QK_SCALE=0.1275, HQ=8 * group, HKV=8, GROUP=group, D=128, S_SHARD=s_shard, GROUPS=8,
         NSPLIT=splits, CHUNK=-(-s_shard // splits), LOCAL_OFF=0, LSE_OFF=1 << 20,
         COUNT_OFF=1 << 21, INBOX_OFF=1 << 22, INBOX_LSE=1 << 18, INBOX_LEN=3 << 17,
-        PARITY_BYTES=1 << 19, BLOCK_N=cfg.BLOCK_N, BLOCK_G=16, BLOCK_D=128, IEEE=False,
+        PARITY_BYTES=1 << 19, BLOCK_N=cfg.BLOCK_N, BLOCK_G=16, BLOCK_D=128, DOT_PRECISION=None,
         PAGE=0, NUM_PAGES=0, TRACE=0, GP=group, WP=next_pow2(WORLD)), cfg.launch_options())
     s_rank, d = 8192, 128
     cfg = AgAttentionConfig.default(problem((1, s_rank, 32, 8, d)))
@@ -213,7 +213,7 @@ def _attention_and_moe(problem) -> dict:
         B=1, S=s_rank, HQ=32, HKV=8, D=d, CAUSAL=True, QK_SCALE=0.1275, INBOX=False,
         STAGE_OFF=4096, PARITY_BYTES=1 << 26, KV_ELEMS=s_rank * 8 * d, READY_OFF=0,
         FLAGS_OFF=0, SENT_OFF=512, CHUNK_ROWS=1, KV_STRIDE=8 * d, V_OFF=0, FLAG_SCOPE="sys",
-        BLOCK_D=d, IEEE=False, **cfg.kernel_args()), cfg.launch_options())
+        BLOCK_D=d, DOT_PRECISION=None, **cfg.kernel_args()), cfg.launch_options())
     return out
 
 

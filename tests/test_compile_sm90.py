@@ -307,14 +307,17 @@ def test_flash_decode_compiles_with_tensor_cores_and_its_protocol(dtype, d, grou
                       GROUPS=8, NSPLIT=32, CHUNK=1024, LOCAL_OFF=0, LSE_OFF=1 << 20,
                       COUNT_OFF=1 << 21, INBOX_OFF=1 << 22, INBOX_LSE=1 << 18,
                       INBOX_LEN=3 << 17, PARITY_BYTES=1 << 19, BLOCK_N=cfg.BLOCK_N,
-                      BLOCK_G=max(16, group), BLOCK_D=block_d, IEEE=dtype == "fp32",
+                      BLOCK_G=max(16, group), BLOCK_D=block_d,
+                      DOT_PRECISION="tf32_rn" if dtype == "fp32" else None,
                       PAGE=page, NUM_PAGES=4096 if page else 0, GP=group, WP=4),
                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     ptx = k.asm["ptx"]
     ops = _ops(k)
-    if dtype != "fp32":
-        assert any(op.startswith("mma.sync") for op in ops), dict(ops)
-        assert ops["cp.async.cg.shared.global"] > 0, dict(ops)  # pipelined K/V loads
+    # float32 too (TF32 operands rounded to nearest, JAX's default precision).
+    assert any(op.startswith("mma.sync") for op in ops), dict(ops)
+    if dtype == "fp32":
+        assert "cvt.rna.tf32.f32" in ptx
+    assert ops["cp.async.cg.shared.global"] > 0, dict(ops)  # pipelined K/V loads
     assert re.search(r"atom\.global\.gpu\.acq_rel\.add|atom\.acq_rel\.gpu\.global\.add", ptx), \
         "arrival counter is not an acq_rel GPU-scope atomic"
     # Partials from L2, 16 bytes wide (one float per thread where one query row of
@@ -327,9 +330,8 @@ def test_flash_decode_compiles_with_tensor_cores_and_its_protocol(dtype, d, grou
     assert re.search(r"ld\.volatile\.global(\.v2)?\.b64", ptx), dict(ops)
     assert "fence.acq_rel.sys" not in ptx
     assert k.metadata.shared <= 227 * 1024
-    # No register spills at the default config (float32's IEEE dots, CUDA-core FMAs
-    # holding K and V in registers, spilled about 650 bytes with 64-position steps
-    # and 4 warps).
+    # No register spills (float32's IEEE dots on CUDA cores, the default before,
+    # spilled about 650 bytes).
     assert _stack_bytes(k) == 0
 
 
@@ -351,13 +353,16 @@ def test_ag_attention_compiles_with_tensor_cores(dtype, d, causal, inbox):
                       READY_OFF=0, FLAGS_OFF=0, SENT_OFF=512, CHUNK_ROWS=8192 if inbox else 1,
                       KV_STRIDE=(2 if inbox else 1) * 8 * d, V_OFF=8 * d if inbox else 0,
                       FLAG_SCOPE="gpu" if inbox else "sys", BLOCK_M=128 if dtype != "fp32" else 64,
-                      BLOCK_N=64 if dtype != "fp32" else 32, BLOCK_D=d, IEEE=dtype == "fp32",
-                      HEAD_GROUP=1),
+                      BLOCK_N=64 if dtype != "fp32" else 32, BLOCK_D=d,
+                      DOT_PRECISION="tf32_rn" if dtype == "fp32" else None, HEAD_GROUP=1),
                  num_warps=8 if d > 64 else 4, num_stages=3 if dtype != "fp32" else 2)
     ptx = k.asm["ptx"]
     ops = _ops(k)
-    if dtype != "fp32":
-        assert any(op.startswith(("wgmma", "mma.sync")) for op in ops), dict(ops)
+    # float32 too (TF32 operands rounded to nearest, JAX's default precision).
+    assert any(op.startswith(("wgmma", "mma.sync")) for op in ops), dict(ops)
+    if dtype == "fp32":
+        assert "cvt.rna.tf32.f32" in ptx
+    else:
         assert ops["cp.async.cg.shared.global"] > 0, dict(ops)
     # The peers' chunks too: the wait's token must not cost the loads their width.
     narrow = {op: n for op, n in ops.items() if op.startswith("ld.global")
@@ -384,7 +389,7 @@ def test_ag_attention_head_groups_compile(head_group, block_n):
                       KV_ELEMS=16384 * 32 * 128, READY_OFF=0, FLAGS_OFF=0, SENT_OFF=512,
                       CHUNK_ROWS=16384, KV_STRIDE=2 * 32 * 128, V_OFF=32 * 128,
                       FLAG_SCOPE="gpu", BLOCK_M=128, BLOCK_N=block_n,
-                      BLOCK_D=128, IEEE=False, HEAD_GROUP=head_group),
+                      BLOCK_D=128, DOT_PRECISION=None, HEAD_GROUP=head_group),
                  num_warps=8, num_stages=3)
     ops = _ops(k)
     assert any(op.startswith("wgmma") for op in ops), dict(ops)
@@ -408,7 +413,7 @@ def test_parities_past_2_gib_compile():
                   STAGE_OFF=4096, PARITY_BYTES=4 * s * 2 * hkv * d * 2 + 4096,
                   KV_ELEMS=s * hkv * d, READY_OFF=0, FLAGS_OFF=0, SENT_OFF=512, CHUNK_ROWS=s,
                   KV_STRIDE=2 * hkv * d, V_OFF=hkv * d, FLAG_SCOPE="gpu", BLOCK_M=128,
-                  BLOCK_N=64, BLOCK_D=d, IEEE=False, HEAD_GROUP=1),
+                  BLOCK_N=64, BLOCK_D=d, DOT_PRECISION=None, HEAD_GROUP=1),
              num_warps=8, num_stages=3)
 
 

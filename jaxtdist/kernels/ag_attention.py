@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 import jaxtdist.language as dl
-from jaxtdist.kernels._tiles import aligned_after
+from jaxtdist.kernels._tiles import aligned_after, dot_acc
 
 
 @triton.jit
@@ -57,25 +57,21 @@ def _load_kv(base, pos, hi, STRIDE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.c
 
 
 @triton.jit
-def _qk(q, k, IEEE: tl.constexpr):
-    if IEEE:
-        return tl.dot(q, tl.trans(k), input_precision="ieee")
-    return tl.dot(q, tl.trans(k))
+def _qk(q, k, DOT_PRECISION: tl.constexpr):
+    return dot_acc(q, tl.trans(k), None, DOT_PRECISION)
 
 
 @triton.jit
-def _pv(p, v, acc, IEEE: tl.constexpr):
+def _pv(p, v, acc, DOT_PRECISION: tl.constexpr):
     """acc + p @ v, p rounded to v's type (bf16/fp16 tensor-core operands)."""
-    if IEEE:
-        return tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
-    return tl.dot(p.to(v.dtype), v, acc)
+    return dot_acc(p.to(v.dtype), v, acc, DOT_PRECISION)
 
 
 @triton.jit
 def _attend_block(q, m, l, acc, kb, vb, rows, start, hi, MASKED: tl.constexpr,
                   DIAG: tl.constexpr, STRIDE: tl.constexpr, D: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, QK_SCALE: tl.constexpr,
-                  IEEE: tl.constexpr):
+                  DOT_PRECISION: tl.constexpr):
     """Folds keys [start, start + BLOCK_N) of one chunk into the online softmax
     (m, l, acc) of the query tile ``q`` (rows ``rows`` of the chunk's positions).
 
@@ -87,7 +83,7 @@ def _attend_block(q, m, l, acc, kb, vb, rows, start, hi, MASKED: tl.constexpr,
     (batch, KV head); positions are STRIDE elements apart.
     """
     pos = start + tl.arange(0, BLOCK_N)
-    s = _qk(q, _load_kv(kb, pos, hi, STRIDE, D, BLOCK_D, MASKED), IEEE)
+    s = _qk(q, _load_kv(kb, pos, hi, STRIDE, D, BLOCK_D, MASKED), DOT_PRECISION)
     if MASKED:
         seen = (pos < hi)[None, :]
         if DIAG:
@@ -105,23 +101,24 @@ def _attend_block(q, m, l, acc, kb, vb, rows, start, hi, MASKED: tl.constexpr,
     l = l * alpha + tl.sum(p, 1)
     # The rescale is the dot's accumulator (wgmma adds into it); Triton made the
     # same of acc * alpha + dot(p, v).
-    acc = _pv(p, _load_kv(vb, pos, hi, STRIDE, D, BLOCK_D, MASKED), acc * alpha[:, None], IEEE)
+    acc = _pv(p, _load_kv(vb, pos, hi, STRIDE, D, BLOCK_D, MASKED), acc * alpha[:, None],
+              DOT_PRECISION)
     return m_new, l, acc
 
 
 @triton.jit
 def _attend(q, m, l, acc, kb, vb, rows, full, hi, DIAG: tl.constexpr, STRIDE: tl.constexpr,
             D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-            QK_SCALE: tl.constexpr, IEEE: tl.constexpr):
+            QK_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Keys [0, hi) of one chunk: [0, full) unmasked (``full`` a multiple of
     BLOCK_N, every key seen by every row), then [full, hi) masked (the causal
     diagonal with DIAG, the chunk's last partial block)."""
     for start in range(0, full, BLOCK_N):
         m, l, acc = _attend_block(q, m, l, acc, kb, vb, rows, start, hi, False, False,
-                                  STRIDE, D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
+                                  STRIDE, D, BLOCK_N, BLOCK_D, QK_SCALE, DOT_PRECISION)
     for start in range(full, hi, BLOCK_N):
         m, l, acc = _attend_block(q, m, l, acc, kb, vb, rows, start, hi, True, DIAG,
-                                  STRIDE, D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
+                                  STRIDE, D, BLOCK_N, BLOCK_D, QK_SCALE, DOT_PRECISION)
     return m, l, acc
 
 
@@ -135,8 +132,8 @@ def ag_attention_kernel(ctx, q_ptr, k_ptr, v_ptr, out_ptr,
                         SENT_OFF: tl.constexpr, CHUNK_ROWS: tl.constexpr,
                         KV_STRIDE: tl.constexpr, V_OFF: tl.constexpr,
                         FLAG_SCOPE: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
-                        HEAD_GROUP: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr):
     """Grid: (B * HQ * cdiv(S, BLOCK_M),).
 
     q: [B, S, HQ, D]; out: [B, S, HQ, D]. This rank's keys and values: rows of
@@ -201,11 +198,11 @@ def ag_attention_kernel(ctx, q_ptr, k_ptr, v_ptr, out_ptr,
         m, l, acc = _attend(q, m, l, acc, k_ptr + own, v_ptr + V_OFF + own, rows,
                             mt * BLOCK_M // BLOCK_N * BLOCK_N,
                             tl.minimum((mt + 1) * BLOCK_M, S), True, KV_STRIDE, D, BLOCK_N,
-                            BLOCK_D, QK_SCALE, IEEE)
+                            BLOCK_D, QK_SCALE, DOT_PRECISION)
         peers = me  # ranks me - 1, ..., 0: every key before every query of this rank
     else:
         m, l, acc = _attend(q, m, l, acc, k_ptr + own, v_ptr + V_OFF + own, rows, whole, S,
-                            False, KV_STRIDE, D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
+                            False, KV_STRIDE, D, BLOCK_N, BLOCK_D, QK_SCALE, DOT_PRECISION)
         peers = world - 1
     staged = dl.parity_ptr(ctx, STAGE_OFF, PARITY_BYTES,
                           k_ptr.dtype.element_ty)
@@ -224,7 +221,7 @@ def ag_attention_kernel(ctx, q_ptr, k_ptr, v_ptr, out_ptr,
             kb = aligned_after(staged, token) + ((src * B + b).to(tl.int64) * S * 2 * HKV
                                                   + hk) * D
             m, l, acc = _attend(q, m, l, acc, kb, kb + HKV * D, rows, whole, S, False,
-                                2 * HKV * D, D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
+                                2 * HKV * D, D, BLOCK_N, BLOCK_D, QK_SCALE, DOT_PRECISION)
         else:
             token = dl.wait(ctx, ready + src, e, "ge", src)
             # The peer's staged copy, loads ordered after the wait; aligned_after
@@ -232,7 +229,7 @@ def ag_attention_kernel(ctx, q_ptr, k_ptr, v_ptr, out_ptr,
             kb = aligned_after(dl.symm_at(ctx, staged, src), token) + (
                 (b.to(tl.int64) * S * HKV + hk) * D)
             m, l, acc = _attend(q, m, l, acc, kb, kb + KV_ELEMS, rows, whole, S, False,
-                                HKV * D, D, BLOCK_N, BLOCK_D, QK_SCALE, IEEE)
+                                HKV * D, D, BLOCK_N, BLOCK_D, QK_SCALE, DOT_PRECISION)
 
     l_safe = tl.where(l > 0, l, 1.0)
     o = acc / l_safe[:, None]

@@ -63,7 +63,7 @@ import triton
 import triton.language as tl
 
 import jaxtdist.language as dl
-from jaxtdist.kernels._tiles import aligned_after
+from jaxtdist.kernels._tiles import aligned_after, dot_acc
 from jaxtdist.kernels._trace import stamp
 
 
@@ -106,7 +106,7 @@ def _finish(m, l, acc):
 def _split_kv(q_ptr, k_ptr, v_ptr, table_ptr, b, h, lo, hi, qk_scale,
               HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
               S_SHARD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-              BLOCK_D: tl.constexpr, IEEE: tl.constexpr, PAGE: tl.constexpr,
+              BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PAGE: tl.constexpr,
               NUM_PAGES: tl.constexpr):
     """Online softmax of the GROUP query heads of KV head ``h`` over this rank's
     positions [lo, hi); returns (m, l, acc) in float32, base 2. With PAGE > 0 the
@@ -136,10 +136,7 @@ def _split_kv(q_ptr, k_ptr, v_ptr, table_ptr, b, h, lo, hi, qk_scale,
             rows = ((b * S_SHARD + pos).to(tl.int64) * HKV + h) * D
         kv_mask = p_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
+        s = dot_acc(q, tl.trans(k), None, DOT_PRECISION)
         # Every block holds a valid position (start < hi): the row max is finite.
         s = tl.where(p_mask[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -147,10 +144,7 @@ def _split_kv(q_ptr, k_ptr, v_ptr, table_ptr, b, h, lo, hi, qk_scale,
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
+        pv = dot_acc(p.to(v.dtype), v, None, DOT_PRECISION)
         acc = acc * alpha[:, None] + pv
         m = m_new
     return m, l, acc
@@ -166,7 +160,8 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr, t
                         COUNT_OFF: tl.constexpr, INBOX_OFF: tl.constexpr,
                         INBOX_LSE: tl.constexpr, INBOX_LEN: tl.constexpr,
                         PARITY_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+                        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr,
                         PAGE: tl.constexpr = 0, NUM_PAGES: tl.constexpr = 0,
                         TRACE: tl.constexpr = 0, GP: tl.constexpr = 16, WP: tl.constexpr = 1):
     """Grid: (GROUPS * NSPLIT,), GROUPS = B * HKV.
@@ -180,7 +175,9 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr, t
     arrived; for a group's last program also local merge done, pushes and flags
     issued, every peer's partial merged, output stored (0 for the others).
     GP: GROUP rounded up to a power of 2 (<= BLOCK_G); WP: the world size
-    rounded up to a power of 2.
+    rounded up to a power of 2. DOT_PRECISION: the dots' precision for float32
+    caches (``_tiles.dot_acc``; the op follows JAX's matmul precision: TF32
+    with operands rounded to nearest by default, as XLA's decode on GPUs).
     """
     pid = tl.program_id(0)
     at = trace_ptr + pid * 6
@@ -206,7 +203,8 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr, t
     lo = split * CHUNK
     hi = tl.minimum(lo + CHUNK, valid)
     m, l, acc = _split_kv(q_ptr, k_ptr, v_ptr, table_ptr, b, h, lo, hi, QK_SCALE, HQ, HKV,
-                          GROUP, D, S_SHARD, BLOCK_N, BLOCK_G, BLOCK_D, IEEE, PAGE, NUM_PAGES)
+                          GROUP, D, S_SHARD, BLOCK_N, BLOCK_G, BLOCK_D, DOT_PRECISION, PAGE,
+                          NUM_PAGES)
     o, lse = _finish(m, l, acc)
     local_o = dl.heap_ptr(ctx, LOCAL_OFF, tl.float32)
     local_lse = dl.heap_ptr(ctx, LSE_OFF, tl.float32)

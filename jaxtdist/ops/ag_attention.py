@@ -23,6 +23,7 @@ from jaxtdist.kernels.ag_attention import ag_attention_kernel
 from jaxtdist.ops._config import KernelConfig, Problem, resolve
 from jaxtdist.ops._inbox import push_to_inboxes
 from jaxtdist.ops._op import DistributedOp, pjit_wrapper, rows_over
+from jaxtdist.ops._precision import dot_precision
 from jaxtdist.ops._protocol import Call, check_axis
 from jaxtdist.ops._shapes import InboxWorkspace, align, check_dtype, next_pow2
 from jaxtdist.runtime._runtime import runtime
@@ -183,7 +184,8 @@ def ag_attention_kernels(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *,
     tiles = dict(**cfg.launch_options(), B=b, S=s, HQ=hq, HKV=hkv, D=d, CAUSAL=causal,
                  QK_SCALE=float(math.log2(math.e) / math.sqrt(d)), KV_ELEMS=kv_elems,
                  BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=max(16, next_pow2(d)),
-                 IEEE=q.dtype == jnp.float32, HEAD_GROUP=min(int(cfg.HEAD_GROUP), b * hq))
+                 DOT_PRECISION=dot_precision(q.dtype, call.platform, problem.vendor),
+                 HEAD_GROUP=min(int(cfg.HEAD_GROUP), b * hq))
     grid = (b * hq * -(-s // cfg.BLOCK_M),)
     out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
     varying = call.result_axes(local=(q, k, v))
@@ -318,7 +320,9 @@ def ag_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *, causal:
     NVLink on GPUs); under causal masking, chunks of later ranks are never
     fetched. Differentiable: the backward runs through XLA (``all_gather`` of k
     and v, JAX's attention VJP, ``psum_scatter`` of dk and dv), not fused. A
-    group of one rank runs ``jax.nn.dot_product_attention``.
+    group of one rank runs ``jax.nn.dot_product_attention``. float32 inputs
+    follow ``jax.default_matmul_precision`` like XLA's dots on GPUs: TF32
+    tensor cores by default, float32 accuracy under ``"highest"``.
 
     Args:
       q: [B, S_shard, Hq, D], this rank's queries.

@@ -23,6 +23,7 @@ from jaxtdist.kernels.flash_decode import flash_decode_kernel
 from jaxtdist.ops._config import KernelConfig, Problem, resolve
 from jaxtdist.ops._op import (DistributedOp, _typed_as_sum, mesh_devices, pjit_wrapper,
                               rows_over)
+from jaxtdist.ops._precision import dot_precision
 from jaxtdist.ops._protocol import Call, check_axis
 from jaxtdist.ops._shapes import align, check_dtype, next_pow2
 from jaxtdist.runtime._runtime import runtime
@@ -81,18 +82,13 @@ class FlashDecodeConfig(KernelConfig):
     def default(cls, problem: Problem) -> "FlashDecodeConfig":
         """One rule: the interpreter takes 16-position steps and 2 splits (both
         merge paths run). NVIDIA GPUs take 128-position steps where two stages of
-        K and V tiles fit ``_WIDE_STEP_SMEM`` (bf16 and f16 up to D = 128), else 64
-        (float32: 32 with 8 warps), and splits from ``splits``. On one H100 (B=1, Hq=32, Hkv=8, D=128)
+        K and V tiles fit ``_WIDE_STEP_SMEM`` (bf16 and f16 up to D = 128), else 64,
+        and splits from ``splits``. On one H100 (B=1, Hq=32, Hkv=8, D=128)
         128-position steps with one program per SM took 50.2 / 179.3 / 11.9 us at
         32K / 128K / 8K positions, against 55.8 / 186.1 / 15.1 for 64-position
         steps with two programs per SM."""
         if problem.platform != "gpu":
             return cls(BLOCK_N=16, NUM_SPLITS=2, num_warps=4, num_stages=1)
-        if problem.vendor == "nvidia" and problem.itemsize == 4:
-            # float32's IEEE dots run on CUDA cores and hold their K and V tiles in
-            # registers: 64-position steps with 4 warps spill about 650 bytes a
-            # thread on sm_90, 32 with 8 warps none.
-            return cls(BLOCK_N=32, num_warps=8)
         # AMD's 64 KiB of LDS per CU holds no such tiles.
         wide = (problem.vendor == "nvidia"
                 and _kv_stage_bytes(problem, 128, cls.num_stages) <= _WIDE_STEP_SMEM)
@@ -317,7 +313,8 @@ def flash_decode_kernels(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.A
         LOCAL_OFF=o + plan.local, LSE_OFF=o + plan.lse, COUNT_OFF=o + plan.counters,
         INBOX_OFF=o + plan.inbox, INBOX_LSE=plan.inbox_lse, INBOX_LEN=plan.inbox_len,
         PARITY_BYTES=plan.parity_bytes, BLOCK_N=cfg.BLOCK_N, BLOCK_G=block_g, BLOCK_D=block_d,
-        IEEE=q.dtype == jnp.float32, PAGE=0 if block_table is None else k.shape[1],
+        DOT_PRECISION=dot_precision(q.dtype, call.platform, problem.vendor),
+        PAGE=0 if block_table is None else k.shape[1],
         NUM_PAGES=k.shape[0], TRACE=trace, GP=next_pow2(group), WP=next_pow2(call.world))
     return (out, stamped) if trace else out
 
@@ -444,7 +441,10 @@ def flash_decode(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array, ax
     1: there, on GPUs, the kernel runs (it never reads past the length) and the
     backward is the VJP of ``decode_attention`` (plain JAX, recomputed from q, k,
     v); under the Triton interpreter (CPU) the op is ``decode_attention``, with
-    JAX's autodiff. kv_len and block_table get no cotangent.
+    JAX's autodiff. kv_len and block_table get no cotangent. float32 caches
+    follow ``jax.default_matmul_precision`` like XLA's dots on GPUs: TF32 tensor
+    cores by default (operands rounded to nearest), float32 accuracy (three TF32
+    products) under ``"highest"``.
 
     Args:
       q: [B, Hq, D], the same on every rank.

@@ -199,13 +199,14 @@ def probe_flash_decode() -> None:
 
 
 def probe_fd_f32() -> None:
-    """flash_decode's kernel at world 1 on float32 caches (IEEE dots on CUDA cores)
-    against XLA's decode: 32-position steps with 8 warps (the default, no register
-    spills on sm_90) against 64 with 4 (the default before, which spills)."""
-    _fd_world_1({"default": None, "n64_w8": dict(BLOCK_N=64, num_warps=8),
-                 "n32_w4": dict(BLOCK_N=32, num_warps=4),
-                 "n64_w4": dict(BLOCK_N=64, num_warps=4)},
-                (8192, 32768), jnp.float32, 800)
+    """flash_decode's kernel at world 1 on float32 caches against XLA's decode (both
+    on TF32 tensor cores under JAX's default precision), and under "highest"
+    (tf32x3 against XLA's float32): steps and warps."""
+    variants = {"default": None, "n64_w8": dict(BLOCK_N=64, num_warps=8),
+                "n32_w4": dict(BLOCK_N=32, num_warps=4), "n32_w8": dict(BLOCK_N=32, num_warps=8)}
+    _fd_world_1(variants, (8192, 32768), jnp.float32, 800)
+    with jax.default_matmul_precision("highest"):
+        _fd_world_1({"default": None}, (8192,), jnp.float32, 900)
 
 
 def _ar_decode(block_n: int, split_k: int, tma: bool = False, **more) -> dict:

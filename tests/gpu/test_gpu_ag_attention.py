@@ -65,7 +65,7 @@ def _check_calls(f, mesh, dtype, b, s, hq, hkv, d, causal, calls):
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("b,s,hq,hkv,d", [(1, 1000, 8, 2, 128), (2, 257, 4, 4, 64),
                                           (1, 512, 16, 2, 128)])
 @pytest.mark.parametrize("causal", [True, False])

@@ -24,7 +24,9 @@ from tests.conftest import gpu_mesh
 pytestmark = pytest.mark.skipif(
     jax.devices()[0].platform != "gpu", reason="needs CUDA GPUs (none visible)")
 
-TOL = {jnp.bfloat16: 2e-2, jnp.float16: 5e-3, jnp.float32: 5e-3}  # f32: TF32-free dots
+# float32: TF32 dots with operands rounded to nearest (JAX's default matmul
+# precision, as XLA's decode).
+TOL = {jnp.bfloat16: 2e-2, jnp.float16: 5e-3, jnp.float32: 5e-3}
 SPECS = (P(), P(None, "sp"), P(None, "sp"), P())
 _seed = [0]
 
@@ -86,6 +88,28 @@ def test_flash_decode(world, dtype, b, hq, hkv, d, s_shard, kernels):
         out = f(*_place(mesh, q, k, v, lens, dtype))
         assert out.dtype == jnp.dtype(dtype)
         assert _rel(out, _reference(q, k, v, lens)) < TOL[dtype], (call, lens)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_flash_decode_float32_follows_the_matmul_precision(world):
+    """float32 caches: TF32 dots by default (XLA's decode's error level, 4e-4 at
+    S = 8K on one H200), float32 accuracy (tf32x3) under
+    ``jax.default_matmul_precision("highest")``."""
+    mesh = _mesh(world)
+    b, hq, hkv, d, total = 2, 16, 4, 128, world * 3001
+    q = _rand((b, hq, d), jnp.float32)
+    k, v = _rand((b, total, hkv, d), jnp.float32), _rand((b, total, hkv, d), jnp.float32)
+    lens = np.array([total, total - 1000], np.int32)
+    ref = _reference(q, k, v, lens)
+    args = _place(mesh, q, k, v, lens, jnp.float32)
+    errors = {}
+    for precision in ("default", "highest"):
+        with jax.default_matmul_precision(precision):
+            f = jax.jit(jax.shard_map(lambda *a: flash_decode_kernels(*a, "sp"), mesh=mesh,
+                                      in_specs=SPECS, out_specs=P()))
+            errors[precision] = _rel(f(*args), ref)
+    assert 1e-5 < errors["default"] < 2e-3, errors  # TF32: not float32's accuracy
+    assert errors["highest"] < 2e-5, errors
 
 
 @pytest.mark.parametrize("world", [2, 4])
