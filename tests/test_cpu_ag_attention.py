@@ -69,6 +69,17 @@ def test_ag_attention(world, dtype, causal, b, s, hq, hkv, d):
         assert _rel(out, _reference(q, k, v, causal)) < TOL[jnp.dtype(dtype)]
 
 
+@pytest.mark.parametrize("precision", ["default", "highest"])
+def test_ag_attention_float32_under_each_matmul_precision(precision):
+    """float32 follows jax.default_matmul_precision (TF32 on GPUs by default,
+    tf32x3 under "highest"); the interpreter multiplies exactly either way."""
+    mesh = setup(2, ("sp",))
+    (q, k, v), placed = _operands(mesh, 2, 1, 11, 4, 2, 64, F32)
+    with jax.default_matmul_precision(precision):
+        out = _fn(mesh, True, kernels=True)(*placed)
+    assert _rel(out, _reference(q, k, v, True)) < TOL[jnp.dtype(F32)]
+
+
 @pytest.mark.parametrize("block_m,block_n", [(16, 32), (32, 16)])
 @pytest.mark.parametrize("causal", [True, False])
 def test_ag_attention_block_shapes(block_m, block_n, causal):

@@ -133,6 +133,18 @@ def test_flash_decode_kernel_traces_its_phases(world):
         td.ops.flash_decode_kernels(*placed, place(mesh, lens, P()), "sp", trace=1)
 
 
+@pytest.mark.parametrize("precision", ["default", "highest"])
+def test_flash_decode_float32_under_each_matmul_precision(precision):
+    """float32 follows jax.default_matmul_precision (TF32 on GPUs by default,
+    tf32x3 under "highest"); the interpreter multiplies exactly either way."""
+    mesh = setup(2, ("sp",))
+    (q, k, v), placed = _operands(mesh, 2, 2, 4, 2, 64, 13, F32)
+    lens = np.array([26, 9], np.int32)
+    with jax.default_matmul_precision(precision):
+        out = _decode_fn(mesh, kernels=True)(*placed, place(mesh, lens, P()))
+    assert _rel(out, _reference(q, k, v, lens)) < TOL[jnp.dtype(F32)]
+
+
 def test_flash_decode_empty_sequence_gives_zeros():
     world = 2
     mesh = setup(world, ("sp",))
