@@ -523,7 +523,7 @@ def test_flash_decode_sharded_paged(shape, names, batch, b, s_shard, page):
 
 
 def test_flash_decode_sharded_paged_errors():
-    mesh = setup((2, 2), ("dp", "sp"))
+    setup((2, 2), ("dp", "sp"))
     q, pool, lens = rand((2, 4, 64)), rand((4 * 3, 4, 2, 64)), np.array([8, 8], np.int32)
 
     def call(q=q, k=pool, v=pool, table=np.zeros((2, 4), np.int32)):

@@ -165,7 +165,7 @@ def test_decode_with_the_kv_cache_matches_the_full_forward():
 
 
 def test_gradients_and_five_adamw_steps_match_the_reference():
-    mesh = _mesh((2, 4))
+    _mesh((2, 4))
     cfg = _cfg(8, 4)
     model = tdnn.Llama(cfg, rngs=nnx.Rngs(3))
     rng = np.random.default_rng(2)
@@ -231,7 +231,7 @@ def test_orbax_restore_then_train_on_another_mesh(tmp_path):
     into the XLA twin on a (4, 2) mesh, then a training step works there."""
     ocp = pytest.importorskip("orbax.checkpoint")
     cfg = _cfg(4, 2)
-    mesh = _mesh((2, 4))
+    _mesh((2, 4))
     model = tdnn.Llama(cfg, rngs=nnx.Rngs(4))
     opt = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
     batch = _tokens(np.random.default_rng(5), (4, 9), cfg.vocab)

@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 from jaxtdist.nn._attention import ParallelAttention
 from jaxtdist.nn._embed import Embed
