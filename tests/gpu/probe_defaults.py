@@ -209,25 +209,25 @@ def probe_fd_f32() -> None:
         _fd_world_1({"default": None}, (8192,), jnp.float32, 900)
 
 
-def _ar_decode(block_n: int, split_k: int, tma: bool = False, **more) -> dict:
-    """{name: config} of a matmul_ar decode variant: loads (TMA or pointer), N tile,
-    K split, and any other overrides (named after their values)."""
-    short = {"BLOCK_K": "k", "num_warps": "w", "num_stages": "st"}
+def _decode_variant(block_n: int, split_k: int, tma: bool = False, **more) -> dict:
+    """{name: config} of a decode-rows GEMM variant (matmul_ar's and ag_matmul's
+    decode kernels): loads (TMA or pointer), N tile, K split, and any other
+    overrides (named after their values)."""
+    short = {"BLOCK_K": "k", "num_warps": "w", "num_stages": "st", "NUM_COMM": "c"}
     name = f"{'tma' if tma else 'ptr'}_n{block_n}s{split_k}" + "".join(
         f"_{short[key]}{value}" for key, value in more.items())
     return {name: dict(TMA=tma, BLOCK_N=block_n, SPLIT_K=split_k, **more)}
 
 
 def _ag_decode_variants() -> dict:
-    """{name: config} of ag_matmul's decode kernel: N tile, K split, K step, stages,
-    warps, producer programs."""
+    """ag_matmul's decode kernel (one tile over all rows, pointer loads): N tile, K
+    split, K step, stages, warps, producer programs."""
     out = {}
     for bn, sk, more in [(64, 2, {}), (64, 8, {}), (128, 4, {}), (128, 8, {}), (32, 4, {}),
                          (32, 8, {}), (64, 4, dict(BLOCK_K=128, num_stages=3)),
                          (64, 8, dict(num_stages=6)), (128, 8, dict(num_warps=8)),
                          (64, 4, dict(NUM_COMM=1)), (128, 16, {}), (256, 8, dict(num_warps=8))]:
-        name = f"n{bn}s{sk}" + "".join(f"_{key}{value}" for key, value in more.items())
-        out[name] = dict(BLOCK_N=bn, SPLIT_K=sk, ALL_ROWS=True, **more)
+        out.update(_decode_variant(bn, sk, **more))
     return out
 
 
@@ -258,10 +258,10 @@ def probe_gemm(only: str = "") -> None:
         # Decode rows: 64 columns and K splits to cover the SMs (n64s2 here, n64s1 at
         # 1 x 8192 x 3584), against 128 columns and the old TMA default.
         ("matmul_ar", 32, 4096, 7168): dict(
-            _ar_decode(32, 1, tma=True), **_ar_decode(64, 4), **_ar_decode(128, 4),
-            **_ar_decode(64, 2, num_warps=8)),
+            _decode_variant(32, 1, tma=True), **_decode_variant(64, 4), **_decode_variant(128, 4),
+            **_decode_variant(64, 2, num_warps=8)),
         ("matmul_ar", 1, 8192, 3584): dict(
-            _ar_decode(64, 1, tma=True), **_ar_decode(64, 2), **_ar_decode(128, 2)),
+            _decode_variant(64, 1, tma=True), **_decode_variant(64, 2), **_decode_variant(128, 2)),
         ("matmul_ar", 128, 8192, 2048): {
             "tma": dict(TMA=True),
             "m64n128k64s5": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4,
