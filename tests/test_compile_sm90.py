@@ -140,8 +140,16 @@ def test_ag_matmul_uses_tensor_cores_and_cp_async(all_rows, split_k, push):
     if push:  # peers raise the chunk flags: system-scope acquire polls
         assert "ld.global.sys.acquire" in k.asm["ptx"] or "ld.acquire.sys" in k.asm["ptx"]
     if split_k > 1:  # the arrival counter: one acq_rel atomic at GPU scope
-        assert re.search(r"atom\.global\.gpu\.acq_rel\.add|atom\.acq_rel\.gpu\.global\.add",
-                         k.asm["ptx"]), "split-K counter is not an acq_rel GPU-scope atomic"
+        counter = re.search(r"atom\.global\.gpu\.acq_rel\.add|atom\.acq_rel\.gpu\.global\.add",
+                            k.asm["ptx"])
+        assert counter, "split-K counter is not an acq_rel GPU-scope atomic"
+        # The last arrival's loads of the SPLIT_K planes go out back to back: no
+        # barrier between them (a layout change per plane held each load back until
+        # the previous one had arrived).
+        tail = k.asm["ptx"][counter.end():]
+        loads = [m.start() for m in re.finditer(r"ld\.global\.cg", tail)]
+        assert len(loads) >= split_k, len(loads)
+        assert "bar.sync" not in tail[loads[0]:loads[-1]]
 
 
 def test_language_primitives_compile():
@@ -304,7 +312,7 @@ def test_flash_decode_compiles_with_tensor_cores_and_its_protocol(dtype, d, grou
                   "v_ptr": f"*{dtype}", "len_ptr": "*i32", "table_ptr": "*i32",
                   "out_ptr": f"*{dtype}", "trace_ptr": "*i32"},
                  dict(QK_SCALE=0.1275, HQ=8 * group, HKV=8, GROUP=group, D=d, S_SHARD=32768,
-                      GROUPS=8, NSPLIT=32, CHUNK=1024, LOCAL_OFF=0, LSE_OFF=1 << 20,
+                      GROUPS=8, NSPLIT=32, LOCAL_OFF=0, LSE_OFF=1 << 20,
                       COUNT_OFF=1 << 21, INBOX_OFF=1 << 22, INBOX_LSE=1 << 18,
                       INBOX_LEN=3 << 17, PARITY_BYTES=1 << 19, BLOCK_N=cfg.BLOCK_N,
                       BLOCK_G=max(16, group), BLOCK_D=block_d,

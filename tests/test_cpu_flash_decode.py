@@ -313,6 +313,24 @@ def test_flash_decode_is_not_differentiable():
         f(*placed, lens)
 
 
+@pytest.mark.parametrize("splits", [1, 3, 4])
+def test_flash_decode_shares_cut_at_run_time(splits):
+    """The valid positions are cut over the programs at run time: right for lengths
+    that fill the cache, part of one rank's shard (fewer steps than programs, some
+    programs with none) or none of it, over chained calls."""
+    world, b, hq, hkv, d, s_shard = 2, 3, 4, 2, 64, 150
+    mesh = setup(world, ("sp",))
+    f = _decode_fn(mesh, dict(BLOCK_N=16, NUM_SPLITS=splits), kernels=True)
+    rng = np.random.default_rng(40 + splits)
+    for call in range(3):
+        (q, k, v), placed = _operands(mesh, world, b, hq, hkv, d, s_shard, F32)
+        lens = np.array([world * s_shard, int(rng.integers(1, 40)),
+                         s_shard + int(rng.integers(1, s_shard))], np.int32)
+        lens = np.roll(lens, call)
+        out = f(*placed, place(mesh, lens, P()))
+        assert _rel(out, _reference(q, k, v, lens)) < 1e-5
+
+
 def test_flash_decode_errors():
     mesh = setup(2, ("sp",))
     q, k = np.zeros((1, 4, 64), np.float32), np.zeros((1, 8, 2, 64), np.float32)

@@ -52,20 +52,25 @@ def split_k_total(acc, split, partials, plane_offs, mask, counter, plane,
 
     ``partials`` is the float32 workspace base, ``plane_offs`` the tile's
     offsets within one plane of ``plane`` elements, ``counter`` the tile's int32
-    arrival counter. The planes are added in split order 0, 1, ..., SPLIT_K - 1
-    with this program's own in its place: starting from the own accumulator
-    would make the rounding depend on which program arrives last.
+    arrival counter. The planes are added in split order 0, 1, ..., SPLIT_K - 1,
+    this program's own read back too: starting from the own accumulator would
+    make the rounding depend on which program arrives last. The sum stays in the
+    loads' layout (one conversion at the end): adding each plane to ``acc``'s
+    layout went through shared memory behind a barrier per plane, which held
+    each load back until the previous one had arrived (SPLIT_K L2 round trips
+    in a row at the end of every tile).
     """
     tl.store(partials + split * plane + plane_offs, acc, mask=mask)
     last = _arrive_last(counter, SPLIT_K)
     total = acc
     if last:
-        total = tl.zeros_like(acc)
-        for other in range(0, SPLIT_K):
-            # .cg: read the other programs' partials from L2, not a stale L1.
-            part = tl.load(partials + other * plane + plane_offs,
-                           mask=mask & (other != split), other=0.0, cache_modifier=".cg")
-            total += tl.where(other == split, acc, part)
+        # .cg: read the planes from L2, not a stale L1 (the own plane is visible to
+        # this program's threads after the barrier of ``_arrive_last``).
+        part_sum = tl.load(partials + plane_offs, mask=mask, other=0.0, cache_modifier=".cg")
+        for other in tl.static_range(1, SPLIT_K):
+            part_sum += tl.load(partials + other * plane + plane_offs, mask=mask, other=0.0,
+                                cache_modifier=".cg")
+        total = part_sum
     return last, total
 
 

@@ -65,9 +65,10 @@ class FlashDecodeConfig(KernelConfig):
 
     Attributes:
       BLOCK_N: positions per step of the online softmax (a power of 2, >= 16).
-      NUM_SPLITS: position chunks per (batch, KV head) on each rank, at most
+      NUM_SPLITS: programs per (batch, KV head) on each rank, at most
         ``_MAX_SPLITS`` (0: about one program per SM on GPUs, at least
-        ``_MIN_CHUNK`` positions each).
+        ``_MIN_CHUNK`` positions each); the valid positions are cut over them
+        at run time.
       num_warps, num_stages: launch options.
     """
     OP: ClassVar[str] = "flash_decode"
@@ -290,8 +291,9 @@ def flash_decode_kernels(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.A
     group = hq // hkv
     groups = b * hkv
     splits = cfg.splits(problem)
-    chunk = -(-(-(-s_shard // splits)) // cfg.BLOCK_N) * cfg.BLOCK_N
-    splits = -(-s_shard // chunk)  # no empty trailing chunk
+    # No program left without a step when the whole shard is valid.
+    per_split = -(-(-(-s_shard // cfg.BLOCK_N)) // splits)
+    splits = -(-(-(-s_shard // cfg.BLOCK_N)) // per_split)
     block_g, block_d = _padded(group), _padded(d)
     plan = DecodeWorkspace(call.world, groups, splits, block_g, block_d)
     # The layout depends on the groups, the splits and the padded tile.
@@ -309,7 +311,7 @@ def flash_decode_kernels(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.A
                    jax.ShapeDtypeStruct(stamps, jnp.int32)], grid=(groups * splits,),
         varying=call.result_axes(reduced=(q, k, v, kv_len)), **cfg.launch_options(),
         QK_SCALE=float(math.log2(math.e) / math.sqrt(d)), HQ=hq, HKV=hkv, GROUP=group, D=d,
-        S_SHARD=s_shard, GROUPS=groups, NSPLIT=splits, CHUNK=chunk,
+        S_SHARD=s_shard, GROUPS=groups, NSPLIT=splits,
         LOCAL_OFF=o + plan.local, LSE_OFF=o + plan.lse, COUNT_OFF=o + plan.counters,
         INBOX_OFF=o + plan.inbox, INBOX_LSE=plan.inbox_lse, INBOX_LEN=plan.inbox_len,
         PARITY_BYTES=plan.parity_bytes, BLOCK_N=cfg.BLOCK_N, BLOCK_G=block_g, BLOCK_D=block_d,

@@ -162,9 +162,10 @@ def probe_attention() -> None:
         _report(f"S={s}", h.interleaved(contenders, 12, 3), "cudnn")
 
 
-def _fd_world_1(variants: dict, seqs, dtype, seed: int) -> None:
+def _fd_world_1(variants: dict, seqs, dtype, seed: int, fill: float = 1.0) -> None:
     """flash_decode's kernel at world 1 under each config of ``variants`` (None: the
-    default) against XLA's decode, per sequence length."""
+    default) against XLA's decode, per sequence length; ``fill``: the valid share of
+    the cache (kv_len)."""
     from jaxtdist.bench import flash_decode as fb
     from jaxtdist.ops.flash_decode import flash_decode_kernels
 
@@ -174,6 +175,8 @@ def _fd_world_1(variants: dict, seqs, dtype, seed: int) -> None:
     b, hq, hkv, d = fb.FLASH_DECODE_HEADS
     for i, s in enumerate(seqs):
         q, k, v, n = fb._operands(seed + 3 * i, b, hq, hkv, d, s, dtype)
+        if fill != 1.0:
+            n = jnp.full_like(n, int(s * fill))
         ref = fb._reference(q, k, v, n)
         args = tuple(jax.device_put(a, NamedSharding(mesh, sp))
                      for a, sp in zip((q, k, v, n), fb.SPECS))
@@ -182,7 +185,8 @@ def _fd_world_1(variants: dict, seqs, dtype, seed: int) -> None:
             fn = jax.jit(jax.shard_map(
                 lambda *a, cfg=cfg: flash_decode_kernels(*a, "sp", config=cfg), **specs))
             contenders[name] = h.Contender(fn, args, 1, ref)
-        _report(f"{jnp.dtype(dtype).name} S={s}", h.interleaved(contenders, 20, 4), "xla")
+        _report(f"{jnp.dtype(dtype).name} S={s} fill={fill}", h.interleaved(contenders, 20, 4),
+                "xla")
 
 
 def probe_flash_decode() -> None:
@@ -196,6 +200,19 @@ def probe_flash_decode() -> None:
                  "n128_s2_sp48": dict(BLOCK_N=128, num_stages=2, NUM_SPLITS=48),
                  "n256_s2_w8_sp16": dict(BLOCK_N=256, num_stages=2, num_warps=8, NUM_SPLITS=16)},
                 (32768, 131072, 8192), jnp.bfloat16, 700)
+
+
+def probe_fd_fill() -> None:
+    """flash_decode's kernel at world 1 on caches filled to 30% and 60%: the shares cut
+    at run time (the default now) against the kernel before, which cut the whole
+    cache into fixed chunks, so that only the chunks holding valid positions had
+    work: emulated by a cache of just those chunks (same programs, same chunk size)."""
+    for s, fill in ((32768, 0.3), (131072, 0.3), (32768, 0.6)):
+        _fd_world_1({"default": None}, (s,), jnp.bfloat16, 710, fill=fill)
+        chunk = s // 16  # 16 splits: the default on 132 SMs with Hkv = 8
+        active = -(-int(s * fill) // chunk)
+        _fd_world_1({"static_chunks": dict(NUM_SPLITS=active)}, (active * chunk,),
+                    jnp.bfloat16, 710, fill=int(s * fill) / (active * chunk))
 
 
 def probe_fd_f32() -> None:
@@ -619,7 +636,7 @@ PROBES = {"moe": probe_moe, "moe_trace": probe_moe_trace, "attention": probe_att
           "flash_decode": probe_flash_decode, "gemm": probe_gemm, "push": probe_push,
           "float32": probe_float32, "rs_loop": probe_rs_loop, "rs_trace": probe_rs_trace,
           "fd_world": probe_fd_world,
-          "fd_trace": probe_fd_trace, "fd_f32": probe_fd_f32}
+          "fd_trace": probe_fd_trace, "fd_f32": probe_fd_f32, "fd_fill": probe_fd_fill}
 
 if __name__ == "__main__":
     if len(sys.argv) not in (2, 3) or sys.argv[1] not in PROBES:
