@@ -326,6 +326,8 @@ def test_flash_decode_compiles_with_tensor_cores_and_its_protocol(dtype, d, grou
     if dtype == "fp32":
         assert "cvt.rna.tf32.f32" in ptx
     assert ops["cp.async.cg.shared.global"] > 0, dict(ops)  # pipelined K/V loads
+    # The partials stay in L2 for the merger (evict_last) while K and V stream past.
+    assert "createpolicy.fractional.L2::evict_last" in ptx
     assert re.search(r"atom\.global\.gpu\.acq_rel\.add|atom\.acq_rel\.gpu\.global\.add", ptx), \
         "arrival counter is not an acq_rel GPU-scope atomic"
     # Partials from L2, 16 bytes wide (one float per thread where one query row of

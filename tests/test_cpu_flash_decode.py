@@ -314,10 +314,10 @@ def test_flash_decode_is_not_differentiable():
 
 
 @pytest.mark.parametrize("splits", [1, 3, 4])
-def test_flash_decode_shares_cut_at_run_time(splits):
-    """The valid positions are cut over the programs at run time: right for lengths
-    that fill the cache, part of one rank's shard (fewer steps than programs, some
-    programs with none) or none of it, over chained calls."""
+def test_flash_decode_steps_interleaved_over_the_programs(splits):
+    """Each program takes every NUM_SPLITS-th step of the valid positions: right for
+    lengths that fill the cache, part of one rank's shard (fewer steps than
+    programs, some programs with none) or none of it, over chained calls."""
     world, b, hq, hkv, d, s_shard = 2, 3, 4, 2, 64, 150
     mesh = setup(world, ("sp",))
     f = _decode_fn(mesh, dict(BLOCK_N=16, NUM_SPLITS=splits), kernels=True)

@@ -2,16 +2,16 @@
 by position, in one launch.
 
 Grid: ``(B * HKV * NSPLIT,)``; program ``pid`` owns (batch ``b``, KV head ``h``,
-position chunk ``s``) with ``group = pid // NSPLIT = b * HKV + h``. It serves all
+split ``s``: every NSPLIT-th step of BLOCK_N positions from step ``s`` on) with
+``group = pid // NSPLIT = b * HKV + h``. It serves all
 ``GROUP = Hq / Hkv`` query heads of its KV head at once (grouped-query attention),
 so every K and V row is read from memory once per call.
 
-1. Split-KV: the program runs an online softmax (float32, base 2) over its share
+1. Split-KV: the program runs an online softmax (float32, base 2) over its steps
    of this rank's valid positions (global position ``me * S_SHARD + i`` is valid
-   while it is below ``kv_len[b]``; the shares are cut at run time from the valid
-   length) and stores its partial ``(o, lse)``: ``o`` the
-   share's normalized output, ``lse`` its log-sum-exp (-inf for an empty share,
-   with ``o = 0``).
+   while it is below ``kv_len[b]``) and stores its partial ``(o, lse)``: ``o``
+   its steps' normalized output, ``lse`` their log-sum-exp (-inf where it had
+   no valid position, with ``o = 0``).
 2. Local combine: the program then adds 1 to the group's arrival counter
    (acquire-release, GPU scope); the one that brings it to NSPLIT (the last of
    the group) sets it back to 0 for the next call (which starts after this
@@ -197,28 +197,33 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr, t
     real = g < GROUP
     real_tile = real[:, None] & (d < BLOCK_D)[None, :]
 
-    # 1. This program's share of this rank's valid positions: the valid steps cut
-    # over the NSPLIT programs at run time, so that a cache filled to a third
-    # keeps every program busy, not a third of them.
+    # 1. Every NSPLIT-th step of this rank's valid positions, from step ``split``
+    # on. Interleaved, the group's programs sweep the cache side by side: a cache
+    # filled to a third keeps every program busy (contiguous chunks of the capacity
+    # left two thirds of them idle), and the rows in flight at any moment are
+    # one window of the cache (faster on one H200 than contiguous chunks of the
+    # valid positions).
     # A negative length is 0 (none valid): the op passes int32 lengths unclamped.
     length = tl.maximum(tl.load(len_ptr + b), 0)
     valid = tl.minimum(tl.maximum(length - me * S_SHARD, 0), S_SHARD)
-    share = tl.cdiv(tl.cdiv(valid, BLOCK_N), NSPLIT) * BLOCK_N
-    lo = split * share
-    hi = tl.minimum(lo + share, valid)
+    lo = split * BLOCK_N
+    hi = valid
     q = _query_tile(q_ptr, b, h, HQ, GROUP, D, BLOCK_G, BLOCK_D)
     m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
-    for start in range(lo, hi, BLOCK_N):
+    for start in range(lo, hi, NSPLIT * BLOCK_N):
         m, l, acc = _kv_step(q, k_ptr, v_ptr, table_ptr, b, h, start, hi, QK_SCALE, m, l,
                              acc, HKV, D, S_SHARD, BLOCK_N, BLOCK_D, DOT_PRECISION, PAGE,
                              NUM_PAGES)
     o, lse = _finish(m, l, acc)
     local_o = dl.heap_ptr(ctx, LOCAL_OFF, tl.float32)
     local_lse = dl.heap_ptr(ctx, LSE_OFF, tl.float32)
-    tl.store(local_o + pid * (BLOCK_G * BLOCK_D) + tile, o, mask=real_tile)
-    tl.store(local_lse + pid * BLOCK_G + g, lse, mask=real)
+    # evict_last: the group's merger reads them back from L2 while other programs
+    # still stream K and V through it (faster on one H200).
+    tl.store(local_o + pid * (BLOCK_G * BLOCK_D) + tile, o, mask=real_tile,
+             eviction_policy="evict_last")
+    tl.store(local_lse + pid * BLOCK_G + g, lse, mask=real, eviction_policy="evict_last")
 
     # 2. The group's last program merges the group's partials.
     counter = dl.heap_ptr(ctx, COUNT_OFF, tl.int32) + group

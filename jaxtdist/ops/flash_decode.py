@@ -67,8 +67,8 @@ class FlashDecodeConfig(KernelConfig):
       BLOCK_N: positions per step of the online softmax (a power of 2, >= 16).
       NUM_SPLITS: programs per (batch, KV head) on each rank, at most
         ``_MAX_SPLITS`` (0: about one program per SM on GPUs, at least
-        ``_MIN_CHUNK`` positions each); the valid positions are cut over them
-        at run time.
+        ``_MIN_CHUNK`` positions each); each takes every NUM_SPLITS-th step of
+        the valid positions.
       num_warps, num_stages: launch options.
     """
     OP: ClassVar[str] = "flash_decode"
@@ -291,7 +291,7 @@ def flash_decode_kernels(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.A
     group = hq // hkv
     groups = b * hkv
     splits = cfg.splits(problem)
-    # No program left without a step when the whole shard is valid.
+    # As many programs as the busiest one's steps need: no more partials to merge.
     per_split = -(-(-(-s_shard // cfg.BLOCK_N)) // splits)
     splits = -(-(-(-s_shard // cfg.BLOCK_N)) // per_split)
     block_g, block_d = _padded(group), _padded(d)
