@@ -203,10 +203,11 @@ def probe_flash_decode() -> None:
 
 
 def probe_fd_fill() -> None:
-    """flash_decode's kernel at world 1 on caches filled to 30% and 60%: the shares cut
-    at run time (the default now) against the kernel before, which cut the whole
-    cache into fixed chunks, so that only the chunks holding valid positions had
-    work: emulated by a cache of just those chunks (same programs, same chunk size)."""
+    """flash_decode's kernel at world 1 on caches filled to 30% and 60% (every program
+    takes a part of the valid positions) against the kernel before deac491, which
+    cut the whole cache into fixed chunks, so that only the chunks holding valid
+    positions had work: emulated by a cache of just those chunks (same programs,
+    same chunk size)."""
     for s, fill in ((32768, 0.3), (131072, 0.3), (32768, 0.6)):
         _fd_world_1({"default": None}, (s,), jnp.bfloat16, 710, fill=fill)
         chunk = s // 16  # 16 splits: the default on 132 SMs with Hkv = 8
