@@ -104,51 +104,52 @@ def _finish(m, l, acc):
 
 
 @triton.jit
-def _query_tile(q_ptr, b, h, HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
-                BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The GROUP query heads of KV head ``h`` of sequence ``b``, [BLOCK_G, BLOCK_D]
-    (zero padded)."""
+def _split_kv(q_ptr, k_ptr, v_ptr, table_ptr, b, h, lo, hi, qk_scale,
+              STRIDE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+              GROUP: tl.constexpr, D: tl.constexpr, S_SHARD: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, PAGE: tl.constexpr, NUM_PAGES: tl.constexpr):
+    """Online softmax of the GROUP query heads of KV head ``h`` over the steps of
+    BLOCK_N positions starting at lo, lo + STRIDE, ... below ``hi`` (positions at
+    ``hi`` or past masked); returns (m, l, acc) in float32, base 2. With PAGE > 0
+    the cache is paged: position i of sequence b is row i % PAGE of page
+    ``table[b, i // PAGE]`` of k, v [NUM_PAGES, PAGE, HKV, D]."""
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
+    d_mask = d < D
     q_rows = b * HQ + h * GROUP + g
-    return tl.load(q_ptr + q_rows[:, None] * D + d[None, :],
-                   mask=(g < GROUP)[:, None] & (d < D)[None, :], other=0.0)
-
-
-@triton.jit
-def _kv_step(q, k_ptr, v_ptr, table_ptr, b, h, start, hi, qk_scale, m, l, acc,
-             HKV: tl.constexpr, D: tl.constexpr, S_SHARD: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-             PAGE: tl.constexpr, NUM_PAGES: tl.constexpr):
-    """One online-softmax step of the query tile ``q`` over positions [start, start +
-    BLOCK_N) (those at ``hi`` or past masked; start < hi) of KV head ``h``: the
-    running (max ``m``, weight ``l``, weighted sum ``acc``) in float32, base 2. With
-    PAGE > 0 the cache is paged: position i of sequence b is row i % PAGE of page
-    ``table[b, i // PAGE]`` of k, v [NUM_PAGES, PAGE, HKV, D]."""
-    d = tl.arange(0, BLOCK_D)
-    pos = start + tl.arange(0, BLOCK_N)
-    p_mask = pos < hi
-    # int64: B * S_SHARD * HKV * D passes 2^31 for large caches.
-    if PAGE > 0:
-        page = tl.load(table_ptr + b * (S_SHARD // PAGE) + pos // PAGE, mask=p_mask, other=0)
-        # Page ids are data: clamped, an id out of range reads a wrong page, never
-        # memory outside the cache.
-        page = tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1)
-        rows = ((page.to(tl.int64) * PAGE + pos % PAGE) * HKV + h) * D
-    else:
-        rows = ((b * S_SHARD + pos).to(tl.int64) * HKV + h) * D
-    kv_mask = p_mask[:, None] & (d < D)[None, :]
-    k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    s = dot_acc(q, tl.trans(k), None, DOT_PRECISION)
-    # Every step holds a valid position (start < hi): the row max is finite.
-    s = tl.where(p_mask[None, :], s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l = l * alpha + tl.sum(p, 1)
-    v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    pv = dot_acc(p.to(v.dtype), v, None, DOT_PRECISION)
-    return m_new, l, acc * alpha[:, None] + pv
+    q = tl.load(q_ptr + q_rows[:, None] * D + d[None, :],
+                mask=(g < GROUP)[:, None] & d_mask[None, :], other=0.0)
+    m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+    for start in range(lo, hi, STRIDE):
+        pos = start + tl.arange(0, BLOCK_N)
+        p_mask = pos < hi
+        # int64: B * S_SHARD * HKV * D passes 2^31 for large caches.
+        if PAGE > 0:
+            page = tl.load(table_ptr + b * (S_SHARD // PAGE) + pos // PAGE, mask=p_mask,
+                           other=0)
+            # Page ids are data: clamped, an id out of range reads a wrong page, never
+            # memory outside the cache.
+            page = tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1)
+            rows = ((page.to(tl.int64) * PAGE + pos % PAGE) * HKV + h) * D
+        else:
+            rows = ((b * S_SHARD + pos).to(tl.int64) * HKV + h) * D
+        kv_mask = p_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = dot_acc(q, tl.trans(k), None, DOT_PRECISION)
+        # Every step holds a valid position (start < hi): the row max is finite.
+        s = tl.where(p_mask[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        pv = dot_acc(p.to(v.dtype), v, None, DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    return m, l, acc
 
 
 @triton.jit
@@ -206,16 +207,9 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr, t
     # A negative length is 0 (none valid): the op passes int32 lengths unclamped.
     length = tl.maximum(tl.load(len_ptr + b), 0)
     valid = tl.minimum(tl.maximum(length - me * S_SHARD, 0), S_SHARD)
-    lo = split * BLOCK_N
-    hi = valid
-    q = _query_tile(q_ptr, b, h, HQ, GROUP, D, BLOCK_G, BLOCK_D)
-    m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
-    l = tl.zeros((BLOCK_G,), tl.float32)
-    acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
-    for start in range(lo, hi, NSPLIT * BLOCK_N):
-        m, l, acc = _kv_step(q, k_ptr, v_ptr, table_ptr, b, h, start, hi, QK_SCALE, m, l,
-                             acc, HKV, D, S_SHARD, BLOCK_N, BLOCK_D, DOT_PRECISION, PAGE,
-                             NUM_PAGES)
+    m, l, acc = _split_kv(q_ptr, k_ptr, v_ptr, table_ptr, b, h, split * BLOCK_N, valid,
+                          QK_SCALE, NSPLIT * BLOCK_N, HQ, HKV, GROUP, D, S_SHARD, BLOCK_N,
+                          BLOCK_G, BLOCK_D, DOT_PRECISION, PAGE, NUM_PAGES)
     o, lse = _finish(m, l, acc)
     local_o = dl.heap_ptr(ctx, LOCAL_OFF, tl.float32)
     local_lse = dl.heap_ptr(ctx, LSE_OFF, tl.float32)

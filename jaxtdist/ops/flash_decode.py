@@ -96,16 +96,18 @@ class FlashDecodeConfig(KernelConfig):
         return cls(BLOCK_N=128 if wide else 64)
 
     def splits(self, problem: Problem) -> int:
-        """Chunks per (batch, KV head): NUM_SPLITS, or one program per SM (no
-        second wave of programs, each streaming its chunk at the SM's share of
-        the bandwidth) with at least ``_MIN_CHUNK`` positions each; never more
-        than the BLOCK_N steps of the shard."""
+        """Programs per (batch, KV head): NUM_SPLITS, or one program per SM (no
+        second wave of programs, each streaming its steps at the SM's share of
+        the bandwidth) with at least ``_MIN_CHUNK`` positions each; then only as
+        many as the busiest one's share of the shard's BLOCK_N steps needs (no
+        more partials to merge than that)."""
         b, _, hkv, _, s_shard = problem.shape
         steps = -(-s_shard // self.BLOCK_N)
         asked = self.NUM_SPLITS
         if not asked:
             asked = min(problem.sms // (b * hkv), -(-s_shard // _MIN_CHUNK), _MAX_SPLITS)
-        return max(1, min(asked, steps))
+        busiest = -(-steps // max(1, asked))
+        return -(-steps // busiest)
 
     def validate(self, problem: Problem) -> None:
         for key in ("BLOCK_N", "num_warps", "num_stages"):
@@ -291,9 +293,6 @@ def flash_decode_kernels(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.A
     group = hq // hkv
     groups = b * hkv
     splits = cfg.splits(problem)
-    # As many programs as the busiest one's steps need: no more partials to merge.
-    per_split = -(-(-(-s_shard // cfg.BLOCK_N)) // splits)
-    splits = -(-(-(-s_shard // cfg.BLOCK_N)) // per_split)
     block_g, block_d = _padded(group), _padded(d)
     plan = DecodeWorkspace(call.world, groups, splits, block_g, block_d)
     # The layout depends on the groups, the splits and the padded tile.
