@@ -433,3 +433,19 @@ def test_routing_kernels_match_the_xla_routing(world, t, k, e, kind, programs, r
             np.testing.assert_array_equal(a, b)
     if kind == "invalid":  # rank 0's tokens 0, 1, 2: out of range, negative, a repeat
         assert all(out[-1].tolist() == [3, 0] for out in outs)
+
+
+@pytest.mark.parametrize("tokens,routing_at", [(1, "fused"), (128, "fused"), (256, "fused"),
+                                                (257, "kernels"), (4096, "kernels")])
+def test_gpu_default_routing_follows_the_token_count(tokens, routing_at):
+    """On GPUs the dispatch computes its routing words inside its kernel while few
+    tokens make the scan short, with the two routing kernels above (both give the
+    same words: test_routing_kernels_match_the_xla_routing); the interpreter's
+    default stays the XLA routing."""
+    from jaxtdist.ops._config import Problem
+    from jaxtdist.ops.moe import MoeConfig
+
+    gpu = MoeConfig.default(Problem("gpu", 4, (tokens, 7168), "bfloat16", sms=132))
+    assert gpu.ROUTING == routing_at
+    assert gpu.NUM_PROGRAMS == min(132, tokens)
+    assert MoeConfig.default(Problem("cpu", 4, (tokens, 7168), "bfloat16")).ROUTING == "xla"

@@ -47,6 +47,13 @@ _FIELDS = 4
 
 _ROW_BYTES = 16 << 10  # bytes of a row per copy step on GPUs (32 registers per thread)
 
+# Above this many tokens per rank the routing kernels beat the fused routing,
+# whose every program scans every token's ids (1024 pairs per step). Dispatch on
+# 4 x H200 (H 7168, top-8 of 256 experts; probe_defaults.py moe_routing), fused /
+# kernels, us: 128 tokens 55.5 / 59.4, 256 95.8 / 95.7, 512 177.2 / 169.6,
+# 1024 332.4 / 305.3, 2048 647.8 / 588.9 (4096 in the bench: 1275.8 / 1154.3).
+_FUSED_ROUTING_MAX_TOKENS = 256
+
 
 @dataclasses.dataclass(frozen=True)
 class MoeConfig(KernelConfig):
@@ -61,14 +68,15 @@ class MoeConfig(KernelConfig):
         columns of each per step.
       num_warps: launch option.
       ROUTING: where the dispatch's routing metadata (slots, expert positions,
-        counts) is computed: "fused" (the GPU default: each program of the
+        counts) is computed: "fused" (the GPU default up to
+        ``_FUSED_ROUTING_MAX_TOKENS`` tokens per rank: each program of the
         dispatch kernel computes its tokens' words itself, from every token's
-        ids, with no launch before it), "kernels" (two launches of
-        ``kernels/moe_route.py`` on the dispatch's program split before the
-        dispatch kernel; on 2 x H200 at 128 tokens per rank, top-8, H 7168, E
-        256 the dispatch took 35.5 us with them against 50.6 us with "xla") or
-        "xla" (a dozen small XLA fusions; the default under the interpreter).
-        All three give the same words, bit for bit.
+        ids, with no launch before it), "kernels" (the GPU default above: two
+        launches of ``kernels/moe_route.py`` on the dispatch's program split
+        before the dispatch kernel; on 2 x H200 at 128 tokens per rank, top-8,
+        H 7168, E 256 the dispatch took 35.5 us with them against 50.6 us with
+        "xla") or "xla" (a dozen small XLA fusions; the default under the
+        interpreter). All three give the same words, bit for bit.
       COMBINE_SEND: how the combine's forward weighs a token's rows on the
         experts' rank: "rows" (the default: only the valid pairs' rows, BLOCK_H
         columns of one row per load) or "blocks" (all min(K, E / W) pair slots
@@ -96,7 +104,8 @@ class MoeConfig(KernelConfig):
         # dispatch + combine took 85.4 us with 8192-element steps against 99.5 with
         # 2048 and 112.9 with 1024 (16 bytes per thread); 8 or 16 warps: no better.
         return cls(NUM_PROGRAMS=max(1, min(problem.sms, t)),
-                   BLOCK_H=min(_ROW_BYTES // problem.itemsize, next_pow2(h)))
+                   BLOCK_H=min(_ROW_BYTES // problem.itemsize, next_pow2(h)),
+                   ROUTING="fused" if t <= _FUSED_ROUTING_MAX_TOKENS else "kernels")
 
     def validate(self, problem: Problem) -> None:
         for key in ("NUM_PROGRAMS", "BLOCK_H", "num_warps"):

@@ -87,6 +87,29 @@ def probe_moe(world: int = 2) -> None:
               flush=True)
 
 
+def probe_moe_routing(world: int = 4) -> None:
+    """Dispatch at `world` with each ROUTING (where the routing words are computed),
+    DeepSeek-V3's routing (H 7168, top-8 of 256 experts) at 128 to 2048 tokens per
+    rank: where the fused routing's per-program scan of every token stops paying."""
+    from jaxtdist.bench import moe as mb
+
+    hidden, k, e = 7168, 8, 256
+    for t in (128, 256, 512, 1024, 2048):
+        mesh, args, _, _ = _moe_setup(world, t, hidden, k, e)
+        specs = dict(mesh=mesh, in_specs=(mb.EP_SPEC,) * 3, out_specs=mb.EP_SPEC,
+                     check_vma=False)
+        contenders = {}
+        for routing in ("fused", "kernels", "xla"):
+            def dispatch(x, ids, w, routing=routing):
+                cfg = dict(ROUTING=routing)
+                return td.moe_dispatch(x, ids, "ep", num_experts=e, config=cfg)[0]
+
+            contenders[routing] = h.Contender(jax.jit(jax.shard_map(dispatch, **specs)),
+                                              args, world)
+        _report(f"moe dispatch world {world} T={t}", h.interleaved(contenders, 20, 4),
+                "fused")
+
+
 def probe_moe_trace(world: int = 2, t: int = 128, hidden: int = 7168, k: int = 8,
                     e: int = 256, runs: int = 20) -> None:
     """Where dispatch's and combine's kernel time goes, at `world`, DeepSeek-V3's decode
@@ -633,7 +656,7 @@ def probe_fd_trace(world: int = 4) -> None:
                     flush=True)
 
 
-PROBES = {"moe": probe_moe, "moe_trace": probe_moe_trace, "attention": probe_attention,
+PROBES = {"moe": probe_moe, "moe_routing": probe_moe_routing, "moe_trace": probe_moe_trace, "attention": probe_attention,
           "flash_decode": probe_flash_decode, "gemm": probe_gemm, "push": probe_push,
           "float32": probe_float32, "rs_loop": probe_rs_loop, "rs_trace": probe_rs_trace,
           "fd_world": probe_fd_world,
