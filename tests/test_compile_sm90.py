@@ -294,7 +294,7 @@ def test_launch_warps_of_warp_specialized_kernel(num_warps):
 
 @pytest.mark.parametrize("dtype,d,group,page", [("bf16", 128, 4, 0), ("fp16", 64, 8, 0),
                                                ("fp32", 128, 1, 0), ("bf16", 128, 4, 16),
-                                               ("bf16", 256, 8, 0)])
+                                               ("bf16", 256, 8, 0), ("fp32", 256, 4, 0)])
 def test_flash_decode_compiles_with_tensor_cores_and_its_protocol(dtype, d, group, page):
     """flash_decode with its GPU default config: the split-KV dots on tensor cores
     (mma.sync for the 16-row query tile), 16-byte K/V loads (paged too: rows

@@ -386,10 +386,13 @@ def test_flash_decode_tunes_with_an_explicit_measure():
     ("bfloat16", 32, 8, 128, 8192, 128, 1),    # more groups than SMs
     ("float16", 1, 8, 256, 32768, 64, 16),     # 128-position tiles would not fit
     ("float32", 1, 8, 128, 32768, 64, 16),
+    ("float32", 1, 8, 256, 32768, 32, 16),     # 64-position tiles would not fit either
+    ("float32", 1, 8, 160, 32768, 32, 16),     # head dim padded to 256
 ])
 def test_flash_decode_gpu_default(dtype, b, hkv, d, s_shard, block_n, splits):
     """The GPU default: 128-position steps where two stages of K and V tiles fit,
-    one program per SM (no second wave), chunks of at least 512 positions."""
+    else the widest that fits an SM, one program per SM (no second wave), chunks
+    of at least 512 positions; it always passes its own check."""
     from jaxtdist.ops._config import Problem
     from jaxtdist.ops.flash_decode import FlashDecodeConfig
 
@@ -399,6 +402,24 @@ def test_flash_decode_gpu_default(dtype, b, hkv, d, s_shard, block_n, splits):
     cfg.validate(problem)
     amd = Problem("gpu", 4, (b, 4 * hkv, hkv, d, s_shard), dtype, sms=304, vendor="amd")
     assert FlashDecodeConfig.default(amd).BLOCK_N == 64
+
+
+def test_flash_decode_config_of_numpy_integers():
+    """Config values read from arrays (NumPy integers) reach the kernel as ints:
+    the same output as the same config in Python ints (was a TypeError inside
+    the kernel after the config had passed its check)."""
+    world = 2
+    mesh = setup(world, ("sp",))
+    (q, k, v), placed = _operands(mesh, world, 2, 8, 2, 64, 40, F32)
+    lens = place(mesh, np.array([70, 23], np.int32), P())
+    outs = []
+    for cfg in (dict(BLOCK_N=16, NUM_SPLITS=2),
+                dict(BLOCK_N=np.int64(16), NUM_SPLITS=np.int32(2), num_warps=np.int64(4))):
+        f = jax.jit(jax.shard_map(lambda *a, cfg=cfg: td.flash_decode(*a, "sp", config=cfg),
+                                  mesh=mesh, in_specs=SPECS, out_specs=P(), check_vma=False))
+        outs.append(np.asarray(f(*placed, lens)))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    assert _rel(outs[0], _reference(q, k, v, np.array([70, 23], np.int32))) < 1e-5
 
 
 def test_flash_decode_config_beyond_shared_memory_is_refused():

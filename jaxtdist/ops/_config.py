@@ -159,6 +159,9 @@ def resolve(config_type: type[C], problem: Problem, rt, config: Mapping[str, Any
             tuned = tune(config_type.OP, problem.shape, problem.dtype,
                          axis_name=axis_name)["config"]
         asked = dict(tuned or {})
+    # NumPy integers (a config built from an array's entries) pass the checks as
+    # ints but are no Triton constexpr: the kernels get Python ints.
+    asked = {k: int(v) if isinstance(v, np.integer) else v for k, v in asked.items()}
     cfg = config_type.settle(cfg, asked)
     cfg.validate(problem)
     return cfg

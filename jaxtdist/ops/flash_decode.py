@@ -84,6 +84,7 @@ class FlashDecodeConfig(KernelConfig):
         """One rule: the interpreter takes 16-position steps and 2 splits (both
         merge paths run). NVIDIA GPUs take 128-position steps where two stages of
         K and V tiles fit ``_WIDE_STEP_SMEM`` (bf16 and f16 up to D = 128), else 64,
+        halved further while they would not fit an SM (float32 past D = 128),
         and splits from ``splits``. On one H100 (B=1, Hq=32, Hkv=8, D=128)
         128-position steps with one program per SM took 50.2 / 179.3 / 11.9 us at
         32K / 128K / 8K positions, against 55.8 / 186.1 / 15.1 for 64-position
@@ -91,9 +92,14 @@ class FlashDecodeConfig(KernelConfig):
         if problem.platform != "gpu":
             return cls(BLOCK_N=16, NUM_SPLITS=2, num_warps=4, num_stages=1)
         # AMD's 64 KiB of LDS per CU holds no such tiles.
-        wide = (problem.vendor == "nvidia"
-                and _kv_stage_bytes(problem, 128, cls.num_stages) <= _WIDE_STEP_SMEM)
-        return cls(BLOCK_N=128 if wide else 64)
+        if (problem.vendor == "nvidia"
+                and _kv_stage_bytes(problem, 128, cls.num_stages) <= _WIDE_STEP_SMEM):
+            return cls(BLOCK_N=128)
+        block_n = 64
+        while (problem.vendor == "nvidia" and block_n > 16
+               and _kv_stage_bytes(problem, block_n, cls.num_stages) > _SM90_SMEM):
+            block_n //= 2
+        return cls(BLOCK_N=block_n)
 
     def splits(self, problem: Problem) -> int:
         """Programs per (batch, KV head): NUM_SPLITS, or one program per SM (no
