@@ -404,6 +404,28 @@ def test_flash_decode_gpu_default(dtype, b, hkv, d, s_shard, block_n, splits):
     assert FlashDecodeConfig.default(amd).BLOCK_N == 64
 
 
+@pytest.mark.parametrize("hq,rows", [(32, 1), (128, 4), (256, 8)])
+def test_flash_decode_workspace_holds_the_real_query_rows(hq, rows):
+    """Partials and inbox slots hold the group's query rows padded to a power of 2,
+    not the dot's 16-row tile: plain multi-head attention (one row per KV head)
+    at B = 128 over 8 ranks needs 67 MiB, not the 1065 MiB (more than the default
+    GPU heap) that 16-row slots took."""
+    from jaxtdist.ops._config import Problem
+    from jaxtdist.ops.flash_decode import DecodeWorkspace, FlashDecodeConfig
+
+    b, hkv, d, world = 128, 32, 128, 8
+    problem = Problem("gpu", world, (b, hq, hkv, d, 4096), "bfloat16", sms=132)
+    splits = FlashDecodeConfig.default(problem).splits(problem)
+    plan = DecodeWorkspace(world, b * hkv, splits, rows, d)
+    # o and lse of every partial (float32), the counters, two inbox parities of
+    # tagged (8-byte) o, lse and lengths: nothing sized by a 16-row tile.
+    needed = (b * hkv * splits * rows * (d + 1) * 4 + b * hkv * 4
+              + 2 * world * b * hkv * (rows * (d + 1) + 1) * 8)
+    assert needed <= plan.nbytes < needed + (64 << 10)
+    if rows == 1:
+        assert plan.nbytes < 68 << 20
+
+
 def test_flash_decode_config_of_numpy_integers():
     """Config values read from arrays (NumPy integers) reach the kernel as ints:
     the same output as the same config in Python ints (was a TypeError inside

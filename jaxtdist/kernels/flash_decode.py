@@ -36,8 +36,9 @@ so every K and V row is read from memory once per call.
 
 Workspace (byte offsets, see ``ops/flash_decode.DecodeWorkspace``):
 
-- ``LOCAL_OFF``: B * HKV * NSPLIT partials ([BLOCK_G, BLOCK_D] float32 ``o``), then
-  ``LSE_OFF`` their [BLOCK_G] float32 ``lse``; read only by this rank's kernel.
+- ``LOCAL_OFF``: B * HKV * NSPLIT partials ([GP, BLOCK_D] float32 ``o``: only the
+  GROUP real query rows, not the dot's padded BLOCK_G), then ``LSE_OFF`` their
+  [GP] float32 ``lse``; read only by this rank's kernel.
 - ``COUNT_OFF``: B * HKV int32 arrival counters.
 - ``INBOX_OFF``: two parities (``e % 2``) of PARITY_BYTES: W slots (one per source
   rank) of B * HKV partials ``o``, then their ``lse`` at ``INBOX_LSE``, then
@@ -215,9 +216,9 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr, t
     local_lse = dl.heap_ptr(ctx, LSE_OFF, tl.float32)
     # evict_last: the group's merger reads them back from L2 while other programs
     # still stream K and V through it (faster on one H200).
-    tl.store(local_o + pid * (BLOCK_G * BLOCK_D) + tile, o, mask=real_tile,
+    tl.store(local_o + pid * (GP * BLOCK_D) + tile, o, mask=real_tile,
              eviction_policy="evict_last")
-    tl.store(local_lse + pid * BLOCK_G + g, lse, mask=real, eviction_policy="evict_last")
+    tl.store(local_lse + pid * GP + g, lse, mask=real, eviction_policy="evict_last")
 
     # 2. The group's last program merges the group's partials.
     counter = dl.heap_ptr(ctx, COUNT_OFF, tl.int32) + group
@@ -245,13 +246,13 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr, t
         # round trip per split; each fold is elementwise, in registers (a block of
         # partials folded at once, reduced across threads, took 4.0 us against
         # 2.8 at 16 splits on 4 x H100).
-        group_o = aligned_after(local_o, arrived) + group * NSPLIT * (BLOCK_G * BLOCK_D)
-        group_lse = aligned_after(local_lse, arrived) + group * NSPLIT * BLOCK_G
+        group_o = aligned_after(local_o, arrived) + group * NSPLIT * (GP * BLOCK_D)
+        group_lse = aligned_after(local_lse, arrived) + group * NSPLIT * GP
         for s in tl.static_range(NSPLIT):
             # .cg: written by other programs (L2), never stale L1 lines.
-            part_o = tl.load(group_o + s * (BLOCK_G * BLOCK_D) + tile_p, mask=real_tile_p,
+            part_o = tl.load(group_o + s * (GP * BLOCK_D) + tile_p, mask=real_tile_p,
                              other=0.0, cache_modifier=".cg")
-            part_lse = tl.load(group_lse + s * BLOCK_G + gp, mask=real_p, other=float("-inf"),
+            part_lse = tl.load(group_lse + s * GP + gp, mask=real_p, other=float("-inf"),
                                cache_modifier=".cg")
             m_p, l_p, acc_p = _merge(m_p, l_p, acc_p, part_lse, part_o)
         o_p, lse_p = _finish(m_p, l_p, acc_p)
@@ -265,8 +266,8 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr, t
             inbox_o = dl.parity_ptr(ctx, INBOX_OFF, PARITY_BYTES, tl.int64)
             inbox_lse = dl.parity_ptr(ctx, INBOX_OFF + INBOX_LSE, PARITY_BYTES, tl.int64)
             inbox_len = dl.parity_ptr(ctx, INBOX_OFF + INBOX_LEN, PARITY_BYTES, tl.int64)
-            my_o = inbox_o + (me * GROUPS + group) * (BLOCK_G * BLOCK_D) + tile_p
-            my_lse = inbox_lse + (me * GROUPS + group) * BLOCK_G + gp
+            my_o = inbox_o + (me * GROUPS + group) * (GP * BLOCK_D) + tile_p
+            my_lse = inbox_lse + (me * GROUPS + group) * GP + gp
             my_len = inbox_len + me * GROUPS + group
             o_words = dl.pack_tagged(o_p, e)
             lse_words = dl.pack_tagged(lse_p, e)
@@ -288,10 +289,10 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr, t
             # Parity e % 2 holds only this call's words or an earlier call's (epoch
             # e - 2 or less): equal tags are this call's.
             got_o = dl.unpack_tagged(dl.wait_tagged(
-                ctx, inbox_o, slot[:, None, None] * (BLOCK_G * BLOCK_D) + tile_p[None],
+                ctx, inbox_o, slot[:, None, None] * (GP * BLOCK_D) + tile_p[None],
                 peer[:, None, None] & real_tile_p[None], e), tl.float32)
             got_lse = dl.unpack_tagged(dl.wait_tagged(
-                ctx, inbox_lse, slot[:, None] * BLOCK_G + gp[None, :],
+                ctx, inbox_lse, slot[:, None] * GP + gp[None, :],
                 peer[:, None] & real_p[None, :], e), tl.float32)
             seen = dl.unpack_tagged(dl.wait_tagged(ctx, inbox_len, slot, peer, e), tl.int32)
             # kv_len must agree: every rank merged with this rank's length.

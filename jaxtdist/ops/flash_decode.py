@@ -157,14 +157,16 @@ class DecodeWorkspace:
     (W source slots of o, then of lse, then of the length each source merged
     with, as tagged 8-byte words)."""
 
-    def __init__(self, world: int, groups: int, splits: int, block_g: int, block_d: int):
-        tile = block_g * block_d * 4
+    def __init__(self, world: int, groups: int, splits: int, rows: int, block_d: int):
+        # ``rows``: the group's query rows padded to a power of 2 (GP), not the dot's
+        # 16-row tile: plain multi-head attention keeps 1 row per partial, not 16.
+        tile = rows * block_d * 4
         self.local = 0
         self.lse = align(groups * splits * tile)
-        self.counters = self.lse + align(groups * splits * block_g * 4)
+        self.counters = self.lse + align(groups * splits * rows * 4)
         # The inbox holds tagged words (8 bytes per 32-bit value).
         self.inbox_lse = align(world * groups * 2 * tile)
-        self.inbox_len = self.inbox_lse + align(world * groups * block_g * 8)
+        self.inbox_len = self.inbox_lse + align(world * groups * rows * 8)
         self.parity_bytes = self.inbox_len + align(world * groups * 8)
         self.inbox = self.counters + align(groups * 4)
         self.nbytes = self.inbox + 2 * self.parity_bytes
@@ -299,10 +301,10 @@ def flash_decode_kernels(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.A
     group = hq // hkv
     groups = b * hkv
     splits = cfg.splits(problem)
-    block_g, block_d = _padded(group), _padded(d)
-    plan = DecodeWorkspace(call.world, groups, splits, block_g, block_d)
+    block_g, block_d, rows = _padded(group), _padded(d), next_pow2(group)
+    plan = DecodeWorkspace(call.world, groups, splits, rows, block_d)
     # The layout depends on the groups, the splits and the padded tile.
-    ws = call.workspace("partials", plan.nbytes, groups, splits, block_g, block_d)
+    ws = call.workspace("partials", plan.nbytes, groups, splits, rows, block_d)
     o = ws.offset
     # The same value on every rank of the group (like psum's result).
     lengths = _int32_lengths(kv_len)
@@ -322,7 +324,7 @@ def flash_decode_kernels(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.A
         PARITY_BYTES=plan.parity_bytes, BLOCK_N=cfg.BLOCK_N, BLOCK_G=block_g, BLOCK_D=block_d,
         DOT_PRECISION=dot_precision(q.dtype, call.platform, problem.vendor),
         PAGE=0 if block_table is None else k.shape[1],
-        NUM_PAGES=k.shape[0], TRACE=trace, GP=next_pow2(group), WP=next_pow2(call.world))
+        NUM_PAGES=k.shape[0], TRACE=trace, GP=rows, WP=next_pow2(call.world))
     return (out, stamped) if trace else out
 
 
