@@ -416,7 +416,8 @@ def test_flash_decode_workspace_holds_the_real_query_rows(hq, rows):
     b, hkv, d, world = 128, 32, 128, 8
     problem = Problem("gpu", world, (b, hq, hkv, d, 4096), "bfloat16", sms=132)
     splits = FlashDecodeConfig.default(problem).splits(problem)
-    plan = DecodeWorkspace(world, b * hkv, splits, rows, d)
+    plan = DecodeWorkspace(world, b * hkv, splits, hq // hkv, d)
+    assert plan.rows == rows
     # o and lse of every partial (float32), the counters, two inbox parities of
     # tagged (8-byte) o, lse and lengths: nothing sized by a 16-row tile.
     needed = (b * hkv * splits * rows * (d + 1) * 4 + b * hkv * 4
@@ -434,12 +435,10 @@ def test_flash_decode_config_of_numpy_integers():
     mesh = setup(world, ("sp",))
     (q, k, v), placed = _operands(mesh, world, 2, 8, 2, 64, 40, F32)
     lens = place(mesh, np.array([70, 23], np.int32), P())
-    outs = []
-    for cfg in (dict(BLOCK_N=16, NUM_SPLITS=2),
-                dict(BLOCK_N=np.int64(16), NUM_SPLITS=np.int32(2), num_warps=np.int64(4))):
-        f = jax.jit(jax.shard_map(lambda *a, cfg=cfg: td.flash_decode(*a, "sp", config=cfg),
-                                  mesh=mesh, in_specs=SPECS, out_specs=P(), check_vma=False))
-        outs.append(np.asarray(f(*placed, lens)))
+    outs = [np.asarray(_decode_fn(mesh, cfg)(*placed, lens))
+            for cfg in (dict(BLOCK_N=16, NUM_SPLITS=2),
+                        dict(BLOCK_N=np.int64(16), NUM_SPLITS=np.int32(2),
+                             num_warps=np.int64(4)))]
     np.testing.assert_array_equal(outs[0], outs[1])
     assert _rel(outs[0], _reference(q, k, v, np.array([70, 23], np.int32))) < 1e-5
 

@@ -157,9 +157,10 @@ class DecodeWorkspace:
     (W source slots of o, then of lse, then of the length each source merged
     with, as tagged 8-byte words)."""
 
-    def __init__(self, world: int, groups: int, splits: int, rows: int, block_d: int):
-        # ``rows``: the group's query rows padded to a power of 2 (GP), not the dot's
-        # 16-row tile: plain multi-head attention keeps 1 row per partial, not 16.
+    def __init__(self, world: int, groups: int, splits: int, group: int, block_d: int):
+        # Rows of a partial: the group's query rows padded to a power of 2 (the
+        # kernel's GP), not the dot's 16-row tile: multi-head attention keeps 1.
+        self.rows = rows = next_pow2(group)
         tile = rows * block_d * 4
         self.local = 0
         self.lse = align(groups * splits * tile)
@@ -301,10 +302,10 @@ def flash_decode_kernels(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.A
     group = hq // hkv
     groups = b * hkv
     splits = cfg.splits(problem)
-    block_g, block_d, rows = _padded(group), _padded(d), next_pow2(group)
-    plan = DecodeWorkspace(call.world, groups, splits, rows, block_d)
-    # The layout depends on the groups, the splits and the padded tile.
-    ws = call.workspace("partials", plan.nbytes, groups, splits, rows, block_d)
+    block_g, block_d = _padded(group), _padded(d)
+    plan = DecodeWorkspace(call.world, groups, splits, group, block_d)
+    # The layout depends on the groups, the splits and the padded partials.
+    ws = call.workspace("partials", plan.nbytes, groups, splits, plan.rows, block_d)
     o = ws.offset
     # The same value on every rank of the group (like psum's result).
     lengths = _int32_lengths(kv_len)
@@ -324,7 +325,7 @@ def flash_decode_kernels(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.A
         PARITY_BYTES=plan.parity_bytes, BLOCK_N=cfg.BLOCK_N, BLOCK_G=block_g, BLOCK_D=block_d,
         DOT_PRECISION=dot_precision(q.dtype, call.platform, problem.vendor),
         PAGE=0 if block_table is None else k.shape[1],
-        NUM_PAGES=k.shape[0], TRACE=trace, GP=rows, WP=next_pow2(call.world))
+        NUM_PAGES=k.shape[0], TRACE=trace, GP=plan.rows, WP=next_pow2(call.world))
     return (out, stamped) if trace else out
 
 
