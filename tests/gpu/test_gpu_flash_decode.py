@@ -112,6 +112,28 @@ def test_flash_decode_float32_follows_the_matmul_precision(world):
     assert errors["highest"] < 2e-5, errors
 
 
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("dtype,hq,hkv,d", [(jnp.float32, 8, 2, 160), (jnp.float32, 4, 4, 256),
+                                            (jnp.bfloat16, 16, 16, 128),
+                                            (jnp.float16, 24, 8, 64)])
+def test_flash_decode_default_config_on_other_heads(world, dtype, hq, hkv, d):
+    """Default configs where the tile is not the common one: float32 caches past
+    head dim 128 (the K/V stages of the default step would not fit an SM),
+    multi-head attention (one query row per KV head: partials and inbox slots of
+    one row) and GQA group 3 (rows padded to 4); the kernel forced at world 1."""
+    mesh = _mesh(world)
+    b, s_shard = 2, 1531
+    total = world * s_shard
+    f = jax.jit(jax.shard_map(lambda *a: flash_decode_kernels(*a, "sp"), mesh=mesh,
+                              in_specs=SPECS, out_specs=P()))
+    for call in range(3):  # both inbox parities, and one reused
+        q = _rand((b, hq, d), dtype)
+        k, v = _rand((b, total, hkv, d), dtype), _rand((b, total, hkv, d), dtype)
+        lens = np.array([total - call, s_shard // 2 + call], np.int32)
+        out = f(*_place(mesh, q, k, v, lens, dtype))
+        assert _rel(out, _reference(q, k, v, lens)) < TOL[dtype], (call, lens)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_flash_decode_chained_decode_steps(world):
     """50 decode steps (10 per jit call), each query built from the previous output plus
