@@ -6,6 +6,7 @@ other settings), so the order of these tests does not matter.
 
 from __future__ import annotations
 
+import re
 import time
 
 import jax
@@ -204,8 +205,14 @@ def test_heap_exhausted():
         needed = int(msg.split("workspace of ")[1].split(" bytes")[0])
         assert needed > available
         assert f"at least {_RESERVED_BYTES + needed} bytes" in msg, msg
+        assert "buckets" in msg, msg  # what to do about many shapes
         # A small op still fits in the same runtime.
         _ag_matmul_ok(mesh, m=2, k=16, n=8)
+        # Now the error lists what holds the heap: the small op's workspaces.
+        with pytest.raises(td.HeapExhaustedError) as info:
+            _ag_matmul(mesh, rand((WORLD * m, k)), rand((k, WORLD * 8)))
+        assert re.search(r"workspaces allocated: ag_matmul/\S+ 1 x \d+\.\d [KM]iB", str(info.value)), \
+            str(info.value)
     finally:
         td.shutdown()
 

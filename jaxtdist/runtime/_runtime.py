@@ -297,13 +297,32 @@ class Runtime:
                 raise HeapExhaustedError(
                     f"jaxtdist: the symmetric heap is exhausted: {key[0]} needs a workspace of "
                     f"{nbytes} bytes but {available} of {self.heap_bytes} bytes are free "
-                    f"({len(self._workspaces)} workspaces allocated). Raise the heap with "
-                    f"jaxtdist.initialize(mesh, heap_bytes=...) (at least "
-                    f"{self._next_offset + nbytes} bytes).")
+                    f"({len(self._workspaces)} workspaces allocated{self._usage()}). Raise the "
+                    f"heap with jaxtdist.initialize(mesh, heap_bytes=...) (at least "
+                    f"{self._next_offset + nbytes} bytes). Each shape an op is called with "
+                    f"keeps its own workspace for the runtime's life: a program called with "
+                    f"many batch sizes or lengths needs fewer if they are padded to a few "
+                    f"buckets.")
             ws = Workspace(key, self._next_offset, nbytes, len(self._workspaces) + 1)
             self._next_offset += nbytes
             self._workspaces[key] = ws
             return ws
+
+    def _usage(self) -> str:
+        """``: <name> <count> x <mean size>, ...``: the workspaces in use by name,
+        largest total first (what an exhausted heap's error lists)."""
+        by_name: dict[str, list[int]] = {}
+        for key, ws in self._workspaces.items():
+            by_name.setdefault(str(key[0]), []).append(ws.nbytes)
+        if not by_name:
+            return ""
+        def size(n: float) -> str:
+            return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+        ranked = sorted(by_name.items(), key=lambda item: -sum(item[1]))
+        return ": " + ", ".join(f"{name} {len(sizes)} x {size(sum(sizes) / len(sizes))}"
+                                for name, sizes in ranked[:4]) + (", ..." if len(ranked) > 4
+                                                                  else "")
 
     @property
     def bytes_in_use(self) -> int:
