@@ -3,9 +3,9 @@ side by side with the contender they must beat (CUPTI, interleaved rounds, one
 process). The numbers quoted in the defaults' comments and in docs/perf come
 from these.
 
-Usage (repo root, GPU node): python3 tests/gpu/probe_defaults.py {moe,moe_trace,
+Usage (repo root, GPU node): python3 tests/gpu/probe_defaults.py {moe,moe_trace,fd_race,
 attention,flash_decode,gemm,push,float32,rs_loop,rs_trace} [world]. ``moe`` and ``moe_trace`` run at the
-world given (default 2), ``push`` and ``rs_trace`` at 4 by default, and need that many GPUs; the
+world given (default 2, as ``fd_race``), ``push`` and ``rs_trace`` at 4 by default, and need that many GPUs; the
 others run on one.
 Prints one line per shape: each variant's median time, its ratio to the
 contender, its error.
@@ -656,11 +656,50 @@ def probe_fd_trace(world: int = 4) -> None:
                     flush=True)
 
 
+def probe_fd_race(world: int = 2, calls: int = 48) -> None:
+    """flash_decode's exchange under fresh data, call after call: ``calls`` calls per
+    shape at ``world`` (GQA group 3 and multi-head attention, the shapes where a
+    single wait for all three parts of the partials mixed calls), each checked
+    against a float64 reference; prints the bad calls (rel err > 1e-2) with the
+    rows that went wrong. A moving count is a race."""
+    from jaxtdist.bench import flash_decode as fb
+    from jaxtdist.ops.flash_decode import flash_decode_kernels
+
+    mesh = fb._mesh(world)
+    td.initialize(mesh)
+    f = jax.jit(jax.shard_map(lambda *a: flash_decode_kernels(*a, "sp"), mesh=mesh,
+                              in_specs=fb.SPECS, out_specs=P()))
+    rng = np.random.default_rng(1900)
+    for b, hq, hkv, d, s_rank, dtype in [(2, 24, 8, 64, 1531, jnp.float16),
+                                         (2, 16, 16, 128, 1531, jnp.bfloat16)]:
+        total, bad, errs = world * s_rank, [], []
+        for call in range(calls):
+            q, k, v = (np.asarray(jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+                                  .astype(jnp.float32))
+                       for shape in ((b, hq, d), (b, total, hkv, d), (b, total, hkv, d)))
+            n = rng.integers(1, total + 1, size=b).astype(np.int32)
+            args = tuple(jax.device_put(jnp.asarray(a, dtype if a.dtype == np.float32 else None),
+                                        NamedSharding(mesh, sp))
+                         for a, sp in zip((q, k, v, n), fb.SPECS))
+            out = np.asarray(f(*args), np.float64)
+            ref = fb._reference(q, k, v, n)
+            err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+            errs.append(err)
+            if not err < 1e-2:
+                rows = np.argwhere(np.abs(out - ref).max(-1) > 0.05)
+                bad.append((call, f"{err:.2g}", n.tolist(), rows[:8].tolist()))
+        print(f"fd_race world {world} B{b} Hq{hq} Hkv{hkv} D{d} S/rank {s_rank} "
+              f"{jnp.dtype(dtype).name}: bad {len(bad)}/{calls}, max err {max(errs):.2g}",
+              flush=True)
+        for entry in bad[:6]:
+            print("   call, err, lengths, wrong (b, head) rows:", *entry, flush=True)
+
+
 PROBES = {"moe": probe_moe, "moe_routing": probe_moe_routing, "moe_trace": probe_moe_trace, "attention": probe_attention,
           "flash_decode": probe_flash_decode, "gemm": probe_gemm, "push": probe_push,
           "float32": probe_float32, "rs_loop": probe_rs_loop, "rs_trace": probe_rs_trace,
           "fd_world": probe_fd_world,
-          "fd_trace": probe_fd_trace, "fd_f32": probe_fd_f32, "fd_fill": probe_fd_fill}
+          "fd_trace": probe_fd_trace, "fd_race": probe_fd_race, "fd_f32": probe_fd_f32, "fd_fill": probe_fd_fill}
 
 if __name__ == "__main__":
     if len(sys.argv) not in (2, 3) or sys.argv[1] not in PROBES:
