@@ -288,8 +288,13 @@ def flash_decode_kernel(ctx, q_ptr, k_ptr, v_ptr, len_ptr, table_ptr, out_ptr, t
             slot = src * GROUPS + group
             # Parity e % 2 holds only this call's words or an earlier call's (epoch
             # e - 2 or less): equal tags are this call's. Three waits in a row, not
-            # one loop polling all three blocks: that loop (tried on 4 x H100)
-            # returned words mixing calls in up to 5 of 24 calls, cause not found.
+            # one loop polling all three blocks: there the outputs' test is a
+            # block-wide reduction (shared memory, barriers) while the small lse and
+            # length blocks, replicated in every warp, are tested per warp, so warps
+            # left the loop at different polls and the barriers paired up wrongly
+            # (4 x H100: wrong groups in up to 5 of 24 calls). Alone, each small
+            # block's loop has no barrier: a warp leaves once its own copies carry
+            # the tag.
             got_o = dl.unpack_tagged(dl.wait_tagged(
                 ctx, inbox_o, slot[:, None, None] * (GP * BLOCK_D) + tile_p[None],
                 peer[:, None, None] & real_tile_p[None], e), tl.float32)
