@@ -443,6 +443,36 @@ def test_flash_decode_config_of_numpy_integers():
     assert _rel(outs[0], _reference(q, k, v, np.array([70, 23], np.int32))) < 1e-5
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_flash_decode_config_is_checked_at_world_1(paged):
+    """World 1 on CPU runs the local computation, which uses no config; a bad one
+    is still refused there (as at world > 1 and on GPUs), a good one changes nothing."""
+    mesh = setup(1, ("sp",))
+    (q, k, v), placed = _operands(mesh, 1, 2, 8, 2, 64, 40, F32)
+    lens = place(mesh, np.array([40, 23], np.int32), P())
+    if paged:
+        table = place(mesh, np.arange(2 * 5, dtype=np.int32).reshape(2, 5), P())
+        pools = tuple(place(mesh, np.asarray(a).reshape(10, 8, 2, 64), P()) for a in (k, v))
+
+        def fn(config):
+            return jax.jit(jax.shard_map(
+                lambda q, k, v, n, t: td.flash_decode(q, k, v, n, "sp", block_table=t,
+                                                      config=config),
+                mesh=mesh, in_specs=(P(),) * 5, out_specs=P()))
+        args = (placed[0], *pools, lens, table)
+    else:
+        def fn(config):
+            return _decode_fn(mesh, config)
+        args = (*placed, lens)
+    with pytest.raises(ValueError, match=r"BLOCK_N=24 must be a power of 2"):
+        fn(dict(BLOCK_N=24))(*args)
+    with pytest.raises(ValueError, match=r"NUM_SPLITS"):
+        fn(dict(NUM_SPLITS=-1))(*args)
+    out = np.asarray(fn(dict(BLOCK_N=32, NUM_SPLITS=2))(*args))
+    np.testing.assert_array_equal(out, np.asarray(fn(None)(*args)))
+    assert _rel(out, _reference(q, k, v, np.array([40, 23], np.int32))) < 1e-5
+
+
 def test_flash_decode_config_beyond_shared_memory_is_refused():
     from jaxtdist.ops._config import Problem
     from jaxtdist.ops.flash_decode import FlashDecodeConfig

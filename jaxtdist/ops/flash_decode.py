@@ -368,8 +368,19 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array
     return o.reshape(b, hq, d).astype(q.dtype)
 
 
+def _check_unused_config(q, cache_shape: tuple, axis_name, config) -> None:
+    """Checks a ``config`` that the local computation (world 1 on CPU) will not use:
+    the same call at world > 1 or on a GPU would refuse a bad one, so it must not
+    pass here unnoticed."""
+    if config is None:
+        return
+    call = Call("flash_decode", axis_name)
+    resolve(FlashDecodeConfig, _problem(call, q, jax.ShapeDtypeStruct(cache_shape, q.dtype)),
+            call.rt, config, axis_name=axis_name)
+
+
 def _local(q, k, v, kv_len, *, axis_name, config=None):
-    del axis_name, config
+    _check_unused_config(q, k.shape, axis_name, config)
     return decode_attention(q, k, v, _int32_lengths(kv_len))
 
 
@@ -383,7 +394,7 @@ def _paged_forward(q, k, v, kv_len, block_table, *, axis_name, config=None):
 
 
 def _paged_local(q, k, v, kv_len, block_table, *, axis_name, config=None):
-    del axis_name, config
+    _check_unused_config(q, _as_contiguous(k, block_table).shape, axis_name, config)
     return decode_attention(q, _gather_pages(k, block_table), _gather_pages(v, block_table),
                             _int32_lengths(kv_len))
 
@@ -472,7 +483,8 @@ def flash_decode(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array, ax
         (no recompilation as pages are handed out); ids outside [0,
         num_pages) are clamped: a wrong page is read, never memory outside
         the pool. Pages past a sequence's length are never read.
-      config: overrides of the kernel config (``FlashDecodeConfig`` keys; advanced).
+      config: overrides of the kernel config (``FlashDecodeConfig`` keys; advanced),
+        checked even where the local computation runs (world 1 on CPU).
 
     Returns:
       [B, Hq, D] in q's dtype: ``softmax(q k^T / sqrt(D), masked) v`` over the
