@@ -100,6 +100,29 @@ def test_a_rank_killed_mid_chain_fails_the_job(victim):
     assert took < 60, took            # never the kernels' wait bound (60 s here)
 
 
+def test_the_launcher_names_the_killed_rank_when_a_survivor_exits_in_the_same_look(capsys):
+    """A survivor that notices its peer's death exits within a poll of it: when the
+    launcher sees both dead at once it names (and exits with) the rank killed by a
+    signal, not the lower rank's own error exit."""
+    from jaxtdist.launch._supervisor import LaunchOptions, _Job
+
+    class Exited:
+        def __init__(self, code):
+            self.code = code
+
+        def poll(self):
+            return self.code
+
+    job = _Job(LaunchOptions(nproc=3, command=["true"], port=1))
+    job.procs = [Exited(3), Exited(-9), Exited(None)]
+    job.send = lambda sig: None
+    assert job.step()  # rank 2 still runs
+    assert job.failed == (1, -9) and job.exit_code() == 128 + 9
+    said = capsys.readouterr()
+    assert ("rank 1 failed (killed by SIGKILL); rank 0 failed too (exit code 3); ending ranks "
+            "[2]") in said.out + said.err
+
+
 @timeout(120)
 def test_the_launcher_ends_the_others_at_once():
     """Without a grace period the launcher ends the surviving rank as soon as one

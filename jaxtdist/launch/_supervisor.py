@@ -171,14 +171,18 @@ class _Job:
         now = time.monotonic()
         codes = [p.poll() for p in self.procs]
         if self.failed is None and self.signalled is None:  # else the launcher ends them
-            for rank, code in enumerate(codes):
-                if code not in (None, 0):
-                    self.failed = (rank, code)
-                    running = [r for r, c in enumerate(codes) if c is None]
-                    _say(f"rank {rank} failed ({_describe(code)})"
-                         + (f"; ending ranks {running}" if running else ""))
-                    self.term_at = now + self.opts.failure_grace_s
-                    break
+            failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                # Ranks seen dead in the same look: a rank killed by a signal first (a
+                # survivor that noticed its peer's death exits right after it, with
+                # an error of its own), then the lowest rank.
+                failed.sort(key=lambda rc: (rc[1] >= 0, rc[0]))
+                rank, code = self.failed = failed[0]
+                running = [r for r, c in enumerate(codes) if c is None]
+                also = "".join(f"; rank {r} failed too ({_describe(c)})" for r, c in failed[1:])
+                _say(f"rank {rank} failed ({_describe(code)})" + also
+                     + (f"; ending ranks {running}" if running else ""))
+                self.term_at = now + self.opts.failure_grace_s
         if self.term_at is not None and now >= self.term_at:
             self.term_at = None
             self.send(signal.SIGTERM)
