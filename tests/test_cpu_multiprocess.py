@@ -100,7 +100,7 @@ def test_a_rank_killed_mid_chain_fails_the_job(victim):
     assert took < 60, took            # never the kernels' wait bound (60 s here)
 
 
-def test_the_launcher_names_the_killed_rank_when_a_survivor_exits_in_the_same_look(capsys):
+def test_the_launcher_names_the_killed_rank_when_a_survivor_exits_first(capsys):
     """A survivor that notices its peer's death exits within a poll of it: when the
     launcher sees both dead at once it names (and exits with) the rank killed by a
     signal, not the lower rank's own error exit."""
@@ -121,6 +121,16 @@ def test_the_launcher_names_the_killed_rank_when_a_survivor_exits_in_the_same_lo
     said = capsys.readouterr()
     assert ("rank 1 failed (killed by SIGKILL); rank 0 failed too (exit code 3); ending ranks "
             "[2]") in said.out + said.err
+    # The killed rank's teardown outlasts the survivor's: seen one look later (before the
+    # launcher signalled anyone), it still becomes the cause.
+    job = _Job(LaunchOptions(nproc=2, command=["true"], port=1, failure_grace_s=30))
+    job.procs = [Exited(3), Exited(None)]
+    assert job.step() and job.failed == (0, 3)
+    job.procs[1].code = -9
+    assert not job.step()
+    assert job.failed == (1, -9) and job.exit_code() == 128 + 9
+    said = capsys.readouterr()
+    assert "rank 1 failed (killed by SIGKILL), the likely cause" in said.out + said.err
 
 
 @timeout(120)

@@ -25,6 +25,8 @@ from jaxtdist.launch import (ENV_COORDINATOR, ENV_LOCAL_RANK, ENV_NUM_PROCESSES,
 
 # Seconds between two looks at the ranks: how late the launcher notices a failure.
 _POLL_S = 0.05
+# After an error exit, how long a rank killed by a signal still counts as the cause.
+_SETTLE_S = 1.0
 
 
 @dataclasses.dataclass
@@ -132,6 +134,8 @@ class _Job:
         self.signalled: int | None = None
         self.term_at: float | None = None             # when to SIGTERM the others
         self.kill_at: float | None = None             # when to SIGKILL what is left
+        self.settle_at = 0.0                           # until when a killed rank is the cause
+        self.sent = False                              # whether the launcher signalled ranks
 
     def start(self) -> list[threading.Thread]:
         lock = threading.Lock()
@@ -148,6 +152,7 @@ class _Job:
         return threads
 
     def send(self, sig: int) -> None:
+        self.sent = True
         for p in self.procs:
             if p.poll() is None:
                 try:
@@ -183,6 +188,16 @@ class _Job:
                 _say(f"rank {rank} failed ({_describe(code)})" + also
                      + (f"; ending ranks {running}" if running else ""))
                 self.term_at = now + self.opts.failure_grace_s
+                self.settle_at = now + _SETTLE_S
+        elif (self.failed is not None and self.failed[1] >= 0 and now < self.settle_at
+              and not self.sent):
+            # A rank killed by a signal (none of ours yet) just after another's error
+            # exit is the likely cause: its teardown can outlast the survivor's.
+            killed = [(rank, code) for rank, code in enumerate(codes)
+                      if code is not None and code < 0]
+            if killed:
+                rank, code = self.failed = killed[0]
+                _say(f"rank {rank} failed ({_describe(code)}), the likely cause")
         if self.term_at is not None and now >= self.term_at:
             self.term_at = None
             self.send(signal.SIGTERM)
