@@ -370,3 +370,28 @@ def test_flash_decode_benchmark_times_the_paged_cache(faked_timing, monkeypatch)
     lines = text.splitlines()
     assert lines[2].count("|") == lines[4].count("|") == len(flash_decode.WORLD1_COLUMNS) + 1
     assert "| jaxtdist paged (16-position pages) | paged / contiguous |" in lines[2]
+
+
+def test_flash_decode_benchmark_chains_layers_and_reports_per_call(faked_timing, monkeypatch):
+    """``bench flash_decode --layers 2``: each contender runs two calls back to back,
+    checked against the reference of the chain, and its times are per call (the
+    faked 1.5 us step over 2 layers)."""
+    from jaxtdist.bench import flash_decode
+
+    monkeypatch.setattr(flash_decode, "FLASH_DECODE_HEADS", (1, 4, 2, 32))
+    rows = flash_decode.bench_flash_decode([64], 1, 1, rounds=1, layers=2)
+    row = rows[0]
+    for name in ("jaxtdist", "jaxtdist_paged", "op", "xla_decode"):
+        assert row[name]["rel_err"] < 2e-2, (name, row[name])
+        assert row[name]["mean_us"] == 0.75 and row[name]["samples_us"] == [0.5, 1.0], name
+        assert row[name]["layers"] == 2
+    # The chain's reference is not the single call's: a contender that ran once fails it.
+    q, k, v, n = flash_decode._operands(700, 1, 4, 2, 32, 64, jnp.float32)
+    once = flash_decode._reference(q, k, v, n)
+    twice = flash_decode._chain_reference(q, k, v, n, 2)
+    assert harness.rel_err(once, twice) > 1e-2
+    text = flash_decode.table(dict(world=1, device="cpu", rows=rows, iterations=1, rounds=1,
+                                   layers=2))
+    assert "2 calls back to back per program" in text
+    with pytest.raises(ValueError, match="layers=0"):
+        flash_decode.bench_flash_decode([64], 1, 1, rounds=1, layers=0)

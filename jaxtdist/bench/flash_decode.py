@@ -15,7 +15,17 @@ D=128, bf16, every position valid but the last 3):
   of them, merge) and against one GPU holding the whole cache (the kernel at
   world 1 on device 0).
 
-Every output checked against a float32 reference on the host.
+With ``--layers L`` every contender runs L calls back to back in one program,
+each taking the previous call's output as its query (a decode step through L
+layers that share one cache), and its times are per call (the step's kernel
+time over L). One call per program leaves the GPUs idle between calls, so a
+world > 1 call also waits out how far apart the host started it on each
+device; back to back, each device starts a call as its previous one ends, as
+in a model's decode step.
+
+Every output checked against a float32 reference on the host (of the chain of
+L calls, the query rounded to the cache's dtype between calls as the kernels
+do).
 """
 
 from __future__ import annotations
@@ -102,6 +112,42 @@ def _operands(seed: int, b: int, hq: int, hkv: int, d: int, s: int, dtype):
     return q, k, v, n
 
 
+def _chained(fn, layers: int):
+    """``fn(q, *rest) -> out`` called ``layers`` times back to back in one program,
+    each call's output the next one's query."""
+    if layers == 1:
+        return fn
+
+    def step(q, *rest):
+        for _ in range(layers):
+            q = fn(q, *rest)
+        return q
+    return jax.jit(step)
+
+
+def _chain_reference(q, k, v, kv_len, layers: int) -> np.ndarray:
+    """``_reference`` of ``_chained``'s last output (queries rounded to q's dtype)."""
+    out = _reference(q, k, v, kv_len)
+    for _ in range(layers - 1):
+        out = _reference(jnp.asarray(out, q.dtype), k, v, kv_len)
+    return out
+
+
+def _per_call(stats: dict, layers: int) -> dict:
+    """A chained contender's stats per call (its step's times over ``layers``)."""
+    if layers == 1 or "mean_us" not in stats:
+        return stats
+    out = dict(stats, layers=layers)
+    for key in ("mean_us", "min_us"):
+        out[key] = stats[key] / layers
+    for key in ("samples_us", "min_samples_us", "round_medians_us"):
+        if key in stats:
+            out[key] = [t / layers for t in stats[key]]
+    if "kernel_us" in stats:
+        out["kernel_us"] = {name: t / layers for name, t in stats["kernel_us"].items()}
+    return out
+
+
 PAGE = 16  # positions per page of the paged contender (vLLM's default block size)
 
 
@@ -121,7 +167,8 @@ def paged_cache(k, v, page: int, spare: int, seed: int):
     return (*pools, jnp.asarray(order[:b * pages].reshape(b, pages), jnp.int32))
 
 
-def _one_gpu_times(seqs, iterations: int, dtype, rounds: int) -> dict[int, dict]:
+def _one_gpu_times(seqs, iterations: int, dtype, rounds: int,
+                   layers: int = 1) -> dict[int, dict]:
     """The kernel at world 1 holding the whole cache on device 0, per length (run
     before the W-device mesh is set up: jaxtdist holds one mesh at a time)."""
     import jaxtdist as td
@@ -130,28 +177,32 @@ def _one_gpu_times(seqs, iterations: int, dtype, rounds: int) -> dict[int, dict]
     b, hq, hkv, d = FLASH_DECODE_HEADS
     one = _mesh(1)
     td.initialize(one)
-    fn = jax.jit(jax.shard_map(lambda *a: ops.flash_decode_kernels(*a, "sp"), mesh=one,
-                               in_specs=SPECS, out_specs=P(), check_vma=False))
+    fn = _chained(jax.jit(jax.shard_map(lambda *a: ops.flash_decode_kernels(*a, "sp"), mesh=one,
+                                        in_specs=SPECS, out_specs=P(), check_vma=False)),
+                  layers)
     times = {}
     for i, s in enumerate(seqs):
         q, k, v, n = _operands(700 + 3 * i, b, hq, hkv, d, s, dtype)
         args = tuple(jax.device_put(a, NamedSharding(one, sp)) for a, sp in zip((q, k, v, n),
                                                                               SPECS))
-        times[s] = h.interleaved(dict(one_gpu=h.Contender(fn, args, 1, _reference(q, k, v, n))),
-                                 iterations, rounds)["one_gpu"]
+        ref = _chain_reference(q, k, v, n, layers)
+        times[s] = _per_call(h.interleaved(dict(one_gpu=h.Contender(fn, args, 1, ref)),
+                                           iterations, rounds)["one_gpu"], layers)
         del args
     return times
 
 
 def bench_flash_decode(seqs, iterations: int, world: int, dtype=jnp.bfloat16,
-                       rounds: int = 4) -> list[dict]:
+                       rounds: int = 4, layers: int = 1) -> list[dict]:
     import jaxtdist as td
 
     ops = _ops()
     b, hq, hkv, d = FLASH_DECODE_HEADS
     itemsize = jnp.dtype(dtype).itemsize
     seqs = [-(-s // world) * world for s in seqs]
-    one_gpu = _one_gpu_times(seqs, iterations, dtype, rounds) if world > 1 else {}
+    if layers < 1:
+        raise ValueError(f"bench flash_decode: layers={layers} must be >= 1")
+    one_gpu = _one_gpu_times(seqs, iterations, dtype, rounds, layers) if world > 1 else {}
     mesh = _mesh(world)
     td.initialize(mesh)
     specs = dict(mesh=mesh, in_specs=SPECS, out_specs=P(), check_vma=False)
@@ -167,25 +218,28 @@ def bench_flash_decode(seqs, iterations: int, world: int, dtype=jnp.bfloat16,
     else:
         fns = dict(jaxtdist=jax.jit(jax.shard_map(lambda *a: td.flash_decode(*a, "sp"), **specs)),
                    xla_all_gather_merge=jax.jit(jax.shard_map(_xla_partial_merge, **specs)))
+    fns = {name: _chained(fn, layers) for name, fn in fns.items()}
     rows = []
     for i, s in enumerate(seqs):
         q, k, v, n = _operands(700 + 3 * i, b, hq, hkv, d, s, dtype)
-        ref = _reference(q, k, v, n)
+        ref = _chain_reference(q, k, v, n, layers)
         args = tuple(jax.device_put(a, NamedSharding(mesh, sp))
                      for a, sp in zip((q, k, v, n), SPECS))
         kv_bytes = 2 * b * s * hkv * d * itemsize  # K and V, all ranks together
         row = dict(b=b, hq=hq, hkv=hkv, d=d, seq=s, world=world, dtype=jnp.dtype(dtype).name,
-                   kv_bytes_per_device=kv_bytes // world, size=float(s), label=f"S={s}")
+                   kv_bytes_per_device=kv_bytes // world, size=float(s), label=f"S={s}",
+                   layers=layers)
         contenders = {name: h.Contender(fn, args, world, ref) for name, fn in fns.items()}
         if world == 1 and s % PAGE == 0:  # the same cache paged: the block table's cost
             k_pool, v_pool, table = paged_cache(k, v, PAGE, 1, 800 + i)
-            paged = jax.jit(jax.shard_map(
+            paged = _chained(jax.jit(jax.shard_map(
                 lambda q, kp, vp, n, t: ops.flash_decode_kernels(q, kp, vp, n, "sp",
                                                                  block_table=t),
-                mesh=mesh, in_specs=(P(),) * 5, out_specs=P(), check_vma=False))
+                mesh=mesh, in_specs=(P(),) * 5, out_specs=P(), check_vma=False)), layers)
             contenders["jaxtdist_paged"] = h.Contender(paged, (q, k_pool, v_pool, n, table), 1,
                                                        ref)
-        row.update(h.interleaved(contenders, iterations, rounds))
+        row.update({name: _per_call(stats, layers)
+                    for name, stats in h.interleaved(contenders, iterations, rounds).items()})
         if s in one_gpu:
             row["one_gpu"] = one_gpu[s]
         for name in ("jaxtdist", "jaxtdist_paged", "op", "xla_decode", "jax_nn_dpa", "one_gpu"):
@@ -253,6 +307,10 @@ WORLD_COLUMNS = [
 def table(res: dict) -> str:
     b, hq, hkv, d = FLASH_DECODE_HEADS
     shape = f"B={b}, Hq={hq}, Hkv={hkv}, D={d}, bfloat16"
+    layers = res.get("layers", 1)
+    if layers > 1:
+        shape += (f"; {layers} calls back to back per program (each call's output the next "
+                  "one's query), times per call")
     if res["world"] == 1:
         return h.markdown_table(
             f"flash_decode at world 1 (kernel forced), {shape}, 1 x {res['device']}; "
@@ -265,7 +323,9 @@ def table(res: dict) -> str:
 def run(args) -> tuple[list[dict], dict]:
     world = args.world or 1
     seqs = args.seqs or (FLASH_DECODE_SEQS[:1] if args.quick else FLASH_DECODE_SEQS)
-    return bench_flash_decode(seqs, args.iterations, world, rounds=args.rounds), dict(world=world)
+    layers = getattr(args, "layers", 1)
+    return (bench_flash_decode(seqs, args.iterations, world, rounds=args.rounds, layers=layers),
+            dict(world=world, layers=layers))
 
 
 def _arguments(parser) -> None:
@@ -275,6 +335,10 @@ def _arguments(parser) -> None:
     parser.add_argument("--quick", action="store_true", help="the first length only")
     parser.add_argument("--seqs", type=int, nargs="+", default=None,
                         help="total sequence lengths to time (default: the standard lengths)")
+    parser.add_argument("--layers", type=int, default=1,
+                        help="calls back to back per program, each call's output the next "
+                             "one's query (a decode step through that many layers); times "
+                             "are per call (default 1)")
 
 
 BENCHMARK = h.Benchmark(

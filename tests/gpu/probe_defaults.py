@@ -214,14 +214,12 @@ def _fd_world_1(variants: dict, seqs, dtype, seed: int, fill: float = 1.0) -> No
 
 def probe_flash_decode() -> None:
     """flash_decode's kernel at world 1 against XLA's decode: splits, step, warps."""
-    _fd_world_1({"default": None, "n128": dict(BLOCK_N=128),
-                 "n128_s2": dict(BLOCK_N=128, num_stages=2),
-                 "n128_s2_w8": dict(BLOCK_N=128, num_stages=2, num_warps=8),
-                 "n128_sp16": dict(BLOCK_N=128, NUM_SPLITS=16),
-                 "n128_sp16_s4": dict(BLOCK_N=128, NUM_SPLITS=16, num_stages=4),
-                 "n64_sp16": dict(NUM_SPLITS=16),
-                 "n128_s2_sp48": dict(BLOCK_N=128, num_stages=2, NUM_SPLITS=48),
-                 "n256_s2_w8_sp16": dict(BLOCK_N=256, num_stages=2, num_warps=8, NUM_SPLITS=16)},
+    _fd_world_1({"default": None, "s4": dict(num_stages=4), "w8": dict(num_warps=8),
+                 "s4_w8": dict(num_stages=4, num_warps=8),
+                 "n64_s5": dict(BLOCK_N=64, num_stages=5),
+                 "n64_s5_sp32": dict(BLOCK_N=64, num_stages=5, NUM_SPLITS=32),
+                 "n256_s2_w8": dict(BLOCK_N=256, num_stages=2, num_warps=8),
+                 "sp8": dict(NUM_SPLITS=8), "sp12": dict(NUM_SPLITS=12)},
                 (32768, 131072, 8192), jnp.bfloat16, 700)
 
 
@@ -317,7 +315,10 @@ def probe_gemm(only: str = "") -> None:
                                     num_stages=4)},
         ("ag_matmul", 512, 3584, 4096): {
             "stream_k": dict(STREAM_K=True), "t64x256": _tile(64, 256),
-            "t128x128s5": _tile(128, 128, stages=5), "t64x128": _tile(64, 128)},
+            "t128x128s5": _tile(128, 128, stages=5), "t64x128": _tile(64, 128),
+            "t128x128k128s3": dict(_tile(128, 128, stages=3), BLOCK_K=128),
+            "t128x128g4": _tile(128, 128, GROUP_M=4), "t128x128g1": _tile(128, 128, GROUP_M=1),
+            "t128x128sub1": dict(_tile(128, 128), SUBTILE=1)},
         # Decode rows (one tile over all rows, split K; default n64 s4 k64, 4 stages).
         ("ag_matmul", 16, 3072, 4096): _ag_decode_variants(),
     }
