@@ -152,6 +152,52 @@ def test_triton_call_local_kernel():
 # -- runtime state --------------------------------------------------------------------
 
 
+def _world_1_calls(config):
+    """Every op with a config at world 1 (where the local computation runs, not the
+    kernels) as {name: () -> output}."""
+    rng = np.random.default_rng(0)
+
+    def x(*shape):  # fresh operands, constants of the traced function
+        return rng.standard_normal(shape, np.float32)
+
+    ids = jnp.asarray([[0, 1], [2, 3], [1, 2], [3, 0]], jnp.int32)
+    weights = x(4, 2)
+
+    def combine():
+        recv, _, handle = td.moe_dispatch(x(4, 16), ids, "tp", num_experts=4)
+        return td.moe_combine(recv, handle, weights, "tp", config=config)
+
+    return {
+        "ag_matmul": lambda: td.ag_matmul(x(8, 16), x(16, 8), "tp", config=config),
+        "matmul_rs": lambda: td.matmul_rs(x(8, 16), x(16, 8), "tp", config=config),
+        "matmul_ar": lambda: td.matmul_ar(x(2, 16), x(16, 8), "tp", config=config),
+        "all_gather": lambda: td.all_gather(x(8, 4), "tp", config=config),
+        "all_reduce": lambda: td.all_reduce(x(8, 4), "tp", config=config),
+        "reduce_scatter": lambda: td.reduce_scatter(x(8, 4), "tp", config=config),
+        "ag_attention": lambda: td.ag_attention(*(x(1, 16, 2, 16) for _ in range(3)), "tp",
+                                                config=config),
+        "moe_dispatch": lambda: td.moe_dispatch(x(4, 16), ids, "tp", num_experts=4,
+                                                config=config)[0],
+        "moe_combine": combine,
+    }
+
+
+@pytest.mark.parametrize("op", list(_world_1_calls(None)))
+def test_a_bad_config_is_refused_at_world_1(op):
+    """At world 1 the ops run their local computation, which takes no config; a bad
+    one (here a misspelt key) is still refused, as the kernels at world > 1 refuse
+    it, and a good one (the defaults) changes nothing."""
+    mesh = setup(1)
+
+    def run(config):
+        return jax.jit(jax.shard_map(_world_1_calls(config)[op], mesh=mesh, in_specs=(),
+                                     out_specs=P(), check_vma=False))()
+
+    with pytest.raises(ValueError, match=rf"jaxtdist.\w+: unknown config keys \['BLOCK_MM'\]"):
+        run({"BLOCK_MM": 64})
+    np.testing.assert_array_equal(np.asarray(run({})), np.asarray(run(None)))
+
+
 def test_not_initialized():
     mesh = mesh_of((WORLD,), ("tp",))
     td.shutdown()

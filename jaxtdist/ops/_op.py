@@ -191,6 +191,12 @@ class DistributedOp:
       primal: ``primal(*arrays, **static) -> (out, None)``: the forward pass when
         no gradient is taken (residuals that cost work to keep are skipped);
         None: ``forward``, its residuals dropped.
+      check_config: ``check_config(*arrays, **static)`` resolving the ``config``
+        asked for (``static["config"]``, not None) as the kernels would at world 1,
+        raising ``ValueError`` where it does not fit; run where ``local`` runs
+        instead of the kernels, so that a bad config (an unknown key, a tile that
+        is no power of 2) fails on one device as it would on many. None: nothing
+        to check.
     """
     name: str
     forward: Callable[..., tuple[Any, Any]]
@@ -199,6 +205,7 @@ class DistributedOp:
     local: Callable[..., Any] | None = None
     reduces: bool = False
     primal: Callable[..., tuple[Any, Any]] | None = None
+    check_config: Callable[..., None] | None = None
 
     def __call__(self, *arrays: jax.Array, axis_name, **static: Any):
         if isinstance(axis_name, list):
@@ -208,6 +215,8 @@ class DistributedOp:
         rt = runtime()
         layout = check_axis(rt, axis_name, self.name)
         if layout.world == 1 and self.local is not None:
+            if self.check_config is not None and static.get("config") is not None:
+                self.check_config(*arrays, axis_name=axis_name, **static)
             out = self.local(*arrays, axis_name=axis_name, **static)
             return _typed_as_sum(out, layout.axes) if self.reduces else out
         if not arrays:  # nothing to differentiate: the protocol orders the call itself

@@ -405,6 +405,13 @@ def _problem(call: Call, x, w) -> Problem:
                    jnp.dtype(x.dtype).name, call.rt.sms)
 
 
+def resolved_config(config_type: type, call: Call, x, w, axis_name, config) -> tuple:
+    """The problem of ``call`` (matmul_rs or matmul_ar of x @ w) and the config its
+    kernels take (``config`` over the defaults, or the tuned entry)."""
+    problem = _problem(call, x, w)
+    return problem, resolve(config_type, problem, call.rt, config, axis_name=axis_name)
+
+
 # -- launches --------------------------------------------------------------------
 
 def _push_pieces(cfg: MatmulRsConfig, itemsize: int, partial_itemsize: int) -> int:
@@ -434,8 +441,7 @@ def matmul_rs_kernels(x: jax.Array, w: jax.Array, axis_name, *,
         raise ValueError(f"jaxtdist.matmul_rs: trace_tiles={trace_tiles!r} must be an int >= 0 "
                          "(0: no stamps)")
     call = Call("matmul_rs", axis_name)
-    problem = _problem(call, x, w)
-    cfg = resolve(MatmulRsConfig, problem, call.rt, config, axis_name=axis_name)
+    problem, cfg = resolved_config(MatmulRsConfig, call, x, w, axis_name, config)
     (m, k), n, world = x.shape, w.shape[1], call.world
     m_shard = m // world
     partial = x.dtype if cfg.PARTIAL == "input" else jnp.dtype(jnp.float32)
@@ -478,8 +484,7 @@ def matmul_ar_kernels(x: jax.Array, w: jax.Array, axis_name, *,
     x, w = jnp.asarray(x), jnp.asarray(w)
     _ar_check(x, w, axis_name=axis_name)
     call = Call("matmul_ar", axis_name)
-    problem = _problem(call, x, w)
-    cfg = resolve(MatmulArConfig, problem, call.rt, config, axis_name=axis_name)
+    problem, cfg = resolved_config(MatmulArConfig, call, x, w, axis_name, config)
     (m, k), n, world = x.shape, w.shape[1], call.world
     tiles = -(-m // cfg.BLOCK_M) * -(-n // cfg.BLOCK_N)
     partial = x.dtype if cfg.PARTIAL == "input" else jnp.dtype(jnp.float32)

@@ -167,6 +167,15 @@ def _causal(causal):
 
 # -- launch ----------------------------------------------------------------------
 
+def _resolved(call: Call, q, k, config, axis_name) -> tuple[Problem, AgAttentionConfig]:
+    """The call's problem and the config its kernel takes (``config`` over the
+    defaults, or the tuned entry)."""
+    (b, s, hq, d), hkv = q.shape, k.shape[2]
+    problem = Problem(call.platform, call.world, (b, s, hq, hkv, d), jnp.dtype(q.dtype).name,
+                      call.rt.sms)
+    return problem, resolve(AgAttentionConfig, problem, call.rt, config, axis_name=axis_name)
+
+
 def ag_attention_kernels(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *,
                          causal: bool = True, config: dict | None = None) -> jax.Array:
     """ag_attention's forward kernel, at world 1 too (for benchmarks and tests); not
@@ -177,9 +186,7 @@ def ag_attention_kernels(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *,
     call = Call("ag_attention", axis_name)
     b, s, hq, d = q.shape
     hkv = k.shape[2]
-    problem = Problem(call.platform, call.world, (b, s, hq, hkv, d), jnp.dtype(q.dtype).name,
-                      call.rt.sms)
-    cfg = resolve(AgAttentionConfig, problem, call.rt, config, axis_name=axis_name)
+    problem, cfg = _resolved(call, q, k, config, axis_name)
     kv_elems = b * s * hkv * d
     tiles = dict(**cfg.launch_options(), B=b, S=s, HQ=hq, HKV=hkv, D=d, CAUSAL=causal,
                  QK_SCALE=float(math.log2(math.e) / math.sqrt(d)), KV_ELEMS=kv_elems,
@@ -303,8 +310,13 @@ def _local(q, k, v, *, axis_name, causal=True, config=None):
     return jax.nn.dot_product_attention(q, k, v, is_causal=causal)
 
 
+def _check_config(q, k, v, *, axis_name, causal=True, config):
+    del v, causal
+    _resolved(Call("ag_attention", axis_name), q, k, config, axis_name)
+
+
 _AG_ATTENTION = DistributedOp("ag_attention", forward=_forward, backward=_backward,
-                              check=_check, local=_local)
+                              check=_check, local=_local, check_config=_check_config)
 
 
 def ag_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *, causal: bool = True,

@@ -61,6 +61,15 @@ def _problem(call: Call, x, w) -> Problem:
                    jnp.dtype(x.dtype).name, call.rt.sms)
 
 
+def _resolved(call: Call, x, w, config, axis_name) -> tuple[Problem, AgMatmulConfig]:
+    """The call's problem and the config its kernels take (``config`` over the
+    defaults, or the tuned entry)."""
+    problem = _problem(call, x, w)
+    base = AgMatmulConfig.for_overrides(problem, config or {})
+    return problem, resolve(AgMatmulConfig, problem, call.rt, config, base=base,
+                            axis_name=axis_name)
+
+
 def persistent_programs(platform: str, sms: int, num_comm: int, tiles: int) -> int:
     """Programs of a persistent kernel: one per SM on GPUs (all must be resident,
     since they spin on each other), a few under the interpreter."""
@@ -88,9 +97,7 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
     x, w = jnp.asarray(x), jnp.asarray(w)
     _check(x, w, axis_name=axis_name)
     call = Call("ag_matmul", axis_name)
-    problem = _problem(call, x, w)
-    base = AgMatmulConfig.for_overrides(problem, config or {})
-    cfg = resolve(AgMatmulConfig, problem, call.rt, config, base=base, axis_name=axis_name)
+    problem, cfg = _resolved(call, x, w, config, axis_name)
     if cfg.variant == "ce":
         try:
             return _launch_copy_engines(call, problem, cfg, x, w, gathered)
@@ -292,8 +299,13 @@ def _local(x, w, *, axis_name, config=None, regather=False):
     return jnp.dot(x, w)
 
 
+def _check_config(x, w, *, axis_name, config, regather=False):
+    del regather
+    _resolved(Call("ag_matmul", axis_name), x, w, config, axis_name)
+
+
 _AG_MATMUL = DistributedOp("ag_matmul", forward=_forward, backward=_backward, check=_check,
-                           local=_local, primal=_primal)
+                           local=_local, primal=_primal, check_config=_check_config)
 
 
 def ag_matmul(x: jax.Array, w, axis_name, *, config: dict | None = None,

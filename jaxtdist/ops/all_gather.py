@@ -89,16 +89,23 @@ def _axis_range(ndim: int, tiled: bool) -> str:
     return f"axis in [{-n}, {n})" + ("" if tiled else ", the position of the new axis")
 
 
+def _resolved(call: Call, x, axis: int, tiled: bool, config, axis_name):
+    """x with the gathered dimension first and the config the kernel takes for its
+    [rows, cols] blocks."""
+    moved = jnp.moveaxis(x, axis, 0) if tiled else x
+    rows, cols = moved.shape[0], math.prod(moved.shape[1:])
+    problem = Problem(call.platform, call.world, (rows, cols), jnp.dtype(x.dtype).name)
+    return moved, resolve(AllGatherConfig, problem, call.rt, config, axis_name=axis_name)
+
+
 def _forward(x, *, axis_name, axis, tiled, config=None):
     # axis >= 0: the dimension concatenated along (tiled), or the position of the
     # new stacked axis in the result, 0..x.ndim (as jax.lax.all_gather's).
     call = Call("all_gather", axis_name)
     world = call.world
-    moved = jnp.moveaxis(x, axis, 0) if tiled else x
+    moved, cfg = _resolved(call, x, axis, tiled, config, axis_name)
     rows, cols = moved.shape[0], math.prod(moved.shape[1:])
     flat = moved.reshape(rows, cols)
-    problem = Problem(call.platform, world, (rows, cols), jnp.dtype(x.dtype).name)
-    cfg = resolve(AllGatherConfig, problem, call.rt, config, axis_name=axis_name)
     plan = GatherWorkspace(world, rows, cols, x.dtype, cfg.CHUNK_ROWS)
     ws = call.workspace("gather", plan.nbytes, rows, cols, x.dtype.name)
     out = call.run(all_gather_kernel, flat, workspace=ws,
@@ -123,8 +130,12 @@ def _local(x, *, axis_name, axis, tiled, config=None):
     return x if tiled else jnp.expand_dims(x, axis)
 
 
+def _check_config(x, *, axis_name, axis, tiled, config):
+    _resolved(Call("all_gather", axis_name), x, axis, tiled, config, axis_name)
+
+
 _ALL_GATHER = DistributedOp("all_gather", forward=_forward, backward=_backward, check=_check,
-                            local=_local)
+                            local=_local, check_config=_check_config)
 
 
 def all_gather(x: jax.Array, axis_name, *, axis: int = 0, tiled: bool = True,

@@ -168,6 +168,12 @@ def _check(x, *, axis_name, config=None) -> None:
     check_dtype("all_reduce", "x", x.dtype)
 
 
+def _resolved(call: Call, n: int, dtype, config, axis_name) -> AllReduceConfig:
+    """The config (settled) the kernels take for ``n`` elements of ``dtype``."""
+    problem = problem_of(call.rt, call.world, n, dtype)
+    return resolve(AllReduceConfig, problem, call.rt, config, axis_name=axis_name).settled(problem)
+
+
 def _forward(x, *, axis_name, config=None):
     call = Call("all_reduce", axis_name)
     world = call.world
@@ -175,8 +181,7 @@ def _forward(x, *, axis_name, config=None):
     if n == 0:  # an empty array: nothing to sum
         return x, x
     flat = x.reshape(n)
-    problem = problem_of(call.rt, world, n, x.dtype)
-    cfg = resolve(AllReduceConfig, problem, call.rt, config, axis_name=axis_name).settled(problem)
+    cfg = _resolved(call, n, x.dtype, config, axis_name)
     programs = cfg.NUM_PROGRAMS
     common = dict(out_shape=jax.ShapeDtypeStruct((n,), x.dtype), grid=(programs,),
                   num_stages=1, varying=call.result_axes(reduced=(flat,)),
@@ -240,8 +245,13 @@ def _local(x, *, axis_name, config=None):
     return x
 
 
+def _check_config(x, *, axis_name, config):
+    if x.size:  # an empty array runs no kernel
+        _resolved(Call("all_reduce", axis_name), x.size, x.dtype, config, axis_name)
+
+
 _ALL_REDUCE = DistributedOp("all_reduce", forward=_forward, backward=_backward, check=_check,
-                            local=_local, reduces=True)
+                            local=_local, reduces=True, check_config=_check_config)
 
 
 def all_reduce(x: jax.Array, axis_name, *, config: dict | None = None) -> jax.Array:

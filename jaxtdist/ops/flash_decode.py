@@ -368,24 +368,21 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array
     return o.reshape(b, hq, d).astype(q.dtype)
 
 
-def _check_unused_config(q, cache_shape: tuple, axis_name, config) -> None:
-    """Checks a ``config`` that the local computation (world 1 on CPU) will not use:
-    the same call at world > 1 or on a GPU would refuse a bad one, so it must not
-    pass here unnoticed."""
-    if config is None:
-        return
+def _check_config(q, k, v, kv_len, *, axis_name, config):
+    """``config`` resolved for the contiguous cache ``k`` (DistributedOp.check_config)."""
+    del v, kv_len
     call = Call("flash_decode", axis_name)
-    resolve(FlashDecodeConfig, _problem(call, q, jax.ShapeDtypeStruct(cache_shape, q.dtype)),
+    resolve(FlashDecodeConfig, _problem(call, q, jax.ShapeDtypeStruct(k.shape, q.dtype)),
             call.rt, config, axis_name=axis_name)
 
 
 def _local(q, k, v, kv_len, *, axis_name, config=None):
-    _check_unused_config(q, k.shape, axis_name, config)
+    del axis_name, config
     return decode_attention(q, k, v, _int32_lengths(kv_len))
 
 
 _FLASH_DECODE = DistributedOp("flash_decode", forward=_forward, check=_check, local=_local,
-                              reduces=True)
+                              reduces=True, check_config=_check_config)
 
 
 def _paged_forward(q, k, v, kv_len, block_table, *, axis_name, config=None):
@@ -394,13 +391,20 @@ def _paged_forward(q, k, v, kv_len, block_table, *, axis_name, config=None):
 
 
 def _paged_local(q, k, v, kv_len, block_table, *, axis_name, config=None):
-    _check_unused_config(q, _as_contiguous(k, block_table).shape, axis_name, config)
+    del axis_name, config
     return decode_attention(q, _gather_pages(k, block_table), _gather_pages(v, block_table),
                             _int32_lengths(kv_len))
 
 
+def _check_paged_config(q, k, v, kv_len, block_table, *, axis_name, config):
+    """``config`` resolved for the cache the pages hold (DistributedOp.check_config)."""
+    _check_config(q, _as_contiguous(k, block_table), v, kv_len, axis_name=axis_name,
+                  config=config)
+
+
 _PAGED_DECODE = DistributedOp("flash_decode", forward=_paged_forward, check=_check_paged,
-                              local=_paged_local, reduces=True)
+                              local=_paged_local, reduces=True,
+                              check_config=_check_paged_config)
 
 
 # -- world 1 on GPUs: the kernel forward, the local computation's VJP backward --------

@@ -22,7 +22,8 @@ import numpy as np
 from jaxtdist.ops._config import Problem, resolve
 from jaxtdist.ops._op import DistributedOp, one_call_per_element, pjit_wrapper, rows_over
 from jaxtdist.ops._partial_sums import (MatmulArConfig, MatmulRsConfig, _ar_check, _rs_check,
-                                        matmul_ar_kernels, matmul_rs_kernels)
+                                        matmul_ar_kernels, matmul_rs_kernels, resolved_config)
+from jaxtdist.ops._protocol import Call
 from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered
 from jaxtdist.runtime._runtime import runtime
 from jaxtdist.tune import _registry
@@ -52,8 +53,16 @@ def _local(x, w, *, axis_name, config=None):
     return jnp.dot(x, w)
 
 
+def _rs_check_config(x, w, *, axis_name, config):
+    resolved_config(MatmulRsConfig, Call("matmul_rs", axis_name), x, w, axis_name, config)
+
+
+def _ar_check_config(x, w, *, axis_name, config):
+    resolved_config(MatmulArConfig, Call("matmul_ar", axis_name), x, w, axis_name, config)
+
+
 _MATMUL_RS = DistributedOp("matmul_rs", forward=_rs_forward, backward=_rs_backward,
-                           check=_rs_check, local=_local)
+                           check=_rs_check, local=_local, check_config=_rs_check_config)
 
 
 def matmul_rs(x: jax.Array, w: jax.Array, axis_name, *, config: dict | None = None) -> jax.Array:
@@ -104,7 +113,8 @@ def _ar_backward(residuals, dy, *, axis_name, config=None):
 
 
 _MATMUL_AR = DistributedOp("matmul_ar", forward=_ar_forward, backward=_ar_backward,
-                           check=_ar_check, local=_local, reduces=True)
+                           check=_ar_check, local=_local, reduces=True,
+                           check_config=_ar_check_config)
 
 
 def matmul_ar(x: jax.Array, w: jax.Array, axis_name, *, config: dict | None = None) -> jax.Array:

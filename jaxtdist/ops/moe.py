@@ -332,6 +332,12 @@ def _problem(call: Call, tokens: int, hidden: int, dtype) -> Problem:
                    call.rt.sms)
 
 
+def _resolved(call: Call, tokens: int, hidden: int, dtype, config, axis_name) -> MoeConfig:
+    """The config the kernels take for ``tokens`` rows of ``hidden`` ``dtype`` elements."""
+    return resolve(MoeConfig, _problem(call, tokens, hidden, dtype), call.rt, config,
+                   axis_name=axis_name)
+
+
 class DispatchWorkspace:
     """Byte layout of the dispatch workspace: flags [W, P] int32, then per call
     parity: headers [W, E_LOC + 2P + 1] int32, meta rows [W, T, 1 + 4 KL] int32,
@@ -394,8 +400,7 @@ def moe_dispatch_kernels(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_
     e_loc = num_experts // world
     kl = min(k, e_loc)
     rows = max_recv_rows or default_recv_rows(t, k, world, num_experts)
-    cfg = resolve(MoeConfig, _problem(call, t, h, x.dtype), call.rt, config,
-                  axis_name=axis_name)
+    cfg = _resolved(call, t, h, x.dtype, config, axis_name)
     programs = min(cfg.NUM_PROGRAMS, t)
     plan = DispatchWorkspace(world, t, h, x.dtype.itemsize, e_loc, kl, programs)
     # The layout depends on all of these: other shapes get their own workspace.
@@ -478,8 +483,7 @@ def moe_combine_kernels(y: jax.Array, handle: MoeHandle, weights: jax.Array, axi
     f = y.shape[1]
     programs = handle.programs
     kl = handle.src_pos.shape[1]
-    cfg = resolve(MoeConfig, _problem(call, t, f, y.dtype), call.rt, config,
-                  axis_name=axis_name)
+    cfg = _resolved(call, t, f, y.dtype, config, axis_name)
     plan = CombineWorkspace(world, t, k, f, y.dtype.itemsize, programs)
     ws = call.workspace("push", plan.nbytes, t, k, f, y.dtype.name, programs)
     kmask = _valid_pairs(handle.expert_ids, handle.num_experts).astype(jnp.int32)
@@ -643,9 +647,14 @@ def _dispatch_local(x, expert_ids, *, axis_name, num_experts, max_recv_rows=None
             jnp.sum(~valid).astype(jnp.int32))
 
 
+def _check_dispatch_config(x, expert_ids, *, axis_name, config, **static):
+    del expert_ids, static
+    _resolved(Call("moe_dispatch", axis_name), *x.shape, x.dtype, config, axis_name)
+
+
 _DISPATCH = DistributedOp("moe_dispatch", forward=_dispatch_forward,
                           backward=_dispatch_backward, check=_check_dispatch,
-                          local=_dispatch_local)
+                          local=_dispatch_local, check_config=_check_dispatch_config)
 
 
 def _check_combine(y, weights, handle, *, axis_name, config=None) -> None:
@@ -738,8 +747,15 @@ def _check_combine_op(y, weights, expert_ids, spos, stk, ranges, *, axis_name, n
                    axis_name=axis_name)
 
 
+def _check_combine_config(y, weights, expert_ids, *handle_arrays, axis_name, config, **static):
+    del weights, handle_arrays, static
+    _resolved(Call("moe_combine", axis_name), expert_ids.shape[0], y.shape[1], y.dtype, config,
+              axis_name)
+
+
 _COMBINE = DistributedOp("moe_combine", forward=_combine_forward, backward=_combine_backward,
-                         check=_check_combine_op, local=_combine_local)
+                         check=_check_combine_op, local=_combine_local,
+                         check_config=_check_combine_config)
 
 
 def moe_dispatch(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_experts: int,

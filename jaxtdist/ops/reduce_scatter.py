@@ -144,6 +144,12 @@ def _check(x, *, axis_name, scatter_dimension, config=None) -> None:
                          f"do not divide (psum_scatter with tiled=True requires it)")
 
 
+def _resolved(call: Call, n: int, dtype, config, axis_name) -> ReduceScatterConfig:
+    """The config the kernel takes for ``n`` elements of ``dtype`` per rank."""
+    return resolve(ReduceScatterConfig, problem_of(call.rt, call.world, n, dtype), call.rt,
+                   config, axis_name=axis_name)
+
+
 def _forward(x, *, axis_name, scatter_dimension, config=None):
     d = scatter_dimension % x.ndim
     call = Call("reduce_scatter", axis_name)
@@ -155,8 +161,7 @@ def _forward(x, *, axis_name, scatter_dimension, config=None):
     if chunk == 0:  # an empty array: nothing to sum
         return jnp.moveaxis(jnp.zeros(out_shape, x.dtype), 0, d), None
     flat = moved.reshape(n)
-    cfg = resolve(ReduceScatterConfig, problem_of(call.rt, world, n, x.dtype), call.rt, config,
-                  axis_name=axis_name)
+    cfg = _resolved(call, n, x.dtype, config, axis_name)
     plan = ReduceWorkspace(world, n, x.dtype, cfg.NUM_PROGRAMS)
     ws = call.workspace("pull", plan.nbytes, n, x.dtype.name, cfg.NUM_PROGRAMS)
     # Each rank's result differs: it varies over the group's axes too.
@@ -181,8 +186,14 @@ def _local(x, *, axis_name, scatter_dimension, config=None):
     return x
 
 
+def _check_config(x, *, axis_name, scatter_dimension, config):
+    del scatter_dimension
+    if x.size:  # an empty array runs no kernel
+        _resolved(Call("reduce_scatter", axis_name), x.size, x.dtype, config, axis_name)
+
+
 _REDUCE_SCATTER = DistributedOp("reduce_scatter", forward=_forward, backward=_backward,
-                                check=_check, local=_local)
+                                check=_check, local=_local, check_config=_check_config)
 
 
 def reduce_scatter(x: jax.Array, axis_name, *, scatter_dimension: int = 0,
