@@ -103,8 +103,9 @@ def default_tiles(rows: int, world: int, n: int, k: int, itemsize: int, sms: int
         shapes = [s for s in shapes if s[0] == 64]
     if whole_row_tiles:
         shapes = [s for s in shapes if rows % s[0] == 0]
-    if (128, 256) in shapes and (128, 128) in shapes and _tiles(
-            rows, world, n, 128, 128) <= sms:
+    one_round = ((128, 256) in shapes and (128, 128) in shapes
+                 and _tiles(rows, world, n, 128, 128) <= sms)
+    if one_round:
         # One round that leaves half the SMs idle in 128 x 256: a tile's latency is
         # the GEMM's, and twice the tiles of 128 x 128 ran 1.14x jnp.dot against
         # 1.2x for 128 x 256 and 64 x 256 at 512 x 3584 x 4096.
@@ -121,7 +122,11 @@ def default_tiles(rows: int, world: int, n: int, k: int, itemsize: int, sms: int
     bk = 32 if wide else 64
     subtile = 4 if bn == 256 else 2
     stages = min(stages_for(bm, bn, bk, itemsize, subtile), _MAX_STAGES.get((bm, bn), MAX_STAGES))
-    # 128-row tiles need two warpgroups for their accumulator (8 warps ran as fast
-    # or faster than 4 for 128 x 128 on every shape of the sweep).
-    return GemmTiles(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=8 if bm == 128 else 4,
+    # 128-row tiles take two warpgroups (8 warps ran as fast or faster than 4 for
+    # 128 x 128 on every shape of the sweep, several rounds each), except in one
+    # round of 128 x 128 tiles: there one warpgroup per tile ran 2-6% faster on all
+    # six shapes of ``probe_defaults.py gemm_one_round`` (1 x H100; 512 x 3584 x
+    # 4096: 1.12x jnp.dot against 1.16x, 256 x 4096 x 4096: 1.13x against 1.20x).
+    warps = 8 if bm == 128 and not one_round else 4
+    return GemmTiles(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
                      num_stages=stages, SUBTILE=subtile)

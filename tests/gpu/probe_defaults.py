@@ -4,7 +4,7 @@ process). The numbers quoted in the defaults' comments and in docs/perf come
 from these.
 
 Usage (repo root, GPU node): python3 tests/gpu/probe_defaults.py {moe,moe_trace,fd_race,
-attention,flash_decode,gemm,push,float32,rs_loop,rs_trace} [world]. ``moe`` and ``moe_trace`` run at the
+attention,flash_decode,gemm,gemm_one_round,push,float32,rs_loop,rs_trace} [world]. ``moe`` and ``moe_trace`` run at the
 world given (default 2, as ``fd_race``), ``push`` and ``rs_trace`` at 4 by default, and need that many GPUs; the
 others run on one.
 Prints one line per shape: each variant's median time, its ratio to the
@@ -336,6 +336,35 @@ def probe_gemm(only: str = "") -> None:
         for name, cfg in variants.items():
             contenders[name] = h.Contender(_kernel_fn(op, mesh, cfg), args, 1, ref)
         _report(f"{op} {m}x{n}x{k}", h.interleaved(contenders, 30, 3), "jnp_dot")
+
+
+def probe_gemm_one_round() -> None:
+    """Shapes whose 128 x 128 tiles fill at most one round of the SMs (the GEMM core's
+    one-round rule): the default's 8 warps against one warpgroup (4 warps) per tile
+    at 3-5 stages, against jnp.dot, 60 iterations in 6 interleaved rounds."""
+    from jaxtdist.bench.gemm import _SPECS, _kernel_fn, _tile
+
+    mesh = _mesh(1, "tp")
+    td.initialize(mesh)
+    variants = {"w4s5": _tile(128, 128, stages=5), "w4s4": _tile(128, 128, stages=4),
+                "w4s3": _tile(128, 128, stages=3), "w8s4": _tile(128, 128, stages=4, warps=8)}
+    dot = jax.jit(jnp.dot)
+    for i, (op, m, n, k) in enumerate([("ag_matmul", 512, 3584, 4096),
+                                       ("matmul_rs", 512, 3584, 4096),
+                                       ("ag_matmul", 256, 4096, 4096),
+                                       ("ag_matmul", 384, 5120, 4096),
+                                       ("ag_matmul", 512, 2048, 8192),
+                                       ("matmul_rs", 256, 8192, 2048)]):
+        x = h.normal(760 + 2 * i, (m, k), jnp.bfloat16, scale=1 / np.sqrt(k))
+        w = h.normal(761 + 2 * i, (k, n), jnp.bfloat16)
+        args = (jax.device_put(x, NamedSharding(mesh, _SPECS[op][0])),
+                jax.device_put(w, NamedSharding(mesh, _SPECS[op][1])))
+        ref = h.float32_matmul(x, w, jax.devices()[0])
+        contenders = dict(jnp_dot=h.Contender(dot, args, 1, ref),
+                          default=h.Contender(_kernel_fn(op, mesh, None), args, 1, ref))
+        for name, cfg in variants.items():
+            contenders[name] = h.Contender(_kernel_fn(op, mesh, cfg), args, 1, ref)
+        _report(f"{op} {m}x{n}x{k}", h.interleaved(contenders, 60, 6), "jnp_dot")
 
 
 def push_fn(mesh, rows: int, cols: int, programs: int, block: int, peer_major: bool,
@@ -695,7 +724,8 @@ def probe_fd_race(world: int = 2, calls: int = 48) -> None:
 
 
 PROBES = {"moe": probe_moe, "moe_routing": probe_moe_routing, "moe_trace": probe_moe_trace, "attention": probe_attention,
-          "flash_decode": probe_flash_decode, "gemm": probe_gemm, "push": probe_push,
+          "flash_decode": probe_flash_decode, "gemm": probe_gemm,
+          "gemm_one_round": probe_gemm_one_round, "push": probe_push,
           "float32": probe_float32, "rs_loop": probe_rs_loop, "rs_trace": probe_rs_trace,
           "fd_world": probe_fd_world,
           "fd_trace": probe_fd_trace, "fd_race": probe_fd_race, "fd_f32": probe_fd_f32, "fd_fill": probe_fd_fill}
