@@ -273,7 +273,7 @@ def _ag_decode_variants() -> dict:
 def probe_gemm(only: str = "") -> None:
     """The GEMM core's slowest shapes at world 1 against jnp.dot: tiles, K steps,
     pointer loads, matmul_ar's K splits (the ops' configs)."""
-    from jaxtdist.bench.gemm import _SPECS, _kernel_fn, _tile
+    from jaxtdist.bench.gemm import _tile
 
     mesh = _mesh(1, "tp")
     td.initialize(mesh)
@@ -322,49 +322,47 @@ def probe_gemm(only: str = "") -> None:
         # Decode rows (one tile over all rows, split K; default n64 s4 k64, 4 stages).
         ("ag_matmul", 16, 3072, 4096): _ag_decode_variants(),
     }
-    dot = jax.jit(jnp.dot)
     for i, ((op, m, n, k), variants) in enumerate(cases.items()):
         if only and f"{op} {m}x{n}x{k}" != only:
             continue
-        x = h.normal(700 + 2 * i, (m, k), jnp.bfloat16, scale=1 / np.sqrt(k))
-        w = h.normal(701 + 2 * i, (k, n), jnp.bfloat16)
-        args = (jax.device_put(x, NamedSharding(mesh, _SPECS[op][0])),
-                jax.device_put(w, NamedSharding(mesh, _SPECS[op][1])))
-        ref = h.float32_matmul(x, w, jax.devices()[0])
-        contenders = dict(jnp_dot=h.Contender(dot, args, 1, ref),
-                          default=h.Contender(_kernel_fn(op, mesh, None), args, 1, ref))
-        for name, cfg in variants.items():
-            contenders[name] = h.Contender(_kernel_fn(op, mesh, cfg), args, 1, ref)
-        _report(f"{op} {m}x{n}x{k}", h.interleaved(contenders, 30, 3), "jnp_dot")
+        _gemm_variants(mesh, op, m, n, k, 700 + 2 * i, variants, 30, 3)
+
+
+def _gemm_variants(mesh, op: str, m: int, n: int, k: int, seed: int, variants: dict,
+                   iterations: int, rounds: int) -> None:
+    """One line: ``op``'s kernels at world 1 on fresh bf16 x [m, k] @ w [k, n], the
+    default config and each of ``variants``, against jnp.dot."""
+    from jaxtdist.bench.gemm import _SPECS, _kernel_fn
+
+    x = h.normal(seed, (m, k), jnp.bfloat16, scale=1 / np.sqrt(k))
+    w = h.normal(seed + 1, (k, n), jnp.bfloat16)
+    args = (jax.device_put(x, NamedSharding(mesh, _SPECS[op][0])),
+            jax.device_put(w, NamedSharding(mesh, _SPECS[op][1])))
+    ref = h.float32_matmul(x, w, jax.devices()[0])
+    contenders = dict(jnp_dot=h.Contender(jax.jit(jnp.dot), args, 1, ref),
+                      default=h.Contender(_kernel_fn(op, mesh, None), args, 1, ref))
+    for name, cfg in variants.items():
+        contenders[name] = h.Contender(_kernel_fn(op, mesh, cfg), args, 1, ref)
+    _report(f"{op} {m}x{n}x{k}", h.interleaved(contenders, iterations, rounds), "jnp_dot")
 
 
 def probe_gemm_one_round() -> None:
     """Shapes whose 128 x 128 tiles fill at most one round of the SMs (the GEMM core's
     one-round rule): the default's 8 warps against one warpgroup (4 warps) per tile
     at 3-5 stages, against jnp.dot, 60 iterations in 6 interleaved rounds."""
-    from jaxtdist.bench.gemm import _SPECS, _kernel_fn, _tile
+    from jaxtdist.bench.gemm import _tile
 
     mesh = _mesh(1, "tp")
     td.initialize(mesh)
     variants = {"w4s5": _tile(128, 128, stages=5), "w4s4": _tile(128, 128, stages=4),
                 "w4s3": _tile(128, 128, stages=3), "w8s4": _tile(128, 128, stages=4, warps=8)}
-    dot = jax.jit(jnp.dot)
     for i, (op, m, n, k) in enumerate([("ag_matmul", 512, 3584, 4096),
                                        ("matmul_rs", 512, 3584, 4096),
                                        ("ag_matmul", 256, 4096, 4096),
                                        ("ag_matmul", 384, 5120, 4096),
                                        ("ag_matmul", 512, 2048, 8192),
                                        ("matmul_rs", 256, 8192, 2048)]):
-        x = h.normal(760 + 2 * i, (m, k), jnp.bfloat16, scale=1 / np.sqrt(k))
-        w = h.normal(761 + 2 * i, (k, n), jnp.bfloat16)
-        args = (jax.device_put(x, NamedSharding(mesh, _SPECS[op][0])),
-                jax.device_put(w, NamedSharding(mesh, _SPECS[op][1])))
-        ref = h.float32_matmul(x, w, jax.devices()[0])
-        contenders = dict(jnp_dot=h.Contender(dot, args, 1, ref),
-                          default=h.Contender(_kernel_fn(op, mesh, None), args, 1, ref))
-        for name, cfg in variants.items():
-            contenders[name] = h.Contender(_kernel_fn(op, mesh, cfg), args, 1, ref)
-        _report(f"{op} {m}x{n}x{k}", h.interleaved(contenders, 60, 6), "jnp_dot")
+        _gemm_variants(mesh, op, m, n, k, 760 + 2 * i, variants, 60, 6)
 
 
 def push_fn(mesh, rows: int, cols: int, programs: int, block: int, peer_major: bool,
