@@ -229,3 +229,35 @@ def test_grouped_gemm_auto_picks_by_platform(monkeypatch):
     assert moe_tp._pick_grouped_gemm("auto", 8, F32) == "ragged_dot"
     assert moe_tp._pick_grouped_gemm("auto", 257, BF16) == "ragged_dot"
     assert moe_tp._pick_grouped_gemm("ragged_dot", 8, BF16) == "ragged_dot"
+
+
+@pytest.mark.parametrize("dtype,k", [(BF16, 3), (F32, 1), (jnp.float16, 2)])
+def test_tokens_ids_and_weights_travel_in_one_gather(monkeypatch, dtype, k):
+    """moe_tp_mlp gathers x, the expert ids and the routing weights with one
+    all_gather launch (ids and weights as raw words at the end of each row): the
+    ids come back bit for bit, out-of-range ones included, as do the weights."""
+    from jaxtdist.ops import moe_tp
+
+    world, t, h = 2, 3, 16
+    mesh = setup(world, ("tp",))
+    calls = []
+
+    def counted(a, axis_name):
+        calls.append(a.shape)
+        return td.all_gather(a, axis_name)
+
+    monkeypatch.setattr(moe_tp, "all_gather", counted)
+    x = rand((world * t, h), dtype)
+    ids = np.random.default_rng(5).integers(-2**31, 2**31 - 1, (world * t, k), dtype=np.int32)
+    ids[0, 0], ids[1, 0] = -1, 0x7FC0FFFF  # a NaN's bits in a 16-bit word
+    gate = rand((world * t, k), F32)
+    got = jax.jit(jax.shard_map(
+        lambda x, i, g: moe_tp._gather_tokens(x, i, g, "tp"), mesh=mesh,
+        in_specs=(TOKENS,) * 3, out_specs=(P(),) * 3, check_vma=False))(
+        *(place(mesh, a, TOKENS) for a in (x, ids, gate)))
+    assert len(calls) == 1, calls
+    assert calls[0][1] * jnp.dtype(dtype).itemsize % 16 == h * jnp.dtype(dtype).itemsize % 16
+    np.testing.assert_array_equal(np.asarray(got[0]).view(np.uint8),
+                                  np.asarray(jnp.asarray(x)).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(got[1]), ids)
+    np.testing.assert_array_equal(np.asarray(got[2]).view(np.uint32), gate.view(np.uint32))

@@ -4,7 +4,7 @@ process). The numbers quoted in the defaults' comments and in docs/perf come
 from these.
 
 Usage (repo root, GPU node): python3 tests/gpu/probe_defaults.py {moe,moe_trace,fd_race,
-attention,flash_decode,gemm,gemm_one_round,push,float32,rs_loop,rs_trace} [world]. ``moe`` and ``moe_trace`` run at the
+attention,flash_decode,gemm,gemm_one_round,grouped,push,float32,rs_loop,rs_trace} [world]. ``moe`` and ``moe_trace`` run at the
 world given (default 2, as ``fd_race``), ``push`` and ``rs_trace`` at 4 by default, and need that many GPUs; the
 others run on one.
 Prints one line per shape: each variant's median time, its ratio to the
@@ -721,12 +721,58 @@ def probe_fd_race(world: int = 2, calls: int = 48) -> None:
             print("   call, err, lengths, wrong (b, head) rows:", *entry, flush=True)
 
 
+def probe_grouped() -> None:
+    """The grouped GEMM where each group has few rows (moe_tp_mlp at decode sizes:
+    the experts' weights dominate the bytes): tiles against ragged_dot, with the
+    time the weights take at the HBM peak. 20 iterations in 4 rounds."""
+    from jaxtdist.bench.grouped_matmul import group_sizes
+
+    mesh = _mesh(1, "ep")
+    td.initialize(mesh)
+    device = jax.devices()[0]
+
+    def tile(bm, bn, warps, stages, **more):
+        return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, num_warps=warps, num_stages=stages,
+                    SUBTILE=4 if bn == 256 else 2, **more)
+
+    variants = {"m128n128w8": tile(128, 128, 8, 4), "m128n128w4": tile(128, 128, 4, 4),
+                "m64n256": tile(64, 256, 4, 4), "m64n128": tile(64, 128, 4, 5),
+                "m128n64": tile(128, 64, 4, 6), "m64n64": tile(64, 64, 4, 6),
+                "m128n256s4": tile(128, 256, 8, 4)}
+
+    def fn(cfg):
+        return jax.jit(jax.shard_map(lambda x, w, s: td.grouped_matmul(x, w, s, config=cfg),
+                                     mesh=mesh, in_specs=(P(), P(), P()), out_specs=P(),
+                                     check_vma=False))
+
+    exact = jax.jit(lambda x, w, s: jax.lax.ragged_dot(
+        x.astype(jnp.float32), w.astype(jnp.float32), s, precision=jax.lax.Precision.HIGHEST))
+    for i, (r, hid, f, g) in enumerate([(1024, 4096, 3584, 8), (1024, 3584, 4096, 8),
+                                        (256, 4096, 14336, 8), (256, 14336, 4096, 8),
+                                        (2048, 4096, 3584, 8), (16384, 4096, 3584, 8),
+                                        (1024, 7168, 2048, 64)]):
+        x = jax.device_put(h.normal(1900 + i, (r, hid), jnp.bfloat16, scale=hid ** -0.5), device)
+        w = jax.device_put(h.normal(1950 + i, (g, hid, f), jnp.bfloat16), device)
+        sizes = jax.device_put(jnp.asarray(group_sizes(1990 + i, r, g, 1.0)), device)
+        args = (x, w, sizes)
+        ref = np.asarray(exact(*args))
+        contenders = dict(ragged_dot=h.Contender(jax.jit(jax.lax.ragged_dot), args, 1, ref),
+                          default=h.Contender(fn(None), args, 1, ref))
+        for name, cfg in variants.items():
+            contenders[name] = h.Contender(fn(cfg), args, 1, ref)
+        peak = {"H100": 3.35e12, "H200": 4.8e12}
+        bw = next((v for k, v in peak.items() if k in device.device_kind), 3.35e12)
+        _report(f"grouped {r}x{hid}x{f} G={g} (weights at HBM peak {g * hid * f * 2 / bw * 1e6:.1f} us)",
+                h.interleaved(contenders, 20, 4), "ragged_dot")
+
+
 PROBES = {"moe": probe_moe, "moe_routing": probe_moe_routing, "moe_trace": probe_moe_trace, "attention": probe_attention,
           "flash_decode": probe_flash_decode, "gemm": probe_gemm,
           "gemm_one_round": probe_gemm_one_round, "push": probe_push,
           "float32": probe_float32, "rs_loop": probe_rs_loop, "rs_trace": probe_rs_trace,
           "fd_world": probe_fd_world,
-          "fd_trace": probe_fd_trace, "fd_race": probe_fd_race, "fd_f32": probe_fd_f32, "fd_fill": probe_fd_fill}
+          "fd_trace": probe_fd_trace, "fd_race": probe_fd_race, "fd_f32": probe_fd_f32, "fd_fill": probe_fd_fill,
+          "grouped": probe_grouped}
 
 if __name__ == "__main__":
     if len(sys.argv) not in (2, 3) or sys.argv[1] not in PROBES:
