@@ -136,11 +136,14 @@ def test_the_launcher_names_the_killed_rank_when_a_survivor_exits_first(capsys):
 @timeout(120)
 def test_the_launcher_ends_the_others_at_once():
     """Without a grace period the launcher ends the surviving rank as soon as one
-    fails, and exits with the failed rank's code (128 + SIGKILL)."""
+    fails, and exits with the failed rank's code (128 + SIGKILL). The survivor may
+    see the death first (WorkerDiedError) and be gone before the launcher's next
+    look: then it is reported as having failed too, the killed rank still the cause."""
     code, out, took = launch(2, "ops_check.py", "--chain", "50", "--die-after", "2",
                              "--victim", "1")
     assert code == 128 + 9, out[-4000:]
-    assert "[launch] rank 1 failed (killed by SIGKILL); ending ranks [0]" in out, out[-4000:]
+    assert re.search(r"\[launch\] rank 1 failed \(killed by SIGKILL\); (ending ranks \[0\]"
+                     r"|rank 0 failed too \(exit code \d+\))", out), out[-4000:]
     assert took < 60, took
 
 

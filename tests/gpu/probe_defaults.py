@@ -735,10 +735,15 @@ def probe_grouped() -> None:
         return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, num_warps=warps, num_stages=stages,
                     SUBTILE=4 if bn == 256 else 2, **more)
 
-    variants = {"m128n128w8": tile(128, 128, 8, 4), "m128n128w4": tile(128, 128, 4, 4),
-                "m64n256": tile(64, 256, 4, 4), "m64n128": tile(64, 128, 4, 5),
-                "m128n64": tile(128, 64, 4, 6), "m64n64": tile(64, 64, 4, 6),
-                "m128n256s4": tile(128, 256, 8, 4)}
+    sms = jax.devices()[0].core_count
+    # Two programs per SM where two fit in shared memory: more loads in flight.
+    variants = {"m128n128w8": tile(128, 128, 8, 4), "m64n256": tile(64, 256, 4, 4),
+                "m64n128": tile(64, 128, 4, 5), "m128n256s4": tile(128, 256, 8, 4),
+                "m64n128x2": tile(64, 128, 4, 4, NUM_PROGRAMS=2 * sms),
+                "m64n64x2": tile(64, 64, 4, 6, NUM_PROGRAMS=2 * sms),
+                "m128n128s3x2": tile(128, 128, 8, 3, NUM_PROGRAMS=2 * sms),
+                "m128n128k128s2": dict(tile(128, 128, 8, 2), BLOCK_K=128),
+                "m64n256k128s2": dict(tile(64, 256, 4, 2), BLOCK_K=128)}
 
     def fn(cfg):
         return jax.jit(jax.shard_map(lambda x, w, s: td.grouped_matmul(x, w, s, config=cfg),
@@ -747,9 +752,11 @@ def probe_grouped() -> None:
 
     exact = jax.jit(lambda x, w, s: jax.lax.ragged_dot(
         x.astype(jnp.float32), w.astype(jnp.float32), s, precision=jax.lax.Precision.HIGHEST))
+    # moe_tp_mlp's expert GEMMs at 128 tokens per rank (Mixtral) over 4, 2 and 1
+    # ranks, then 2048 tokens over 4; 64 of DeepSeek-V3's experts.
     for i, (r, hid, f, g) in enumerate([(1024, 4096, 3584, 8), (1024, 3584, 4096, 8),
-                                        (256, 4096, 14336, 8), (256, 14336, 4096, 8),
-                                        (2048, 4096, 3584, 8), (16384, 4096, 3584, 8),
+                                        (512, 4096, 7168, 8), (256, 4096, 14336, 8),
+                                        (256, 14336, 4096, 8), (16384, 4096, 3584, 8),
                                         (1024, 7168, 2048, 64)]):
         x = jax.device_put(h.normal(1900 + i, (r, hid), jnp.bfloat16, scale=hid ** -0.5), device)
         w = jax.device_put(h.normal(1950 + i, (g, hid, f), jnp.bfloat16), device)
