@@ -212,3 +212,28 @@ def test_chained_pjit_wrappers_and_their_copy_outs_in_one_chain(producer):
     got = compiled(*args)
     for a, b in zip(got, (want[0], *want[1](g))):
         assert rel_err(a, b) < 1e-4
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_moe_tp_mlp_gradients_in_one_chain(remat):
+    """moe_tp_mlp's own custom VJP around its packed gather: under jax.checkpoint the
+    gather is not recomputed in the backward pass (a second, unordered call timed out
+    a wait on 4 CPU ranks under load); forward and backward calls in one chain."""
+    import numpy as np
+
+    from tests.test_cpu_moe_tp import EXPERTS_W1, EXPERTS_W2, TOKENS, _routing
+
+    world, t, k, e, h, f = 4, 2, 3, 5, 8, 8
+    mesh = setup(world)
+    jax.clear_caches()
+    specs = (TOKENS, TOKENS, TOKENS, EXPERTS_W1, EXPERTS_W2)
+    fn = jax.shard_map(lambda *a: td.moe_tp_mlp(*a, "tp"), mesh=mesh, in_specs=specs,
+                       out_specs=TOKENS)
+    fn = jax.checkpoint(fn) if remat else fn
+    arrays = (rand((world * t, h)), _routing(np.random.default_rng(1), world * t, k, e),
+              rand((world * t, k)), rand((e, h, f)), rand((e, f, h)))
+    args = tuple(jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(arrays, specs))
+    grad = jax.jit(jax.grad(lambda *a: (fn(*a) ** 2).sum(), argnums=(0, 2, 3)))
+    # The gather and the reduce-scatter; backward: the reduce-scatter's gather and
+    # the gather's two reduce-scatters (x, weights): a prologue and a kernel each.
+    assert_one_chain(grad.lower(*args).compile().as_text(), 10)

@@ -22,6 +22,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxtdist.ops._op import run_once
 from jaxtdist.ops._protocol import check_axis
 from jaxtdist.ops._shapes import check_dtype
 from jaxtdist.ops.all_gather import all_gather
@@ -99,7 +100,9 @@ def _gather_tokens(x: jax.Array, ids: jax.Array, gate: jax.Array, axis_name):
 
 
 def _gather_tokens_fwd(x, ids, gate, axis_name):
-    return _gather_tokens(x, ids, gate, axis_name), None
+    # Under jax.checkpoint the gather runs once, in the forward pass (``run_once``): a
+    # recomputed call in the backward pass would be unordered with the others.
+    return run_once(_gather_tokens(x, ids, gate, axis_name)), None
 
 
 def _gather_tokens_bwd(axis_name, _, cts):
