@@ -192,7 +192,26 @@ def check_all(mesh, world: int) -> dict[str, float]:
     deq = np.asarray(q8, np.float64).reshape(world * t, 2, -1) * scale[..., None]
     errs["moe_fp8"] = relerr(f(*(place(mesh, a, ep) for a in (q8, scale, ids, gate))),
                              deq.reshape(world * t, hdim) * gate.sum(1, keepdims=True))
+    # The tensor-parallel MoE MLP: every expert's FFN sharded over the ranks.
+    w1, w2 = 0.3 * rand(28, (e, hdim, 8 * world)), 0.3 * rand(29, (e, 8 * world, hdim))
+    w_in, w_out = P(None, None, "tp"), P(None, "tp", None)
+    f = sm(lambda a, i, g, u, v: td.moe_tp_mlp(a, i, g, u, v, "tp"), (ep, ep, ep, w_in, w_out),
+           ep)
+    arrays = ((x, ep), (ids, ep), (gate, ep), (w1, w_in), (w2, w_out))
+    errs["moe_tp"] = relerr(f(*(place(mesh, a, s) for a, s in arrays)),
+                            moe_tp_reference(x, ids, gate, w1, w2))
     return errs
+
+
+def moe_tp_reference(x, ids, gate, w1, w2) -> np.ndarray:
+    """float64: each token through each of its experts (silu MLP, whole FFN), weighted."""
+    x, w1, w2 = (a.astype(np.float64) for a in (x, w1, w2))
+    out = np.zeros_like(x)
+    for t, experts in enumerate(ids):
+        for j, e in enumerate(experts):
+            hid = x[t] @ w1[e]
+            out[t] += gate[t, j] * ((hid / (1 + np.exp(-hid))) @ w2[e])
+    return out
 
 
 def causal_reference(q, k, v) -> np.ndarray:
