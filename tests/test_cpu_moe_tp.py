@@ -127,6 +127,31 @@ def test_moe_tp_mlp_grad(world, gated):
         assert err < 1e-5, err
 
 
+def test_moe_tp_mlp_grad_bfloat16():
+    """bfloat16 tokens and experts: the cotangents of x (summed over a token's K pairs
+    in float32, rounded once, then reduce-scattered) and of the weights against the
+    float32 gradients of the same rounded inputs."""
+    world, t, k, e, h, f = 2, 5, 3, 4, 16, 16
+    mesh = setup(world, ("tp",))
+    fn, specs = _fn(mesh, False)
+    x = rand((world * t, h), BF16)
+    ids = _routing(np.random.default_rng(11), world * t, k, e)
+    gate = rand(ids.shape)
+    w1, w2 = rand((e, h, f), BF16, 0.3), rand((e, f, h), BF16, 0.3)
+    c = rand((world * t, h))
+    arrays = (x, ids, gate, w1, w2)
+    placed = tuple(place(mesh, a, s) for a, s in zip(arrays, specs))
+    got = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a).astype(F32) * c), argnums=(0, 2)))(*placed)
+    wide = tuple(place(mesh, np.asarray(a, np.float32) if a.dtype == BF16 else a, s)
+                 for a, s in zip(arrays, specs))
+    want = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) * c), argnums=(0, 2)))(*wide)
+    for g, w in zip(got, want):
+        assert g.dtype in (jnp.dtype(BF16), jnp.dtype(F32))
+        err = np.linalg.norm(np.asarray(g, np.float64) - np.asarray(w, np.float64)) / \
+            np.linalg.norm(np.asarray(w, np.float64))
+        assert err < 2e-2, err
+
+
 @pytest.mark.parametrize("grouped_gemm", ["jaxtdist", "auto"])
 def test_moe_tp_mlp_under_vmap(grouped_gemm):
     """jax.vmap over a leading batch of layers' inputs (each element its own routing),
