@@ -37,6 +37,7 @@ if _os.environ.get("_JAXTDIST_INTERPRETER_WORKER") != "1":
                               moe_dispatch_sharded, moe_tp_mlp,
                               reduce_scatter,
                               triton_call)
+    from jaxtdist.ops._op import run_once
     from jaxtdist.runtime import initialize, is_initialized, shutdown
 
     def check_errors() -> None:
@@ -74,6 +75,7 @@ __all__ = [
     "moe_dispatch_sharded",
     "moe_tp_mlp",
     "reduce_scatter",
+    "run_once",
     "runtime",
     "shutdown",
     "triton_call",

@@ -237,3 +237,27 @@ def test_moe_tp_mlp_gradients_in_one_chain(remat):
     # The gather and the reduce-scatter; backward: the reduce-scatter's gather and
     # the gather's two reduce-scatters (x, weights): a prologue and a kernel each.
     assert_one_chain(grad.lower(*args).compile().as_text(), 10)
+
+
+def test_run_once_keeps_a_users_custom_vjp_in_one_chain():
+    """jaxtdist.run_once on the forward rule of a user's custom VJP that calls an op:
+    under jax.checkpoint every call runs once, in one chain, and the gradients are
+    those without remat."""
+    mesh = setup(2)
+
+    @jax.custom_vjp
+    def gather(x):
+        return td.all_gather(x, "tp")
+
+    gather.defvjp(lambda x: (td.run_once(gather(x)), None),
+                  lambda _, ct: (td.reduce_scatter(ct, "tp"),))
+
+    def loss(remat):
+        f = jax.shard_map(lambda x: jax.numpy.sin(gather(2 * x)), mesh=mesh,
+                          in_specs=P("tp"), out_specs=P("tp"))
+        f = jax.checkpoint(f) if remat else f
+        return jax.jit(jax.grad(lambda a: f(a).sum()))
+
+    x = jax.device_put(rand((8, 4)), NamedSharding(mesh, P("tp")))
+    assert_one_chain(loss(True).lower(x).compile().as_text(), 4)
+    assert rel_err(loss(True)(x), loss(False)(x)) < 1e-6

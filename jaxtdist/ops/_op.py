@@ -98,8 +98,29 @@ if _pe is not None and hasattr(_pe, "partial_eval_jaxpr_custom_rules"):
 
 
 def run_once(tree):
-    """``tree`` unchanged; under jax.checkpoint, the calls that made it are not
-    recomputed in the backward pass (see above)."""
+    """Marks values so that ``jax.checkpoint`` does not recompute the calls that made them.
+
+    jaxtdist's ops mark their own outputs. A ``jax.custom_vjp`` of your own whose
+    forward rule calls jaxtdist ops needs it on that rule's outputs: under
+    ``jax.checkpoint`` JAX recomputes a custom VJP's forward rule in the backward
+    pass, and a recomputed collective is a second call on the same workspace,
+    unordered with the others (a timed-out wait, or wrong gradients). The marked
+    values are saved for the backward pass instead.
+
+    Args:
+      tree: a pytree of arrays.
+
+    Returns:
+      The same values.
+
+    Example:
+      >>> @jax.custom_vjp
+      ... def gather(x):
+      ...     return jaxtdist.all_gather(x, "tp")
+      >>> def gather_fwd(x):
+      ...     return jaxtdist.run_once(gather(x)), None
+      >>> gather.defvjp(gather_fwd, lambda _, ct: (jaxtdist.reduce_scatter(ct, "tp"),))
+    """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     arrays = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)
               or hasattr(leaf, "aval")]
