@@ -220,7 +220,7 @@ def _pairs_by_expert(xs: jax.Array, order: jax.Array, position: jax.Array, k: in
 
 
 def _pairs_by_expert_fwd(xs, order, position, k):
-    return xs[order // k], (order, position)
+    return _pairs_by_expert(xs, order, position, k), (order, position)
 
 
 def _pairs_by_expert_bwd(k, residuals, ct):
@@ -240,7 +240,7 @@ def _pairs_by_token(y: jax.Array, order: jax.Array, position: jax.Array):
 
 
 def _pairs_by_token_fwd(y, order, position):
-    return y[position], (order, position)
+    return _pairs_by_token(y, order, position), (order, position)
 
 
 def _pairs_by_token_bwd(residuals, ct):
