@@ -370,6 +370,14 @@ def test_flash_decode_benchmark_times_the_paged_cache(faked_timing, monkeypatch)
     lines = text.splitlines()
     assert lines[2].count("|") == lines[4].count("|") == len(flash_decode.WORLD1_COLUMNS) + 1
     assert "| jaxtdist paged (16-position pages) | paged / contiguous |" in lines[2]
+    # The read floor is timed, not checked (its output is no attention), and reads
+    # exactly K and V: its maxima over the positions, added to the query.
+    assert "rel_err" not in row["read_floor"] and row["read_floor"]["mean_us"] > 0
+    assert "| read floor: XLA reduction over K, V |" in lines[2]
+    q, k, v, n = flash_decode._operands(700, 1, 4, 2, 32, 64, jnp.float32)
+    peak = np.max(np.asarray(k), 1) + np.max(np.asarray(v), 1)
+    np.testing.assert_allclose(np.asarray(flash_decode._read_floor(q, k, v, n)),
+                               np.asarray(q) + np.repeat(peak, 2, axis=1), rtol=1e-6)
 
 
 def test_flash_decode_benchmark_chains_layers_and_reports_per_call(faked_timing, monkeypatch):
@@ -385,6 +393,7 @@ def test_flash_decode_benchmark_chains_layers_and_reports_per_call(faked_timing,
         assert row[name]["rel_err"] < 2e-2, (name, row[name])
         assert row[name]["mean_us"] == 0.75 and row[name]["samples_us"] == [0.5, 1.0], name
         assert row[name]["layers"] == 2
+    assert "read_floor" not in row  # chained, XLA would hoist its reads
     # The chain's reference is not the single call's: a contender that ran once fails it.
     q, k, v, n = flash_decode._operands(700, 1, 4, 2, 32, 64, jnp.float32)
     once = flash_decode._reference(q, k, v, n)

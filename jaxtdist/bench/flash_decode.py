@@ -9,7 +9,11 @@ D=128, bf16, every position valid but the last 3):
   (``decode_attention`` in bf16 with float32 softmax, and
   ``jax.nn.dot_product_attention`` with ``key_value_seq_lengths``), with the KV
   read bandwidth each reaches (bytes of K and V / kernel time), and the kernel
-  on the same cache paged (16-position pages in shuffled order, ``block_table``);
+  on the same cache paged (16-position pages in shuffled order, ``block_table``),
+  and the read floor: an XLA reduction that reads the same K and V once and
+  does nothing else (``_read_floor``), the rate a kernel of this size reaches
+  with launch and ramp included, against which the kernel's read rate is
+  judged besides the HBM peak;
 - world W > 1 (``--world W``): ``jaxtdist.flash_decode`` over S / W positions per
   rank against XLA's way (each rank's partial and log-sum-exp, ``all_gather``
   of them, merge) and against one GPU holding the whole cache (the kernel at
@@ -215,6 +219,8 @@ def bench_flash_decode(seqs, iterations: int, world: int, dtype=jnp.bfloat16,
             xla_decode=jax.jit(_xla_decode_local),
             jax_nn_dpa=jax.jit(lambda q, k, v, n: jax.nn.dot_product_attention(
                 q[:, None], k, v, key_value_seq_lengths=n)[:, 0]))
+        if layers == 1:  # chained, XLA would hoist the reads out of the chain
+            fns["read_floor"] = jax.jit(_read_floor)
     else:
         fns = dict(jaxtdist=jax.jit(jax.shard_map(lambda *a: td.flash_decode(*a, "sp"), **specs)),
                    xla_all_gather_merge=jax.jit(jax.shard_map(_xla_partial_merge, **specs)))
@@ -229,7 +235,8 @@ def bench_flash_decode(seqs, iterations: int, world: int, dtype=jnp.bfloat16,
         row = dict(b=b, hq=hq, hkv=hkv, d=d, seq=s, world=world, dtype=jnp.dtype(dtype).name,
                    kv_bytes_per_device=kv_bytes // world, size=float(s), label=f"S={s}",
                    layers=layers)
-        contenders = {name: h.Contender(fn, args, world, ref) for name, fn in fns.items()}
+        contenders = {name: h.Contender(fn, args, world, None if name == "read_floor" else ref)
+                      for name, fn in fns.items()}
         if world == 1 and s % PAGE == 0:  # the same cache paged: the block table's cost
             k_pool, v_pool, table = paged_cache(k, v, PAGE, 1, 800 + i)
             paged = _chained(jax.jit(jax.shard_map(
@@ -242,7 +249,8 @@ def bench_flash_decode(seqs, iterations: int, world: int, dtype=jnp.bfloat16,
                     for name, stats in h.interleaved(contenders, iterations, rounds).items()})
         if s in one_gpu:
             row["one_gpu"] = one_gpu[s]
-        for name in ("jaxtdist", "jaxtdist_paged", "op", "xla_decode", "jax_nn_dpa", "one_gpu"):
+        for name in ("jaxtdist", "jaxtdist_paged", "op", "xla_decode", "jax_nn_dpa", "one_gpu",
+                     "read_floor"):
             stats = row.get(name)
             if stats and stats.get("mean_us"):
                 per_device = kv_bytes if name == "one_gpu" else kv_bytes // world
@@ -270,6 +278,15 @@ def _xla_decode_local(q, k, v, n):
     return o.reshape(b, hq, d).astype(q.dtype)
 
 
+def _read_floor(q, k, v, n):
+    """Reads K and V once and nothing more (their maxima over the positions,
+    added to the query): the time XLA's reduction takes to read the cache."""
+    del n
+    b, hq, d = q.shape
+    peak = (jnp.max(k, axis=1).astype(jnp.float32) + jnp.max(v, axis=1).astype(jnp.float32))
+    return (q.astype(jnp.float32) + jnp.repeat(peak, hq // k.shape[2], axis=1)).astype(q.dtype)
+
+
 def _tb_s(entry: dict | None) -> str:
     return f"{entry['kv_tb_s']:.2f}" if entry and "kv_tb_s" in entry else "n/a"
 
@@ -284,6 +301,10 @@ WORLD1_COLUMNS = [
     h.Column("jaxtdist / XLA decode", lambda r: h.ratio(r.get("jaxtdist"), r.get("xla_decode"))),
     h.Column("KV read TB/s (jaxtdist)", lambda r: _tb_s(r.get("jaxtdist"))),
     h.Column("KV read TB/s (XLA decode)", lambda r: _tb_s(r.get("xla_decode"))),
+    h.Column("read floor: XLA reduction over K, V", lambda r: h.us(r.get("read_floor"))),
+    h.Column("KV read TB/s (read floor)", lambda r: _tb_s(r.get("read_floor"))),
+    h.Column("jaxtdist / read floor", lambda r: h.ratio(r.get("jaxtdist"),
+                                                        r.get("read_floor"))),
     h.Column(f"jaxtdist paged ({PAGE}-position pages)", lambda r: h.us(r.get("jaxtdist_paged"))),
     h.Column("paged / contiguous", lambda r: h.ratio(r.get("jaxtdist_paged"),
                                                      r.get("jaxtdist"))),

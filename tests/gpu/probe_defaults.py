@@ -4,7 +4,7 @@ process). The numbers quoted in the defaults' comments and in docs/perf come
 from these.
 
 Usage (repo root, GPU node): python3 tests/gpu/probe_defaults.py {moe,moe_trace,fd_race,
-attention,flash_decode,gemm,gemm_one_round,grouped,push,float32,rs_loop,rs_trace} [world]. ``moe`` and ``moe_trace`` run at the
+attention,attention_ws,flash_decode,gemm,gemm_one_round,grouped,push,float32,rs_loop,rs_trace} [world]. ``moe`` and ``moe_trace`` run at the
 world given (default 2, as ``fd_race``), ``push`` and ``rs_trace`` at 4 by default, and need that many GPUs; the
 others run on one.
 Prints one line per shape: each variant's median time, its ratio to the
@@ -152,18 +152,25 @@ def probe_moe_trace(world: int = 2, t: int = 128, hidden: int = 7168, k: int = 8
                   "(median/max over programs, us)", flush=True)
 
 
+def _attention_setup(heap_bytes: int):
+    """The attention probes' world-1 mesh (axis "sp"), runtime, shard_map specs of
+    [B, S, H, D] operands and cuDNN's causal attention."""
+    mesh = _mesh(1, "sp")
+    td.initialize(mesh, heap_bytes=heap_bytes)
+    sp = P(None, "sp")
+    specs = dict(mesh=mesh, in_specs=(sp,) * 3, out_specs=sp, check_vma=False)
+    cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="cudnn"))
+    return mesh, sp, specs, cudnn
+
+
 def probe_attention() -> None:
     """ag_attention's kernel at world 1 against cuDNN: query and key tiles, warps,
     stages and the causal order over head groups (AgAttentionConfig), B=1, H=32,
     D=128, causal, bf16."""
     from jaxtdist.ops.ag_attention import ag_attention_kernels
 
-    mesh = _mesh(1, "sp")
-    td.initialize(mesh, heap_bytes=1 << 30)
-    sp = P(None, "sp")
-    specs = dict(mesh=mesh, in_specs=(sp,) * 3, out_specs=sp, check_vma=False)
-    cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, is_causal=True, implementation="cudnn"))
+    mesh, sp, specs, cudnn = _attention_setup(1 << 30)
     variants = {"default": None, "m128n64w8": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8),
                 "m128n128w8": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8),
                 "m128n128w8s2": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
@@ -183,6 +190,43 @@ def probe_attention() -> None:
                 **specs))
             contenders[name] = h.Contender(fn, args, 1, ref)
         _report(f"S={s}", h.interleaved(contenders, 12, 3), "cudnn")
+
+
+def probe_attention_ws() -> None:
+    """A causal attention forward on TMA descriptors, with and without Triton's
+    warp specialization (``tests/gpu/attention_probe_kernels.py``), against cuDNN
+    and ag_attention's kernel at world 1: B=1, H=32, D=128, bf16."""
+    from jaxtdist.ops.ag_attention import ag_attention_kernels
+    from tests.gpu.attention_probe_kernels import causal_attention_tma_kernel
+
+    # ag_attention's kernel stages K and V in the heap at world 1: 1 GiB at 32K.
+    mesh, sp, specs, cudnn = _attention_setup(1 << 31)
+
+    def tma(s, bm, bn, warps, stages, one_loop, ws):
+        def f(q, k, v):
+            return td.triton_call(
+                q, k, v, kernel=causal_attention_tma_kernel, grid=(s // bm, 32), axis_name="sp",
+                tma=True, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), num_warps=warps,
+                num_stages=stages, B=1, S=s, HQ=32, HKV=32, D=128,
+                QK_SCALE=128 ** -0.5 * 1.4426950408889634, BLOCK_M=bm, BLOCK_N=bn,
+                ONE_LOOP=one_loop, WS=ws)
+        return jax.jit(jax.shard_map(f, **specs))
+
+    variants = {"ws_m128n128": (128, 128, 4, 2, True, True),
+                "ws_m128n64": (128, 64, 4, 2, True, True),
+                "one_loop_m128n128w8": (128, 128, 8, 2, True, False),
+                "split_m128n128w8": (128, 128, 8, 2, False, False),
+                "split_m128n64w8s3": (128, 64, 8, 3, False, False)}
+    for s in (4096, 16384, 32768):
+        q, k, v = (h.normal(600 + j, (1, s, 32, 128), jnp.bfloat16) for j in range(3))
+        args = tuple(jax.device_put(a, NamedSharding(mesh, sp)) for a in (q, k, v))
+        ref = np.asarray(cudnn(*args), np.float32)  # compared with cuDNN's output
+        contenders = dict(cudnn=h.Contender(cudnn, args, 1, ref), ag_attention=h.Contender(
+            jax.jit(jax.shard_map(lambda *a: ag_attention_kernels(*a, "sp", causal=True),
+                                  **specs)), args, 1, ref))
+        for name, variant in variants.items():
+            contenders[name] = h.Contender(tma(s, *variant), args, 1, ref)
+        _report(f"S={s}", h.interleaved(contenders, 12 if s < 32768 else 5, 3), "cudnn")
 
 
 def _fd_world_1(variants: dict, seqs, dtype, seed: int, fill: float = 1.0) -> None:
@@ -774,6 +818,7 @@ def probe_grouped() -> None:
 
 
 PROBES = {"moe": probe_moe, "moe_routing": probe_moe_routing, "moe_trace": probe_moe_trace, "attention": probe_attention,
+          "attention_ws": probe_attention_ws,
           "flash_decode": probe_flash_decode, "gemm": probe_gemm,
           "gemm_one_round": probe_gemm_one_round, "push": probe_push,
           "float32": probe_float32, "rs_loop": probe_rs_loop, "rs_trace": probe_rs_trace,
