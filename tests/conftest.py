@@ -225,6 +225,19 @@ def ag_matmul_fn(mesh, config=None, axis="tp", batch=None):
         out_specs=P(batch, axis)))
 
 
+def users_gather(axis: str = "tp"):
+    """``jaxtdist.run_once``'s docstring example: a user's custom VJP around
+    ``all_gather`` (backward: ``reduce_scatter``) marking its forward rule's outputs."""
+
+    @jax.custom_vjp
+    def gather(x):
+        return td.all_gather(x, axis)
+
+    gather.defvjp(lambda x: (td.run_once(gather(x)), None),
+                  lambda _, ct: (td.reduce_scatter(ct, axis),))
+    return gather
+
+
 def check_config_errors(cases, x_shape=(64, 64), w_shape=(64, 64)):
     """Each (config, message) of ``cases`` raises ValueError with that message on a
     2-rank ag_matmul call of float32 x and w (global shapes)."""

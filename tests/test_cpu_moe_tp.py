@@ -218,6 +218,55 @@ def test_moe_tp_mlp_errors():
         run(x, ids, gate, rand((4, 8, 8)), w2)
     with pytest.raises(ValueError, match="axis"):
         run(x, ids, gate, w1, w2, axis="sp")
+    with pytest.raises(ValueError,
+                       match=r"w1 must hold at least one expert, got w1\(0, 16, 4\)"):
+        run(x, ids, gate, rand((0, 16, 8)), rand((0, 8, 16)))
+    # Outside shard_map: the error names moe_tp_mlp, not the gather inside it.
+    with pytest.raises(ValueError, match=r"jaxtdist\.moe_tp_mlp must be called inside "
+                                         r"jax\.shard_map"):
+        td.moe_tp_mlp(x, ids, gate, w1, w2, "tp")
+
+
+def test_moe_tp_mlp_second_order_names_the_op():
+    """grad of grad (w.r.t. x, and w.r.t. the experts alone): a TypeError naming
+    moe_tp_mlp, not an error from inside JAX naming none."""
+    mesh = setup(2, ("tp",))
+    fn, specs = _fn(mesh, False)
+    x, gate = rand((4, 16)), rand((4, 2))
+    ids = _routing(np.random.default_rng(5), 4, 2, 4)
+    w1, w2 = rand((4, 16, 8), scale=0.3), rand((4, 8, 16), scale=0.3)
+    placed = [place(mesh, a, s) for a, s in zip((x, ids, gate, w1, w2), specs)]
+    for arg in (0, 3):
+        def inner(a, arg=arg):
+            return jax.grad(lambda b: jnp.sum(jnp.sin(fn(*placed[:arg], b,
+                                                         *placed[arg + 1:]))))(a)
+        with pytest.raises(TypeError, match=r"jaxtdist\.moe_tp_mlp: .*no derivative.*grad of "
+                                            r"grad"):
+            jax.jit(jax.grad(lambda a: jnp.sum(inner(a))))(placed[arg])
+
+
+def test_moe_tp_mlp_under_nested_vmap():
+    """vmap of vmap (a [2, 2] batch of layer inputs): one whole call per element,
+    each against the float64 reference."""
+    world, t, k, e, h, f = 2, 2, 2, 4, 16, 16
+    mesh = setup(world, ("tp",))
+    rng = np.random.default_rng(11)
+    x = rand((2, 2, world * t, h))
+    ids = np.stack([np.stack([_routing(rng, world * t, k, e) for _ in range(2)])
+                    for _ in range(2)])
+    gate = rand(ids.shape)
+    w1, w2 = rand((e, h, f), scale=0.3), rand((e, f, h), scale=0.3)
+    layer = jax.vmap(jax.vmap(lambda x, i, g, a, b: td.moe_tp_mlp(x, i, g, a, b, "tp"),
+                              in_axes=(0, 0, 0, None, None)), in_axes=(0, 0, 0, None, None))
+    batched = P(None, None, "tp", None)
+    specs = (batched, batched, batched, EXPERTS_W1, EXPERTS_W2)
+    out = jax.jit(jax.shard_map(layer, mesh=mesh, in_specs=specs, out_specs=batched))(
+        *(place(mesh, a, sp) for a, sp in zip((x, ids, gate, w1, w2), specs)))
+    for i in range(2):
+        for j in range(2):
+            ref = _reference(x[i, j], ids[i, j], gate[i, j], w1, w2)
+            err = np.linalg.norm(np.asarray(out[i, j], np.float64) - ref) / np.linalg.norm(ref)
+            assert err < 1e-5, (i, j, err)
 
 
 def test_moe_tp_mlp_over_a_submesh():

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxtdist as td
-from tests.conftest import cpu_only, rand, rel_err, setup
+from tests.conftest import cpu_only, rand, rel_err, setup, users_gather
 
 pytestmark = cpu_only()
 
@@ -244,13 +244,7 @@ def test_run_once_keeps_a_users_custom_vjp_in_one_chain():
     under jax.checkpoint every call runs once, in one chain, and the gradients are
     those without remat."""
     mesh = setup(2)
-
-    @jax.custom_vjp
-    def gather(x):
-        return td.all_gather(x, "tp")
-
-    gather.defvjp(lambda x: (td.run_once(gather(x)), None),
-                  lambda _, ct: (td.reduce_scatter(ct, "tp"),))
+    gather = users_gather()
 
     def loss(remat):
         f = jax.shard_map(lambda x: jax.numpy.sin(gather(2 * x)), mesh=mesh,

@@ -16,7 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxtdist as td
 import tests.kernels_for_tests as K
-from tests.conftest import assert_close, cpu_only, f64, place, rand, rel_err, setup, timeout
+from tests.conftest import (assert_close, cpu_only, f64, place, rand, rel_err, setup, timeout,
+                            users_gather)
 
 pytestmark = cpu_only()
 
@@ -134,6 +135,24 @@ def test_second_order_says_it_is_not_supported(op):
         f(place(mesh, rand((8, 4), F32), ROWS), place(mesh, rand((4, 8), F32), COLS))
 
 
+def test_run_once_is_an_identity_to_second_order_autodiff():
+    """A user's custom VJP that marks its forward rule's outputs with run_once (its
+    docstring's example) differentiates twice where its pieces do (all_gather and
+    reduce_scatter are custom VJPs themselves): grad of grad equals XLA's twin's."""
+    mesh = setup(2)
+    gather = users_gather()
+
+    def second(g):
+        f = jax.shard_map(lambda a: jnp.sin(g(a)), mesh=mesh, in_specs=ROWS, out_specs=ROWS)
+        inner = jax.grad(lambda a: jnp.sum(f(a)))
+        return jax.jit(jax.grad(lambda a: jnp.sum(inner(a))))
+
+    x = rand((4, 8), F32)
+    got = second(gather)(place(mesh, x, ROWS))
+    want = second(lambda a: jax.lax.all_gather(a, "tp", tiled=True))(place(mesh, x, ROWS))
+    assert_close(got, np.asarray(want, np.float64), F32)
+
+
 # -- every built-in op: vmap, remat + grad, second order ---------------------------
 
 W = 2  # ranks
@@ -157,13 +176,14 @@ EVERY_OP = {
 
 
 def _op_case(op: str, batch: int | None = None, remat: bool = False):
-    """The op's shard_map'd function (vmapped over a leading ``batch`` axis, or
-    checkpointed), its placed random arguments (host copies too) and reference."""
+    """The op's shard_map'd function (vmapped over a leading ``batch`` axis, once per
+    axis of a tuple, or checkpointed), its placed random arguments (host copies too)
+    and reference."""
     body, args, out_spec, ref = EVERY_OP[op]
     mesh = setup(W)
-    lead = () if batch is None else (batch,)
+    lead = () if batch is None else batch if isinstance(batch, tuple) else (batch,)
     specs = tuple(P(*((None,) * len(lead)), *spec) for _, spec in args)
-    if batch is not None:
+    for _ in lead:  # one jax.vmap per leading batch axis
         body, ref = jax.vmap(body), jax.vmap(ref)
         out_spec = P(None, *out_spec)
     if remat:
@@ -179,6 +199,15 @@ def test_every_op_under_vmap(op):
     f, placed, host, ref = _op_case(op, batch=3)
     for _ in range(2):  # both parities of the workspaces
         assert_close(f(*placed), f64(ref(*map(jnp.asarray, host))), F32)
+
+
+@pytest.mark.parametrize("op", sorted(EVERY_OP))
+def test_every_op_under_nested_vmap(op):
+    """vmap of vmap of each built-in op: the outer vmap batches the inner one's
+    lax.map, whose body must again run one whole call per element (it was a
+    NotImplementedError: no batching rule for the native call)."""
+    f, placed, host, ref = _op_case(op, batch=(2, 2))
+    assert_close(f(*placed), f64(ref(*map(jnp.asarray, host))), F32)
 
 
 @pytest.mark.parametrize("op", sorted(EVERY_OP))

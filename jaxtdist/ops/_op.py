@@ -42,11 +42,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
-from jax.interpreters import batching, mlir
+from jax.interpreters import ad, batching, mlir
 from jax.sharding import PartitionSpec as P
 
 from jaxtdist.ops._protocol import (check_axis, mark_varying, order_record, order_token,
                                     program_order_deps, record_output, varying_axes)
+from jaxtdist.runtime._ffi import no_derivative
 from jaxtdist.runtime._runtime import runtime
 
 
@@ -79,6 +80,10 @@ _run_once_p.def_impl(lambda *xs: list(xs))
 _run_once_p.def_abstract_eval(lambda *avals: list(avals))
 mlir.register_lowering(_run_once_p, lambda ctx, *xs: list(xs))
 batching.primitive_batchers[_run_once_p] = lambda args, dims: (_run_once_p.bind(*args), dims)
+# An identity to differentiation too: tangents pass through unchanged (differentiating
+# the jaxtdist calls that made the values raises their own TypeError, naming them).
+ad.primitive_jvps[_run_once_p] = lambda primals, tangents: (_run_once_p.bind(*primals),
+                                                            list(tangents))
 
 
 def _run_once_remat_rule(saveable, unks_in, inst_in, eqn):
@@ -97,6 +102,32 @@ if _pe is not None and hasattr(_pe, "partial_eval_jaxpr_custom_rules"):
     _pe.partial_eval_jaxpr_custom_rules[_run_once_p] = _run_once_remat_rule
 
 
+# Values a custom VJP's forward rule marks as differentiable once: an identity whose
+# derivative is a TypeError naming the op. The forward rules of a custom VJP are
+# differentiated only by second-order autodiff (grad of grad), where a composed op
+# (moe_tp_mlp) would otherwise fail inside JAX with an error naming no op.
+_first_order_p = jex_core.Primitive("jaxtdist_first_order_only")
+_first_order_p.multiple_results = True
+_first_order_p.def_impl(lambda *xs, op: list(xs))
+_first_order_p.def_abstract_eval(lambda *avals, op: list(avals))
+mlir.register_lowering(_first_order_p, lambda ctx, *xs, op: list(xs))
+batching.primitive_batchers[_first_order_p] = lambda args, dims, op: (
+    _first_order_p.bind(*args, op=op), dims)
+
+
+def _first_order_jvp(primals, tangents, *, op):
+    return no_derivative("its custom backward pass", op)(primals, tangents)
+
+
+ad.primitive_jvps[_first_order_p] = _first_order_jvp
+
+
+def first_order_only(op: str, *arrays: jax.Array) -> tuple[jax.Array, ...]:
+    """``arrays`` unchanged; differentiating them (inside a custom VJP's forward
+    rule: only second-order autodiff does) raises ``TypeError`` naming ``op``."""
+    return tuple(_first_order_p.bind(*arrays, op=op))
+
+
 def run_once(tree):
     """Marks values so that ``jax.checkpoint`` does not recompute the calls that made them.
 
@@ -105,7 +136,8 @@ def run_once(tree):
     ``jax.checkpoint`` JAX recomputes a custom VJP's forward rule in the backward
     pass, and a recomputed collective is a second call on the same workspace,
     unordered with the others (a timed-out wait, or wrong gradients). The marked
-    values are saved for the backward pass instead.
+    values are saved for the backward pass instead. To differentiation it is an
+    identity (second-order autodiff differentiates through it).
 
     Args:
       tree: a pytree of arrays.
@@ -427,7 +459,10 @@ def one_call_per_element(fn: Callable) -> Callable:
 
             def one(elements):
                 it = iter(elements)
-                return with_deps(*(next(it) if b else x for x, b in zip(a, in_batched)))
+                # The custom-batched function again, not with_deps: under an outer
+                # jax.vmap this body is batched in turn, and must again become one
+                # call per element (nested vmaps).
+                return batched_fn(*(next(it) if b else x for x, b in zip(a, in_batched)))
 
             outs = jax.lax.map(one, mapped)
             return outs, jax.tree_util.tree_map(lambda _: True, outs)

@@ -65,6 +65,12 @@ def check_axis(rt: Runtime, axis_name, op: str) -> Layout:
     return layout
 
 
+def check_inside_shard_map(rt: Runtime, op: str) -> None:
+    """A ``ValueError`` naming ``op`` unless traced inside a shard_map over every
+    mesh axis (for ops composed of others, whose first call would name itself)."""
+    _mesh_position(rt, op)
+
+
 def _mesh_position(rt: Runtime, op: str) -> jax.Array:
     """This device's linear position in the mesh, as device data (int32[1])."""
     pos = jnp.zeros((), jnp.int32)

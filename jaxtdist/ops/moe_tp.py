@@ -22,8 +22,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxtdist.ops._op import run_once
-from jaxtdist.ops._protocol import check_axis
+from jaxtdist.ops._op import first_order_only, run_once
+from jaxtdist.ops._protocol import check_axis, check_inside_shard_map
 from jaxtdist.ops._shapes import check_dtype
 from jaxtdist.ops.all_gather import all_gather
 from jaxtdist.ops.grouped_matmul import MAX_GROUPS, grouped_matmul
@@ -50,6 +50,9 @@ def _check(x, expert_ids, weights, w1, w2, w_up, axis_name) -> None:
         raise ValueError(f"jaxtdist.moe_tp_mlp: w1 must be [E, H, F_shard] with H={h} (x's "
                          f"hidden size), got w1{w1.shape}")
     e, _, f = w1.shape
+    if e < 1:
+        raise ValueError(f"jaxtdist.moe_tp_mlp: w1 must hold at least one expert, got "
+                         f"w1{w1.shape}")
     if w2.shape != (e, f, h):
         raise ValueError(f"jaxtdist.moe_tp_mlp: w2 must be [E, F_shard, H] = {(e, f, h)} to "
                          f"match w1{w1.shape} and x{x.shape}, got w2{w2.shape}")
@@ -61,7 +64,9 @@ def _check(x, expert_ids, weights, w1, w2, w_up, axis_name) -> None:
         if a is not None and a.dtype != x.dtype:
             raise ValueError(f"jaxtdist.moe_tp_mlp: {name} has dtype {a.dtype.name}, x "
                              f"{x.dtype.name}: they must match")
-    check_axis(runtime(), axis_name, "moe_tp_mlp")
+    rt = runtime()
+    check_axis(rt, axis_name, "moe_tp_mlp")
+    check_inside_shard_map(rt, "moe_tp_mlp")
 
 
 def _words(a: jax.Array, dtype) -> jax.Array:
@@ -103,6 +108,7 @@ def _gather_tokens(x: jax.Array, ids: jax.Array, gate: jax.Array, axis_name):
 def _gather_tokens_fwd(x, ids, gate, axis_name):
     # Under jax.checkpoint the gather runs once, in the forward pass (``run_once``): a
     # recomputed call in the backward pass would be unordered with the others.
+    x, gate = first_order_only("moe_tp_mlp", x, gate)
     return run_once(_gather_tokens(x, ids, gate, axis_name)), None
 
 
@@ -160,6 +166,8 @@ def _ragged_gemm(a: jax.Array, b: jax.Array, sizes: jax.Array) -> jax.Array:
 
 
 def _ragged_gemm_fwd(a, b, sizes):
+    # (JAX cannot differentiate sequential_vmap's call: second order stops here.)
+    a, b = first_order_only("moe_tp_mlp", a, b)
     return _ragged_dot_each(a, b, sizes), (a, b, sizes)
 
 
