@@ -6,6 +6,7 @@ other settings), so the order of these tests does not matter.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -196,6 +197,30 @@ def test_a_bad_config_is_refused_at_world_1(op):
     with pytest.raises(ValueError, match=rf"jaxtdist.\w+: unknown config keys \['BLOCK_MM'\]"):
         run({"BLOCK_MM": 64})
     np.testing.assert_array_equal(np.asarray(run({})), np.asarray(run(None)))
+    # Neither a dict nor a typed config: a TypeError naming the op (was an AttributeError).
+    with pytest.raises(TypeError, match=rf"jaxtdist.{op}: config must be a dict of config "
+                                        r"keys .*got list"):
+        run([("BLOCK_M", 16)])
+
+
+def test_a_typed_config_is_taken_as_all_its_keys():
+    """config=AgMatmulConfig(...) (the typed configs behind the dicts) asks for every
+    key it holds: the same result as the dict of them, at world 1 and 2."""
+    import dataclasses
+
+    from jaxtdist.ops._ag_matmul_config import AgMatmulConfig
+    typed = AgMatmulConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16)
+    keys = {f.name: getattr(typed, f.name) for f in dataclasses.fields(typed)}
+    for world in (1, 2):
+        mesh = setup(world)
+        x, w = rand((world * 8, 16)), rand((16, world * 32))
+        outs = [np.asarray(_run(mesh, lambda a, b, c=c: td.ag_matmul(a, b, "tp", config=c),
+                                place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp")),
+                                in_specs=(P("tp", None), P(None, "tp")),
+                                out_specs=P(None, "tp")))
+                for c in (typed, keys)]
+        np.testing.assert_array_equal(outs[0], outs[1])
+        assert rel_err(outs[0], f64(x) @ f64(w)) < 1e-5
 
 
 def test_not_initialized():
@@ -219,6 +244,48 @@ def test_heap_too_small_for_reserved_part():
     with pytest.raises(ValueError, match=rf"heap_bytes=1024 is below the minimum "
                                          rf"{2 * _RESERVED_BYTES}"):
         td.initialize(mesh, heap_bytes=1024)
+
+
+def test_rejected_initialize_keeps_the_runtime():
+    """Every argument of initialize is checked before the running runtime is torn
+    down: a rejected call leaves it, and programs compiled for it, working."""
+    mesh = setup(WORLD)
+    rt = td.runtime.runtime()
+    f = jax.jit(jax.shard_map(lambda a: td.all_gather(a, "tp"), mesh=mesh, in_specs=P("tp"),
+                              out_specs=P("tp")))
+    x = place(mesh, rand((WORLD, 3)), P("tp"))
+    want = np.asarray(f(x))
+    bad = [(dict(wait_timeout_s=-1), ValueError, r"wait_timeout_s=-1; allowed"),
+           (dict(wait_timeout_s="5"), TypeError, r"wait_timeout_s='5' must be a number"),
+           (dict(heap_bytes=0), ValueError, r"heap_bytes=0 is below the minimum"),
+           (dict(heap_bytes=100), ValueError, r"heap_bytes=100 is below the minimum"),
+           (dict(heap_bytes="1G"), TypeError, r"heap_bytes='1G' must be an int"),
+           (dict(heap_bytes=2.5e9), TypeError, r"heap_bytes=2500000000.0 must be an int"),
+           (dict(align_launches="no"), TypeError, r"align_launches='no' must be True or False"),
+           (dict(launcher="triton"), ValueError, r"launcher='triton'; allowed"),
+           (dict(bootstrap_timeout_s=0), ValueError, r"bootstrap_timeout_s=0; allowed")]
+    for kwargs, error, message in bad:
+        with pytest.raises(error, match=message):
+            td.initialize(mesh, **kwargs)
+        assert td.runtime.runtime() is rt, kwargs
+    with pytest.raises(TypeError, match=r"mesh must be a jax.sharding.Mesh .*got NoneType"):
+        td.initialize(None)
+    assert td.runtime.runtime() is rt
+    np.testing.assert_array_equal(np.asarray(f(x)), want)
+
+
+def test_cpu_heap_larger_than_the_host():
+    """A heap no host memory can back: HeapExhaustedError with what was asked and what
+    the host has (was a bare OSError, an OverflowError, or accepted silently)."""
+    mesh = mesh_of((2,), ("tp",))
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for heap in (ram, 1 << 62):
+        with pytest.raises(td.HeapExhaustedError,
+                           match=rf"needs {2 * heap} bytes of shared memory \(heap_bytes="
+                                 rf"{heap} per device\) but this host has {ram} bytes"):
+            td.initialize(mesh, heap_bytes=heap)
+    assert not td.is_initialized()
+    _ag_matmul_ok(setup(WORLD))
 
 
 def test_bad_launcher():

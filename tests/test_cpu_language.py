@@ -55,6 +55,30 @@ def test_ring(world):
         np.testing.assert_array_equal(out, np.roll(x, 1, axis=0))
 
 
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(N=None), r"kernel ring_kernel needs N: pass them as keyword arguments"),
+    (dict(FOO=8), r"kernel ring_kernel has no parameter FOO after its 1 argument\(s\) and 1 "
+                  r"output\(s\); its parameters there: \['N', 'BLOCK', 'WORKSPACE'\]"),
+    (dict(workspace_bytes=0),
+     r"kernel ring_kernel needs WORKSPACE: .*\(WORKSPACE: pass workspace_bytes > 0\)"),
+    (dict(workspace_bytes=-5),
+     r"workspace_bytes=-5 must be an int >= 0 \(kernel ring_kernel\)"),
+])
+def test_triton_call_arguments_checked_at_trace_time(kwargs, message):
+    """Keyword arguments the kernel lacks, parameters left without a value and a
+    negative workspace: a ValueError when traced (they failed inside the interpreter's
+    worker, or a misspelt one was ignored)."""
+    mesh = setup(2)
+    n = 8
+    args = dict(kernel=K.ring_kernel, out_shape=jax.ShapeDtypeStruct((n,), jnp.float32),
+                grid=(1,), axis_name="tp", workspace_bytes=256 + 2 * 4 * n, N=n, BLOCK=8)
+    args = {k: v for k, v in dict(args, **kwargs).items() if v is not None}
+    f = jax.shard_map(lambda x: td.triton_call(x[0], **args)[None], mesh=mesh,
+                      in_specs=P("tp", None), out_specs=P("tp", None))
+    with pytest.raises(ValueError, match=r"jaxtdist\.triton_call: " + message):
+        jax.jit(f).lower(place(mesh, rand((2, n)), P("tp", None)))
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("scale", [2.5, -3])
 def test_scalar_argument(world, scale):

@@ -140,6 +140,19 @@ def check_blocks(op: str, cfg, keys, at_least: dict | None = None) -> None:
                              ">= 16 (tl.dot's smallest tile)")
 
 
+def config_dict(op: str, config: Any) -> dict | None:
+    """A call's ``config=`` as the dict of keys it asks for: a mapping as it is, a
+    typed config (``AgMatmulConfig(...)``) as all its keys; else ``TypeError``."""
+    if config is None:
+        return None
+    if isinstance(config, KernelConfig):
+        return {key: getattr(config, key) for key in config.keys()}
+    if isinstance(config, Mapping):
+        return dict(config)
+    raise TypeError(f"jaxtdist.{op}: config must be a dict of config keys (e.g. "
+                    f"{{'BLOCK_M': 128}}), got {type(config).__name__}: {config!r}")
+
+
 def resolve(config_type: type[C], problem: Problem, rt, config: Mapping[str, Any] | None = None,
             *, base: C | None = None, axis_name="tp") -> C:
     """The config a call uses: ``base`` (default: the problem's defaults), updated by

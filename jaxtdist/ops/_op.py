@@ -45,6 +45,7 @@ from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import PartitionSpec as P
 
+from jaxtdist.ops._config import config_dict
 from jaxtdist.ops._protocol import (check_axis, mark_varying, order_record, order_token,
                                     program_order_deps, record_output, varying_axes)
 from jaxtdist.runtime._ffi import no_derivative
@@ -263,6 +264,8 @@ class DistributedOp:
     def __call__(self, *arrays: jax.Array, axis_name, **static: Any):
         if isinstance(axis_name, list):
             axis_name = tuple(axis_name)
+        if "config" in static:
+            static["config"] = config_dict(self.name, static["config"])
         if self.check is not None:
             self.check(*arrays, axis_name=axis_name, **static)
         rt = runtime()

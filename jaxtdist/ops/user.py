@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -67,6 +68,7 @@ def triton_call(*args: Any, kernel, out_shape, grid: int | Sequence[int], axis_n
       ...                            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
       ...                            workspace_bytes=4096, N=x.size)
     """
+    _check_call(kernel, len(args), out_shape, workspace_bytes, stage is not None, constexprs)
     arrays = [a for a in args if _is_array(a)]
     # Where each argument goes: ("array", i) of the op's arrays, or a Python scalar.
     slots = tuple(("array", sum(map(_is_array, args[:j]))) if _is_array(a) else ("scalar", a)
@@ -80,6 +82,39 @@ def triton_call(*args: Any, kernel, out_shape, grid: int | Sequence[int], axis_n
                         workspace_bytes=workspace_bytes, staged=stage is not None, name=name,
                         num_warps=num_warps, num_stages=num_stages, tma=tma,
                         constexprs=constexprs)
+
+
+def _check_call(kernel, n_args: int, out_shape, workspace_bytes, staged: bool,
+                constexprs: dict) -> None:
+    """At trace time, what a launch would find wrong: a negative workspace, and
+    keyword arguments the kernel lacks or parameters left without a value (the
+    offsets jaxtdist fills in counted as given)."""
+    name = getattr(kernel, "__name__", repr(kernel))
+    if isinstance(workspace_bytes, bool) or not isinstance(workspace_bytes, (int, np.integer)) \
+            or workspace_bytes < 0:
+        raise ValueError(f"jaxtdist.triton_call: workspace_bytes={workspace_bytes!r} must be "
+                         f"an int >= 0 (kernel {name})")
+    fn = getattr(kernel, "fn", None)
+    if not inspect.isfunction(fn):  # not a plain @triton.jit kernel (autotuned, say)
+        return
+    params = list(inspect.signature(fn).parameters.values())
+    outputs = len(jax.tree_util.tree_leaves(out_shape))
+    keyword = params[1 + n_args + outputs:]  # after ctx, the arguments, the outputs
+    given = set(constexprs) | ({"WORKSPACE"} if workspace_bytes > 0 else set()) | (
+        {"STAGE", "STAGE_BYTES"} if staged else set())
+    unknown = sorted(set(constexprs) - {p.name for p in keyword})
+    if unknown:
+        raise ValueError(f"jaxtdist.triton_call: kernel {name} has no parameter "
+                         f"{', '.join(unknown)} after its {n_args} argument(s) and {outputs} "
+                         f"output(s); its parameters there: {[p.name for p in keyword]}")
+    missing = [p.name for p in keyword
+               if p.name not in given and p.default is inspect.Parameter.empty]
+    if missing:
+        hint = ""
+        if "WORKSPACE" in missing:
+            hint = " (WORKSPACE: pass workspace_bytes > 0)"
+        raise ValueError(f"jaxtdist.triton_call: kernel {name} needs {', '.join(missing)}: "
+                         f"pass them as keyword arguments{hint}")
 
 
 def _is_array(a) -> bool:

@@ -25,7 +25,7 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from jaxtdist._errors import JaxtdistError, WaitTimeoutError
+from jaxtdist._errors import HeapExhaustedError, JaxtdistError, WaitTimeoutError
 from jaxtdist.interpret import WorkerPool
 from jaxtdist.language import _layout as L
 from jaxtdist.runtime._backend import BackendSpec
@@ -35,6 +35,27 @@ from jaxtdist.runtime._backend import BackendSpec
 # closes the heap cleanly (a peer that exits after that did not die). Inside the
 # reserved head of the heap, after the error record (0) and the scratch word (64).
 _CLOSED_OFFSET = 128
+
+
+def _new_segment(size: int, heap_bytes: int) -> shared_memory.SharedMemory:
+    """The heap's shared-memory segment of ``size`` bytes, or ``HeapExhaustedError``
+    saying what was asked and what the host has. Pages are allocated on first
+    touch, so a segment larger than the free shared memory is allowed; one
+    larger than the host's memory can never be backed and is refused."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    fix = ("lower heap_bytes in jaxtdist.initialize (the default is 32 MiB per device on "
+           "CPU)")
+    if size > ram:
+        raise HeapExhaustedError(
+            f"jaxtdist: the CPU heap needs {size} bytes of shared memory (heap_bytes="
+            f"{heap_bytes} per device) but this host has {ram} bytes of memory; {fix}")
+    try:
+        return shared_memory.SharedMemory(create=True, size=size)
+    except (OSError, OverflowError, ValueError) as e:
+        raise HeapExhaustedError(
+            f"jaxtdist: the CPU heap's {size} bytes of shared memory (heap_bytes={heap_bytes} "
+            f"per device) could not be created ({type(e).__name__}: {e}); {fix}, or make "
+            "room in /dev/shm") from None
 
 
 class CpuHeap:
@@ -70,7 +91,7 @@ class CpuHeap:
         me = bootstrap.process_index if bootstrap is not None else None
         if owners is None:
             self._positions = tuple(range(positions))
-            self._shm = shared_memory.SharedMemory(create=True, size=positions * heap_bytes)
+            self._shm = _new_segment(positions * heap_bytes, heap_bytes)
             self._view = self._shm.buf
         else:
             self._positions = tuple(p for p in range(positions) if owners[p] == me)
@@ -93,7 +114,7 @@ class CpuHeap:
         through the key-value store with the creator's host name."""
         host = socket.gethostname()
         if bootstrap.process_index == creator:
-            self._shm = shared_memory.SharedMemory(create=True, size=size)
+            self._shm = _new_segment(size, self.heap_bytes)
             bootstrap.publish("segment", f"{self._shm.name} {size} {host}")
             return self._shm.buf
         name, their_size, their_host = bootstrap.get("segment", creator).split(" ", 2)

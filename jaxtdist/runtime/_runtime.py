@@ -93,6 +93,37 @@ def _check_launcher(launcher: str) -> str:
     return launcher
 
 
+def _check_settings(mesh, heap_bytes, wait_timeout_s, align_launches, launcher,
+                    bootstrap_timeout_s) -> None:
+    """``initialize``'s arguments, each checked before anything is torn down or
+    allocated: a rejected call leaves the runtime in place."""
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"jaxtdist.initialize: mesh must be a jax.sharding.Mesh (e.g. "
+                        f"jax.make_mesh((n,), ('tp',))), got {type(mesh).__name__}")
+    if heap_bytes is not None:
+        if isinstance(heap_bytes, bool) or not isinstance(heap_bytes, (int, np.integer)):
+            raise TypeError(f"jaxtdist.initialize: heap_bytes={heap_bytes!r} must be an int "
+                            "(bytes per device), or None for the default")
+        if heap_bytes < 2 * _RESERVED_BYTES:
+            raise ValueError(f"jaxtdist.initialize: heap_bytes={heap_bytes} is below the "
+                             f"minimum {2 * _RESERVED_BYTES} (None: the default)")
+    if wait_timeout_s is not None:
+        if isinstance(wait_timeout_s, bool) or not isinstance(wait_timeout_s,
+                                                              (int, float, np.number)):
+            raise TypeError(f"jaxtdist.initialize: wait_timeout_s={wait_timeout_s!r} must be "
+                            "a number of seconds")
+        if not 0 < float(wait_timeout_s) <= 1e6:
+            raise ValueError(f"jaxtdist: wait_timeout_s={wait_timeout_s!r}; allowed: seconds "
+                             "in (0, 1e6]")
+    if align_launches is not None and not isinstance(align_launches, (bool, np.bool_)):
+        raise TypeError(f"jaxtdist.initialize: align_launches={align_launches!r} must be True "
+                        "or False")
+    if launcher is not None:
+        _check_launcher(launcher)
+    if bootstrap_timeout_s is not None:
+        _bootstrap.bootstrap_timeout_s(bootstrap_timeout_s)
+
+
 class Runtime:
     """Owns the symmetric heap of one mesh. Create it with ``jaxtdist.initialize``."""
 
@@ -100,6 +131,8 @@ class Runtime:
                  wait_timeout_s: float | None = None,
                  align_launches: bool = True, launcher: str = "native",
                  bootstrap_timeout_s: float | None = None):
+        _check_settings(mesh, heap_bytes, wait_timeout_s, align_launches, launcher,
+                        bootstrap_timeout_s)
         devices = list(mesh.devices.flat)
         self.mesh = mesh
         # Mesh positions of this process's devices: the heaps this process sets up
@@ -113,17 +146,12 @@ class Runtime:
                 "runs on, which includes its devices")
         self.bootstrap_timeout_s = _bootstrap.bootstrap_timeout_s(bootstrap_timeout_s)
         self.platform = _platform(devices)
-        self.heap_bytes = int(heap_bytes or DEFAULT_HEAP_BYTES[self.platform])
+        self.heap_bytes = int(DEFAULT_HEAP_BYTES[self.platform] if heap_bytes is None
+                              else heap_bytes)
         # SMs a persistent grid may fill (devices of one mesh are of one kind).
         self.sms = int(getattr(devices[self.local_positions[0]], "core_count", None) or 132)
         self.wait_timeout_s = float(DEFAULT_WAIT_TIMEOUT_S if wait_timeout_s is None
                                     else wait_timeout_s)
-        if not 0 < self.wait_timeout_s <= 1e6:
-            raise ValueError(f"jaxtdist: wait_timeout_s={wait_timeout_s!r}; allowed: seconds in "
-                             "(0, 1e6]")
-        if self.heap_bytes < 2 * _RESERVED_BYTES:
-            raise ValueError(f"jaxtdist: heap_bytes={self.heap_bytes} is below the minimum "
-                             f"{2 * _RESERVED_BYTES}")
         self.native = _native.native()
         if self.platform == "gpu" and not self.native.with_cuda:
             raise RuntimeError(
@@ -393,8 +421,8 @@ def initialize(mesh, *, heap_bytes: int | None = None, wait_timeout_s: float | N
       >>> rt = jaxtdist.initialize(mesh)
     """
     global _RUNTIME
-    if launcher is not None:
-        _check_launcher(launcher)
+    _check_settings(mesh, heap_bytes, wait_timeout_s, align_launches, launcher,
+                    bootstrap_timeout_s)
     with _RUNTIME_LOCK:
         if _RUNTIME is not None:
             same = (_RUNTIME.mesh == mesh
