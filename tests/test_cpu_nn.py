@@ -7,6 +7,7 @@ arguments."""
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -321,6 +322,14 @@ def test_bad_arguments_name_the_layer_and_the_shapes():
     with pytest.raises(ValueError, match=r"ParallelAttention: x has shape \(2, 8, 16\); "
                                          r"expected \[batch, seq, 32\]"):
         attn(jnp.zeros((2, 8, 16)))
+    mlp = tdnn.ParallelMLP(16, 32, rngs=nnx.Rngs(0))
+    for empty in ((0, 4, 16), (2, 0, 16)):
+        with pytest.raises(ValueError, match=rf"ParallelMLP: x has shape "
+                                             rf"{re.escape(str(empty))}, an empty batch"):
+            mlp(jnp.zeros(empty))
+    with pytest.raises(ValueError, match=r"ParallelMLP: x has dtype int32; the layer takes "
+                                         r"bfloat16, float16 or float32"):
+        mlp(jnp.zeros((2, 4, 16), jnp.int32))
     with pytest.raises(ValueError, match="decode=True needs a KV cache"):
         attn(jnp.zeros((2, 1, 32)), decode=True)
     with pytest.raises(ValueError, match="batch=3 must be divisible by the 2 groups"):

@@ -59,3 +59,22 @@ def test_mesh_axes_not_named_are_replicated():
     out = layer(place(mesh, x, P(("dp", "tp"), None)), place(mesh, w, P(None, "tp")))
     assert out.sharding.spec == P("dp", "tp")
     assert_close(out, f64(x) @ f64(w), jnp.float32)
+
+
+def test_size_errors_name_the_wrapper_and_the_global_shapes():
+    """A global dimension its devices do not divide: an error naming the wrapper and
+    the split (was shard_map's, naming a function 'body'); an op's own check on the
+    shard it sees gains the shard and global shapes."""
+    setup((2, 2), ("dp", "tp"))
+    k, n = 6, 4
+    with pytest.raises(ValueError, match=r"jaxtdist\.ag_matmul_sharded: argument 0 has shape "
+                                         r"\(3, 6\); its dimension 0 \(3\) is split over dp=2 x "
+                                         r"tp=2 \(4 devices\), which must divide it"):
+        td.ag_matmul_sharded(jnp.ones((3, k)), jnp.ones((k, n)), axis_name="tp",
+                             batch_axes="dp")
+    with pytest.raises(ValueError, match=r"jaxtdist\.matmul_rs: the rows of x \(M=3\) .* \[in "
+                                         r"jaxtdist\.matmul_rs_sharded: the op sees one shard "
+                                         r"of each argument, shapes \[\(3, 3\), \(3, 4\)\] of "
+                                         r"the global \[\(6, 6\), \(6, 4\)\]"):
+        td.matmul_rs_sharded(jnp.ones((6, k)), jnp.ones((k, n)), axis_name="tp",
+                             batch_axes="dp")

@@ -101,6 +101,14 @@ class Layout:
                              f"[batch, seq, {features}] (features={features}, as the layer "
                              "was built)")
         batch, seq = x.shape[:2]
+        if not batch or not seq:
+            raise ValueError(f"jaxtdist.nn.{self.layer}: x has shape {tuple(x.shape)}, an empty "
+                             "batch or sequence; jaxtdist's ops take no empty operand (skip the "
+                             "call for an empty batch)")
+        if x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+            raise ValueError(f"jaxtdist.nn.{self.layer}: x has dtype {x.dtype.name}; the layer "
+                             "takes bfloat16, float16 or float32 (cast it, e.g. "
+                             "x.astype(jnp.bfloat16))")
         if decode:
             if seq != 1:
                 raise ValueError(f"jaxtdist.nn.{self.layer}: decode=True takes one token per "

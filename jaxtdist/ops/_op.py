@@ -550,15 +550,25 @@ def pjit_wrapper(op_fn: Callable, *, name: str,
         token, token_spec = (((previous.value, previous.token),
                               (previous.spec[1], every_device)) if after else ((), ()))
 
+        specs = tuple(in_specs(axis_name, batch_axes))
+        _check_divisible(name, mesh, arrays, specs)
+
         def body(*args):
             if after:
                 record_output(rt, args[0], token=args[1])
-            out = op_fn(*args[len(token):], axis_name=axis_name, **static)
+            try:
+                out = op_fn(*args[len(token):], axis_name=axis_name, **static)
+            except ValueError as e:
+                # The op saw one shard: say how its sizes follow from the caller's.
+                raise ValueError(
+                    f"{e} [in jaxtdist.{name}: the op sees one shard of each argument, shapes "
+                    f"{_shard_shapes(mesh, arrays, specs)} of the global "
+                    f"{[tuple(a.shape) for a in arrays]} (in_specs {list(specs)})]") from None
             return out, _token_of(out, args[:len(token)])
 
         spec_out = out_specs(axis_name, batch_axes)
-        out, out_token = jax.shard_map(body, mesh=mesh, in_specs=token_spec + tuple(in_specs(
-            axis_name, batch_axes)), out_specs=(spec_out, every_device))(*token, *arrays)
+        out, out_token = jax.shard_map(body, mesh=mesh, in_specs=token_spec + specs,
+                                       out_specs=(spec_out, every_device))(*token, *arrays)
         first, first_spec = (out, spec_out) if isinstance(out, jax.Array) else (
             out[0], spec_out[0])
         record_output(rt, first, spec=(mesh, first_spec), token=out_token)
@@ -566,6 +576,33 @@ def pjit_wrapper(op_fn: Callable, *, name: str,
 
     wrapper.__name__ = name
     return wrapper
+
+
+def _spec_sizes(mesh, spec, ndim: int) -> list[int]:
+    """Devices each of ``ndim`` dimensions is split over under ``spec``."""
+    entries = tuple(spec) + (None,) * (ndim - len(spec))
+    return [mesh_devices(mesh, () if e is None else (e,) if isinstance(e, str) else e)[0]
+            for e in entries[:ndim]]
+
+
+def _shard_shapes(mesh, arrays, specs) -> list:
+    return [tuple(d // n for d, n in zip(a.shape, _spec_sizes(mesh, s, a.ndim)))
+            if isinstance(s, P) and hasattr(a, "shape") else "?" for a, s in zip(arrays, specs)]
+
+
+def _check_divisible(name: str, mesh, arrays, specs) -> None:
+    """A ``ValueError`` naming the op where a sharded dimension of an argument is
+    not a multiple of its devices (else shard_map's error names the wrapper's body)."""
+    for i, (a, spec) in enumerate(zip(arrays, specs)):
+        if not isinstance(spec, P) or not hasattr(a, "shape"):
+            continue
+        for dim, (size, n) in enumerate(zip(a.shape, _spec_sizes(mesh, spec, a.ndim))):
+            if size % n:
+                entry = spec[dim]
+                axes = mesh_devices(mesh, (entry,) if isinstance(entry, str) else entry)[1]
+                raise ValueError(
+                    f"jaxtdist.{name}: argument {i} has shape {tuple(a.shape)}; its dimension "
+                    f"{dim} ({size}) is split over {axes} ({n} devices), which must divide it")
 
 
 def _token_of(out, after: Sequence) -> jax.Array:
