@@ -559,6 +559,8 @@ def pjit_wrapper(op_fn: Callable, *, name: str,
             try:
                 out = op_fn(*args[len(token):], axis_name=axis_name, **static)
             except ValueError as e:
+                if type(e) is not ValueError:  # JAX's own subclasses pass unchanged
+                    raise
                 # The op saw one shard: say how its sizes follow from the caller's.
                 raise ValueError(
                     f"{e} [in jaxtdist.{name}: the op sees one shard of each argument, shapes "
