@@ -79,6 +79,21 @@ def test_triton_call_arguments_checked_at_trace_time(kwargs, message):
         jax.jit(f).lower(place(mesh, rand((2, n)), P("tp", None)))
 
 
+def test_triton_call_offsets_need_their_parameters():
+    """workspace_bytes > 0 for a kernel without a WORKSPACE parameter: a ValueError at
+    trace time naming the parameter the offset would go to."""
+    mesh = setup(2)
+    n = 8
+    f = jax.shard_map(
+        lambda x: td.triton_call(x[0], 2.0, kernel=K.scaled_rank_kernel,
+                                 out_shape=jax.ShapeDtypeStruct((n,), jnp.float32), grid=(1,),
+                                 axis_name="tp", workspace_bytes=64, N=n, BLOCK=8)[None],
+        mesh=mesh, in_specs=P("tp", None), out_specs=P("tp", None))
+    with pytest.raises(ValueError, match=r"kernel scaled_rank_kernel needs a constexpr "
+                                         r"parameter WORKSPACE to receive its offset"):
+        jax.jit(f).lower(place(mesh, rand((2, n)), P("tp", None)))
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("scale", [2.5, -3])
 def test_scalar_argument(world, scale):

@@ -327,8 +327,8 @@ def test_bad_arguments_name_the_layer_and_the_shapes():
         with pytest.raises(ValueError, match=rf"ParallelMLP: x has shape "
                                              rf"{re.escape(str(empty))}, an empty batch"):
             mlp(jnp.zeros(empty))
-    with pytest.raises(ValueError, match=r"ParallelMLP: x has dtype int32; the layer takes "
-                                         r"bfloat16, float16 or float32"):
+    with pytest.raises(ValueError, match=r"jaxtdist\.nn\.ParallelMLP: x has dtype int32; "
+                                         r"supported dtypes are bfloat16, float16, float32"):
         mlp(jnp.zeros((2, 4, 16), jnp.int32))
     with pytest.raises(ValueError, match="decode=True needs a KV cache"):
         attn(jnp.zeros((2, 1, 32)), decode=True)

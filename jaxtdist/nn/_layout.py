@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxtdist.ops._shapes import check_dtype
 from jaxtdist.runtime import _runtime
 
 __all__ = ["Layout", "make_layout"]
@@ -105,10 +106,7 @@ class Layout:
             raise ValueError(f"jaxtdist.nn.{self.layer}: x has shape {tuple(x.shape)}, an empty "
                              "batch or sequence; jaxtdist's ops take no empty operand (skip the "
                              "call for an empty batch)")
-        if x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
-            raise ValueError(f"jaxtdist.nn.{self.layer}: x has dtype {x.dtype.name}; the layer "
-                             "takes bfloat16, float16 or float32 (cast it, e.g. "
-                             "x.astype(jnp.bfloat16))")
+        check_dtype(f"nn.{self.layer}", "x", x.dtype)
         if decode:
             if seq != 1:
                 raise ValueError(f"jaxtdist.nn.{self.layer}: decode=True takes one token per "

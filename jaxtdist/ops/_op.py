@@ -75,12 +75,20 @@ except ImportError:  # pragma: no cover
 # with this identity, whose remat rule does what JAX does for side effects: the call
 # runs once, in the forward pass, and what the backward needs of it is saved.
 
-_run_once_p = jex_core.Primitive("jaxtdist_run_once")
-_run_once_p.multiple_results = True
-_run_once_p.def_impl(lambda *xs: list(xs))
-_run_once_p.def_abstract_eval(lambda *avals: list(avals))
-mlir.register_lowering(_run_once_p, lambda ctx, *xs: list(xs))
-batching.primitive_batchers[_run_once_p] = lambda args, dims: (_run_once_p.bind(*args), dims)
+def _identity_primitive(name: str) -> jex_core.Primitive:
+    """A primitive returning its operands unchanged, under jit and vmap (its params,
+    if any, only label it); the caller gives it its autodiff and remat rules."""
+    prim = jex_core.Primitive(name)
+    prim.multiple_results = True
+    prim.def_impl(lambda *xs, **params: list(xs))
+    prim.def_abstract_eval(lambda *avals, **params: list(avals))
+    mlir.register_lowering(prim, lambda ctx, *xs, **params: list(xs))
+    batching.primitive_batchers[prim] = lambda args, dims, **params: (
+        prim.bind(*args, **params), dims)
+    return prim
+
+
+_run_once_p = _identity_primitive("jaxtdist_run_once")
 # An identity to differentiation too: tangents pass through unchanged (differentiating
 # the jaxtdist calls that made the values raises their own TypeError, naming them).
 ad.primitive_jvps[_run_once_p] = lambda primals, tangents: (_run_once_p.bind(*primals),
@@ -107,13 +115,7 @@ if _pe is not None and hasattr(_pe, "partial_eval_jaxpr_custom_rules"):
 # derivative is a TypeError naming the op. The forward rules of a custom VJP are
 # differentiated only by second-order autodiff (grad of grad), where a composed op
 # (moe_tp_mlp) would otherwise fail inside JAX with an error naming no op.
-_first_order_p = jex_core.Primitive("jaxtdist_first_order_only")
-_first_order_p.multiple_results = True
-_first_order_p.def_impl(lambda *xs, op: list(xs))
-_first_order_p.def_abstract_eval(lambda *avals, op: list(avals))
-mlir.register_lowering(_first_order_p, lambda ctx, *xs, op: list(xs))
-batching.primitive_batchers[_first_order_p] = lambda args, dims, op: (
-    _first_order_p.bind(*args, op=op), dims)
+_first_order_p = _identity_primitive("jaxtdist_first_order_only")
 
 
 def _first_order_jvp(primals, tangents, *, op):

@@ -94,14 +94,21 @@ def _check_call(kernel, n_args: int, out_shape, workspace_bytes, staged: bool,
             or workspace_bytes < 0:
         raise ValueError(f"jaxtdist.triton_call: workspace_bytes={workspace_bytes!r} must be "
                          f"an int >= 0 (kernel {name})")
+    # The offsets jaxtdist passes the kernel: it must take them.
+    filled = ({"WORKSPACE"} if workspace_bytes > 0 else set()) | (
+        {"STAGE", "STAGE_BYTES"} if staged else set())
+    names = _arg_names(kernel)
+    for required in sorted(filled):
+        if required not in names:
+            raise ValueError(f"jaxtdist.triton_call: kernel {name} needs a constexpr parameter "
+                             f"{required} to receive its offset")
     fn = getattr(kernel, "fn", None)
     if not inspect.isfunction(fn):  # not a plain @triton.jit kernel (autotuned, say)
         return
     params = list(inspect.signature(fn).parameters.values())
     outputs = len(jax.tree_util.tree_leaves(out_shape))
     keyword = params[1 + n_args + outputs:]  # after ctx, the arguments, the outputs
-    given = set(constexprs) | ({"WORKSPACE"} if workspace_bytes > 0 else set()) | (
-        {"STAGE", "STAGE_BYTES"} if staged else set())
+    given = set(constexprs) | filled
     unknown = sorted(set(constexprs) - {p.name for p in keyword})
     if unknown:
         raise ValueError(f"jaxtdist.triton_call: kernel {name} has no parameter "
@@ -127,16 +134,10 @@ def _forward(*arrays, axis_name, kernel, slots, out_shape, grid, workspace_bytes
     args = tuple(arrays[v] if kind == "array" else v for kind, v in slots)
     constexprs = dict(constexprs)
     call = Call("triton_call", axis_name)
-    names = _arg_names(kernel)
     slot = 0
     if stage is not None:
         slot = align(stage.size * np.dtype(stage.dtype).itemsize)
     total = align(max(workspace_bytes, 0)) + 2 * slot
-    for required, needed in (("WORKSPACE", workspace_bytes > 0),
-                             ("STAGE", stage is not None), ("STAGE_BYTES", stage is not None)):
-        if needed and required not in names:
-            raise ValueError(f"jaxtdist.triton_call: kernel {getattr(kernel, '__name__', kernel)} "
-                             f"needs a constexpr parameter {required} to receive its offset")
     ws = call.workspace(name or getattr(kernel, "__name__", repr(kernel)), max(total, 1),
                         int(workspace_bytes),
                         None if stage is None else (stage.shape, stage.dtype.name))
