@@ -220,13 +220,15 @@ def test_model_benchmark_runs_both_models_and_tabulates(faked_timing):
     assert "model" in cli.benchmarks()
 
 
-def test_moe_tp_benchmark_runs_both_layers_and_tabulates(faked_timing):
+def test_moe_tp_benchmark_runs_every_layer_and_tabulates(faked_timing):
     """``python -m jaxtdist.bench moe_tp`` on a small shape (CPU, world 4, faked
-    timing): jaxtdist's layer and the XLA twin both match the float32 reference."""
+    timing): jaxtdist's layer (default, step-by-step and overlapped schedules) and
+    the XLA twin all match the float32 reference."""
     from jaxtdist.bench import moe_tp
 
     rows = moe_tp.bench_moe_tp([(3, 32, 64, 4, 2)], 2, 4, rounds=1, dtype=np.float32)
-    assert rows[0]["jaxtdist"]["rel_err"] < 1e-5 and rows[0]["xla"]["rel_err"] < 1e-5, rows
+    for name in ("jaxtdist", "steps", "overlapped", "xla"):
+        assert rows[0][name]["rel_err"] < 1e-5, (name, rows)
     text = moe_tp.table(dict(world=4, device="cpu", rows=rows, iterations=2, rounds=1))
     assert "| 3 | 32, 64, 4, top-2 |" in text
     assert "moe_tp" in cli.benchmarks()

@@ -42,12 +42,14 @@ def _routing(rng, t, k, e) -> np.ndarray:
     return np.stack([rng.permutation(e)[:k] for _ in range(t)]).astype(np.int32)
 
 
-def _fn(mesh, gated: bool, axis="tp"):
+def _fn(mesh, gated: bool, axis="tp", overlap=None):
     if gated:
-        body = lambda x, i, g, a, b, c: td.moe_tp_mlp(x, i, g, a, b, axis, w_up=c)  # noqa: E731
+        body = lambda x, i, g, a, b, c: td.moe_tp_mlp(  # noqa: E731
+            x, i, g, a, b, axis, w_up=c, overlap=overlap)
         specs = (TOKENS, TOKENS, TOKENS, EXPERTS_W1, EXPERTS_W2, EXPERTS_W1)
     else:
-        body = lambda x, i, g, a, b: td.moe_tp_mlp(x, i, g, a, b, axis)  # noqa: E731
+        body = lambda x, i, g, a, b: td.moe_tp_mlp(  # noqa: E731
+            x, i, g, a, b, axis, overlap=overlap)
         specs = (TOKENS, TOKENS, TOKENS, EXPERTS_W1, EXPERTS_W2)
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=TOKENS)), specs
 
@@ -61,8 +63,25 @@ CASES = [(2, F32, 5, 2, 4, 16, 32, False), (4, F32, 3, 1, 8, 16, 16, True),
 
 @pytest.mark.parametrize("world,dtype,t,k,e,h,f,gated", CASES)
 def test_moe_tp_mlp(world, dtype, t, k, e, h, f, gated):
+    _check_layer(world, dtype, t, k, e, h, f, gated, None)
+
+
+# The overlapped schedule (forced: the default picks it on GPUs only): odd token
+# counts, K = 1, 2, 8, E = 1 and many; H = 24 in float32 (96-byte rows: TMA) and
+# H = 20 in bfloat16 (40-byte rows: the pointer GEMM).
+OVERLAP_CASES = [(2, F32, 5, 2, 4, 24, 32, False), (4, F32, 3, 1, 8, 16, 16, True),
+                 (2, BF16, 7, 8, 8, 32, 64, True), (4, BF16, 2, 2, 1, 16, 32, False),
+                 (2, BF16, 9, 2, 3, 20, 16, True), (1, F32, 6, 2, 4, 16, 16, False)]
+
+
+@pytest.mark.parametrize("world,dtype,t,k,e,h,f,gated", OVERLAP_CASES)
+def test_moe_tp_mlp_overlapped(world, dtype, t, k, e, h, f, gated):
+    _check_layer(world, dtype, t, k, e, h, f, gated, True)
+
+
+def _check_layer(world, dtype, t, k, e, h, f, gated, overlap):
     mesh = setup(world, ("tp",))
-    fn, specs = _fn(mesh, gated)
+    fn, specs = _fn(mesh, gated, overlap=overlap)
     rng = np.random.default_rng(world * 100 + t)
     for _ in range(2):  # fresh data and routing: one program for every routing
         x = rand((world * t, h), dtype)
@@ -78,11 +97,12 @@ def test_moe_tp_mlp(world, dtype, t, k, e, h, f, gated):
         assert err < TOL[jnp.dtype(dtype)] * (1 if dtype == F32 else 2), err
 
 
-def test_moe_tp_mlp_skewed_and_invalid_routing():
+@pytest.mark.parametrize("overlap", [None, True])
+def test_moe_tp_mlp_skewed_and_invalid_routing(overlap):
     """Every token to one expert, then ids outside [0, E): those contribute nothing."""
     world, t, k, e, h, f = 2, 4, 2, 4, 16, 16
     mesh = setup(world, ("tp",))
-    fn, specs = _fn(mesh, False)
+    fn, specs = _fn(mesh, False, overlap=overlap)
     x = rand((world * t, h))
     w1, w2 = rand((e, h, f), scale=0.3), rand((e, f, h), scale=0.3)
     gate = rand((world * t, k))
@@ -94,13 +114,15 @@ def test_moe_tp_mlp_skewed_and_invalid_routing():
         np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("world,gated", [(2, True), (4, False)])
-def test_moe_tp_mlp_grad(world, gated):
+@pytest.mark.parametrize("world,gated,overlap", [(2, True, None), (4, False, None),
+                                                 (2, True, True)])
+def test_moe_tp_mlp_grad(world, gated, overlap):
     """Gradients of x, the routing weights and every expert weight, against jax.grad of
-    a dense plain-JAX twin on the unsharded arrays."""
+    a dense plain-JAX twin on the unsharded arrays (after the overlapped forward
+    too, whose backward pass is the step-by-step schedule's)."""
     t, k, e, h, f = 3, 2, 4, 16, 8 * world
     mesh = setup(world, ("tp",))
-    fn, specs = _fn(mesh, gated)
+    fn, specs = _fn(mesh, gated, overlap=overlap)
     rng = np.random.default_rng(7)
     x = rand((world * t, h))
     ids = _routing(rng, world * t, k, e)
@@ -152,8 +174,41 @@ def test_moe_tp_mlp_grad_bfloat16():
         assert err < 2e-2, err
 
 
-@pytest.mark.parametrize("grouped_gemm", ["jaxtdist", "auto"])
-def test_moe_tp_mlp_under_vmap(grouped_gemm):
+def test_moe_tp_mlp_overlapped_chained_calls():
+    """30 overlapped layers in one program, each on the last one's output with a fresh
+    routing: the inboxes of both fused kernels are reused every other call (a reuse
+    race shows as a wrong layer), against the float64 reference layer by layer."""
+    world, t, k, e, h, f, layers = 2, 3, 2, 4, 16, 16, 30
+    mesh = setup(world, ("tp",))
+    rng = np.random.default_rng(5)
+    x = rand((world * t, h))
+    ids = np.stack([_routing(rng, world * t, k, e) for _ in range(layers)])
+    gate = rand(ids.shape, scale=0.5)
+    w1, w2 = rand((e, h, f), scale=0.3), rand((e, f, h), scale=0.3)
+
+    def body(x, ids, gate, w1, w2):
+        outs = []
+        for i in range(layers):
+            x = td.moe_tp_mlp(x, ids[i], gate[i], w1, w2, "tp", overlap=True)
+            outs.append(x)
+        return jnp.stack(outs)
+
+    routed = P(None, "tp", None)
+    specs = (TOKENS, routed, routed, EXPERTS_W1, EXPERTS_W2)
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=routed))
+    outs = np.asarray(fn(*(place(mesh, a, sp) for a, sp in zip((x, ids, gate, w1, w2), specs))),
+                      np.float64)
+    want = np.asarray(x, np.float64)
+    for i in range(layers):
+        want = _reference(want, ids[i], gate[i], w1, w2)
+        err = np.linalg.norm(outs[i] - want) / np.linalg.norm(want)
+        assert err < 1e-4, (i, err)
+        want = outs[i]  # the next layer's reference input: the op's own output
+
+
+@pytest.mark.parametrize("grouped_gemm,overlap", [("jaxtdist", None), ("auto", None),
+                                                   ("auto", True)])
+def test_moe_tp_mlp_under_vmap(grouped_gemm, overlap):
     """jax.vmap over a leading batch of layers' inputs (each element its own routing),
     forward and grad, against the float64 reference and the per-element gradients,
     with jaxtdist's grouped GEMM and with the default (ragged_dot on CPU, whose
@@ -167,7 +222,8 @@ def test_moe_tp_mlp_under_vmap(grouped_gemm):
     w1, w2 = rand((e, h, f), scale=0.3), rand((e, f, h), scale=0.3)
 
     def layer(x, ids, gate, w1, w2):
-        return td.moe_tp_mlp(x, ids, gate, w1, w2, "tp", grouped_gemm=grouped_gemm)
+        return td.moe_tp_mlp(x, ids, gate, w1, w2, "tp", grouped_gemm=grouped_gemm,
+                             overlap=overlap)
 
     def loss(x, ids, gate, w1, w2):
         return jnp.sum(jax.vmap(layer, in_axes=(0, 0, 0, None, None))(x, ids, gate, w1, w2)
@@ -221,17 +277,24 @@ def test_moe_tp_mlp_errors():
     with pytest.raises(ValueError,
                        match=r"w1 must hold at least one expert, got w1\(0, 16, 4\)"):
         run(x, ids, gate, rand((0, 16, 8)), rand((0, 8, 16)))
+    with pytest.raises(ValueError, match=r"overlap='yes'; allowed: None"):
+        run(x, ids, gate, w1, w2, overlap="yes")
+    many = np.zeros((4, 2), np.int32)
+    with pytest.raises(ValueError, match=r"overlap=True needs at most 256 experts, got "
+                                         r"w1\(257, 16, 4\)"):
+        run(x, many, gate, rand((257, 16, 8)), rand((257, 8, 16)), overlap=True)
     # Outside shard_map: the error names moe_tp_mlp, not the gather inside it.
     with pytest.raises(ValueError, match=r"jaxtdist\.moe_tp_mlp must be called inside "
                                          r"jax\.shard_map"):
         td.moe_tp_mlp(x, ids, gate, w1, w2, "tp")
 
 
-def test_moe_tp_mlp_second_order_names_the_op():
+@pytest.mark.parametrize("overlap", [None, True])
+def test_moe_tp_mlp_second_order_names_the_op(overlap):
     """grad of grad (w.r.t. x, and w.r.t. the experts alone): a TypeError naming
     moe_tp_mlp, not an error from inside JAX naming none."""
     mesh = setup(2, ("tp",))
-    fn, specs = _fn(mesh, False)
+    fn, specs = _fn(mesh, False, overlap=overlap)
     x, gate = rand((4, 16)), rand((4, 2))
     ids = _routing(np.random.default_rng(5), 4, 2, 4)
     w1, w2 = rand((4, 16, 8), scale=0.3), rand((4, 8, 16), scale=0.3)
@@ -245,7 +308,8 @@ def test_moe_tp_mlp_second_order_names_the_op():
             jax.jit(jax.grad(lambda a: jnp.sum(inner(a))))(placed[arg])
 
 
-def test_moe_tp_mlp_under_nested_vmap():
+@pytest.mark.parametrize("overlap", [None, True])
+def test_moe_tp_mlp_under_nested_vmap(overlap):
     """vmap of vmap (a [2, 2] batch of layer inputs): one whole call per element,
     each against the float64 reference."""
     world, t, k, e, h, f = 2, 2, 2, 4, 16, 16
@@ -256,7 +320,8 @@ def test_moe_tp_mlp_under_nested_vmap():
                     for _ in range(2)])
     gate = rand(ids.shape)
     w1, w2 = rand((e, h, f), scale=0.3), rand((e, f, h), scale=0.3)
-    layer = jax.vmap(jax.vmap(lambda x, i, g, a, b: td.moe_tp_mlp(x, i, g, a, b, "tp"),
+    layer = jax.vmap(jax.vmap(lambda x, i, g, a, b: td.moe_tp_mlp(x, i, g, a, b, "tp",
+                                                                  overlap=overlap),
                               in_axes=(0, 0, 0, None, None)), in_axes=(0, 0, 0, None, None))
     batched = P(None, None, "tp", None)
     specs = (batched, batched, batched, EXPERTS_W1, EXPERTS_W2)
@@ -269,14 +334,15 @@ def test_moe_tp_mlp_under_nested_vmap():
             assert err < 1e-5, (i, j, err)
 
 
-def test_moe_tp_mlp_over_a_submesh():
+@pytest.mark.parametrize("overlap", [None, True])
+def test_moe_tp_mlp_over_a_submesh(overlap):
     """dp x tp: each dp group's tp ranks form their own layer."""
     mesh = setup((2, 2), ("dp", "tp"))
     t, k, e, h, f = 3, 2, 4, 16, 16
     tokens = P(("dp", "tp"), None)
     specs = (tokens, tokens, tokens, EXPERTS_W1, EXPERTS_W2)
-    fn = jax.jit(jax.shard_map(lambda *a: td.moe_tp_mlp(*a, "tp"), mesh=mesh, in_specs=specs,
-                               out_specs=tokens))
+    fn = jax.jit(jax.shard_map(lambda *a: td.moe_tp_mlp(*a, "tp", overlap=overlap), mesh=mesh,
+                               in_specs=specs, out_specs=tokens))
     x = rand((4 * t, h))
     ids = _routing(np.random.default_rng(3), 4 * t, k, e)
     gate, w1, w2 = rand(ids.shape), rand((e, h, f), scale=0.3), rand((e, f, h), scale=0.3)
@@ -335,3 +401,69 @@ def test_tokens_ids_and_weights_travel_in_one_gather(monkeypatch, dtype, k):
                                   np.asarray(jnp.asarray(x)).view(np.uint8))
     np.testing.assert_array_equal(np.asarray(got[1]), ids)
     np.testing.assert_array_equal(np.asarray(got[2]).view(np.uint32), gate.view(np.uint32))
+
+
+def test_moe_tp_mlp_overlapped_under_checkpoint():
+    """jax.checkpoint around two overlapped layers, differentiated: the gradients of
+    x and every expert weight match those without checkpoint (no forward kernel is
+    recomputed out of order in the backward pass)."""
+    world, t, k, e, h, f = 2, 3, 2, 4, 16, 16
+    mesh = setup(world, ("tp",))
+    rng = np.random.default_rng(13)
+    x = rand((world * t, h))
+    ids = np.stack([_routing(rng, world * t, k, e) for _ in range(2)])
+    gate = rand(ids.shape, scale=0.5)
+    w1, w2 = rand((e, h, f), scale=0.3), rand((e, f, h), scale=0.3)
+
+    def two(x, ids, gate, w1, w2):
+        for i in range(2):
+            x = td.moe_tp_mlp(x, ids[i], gate[i], w1, w2, "tp", overlap=True)
+        return x
+
+    routed = P(None, "tp", None)
+    specs = (TOKENS, routed, routed, EXPERTS_W1, EXPERTS_W2)
+    placed = tuple(place(mesh, a, sp) for a, sp in zip((x, ids, gate, w1, w2), specs))
+    grads = {}
+    for remat in (False, True):
+        body = jax.checkpoint(two) if remat else two
+        grads[remat] = jax.jit(jax.shard_map(
+            jax.grad(lambda *a: jnp.sum(body(*a) ** 2), argnums=(0, 3, 4)), mesh=mesh,
+            in_specs=specs, out_specs=(TOKENS, EXPERTS_W1, EXPERTS_W2)))(*placed)
+    for a, b in zip(grads[True], grads[False]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_overlap_default_rule(monkeypatch):
+    """overlap=None: the overlapped schedule on GPUs at world > 1 with jaxtdist's grouped
+    GEMM and OVERLAP_MIN_ROWS pairs per expert; the steps elsewhere."""
+    from jaxtdist.ops import moe_tp
+    mesh = setup(2, ("tp",))
+    del mesh
+    x = jnp.zeros((8, 16), BF16)
+    w1 = jnp.zeros((4, 16, 8), BF16)
+    few, many = jnp.zeros((8, 2), jnp.int32), jnp.zeros((moe_tp.OVERLAP_MIN_ROWS * 2, 2),
+                                                         jnp.int32)
+    assert not moe_tp._overlaps(None, x, many, w1, "tp", "auto")  # the CPU
+    assert moe_tp._overlaps(True, x, few, w1, "tp", "auto")
+    assert not moe_tp._overlaps(False, x, many, w1, "tp", "auto")
+    real = moe_tp.runtime()
+
+    class Backend:
+        has_copy_engines = True
+
+    class Gpu:
+        platform = "gpu"
+        backend = Backend()
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    monkeypatch.setattr(moe_tp, "runtime", lambda: Gpu())
+    assert moe_tp._overlaps(None, x, many, w1, "tp", "auto")
+    assert not moe_tp._overlaps(None, x, few, w1, "tp", "auto")
+    assert not moe_tp._overlaps(None, x, many, w1, "tp", "ragged_dot")
+    assert not moe_tp._overlaps(None, x.astype(F32), many, w1, "tp", "auto")
+    Backend.has_copy_engines = False  # a GPU heap without copy-engine pushes
+    assert not moe_tp._overlaps(None, x, many, w1, "tp", "auto")
+    with pytest.raises(ValueError, match="overlap=True needs copy-engine pushes"):
+        moe_tp._overlaps(True, x, many, w1, "tp", "auto")

@@ -2,9 +2,11 @@
 on XLA's collectives.
 
 ``python -m jaxtdist.bench moe_tp [--world W]``, per (tokens per rank, H, F, E, K)
-of ``shapes.MOE_TP_SHAPES`` (bf16, SwiGLU): ``jaxtdist.moe_tp_mlp`` (jaxtdist's
-all_gather and reduce_scatter around its default grouped GEMMs: on GPUs
-``jaxtdist.grouped_matmul``) against the XLA twin (``jax.lax.all_gather``,
+of ``shapes.MOE_TP_SHAPES`` (bf16, SwiGLU): ``jaxtdist.moe_tp_mlp`` with its default
+schedule, and with each schedule forced (``overlap=False``: jaxtdist's all_gather
+and reduce_scatter around its grouped GEMMs, on GPUs ``jaxtdist.grouped_matmul``;
+``overlap=True``: the gather and the reduce-scatter fused into the grouped GEMMs)
+against the XLA twin (``jax.lax.all_gather``,
 ``jax.lax.ragged_dot``, ``jax.lax.psum_scatter``), both
 checked against a float32 dense computation of the same layer on the device.
 At world 1 both are the local layer (the gathers and the sum are identities).
@@ -62,9 +64,11 @@ def bench_moe_tp(shapes, iterations: int, world: int, rounds: int = 4,
                          axis_types=(jax.sharding.AxisType.Auto,))
     td.initialize(mesh)
     specs = dict(mesh=mesh, in_specs=SPECS, out_specs=TOKENS)
-    fns = dict(jaxtdist=jax.jit(jax.shard_map(
-                   lambda x, i, g, a, b, c: td.moe_tp_mlp(x, i, g, a, b, "tp", w_up=c),
-                   **specs)),
+    def layer(overlap):
+        return jax.jit(jax.shard_map(lambda x, i, g, a, b, c: td.moe_tp_mlp(
+            x, i, g, a, b, "tp", w_up=c, overlap=overlap), **specs))
+
+    fns = dict(jaxtdist=layer(None), steps=layer(False), overlapped=layer(True),
                xla=jax.jit(jax.shard_map(_xla_twin, **specs)))
     rows = []
     for n, (t, hidden, ffn, e, k) in enumerate(shapes):
@@ -95,9 +99,12 @@ COLUMNS = [
     h.Column("H, F, E, top-K", lambda r: f"{r['hidden']}, {r['ffn']}, {r['experts']}, "
                                          f"top-{r['top_k']}"),
     h.Column("XLA collectives", lambda r: h.us(r.get("xla"))),
-    h.Column("jaxtdist.moe_tp_mlp", lambda r: h.us(r.get("jaxtdist"))),
-    h.Column("jaxtdist / XLA", lambda r: h.ratio(r.get("jaxtdist"), r.get("xla"))),
-    h.Column("rel err (jaxtdist)", lambda r: h.err(r.get("jaxtdist"))),
+    h.Column("jaxtdist, steps", lambda r: h.us(r.get("steps"))),
+    h.Column("jaxtdist, overlapped", lambda r: h.us(r.get("overlapped"))),
+    h.Column("jaxtdist.moe_tp_mlp (default)", lambda r: h.us(r.get("jaxtdist"))),
+    h.Column("default / XLA", lambda r: h.ratio(r.get("jaxtdist"), r.get("xla"))),
+    h.Column("rel err (steps)", lambda r: h.err(r.get("steps"))),
+    h.Column("rel err (overlapped)", lambda r: h.err(r.get("overlapped"))),
     h.Column("rel err (XLA)", lambda r: h.err(r.get("xla"))),
 ]
 
@@ -120,5 +127,5 @@ def _arguments(parser) -> None:
 
 
 BENCHMARK = h.Benchmark(name="moe_tp", op="moe_tp_mlp", run=run, table=table,
-                        series=("jaxtdist", "xla"), size_label="tokens per rank",
+                        series=("jaxtdist", "steps", "overlapped", "xla"), size_label="tokens per rank",
                         arguments=_arguments)

@@ -92,7 +92,8 @@ AG_ATTENTION_SEQS_MULTI = [32768, 131072]
 MOE_SHAPES = [(128, 7168, 8, 256), (4096, 7168, 8, 256)]
 # moe_tp_mlp: (tokens per rank, H, F over all ranks, E, K): Mixtral 8x7B (SwiGLU),
 # decode-sized and prefill-sized token counts.
-MOE_TP_SHAPES = [(128, 4096, 14336, 8, 2), (2048, 4096, 14336, 8, 2)]
+MOE_TP_SHAPES = [(128, 4096, 14336, 8, 2), (512, 4096, 14336, 8, 2),
+                 (2048, 4096, 14336, 8, 2)]
 # grouped_matmul (the local grouped GEMM against jax.lax.ragged_dot): (rows R, H, F,
 # groups G, rows used / R), bf16. Mixtral 8x7B experts (top-2 of 8; up and down
 # projections) for 2048 and 128 tokens; DeepSeek-V3 experts (top-8 of 256, F = 2048)

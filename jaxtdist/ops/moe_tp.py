@@ -8,10 +8,11 @@ FFN shard (grouped GEMMs over the (token, expert) pairs sorted by expert:
 weighted sum over each token's experts, and a reduce-scatter of the partial
 sums back to the tokens' owners. The gather (one launch: the tokens, their
 expert ids and routing weights packed in one row each) and the reduce-scatter
-are jaxtdist's (no XLA collective). Not yet fused:
-Triton-distributed's two overlapped pieces (all-gather + grouped GEMM,
-grouped GEMM + reduce-scatter) would start each expert's tiles as its tokens
-arrive; this composition runs the three steps one after the other.
+are jaxtdist's (no XLA collective): the step-by-step schedule. The overlapped
+schedule (``_moe_tp_overlap``: the gather fused into the first grouped GEMM,
+the reduce-scatter into the second) serves the forward pass where each
+(rank, expert) group has rows enough to tile; its backward pass
+differentiates the step-by-step schedule.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxtdist.ops._op import first_order_only, run_once
+from jaxtdist._errors import HeapExhaustedError
+from jaxtdist.ops._moe_tp_overlap import overlapped_forward
+from jaxtdist.ops._op import DistributedOp, first_order_only, run_once
 from jaxtdist.ops._protocol import check_axis, check_inside_shard_map
 from jaxtdist.ops._shapes import check_dtype
 from jaxtdist.ops.all_gather import all_gather
@@ -262,7 +265,8 @@ _pairs_by_token.defvjp(_pairs_by_token_fwd, _pairs_by_token_bwd)
 def moe_tp_mlp(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax.Array,
                w2: jax.Array, axis_name="tp", *,
                activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
-               w_up: jax.Array | None = None, grouped_gemm: str = "auto") -> jax.Array:
+               w_up: jax.Array | None = None, grouped_gemm: str = "auto",
+               overlap: bool | None = None) -> jax.Array:
     """A mixture-of-experts MLP with the experts' FFN dimension sharded over ``axis_name``.
 
     Call inside ``jax.shard_map`` over the mesh given to ``jaxtdist.initialize``.
@@ -272,11 +276,14 @@ def moe_tp_mlp(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax.
     rank's FFN shard, summed with weights[t, k]; then sum over ranks and keep
     this rank's tokens. Differentiable (x, weights and the expert weights).
 
-    The gather and the reduce-scatter are jaxtdist's ops; the experts run as
-    grouped GEMMs over the (token, expert) pairs grouped by expert (counts are
-    data: one compiled program serves every routing). Partial sums
-    travel in float32. The three steps are not overlapped with each other yet.
-    An expert id outside [0, E) contributes nothing.
+    The experts run as grouped GEMMs over the (token, expert) pairs grouped by
+    expert (counts are data: one compiled program serves every routing). Two
+    schedules (``overlap``): step by step (jaxtdist's all_gather of the tokens,
+    the GEMMs, jaxtdist's reduce-scatter of float32 partial sums), or
+    overlapped (each rank sorts its own pairs and pushes them to its peers
+    while the first GEMM runs; the second GEMM pushes each tile of another
+    rank's pairs to that rank as it is computed, 16-bit partials added in
+    float32). An expert id outside [0, E) contributes nothing.
 
     Args:
       x: [T_shard, H], this rank's tokens (sequence sharded over ``axis_name``).
@@ -294,6 +301,14 @@ def moe_tp_mlp(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax.
         ragged_dot; else "ragged_dot"), "ragged_dot" (``jax.lax.ragged_dot``,
         float32 results) or "jaxtdist" (``jaxtdist.grouped_matmul``: E <= 256;
         each GEMM's result rounded to x's dtype before the activation and the sum).
+      overlap: the schedule. True: the overlapped one, the token gather fused
+        into the first grouped GEMM (each peer's tiles start as its rows land)
+        and the reduce-scatter into the second (each tile pushed to its owner
+        as it is computed); needs E <= 256. False: gather, GEMMs, reduce-scatter
+        one after the other. None (the default): overlapped on GPUs at world > 1
+        with jaxtdist's grouped GEMM and at least 128 (token, expert) pairs per
+        expert and rank on average. Either way the backward pass is the
+        step-by-step schedule's (after the overlapped forward, a recomputation).
 
     Returns:
       [T_shard, H] in x's dtype: this rank's tokens' MLP output.
@@ -310,9 +325,83 @@ def moe_tp_mlp(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax.
     w_up = None if w_up is None else jnp.asarray(w_up)
     _check(x, expert_ids, weights, w1, w2, w_up, axis_name)
     _check_grouped_gemm(grouped_gemm)
-    k = expert_ids.shape[1]
-    xs, ids, gate = _gather_tokens(x, expert_ids.astype(jnp.int32),
-                                   weights.astype(jnp.float32), axis_name)  # [T, H], [T, K]
+    ids, gate = expert_ids.astype(jnp.int32), weights.astype(jnp.float32)
+    if _overlaps(overlap, x, ids, w1, axis_name, grouped_gemm):
+        try:
+            up = () if w_up is None else (w_up,)
+            return _OVERLAPPED(x, ids, gate, w1, w2, *up, axis_name=axis_name,
+                               activation=activation,
+                               grouped_gemm=grouped_gemm).astype(x.dtype)
+        except HeapExhaustedError:
+            if overlap:
+                raise
+    return _steps(x, ids, gate, w1, w2, w_up, activation, axis_name,
+                  grouped_gemm).astype(x.dtype)
+
+
+def _steps(x, ids, gate, w1, w2, w_up, activation, axis_name, grouped_gemm) -> jax.Array:
+    """The step-by-step schedule: [T_shard, H] float32."""
+    k = ids.shape[1]
+    xs, ids, gate = _gather_tokens(x, ids, gate, axis_name)                # [T, H], [T, K]
     ids, gate = ids.reshape(-1), gate.reshape(-1)                        # [T * K]
     partial = experts_partial_sum(xs, ids, gate, k, w1, w2, w_up, activation, grouped_gemm)
-    return reduce_scatter(partial, axis_name).astype(x.dtype)
+    return reduce_scatter(partial, axis_name)
+
+
+# The overlapped schedule pays off once a (rank, expert) group fills row tiles: it
+# tiles each rank's chunk on its own, so with few rows per group the experts'
+# weights are read once per rank instead of once.
+OVERLAP_MIN_ROWS = 128
+
+
+def _overlaps(overlap, x, ids, w1, axis_name, grouped_gemm) -> bool:
+    """Whether moe_tp_mlp runs the overlapped schedule (``overlap``: True, False or
+    None, the default rule: on GPUs, world > 1, where the grouped GEMM picked is
+    jaxtdist's, with OVERLAP_MIN_ROWS rows per (rank, expert) on average)."""
+    if overlap not in (None, True, False):
+        raise ValueError(f"jaxtdist.moe_tp_mlp: overlap={overlap!r}; allowed: None (the "
+                         "default rule), True or False")
+    experts = w1.shape[0]
+    rt = runtime()
+    # Peers' chunks travel on copy engines on GPUs (the SM push that stands in for
+    # them under the interpreter relies on its programs running one at a time).
+    pushes = rt.platform != "gpu" or rt.backend.has_copy_engines
+    if overlap:
+        if experts > MAX_GROUPS:
+            raise ValueError(f"jaxtdist.moe_tp_mlp: overlap=True needs at most {MAX_GROUPS} "
+                             f"experts, got w1{w1.shape}; pass overlap=None or False")
+        if not pushes:
+            raise ValueError("jaxtdist.moe_tp_mlp: overlap=True needs copy-engine pushes, "
+                             "which this runtime's heap does not offer; pass overlap=None "
+                             "or False")
+        return True
+    if overlap is False or rt.platform != "gpu" or not pushes:
+        return False
+    world = check_axis(rt, axis_name, "moe_tp_mlp").world
+    return (world > 1 and _pick_grouped_gemm(grouped_gemm, experts, x.dtype) == "jaxtdist"
+            and ids.size >= OVERLAP_MIN_ROWS * experts)
+
+
+def _overlapped_forward(x, ids, gate, w1, w2, *w_up, axis_name, activation, grouped_gemm):
+    del grouped_gemm
+    out = overlapped_forward(x, ids, gate, w1, w2, w_up[0] if w_up else None, activation,
+                             axis_name)
+    return out, (x, ids, gate, w1, w2) + tuple(w_up)
+
+
+def _overlapped_backward(residuals, ct, *, axis_name, activation, grouped_gemm):
+    """The step-by-step schedule's gradients (its forward recomputed)."""
+    x, ids, gate, w1, w2, *w_up = residuals
+
+    def steps(x, gate, w1, w2, *w_up):
+        return _steps(x, ids, gate, w1, w2, w_up[0] if w_up else None, activation, axis_name,
+                      grouped_gemm)
+
+    dx, dgate, dw1, dw2, *dw_up = jax.vjp(steps, x, gate, w1, w2, *w_up)[1](ct)
+    return (dx, None, dgate, dw1, dw2, *dw_up)
+
+
+# The overlapped schedule, [T_shard, H] float32, as a declared op: the platform
+# orders its calls among the others' and gives it autodiff, remat and vmap.
+_OVERLAPPED = DistributedOp("moe_tp_mlp", forward=_overlapped_forward,
+                            backward=_overlapped_backward)

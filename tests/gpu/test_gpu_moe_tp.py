@@ -1,5 +1,6 @@
 """moe_tp_mlp on GPUs: world 1 (the local computation), 2 and 4 GPUs where that many
-are visible, both grouped GEMMs (XLA's ragged_dot and jaxtdist.grouped_matmul),
+are visible, both grouped GEMMs (XLA's ragged_dot and jaxtdist.grouped_matmul) and the
+overlapped schedule,
 against a float64 reference of the unsharded layer; gradients against a dense
 plain-JAX twin. Skipped without GPUs; run with ``JAXTDIST_TEST_GPU=1``
 (tests/gpu/run.sh does)."""
@@ -31,21 +32,25 @@ def _normal(rng, shape, dtype, scale=1.0):
 
 
 def _layer(mesh, gated, grouped_gemm):
+    """The layer with ``grouped_gemm`` ("ragged_dot" or "jaxtdist", step by step), or
+    "overlapped": the overlapped schedule (on jaxtdist's grouped GEMMs)."""
     specs = (TOKENS, TOKENS, TOKENS, EXPERTS_W1, EXPERTS_W2) + ((EXPERTS_W1,) if gated else ())
+    overlap = grouped_gemm == "overlapped"
+    kw = dict(overlap=True) if overlap else dict(grouped_gemm=grouped_gemm, overlap=False)
 
     def body(x, ids, gate, w1, w2, *w_up):
-        return td.moe_tp_mlp(x, ids, gate, w1, w2, "tp", w_up=w_up[0] if w_up else None,
-                             grouped_gemm=grouped_gemm)
+        return td.moe_tp_mlp(x, ids, gate, w1, w2, "tp", w_up=w_up[0] if w_up else None, **kw)
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=TOKENS)), specs
 
 
-@pytest.mark.parametrize("grouped_gemm", ["ragged_dot", "jaxtdist"])
+@pytest.mark.parametrize("grouped_gemm", ["ragged_dot", "jaxtdist", "overlapped"])
 @pytest.mark.parametrize("world,t,k,e,h,f,gated", [
     (1, 33, 2, 8, 256, 512, True),      # the local computation
     (2, 64, 2, 8, 512, 1024, True),     # Mixtral-like: top-2 of 8, SwiGLU
     (2, 17, 8, 16, 256, 256, False),    # odd tokens, K = 8
     (4, 32, 1, 4, 256, 512, True),      # K = 1
+    (4, 300, 2, 8, 512, 1024, True),    # several row tiles per (rank, expert) group
 ])
 def test_moe_tp_mlp(world, t, k, e, h, f, gated, grouped_gemm):
     mesh = _mesh(world)
@@ -66,7 +71,7 @@ def test_moe_tp_mlp(world, t, k, e, h, f, gated, grouped_gemm):
         assert err < 2e-2, (world, grouped_gemm, err)  # bf16 GEMMs and activations
 
 
-@pytest.mark.parametrize("grouped_gemm", ["ragged_dot", "jaxtdist"])
+@pytest.mark.parametrize("grouped_gemm", ["ragged_dot", "jaxtdist", "overlapped"])
 def test_moe_tp_mlp_grad(grouped_gemm):
     """Gradients of x, the routing weights and every expert matrix at the largest world
     visible (up to 4), float32, against jax.grad of a dense plain-JAX twin."""

@@ -200,6 +200,11 @@ def check_all(mesh, world: int) -> dict[str, float]:
     arrays = ((x, ep), (ids, ep), (gate, ep), (w1, w_in), (w2, w_out))
     errs["moe_tp"] = relerr(f(*(place(mesh, a, s) for a, s in arrays)),
                             moe_tp_reference(x, ids, gate, w1, w2))
+    # The overlapped schedule: its two fused kernels push between processes too.
+    f = sm(lambda a, i, g, u, v: td.moe_tp_mlp(a, i, g, u, v, "tp", overlap=True),
+           (ep, ep, ep, w_in, w_out), ep)
+    errs["moe_tp_overlapped"] = relerr(f(*(place(mesh, a, s) for a, s in arrays)),
+                                       moe_tp_reference(x, ids, gate, w1, w2))
     return errs
 
 
