@@ -80,7 +80,11 @@ def ag_grouped_gemm(rows: jax.Array, w: jax.Array, w_up: jax.Array | None, sizes
     ctx = call.start(ws, deps=(rows, w, sizes) + ((w_up,) if up else ()),
                      align_launch=world == 1 and not call.launch_aligns((rows_in,), tma))
     if world > 1:
-        ctx = push_to_inboxes(call, ctx, rows, inbox_offset=offsets["INBOX_OFF"],
+        # Push the kernel's own operand: XLA keeps only a kernel's operands alive,
+        # and the copy engines read the chunk while the kernel runs. (Pushing
+        # ``rows`` when the kernel took a tf32-rounded copy let XLA reuse its
+        # buffer mid-push: float32 layers came out wrong on GPUs.)
+        ctx = push_to_inboxes(call, ctx, rows_in, inbox_offset=offsets["INBOX_OFF"],
                               parity_bytes=offsets["PARITY_BYTES"],
                               flags_offset=offsets["FLAGS_OFF"], sent_offset=offsets["SENT_OFF"],
                               chunk_rows=chunk_rows, copy_block_c=min(256, next_pow2(h)))

@@ -306,9 +306,11 @@ def moe_tp_mlp(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax.
         and the reduce-scatter into the second (each tile pushed to its owner
         as it is computed); needs E <= 256. False: gather, GEMMs, reduce-scatter
         one after the other. None (the default): overlapped on GPUs at world > 1
-        with jaxtdist's grouped GEMM and at least 128 (token, expert) pairs per
-        expert and rank on average. Either way the backward pass is the
-        step-by-step schedule's (after the overlapped forward, a recomputation).
+        with jaxtdist's grouped GEMM and at least 256 (token, expert) pairs per
+        expert and rank on average (Mixtral's experts over 4 x H200: 0.92x
+        the step-by-step time at 2048 tokens per rank, 1.65x at 128). Either
+        way the backward pass is the step-by-step schedule's (after the
+        overlapped forward, a recomputation of it).
 
     Returns:
       [T_shard, H] in x's dtype: this rank's tokens' MLP output.
@@ -350,8 +352,11 @@ def _steps(x, ids, gate, w1, w2, w_up, activation, axis_name, grouped_gemm) -> j
 
 # The overlapped schedule pays off once a (rank, expert) group fills row tiles: it
 # tiles each rank's chunk on its own, so with few rows per group the experts'
-# weights are read once per rank instead of once.
-OVERLAP_MIN_ROWS = 128
+# weights are read once per rank instead of once. Mixtral's experts (H 4096, F
+# 14336, top-2 of 8) on 4 x H200: 32 rows per group (128 tokens per rank) took
+# 724 us against 439 step by step, 128 rows 1006 against 992, 512 rows 2686
+# against 2932 (docs/perf/moe_tp_NVIDIA_H200x4).
+OVERLAP_MIN_ROWS = 256
 
 
 def _overlaps(overlap, x, ids, w1, axis_name, grouped_gemm) -> bool:

@@ -103,3 +103,30 @@ def test_moe_tp_mlp_grad(grouped_gemm):
     for i, g, w in zip(diff, got, want):
         err = np.linalg.norm(np.asarray(g) - np.asarray(w)) / np.linalg.norm(np.asarray(w))
         assert err < tol, (i, grouped_gemm, err)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_moe_tp_mlp_overlapped_forward_matches_the_steps(dtype):
+    """The overlapped schedule's output against the step-by-step one and the float64
+    reference, float32 included: there the kernel reads a tf32-rounded copy of the
+    chunk, and pushing any other buffer let XLA reuse it while the copy engines
+    still read it (relative errors of 0.5-0.9 on 2 and 4 GPUs)."""
+    world = min(len(jax.devices()), 4)
+    mesh = _mesh(world)
+    t, k, e, h, f = 64, 2, 8, 256, 128 * world
+    rng = np.random.default_rng(17)
+    x = _normal(rng, (world * t, h), dtype)
+    ids = _routing(rng, world * t, k, e)
+    gate = jnp.asarray(rng.random(ids.shape), F32)
+    w1, w2 = _normal(rng, (e, h, f), dtype, h ** -0.5), _normal(rng, (e, f, h), dtype, f ** -0.5)
+    arrays = (x, ids, gate, w1, w2)
+    ref = _reference(*arrays)
+    outs = {}
+    for name in ("jaxtdist", "overlapped"):
+        fn, specs = _layer(mesh, False, name)
+        outs[name] = np.asarray(fn(*(jax.device_put(a, NamedSharding(mesh, s))
+                                     for a, s in zip(arrays, specs))), np.float64)
+    tol = 2e-3 if dtype == F32 else 2e-2  # tf32 / bf16 GEMMs
+    for name, out in outs.items():
+        err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+        assert err < tol, (name, err)
