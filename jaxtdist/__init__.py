@@ -34,7 +34,7 @@ if _os.environ.get("_JAXTDIST_INTERPRETER_WORKER") != "1":
                               flash_decode_sharded, grouped_matmul, matmul_ar,
                               matmul_ar_sharded, matmul_rs, matmul_rs_sharded, moe_combine,
                               moe_combine_sharded, moe_dispatch,
-                              moe_dispatch_sharded, moe_tp_mlp,
+                              moe_dispatch_sharded, moe_tp_mlp, moe_tp_mlp_sharded,
                               reduce_scatter,
                               triton_call)
     from jaxtdist.ops._op import run_once
@@ -74,6 +74,7 @@ __all__ = [
     "moe_dispatch",
     "moe_dispatch_sharded",
     "moe_tp_mlp",
+    "moe_tp_mlp_sharded",
     "reduce_scatter",
     "run_once",
     "runtime",

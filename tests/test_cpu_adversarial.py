@@ -573,6 +573,13 @@ def test_forward_mode_is_a_type_error():
     x = place(mesh, rand((6, 4)), ROWS)
     with pytest.raises(TypeError, match="forward-mode"):
         jax.jvp(f, (x,), (x,))
+    # Eagerly (no jit around the shard_map): JAX's own failure there said only
+    # "unhashable type"; the error names the op and what is not supported.
+    eager = jax.shard_map(lambda a: td.all_gather(a, "tp"), mesh=mesh, in_specs=ROWS,
+                          out_specs=ROWS)
+    with pytest.raises(TypeError, match=r"jaxtdist\.all_gather: forward-mode autodiff .* "
+                                        r"reverse mode only"):
+        jax.jvp(eager, (x,), (x,))
 
 
 # -- attention and MoE at worlds 3 and 1 ----------------------------------------------

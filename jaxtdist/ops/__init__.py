@@ -8,7 +8,7 @@ from jaxtdist.ops.flash_decode import flash_decode, flash_decode_kernels, flash_
 from jaxtdist.ops.grouped_matmul import grouped_matmul
 from jaxtdist.ops.moe import (moe_combine, moe_combine_sharded, moe_dispatch,
                               moe_dispatch_sharded)
-from jaxtdist.ops.moe_tp import moe_tp_mlp
+from jaxtdist.ops.moe_tp import moe_tp_mlp, moe_tp_mlp_sharded
 from jaxtdist.ops.matmul_rs import matmul_ar, matmul_ar_sharded, matmul_rs, matmul_rs_sharded
 from jaxtdist.ops.reduce_scatter import reduce_scatter
 from jaxtdist.ops.user import triton_call
@@ -18,5 +18,6 @@ __all__ = ["ag_attention", "ag_attention_kernels", "ag_attention_sharded", "ag_m
            "flash_decode_kernels", "flash_decode_sharded", "grouped_matmul", "matmul_ar",
            "matmul_ar_sharded",
            "matmul_rs", "matmul_rs_sharded", "moe_combine", "moe_combine_sharded",
-           "moe_dispatch", "moe_dispatch_sharded", "moe_tp_mlp", "reduce_scatter",
+           "moe_dispatch", "moe_dispatch_sharded", "moe_tp_mlp", "moe_tp_mlp_sharded",
+           "reduce_scatter",
            "triton_call"]

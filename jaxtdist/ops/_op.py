@@ -289,7 +289,18 @@ class DistributedOp:
                               .items()))
         after_specs = tuple((tuple(a.shape), jnp.dtype(a.dtype).name, rt.platform, i > 0)
                             for i, a in enumerate(after))
-        out, token = self._vjp(frozen, after_specs, *after, *arrays)
+        try:
+            out, token = self._vjp(frozen, after_specs, *after, *arrays)
+        except TypeError as e:
+            # Under jax.jvp JAX refuses the custom VJP without naming the op (and
+            # eagerly, inside an eager shard_map, fails with "unhashable type").
+            known = "unhashable" in str(e) or "forward-mode" in str(e)
+            if not known or not any(isinstance(a, ad.JVPTracer) for a in arrays):
+                raise
+            raise TypeError(
+                f"jaxtdist.{self.name}: forward-mode autodiff (jax.jvp, jax.jacfwd, "
+                "jax.linearize) is not supported: jaxtdist's ops define reverse mode "
+                "only (jax.grad, jax.vjp). (JAX raised: " + str(e) + ")") from None
         record_output(rt, jax.tree_util.tree_leaves(out)[0], token=token)
         return out
 

@@ -22,10 +22,11 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxtdist._errors import HeapExhaustedError
 from jaxtdist.ops._moe_tp_overlap import overlapped_forward
-from jaxtdist.ops._op import DistributedOp, first_order_only, run_once
+from jaxtdist.ops._op import DistributedOp, first_order_only, pjit_wrapper, rows_over, run_once
 from jaxtdist.ops._protocol import check_axis, check_inside_shard_map
 from jaxtdist.ops._shapes import check_dtype
 from jaxtdist.ops.all_gather import all_gather
@@ -33,7 +34,7 @@ from jaxtdist.ops.grouped_matmul import MAX_GROUPS, grouped_matmul
 from jaxtdist.ops.reduce_scatter import reduce_scatter
 from jaxtdist.runtime._runtime import runtime
 
-__all__ = ["moe_tp_mlp"]
+__all__ = ["moe_tp_mlp", "moe_tp_mlp_sharded"]
 
 
 def _check(x, expert_ids, weights, w1, w2, w_up, axis_name) -> None:
@@ -410,3 +411,58 @@ def _overlapped_backward(residuals, ct, *, axis_name, activation, grouped_gemm):
 # orders its calls among the others' and gives it autodiff, remat and vmap.
 _OVERLAPPED = DistributedOp("moe_tp_mlp", forward=_overlapped_forward,
                             backward=_overlapped_backward)
+
+
+# -- pjit-style ---------------------------------------------------------------------
+
+def _per_rank(x, expert_ids, weights, w1, w2, *w_up, axis_name, **kwargs):
+    return moe_tp_mlp(x, expert_ids, weights, w1, w2, axis_name,
+                      w_up=w_up[0] if w_up else None, **kwargs)
+
+
+def _specs(gated: bool):
+    """(in_specs, out_specs) of the wrapper: tokens' rows over (*batch_axes,
+    axis_name), experts' FFN dimension over axis_name (replicated over the batch)."""
+    def in_specs(axis, batch):
+        tokens = P(rows_over(axis, batch), None)
+        w_in, w_out = P(None, None, axis), P(None, axis, None)
+        return (tokens, tokens, tokens, w_in, w_out) + ((w_in,) if gated else ())
+
+    return in_specs, lambda axis, batch: P(rows_over(axis, batch), None)
+
+
+_SHARDED = {gated: pjit_wrapper(_per_rank, name="moe_tp_mlp_sharded",
+                                in_specs=_specs(gated)[0], out_specs=_specs(gated)[1])
+            for gated in (False, True)}
+
+
+def moe_tp_mlp_sharded(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax.Array,
+                       w2: jax.Array, *, axis_name: str | tuple[str, ...],
+                       batch_axes: str | tuple[str, ...] = (), mesh=None,
+                       w_up: jax.Array | None = None, **kwargs) -> jax.Array:
+    """``moe_tp_mlp`` for pjit-style code: no hand-written ``shard_map``.
+
+    Call it under ``jax.jit`` (or eagerly) on global arrays: x [T, H],
+    expert_ids and weights [T, K] with their rows sharded over ``(*batch_axes,
+    axis_name)``; w1 (and w_up) [E, H, F], w2 [E, F, H] with F sharded over
+    ``axis_name`` (replicated over ``batch_axes``). Each batch group's
+    ``axis_name`` ranks form one layer. Returns [T, H], sharded like x. Ordered
+    after the previous jaxtdist call.
+
+    Args:
+      x, expert_ids, weights, w1, w2: the global arrays.
+      axis_name: the mesh axis (or tuple of axes) tokens and FFN are sharded over.
+      batch_axes: mesh axes that shard the tokens too (data parallel), outermost
+        first.
+      mesh: the mesh; defaults to the one given to ``jaxtdist.initialize``.
+      w_up: the gated MLP's second projection [E, H, F], sharded like w1.
+      **kwargs: ``activation``, ``grouped_gemm``, ``overlap``: as for ``moe_tp_mlp``.
+
+    Example:
+      >>> mesh = jax.make_mesh((4,), ("tp",)); jaxtdist.initialize(mesh)
+      >>> out = jax.jit(lambda *a: jaxtdist.moe_tp_mlp_sharded(*a, axis_name="tp"))(
+      ...     x, expert_ids, weights, w1, w2)
+    """
+    arrays = (x, expert_ids, weights, w1, w2) + (() if w_up is None else (w_up,))
+    return _SHARDED[w_up is not None](*(jnp.asarray(a) for a in arrays), axis_name=axis_name,
+                                      batch_axes=batch_axes, mesh=mesh, **kwargs)
