@@ -406,3 +406,44 @@ def test_flash_decode_benchmark_chains_layers_and_reports_per_call(faked_timing,
     assert "2 calls back to back per program" in text
     with pytest.raises(ValueError, match="layers=0"):
         flash_decode.bench_flash_decode([64], 1, 1, rounds=1, layers=0)
+
+
+def test_profile_measures_again_when_kernel_order_differs(monkeypatch):
+    """JAX's CUPTI profiler refuses a run whose kernels (several devices' in completion
+    order) came in another order in some iteration: ``_timing.profile`` measures
+    again, up to its attempts, and passes other errors on at once."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    from jaxtdist import _timing
+
+    calls = []
+
+    def measure(fn, *, aggregate, iterations):
+        def run(*args):
+            calls.append(1)
+            if len(calls) < 3:
+                raise RuntimeError("Kernel names are not consistent across iterations")
+            return fn(*args), [[("a", 0.001), ("b", 0.002)]] * iterations
+        return run
+
+    monkeypatch.setattr(profiler, "measure", measure)
+    out, stats = _timing.profile(lambda x: x + 1, (1,), iterations=2, world=1)
+    assert out == 2 and len(calls) == 3 and stats["kernels"] == ["a", "b"]
+    assert stats["mean_us"] == pytest.approx(3.0)
+    calls.clear()
+    monkeypatch.setattr(_timing, "_ATTEMPTS", 2)
+    with pytest.raises(RuntimeError, match="not consistent"):
+        _timing.profile(lambda x: x, (1,), iterations=2, world=1)
+    assert len(calls) == 2
+
+    def broken(fn, *, aggregate, iterations):
+        def run(*args):
+            calls.append(1)
+            raise RuntimeError("CUPTI profiling is not supported on this platform")
+        return run
+
+    calls.clear()
+    monkeypatch.setattr(profiler, "measure", broken)
+    with pytest.raises(RuntimeError, match="not supported"):
+        _timing.profile(lambda x: x, (1,), iterations=2, world=1)
+    assert len(calls) == 1
