@@ -719,3 +719,45 @@ def test_float32_weights_read_k_major(b_t):
     assert "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32" in ptx
     # The epilogue's and the flags' few scalar shared stores either way.
     assert (ptx.count("st.shared.b32") > 10) != b_t, ptx.count("st.shared.b32")
+
+
+@pytest.mark.parametrize("world,up", [(4, True), (2, False), (1, True)])
+def test_moe_tp_overlapped_kernels_run_on_the_gemm_core(world, up):
+    """moe_tp_mlp's two overlapped kernels for Hopper at Mixtral's expert sizes
+    (4096 rows per rank's chunk, H 4096, F 3584 per rank, 8 experts): TMA loads and
+    wgmma; the first waits (acquire) for peers' rows and stores by TMA; the second
+    pushes partials to peers with system-scope releases, reads the peers' 16 bytes
+    at a time and does not spill (its epilogue a column piece at a time); and the
+    grouped GEMM they share their tile decode with still compiles the same way."""
+    from jaxtdist.kernels.grouped_gemm import grouped_gemm_kernel
+    from jaxtdist.kernels.moe_tp import ag_grouped_gemm_kernel, grouped_gemm_rs_kernel
+
+    tiles = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, NUM_PROGRAMS=132,
+                 SUBTILE=4, TMA=True, DOT_PRECISION=None, W_T=False)
+    ag = _compile_native(ag_grouped_gemm_kernel, ["i32"] + ["bf16"] * 3 + ["i32", "bf16"],
+                         dict(R_SHARD=4096, H=4096, F=3584, E=8, BLOCK_G=16, INBOX_OFF=1 << 20,
+                              PARITY_BYTES=1 << 28, FLAGS_OFF=4096, SENT_OFF=8192,
+                              CHUNK_ROWS=1024, SCOPE="gpu", WORLD=world, UP=up, **tiles),
+                         num_warps=8, num_stages=3)
+    rs = _compile_native(grouped_gemm_rs_kernel, ["i32", "bf16", "bf16", "i32", "fp32"],
+                         dict(R_SHARD=4096, K=3584, N=4096, E=8, BLOCK_G=16, INBOX_OFF=1 << 20,
+                              PARITY_BYTES=1 << 28, FLAGS_OFF=4096, CHUNK_TILES=640,
+                              PARTIAL_INPUT=True, WORLD=world, INTERLEAVE=True, **tiles),
+                         num_warps=8, num_stages=3)
+    grouped = _compile_native(grouped_gemm_kernel, ["i32", "bf16", "bf16", "i32", "bf16"],
+                              dict(R=4096, H=4096, F=3584, G=8, BLOCK_G=16, **tiles),
+                              num_warps=8, num_stages=3)
+    for k in (ag, rs, grouped):
+        ptx = k.asm["ptx"]
+        assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor.2d.shared" in ptx, k.name
+        assert k.metadata.shared <= 227 * 1024, (k.name, k.metadata.shared)
+    assert "cp.async.bulk.tensor" in ag.asm["ptx"] and "global.shared" in ag.asm["ptx"]
+    if world > 1:
+        assert "acquire" in ag.asm["ptx"]
+        assert "release" in rs.asm["ptx"] and "acquire" in rs.asm["ptx"]
+        # Peers' bf16 partials read 16 bytes at a time; the one 4-byte load is the
+        # group table's sizes.
+        ops = _ops(rs)
+        assert "ld.global.b16" not in ops and ops["ld.global.b32"] <= 1, dict(ops)
+        assert ops["ld.global.v4.b32"] > 0, dict(ops)
+    assert _stack_bytes(rs) == 0

@@ -78,7 +78,20 @@ def group_table(sizes_ptr, R: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constex
 
 
 @triton.jit
-def _store_rows(out_ptr, acc, rows, row_end, cols, F: tl.constexpr):
+def group_tile(t, index, starts, ends, tile_starts, tile_ends, n_tiles,
+               GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Tile ``t`` of the list of a ``group_table``: (group, first row, end of the
+    group's rows, column tile). A tile's group is the number of groups whose tiles
+    end at or before it."""
+    g = tl.sum((tile_ends * n_tiles <= t).to(tl.int32), axis=0)
+    first = _pick(tile_starts, index, g)
+    tm, tn = grouped_tile(t - first * n_tiles, _pick(tile_ends, index, g) - first, n_tiles,
+                          GROUP_M)
+    return g, _pick(starts, index, g) + tm * BLOCK_M, _pick(ends, index, g), tn
+
+
+@triton.jit
+def store_rows(out_ptr, acc, rows, row_end, cols, F: tl.constexpr):
     """Pointer store of the tile's rows below ``row_end`` and columns below F."""
     mask = (rows < row_end)[:, None] & (cols < F)[None, :]
     tl.store(out_ptr + rows[:, None] * F + cols[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -111,12 +124,8 @@ def grouped_gemm_kernel(ctx, x_ptr, w_ptr, sizes_ptr, out_ptr,
         c_desc = out_desc(out_ptr, R, F, BLOCK_M, BLOCK_N, SUBTILE)
     for tile in range(pid, total, NUM_PROGRAMS):
         if tile < group_tiles:
-            g = tl.sum((tile_ends * n_tiles <= tile).to(tl.int32), axis=0)
-            first = _pick(tile_starts, index, g)
-            tm, tn = grouped_tile(tile - first * n_tiles, _pick(tile_ends, index, g) - first,
-                                  n_tiles, GROUP_M)
-            row0 = _pick(starts, index, g) + tm * BLOCK_M
-            row_end = _pick(ends, index, g)
+            g, row0, row_end, tn = group_tile(tile, index, starts, ends, tile_starts,
+                                              tile_ends, n_tiles, GROUP_M, BLOCK_M)
             col0 = tn * BLOCK_N
             rows = row0.to(tl.int64) + tl.arange(0, BLOCK_M)  # rows * H, rows * F: int64
             cols = col0 + tl.arange(0, BLOCK_N)
@@ -129,18 +138,18 @@ def grouped_gemm_kernel(ctx, x_ptr, w_ptr, sizes_ptr, out_ptr,
                     store_tile(c_desc, acc, 0, row0, col0, BLOCK_M, BLOCK_N,
                                SUBTILE)
                 else:  # the group's last rows: drop the next group's
-                    _store_rows(out_ptr, acc, rows, row_end, cols, F)
+                    store_rows(out_ptr, acc, rows, row_end, cols, F)
             else:
                 tl.static_assert(not W_T, "W_T needs TMA (the op transposes w otherwise)")
                 acc = dot_tile(x_ptr, w_group, rows, rows < row_end, cols, cols < F, 0, H, H, F,
                                BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
-                _store_rows(out_ptr, acc, rows, row_end, cols, F)
+                store_rows(out_ptr, acc, rows, row_end, cols, F)
         else:  # rows past the groups: zeros
             zero = tile - group_tiles
             row0 = used + (zero // n_tiles) * BLOCK_M
             col0 = (zero % n_tiles) * BLOCK_N
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            _store_rows(out_ptr, acc, row0.to(tl.int64) + tl.arange(0, BLOCK_M), R,
+            store_rows(out_ptr, acc, row0.to(tl.int64) + tl.arange(0, BLOCK_M), R,
                         col0 + tl.arange(0, BLOCK_N), F)
 
 

@@ -38,21 +38,9 @@ import triton.language as tl
 import jaxtdist.language as dl
 from jaxtdist.kernels._gemm import (column_halves, ranked_out_desc, store_tile, tile_acc,
                                    weight_desc)
-from jaxtdist.kernels._tiles import aligned_after, dot_tile, grouped_tile
+from jaxtdist.kernels._tiles import aligned_after, dot_tile
 from jaxtdist.kernels.ag_matmul import _wait_pushes_sent
-from jaxtdist.kernels.grouped_gemm import _pick, group_table
-
-
-@triton.jit
-def _chunk_tile(t, index, starts, ends, tile_starts, tile_ends, n_tiles,
-                GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Tile ``t`` of a chunk's list: (group, first row, end of the group's rows,
-    column tile), rows relative to the chunk."""
-    g = tl.sum((tile_ends * n_tiles <= t).to(tl.int32), axis=0)
-    first = _pick(tile_starts, index, g)
-    tm, tn = grouped_tile(t - first * n_tiles, _pick(tile_ends, index, g) - first, n_tiles,
-                          GROUP_M)
-    return g, _pick(starts, index, g) + tm * BLOCK_M, _pick(ends, index, g), tn
+from jaxtdist.kernels.grouped_gemm import group_table, group_tile, store_rows
 
 
 @triton.jit
@@ -72,14 +60,6 @@ def _wait_rows(ctx, flags, e, src, row0, R_SHARD: tl.constexpr, BLOCK_M: tl.cons
         dl.wait(ctx, flags + src * n_chunks + chunk, e, "ge", src, SCOPE)
     if TMA:
         dl.fence_async_proxy()  # the tile's TMA loads after the wait
-
-
-@triton.jit
-def _store_rows(ptr, acc, rows, row_end, cols, N: tl.constexpr):
-    """Pointer store of the tile's rows below ``row_end`` and columns below N of a
-    row-major [*, N] array at ``ptr``."""
-    mask = (rows < row_end)[:, None] & (cols < N)[None, :]
-    tl.store(ptr + rows[:, None] * N + cols[None, :], acc.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -122,8 +102,8 @@ def ag_grouped_gemm_kernel(ctx, x_ptr, w_ptr, wup_ptr, sizes_ptr, out_ptr,
             a_desc = tl.make_tensor_descriptor(chunk, shape=[R_SHARD, H], strides=[H, 1],
                                                block_shape=[BLOCK_M, BLOCK_K])
         for t in range(_first_of(pid, base, NUM_PROGRAMS), chunk_tiles, NUM_PROGRAMS):
-            g, row0, row_end, tn = _chunk_tile(t, index, starts, ends, tile_starts, tile_ends,
-                                               n_tiles, GROUP_M, BLOCK_M)
+            g, row0, row_end, tn = group_tile(t, index, starts, ends, tile_starts, tile_ends,
+                                              n_tiles, GROUP_M, BLOCK_M)
             up = tn >= n_cols
             col0 = tl.where(up, tn - n_cols, tn) * BLOCK_N
             w_group = tl.where(up, wup_ptr, w_ptr) + g.to(tl.int64) * (H * F)
@@ -144,7 +124,7 @@ def ag_grouped_gemm_kernel(ctx, x_ptr, w_ptr, wup_ptr, sizes_ptr, out_ptr,
                            SUBTILE, RANKED=True)
             else:  # the group's last rows: drop the next group's
                 plane = out_ptr + (up.to(tl.int64) * WORLD + src) * (R_SHARD * F)
-                _store_rows(plane, acc, rows, row_end, cols, F)
+                store_rows(plane, acc, rows, row_end, cols, F)
         base += chunk_tiles
     if pid == 0 and WORLD > 1:
         # x must outlive this rank's pushes: they have ended when the kernel has.
@@ -258,8 +238,8 @@ def grouped_gemm_rs_kernel(ctx, a_ptr, w_ptr, sizes_ptr, out_ptr,
         else:
             first, last, stride = 0, tl.where(pid == 0, chunk_tiles, 0), 1
         for t in range(first, last, stride):
-            g, row0, row_end, tn = _chunk_tile(t, index, starts, ends, tile_starts, tile_ends,
-                                               n_tiles, GROUP_M, BLOCK_M)
+            g, row0, row_end, tn = group_tile(t, index, starts, ends, tile_starts, tile_ends,
+                                              n_tiles, GROUP_M, BLOCK_M)
             col0 = tn * BLOCK_N
             rows = row0.to(tl.int64) + tl.arange(0, BLOCK_M)
             w_group = w_ptr + g.to(tl.int64) * (K * N)

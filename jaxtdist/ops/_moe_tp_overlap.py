@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from jaxtdist.kernels.moe_tp import ag_grouped_gemm_kernel, grouped_gemm_rs_kernel
 from jaxtdist.ops._config import Problem
+from jaxtdist.ops._expert_order import expert_order
 from jaxtdist.ops._inbox import push_to_inboxes
 from jaxtdist.ops._gemm_config import tma_fits, weights_k_major
 from jaxtdist.ops._partial_sums import PartialsWorkspace
@@ -50,11 +51,14 @@ def _plan(call: Call, rows: int, k: int, n: int, groups: int, dtype):
     return problem, cfg, problem.vendor == "nvidia" and tma_fits(k, n, problem.itemsize)
 
 
-def _weights(problem: Problem, rows, w, tma: bool):
-    """(rows, w, W_T, DOT_PRECISION) as the kernels take them."""
+def _operands(problem: Problem, rows, w, tma: bool, w_up=None):
+    """(rows, w, w_up, W_T, DOT_PRECISION) as the kernels take them (w_up, if given,
+    prepared like w; rows rounded once)."""
     w_t = weights_k_major(problem.itemsize, tma)
-    rows, w, precision = kernel_operands(problem, rows, w, tma=tma, k_major=w_t)
-    return rows, w, w_t, precision
+    rows_in, w, precision = kernel_operands(problem, rows, w, tma=tma, k_major=w_t)
+    if w_up is not None:
+        w_up = kernel_operands(problem, rows, w_up, tma=tma, exact_x=True, k_major=w_t)[1]
+    return rows_in, w, w_up, w_t, precision
 
 
 def ag_grouped_gemm(rows: jax.Array, w: jax.Array, w_up: jax.Array | None, sizes: jax.Array,
@@ -66,8 +70,8 @@ def ag_grouped_gemm(rows: jax.Array, w: jax.Array, w_up: jax.Array | None, sizes
     (r, h), (e, _, f), world = rows.shape, w.shape, call.world
     problem, cfg, tma = _plan(call, world * r, h, f, world * e, rows.dtype)
     up = w_up is not None
-    rows_in, w_in, w_t, precision = _weights(problem, rows, w, tma)
-    wup_in = w_in if not up else _weights(problem, rows, w_up, tma)[1]
+    rows_in, w_in, wup_in, w_t, precision = _operands(problem, rows, w, tma, w_up)
+    wup_in = w_in if wup_in is None else wup_in  # the kernel's second weight, unread
     ce = call.rt.backend.has_copy_engines
     # The interpreter's SM push copies power-of-2 row blocks.
     chunk_rows = max(64, -(-r // _CHUNKS)) if ce else 16
@@ -111,7 +115,7 @@ def grouped_gemm_rs(hidden: jax.Array, w: jax.Array, sizes: jax.Array,
     (rows, k), (e, _, n), world = hidden.shape, w.shape, call.world
     r = rows // world
     problem, cfg, tma = _plan(call, rows, k, n, world * e, hidden.dtype)
-    a_in, w_in, w_t, precision = _weights(problem, hidden, w, tma)
+    a_in, w_in, _, w_t, precision = _operands(problem, hidden, w, tma)
     # Peers' partials travel in a 16-bit input's own type (the grouped GEMM rounds
     # its results to it anyway), added in float32.
     partial = hidden.dtype if hidden.dtype.itemsize == 2 else jnp.dtype(jnp.float32)
@@ -141,16 +145,12 @@ def overlapped_forward(x: jax.Array, ids: jax.Array, gate: jax.Array, w1: jax.Ar
     """moe_tp_mlp's output for this rank's tokens, float32 [T_shard, H], on the
     overlapped kernels: x [T_shard, H], ids [T_shard, K] int32, gate [T_shard, K]
     float32. Not differentiable; one call (under vmap, the caller maps)."""
-    k, e = ids.shape[1], w1.shape[0]
-    ids, gate = ids.reshape(-1), gate.reshape(-1)
-    valid = (ids >= 0) & (ids < e)
-    gate = jnp.where(valid, gate, 0.0)
-    ids = jnp.where(valid, ids, e - 1)  # every pair in some group: chunks hold R rows
-    order = jnp.argsort(ids, stable=True)
-    position = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
-    sizes = jnp.bincount(ids, length=e).astype(jnp.float32)
+    k = ids.shape[1]
+    # Every pair in some group (invalid ids weighted 0): each chunk's sizes sum to R.
+    gate, order, position, sizes = expert_order(ids.reshape(-1), gate.reshape(-1), w1.shape[0])
     # Every rank's group sizes (exact in float32: at most R).
-    sizes = all_gather_forward(sizes[None], axis_name=axis_name, axis=0, tiled=True)[0]
+    sizes = all_gather_forward(sizes[None].astype(jnp.float32), axis_name=axis_name, axis=0,
+                               tiled=True)[0]
     sizes = sizes.astype(jnp.int32)                                      # [W, E]
     rows = x[order // k]                                                 # [R, H]
     h = ag_grouped_gemm(rows, w1, w_up, sizes, axis_name)               # [1 or 2, W * R, F]

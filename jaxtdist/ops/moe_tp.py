@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxtdist._errors import HeapExhaustedError
+from jaxtdist.ops._expert_order import expert_order
 from jaxtdist.ops._moe_tp_overlap import overlapped_forward
 from jaxtdist.ops._op import DistributedOp, first_order_only, pjit_wrapper, rows_over, run_once
 from jaxtdist.ops._protocol import check_axis, check_inside_shard_map
@@ -204,13 +205,7 @@ def experts_partial_sum(xs: jax.Array, ids: jax.Array, gate: jax.Array, k: int, 
     else:
         gemm = _ragged_gemm
 
-    e = w1.shape[0]
-    valid = (ids >= 0) & (ids < e)
-    gate = jnp.where(valid, gate, 0.0)
-    ids = jnp.where(valid, ids, e - 1)  # every pair in some group, weighted 0 if invalid
-    order = jnp.argsort(ids, stable=True)                                # pairs by expert
-    position = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
-    sizes = jnp.bincount(ids, length=e).astype(jnp.int32)
+    gate, order, position, sizes = expert_order(ids, gate, w1.shape[0])
     rows = _pairs_by_expert(xs, order, position, k)                      # [T * K, H]
     hidden = activation(gemm(rows, w1, sizes))
     if w_up is not None:
