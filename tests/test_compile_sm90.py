@@ -761,3 +761,28 @@ def test_moe_tp_overlapped_kernels_run_on_the_gemm_core(world, up):
         assert "ld.global.b16" not in ops and ops["ld.global.b32"] <= 1, dict(ops)
         assert ops["ld.global.v4.b32"] > 0, dict(ops)
     assert _stack_bytes(rs) == 0
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_moe_tp_overlapped_kernels_compile_with_a_single_k_step(world, dtype):
+    """K == BLOCK_K folds the K loop away, leaving the tile loop innermost: its
+    per-group weight descriptor must not make Triton's pipeliner fail ("doesn't
+    know how to predicate"; seen on a GPU at world 1, float32, tiny experts)."""
+    from jaxtdist.kernels.moe_tp import ag_grouped_gemm_kernel, grouped_gemm_rs_kernel
+
+    w_t = dtype == "fp32"
+    tiles = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=32, GROUP_M=8, NUM_PROGRAMS=132, SUBTILE=1,
+                 TMA=True, DOT_PRECISION="tf32" if w_t else None, W_T=w_t)
+    ag = _compile_native(ag_grouped_gemm_kernel, ["i32"] + [dtype] * 3 + ["i32", dtype],
+                         dict(R_SHARD=64, H=32, F=32, E=4, BLOCK_G=16, INBOX_OFF=1 << 20,
+                              PARITY_BYTES=1 << 20, FLAGS_OFF=4096, SENT_OFF=8192,
+                              CHUNK_ROWS=16, SCOPE="gpu", WORLD=world, UP=1, **tiles),
+                         num_warps=4, num_stages=5)
+    rs = _compile_native(grouped_gemm_rs_kernel, ["i32", dtype, dtype, "i32", "fp32"],
+                         dict(R_SHARD=64, K=32, N=32, E=4, BLOCK_G=16, INBOX_OFF=1 << 20,
+                              PARITY_BYTES=1 << 20, FLAGS_OFF=4096, CHUNK_TILES=8,
+                              PARTIAL_INPUT=not w_t, WORLD=world, INTERLEAVE=True, **tiles),
+                         num_warps=4, num_stages=5)
+    for k in (ag, rs):
+        assert "wgmma.mma_async" in k.asm["ptx"], k.name

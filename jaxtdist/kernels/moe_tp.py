@@ -101,7 +101,11 @@ def ag_grouped_gemm_kernel(ctx, x_ptr, w_ptr, wup_ptr, sizes_ptr, out_ptr,
         if TMA:
             a_desc = tl.make_tensor_descriptor(chunk, shape=[R_SHARD, H], strides=[H, 1],
                                                block_shape=[BLOCK_M, BLOCK_K])
-        for t in range(_first_of(pid, base, NUM_PROGRAMS), chunk_tiles, NUM_PROGRAMS):
+        # num_stages=1: never pipeline the tile loop itself (where the K loop folds
+        # away, K <= BLOCK_K, Triton's pipeliner cannot predicate the per-group
+        # weight descriptor it would then have to prefetch).
+        for t in tl.range(_first_of(pid, base, NUM_PROGRAMS), chunk_tiles, NUM_PROGRAMS,
+                          num_stages=1):
             g, row0, row_end, tn = group_tile(t, index, starts, ends, tile_starts, tile_ends,
                                               n_tiles, GROUP_M, BLOCK_M)
             up = tn >= n_cols
@@ -237,7 +241,7 @@ def grouped_gemm_rs_kernel(ctx, a_ptr, w_ptr, sizes_ptr, out_ptr,
             first, last, stride = pid, chunk_tiles, NUM_PROGRAMS
         else:
             first, last, stride = 0, tl.where(pid == 0, chunk_tiles, 0), 1
-        for t in range(first, last, stride):
+        for t in tl.range(first, last, stride, num_stages=1):  # as in ag_grouped_gemm_kernel
             g, row0, row_end, tn = group_tile(t, index, starts, ends, tile_starts, tile_ends,
                                               n_tiles, GROUP_M, BLOCK_M)
             col0 = tn * BLOCK_N
