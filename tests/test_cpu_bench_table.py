@@ -333,8 +333,8 @@ def test_moe_benchmark_runs_and_tabulates(faked_timing, world):
     assert row["jaxtdist_fp8_dispatch"]["exact"], row  # fp8 rows and scales where they belong
     assert row["fp8_dispatch_bytes_per_rank"] < row["dispatch_bytes_per_rank"]
     ran = [n for n in moe.EP_SERIES if "error" not in row[n]]
-    assert {"jaxtdist_layer", "jaxtdist_dispatch", "all_to_all_layer",
-            "all_to_all_dispatch"} <= set(ran), row
+    assert {"jaxtdist_layer", "jaxtdist_dispatch", "all_to_all_layer", "all_to_all_dispatch",
+            "jaxtdist_dispatch_unzeroed", "jaxtdist_layer_unzeroed"} <= set(ran), row
     for name in ran:
         if name.endswith("_layer"):
             assert row[name]["rel_err"] < 1e-2, (name, row[name])
@@ -353,7 +353,9 @@ def test_moe_benchmark_runs_and_tabulates(faked_timing, world):
                    "dispatch: jaxtdist / a2a", "dispatch: jaxtdist / ragged",
                    "jaxtdist dispatch GB/s", "d + c: jaxtdist", "d + c: jaxtdist / a2a",
                    "dispatch: jaxtdist, routing by XLA", "rel err: a2a", "rel err: ragged",
-                   "dispatch: jaxtdist fp8 (MB/rank)", "fp8 / bf16", "exact fp8 recv"):
+                   "dispatch: jaxtdist fp8 (MB/rank)", "fp8 / bf16", "exact fp8 recv",
+                   "dispatch: jaxtdist, unused rows not zeroed",
+                   "d + c: jaxtdist, unused rows not zeroed"):
         assert f"| {header} |" in lines[2], header
     assert " | 1.00 | " in lines[4]  # jaxtdist / a2a on equal faked times
 

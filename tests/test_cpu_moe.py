@@ -73,10 +73,10 @@ def _specs(world):
     return P("tp")
 
 
-def _layer_fn(mesh, e, rows=None, config=None):
+def _layer_fn(mesh, e, rows=None, config=None, zero_unused_rows=True):
     def body(x, ids, w, gate):
         recv, sizes, handle = td.moe_dispatch(x, ids, "tp", num_experts=e, max_recv_rows=rows,
-                                              config=config)
+                                              zero_unused_rows=zero_unused_rows, config=config)
         y = jax.lax.ragged_dot(recv, w[0], sizes)
         out = td.moe_combine(y, handle, gate, "tp", config=config)
         return recv, sizes[None], handle.dropped[None], out
@@ -85,10 +85,11 @@ def _layer_fn(mesh, e, rows=None, config=None):
                                  out_specs=(P("tp"), P("tp"), P("tp"), P("tp"))))
 
 
-def _run_case(world, t, h, f, k, e, dtype, kind="random", rows=None, calls=2, config=None):
+def _run_case(world, t, h, f, k, e, dtype, kind="random", rows=None, calls=2, config=None,
+              zero_unused_rows=True):
     mesh = setup(world)
     e_loc = e // world
-    fn = _layer_fn(mesh, e, rows, config)
+    fn = _layer_fn(mesh, e, rows, config, zero_unused_rows)
     rng = np.random.default_rng(world * 1000 + t * 10 + k)
     r = rows or world * t * min(k, e_loc)
     for _ in range(calls):  # both parities, changing routings
@@ -101,7 +102,9 @@ def _run_case(world, t, h, f, k, e, dtype, kind="random", rows=None, calls=2, co
         recvs, rsizes, rdropped, where = ref_dispatch(np.asarray(x, np.float64), ids, world, e, r)
         recv = np.asarray(recv.astype(F32)).reshape(world, r, h)
         for d in range(world):
-            np.testing.assert_array_equal(recv[d], recvs[d].astype(np.float32))
+            # Without zeroing, only the received rows are defined.
+            used = r if zero_unused_rows else int(np.sum(rsizes[d]))
+            np.testing.assert_array_equal(recv[d, :used], recvs[d][:used].astype(np.float32))
         np.testing.assert_array_equal(np.asarray(sizes), np.stack(rsizes))
         np.testing.assert_array_equal(np.asarray(dropped), np.array(rdropped))
         # Layer reference: each kept (t, k) pair's expert output times its weight.
@@ -135,6 +138,13 @@ CASES = [(2, 5, 24, 16, 2, 4, F32, "random"),
 @pytest.mark.parametrize("world,t,h,f,k,e,dtype,kind", CASES)
 def test_moe_layer(world, t, h, f, k, e, dtype, kind):
     _run_case(world, t, h, f, k, e, dtype, kind)
+
+
+@pytest.mark.parametrize("world,t,h,f,k,e,dtype,kind", [CASES[0], CASES[2], CASES[3]])
+def test_moe_layer_without_zeroing_unused_rows(world, t, h, f, k, e, dtype, kind):
+    """zero_unused_rows=False: the received rows, the sizes and ragged_dot + combine
+    as with zeros (ragged_dot masks the rows past the groups), over both parities."""
+    _run_case(world, t, h, f, k, e, dtype, kind, calls=3, zero_unused_rows=False)
 
 
 @pytest.mark.parametrize("send", ["rows", "blocks"])
@@ -329,6 +339,8 @@ def test_moe_errors():
     mesh = setup(2)
     with pytest.raises(ValueError, match="max_recv_rows=0"):
         call(x, ids, num_experts=4, max_recv_rows=0)
+    with pytest.raises(ValueError, match="zero_unused_rows='no' must be a bool"):
+        call(x, ids, num_experts=4, zero_unused_rows="no")
     with pytest.raises(ValueError, match="COMBINE_SEND='row'; allowed: 'rows', 'blocks'"):
         call(x, ids, num_experts=4, config=dict(COMBINE_SEND="row"))
     with pytest.raises(ValueError, match="y must be"):

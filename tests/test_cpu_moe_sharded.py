@@ -210,16 +210,19 @@ def test_successive_wrappers_are_chained_in_one_order():
     assert rel_err(prod, np.asarray(x, np.float64) @ np.asarray(wm, np.float64)) < 1e-5
 
 
-def test_mesh_axes_not_named_are_replicated():
+@pytest.mark.parametrize("zero_unused_rows", [True, False])
+def test_mesh_axes_not_named_are_replicated(zero_unused_rows):
     """On an (ep, x) mesh with experts over ep, x replicates everything: right
-    results and gradients (each x group exchanges among its own ep ranks)."""
+    results and gradients (each x group exchanges among its own ep ranks); the
+    same without zeroing recv_x's unused rows (combine reads only received ones)."""
     mesh = setup((2, 2), ("ep", "x"))
     t, h, k, e = 3, 8, 2, 4
     x, gate = rand((2 * t, h)), rand((2 * t, k))
     ids = place(mesh, routing("random", 2, t, k, e, np.random.default_rng(4)), P("ep"))
 
     def layer(x, gate):
-        recv, _, handle = td.moe_dispatch_sharded(x, ids, axis_name="ep", num_experts=e)
+        recv, _, handle = td.moe_dispatch_sharded(x, ids, axis_name="ep", num_experts=e,
+                                                  zero_unused_rows=zero_unused_rows)
         return td.moe_combine_sharded(recv * 3.0, handle, gate, axis_name="ep")
 
     args = (place(mesh, x, P("ep")), place(mesh, gate, P("ep")))

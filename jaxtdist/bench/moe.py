@@ -25,6 +25,9 @@ and dispatch + combine of:
 - ``ragged``: the same with ``jax.lax.ragged_all_to_all`` on the pairs sorted
   by destination rank (exact sizes; the size matrix by ``all_gather``). Where
   the platform lacks it (XLA:CPU) the contender records the error;
+- ``jaxtdist, unused rows not zeroed``: ``moe_dispatch(...,
+  zero_unused_rows=False)`` (+ ``moe_combine``): recv_x's rows past the received
+  ones left unwritten;
 - ``jaxtdist fp8`` (dispatch only): the same tokens as float8_e4m3fn with a
   float32 scale per 128 columns (``x_scale``), its dequantized rows checked
   bit for bit against the dispatch of the dequantized tokens.
@@ -147,7 +150,8 @@ EP_SPEC = P("ep")
 # The plot's series at world W (the Benchmark's own are world 1's).
 EP_SERIES = ("jaxtdist_layer", "all_to_all_layer", "ragged_layer", "jaxtdist_dispatch",
              "all_to_all_dispatch", "ragged_dispatch", "jaxtdist_fp8_dispatch",
-             "jaxtdist_dispatch_routing_xla", "jaxtdist_dispatch_routing_kernels")
+             "jaxtdist_dispatch_routing_xla", "jaxtdist_dispatch_routing_kernels",
+             "jaxtdist_dispatch_unzeroed", "jaxtdist_layer_unzeroed")
 # The dispatch's routing words computed otherwise than by the GPU default
 # (MoeConfig.ROUTING, "fused"), each timed beside it.
 ROUTINGS = ("xla", "kernels")
@@ -294,15 +298,18 @@ def bench_moe_ep(shapes, iterations: int, world: int, rounds: int = 4, dtype=jnp
         if e % world:
             raise ValueError(f"bench moe: E={e} experts is not a multiple of world {world}")
 
-        def ours_dispatch(x, ids, w, e=e):
-            return td.moe_dispatch(x, ids, "ep", num_experts=e)[0]
+        def ours_dispatch(x, ids, w, e=e, zero=True):
+            return td.moe_dispatch(x, ids, "ep", num_experts=e, zero_unused_rows=zero)[0]
 
-        def ours_layer(x, ids, w, e=e):
-            recv, _, handle = td.moe_dispatch(x, ids, "ep", num_experts=e)
+        def ours_layer(x, ids, w, e=e, zero=True):
+            recv, _, handle = td.moe_dispatch(x, ids, "ep", num_experts=e,
+                                              zero_unused_rows=zero)
             return td.moe_combine(recv, handle, w, "ep")                # identity experts
 
         bodies = dict(
             jaxtdist_dispatch=ours_dispatch, jaxtdist_layer=ours_layer,
+            jaxtdist_dispatch_unzeroed=lambda x, ids, w, e=e: ours_dispatch(x, ids, w, e, False),
+            jaxtdist_layer_unzeroed=lambda x, ids, w, e=e: ours_layer(x, ids, w, e, False),
             all_to_all_dispatch=lambda x, ids, w, e=e: all_to_all_moe(
                 x, ids, w, "ep", world=world, num_experts=e, combine=False),
             all_to_all_layer=lambda x, ids, w, e=e: all_to_all_moe(
@@ -357,6 +364,11 @@ def bench_moe_ep(shapes, iterations: int, world: int, rounds: int = 4, dtype=jnp
             jaxtdist_dispatch=h.Contender(fns["jaxtdist_dispatch"], args, world, recv_ref,
                                           exact=True),
             jaxtdist_fp8_dispatch=h.Contender(fns["jaxtdist_fp8_dispatch"], fp8_args, world),
+            # Its unused rows are unspecified: timed, its combine checked.
+            jaxtdist_dispatch_unzeroed=h.Contender(fns["jaxtdist_dispatch_unzeroed"], args,
+                                                   world),
+            jaxtdist_layer_unzeroed=h.Contender(fns["jaxtdist_layer_unzeroed"], args, world,
+                                                ref),
             **{f"jaxtdist_dispatch_routing_{r}": h.Contender(
                 fns[f"jaxtdist_dispatch_routing_{r}"], args, world, recv_ref, exact=True)
                for r in ROUTINGS},
@@ -415,17 +427,22 @@ EP_COLUMNS = [
         h.Column("dispatch: jaxtdist, routing by XLA",
                  lambda r: h.us(r.get("jaxtdist_dispatch_routing_xla"))),
         h.Column("dispatch: jaxtdist, routing by two kernels",
-                 lambda r: h.us(r.get("jaxtdist_dispatch_routing_kernels")))]),
+                 lambda r: h.us(r.get("jaxtdist_dispatch_routing_kernels"))),
+        h.Column("dispatch: jaxtdist, unused rows not zeroed",
+                 lambda r: h.us(r.get("jaxtdist_dispatch_unzeroed")))]),
     h.Column("jaxtdist dispatch GB/s", _gbps),
     h.Column("dispatch: jaxtdist fp8 (MB/rank)",
              lambda r: f"{h.us(r.get('jaxtdist_fp8_dispatch'))} "
                        f"({_mb(r.get('fp8_dispatch_bytes_per_rank', 0))})"),
     h.Column("fp8 / bf16", lambda r: h.ratio(r.get("jaxtdist_fp8_dispatch"),
                                              r.get("jaxtdist_dispatch"))),
-    *_versus_xla("d + c", "layer"),
+    *_versus_xla("d + c", "layer", extra=[
+        h.Column("d + c: jaxtdist, unused rows not zeroed",
+                 lambda r: h.us(r.get("jaxtdist_layer_unzeroed")))]),
     h.Column("exact recv_x", lambda r: h.err(r.get("jaxtdist_dispatch"))),
     h.Column("exact fp8 recv", lambda r: h.err(r.get("jaxtdist_fp8_dispatch"))),
     h.Column("rel err: jaxtdist", lambda r: h.err(r.get("jaxtdist_layer"))),
+    h.Column("rel err: jaxtdist, not zeroed", lambda r: h.err(r.get("jaxtdist_layer_unzeroed"))),
     h.Column("rel err: a2a", lambda r: h.err(r.get("all_to_all_layer"))),
     h.Column("rel err: ragged", lambda r: h.err(r.get("ragged_layer"))),
 ]

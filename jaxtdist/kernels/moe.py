@@ -25,8 +25,9 @@ Dispatch (``moe_dispatch_kernel``), program p of rank ``me`` owns tokens
    ``sum_{j' < j} tot[j'] + sum_{s' < s} cnt[s', j] + pos``. Rows at R or
    beyond are dropped (never written). Program p lays out the rows that
    program p of each source pushed, one load per row chunk and one store per
-   local expert; it also zeroes its share of the unused rows of recv_x and
-   records, per inbox row and local expert, where the row went (for combine).
+   local expert; it also zeroes its share of the unused rows of recv_x (unless
+   ZERO_TAIL is off) and records, per inbox row and local expert, where the row
+   went (for combine).
 
 Combine (``moe_combine_kernel``) is the reverse, by the same program split.
 Forward: program p of every rank first pushes its tokens' weights into every
@@ -133,7 +134,7 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
                         TRACE: tl.constexpr = False, ROUTE: tl.constexpr = False,
                         ROUTE_OFF: tl.constexpr = 0, KP: tl.constexpr = 1,
                         EPG: tl.constexpr = 1, BT: tl.constexpr = 1,
-                        BS: tl.constexpr = 1):
+                        BS: tl.constexpr = 1, ZERO_TAIL: tl.constexpr = True):
     """Grid: (P,), at most one program per SM on GPUs (programs wait on peers').
 
     Inputs: x [T, H]; slot [T, W] int32 (slot of token t in rank d's inbox, -1:
@@ -156,6 +157,8 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
     inputs slot, meta, dcounts and bounds are then unused, and invalid [1] gets
     the invalid pairs (program 0). KP, EPG: K and W * E_LOC rounded up to powers
     of 2; BT, BS: tokens per routing step (``route_program``).
+    ZERO_TAIL: rows of recv (and tail) past the received ones are zeroed; else
+    they are left unwritten.
     """
     pid = tl.program_id(0)
     _stamp(trace_ptr, pid, 0, TRACE)
@@ -309,12 +312,12 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
             tl.store(spos_ptr + (s * T + i) * KL + offs_kl, none, mask=kl_m)
             tl.store(stk_ptr + (s * T + i) * KL + offs_kl, none, mask=kl_m)
     _stamp(trace_ptr, pid, 4, TRACE)
-    # Rows past the received ones are zero (fully written output).
-    for r in range(tl.minimum(total, R) + pid, R, P):
-        for c in range(0, H, BLOCK_H):
-            hm = c + offs_h < H
-            _store_row(recv_ptr, tail_ptr, r, c + offs_h,
-                       tl.zeros((BLOCK_H,), recv_ptr.dtype.element_ty), hm, H, SPLIT)
+    if ZERO_TAIL:  # rows past the received ones are zero (a fully written output)
+        for r in range(tl.minimum(total, R) + pid, R, P):
+            for c in range(0, H, BLOCK_H):
+                hm = c + offs_h < H
+                _store_row(recv_ptr, tail_ptr, r, c + offs_h,
+                           tl.zeros((BLOCK_H,), recv_ptr.dtype.element_ty), hm, H, SPLIT)
     _stamp(trace_ptr, pid, 5, TRACE)
 
 

@@ -292,8 +292,11 @@ def default_recv_rows(tokens: int, top_k: int, world: int, num_experts: int) -> 
 
 
 def _check_dispatch(x, expert_ids, *, axis_name, num_experts, max_recv_rows=None, split=0,
-                    config=None) -> None:
+                    zero_unused_rows=True, config=None) -> None:
     del config, split  # split: internal (moe_dispatch's fp8 rows), set consistently
+    if not isinstance(zero_unused_rows, (bool, np.bool_)):
+        raise ValueError(f"jaxtdist.moe_dispatch: zero_unused_rows={zero_unused_rows!r} must "
+                         "be a bool")
     world = check_axis(runtime(), axis_name, "moe_dispatch").world
     if getattr(x, "ndim", None) != 2:
         raise ValueError(f"jaxtdist.moe_dispatch: x must be [tokens, hidden] (2-D), got shape "
@@ -378,7 +381,8 @@ class CombineWorkspace:
 
 def moe_dispatch_kernels(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_experts: int,
                          max_recv_rows: int | None = None, scale: jax.Array | None = None,
-                         split: int = 0, config: dict | None = None, trace: bool = False):
+                         split: int = 0, config: dict | None = None, trace: bool = False,
+                         zero_unused_rows: bool = True):
     """moe_dispatch's kernel, at world 1 too (benchmarks, tests); not differentiable.
 
     With ``trace``, also returns an int32 [P, 6] array of per-program timestamps
@@ -389,6 +393,7 @@ def moe_dispatch_kernels(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_
     multiplied by ``scale[t, k]`` (combine's backward uses it). ``split`` (0 <
     split < H): recv_x is the pair ([R, split], [R, H - split]) of each row's
     first columns and the rest (fp8 byte rows: tokens and scales).
+    ``zero_unused_rows``: as ``moe_dispatch``'s.
     Returns (recv_x, group_sizes, handle), as ``moe_dispatch``.
     """
     x, expert_ids = jnp.asarray(x), jnp.asarray(expert_ids)
@@ -449,7 +454,7 @@ def moe_dispatch_kernels(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_
         MP=next_pow2(plan.meta_words), KLP=next_pow2(kl), BLOCK_H=cfg.BLOCK_H, SPLIT=split,
         TRACE=trace, ROUTE=fused, ROUTE_OFF=ws.offset + plan.route, KP=next_pow2(k),
         EPG=next_pow2(num_experts), BT=_route_tokens_per_step(-(-t // programs), k, num_experts),
-        BS=_route_scan_tokens(t, k))
+        BS=_route_scan_tokens(t, k), ZERO_TAIL=zero_unused_rows)
     if split:
         recv = (recv, tail)
     sizes, dropped = _summary(counts, rows)
@@ -601,10 +606,11 @@ def _fp8_unpack(recv, dtype, scales: int):
 # -- the ops ----------------------------------------------------------------------
 
 def _dispatch_forward(x, expert_ids, *, axis_name, num_experts, max_recv_rows=None, split=0,
-                      config=None):
+                      zero_unused_rows=True, config=None):
     recv, sizes, handle = moe_dispatch_kernels(x, expert_ids, axis_name,
                                                num_experts=num_experts,
                                                max_recv_rows=max_recv_rows, split=split,
+                                               zero_unused_rows=zero_unused_rows,
                                                config=config)
     out = (recv, sizes, handle.recv_counts, handle.src_pos, handle.src_tk, handle.src_ranges,
            handle.dropped, handle.invalid)
@@ -612,8 +618,10 @@ def _dispatch_forward(x, expert_ids, *, axis_name, num_experts, max_recv_rows=No
 
 
 def _dispatch_backward(residuals, ct, *, axis_name, num_experts, max_recv_rows=None, split=0,
-                       config=None):
-    del split  # only the fp8 path splits rows, and it is not differentiable
+                       zero_unused_rows=True, config=None):
+    # Only the fp8 path splits rows, and it is not differentiable; the combine reads
+    # the received rows only.
+    del split, zero_unused_rows
     expert_ids, spos, stk, ranges = residuals
     t, k = expert_ids.shape
     world = runtime().layout(axis_name).world
@@ -633,8 +641,8 @@ def _dispatch_backward(residuals, ct, *, axis_name, num_experts, max_recv_rows=N
 
 
 def _dispatch_local(x, expert_ids, *, axis_name, num_experts, max_recv_rows=None, split=0,
-                    config=None):
-    del axis_name, config
+                    zero_unused_rows=True, config=None):
+    del axis_name, config, zero_unused_rows  # zeros either way: XLA fuses them into the scatter
     t, k = expert_ids.shape
     rows = max_recv_rows or default_recv_rows(t, k, 1, num_experts)
     recv, counts, spos, stk, valid = _local_dispatch(x, expert_ids, num_experts=num_experts,
@@ -760,6 +768,7 @@ _COMBINE = DistributedOp("moe_combine", forward=_combine_forward, backward=_comb
 
 def moe_dispatch(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_experts: int,
                  max_recv_rows: int | None = None, x_scale: jax.Array | None = None,
+                 zero_unused_rows: bool = True,
                  config: dict | None = None) -> tuple[Any, jax.Array, MoeHandle]:
     """Sends every (token, expert) pair to the rank of its expert, grouped by local expert.
 
@@ -788,12 +797,20 @@ def moe_dispatch(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_experts:
       x_scale: [T, S] float32 (fp8 x only): token t's columns ``[j * H / S,
         (j + 1) * H / S)`` are scaled by ``x_scale[t, j]`` (S = 1: per token;
         S = H / 128: per 128-column block).
+      zero_unused_rows: True (the default): rows of ``recv_x`` (and
+        ``recv_scale``) past the received ones are zero. False: they are left
+        unwritten, their contents unspecified (they may hold NaN): for
+        consumers that read only the first ``sum(group_sizes)`` rows
+        (``jax.lax.ragged_dot``, ``jaxtdist.grouped_matmul``, ``moe_combine``
+        of their output). It saves writing the unused rows, most of R with the
+        default ``max_recv_rows`` (three quarters of it for balanced top-8
+        routing over 4 ranks).
       config: overrides of ``MoeConfig`` (advanced).
 
     Returns:
       ``recv_x`` [R, H]: local expert 0's rows first, then expert 1's, ...;
       within an expert by source rank, then token index; rows past the
-      received ones are zero. With ``x_scale``: the pair ``(recv_x,
+      received ones are zero (see ``zero_unused_rows``). With ``x_scale``: the pair ``(recv_x,
       recv_scale)``, recv_scale [R, S] float32 row for row (zeros past the
       received rows). ``group_sizes`` [E / W] int32: rows per local
       expert (``jax.lax.ragged_dot(recv_x, w_local, group_sizes)``).
@@ -820,7 +837,8 @@ def moe_dispatch(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_experts:
     # fp8: each byte row's token bytes and scale bytes come back as two arrays.
     split = x.shape[1] if x_scale is not None else 0
     out = _DISPATCH(rows_in, expert_ids, axis_name=axis_name, num_experts=num_experts,
-                    max_recv_rows=max_recv_rows, split=split, config=config)
+                    max_recv_rows=max_recv_rows, split=split,
+                    zero_unused_rows=zero_unused_rows, config=config)
     recv, sizes, counts, spos, stk, ranges, dropped, invalid = out
     if x_scale is not None:
         recv = _fp8_unpack(recv, x.dtype, x_scale.shape[1])
@@ -888,17 +906,18 @@ def _handle_blocks(handle: MoeHandle) -> MoeHandle:
 
 
 def _dispatch_per_rank(x, expert_ids, axis_name, *, num_experts, max_recv_rows=None,
-                       config=None):
+                       zero_unused_rows=True, config=None):
     recv, sizes, handle = moe_dispatch(x, expert_ids, axis_name, num_experts=num_experts,
-                                       max_recv_rows=max_recv_rows, config=config)
+                                       max_recv_rows=max_recv_rows,
+                                       zero_unused_rows=zero_unused_rows, config=config)
     return recv, sizes, _handle_blocks(handle)
 
 
 def _dispatch_fp8_per_rank(x, expert_ids, x_scale, axis_name, *, num_experts,
-                           max_recv_rows=None, config=None):
+                           max_recv_rows=None, zero_unused_rows=True, config=None):
     (recv, recv_scale), sizes, handle = moe_dispatch(
         x, expert_ids, axis_name, num_experts=num_experts, max_recv_rows=max_recv_rows,
-        x_scale=x_scale, config=config)
+        x_scale=x_scale, zero_unused_rows=zero_unused_rows, config=config)
     # recv_x first and on its own: the wrapper orders the next jaxtdist call after its
     # first result, which must be an array (not the pair); moe_dispatch_sharded pairs them.
     return recv, sizes, _handle_blocks(handle), recv_scale
@@ -910,10 +929,11 @@ def _combine_per_rank(y, handle, weights, axis_name, *, config=None):
 
 
 def _check_dispatch_sharded(x, expert_ids, x_scale=None, *, axis_name, batch_axes, mesh,
-                            num_experts, max_recv_rows=None, config=None) -> None:
-    # num_experts, max_recv_rows, config, the dtypes and x_scale's columns: checked
-    # per rank, as moe_dispatch's.
-    del num_experts, max_recv_rows, config
+                            num_experts, max_recv_rows=None, zero_unused_rows=True,
+                            config=None) -> None:
+    # num_experts, max_recv_rows, zero_unused_rows, config, the dtypes and x_scale's
+    # columns: checked per rank, as moe_dispatch's.
+    del num_experts, max_recv_rows, zero_unused_rows, config
     name = "jaxtdist.moe_dispatch_sharded"
     groups, words = _row_groups(mesh, axis_name, batch_axes)
     if getattr(x, "ndim", None) != 2:
@@ -977,6 +997,7 @@ def moe_dispatch_sharded(x: jax.Array, expert_ids: jax.Array, *,
                          axis_name: str | tuple[str, ...],
                          batch_axes: str | tuple[str, ...] = (), mesh=None, num_experts: int,
                          max_recv_rows: int | None = None, x_scale: jax.Array | None = None,
+                         zero_unused_rows: bool = True,
                          config: dict | None = None) -> tuple[Any, jax.Array, MoeHandle]:
     """``moe_dispatch`` for pjit-style code: no hand-written ``shard_map``.
 
@@ -1025,6 +1046,8 @@ def moe_dispatch_sharded(x: jax.Array, expert_ids: jax.Array, *,
       x_scale: [G * T, S] float32 (fp8 x only), rows sharded like x: token t's
         columns ``[j * H / S, (j + 1) * H / S)`` are scaled by ``x_scale[t, j]``
         (S = 1: per token; S = H / 128: per 128-column block).
+      zero_unused_rows: as for ``moe_dispatch`` (False: each device's rows past
+        its received ones are left unspecified).
       config: as for ``moe_dispatch``.
 
     Returns:
@@ -1052,7 +1075,8 @@ def moe_dispatch_sharded(x: jax.Array, expert_ids: jax.Array, *,
       ...     x_q, ids, axis_name="ep", num_experts=8, x_scale=x_s)
     """
     common = dict(axis_name=axis_name, batch_axes=batch_axes, mesh=mesh,
-                  num_experts=num_experts, max_recv_rows=max_recv_rows, config=config)
+                  num_experts=num_experts, max_recv_rows=max_recv_rows,
+                  zero_unused_rows=zero_unused_rows, config=config)
     if x_scale is None:
         return _dispatch_sharded(x, expert_ids, **common)
     recv, sizes, handle, recv_scale = _dispatch_fp8_sharded(x, expert_ids, x_scale, **common)

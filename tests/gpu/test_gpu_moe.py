@@ -59,17 +59,19 @@ def _reference(x, ids, gate, world, e, rows):
     return recvs, out
 
 
-def _check(world, t, hdim, k, e, dtype, kind, rows=None, kernels=False, calls=3, config=None):
+def _check(world, t, hdim, k, e, dtype, kind, rows=None, kernels=False, calls=3, config=None,
+           zero_unused_rows=True):
     mesh = _mesh(world)
     op_d, op_c = ((moe_dispatch_kernels, moe_combine_kernels) if kernels
                   else (td.moe_dispatch, td.moe_combine))
 
     def body(x, ids, gate):
-        recv, _, handle = op_d(x, ids, "ep", num_experts=e, max_recv_rows=rows, config=config)
-        return recv, op_c(recv * 2.0, handle, gate, "ep", config=config)
+        recv, sizes, handle = op_d(x, ids, "ep", num_experts=e, max_recv_rows=rows,
+                                   zero_unused_rows=zero_unused_rows, config=config)
+        return recv, op_c(recv * 2.0, handle, gate, "ep", config=config), sizes[None]
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 3,
-                              out_specs=(P("ep"), P("ep")), check_vma=False))
+                              out_specs=(P("ep"),) * 3, check_vma=False))
     rng = np.random.default_rng(world * 100 + t)
     r = rows or world * t * min(k, e // world)
     for _ in range(calls):  # both inbox parities, a fresh routing each time
@@ -79,11 +81,13 @@ def _check(world, t, hdim, k, e, dtype, kind, rows=None, kernels=False, calls=3,
         ids = _routing(kind, world * t, k, e, world, rng)
         gate = rng.random((world * t, k)).astype(np.float32)
         put = lambda a: jax.device_put(jnp.asarray(a), NamedSharding(mesh, P("ep")))  # noqa: E731
-        recv, out = f(put(x), put(ids), put(gate))
+        recv, out, sizes = f(put(x), put(ids), put(gate))
         xs = np.asarray(x.astype(jnp.float32), np.float64)
         want_recv, want_out = _reference(xs, ids, gate, world, e, r)
-        np.testing.assert_array_equal(np.asarray(recv.astype(jnp.float32)).reshape(world, r, -1),
-                                      want_recv.astype(np.float32))
+        recv = np.asarray(recv.astype(jnp.float32)).reshape(world, r, -1)
+        for d in range(world):  # without zeroing only the received rows are defined
+            used = r if zero_unused_rows else int(np.asarray(sizes)[d].sum())
+            np.testing.assert_array_equal(recv[d, :used], want_recv[d, :used].astype(np.float32))
         out = np.asarray(out.astype(jnp.float32), np.float64)
         assert np.all(np.isfinite(out)), "non-finite output (unwritten or corrupted)"
         err = np.linalg.norm(out - want_out) / max(np.linalg.norm(want_out), 1e-30)
@@ -113,6 +117,15 @@ def test_moe_combine_send_ways(world, send):
     DeepSeek-V3's row and in two steps of a row, with rows dropped."""
     _check(world, 64, 7168, 8, 32, jnp.bfloat16, "random", rows=300,
            config=dict(COMBINE_SEND=send, BLOCK_H=4096))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_moe_without_zeroing_unused_rows(world):
+    """zero_unused_rows=False: the received rows and the combine as with zeros, at
+    DeepSeek-V3's decode row and a skewed small case (the kernels at world 1)."""
+    _check(world, 128, 7168, 8, 32, jnp.bfloat16, "random", zero_unused_rows=False,
+           kernels=world == 1)
+    _check(world, 33, 768, 4, 16, jnp.float32, "one_expert", zero_unused_rows=False)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
