@@ -172,6 +172,14 @@ def check_all(mesh, world: int) -> dict[str, float]:
     errs["moe"] = relerr(f(*(place(mesh, a, ep) for a in (x, ids, gate))),
                          2 * x.astype(np.float64) * gate.sum(1, keepdims=True))
 
+    def moe_unzeroed(a, i, g):  # recv_x's unused rows left unwritten
+        recv, _, handle = td.moe_dispatch(a, i, "tp", num_experts=e, zero_unused_rows=False)
+        return td.moe_combine(2 * recv, handle, g, "tp")
+
+    f = sm(moe_unzeroed, (ep,) * 3, ep)
+    errs["moe_unzeroed"] = relerr(f(*(place(mesh, a, ep) for a in (x, ids, gate))),
+                                  2 * x.astype(np.float64) * gate.sum(1, keepdims=True))
+
     for routing in ("kernels", "fused"):  # the routing metadata by jaxtdist's kernels
         def moe_routing(a, i, g, routing=routing):
             recv, _, handle = td.moe_dispatch(a, i, "tp", num_experts=e,
