@@ -341,6 +341,8 @@ def test_moe_errors():
         call(x, ids, num_experts=4, max_recv_rows=0)
     with pytest.raises(ValueError, match="zero_unused_rows='no' must be a bool"):
         call(x, ids, num_experts=4, zero_unused_rows="no")
+    # NumPy's bool counts as a bool (a config's value).
+    assert call(x, ids, num_experts=4, zero_unused_rows=np.bool_(True)).shape == (2 * 16, 4)
     with pytest.raises(ValueError, match="COMBINE_SEND='row'; allowed: 'rows', 'blocks'"):
         call(x, ids, num_experts=4, config=dict(COMBINE_SEND="row"))
     with pytest.raises(ValueError, match="y must be"):

@@ -442,7 +442,8 @@ EP_COLUMNS = [
     h.Column("exact recv_x", lambda r: h.err(r.get("jaxtdist_dispatch"))),
     h.Column("exact fp8 recv", lambda r: h.err(r.get("jaxtdist_fp8_dispatch"))),
     h.Column("rel err: jaxtdist", lambda r: h.err(r.get("jaxtdist_layer"))),
-    h.Column("rel err: jaxtdist, not zeroed", lambda r: h.err(r.get("jaxtdist_layer_unzeroed"))),
+    h.Column("rel err: jaxtdist, not zeroed",
+             lambda r: h.err(r.get("jaxtdist_layer_unzeroed"))),
     h.Column("rel err: a2a", lambda r: h.err(r.get("all_to_all_layer"))),
     h.Column("rel err: ragged", lambda r: h.err(r.get("ragged_layer"))),
 ]

@@ -810,9 +810,9 @@ def moe_dispatch(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_experts:
     Returns:
       ``recv_x`` [R, H]: local expert 0's rows first, then expert 1's, ...;
       within an expert by source rank, then token index; rows past the
-      received ones are zero (see ``zero_unused_rows``). With ``x_scale``: the pair ``(recv_x,
-      recv_scale)``, recv_scale [R, S] float32 row for row (zeros past the
-      received rows). ``group_sizes`` [E / W] int32: rows per local
+      received ones are zero (see ``zero_unused_rows``). With ``x_scale``:
+      the pair ``(recv_x, recv_scale)``, recv_scale [R, S] float32 row for
+      row (zeros past the received rows, as recv_x's). ``group_sizes`` [E / W] int32: rows per local
       expert (``jax.lax.ragged_dot(recv_x, w_local, group_sizes)``).
       ``handle``: a ``MoeHandle`` for ``moe_combine``.
 
@@ -827,6 +827,8 @@ def moe_dispatch(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_experts:
     num_experts, max_recv_rows = (int(v) if isinstance(v, np.integer)
                                   and not isinstance(v, np.bool_) else v
                                   for v in (num_experts, max_recv_rows))
+    if isinstance(zero_unused_rows, np.bool_):
+        zero_unused_rows = bool(zero_unused_rows)
     if getattr(x, "ndim", None) == 2:
         if jnp.dtype(x.dtype) == jnp.uint8:  # byte rows are internal (the fp8 path's)
             check_dtype("moe_dispatch", "x", x.dtype)
