@@ -4,6 +4,8 @@ layer and jax.grad of a dense plain-JAX twin."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -277,8 +279,9 @@ def test_moe_tp_mlp_errors():
     with pytest.raises(ValueError,
                        match=r"w1 must hold at least one expert, got w1\(0, 16, 4\)"):
         run(x, ids, gate, rand((0, 16, 8)), rand((0, 8, 16)))
-    with pytest.raises(ValueError, match=r"overlap='yes'; allowed: None"):
-        run(x, ids, gate, w1, w2, overlap="yes")
+    for bad in ("yes", 1.0, 0):  # numbers equal to True or False are not bools
+        with pytest.raises(ValueError, match=rf"overlap={bad!r}; allowed: None"):
+            run(x, ids, gate, w1, w2, overlap=bad)
     many = np.zeros((4, 2), np.int32)
     with pytest.raises(ValueError, match=r"overlap=True needs at most 256 experts, got "
                                          r"w1\(257, 16, 4\)"):
@@ -429,6 +432,40 @@ def test_moe_tp_mlp_overlapped_under_checkpoint():
         grads[remat] = jax.jit(jax.shard_map(
             jax.grad(lambda *a: jnp.sum(body(*a) ** 2), argnums=(0, 3, 4)), mesh=mesh,
             in_specs=specs, out_specs=(TOKENS, EXPERTS_W1, EXPERTS_W2)))(*placed)
+    for a, b in zip(grads[True], grads[False]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_moe_tp_mlp_overlapped_chained_layers_all_gradients(remat):
+    """Two overlapped layers with their own experts and routings, each under
+    jax.checkpoint or not, differentiated in x, the routing weights and the expert
+    weights: the gradients of the step-by-step schedule, and no deadlock (an
+    earlier version waited for ever once the routing weights were differentiated:
+    a short wait bound makes that a quick failure)."""
+    world, t, k, e, h, f, layers = 2, 3, 2, 4, 16, 16, 2
+    mesh = setup(world, ("tp",), wait_timeout_s=60.0)
+    rng = np.random.default_rng(31)
+    x = rand((world * t, h))
+    ids = np.stack([_routing(rng, world * t, k, e) for _ in range(layers)])
+    gate = rand(ids.shape, scale=0.5)
+    w1, w2 = rand((layers, e, h, f), scale=0.3), rand((layers, e, f, h), scale=0.3)
+    routed = P(None, "tp", None)
+    w1_spec, w2_spec = P(None, None, None, "tp"), P(None, None, "tp", None)
+    specs = (TOKENS, routed, routed, w1_spec, w2_spec)
+    placed = tuple(place(mesh, a, sp) for a, sp in zip((x, ids, gate, w1, w2), specs))
+    grads = {}
+    for overlap in (True, False):
+        def loss(x, ids, gate, w1, w2, overlap=overlap):
+            for i in range(layers):
+                layer = functools.partial(td.moe_tp_mlp, axis_name="tp", overlap=overlap)
+                x = (jax.checkpoint(layer) if remat else layer)(x, ids[i], gate[i], w1[i],
+                                                                 w2[i])
+            return jnp.sum(x ** 2)
+
+        grads[overlap] = jax.jit(jax.shard_map(
+            jax.grad(loss, argnums=(0, 2, 3, 4)), mesh=mesh, in_specs=specs,
+            out_specs=(TOKENS, routed, w1_spec, w2_spec)))(*placed)
     for a, b in zip(grads[True], grads[False]):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
