@@ -339,7 +339,7 @@ def test_moe_errors():
     mesh = setup(2)
     with pytest.raises(ValueError, match="max_recv_rows=0"):
         call(x, ids, num_experts=4, max_recv_rows=0)
-    with pytest.raises(ValueError, match="zero_unused_rows='no' must be a bool"):
+    with pytest.raises(ValueError, match="zero_unused_rows='no' must be True or False"):
         call(x, ids, num_experts=4, zero_unused_rows="no")
     # NumPy's bool counts as a bool (a config's value).
     assert call(x, ids, num_experts=4, zero_unused_rows=np.bool_(True)).shape == (2 * 16, 4)

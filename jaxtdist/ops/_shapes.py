@@ -18,6 +18,18 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def static_bool(op: str, name: str, value, *, none: str | None = None) -> bool | None:
+    """``value`` of a static flag as a Python bool (a NumPy bool, what NumPy
+    comparisons give, included); anything else (1, 1.0, "yes") raises ValueError
+    naming the argument. ``none``: what None means where None is allowed."""
+    if none is not None and value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    allowed = "True or False" if none is None else f"True, False or None ({none})"
+    raise ValueError(f"jaxtdist.{op}: {name}={value!r} must be {allowed}")
+
+
 def check_dtype(op: str, name: str, dtype) -> None:
     if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
         raise ValueError(f"jaxtdist.{op}: {name} has dtype {jnp.dtype(dtype).name}; supported "

@@ -25,7 +25,7 @@ from jaxtdist.ops._inbox import push_to_inboxes
 from jaxtdist.ops._op import DistributedOp, pjit_wrapper, rows_over
 from jaxtdist.ops._precision import dot_precision
 from jaxtdist.ops._protocol import Call, check_axis
-from jaxtdist.ops._shapes import InboxWorkspace, align, check_dtype, next_pow2
+from jaxtdist.ops._shapes import InboxWorkspace, align, check_dtype, next_pow2, static_bool
 from jaxtdist.runtime._runtime import runtime
 from jaxtdist.tune import _registry
 
@@ -154,15 +154,7 @@ def _check(q, k, v, *, axis_name, causal=True, config=None) -> None:
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"jaxtdist.ag_attention: q, k and v must share a dtype, got "
                          f"{q.dtype.name}, {k.dtype.name} and {v.dtype.name}")
-    if not isinstance(causal, bool):
-        raise ValueError(f"jaxtdist.ag_attention: causal={causal!r} must be True or False")
     check_axis(runtime(), axis_name, "ag_attention")
-
-
-def _causal(causal):
-    """A NumPy bool (``np.True_``, what NumPy comparisons give) as the Python bool it
-    equals; anything else unchanged (``_check`` refuses what is not a bool)."""
-    return bool(causal) if isinstance(causal, np.bool_) else causal
 
 
 # -- launch ----------------------------------------------------------------------
@@ -181,7 +173,7 @@ def ag_attention_kernels(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *,
     """ag_attention's forward kernel, at world 1 too (for benchmarks and tests); not
     differentiable. ``config`` overrides the defaults (``AgAttentionConfig``)."""
     q, k, v = (jnp.asarray(a) for a in (q, k, v))
-    causal = _causal(causal)
+    causal = static_bool("ag_attention", "causal", causal)
     _check(q, k, v, axis_name=axis_name, causal=causal)
     call = Call("ag_attention", axis_name)
     b, s, hq, d = q.shape
@@ -353,7 +345,8 @@ def ag_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *, causal:
       ...             mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec))
     """
     return _AG_ATTENTION(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), axis_name=axis_name,
-                         causal=_causal(causal), config=config)
+                         causal=static_bool("ag_attention", "causal", causal),
+                         config=config)
 
 
 ag_attention_sharded = pjit_wrapper(

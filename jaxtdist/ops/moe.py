@@ -32,7 +32,7 @@ from jaxtdist.ops._config import KernelConfig, Problem, resolve
 from jaxtdist.ops._op import (DistributedOp, mesh_devices, one_call_per_element, pjit_wrapper,
                               rows_over)
 from jaxtdist.ops._protocol import Call, check_axis
-from jaxtdist.ops._shapes import align, check_dtype, next_pow2
+from jaxtdist.ops._shapes import align, check_dtype, next_pow2, static_bool
 from jaxtdist.runtime._runtime import runtime
 
 __all__ = ["MoeConfig", "MoeHandle", "moe_combine", "moe_combine_kernels", "moe_combine_sharded",
@@ -293,10 +293,9 @@ def default_recv_rows(tokens: int, top_k: int, world: int, num_experts: int) -> 
 
 def _check_dispatch(x, expert_ids, *, axis_name, num_experts, max_recv_rows=None, split=0,
                     zero_unused_rows=True, config=None) -> None:
-    del config, split  # split: internal (moe_dispatch's fp8 rows), set consistently
-    if not isinstance(zero_unused_rows, (bool, np.bool_)):
-        raise ValueError(f"jaxtdist.moe_dispatch: zero_unused_rows={zero_unused_rows!r} must "
-                         "be a bool")
+    # split: internal (moe_dispatch's fp8 rows), set consistently; zero_unused_rows:
+    # made a bool by moe_dispatch.
+    del config, split, zero_unused_rows
     world = check_axis(runtime(), axis_name, "moe_dispatch").world
     if getattr(x, "ndim", None) != 2:
         raise ValueError(f"jaxtdist.moe_dispatch: x must be [tokens, hidden] (2-D), got shape "
@@ -827,8 +826,7 @@ def moe_dispatch(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_experts:
     num_experts, max_recv_rows = (int(v) if isinstance(v, np.integer)
                                   and not isinstance(v, np.bool_) else v
                                   for v in (num_experts, max_recv_rows))
-    if isinstance(zero_unused_rows, np.bool_):
-        zero_unused_rows = bool(zero_unused_rows)
+    zero_unused_rows = static_bool("moe_dispatch", "zero_unused_rows", zero_unused_rows)
     if getattr(x, "ndim", None) == 2:
         if jnp.dtype(x.dtype) == jnp.uint8:  # byte rows are internal (the fp8 path's)
             check_dtype("moe_dispatch", "x", x.dtype)

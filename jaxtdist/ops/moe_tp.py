@@ -22,7 +22,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxtdist._errors import HeapExhaustedError
@@ -30,7 +29,7 @@ from jaxtdist.ops._expert_order import expert_order
 from jaxtdist.ops._moe_tp_overlap import overlapped_forward
 from jaxtdist.ops._op import DistributedOp, first_order_only, pjit_wrapper, rows_over, run_once
 from jaxtdist.ops._protocol import check_axis, check_inside_shard_map
-from jaxtdist.ops._shapes import check_dtype
+from jaxtdist.ops._shapes import check_dtype, static_bool
 from jaxtdist.ops.all_gather import all_gather
 from jaxtdist.ops.grouped_matmul import MAX_GROUPS, grouped_matmul
 from jaxtdist.ops.reduce_scatter import reduce_scatter
@@ -363,11 +362,7 @@ def _overlaps(overlap, x, ids, w1, axis_name, grouped_gemm) -> bool:
     """Whether moe_tp_mlp runs the overlapped schedule (``overlap``: True, False or
     None, the default rule: on GPUs, world > 1, where the grouped GEMM picked is
     jaxtdist's, with OVERLAP_MIN_ROWS rows per (rank, expert) on average)."""
-    if isinstance(overlap, np.bool_):
-        overlap = bool(overlap)
-    if overlap is not None and not isinstance(overlap, bool):  # 1.0 == True: not a bool
-        raise ValueError(f"jaxtdist.moe_tp_mlp: overlap={overlap!r}; allowed: None (the "
-                         "default rule), True or False")
+    overlap = static_bool("moe_tp_mlp", "overlap", overlap, none="the default rule")
     experts = w1.shape[0]
     rt = runtime()
     # Peers' chunks travel on copy engines on GPUs (the SM push that stands in for
@@ -410,7 +405,10 @@ def _overlapped_forward(x, ids, gate, w1, w2, *w_up, axis_name, activation, grou
 
 
 def _overlapped_backward(residuals, ct, *, axis_name, activation, grouped_gemm):
-    """The step-by-step schedule's gradients (its forward recomputed)."""
+    """The step-by-step schedule's gradients, its forward recomputed: the residuals
+    are the inputs only, as under jax.checkpoint. (Keeping the forward's VJP as the
+    residual would skip that second forward, but a VJP's structure differs between
+    the unbatched and batched traces of ``one_call_per_element``: vmap refuses it.)"""
     x, ids, gate, w1, w2, *w_up = residuals
 
     def steps(x, gate, w1, w2, *w_up):
