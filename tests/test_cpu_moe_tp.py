@@ -440,9 +440,9 @@ def test_moe_tp_mlp_overlapped_under_checkpoint():
 def test_moe_tp_mlp_overlapped_chained_layers_all_gradients(remat):
     """Two overlapped layers with their own experts and routings, each under
     jax.checkpoint or not, differentiated in x, the routing weights and the expert
-    weights: the gradients of the step-by-step schedule, and no deadlock (an
-    earlier version waited for ever once the routing weights were differentiated:
-    a short wait bound makes that a quick failure)."""
+    weights: the gradients of the step-by-step schedule, and no deadlock (calls
+    that data did not order once waited for ever here, the routing weights
+    differentiated: a short wait bound makes that a quick failure)."""
     world, t, k, e, h, f, layers = 2, 3, 2, 4, 16, 16, 2
     mesh = setup(world, ("tp",), wait_timeout_s=60.0)
     rng = np.random.default_rng(31)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -219,7 +221,6 @@ def test_moe_tp_mlp_gradients_in_one_chain(remat):
     """moe_tp_mlp's own custom VJP around its packed gather: under jax.checkpoint the
     gather is not recomputed in the backward pass (a second, unordered call timed out
     a wait on 4 CPU ranks under load); forward and backward calls in one chain."""
-    import numpy as np
 
     from tests.test_cpu_moe_tp import EXPERTS_W1, EXPERTS_W2, TOKENS, _routing
 
@@ -255,3 +256,102 @@ def test_run_once_keeps_a_users_custom_vjp_in_one_chain():
     x = jax.device_put(rand((8, 4)), NamedSharding(mesh, P("tp")))
     assert_one_chain(loss(True).lower(x).compile().as_text(), 4)
     assert rel_err(loss(True)(x), loss(False)(x)) < 1e-6
+
+
+def entry_instructions(hlo: str, opcode: str) -> list[str]:
+    """Names of the entry computation's instructions of ``opcode``."""
+    entry = hlo[hlo.index("\nENTRY"):]
+    entry = entry[:entry.index("\n}")]
+    return [m.group(1) for line in entry.splitlines()
+            if (m := _INSTR.match(line)) and re.search(rf"\s{opcode}\(", line)]
+
+
+_NESTINGS = {
+    "checkpoint": jax.checkpoint,
+    "jit": jax.jit,
+    "cond": lambda fn: lambda a: jax.lax.cond(a.sum() > -1e30, fn, fn, a),
+    "map": lambda fn: lambda a: jax.lax.map(fn, a[None])[0],
+}
+
+
+@pytest.mark.parametrize("nesting", list(_NESTINGS))
+def test_a_call_after_an_unrelated_nested_computation_runs_after_its_calls(nesting):
+    """Calls in a nested computation whose results the next call does not use (a
+    checkpointed piece, a nested jit, a branch, a loop body) are still ordered before
+    it: on CPU devices otherwise ran them in different orders."""
+    world = 2
+    mesh = setup(world)
+    jax.clear_caches()
+    nested = _NESTINGS[nesting](lambda a: td.all_reduce(td.all_gather(a, "tp"), "tp"))
+
+    def body(a, b):
+        return nested(a), td.all_gather(b, "tp")
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P("tp")),
+                              out_specs=(P("tp"), P("tp"))))  # every rank's copy
+    x, y = (jax.device_put(rand((world * 4, 8)), NamedSharding(mesh, P("tp")))
+            for _ in range(2))
+    hlo = f.lower(x, y).compile().as_text()
+    calls, ancestors = jaxtdist_calls(hlo)
+    holders = [h for op in ("conditional", "while", "call")
+               for h in entry_instructions(hlo, op)]
+    # The nested calls (inline, or inside the op holding them), then the last call's.
+    first_of_last = calls[-2]  # its prologue
+    if nesting in ("checkpoint", "jit") and not holders:
+        assert_one_chain(hlo, 6)
+    else:
+        assert holders and any(h in ancestors[first_of_last] for h in holders), hlo
+    got_a, got_b = f(x, y)
+    assert rel_err(got_a, np.tile(world * np.asarray(x), (world, 1))) < 1e-6
+    assert rel_err(got_b, np.tile(np.asarray(y), (world, 1))) < 1e-6
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_separately_checkpointed_moe_layers_in_one_chain(world):
+    """Two MoE layers (dispatch, expert GEMM, combine) on independent batches, each
+    under its own jax.checkpoint, summed, differentiated: their calls are ordered
+    (they were not: wrong losses and gradients from run to run, or a timed-out wait),
+    and the loss and gradients match a float32 reference."""
+    batches, t, h, f, k, e = 2, 3, 16, 8, 2, 4
+    mesh = setup(world, wait_timeout_s=60.0)
+    jax.clear_caches()
+    rng = np.random.default_rng(1)
+    x = rand((batches, world * t, h))
+    ids = np.stack([np.stack([rng.permutation(e)[:k] for _ in range(world * t)])
+                    for _ in range(batches)]).astype(np.int32)
+    w, gate, c = rand((e, h, f), scale=0.3), rand((batches, world * t, k)), rand(
+        (batches, world * t, f))
+
+    def layer(x, ids, w, gate):
+        recv, sizes, handle = td.moe_dispatch(x, ids, "tp", num_experts=e)
+        return td.moe_combine(jax.lax.ragged_dot(recv, w, sizes), handle, gate, "tp")
+
+    def body(x, ids, w, gate, c):
+        def loss(x, w, gate):
+            return sum(jnp.sum(jax.checkpoint(layer)(x[b], ids[b], w, gate[b]) * c[b])
+                       for b in range(batches))
+        value, grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(x, w, gate)
+        return jax.lax.psum(value, "tp"), grads
+
+    rows, local = P(None, "tp"), P("tp")
+    w_local = w.reshape(world, e // world, h, f)
+    args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in
+            zip((x, ids, w_local, gate, c), (rows, rows, local, rows, rows))]
+    fn = jax.jit(jax.shard_map(
+        lambda x, ids, w, gate, c: body(x, ids, w[0], gate, c), mesh=mesh,
+        in_specs=(rows, rows, local, rows, rows), out_specs=(P(), (rows, local, rows))))
+    compiled = fn.lower(*args).compile()
+    assert_one_chain(compiled.as_text(), None)
+
+    def dense(x, w, gate):
+        y = jnp.einsum("bth,btkhf->btkf", x, w[ids])
+        return jnp.sum(jnp.einsum("btkf,btk->btf", y, gate) * c)
+
+    with jax.default_matmul_precision("highest"):
+        want_value, want = jax.value_and_grad(dense, argnums=(0, 1, 2))(x, w, gate)
+    for _ in range(3):  # a race moves the error from run to run
+        value, (dx, dw, dgate) = compiled(*args)
+        assert abs(float(value) - float(want_value)) < 1e-4 * abs(float(want_value))
+        dw = np.asarray(dw).reshape(w.shape)
+        for got, ref in ((dx, want[0]), (dw, want[1]), (dgate, want[2])):
+            assert rel_err(got, ref) < 1e-5

@@ -264,11 +264,14 @@ class Call:
         # barrier alone does not survive to XLA's scheduling (on CPU, devices then
         # ran independent prologues in different orders, and calls exchanged data
         # under mismatched epochs). Operands cost nothing: the handler ignores them.
+        # Lowering adds one more: the previous call of the block, wherever it was
+        # traced (``runtime._ffi``, "one order for the calls of a block").
         deps = [d for d in tuple(deps) + program_order_deps(rt)
                 if isinstance(d, jax.Array) or hasattr(d, "aval")]
         args = [position] + ([stage] if stage is not None else []) + deps
         call = _ffi.ffi_call(_native.PROLOGUE_TARGET,
-                             jax.ShapeDtypeStruct((CTX_INT32_WORDS,), jnp.int32), op=self.op)
+                             jax.ShapeDtypeStruct((CTX_INT32_WORDS,), jnp.int32), op=self.op,
+                             after_calls=True)
         self._ws = ws
         self._launch_holds_rendezvous = not align_launch
         return call(*args, template_offset=np.int64(self.layout.template_offset),

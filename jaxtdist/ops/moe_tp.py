@@ -304,12 +304,9 @@ def moe_tp_mlp(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax.
         one after the other. None (the default): overlapped on GPUs at world > 1
         with jaxtdist's grouped GEMM and at least 256 (token, expert) pairs per
         expert and rank on average (Mixtral's experts over 4 x H200: 0.92x
-        the step-by-step time at 2048 tokens per rank, 1.65x at 128). The
-        overlapped kernels run where no gradient is taken (inference); under
-        autodiff (jax.grad, jax.vjp) forward and backward are the step-by-step
-        schedule's, whatever ``overlap`` says (the overlapped forward there
-        deadlocked with two chained layers whose routing weights were
-        differentiated).
+        the step-by-step time at 2048 tokens per rank, 1.65x at 128). Either
+        way the backward pass is the step-by-step schedule's (after the
+        overlapped forward, a recomputation of it).
 
     Returns:
       [T_shard, H] in x's dtype: this rank's tokens' MLP output.
@@ -384,23 +381,12 @@ def _overlaps(overlap, x, ids, w1, axis_name, grouped_gemm) -> bool:
             and ids.size >= OVERLAP_MIN_ROWS * experts)
 
 
-def _overlapped_primal(x, ids, gate, w1, w2, *w_up, axis_name, activation, grouped_gemm):
-    """The overlapped kernels: the forward pass when no gradient is taken."""
-    del grouped_gemm
-    out = overlapped_forward(x, ids, gate, w1, w2, w_up[0] if w_up else None, activation,
-                             axis_name)
-    return out, None
-
-
 def _overlapped_forward(x, ids, gate, w1, w2, *w_up, axis_name, activation, grouped_gemm):
-    """Under autodiff the forward runs the step-by-step schedule: with the overlapped
-    kernels there, two chained layers whose routing weights were differentiated
-    deadlocked under the interpreter (a wait for a peer's first signal on a
-    workspace that never came; not understood yet), the steps do not."""
+    del grouped_gemm
     # Differentiated again only by second-order autodiff: a TypeError naming the op.
     x, gate, w1, w2, *w_up = first_order_only("moe_tp_mlp", x, gate, w1, w2, *w_up)
-    out = _steps(x, ids, gate, w1, w2, w_up[0] if w_up else None, activation, axis_name,
-                 grouped_gemm)
+    out = overlapped_forward(x, ids, gate, w1, w2, w_up[0] if w_up else None, activation,
+                             axis_name)
     return out, (x, ids, gate, w1, w2) + tuple(w_up)
 
 
@@ -422,7 +408,7 @@ def _overlapped_backward(residuals, ct, *, axis_name, activation, grouped_gemm):
 # The overlapped schedule, [T_shard, H] float32, as a declared op: the platform
 # orders its calls among the others' and gives it autodiff, remat and vmap.
 _OVERLAPPED = DistributedOp("moe_tp_mlp", forward=_overlapped_forward,
-                            backward=_overlapped_backward, primal=_overlapped_primal)
+                            backward=_overlapped_backward)
 
 
 # -- pjit-style ---------------------------------------------------------------------

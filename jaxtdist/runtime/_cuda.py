@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxtdist.language import _layout as L
 from jaxtdist._errors import HeapExhaustedError
-from jaxtdist.runtime import _ffi, _native
+from jaxtdist.runtime import _call_order, _ffi, _native
 from jaxtdist.runtime._backend import BackendSpec
 
 
@@ -117,7 +117,8 @@ class CudaHeap:
         jt, out_kw = _jax_triton()
         result = jt.triton_call(*args, kernel=kernel, grid=grid, num_warps=num_warps,
                                 num_stages=num_stages, **{out_kw: list(outs)}, **constexprs)
-        return list(result) if isinstance(result, (list, tuple)) else [result]
+        outs = list(result) if isinstance(result, (list, tuple)) else [result]
+        return _call_order.call_done(outs)  # ordered before the next prologue
 
     def push_to_peers(self, rt, ctx: jax.Array, x: jax.Array, *, counter_id: int,
                       groups: np.ndarray, world: int, inbox_offset: int, parity_bytes: int,

@@ -8,7 +8,9 @@ handlers need no JAX effect: data orders them (each takes the kernel context
 the previous one returns, and every prologue takes the previous op's output,
 ``ops._protocol.program_order_deps``). XLA still sees ``has_side_effect``, so it never
 drops, merges, hoists or repeats one of them, and a DCE rule keeps JAX from
-dropping a call whose outputs go unused. One case is not covered: a nested
+dropping a call whose outputs go unused. Calls that data does not order (in
+separate ``jax.checkpoint`` bodies, say) are ordered as they are lowered
+(``_call_order``). One case is not covered: a nested
 jit or shard_map none of whose outputs is used is dropped whole, calls and
 all, as JAX drops any effect-free call.
 
@@ -33,9 +35,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
-from jax.interpreters import ad, mlir
+from jax.interpreters import ad
 
 from jaxtdist._errors import runtime_status
+from jaxtdist.runtime import _call_order
 
 try:  # no public API registers a DCE rule (jax 0.10, 0.11)
     from jax._src.interpreters import partial_eval as _pe
@@ -61,20 +64,24 @@ def _thaw(frozen):
 
 
 @_ffi_call_p.def_abstract_eval
-def _abstract_eval(*avals, target_name, results, aliases, attributes, op):
-    del avals, target_name, aliases, attributes, op
+def _abstract_eval(*avals, target_name, results, aliases, attributes, op, after_calls):
+    del avals, target_name, aliases, attributes, op, after_calls
     return [jax.core.ShapedArray(shape, jnp.dtype(dtype)) for shape, dtype in results]
 
 
-def _lowering(ctx, *operands, target_name, results, aliases, attributes, op):
+def _lowering(ctx, *operands, target_name, results, aliases, attributes, op, after_calls):
     del results, op
+    if after_calls:
+        ctx, operands = _call_order.after_previous_call(ctx, operands)
     rule = jax.ffi.ffi_lowering(target_name, has_side_effect=True,
                                 operand_output_aliases=dict(aliases))
-    return rule(ctx, *operands, **{name: _thaw(v) for name, v in attributes})
+    outs = rule(ctx, *operands, **{name: _thaw(v) for name, v in attributes})
+    _call_order.record_call(ctx.module_context, outs, ctx.avals_out)
+    return outs
 
 
 for _platform in ("cpu", "cuda", "rocm"):
-    mlir.register_lowering(_ffi_call_p, _lowering, platform=_platform)
+    _call_order.register_per_site(_ffi_call_p, _lowering, platform=_platform)
 
 
 def no_derivative(what: str, op: str):
@@ -112,11 +119,14 @@ if _pe is not None and hasattr(_pe, "dce_rules"):
 
 
 def ffi_call(target_name: str, result_shape_dtypes, *, platform: str = "gpu",
-             input_output_aliases: Mapping[int, int] | None = None, op: str = "") -> Callable:
+             input_output_aliases: Mapping[int, int] | None = None, op: str = "",
+             after_calls: bool = False) -> Callable:
     """Like ``jax.ffi.ffi_call(target_name, result_shape_dtypes, has_side_effect=True,
     input_output_aliases=...)``, with no JAX effect (see the module doc). ``op``
     names the jaxtdist op in errors; ``platform`` is kept for callers' clarity (the
-    target is registered per platform).
+    target is registered per platform). ``after_calls``: the call also takes the
+    result of the previous jaxtdist call lowered in its block as a last operand
+    (a prologue: ``_call_order``).
 
     Returns a function of the operands and the attributes (ints and int64 arrays).
 
@@ -136,7 +146,7 @@ def ffi_call(target_name: str, result_shape_dtypes, *, platform: str = "gpu",
         outs = _ffi_call_p.bind(
             *operands, target_name=target_name, results=results, aliases=aliases,
             attributes=tuple(sorted((name, _freeze(v)) for name, v in attributes.items())),
-            op=op)
+            op=op, after_calls=bool(after_calls))
         return list(outs) if several else outs[0]
 
     return call
@@ -256,10 +266,12 @@ def _host_lowering(ctx, *operands, callback, results, op, owner):
         tuple((tuple(shape), np.dtype(jnp.dtype(dtype))) for shape, dtype in results))
     _host_owned.setdefault(owner, set()).add(key)
     rule = jax.ffi.ffi_lowering(HOST_KERNEL_TARGET, has_side_effect=True)
-    return rule(ctx, *operands, callback=np.int64(key))
+    outs = rule(ctx, *operands, callback=np.int64(key))
+    _call_order.record_call(ctx.module_context, outs, ctx.avals_out)
+    return outs
 
 
-mlir.register_lowering(_host_kernel_p, _host_lowering, platform="cpu")
+_call_order.register_per_site(_host_kernel_p, _host_lowering, platform="cpu")
 ad.primitive_jvps[_host_kernel_p] = lambda primals, tangents, **params: no_derivative(
     "the kernel", params["op"])(primals, tangents)
 if _pe is not None and hasattr(_pe, "dce_rules"):

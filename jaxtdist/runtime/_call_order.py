@@ -1,0 +1,187 @@
+"""One order for the jaxtdist calls of a lowered block.
+
+Data orders an op's prologue after the previous jaxtdist call of its trace
+(``ops._protocol.program_order_deps``). Calls traced in nested traces that have
+ended leave no record there: the calls of two ``jax.checkpoint`` bodies with no
+data between them, or of a layer's forward and of the backward of another, were
+unordered, and on CPU (whose runtime runs independent work concurrently) devices
+ran them in different orders: wrong values and timed-out waits.
+
+Lowering sees every call. The equations of one block (a shard_map body, with the
+bodies of checkpoint, custom_vjp and custom_vmap lowered in place) lower in one
+order, the same on every device, so each prologue also takes the result of the
+block's previous call as an operand (its handler ignores operands past its own).
+A call in a nested region (a loop body, a branch) counts, for the blocks around
+it, as the op holding that region; a function holding calls (a nested
+``jax.jit``, ``lax.map``'s body), as the call of it.
+
+Example (what a prologue's lowering does)::
+
+    ctx, operands = after_previous_call(ctx, operands)
+    outs = rule(ctx, *operands)
+    record_call(ctx.module_context, outs, ctx.avals_out)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+from jax.interpreters import ad, batching, mlir
+from jaxlib.mlir import ir
+
+__all__ = ["after_previous_call", "call_done", "record_call", "register_per_site"]
+
+_CALLS_KEY = object()  # the module's {block: [(a result of its last call, its aval)]}
+
+
+def _block_calls(module_context) -> dict:
+    # ModuleContext has slots; its per-module dict of cached lowerings carries ours.
+    return module_context.cached_primitive_lowerings.setdefault(_CALLS_KEY, {})
+
+
+def _tensor_type(type_) -> ir.RankedTensorType | None:
+    try:
+        return ir.RankedTensorType(type_)
+    except ValueError:
+        return None
+
+
+def _elements(shape) -> int:
+    return int(np.prod(shape, dtype=np.int64))
+
+
+def record_call(module_context, outs: Sequence, avals: Sequence, *, every: bool = False):
+    """Makes the smallest of a call's results (``outs``, lowered values, with their
+    ``avals``; all of them with ``every``) what the block's next prologue takes, and
+    in the blocks around it, the results of the ops holding its region."""
+    values = [(v, a) for v, a in zip(outs, avals)
+              if isinstance(v, ir.Value) and hasattr(a, "shape")]
+    if not values:
+        return
+    calls = _block_calls(module_context)
+    block = ir.InsertionPoint.current.block
+    calls[block] = values if every else [min(
+        values, key=lambda va: _elements(va[1].shape) * jnp.dtype(va[1].dtype).itemsize)]
+    while True:  # out through the ops holding the region, up to the function
+        holder = block.owner
+        # All of them: XLA folds the ones it can (a loop's counter after the loop),
+        # and a constant orders nothing. Only an operand's shape is read (its
+        # layout): any dtype serves.
+        results = [(r, jax.core.ShapedArray(tuple(t.shape), jnp.int8))
+                   for r in getattr(holder, "results", ())
+                   if (t := _tensor_type(r.type)) is not None and t.has_static_shape]
+        if not results:
+            return
+        block = holder.operation.block
+        calls[block] = results
+
+
+def after_previous_call(ctx, operands: Sequence):
+    """``(ctx, operands)`` with the results of the block's previous call appended
+    (a prologue's lowering)."""
+    previous = _block_calls(ctx.module_context).get(ir.InsertionPoint.current.block, ())
+    return (ctx.replace(avals_in=(*ctx.avals_in, *(a for _, a in previous))),
+            (*operands, *(v for v, _ in previous)))
+
+
+# The primitives whose lowerings record calls (``register_per_site``).
+_CALL_PRIMITIVES: set = set()
+
+
+def register_per_site(prim: jex_core.Primitive, rule: Callable, platform: str | None = None):
+    """Registers the lowering rule of a jaxtdist call primitive, run at every call
+    site: JAX (0.10 on) may lower an equation once into a function and inline
+    copies of it, hiding the other sites from ``record_call``."""
+    _CALL_PRIMITIVES.add(prim)
+    try:
+        mlir.register_lowering(prim, rule, platform=platform, cacheable=False)
+    except TypeError:  # pragma: no cover - jax without lowering caches
+        mlir.register_lowering(prim, rule, platform=platform)
+
+
+def _lower_bodies_in_place() -> None:
+    """JAX (0.10 on) lowers each equation holding a jaxpr into a function of its own
+    and inlines a copy: the calls in it would not see the block they end up in.
+    Lowered in place, they do; the HLO is the same."""
+    try:
+        from jax._src import custom_batching, shard_map
+        from jax._src.interpreters import mlir as mlir_internal
+        from jax.extend.core import primitives
+        uncached = mlir_internal._uncacheable_primitives
+    except (ImportError, AttributeError):  # pragma: no cover - jax without the cache
+        return
+    for module, name in ((primitives, "cond_p"), (primitives, "while_p"),
+                         (primitives, "scan_p"), (primitives, "remat_p"),
+                         (primitives, "custom_jvp_call_p"), (primitives, "custom_vjp_call_p"),
+                         (custom_batching, "custom_vmap_p"), (shard_map, "shard_map_p")):
+        if hasattr(module, name):
+            uncached.add(getattr(module, name))
+
+
+def _holds_calls(jaxpr) -> bool:
+    from jax._src import core
+    return any(eqn.primitive in _CALL_PRIMITIVES
+               or any(_holds_calls(j) for j in core.jaxprs_in_params(eqn.params))
+               for eqn in jaxpr.eqns)
+
+
+def _order_after_function_calls() -> None:
+    """A call of a function holding calls (a nested jit, lax.map's body) counts as a
+    call for the block that calls it: the function's body is out of
+    ``record_call``'s walk."""
+    try:
+        from jax._src import core
+        from jax._src.interpreters import mlir as mlir_internal
+        from jax.extend.core import primitives
+    except ImportError:  # pragma: no cover - other jax
+        return
+    for name in ("jit_p", "closed_call_p", "call_p"):
+        prim = getattr(primitives, name, None)
+        entry = mlir_internal._lowerings.get(prim)
+        if entry is None or getattr(entry.rule, "_jaxtdist_ordered", False):
+            continue
+
+        def rule(ctx, *args, _original=entry.rule, **params):
+            outs = _original(ctx, *args, **params)
+            if any(_holds_calls(j) for j in core.jaxprs_in_params(params)):
+                # One value per output, as a 1-tuple.
+                record_call(ctx.module_context, [
+                    o[0] if isinstance(o, (tuple, list)) and len(o) == 1 else o
+                    for o in outs], ctx.avals_out, every=True)
+            return outs
+
+        rule._jaxtdist_ordered = True
+        mlir_internal._lowerings[prim] = mlir_internal.LoweringRuleEntry(rule, entry.inline)
+        mlir_internal._uncacheable_primitives.add(prim)  # runs at every site
+
+
+_lower_bodies_in_place()
+_order_after_function_calls()
+
+# Kernels launched by another library's custom call (jax-triton): their outputs go
+# through this identity, whose lowering records them.
+_call_done_p = jex_core.Primitive("jaxtdist_call_done")
+_call_done_p.multiple_results = True
+_call_done_p.def_impl(lambda *xs: list(xs))
+_call_done_p.def_abstract_eval(lambda *avals: list(avals))
+ad.primitive_jvps[_call_done_p] = lambda primals, tangents: (_call_done_p.bind(*primals),
+                                                             list(tangents))
+batching.primitive_batchers[_call_done_p] = lambda args, dims: (_call_done_p.bind(*args), dims)
+
+
+def _call_done_lowering(ctx, *values):
+    record_call(ctx.module_context, values, ctx.avals_in)
+    return list(values)
+
+
+register_per_site(_call_done_p, _call_done_lowering)
+
+
+def call_done(outputs: Sequence[jax.Array]) -> list[jax.Array]:
+    """``outputs`` of a kernel launched by another library's custom call, unchanged;
+    the block's next prologue runs after that kernel."""
+    return list(_call_done_p.bind(*outputs))
