@@ -226,11 +226,15 @@ def test_moe_tp_benchmark_runs_every_layer_and_tabulates(faked_timing):
     the XLA twin all match the float32 reference."""
     from jaxtdist.bench import moe_tp
 
-    rows = moe_tp.bench_moe_tp([(3, 32, 64, 4, 2)], 2, 4, rounds=1, dtype=np.float32)
+    rows = moe_tp.bench_moe_tp([(3, 32, 64, 4, 2)], 2, 4, rounds=1, dtype=np.float32,
+                               train=True)
     for name in ("jaxtdist", "steps", "overlapped", "xla"):
         assert rows[0][name]["rel_err"] < 1e-5, (name, rows)
+    # The training step's gradients against XLA's (float32 here).
+    assert rows[0]["jaxtdist_train"]["rel_err"] < 1e-5, rows
     text = moe_tp.table(dict(world=4, device="cpu", rows=rows, iterations=2, rounds=1))
     assert "| 3 | 32, 64, 4, top-2 |" in text
+    assert "Training step" in text and "| 3 | " in text.split("Training step")[1]
     assert "moe_tp" in cli.benchmarks()
 
 

@@ -543,3 +543,39 @@ def test_moe_tp_mlp_sharded(gated, overlap):
     with pytest.raises(ValueError, match="moe_tp_mlp_sharded"):
         td.moe_tp_mlp_sharded(x[:10], ids[:10], gate[:10], w1, w2, axis_name="tp",
                               batch_axes="dp")
+
+
+def _ops_launched(fn, *args) -> set[str]:
+    """The ops named by the jaxtdist calls in ``fn``'s jaxpr (nested ones included)."""
+    from jax._src import core
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in ("jaxtdist_ffi_call", "jaxtdist_host_kernel"):
+                yield eqn.params["op"]
+            for sub in core.jaxprs_in_params(eqn.params):
+                yield from walk(sub)
+    return set(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+
+
+def test_moe_tp_mlp_overlapped_trains_on_the_steps():
+    """overlap=True: the overlapped kernels serve the forward pass where no derivative
+    is taken; under jax.grad the layer is the step-by-step schedule, forward and
+    backward (one forward: the overlapped one would need the steps' forward again
+    in the backward pass), and its gradients are the steps'."""
+    world = 2
+    mesh = setup(world, ("tp",))
+    fn, specs = _fn(mesh, True, overlap=True)
+    steps, _ = _fn(mesh, True, overlap=False)
+    rng = np.random.default_rng(41)
+    arrays = (rand((world * 3, 16)), _routing(rng, world * 3, 2, 4), rand((world * 3, 2)),
+              rand((4, 16, 8), scale=0.3), rand((4, 8, 16), scale=0.3),
+              rand((4, 16, 8), scale=0.3))
+    placed = [place(mesh, a, s) for a, s in zip(arrays, specs)]
+    assert "moe_tp_mlp" in _ops_launched(fn, *placed)  # the overlapped kernels
+    grad = jax.grad(lambda *a: jnp.sum(fn(*a) ** 2), argnums=(0, 2, 3, 4, 5))
+    assert "moe_tp_mlp" not in _ops_launched(grad, *placed)
+    assert "all_gather" in _ops_launched(grad, *placed)
+    want = jax.grad(lambda *a: jnp.sum(steps(*a) ** 2), argnums=(0, 2, 3, 4, 5))(*placed)
+    for got, ref in zip(jax.jit(grad)(*placed), want):
+        assert rel_err(got, ref) < 1e-6

@@ -47,7 +47,10 @@ OURS = "jaxtdist"
 
 def rel_err(out, ref) -> float:
     """Relative Frobenius error of ``out`` against ``ref`` (in float32); inf if
-    ``out`` holds a non-finite value."""
+    ``out`` holds a non-finite value. Tuples (gradients) count as one vector."""
+    if isinstance(out, (tuple, list)):
+        out = np.concatenate([np.asarray(o, np.float32).reshape(-1) for o in out])
+        ref = np.concatenate([np.asarray(r, np.float32).reshape(-1) for r in ref])
     out = np.asarray(out, np.float32)
     ref = np.asarray(ref, np.float32)
     if not np.all(np.isfinite(out)):

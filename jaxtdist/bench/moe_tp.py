@@ -56,8 +56,23 @@ def _reference(x, ids, gate, w1, w2, w3) -> np.ndarray:
     return np.concatenate(out)
 
 
+GRAD_SPECS = (TOKENS, TOKENS, W_IN, W_OUT, W_IN)  # of x, the weights, w1, w2, w3
+
+
+def _training_step(layer, mesh):
+    """The gradients of sum(layer * ct) in x, the routing weights and the experts: a
+    training step's forward and backward."""
+    def step(x, ids, gate, w1, w2, w3, ct):
+        def loss(x, gate, w1, w2, w3):
+            return jnp.sum(layer(x, ids, gate, w1, w2, w3).astype(jnp.float32) * ct)
+        return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(x, gate, w1, w2, w3)
+
+    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=SPECS + (TOKENS,),
+                                 out_specs=GRAD_SPECS))
+
+
 def bench_moe_tp(shapes, iterations: int, world: int, rounds: int = 4,
-                 dtype=jnp.bfloat16) -> list[dict]:
+                 dtype=jnp.bfloat16, train: bool = False) -> list[dict]:
     import jaxtdist as td
 
     mesh = jax.make_mesh((world,), ("tp",), devices=jax.devices()[:world],
@@ -70,6 +85,10 @@ def bench_moe_tp(shapes, iterations: int, world: int, rounds: int = 4,
 
     fns = dict(jaxtdist=layer(None), steps=layer(False), overlapped=layer(True),
                xla=jax.jit(jax.shard_map(_xla_twin, **specs)))
+    trains = {}
+    if train:  # under jax.grad every jaxtdist schedule is the steps' (moe_tp_mlp)
+        trains = dict(jaxtdist_train=_training_step(lambda x, i, g, a, b, c: td.moe_tp_mlp(
+            x, i, g, a, b, "tp", w_up=c), mesh), xla_train=_training_step(_xla_twin, mesh))
     rows = []
     for n, (t, hidden, ffn, e, k) in enumerate(shapes):
         rng = np.random.default_rng(1500 + n)
@@ -86,11 +105,19 @@ def bench_moe_tp(shapes, iterations: int, world: int, rounds: int = 4,
         row = dict(tokens=t, hidden=hidden, ffn=ffn, experts=e, top_k=k, world=world,
                    dtype=jnp.dtype(dtype).name, rounds=rounds, size=float(t), flops=flops,
                    label=f"T={t}")
-        row.update(h.interleaved({name: h.Contender(fn, args, world, ref)
-                                  for name, fn in fns.items()}, iterations, rounds))
+        contenders = {name: h.Contender(fn, args, world, ref) for name, fn in fns.items()}
+        if trains:
+            ct = h.normal(1540 + n, (world * t, hidden), jnp.float32)
+            targs = args + (jax.device_put(ct, NamedSharding(mesh, TOKENS)),)
+            # bf16 gradients against XLA's (no float32 reference of the backward here).
+            xla_grads = [np.asarray(g, np.float32) for g in trains["xla_train"](*targs)]
+            contenders.update({name: h.Contender(fn, targs, world, xla_grads)
+                               for name, fn in trains.items()})
+            row["train_flops"] = 3 * flops
+        row.update(h.interleaved(contenders, iterations, rounds))
         rows.append(row)
         print(f"moe_tp T={t} H={hidden} F={ffn} E={e} K={k} world={world}: " + " | ".join(
-            f"{name} {h.us(row.get(name))}" for name in fns), flush=True)
+            f"{name} {h.us(row.get(name))}" for name in contenders), flush=True)
     return rows
 
 
@@ -107,23 +134,38 @@ COLUMNS = [
     h.Column("rel err (overlapped)", lambda r: h.err(r.get("overlapped"))),
     h.Column("rel err (XLA)", lambda r: h.err(r.get("xla"))),
 ]
+TRAIN_COLUMNS = [
+    h.Column("tokens per rank", lambda r: str(r["tokens"])),
+    h.Column("training step, XLA collectives", lambda r: h.us(r.get("xla_train"))),
+    h.Column("training step, jaxtdist", lambda r: h.us(r.get("jaxtdist_train"))),
+    h.Column("jaxtdist / XLA", lambda r: h.ratio(r.get("jaxtdist_train"), r.get("xla_train"))),
+    h.Column("gradients' rel diff to XLA's", lambda r: h.err(r.get("jaxtdist_train"))),
+]
 
 
 def table(res: dict) -> str:
-    return h.markdown_table(
+    out = h.markdown_table(
         f"moe_tp_mlp (SwiGLU experts, FFN over tp), bfloat16, {res['world']} x "
         f"{res['device']}; {h.timing_note(res)}", COLUMNS, res["rows"])
+    if any("xla_train" in r for r in res["rows"]):
+        out += "\n\n" + h.markdown_table(
+            "Training step (jax.grad in x, routing weights and experts; "
+            f"{h.timing_note(res)})", TRAIN_COLUMNS, res["rows"])
+    return out
 
 
 def run(args) -> tuple[list[dict], dict]:
     world = args.world or len(jax.devices())
     shapes = MOE_TP_SHAPES[:1] if args.quick else MOE_TP_SHAPES
-    return bench_moe_tp(shapes, args.iterations, world, rounds=args.rounds), dict(world=world)
+    return bench_moe_tp(shapes, args.iterations, world, rounds=args.rounds,
+                        train=args.train), dict(world=world)
 
 
 def _arguments(parser) -> None:
     parser.add_argument("--world", type=int, default=0, help="devices (default: all)")
     parser.add_argument("--quick", action="store_true", help="the first size only")
+    parser.add_argument("--train", action="store_true",
+                        help="also a training step (forward and backward) of each")
 
 
 BENCHMARK = h.Benchmark(name="moe_tp", op="moe_tp_mlp", run=run, table=table,

@@ -35,6 +35,11 @@ from jaxtdist.ops.grouped_matmul import MAX_GROUPS, grouped_matmul
 from jaxtdist.ops.reduce_scatter import reduce_scatter
 from jaxtdist.runtime._runtime import runtime
 
+try:  # jax.vmap's tracer (jax 0.10, 0.11)
+    from jax._src.interpreters.batching import BatchTracer as _BatchTracer
+except ImportError:  # pragma: no cover
+    _BatchTracer = ()
+
 __all__ = ["moe_tp_mlp", "moe_tp_mlp_sharded"]
 
 
@@ -304,9 +309,13 @@ def moe_tp_mlp(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax.
         one after the other. None (the default): overlapped on GPUs at world > 1
         with jaxtdist's grouped GEMM and at least 256 (token, expert) pairs per
         expert and rank on average (Mixtral's experts over 4 x H200: 0.92x
-        the step-by-step time at 2048 tokens per rank, 1.65x at 128). Either
-        way the backward pass is the step-by-step schedule's (after the
-        overlapped forward, a recomputation of it).
+        the step-by-step time at 2048 tokens per rank, 1.65x at 128). The
+        overlapped kernels run where no derivative is taken (inference); under
+        autodiff (jax.grad, jax.vjp) the layer is the step-by-step schedule,
+        forward and backward, with the residuals JAX keeps (the overlapped
+        forward would need the steps' forward again in the backward pass);
+        differentiated through jax.vmap, the overlapped forward and the steps'
+        recomputed forward and backward.
 
     Returns:
       [T_shard, H] in x's dtype: this rank's tokens' MLP output.
@@ -326,10 +335,15 @@ def moe_tp_mlp(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax.
     ids, gate = expert_ids.astype(jnp.int32), weights.astype(jnp.float32)
     if _overlaps(overlap, x, ids, w1, axis_name, grouped_gemm):
         try:
-            up = () if w_up is None else (w_up,)
-            return _OVERLAPPED(x, ids, gate, w1, w2, *up, axis_name=axis_name,
-                               activation=activation,
-                               grouped_gemm=grouped_gemm).astype(x.dtype)
+            if any(isinstance(a, _BatchTracer) for a in (x, ids, gate, w1, w2, w_up)):
+                # custom_jvp's rule batched: the steps' custom VJPs inside it fail.
+                up = () if w_up is None else (w_up,)
+                out = _OVERLAPPED(x, ids, gate, w1, w2, *up, axis_name=axis_name,
+                                  activation=activation, grouped_gemm=grouped_gemm)
+            else:
+                out = _overlapped_or_steps(x, ids, gate, w1, w2, w_up, axis_name, activation,
+                                           grouped_gemm)
+            return out.astype(x.dtype)
         except HeapExhaustedError:
             if overlap:
                 raise
@@ -392,9 +406,10 @@ def _overlapped_forward(x, ids, gate, w1, w2, *w_up, axis_name, activation, grou
 
 def _overlapped_backward(residuals, ct, *, axis_name, activation, grouped_gemm):
     """The step-by-step schedule's gradients, its forward recomputed: the residuals
-    are the inputs only, as under jax.checkpoint. (Keeping the forward's VJP as the
-    residual would skip that second forward, but a VJP's structure differs between
-    the unbatched and batched traces of ``one_call_per_element``: vmap refuses it.)"""
+    are the inputs only, as under jax.checkpoint. Only under jax.vmap (see
+    ``_overlapped_or_steps``). (Keeping the forward's VJP as the residual would
+    skip that second forward, but a VJP's structure differs between the unbatched
+    and batched traces of ``one_call_per_element``: vmap refuses it.)"""
     x, ids, gate, w1, w2, *w_up = residuals
 
     def steps(x, gate, w1, w2, *w_up):
@@ -409,6 +424,32 @@ def _overlapped_backward(residuals, ct, *, axis_name, activation, grouped_gemm):
 # orders its calls among the others' and gives it autodiff, remat and vmap.
 _OVERLAPPED = DistributedOp("moe_tp_mlp", forward=_overlapped_forward,
                             backward=_overlapped_backward)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(6, 7, 8))
+def _overlapped_or_steps(x, ids, gate, w1, w2, w_up, axis_name, activation, grouped_gemm):
+    """The overlapped kernels where no derivative is taken; differentiated, the
+    step-by-step schedule's (its JVP, which JAX linearizes and transposes, keeping
+    the residuals it needs): one forward pass in training, where the overlapped
+    forward plus a backward recomputing the steps' forward took two."""
+    up = () if w_up is None else (w_up,)
+    return _OVERLAPPED(x, ids, gate, w1, w2, *up, axis_name=axis_name,
+                       activation=activation, grouped_gemm=grouped_gemm)
+
+
+@_overlapped_or_steps.defjvp
+def _overlapped_or_steps_jvp(axis_name, activation, grouped_gemm, primals, tangents):
+    x, ids, gate, w1, w2, w_up = primals
+    dx, _, dgate, dw1, dw2, dw_up = tangents
+    up, d_up = ((), ()) if w_up is None else ((w_up,), (dw_up,))
+    # Differentiated again only by second-order autodiff: a TypeError naming the op.
+    x, gate, w1, w2, *up = first_order_only("moe_tp_mlp", x, gate, w1, w2, *up)
+
+    def steps(x, gate, w1, w2, *up):
+        return _steps(x, ids, gate, w1, w2, up[0] if up else None, activation, axis_name,
+                      grouped_gemm)
+
+    return jax.jvp(steps, (x, gate, w1, w2, *up), (dx, dgate, dw1, dw2, *d_up))
 
 
 # -- pjit-style ---------------------------------------------------------------------
