@@ -8,12 +8,14 @@ unordered, and on CPU (whose runtime runs independent work concurrently) devices
 ran them in different orders: wrong values and timed-out waits.
 
 Lowering sees every call. The equations of one block (a shard_map body, with the
-bodies of checkpoint, custom_vjp and custom_vmap lowered in place) lower in one
-order, the same on every device, so each prologue also takes the result of the
-block's previous call as an operand (its handler ignores operands past its own).
-A call in a nested region (a loop body, a branch) counts, for the blocks around
-it, as the op holding that region; a function holding calls (a nested
-``jax.jit``, ``lax.map``'s body), as the call of it.
+bodies of checkpoint, custom_vjp, custom_vmap and, inside a shard_map, nested
+jits and ``lax.map`` bodies lowered in place) lower in one order, the same on
+every device, so each prologue also takes the result of the block's previous
+call as an operand (its handler ignores operands past its own). A call in a
+nested region (a loop body, a branch) counts, for the blocks around it, as the op
+holding that region; the region's first call takes the call before that op (a
+value from around the region, which XLA passes in). Outside a shard_map, a
+function holding calls counts as the call of it.
 
 Example (what a prologue's lowering does)::
 
@@ -35,12 +37,16 @@ from jaxlib.mlir import ir
 
 __all__ = ["after_previous_call", "call_done", "record_call", "register_per_site"]
 
-_CALLS_KEY = object()  # the module's {block: [(a result of its last call, its aval)]}
+_CALLS_KEY = object()  # the module's {block: [[(a result of a call, its aval)], ...]}
 
 
 def _block_calls(module_context) -> dict:
     # ModuleContext has slots; its per-module dict of cached lowerings carries ours.
     return module_context.cached_primitive_lowerings.setdefault(_CALLS_KEY, {})
+
+
+def _operation(op) -> ir.Operation:
+    return getattr(op, "operation", op)
 
 
 def _tensor_type(type_) -> ir.RankedTensorType | None:
@@ -64,8 +70,8 @@ def record_call(module_context, outs: Sequence, avals: Sequence, *, every: bool 
         return
     calls = _block_calls(module_context)
     block = ir.InsertionPoint.current.block
-    calls[block] = values if every else [min(
-        values, key=lambda va: _elements(va[1].shape) * jnp.dtype(va[1].dtype).itemsize)]
+    calls.setdefault(block, []).append(values if every else [min(
+        values, key=lambda va: _elements(va[1].shape) * jnp.dtype(va[1].dtype).itemsize)])
     while True:  # out through the ops holding the region, up to the function
         holder = block.owner
         # All of them: XLA folds the ones it can (a loop's counter after the loop),
@@ -77,13 +83,29 @@ def record_call(module_context, outs: Sequence, avals: Sequence, *, every: bool 
         if not results:
             return
         block = holder.operation.block
-        calls[block] = results
+        calls.setdefault(block, []).append(results)
+
+
+# Regions whose ops may use values defined around them (XLA passes those in).
+_OPEN_REGIONS = ("stablehlo.while", "stablehlo.case", "stablehlo.if")
 
 
 def after_previous_call(ctx, operands: Sequence):
     """``(ctx, operands)`` with the results of the block's previous call appended
-    (a prologue's lowering)."""
-    previous = _block_calls(ctx.module_context).get(ir.InsertionPoint.current.block, ())
+    (a prologue's lowering); in a loop body or branch with none yet, those of the
+    call before the op holding it."""
+    calls = _block_calls(ctx.module_context)
+    block = ir.InsertionPoint.current.block
+    entries = calls.get(block, [])
+    while not entries and block.owner is not None and \
+            block.owner.operation.name in _OPEN_REGIONS:
+        holder = block.owner.operation
+        block = holder.block
+        # Not the holder's own results (recorded from a sibling branch): they do
+        # not exist inside it.
+        entries = [e for e in calls.get(block, [])
+                   if all(_operation(v.owner) != holder for v, _ in e)]
+    previous = entries[-1] if entries else ()
     return (ctx.replace(avals_in=(*ctx.avals_in, *(a for _, a in previous))),
             (*operands, *(v for v, _ in previous)))
 
@@ -129,12 +151,13 @@ def _holds_calls(jaxpr) -> bool:
                for eqn in jaxpr.eqns)
 
 
-def _order_after_function_calls() -> None:
-    """A call of a function holding calls (a nested jit, lax.map's body) counts as a
-    call for the block that calls it: the function's body is out of
-    ``record_call``'s walk."""
+def _order_function_calls() -> None:
+    """A function holding calls (a nested jit, lax.map's body), called inside a
+    shard_map, is lowered in place, its calls in the caller's block and ordered both
+    ways (XLA inlines it anyway: within a shard_map every axis is manual, so its
+    shardings say nothing). Elsewhere, its call counts as a call for the block
+    that calls it, ordered before the calls after it."""
     try:
-        from jax._src import core
         from jax._src.interpreters import mlir as mlir_internal
         from jax.extend.core import primitives
     except ImportError:  # pragma: no cover - other jax
@@ -146,12 +169,24 @@ def _order_after_function_calls() -> None:
             continue
 
         def rule(ctx, *args, _original=entry.rule, **params):
+            body = params.get("jaxpr", params.get("call_jaxpr"))
+            jaxpr, consts = (body.jaxpr, body.consts) if hasattr(body, "consts") else (body, ())
+            if jaxpr is None or not _holds_calls(jaxpr):
+                return _original(ctx, *args, **params)
+            manual = getattr(ctx.module_context.axis_context, "manual_axes", ())
+            if manual and len(consts) == len(jaxpr.constvars):
+                consts = [mlir_internal.ir_constant(np.asarray(c)) for c in consts]
+                outs, tokens = mlir_internal.jaxpr_subcomp(
+                    ctx.module_context, jaxpr, ctx.name_stack, ctx.tokens_in, consts, *args,
+                    dim_var_values=ctx.dim_var_values, const_lowering=ctx.const_lowering,
+                    outer_traceback=ctx.traceback)
+                ctx.set_tokens_out(tokens)
+                return list(outs)
             outs = _original(ctx, *args, **params)
-            if any(_holds_calls(j) for j in core.jaxprs_in_params(params)):
-                # One value per output, as a 1-tuple.
-                record_call(ctx.module_context, [
-                    o[0] if isinstance(o, (tuple, list)) and len(o) == 1 else o
-                    for o in outs], ctx.avals_out, every=True)
+            # One value per output, as a 1-tuple.
+            record_call(ctx.module_context, [
+                o[0] if isinstance(o, (tuple, list)) and len(o) == 1 else o
+                for o in outs], ctx.avals_out, every=True)
             return outs
 
         rule._jaxtdist_ordered = True
@@ -160,7 +195,7 @@ def _order_after_function_calls() -> None:
 
 
 _lower_bodies_in_place()
-_order_after_function_calls()
+_order_function_calls()
 
 # Kernels launched by another library's custom call (jax-triton): their outputs go
 # through this identity, whose lowering records them.
