@@ -113,7 +113,6 @@ def bench_moe_tp(shapes, iterations: int, world: int, rounds: int = 4,
             xla_grads = [np.asarray(g, np.float32) for g in trains["xla_train"](*targs)]
             contenders.update({name: h.Contender(fn, targs, world, xla_grads)
                                for name, fn in trains.items()})
-            row["train_flops"] = 3 * flops
         row.update(h.interleaved(contenders, iterations, rounds))
         rows.append(row)
         print(f"moe_tp T={t} H={hidden} F={ffn} E={e} K={k} world={world}: " + " | ".join(

@@ -41,14 +41,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.extend import core as jex_core
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import ad
 from jax.sharding import PartitionSpec as P
 
 from jaxtdist.ops._config import config_dict
 from jaxtdist.ops._protocol import (check_axis, mark_varying, order_record, order_token,
                                     program_order_deps, record_output, varying_axes)
 from jaxtdist.runtime._ffi import no_derivative
+from jaxtdist.runtime._identity import identity_primitive
 from jaxtdist.runtime._runtime import runtime
 
 
@@ -60,6 +60,12 @@ try:  # nor names vmap's tracer
     from jax._src.interpreters.batching import BatchTracer as _BatchTracer
 except ImportError:  # pragma: no cover
     _BatchTracer = ()
+
+def under_vmap(*values) -> bool:
+    """Whether any of ``values`` is being batched by jax.vmap (at the innermost
+    transformation: inside grad(vmap(f)) too)."""
+    return any(isinstance(v, _BatchTracer) for v in values)
+
 
 # -- run once under jax.checkpoint ------------------------------------------------------
 #
@@ -75,20 +81,7 @@ except ImportError:  # pragma: no cover
 # with this identity, whose remat rule does what JAX does for side effects: the call
 # runs once, in the forward pass, and what the backward needs of it is saved.
 
-def _identity_primitive(name: str) -> jex_core.Primitive:
-    """A primitive returning its operands unchanged, under jit and vmap (its params,
-    if any, only label it); the caller gives it its autodiff and remat rules."""
-    prim = jex_core.Primitive(name)
-    prim.multiple_results = True
-    prim.def_impl(lambda *xs, **params: list(xs))
-    prim.def_abstract_eval(lambda *avals, **params: list(avals))
-    mlir.register_lowering(prim, lambda ctx, *xs, **params: list(xs))
-    batching.primitive_batchers[prim] = lambda args, dims, **params: (
-        prim.bind(*args, **params), dims)
-    return prim
-
-
-_run_once_p = _identity_primitive("jaxtdist_run_once")
+_run_once_p = identity_primitive("jaxtdist_run_once")
 # An identity to differentiation too: tangents pass through unchanged (differentiating
 # the jaxtdist calls that made the values raises their own TypeError, naming them).
 ad.primitive_jvps[_run_once_p] = lambda primals, tangents: (_run_once_p.bind(*primals),
@@ -115,7 +108,7 @@ if _pe is not None and hasattr(_pe, "partial_eval_jaxpr_custom_rules"):
 # derivative is a TypeError naming the op. The forward rules of a custom VJP are
 # differentiated only by second-order autodiff (grad of grad), where a composed op
 # (moe_tp_mlp) would otherwise fail inside JAX with an error naming no op.
-_first_order_p = _identity_primitive("jaxtdist_first_order_only")
+_first_order_p = identity_primitive("jaxtdist_first_order_only")
 
 
 def _first_order_jvp(primals, tangents, *, op):
@@ -361,7 +354,7 @@ class DistributedOp:
             # it) and after the next op's backward (the cotangent of this call's
             # order token). (Not under jax.vmap: one_call_per_element's bodies cannot
             # close over a batched value.)
-            ordered = not isinstance(done, _BatchTracer) and not isinstance(ct_token, _BatchTracer)
+            ordered = not under_vmap(done, ct_token)
             if ordered:
                 record_output(runtime(), done, token=ct_token)
             cts = op.backward(residuals, ct, **_static(frozen))
@@ -485,7 +478,7 @@ def one_call_per_element(fn: Callable) -> Callable:
 
         out, last = batched_fn(*deps, *args)
         # (Not a batched value: later bodies would close over it, which they cannot.)
-        if last is not None and not any(isinstance(v, _BatchTracer) for v in last):
+        if last is not None and not under_vmap(*last):
             record_output(runtime(), last[0], token=last[1])
         return out
 

@@ -264,8 +264,8 @@ class Call:
         # barrier alone does not survive to XLA's scheduling (on CPU, devices then
         # ran independent prologues in different orders, and calls exchanged data
         # under mismatched epochs). Operands cost nothing: the handler ignores them.
-        # Lowering adds one more: the previous call of the block, wherever it was
-        # traced (``runtime._ffi``, "one order for the calls of a block").
+        # Lowering adds one more: the previous call of the lowered program, wherever
+        # it was traced (``runtime._call_order``).
         deps = [d for d in tuple(deps) + program_order_deps(rt)
                 if isinstance(d, jax.Array) or hasattr(d, "aval")]
         args = [position] + ([stage] if stage is not None else []) + deps

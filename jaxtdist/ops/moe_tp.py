@@ -27,18 +27,14 @@ from jax.sharding import PartitionSpec as P
 from jaxtdist._errors import HeapExhaustedError
 from jaxtdist.ops._expert_order import expert_order
 from jaxtdist.ops._moe_tp_overlap import overlapped_forward
-from jaxtdist.ops._op import DistributedOp, first_order_only, pjit_wrapper, rows_over, run_once
+from jaxtdist.ops._op import (DistributedOp, first_order_only, pjit_wrapper, rows_over, run_once,
+                              under_vmap)
 from jaxtdist.ops._protocol import check_axis, check_inside_shard_map
 from jaxtdist.ops._shapes import check_dtype, static_bool
 from jaxtdist.ops.all_gather import all_gather
 from jaxtdist.ops.grouped_matmul import MAX_GROUPS, grouped_matmul
 from jaxtdist.ops.reduce_scatter import reduce_scatter
 from jaxtdist.runtime._runtime import runtime
-
-try:  # jax.vmap's tracer (jax 0.10, 0.11)
-    from jax._src.interpreters.batching import BatchTracer as _BatchTracer
-except ImportError:  # pragma: no cover
-    _BatchTracer = ()
 
 __all__ = ["moe_tp_mlp", "moe_tp_mlp_sharded"]
 
@@ -335,7 +331,7 @@ def moe_tp_mlp(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax.
     ids, gate = expert_ids.astype(jnp.int32), weights.astype(jnp.float32)
     if _overlaps(overlap, x, ids, w1, axis_name, grouped_gemm):
         try:
-            if any(isinstance(a, _BatchTracer) for a in (x, ids, gate, w1, w2, w_up)):
+            if under_vmap(x, ids, gate, w1, w2, w_up):
                 # custom_jvp's rule batched: the steps' custom VJPs inside it fail.
                 up = () if w_up is None else (w_up,)
                 out = _OVERLAPPED(x, ids, gate, w1, w2, *up, axis_name=axis_name,

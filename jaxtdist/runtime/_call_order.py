@@ -32,12 +32,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import ad, mlir
 from jaxlib.mlir import ir
+
+from jaxtdist.runtime._identity import identity_primitive
 
 __all__ = ["after_previous_call", "call_done", "record_call", "register_per_site"]
 
 _CALLS_KEY = object()  # the module's {block: [[(a result of a call, its aval)], ...]}
+
+
+_HOLDS_KEY = object()  # the module's {id(jaxpr): (jaxpr, whether it holds a call)}
 
 
 def _block_calls(module_context) -> dict:
@@ -144,11 +149,16 @@ def _lower_bodies_in_place() -> None:
             uncached.add(getattr(module, name))
 
 
-def _holds_calls(jaxpr) -> bool:
+def _holds_calls(jaxpr, seen: dict) -> bool:
+    """Whether ``jaxpr`` (or one nested in it) holds a jaxtdist call; ``seen``: the
+    module's answers so far (nested functions are asked about once)."""
     from jax._src import core
-    return any(eqn.primitive in _CALL_PRIMITIVES
-               or any(_holds_calls(j) for j in core.jaxprs_in_params(eqn.params))
-               for eqn in jaxpr.eqns)
+    if id(jaxpr) not in seen:
+        seen[id(jaxpr)] = (jaxpr, any(
+            eqn.primitive in _CALL_PRIMITIVES
+            or any(_holds_calls(j, seen) for j in core.jaxprs_in_params(eqn.params))
+            for eqn in jaxpr.eqns))
+    return seen[id(jaxpr)][1]
 
 
 def _order_function_calls() -> None:
@@ -171,7 +181,8 @@ def _order_function_calls() -> None:
         def rule(ctx, *args, _original=entry.rule, **params):
             body = params.get("jaxpr", params.get("call_jaxpr"))
             jaxpr, consts = (body.jaxpr, body.consts) if hasattr(body, "consts") else (body, ())
-            if jaxpr is None or not _holds_calls(jaxpr):
+            seen = ctx.module_context.cached_primitive_lowerings.setdefault(_HOLDS_KEY, {})
+            if jaxpr is None or not _holds_calls(jaxpr, seen):
                 return _original(ctx, *args, **params)
             manual = getattr(ctx.module_context.axis_context, "manual_axes", ())
             if manual and len(consts) == len(jaxpr.constvars):
@@ -199,13 +210,9 @@ _order_function_calls()
 
 # Kernels launched by another library's custom call (jax-triton): their outputs go
 # through this identity, whose lowering records them.
-_call_done_p = jex_core.Primitive("jaxtdist_call_done")
-_call_done_p.multiple_results = True
-_call_done_p.def_impl(lambda *xs: list(xs))
-_call_done_p.def_abstract_eval(lambda *avals: list(avals))
+_call_done_p = identity_primitive("jaxtdist_call_done")
 ad.primitive_jvps[_call_done_p] = lambda primals, tangents: (_call_done_p.bind(*primals),
                                                              list(tangents))
-batching.primitive_batchers[_call_done_p] = lambda args, dims: (_call_done_p.bind(*args), dims)
 
 
 def _call_done_lowering(ctx, *values):
