@@ -190,7 +190,7 @@ def _attention_and_moe(problem) -> dict:
         KLP=next_pow2(kl), BLOCK_H=cfg.BLOCK_H, SPLIT=0, TRACE=False, ROUTE=True,
         ROUTE_OFF=1 << 26, KP=next_pow2(k), EPG=next_pow2(e),
         BT=_route_tokens_per_step(-(-t // programs), k, e), BS=_route_scan_tokens(t, k),
-        ZERO_TAIL=True),
+        ZERO_TAIL=True, CT=1, NCH=1),
         dict(num_warps=cfg.num_warps, num_stages=1))
     out["moe_combine"] = (dict(
         T=t, F=h, K=k, KL=kl, W=WORLD, P=programs, TP=-(-t // programs), E_LOC=e_loc,

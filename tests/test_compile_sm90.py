@@ -435,7 +435,7 @@ def _moe_block(h: int, itemsize: int) -> int:
                                                           4: "float32"}[itemsize], 132)).BLOCK_H
 
 
-def _compile_dispatch(dtype, t, h, k, e_loc, world, programs, block, **options):
+def _compile_dispatch(dtype, t, h, k, e_loc, world, programs, block, chunk=0, **options):
     from jaxtdist.kernels.moe import moe_dispatch_kernel
     from jaxtdist.ops._shapes import next_pow2
     from jaxtdist.ops.moe import _route_scan_tokens, _route_tokens_per_step
@@ -443,6 +443,8 @@ def _compile_dispatch(dtype, t, h, k, e_loc, world, programs, block, **options):
     kl = min(k, e_loc)
     meta_words = 1 + 4 * kl
     tp = -(-t // programs)
+    chunk = min(chunk or tp, tp)
+    chunks = -(-tp // chunk)
     return _compile(moe_dispatch_kernel,
                     {"ctx": i32, "x_ptr": f"*{dtype}", "slot_ptr": i32, "meta_ptr": i32,
                      "dcounts_ptr": i32, "bounds_ptr": i32, "ids_ptr": i32,
@@ -452,7 +454,8 @@ def _compile_dispatch(dtype, t, h, k, e_loc, world, programs, block, **options):
                     dict(T=t, H=h, K=k, E_LOC=e_loc, KL=kl, R=world * t * kl, W=world,
                          P=programs, TP=tp, FLAGS_OFF=0, HDR_OFF=4096, META_OFF=1 << 16,
                          ROWS_OFF=1 << 20, PARITY_BYTES=1 << 24,
-                         HDR_WORDS=e_loc + 2 * programs + 1, META_WORDS=meta_words,
+                         HDR_WORDS=e_loc + programs * (chunks + 1) + 1, META_WORDS=meta_words,
+                         CT=chunk, NCH=chunks,
                          SCALED=False, WP=next_pow2(world), EP=next_pow2(e_loc),
                          MP=next_pow2(meta_words), KLP=next_pow2(kl), BLOCK_H=block,
                          ROUTE_OFF=1 << 26, KP=next_pow2(k), EPG=next_pow2(world * e_loc),
@@ -470,6 +473,20 @@ def test_moe_fused_routing_compiles(t, world):
                           _moe_block(7168, 2), SPLIT=0, TRACE=False, ROUTE=True)
     assert d.metadata.shared <= 227 * 1024
     assert "bar.sync" in d.asm["ptx"] or "barrier.sync" in d.asm["ptx"]
+
+
+@pytest.mark.parametrize("zero_tail", [True, False])
+def test_moe_chunked_dispatch_compiles(zero_tail):
+    """The bulk dispatch (4096 tokens per rank, 32 per program, chunks of 4: each
+    chunk's pushes, flags and layout pipelined) compiles for sm_90 with 16-byte row
+    copies, system-scope flags and no spills."""
+    d = _compile_dispatch("bf16", 4096, 7168, 8, 64, 4, 128, _moe_block(7168, 2), chunk=4,
+                          SPLIT=0, TRACE=True, ROUTE=False, ZERO_TAIL=zero_tail)
+    ops = _ops(d)
+    assert not {op: n for op, n in ops.items() if op.endswith((".b16", ".b8"))}, dict(ops)
+    ptx = d.asm["ptx"]
+    assert ("ld.global.sys.acquire" in ptx or "ld.acquire.sys" in ptx) and "release" in ptx
+    assert _stack_bytes(d) == 0
 
 
 @pytest.mark.parametrize("dtype,dots,send_rows", [("bf16", False, True), ("fp32", False, True),

@@ -157,6 +157,17 @@ def test_moe_combine_send_ways(send):
               config=dict(COMBINE_SEND=send, BLOCK_H=block_h))
 
 
+@pytest.mark.parametrize("world,chunk,zero,rows", [(2, 1, True, None), (4, 2, False, None),
+                                                   (4, 3, True, 9), (2, 2, True, 5)])
+def test_moe_dispatch_in_chunks(world, chunk, zero, rows):
+    """Dispatch programs that push, flag and lay out their tokens chunk by chunk
+    (config CHUNK_TOKENS; 7 tokens per rank over 2 programs: up to 4 chunks, the
+    last one short), rows dropped past max_recv_rows, zeroed and not, over three
+    calls (both parities)."""
+    _run_case(world, 7, 16, 8, 2, 2 * world, F32, rows=rows, calls=3, zero_unused_rows=zero,
+              config=dict(CHUNK_TOKENS=chunk))
+
+
 @pytest.mark.parametrize("world,rows", [(2, 3), (4, 5)])
 def test_moe_max_recv_rows_drops_and_counts(world, rows):
     """A recv_x smaller than needed: the rows past it are dropped (counted), the
@@ -345,6 +356,8 @@ def test_moe_errors():
     assert call(x, ids, num_experts=4, zero_unused_rows=np.bool_(True)).shape == (2 * 16, 4)
     with pytest.raises(ValueError, match="COMBINE_SEND='row'; allowed: 'rows', 'blocks'"):
         call(x, ids, num_experts=4, config=dict(COMBINE_SEND="row"))
+    with pytest.raises(ValueError, match="CHUNK_TOKENS=-1 must be an int >= 0"):
+        call(x, ids, num_experts=4, config=dict(CHUNK_TOKENS=-1))
     with pytest.raises(ValueError, match="y must be"):
         jax.jit(jax.shard_map(
             lambda x, ids: td.moe_combine(x, td.moe_dispatch(x, ids, "tp", num_experts=4)[2],
@@ -462,4 +475,8 @@ def test_gpu_default_routing_follows_the_token_count(tokens, routing_at):
     gpu = MoeConfig.default(Problem("gpu", 4, (tokens, 7168), "bfloat16", sms=132))
     assert gpu.ROUTING == routing_at
     assert gpu.NUM_PROGRAMS == min(132, tokens)
+    # Chunked pushes where a program has more than 4 tokens (bulk), about 8 chunks of
+    # at least 2 tokens; else one chunk.
+    assert gpu.CHUNK_TOKENS == {1: 0, 128: 0, 256: 0, 257: 0, 4096: 4}[tokens]
+    assert MoeConfig.default(Problem("gpu", 4, (1024, 7168), "bfloat16", sms=132)).CHUNK_TOKENS == 2
     assert MoeConfig.default(Problem("cpu", 4, (tokens, 7168), "bfloat16")).ROUTING == "xla"

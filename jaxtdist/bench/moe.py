@@ -273,8 +273,9 @@ def ep_heap_bytes(shapes, world: int, itemsize: int = 2) -> int:
     need = 0
     for t, hidden, k, e in shapes:
         programs = min(t, 256)  # at most one per SM; a bound, the flags are small
+        chunks = t  # a bound too (chunks of one token)
         need += DispatchWorkspace(world, t, hidden, itemsize, e // world,
-                                  min(k, e // world), programs).nbytes
+                                  min(k, e // world), programs, chunks).nbytes
         need += CombineWorkspace(world, t, k, hidden, itemsize, programs).nbytes
     return max(HEAP_BYTES, int(need * 1.25) + (64 << 20))
 

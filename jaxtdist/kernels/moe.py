@@ -7,27 +7,32 @@ computed on the device by the op (``ops/moe.py``) before the kernel; counts
 are data, so one compiled kernel serves every routing.
 
 Dispatch (``moe_dispatch_kernel``), program p of rank ``me`` owns tokens
-``[p * TP, (p + 1) * TP)``:
+``[p * TP, (p + 1) * TP)``, in NCH chunks of CT tokens:
 
-1. Push: each token row is loaded once and stored once per destination rank
-   (not once per expert) into that rank's heap inbox, slot ``slot[t, d]`` of
-   the source region ``me``, with its meta row (token index, and per local
-   expert: local expert id, position within (source, expert), k, scale).
-   Then the header (rows per local expert, this program's slot range) to every
-   rank, and last the flags ``FLAGS[me, p]`` in every rank's heap, set to the
-   epoch, behind one fence (``dl.notify_peers``). Every program notifies every
-   rank in every call, empty or not.
-2. Receive: wait for ``FLAGS[s, p] >= e`` of every source s (the same program
-   id on every rank: no wait targets a program of this rank, so the grid
-   completes in any order; under the interpreter programs run one by one).
-   The headers give the count matrix cnt[s, j]; recv_x is expert-major, and
-   within an expert source-major, then in token order: row (s, t, j) lands at
-   ``sum_{j' < j} tot[j'] + sum_{s' < s} cnt[s', j] + pos``. Rows at R or
+1. Push: first the header to every rank (rows per local expert, this
+   program's first slot, the slot total); then each chunk's token rows, each
+   loaded once and stored once per destination rank (not once per expert) into
+   that rank's heap inbox, slot ``slot[t, d]`` of the source region ``me``,
+   with its meta row (token index, and per local expert: local expert id,
+   position within (source, expert), k, scale), and the chunk's end slot into
+   the header; then the flag ``FLAGS[me, p, c]`` in every rank's heap, set to
+   the epoch, behind one fence (``dl.notify_peers``). Every program notifies
+   every rank for every chunk in every call, empty or not.
+2. Receive: chunk c of every source s once ``FLAGS[s, p, c] >= e`` (the same
+   program id on every rank: no wait targets a program of this rank, so the
+   grid completes in any order; under the interpreter programs run one by
+   one). The headers give the count matrix cnt[s, j]; recv_x is expert-major,
+   and within an expert source-major, then in token order: row (s, t, j) lands
+   at ``sum_{j' < j} tot[j'] + sum_{s' < s} cnt[s', j] + pos``. Rows at R or
    beyond are dropped (never written). Program p lays out the rows that
    program p of each source pushed, one load per row chunk and one store per
-   local expert; it also zeroes its share of the unused rows of recv_x (unless
-   ZERO_TAIL is off) and records, per inbox row and local expert, where the row
-   went (for combine).
+   local expert, and records, per inbox row and local expert, where the row
+   went (for combine); it also zeroes its share of the unused rows of recv_x
+   (unless ZERO_TAIL is off).
+
+With several chunks (bulk sizes) the steps are pipelined: chunk c is pushed,
+then chunk c - 1 laid out and a piece of the unused rows zeroed while chunk c's
+remote stores drain, then chunk c flagged: local copies overlap the link.
 
 Combine (``moe_combine_kernel``) is the reverse, by the same program split.
 Forward: program p of every rank first pushes its tokens' weights into every
@@ -53,8 +58,9 @@ grow: nothing is reset.
 The headers sit in the parity region too, for the same reason.
 
 Workspace layout (byte offsets, ``ops/moe.DispatchWorkspace`` /
-``CombineWorkspace``): FLAGS [W, P] int32, then per parity: dispatch's
-headers [W, HDR_WORDS] int32, meta [W, T, META_WORDS] int32 and rows
+``CombineWorkspace``): dispatch's FLAGS [W, P, NCH] (combine's [W, P]) int32,
+then per parity: dispatch's headers [W, HDR_WORDS] int32 (E_LOC counts, per
+program its NCH + 1 chunk bounds, the total), meta [W, T, META_WORDS] int32 and rows
 [W, T, H]; combine's (after WFLAGS [W, P]) inbox of [W, T] or [T * K] rows of
 F and weight box [W, T, K] float32.
 """
@@ -119,6 +125,119 @@ def _scatter_chunk(recv_ptr, tail_ptr, v, cols, hm, dsts, keeps, scales, offs_kl
 
 
 @triton.jit
+def _push_tokens(ctx, x_ptr, slot_ptr, meta_ptr, rows, meta, me, t0, t1, run, offs_w, wm,
+                 offs_m, mm, offs_h, T: tl.constexpr, W: tl.constexpr, H: tl.constexpr,
+                 META_WORDS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Pushes tokens [t0, t1), each row once per destination rank (slot ``slot[t,
+    d]`` of d's inbox region ``me``), then its meta rows; returns ``run`` [WP]
+    raised to one past each destination's last slot used (a token's slots grow
+    with its index, so a chunk of tokens is a range of slots at every rank)."""
+    for t in range(t0, t1):
+        slots = tl.load(slot_ptr + t * W + offs_w, mask=wm, other=-1)
+        metas = tl.load(meta_ptr + (t * W + offs_w[:, None]) * META_WORDS + offs_m[None, :],
+                        mask=mm, other=0)
+        for c in range(0, H, BLOCK_H):
+            hm = c + offs_h < H
+            v = tl.load(x_ptr + t * H + c + offs_h, mask=hm)
+            for step in range(0, W):
+                d = (me + step) % W
+                s = _pick(slots, offs_w, d)
+                if s >= 0:
+                    dst = rows + (me * T + s).to(tl.int64) * H + c + offs_h
+                    tl.store(dl.symm_at(ctx, dst, d), v, mask=hm)
+        for step in range(0, W):
+            d = (me + step) % W
+            s = _pick(slots, offs_w, d)
+            if s >= 0:
+                m = tl.sum(tl.where(offs_w[:, None] == d, metas, 0), axis=0)
+                dst = meta + (me * T + s) * META_WORDS + offs_m
+                tl.store(dl.symm_at(ctx, dst, d), m, mask=offs_m < META_WORDS)
+        run = tl.maximum(run, slots + 1)
+    return run
+
+
+@triton.jit
+def _store_bounds(ctx, at, run, me, offs_w, W: tl.constexpr):
+    """Each rank's entry of ``run`` (one past this program's last slot there so
+    far) into that rank's header word ``at``."""
+    for step in range(0, W):
+        d = (me + step) % W
+        tl.store(dl.symm_at(ctx, at, d), _pick(run, offs_w, d))
+
+
+@triton.jit
+def _wait_chunk(ctx, flags, c, me, e, pid, W: tl.constexpr, P: tl.constexpr,
+                NCH: tl.constexpr):
+    """Waits until every source's program pid has flagged its chunk c of call e;
+    returns the token of the last wait (``dl.consume_token``)."""
+    token = me * 0  # int32, the type dl.wait's token has (loop-carried)
+    for step in range(0, W):
+        src = (me + step) % W
+        token = dl.wait(ctx, flags + (src * P + pid) * NCH + c, e, "ge", src)
+    return token
+
+
+@triton.jit
+def _lay_out_chunk(hdr, meta, rows, recv_ptr, tail_ptr, spos_ptr, stk_ptr, base, c, pid,
+                   offs_w, offs_e, offs_h, offs_kl, kl_m, T: tl.constexpr, H: tl.constexpr,
+                   K: tl.constexpr, KL: tl.constexpr, R: tl.constexpr, W: tl.constexpr,
+                   P: tl.constexpr, NCH: tl.constexpr, HDR_WORDS: tl.constexpr,
+                   E_LOC: tl.constexpr, META_WORDS: tl.constexpr, BLOCK_H: tl.constexpr,
+                   SPLIT: tl.constexpr, SCALED: tl.constexpr):
+    """Copies the rows of chunk c of every source's program pid (the slots between
+    its header's bounds c and c + 1) from the inbox into recv at each of their local
+    experts' rows, and records where they went (``spos``, ``stk``). ``base`` [WP,
+    EP]: the first recv row of (source, local expert)."""
+    wm = offs_w < W
+    bounds = hdr + offs_w * HDR_WORDS + E_LOC + pid * (NCH + 1) + c
+    los = tl.load(bounds, mask=wm, other=0)
+    his = tl.load(bounds + 1, mask=wm, other=0)
+    for s in range(0, W):
+        base_s = tl.sum(tl.where(offs_w[:, None] == s, base, 0), axis=0)
+        for i in range(_pick(los, offs_w, s), _pick(his, offs_w, s)):
+            # The row's first chunk is loaded before the meta words (it does not
+            # depend on them), and the meta words as vectors: the row's copies
+            # then wait for one memory latency, not one per local expert.
+            row = rows + tl.cast(s * T + i, tl.int64) * H
+            v = tl.load(row + offs_h, mask=offs_h < H)
+            mrow = meta + (s * T + i) * META_WORDS
+            t = tl.load(mrow)
+            experts = tl.load(mrow + 1 + 4 * offs_kl, mask=kl_m, other=-1)
+            poss = tl.load(mrow + 2 + 4 * offs_kl, mask=kl_m, other=0)
+            ks = tl.load(mrow + 3 + 4 * offs_kl, mask=kl_m, other=0)
+            scales = tl.zeros(offs_kl.shape, tl.float32)
+            if SCALED:
+                scales = tl.load(mrow + 4 + 4 * offs_kl, mask=kl_m, other=0).to(
+                    tl.float32, bitcast=True)
+            # recv row of each local expert: its first row plus the position.
+            dsts = tl.sum(tl.where(offs_e[None, :] == experts[:, None], base_s[None, :], 0),
+                          axis=1) + poss
+            keeps = ((experts >= 0) & (dsts < R)).to(tl.int32)
+            out = (s * T + i) * KL + offs_kl
+            tl.store(spos_ptr + out, tl.where(keeps != 0, dsts, -1), mask=kl_m)
+            tl.store(stk_ptr + out, tl.where(experts >= 0, t * K + ks, -1), mask=kl_m)
+            _scatter_chunk(recv_ptr, tail_ptr, v, offs_h, offs_h < H, dsts, keeps, scales,
+                           offs_kl, KL, H, SPLIT, SCALED)
+            for c0 in range(BLOCK_H, H, BLOCK_H):
+                hm = c0 + offs_h < H
+                v = tl.load(row + c0 + offs_h, mask=hm)
+                _scatter_chunk(recv_ptr, tail_ptr, v, c0 + offs_h, hm, dsts, keeps, scales,
+                               offs_kl, KL, H, SPLIT, SCALED)
+
+
+@triton.jit
+def _zero_rows(recv_ptr, tail_ptr, first, i0, i1, offs_h, dtype: tl.constexpr,
+               H: tl.constexpr, P: tl.constexpr, SPLIT: tl.constexpr,
+               BLOCK_H: tl.constexpr):
+    """Zeroes rows ``first + i * P`` of recv (and tail) for i in [i0, i1)."""
+    for r in range(first + i0 * P, first + i1 * P, P):
+        for c in range(0, H, BLOCK_H):
+            hm = c + offs_h < H
+            _store_row(recv_ptr, tail_ptr, r, c + offs_h, tl.zeros((BLOCK_H,), dtype), hm, H,
+                       SPLIT)
+
+
+@triton.jit
 def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr, ids_ptr,
                         factor_ptr, recv_ptr, rcounts_ptr, spos_ptr, stk_ptr, sranges_ptr,
                         tail_ptr, trace_ptr, invalid_ptr,
@@ -134,7 +253,8 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
                         TRACE: tl.constexpr = False, ROUTE: tl.constexpr = False,
                         ROUTE_OFF: tl.constexpr = 0, KP: tl.constexpr = 1,
                         EPG: tl.constexpr = 1, BT: tl.constexpr = 1,
-                        BS: tl.constexpr = 1, ZERO_TAIL: tl.constexpr = True):
+                        BS: tl.constexpr = 1, ZERO_TAIL: tl.constexpr = True,
+                        CT: tl.constexpr = 1 << 30, NCH: tl.constexpr = 1):
     """Grid: (P,), at most one program per SM on GPUs (programs wait on peers').
 
     Inputs: x [T, H]; slot [T, W] int32 (slot of token t in rank d's inbox, -1:
@@ -158,7 +278,8 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
     the invalid pairs (program 0). KP, EPG: K and W * E_LOC rounded up to powers
     of 2; BT, BS: tokens per routing step (``route_program``).
     ZERO_TAIL: rows of recv (and tail) past the received ones are zeroed; else
-    they are left unwritten.
+    they are left unwritten. CT: tokens per chunk of a program (its pushes are
+    flagged chunk by chunk), NCH = ceil(TP / CT) chunks (default: one).
     """
     pid = tl.program_id(0)
     _stamp(trace_ptr, pid, 0, TRACE)
@@ -186,9 +307,10 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
         tl.debug_barrier()
         dcounts_ptr += pid * (W * E_LOC)
 
-    # 1. Push this program's tokens, each row once per destination rank. The
-    # token's slots and meta rows are loaded as blocks up front, beside the row:
-    # one memory latency for all of them, not one per destination.
+    # 1. Push this program's tokens, chunk by chunk (CT tokens each): each row once
+    # per destination rank. The token's slots and meta rows are loaded as blocks up
+    # front, beside the row: one memory latency for all of them, not one per
+    # destination.
     offs_w = tl.arange(0, WP)
     wm = offs_w < W
     mm = wm[:, None] & (offs_m[None, :] < META_WORDS)
@@ -199,113 +321,86 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
     if ROUTE:
         bounds = bounds_ptr + (pid * W + offs_w) * 3
         los = tl.load(bounds, mask=wm, other=0)
-        his = tl.load(bounds + 1, mask=wm, other=0)
         totals = tl.load(bounds + 2, mask=wm, other=0)
     else:
         bounds = bounds_ptr + offs_w * (P + 1)
         los = tl.load(bounds + pid, mask=wm, other=0)
-        his = tl.load(bounds + pid + 1, mask=wm, other=0)
         totals = tl.load(bounds + P, mask=wm, other=0)
     t_lo = pid * TP
     t_hi = tl.minimum(t_lo + TP, T)
-    for t in range(t_lo, t_hi):
-        slots = tl.load(slot_ptr + t * W + offs_w, mask=wm, other=-1)
-        metas = tl.load(meta_ptr + (t * W + offs_w[:, None]) * META_WORDS + offs_m[None, :],
-                        mask=mm, other=0)
-        for c in range(0, H, BLOCK_H):
-            hm = c + offs_h < H
-            v = tl.load(x_ptr + t * H + c + offs_h, mask=hm)
-            for step in range(0, W):
-                d = (me + step) % W
-                s = _pick(slots, offs_w, d)
-                if s >= 0:
-                    dst = rows + (me * T + s).to(tl.int64) * H + c + offs_h
-                    tl.store(dl.symm_at(ctx, dst, d), v, mask=hm)
-        for step in range(0, W):
-            d = (me + step) % W
-            s = _pick(slots, offs_w, d)
-            if s >= 0:
-                m = tl.sum(tl.where(offs_w[:, None] == d, metas, 0), axis=0)
-                dst = meta + (me * T + s) * META_WORDS + offs_m
-                tl.store(dl.symm_at(ctx, dst, d), m, mask=offs_m < META_WORDS)
-    _stamp(trace_ptr, pid, 1, TRACE)
+    # The header (before chunk 0's flag): counts per local expert, this program's
+    # first slot, the slot total (the same counts and total from every program: a
+    # receiver's program p reads only what program p of this rank wrote).
     h = hdr + me * HDR_WORDS
+    mine = h + E_LOC + pid * (NCH + 1)  # this program's chunk bounds: NCH + 1 slots
     for step in range(0, W):
         d = (me + step) % W
         cnt = tl.sum(tl.where(offs_w[:, None] == d, dcounts, 0), axis=0)
-        tl.store(dl.symm_at(ctx, h + offs_e, d), cnt, mask=em)  # same values from every program
-        tl.store(dl.symm_at(ctx, h + E_LOC + 2 * pid, d), _pick(los, offs_w, d))
-        tl.store(dl.symm_at(ctx, h + E_LOC + 2 * pid + 1, d), _pick(his, offs_w, d))
-        # The total too (from every program): a receiver's program p may read
-        # only what program p of this rank wrote (the flag it waited for).
-        tl.store(dl.symm_at(ctx, h + E_LOC + 2 * P, d), _pick(totals, offs_w, d))
+        tl.store(dl.symm_at(ctx, h + offs_e, d), cnt, mask=em)
+        tl.store(dl.symm_at(ctx, mine, d), _pick(los, offs_w, d))
+        tl.store(dl.symm_at(ctx, h + E_LOC + P * (NCH + 1), d), _pick(totals, offs_w, d))
+    run = _push_tokens(ctx, x_ptr, slot_ptr, meta_ptr, rows, meta, me, t_lo,
+                       tl.minimum(t_lo + CT, t_hi), los, offs_w, wm, offs_m, mm, offs_h,
+                       T, W, H, META_WORDS, BLOCK_H)
+    _store_bounds(ctx, mine + 1, run, me, offs_w, W)
+    _stamp(trace_ptr, pid, 1, TRACE)
     # Flags after every rank's stores, behind one fence: the relaxed flags go out
     # together (W releases went out one round trip to a peer apart).
-    dl.notify_peers(ctx, flags + me * P + pid, e, INCLUDE_SELF=True)  # rows, meta, header
-
+    my_flags = flags + (me * P + pid) * NCH
+    dl.notify_peers(ctx, my_flags, e, INCLUDE_SELF=True)  # rows, meta, header
     _stamp(trace_ptr, pid, 2, TRACE)
 
-    # 2. Receive: every source's program pid has pushed.
-    token = me * 0  # int32, the type dl.wait's token has (loop-carried)
-    for step in range(0, W):
-        src = (me + step) % W
-        token = dl.wait(ctx, flags + src * P + pid, e, "ge", src)
+    # 2. Receive: every source's program pid has pushed its chunk 0 and header.
+    token = _wait_chunk(ctx, flags, 0, me, e, pid, W, P, NCH)
     _stamp(trace_ptr, pid, 3, TRACE)
     # Every load below goes through pointers that depend on the wait (consume_token),
     # via a zero offset times 16 elements: they keep their known alignment.
     after = dl.consume_token((me * 0).to(tl.int64), token) * 16
-    hdr = hdr + after
-    meta = meta + after
-    rows = rows + after
-    ws = tl.arange(0, WP)[:, None]
+    ws = offs_w[:, None]
     js = offs_e[None, :]
-    cnt = tl.load(hdr + ws * HDR_WORDS + js, mask=(ws < W) & (js < E_LOC), other=0)
+    cnt = tl.load(hdr + after + ws * HDR_WORDS + js, mask=(ws < W) & (js < E_LOC), other=0)
     tot = tl.sum(cnt, axis=0)
     base = tl.cumsum(cnt, axis=0) - cnt + (tl.cumsum(tot, axis=0) - tot)[None, :]
     total = tl.sum(tot, axis=0)
     if pid == 0:
         tl.store(rcounts_ptr + ws * E_LOC + js, cnt, mask=(ws < W) & (js < E_LOC))
-    # Every source's slot range for this program and slot total, loaded together
-    # with the counts (one latency, not one per source).
+    # This program's share of the unused rows (ZERO_TAIL): rows first + i * P,
+    # i < n, zeroed a piece per chunk (behind the next chunk's pushes).
+    first = tl.minimum(total, R) + pid
+    n = tl.maximum(R - first + P - 1, 0) // P
+
+    # Chunk c's pushes go out before chunk c - 1 is laid out: the local copies run
+    # while the remote stores drain, and the fence before chunk c's flags finds
+    # them landed. One chunk (NCH = 1, the low-latency default): no loop.
+    for c in range(1, NCH):
+        t0 = t_lo + c * CT
+        run = _push_tokens(ctx, x_ptr, slot_ptr, meta_ptr, rows, meta, me, t0,
+                           tl.minimum(t0 + CT, t_hi), run, offs_w, wm, offs_m, mm, offs_h,
+                           T, W, H, META_WORDS, BLOCK_H)
+        _store_bounds(ctx, mine + c + 1, run, me, offs_w, W)
+        after = dl.consume_token((me * 0).to(tl.int64), token) * 16
+        _lay_out_chunk(hdr + after, meta + after, rows + after, recv_ptr, tail_ptr, spos_ptr,
+                       stk_ptr, base, c - 1, pid, offs_w, offs_e, offs_h, offs_kl, kl_m, T, H,
+                       K, KL, R, W, P, NCH, HDR_WORDS, E_LOC, META_WORDS, BLOCK_H, SPLIT,
+                       SCALED)
+        dl.notify_peers(ctx, my_flags + c, e, INCLUDE_SELF=True)
+        if ZERO_TAIL:
+            _zero_rows(recv_ptr, tail_ptr, first, (c - 1) * n // NCH, c * n // NCH, offs_h,
+                       recv_ptr.dtype.element_ty, H, P, SPLIT, BLOCK_H)
+        token = _wait_chunk(ctx, flags, c, me, e, pid, W, P, NCH)
+    after = dl.consume_token((me * 0).to(tl.int64), token) * 16
+    hdr = hdr + after
+    _lay_out_chunk(hdr, meta + after, rows + after, recv_ptr, tail_ptr, spos_ptr, stk_ptr,
+                   base, NCH - 1, pid, offs_w, offs_e, offs_h, offs_kl, kl_m, T, H, K, KL, R,
+                   W, P, NCH, HDR_WORDS, E_LOC, META_WORDS, BLOCK_H, SPLIT, SCALED)
+    # Every source's slot range for this program, and slot total.
     ranges = hdr + offs_w * HDR_WORDS + E_LOC
-    los = tl.load(ranges + 2 * pid, mask=wm, other=0)
-    his = tl.load(ranges + 2 * pid + 1, mask=wm, other=0)
-    used = tl.load(ranges + 2 * P, mask=wm, other=0)
-    tl.store(sranges_ptr + (offs_w * P + pid) * 2, los, mask=wm)
-    tl.store(sranges_ptr + (offs_w * P + pid) * 2 + 1, his, mask=wm)
+    lo_all = tl.load(ranges + pid * (NCH + 1), mask=wm, other=0)
+    hi_all = tl.load(ranges + pid * (NCH + 1) + NCH, mask=wm, other=0)
+    used = tl.load(ranges + P * (NCH + 1), mask=wm, other=0)
+    tl.store(sranges_ptr + (offs_w * P + pid) * 2, lo_all, mask=wm)
+    tl.store(sranges_ptr + (offs_w * P + pid) * 2 + 1, hi_all, mask=wm)
     for s in range(0, W):
-        base_s = tl.sum(tl.where(ws == s, base, 0), axis=0)
-        lo = _pick(los, offs_w, s)
-        hi = _pick(his, offs_w, s)
-        for i in range(lo, hi):
-            # The row's first chunk is loaded before the meta words (it does not
-            # depend on them), and the meta words as vectors: the row's copies
-            # then wait for one memory latency, not one per local expert.
-            row = rows + tl.cast(s * T + i, tl.int64) * H
-            v = tl.load(row + offs_h, mask=offs_h < H)
-            mrow = meta + (s * T + i) * META_WORDS
-            t = tl.load(mrow)
-            experts = tl.load(mrow + 1 + 4 * offs_kl, mask=kl_m, other=-1)
-            poss = tl.load(mrow + 2 + 4 * offs_kl, mask=kl_m, other=0)
-            ks = tl.load(mrow + 3 + 4 * offs_kl, mask=kl_m, other=0)
-            scales = tl.zeros((KLP,), tl.float32)
-            if SCALED:
-                scales = tl.load(mrow + 4 + 4 * offs_kl, mask=kl_m, other=0).to(
-                    tl.float32, bitcast=True)
-            # recv row of each local expert: its first row plus the position.
-            dsts = tl.sum(tl.where(offs_e[None, :] == experts[:, None], base_s[None, :], 0),
-                          axis=1) + poss
-            keeps = ((experts >= 0) & (dsts < R)).to(tl.int32)
-            out = (s * T + i) * KL + offs_kl
-            tl.store(spos_ptr + out, tl.where(keeps != 0, dsts, -1), mask=kl_m)
-            tl.store(stk_ptr + out, tl.where(experts >= 0, t * K + ks, -1), mask=kl_m)
-            _scatter_chunk(recv_ptr, tail_ptr, v, offs_h, offs_h < H, dsts, keeps, scales,
-                           offs_kl, KL, H, SPLIT, SCALED)
-            for c in range(BLOCK_H, H, BLOCK_H):
-                hm = c + offs_h < H
-                v = tl.load(row + c + offs_h, mask=hm)
-                _scatter_chunk(recv_ptr, tail_ptr, v, c + offs_h, hm, dsts, keeps, scales,
-                               offs_kl, KL, H, SPLIT, SCALED)
         # Slots nobody uses: their records say "nothing here" (outputs fully written).
         for i in range(_pick(used, offs_w, s) + pid, T, P):
             none = tl.full((KLP,), -1, tl.int32)
@@ -313,11 +408,8 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
             tl.store(stk_ptr + (s * T + i) * KL + offs_kl, none, mask=kl_m)
     _stamp(trace_ptr, pid, 4, TRACE)
     if ZERO_TAIL:  # rows past the received ones are zero (a fully written output)
-        for r in range(tl.minimum(total, R) + pid, R, P):
-            for c in range(0, H, BLOCK_H):
-                hm = c + offs_h < H
-                _store_row(recv_ptr, tail_ptr, r, c + offs_h,
-                           tl.zeros((BLOCK_H,), recv_ptr.dtype.element_ty), hm, H, SPLIT)
+        _zero_rows(recv_ptr, tail_ptr, first, (NCH - 1) * n // NCH, n, offs_h,
+                   recv_ptr.dtype.element_ty, H, P, SPLIT, BLOCK_H)
     _stamp(trace_ptr, pid, 5, TRACE)
 
 

@@ -55,6 +55,17 @@ _ROW_BYTES = 16 << 10  # bytes of a row per copy step on GPUs (32 registers per 
 _FUSED_ROUTING_MAX_TOKENS = 256
 
 
+def _chunk_tokens(per_program: int) -> int:
+    """The GPU default CHUNK_TOKENS for programs of ``per_program`` tokens: about 8
+    chunks of at least 2 tokens above 4 tokens per program, else one chunk (decode
+    sizes, where each chunk's fence and flags would add latency). Dispatch on 2 x
+    H200 (H 7168, top-8 of 256 experts; probe_defaults.py moe_chunks), us, one
+    chunk / chunks of 2 / 4 / 8 / 16 tokens: 4096 tokens per rank (32 per
+    program) 544.3 / 482.2 / 468.6 / 488.6 / 528.8; 1024 (8 per program) 146.6 /
+    135.7 / 144.3 / 147.4 / 146.7."""
+    return max(2, per_program // 8) if per_program > 4 else 0
+
+
 @dataclasses.dataclass(frozen=True)
 class MoeConfig(KernelConfig):
     """How the dispatch and combine kernels split the work.
@@ -77,6 +88,10 @@ class MoeConfig(KernelConfig):
         H 7168, E 256 the dispatch took 35.5 us with them against 50.6 us with
         "xla") or "xla" (a dozen small XLA fusions; the default under the
         interpreter). All three give the same words, bit for bit.
+      CHUNK_TOKENS: tokens per chunk of a dispatch program (0: all its tokens
+        in one chunk). Each chunk's rows are flagged on their own, and a program
+        lays out the previous chunk it received while its next chunk's remote
+        stores drain (bulk sizes: the local copies overlap the link).
       COMBINE_SEND: how the combine's forward weighs a token's rows on the
         experts' rank: "rows" (the default: only the valid pairs' rows, BLOCK_H
         columns of one row per load) or "blocks" (all min(K, E / W) pair slots
@@ -89,6 +104,7 @@ class MoeConfig(KernelConfig):
     BLOCK_H: int = 64
     num_warps: int = 4
     ROUTING: str = "fused"
+    CHUNK_TOKENS: int = 0
     COMBINE_SEND: str = "rows"
 
     @classmethod
@@ -97,21 +113,29 @@ class MoeConfig(KernelConfig):
         if problem.platform != "gpu":
             # The interpreter: few programs, small blocks, and the routing words from
             # XLA (the same words as the kernels', at a fraction of the interpreter's time).
-            return cls(NUM_PROGRAMS=min(2, t), BLOCK_H=min(64, next_pow2(h)), ROUTING="xla")
+            # Chunks of 2 tokens: the pipelined path runs wherever a program has more.
+            return cls(NUM_PROGRAMS=min(2, t), BLOCK_H=min(64, next_pow2(h)), ROUTING="xla",
+                       CHUNK_TOKENS=2)
         # Latency: one token per program up to one program per SM, and a whole row
         # (up to _ROW_BYTES) per copy step, so that every load of a row is in flight
         # at once. On 2 x H200 (128 tokens per rank, top-8, H 7168, E 256, bf16)
         # dispatch + combine took 85.4 us with 8192-element steps against 99.5 with
         # 2048 and 112.9 with 1024 (16 bytes per thread); 8 or 16 warps: no better.
-        return cls(NUM_PROGRAMS=max(1, min(problem.sms, t)),
+        programs = max(1, min(problem.sms, t))
+        return cls(NUM_PROGRAMS=programs,
                    BLOCK_H=min(_ROW_BYTES // problem.itemsize, next_pow2(h)),
-                   ROUTING="fused" if t <= _FUSED_ROUTING_MAX_TOKENS else "kernels")
+                   ROUTING="fused" if t <= _FUSED_ROUTING_MAX_TOKENS else "kernels",
+                   CHUNK_TOKENS=_chunk_tokens(-(-t // programs)))
 
     def validate(self, problem: Problem) -> None:
         for key in ("NUM_PROGRAMS", "BLOCK_H", "num_warps"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"jaxtdist.moe: config {key}={value!r} must be an int >= 1")
+        chunk = self.CHUNK_TOKENS
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+            raise ValueError(f"jaxtdist.moe: config CHUNK_TOKENS={chunk!r} must be an int >= 0 "
+                             "(0: one chunk per program)")
         if self.ROUTING not in ("xla", "kernels", "fused"):
             raise ValueError(f"jaxtdist.moe: config ROUTING={self.ROUTING!r}; allowed: 'xla', "
                              "'kernels', 'fused'")
@@ -341,17 +365,17 @@ def _resolved(call: Call, tokens: int, hidden: int, dtype, config, axis_name) ->
 
 
 class DispatchWorkspace:
-    """Byte layout of the dispatch workspace: flags [W, P] int32, then per call
-    parity: headers [W, E_LOC + 2P + 1] int32, meta rows [W, T, 1 + 4 KL] int32,
+    """Byte layout of the dispatch workspace: flags [W, P, NCH] int32 (NCH chunks
+    per program), then per call parity: headers [W, E_LOC + P (NCH + 1) + 1] int32, meta rows [W, T, 1 + 4 KL] int32,
     rows [W, T, H]; last, this rank's scratch for the fused routing's words
     (``kernels/moe.py``, ROUTE: slot [T, W], meta [T, W, 1 + 4 KL], dcounts
     [P, W * E_LOC], bounds [P, W, 3] int32; written and read by one kernel)."""
 
-    def __init__(self, world, tokens, hidden, itemsize, e_loc, kl, programs):
-        self.hdr_words = e_loc + 2 * programs + 1
+    def __init__(self, world, tokens, hidden, itemsize, e_loc, kl, programs, chunks):
+        self.hdr_words = e_loc + programs * (chunks + 1) + 1
         self.meta_words = 1 + _FIELDS * kl
         self.flags = 0
-        self.hdr = align(4 * world * programs)
+        self.hdr = align(4 * world * programs * chunks)
         self.meta = self.hdr + align(4 * world * self.hdr_words)
         self.rows = self.meta + align(4 * world * tokens * self.meta_words)
         self.parity_bytes = self.rows + align(world * tokens * hidden * itemsize) - self.hdr
@@ -406,9 +430,13 @@ def moe_dispatch_kernels(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_
     rows = max_recv_rows or default_recv_rows(t, k, world, num_experts)
     cfg = _resolved(call, t, h, x.dtype, config, axis_name)
     programs = min(cfg.NUM_PROGRAMS, t)
-    plan = DispatchWorkspace(world, t, h, x.dtype.itemsize, e_loc, kl, programs)
+    per_program = -(-t // programs)
+    chunk = min(cfg.CHUNK_TOKENS or per_program, per_program)
+    chunks = -(-per_program // chunk)
+    plan = DispatchWorkspace(world, t, h, x.dtype.itemsize, e_loc, kl, programs, chunks)
     # The layout depends on all of these: other shapes get their own workspace.
-    ws = call.workspace("push", plan.nbytes, t, h, x.dtype.name, k, num_experts, programs)
+    ws = call.workspace("push", plan.nbytes, t, h, x.dtype.name, k, num_experts, programs,
+                        chunks)
     varying = set(call.result_axes(local=(x, expert_ids))) | set(call.layout.axes)
     i32 = jnp.int32
     if not 0 <= split < h:
@@ -446,14 +474,14 @@ def moe_dispatch_kernels(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_
         grid=(programs,), num_warps=cfg.num_warps, num_stages=1,
         varying=tuple(a for a in call.rt.mesh.axis_names if a in varying),
         T=t, H=h, K=k, E_LOC=e_loc, KL=kl, R=rows, W=world, P=programs,
-        TP=-(-t // programs), FLAGS_OFF=ws.offset + plan.flags, HDR_OFF=ws.offset + plan.hdr,
+        TP=per_program, FLAGS_OFF=ws.offset + plan.flags, HDR_OFF=ws.offset + plan.hdr,
         META_OFF=ws.offset + plan.meta, ROWS_OFF=ws.offset + plan.rows,
         PARITY_BYTES=plan.parity_bytes, HDR_WORDS=plan.hdr_words, META_WORDS=plan.meta_words,
         SCALED=scale is not None, WP=next_pow2(world), EP=next_pow2(e_loc),
         MP=next_pow2(plan.meta_words), KLP=next_pow2(kl), BLOCK_H=cfg.BLOCK_H, SPLIT=split,
         TRACE=trace, ROUTE=fused, ROUTE_OFF=ws.offset + plan.route, KP=next_pow2(k),
         EPG=next_pow2(num_experts), BT=_route_tokens_per_step(-(-t // programs), k, num_experts),
-        BS=_route_scan_tokens(t, k), ZERO_TAIL=zero_unused_rows)
+        BS=_route_scan_tokens(t, k), ZERO_TAIL=zero_unused_rows, CT=chunk, NCH=chunks)
     if split:
         recv = (recv, tail)
     sizes, dropped = _summary(counts, rows)

@@ -152,6 +152,48 @@ def probe_moe_trace(world: int = 2, t: int = 128, hidden: int = 7168, k: int = 8
                   "(median/max over programs, us)", flush=True)
 
 
+def probe_moe_chunks(world: int = 2, t: int = 4096) -> None:
+    """Dispatch and dispatch + combine at `world`, `t` tokens per rank (DeepSeek-V3's
+    routing: H 7168, top-8 of 256 experts), per CHUNK_TOKENS (one chunk per program:
+    the unpipelined dispatch), zeroing the unused rows and not."""
+    from jaxtdist.bench import moe as mb
+
+    hidden, k, e = 7168, 8, 256
+    mesh, args, x, w = _moe_setup(world, t, hidden, k, e)
+    specs = dict(mesh=mesh, in_specs=(mb.EP_SPEC,) * 3, out_specs=mb.EP_SPEC, check_vma=False)
+    ref = np.asarray(x, np.float32) * w.sum(1, keepdims=True)  # identity experts
+    contenders = {}
+    for chunk in (0, 2, 4, 8, 16):
+        for zero in (True, False):
+            if not zero and chunk not in (0, 4):
+                continue
+            name = f"c{chunk}{'' if zero else '_nozero'}"
+
+            def dispatch(x, ids, w, chunk=chunk, zero=zero):
+                return td.moe_dispatch(x, ids, "ep", num_experts=e, zero_unused_rows=zero,
+                                       config=dict(CHUNK_TOKENS=chunk))[0]
+
+            def layer(x, ids, w, chunk=chunk, zero=zero):
+                recv, _, handle = td.moe_dispatch(x, ids, "ep", num_experts=e,
+                                                  zero_unused_rows=zero,
+                                                  config=dict(CHUNK_TOKENS=chunk))
+                return td.moe_combine(recv, handle, w, "ep")
+
+            contenders[f"d_{name}"] = h.Contender(jax.jit(jax.shard_map(dispatch, **specs)),
+                                                  args, world)
+            contenders[f"l_{name}"] = h.Contender(jax.jit(jax.shard_map(layer, **specs)),
+                                                  args, world, ref)
+    # The combine's ways at this size (both read the dispatch's default chunks).
+    for name, cfg in {"blocks": dict(COMBINE_SEND="blocks"), "w8": dict(num_warps=8)}.items():
+        def layer(x, ids, w, cfg=cfg):
+            recv, _, handle = td.moe_dispatch(x, ids, "ep", num_experts=e, config=cfg)
+            return td.moe_combine(recv, handle, w, "ep", config=cfg)
+
+        contenders[f"l_{name}"] = h.Contender(jax.jit(jax.shard_map(layer, **specs)), args,
+                                              world, ref)
+    _report(f"moe chunks world {world} T={t}", h.interleaved(contenders, 10, 4), "d_c0")
+
+
 def _attention_setup(heap_bytes: int):
     """The attention probes' world-1 mesh (axis "sp"), runtime, shard_map specs of
     [B, S, H, D] operands and cuDNN's causal attention."""
@@ -817,7 +859,7 @@ def probe_grouped() -> None:
                 h.interleaved(contenders, 20, 4), "ragged_dot")
 
 
-PROBES = {"moe": probe_moe, "moe_routing": probe_moe_routing, "moe_trace": probe_moe_trace, "attention": probe_attention,
+PROBES = {"moe": probe_moe, "moe_routing": probe_moe_routing, "moe_trace": probe_moe_trace, "moe_chunks": probe_moe_chunks, "attention": probe_attention,
           "attention_ws": probe_attention_ws,
           "flash_decode": probe_flash_decode, "gemm": probe_gemm,
           "gemm_one_round": probe_gemm_one_round, "push": probe_push,

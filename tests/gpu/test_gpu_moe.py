@@ -129,6 +129,22 @@ def test_moe_without_zeroing_unused_rows(world):
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("chunk,zero", [(1, True), (3, False), (3, True)])
+def test_moe_chunked_dispatch(world, chunk, zero):
+    """Dispatch programs pushing, flagging and laying out their tokens chunk by chunk
+    (config CHUNK_TOKENS; 25 tokens per program: 25 or 9 chunks, the last one
+    short), rows dropped past max_recv_rows, zeroing the unused rows and not;
+    then the bulk default (1000 tokens per rank: chunks of 4 tokens)."""
+    cfg = dict(NUM_PROGRAMS=8, CHUNK_TOKENS=chunk)
+    _check(world, 200, 1024, 4, 16, jnp.bfloat16, "random", rows=world * 200 * 2,
+           config=cfg, zero_unused_rows=zero, kernels=world == 1)
+    _check(world, 200, 512, 2, 8, jnp.float32, "one_expert", config=cfg,
+           zero_unused_rows=zero)
+    if chunk == 1:
+        _check(world, 1000, 2048, 8, 32, jnp.bfloat16, "random", calls=2, kernels=world == 1)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_moe_drops_rows_past_max_recv_rows(world):
     _check(world, 40, 256, 4, 16, jnp.bfloat16, "one_expert", rows=30, kernels=world == 1)
 
