@@ -869,7 +869,8 @@ PROBES = {"moe": probe_moe, "moe_routing": probe_moe_routing, "moe_trace": probe
           "grouped": probe_grouped}
 
 if __name__ == "__main__":
-    if len(sys.argv) not in (2, 3) or sys.argv[1] not in PROBES:
+    if len(sys.argv) not in (2, 3, 4) or sys.argv[1] not in PROBES:
         sys.exit(f"usage: python3 tests/gpu/probe_defaults.py {{{','.join(PROBES)}}} [world]"
-                 " (gemm: [\"op MxNxK\"], that case only)")
+                 " [tokens] (gemm: [\"op MxNxK\"], that case only; tokens: moe_trace and"
+                 " moe_chunks)")
     PROBES[sys.argv[1]](*(int(a) if a.isdigit() else a for a in sys.argv[2:]))
