@@ -489,13 +489,16 @@ def test_moe_chunked_dispatch_compiles(zero_tail):
     assert _stack_bytes(d) == 0
 
 
-@pytest.mark.parametrize("dtype,dots,send_rows", [("bf16", False, True), ("fp32", False, True),
-                                                  ("u8", False, True), ("bf16", True, True),
-                                                  ("bf16", False, False)])
+@pytest.mark.parametrize("dtype,dots,send_rows", [("bf16", False, 2), ("fp32", False, 2),
+                                                  ("u8", False, 2), ("bf16", True, 2),
+                                                  ("bf16", False, 0), ("bf16", False, 1),
+                                                  ("bf16", False, 4)])
 def test_moe_kernels_compile(dtype, dots, send_rows):
     """MoE dispatch and combine compile for sm_90 at DeepSeek-V3's decode size (H=7168,
     top-8, 256 experts over 4 ranks), the combine's both ways of weighing rows; the
-    row copies keep 16-byte vectors and the flags are system-scope release/acquire."""
+    row copies keep 16-byte vectors and the flags are system-scope release/acquire;
+    the combine loads send_rows valid pair rows at once (0: as one masked block)
+    without spilling (the default: 2)."""
     from jaxtdist.kernels.moe import moe_combine_kernel
     t, h, k, e_loc, world, programs = 128, 7168, 8, 64, 4, 128
     if dtype == "u8":  # fp8 dispatch: byte rows of 7168 fp8 and 56 float32 scales
@@ -525,6 +528,10 @@ def test_moe_kernels_compile(dtype, dots, send_rows):
         assert not narrow, f"row copies lost vectorization: {k_.name} {dict(ops)}"
         assert "ld.global.sys.acquire" in ptx or "ld.acquire.sys" in ptx
         assert "release" in ptx
+    # A few words of stack at most (one row at a time takes 8 bytes, 16 with the
+    # trace stamps at two): rows' registers spilling take hundreds (8 rows at once
+    # with 4 warps: 384 bytes; 4 fp32 rows of 8192: 336).
+    assert _stack_bytes(c) <= 32, f"combine spills with {send_rows} rows at once"
 
 
 @pytest.mark.parametrize("tma,flatten,world,push_tma", [

@@ -157,6 +157,14 @@ def test_moe_combine_send_ways(send):
               config=dict(COMBINE_SEND=send, BLOCK_H=block_h))
 
 
+@pytest.mark.parametrize("rows_at_once", [1, 3, 4])
+def test_moe_combine_loads_rows_at_once(rows_at_once):
+    """The combine's forward loads COMBINE_ROWS of a token's valid pair rows at once
+    (up to 4 pairs of a token per rank here, in one step or several, the last
+    masked), rows dropped past max_recv_rows."""
+    _run_case(2, 5, 16, 12, 4, 8, BF16, rows=14, config=dict(COMBINE_ROWS=rows_at_once))
+
+
 @pytest.mark.parametrize("world,chunk,zero,rows", [(2, 1, True, None), (4, 2, False, None),
                                                    (4, 3, True, 9), (2, 2, True, 5)])
 def test_moe_dispatch_in_chunks(world, chunk, zero, rows):
@@ -358,6 +366,8 @@ def test_moe_errors():
         call(x, ids, num_experts=4, config=dict(COMBINE_SEND="row"))
     with pytest.raises(ValueError, match="CHUNK_TOKENS=-1 must be an int >= 0"):
         call(x, ids, num_experts=4, config=dict(CHUNK_TOKENS=-1))
+    with pytest.raises(ValueError, match=r"COMBINE_ROWS=9 must be an int in \[1, 8\]"):
+        call(x, ids, num_experts=4, config=dict(COMBINE_ROWS=9))
     with pytest.raises(ValueError, match="y must be"):
         jax.jit(jax.shard_map(
             lambda x, ids: td.moe_combine(x, td.moe_dispatch(x, ids, "tp", num_experts=4)[2],

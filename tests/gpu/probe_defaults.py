@@ -194,6 +194,26 @@ def probe_moe_chunks(world: int = 2, t: int = 4096) -> None:
     _report(f"moe chunks world {world} T={t}", h.interleaved(contenders, 10, 4), "d_c0")
 
 
+def probe_moe_combine_rows(world: int = 2, t: int = 4096) -> None:
+    """Dispatch + combine at `world`, `t` tokens per rank (DeepSeek-V3's routing),
+    per COMBINE_ROWS (a token's valid pair rows the combine loads at once)."""
+    from jaxtdist.bench import moe as mb
+
+    hidden, k, e = 7168, 8, 256
+    mesh, args, x, w = _moe_setup(world, t, hidden, k, e)
+    specs = dict(mesh=mesh, in_specs=(mb.EP_SPEC,) * 3, out_specs=mb.EP_SPEC, check_vma=False)
+    ref = np.asarray(x, np.float32) * w.sum(1, keepdims=True)  # identity experts
+    contenders = {}
+    for rows in (1, 2, 3, 4):
+        def layer(x, ids, w, rows=rows):
+            recv, _, handle = td.moe_dispatch(x, ids, "ep", num_experts=e)
+            return td.moe_combine(recv, handle, w, "ep", config=dict(COMBINE_ROWS=rows))
+
+        contenders[f"rows{rows}"] = h.Contender(jax.jit(jax.shard_map(layer, **specs)), args,
+                                                world, ref)
+    _report(f"moe d + c world {world} T={t}", h.interleaved(contenders, 10, 4), "rows1")
+
+
 def _attention_setup(heap_bytes: int):
     """The attention probes' world-1 mesh (axis "sp"), runtime, shard_map specs of
     [B, S, H, D] operands and cuDNN's causal attention."""
@@ -859,7 +879,7 @@ def probe_grouped() -> None:
                 h.interleaved(contenders, 20, 4), "ragged_dot")
 
 
-PROBES = {"moe": probe_moe, "moe_routing": probe_moe_routing, "moe_trace": probe_moe_trace, "moe_chunks": probe_moe_chunks, "attention": probe_attention,
+PROBES = {"moe": probe_moe, "moe_routing": probe_moe_routing, "moe_trace": probe_moe_trace, "moe_chunks": probe_moe_chunks, "moe_combine_rows": probe_moe_combine_rows, "attention": probe_attention,
           "attention_ws": probe_attention_ws,
           "flash_decode": probe_flash_decode, "gemm": probe_gemm,
           "gemm_one_round": probe_gemm_one_round, "push": probe_push,
@@ -871,6 +891,6 @@ PROBES = {"moe": probe_moe, "moe_routing": probe_moe_routing, "moe_trace": probe
 if __name__ == "__main__":
     if len(sys.argv) not in (2, 3, 4) or sys.argv[1] not in PROBES:
         sys.exit(f"usage: python3 tests/gpu/probe_defaults.py {{{','.join(PROBES)}}} [world]"
-                 " [tokens] (gemm: [\"op MxNxK\"], that case only; tokens: moe_trace and"
-                 " moe_chunks)")
+                 " [tokens] (gemm: [\"op MxNxK\"], that case only; tokens: moe_trace,"
+                 " moe_chunks, moe_combine_rows)")
     PROBES[sys.argv[1]](*(int(a) if a.isdigit() else a for a in sys.argv[2:]))
