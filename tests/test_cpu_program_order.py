@@ -394,3 +394,45 @@ def test_separately_wrapped_moe_layers_in_one_chain(world, wrapper):
         dw = np.asarray(dw).reshape(w.shape)
         for got, ref in ((dx, want[0]), (dw, want[1]), (dgate, want[2])):
             assert rel_err(got, ref) < 1e-5
+
+
+def _two_inbox_calls(op: str):
+    """Two independent calls of an inbox op (an SM push kernel, then its consumer,
+    under the interpreter) and what each gives alone: (body, in_specs, out_specs,
+    operand shapes)."""
+    if op == "ag_attention":
+        def one(q):
+            return td.ag_attention(q, q, q, "tp", causal=True, config=dict(GATHER="inbox"))
+        return one, P(None, "tp"), P(None, "tp"), (1, 4 * 8, 2, 16)
+
+    def one(x):
+        w = jnp.ones((x.shape[1], 32), x.dtype) / x.shape[1]
+        return td.ag_matmul(x, w, "tp", config=dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16,
+                                                     TMA=True, PRODUCER="ce"))
+    return one, P("tp", None), P(None, "tp"), (4 * 16, 32)
+
+
+@pytest.mark.parametrize("op", ["ag_attention", "ag_matmul"])
+def test_inbox_consumers_run_after_their_pushes(op):
+    """Under the interpreter the inbox ops push with an SM kernel, then run their
+    consumer, which waits for the peers' pushes. The consumer takes a value of the
+    push kernel (an optimization barrier tying them did not survive XLA:CPU's
+    compilation: a device whose worker ran the consumer first waited for peers
+    that could do the same), and the next call comes after both: no two call
+    sites of two independent calls unordered in the compiled HLO, 4 ranks; each
+    call's values as alone."""
+    world = 4
+    mesh = setup(world, wait_timeout_s=60.0)
+    one, in_spec, out_spec, shape = _two_inbox_calls(op)
+    f = jax.jit(jax.shard_map(lambda a, b: (one(a), one(b)), mesh=mesh,
+                              in_specs=(in_spec, in_spec), out_specs=(out_spec, out_spec),
+                              check_vma=False))
+    alone = jax.jit(jax.shard_map(one, mesh=mesh, in_specs=in_spec, out_specs=out_spec,
+                                  check_vma=False))
+    a, b = (jax.device_put(rand(shape), NamedSharding(mesh, in_spec)) for _ in range(2))
+    hlo = f.lower(a, b).compile().as_text()
+    assert not unordered_call_sites(hlo), unordered_call_sites(hlo)
+    want_a, want_b = np.asarray(alone(a)), np.asarray(alone(b))
+    for _ in range(3):
+        got_a, got_b = f(a, b)
+        assert rel_err(got_a, want_a) < 1e-6 and rel_err(got_b, want_b) < 1e-6

@@ -132,7 +132,7 @@ def push_shards(ctx, x_ptr, worker, NUM_WORKERS: tl.constexpr, ROWS: tl.constexp
 
 
 @triton.jit
-def push_shards_kernel(ctx, x_ptr, done_ptr, M_SHARD: tl.constexpr, K: tl.constexpr,
+def push_shards_kernel(ctx, x_ptr, zero_ptr, M_SHARD: tl.constexpr, K: tl.constexpr,
                        INBOX_OFF: tl.constexpr, PARITY_BYTES: tl.constexpr,
                        FLAGS_OFF: tl.constexpr, SENT_OFF: tl.constexpr,
                        NUM_COMM: tl.constexpr, CHUNK_ROWS: tl.constexpr,
@@ -140,8 +140,9 @@ def push_shards_kernel(ctx, x_ptr, done_ptr, M_SHARD: tl.constexpr, K: tl.conste
     """Grid: (NUM_COMM,). What the copy engines do for the inbox consumers
     (``ag_matmul_ce_kernel``, ``ag_attention_kernel``), by SM programs, for the
     CPU backend: push x's chunks into every peer's inbox, raise the peer's chunk
-    flag, then (last program) the local sent words and ``done`` (the epoch: a
-    value for XLA to order the consumer after).
+    flag, then (last program) the local sent words and ``zero`` [1] int32, a 0
+    that the op adds to the consumer's context (a value XLA cannot know, so the
+    consumer runs after this kernel).
 
     The sent words assume programs run one after another (the interpreter).
     """
@@ -155,4 +156,4 @@ def push_shards_kernel(ctx, x_ptr, done_ptr, M_SHARD: tl.constexpr, K: tl.conste
         sent = dl.heap_ptr(ctx, SENT_OFF, tl.int32)
         for step in range(1, world):
             dl.notify(ctx, sent + step, me, e, "set", "gpu")
-        tl.store(done_ptr, e)
+        tl.store(zero_ptr, 0)

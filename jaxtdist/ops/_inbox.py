@@ -27,7 +27,8 @@ def push_to_inboxes(call: Call, ctx: jax.Array, x: jax.Array, *, inbox_offset: i
 
     Backends with copy engines push on side streams while the consumer runs
     (``serial``: one peer after another). Elsewhere (the interpreter) an SM
-    kernel of ``sm_programs`` programs pushes before the consumer starts
+    kernel of ``sm_programs`` programs pushes, and the consumer starts after it
+    (the context returned is that kernel's output)
     (``copy_block_c`` columns per copy step, flags raised at ``scope``); its
     ``chunk_rows`` must be a power of 2.
     """
@@ -36,10 +37,13 @@ def push_to_inboxes(call: Call, ctx: jax.Array, x: jax.Array, *, inbox_offset: i
                                   flags_offset=flags_offset, sent_offset=sent_offset,
                                   chunk_rows=chunk_rows, serial=serial)
     rows, cols = x.shape
-    done = call.launch(push_shards_kernel, ctx, x, out_shape=jax.ShapeDtypeStruct((1,), jnp.int32),
+    zero = call.launch(push_shards_kernel, ctx, x, out_shape=jax.ShapeDtypeStruct((1,), jnp.int32),
                        grid=(sm_programs,), num_warps=4, num_stages=1, M_SHARD=rows, K=cols,
                        INBOX_OFF=inbox_offset, PARITY_BYTES=parity_bytes,
                        FLAGS_OFF=flags_offset, SENT_OFF=sent_offset, NUM_COMM=sm_programs,
                        CHUNK_ROWS=chunk_rows, COPY_BLOCK_C=copy_block_c, SCOPE=scope)
-    ctx, _ = jax.lax.optimization_barrier((ctx, done))
-    return ctx
+    # The kernel's 0 added to the context: the consumer, taking the sum, runs after
+    # every push. An optimization barrier tying the two did not survive XLA:CPU's
+    # compilation (the consumer took the prologue's context directly), and a device
+    # whose worker ran the consumer first would wait for peers that could do the same.
+    return ctx + zero[0]
