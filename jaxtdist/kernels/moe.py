@@ -168,8 +168,9 @@ def _store_bounds(ctx, at, run, me, offs_w, W: tl.constexpr):
 @triton.jit
 def _wait_chunk(ctx, flags, c, me, e, pid, W: tl.constexpr, P: tl.constexpr,
                 NCH: tl.constexpr):
-    """Waits until every source's program pid has flagged its chunk c of call e;
-    returns the token of the last wait (``dl.consume_token``)."""
+    """Waits until every source's program pid has flagged its chunk c of call e
+    (flags [W, P, NCH]; the combine's [W, P]: NCH = 1, c = 0); returns the token
+    of the last wait (``dl.consume_token``)."""
     token = me * 0  # int32, the type dl.wait's token has (loop-carried)
     for step in range(0, W):
         src = (me + step) % W
@@ -546,10 +547,7 @@ def moe_combine_kernel(ctx, y_ptr, w_ptr, kmask_ptr, ids_ptr, g_ptr, spos_ptr, s
     _stamp(trace_ptr, pid, 1, TRACE)
 
     # 2. Sum this program's tokens' rows once every rank's program pid has sent.
-    token = me * 0  # int32, the type dl.wait's token has (loop-carried)
-    for step in range(0, W):
-        src = (me + step) % W
-        token = dl.wait(ctx, flags + src * P + pid, e, "ge", src)
+    token = _wait_chunk(ctx, flags, 0, me, e, pid, W, P, 1)
     _stamp(trace_ptr, pid, 2, TRACE)
     # Loads below depend on the wait (consume_token) through a zero offset times 16
     # elements: the pointer keeps its known alignment (16-byte vector loads).

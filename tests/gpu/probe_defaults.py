@@ -52,34 +52,46 @@ def _moe_setup(world: int, t: int, hidden: int, k: int, e: int):
     return mesh, args, x, w
 
 
+def _moe_contenders(world: int, t: int, variants: dict, dispatch: bool = True) -> dict:
+    """DeepSeek-V3's decode routing (H 7168, top-8 of 256 experts) at `world`, `t`
+    tokens per rank: per name -> (dispatch config, combine config, zero_unused_rows)
+    of `variants`, "d_<name>" the dispatch alone (with `dispatch`) and "l_<name>"
+    dispatch + combine (identity experts, checked against float32)."""
+    from jaxtdist.bench import moe as mb
+
+    e = 256
+    mesh, args, x, w = _moe_setup(world, t, 7168, 8, e)
+    specs = dict(mesh=mesh, in_specs=(mb.EP_SPEC,) * 3, out_specs=mb.EP_SPEC, check_vma=False)
+    ref = np.asarray(x, np.float32) * w.sum(1, keepdims=True)  # identity experts
+    contenders = {}
+    for name, (d_cfg, c_cfg, zero) in variants.items():
+        def send(x, ids, d_cfg=d_cfg, zero=zero):
+            return td.moe_dispatch(x, ids, "ep", num_experts=e, config=d_cfg,
+                                   zero_unused_rows=zero)
+
+        def layer(x, ids, w, send=send, c_cfg=c_cfg):
+            recv, _, handle = send(x, ids)
+            return td.moe_combine(recv, handle, w, "ep", config=c_cfg)
+
+        if dispatch:
+            contenders[f"d_{name}"] = h.Contender(
+                jax.jit(jax.shard_map(lambda x, ids, w, send=send: send(x, ids)[0], **specs)),
+                args, world)
+        contenders[f"l_{name}"] = h.Contender(jax.jit(jax.shard_map(layer, **specs)), args,
+                                              world, ref)
+    return contenders
+
+
 def probe_moe(world: int = 2) -> None:
     """Dispatch and dispatch + combine, at `world`, DeepSeek-V3's decode routing: the
     copy step (BLOCK_H) and warps (MoeConfig)."""
-    from jaxtdist.bench import moe as mb
-
-    t, hidden, k, e = 128, 7168, 8, 256
-    mesh, args, x, w = _moe_setup(world, t, hidden, k, e)
-    specs = dict(mesh=mesh, in_specs=(mb.EP_SPEC,) * 3, out_specs=mb.EP_SPEC, check_vma=False)
     # BLOCK_H: elements per copy step (the combine's "blocks" way moves a token's
     # rows as one [KL, BLOCK_H / KL] block per step; "rows" one valid pair's row).
     variants = {"default": None, "blocks": dict(COMBINE_SEND="blocks"),
                 "blocks_h32768w16": dict(COMBINE_SEND="blocks", BLOCK_H=32768, num_warps=16),
                 "h4096w4": dict(BLOCK_H=4096), "h8192w8": dict(BLOCK_H=8192, num_warps=8),
                 "h2048w4": dict(BLOCK_H=2048)}
-    ref = np.asarray(x, np.float32) * w.sum(1, keepdims=True)  # identity experts
-    contenders = {}
-    for name, cfg in variants.items():
-        def dispatch(x, ids, w, cfg=cfg):
-            return td.moe_dispatch(x, ids, "ep", num_experts=e, config=cfg)[0]
-
-        def layer(x, ids, w, cfg=cfg):
-            recv, _, handle = td.moe_dispatch(x, ids, "ep", num_experts=e, config=cfg)
-            return td.moe_combine(recv, handle, w, "ep", config=cfg)
-
-        contenders[f"d_{name}"] = h.Contender(jax.jit(jax.shard_map(dispatch, **specs)), args,
-                                              world)
-        contenders[f"l_{name}"] = h.Contender(jax.jit(jax.shard_map(layer, **specs)), args,
-                                              world, ref)
+    contenders = _moe_contenders(world, 128, {n: (c, c, True) for n, c in variants.items()})
     for name, s in h.interleaved(contenders, 40, 4).items():
         kernels = "; ".join(f"{k_} {v:.1f}" for k_, v in s.get("kernel_us", {}).items()
                             if "moe" in k_)
@@ -155,63 +167,23 @@ def probe_moe_trace(world: int = 2, t: int = 128, hidden: int = 7168, k: int = 8
 def probe_moe_chunks(world: int = 2, t: int = 4096) -> None:
     """Dispatch and dispatch + combine at `world`, `t` tokens per rank (DeepSeek-V3's
     routing: H 7168, top-8 of 256 experts), per CHUNK_TOKENS (one chunk per program:
-    the unpipelined dispatch), zeroing the unused rows and not."""
-    from jaxtdist.bench import moe as mb
-
-    hidden, k, e = 7168, 8, 256
-    mesh, args, x, w = _moe_setup(world, t, hidden, k, e)
-    specs = dict(mesh=mesh, in_specs=(mb.EP_SPEC,) * 3, out_specs=mb.EP_SPEC, check_vma=False)
-    ref = np.asarray(x, np.float32) * w.sum(1, keepdims=True)  # identity experts
-    contenders = {}
-    for chunk in (0, 2, 4, 8, 16):
-        for zero in (True, False):
-            if not zero and chunk not in (0, 4):
-                continue
-            name = f"c{chunk}{'' if zero else '_nozero'}"
-
-            def dispatch(x, ids, w, chunk=chunk, zero=zero):
-                return td.moe_dispatch(x, ids, "ep", num_experts=e, zero_unused_rows=zero,
-                                       config=dict(CHUNK_TOKENS=chunk))[0]
-
-            def layer(x, ids, w, chunk=chunk, zero=zero):
-                recv, _, handle = td.moe_dispatch(x, ids, "ep", num_experts=e,
-                                                  zero_unused_rows=zero,
-                                                  config=dict(CHUNK_TOKENS=chunk))
-                return td.moe_combine(recv, handle, w, "ep")
-
-            contenders[f"d_{name}"] = h.Contender(jax.jit(jax.shard_map(dispatch, **specs)),
-                                                  args, world)
-            contenders[f"l_{name}"] = h.Contender(jax.jit(jax.shard_map(layer, **specs)),
-                                                  args, world, ref)
-    # The combine's ways at this size (both read the dispatch's default chunks).
-    for name, cfg in {"blocks": dict(COMBINE_SEND="blocks"), "w8": dict(num_warps=8)}.items():
-        def layer(x, ids, w, cfg=cfg):
-            recv, _, handle = td.moe_dispatch(x, ids, "ep", num_experts=e, config=cfg)
-            return td.moe_combine(recv, handle, w, "ep", config=cfg)
-
-        contenders[f"l_{name}"] = h.Contender(jax.jit(jax.shard_map(layer, **specs)), args,
-                                              world, ref)
+    the unpipelined dispatch), zeroing the unused rows and not; and the combine's
+    ways at that size."""
+    variants = {f"c{chunk}{'' if zero else '_nozero'}": (dict(CHUNK_TOKENS=chunk), None, zero)
+                for chunk in (0, 2, 4, 8, 16) for zero in (True, False)
+                if zero or chunk in (0, 4)}
+    variants.update({name: (cfg, cfg, True) for name, cfg in
+                     {"blocks": dict(COMBINE_SEND="blocks"), "w8": dict(num_warps=8)}.items()})
+    contenders = _moe_contenders(world, t, variants)
     _report(f"moe chunks world {world} T={t}", h.interleaved(contenders, 10, 4), "d_c0")
 
 
 def probe_moe_combine_rows(world: int = 2, t: int = 4096) -> None:
     """Dispatch + combine at `world`, `t` tokens per rank (DeepSeek-V3's routing),
     per COMBINE_ROWS (a token's valid pair rows the combine loads at once)."""
-    from jaxtdist.bench import moe as mb
-
-    hidden, k, e = 7168, 8, 256
-    mesh, args, x, w = _moe_setup(world, t, hidden, k, e)
-    specs = dict(mesh=mesh, in_specs=(mb.EP_SPEC,) * 3, out_specs=mb.EP_SPEC, check_vma=False)
-    ref = np.asarray(x, np.float32) * w.sum(1, keepdims=True)  # identity experts
-    contenders = {}
-    for rows in (1, 2, 3, 4):
-        def layer(x, ids, w, rows=rows):
-            recv, _, handle = td.moe_dispatch(x, ids, "ep", num_experts=e)
-            return td.moe_combine(recv, handle, w, "ep", config=dict(COMBINE_ROWS=rows))
-
-        contenders[f"rows{rows}"] = h.Contender(jax.jit(jax.shard_map(layer, **specs)), args,
-                                                world, ref)
-    _report(f"moe d + c world {world} T={t}", h.interleaved(contenders, 10, 4), "rows1")
+    contenders = _moe_contenders(world, t, {f"rows{r}": (None, dict(COMBINE_ROWS=r), True)
+                                            for r in (1, 2, 3, 4)}, dispatch=False)
+    _report(f"moe d + c world {world} T={t}", h.interleaved(contenders, 10, 4), "l_rows1")
 
 
 def _attention_setup(heap_bytes: int):
