@@ -194,7 +194,7 @@ def _attention_and_moe(problem) -> dict:
         dict(num_warps=cfg.num_warps, num_stages=1))
     out["moe_combine"] = (dict(
         T=t, F=h, K=k, KL=kl, W=WORLD, P=programs, TP=-(-t // programs), E_LOC=e_loc,
-        FLAGS_OFF=0, WFLAGS_OFF=2048, INBOX_OFF=4096, WBOX_OFF=4096 + (1 << 23),
+        FLAGS_OFF=0, INBOX_OFF=4096, WBOX_OFF=4096 + (1 << 23),
         PARITY_BYTES=1 << 24, DOTS=False, KP=next_pow2(k), KLP=next_pow2(kl),
         WP=next_pow2(WORLD), BLOCK_F=cfg.BLOCK_H, SEND_ROWS=cfg.COMBINE_SEND == "rows",
         TRACE=False), dict(num_warps=cfg.num_warps, num_stages=1))

@@ -517,7 +517,7 @@ def test_moe_kernels_compile(dtype, dots, send_rows):
                   "sranges_ptr": i32, "out_ptr": f"*{y_dtype}", "dots_ptr": "*fp32",
                   "trace_ptr": i32},
                  dict(T=t, F=h, K=k, KL=kl, W=world, P=programs, TP=1, E_LOC=e_loc,
-                      FLAGS_OFF=0, WFLAGS_OFF=2048, INBOX_OFF=4096, WBOX_OFF=4096 + (1 << 23),
+                      FLAGS_OFF=0, INBOX_OFF=4096, WBOX_OFF=4096 + (1 << 23),
                       PARITY_BYTES=1 << 24, DOTS=dots, KP=8, KLP=8, WP=4,
                       BLOCK_F=_moe_block(h, 2), SEND_ROWS=send_rows, TRACE=dtype == "bf16"),
                  num_warps=4, num_stages=1)

@@ -166,12 +166,13 @@ def test_moe_combine_loads_rows_at_once(rows_at_once):
 
 
 @pytest.mark.parametrize("world,chunk,zero,rows", [(2, 1, True, None), (4, 2, False, None),
-                                                   (4, 3, True, 9), (2, 2, True, 5)])
+                                                   (4, 3, True, 9), (2, 2, True, 5),
+                                                   (4, 0, True, None), (2, 0, True, 5)])
 def test_moe_dispatch_in_chunks(world, chunk, zero, rows):
     """Dispatch programs that push, flag and lay out their tokens chunk by chunk
     (config CHUNK_TOKENS; 7 tokens per rank over 2 programs: up to 4 chunks, the
     last one short), rows dropped past max_recv_rows, zeroed and not, over three
-    calls (both parities)."""
+    calls (both parities). One chunk (0): the decode sizes' path."""
     _run_case(world, 7, 16, 8, 2, 2 * world, F32, rows=rows, calls=3, zero_unused_rows=zero,
               config=dict(CHUNK_TOKENS=chunk))
 

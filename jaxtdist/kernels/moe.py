@@ -36,8 +36,9 @@ remote stores drain, then chunk c flagged: local copies overlap the link.
 
 Combine (``moe_combine_kernel``) is the reverse, by the same program split.
 Forward: program p of every rank first pushes its tokens' weights into every
-rank's weight box and notifies ``WFLAGS[me, p]``; program p of the experts'
-rank then, for each token it holds from source s's program p, weighs and sums
+rank's weight box as tagged words (``dl.pack_tagged``: no fence, no flag);
+program p of the experts' rank then, for each token it holds from source s's
+program p, waits for the words of the token's pairs, weighs and sums
 that token's local expert rows (float32) and sends the one row into s's heap
 inbox at row ``me * T + t``; with every source's rows sent, it notifies
 ``FLAGS[me, p]`` in each source's heap (one release drains them all); last
@@ -60,9 +61,9 @@ The headers sit in the parity region too, for the same reason.
 Workspace layout (byte offsets, ``ops/moe.DispatchWorkspace`` /
 ``CombineWorkspace``): dispatch's FLAGS [W, P, NCH] (combine's [W, P]) int32,
 then per parity: dispatch's headers [W, HDR_WORDS] int32 (E_LOC counts, per
-program its NCH + 1 chunk bounds, the total), meta [W, T, META_WORDS] int32 and rows
-[W, T, H]; combine's (after WFLAGS [W, P]) inbox of [W, T] or [T * K] rows of
-F and weight box [W, T, K] float32.
+program its NCH + 1 chunk bounds, the total), meta [W, T, META_WORDS] int32 and
+rows [W, T, H]; combine's inbox of [W, T] or [T * K] rows of F and weight box
+[W, T, K] int64 (tagged float32 words).
 """
 
 import triton
@@ -179,6 +180,35 @@ def _wait_chunk(ctx, flags, c, me, e, pid, W: tl.constexpr, P: tl.constexpr,
 
 
 @triton.jit
+def _nth_row(lens, los, offs_w, j):
+    """Row j of the ranges of slots ``[los[q], los[q] + lens[q])`` taken one after
+    another: (its range q, its slot); q = the range count past the last row."""
+    ends = tl.cumsum(lens, axis=0)
+    q = tl.sum((ends <= j).to(tl.int32), axis=0)
+    return q, _pick(los - (ends - lens), offs_w, q) + j
+
+
+@triton.jit
+def _row_words(rows, meta, s, i, ok, offs_h, offs_kl, kl_m, T: tl.constexpr, H: tl.constexpr,
+               META_WORDS: tl.constexpr, SCALED: tl.constexpr):
+    """Inbox row (s, i)'s first chunk and its meta words (token, and per local
+    expert its id, position and k, and the scale's bits), all loads issued at
+    once; nothing is read where ``ok`` is false."""
+    row = rows + tl.cast(s * T + i, tl.int64) * H
+    v = tl.load(row + offs_h, mask=(offs_h < H) & ok)
+    mrow = meta + (s * T + i) * META_WORDS
+    t = tl.load(mrow, mask=ok, other=0)
+    m = kl_m & ok
+    experts = tl.load(mrow + 1 + 4 * offs_kl, mask=m, other=-1)
+    poss = tl.load(mrow + 2 + 4 * offs_kl, mask=m, other=0)
+    ks = tl.load(mrow + 3 + 4 * offs_kl, mask=m, other=0)
+    scales = tl.zeros(offs_kl.shape, tl.int32)
+    if SCALED:
+        scales = tl.load(mrow + 4 + 4 * offs_kl, mask=m, other=0)
+    return v, t, experts, poss, ks, scales
+
+
+@triton.jit
 def _lay_out_chunk(hdr, meta, rows, recv_ptr, tail_ptr, spos_ptr, stk_ptr, base, c, pid,
                    offs_w, offs_e, offs_h, offs_kl, kl_m, T: tl.constexpr, H: tl.constexpr,
                    K: tl.constexpr, KL: tl.constexpr, R: tl.constexpr, W: tl.constexpr,
@@ -188,42 +218,45 @@ def _lay_out_chunk(hdr, meta, rows, recv_ptr, tail_ptr, spos_ptr, stk_ptr, base,
     """Copies the rows of chunk c of every source's program pid (the slots between
     its header's bounds c and c + 1) from the inbox into recv at each of their local
     experts' rows, and records where they went (``spos``, ``stk``). ``base`` [WP,
-    EP]: the first recv row of (source, local expert)."""
+    EP]: the first recv row of (source, local expert).
+
+    The rows of all sources are one sequence (source-major), and the next row's
+    first chunk and meta words are loaded before this row's copies: the copies
+    wait for one memory latency in all, not one per row (at decode sizes a program
+    lays out one row per source)."""
     wm = offs_w < W
     bounds = hdr + offs_w * HDR_WORDS + E_LOC + pid * (NCH + 1) + c
     los = tl.load(bounds, mask=wm, other=0)
     his = tl.load(bounds + 1, mask=wm, other=0)
-    for s in range(0, W):
+    lens = tl.maximum(his - los, 0)
+    n = tl.sum(lens, axis=0)
+    s, i = _nth_row(lens, los, offs_w, 0)
+    v, t, experts, poss, ks, scales = _row_words(rows, meta, s, i, n > 0, offs_h, offs_kl,
+                                                 kl_m, T, H, META_WORDS, SCALED)
+    for j in range(0, n):
+        s_next, i_next = _nth_row(lens, los, offs_w, j + 1)
+        nv, nt, nexperts, nposs, nks, nscales = _row_words(
+            rows, meta, s_next, i_next, j + 1 < n, offs_h, offs_kl, kl_m, T, H, META_WORDS,
+            SCALED)
+        # recv row of each local expert: its first row plus the position.
         base_s = tl.sum(tl.where(offs_w[:, None] == s, base, 0), axis=0)
-        for i in range(_pick(los, offs_w, s), _pick(his, offs_w, s)):
-            # The row's first chunk is loaded before the meta words (it does not
-            # depend on them), and the meta words as vectors: the row's copies
-            # then wait for one memory latency, not one per local expert.
-            row = rows + tl.cast(s * T + i, tl.int64) * H
-            v = tl.load(row + offs_h, mask=offs_h < H)
-            mrow = meta + (s * T + i) * META_WORDS
-            t = tl.load(mrow)
-            experts = tl.load(mrow + 1 + 4 * offs_kl, mask=kl_m, other=-1)
-            poss = tl.load(mrow + 2 + 4 * offs_kl, mask=kl_m, other=0)
-            ks = tl.load(mrow + 3 + 4 * offs_kl, mask=kl_m, other=0)
-            scales = tl.zeros(offs_kl.shape, tl.float32)
-            if SCALED:
-                scales = tl.load(mrow + 4 + 4 * offs_kl, mask=kl_m, other=0).to(
-                    tl.float32, bitcast=True)
-            # recv row of each local expert: its first row plus the position.
-            dsts = tl.sum(tl.where(offs_e[None, :] == experts[:, None], base_s[None, :], 0),
-                          axis=1) + poss
-            keeps = ((experts >= 0) & (dsts < R)).to(tl.int32)
-            out = (s * T + i) * KL + offs_kl
-            tl.store(spos_ptr + out, tl.where(keeps != 0, dsts, -1), mask=kl_m)
-            tl.store(stk_ptr + out, tl.where(experts >= 0, t * K + ks, -1), mask=kl_m)
-            _scatter_chunk(recv_ptr, tail_ptr, v, offs_h, offs_h < H, dsts, keeps, scales,
+        dsts = tl.sum(tl.where(offs_e[None, :] == experts[:, None], base_s[None, :], 0),
+                      axis=1) + poss
+        keeps = ((experts >= 0) & (dsts < R)).to(tl.int32)
+        out = (s * T + i) * KL + offs_kl
+        tl.store(spos_ptr + out, tl.where(keeps != 0, dsts, -1), mask=kl_m)
+        tl.store(stk_ptr + out, tl.where(experts >= 0, t * K + ks, -1), mask=kl_m)
+        fscales = scales.to(tl.float32, bitcast=True)
+        _scatter_chunk(recv_ptr, tail_ptr, v, offs_h, offs_h < H, dsts, keeps, fscales,
+                       offs_kl, KL, H, SPLIT, SCALED)
+        row = rows + tl.cast(s * T + i, tl.int64) * H
+        for c0 in range(BLOCK_H, H, BLOCK_H):
+            hm = c0 + offs_h < H
+            vc = tl.load(row + c0 + offs_h, mask=hm)
+            _scatter_chunk(recv_ptr, tail_ptr, vc, c0 + offs_h, hm, dsts, keeps, fscales,
                            offs_kl, KL, H, SPLIT, SCALED)
-            for c0 in range(BLOCK_H, H, BLOCK_H):
-                hm = c0 + offs_h < H
-                v = tl.load(row + c0 + offs_h, mask=hm)
-                _scatter_chunk(recv_ptr, tail_ptr, v, c0 + offs_h, hm, dsts, keeps, scales,
-                               offs_kl, KL, H, SPLIT, SCALED)
+        s, i = s_next, i_next
+        v, t, experts, poss, ks, scales = nv, nt, nexperts, nposs, nks, nscales
 
 
 @triton.jit
@@ -415,11 +448,29 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
 
 
 @triton.jit
+def _pair_words(stk_ptr, spos_ptr, s, i, ok, offs_kl, T: tl.constexpr, KL: tl.constexpr):
+    """Inbox row (s, i)'s pair words from the dispatch: per local expert, t * K + k
+    and the recv row (-1: none or dropped); all -1 where ``ok`` is false."""
+    m = (offs_kl < KL) & ok
+    tks = tl.load(stk_ptr + (s * T + i) * KL + offs_kl, mask=m, other=-1)
+    poss = tl.load(spos_ptr + (s * T + i) * KL + offs_kl, mask=m, other=-1)
+    return tks, poss
+
+
+@triton.jit
+def _tagged_weights(ctx, weights, tks, e, src):
+    """The weights of pairs ``tks`` (t * K + k; -1: none, weight 0) from source
+    ``src``'s weight box words, once they carry call e's tag."""
+    got = dl.wait_tagged(ctx, weights, tl.maximum(tks, 0), tks >= 0, e, src)
+    return tl.where(tks >= 0, dl.unpack_tagged(got, tl.float32), 0.0)
+
+
+@triton.jit
 def moe_combine_kernel(ctx, y_ptr, w_ptr, kmask_ptr, ids_ptr, g_ptr, spos_ptr, stk_ptr,
                        sranges_ptr, out_ptr, dots_ptr, trace_ptr, T: tl.constexpr,
                        F: tl.constexpr, K: tl.constexpr, KL: tl.constexpr, W: tl.constexpr,
                        P: tl.constexpr, TP: tl.constexpr, E_LOC: tl.constexpr,
-                       FLAGS_OFF: tl.constexpr, WFLAGS_OFF: tl.constexpr,
+                       FLAGS_OFF: tl.constexpr,
                        INBOX_OFF: tl.constexpr, WBOX_OFF: tl.constexpr,
                        PARITY_BYTES: tl.constexpr, DOTS: tl.constexpr, KP: tl.constexpr,
                        KLP: tl.constexpr, WP: tl.constexpr, BLOCK_F: tl.constexpr,
@@ -432,7 +483,7 @@ def moe_combine_kernel(ctx, y_ptr, w_ptr, kmask_ptr, ids_ptr, g_ptr, spos_ptr, s
 
     Without DOTS (the forward) the experts' rank reduces first: program p pushes
     its tokens' weights (0 for invalid pairs) into every rank's weight box
-    (WBOX, [W, T, K] float32, flag WFLAGS[me, p]); the experts' rank sums each
+    (WBOX, [W, T, K] tagged float32 words); the experts' rank sums each
     received row's local pairs, w * y in float32, and sends one row per (token,
     rank) back, in y's type, to the source's inbox row ``me * T + t``; the source
     sums the rows of the ranks its token went to. A token's rows cross the link
@@ -454,9 +505,8 @@ def moe_combine_kernel(ctx, y_ptr, w_ptr, kmask_ptr, ids_ptr, g_ptr, spos_ptr, s
     me = dl.rank(ctx)
     e = dl.epoch(ctx)
     flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
-    wflags = dl.heap_ptr(ctx, WFLAGS_OFF, tl.int32)
     inbox = dl.parity_ptr(ctx, INBOX_OFF, PARITY_BYTES, y_ptr.dtype.element_ty)
-    wbox = dl.parity_ptr(ctx, WBOX_OFF, PARITY_BYTES, tl.float32)
+    wbox = dl.parity_ptr(ctx, WBOX_OFF, PARITY_BYTES, tl.int64)
     SEND_F: tl.constexpr = max(BLOCK_F // KLP, 16)
     SUM_F: tl.constexpr = max(BLOCK_F // (KP if DOTS else WP), 16)
     offs_kl = tl.arange(0, KLP)
@@ -466,82 +516,89 @@ def moe_combine_kernel(ctx, y_ptr, w_ptr, kmask_ptr, ids_ptr, g_ptr, spos_ptr, s
     t_hi = tl.minimum(t_lo + TP, T)
 
     # 0. Forward: this program's tokens' weights to every rank (their experts' ranks
-    # weigh the rows before sending them back).
+    # weigh the rows before sending them back), as tagged words: no fence, no flag;
+    # a reader waits for the words it needs.
     if not DOTS:
         for t in range(t_lo, t_hi):
             valid = tl.load(kmask_ptr + t * K + offs_k, mask=km, other=0) != 0
             wk = tl.where(valid, tl.load(w_ptr + t * K + offs_k, mask=km, other=0.0), 0.0)
+            words = dl.pack_tagged(wk.to(tl.float32), e)
             for step in range(0, W):
                 d = (me + step) % W
-                tl.store(dl.symm_at(ctx, wbox + (me * T + t) * K + offs_k, d),
-                         wk.to(tl.float32), mask=km)
-        dl.notify_peers(ctx, wflags + me * P + pid, e, INCLUDE_SELF=True)  # weights first
+                tl.store(dl.symm_at(ctx, wbox + (me * T + t) * K + offs_k, d), words, mask=km)
 
-    # 1. Send the rows held for source s's program pid back to s. Every source's
-    # slot range is loaded at once (one memory latency, not one per source).
+    # 1. Send the rows held for source s's program pid back to s, the sources in step
+    # order from this rank (ranks start at different peers). The rows of all sources
+    # are one sequence, and the next row's pair words are loaded before this row's
+    # sends: one memory latency per row, not two.
     offs_f = tl.arange(0, SEND_F)
     offs_row = tl.arange(0, BLOCK_F)
     offs_w = tl.arange(0, WP)
+    wm = offs_w < W
     ranges = sranges_ptr + (offs_w * P + pid) * 2
-    los = tl.load(ranges, mask=offs_w < W, other=0)
-    his = tl.load(ranges + 1, mask=offs_w < W, other=0)
-    for step in range(0, W):
-        s = (me + step) % W
-        lo = _pick(los, offs_w, s)
-        hi = _pick(his, offs_w, s)
-        if not DOTS:
-            token = dl.wait(ctx, wflags + s * P + pid, e, "ge", s)
-            # Loads of s's weights depend on the wait (consume_token).
-            weights = wbox + s * T * K + dl.consume_token((me * 0).to(tl.int64), token) * 4
-        for i in range(lo, hi):
-            tks = tl.load(stk_ptr + (s * T + i) * KL + offs_kl, mask=offs_kl < KL, other=-1)
-            poss = tl.load(spos_ptr + (s * T + i) * KL + offs_kl, mask=offs_kl < KL, other=-1)
-            src = y_ptr + poss[:, None].to(tl.int64) * F
-            if DOTS:
-                # A dropped row (pos -1) of a valid pair goes back as zeros.
-                send = (tks >= 0)[:, None]
-                dst = dl.symm_at(ctx, inbox + tks[:, None].to(tl.int64) * F, s)
-                for c in range(0, F, SEND_F):
-                    cols = (c + offs_f)[None, :]
-                    fm = cols < F
-                    v = tl.load(src + cols, mask=send & fm & (poss >= 0)[:, None], other=0.0)
-                    tl.store(dst + cols, v, mask=send & fm)
-            elif SEND_ROWS:
-                # One row per (token, rank), as below, from the valid pairs' rows only,
-                # SEND_ROWS of them loaded at once: a program has one token in hand, so
-                # the rows in flight bound its bandwidth (one at a time, the sends of
-                # 4096 tokens per rank on 2 x H200 read y at 1.5 TB/s).
-                keep = ((tks >= 0) & (poss >= 0)).to(tl.int32)
-                wks = tl.load(weights + tks, mask=tks >= 0, other=0.0)
-                t = tl.max(tks, axis=0) // K
-                # The token's pairs here hold the first slots (in k order): n of them.
-                n = tl.max(tl.where(tks >= 0, offs_kl + 1, 0), axis=0)
-                dst = dl.symm_at(ctx, inbox + (me * T + t).to(tl.int64) * F, s)
-                for c in range(0, F, BLOCK_F):
-                    cols = c + offs_row
-                    fm = cols < F
-                    part = tl.zeros((BLOCK_F,), tl.float32)
-                    for j0 in range(0, n, SEND_ROWS):
-                        for u in tl.static_range(SEND_ROWS):
-                            j = j0 + u
-                            pos = tl.maximum(_pick(poss, offs_kl, j), 0)
-                            v = tl.load(y_ptr + tl.cast(pos, tl.int64) * F + cols,
-                                        mask=fm & (_pick(keep, offs_kl, j) != 0), other=0.0)
-                            part += _pick(wks, offs_kl, j) * v.to(tl.float32)
-                    tl.store(dst + cols, part.to(y_ptr.dtype.element_ty), mask=fm)
-            else:
-                # One row per (token, rank): the pairs' rows weighed and summed here
-                # (dropped rows count zero; a token whose rows all dropped gets zeros).
-                keep = ((tks >= 0) & (poss >= 0))[:, None]
-                wk = tl.load(weights + tks, mask=tks >= 0, other=0.0)[:, None]
-                t = tl.max(tks, axis=0) // K
-                dst = dl.symm_at(ctx, inbox + (me * T + t).to(tl.int64) * F, s)
-                for c in range(0, F, SEND_F):
-                    cols = c + offs_f
-                    fm = cols < F
-                    v = tl.load(src + cols[None, :], mask=keep & fm[None, :], other=0.0)
-                    part = tl.sum(wk * v.to(tl.float32), axis=0)
-                    tl.store(dst + cols, part.to(y_ptr.dtype.element_ty), mask=fm)
+    los = tl.load(ranges, mask=wm, other=0)
+    his = tl.load(ranges + 1, mask=wm, other=0)
+    srcs = (me + offs_w) % W  # source of step q
+    by_step = offs_w[None, :] == srcs[:, None]
+    los_q = tl.sum(tl.where(by_step, los[None, :], 0), axis=1)
+    lens = tl.where(wm, tl.maximum(tl.sum(tl.where(by_step, his[None, :], 0), axis=1) - los_q,
+                                   0), 0)
+    n = tl.sum(lens, axis=0)
+    q, i = _nth_row(lens, los_q, offs_w, 0)
+    s = _pick(srcs, offs_w, q)
+    tks, poss = _pair_words(stk_ptr, spos_ptr, s, i, n > 0, offs_kl, T, KL)
+    for j in range(0, n):
+        q_next, i_next = _nth_row(lens, los_q, offs_w, j + 1)
+        s_next = _pick(srcs, offs_w, q_next)
+        tks_next, poss_next = _pair_words(stk_ptr, spos_ptr, s_next, i_next, j + 1 < n,
+                                          offs_kl, T, KL)
+        src = y_ptr + poss[:, None].to(tl.int64) * F
+        if DOTS:
+            # A dropped row (pos -1) of a valid pair goes back as zeros.
+            send = (tks >= 0)[:, None]
+            dst = dl.symm_at(ctx, inbox + tks[:, None].to(tl.int64) * F, s)
+            for c in range(0, F, SEND_F):
+                cols = (c + offs_f)[None, :]
+                fm = cols < F
+                v = tl.load(src + cols, mask=send & fm & (poss >= 0)[:, None], other=0.0)
+                tl.store(dst + cols, v, mask=send & fm)
+        elif SEND_ROWS:
+            # One row per (token, rank), as below, from the valid pairs' rows only,
+            # SEND_ROWS of them loaded at once: a program has one token in hand, so
+            # the rows in flight bound its bandwidth (one at a time, the sends of
+            # 4096 tokens per rank on 2 x H200 read y at 1.5 TB/s).
+            keep = ((tks >= 0) & (poss >= 0)).to(tl.int32)
+            wks = _tagged_weights(ctx, wbox + s * T * K, tks, e, s)
+            t = tl.max(tks, axis=0) // K
+            # The token's pairs here hold the first slots (in k order): held of them.
+            held = tl.max(tl.where(tks >= 0, offs_kl + 1, 0), axis=0)
+            dst = dl.symm_at(ctx, inbox + (me * T + t).to(tl.int64) * F, s)
+            for c in range(0, F, BLOCK_F):
+                cols = c + offs_row
+                fm = cols < F
+                part = tl.zeros((BLOCK_F,), tl.float32)
+                for r0 in range(0, held, SEND_ROWS):
+                    for u in tl.static_range(SEND_ROWS):
+                        r = r0 + u
+                        pos = tl.maximum(_pick(poss, offs_kl, r), 0)
+                        v = tl.load(y_ptr + tl.cast(pos, tl.int64) * F + cols,
+                                    mask=fm & (_pick(keep, offs_kl, r) != 0), other=0.0)
+                        part += _pick(wks, offs_kl, r) * v.to(tl.float32)
+                tl.store(dst + cols, part.to(y_ptr.dtype.element_ty), mask=fm)
+        else:
+            # One row per (token, rank): the pairs' rows weighed and summed here
+            # (dropped rows count zero; a token whose rows all dropped gets zeros).
+            keep = ((tks >= 0) & (poss >= 0))[:, None]
+            wk = _tagged_weights(ctx, wbox + s * T * K, tks, e, s)[:, None]
+            t = tl.max(tks, axis=0) // K
+            dst = dl.symm_at(ctx, inbox + (me * T + t).to(tl.int64) * F, s)
+            for c in range(0, F, SEND_F):
+                cols = c + offs_f
+                fm = cols < F
+                v = tl.load(src + cols[None, :], mask=keep & fm[None, :], other=0.0)
+                part = tl.sum(wk * v.to(tl.float32), axis=0)
+                tl.store(dst + cols, part.to(y_ptr.dtype.element_ty), mask=fm)
+        s, i, tks, poss = s_next, i_next, tks_next, poss_next
     # Flags once every rank's rows are in flight, behind one fence.
     dl.notify_peers(ctx, flags + me * P + pid, e, INCLUDE_SELF=True)  # the rows first
     _stamp(trace_ptr, pid, 1, TRACE)

@@ -397,18 +397,17 @@ class DispatchWorkspace:
 
 
 class CombineWorkspace:
-    """Byte layout of the combine workspace: flags [W, P] and weight flags [W, P]
-    int32, then per call parity an inbox of rows and a weight box [W, T, K]
-    float32. Inbox rows: [W, T] (row ``d * T + t``: token t's rows of rank d,
+    """Byte layout of the combine workspace: flags [W, P] int32, then per call
+    parity an inbox of rows and a weight box [W, T, K] int64 (float32 weights as
+    tagged words). Inbox rows: [W, T] (row ``d * T + t``: token t's rows of rank d,
     weighed and summed there: the forward) or [T * K] (row ``t * K + k``: the
     expert's row of pair (t, k): the backward); room for both."""
 
     def __init__(self, world, tokens, top_k, cols, itemsize, programs):
         self.flags = 0
-        self.wflags = 4 * world * programs
-        self.inbox = align(8 * world * programs)
+        self.inbox = align(4 * world * programs)
         self.wbox_in_parity = align(max(world, top_k) * tokens * cols * itemsize)
-        self.parity_bytes = self.wbox_in_parity + align(4 * world * tokens * top_k)
+        self.parity_bytes = self.wbox_in_parity + align(8 * world * tokens * top_k)
         self.nbytes = self.inbox + 2 * self.parity_bytes
 
 
@@ -544,7 +543,7 @@ def moe_combine_kernels(y: jax.Array, handle: MoeHandle, weights: jax.Array, axi
         varying=tuple(a for a in call.rt.mesh.axis_names if a in varying),
         T=t, F=f, K=k, KL=kl, W=world, P=programs, TP=-(-t // programs),
         E_LOC=handle.num_experts // world, FLAGS_OFF=ws.offset + plan.flags,
-        WFLAGS_OFF=ws.offset + plan.wflags, INBOX_OFF=ws.offset + plan.inbox,
+        INBOX_OFF=ws.offset + plan.inbox,
         WBOX_OFF=ws.offset + plan.inbox + plan.wbox_in_parity, PARITY_BYTES=plan.parity_bytes,
         DOTS=dots, KP=next_pow2(k), KLP=next_pow2(kl), WP=next_pow2(world),
         BLOCK_F=cfg.BLOCK_H, SEND_ROWS=cfg.COMBINE_ROWS if cfg.COMBINE_SEND == "rows" else 0,

@@ -762,6 +762,55 @@ def probe_fd_trace(world: int = 4) -> None:
                     flush=True)
 
 
+def probe_fd_chain(world: int = 4, layers: int = 8, s_rank: int = 32768) -> None:
+    """flash_decode at ``world`` (``s_rank`` positions per rank), ``layers`` traced calls back to back
+    in one program, each call's output the next one's query (as the bench's
+    ``--layers``): per device and call after the first, us from the previous
+    call's last output store: the first program's start (the gap between the two
+    kernels, prologue included), the last split's end, and the groups' mergers'
+    (medians) local merge, pushes, wait for peers and store; then the call's
+    last store (the time per call)."""
+    from jaxtdist.bench import flash_decode as fb
+    from jaxtdist.ops.flash_decode import flash_decode_kernels
+
+    b, hq, hkv, d = fb.FLASH_DECODE_HEADS
+    mesh = fb._mesh(world)
+    td.initialize(mesh)
+
+    def chain(q, k, v, n):
+        stamps = []
+        for _ in range(layers):
+            q, st = flash_decode_kernels(q, k, v, n, "sp", trace=True)
+            stamps.append(st)
+        return jnp.stack(stamps)[None]
+
+    traced = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=fb.SPECS, out_specs=P("sp"),
+                                   check_vma=False))
+    q, k, v, n = fb._operands(990, b, hq, hkv, d, s_rank * world, jnp.bfloat16)
+    args = tuple(jax.device_put(a, NamedSharding(mesh, sp)) for a, sp in zip((q, k, v, n),
+                                                                            fb.SPECS))
+    runs = [np.asarray(traced(*args)).astype(np.int64) for _ in range(25)][5:]
+    keys = ("start", "split_end", "local_merge", "push", "peers", "store", "end")
+    for dev in range(world):
+        cells = {key: [] for key in keys}
+        for st in runs:  # [world, layers, programs, 6]
+            for c in range(1, layers):
+                prev = st[dev, c - 1]
+                cur = st[dev, c]
+                t0 = prev[prev[:, 2] != 0][:, 5].max()
+                rel = ((cur - t0) % (1 << 32)) / 1e3
+                mm = rel[cur[:, 2] != 0]
+                cells["start"].append(rel[:, 0].min())
+                cells["split_end"].append(rel[:, 1].max())
+                cells["local_merge"].append(np.median(mm[:, 2] - mm[:, 1]))
+                cells["push"].append(np.median(mm[:, 3] - mm[:, 2]))
+                cells["peers"].append(np.median(mm[:, 4] - mm[:, 3]))
+                cells["store"].append(np.median(mm[:, 5] - mm[:, 4]))
+                cells["end"].append(mm[:, 5].max())
+        print(f"fd_chain world {world} S/rank={s_rank} layers={layers} dev {dev}: " + " ".join(
+            f"{key}={np.median(cells[key]):.1f}" for key in keys), flush=True)
+
+
 def probe_fd_race(world: int = 2, calls: int = 48) -> None:
     """flash_decode's exchange under fresh data, call after call: ``calls`` calls per
     shape at ``world`` (GQA group 3 and multi-head attention, the shapes where a
@@ -857,7 +906,7 @@ PROBES = {"moe": probe_moe, "moe_routing": probe_moe_routing, "moe_trace": probe
           "gemm_one_round": probe_gemm_one_round, "push": probe_push,
           "float32": probe_float32, "rs_loop": probe_rs_loop, "rs_trace": probe_rs_trace,
           "fd_world": probe_fd_world,
-          "fd_trace": probe_fd_trace, "fd_race": probe_fd_race, "fd_f32": probe_fd_f32, "fd_fill": probe_fd_fill,
+          "fd_trace": probe_fd_trace, "fd_chain": probe_fd_chain, "fd_race": probe_fd_race, "fd_f32": probe_fd_f32, "fd_fill": probe_fd_fill,
           "grouped": probe_grouped}
 
 if __name__ == "__main__":
