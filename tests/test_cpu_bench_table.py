@@ -54,14 +54,18 @@ def test_interleaved_rounds_alternate_check_outputs_and_report_failures():
         close=harness.Contender(close, (), 1, ref),
         unchecked=harness.Contender(unchecked, (), 1),
         broken=harness.Contender(broken, (), 1, ref)), iterations=10, rounds=2, measure=measure)
-    # Round by round, one contender after another; a failing one runs once.
+    # Round by round, one contender after another, after an untimed round; a failing
+    # one runs once.
     assert [c[0] for c in calls] == ["good", "bad", "close", "unchecked", "broken",
+                                     "good", "bad", "close", "unchecked",
                                      "good", "bad", "close", "unchecked"]
     assert {c[1] for c in calls} == {5}
     assert stats["good"]["exact"] and not stats["bad"]["exact"]
     assert abs(stats["close"]["rel_err"] - 1e-3) < 1e-6  # float32 arithmetic
     assert "exact" not in stats["unchecked"] and "rel_err" not in stats["unchecked"]
-    assert stats["good"]["round_medians_us"] == [1.0, 6.0]
+    # The warm-up round's times (1.0 for "good") are not kept.
+    assert stats["good"]["round_medians_us"] == [6.0, 10.0]
+    assert len(stats["good"]["samples_us"]) == 10
     assert stats["broken"] == dict(error=["RuntimeError: no kernel for this shape"])
 
 
