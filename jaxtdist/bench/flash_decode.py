@@ -116,6 +116,13 @@ def _operands(seed: int, b: int, hq: int, hkv: int, d: int, s: int, dtype):
     return q, k, v, n
 
 
+def placed(mesh, q, k, v, kv_len) -> tuple:
+    """flash_decode's operands on ``mesh`` as the op takes them (``SPECS``: the
+    query and lengths on every rank, the cache split by position)."""
+    return tuple(jax.device_put(a, NamedSharding(mesh, sp))
+                 for a, sp in zip((q, k, v, kv_len), SPECS))
+
+
 def _chained(fn, layers: int):
     """``fn(q, *rest) -> out`` called ``layers`` times back to back in one program,
     each call's output the next one's query."""
@@ -187,8 +194,7 @@ def _one_gpu_times(seqs, iterations: int, dtype, rounds: int,
     times = {}
     for i, s in enumerate(seqs):
         q, k, v, n = _operands(700 + 3 * i, b, hq, hkv, d, s, dtype)
-        args = tuple(jax.device_put(a, NamedSharding(one, sp)) for a, sp in zip((q, k, v, n),
-                                                                              SPECS))
+        args = placed(one, q, k, v, n)
         ref = _chain_reference(q, k, v, n, layers)
         times[s] = _per_call(h.interleaved(dict(one_gpu=h.Contender(fn, args, 1, ref)),
                                            iterations, rounds)["one_gpu"], layers)
@@ -229,8 +235,7 @@ def bench_flash_decode(seqs, iterations: int, world: int, dtype=jnp.bfloat16,
     for i, s in enumerate(seqs):
         q, k, v, n = _operands(700 + 3 * i, b, hq, hkv, d, s, dtype)
         ref = _chain_reference(q, k, v, n, layers)
-        args = tuple(jax.device_put(a, NamedSharding(mesh, sp))
-                     for a, sp in zip((q, k, v, n), SPECS))
+        args = placed(mesh, q, k, v, n)
         kv_bytes = 2 * b * s * hkv * d * itemsize  # K and V, all ranks together
         row = dict(b=b, hq=hq, hkv=hkv, d=d, seq=s, world=world, dtype=jnp.dtype(dtype).name,
                    kv_bytes_per_device=kv_bytes // world, size=float(s), label=f"S={s}",

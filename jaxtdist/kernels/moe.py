@@ -70,6 +70,7 @@ import triton
 import triton.language as tl
 
 import jaxtdist.language as dl
+from jaxtdist.kernels._tiles import aligned_after
 from jaxtdist.kernels._trace import stamp
 from jaxtdist.kernels.moe_route import route_program
 
@@ -171,7 +172,7 @@ def _wait_chunk(ctx, flags, c, me, e, pid, W: tl.constexpr, P: tl.constexpr,
                 NCH: tl.constexpr):
     """Waits until every source's program pid has flagged its chunk c of call e
     (flags [W, P, NCH]; the combine's [W, P]: NCH = 1, c = 0); returns the token
-    of the last wait (``dl.consume_token``)."""
+    of the last wait (for ``aligned_after``)."""
     token = me * 0  # int32, the type dl.wait's token has (loop-carried)
     for step in range(0, W):
         src = (me + step) % W
@@ -387,12 +388,11 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
     # 2. Receive: every source's program pid has pushed its chunk 0 and header.
     token = _wait_chunk(ctx, flags, 0, me, e, pid, W, P, NCH)
     _stamp(trace_ptr, pid, 3, TRACE)
-    # Every load below goes through pointers that depend on the wait (consume_token),
-    # via a zero offset times 16 elements: they keep their known alignment.
-    after = dl.consume_token((me * 0).to(tl.int64), token) * 16
+    # Every load below goes through pointers that depend on the wait (aligned_after).
     ws = offs_w[:, None]
     js = offs_e[None, :]
-    cnt = tl.load(hdr + after + ws * HDR_WORDS + js, mask=(ws < W) & (js < E_LOC), other=0)
+    cnt = tl.load(aligned_after(hdr, token) + ws * HDR_WORDS + js,
+                  mask=(ws < W) & (js < E_LOC), other=0)
     tot = tl.sum(cnt, axis=0)
     base = tl.cumsum(cnt, axis=0) - cnt + (tl.cumsum(tot, axis=0) - tot)[None, :]
     total = tl.sum(tot, axis=0)
@@ -412,9 +412,9 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
                            tl.minimum(t0 + CT, t_hi), run, offs_w, wm, offs_m, mm, offs_h,
                            T, W, H, META_WORDS, BLOCK_H)
         _store_bounds(ctx, mine + c + 1, run, me, offs_w, W)
-        after = dl.consume_token((me * 0).to(tl.int64), token) * 16
-        _lay_out_chunk(hdr + after, meta + after, rows + after, recv_ptr, tail_ptr, spos_ptr,
-                       stk_ptr, base, c - 1, pid, offs_w, offs_e, offs_h, offs_kl, kl_m, T, H,
+        _lay_out_chunk(aligned_after(hdr, token), aligned_after(meta, token),
+                       aligned_after(rows, token), recv_ptr, tail_ptr, spos_ptr, stk_ptr,
+                       base, c - 1, pid, offs_w, offs_e, offs_h, offs_kl, kl_m, T, H,
                        K, KL, R, W, P, NCH, HDR_WORDS, E_LOC, META_WORDS, BLOCK_H, SPLIT,
                        SCALED)
         dl.notify_peers(ctx, my_flags + c, e, INCLUDE_SELF=True)
@@ -422,9 +422,8 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
             _zero_rows(recv_ptr, tail_ptr, first, (c - 1) * n // NCH, c * n // NCH, offs_h,
                        recv_ptr.dtype.element_ty, H, P, SPLIT, BLOCK_H)
         token = _wait_chunk(ctx, flags, c, me, e, pid, W, P, NCH)
-    after = dl.consume_token((me * 0).to(tl.int64), token) * 16
-    hdr = hdr + after
-    _lay_out_chunk(hdr, meta + after, rows + after, recv_ptr, tail_ptr, spos_ptr, stk_ptr,
+    hdr = aligned_after(hdr, token)
+    _lay_out_chunk(hdr, aligned_after(meta, token), aligned_after(rows, token), recv_ptr, tail_ptr, spos_ptr, stk_ptr,
                    base, NCH - 1, pid, offs_w, offs_e, offs_h, offs_kl, kl_m, T, H, K, KL, R,
                    W, P, NCH, HDR_WORDS, E_LOC, META_WORDS, BLOCK_H, SPLIT, SCALED)
     # Every source's slot range for this program, and slot total.
@@ -527,10 +526,10 @@ def moe_combine_kernel(ctx, y_ptr, w_ptr, kmask_ptr, ids_ptr, g_ptr, spos_ptr, s
                 d = (me + step) % W
                 tl.store(dl.symm_at(ctx, wbox + (me * T + t) * K + offs_k, d), words, mask=km)
 
-    # 1. Send the rows held for source s's program pid back to s, the sources in step
-    # order from this rank (ranks start at different peers). The rows of all sources
-    # are one sequence, and the next row's pair words are loaded before this row's
-    # sends: one memory latency per row, not two.
+    # 1. Send the rows held for source s's program pid back to s. The rows of all
+    # sources are one sequence, walked from this rank's own first row around (ranks
+    # start at different peers), and the next row's pair words are loaded before
+    # this row's sends: one memory latency per row, not two.
     offs_f = tl.arange(0, SEND_F)
     offs_row = tl.arange(0, BLOCK_F)
     offs_w = tl.arange(0, WP)
@@ -538,18 +537,13 @@ def moe_combine_kernel(ctx, y_ptr, w_ptr, kmask_ptr, ids_ptr, g_ptr, spos_ptr, s
     ranges = sranges_ptr + (offs_w * P + pid) * 2
     los = tl.load(ranges, mask=wm, other=0)
     his = tl.load(ranges + 1, mask=wm, other=0)
-    srcs = (me + offs_w) % W  # source of step q
-    by_step = offs_w[None, :] == srcs[:, None]
-    los_q = tl.sum(tl.where(by_step, los[None, :], 0), axis=1)
-    lens = tl.where(wm, tl.maximum(tl.sum(tl.where(by_step, his[None, :], 0), axis=1) - los_q,
-                                   0), 0)
+    lens = tl.maximum(his - los, 0)
     n = tl.sum(lens, axis=0)
-    q, i = _nth_row(lens, los_q, offs_w, 0)
-    s = _pick(srcs, offs_w, q)
+    first = tl.sum(tl.where(offs_w < me, lens, 0), axis=0)  # this rank's first row
+    s, i = _nth_row(lens, los, offs_w, first % tl.maximum(n, 1))
     tks, poss = _pair_words(stk_ptr, spos_ptr, s, i, n > 0, offs_kl, T, KL)
     for j in range(0, n):
-        q_next, i_next = _nth_row(lens, los_q, offs_w, j + 1)
-        s_next = _pick(srcs, offs_w, q_next)
+        s_next, i_next = _nth_row(lens, los, offs_w, (first + j + 1) % n)
         tks_next, poss_next = _pair_words(stk_ptr, spos_ptr, s_next, i_next, j + 1 < n,
                                           offs_kl, T, KL)
         src = y_ptr + poss[:, None].to(tl.int64) * F
@@ -606,9 +600,8 @@ def moe_combine_kernel(ctx, y_ptr, w_ptr, kmask_ptr, ids_ptr, g_ptr, spos_ptr, s
     # 2. Sum this program's tokens' rows once every rank's program pid has sent.
     token = _wait_chunk(ctx, flags, 0, me, e, pid, W, P, 1)
     _stamp(trace_ptr, pid, 2, TRACE)
-    # Loads below depend on the wait (consume_token) through a zero offset times 16
-    # elements: the pointer keeps its known alignment (16-byte vector loads).
-    rows = inbox + dl.consume_token((me * 0).to(tl.int64), token) * 16
+    # Loads below depend on the wait, with the pointer's alignment kept (16-byte loads).
+    rows = aligned_after(inbox, token)
     offs_f = tl.arange(0, SUM_F)
     for t in range(t_lo, t_hi):
         valid = tl.load(kmask_ptr + t * K + offs_k, mask=km, other=0) != 0

@@ -279,8 +279,7 @@ def _fd_world_1(variants: dict, seqs, dtype, seed: int, fill: float = 1.0) -> No
         if fill != 1.0:
             n = jnp.full_like(n, int(s * fill))
         ref = fb._reference(q, k, v, n)
-        args = tuple(jax.device_put(a, NamedSharding(mesh, sp))
-                     for a, sp in zip((q, k, v, n), fb.SPECS))
+        args = fb.placed(mesh, q, k, v, n)
         contenders = dict(xla=h.Contender(jax.jit(fb._xla_decode_local), args, 1, ref))
         for name, cfg in variants.items():
             fn = jax.jit(jax.shard_map(
@@ -696,8 +695,7 @@ def probe_fd_world(world: int = 4) -> None:
             s_rank = s // world
             q, k, v, n = fb._operands(900 + 3 * i, b, hq, hkv, d, s_rank * w_, jnp.bfloat16)
             ref = fb._reference(q, k, v, n)
-            args = tuple(jax.device_put(a, NamedSharding(mesh, sp))
-                         for a, sp in zip((q, k, v, n), fb.SPECS))
+            args = fb.placed(mesh, q, k, v, n)
             contenders = {}
             for name, (cfg, aligned) in (variants if w_ > 1 else
                                          {"world_1_shard": (None, True),
@@ -734,8 +732,7 @@ def probe_fd_trace(world: int = 4) -> None:
             out_specs=P("sp"), **specs))
         for i, s_rank in enumerate((2048, 32768)):
             q, k, v, n = fb._operands(950 + 3 * i, b, hq, hkv, d, s_rank * w_, jnp.bfloat16)
-            args = tuple(jax.device_put(a, NamedSharding(mesh, sp))
-                         for a, sp in zip((q, k, v, n), fb.SPECS))
+            args = fb.placed(mesh, q, k, v, n)
             runs = []
             for _ in range(30):
                 runs.append(np.asarray(traced(*args)).astype(np.int64))
@@ -787,8 +784,7 @@ def probe_fd_chain(world: int = 4, layers: int = 8, s_rank: int = 32768) -> None
     traced = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=fb.SPECS, out_specs=P("sp"),
                                    check_vma=False))
     q, k, v, n = fb._operands(990, b, hq, hkv, d, s_rank * world, jnp.bfloat16)
-    args = tuple(jax.device_put(a, NamedSharding(mesh, sp)) for a, sp in zip((q, k, v, n),
-                                                                            fb.SPECS))
+    args = fb.placed(mesh, q, k, v, n)
     runs = [np.asarray(traced(*args)).astype(np.int64) for _ in range(25)][5:]
     keys = ("start", "split_end", "local_merge", "push", "peers", "store", "end")
     for dev in range(world):
@@ -831,8 +827,7 @@ def probe_fd_race(world: int = 2, calls: int = 48) -> None:
         for call in range(calls):
             q, k, v, _ = fb._operands(1900 + 3 * call, b, hq, hkv, d, total, dtype)
             n = jnp.asarray(rng.integers(1, total + 1, size=b), jnp.int32)
-            args = tuple(jax.device_put(a, NamedSharding(mesh, sp))
-                         for a, sp in zip((q, k, v, n), fb.SPECS))
+            args = fb.placed(mesh, q, k, v, n)
             out = np.asarray(f(*args), np.float64)
             ref = fb._reference(q, k, v, n)
             err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
