@@ -30,9 +30,11 @@ Dispatch (``moe_dispatch_kernel``), program p of rank ``me`` owns tokens
    went (for combine); it also zeroes its share of the unused rows of recv_x
    (unless ZERO_TAIL is off).
 
-With several chunks (bulk sizes) the steps are pipelined: chunk c is pushed,
-then chunk c - 1 laid out and a piece of the unused rows zeroed while chunk c's
-remote stores drain, then chunk c flagged: local copies overlap the link.
+With several chunks (bulk sizes) the steps are pipelined: chunk c - 1 is laid
+out while chunk c's remote stores drain, then chunk c is flagged, a piece of
+the unused rows zeroed and chunk c + 1 pushed, and only then does the program
+wait for its peers' chunk c: local copies overlap the link, and each wait is
+for a chunk the peers flagged a push earlier.
 
 Combine (``moe_combine_kernel``) is the reverse, by the same program split.
 Forward: program p of every rank first pushes its tokens' weights into every
@@ -385,6 +387,17 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
     dl.notify_peers(ctx, my_flags, e, INCLUDE_SELF=True)  # rows, meta, header
     _stamp(trace_ptr, pid, 2, TRACE)
 
+    # With chunks, chunk 1 goes out before the wait for chunk 0 (and below chunk
+    # c + 1 before the wait for chunk c): a rank waits for the chunk its peers
+    # flagged one push earlier, not for the one they are flagging now, so no
+    # chunk's wait is a rendezvous of every rank.
+    if NCH > 1:
+        t0 = t_lo + CT
+        run = _push_tokens(ctx, x_ptr, slot_ptr, meta_ptr, rows, meta, me, t0,
+                           tl.minimum(t0 + CT, t_hi), run, offs_w, wm, offs_m, mm, offs_h,
+                           T, W, H, META_WORDS, BLOCK_H)
+        _store_bounds(ctx, mine + 2, run, me, offs_w, W)
+
     # 2. Receive: every source's program pid has pushed its chunk 0 and header.
     token = _wait_chunk(ctx, flags, 0, me, e, pid, W, P, NCH)
     _stamp(trace_ptr, pid, 3, TRACE)
@@ -403,15 +416,10 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
     first = tl.minimum(total, R) + pid
     n = tl.maximum(R - first + P - 1, 0) // P
 
-    # Chunk c's pushes go out before chunk c - 1 is laid out: the local copies run
-    # while the remote stores drain, and the fence before chunk c's flags finds
-    # them landed. One chunk (NCH = 1, the low-latency default): no loop.
+    # Chunk c - 1 is laid out while chunk c's remote stores drain, and the fence
+    # before chunk c's flags finds them landed; then chunk c + 1 goes out before
+    # the wait for chunk c. One chunk (NCH = 1, the low-latency default): no loop.
     for c in range(1, NCH):
-        t0 = t_lo + c * CT
-        run = _push_tokens(ctx, x_ptr, slot_ptr, meta_ptr, rows, meta, me, t0,
-                           tl.minimum(t0 + CT, t_hi), run, offs_w, wm, offs_m, mm, offs_h,
-                           T, W, H, META_WORDS, BLOCK_H)
-        _store_bounds(ctx, mine + c + 1, run, me, offs_w, W)
         _lay_out_chunk(aligned_after(hdr, token), aligned_after(meta, token),
                        aligned_after(rows, token), recv_ptr, tail_ptr, spos_ptr, stk_ptr,
                        base, c - 1, pid, offs_w, offs_e, offs_h, offs_kl, kl_m, T, H,
@@ -421,6 +429,12 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
         if ZERO_TAIL:
             _zero_rows(recv_ptr, tail_ptr, first, (c - 1) * n // NCH, c * n // NCH, offs_h,
                        recv_ptr.dtype.element_ty, H, P, SPLIT, BLOCK_H)
+        if c + 1 < NCH:
+            t0 = t_lo + (c + 1) * CT
+            run = _push_tokens(ctx, x_ptr, slot_ptr, meta_ptr, rows, meta, me, t0,
+                               tl.minimum(t0 + CT, t_hi), run, offs_w, wm, offs_m, mm,
+                               offs_h, T, W, H, META_WORDS, BLOCK_H)
+            _store_bounds(ctx, mine + c + 2, run, me, offs_w, W)
         token = _wait_chunk(ctx, flags, c, me, e, pid, W, P, NCH)
     hdr = aligned_after(hdr, token)
     _lay_out_chunk(hdr, aligned_after(meta, token), aligned_after(rows, token), recv_ptr, tail_ptr, spos_ptr, stk_ptr,
