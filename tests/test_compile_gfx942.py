@@ -197,7 +197,7 @@ def _attention_and_moe(problem) -> dict:
         FLAGS_OFF=0, INBOX_OFF=4096, WBOX_OFF=4096 + (1 << 23),
         PARITY_BYTES=1 << 24, DOTS=False, KP=next_pow2(k), KLP=next_pow2(kl),
         WP=next_pow2(WORLD), BLOCK_F=cfg.BLOCK_H, SEND_ROWS=cfg.COMBINE_SEND == "rows",
-        TRACE=False), dict(num_warps=cfg.num_warps, num_stages=1))
+        TRACE=False, CT=1, NCH=1), dict(num_warps=cfg.num_warps, num_stages=1))
     s_shard, group = 32768, 4
     p = problem((1, 8 * group, 8, 128, s_shard))
     cfg = FlashDecodeConfig.default(p)

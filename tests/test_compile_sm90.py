@@ -475,6 +475,41 @@ def test_moe_fused_routing_compiles(t, world):
     assert "bar.sync" in d.asm["ptx"] or "barrier.sync" in d.asm["ptx"]
 
 
+def _compile_combine(y_dtype, t, f, k, kl, e_loc, world, programs, dots, send_rows, chunk=0,
+                     **options):
+    from jaxtdist.kernels.moe import moe_combine_kernel
+    i32 = "*i32"
+    tp = -(-t // programs)
+    chunk = min(chunk or tp, tp)
+    return _compile(moe_combine_kernel,
+                    {"ctx": i32, "y_ptr": f"*{y_dtype}", "w_ptr": "*fp32", "kmask_ptr": i32,
+                     "ids_ptr": i32, "g_ptr": f"*{y_dtype}", "spos_ptr": i32, "stk_ptr": i32,
+                     "sranges_ptr": i32, "out_ptr": f"*{y_dtype}", "dots_ptr": "*fp32",
+                     "trace_ptr": i32},
+                    dict(T=t, F=f, K=k, KL=kl, W=world, P=programs, TP=tp, E_LOC=e_loc,
+                         FLAGS_OFF=0, INBOX_OFF=4096, WBOX_OFF=4096 + (1 << 23),
+                         PARITY_BYTES=1 << 24, DOTS=dots, KP=8, KLP=8, WP=4,
+                         BLOCK_F=_moe_block(f, 2), SEND_ROWS=send_rows, CT=chunk,
+                         NCH=-(-tp // chunk), **options),
+                    num_warps=4, num_stages=1)
+
+
+@pytest.mark.parametrize("dots", [False, True])
+def test_moe_chunked_combine_compiles(dots):
+    """The bulk combine (4096 tokens per rank, 32 per program, the dispatch's chunks
+    of 4: each chunk sent, the previous one summed, then flagged) compiles for sm_90
+    with 16-byte row copies, system-scope flags and no rows spilling: the forward
+    keeps 40 bytes of stack (48 with the trace stamps; one chunk: 8), the pointers
+    live across the chunk loop; rows' registers spilling take hundreds (see
+    test_moe_kernels_compile)."""
+    c = _compile_combine("bf16", 4096, 7168, 8, 8, 64, 4, 128, dots, 2, chunk=4, TRACE=True)
+    ops = _ops(c)
+    assert not {op: n for op, n in ops.items() if op.endswith((".b16", ".b8"))}, dict(ops)
+    ptx = c.asm["ptx"]
+    assert ("ld.global.sys.acquire" in ptx or "ld.acquire.sys" in ptx) and "release" in ptx
+    assert _stack_bytes(c) <= (0 if dots else 48), "the chunked combine spills"
+
+
 @pytest.mark.parametrize("zero_tail", [True, False])
 def test_moe_chunked_dispatch_compiles(zero_tail):
     """The bulk dispatch (4096 tokens per rank, 32 per program, chunks of 4: each
@@ -499,28 +534,18 @@ def test_moe_kernels_compile(dtype, dots, send_rows):
     row copies keep 16-byte vectors and the flags are system-scope release/acquire;
     the combine loads send_rows valid pair rows at once (0: as one masked block)
     without spilling (the default: 2)."""
-    from jaxtdist.kernels.moe import moe_combine_kernel
     t, h, k, e_loc, world, programs = 128, 7168, 8, 64, 4, 128
     if dtype == "u8":  # fp8 dispatch: byte rows of 7168 fp8 and 56 float32 scales
         h = 7168 + 4 * 56
     kl = 8
     block = _moe_block(h, 1 if dtype == "u8" else 4 if dtype == "fp32" else 2)
-    i32 = "*i32"
     d = _compile_dispatch(dtype, t, h, k, e_loc, world, programs, block,
                           SPLIT=7168 if dtype == "u8" else 0,
                           TRACE=dtype == "bf16",  # the probes' phase stamps compile too
                           ROUTE=dtype != "fp32")  # the fused routing too
     y_dtype = "bf16" if dtype == "u8" else dtype  # the experts' output: bf16 after fp8
-    c = _compile(moe_combine_kernel,
-                 {"ctx": i32, "y_ptr": f"*{y_dtype}", "w_ptr": "*fp32", "kmask_ptr": i32,
-                  "ids_ptr": i32, "g_ptr": f"*{y_dtype}", "spos_ptr": i32, "stk_ptr": i32,
-                  "sranges_ptr": i32, "out_ptr": f"*{y_dtype}", "dots_ptr": "*fp32",
-                  "trace_ptr": i32},
-                 dict(T=t, F=h, K=k, KL=kl, W=world, P=programs, TP=1, E_LOC=e_loc,
-                      FLAGS_OFF=0, INBOX_OFF=4096, WBOX_OFF=4096 + (1 << 23),
-                      PARITY_BYTES=1 << 24, DOTS=dots, KP=8, KLP=8, WP=4,
-                      BLOCK_F=_moe_block(h, 2), SEND_ROWS=send_rows, TRACE=dtype == "bf16"),
-                 num_warps=4, num_stages=1)
+    c = _compile_combine(y_dtype, t, h, k, kl, e_loc, world, programs, dots, send_rows,
+                         TRACE=dtype == "bf16")
     for k_ in (d, c):
         ptx = k_.asm["ptx"]
         ops = _ops(k_)

@@ -335,6 +335,10 @@ def test_moe_benchmark_runs_and_tabulates(faked_timing, world):
         text = moe.table(dict(world=1, device="cpu", rows=rows, iterations=2, rounds=1))
         assert "| 4 x 32, top-2, 4 | 1.5 | 1.5 | 1.00 |" in text
         return
+    # The heap the GPU run asks for by default: every shape's workspaces at their
+    # largest (one chunk per token), at least moe.HEAP_BYTES.
+    assert moe.ep_heap_bytes(moe.MOE_SHAPES, 4) >= moe.HEAP_BYTES
+    assert moe.ep_heap_bytes([(16384, 7168, 8, 256)], 4) > moe.HEAP_BYTES
     rows = moe.bench_moe_ep([shape], 2, world, rounds=1, heap_bytes=16 << 20)
     row = rows[0]
     assert row["jaxtdist_dispatch"]["exact"], row

@@ -220,15 +220,19 @@ def _ref_layer_global(x, ids, w, gate, e, world):
     return jnp.einsum("nke,nef,nk->nf", onehot, per, gate.astype(jnp.float32))
 
 
-@pytest.mark.parametrize("world,k,e", [(2, 2, 4), (4, 2, 8)])
-def test_moe_gradients(world, k, e):
+@pytest.mark.parametrize("world,k,e,chunk", [(2, 2, 4, 0), (4, 2, 8, 0), (2, 2, 4, 1)])
+def test_moe_gradients(world, k, e, chunk):
+    """Gradients of x, the experts' weights and the gates against XLA's; chunk 1:
+    the dispatch and the combines of both passes in chunks of one token."""
     t, h, f = 3, 8, 8
     mesh = setup(world)
     e_loc = e // world
 
     def loss_td(x, ids, w, gate, c):
         def body(x, ids, w, gate, c):
-            recv, sizes, handle = td.moe_dispatch(x, ids, "tp", num_experts=e)
+            recv, sizes, handle = td.moe_dispatch(x, ids, "tp", num_experts=e,
+                                                  config=dict(CHUNK_TOKENS=chunk))
+            assert handle.src_ranges.shape[2] == (3 if chunk else 2)  # chunks + 1
             y = jax.lax.ragged_dot(recv, w[0], sizes)
             out = td.moe_combine(y, handle, gate, "tp")
             return jax.lax.psum(jnp.sum(out * c), "tp")

@@ -276,7 +276,7 @@ def ep_heap_bytes(shapes, world: int, itemsize: int = 2) -> int:
         chunks = t  # a bound too (chunks of one token)
         need += DispatchWorkspace(world, t, hidden, itemsize, e // world,
                                   min(k, e // world), programs, chunks).nbytes
-        need += CombineWorkspace(world, t, k, hidden, itemsize, programs).nbytes
+        need += CombineWorkspace(world, t, k, hidden, itemsize, programs, chunks).nbytes
     return max(HEAP_BYTES, int(need * 1.25) + (64 << 20))
 
 

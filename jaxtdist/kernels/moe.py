@@ -36,15 +36,17 @@ the unused rows zeroed and chunk c + 1 pushed, and only then does the program
 wait for its peers' chunk c: local copies overlap the link, and each wait is
 for a chunk the peers flagged a push earlier.
 
-Combine (``moe_combine_kernel``) is the reverse, by the same program split.
+Combine (``moe_combine_kernel``) is the reverse, by the same program split and
+the same chunks: chunk c's rows are sent, chunk c - 1's tokens summed while
+they drain, then chunk c flagged (the steps below, per chunk).
 Forward: program p of every rank first pushes its tokens' weights into every
 rank's weight box as tagged words (``dl.pack_tagged``: no fence, no flag);
 program p of the experts' rank then, for each token it holds from source s's
 program p, waits for the words of the token's pairs, weighs and sums
 that token's local expert rows (float32) and sends the one row into s's heap
-inbox at row ``me * T + t``; with every source's rows sent, it notifies
-``FLAGS[me, p]`` in each source's heap (one release drains them all); last
-it waits for every rank's ``FLAGS[d, p]`` and sums, per token, the rows
+inbox at row ``me * T + t``; with every source's rows of chunk c sent, it
+notifies ``FLAGS[me, p, c]`` in each source's heap (one release drains them
+all); it waits for every rank's ``FLAGS[d, p, c]`` and sums, per token, the rows
 of the ranks the token went to (read from its routing). Backward (DOTS): the
 rows of (t, k) pairs go back unweighed, to inbox row ``t * K + k``, and the
 source weighs them (the weights' cotangent needs each pair's row). Every row
@@ -61,7 +63,7 @@ grow: nothing is reset.
 The headers sit in the parity region too, for the same reason.
 
 Workspace layout (byte offsets, ``ops/moe.DispatchWorkspace`` /
-``CombineWorkspace``): dispatch's FLAGS [W, P, NCH] (combine's [W, P]) int32,
+``CombineWorkspace``): FLAGS [W, P, NCH] int32 (both kernels),
 then per parity: dispatch's headers [W, HDR_WORDS] int32 (E_LOC counts, per
 program its NCH + 1 chunk bounds, the total), meta [W, T, META_WORDS] int32 and
 rows [W, T, H]; combine's inbox of [W, T] or [T * K] rows of F and weight box
@@ -173,7 +175,7 @@ def _store_bounds(ctx, at, run, me, offs_w, W: tl.constexpr):
 def _wait_chunk(ctx, flags, c, me, e, pid, W: tl.constexpr, P: tl.constexpr,
                 NCH: tl.constexpr):
     """Waits until every source's program pid has flagged its chunk c of call e
-    (flags [W, P, NCH]; the combine's [W, P]: NCH = 1, c = 0); returns the token
+    (flags [W, P, NCH], both kernels'); returns the token
     of the last wait (for ``aligned_after``)."""
     token = me * 0  # int32, the type dl.wait's token has (loop-carried)
     for step in range(0, W):
@@ -301,7 +303,8 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
     copies' factors) are read only with ROUTE. Outputs: recv [R, H]; rcounts [W, E_LOC] int32 (rows
     received per source and local expert); spos / stk [W * T, KL] int32 (recv
     row and t * K + k of inbox row (s, i), local expert kk; -1: none or
-    dropped); sranges [W, P, 2] int32 (slot range of each source's program).
+    dropped); sranges [W, P, NCH + 1] int32 (slot bounds of each source's program's
+    chunks: chunk c is slots [sranges[s, p, c], sranges[s, p, c + 1])).
     SPLIT > 0: recv is [R, SPLIT] and tail [R, H - SPLIT] holds the rest of each
     row (``_store_row``); else tail is unused. WP, EP, MP, KLP: W, E_LOC,
     META_WORDS and KL rounded up to powers of 2 (vector widths). TRACE: phase
@@ -440,13 +443,13 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
     _lay_out_chunk(hdr, aligned_after(meta, token), aligned_after(rows, token), recv_ptr, tail_ptr, spos_ptr, stk_ptr,
                    base, NCH - 1, pid, offs_w, offs_e, offs_h, offs_kl, kl_m, T, H, K, KL, R,
                    W, P, NCH, HDR_WORDS, E_LOC, META_WORDS, BLOCK_H, SPLIT, SCALED)
-    # Every source's slot range for this program, and slot total.
+    # Every source's chunk bounds for this program (the combine sends by them),
+    # and slot total.
     ranges = hdr + offs_w * HDR_WORDS + E_LOC
-    lo_all = tl.load(ranges + pid * (NCH + 1), mask=wm, other=0)
-    hi_all = tl.load(ranges + pid * (NCH + 1) + NCH, mask=wm, other=0)
+    for c in range(0, NCH + 1):
+        tl.store(sranges_ptr + (offs_w * P + pid) * (NCH + 1) + c,
+                 tl.load(ranges + pid * (NCH + 1) + c, mask=wm, other=0), mask=wm)
     used = tl.load(ranges + P * (NCH + 1), mask=wm, other=0)
-    tl.store(sranges_ptr + (offs_w * P + pid) * 2, lo_all, mask=wm)
-    tl.store(sranges_ptr + (offs_w * P + pid) * 2 + 1, hi_all, mask=wm)
     for s in range(0, W):
         # Slots nobody uses: their records say "nothing here" (outputs fully written).
         for i in range(_pick(used, offs_w, s) + pid, T, P):
@@ -479,6 +482,127 @@ def _tagged_weights(ctx, weights, tks, e, src):
 
 
 @triton.jit
+def _send_chunk(ctx, y_ptr, stk_ptr, spos_ptr, sranges_ptr, inbox, wbox, pid, c, me, e,
+                T: tl.constexpr, F: tl.constexpr, K: tl.constexpr, KL: tl.constexpr,
+                W: tl.constexpr, P: tl.constexpr, NCH: tl.constexpr, DOTS: tl.constexpr,
+                SEND_ROWS: tl.constexpr, SEND_F: tl.constexpr, BLOCK_F: tl.constexpr,
+                KLP: tl.constexpr, WP: tl.constexpr):
+    """Sends the rows held for chunk c of every source's program pid (inbox slots
+    ``[sranges[s, pid, c], sranges[s, pid, c + 1])`` of source s) back to their
+    sources. The
+    rows of all sources are one sequence, walked from this rank's own first row
+    around (ranks start at different peers), and the next row's pair words are
+    loaded before this row's sends: one memory latency per row, not two."""
+    offs_f = tl.arange(0, SEND_F)
+    offs_row = tl.arange(0, BLOCK_F)
+    offs_kl = tl.arange(0, KLP)
+    offs_w = tl.arange(0, WP)
+    wm = offs_w < W
+    bounds = sranges_ptr + (offs_w * P + pid) * (NCH + 1)
+    los = tl.load(bounds + c, mask=wm, other=0)
+    his = tl.load(bounds + c + 1, mask=wm, other=0)
+    lens = tl.maximum(his - los, 0)
+    n = tl.sum(lens, axis=0)
+    first = tl.sum(tl.where(offs_w < me, lens, 0), axis=0)  # this rank's first row
+    s, i = _nth_row(lens, los, offs_w, first % tl.maximum(n, 1))
+    tks, poss = _pair_words(stk_ptr, spos_ptr, s, i, n > 0, offs_kl, T, KL)
+    for j in range(0, n):
+        s_next, i_next = _nth_row(lens, los, offs_w, (first + j + 1) % n)
+        tks_next, poss_next = _pair_words(stk_ptr, spos_ptr, s_next, i_next, j + 1 < n,
+                                          offs_kl, T, KL)
+        src = y_ptr + poss[:, None].to(tl.int64) * F
+        if DOTS:
+            # A dropped row (pos -1) of a valid pair goes back as zeros.
+            send = (tks >= 0)[:, None]
+            dst = dl.symm_at(ctx, inbox + tks[:, None].to(tl.int64) * F, s)
+            for c0 in range(0, F, SEND_F):
+                cols = (c0 + offs_f)[None, :]
+                fm = cols < F
+                v = tl.load(src + cols, mask=send & fm & (poss >= 0)[:, None], other=0.0)
+                tl.store(dst + cols, v, mask=send & fm)
+        elif SEND_ROWS:
+            # One row per (token, rank), as below, from the valid pairs' rows only,
+            # SEND_ROWS of them loaded at once: a program has one token in hand, so
+            # the rows in flight bound its bandwidth (one at a time, the sends of
+            # 4096 tokens per rank on 2 x H200 read y at 1.5 TB/s).
+            keep = ((tks >= 0) & (poss >= 0)).to(tl.int32)
+            wks = _tagged_weights(ctx, wbox + s * T * K, tks, e, s)
+            t = tl.max(tks, axis=0) // K
+            # The token's pairs here hold the first slots (in k order): held of them.
+            held = tl.max(tl.where(tks >= 0, offs_kl + 1, 0), axis=0)
+            dst = dl.symm_at(ctx, inbox + (me * T + t).to(tl.int64) * F, s)
+            for c0 in range(0, F, BLOCK_F):
+                cols = c0 + offs_row
+                fm = cols < F
+                part = tl.zeros((BLOCK_F,), tl.float32)
+                for r0 in range(0, held, SEND_ROWS):
+                    for u in tl.static_range(SEND_ROWS):
+                        r = r0 + u
+                        pos = tl.maximum(_pick(poss, offs_kl, r), 0)
+                        v = tl.load(y_ptr + tl.cast(pos, tl.int64) * F + cols,
+                                    mask=fm & (_pick(keep, offs_kl, r) != 0), other=0.0)
+                        part += _pick(wks, offs_kl, r) * v.to(tl.float32)
+                tl.store(dst + cols, part.to(y_ptr.dtype.element_ty), mask=fm)
+        else:
+            # One row per (token, rank): the pairs' rows weighed and summed here
+            # (dropped rows count zero; a token whose rows all dropped gets zeros).
+            keep = ((tks >= 0) & (poss >= 0))[:, None]
+            wk = _tagged_weights(ctx, wbox + s * T * K, tks, e, s)[:, None]
+            t = tl.max(tks, axis=0) // K
+            dst = dl.symm_at(ctx, inbox + (me * T + t).to(tl.int64) * F, s)
+            for c0 in range(0, F, SEND_F):
+                cols = c0 + offs_f
+                fm = cols < F
+                v = tl.load(src + cols[None, :], mask=keep & fm[None, :], other=0.0)
+                part = tl.sum(wk * v.to(tl.float32), axis=0)
+                tl.store(dst + cols, part.to(y_ptr.dtype.element_ty), mask=fm)
+        s, i, tks, poss = s_next, i_next, tks_next, poss_next
+
+
+@triton.jit
+def _sum_tokens(rows, w_ptr, kmask_ptr, ids_ptr, g_ptr, out_ptr, dots_ptr, t0, t1, offs_k,
+                offs_w, T: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
+                E_LOC: tl.constexpr, DOTS: tl.constexpr, SUM_F: tl.constexpr,
+                KP: tl.constexpr):
+    """out rows [t0, t1): each token's received rows (``rows``: the inbox, read
+    after the wait) summed in float32; with DOTS the pairs' rows weighed here, and
+    their dots with g."""
+    km = offs_k < K
+    offs_f = tl.arange(0, SUM_F)
+    for t in range(t0, t1):
+        valid = tl.load(kmask_ptr + t * K + offs_k, mask=km, other=0) != 0
+        if DOTS:
+            wk = tl.load(w_ptr + t * K + offs_k, mask=km, other=0.0).to(tl.float32)[:, None]
+            wk = tl.where(valid[:, None], wk, 0.0)
+            pair_rows = rows + (t * K + offs_k)[:, None].to(tl.int64) * F
+            dot = tl.zeros((KP, SUM_F), tl.float32)
+            for c in range(0, F, SUM_F):
+                cols = c + offs_f
+                fm = cols < F
+                v = tl.load(pair_rows + cols[None, :], mask=valid[:, None] & fm[None, :],
+                            other=0.0)
+                v = v.to(tl.float32)
+                acc = tl.sum(wk * v, axis=0)
+                tl.store(out_ptr + t * F + cols, acc.to(out_ptr.dtype.element_ty), mask=fm)
+                g = tl.load(g_ptr + t * F + cols, mask=fm, other=0.0)
+                dot += v * g.to(tl.float32)[None, :]
+            tl.store(dots_ptr + t * K + offs_k, tl.sum(dot, axis=1), mask=km)
+        else:
+            # The ranks token t went to: those of its valid pairs' experts.
+            ranks = tl.load(ids_ptr + t * K + offs_k, mask=km, other=0) // E_LOC
+            sent = tl.sum(((ranks[None, :] == offs_w[:, None]) & valid[None, :]).to(tl.int32),
+                          axis=1) > 0
+            rank_rows = rows + (offs_w * T + t)[:, None].to(tl.int64) * F
+            for c in range(0, F, SUM_F):
+                cols = c + offs_f
+                fm = cols < F
+                v = tl.load(rank_rows + cols[None, :], mask=sent[:, None] & fm[None, :],
+                            other=0.0)
+                acc = tl.sum(v.to(tl.float32), axis=0)
+                tl.store(out_ptr + t * F + cols, acc.to(out_ptr.dtype.element_ty), mask=fm)
+
+
+@triton.jit
 def moe_combine_kernel(ctx, y_ptr, w_ptr, kmask_ptr, ids_ptr, g_ptr, spos_ptr, stk_ptr,
                        sranges_ptr, out_ptr, dots_ptr, trace_ptr, T: tl.constexpr,
                        F: tl.constexpr, K: tl.constexpr, KL: tl.constexpr, W: tl.constexpr,
@@ -487,10 +611,12 @@ def moe_combine_kernel(ctx, y_ptr, w_ptr, kmask_ptr, ids_ptr, g_ptr, spos_ptr, s
                        INBOX_OFF: tl.constexpr, WBOX_OFF: tl.constexpr,
                        PARITY_BYTES: tl.constexpr, DOTS: tl.constexpr, KP: tl.constexpr,
                        KLP: tl.constexpr, WP: tl.constexpr, BLOCK_F: tl.constexpr,
-                       SEND_ROWS: tl.constexpr, TRACE: tl.constexpr = False):
+                       SEND_ROWS: tl.constexpr, TRACE: tl.constexpr = False,
+                       CT: tl.constexpr = 1 << 30, NCH: tl.constexpr = 1):
     """Grid: (P,), the dispatch's P. y [R, F] (rows of this rank's experts);
     w [T, K] weights, kmask [T, K] int32 (1: a valid pair) and ids [T, K] (the
-    routing) of this rank's tokens; spos / stk / sranges from the dispatch.
+    routing) of this rank's tokens; spos / stk / sranges from the dispatch, whose
+    chunks (NCH of CT tokens per program) the combine sends and sums by.
     out [T, F] = sum_k w[t, k] * y row of (t, k), float32 accumulation. KP, KLP,
     WP: K, KL and W rounded up to powers of 2.
 
@@ -522,7 +648,6 @@ def moe_combine_kernel(ctx, y_ptr, w_ptr, kmask_ptr, ids_ptr, g_ptr, spos_ptr, s
     wbox = dl.parity_ptr(ctx, WBOX_OFF, PARITY_BYTES, tl.int64)
     SEND_F: tl.constexpr = max(BLOCK_F // KLP, 16)
     SUM_F: tl.constexpr = max(BLOCK_F // (KP if DOTS else WP), 16)
-    offs_kl = tl.arange(0, KLP)
     offs_k = tl.arange(0, KP)
     km = offs_k < K
     t_lo = pid * TP
@@ -540,112 +665,32 @@ def moe_combine_kernel(ctx, y_ptr, w_ptr, kmask_ptr, ids_ptr, g_ptr, spos_ptr, s
                 d = (me + step) % W
                 tl.store(dl.symm_at(ctx, wbox + (me * T + t) * K + offs_k, d), words, mask=km)
 
-    # 1. Send the rows held for source s's program pid back to s. The rows of all
-    # sources are one sequence, walked from this rank's own first row around (ranks
-    # start at different peers), and the next row's pair words are loaded before
-    # this row's sends: one memory latency per row, not two.
-    offs_f = tl.arange(0, SEND_F)
-    offs_row = tl.arange(0, BLOCK_F)
+    # 1. Chunk by chunk (the dispatch's chunks: NCH of CT tokens per program): send
+    # the rows held for chunk c of source s's program pid back to s; sum chunk c -
+    # 1's tokens, which every rank flagged a send earlier, while chunk c's remote
+    # stores drain; then flag chunk c (the fence finds them landed). One chunk
+    # (NCH = 1, the decode default): send, flag, wait, sum.
     offs_w = tl.arange(0, WP)
-    wm = offs_w < W
-    ranges = sranges_ptr + (offs_w * P + pid) * 2
-    los = tl.load(ranges, mask=wm, other=0)
-    his = tl.load(ranges + 1, mask=wm, other=0)
-    lens = tl.maximum(his - los, 0)
-    n = tl.sum(lens, axis=0)
-    first = tl.sum(tl.where(offs_w < me, lens, 0), axis=0)  # this rank's first row
-    s, i = _nth_row(lens, los, offs_w, first % tl.maximum(n, 1))
-    tks, poss = _pair_words(stk_ptr, spos_ptr, s, i, n > 0, offs_kl, T, KL)
-    for j in range(0, n):
-        s_next, i_next = _nth_row(lens, los, offs_w, (first + j + 1) % n)
-        tks_next, poss_next = _pair_words(stk_ptr, spos_ptr, s_next, i_next, j + 1 < n,
-                                          offs_kl, T, KL)
-        src = y_ptr + poss[:, None].to(tl.int64) * F
-        if DOTS:
-            # A dropped row (pos -1) of a valid pair goes back as zeros.
-            send = (tks >= 0)[:, None]
-            dst = dl.symm_at(ctx, inbox + tks[:, None].to(tl.int64) * F, s)
-            for c in range(0, F, SEND_F):
-                cols = (c + offs_f)[None, :]
-                fm = cols < F
-                v = tl.load(src + cols, mask=send & fm & (poss >= 0)[:, None], other=0.0)
-                tl.store(dst + cols, v, mask=send & fm)
-        elif SEND_ROWS:
-            # One row per (token, rank), as below, from the valid pairs' rows only,
-            # SEND_ROWS of them loaded at once: a program has one token in hand, so
-            # the rows in flight bound its bandwidth (one at a time, the sends of
-            # 4096 tokens per rank on 2 x H200 read y at 1.5 TB/s).
-            keep = ((tks >= 0) & (poss >= 0)).to(tl.int32)
-            wks = _tagged_weights(ctx, wbox + s * T * K, tks, e, s)
-            t = tl.max(tks, axis=0) // K
-            # The token's pairs here hold the first slots (in k order): held of them.
-            held = tl.max(tl.where(tks >= 0, offs_kl + 1, 0), axis=0)
-            dst = dl.symm_at(ctx, inbox + (me * T + t).to(tl.int64) * F, s)
-            for c in range(0, F, BLOCK_F):
-                cols = c + offs_row
-                fm = cols < F
-                part = tl.zeros((BLOCK_F,), tl.float32)
-                for r0 in range(0, held, SEND_ROWS):
-                    for u in tl.static_range(SEND_ROWS):
-                        r = r0 + u
-                        pos = tl.maximum(_pick(poss, offs_kl, r), 0)
-                        v = tl.load(y_ptr + tl.cast(pos, tl.int64) * F + cols,
-                                    mask=fm & (_pick(keep, offs_kl, r) != 0), other=0.0)
-                        part += _pick(wks, offs_kl, r) * v.to(tl.float32)
-                tl.store(dst + cols, part.to(y_ptr.dtype.element_ty), mask=fm)
-        else:
-            # One row per (token, rank): the pairs' rows weighed and summed here
-            # (dropped rows count zero; a token whose rows all dropped gets zeros).
-            keep = ((tks >= 0) & (poss >= 0))[:, None]
-            wk = _tagged_weights(ctx, wbox + s * T * K, tks, e, s)[:, None]
-            t = tl.max(tks, axis=0) // K
-            dst = dl.symm_at(ctx, inbox + (me * T + t).to(tl.int64) * F, s)
-            for c in range(0, F, SEND_F):
-                cols = c + offs_f
-                fm = cols < F
-                v = tl.load(src + cols[None, :], mask=keep & fm[None, :], other=0.0)
-                part = tl.sum(wk * v.to(tl.float32), axis=0)
-                tl.store(dst + cols, part.to(y_ptr.dtype.element_ty), mask=fm)
-        s, i, tks, poss = s_next, i_next, tks_next, poss_next
-    # Flags once every rank's rows are in flight, behind one fence.
-    dl.notify_peers(ctx, flags + me * P + pid, e, INCLUDE_SELF=True)  # the rows first
+    for c in range(0, NCH):
+        _send_chunk(ctx, y_ptr, stk_ptr, spos_ptr, sranges_ptr, inbox, wbox, pid, c, me, e,
+                    T, F, K, KL, W, P, NCH, DOTS, SEND_ROWS, SEND_F, BLOCK_F, KLP, WP)
+        if c > 0:
+            token = _wait_chunk(ctx, flags, c - 1, me, e, pid, W, P, NCH)
+            t0 = t_lo + (c - 1) * CT
+            _sum_tokens(aligned_after(inbox, token), w_ptr, kmask_ptr, ids_ptr, g_ptr,
+                        out_ptr, dots_ptr, t0, tl.minimum(t0 + CT, t_hi), offs_k, offs_w,
+                        T, F, K, E_LOC, DOTS, SUM_F, KP)
+        # Flags once every rank's rows of the chunk are in flight, behind one fence.
+        dl.notify_peers(ctx, flags + (me * P + pid) * NCH + c, e,
+                        INCLUDE_SELF=True)  # the rows first
     _stamp(trace_ptr, pid, 1, TRACE)
 
-    # 2. Sum this program's tokens' rows once every rank's program pid has sent.
-    token = _wait_chunk(ctx, flags, 0, me, e, pid, W, P, 1)
+    # 2. The last chunk's tokens, once every rank's program pid has sent them.
+    token = _wait_chunk(ctx, flags, NCH - 1, me, e, pid, W, P, NCH)
     _stamp(trace_ptr, pid, 2, TRACE)
     # Loads below depend on the wait, with the pointer's alignment kept (16-byte loads).
-    rows = aligned_after(inbox, token)
-    offs_f = tl.arange(0, SUM_F)
-    for t in range(t_lo, t_hi):
-        valid = tl.load(kmask_ptr + t * K + offs_k, mask=km, other=0) != 0
-        if DOTS:
-            wk = tl.load(w_ptr + t * K + offs_k, mask=km, other=0.0).to(tl.float32)[:, None]
-            wk = tl.where(valid[:, None], wk, 0.0)
-            pair_rows = rows + (t * K + offs_k)[:, None].to(tl.int64) * F
-            dot = tl.zeros((KP, SUM_F), tl.float32)
-            for c in range(0, F, SUM_F):
-                cols = c + offs_f
-                fm = cols < F
-                v = tl.load(pair_rows + cols[None, :], mask=valid[:, None] & fm[None, :],
-                            other=0.0)
-                v = v.to(tl.float32)
-                acc = tl.sum(wk * v, axis=0)
-                tl.store(out_ptr + t * F + cols, acc.to(out_ptr.dtype.element_ty), mask=fm)
-                g = tl.load(g_ptr + t * F + cols, mask=fm, other=0.0)
-                dot += v * g.to(tl.float32)[None, :]
-            tl.store(dots_ptr + t * K + offs_k, tl.sum(dot, axis=1), mask=km)
-        else:
-            # The ranks token t went to: those of its valid pairs' experts.
-            ranks = tl.load(ids_ptr + t * K + offs_k, mask=km, other=0) // E_LOC
-            sent = tl.sum(((ranks[None, :] == offs_w[:, None]) & valid[None, :]).to(tl.int32),
-                          axis=1) > 0
-            rank_rows = rows + (offs_w * T + t)[:, None].to(tl.int64) * F
-            for c in range(0, F, SUM_F):
-                cols = c + offs_f
-                fm = cols < F
-                v = tl.load(rank_rows + cols[None, :], mask=sent[:, None] & fm[None, :],
-                            other=0.0)
-                acc = tl.sum(v.to(tl.float32), axis=0)
-                tl.store(out_ptr + t * F + cols, acc.to(out_ptr.dtype.element_ty), mask=fm)
+    t0 = t_lo + (NCH - 1) * CT
+    _sum_tokens(aligned_after(inbox, token), w_ptr, kmask_ptr, ids_ptr, g_ptr, out_ptr,
+                dots_ptr, t0, tl.minimum(t0 + CT, t_hi), offs_k, offs_w, T, F, K, E_LOC, DOTS,
+                SUM_F, KP)
     _stamp(trace_ptr, pid, 3, TRACE)

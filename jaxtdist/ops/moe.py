@@ -67,6 +67,12 @@ def _chunk_tokens(per_program: int) -> int:
     return max(2, per_program // 8) if per_program > 4 else 0
 
 
+def _chunk_size(per_program: int, chunks: int) -> int:
+    """Tokens per chunk of a program of ``per_program`` tokens in ``chunks`` chunks
+    (the last one may be short): one rule for the dispatch and the combine."""
+    return -(-per_program // chunks)
+
+
 @dataclasses.dataclass(frozen=True)
 class MoeConfig(KernelConfig):
     """How the dispatch and combine kernels split the work.
@@ -90,9 +96,12 @@ class MoeConfig(KernelConfig):
         "xla") or "xla" (a dozen small XLA fusions; the default under the
         interpreter). All three give the same words, bit for bit.
       CHUNK_TOKENS: tokens per chunk of a dispatch program (0: all its tokens
-        in one chunk). Each chunk's rows are flagged on their own, and a program
-        lays out the previous chunk it received while its next chunk's remote
-        stores drain (bulk sizes: the local copies overlap the link).
+        in one chunk; the program's NCH chunks are evened out to
+        ceil(TP / NCH) tokens each). Each chunk's rows are flagged on their own,
+        and a program lays out the previous chunk it received while its next
+        chunk's remote stores drain (bulk sizes: the local copies overlap the
+        link). The combine works by the same chunks: it sums one chunk's
+        tokens while the next chunk's rows drain.
       COMBINE_SEND: how the combine's forward weighs a token's rows on the
         experts' rank: "rows" (the default: only the valid pairs' rows, BLOCK_H
         columns of one row per load) or "blocks" (all min(K, E / W) pair slots
@@ -177,7 +186,9 @@ class MoeHandle:
         ``s * T + i``) and its kk-th local expert, the row of ``recv_x`` it went
         to, or -1 (no such expert, or dropped).
       src_tk: same shape: ``t * K + k`` of that (token, k) pair at its source, or -1.
-      src_ranges: [W, P, 2] int32: inbox slots pushed by each source's program p.
+      src_ranges: [W, P, NCH + 1] int32: the inbox slots that each source's
+        program p pushed, by its NCH chunks (chunk c: slots ``[src_ranges[s, p,
+        c], src_ranges[s, p, c + 1])``); the combine sends and sums by them.
       dropped: int32 scalar: (token, expert) rows this rank dropped (past
         ``max_recv_rows``); their combine contribution is zero.
       invalid: int32 scalar: (token, k) pairs of this rank with an expert id
@@ -397,15 +408,15 @@ class DispatchWorkspace:
 
 
 class CombineWorkspace:
-    """Byte layout of the combine workspace: flags [W, P] int32, then per call
+    """Byte layout of the combine workspace: flags [W, P, NCH] int32, then per call
     parity an inbox of rows and a weight box [W, T, K] int64 (float32 weights as
     tagged words). Inbox rows: [W, T] (row ``d * T + t``: token t's rows of rank d,
     weighed and summed there: the forward) or [T * K] (row ``t * K + k``: the
     expert's row of pair (t, k): the backward); room for both."""
 
-    def __init__(self, world, tokens, top_k, cols, itemsize, programs):
+    def __init__(self, world, tokens, top_k, cols, itemsize, programs, chunks):
         self.flags = 0
-        self.inbox = align(4 * world * programs)
+        self.inbox = align(4 * world * programs * chunks)
         self.wbox_in_parity = align(max(world, top_k) * tokens * cols * itemsize)
         self.parity_bytes = self.wbox_in_parity + align(8 * world * tokens * top_k)
         self.nbytes = self.inbox + 2 * self.parity_bytes
@@ -442,8 +453,10 @@ def moe_dispatch_kernels(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_
     cfg = _resolved(call, t, h, x.dtype, config, axis_name)
     programs = min(cfg.NUM_PROGRAMS, t)
     per_program = -(-t // programs)
-    chunk = min(cfg.CHUNK_TOKENS or per_program, per_program)
-    chunks = -(-per_program // chunk)
+    chunks = -(-per_program // min(cfg.CHUNK_TOKENS or per_program, per_program))
+    # The same number of chunks, as even as it gets: the combine, which sends and
+    # sums by the dispatch's chunks, finds their size from their count (src_ranges).
+    chunk = _chunk_size(per_program, chunks)
     plan = DispatchWorkspace(world, t, h, x.dtype.itemsize, e_loc, kl, programs, chunks)
     # The layout depends on all of these: other shapes get their own workspace.
     ws = call.workspace("push", plan.nbytes, t, h, x.dtype.name, k, num_experts, programs,
@@ -478,7 +491,7 @@ def moe_dispatch_kernels(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_
                    jax.ShapeDtypeStruct((world, e_loc), i32),
                    jax.ShapeDtypeStruct((world * t, kl), i32),
                    jax.ShapeDtypeStruct((world * t, kl), i32),
-                   jax.ShapeDtypeStruct((world, programs, 2), i32),
+                   jax.ShapeDtypeStruct((world, programs, chunks + 1), i32),
                    jax.ShapeDtypeStruct((rows, h - split) if split else (1,), x.dtype),
                    _trace_shape(trace, programs),
                    jax.ShapeDtypeStruct((1,), i32)],
@@ -527,8 +540,10 @@ def moe_combine_kernels(y: jax.Array, handle: MoeHandle, weights: jax.Array, axi
     programs = handle.programs
     kl = handle.src_pos.shape[1]
     cfg = _resolved(call, t, f, y.dtype, config, axis_name)
-    plan = CombineWorkspace(world, t, k, f, y.dtype.itemsize, programs)
-    ws = call.workspace("push", plan.nbytes, t, k, f, y.dtype.name, programs)
+    per_program = -(-t // programs)
+    chunks = handle.src_ranges.shape[2] - 1  # the dispatch's
+    plan = CombineWorkspace(world, t, k, f, y.dtype.itemsize, programs, chunks)
+    ws = call.workspace("push", plan.nbytes, t, k, f, y.dtype.name, programs, chunks)
     kmask = _valid_pairs(handle.expert_ids, handle.num_experts).astype(jnp.int32)
     dots = cotangent is not None
     g = cotangent if dots else jnp.zeros((1,), y.dtype)
@@ -541,13 +556,13 @@ def moe_combine_kernels(y: jax.Array, handle: MoeHandle, weights: jax.Array, axi
                    _trace_shape(trace, programs)],
         grid=(programs,), num_warps=cfg.num_warps, num_stages=1,
         varying=tuple(a for a in call.rt.mesh.axis_names if a in varying),
-        T=t, F=f, K=k, KL=kl, W=world, P=programs, TP=-(-t // programs),
+        T=t, F=f, K=k, KL=kl, W=world, P=programs, TP=per_program,
         E_LOC=handle.num_experts // world, FLAGS_OFF=ws.offset + plan.flags,
         INBOX_OFF=ws.offset + plan.inbox,
         WBOX_OFF=ws.offset + plan.inbox + plan.wbox_in_parity, PARITY_BYTES=plan.parity_bytes,
         DOTS=dots, KP=next_pow2(k), KLP=next_pow2(kl), WP=next_pow2(world),
         BLOCK_F=cfg.BLOCK_H, SEND_ROWS=cfg.COMBINE_ROWS if cfg.COMBINE_SEND == "rows" else 0,
-        TRACE=trace)
+        TRACE=trace, CT=_chunk_size(per_program, chunks), NCH=chunks)
     out, dots_out, stamps = outs
     result = ((out, dots_out) if dots else (out,)) + ((stamps,) if trace else ())
     return result if len(result) > 1 else out
@@ -1068,7 +1083,7 @@ def moe_dispatch_sharded(x: jax.Array, expert_ids: jax.Array, *,
     - ``handle``: a ``MoeHandle`` for ``moe_combine_sharded``, arrays
       ``expert_ids`` [G * T, K] (the routing), ``recv_counts`` [G * W, E / W],
       ``src_pos`` / ``src_tk`` [G * W * T, min(K, E / W)], ``src_ranges``
-      [G * W, P, 2], ``dropped`` and ``invalid`` [G] (each device's counts).
+      [G * W, P, NCH + 1], ``dropped`` and ``invalid`` [G] (each device's counts).
       Its static fields are the per-device ones (``max_recv_rows`` = R).
 
     Args:
