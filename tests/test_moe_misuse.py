@@ -95,3 +95,25 @@ def test_vmap_and_grad(order):
     for out, ref in ((dx, ref_dx), (dgate, ref_dgate)):
         ref = np.asarray(ref)
         assert np.linalg.norm(np.asarray(out) - ref) / np.linalg.norm(ref) < 1e-5
+
+
+@pytest.mark.parametrize("edit", ["no_chunks", "flat", "programs"])
+def test_combine_rejects_an_altered_handle(edit):
+    """A handle whose src_ranges is not the dispatch's [W, P, NCH + 1] (the combine
+    sends and sums by those chunk bounds) fails with the shape it got, not an
+    IndexError or reads past the array."""
+    mesh = setup(2)
+    x, gate = rand((2 * T, H)), rand((2 * T, K))
+    rng = np.random.default_rng(13)
+    ids = np.stack([rng.permutation(E)[:K] for _ in range(2 * T)]).astype(np.int32)
+
+    def body(x, ids, gate):
+        recv, _, handle = td.moe_dispatch(x, ids, "tp", num_experts=E)
+        ranges = handle.src_ranges
+        ranges = {"no_chunks": ranges[:, :, :1], "flat": ranges.reshape(ranges.shape[0], -1),
+                  "programs": jnp.concatenate([ranges, ranges], axis=1)}[edit]
+        return td.moe_combine(recv, dataclasses.replace(handle, src_ranges=ranges), gate, "tp")
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"),) * 3, out_specs=P("tp")))
+    with pytest.raises(ValueError, match=r"src_ranges must be \[W, P, NCH \+ 1\]"):
+        f(*(place(mesh, a, P("tp")) for a in (x, ids, gate)))

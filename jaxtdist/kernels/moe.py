@@ -79,8 +79,9 @@ from jaxtdist.kernels._trace import stamp
 from jaxtdist.kernels.moe_route import route_program
 
 # Timestamps per program with TRACE: dispatch start, rows and meta pushed, headers
-# and flags sent, peers' flags seen, rows laid out, end; combine start, rows sent,
-# peers' flags seen, end.
+# and flags sent, peers' flags seen, rows laid out, end; combine start, every
+# chunk's rows sent and flagged (with chunks, every chunk's sums but the last's
+# among them), the last chunk's flags seen, end.
 TRACE_PHASES = tl.constexpr(6)
 
 

@@ -741,6 +741,13 @@ def _check_combine(y, weights, handle, *, axis_name, config=None) -> None:
                          f"{getattr(handle.src_ranges, 'shape', None)}), but axis_name "
                          f"{axis_name!r} has W={world} ranks; combine over the dispatch's "
                          "axis_name, with its handle unchanged")
+    ranges_shape = getattr(handle.src_ranges, "shape", None)
+    if (ranges_shape is None or len(ranges_shape) != 3 or ranges_shape[1] != handle.programs
+            or ranges_shape[2] < 2):
+        raise ValueError(f"jaxtdist.moe_combine: the handle's src_ranges must be [W, P, NCH "
+                         f"+ 1] with P = handle.programs = {handle.programs} and NCH >= 1 "
+                         f"chunks, as moe_dispatch returns it, got shape {ranges_shape}; "
+                         "pass the dispatch's handle unchanged")
     if getattr(y, "ndim", None) != 2 or y.shape[0] != handle.max_recv_rows:
         raise ValueError(f"jaxtdist.moe_combine: y must be [R, F] with R = the dispatch's "
                          f"max_recv_rows = {handle.max_recv_rows} rows (one per row of recv_x), "

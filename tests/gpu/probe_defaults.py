@@ -142,6 +142,8 @@ def probe_moe_trace(world: int = 2, t: int = 128, hidden: int = 7168, k: int = 8
                                out_specs=(mb.EP_SPEC,) * 2, check_vma=False))
     phases = {"dispatch": ("push rows+meta", "headers+flags", "wait peers", "lay out",
                            "zero tail"),
+              # With chunks (bulk sizes) the sends' phase holds all but the last
+              # chunk's sums.
               "combine": ("send rows+flags", "wait peers", "sum")}
     runs = [fn(*args) for _ in range(runs)][runs // 4:]  # after warm-up
     for kernel, stamps in zip(phases, zip(*runs)):
