@@ -173,6 +173,22 @@ def _store_bounds(ctx, at, run, me, offs_w, W: tl.constexpr):
 
 
 @triton.jit
+def _push_chunk(ctx, x_ptr, slot_ptr, meta_ptr, rows, meta, mine, me, c, t_lo, t_hi, run,
+                offs_w, wm, offs_m, mm, offs_h, T: tl.constexpr, W: tl.constexpr,
+                H: tl.constexpr, META_WORDS: tl.constexpr, BLOCK_H: tl.constexpr,
+                CT: tl.constexpr):
+    """Pushes chunk c of the program's tokens ``[t_lo, t_hi)`` (CT tokens from
+    ``t_lo + c * CT``), then its end slot at every rank into that rank's header
+    word ``mine + c + 1`` (its chunk bounds); returns ``run`` as ``_push_tokens``."""
+    t0 = t_lo + c * CT
+    run = _push_tokens(ctx, x_ptr, slot_ptr, meta_ptr, rows, meta, me, t0,
+                       tl.minimum(t0 + CT, t_hi), run, offs_w, wm, offs_m, mm, offs_h,
+                       T, W, H, META_WORDS, BLOCK_H)
+    _store_bounds(ctx, mine + c + 1, run, me, offs_w, W)
+    return run
+
+
+@triton.jit
 def _wait_chunk(ctx, flags, c, me, e, pid, W: tl.constexpr, P: tl.constexpr,
                 NCH: tl.constexpr):
     """Waits until every source's program pid has flagged its chunk c of call e
@@ -380,10 +396,8 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
         tl.store(dl.symm_at(ctx, h + offs_e, d), cnt, mask=em)
         tl.store(dl.symm_at(ctx, mine, d), _pick(los, offs_w, d))
         tl.store(dl.symm_at(ctx, h + E_LOC + P * (NCH + 1), d), _pick(totals, offs_w, d))
-    run = _push_tokens(ctx, x_ptr, slot_ptr, meta_ptr, rows, meta, me, t_lo,
-                       tl.minimum(t_lo + CT, t_hi), los, offs_w, wm, offs_m, mm, offs_h,
-                       T, W, H, META_WORDS, BLOCK_H)
-    _store_bounds(ctx, mine + 1, run, me, offs_w, W)
+    run = _push_chunk(ctx, x_ptr, slot_ptr, meta_ptr, rows, meta, mine, me, 0, t_lo, t_hi,
+                      los, offs_w, wm, offs_m, mm, offs_h, T, W, H, META_WORDS, BLOCK_H, CT)
     _stamp(trace_ptr, pid, 1, TRACE)
     # Flags after every rank's stores, behind one fence: the relaxed flags go out
     # together (W releases went out one round trip to a peer apart).
@@ -396,11 +410,9 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
     # flagged one push earlier, not for the one they are flagging now, so no
     # chunk's wait is a rendezvous of every rank.
     if NCH > 1:
-        t0 = t_lo + CT
-        run = _push_tokens(ctx, x_ptr, slot_ptr, meta_ptr, rows, meta, me, t0,
-                           tl.minimum(t0 + CT, t_hi), run, offs_w, wm, offs_m, mm, offs_h,
-                           T, W, H, META_WORDS, BLOCK_H)
-        _store_bounds(ctx, mine + 2, run, me, offs_w, W)
+        run = _push_chunk(ctx, x_ptr, slot_ptr, meta_ptr, rows, meta, mine, me, 1, t_lo,
+                          t_hi, run, offs_w, wm, offs_m, mm, offs_h, T, W, H, META_WORDS,
+                          BLOCK_H, CT)
 
     # 2. Receive: every source's program pid has pushed its chunk 0 and header.
     token = _wait_chunk(ctx, flags, 0, me, e, pid, W, P, NCH)
@@ -434,15 +446,13 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
             _zero_rows(recv_ptr, tail_ptr, first, (c - 1) * n // NCH, c * n // NCH, offs_h,
                        recv_ptr.dtype.element_ty, H, P, SPLIT, BLOCK_H)
         if c + 1 < NCH:
-            t0 = t_lo + (c + 1) * CT
-            run = _push_tokens(ctx, x_ptr, slot_ptr, meta_ptr, rows, meta, me, t0,
-                               tl.minimum(t0 + CT, t_hi), run, offs_w, wm, offs_m, mm,
-                               offs_h, T, W, H, META_WORDS, BLOCK_H)
-            _store_bounds(ctx, mine + c + 2, run, me, offs_w, W)
+            run = _push_chunk(ctx, x_ptr, slot_ptr, meta_ptr, rows, meta, mine, me, c + 1,
+                              t_lo, t_hi, run, offs_w, wm, offs_m, mm, offs_h, T, W, H,
+                              META_WORDS, BLOCK_H, CT)
         token = _wait_chunk(ctx, flags, c, me, e, pid, W, P, NCH)
     hdr = aligned_after(hdr, token)
-    _lay_out_chunk(hdr, aligned_after(meta, token), aligned_after(rows, token), recv_ptr, tail_ptr, spos_ptr, stk_ptr,
-                   base, NCH - 1, pid, offs_w, offs_e, offs_h, offs_kl, kl_m, T, H, K, KL, R,
+    _lay_out_chunk(hdr, aligned_after(meta, token), aligned_after(rows, token), recv_ptr,
+                   tail_ptr, spos_ptr, stk_ptr, base, NCH - 1, pid, offs_w, offs_e, offs_h, offs_kl, kl_m, T, H, K, KL, R,
                    W, P, NCH, HDR_WORDS, E_LOC, META_WORDS, BLOCK_H, SPLIT, SCALED)
     # Every source's chunk bounds for this program (the combine sends by them),
     # and slot total.
@@ -490,10 +500,9 @@ def _send_chunk(ctx, y_ptr, stk_ptr, spos_ptr, sranges_ptr, inbox, wbox, pid, c,
                 KLP: tl.constexpr, WP: tl.constexpr):
     """Sends the rows held for chunk c of every source's program pid (inbox slots
     ``[sranges[s, pid, c], sranges[s, pid, c + 1])`` of source s) back to their
-    sources. The
-    rows of all sources are one sequence, walked from this rank's own first row
-    around (ranks start at different peers), and the next row's pair words are
-    loaded before this row's sends: one memory latency per row, not two."""
+    sources. The rows of all sources are one sequence, walked from this rank's own
+    first row around (ranks start at different peers), and the next row's pair
+    words are loaded before this row's sends: one memory latency per row, not two."""
     offs_f = tl.arange(0, SEND_F)
     offs_row = tl.arange(0, BLOCK_F)
     offs_kl = tl.arange(0, KLP)
