@@ -21,6 +21,11 @@ other test files leave out, each a bug found this way (regression tests), at wor
 - NaN or inf left in the cache past kv_len (or in pages past a sequence's length)
   reached the output at world 1 (plain JAX, ``decode_attention``: zero weights
   times inf): those positions are zeroed there now, as the kernels never load them.
+- NaN or inf in q or at a valid position of the cache gave a plausible wrong
+  answer where jax.nn.dot_product_attention gives NaN: at world 1 zeros (the NaN
+  softmax weight failed ``l > 0``), at world 2 the attention over the other
+  rank's positions only (the kernel took the NaN partial for an empty one). Fixed
+  in both: only ``l == 0`` (nothing valid) means zeros.
 """
 
 from __future__ import annotations
@@ -152,3 +157,29 @@ def test_flash_decode_ignores_garbage_past_the_length(world, paged):
         out = _paged(mesh)(place(mesh, q, P()), place(mesh, per_rank[0], P("sp")),
                            place(mesh, per_rank[1], P("sp")), lens, place(mesh, table, SP))
     assert rel_err(out, expect) < 1e-5
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("where", ["q", "k", "k_inf", "v"])
+def test_flash_decode_carries_nan_from_valid_inputs(world, where):
+    """NaN or inf in q or at a valid position of k or v (rank 0's shard) gives NaN
+    where jax.nn.dot_product_attention gives NaN (a whole head through q or k, one
+    column through v), on every rank; every other value as the reference."""
+    mesh = setup(world, ("sp",))
+    s = world * 8
+    q, k, v = (np.array(rand(shape)) for shape in ((2, 4, 16), (2, s, 2, 16), (2, s, 2, 16)))
+    lens = np.array([s - 1, s], np.int32)
+    if where == "q":
+        q[0, 1, 3] = np.nan
+    else:  # position 2 of sequence 0, KV head 0 (query heads 0 and 1), below the length
+        {"k": k, "k_inf": k, "v": v}[where][0, 2, 0, 5] = np.inf if where == "k_inf" else np.nan
+        q[0, :2, 5] = np.abs(q[0, :2, 5]) + 0.5  # k_inf: a score of +inf (inf - inf: NaN)
+    out = np.asarray(_decode(mesh)(place(mesh, q, P()), place(mesh, k, SP),
+                                   place(mesh, v, SP), lens))
+    ref = np.asarray(jax.nn.dot_product_attention(
+        jnp.asarray(q)[:, None], jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2),
+        key_value_seq_lengths=jnp.asarray(lens))[:, 0])
+    assert np.isnan(ref).any()  # the case is one that poisons the reference
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    kept = ~np.isnan(ref)
+    assert rel_err(out[kept], ref[kept]) < 1e-5

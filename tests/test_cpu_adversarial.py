@@ -379,6 +379,28 @@ def test_sharded_forms_refuse_shapes_the_group_does_not_divide():
             jnp.asarray(rand((6, 5))), jnp.asarray(rand((5, 6))))
 
 
+@pytest.mark.parametrize("op", ["moe_dispatch", "flash_decode", "ag_matmul"])
+def test_sharded_forms_inside_shard_map_say_which_form_to_call(op):
+    """A _sharded form called inside shard_map (its own shard_map would nest in the
+    caller's) names the form to call there. Regression: a divisibility error about
+    the local shard, or JAX's "context mesh ... should match the mesh passed to
+    shard_map"."""
+    mesh = setup(2)
+    x = place(mesh, rand((8, 8)), P("tp"))
+    body = {
+        "moe_dispatch": lambda x: td.moe_dispatch_sharded(
+            x, jnp.zeros((4, 2), jnp.int32), axis_name="tp", num_experts=4)[0],
+        "flash_decode": lambda x: td.flash_decode_sharded(
+            x[None, :2], x[None, :, None], x[None, :, None], jnp.ones((1,), jnp.int32),
+            axis_name="tp"),
+        "ag_matmul": lambda x: td.ag_matmul_sharded(x, x, axis_name="tp"),
+    }[op]
+    with pytest.raises(ValueError, match=rf"jaxtdist.{op}_sharded is the pjit-style form .* "
+                                         rf"inside shard_map \(here, over \('tp',\)\) call "
+                                         rf"jaxtdist.{op} on the local shards"):
+        jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))(x)
+
+
 # -- transformations at world 3 ------------------------------------------------------
 
 def test_vmap_with_unbatched_operands_and_other_batch_axes():

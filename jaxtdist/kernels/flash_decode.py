@@ -96,8 +96,10 @@ def _merge_block(m, l, acc, lse, o):
 
 @triton.jit
 def _finish(m, l, acc):
-    """(o, lse) of merged partials; o = 0 and lse = -inf where nothing was valid."""
-    has = l > 0
+    """(o, lse) of merged partials; o = 0 and lse = -inf where nothing was valid
+    (l == 0). A NaN weight (NaN or inf in q or in a valid key) gives NaN o and
+    lse, which every later merge carries to the output: not an empty partial."""
+    has = l != 0
     l_safe = tl.where(has, l, 1.0)
     o = tl.where(has[:, None], acc / l_safe[:, None], 0.0)
     lse = tl.where(has, m + tl.log2(l_safe), float("-inf"))

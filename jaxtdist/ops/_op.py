@@ -45,8 +45,9 @@ from jax.interpreters import ad
 from jax.sharding import PartitionSpec as P
 
 from jaxtdist.ops._config import config_dict
-from jaxtdist.ops._protocol import (check_axis, mark_varying, order_record, order_token,
-                                    program_order_deps, record_output, varying_axes)
+from jaxtdist.ops._protocol import (_abstract_mesh, check_axis, mark_varying, order_record,
+                                    order_token, program_order_deps, record_output,
+                                    varying_axes)
 from jaxtdist.runtime._ffi import no_derivative
 from jaxtdist.runtime._identity import identity_primitive
 from jaxtdist.runtime._runtime import runtime
@@ -347,7 +348,8 @@ class DistributedOp:
             residuals, arrays, typed, done = saved
             ct, ct_token = cts_out
             if op.backward is None:
-                raise TypeError(f"jaxtdist.{op.name} is not differentiable; wrap it in a "
+                raise TypeError(f"jaxtdist.{op.name} is not differentiable here (its "
+                                "docstring says where it is, if anywhere); wrap it in a "
                                 "jax.custom_vjp of your own to give it a backward pass")
             # The backward's first jaxtdist call runs after the forward call's last
             # one (custom_vjp traces bwd apart, so no record of the forward reaches
@@ -524,6 +526,15 @@ def pjit_wrapper(op_fn: Callable, *, name: str,
     def wrapper(*arrays: jax.Array, axis_name: str | Sequence[str],
                 batch_axes: str | Sequence[str] = (), mesh=None, **static: Any):
         rt = runtime()
+        manual = getattr(_abstract_mesh(), "manual_axes", ())
+        if manual:
+            # Its own shard_map would nest in the caller's, whose axes are manual
+            # already: JAX's error then names meshes, not the fix.
+            raise ValueError(
+                f"jaxtdist.{name} is the pjit-style form (global arrays, its own "
+                f"shard_map): call it under jax.jit outside jax.shard_map; inside "
+                f"shard_map (here, over {tuple(manual)}) call "
+                f"jaxtdist.{name.removesuffix('_sharded')} on the local shards")
         mesh = rt.mesh if mesh is None else mesh
         batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
         # A tuple (or list) of axes is one group, outermost first, as inside shard_map.

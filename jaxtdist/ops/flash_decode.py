@@ -364,7 +364,9 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array
     l = jnp.sum(p, axis=-1, keepdims=True)
     o = jnp.einsum("bhgs,bshd->bhgd", p.astype(dtype), v, precision=precision,
                    preferred_element_type=jnp.float32)
-    o = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0)
+    # Zeros only where nothing was valid (l == 0): a NaN weight (NaN or inf in q or
+    # in a valid key) stays NaN, as in jax.nn.dot_product_attention.
+    o = jnp.where(l != 0, o / jnp.where(l != 0, l, 1.0), 0.0)
     return o.reshape(b, hq, d).astype(q.dtype)
 
 
