@@ -401,6 +401,24 @@ def test_sharded_forms_inside_shard_map_say_which_form_to_call(op):
         jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))(x)
 
 
+def test_traced_static_arguments_say_to_pass_python_values():
+    """A static argument given as a traced array (num_experts, causal) is refused with
+    what to pass instead. Regression: the message printed the tracer only."""
+    mesh = setup(2)
+    x = place(mesh, rand((8, 8)), P("tp"))
+    ids = place(mesh, np.tile(np.array([[0, 1]], np.int32), (8, 1)), P("tp"))
+    with pytest.raises(ValueError, match="num_experts=.* not a traced array: it picks the "
+                                         "compiled program"):
+        jax.jit(jax.shard_map(
+            lambda x, ids: td.moe_dispatch(x, ids, "tp", num_experts=jnp.int32(4))[0],
+            mesh=mesh, in_specs=(P("tp"),) * 2, out_specs=P("tp")))(x, ids)
+    q = place(mesh, rand((1, 8, 2, 16)), P(None, "tp"))
+    with pytest.raises(ValueError, match="causal=.* must be True or False, a Python value, "
+                                         "not a traced array"):
+        jax.jit(jax.shard_map(lambda q: td.ag_attention(q, q, q, "tp", causal=jnp.array(True)),
+                              mesh=mesh, in_specs=P(None, "tp"), out_specs=P(None, "tp")))(q)
+
+
 # -- transformations at world 3 ------------------------------------------------------
 
 def test_vmap_with_unbatched_operands_and_other_batch_axes():

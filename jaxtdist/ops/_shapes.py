@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -27,7 +28,15 @@ def static_bool(op: str, name: str, value, *, none: str | None = None) -> bool |
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
     allowed = "True or False" if none is None else f"True, False or None ({none})"
-    raise ValueError(f"jaxtdist.{op}: {name}={value!r} must be {allowed}")
+    raise ValueError(f"jaxtdist.{op}: {name}={value!r} must be {allowed}{traced_hint(value)}")
+
+
+def traced_hint(value) -> str:
+    """For a static argument's error: what to do when ``value`` is a traced array."""
+    if isinstance(value, jax.core.Tracer):
+        return (", a Python value, not a traced array: it picks the compiled program "
+                "(pass a constant, or mark the argument static in jax.jit)")
+    return ""
 
 
 def check_dtype(op: str, name: str, dtype) -> None:

@@ -32,7 +32,7 @@ from jaxtdist.ops._config import KernelConfig, Problem, resolve
 from jaxtdist.ops._op import (DistributedOp, mesh_devices, one_call_per_element, pjit_wrapper,
                               rows_over)
 from jaxtdist.ops._protocol import Call, check_axis
-from jaxtdist.ops._shapes import align, check_dtype, next_pow2, static_bool
+from jaxtdist.ops._shapes import align, check_dtype, next_pow2, static_bool, traced_hint
 from jaxtdist.runtime._runtime import runtime
 
 __all__ = ["MoeConfig", "MoeHandle", "moe_combine", "moe_combine_kernels", "moe_combine_sharded",
@@ -364,7 +364,8 @@ def _check_dispatch(x, expert_ids, *, axis_name, num_experts, max_recv_rows=None
             or num_experts % world):
         raise ValueError(f"jaxtdist.moe_dispatch: num_experts={num_experts!r} must be a "
                          f"positive multiple of the group size W={world} over {axis_name!r} "
-                         "(an int: experts are split evenly over the ranks)")
+                         f"(an int: experts are split evenly over the ranks)"
+                         f"{traced_hint(num_experts)}")
     if expert_ids.shape[1] > num_experts:
         raise ValueError(f"jaxtdist.moe_dispatch: top_k={expert_ids.shape[1]} (expert_ids' "
                          f"columns) exceeds num_experts={num_experts}: a token's experts "
@@ -373,7 +374,7 @@ def _check_dispatch(x, expert_ids, *, axis_name, num_experts, max_recv_rows=None
                                       or not isinstance(max_recv_rows, int)
                                       or max_recv_rows < 1):
         raise ValueError(f"jaxtdist.moe_dispatch: max_recv_rows={max_recv_rows!r} must be "
-                         "None (every row fits) or an int >= 1")
+                         f"None (every row fits) or an int >= 1{traced_hint(max_recv_rows)}")
 
 
 def _problem(call: Call, tokens: int, hidden: int, dtype) -> Problem:
