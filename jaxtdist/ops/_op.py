@@ -45,9 +45,9 @@ from jax.interpreters import ad
 from jax.sharding import PartitionSpec as P
 
 from jaxtdist.ops._config import config_dict
-from jaxtdist.ops._protocol import (_abstract_mesh, check_axis, mark_varying, order_record,
-                                    order_token, program_order_deps, record_output,
-                                    varying_axes)
+from jaxtdist.ops._protocol import (check_axis, check_outside_shard_map, mark_varying,
+                                    order_record, order_token, program_order_deps,
+                                    record_output, varying_axes)
 from jaxtdist.runtime._ffi import no_derivative
 from jaxtdist.runtime._identity import identity_primitive
 from jaxtdist.runtime._runtime import runtime
@@ -526,15 +526,7 @@ def pjit_wrapper(op_fn: Callable, *, name: str,
     def wrapper(*arrays: jax.Array, axis_name: str | Sequence[str],
                 batch_axes: str | Sequence[str] = (), mesh=None, **static: Any):
         rt = runtime()
-        manual = getattr(_abstract_mesh(), "manual_axes", ())
-        if manual:
-            # Its own shard_map would nest in the caller's, whose axes are manual
-            # already: JAX's error then names meshes, not the fix.
-            raise ValueError(
-                f"jaxtdist.{name} is the pjit-style form (global arrays, its own "
-                f"shard_map): call it under jax.jit outside jax.shard_map; inside "
-                f"shard_map (here, over {tuple(manual)}) call "
-                f"jaxtdist.{name.removesuffix('_sharded')} on the local shards")
+        check_outside_shard_map(name, inside=name.removesuffix("_sharded"))
         mesh = rt.mesh if mesh is None else mesh
         batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
         # A tuple (or list) of axes is one group, outermost first, as inside shard_map.

@@ -71,6 +71,19 @@ def check_inside_shard_map(rt: Runtime, op: str) -> None:
     _mesh_position(rt, op)
 
 
+def check_outside_shard_map(op: str, inside: str) -> None:
+    """A ``ValueError`` naming ``op`` (a pjit-style form, which builds its own
+    shard_map) when traced inside a shard_map, and ``inside``, the form to call
+    there: nested in the caller's, whose axes are manual already, JAX's error
+    names meshes, not the fix."""
+    manual = getattr(_abstract_mesh(), "manual_axes", ())
+    if manual:
+        raise ValueError(
+            f"jaxtdist.{op} is the pjit-style form (global arrays, its own shard_map): "
+            f"call it under jax.jit outside jax.shard_map; inside shard_map (here, over "
+            f"{tuple(manual)}) call jaxtdist.{inside} on the local shards")
+
+
 def _mesh_position(rt: Runtime, op: str) -> jax.Array:
     """This device's linear position in the mesh, as device data (int32[1])."""
     pos = jnp.zeros((), jnp.int32)
