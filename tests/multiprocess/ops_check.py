@@ -58,6 +58,21 @@ def relerr(out: jax.Array, ref: np.ndarray) -> float:
     return worst
 
 
+def nan_relerr(out: jax.Array, ref: np.ndarray) -> float:
+    """``relerr`` where ``ref`` is not NaN; inf unless ``out`` is NaN exactly where
+    ``ref`` is (and ``ref`` has some NaN: the case must poison the reference)."""
+    worst = 0.0 if np.isnan(ref).any() else float("inf")
+    for shard in out.addressable_shards:
+        got = np.asarray(shard.data, np.float64)
+        want = np.asarray(ref[shard.index], np.float64)
+        if not np.array_equal(np.isnan(got), np.isnan(want)):
+            return float("inf")
+        kept = ~np.isnan(want)
+        worst = max(worst, float(np.linalg.norm(got[kept] - want[kept])
+                                 / max(np.linalg.norm(want[kept]), 1e-30)))
+    return worst
+
+
 def shard_mapper(mesh):
     """``sm(f, in_specs, out_specs, **kw)``: ``f`` jitted in a shard_map over ``mesh``."""
     return lambda f, i, o, **kw: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=i, out_specs=o,
@@ -147,6 +162,16 @@ def check_all(mesh, world: int) -> dict[str, float]:
     errs["flash_decode"] = relerr(f(place(mesh, q, P()), place(mesh, kc, P(None, "tp")),
                                     place(mesh, vc, P(None, "tp")), place(mesh, lens, P())),
                                   decode_reference(q, kc, vc, lens))
+    # NaN at a valid position of the last rank's shard poisons its partial, which
+    # every rank's merge must carry (not take for an empty one); NaN and inf past
+    # kv_len (a stale cache) must not reach the output.
+    kc, vc = kc.copy(), vc.copy()
+    kc[0, world * s - 2, 1, 3] = np.nan
+    kc[1, 4:], vc[1, 4:] = np.nan, np.inf
+    lens = np.array([world * s - 1, 4], np.int32)
+    errs["flash_decode_nan"] = nan_relerr(
+        f(place(mesh, q, P()), place(mesh, kc, P(None, "tp")), place(mesh, vc, P(None, "tp")),
+          place(mesh, lens, P())), decode_reference(q, kc, vc, lens))
     q = rand(19, (1, world * 6, 4, 64))
     kc, vc = rand(20, (1, world * 6, 2, 64)), rand(21, (1, world * 6, 2, 64))
     spec = P(None, "tp")
@@ -245,10 +270,11 @@ def decode_reference(q, k, v, kv_len) -> np.ndarray:
     s, hkv = k.shape[1], k.shape[2]
     scores = np.einsum("bhgd,bshd->bhgs", q.reshape(bsz, hkv, hq // hkv, d).astype(np.float64),
                        k.astype(np.float64)) / np.sqrt(d)
-    scores = np.where((np.arange(s)[None, :] < kv_len[:, None])[:, None, None, :], scores,
-                      -np.inf)
+    valid = np.arange(s)[None, :] < kv_len[:, None]
+    scores = np.where(valid[:, None, None, :], scores, -np.inf)
     p = np.exp(scores - scores.max(-1, keepdims=True))
-    o = np.einsum("bhgs,bshd->bhgd", p / p.sum(-1, keepdims=True), v.astype(np.float64))
+    v = np.where(valid[:, :, None, None], v.astype(np.float64), 0.0)  # masked: never read
+    o = np.einsum("bhgs,bshd->bhgd", p / p.sum(-1, keepdims=True), v)
     return o.reshape(bsz, hq, d)
 
 
