@@ -1,12 +1,15 @@
 // CUDA prologue: everything is enqueued on XLA's stream, with no host
-// synchronisation: the staging copy, the context copy from the device-side
-// template, and the epoch (written by value with cuMemsetD32Async).
+// synchronisation: the staging copy, then the context: written by one small
+// kernel from the host's copy of the template with the epoch in it
+// (ctx_writer.h), or, where that writer is not loaded, copied from the
+// heap's template with the epoch written by value (cuMemsetD32Async).
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
 #include <string>
 
 #include "call_context.h"
+#include "ctx_writer.h"
 #include "cuda_driver.h"
 #include "prologue.h"
 #include "runtime_state.h"
@@ -62,6 +65,19 @@ ffi::Error PrologueCuda(cudaStream_t stream, std::int32_t device_ordinal,
     if (err != cudaSuccess) return CudaError("staging copy", err);
   }
   auto* ctx = reinterpret_cast<char*>(ctx_out->typed_data());
+  std::int64_t words[kCtxWords];
+  if (RuntimeState::Get().Template(pos, template_offset, words)) {
+    words[kCtxEpochWord] = epoch;
+    bool written = false;
+    if (std::string e = WriteContext(stream, ctx, words, &written); !e.empty()) {
+      return ffi::Error::Internal("jaxtdist: " + e);
+    }
+    if (written) {
+      if (align_launch) call->AlignLaunch(counter_id, epoch);
+      return ffi::Error::Success();
+    }
+  }
+  CountContextCopy();
   err = cudaMemcpyAsync(ctx, base + template_offset, kCtxWords * 8,
                         cudaMemcpyDeviceToDevice, stream);
   if (err != cudaSuccess) return CudaError("context copy", err);

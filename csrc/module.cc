@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -12,6 +13,7 @@
 #include "runtime_state.h"
 #ifdef JAXTDIST_WITH_CUDA
 #include "ce_gather.h"
+#include "ctx_writer.h"
 #include "cuda_heap.h"
 #include "nvshmem_host.h"
 #include "triton_launch.h"
@@ -127,6 +129,17 @@ PYBIND11_MODULE(_jaxtdist_ffi, m) {
   });
   // What the CUDA handlers call before a collective kernel (tests drive it
   // from several Python threads).
+  m.def("register_template", [](int position, std::int64_t offset, py::bytes data) {
+    const std::string bytes = data;
+    if (bytes.size() != jaxtdist::kCtxWords * sizeof(std::int64_t)) {
+      throw std::invalid_argument("register_template: a template is " +
+                                  std::to_string(jaxtdist::kCtxWords) + " int64 words, got " +
+                                  std::to_string(bytes.size()) + " bytes");
+    }
+    std::int64_t words[jaxtdist::kCtxWords];
+    std::memcpy(words, bytes.data(), bytes.size());
+    jaxtdist::RuntimeState::Get().RegisterTemplate(position, offset, words);
+  });
   m.def("align_launch",
         [](std::int64_t counter, std::int64_t epoch, std::int64_t leader, std::int64_t world,
            int position) {
@@ -137,6 +150,16 @@ PYBIND11_MODULE(_jaxtdist_ffi, m) {
         py::arg("position") = -1, py::call_guard<py::gil_scoped_release>());
 #ifdef JAXTDIST_WITH_CUDA
   namespace jc = jaxtdist::cuda;
+  m.def("preload_context_writer", [](int device_ordinal) {
+    Raise(jaxtdist::PreloadContextWriter(device_ordinal));
+  });
+  m.def("context_write_stats", [] {
+    const jaxtdist::ContextWriteStats st = jaxtdist::GetContextWriteStats();
+    py::dict d;
+    d["kernel"] = st.kernel;
+    d["copy"] = st.copy;
+    return d;
+  });
   m.def("ce_push_stats", [] {
     const jaxtdist::CePushStats st = jaxtdist::GetCePushStats();
     py::dict d;

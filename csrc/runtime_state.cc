@@ -1,5 +1,6 @@
 #include "runtime_state.h"
 
+#include <algorithm>
 #include <string>
 
 namespace jaxtdist {
@@ -20,6 +21,7 @@ void RuntimeState::Reset(std::int64_t generation) {
   std::lock_guard<std::mutex> lock(mu_);
   heaps_.clear();
   epochs_.clear();
+  templates_.clear();
   generation_ = generation;
   aligner_.Reset();
 }
@@ -66,6 +68,20 @@ std::optional<int> RuntimeState::PositionOfDevice(int device_ordinal) const {
     if (slot.device_ordinal == device_ordinal) return pos;
   }
   return std::nullopt;
+}
+
+void RuntimeState::RegisterTemplate(int position, std::int64_t offset,
+                                    const std::int64_t* words) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::copy(words, words + kCtxWords, templates_[{position, offset}].begin());
+}
+
+bool RuntimeState::Template(int position, std::int64_t offset, std::int64_t* words) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = templates_.find({position, offset});
+  if (it == templates_.end()) return false;
+  std::copy(it->second.begin(), it->second.end(), words);
+  return true;
 }
 
 std::int64_t RuntimeState::NextEpoch(std::int64_t counter, int position) {

@@ -3,6 +3,7 @@
 #ifndef JAXTDIST_CSRC_RUNTIME_STATE_H_
 #define JAXTDIST_CSRC_RUNTIME_STATE_H_
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -57,6 +58,12 @@ class RuntimeState {
   // Increments and returns the epoch of `counter` on `position` (first call: 1).
   std::int64_t NextEpoch(std::int64_t counter, int position);
   std::int64_t PeekEpoch(std::int64_t counter, int position) const;
+  // The context template Python wrote at heap offset `offset` of `position`
+  // (kCtxWords words): the host's copy, from which the CUDA prologue writes a
+  // call's context without reading the heap.
+  void RegisterTemplate(int position, std::int64_t offset, const std::int64_t* words);
+  // Copies that template into `words`; false when none was registered.
+  bool Template(int position, std::int64_t offset, std::int64_t* words) const;
   // The host rendezvous before collective kernel launches (launch_align.h).
   LaunchAligner& aligner() { return aligner_; }
   // Rank-ordered mesh positions of `position`'s group in a handler's group
@@ -69,6 +76,7 @@ class RuntimeState {
   mutable std::mutex mu_;
   std::map<int, HeapSlot> heaps_;
   std::map<std::pair<std::int64_t, int>, std::int64_t> epochs_;
+  std::map<std::pair<int, std::int64_t>, std::array<std::int64_t, kCtxWords>> templates_;
   std::int64_t generation_ = 0;
   LaunchAligner aligner_;
 };

@@ -27,6 +27,7 @@ COMMON_HDRS = [
 # heap helpers.
 CUDA_SRCS = [
     "ce_gather.cc",
+    "ctx_writer.cc",
     "cuda_heap.cc",
     "ffi_cuda.cc",
     "nvshmem_host.cc",
@@ -35,6 +36,7 @@ CUDA_SRCS = [
 
 CUDA_HDRS = [
     "ce_gather.h",
+    "ctx_writer.h",
     "cuda_driver.h",
     "nvshmem_host.h",
     "triton_launch.h",

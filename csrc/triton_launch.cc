@@ -84,6 +84,13 @@ class KernelTable {
   // The table's lock is never held while loading: loading a module can wait
   // for the kernels running on that device, and those may spin on peers
   // whose host threads need this table to launch (a cross-device deadlock).
+  // Kernel `id` in `ctx` if it was loaded there, else nullptr.
+  CUfunction Loaded(std::int64_t id, CUcontext ctx) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = loaded_.find({id, ctx});
+    return it == loaded_.end() ? nullptr : it->second;
+  }
+
   std::string Function(std::int64_t id, CUcontext ctx, CUfunction* fn,
                        const TritonKernelImage** image) {
     {
@@ -300,6 +307,10 @@ std::string PreloadTritonKernel(std::int64_t id, int device_ordinal) {
   std::string err = KernelTable::Get().Function(id, ctx, &fn, &image);
   release(device);
   return err;
+}
+
+void* LoadedTritonKernel(std::int64_t id, void* ctx) {
+  return KernelTable::Get().Loaded(id, static_cast<CUcontext>(ctx));
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtdistTritonLaunchCuda, TritonLaunchCuda,

@@ -50,6 +50,10 @@ std::int64_t RegisterTritonKernel(TritonKernelImage image);
 // could wait for them, and they may wait for peers that need to launch.
 std::string PreloadTritonKernel(std::int64_t id, int device_ordinal);
 
+// Kernel `id` as loaded in CUDA context `ctx` (opaque CUcontext), or nullptr
+// (opaque CUfunction) when it was never loaded there: never loads it.
+void* LoadedTritonKernel(std::int64_t id, void* ctx);
+
 extern "C" XLA_FFI_Error* JaxtdistTritonLaunchCuda(XLA_FFI_CallFrame* call_frame);
 
 }  // namespace jaxtdist

@@ -7,6 +7,11 @@ import statistics
 from collections import defaultdict
 
 
+# The CUDA prologue's context writer (csrc/ctx_writer.h): a kernel of each call's
+# prologue, not of the op. Left out of the sums, as the prologue's copy and memset
+# were before it (CUPTI's kernel list never held them), and reported apart.
+PROLOGUE_KERNEL = "jaxtdist_write_ctx"
+
 # Attempts at a measurement that JAX's profiler refuses because the kernels' order
 # differed between iterations (see ``profile``).
 _ATTEMPTS = 3
@@ -20,6 +25,8 @@ def profile(fn, args, iterations: int, world: int):
     ``world`` devices; ``stats["min_us"]`` the median of the per-kernel-name
     fastest device's sum (JAX's collective-matmul example's statistic);
     ``stats["kernel_us"]`` the median per kernel name (where the time goes).
+    The prologue's context writer (``PROLOGUE_KERNEL``) is in none of these: its
+    median time per iteration and device is ``stats["prologue_us"]``.
     """
     from jax.experimental.mosaic.gpu import profiler
 
@@ -39,9 +46,11 @@ def profile(fn, args, iterations: int, world: int):
         raise RuntimeError("CUPTI saw no kernels")
     if iterations == 1:
         per_iter = [per_iter]
-    means, mins = [], []
+    means, mins, prologue = [], [], []
     per_name = defaultdict(list)  # name -> per-iteration time, summed over launches, per device
     for kernels in per_iter:
+        prologue.append(sum(t for name, t in kernels if name == PROLOGUE_KERNEL) * 1e3 / world)
+        kernels = [(name, t) for name, t in kernels if name != PROLOGUE_KERNEL]
         it = defaultdict(float)
         for name, t in kernels:
             it[name] += t * 1e3 / world
@@ -52,11 +61,11 @@ def profile(fn, args, iterations: int, world: int):
         for name, t in kernels:
             fastest[name] = min(fastest[name], t)
         mins.append(sum(fastest.values()) * 1e3)
-    names = sorted({name for name, _ in per_iter[0]})
+    names = sorted({name for name, _ in per_iter[0]} - {PROLOGUE_KERNEL})
     kernel_us = {name: round(statistics.median(ts), 3) for name, ts in per_name.items()}
     return out, dict(mean_us=statistics.median(means), min_us=statistics.median(mins),
                      kernels=names, kernel_us=kernel_us, samples_us=means,
-                     min_samples_us=mins)
+                     min_samples_us=mins, prologue_us=statistics.median(prologue))
 
 
 def merge_rounds(rounds: list[dict]) -> dict:

@@ -12,6 +12,7 @@ import dataclasses
 import math
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 
 import jax
@@ -194,6 +195,15 @@ class Runtime:
         # Other processes' heaps mapped into this one: copy-engine pushes' targets.
         for pos, base in getattr(self.backend, "remote_bases", {}).items():
             self.native.register_heap(pos, _REMOTE_HEAP, base, self.heap_bytes, 0)
+        if self.platform == "gpu":
+            # The prologue's context writer, loaded before any kernel of ours runs
+            # (csrc/ctx_writer.h); where it cannot load, prologues copy the template.
+            for pos in self.backend.positions:
+                try:
+                    self.native.preload_context_writer(self.backend.ordinal_of(pos))
+                except RuntimeError as err:
+                    warnings.warn(f"jaxtdist: the context writer did not load ({err}); "
+                                  "every call copies its context instead (slower)")
 
     # -- launch alignment -----------------------------------------------------
 
@@ -267,7 +277,9 @@ class Runtime:
                                  f"{L.MAX_WORLD}")
             offset = _TEMPLATE_START + len(self._layouts) * L.CTX_WORDS * 8
             for pos in self.backend.positions:
-                self.backend.write(pos, offset, self._template(pos, axes, world).tobytes())
+                words = self._template(pos, axes, world).tobytes()
+                self.backend.write(pos, offset, words)
+                self.native.register_template(pos, offset, words)  # the prologue's copy
             layout = Layout(axes, world, offset)
             self._layouts[axes] = layout
             return layout

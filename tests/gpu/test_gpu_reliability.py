@@ -116,3 +116,35 @@ def test_chained_calls_in_one_jit(calls):
         for i in range(calls):
             ref = (1.0 + i) * base
             assert np.linalg.norm(out[i] - ref) / np.linalg.norm(ref) < 2e-2, i
+
+
+def test_every_call_writes_its_context_with_the_writer_kernel():
+    """The CUDA prologue writes each call's context (rank, world and a fresh epoch)
+    with its one-kernel writer (csrc/ctx_writer.h), never the template copy: 20
+    calls in one program see epochs rising by one on every device, and each call
+    counts one writer launch."""
+    from jaxtdist.runtime import _native
+
+    mesh, world = _mesh()
+    calls = 20
+
+    def body():
+        outs = [td.triton_call(kernel=K.ids_kernel, out_shape=jax.ShapeDtypeStruct((3,), jnp.int32),
+                               grid=(1,), axis_name="tp", name="ctx_writer_test")
+                for _ in range(calls)]
+        return jnp.stack(outs)[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(), out_specs=P("tp")))
+    lib = _native.native()
+    for run in range(2):
+        before = lib.context_write_stats()
+        ids = np.asarray(f())  # [world, calls, 3]: rank, world, epoch
+        after = lib.context_write_stats()
+        assert after["kernel"] - before["kernel"] == world * calls, (before, after)
+        assert after["copy"] == before["copy"], (before, after)
+        for rank in range(world):
+            np.testing.assert_array_equal(ids[rank, :, 0], rank)
+            np.testing.assert_array_equal(ids[rank, :, 1], world)
+            first = ids[rank, 0, 2]
+            np.testing.assert_array_equal(ids[rank, :, 2], first + np.arange(calls))
+            assert first == 1 + run * calls, ids[rank, :, 2]
