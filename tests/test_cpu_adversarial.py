@@ -890,3 +890,69 @@ def test_flax_attention_in_float16_on_cpu(shape):
         y32 = nnx.jit(lambda m, a: m(a))(full, x)
     assert y16.dtype == F16
     assert rel_err(y16, f64(y32)) < TOL[jnp.dtype(F16)] * 4
+
+
+# -- gradients under shard_map(check_vma=False) ---------------------------------------------
+#
+# Regression: with check_vma=False every value is typed invariant, so the backwards took
+# each rank's own cotangent for the group's sum: matmul_ar's gradients, ag_matmul's dx
+# and all_gather's were 1/world of the true ones (found by an adversarial sweep). The
+# README prescribes check_vma=False for a replicated out_specs.
+
+def _vma_case(op, world):
+    """(body, in_specs, out_specs, global operands, the same computation in jax.lax)."""
+    m, k, n = 3, 4, 5
+    if op == "matmul_ar":
+        args = (rand((m, world * k), F32), rand((world * k, n), F32))
+        return (lambda a, b: td.matmul_ar(a, b, "tp"), (COLS, ROWS), P(), args,
+                lambda a, b: jax.lax.psum(a @ b, "tp"))
+    if op == "ag_matmul":
+        args = (rand((world * m, k), F32), rand((k, world * n), F32))
+        return (lambda a, b: td.ag_matmul(a, b, "tp"), (ROWS, COLS), COLS, args,
+                lambda a, b: jax.lax.all_gather(a, "tp", tiled=True) @ b)
+    if op == "ag_matmul_replicated_out":
+        args = (rand((world * m, k), F32), rand((k, n), F32))
+        return (lambda a, b: td.ag_matmul(a, b, "tp"), (ROWS, P()), P(), args,
+                lambda a, b: jax.lax.all_gather(a, "tp", tiled=True) @ b)
+    if op == "all_gather":
+        args = (rand((world * m, k), F32),)
+        return (lambda a: td.all_gather(a, "tp"), (ROWS,), P(), args,
+                lambda a: jax.lax.all_gather(a, "tp", tiled=True))
+    if op == "all_reduce":
+        args = (rand((world * m, k), F32),)
+        return (lambda a: td.all_reduce(a, "tp"), (ROWS,), P(), args,
+                lambda a: jax.lax.psum(a, "tp"))
+    if op == "reduce_scatter":
+        args = (rand((world * m, world * k), F32),)
+        return (lambda a: td.reduce_scatter(a, "tp"), (COLS,), ROWS, args,
+                lambda a: jax.lax.psum_scatter(a, "tp", tiled=True))
+    args = (rand((world * m, world * k), F32), rand((world * k, n), F32))  # matmul_rs
+    return (lambda a, b: td.matmul_rs(a, b, "tp"), (COLS, ROWS), ROWS, args,
+            lambda a, b: jax.lax.psum_scatter(a @ b, "tp", tiled=True))
+
+
+# A gather's result under a replicated out_specs passes shard_map's check only with
+# check_vma=False (as jax.lax.all_gather's does).
+VMA_CASES = [(op, vma) for op in ("matmul_ar", "ag_matmul", "ag_matmul_replicated_out",
+                                  "all_gather", "all_reduce", "reduce_scatter", "matmul_rs")
+             for vma in (False, True)
+             if not (vma and op in ("all_gather", "ag_matmul_replicated_out"))]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("op,check_vma", VMA_CASES)
+def test_gradients_match_jax_lax_with_and_without_check_vma(op, world, check_vma):
+    """jax.grad through each op equals jax.grad through its jax.lax twin in the same
+    shard_map, with check_vma on and off (a cotangent of the sum's square, so every
+    rank's contribution differs)."""
+    mesh = setup(world)
+    body, in_specs, out_specs, args, twin = _vma_case(op, world)
+
+    def grads(fn):
+        f = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                          check_vma=check_vma)
+        return jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) ** 2),
+                                argnums=tuple(range(len(args)))))(*args)
+
+    for got, want in zip(grads(body), grads(twin)):
+        assert rel_err(got, want) < TOL[jnp.dtype(F32)], (op, rel_err(got, want))

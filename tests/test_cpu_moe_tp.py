@@ -268,6 +268,11 @@ def test_moe_tp_mlp_errors():
         run(x, ids, gate, w1, rand((4, 8, 8)))
     with pytest.raises(ValueError, match="expert_ids must be integers"):
         run(x, ids.astype(np.float32), gate, w1, w2)
+    # Regression (an adversarial sweep): K = 0 was a ZeroDivisionError deep inside.
+    for overlap in (False, True):
+        with pytest.raises(ValueError, match=r"expert_ids\(2, 0\) routes each token to K=0 "
+                                             r"experts; K must be at least 1"):
+            run(x, ids[:, :0], gate[:, :0], w1, w2, overlap=overlap)
     with pytest.raises(ValueError, match="weights must be floats shaped like"):
         run(x, ids, gate[:, :1], w1, w2)
     with pytest.raises(ValueError, match="w1 has dtype float16"):

@@ -33,6 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import config as _jax_config
 
 from jaxtdist.language import _layout as L
 from jaxtdist.runtime import _ffi, _native
@@ -187,8 +188,20 @@ def order_token(rt: Runtime, last: jax.Array | None = None) -> jax.Array:
     return mark_varying(token, tuple(rt.mesh.axis_names))
 
 
+def _vma_checked() -> bool:
+    """Whether the enclosing shard_map types varying axes (``check_vma=True``)."""
+    state = getattr(_jax_config, "_check_vma", None)  # shard_map's own flag, not public
+    return True if state is None else bool(state.value)
+
+
 def varying_axes(value: jax.Array) -> frozenset | None:
-    """Manual mesh axes ``value`` varies over (None with jax that does not track them)."""
+    """Manual mesh axes ``value`` varies over; None where they are not tracked:
+    with jax that does not track them, and under ``shard_map(check_vma=False)``,
+    where every value is typed invariant whatever it holds (a cotangent there is
+    each rank's own, never the group's sum: treating it as summed gave gradients
+    1/world of the true ones)."""
+    if not _vma_checked():
+        return None
     aval = jax.typeof(value)
     if hasattr(aval, "manual_axis_type"):  # jax 0.10
         return frozenset(aval.manual_axis_type.varying)

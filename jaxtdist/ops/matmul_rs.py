@@ -23,8 +23,9 @@ from jaxtdist.ops._config import Problem, resolve
 from jaxtdist.ops._op import DistributedOp, one_call_per_element, pjit_wrapper, rows_over
 from jaxtdist.ops._partial_sums import (MatmulArConfig, MatmulRsConfig, _ar_check, _rs_check,
                                         matmul_ar_kernels, matmul_rs_kernels, resolved_config)
-from jaxtdist.ops._protocol import Call
+from jaxtdist.ops._protocol import Call, varying_axes
 from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered
+from jaxtdist.ops.all_reduce import all_reduce
 from jaxtdist.runtime._runtime import runtime
 from jaxtdist.tune import _registry
 
@@ -104,9 +105,14 @@ def _ar_forward(x, w, *, axis_name, config=None):
 
 
 def _ar_backward(residuals, dy, *, axis_name, config=None):
-    del axis_name, config
+    del config
     x, w = residuals
-    # dy is the same on every rank (the cotangent of a psum's output).
+    # Typed invariant over the group (shard_map's check_vma), dy is already the
+    # group's sum (psum's transpose is the identity). Untyped (check_vma=False),
+    # each rank holds its own: psum's transpose is psum.
+    have = varying_axes(dy)
+    if have is None or set(runtime().layout(axis_name).axes) & have:
+        dy = all_reduce(dy, axis_name)
     dx = jnp.dot(dy, w.T, preferred_element_type=jnp.float32)
     dw = jnp.dot(x.T, dy, preferred_element_type=jnp.float32)
     return dx, dw

@@ -46,6 +46,9 @@ def _check(x, expert_ids, weights, w1, w2, w_up, axis_name) -> None:
     if expert_ids.ndim != 2 or expert_ids.shape[0] != t:
         raise ValueError(f"jaxtdist.moe_tp_mlp: expert_ids must be [T_shard, K] = [{t}, K] "
                          f"like x{x.shape}, got expert_ids{expert_ids.shape}")
+    if expert_ids.shape[1] < 1:
+        raise ValueError(f"jaxtdist.moe_tp_mlp: expert_ids{expert_ids.shape} routes each token "
+                         "to K=0 experts; K must be at least 1 (top-K routing)")
     if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
         raise ValueError(f"jaxtdist.moe_tp_mlp: expert_ids must be integers, got "
                          f"{expert_ids.dtype.name}")
