@@ -3,7 +3,6 @@
 #include <cuda.h>
 
 #include <atomic>
-#include <mutex>
 #include <string>
 
 #include "cuda_driver.h"

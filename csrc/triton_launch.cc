@@ -79,11 +79,6 @@ class KernelTable {
     return static_cast<std::int64_t>(images_.size()) - 1;
   }
 
-  // Finds or loads kernel `id` in `ctx`; returns "" or what failed.
-  //
-  // The table's lock is never held while loading: loading a module can wait
-  // for the kernels running on that device, and those may spin on peers
-  // whose host threads need this table to launch (a cross-device deadlock).
   // Kernel `id` in `ctx` if it was loaded there, else nullptr.
   CUfunction Loaded(std::int64_t id, CUcontext ctx) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -91,6 +86,11 @@ class KernelTable {
     return it == loaded_.end() ? nullptr : it->second;
   }
 
+  // Finds or loads kernel `id` in `ctx`; returns "" or what failed.
+  //
+  // The table's lock is never held while loading: loading a module can wait
+  // for the kernels running on that device, and those may spin on peers
+  // whose host threads need this table to launch (a cross-device deadlock).
   std::string Function(std::int64_t id, CUcontext ctx, CUfunction* fn,
                        const TritonKernelImage** image) {
     {
