@@ -527,7 +527,15 @@ def pjit_wrapper(op_fn: Callable, *, name: str,
                 batch_axes: str | Sequence[str] = (), mesh=None, **static: Any):
         rt = runtime()
         check_outside_shard_map(name, inside=name.removesuffix("_sharded"))
-        mesh = rt.mesh if mesh is None else mesh
+        if mesh is None:
+            mesh = rt.mesh
+        elif (tuple(mesh.axis_names), tuple(mesh.devices.shape)) != (
+                tuple(rt.mesh.axis_names), tuple(rt.mesh.devices.shape)):
+            def axes(m):
+                return dict(zip(m.axis_names, m.devices.shape))
+            raise ValueError(f"jaxtdist.{name}: mesh= {axes(mesh)} differs from the mesh given "
+                             f"to jaxtdist.initialize {axes(rt.mesh)}; leave mesh= out (the "
+                             "initialized mesh) or initialize with this mesh")
         batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
         # A tuple (or list) of axes is one group, outermost first, as inside shard_map.
         if isinstance(axis_name, (tuple, list)):

@@ -449,6 +449,7 @@ def initialize(mesh, *, heap_bytes: int | None = None, wait_timeout_s: float | N
                 if launcher is not None:
                     _RUNTIME.launcher = launcher
                 return _RUNTIME
+            _finish_programs_in_flight()
             _RUNTIME.close()
             _RUNTIME = None
             # Programs traced for the old runtime hold its offsets: retrace.
@@ -460,17 +461,39 @@ def initialize(mesh, *, heap_bytes: int | None = None, wait_timeout_s: float | N
 
 
 def shutdown() -> None:
-    """Frees the heap and stops interpreter workers. Safe to call twice."""
+    """Waits for the programs still running, then frees the heap and stops
+    interpreter workers. Safe to call twice."""
+    _shutdown(finish_in_flight=True)
+
+
+def _shutdown(finish_in_flight: bool) -> None:
     global _RUNTIME
     with _RUNTIME_LOCK:
         if _RUNTIME is not None:
+            if finish_in_flight:
+                _finish_programs_in_flight()
             _RUNTIME.close()
             _RUNTIME = None
             jax.clear_caches()
 
 
-# Workers and shared memory must not outlive the process.
-atexit.register(shutdown)
+def _finish_programs_in_flight() -> None:
+    """Waits until the programs already dispatched have run (their outputs are the
+    live arrays), before their runtime goes: replaced under a running program,
+    some devices' calls failed against the new runtime while the others went on
+    into an XLA collective and waited there for ever (4 CPU devices: a hang, then
+    XLA's abort), and on GPUs a kernel would read a freed heap. A program that
+    failed leaves its error to whoever reads its outputs."""
+    for array in jax.live_arrays():
+        try:
+            array.block_until_ready()
+        except Exception:  # noqa: BLE001 - the program's error, not this call's
+            pass
+
+
+# Workers and shared memory must not outlive the process (at exit, without waiting
+# for programs that may be waiting for a dead peer).
+atexit.register(_shutdown, False)
 
 
 def runtime() -> Runtime:
