@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtdist.ops._config import config_dict
 from jaxtdist.ops._protocol import (check_axis, check_outside_shard_map, mark_varying,
                                     order_record, order_token, program_order_deps,
-                                    record_output, varying_axes)
+                                    record_output, same_mesh_axes, varying_axes)
 from jaxtdist.runtime._ffi import no_derivative
 from jaxtdist.runtime._identity import identity_primitive
 from jaxtdist.runtime._runtime import runtime
@@ -529,13 +529,10 @@ def pjit_wrapper(op_fn: Callable, *, name: str,
         check_outside_shard_map(name, inside=name.removesuffix("_sharded"))
         if mesh is None:
             mesh = rt.mesh
-        elif (tuple(mesh.axis_names), tuple(mesh.devices.shape)) != (
-                tuple(rt.mesh.axis_names), tuple(rt.mesh.devices.shape)):
-            def axes(m):
-                return dict(zip(m.axis_names, m.devices.shape))
-            raise ValueError(f"jaxtdist.{name}: mesh= {axes(mesh)} differs from the mesh given "
-                             f"to jaxtdist.initialize {axes(rt.mesh)}; leave mesh= out (the "
-                             "initialized mesh) or initialize with this mesh")
+        elif not same_mesh_axes(mesh, rt.mesh):
+            raise ValueError(f"jaxtdist.{name}: mesh= {dict(mesh.shape)} differs from the mesh "
+                             f"given to jaxtdist.initialize {dict(rt.mesh.shape)}; leave mesh= "
+                             "out (the initialized mesh) or initialize with this mesh")
         batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
         # A tuple (or list) of axes is one group, outermost first, as inside shard_map.
         if isinstance(axis_name, (tuple, list)):

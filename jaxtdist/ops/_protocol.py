@@ -49,6 +49,12 @@ def _abstract_mesh():
         return None
 
 
+def same_mesh_axes(mesh, other) -> bool:
+    """Whether two meshes (concrete or abstract) have the same axes, in order, of
+    the same sizes: what a program traced for one needs of the other."""
+    return tuple(mesh.shape.items()) == tuple(other.shape.items())
+
+
 def check_axis(rt: Runtime, axis_name, op: str) -> Layout:
     """Validates ``axis_name`` against the runtime's mesh and the current shard_map."""
     if axis_name is None:
@@ -57,8 +63,7 @@ def check_axis(rt: Runtime, axis_name, op: str) -> Layout:
     layout = rt.layout(axis_name)
     abstract = _abstract_mesh()
     if abstract is not None and not abstract.empty:
-        if tuple(abstract.axis_names) != tuple(rt.mesh.axis_names) or tuple(
-                abstract.axis_sizes) != tuple(rt.mesh.devices.shape):
+        if not same_mesh_axes(abstract, rt.mesh):
             raise ValueError(
                 f"jaxtdist.{op}: the shard_map's mesh {dict(abstract.shape)} differs from the "
                 f"mesh given to jaxtdist.initialize {dict(rt.mesh.shape)}; initialize with the "

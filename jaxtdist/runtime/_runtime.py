@@ -449,11 +449,7 @@ def initialize(mesh, *, heap_bytes: int | None = None, wait_timeout_s: float | N
                 if launcher is not None:
                     _RUNTIME.launcher = launcher
                 return _RUNTIME
-            _finish_programs_in_flight()
-            _RUNTIME.close()
-            _RUNTIME = None
-            # Programs traced for the old runtime hold its offsets: retrace.
-            jax.clear_caches()
+            _close_runtime(finish_in_flight=True)
         _RUNTIME = Runtime(mesh, heap_bytes, wait_timeout_s,
                            True if align_launches is None else align_launches,
                            launcher or "native", bootstrap_timeout_s)
@@ -467,14 +463,20 @@ def shutdown() -> None:
 
 
 def _shutdown(finish_in_flight: bool) -> None:
-    global _RUNTIME
     with _RUNTIME_LOCK:
-        if _RUNTIME is not None:
-            if finish_in_flight:
-                _finish_programs_in_flight()
-            _RUNTIME.close()
-            _RUNTIME = None
-            jax.clear_caches()
+        _close_runtime(finish_in_flight)
+
+
+def _close_runtime(finish_in_flight: bool) -> None:
+    """Closes the current runtime, if any (``_RUNTIME_LOCK`` held). Programs traced
+    for it hold its offsets: JAX's caches are cleared so that they are retraced."""
+    global _RUNTIME
+    if _RUNTIME is not None:
+        if finish_in_flight:
+            _finish_programs_in_flight()
+        _RUNTIME.close()
+        _RUNTIME = None
+        jax.clear_caches()
 
 
 def _finish_programs_in_flight() -> None:
