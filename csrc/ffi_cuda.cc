@@ -32,6 +32,38 @@ ffi::Error CudaError(const char* what, cudaError_t err) {
                               cudaGetErrorString(err));
 }
 
+// Writes the call's context into `ctx`: with the context writer from the
+// host's copy of the template, or, where the writer is not loaded, as a copy
+// of the heap's template and a memset of the epoch.
+ffi::Error WriteCallContext(cudaStream_t stream, char* ctx, int pos, char* base,
+                            std::int64_t template_offset, std::int64_t epoch) {
+  std::int64_t words[kCtxWords];
+  if (RuntimeState::Get().Template(pos, template_offset, words)) {
+    words[kCtxEpochWord] = epoch;
+    bool written = false;
+    if (std::string e = WriteContext(stream, ctx, words, &written); !e.empty()) {
+      return ffi::Error::Internal("jaxtdist: " + e);
+    }
+    if (written) return ffi::Error::Success();
+  }
+  CountContextCopy();
+  auto memset32 = GetMemsetD32Async();
+  if (memset32 == nullptr) {
+    return ffi::Error::Internal("jaxtdist: cuMemsetD32Async is not available from the driver");
+  }
+  cudaError_t err = cudaMemcpyAsync(ctx, base + template_offset, kCtxWords * 8,
+                                    cudaMemcpyDeviceToDevice, stream);
+  if (err != cudaSuccess) return CudaError("context copy", err);
+  // Epochs stay below 2^31; the template's high word is zero.
+  CUresult res = memset32(reinterpret_cast<CUdeviceptr>(ctx + kCtxEpochWord * 8),
+                          static_cast<unsigned int>(epoch), 1,
+                          reinterpret_cast<CUstream>(stream));
+  if (res != CUDA_SUCCESS) {
+    return ffi::Error::Internal("jaxtdist: " + cuda::DriverError("cuMemsetD32Async", res));
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error PrologueCuda(cudaStream_t stream, std::int32_t device_ordinal,
                         ffi::Buffer<ffi::S32> position, ffi::RemainingArgs stage,
                         ffi::ResultBuffer<ffi::S32> ctx_out,
@@ -51,42 +83,18 @@ ffi::Error PrologueCuda(cudaStream_t stream, std::int32_t device_ordinal,
   if (staged.has_error()) return staged.error();
   const std::int64_t stage_bytes = staged->bytes;
   const void* stage_data = staged->data;
-  auto memset32 = GetMemsetD32Async();
-  if (memset32 == nullptr) {
-    return ffi::Error::Internal("jaxtdist: cuMemsetD32Async is not available from the driver");
-  }
-
   const std::int64_t epoch = RuntimeState::Get().NextEpoch(counter_id, pos);
   auto* base = reinterpret_cast<char*>(heap.base);
-  cudaError_t err;
   if (stage_bytes > 0) {
-    err = cudaMemcpyAsync(base + stage_offset + (epoch & 1) * parity_bytes,
-                          stage_data, stage_bytes, cudaMemcpyDeviceToDevice, stream);
+    cudaError_t err = cudaMemcpyAsync(base + stage_offset + (epoch & 1) * parity_bytes,
+                                      stage_data, stage_bytes, cudaMemcpyDeviceToDevice,
+                                      stream);
     if (err != cudaSuccess) return CudaError("staging copy", err);
   }
   auto* ctx = reinterpret_cast<char*>(ctx_out->typed_data());
-  std::int64_t words[kCtxWords];
-  if (RuntimeState::Get().Template(pos, template_offset, words)) {
-    words[kCtxEpochWord] = epoch;
-    bool written = false;
-    if (std::string e = WriteContext(stream, ctx, words, &written); !e.empty()) {
-      return ffi::Error::Internal("jaxtdist: " + e);
-    }
-    if (written) {
-      if (align_launch) call->AlignLaunch(counter_id, epoch);
-      return ffi::Error::Success();
-    }
-  }
-  CountContextCopy();
-  err = cudaMemcpyAsync(ctx, base + template_offset, kCtxWords * 8,
-                        cudaMemcpyDeviceToDevice, stream);
-  if (err != cudaSuccess) return CudaError("context copy", err);
-  // Epochs stay below 2^31; the template's high word is zero.
-  CUresult res = memset32(reinterpret_cast<CUdeviceptr>(ctx + kCtxEpochWord * 8),
-                          static_cast<unsigned int>(epoch), 1,
-                          reinterpret_cast<CUstream>(stream));
-  if (res != CUDA_SUCCESS) {
-    return ffi::Error::Internal("jaxtdist: " + cuda::DriverError("cuMemsetD32Async", res));
+  if (ffi::Error e = WriteCallContext(stream, ctx, pos, base, template_offset, epoch);
+      e.failure()) {
+    return e;
   }
   // Last host work before the kernel: meet the group's other host threads.
   if (align_launch) call->AlignLaunch(counter_id, epoch);

@@ -50,16 +50,41 @@ if has tests; then
   JAXTDIST_TEST_MULTIPROCESS_GPU=1 timeout 900 python3 -m pytest \
     tests/gpu/test_gpu_multiprocess.py -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests_multiprocess.log"
   MP_RC=${PIPESTATUS[0]}
-  # The suite runs without the user cache (shipped tuned configs still apply).
-  # TMA kernels (jaxtdist's own launcher) run first in a process of their own,
-  # so that a fault there cannot take the rest of the suite down with it.
-  JAXTDIST_TUNING_CACHE="$OUT/tests_tuning.json" timeout 600 python3 -m pytest tests/gpu -q \
-    -p no:cacheprovider -k ag_matmul_tma 2>&1 | tee "$OUT/gpu_tests_tma.log"
-  TMA_RC=${PIPESTATUS[0]}
-  JAXTDIST_TUNING_CACHE="$OUT/tests_tuning.json" timeout 900 python3 -m pytest tests/gpu -q \
-    -p no:cacheprovider -k "not ag_matmul_tma" 2>&1 | tee "$OUT/gpu_tests.log"
-  TEST_RC=${PIPESTATUS[0]}
-  [ "$TMA_RC" -ne 0 ] && TEST_RC=$TMA_RC
+  # The suite runs without the user cache (shipped tuned configs still apply), in
+  # five shards, each its own process: the TMA kernels (jaxtdist's own launcher)
+  # among them, so that a fault there cannot take the rest of the suite down. On
+  # one GPU the shards share it at once (the suite is compile-bound: about 5
+  # minutes against over 15 one after another); with several GPUs they run one
+  # after another, so that no collective kernel waits out another process's
+  # time slice on a peer GPU.
+  shard() {  # shard NAME PYTEST_ARGS...: log $OUT/gpu_tests_NAME.log, rc in .rc
+    local name=$1; shift
+    JAXTDIST_TUNING_CACHE="$OUT/tests_tuning_$name.json" timeout 900 python3 -m pytest \
+      -q -p no:cacheprovider -rf "$@" > "$OUT/gpu_tests_$name.log" 2>&1
+    echo $? > "$OUT/gpu_tests_$name.rc"
+  }
+  SHARDS=(gemm tma attention decode rest)
+  run_shards() {
+    local k=${PYTEST_K:+ and ($PYTEST_K)}
+    shard gemm tests/gpu/test_gpu.py -k "not ag_matmul_tma$k" & [ "$N" -gt 1 ] && wait
+    shard tma tests/gpu/test_gpu.py tests/gpu/test_gpu_nn.py tests/gpu/test_gpu_reliability.py \
+      -k "(ag_matmul_tma or test_gpu_nn or test_gpu_reliability)$k" & [ "$N" -gt 1 ] && wait
+    shard attention tests/gpu/test_gpu_ag_attention.py ${PYTEST_K:+-k "$PYTEST_K"} & [ "$N" -gt 1 ] && wait
+    shard decode tests/gpu/test_gpu_flash_decode.py ${PYTEST_K:+-k "$PYTEST_K"} & [ "$N" -gt 1 ] && wait
+    # Every other file (a new one included).
+    shard rest $(ls tests/gpu/test_gpu_*.py \
+      | grep -v -E 'test_gpu_(ag_attention|flash_decode|nn|reliability|multiprocess)\.py') \
+      ${PYTEST_K:+-k "$PYTEST_K"} &
+    wait
+  }
+  [ "$N" -eq 1 ] && export XLA_PYTHON_CLIENT_PREALLOCATE=false
+  run_shards
+  unset XLA_PYTHON_CLIENT_PREALLOCATE
+  for name in "${SHARDS[@]}"; do
+    rc=$(cat "$OUT/gpu_tests_$name.rc" 2>/dev/null || echo 1)
+    # pytest's 5: nothing selected (PYTEST_K), not a failure.
+    [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ] && TEST_RC=$rc
+  done
   [ "$MP_RC" -ne 0 ] && TEST_RC=$MP_RC
   python3 examples/ag_matmul.py 2>&1 | tail -1 | tee "$OUT/examples.log"
   python3 examples/ring_exchange.py 2>&1 | tail -1 | tee -a "$OUT/examples.log"
@@ -117,8 +142,10 @@ fi
 echo
 if has tests; then
   echo "== GPU tests (multi-process): $(grep -E '^[0-9]+ (passed|failed|skipped|errors?)' "$OUT/gpu_tests_multiprocess.log" | tail -1)"
-  echo "== GPU tests (TMA): $(grep -E '^[0-9]+ (passed|failed|skipped|errors?)' "$OUT/gpu_tests_tma.log" | tail -1)"
-  echo "== GPU tests (rest): $(grep -E '^[0-9]+ (passed|failed|skipped|errors?)' "$OUT/gpu_tests.log" | tail -1)"
+  for name in "${SHARDS[@]}"; do
+    echo "== GPU tests ($name): $(grep -E '^[0-9]+ (passed|failed|skipped|deselected|errors?)' "$OUT/gpu_tests_$name.log" | tail -1) (rc $(cat "$OUT/gpu_tests_$name.rc"))"
+  done
+  grep -h -E '^(FAILED|ERROR) ' "$OUT"/gpu_tests_*.log | head -20
   cat "$OUT/examples.log"
 fi
 if has tune; then grep -E "best" "$OUT/tune.log"; fi

@@ -7,6 +7,10 @@ themselves: ``triton_call`` and ``ag_matmul_with_gathered``.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -118,15 +122,15 @@ def test_chained_calls_in_one_jit(calls):
             assert np.linalg.norm(out[i] - ref) / np.linalg.norm(ref) < 2e-2, i
 
 
-def test_every_call_writes_its_context_with_the_writer_kernel():
-    """The CUDA prologue writes each call's context (rank, world and a fresh epoch)
-    with its one-kernel writer (csrc/ctx_writer.h), never the template copy: 20
-    calls in one program see epochs rising by one on every device, and each call
-    counts one writer launch."""
+def _check_call_contexts(path: str) -> None:
+    """Runs 20 calls in one program twice: epochs rise by one on every device, and
+    each call writes its context by `path` ("kernel": the writer, "copy": the
+    template copy and epoch memset), never the other."""
     from jaxtdist.runtime import _native
 
     mesh, world = _mesh()
     calls = 20
+    other = {"kernel": "copy", "copy": "kernel"}[path]
 
     def body():
         outs = [td.triton_call(kernel=K.ids_kernel, out_shape=jax.ShapeDtypeStruct((3,), jnp.int32),
@@ -140,11 +144,44 @@ def test_every_call_writes_its_context_with_the_writer_kernel():
         before = lib.context_write_stats()
         ids = np.asarray(f())  # [world, calls, 3]: rank, world, epoch
         after = lib.context_write_stats()
-        assert after["kernel"] - before["kernel"] == world * calls, (before, after)
-        assert after["copy"] == before["copy"], (before, after)
+        assert after[path] - before[path] == world * calls, (before, after)
+        assert after[other] == before[other], (before, after)
         for rank in range(world):
             np.testing.assert_array_equal(ids[rank, :, 0], rank)
             np.testing.assert_array_equal(ids[rank, :, 1], world)
             first = ids[rank, 0, 2]
             np.testing.assert_array_equal(ids[rank, :, 2], first + np.arange(calls))
             assert first == 1 + run * calls, ids[rank, :, 2]
+
+
+def test_every_call_writes_its_context_with_the_writer_kernel():
+    """The CUDA prologue writes each call's context (rank, world and a fresh epoch)
+    with its one-kernel writer (csrc/ctx_writer.h), never the template copy."""
+    _check_call_contexts("kernel")
+
+
+_NO_WRITER = """
+import warnings
+from jaxtdist.runtime import _native
+from tests.gpu.test_gpu_reliability import _check_call_contexts
+
+def refuse(ordinal):
+    raise RuntimeError("refused by the test")
+
+_native.native().preload_context_writer = refuse
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    _check_call_contexts("copy")
+assert any("context writer did not load" in str(w.message) for w in caught), caught
+print("fallback ok")
+"""
+
+
+def test_calls_copy_their_context_where_the_writer_does_not_load():
+    """Where the writer cannot load, initialize warns and every prologue copies the
+    template and sets the epoch instead, with the same contexts (a fresh process:
+    the writer stays loaded in this one)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", _NO_WRITER], cwd=root, env=dict(os.environ),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode == 0 and "fallback ok" in proc.stdout, proc.stdout[-4000:]
