@@ -314,8 +314,13 @@ def test_bad_arguments_name_the_layer_and_the_shapes():
         tdnn.ParallelAttention(48, 6 * 4 // 2, num_kv_heads=3, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="num_heads=8 must be a multiple of num_kv_heads=3"):
         tdnn.ParallelAttention(32, 8, num_kv_heads=3, rngs=nnx.Rngs(0))
+    for kv in (0, -4, 2.0):
+        with pytest.raises(ValueError, match=rf"num_kv_heads must be a positive int, got {kv}"):
+            tdnn.ParallelAttention(32, 8, num_kv_heads=kv, rngs=nnx.Rngs(0))
     attn = tdnn.ParallelAttention(32, 4, rngs=nnx.Rngs(0))
     assert attn.layout.batch_axes == ("dp",)  # the default: every other mesh axis
+    with pytest.raises(ValueError, match="positions must be integers .* got dtype float32"):
+        attn(jnp.zeros((2, 8, 32)), positions=jnp.zeros((2, 8), jnp.float32) + 0.5)
     with pytest.raises(ValueError, match=r"ParallelAttention: x has shape \(2, 6, 32\): seq=6 "
                                          r"must be divisible by the size 4"):
         attn(jnp.zeros((2, 6, 32)))

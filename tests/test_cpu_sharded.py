@@ -78,3 +78,36 @@ def test_size_errors_name_the_wrapper_and_the_global_shapes():
                                          r"the global \[\(6, 6\), \(6, 4\)\]"):
         td.matmul_rs_sharded(jnp.ones((6, k)), jnp.ones((k, n)), axis_name="tp",
                              batch_axes="dp")
+
+
+def _four_forms(rng):
+    """(name, call, arguments) of four _sharded forms over sp with dp batches, on
+    unplaced arguments (kv_len a Python list)."""
+    x, w = rng.standard_normal((16, 24)), rng.standard_normal((24, 16))
+    q, kv = rng.standard_normal((2, 4, 16)), rng.standard_normal((2, 8, 2, 16))
+    seq = rng.standard_normal((2, 8, 2, 16))
+    f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+    return [
+        ("ag_matmul_sharded", td.ag_matmul_sharded, (f32(x), f32(w))),
+        ("matmul_rs_sharded", td.matmul_rs_sharded, (f32(x), f32(w))),
+        ("flash_decode_sharded", td.flash_decode_sharded, (f32(q), f32(kv), f32(kv * 0.5), [8, 3])),
+        ("ag_attention_sharded", td.ag_attention_sharded, (f32(seq), f32(seq * 0.7), f32(seq + 1))),
+    ]
+
+
+@pytest.mark.parametrize("form", range(4))
+def test_sharded_forms_place_their_arguments_on_explicit_meshes(form):
+    """On a mesh of Explicit axes (jax.make_mesh's default) the _sharded forms take
+    arguments placed anyhow, as on Auto axes (shard_map there takes only arguments
+    placed as its in_specs), and a Python list where the op takes one: the results
+    equal those on an Auto mesh of the same devices."""
+    shape, names = (2, 4), ("dp", "sp")
+    outs = []
+    for axis_type in (jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit):
+        mesh = jax.make_mesh(shape, names, devices=jax.devices()[:8], axis_types=(axis_type,) * 2)
+        td.initialize(mesh)
+        name, fn, args = _four_forms(np.random.default_rng(form))[form]
+        out = jax.jit(functools.partial(fn, axis_name="sp", batch_axes="dp"))(*args)
+        outs.append(np.asarray(out))
+    assert np.isfinite(outs[0]).all(), name
+    np.testing.assert_array_equal(outs[1], outs[0], err_msg=name)

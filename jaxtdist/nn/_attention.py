@@ -3,6 +3,7 @@ tensor-parallel axis, rotary embeddings, packed-sequence masks and a KV cache.""
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import jax
@@ -84,7 +85,12 @@ class ParallelAttention(nnx.Module):
         layout = make_layout(name, mesh=mesh, axis_name=axis_name, batch_axes=batch_axes,
                              impl=impl)
         tp = layout.tp
-        num_kv_heads = num_kv_heads or num_heads
+        if num_kv_heads is None:
+            num_kv_heads = num_heads
+        for what, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"jaxtdist.nn.{name}: {what} must be a positive int, got "
+                                 f"{value!r}")
         if head_dim is None:
             if d_model % num_heads:
                 raise ValueError(f"jaxtdist.nn.{name}: d_model={d_model} must be divisible by "
@@ -213,7 +219,11 @@ class ParallelAttention(nnx.Module):
         if positions is None:
             positions = (jnp.broadcast_to(self.cache_index[...], (batch, 1)) if decode else
                          jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq)))
-        positions = lay.constrain(jnp.asarray(positions, jnp.int32), P(b, None))
+        positions = jnp.asarray(positions)
+        if not jnp.issubdtype(positions.dtype, jnp.integer):
+            raise ValueError("jaxtdist.nn.ParallelAttention: positions must be integers (token "
+                             f"indices), got dtype {positions.dtype}; round or cast them first")
+        positions = lay.constrain(positions.astype(jnp.int32), P(b, None))
         if decode:
             o = self._decode(q, k, v, positions, b)
         else:

@@ -42,6 +42,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.interpreters import ad
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtdist.ops._config import config_dict
@@ -565,7 +566,11 @@ def pjit_wrapper(op_fn: Callable, *, name: str,
                               (previous.spec[1], every_device)) if after else ((), ()))
 
         specs = tuple(in_specs(axis_name, batch_axes))
+        # Python lists and numbers as the op itself takes them (shard_map would not).
+        arrays = tuple(jnp.asarray(a) if isinstance(a, (list, int, float)) else a
+                       for a in arrays)
         _check_divisible(name, mesh, arrays, specs)
+        arrays = _placed(mesh, arrays, specs)
 
         def body(*args):
             if after:
@@ -592,6 +597,17 @@ def pjit_wrapper(op_fn: Callable, *, name: str,
 
     wrapper.__name__ = name
     return wrapper
+
+
+def _placed(mesh, arrays, specs) -> tuple:
+    """The arrays resharded to their specs where the mesh has Explicit axes:
+    shard_map takes an argument there only as placed as its spec says, while on
+    Auto axes XLA moves it by itself."""
+    if all(t != jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+        return arrays
+    return tuple(jax.sharding.reshard(a, NamedSharding(mesh, s))
+                 if isinstance(s, P) and isinstance(a, jax.Array) else a
+                 for a, s in zip(arrays, specs))
 
 
 def _spec_sizes(mesh, spec, ndim: int) -> list[int]:

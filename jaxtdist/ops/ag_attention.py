@@ -326,7 +326,11 @@ def ag_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *, causal:
     and v, JAX's attention VJP, ``psum_scatter`` of dk and dv), not fused. A
     group of one rank runs ``jax.nn.dot_product_attention``. float32 inputs
     follow ``jax.default_matmul_precision`` like XLA's dots on GPUs: TF32
-    tensor cores by default, float32 accuracy under ``"highest"``.
+    tensor cores by default, float32 accuracy under ``"highest"``. A NaN or inf
+    in a value a query sees reaches its output; under causal masking one in a
+    later position's value can also reach the earlier queries of its tile (the
+    tile's masked weights are zeros, and 0 * NaN is NaN), as in other flash
+    kernels; XLA's unfused attention spreads it to every query.
 
     Args:
       q: [B, S_shard, Hq, D], this rank's queries.
