@@ -222,3 +222,33 @@ def shmem_all_gather_kernel(ctx, x_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.cons
         tl.store(out_ptr + offs, tl.load(buf + offs, mask=mask), mask=mask)
     for pe in range(0, world):
         shmem.signal_op(ctx, acks + me, e, pe)
+
+
+@triton.jit
+def fails_on_rank0_kernel(ctx, x_ptr, out_ptr, WORKSPACE: tl.constexpr):
+    """Rank 0 raises under the interpreter before it notifies (a reshape to a size
+    that does not match); every other rank waits for its left neighbour's notify.
+    CPU only: on a GPU the reshape is a compile error."""
+    me = dl.rank(ctx)
+    world = dl.num_ranks(ctx)
+    e = dl.epoch(ctx)
+    sig = dl.heap_ptr(ctx, WORKSPACE, tl.int32)
+    v = tl.load(x_ptr)
+    if me == 0:
+        v += tl.sum(tl.reshape(tl.arange(0, 4), (3,)), 0).to(tl.float32)
+    dl.notify(ctx, sig, (me + 1) % world, e)
+    dl.wait(ctx, sig, e, "ge", (me + world - 1) % world)
+    tl.store(out_ptr, v)
+
+
+@triton.jit
+def rank_as_float_kernel(ctx, x_ptr, out_ptr, WORKSPACE: tl.constexpr):
+    """out = [rank] (float32); the shape of ``fails_on_rank0_kernel``, which works."""
+    tl.store(out_ptr, dl.rank(ctx).to(tl.float32) + 0 * tl.load(x_ptr))
+
+
+@triton.jit
+def scale_kernel(ctx, x_ptr, scale, out_ptr, N: tl.constexpr):
+    """out = x * scale, ``scale`` a run-time scalar."""
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs) * scale)

@@ -417,3 +417,63 @@ def test_errors_context_maps_only_jaxtdist_messages():
     with pytest.raises(ValueError, match="plain"):
         with td.errors():
             raise ValueError("plain")
+
+
+def test_a_kernel_failing_on_one_rank_releases_its_peers():
+    """A kernel that raises on rank 0 (before its notify) fails the call at once on
+    every rank, not at the peers' wait bound, and every later call fails at once
+    naming it, until shutdown and initialize (signals are out of step)."""
+    mesh = setup((2,), ("tp",), wait_timeout_s=60.0)
+    x = place(mesh, np.ones((2, 1), np.float32), P("tp", None))
+
+    def call(kernel):
+        return jax.jit(jax.shard_map(
+            lambda v: td.triton_call(v[0], kernel=kernel, grid=(1,), axis_name="tp",
+                                     out_shape=jax.ShapeDtypeStruct((1,), jnp.float32),
+                                     workspace_bytes=64)[None],
+            mesh=mesh, in_specs=P("tp", None), out_specs=P("tp", None)))(x)
+
+    start = time.monotonic()
+    with pytest.raises(jax.errors.JaxRuntimeError, match="fails_on_rank0_kernel failed on mesh "
+                                                         "position 0"):
+        np.asarray(call(K.fails_on_rank0_kernel))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="(?s)KernelFailed.*fails_on_rank0_"
+                                                         "kernel.*jaxtdist.shutdown"):
+        np.asarray(call(K.rank_as_float_kernel))
+    assert time.monotonic() - start < 30, "a rank waited out its bound"
+    td.shutdown()
+    setup((2,), ("tp",), wait_timeout_s=60.0)
+    x = place(mesh, np.ones((2, 1), np.float32), P("tp", None))
+    np.testing.assert_array_equal(np.asarray(call(K.rank_as_float_kernel)), [[0.0], [1.0]])
+
+
+@pytest.mark.parametrize("grid", [(0,), (-1,), 1.5, (1, 1, 1, 1), (), True])
+def test_triton_call_refuses_a_grid_that_launches_nothing_or_cannot_launch(grid):
+    mesh = setup((2,), ("tp",))
+    with pytest.raises(ValueError, match=r"grid=.* must be a positive int or a tuple of 1 to 3"):
+        jax.jit(jax.shard_map(
+            lambda: td.triton_call(kernel=K.ids_kernel, grid=grid, axis_name="tp",
+                                   out_shape=jax.ShapeDtypeStruct((3,), jnp.int32))[None],
+            mesh=mesh, in_specs=(), out_specs=P("tp")))()
+
+
+def test_triton_call_takes_numpy_scalars_and_refuses_other_arguments():
+    """NumPy scalars and bools are run-time scalars (the interpreter refused them);
+    None or a string, and an out_shape that is no ShapeDtypeStruct, are refused at
+    trace time naming the argument."""
+    mesh = setup((2,), ("tp",))
+    x = place(mesh, np.arange(2 * 8, dtype=np.float32).reshape(2, 8), P("tp", None))
+
+    def run(scale, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32)):
+        return jax.jit(jax.shard_map(
+            lambda v: td.triton_call(v[0], scale, kernel=K.scale_kernel, grid=(1,),
+                                     axis_name="tp", out_shape=out_shape, N=8)[None],
+            mesh=mesh, in_specs=P("tp", None), out_specs=P("tp", None)))(x)
+
+    for scale in (np.float32(1.5), np.int64(3), True):
+        np.testing.assert_allclose(np.asarray(run(scale)), np.asarray(x) * float(scale))
+    for bad in (None, "2"):
+        with pytest.raises(ValueError, match=r"argument 1 of kernel scale_kernel is"):
+            run(bad)
+    with pytest.raises(ValueError, match=r"out_shape=\(8,\) .* must be a jax.ShapeDtypeStruct"):
+        run(2.0, out_shape=(8,))

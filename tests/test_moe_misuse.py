@@ -117,3 +117,70 @@ def test_combine_rejects_an_altered_handle(edit):
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"),) * 3, out_specs=P("tp")))
     with pytest.raises(ValueError, match=r"src_ranges must be \[W, P, NCH \+ 1\]"):
         f(*(place(mesh, a, P("tp")) for a in (x, ids, gate)))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_dropped_pairs_nan_weight_does_not_count(world):
+    """A pair past max_recv_rows contributes zero to the combine, even with a NaN
+    weight (it was weighed against its zero row: NaN)."""
+    mesh = setup((world,), ("ep",))
+    t, h = 2, 4
+    x = np.asarray(rand((world * t, h)))
+    ids = np.zeros((world * t, 1), np.int32)  # every token to expert 0
+    g = np.ones((world * t, 1), np.float32)
+    g[-1, 0] = np.nan  # the last token's pair arrives last: dropped
+
+    def body(x, ids, g):
+        recv, _, hd = td.moe_dispatch(x, ids, "ep", num_experts=2,
+                                      max_recv_rows=world * t - 1)
+        return td.moe_combine(recv, hd, g, "ep"), hd.dropped[None]
+
+    out, dropped = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 3,
+                                         out_specs=(P("ep"), P("ep"))))(
+        *(place(mesh, a, P("ep")) for a in (x, ids, g)))
+    assert int(np.sum(np.asarray(dropped))) == 1
+    np.testing.assert_array_equal(np.asarray(out)[-1], 0.0)
+    np.testing.assert_allclose(np.asarray(out)[:-1], x[:-1], rtol=1e-6)
+
+
+def test_moe_tp_invalid_pairs_contribute_nothing_even_where_the_last_expert_overflows():
+    """An invalid id's pair runs through the last expert with weight 0: where that
+    expert overflows (float16 inf), the token's output stays its valid pairs' sum."""
+    setup((2,), ("tp",))
+    h, f = 32, 8
+    x = np.full((4, h), 3.0, np.float16)
+    w1 = np.asarray(rand((2, h, f), jnp.float32, 0.1)).astype(np.float16)
+    w1[1] = 1000.0  # expert 1 overflows float16 on x
+    w2 = np.asarray(rand((2, f, h), jnp.float32, 0.1)).astype(np.float16)
+    ids = np.tile(np.array([[0, -1]], np.int32), (4, 1))
+    g = np.ones((4, 2), np.float32)
+    out = jax.jit(lambda *a: td.moe_tp_mlp_sharded(*a, axis_name="tp"))(
+        *(jnp.asarray(v) for v in (x, ids, g, w1, w2)))
+    x64, w164, w264 = (np.asarray(a, np.float64) for a in (x, w1, w2))
+    ref = np.asarray(jax.nn.silu(x64 @ w164[0]), np.float64) @ w264[0]  # the default activation
+    out = np.asarray(out, np.float64)
+    assert np.isfinite(out).all()
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 5e-3
+
+
+def test_ids_and_group_sizes_past_int32_do_not_wrap():
+    """Under jax_enable_x64, moe_tp_mlp's int64 ids outside [0, E) contribute nothing
+    (2**32 + 1 was expert 1), and grouped_matmul's int64 sizes past R clip at R
+    (2**32 + 2 was 2)."""
+    with jax.enable_x64(True) if hasattr(jax, "enable_x64") else jax.experimental.enable_x64():
+        setup((2,), ("tp",))
+        h, f = 16, 8
+        x = jnp.asarray(rand((4, h)))
+        w1, w2 = jnp.asarray(rand((4, h, f), scale=0.3)), jnp.asarray(rand((4, f, h), scale=0.3))
+        g = jnp.ones((4, 2), jnp.float32)
+        layer = jax.jit(lambda i: td.moe_tp_mlp_sharded(x, i, g, w1, w2, axis_name="tp"))
+        wide = layer(jnp.tile(jnp.array([[0, 2**32 + 1]], jnp.int64), (4, 1)))
+        alone = layer(jnp.tile(jnp.array([[0, -1]], jnp.int64), (4, 1)))
+        np.testing.assert_array_equal(np.asarray(wide), np.asarray(alone))
+
+        setup((1,), ("ep",))
+        xs, w = jnp.asarray(rand((5, 8))), jnp.asarray(rand((2, 8, 4)))
+        gmm = jax.jit(jax.shard_map(td.grouped_matmul, mesh=jax.make_mesh(
+            (1,), ("ep",), devices=jax.devices()[:1]), in_specs=(P(), P(), P()), out_specs=P()))
+        clipped = gmm(xs, w, jnp.array([2**32 + 2, 3], jnp.int64))
+        np.testing.assert_allclose(np.asarray(clipped), np.asarray(xs @ w[0]), rtol=1e-5)

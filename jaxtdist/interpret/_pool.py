@@ -69,6 +69,7 @@ class WorkerPool:
         positions = [int(p) for p in positions]
         self._on_failure = on_failure
         self._failure: str | None = None
+        self._failure_type: type[JaxtdistError] = WorkerDiedError
         self._closing = False
         self._inflight = 0
         self._idle = threading.Condition()
@@ -114,20 +115,19 @@ class WorkerPool:
     def positions(self) -> list[int]:
         return list(self._procs)
 
-    def fail(self, message: str) -> None:
-        """Marks the pool failed for a reason found outside it (a peer process died):
-        waits are released, the call in flight and every later one raise
-        ``WorkerDiedError(message)``."""
+    def fail(self, message: str, error: type[JaxtdistError] = WorkerDiedError) -> None:
+        """Marks the pool failed (a peer process died, a kernel raised): waits are
+        released, the calls in flight and every later one raise ``error(message)``."""
         with self._idle:
             first = self._failure is None
             if first:
-                self._failure = message
+                self._failure, self._failure_type = message, error
         if first:
             self._on_failure()
 
     def _fail(self, message: str) -> None:
         self.fail(message)
-        raise WorkerDiedError(self._failure)
+        raise self._failure_type(self._failure)
 
     def run(self, position: int, ref, grid, args, out_specs, constexprs):
         """Runs a kernel on ``position``'s worker; returns (outputs, timed_out).
@@ -145,7 +145,7 @@ class WorkerPool:
             if self._failure is None and (dead := self._dead_worker()):
                 self._fail(dead)
             if self._failure is not None:
-                raise WorkerDiedError(self._failure)
+                raise self._failure_type(self._failure)
             if position not in self._locks:
                 raise JaxtdistError(
                     f"jaxtdist: a kernel of mesh position {position} reached this process, "
@@ -174,11 +174,16 @@ class WorkerPool:
             with self._idle:
                 self._inflight -= 1
                 self._idle.notify_all()
-        if self._failure is not None:  # failed while the kernel ran: its outputs are void
-            raise WorkerDiedError(self._failure)
         if status != "ok":
-            raise KernelFailed(f"jaxtdist: kernel {ref[1]} failed on mesh position {position} "
-                               f"under the interpreter:\n{payload}")
+            message = (f"jaxtdist: kernel {ref[1]} failed on mesh position {position} under "
+                       f"the interpreter:\n{payload}")
+            # Its peers may wait for what it never did: release them now (not at their
+            # bound); signals are out of step, so later calls fail until re-initialized.
+            self.fail(message + "\nCall jaxtdist.shutdown() and then "
+                      "jaxtdist.initialize(mesh) to run kernels again.", KernelFailed)
+            raise KernelFailed(message)
+        if self._failure is not None:  # failed while the kernel ran: its outputs are void
+            raise self._failure_type(self._failure)
         return payload, timed_out
 
     def close(self, wait_s: float = SHUTDOWN_WAIT_S) -> None:

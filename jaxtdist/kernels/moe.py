@@ -536,7 +536,8 @@ def _send_chunk(ctx, y_ptr, stk_ptr, spos_ptr, sranges_ptr, inbox, wbox, pid, c,
             # the rows in flight bound its bandwidth (one at a time, the sends of
             # 4096 tokens per rank on 2 x H200 read y at 1.5 TB/s).
             keep = ((tks >= 0) & (poss >= 0)).to(tl.int32)
-            wks = _tagged_weights(ctx, wbox + s * T * K, tks, e, s)
+            # A dropped pair's weight (even NaN) must not meet its zero row.
+            wks = tl.where(keep != 0, _tagged_weights(ctx, wbox + s * T * K, tks, e, s), 0.0)
             t = tl.max(tks, axis=0) // K
             # The token's pairs here hold the first slots (in k order): held of them.
             held = tl.max(tl.where(tks >= 0, offs_kl + 1, 0), axis=0)
@@ -557,7 +558,7 @@ def _send_chunk(ctx, y_ptr, stk_ptr, spos_ptr, sranges_ptr, inbox, wbox, pid, c,
             # One row per (token, rank): the pairs' rows weighed and summed here
             # (dropped rows count zero; a token whose rows all dropped gets zeros).
             keep = ((tks >= 0) & (poss >= 0))[:, None]
-            wk = _tagged_weights(ctx, wbox + s * T * K, tks, e, s)[:, None]
+            wk = tl.where(keep, _tagged_weights(ctx, wbox + s * T * K, tks, e, s)[:, None], 0.0)
             t = tl.max(tks, axis=0) // K
             dst = dl.symm_at(ctx, inbox + (me * T + t).to(tl.int64) * F, s)
             for c0 in range(0, F, SEND_F):

@@ -594,7 +594,9 @@ def _local_combine(y, weights, src_pos, src_tk, t, k):
     handle flavours: the local one and the kernels')."""
     tk = src_tk.reshape(-1)
     pos = src_pos.reshape(-1)
-    w = jnp.where(tk >= 0, weights.reshape(-1)[jnp.maximum(tk, 0)], 0).astype(jnp.float32)
+    # A dropped pair (pos < 0) keeps its tk: its weight, even NaN, must not count.
+    w = jnp.where((tk >= 0) & (pos >= 0), weights.reshape(-1)[jnp.maximum(tk, 0)],
+                  0).astype(jnp.float32)
     rows = jnp.where((pos >= 0)[:, None], y[jnp.maximum(pos, 0)].astype(jnp.float32), 0)
     out = jnp.zeros((t, y.shape[1]), jnp.float32).at[jnp.where(tk >= 0, tk // k, t)].add(
         w[:, None] * rows, mode="drop")

@@ -68,6 +68,8 @@ def triton_call(*args: Any, kernel, out_shape, grid: int | Sequence[int], axis_n
       ...                            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
       ...                            workspace_bytes=4096, N=x.size)
     """
+    grid = _checked_grid(kernel, grid)
+    args = tuple(_scalar_or_array(kernel, i, a) for i, a in enumerate(args))
     _check_call(kernel, len(args), out_shape, workspace_bytes, stage is not None, constexprs)
     arrays = [a for a in args if _is_array(a)]
     # Where each argument goes: ("array", i) of the op's arrays, or a Python scalar.
@@ -78,10 +80,41 @@ def triton_call(*args: Any, kernel, out_shape, grid: int | Sequence[int], axis_n
     if isinstance(out_shape, list):
         out_shape = tuple(out_shape)
     return _TRITON_CALL(*arrays, axis_name=axis_name, kernel=kernel, slots=slots,
-                        out_shape=out_shape, grid=tuple(grid) if isinstance(grid, list) else grid,
+                        out_shape=out_shape, grid=grid,
                         workspace_bytes=workspace_bytes, staged=stage is not None, name=name,
                         num_warps=num_warps, num_stages=num_stages, tma=tma,
                         constexprs=constexprs)
+
+
+def _kernel_name(kernel) -> str:
+    return getattr(kernel, "__name__", repr(kernel))
+
+
+def _checked_grid(kernel, grid) -> tuple[int, ...]:
+    """``grid`` as a tuple of 1 to 3 positive ints (an int is a 1-D grid)."""
+    dims = (grid,) if not isinstance(grid, (tuple, list)) else tuple(grid)
+    if not 1 <= len(dims) <= 3 or any(
+            isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1 for d in dims):
+        raise ValueError(f"jaxtdist.triton_call: grid={grid!r} (kernel {_kernel_name(kernel)}) "
+                         "must be a positive int or a tuple of 1 to 3 positive ints (programs "
+                         "per dimension)")
+    return tuple(int(d) for d in dims)
+
+
+def _scalar_or_array(kernel, i: int, a):
+    """Argument ``i`` as the launch takes it: an array, or a Python int or float
+    (NumPy scalars and bools become those)."""
+    if _is_array(a):
+        return a
+    if isinstance(a, (bool, np.bool_, np.integer)):
+        return int(a)
+    if isinstance(a, np.floating):
+        return float(a)
+    if isinstance(a, (int, float)):
+        return a
+    raise ValueError(f"jaxtdist.triton_call: argument {i} of kernel {_kernel_name(kernel)} is "
+                     f"{type(a).__name__} {a!r}; pass arrays, or ints and floats (run-time "
+                     "scalars), and constexprs as keyword arguments")
 
 
 def _check_call(kernel, n_args: int, out_shape, workspace_bytes, staged: bool,
@@ -89,7 +122,12 @@ def _check_call(kernel, n_args: int, out_shape, workspace_bytes, staged: bool,
     """At trace time, what a launch would find wrong: a negative workspace, and
     keyword arguments the kernel lacks or parameters left without a value (the
     offsets jaxtdist fills in counted as given)."""
-    name = getattr(kernel, "__name__", repr(kernel))
+    name = _kernel_name(kernel)
+    for leaf in jax.tree_util.tree_leaves(out_shape):
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+            raise ValueError(f"jaxtdist.triton_call: out_shape={out_shape!r} (kernel {name}) "
+                             "must be a jax.ShapeDtypeStruct (or a tuple or list of them), one "
+                             "per output")
     if isinstance(workspace_bytes, bool) or not isinstance(workspace_bytes, (int, np.integer)) \
             or workspace_bytes < 0:
         raise ValueError(f"jaxtdist.triton_call: workspace_bytes={workspace_bytes!r} must be "
