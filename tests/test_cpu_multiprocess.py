@@ -100,6 +100,26 @@ def test_a_rank_killed_mid_chain_fails_the_job(victim):
     assert took < 60, took            # never the kernels' wait bound (60 s here)
 
 
+@timeout(120)
+@pytest.mark.parametrize("death,failed", [("raise", 1), ("exit0", 0)])
+def test_an_uncaught_exception_ends_its_rank_at_once(death, failed):
+    """A rank whose exception nobody catches (its own, or the survivor's error
+    about a peer that exited with code 0) ends at once with exit code 1: Python's
+    exit would wait in jax.distributed's shutdown barrier for the blocked peer, so
+    that the job ended at the kernels' wait bound naming the survivor, or after
+    JAX's heartbeat timeout with an abort."""
+    code, out, took = launch(2, "ops_check.py", "--chain", "8", "--die-after", "3",
+                             "--victim", "1", "--death", death, "--uncaught",
+                             launcher_args=("--failure-grace-s", "60"))
+    assert code == 1 and "VICTIM dying" in out, out[-4000:]
+    assert f"[launch] rank {failed} failed (exit code 1)" in out, out[-4000:]
+    if death == "raise":
+        assert "RuntimeError: the victim raises at call 3" in out, out[-4000:]
+    else:
+        assert re.search(r"\[rank 0\] .*WorkerDiedError: process 1 \(pid \d+", out), out[-4000:]
+    assert took < 45, took  # neither the wait bound (60 s) nor JAX's heartbeat timeout
+
+
 def test_the_launcher_names_the_killed_rank_when_a_survivor_exits_first(capsys):
     """A survivor that notices its peer's death exits within a poll of it: when the
     launcher sees both dead at once it names (and exits with) the rank killed by a

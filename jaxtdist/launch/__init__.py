@@ -36,9 +36,12 @@ def _int_env(name: str) -> int | None:
     if raw is None or raw == "":
         return None
     try:
-        return int(float(raw))
+        value = float(raw)
     except ValueError:
         raise ValueError(f"jaxtdist.launch: ${name}={raw!r} is not a number") from None
+    if not value.is_integer():
+        raise ValueError(f"jaxtdist.launch: ${name}={raw!r} must be a whole number")
+    return int(value)
 
 
 def distributed_args() -> dict:
@@ -71,12 +74,41 @@ def initialize_from_env(**kwargs) -> None:
     arguments override the environment. Call it before anything else uses
     JAX's devices.
 
+    Under the launcher, an uncaught exception then ends the process at once with
+    exit code 1 after printing its traceback (atexit handlers do not run): Python's
+    usual exit waits in jax.distributed's shutdown barrier for peers that may be
+    blocked on this rank.
+
     Example:
       >>> jaxtdist.launch.initialize_from_env(heartbeat_timeout_seconds=20)
     """
     import jax
 
     jax.distributed.initialize(**{**distributed_args(), **kwargs})
+    if os.environ.get(ENV_PROCESS_ID) is not None:
+        _end_rank_on_uncaught_exception()
+
+
+def _end_rank_on_uncaught_exception() -> None:
+    """Under the launcher, an uncaught exception ends this process at once with
+    exit code 1, after its traceback: Python's exit would run jax.distributed's
+    shutdown barrier, which waits for peers that may be blocked on this rank (a
+    jaxtdist wait, their own barrier) until a timeout, so that the launcher named
+    a survivor, minutes later, instead of this rank."""
+    import sys
+
+    previous = sys.excepthook
+
+    def end_rank(kind, value, traceback):
+        previous(kind, value, traceback)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(1)
+
+    sys.excepthook = end_rank
 
 
 __all__ = ["ENV_COORDINATOR", "ENV_HEARTBEAT_TIMEOUT", "ENV_INIT_TIMEOUT", "ENV_LOCAL_RANK",

@@ -11,6 +11,8 @@ the three outputs whose largest the CHECK line gives), ``HEAP_READY_S s``
 (initialize to a ready heap), ``OK`` at the end.
 With ``--die-after K --victim R``, process R kills itself (SIGKILL) after K
 calls of a chain of ops; the others must fail with an error naming it.
+``--death raise`` (an exception) or ``exit0`` (``os._exit(0)``) ends it instead;
+with ``--uncaught`` no process catches the chain's exception (a plain script).
 """
 
 from __future__ import annotations
@@ -349,7 +351,8 @@ def check_grads(mesh, world: int) -> dict[str, float]:
     return errs
 
 
-def chain(mesh, world: int, calls: int, die_after: int | None, victim: int) -> float:
+def chain(mesh, world: int, calls: int, die_after: int | None, victim: int,
+          death: str = "kill") -> float:
     """ag_matmul then matmul_rs, ``calls`` times on changing data."""
     m, k, n = 8, 16, 8 * world
 
@@ -364,6 +367,10 @@ def chain(mesh, world: int, calls: int, die_after: int | None, victim: int) -> f
     for i in range(calls):
         if die_after is not None and i == die_after and jax.process_index() == victim:
             print(f"VICTIM dying at call {i}", flush=True)
+            if death == "raise":
+                raise RuntimeError(f"the victim raises at call {i}")
+            if death == "exit0":
+                os._exit(0)
             os.kill(os.getpid(), 9)
         x, w, c = rand(100 + i, (world * m, k)), rand(200 + i, (k, n)), rand(300 + i, (n, k))
         out = f(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp")),
@@ -378,6 +385,8 @@ def main() -> int:
     ap.add_argument("--chain", type=int, default=4)
     ap.add_argument("--die-after", type=int, default=None)
     ap.add_argument("--victim", type=int, default=1)
+    ap.add_argument("--death", choices=("kill", "raise", "exit0"), default="kill")
+    ap.add_argument("--uncaught", action="store_true")
     ap.add_argument("--wait-timeout-s", type=float, default=60.0)
     ap.add_argument("--ops", action="store_true", help="check every op")
     ap.add_argument("--transforms", action="store_true",
@@ -407,8 +416,10 @@ def main() -> int:
                 bad.append(op)
     start = time.perf_counter()
     try:
-        err = chain(mesh, world, args.chain, args.die_after, args.victim)
+        err = chain(mesh, world, args.chain, args.die_after, args.victim, args.death)
     except Exception as e:  # the survivors of --die-after land here
+        if args.uncaught:
+            raise
         # The status and jaxtdist's error lead the message (its first line).
         message = str(e).splitlines()[0]
         print(f"CHAIN_FAILED after {time.perf_counter() - start:.2f} s: "
