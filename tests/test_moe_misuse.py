@@ -143,9 +143,11 @@ def test_a_dropped_pairs_nan_weight_does_not_count(world):
     np.testing.assert_allclose(np.asarray(out)[:-1], x[:-1], rtol=1e-6)
 
 
-def test_moe_tp_invalid_pairs_contribute_nothing_even_where_the_last_expert_overflows():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_moe_tp_invalid_pairs_contribute_nothing_even_where_the_last_expert_overflows(overlap):
     """An invalid id's pair runs through the last expert with weight 0: where that
-    expert overflows (float16 inf), the token's output stays its valid pairs' sum."""
+    expert overflows (float16 inf), the token's output stays its valid pairs' sum,
+    on both schedules."""
     setup((2,), ("tp",))
     h, f = 32, 8
     x = np.full((4, h), 3.0, np.float16)
@@ -154,7 +156,7 @@ def test_moe_tp_invalid_pairs_contribute_nothing_even_where_the_last_expert_over
     w2 = np.asarray(rand((2, f, h), jnp.float32, 0.1)).astype(np.float16)
     ids = np.tile(np.array([[0, -1]], np.int32), (4, 1))
     g = np.ones((4, 2), np.float32)
-    out = jax.jit(lambda *a: td.moe_tp_mlp_sharded(*a, axis_name="tp"))(
+    out = jax.jit(lambda *a: td.moe_tp_mlp_sharded(*a, axis_name="tp", overlap=overlap))(
         *(jnp.asarray(v) for v in (x, ids, g, w1, w2)))
     x64, w164, w264 = (np.asarray(a, np.float64) for a in (x, w1, w2))
     ref = np.asarray(jax.nn.silu(x64 @ w164[0]), np.float64) @ w264[0]  # the default activation

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from jaxtdist.kernels.moe_tp import ag_grouped_gemm_kernel, grouped_gemm_rs_kernel
 from jaxtdist.ops._config import Problem
-from jaxtdist.ops._expert_order import expert_order
+from jaxtdist.ops._expert_order import expert_order, sum_pairs
 from jaxtdist.ops._inbox import push_to_inboxes
 from jaxtdist.ops._gemm_config import tma_fits, weights_k_major
 from jaxtdist.ops._partial_sums import PartialsWorkspace
@@ -147,7 +147,8 @@ def overlapped_forward(x: jax.Array, ids: jax.Array, gate: jax.Array, w1: jax.Ar
     float32. Not differentiable; one call (under vmap, the caller maps)."""
     k = ids.shape[1]
     # Every pair in some group (invalid ids weighted 0): each chunk's sizes sum to R.
-    gate, order, position, sizes = expert_order(ids.reshape(-1), gate.reshape(-1), w1.shape[0])
+    gate, order, position, sizes, valid = expert_order(ids.reshape(-1), gate.reshape(-1),
+                                                       w1.shape[0])
     # Every rank's group sizes (exact in float32: at most R).
     sizes = all_gather_forward(sizes[None].astype(jnp.float32), axis_name=axis_name, axis=0,
                                tiled=True)[0]
@@ -158,5 +159,4 @@ def overlapped_forward(x: jax.Array, ids: jax.Array, gate: jax.Array, w1: jax.Ar
     if w_up is not None:
         hidden = hidden * h[1].astype(jnp.float32)
     y = grouped_gemm_rs(hidden.astype(x.dtype), w2, sizes, axis_name)   # [R, H] float32
-    pairs = y[position].reshape(-1, k, y.shape[-1])
-    return jnp.sum(pairs * gate.reshape(-1, k, 1), axis=1)
+    return sum_pairs(y[position].reshape(-1, k, y.shape[-1]), gate, valid)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxtdist._errors import HeapExhaustedError
-from jaxtdist.ops._expert_order import expert_order
+from jaxtdist.ops._expert_order import expert_order, sum_pairs
 from jaxtdist.ops._moe_tp_overlap import overlapped_forward
 from jaxtdist.ops._op import (DistributedOp, first_order_only, pjit_wrapper, rows_over, run_once,
                               under_vmap)
@@ -209,18 +209,14 @@ def experts_partial_sum(xs: jax.Array, ids: jax.Array, gate: jax.Array, k: int, 
     else:
         gemm = _ragged_gemm
 
-    valid = (ids >= 0) & (ids < w1.shape[0])
-    gate, order, position, sizes = expert_order(ids, gate, w1.shape[0])
+    gate, order, position, sizes, valid = expert_order(ids, gate, w1.shape[0])
     rows = _pairs_by_expert(xs, order, position, k)                      # [T * K, H]
     hidden = activation(gemm(rows, w1, sizes))
     if w_up is not None:
         hidden = hidden * gemm(rows, w_up, sizes)
     y = gemm(hidden.astype(xs.dtype), w2, sizes)                        # [T * K, H]
-    pairs = _pairs_by_token(y, order, position).reshape(-1, k, y.shape[-1])
-    # An invalid pair ran through the last expert with weight 0: 0 * inf is NaN.
-    weighted = jnp.where(valid.reshape(-1, k, 1),
-                         pairs.astype(jnp.float32) * gate.reshape(-1, k, 1), 0.0)
-    return jnp.sum(weighted, axis=1)
+    return sum_pairs(_pairs_by_token(y, order, position).reshape(-1, k, y.shape[-1]), gate,
+                     valid)
 
 
 # The rows' moves between token order and expert order are permutations (with each
@@ -335,9 +331,10 @@ def moe_tp_mlp(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax.
     w_up = None if w_up is None else jnp.asarray(w_up)
     _check(x, expert_ids, weights, w1, w2, w_up, axis_name)
     _check_grouped_gemm(grouped_gemm)
-    # Ids past int32 (x64) are invalid, not wrapped into range.
-    ids = jnp.where((expert_ids >= 0) & (expert_ids < w1.shape[0]), expert_ids,
-                    -1).astype(jnp.int32)
+    ids = expert_ids
+    if jnp.dtype(ids.dtype).itemsize > 4:  # x64: ids past int32 are invalid, not wrapped
+        ids = jnp.where((ids >= 0) & (ids < w1.shape[0]), ids, -1)
+    ids = ids.astype(jnp.int32)
     gate = weights.astype(jnp.float32)
     if _overlaps(overlap, x, ids, w1, axis_name, grouped_gemm):
         try:
