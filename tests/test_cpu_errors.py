@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import triton
 import triton.language as tl
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxtdist as td
@@ -128,6 +129,20 @@ def test_shard_map_over_another_mesh():
         _ag_matmul(other, rand((4, 16)), rand((16, 16)))
 
 
+@pytest.mark.parametrize("devices", ["others", "reordered"])
+def test_shard_map_over_other_devices_with_the_same_axes(devices):
+    """Axes and sizes match (all tracing sees); the devices do not: other devices
+    have no heap of the runtime's, and reordered ones would take other ranks than
+    their shard_map positions. Refused when the program is lowered."""
+    mesh = setup(WORLD)
+    ids = np.array(jax.devices()[:2 * WORLD] if devices == "others" else jax.devices()[:WORLD])
+    other = Mesh(ids[WORLD:] if devices == "others" else ids[::-1], ("tp",))
+    with pytest.raises(ValueError, match=r"jaxtdist.ag_matmul: the shard_map's mesh has devices "
+                       r"\[.*\], the mesh given to jaxtdist.initialize has \[0, 1, 2, 3\]"):
+        _ag_matmul(other, rand((4 * WORLD, 16)), rand((16, 16)))
+    _ag_matmul_ok(mesh)  # the runtime is still usable
+
+
 def test_triton_call_missing_workspace_param():
     mesh = setup(WORLD)
     with pytest.raises(ValueError, match=r"ids_kernel needs a constexpr parameter WORKSPACE"):
@@ -194,7 +209,7 @@ def test_a_bad_config_is_refused_at_world_1(op):
         return jax.jit(jax.shard_map(_world_1_calls(config)[op], mesh=mesh, in_specs=(),
                                      out_specs=P(), check_vma=False))()
 
-    with pytest.raises(ValueError, match=rf"jaxtdist.\w+: unknown config keys \['BLOCK_MM'\]"):
+    with pytest.raises(ValueError, match=r"jaxtdist.\w+: unknown config keys \['BLOCK_MM'\]"):
         run({"BLOCK_MM": 64})
     np.testing.assert_array_equal(np.asarray(run({})), np.asarray(run(None)))
     # Neither a dict nor a typed config: a TypeError naming the op (was an AttributeError).

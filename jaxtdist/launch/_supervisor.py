@@ -136,6 +136,10 @@ class _Job:
         self.kill_at: float | None = None             # when to SIGKILL what is left
         self.settle_at = 0.0                           # until when a killed rank is the cause
         self.sent = False                              # whether the launcher signalled ranks
+        # When each rank was reaped, by a thread blocked in its wait: the polls 0.05 s
+        # apart cannot order two ranks that exit between them (a rank's error, then
+        # its peer's about it), and the first to exit is the cause.
+        self.exited_at: dict[int, float] = {}
 
     def start(self) -> list[threading.Thread]:
         lock = threading.Lock()
@@ -149,7 +153,13 @@ class _Job:
                                     daemon=True) for r, p in enumerate(self.procs)]
         for t in threads:
             t.start()
+        for r, p in enumerate(self.procs):
+            threading.Thread(target=self._reap, args=(r, p), daemon=True).start()
         return threads
+
+    def _reap(self, rank: int, proc: subprocess.Popen) -> None:
+        proc.wait()
+        self.exited_at[rank] = time.monotonic()
 
     def send(self, sig: int) -> None:
         self.sent = True
@@ -180,8 +190,8 @@ class _Job:
             if failed:
                 # Ranks seen dead in the same look: a rank killed by a signal first (a
                 # survivor that noticed its peer's death exits right after it, with
-                # an error of its own), then the lowest rank.
-                failed.sort(key=lambda rc: (rc[1] >= 0, rc[0]))
+                # an error of its own), then the first to exit, then the lowest rank.
+                failed.sort(key=lambda rc: (rc[1] >= 0, self.exited_at.get(rc[0], now), rc[0]))
                 rank, code = self.failed = failed[0]
                 running = [r for r, c in enumerate(codes) if c is None]
                 also = "".join(f"; rank {r} failed too ({_describe(c)})" for r, c in failed[1:])

@@ -69,8 +69,31 @@ def _abstract_eval(*avals, target_name, results, aliases, attributes, op, after_
     return [jax.core.ShapedArray(shape, jnp.dtype(dtype)) for shape, dtype in results]
 
 
+def _device_ids(mesh) -> np.ndarray:
+    return np.vectorize(lambda d: d.id, otypes=[np.int64])(mesh.devices)
+
+
+def _check_devices(ctx, op: str | None) -> None:
+    """A ``ValueError`` when the shard_map being lowered runs on other devices, or
+    the same ones in another order, than the mesh the runtime was initialized
+    with: its axes and sizes may match (what tracing checks), but the heaps, and
+    each position's rank in the kernels, belong to the initialized mesh."""
+    from jaxtdist.runtime import _runtime
+    mesh = getattr(ctx.module_context.axis_context, "mesh", None)
+    if not isinstance(mesh, jax.sharding.Mesh) or not _runtime.is_initialized():
+        return  # an abstract mesh (no devices to compare), or nothing to compare with
+    have, want = _device_ids(mesh), _device_ids(_runtime.runtime().mesh)
+    if have.shape != want.shape or (have != want).any():
+        raise ValueError(
+            f"jaxtdist.{op or 'call'}: the shard_map's mesh has devices {have.tolist()}, the "
+            f"mesh given to jaxtdist.initialize has {want.tolist()} (device ids, in mesh "
+            "order); the heaps and ranks belong to the initialized mesh: shard_map over that "
+            "mesh, or jaxtdist.shutdown() and jaxtdist.initialize(mesh) with this one")
+
+
 def _lowering(ctx, *operands, target_name, results, aliases, attributes, op, after_calls):
-    del results, op
+    del results
+    _check_devices(ctx, op)
     if after_calls:
         ctx, operands = _call_order.after_previous_call(ctx, operands)
     rule = jax.ffi.ffi_lowering(target_name, has_side_effect=True,
