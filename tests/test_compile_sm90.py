@@ -386,6 +386,20 @@ def test_ag_attention_compiles_with_tensor_cores(dtype, d, causal, inbox):
     assert k.metadata.shared <= 227 * 1024
 
 
+def test_gluon_kernel_compiles_through_the_launcher():
+    """A Gluon kernel (the probe's causal attention forward) goes through jaxtdist's
+    own launcher (triton_call(..., tma=True)): wgmma with the waits where the
+    kernel put them (one left in flight), TMA loads, within shared memory."""
+    from tests.gpu.attention_probe_kernels import gluon_causal_attention_kernel
+    k = _compile_native(gluon_causal_attention_kernel, ["i32", "bf16", "bf16", "bf16", "bf16"],
+                        dict(B=1, S=4096, HQ=32, HKV=32, D=128, QK_SCALE=0.1275, BLOCK_M=128,
+                             BLOCK_N=128, STAGES=3), num_warps=8, num_stages=1)
+    ptx = k.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "wgmma.wait_group.sync.aligned 1" in ptx
+    assert "cp.async.bulk.tensor" in ptx
+    assert k.metadata.shared <= 227 * 1024
+
+
 @pytest.mark.parametrize("head_group,block_n", [(32, 128), (4, 64)])
 def test_ag_attention_head_groups_compile(head_group, block_n):
     """ag_attention's head-grouped causal order (HEAD_GROUP) for Hopper: wgmma,

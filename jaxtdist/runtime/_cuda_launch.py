@@ -161,7 +161,14 @@ def compile_kernel(kernel, arg_types: Sequence[str], constexprs: dict, num_warps
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]]
              for n, t in zip(names, arg_types) if t.startswith("*")}
     consts = {(kernel.arg_names.index(n),): v for n, v in constexprs.items()}
-    src = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
+    source = ASTSource
+    try:  # a Gluon kernel (Triton's explicit-layout dialect) has a source of its own
+        from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
+        if isinstance(kernel, GluonJITFunction):
+            source = GluonASTSource
+    except ImportError:  # pragma: no cover - triton without Gluon
+        pass
+    src = source(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
     _ensure_cache_dir()
     with _shmem_link.linking(shmem):
         compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32),
