@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import json
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -138,6 +139,26 @@ def test_json_round_trip_and_the_table_subcommand(tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(["table", str(paths[0])]) == 0
     assert capsys.readouterr().out == table + "\n"
+
+
+@pytest.mark.parametrize("content,match", [
+    (None, r"cannot read .*missing.json: \[Errno 2\]"),
+    ("{bad", r"cannot read .*r.json: Expecting property name"),
+    ('{"x": 1}', r"r.json is not a results file written by --json \(no 'rows' list\)"),
+    ('{"op": "nope", "rows": []}', r"r.json is the result of benchmark 'nope'; known: "),
+])
+def test_the_table_subcommand_names_a_bad_results_file(tmp_path, capsys, content, match):
+    """argparse's error (exit code 2) naming the file, not a raw traceback."""
+    path = tmp_path / ("missing.json" if content is None else "r.json")
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["table", str(path)])
+    assert e.value.code == 2
+    assert re.search(match, capsys.readouterr().err)
+    with pytest.raises(SystemExit):
+        cli.main(["gemm", "--iterations", "0"])
+    assert "--iterations 0: must be at least 1" in capsys.readouterr().err
 
 
 def test_plot_data_sorts_by_size_and_reads_results_without_plot_fields():

@@ -23,7 +23,8 @@ import jaxtdist as td
 import jaxtdist.language as dl
 from jaxtdist.runtime._runtime import _RESERVED_BYTES
 from tests import kernels_for_tests as K
-from tests.conftest import cpu_only, f64, mesh_of, place, rand, rel_err, setup
+from tests.conftest import (check_config_errors, cpu_only, f64, mesh_of, place, rand,
+                            rel_err, setup)
 
 pytestmark = cpu_only()
 
@@ -141,6 +142,46 @@ def test_shard_map_over_other_devices_with_the_same_axes(devices):
                        r"\[.*\], the mesh given to jaxtdist.initialize has \[0, 1, 2, 3\]"):
         _ag_matmul(other, rand((4 * WORLD, 16)), rand((16, 16)))
     _ag_matmul_ok(mesh)  # the runtime is still usable
+
+
+def test_a_heap_size_off_the_page_is_rounded_up():
+    """heap_bytes = 1 MiB + 8: the heaps of a CPU mesh lie one after another, so every
+    peer's heap started 8 bytes off alignment and every collective deadlocked."""
+    mesh = mesh_of((2,), ("tp",))
+    rt = td.initialize(mesh, heap_bytes=(1 << 20) + 8, wait_timeout_s=30)
+    assert rt.heap_bytes == (1 << 20) + 4096
+    assert td.initialize(mesh, heap_bytes=(1 << 20) + 8, wait_timeout_s=30) is rt
+    x = rand((4, 16))
+    out = _run(mesh, lambda a: td.all_gather(a, "tp"), place(mesh, x, P("tp")),
+               in_specs=P("tp"), out_specs=P("tp"))
+    np.testing.assert_array_equal(np.asarray(out), np.concatenate([x, x]))
+
+
+@pytest.mark.parametrize("config,match", [
+    ({"BLOCK_C": 1 << 21}, r"all_gather: config BLOCK_C=2097152 is past Triton's largest block"),
+    ({"num_warps": 48}, r"all_gather: config num_warps=48; allowed: 1, 2, 4, 8, 16, 32"),
+    ({"NUM_WORKERS": 1 << 33}, r"all_gather: config NUM_WORKERS=8589934592 does not fit in int32"),
+    ({"SCOPE": 3}, r"all_gather: config SCOPE=3 must be a string \(the default here: 'sys'\)"),
+])
+def test_config_values_past_what_compiles_are_refused_when_traced(config, match):
+    """Accepted before, then failed inside the kernel (a worker's traceback on CPU;
+    Triton's assertion on GPUs)."""
+    mesh = setup(2)
+    x = place(mesh, rand((8, 16)), P("tp"))
+    with pytest.raises(ValueError, match=match):
+        _run(mesh, lambda a: td.all_gather(a, "tp", config=config), x, in_specs=P("tp"),
+             out_specs=P("tp"))
+
+
+def test_config_values_of_the_wrong_type_are_named():
+    """A string or None for an int field reached arithmetic in settle (a bare
+    TypeError); a non-bool for a bool field ran as its truth value."""
+    check_config_errors([
+        ({"BLOCK_N": "64"}, r"ag_matmul: config BLOCK_N='64' must be an int"),
+        ({"BLOCK_N": None}, r"ag_matmul: config BLOCK_N=None must be an int"),
+        ({"ALL_ROWS": "yes"}, r"ag_matmul: config ALL_ROWS='yes' must be True or False"),
+        ({"TMA": None}, r"ag_matmul: config TMA=None must be True or False"),
+    ])
 
 
 def test_triton_call_missing_workspace_param():

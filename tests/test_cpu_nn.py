@@ -348,6 +348,39 @@ def test_bad_arguments_name_the_layer_and_the_shapes():
         attn(jnp.zeros((2, 1, 32)), decode=True)
 
 
+def test_layers_on_odd_batches_lists_a_user_shard_map_and_a_new_mesh():
+    """A decode batch that does not divide over dp runs replicated (RowParallelLinear
+    passed dp as a batch axis: matmul_ar_sharded refused the batch); the advice for
+    a prefill batch names the multiple seq must reach; lists are taken as arrays;
+    a layer inside a user's shard_map, or after jaxtdist.initialize with another
+    mesh, is refused naming why (were JAX's raw errors)."""
+    mesh = _mesh((2, 2))
+    mlp = tdnn.ParallelMLP(32, 64, rngs=nnx.Rngs(0))
+    twin = tdnn.ParallelMLP(32, 64, impl="xla", rngs=nnx.Rngs(0))
+    x = np.random.default_rng(0).standard_normal((1, 1, 32)).astype(np.float32)
+    decode = nnx.jit(lambda m, x: m(x, decode=True))
+    out, ref = decode(mlp, x), decode(twin, x)
+    assert out.shape == (1, 1, 32) and rel_err(out, f64(ref)) < 1e-5
+    with pytest.raises(ValueError, match=r"batch \* seq = 6 by 4 .* at batch 1, pad the "
+                                         r"sequence to a multiple of 4"):
+        mlp(jnp.ones((1, 6, 32)))
+    tokens = np.ones((2, 4, 32), np.float32)
+    assert rel_err(mlp(tokens.tolist()), f64(twin(tokens))) < 1e-5
+    attn = tdnn.ParallelAttention(32, 4, rngs=nnx.Rngs(0))
+    positions = np.broadcast_to(np.arange(4), (2, 4))
+    assert attn(tokens, positions=positions.tolist()).shape == (2, 4, 32)
+    inside = jax.jit(jax.shard_map(lambda t: mlp(t), mesh=mesh, in_specs=P("dp", "tp", None),
+                                   out_specs=P("dp", "tp", None)))
+    with pytest.raises(ValueError, match=r"ParallelMLP takes global arrays and shards them "
+                                         r"itself: call it under jax.jit or nnx.jit, outside "
+                                         r"jax.shard_map"):
+        inside(jax.device_put(tokens, NamedSharding(mesh, P("dp", "tp", None))))
+    _mesh((1, 4))
+    with pytest.raises(ValueError, match=r"ParallelMLP was built on the mesh \{'dp': 2, 'tp': "
+                                         r"2\} .* now initialized with \{'dp': 1, 'tp': 4\}"):
+        nnx.jit(lambda m, x: m(x))(mlp, tokens)
+
+
 def test_xla_impl_needs_no_initialize(monkeypatch):
     """impl='xla' runs no jaxtdist kernel: a mesh from jax.set_mesh is enough."""
     from jaxtdist.runtime import _runtime

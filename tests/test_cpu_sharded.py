@@ -109,5 +109,38 @@ def test_sharded_forms_place_their_arguments_on_explicit_meshes(form):
         name, fn, args = _four_forms(np.random.default_rng(form))[form]
         out = jax.jit(functools.partial(fn, axis_name="sp", batch_axes="dp"))(*args)
         outs.append(np.asarray(out))
+        # Eager, on NumPy arrays (shard_map takes none on Explicit axes).
+        numpy_args = [np.asarray(a) if isinstance(a, jax.Array) else a for a in args]
+        outs.append(np.asarray(fn(*numpy_args, axis_name="sp", batch_axes="dp")))
     assert np.isfinite(outs[0]).all(), name
-    np.testing.assert_array_equal(outs[1], outs[0], err_msg=name)
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0], err_msg=name)
+
+
+@pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Auto,
+                                       jax.sharding.AxisType.Explicit])
+def test_sharded_forms_name_misused_arguments(axis_type):
+    """Arguments of too few dimensions, batch_axes=None, a mesh= that is no Mesh and
+    a tuple where one weight goes: errors naming the wrapper and what it takes (were
+    shard_map's text about a function 'body', a bare AssertionError, a TypeError
+    from iterating None, and an AttributeError that replaced the op's own message)."""
+    mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2], axis_types=(axis_type,))
+    td.initialize(mesh)
+    x, w = jnp.ones((8, 4)), jnp.ones((4, 8))
+    for bad_x in (jnp.ones((4,)), np.float32(1.0)):
+        with pytest.raises(ValueError, match=r"jaxtdist\.ag_matmul_sharded: argument 0 has shape "
+                                             r"\(\d*,?\) \([01] dimensions\); the op shards it as "
+                                             r"P\('tp', None\), which needs at least 2"):
+            td.ag_matmul_sharded(bad_x, w, axis_name="tp")
+    q, kv = jnp.ones((1, 2, 8)), jnp.ones((1, 4, 2, 8))
+    with pytest.raises(ValueError, match=r"flash_decode_sharded: argument 3 has shape \(\)"):
+        td.flash_decode_sharded(q, kv, kv, 4, axis_name="tp")
+    with pytest.raises(TypeError, match=r"ag_matmul_sharded: batch_axes must be a mesh axis "
+                                        r"name or a tuple of them \(\(\) for none\), got None"):
+        td.ag_matmul_sharded(x, w, axis_name="tp", batch_axes=None)
+    with pytest.raises(TypeError, match=r"ag_matmul_sharded: mesh= must be a "
+                                        r"jax.sharding.Mesh .* got str"):
+        td.ag_matmul_sharded(x, w, axis_name="tp", mesh="m")
+    with pytest.raises(ValueError, match=r"w must be one \[K, N\] weight, got a tuple.*"
+                                         r"the global \[\(8, 4\), 'tuple'\]"):
+        td.ag_matmul_sharded(x, (w, w), axis_name="tp")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -295,3 +296,60 @@ def test_tuned_copy_engine_pick_falls_back_when_its_inboxes_do_not_fit(monkeypat
     assert "ag_matmul/gather" in kinds and "ag_matmul/inbox" not in kinds, kinds
     with pytest.raises(td.HeapExhaustedError, match="heap"):
         ag_matmul_fn(mesh, dict(ce))(xs, ws)
+
+
+def test_autotune_without_a_timer_takes_the_defaults(monkeypatch):
+    """JAXTDIST_AUTOTUNE=1 where kernels cannot be timed (CPU, no measure): calls
+    run with their defaults (every tunable op failed, its message naming a measure=
+    argument that ops do not take)."""
+    mesh = setup(2)
+    monkeypatch.setenv("JAXTDIST_AUTOTUNE", "1")
+    x = rand((6, 56), F32)
+    w = rand((56, 32), F32)
+    out = ag_matmul_fn(mesh)(place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp")))
+    assert_close(out, f64(x) @ f64(w), F32)
+    assert td.runtime.runtime().tuning.lookup("ag_matmul", 2, (3, 16, 56), F32) is None
+
+
+@pytest.mark.parametrize("content,what", [
+    ([1], r"a JSON list, not an object"),
+    ({"format": 2, "entries": [1, 2]}, r"its entries are a list, not an object"),
+    ({"format": 2, "entries": {"k": {"variant": "x"}}}, r"entry 'k' has no config object"),
+])
+def test_a_malformed_tuning_cache_is_named(tmp_path, monkeypatch, content, what):
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps(content))
+    monkeypatch.setenv("JAXTDIST_TUNING_CACHE", str(path))
+    from jaxtdist.runtime._config_cache import TuningCache
+    with pytest.raises(ValueError, match=rf"the tuning cache {re.escape(str(path))} is not a "
+                                         rf"jaxtdist tuning cache \({what}\); delete it"):
+        TuningCache("cpu").lookup("ag_matmul", 2, (3, 16, 40), F32)
+
+
+def test_a_stale_tuned_entry_names_its_file(tmp_path, monkeypatch):
+    """A tuned entry that no longer validates (another version's, or edited by hand):
+    the error names the cache file, since the caller passed no config."""
+    from jaxtdist.runtime._config_cache import FORMAT, TuningCache, entry_key
+    path = tmp_path / "tuning.json"
+    key = entry_key("ag_matmul", "cpu", 2, (3, 16, 40), F32)
+    path.write_text(json.dumps({"format": FORMAT,
+                                "entries": {key: {"config": {"BLOCK_N": 48}}}}))
+    monkeypatch.setenv("JAXTDIST_TUNING_CACHE", str(path))
+    class _Rt:
+        tuning = TuningCache("cpu")
+    with pytest.raises(ValueError, match=rf"BLOCK_N=48 .* \[a tuned entry of the tuning cache "
+                                         rf"{re.escape(str(path))}"):
+        resolve(AgMatmulConfig, _problem("cpu", 2, 3, 16, 40, F32), _Rt())
+
+
+def test_an_unwritable_tuning_cache_keeps_the_result_in_the_message(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("JAXTDIST_TUNING_CACHE", str(blocker / "tuning.json"))
+    from jaxtdist.runtime._config_cache import TuningCache
+    cache = TuningCache("cpu")
+    with pytest.raises(OSError, match=r"cannot write the tuning cache .*; the tuned config "
+                                      r"\{'BLOCK_N': 32\} for ag_matmul\|cpu.* is kept for this "
+                                      r"process only"):
+        cache.store("ag_matmul", 2, (3, 16, 40), F32, {"BLOCK_N": 32}, "pointer")
+    assert cache.lookup("ag_matmul", 2, (3, 16, 40), F32) == {"BLOCK_N": 32}

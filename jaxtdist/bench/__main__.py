@@ -21,9 +21,20 @@ def benchmarks() -> dict:
                                 moe_tp.BENCHMARK, grouped_matmul.BENCHMARK)}
 
 
-def _load(path: str) -> dict:
-    with open(path) as f:
-        return json.load(f)
+def _load(parser: argparse.ArgumentParser, path: str, benches: dict | None = None) -> dict:
+    """A results file written by ``--json`` (with ``benches``: one whose benchmark
+    is known), or argparse's error naming the file and what is wrong with it."""
+    try:
+        with open(path) as f:
+            res = json.load(f)
+    except (OSError, ValueError) as e:
+        parser.error(f"cannot read {path}: {e}")
+    if not isinstance(res, dict) or not isinstance(res.get("rows"), list):
+        parser.error(f"{path} is not a results file written by --json (no 'rows' list)")
+    if benches is not None and res.get("benchmark", res.get("op")) not in benches:
+        parser.error(f"{path} is the result of benchmark "
+                     f"{res.get('benchmark', res.get('op'))!r}; known: {sorted(benches)}")
+    return res
 
 
 def main(argv=None) -> int:
@@ -48,16 +59,19 @@ def main(argv=None) -> int:
     p.add_argument("result", help="a JSON file written by --json")
     p.add_argument("--markdown", help="write the table here")
     args = parser.parse_args(argv)
+    for key in ("iterations", "rounds"):
+        if getattr(args, key, 1) < 1:
+            parser.error(f"--{key} {getattr(args, key)}: must be at least 1")
 
     from jaxtdist.bench import harness
 
     if args.command == "plot":
-        harness.plot([_load(p) for p in args.results], args.png)
+        harness.plot([_load(parser, p) for p in args.results], args.png)
         print(f"wrote {args.png}")
         return 0
     if args.command == "table":
-        res = _load(args.result)
-        bench = benches[res.get("benchmark", res["op"])]
+        res = _load(parser, args.result, benches)
+        bench = benches[res.get("benchmark", res.get("op"))]
         harness.write_results(res, bench.table(res), None, args.markdown)
         return 0
 

@@ -193,7 +193,9 @@ class ParallelAttention(nnx.Module):
           [batch, seq, d_model], sequence parallel (decode: on every tp rank).
         """
         lay = self.layout
-        batch, seq = lay.check_input(x, self.d_model, decode)
+        x, batch, seq = lay.check_input(x, self.d_model, decode)
+        positions = None if positions is None else jnp.asarray(positions)
+        segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
         for name, arr in (("positions", positions), ("segment_ids", segment_ids)):
             if arr is not None and tuple(arr.shape) != (batch, seq):
                 raise ValueError(f"jaxtdist.nn.ParallelAttention: {name} has shape "

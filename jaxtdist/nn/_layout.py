@@ -14,6 +14,7 @@ default) and Auto axes are both handled here: the layers never care.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import jax
@@ -95,8 +96,11 @@ class Layout:
         return self.constrain(jnp.dot(x, w), spec)
 
     # -- the [batch, seq, d] <-> tokens boundary --------------------------------------
-    def check_input(self, x: jax.Array, features: int, decode: bool) -> tuple[int, int]:
-        """(batch, seq) of a [batch, seq, features] input, or a ValueError naming the layer."""
+    def check_input(self, x, features: int, decode: bool) -> tuple[jax.Array, int, int]:
+        """(x as an array, batch, seq) of a [batch, seq, features] input, or a
+        ValueError naming the layer."""
+        self._check_context()
+        x = jnp.asarray(x)
         if x.ndim != 3 or x.shape[-1] != features:
             raise ValueError(f"jaxtdist.nn.{self.layer}: x has shape {tuple(x.shape)}; expected "
                              f"[batch, seq, {features}] (features={features}, as the layer "
@@ -113,13 +117,40 @@ class Layout:
                                  f"sequence, x of shape [batch, 1, {features}]; got "
                                  f"{tuple(x.shape)}")
         elif (batch * seq) % (self.dp * self.tp) or seq % self.tp:
+            # Tokens spread over dp x tp (a batch that does not divide over dp with the
+            # sequence): seq must be a multiple of tp and of what batch leaves of dp x tp.
+            unit = self.dp * self.tp // math.gcd(batch, self.dp * self.tp)
+            multiple = unit * self.tp // math.gcd(unit, self.tp)
             raise ValueError(
                 f"jaxtdist.nn.{self.layer}: x has shape {tuple(x.shape)}: seq={seq} must be "
                 f"divisible by the size {self.tp} of mesh axis {self.axis_name!r} (sequence "
-                f"parallel) and batch * seq by {self.dp * self.tp} (batch_axes="
-                f"{self.batch_axes} x {self.axis_name!r}); pad the sequence to a multiple "
-                f"of {self.tp}")
-        return batch, seq
+                f"parallel) and batch * seq = {batch * seq} by {self.dp * self.tp} (batch_axes="
+                f"{self.batch_axes} x {self.axis_name!r}); at batch {batch}, pad the sequence "
+                f"to a multiple of {multiple}")
+        return x, batch, seq
+
+    def _check_context(self) -> None:
+        """A ValueError inside a user's shard_map (the layers take global arrays and
+        shard them themselves), or when the runtime now runs another mesh than the
+        one the layer was built on (its parameters live there)."""
+        manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ())
+        if manual:
+            raise ValueError(f"jaxtdist.nn.{self.layer} takes global arrays and shards them "
+                             f"itself: call it under jax.jit or nnx.jit, outside jax.shard_map "
+                             f"(here inside one over {tuple(manual)})")
+        if self.impl == "jaxtdist":
+            if not _runtime.is_initialized():
+                raise ValueError(f"jaxtdist.nn.{self.layer}: jaxtdist is not initialized (was "
+                                 "it shut down?); call jaxtdist.initialize(mesh) with the mesh "
+                                 "the layer was built on")
+            current = _runtime.runtime().mesh
+            if current != self.mesh:
+                raise ValueError(
+                    f"jaxtdist.nn.{self.layer} was built on the mesh {dict(self.mesh.shape)} "
+                    f"(devices {[d.id for d in self.mesh.devices.flat]}), but jaxtdist is now "
+                    f"initialized with {dict(current.shape)} (devices "
+                    f"{[d.id for d in current.devices.flat]}); build the layer again on this "
+                    "mesh, or jaxtdist.initialize(mesh) with the layer's")
 
     def batch_spec(self, batch: int):
         """Rows over ``batch_axes`` when the batch divides over them, else replicated

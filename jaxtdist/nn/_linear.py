@@ -104,7 +104,7 @@ class ColumnParallelLinear(nnx.Module):
         return w, b
 
     def __call__(self, x: jax.Array, *, decode: bool = False) -> jax.Array:
-        batch, seq = self.layout.check_input(x, self.in_features, decode)
+        x, batch, seq = self.layout.check_input(x, self.in_features, decode)
         (y,) = column_parallel((self,), self.layout.to_tokens(x, decode), decode=decode)
         b = self.layout.batch_spec(batch)
         return self.layout.reshape(y, (batch, seq, y.shape[-1]), P(b, None, self.layout.axis_name))
@@ -178,12 +178,15 @@ class RowParallelLinear(nnx.Module):
             y = lay.dot(h, w, P(rows, None))
         else:
             op = matmul_ar_sharded if decode else matmul_rs_sharded
-            y = op(h, w, axis_name=lay.axis_name, batch_axes=lay.batch_axes)
+            # A decode batch that does not divide over batch_axes is on every rank.
+            batch_axes = (() if decode and lay.batch_spec(h.shape[0]) is None
+                          else lay.batch_axes)
+            y = op(h, w, axis_name=lay.axis_name, batch_axes=batch_axes)
         return y if self.bias is None else y + self.bias[...].astype(y.dtype)
 
     def __call__(self, x: jax.Array, *, decode: bool = False) -> jax.Array:
         lay = self.layout
-        batch, seq = lay.check_input(x, self.in_features, decode)
+        x, batch, seq = lay.check_input(x, self.in_features, decode)
         b = lay.batch_spec(batch)
         h = lay.constrain(x, P(b, None, lay.axis_name))
         h = lay.reshape(h, (batch * seq, self.in_features), P(b, lay.axis_name))

@@ -53,7 +53,7 @@ class ParallelMLP(nnx.Module):
     def __call__(self, x: jax.Array, *, decode: bool = False) -> jax.Array:
         """x: [batch, seq, d_model]; ``decode``: [batch, 1, d_model], one token each."""
         lay = self.layout
-        batch, seq = lay.check_input(x, self.d_model, decode)
+        x, batch, seq = lay.check_input(x, self.d_model, decode)
         tokens = lay.to_tokens(x, decode)
         if self.gate_proj is not None:
             gate, up = column_parallel((self.gate_proj, self.up_proj), tokens, decode=decode)

@@ -164,10 +164,14 @@ def resolve(config_type: type[C], problem: Problem, rt, config: Mapping[str, Any
     """
     cfg = base if base is not None else config_type.default(problem)
     asked = dict(config or {})
+    source = None
     if config is None:
         tuned = rt.tuning.lookup(config_type.OP, problem.world, problem.shape, problem.dtype)
-        if (tuned is None and os.environ.get("JAXTDIST_AUTOTUNE") == "1"
-                and config_type.OP in tunable_ops()):
+        if tuned is not None:
+            source = getattr(rt.tuning, "source", lambda *key: "")(
+                config_type.OP, problem.world, problem.shape, problem.dtype) or "(in memory)"
+        elif (os.environ.get("JAXTDIST_AUTOTUNE") == "1" and config_type.OP in tunable_ops()
+                and _can_time(problem.platform)):
             from jaxtdist.tune import tune
             tuned = tune(config_type.OP, problem.shape, problem.dtype,
                          axis_name=axis_name)["config"]
@@ -175,6 +179,71 @@ def resolve(config_type: type[C], problem: Problem, rt, config: Mapping[str, Any
     # NumPy integers (a config built from an array's entries) pass the checks as
     # ints but are no Triton constexpr: the kernels get Python ints.
     asked = {k: int(v) if isinstance(v, np.integer) else v for k, v in asked.items()}
-    cfg = config_type.settle(cfg, asked)
-    cfg.validate(problem)
+    try:
+        _check_types(config_type.OP, cfg, asked)
+        cfg = config_type.settle(cfg, asked)
+        cfg.validate(problem)
+        _check_launch(config_type.OP, cfg)
+    except ValueError as e:
+        if source is None:
+            raise
+        raise ValueError(f"{e} [a tuned entry of the tuning cache {source}, written by another "
+                         "jaxtdist version or by hand: delete it, or point "
+                         "JAXTDIST_TUNING_CACHE elsewhere]") from None
     return cfg
+
+
+def _can_time(platform: str) -> bool:
+    """Whether the tuner can time kernels here (CUPTI on GPUs): elsewhere
+    ``JAXTDIST_AUTOTUNE=1`` has nothing to time, and calls take their defaults."""
+    from jaxtdist.tune import _tuner
+    try:
+        _tuner.default_measure(platform)
+    except ValueError:
+        return False
+    return True
+
+
+# Triton's largest block (elements) and the largest value a constexpr count may take.
+_MAX_BLOCK = 1 << 20
+_MAX_INT = (1 << 31) - 1
+
+
+def _check_types(op: str, cfg, asked: Mapping[str, Any]) -> None:
+    """Each asked value of its field's declared type (int, bool or str; fields
+    declared Any take several kinds): a ValueError naming the key, before anything
+    computes with it."""
+    declared = {f.name: getattr(f.type, "__name__", f.type) for f in dataclasses.fields(cfg)}
+    for key, value in asked.items():
+        kind = declared.get(key)  # unknown keys are settle's to name
+        if kind == "bool":
+            ok, want = isinstance(value, (bool, np.bool_)), "True or False"
+        elif kind == "int":
+            ok = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+            want = "an int"
+        elif kind == "str":
+            ok, want = isinstance(value, str), "a string"
+        else:
+            continue
+        if not ok:
+            raise ValueError(f"jaxtdist.{op}: config {key}={value!r} must be {want} (the "
+                             f"default here: {getattr(cfg, key)!r})")
+
+
+def _check_launch(op: str, cfg) -> None:
+    """Launch options and sizes within what Triton compiles: num_warps a power of 2
+    up to 32, num_stages up to 16, BLOCK_* up to Triton's largest block, other
+    integer fields within int32."""
+    for key, value in cfg.to_dict().items():
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            continue
+        if key == "num_warps" and (value & (value - 1) or not 1 <= value <= 32):
+            raise ValueError(f"jaxtdist.{op}: config num_warps={value}; allowed: 1, 2, 4, 8, "
+                             "16, 32")
+        if key == "num_stages" and not 1 <= value <= 16:
+            raise ValueError(f"jaxtdist.{op}: config num_stages={value}; allowed: 1 to 16")
+        if key.startswith("BLOCK_") and value > _MAX_BLOCK:
+            raise ValueError(f"jaxtdist.{op}: config {key}={value} is past Triton's largest "
+                             f"block ({_MAX_BLOCK} elements)")
+        if value > _MAX_INT:
+            raise ValueError(f"jaxtdist.{op}: config {key}={value} does not fit in int32")

@@ -41,6 +41,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.interpreters import ad
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -530,10 +531,16 @@ def pjit_wrapper(op_fn: Callable, *, name: str,
         check_outside_shard_map(name, inside=name.removesuffix("_sharded"))
         if mesh is None:
             mesh = rt.mesh
+        elif not isinstance(mesh, jax.sharding.Mesh):
+            raise TypeError(f"jaxtdist.{name}: mesh= must be a jax.sharding.Mesh (or left out: "
+                            f"the initialized mesh), got {type(mesh).__name__}")
         elif not same_mesh_axes(mesh, rt.mesh):
             raise ValueError(f"jaxtdist.{name}: mesh= {dict(mesh.shape)} differs from the mesh "
                              f"given to jaxtdist.initialize {dict(rt.mesh.shape)}; leave mesh= "
                              "out (the initialized mesh) or initialize with this mesh")
+        if batch_axes is None or not isinstance(batch_axes, (str, tuple, list)):
+            raise TypeError(f"jaxtdist.{name}: batch_axes must be a mesh axis name or a tuple "
+                            f"of them (() for none), got {batch_axes!r}")
         batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
         # A tuple (or list) of axes is one group, outermost first, as inside shard_map.
         if isinstance(axis_name, (tuple, list)):
@@ -566,9 +573,11 @@ def pjit_wrapper(op_fn: Callable, *, name: str,
                               (previous.spec[1], every_device)) if after else ((), ()))
 
         specs = tuple(in_specs(axis_name, batch_axes))
-        # Python lists and numbers as the op itself takes them (shard_map would not).
-        arrays = tuple(jnp.asarray(a) if isinstance(a, (list, int, float)) else a
-                       for a in arrays)
+        # Python lists and numbers, NumPy arrays and scalars as the op itself takes them
+        # (shard_map takes none of them on Explicit axes, the first two on none).
+        arrays = tuple(jnp.asarray(a) if isinstance(a, (list, int, float, np.ndarray, np.generic))
+                       else a for a in arrays)
+        _check_ranks(name, arrays, specs)
         _check_divisible(name, mesh, arrays, specs)
         arrays = _placed(mesh, arrays, specs)
 
@@ -584,7 +593,7 @@ def pjit_wrapper(op_fn: Callable, *, name: str,
                 raise ValueError(
                     f"{e} [in jaxtdist.{name}: the op sees one shard of each argument, shapes "
                     f"{_shard_shapes(mesh, arrays, specs)} of the global "
-                    f"{[tuple(a.shape) for a in arrays]} (in_specs {list(specs)})]") from None
+                    f"{[_shape_or_type(a) for a in arrays]} (in_specs {list(specs)})]") from None
             return out, _token_of(out, args[:len(token)])
 
         spec_out = out_specs(axis_name, batch_axes)
@@ -605,9 +614,10 @@ def _placed(mesh, arrays, specs) -> tuple:
     Auto axes XLA moves it by itself."""
     if all(t != jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
         return arrays
-    return tuple(jax.sharding.reshard(a, NamedSharding(mesh, s))
-                 if isinstance(s, P) and isinstance(a, jax.Array) else a
-                 for a, s in zip(arrays, specs))
+    # A spec is a prefix of a pytree argument (a handle): every leaf takes it.
+    return tuple(jax.tree.map(lambda leaf, s=s: jax.sharding.reshard(leaf, NamedSharding(mesh, s))
+                              if isinstance(leaf, jax.Array) else leaf, a)
+                 if isinstance(s, P) else a for a, s in zip(arrays, specs))
 
 
 def _spec_sizes(mesh, spec, ndim: int) -> list[int]:
@@ -620,6 +630,21 @@ def _spec_sizes(mesh, spec, ndim: int) -> list[int]:
 def _shard_shapes(mesh, arrays, specs) -> list:
     return [tuple(d // n for d, n in zip(a.shape, _spec_sizes(mesh, s, a.ndim)))
             if isinstance(s, P) and hasattr(a, "shape") else "?" for a, s in zip(arrays, specs)]
+
+
+def _shape_or_type(a):
+    return tuple(a.shape) if hasattr(a, "shape") else type(a).__name__
+
+
+def _check_ranks(name: str, arrays, specs) -> None:
+    """A ``ValueError`` naming the op where an argument has fewer dimensions than its
+    spec shards (else shard_map's error names the wrapper's body)."""
+    for i, (a, spec) in enumerate(zip(arrays, specs)):
+        if isinstance(spec, P) and hasattr(a, "ndim") and a.ndim < len(spec):
+            raise ValueError(
+                f"jaxtdist.{name}: argument {i} has shape {tuple(a.shape)} ({a.ndim} "
+                f"dimensions); the op shards it as {spec}, which needs at least {len(spec)}: "
+                "see the op's docstring for its shapes")
 
 
 def _check_divisible(name: str, mesh, arrays, specs) -> None:

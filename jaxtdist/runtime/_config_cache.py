@@ -51,14 +51,27 @@ def _read(path: pathlib.Path) -> dict:
     try:
         with open(path) as f:
             data = json.load(f)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no file (yet) at that path
         return {}
     except (OSError, ValueError) as e:
         raise ValueError(f"jaxtdist: the tuning cache {path} is unreadable ({e}); delete it "
                          f"or point JAXTDIST_TUNING_CACHE elsewhere") from e
+    def invalid(what: str) -> ValueError:
+        return ValueError(f"jaxtdist: the tuning cache {path} is not a jaxtdist tuning cache "
+                          f"({what}); delete it or point JAXTDIST_TUNING_CACHE elsewhere")
+
+    if not isinstance(data, dict):
+        raise invalid(f"a JSON {type(data).__name__}, not an object")
     if data.get("format") != FORMAT:
         return {}  # written by another jaxtdist version: ignore rather than misuse
-    return dict(data.get("entries", {}))
+    entries = data.get("entries", {})
+    if not isinstance(entries, dict):
+        raise invalid(f"its entries are a {type(entries).__name__}, not an object")
+    for key, entry in entries.items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("config"), dict)):
+            raise invalid(f"entry {key!r} has no config object")
+    # Each entry remembers its file: a tuned config that no longer validates names it.
+    return {key: dict(entry, source=str(path)) for key, entry in entries.items()}
 
 
 class TuningCache:
@@ -82,6 +95,12 @@ class TuningCache:
             entry = self._load().get(entry_key(op, self.device_kind, world, shape, dtype))
         return None if entry is None else dict(entry["config"])
 
+    def source(self, op: str, world: int, shape, dtype) -> str | None:
+        """The file the tuned entry for this call came from (None: no entry)."""
+        with self._lock:
+            entry = self._load().get(entry_key(op, self.device_kind, world, shape, dtype))
+        return None if entry is None else entry.get("source")
+
     def store(self, op: str, world: int, shape, dtype, config: dict, variant: str,
               details: dict | None = None) -> str:
         """Records ``config`` (its kernel ``variant``, and how it was chosen) in memory
@@ -90,14 +109,21 @@ class TuningCache:
         entry = dict(config=dict(config), variant=variant, **(details or {}))
         path = cache_path()
         with self._lock:
-            self._load()[key] = entry
-            path.parent.mkdir(parents=True, exist_ok=True)
-            on_disk = _read(path)  # other processes may have added entries
-            on_disk[key] = entry
-            # Atomic replace: a concurrent reader sees the old or the new file.
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tuning.", suffix=".json")
-            with os.fdopen(fd, "w") as f:
-                json.dump(dict(format=FORMAT, entries=on_disk, **versions()), f, indent=1,
-                          sort_keys=True)
-            os.replace(tmp, path)
+            self._load()[key] = dict(entry, source=str(path))
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                on_disk = {k: {f: v for f, v in e.items() if f != "source"}
+                           for k, e in _read(path).items()}  # other processes' entries too
+                on_disk[key] = entry
+                # Atomic replace: a concurrent reader sees the old or the new file.
+                fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tuning.", suffix=".json")
+                with os.fdopen(fd, "w") as f:
+                    json.dump(dict(format=FORMAT, entries=on_disk, **versions()), f, indent=1,
+                              sort_keys=True)
+                os.replace(tmp, path)
+            except OSError as e:
+                raise OSError(e.errno, f"jaxtdist: cannot write the tuning cache {path} ({e}); "
+                              f"the tuned config {dict(config)} for {key} is kept for this "
+                              "process only: point JAXTDIST_TUNING_CACHE at a writable file, or "
+                              "tune with save=False") from e
         return key

@@ -94,6 +94,16 @@ def _check_launcher(launcher: str) -> str:
     return launcher
 
 
+_HEAP_GRANULE = 4096
+
+
+def _rounded_heap(heap_bytes: int) -> int:
+    """``heap_bytes`` rounded up to a multiple of 4 KiB: every device's heap then
+    starts aligned where heaps are laid out one after another (CPU), which the
+    kernels' 16-byte signals and vector accesses need."""
+    return -(-int(heap_bytes) // _HEAP_GRANULE) * _HEAP_GRANULE
+
+
 def _check_settings(mesh, heap_bytes, wait_timeout_s, align_launches, launcher,
                     bootstrap_timeout_s) -> None:
     """``initialize``'s arguments, each checked before anything is torn down or
@@ -147,8 +157,8 @@ class Runtime:
                 "runs on, which includes its devices")
         self.bootstrap_timeout_s = _bootstrap.bootstrap_timeout_s(bootstrap_timeout_s)
         self.platform = _platform(devices)
-        self.heap_bytes = int(DEFAULT_HEAP_BYTES[self.platform] if heap_bytes is None
-                              else heap_bytes)
+        self.heap_bytes = _rounded_heap(DEFAULT_HEAP_BYTES[self.platform] if heap_bytes is None
+                                        else heap_bytes)
         # SMs a persistent grid may fill (devices of one mesh are of one kind).
         self.sms = int(getattr(devices[self.local_positions[0]], "core_count", None) or 132)
         self.wait_timeout_s = float(DEFAULT_WAIT_TIMEOUT_S if wait_timeout_s is None
@@ -402,7 +412,8 @@ def initialize(mesh, *, heap_bytes: int | None = None, wait_timeout_s: float | N
       mesh: the ``jax.sharding.Mesh`` whose axes collectives name. Ranks and
         peer tables are per group of each collective's axes.
       heap_bytes: bytes of symmetric heap per device (default 1 GiB on GPUs,
-        32 MiB on CPU). Workspaces are carved out of it.
+        32 MiB on CPU), rounded up to a multiple of 4 KiB. Workspaces are carved
+        out of it.
       wait_timeout_s: seconds a kernel's wait spins before it gives up and reports
         a ``WaitTimeoutError`` naming rank, peer and signal (default 300 s on CPU
         and GPU: long enough for a legitimately late peer; tests use seconds).
@@ -438,7 +449,7 @@ def initialize(mesh, *, heap_bytes: int | None = None, wait_timeout_s: float | N
     with _RUNTIME_LOCK:
         if _RUNTIME is not None:
             same = (_RUNTIME.mesh == mesh
-                    and (heap_bytes is None or heap_bytes == _RUNTIME.heap_bytes)
+                    and (heap_bytes is None or _rounded_heap(heap_bytes) == _RUNTIME.heap_bytes)
                     and (bootstrap_timeout_s is None
                          or float(bootstrap_timeout_s) == _RUNTIME.bootstrap_timeout_s)
                     and (wait_timeout_s is None

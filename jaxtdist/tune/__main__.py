@@ -50,6 +50,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write every candidate's time here")
     parser.add_argument("--markdown", help="write the comparison table here")
     args = parser.parse_args(argv)
+    if args.iterations < 1:
+        parser.error(f"--iterations {args.iterations}: must be at least 1")
     if jax.devices()[0].platform != "gpu":
         print("jaxtdist.tune times GPU kernels; no GPU is visible", file=sys.stderr)
         return 2
