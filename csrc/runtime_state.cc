@@ -48,11 +48,18 @@ std::string CheckGeneration(std::int64_t generation) {
   const std::int64_t current = RuntimeState::Get().generation();
   if (generation == current) return "";
   // Named as the CPU backend names JaxtdistError (jaxtdist/_errors.py runtime_status).
+  // Generation 0: no runtime (shutdown ran and no initialize since).
+  const std::string active = current == 0
+                                 ? std::string("no runtime is active (jaxtdist.shutdown ran)")
+                                 : "runtime #" + std::to_string(current) +
+                                       " is active (jaxtdist.initialize or shutdown ran since)";
   return "jaxtdist.JaxtdistError: this program was compiled for jaxtdist runtime #" +
-         std::to_string(generation) + " but runtime #" + std::to_string(current) +
-         " is active (jaxtdist.initialize or shutdown ran since): its heap offsets and "
-         "signals are stale. Trace it again: jax.clear_caches(), or re-create the jitted "
-         "function.";
+         std::to_string(generation) + " but " + active +
+         ": its heap offsets and signals are stale. " +
+         (current == 0 ? "Call jaxtdist.initialize(mesh), then trace" : "Trace") +
+         " it again: call the jitted function again after jax.clear_caches() (or "
+         "re-create it); an ahead-of-time compiled program (jit(f).lower(...).compile()) "
+         "must be lowered and compiled again.";
 }
 
 std::optional<HeapSlot> RuntimeState::Heap(int position) const {

@@ -183,3 +183,18 @@ def test_flash_decode_carries_nan_from_valid_inputs(world, where):
     np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
     kept = ~np.isnan(ref)
     assert rel_err(out[kept], ref[kept]) < 1e-5
+
+
+def test_the_warp_specialized_kernel_is_refused_where_it_cannot_run():
+    """KERNEL='ws' off Hopper GPUs (here the interpreter) names why; an unknown
+    KERNEL names the choices."""
+    mesh = setup(2, names=("sp",))
+    q = place(mesh, rand((1, 256, 2, 128)), P(None, "sp"))
+    for config, match in ((dict(KERNEL="ws"), r"KERNEL='ws' \(the warp-specialized kernel\) "
+                                               r"cannot run this call: it runs on NVIDIA GPUs"),
+                          (dict(KERNEL="gluon"), r"KERNEL='gluon'; allowed: 'auto', 'triton', "
+                                                 r"'ws'")):
+        f = jax.jit(jax.shard_map(lambda a: td.ag_attention(a, a, a, "sp", config=config),
+                                  mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp")))
+        with pytest.raises(ValueError, match=match):
+            f(q)

@@ -386,17 +386,23 @@ def test_ag_attention_compiles_with_tensor_cores(dtype, d, causal, inbox):
     assert k.metadata.shared <= 227 * 1024
 
 
-def test_gluon_kernel_compiles_through_the_launcher():
-    """A Gluon kernel (the probe's causal attention forward) goes through jaxtdist's
-    own launcher (triton_call(..., tma=True)): wgmma with the waits where the
-    kernel put them (one left in flight), TMA loads, within shared memory."""
-    from tests.gpu.attention_probe_kernels import gluon_causal_attention_kernel
-    k = _compile_native(gluon_causal_attention_kernel, ["i32", "bf16", "bf16", "bf16", "bf16"],
-                        dict(B=1, S=4096, HQ=32, HKV=32, D=128, QK_SCALE=0.1275, BLOCK_M=128,
-                             BLOCK_N=128, STAGES=3), num_warps=8, num_stages=1)
+@pytest.mark.parametrize("dtype,causal,hq,hkv", [("bf16", True, 32, 32), ("fp16", False, 8, 2)])
+def test_warp_specialized_attention_compiles(dtype, causal, hq, hkv):
+    """ag_attention's warp-specialized kernel (world 1 on Hopper): 12 warps (two
+    consumer warpgroups and a producer warp, rounded to warpgroups) within the
+    register file at its launch limit, no spills, wgmma with one group left in
+    flight, TMA loads, within shared memory."""
+    from jaxtdist.kernels import attention_ws
+    k = _compile_native(attention_ws.attention_ws_kernel, ["i32"] + [dtype] * 4,
+                        dict(B=2, S=4096, HQ=hq, HKV=hkv, D=128, CAUSAL=causal,
+                             QK_SCALE=0.1275), num_warps=4, num_stages=1,
+                        maxnreg=attention_ws.MAX_REGISTERS)
+    assert k.metadata.num_warps == 12
+    assert 12 * 32 * attention_ws.MAX_REGISTERS <= 65536
+    assert _stack_bytes(k) == 0
     ptx = k.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "wgmma.wait_group.sync.aligned 1" in ptx
-    assert "cp.async.bulk.tensor" in ptx
+    assert "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
     assert k.metadata.shared <= 227 * 1024
 
 

@@ -261,9 +261,9 @@ def test_bad_inputs_raise():
         call(lambda v: all_reduce(v, "tp", config=dict(BLOCKS=4)), x)
     with pytest.raises(ValueError, match="ONE_SHOT_MAX_BYTES=-1 must be an int >= 0"):
         call(lambda v: all_reduce(v, "tp", config=dict(ONE_SHOT_MAX_BYTES=-1)), x)
-    with pytest.raises(ValueError, match="PUSH_MAX_BYTES=True must be an int >= 0"):
+    with pytest.raises(ValueError, match="PUSH_MAX_BYTES=True must be an int"):
         call(lambda v: all_reduce(v, "tp", config=dict(PUSH_MAX_BYTES=True)), x)
-    with pytest.raises(ValueError, match="PUSH_FLAGS_MAX_BYTES=1.5 must be an int >= 0"):
+    with pytest.raises(ValueError, match="PUSH_FLAGS_MAX_BYTES=1.5 must be an int"):
         call(lambda v: all_reduce(v, "tp", config=dict(PUSH_FLAGS_MAX_BYTES=1.5)), x)
 
 

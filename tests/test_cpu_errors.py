@@ -533,3 +533,17 @@ def test_triton_call_takes_numpy_scalars_and_refuses_other_arguments():
             run(bad)
     with pytest.raises(ValueError, match=r"out_shape=\(8,\) .* must be a jax.ShapeDtypeStruct"):
         run(2.0, out_shape=(8,))
+
+
+def test_an_ahead_of_time_program_after_shutdown_says_what_to_do():
+    """A compiled program run after shutdown (no runtime at all): the message said
+    runtime #0 was active and omitted both initialize and compiling again."""
+    mesh = setup(2)
+    x = place(mesh, rand((4, 16)), P("tp"))
+    compiled = jax.jit(jax.shard_map(lambda a: td.all_gather(a, "tp"), mesh=mesh,
+                                     in_specs=P("tp"), out_specs=P("tp"))).lower(x).compile()
+    td.shutdown()
+    with pytest.raises(Exception, match=r"no runtime is active \(jaxtdist.shutdown ran\).*"
+                                        r"Call jaxtdist.initialize\(mesh\), then trace it again"
+                                        r".*must be lowered and compiled again"):
+        jax.block_until_ready(compiled(x))

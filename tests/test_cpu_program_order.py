@@ -343,6 +343,47 @@ def test_calls_in_and_around_an_unrelated_nested_computation_in_one_order(nestin
         assert rel_err(got_b, np.tile(np.asarray(y), (world, 1))) < 1e-6
 
 
+_REUSED = {
+    "jit": jax.jit(lambda c: td.all_reduce(c, "tp")),
+    "scan": lambda c: jax.lax.scan(_reused_step, c, None, length=2)[0],
+    "cond": lambda c: jax.lax.cond(c.sum() > -1e30, _reused_branch, _reused_branch, c),
+    "checkpoint": jax.checkpoint(lambda c: td.all_reduce(c, "tp")),
+}
+
+
+def _reused_step(c, _):
+    return td.all_reduce(c, "tp"), None
+
+
+def _reused_branch(c):
+    return td.all_reduce(c, "tp")
+
+
+@pytest.mark.parametrize("nesting", list(_REUSED))
+def test_a_nested_body_reused_by_another_program_or_shape(nesting):
+    """A body JAX caches by function and shapes (nested jit, scan body, cond branch,
+    checkpoint) holding an op, traced first after another op, then reused by a
+    program without that op and by the first at other shapes: it had closed over
+    the first program's previous output (UnexpectedTracerError)."""
+    world = 2
+    mesh = setup(world, wait_timeout_s=60.0)
+    piece = _REUSED[nesting]
+    sp = P("tp", None)
+    # check_vma=False: a scan carries all_reduce's result (typed invariant) as its input.
+    after = jax.jit(jax.shard_map(lambda a, c: (td.all_gather(a, "tp"), piece(c)), mesh=mesh,
+                                  in_specs=(sp, sp), out_specs=(P("tp"), sp), check_vma=False))
+    alone = jax.jit(jax.shard_map(piece, mesh=mesh, in_specs=sp, out_specs=sp, check_vma=False))
+    c = rand((world * 4, 8))
+    shards = c.reshape(world, 4, 8).astype(np.float64)
+    sums = {"scan": world * shards.sum(0)}.get(nesting, shards.sum(0))  # scan: two all_reduces
+    want = np.tile(sums, (world, 1))
+    placed = jax.device_put(c, NamedSharding(mesh, sp))
+    for rows in (4, 8):
+        a = jax.device_put(rand((world * rows, 8)), NamedSharding(mesh, sp))
+        assert rel_err(after(a, placed)[1], want) < 1e-6
+    assert rel_err(alone(placed), want) < 1e-6
+
+
 @pytest.mark.parametrize("wrapper", ["checkpoint", "jit"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_separately_wrapped_moe_layers_in_one_chain(world, wrapper):

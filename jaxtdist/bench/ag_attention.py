@@ -103,6 +103,12 @@ def bench_ag_attention(seqs, iterations: int, world: int, dtype=jnp.bfloat16,
     if world == 1:
         fns = dict(jaxtdist=jax.jit(jax.shard_map(
                        lambda *a: ops.ag_attention_kernels(*a, "sp", causal=True), **specs)),
+                   # The Triton kernel (what a group of several ranks runs) beside the
+                   # default (the warp-specialized kernel where it fits).
+                   jaxtdist_triton=jax.jit(jax.shard_map(
+                       lambda *a: ops.ag_attention_kernels(*a, "sp", causal=True,
+                                                           config=dict(KERNEL="triton")),
+                       **specs)),
                    jax_nn_dpa=jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
                        q, k, v, is_causal=True)))
         if jax.devices()[0].platform == "gpu":  # cuDNN's fused attention, asked for by name
@@ -152,7 +158,10 @@ WORLD1_COLUMNS = [
     h.Column("cuDNN (implementation='cudnn')", lambda r: h.us(r.get("cudnn_dpa"))),
     h.Column("jaxtdist / cuDNN", lambda r: h.ratio(r.get("jaxtdist"), r.get("cudnn_dpa"))),
     h.Column("TFLOP/s (jaxtdist)", lambda r: _tflops(r.get("jaxtdist"))),
+    h.Column("Triton kernel (groups > 1)", lambda r: h.us(r.get("jaxtdist_triton"))),
+    h.Column("Triton / cuDNN", lambda r: h.ratio(r.get("jaxtdist_triton"), r.get("cudnn_dpa"))),
     h.Column("rel err", lambda r: h.err(r.get("jaxtdist"))),
+    h.Column("rel err (Triton)", lambda r: h.err(r.get("jaxtdist_triton"))),
     h.Column("rel err (jax.nn)", lambda r: h.err(r.get("jax_nn_dpa"))),
 ]
 

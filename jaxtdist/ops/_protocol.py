@@ -126,22 +126,16 @@ class OrderRecord:
     token: Any = None
 
 
-def _lineage(trace) -> list:
-    """``trace`` and the traces it is nested in (jit, scan, cond and remat bodies
-    inside a shard_map have their enclosing trace as parent; shard_map and
-    custom_vjp bodies start a lineage of their own)."""
-    out = []
-    while trace is not None and len(out) < 64:
-        out.append(trace)
-        trace = getattr(trace, "parent_trace", None)
-    return out
-
-
 def order_record(rt: Runtime) -> OrderRecord | None:
-    """The latest record of the current trace or of one it is nested in."""
-    lineage = _lineage(_current_trace())
+    """The latest record of the current trace. Not of a trace it is nested in: a
+    nested body (jit, scan, cond, checkpoint) that took an enclosing trace's value
+    would close over it, and JAX caches such bodies by function and shapes, so the
+    next program (or the same one at other shapes) reusing the body met a dead
+    tracer (UnexpectedTracerError). A body's first call is ordered after the call
+    before it when the program is lowered (``runtime._call_order``)."""
+    trace = _current_trace()
     for record in reversed(rt.order_records):
-        if any(record.trace is t for t in lineage):
+        if record.trace is trace:
             return record
     return None
 
@@ -302,7 +296,7 @@ class Call:
         args = [position] + ([stage] if stage is not None else []) + deps
         call = _ffi.ffi_call(_native.PROLOGUE_TARGET,
                              jax.ShapeDtypeStruct((CTX_INT32_WORDS,), jnp.int32), op=self.op,
-                             after_calls=True)
+                             after_calls=True, devices=_ffi.device_ids(rt.mesh))
         self._ws = ws
         self._launch_holds_rendezvous = not align_launch
         return call(*args, template_offset=np.int64(self.layout.template_offset),
@@ -333,14 +327,17 @@ class Call:
 
     def launch(self, kernel, ctx: jax.Array, *args: Any, out_shape, grid: int | Sequence[int],
                num_warps: int = 4, num_stages: int = 3, needs_scratch: bool = False,
-               varying: Sequence[str] | None = None, **constexprs: Any):
+               varying: Sequence[str] | None = None, maxnreg: int | None = None,
+               **constexprs: Any):
         """Runs ``kernel[grid](ctx, *args, *outputs, **constexprs)`` on the backend.
 
         ``needs_scratch``: the kernel builds tensor descriptors on the device
         (Triton's global scratch), which only jaxtdist's own launcher provides.
         ``varying``: the mesh axes the outputs vary over (``result_axes``); by
         default every axis (a user kernel may compute anything from its rank).
-        Returns the output, or a list of them when ``out_shape`` is a sequence.
+        ``maxnreg``: a register limit per thread (GPUs: a warp-specialized kernel
+        sizes its partitions from it). Returns the output, or a list of them when
+        ``out_shape`` is a sequence.
         """
         rt = self.rt
         outs, many = _out_list(out_shape)
@@ -350,7 +347,8 @@ class Call:
             rendezvous = (self._ws.counter_id, rt.group_table(self.layout), self.layout.world)
             self._launch_holds_rendezvous = False
         result = rt.backend.launch(rt, kernel, (ctx,) + tuple(args), outs, grid, num_warps,
-                                   num_stages, constexprs, needs_scratch, rendezvous, op=self.op)
+                                   num_stages, constexprs, needs_scratch, rendezvous, op=self.op,
+                                   maxnreg=maxnreg)
         varying = tuple(rt.mesh.axis_names) if varying is None else tuple(varying)
         result = [mark_varying(r, varying) for r in result]
         record_output(rt, result[0])
@@ -370,7 +368,8 @@ class Call:
             grid: int | Sequence[int], deps: Sequence | None = None,
             stage: jax.Array | None = None, stage_offset: int = 0, parity_bytes: int = 0,
             num_warps: int = 4, num_stages: int = 3, needs_scratch: bool = False,
-            varying: Sequence[str] | None = None, **constexprs: Any):
+            varying: Sequence[str] | None = None, maxnreg: int | None = None,
+            **constexprs: Any):
         """``start`` then ``launch``: one kernel after the prologue. ``deps`` defaults
         to the array arguments."""
         if deps is None:
@@ -380,4 +379,5 @@ class Call:
                          align_launch=not self.launch_aligns(args, needs_scratch))
         return self.launch(kernel, ctx, *args, out_shape=out_shape, grid=grid,
                            num_warps=num_warps, num_stages=num_stages,
-                           needs_scratch=needs_scratch, varying=varying, **constexprs)
+                           needs_scratch=needs_scratch, varying=varying, maxnreg=maxnreg,
+                           **constexprs)

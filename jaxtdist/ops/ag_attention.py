@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtdist._errors import HeapExhaustedError
+from jaxtdist.kernels import attention_ws
 from jaxtdist.kernels.ag_attention import ag_attention_kernel
 from jaxtdist.ops._config import KernelConfig, Problem, resolve
 from jaxtdist.ops._inbox import push_to_inboxes
@@ -63,6 +64,11 @@ class AgAttentionConfig(KernelConfig):
         (batch, head) pairs launch interleaved, longest first. 1: each head's
         tiles together (K/V of few heads in flight, L2-friendly); B * Hq: every
         head's longest tiles first (the shortest tail).
+      KERNEL: "auto" (the warp-specialized Gluon kernel where it fits, else the
+        Triton kernel), "triton", or "ws" (the warp-specialized kernel, an error
+        where it does not fit: NVIDIA Hopper, a group of one rank, bfloat16 or
+        float16, head dim 128, S a multiple of 128). The tile fields above
+        configure the Triton kernel.
     """
     OP: ClassVar[str] = "ag_attention"
     variant: ClassVar[str] = "pull"
@@ -73,6 +79,7 @@ class AgAttentionConfig(KernelConfig):
     num_stages: int = 3
     GATHER: str = "auto"
     HEAD_GROUP: int = 1
+    KERNEL: str = "auto"
 
     @classmethod
     def default(cls, problem: Problem) -> "AgAttentionConfig":
@@ -94,6 +101,9 @@ class AgAttentionConfig(KernelConfig):
         if self.GATHER not in ("auto", "inbox", "peer"):
             raise ValueError(f"jaxtdist.ag_attention: config GATHER={self.GATHER!r}; allowed: "
                              "'auto', 'inbox', 'peer'")
+        if self.KERNEL not in ("auto", "triton", "ws"):
+            raise ValueError(f"jaxtdist.ag_attention: config KERNEL={self.KERNEL!r}; allowed: "
+                             "'auto', 'triton', 'ws'")
         for key in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "HEAD_GROUP"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -188,6 +198,13 @@ def ag_attention_kernels(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *,
     grid = (b * hq * -(-s // cfg.BLOCK_M),)
     out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
     varying = call.result_axes(local=(q, k, v))
+    if cfg.KERNEL != "triton":
+        unfit = _ws_unfit(call, q)
+        if unfit and cfg.KERNEL == "ws":
+            raise ValueError(f"jaxtdist.ag_attention: config KERNEL='ws' (the warp-specialized "
+                             f"kernel) cannot run this call: {unfit}; use 'auto' or 'triton'")
+        if not unfit:
+            return _launch_ws(call, q, k, v, causal, tiles["QK_SCALE"], out_shape, varying)
     # Inboxes need a bulk push that overlaps the kernel (copy engines, both GPU
     # layouts) or the interpreter; a GPU backend without them reads peers.
     inbox_ok = call.rt.backend.has_copy_engines or call.platform != "gpu"
@@ -218,6 +235,44 @@ def ag_attention_kernels(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *,
         STAGE_OFF=ws.offset + plan.stage, PARITY_BYTES=plan.parity_bytes,
         READY_OFF=ws.offset + plan.ready, FLAGS_OFF=0, SENT_OFF=0, CHUNK_ROWS=1,
         KV_STRIDE=hkv * d, V_OFF=0, FLAG_SCOPE="sys")
+
+
+_WS_BLOCK = int(attention_ws.BLOCK.value)
+_WS_HEAD_DIM = int(attention_ws.HEAD_DIM.value)
+
+
+def _ws_unfit(call: Call, q) -> str:
+    """Why the warp-specialized kernel cannot run this call ("" where it can)."""
+    b, s, hq, d = q.shape
+    if call.platform != "gpu":
+        return "it runs on NVIDIA GPUs, not under the interpreter"
+    device = call.rt.mesh.devices.flat[call.rt.local_positions[0]]
+    if str(getattr(device, "compute_capability", "")) != "9.0":
+        return (f"it runs on Hopper GPUs (compute capability 9.0), not on "
+                f"{device.device_kind}")
+    if call.world != 1:
+        return (f"it attends over one rank's keys (a group of one), and this group has "
+                f"{call.world} ranks")
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"it takes bfloat16 or float16, not {q.dtype}"
+    if d != _WS_HEAD_DIM:
+        return f"it takes head dim {_WS_HEAD_DIM}, not {d}"
+    if s % _WS_BLOCK:
+        return f"it takes S a multiple of {_WS_BLOCK}, not {s}"
+    return ""
+
+
+def _launch_ws(call: Call, q, k, v, causal: bool, qk_scale: float, out_shape, varying):
+    """The warp-specialized Gluon kernel (``kernels/attention_ws``): one rank's
+    attention, TMA loads into shared memory (descriptors in Triton's global
+    scratch, which jaxtdist's launcher provides)."""
+    b, s, hq, d = q.shape
+    ws = call.workspace("ws", 64)  # the prologue's; the kernel reads no heap
+    return call.run(attention_ws.attention_ws_kernel, q, k, v, workspace=ws,
+                    out_shape=out_shape, grid=(s // _WS_BLOCK, b * hq),
+                    varying=varying, num_warps=4, num_stages=1, needs_scratch=True,
+                    maxnreg=attention_ws.MAX_REGISTERS, B=b, S=s, HQ=hq, HKV=k.shape[2], D=d,
+                    CAUSAL=causal, QK_SCALE=qk_scale)
 
 
 def _launch_inbox(call: Call, q, k, v, tiles: dict, grid, out_shape, varying):

@@ -116,9 +116,10 @@ class HeapBackend(Protocol):
 
     def launch(self, rt, kernel, args: Sequence, outs: Sequence, grid: tuple, num_warps: int,
                num_stages: int, constexprs: dict, needs_scratch: bool,
-               rendezvous: tuple | None, op: str = "") -> list:
+               rendezvous: tuple | None, op: str = "", maxnreg: int | None = None) -> list:
         """Runs ``kernel[grid](*args, *outs, **constexprs)`` inside the traced program;
-        returns the outputs."""
+        returns the outputs. ``maxnreg``: a register limit per thread (GPUs;
+        warp-specialized kernels size their partitions from it)."""
 
     def close(self) -> None:
         """Frees the heap and anything the backend started."""

@@ -197,13 +197,13 @@ class CpuHeap:
 
     def launch(self, rt, kernel, args: Sequence, outs: Sequence, grid: tuple, num_warps: int,
                num_stages: int, constexprs: dict, needs_scratch: bool,
-               rendezvous: tuple | None, op: str = "") -> list:
+               rendezvous: tuple | None, op: str = "", maxnreg: int | None = None) -> list:
         """Runs the kernel in the worker of the calling device's position, from the
         native host-kernel handler (``_ffi.host_kernel``): the context (``args[0]``)
         says which position that is. Errors reach the user as the handler's status:
         ``DEADLINE_EXCEEDED: jaxtdist.WaitTimeoutError: ...``,
         ``UNAVAILABLE: jaxtdist.WorkerDiedError: ...``, and so on."""
-        del num_warps, num_stages, needs_scratch, rendezvous  # GPU launch options
+        del num_warps, num_stages, needs_scratch, rendezvous, maxnreg  # GPU launch options
         from jaxtdist.interpret import kernel_reference
         from jaxtdist.runtime._ffi import host_kernel
 

@@ -109,11 +109,11 @@ class CudaHeap:
 
     def launch(self, rt, kernel, args: Sequence, outs: Sequence, grid: tuple, num_warps: int,
                num_stages: int, constexprs: dict, needs_scratch: bool,
-               rendezvous: tuple | None, op: str = "") -> list:
-        if self.aligns_at_launch(rt.launcher, args, needs_scratch):
+               rendezvous: tuple | None, op: str = "", maxnreg: int | None = None) -> list:
+        if self.aligns_at_launch(rt.launcher, args, needs_scratch or maxnreg is not None):
             from jaxtdist.runtime import _cuda_launch
             return _cuda_launch.launch(rt, kernel, args, outs, grid, num_warps, num_stages,
-                                       constexprs, rendezvous)
+                                       constexprs, rendezvous, maxnreg=maxnreg)
         jt, out_kw = _jax_triton()
         result = jt.triton_call(*args, kernel=kernel, grid=grid, num_warps=num_warps,
                                 num_stages=num_stages, **{out_kw: list(outs)}, **constexprs)

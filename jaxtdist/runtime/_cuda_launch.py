@@ -137,12 +137,15 @@ def _ensure_cache_dir() -> None:
 
 
 def compile_kernel(kernel, arg_types: Sequence[str], constexprs: dict, num_warps: int,
-                   num_stages: int, capability: int, shmem: bool = False):
+                   num_stages: int, capability: int, shmem: bool = False,
+                   maxnreg: int | None = None):
     """Compiles ``kernel`` for CUDA ``capability``; returns Triton's compiled kernel.
 
     ``shmem``: the runtime has NVSHMEM's heap, so kernels calling NVSHMEM device
     functions are linked with its device library (``_shmem_link``); otherwise
-    such a kernel is refused with an error naming what it needs.
+    such a kernel is refused with an error naming what it needs. ``maxnreg``:
+    Triton's register limit per thread (warp-specialized kernels size their
+    partitions' registers from it).
     """
     from jaxtdist.runtime import _shmem_link
 
@@ -171,8 +174,10 @@ def compile_kernel(kernel, arg_types: Sequence[str], constexprs: dict, num_warps
     src = source(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
     _ensure_cache_dir()
     with _shmem_link.linking(shmem):
-        compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32),
-                                  options=dict(num_warps=num_warps, num_stages=num_stages))
+        options = dict(num_warps=num_warps, num_stages=num_stages)
+        if maxnreg is not None:
+            options["maxnreg"] = maxnreg
+        compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
     if not shmem and _shmem_link.uses_shmem(compiled.asm.get("ptx", "")):
         raise _shmem_link.needs_nvshmem_error()  # a cubin from Triton's cache
     return compiled
@@ -187,11 +192,12 @@ def launch_warps(metadata) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _registered(kernel, arg_types: tuple, constexpr_items: tuple, num_warps: int,
-                num_stages: int, capability: int, shmem: bool = False) -> CompiledKernel:
+                num_stages: int, capability: int, shmem: bool = False,
+                maxnreg: int | None = None) -> CompiledKernel:
     from jaxtdist.runtime import _shmem_link
 
     compiled = compile_kernel(kernel, arg_types, dict(constexpr_items), num_warps, num_stages,
-                              capability, shmem)
+                              capability, shmem, maxnreg)
     md = compiled.metadata
     if getattr(md, "num_ctas", 1) != 1 or getattr(md, "profile_scratch_size", 0):
         raise ValueError(f"jaxtdist: kernel {md.name} needs CTA clusters or profile scratch, "
@@ -206,7 +212,8 @@ def _registered(kernel, arg_types: tuple, constexpr_items: tuple, num_warps: int
 
 def launch(rt: Runtime, kernel, args: Sequence, outs, grid, num_warps: int,
            num_stages: int, constexprs: dict,
-           rendezvous: tuple[int, np.ndarray, int] | None = None) -> list[jax.Array]:
+           rendezvous: tuple[int, np.ndarray, int] | None = None,
+           maxnreg: int | None = None) -> list[jax.Array]:
     """``kernel[grid](*args, *outs, **constexprs)`` on the devices of ``rt``'s mesh.
 
     ``args``: arrays and Python/numpy scalars (``scalar_type`` says how each
@@ -221,7 +228,7 @@ def launch(rt: Runtime, kernel, args: Sequence, outs, grid, num_warps: int,
     device = rt.mesh.devices.flat[rt.backend.positions[0]]
     capability = compute_capability(device)
     compiled = _registered(kernel, types, tuple(sorted(constexprs.items())), num_warps,
-                           num_stages, capability, rt.backend_name == "nvshmem")
+                           num_stages, capability, rt.backend_name == "nvshmem", maxnreg)
     # The devices this process launches on: the backend's positions.
     ordinals = [rt.backend.ordinal_of(p) for p in rt.backend.positions]
     native = _native.native()

@@ -64,36 +64,45 @@ def _thaw(frozen):
 
 
 @_ffi_call_p.def_abstract_eval
-def _abstract_eval(*avals, target_name, results, aliases, attributes, op, after_calls):
-    del avals, target_name, aliases, attributes, op, after_calls
+def _abstract_eval(*avals, target_name, results, aliases, attributes, op, after_calls,
+                   devices):
+    del avals, target_name, aliases, attributes, op, after_calls, devices
     return [jax.core.ShapedArray(shape, jnp.dtype(dtype)) for shape, dtype in results]
 
 
-def _device_ids(mesh) -> np.ndarray:
-    return np.vectorize(lambda d: d.id, otypes=[np.int64])(mesh.devices)
+def device_ids(mesh) -> tuple:
+    """(shape, device ids in mesh order) of a mesh: what ``ffi_call``'s ``devices``
+    takes."""
+    ids = np.vectorize(lambda d: d.id, otypes=[np.int64])(mesh.devices)
+    return tuple(ids.shape), tuple(int(i) for i in ids.reshape(-1))
 
 
-def _check_devices(ctx, op: str | None) -> None:
+def _nested(devices: tuple) -> list:
+    shape, ids = devices
+    return np.asarray(ids).reshape(shape).tolist()
+
+
+def _check_devices(ctx, op: str | None, devices: tuple | None) -> None:
     """A ``ValueError`` when the shard_map being lowered runs on other devices, or
-    the same ones in another order, than the mesh the runtime was initialized
-    with: its axes and sizes may match (what tracing checks), but the heaps, and
-    each position's rank in the kernels, belong to the initialized mesh."""
-    from jaxtdist.runtime import _runtime
+    the same ones in another order, than ``devices`` (the initialized mesh's,
+    ``device_ids``): its axes and sizes may match (what tracing checks), but the
+    heaps, and each position's rank in the kernels, belong to that mesh."""
     mesh = getattr(ctx.module_context.axis_context, "mesh", None)
-    if not isinstance(mesh, jax.sharding.Mesh) or not _runtime.is_initialized():
+    if devices is None or not isinstance(mesh, jax.sharding.Mesh):
         return  # an abstract mesh (no devices to compare), or nothing to compare with
-    have, want = _device_ids(mesh), _device_ids(_runtime.runtime().mesh)
-    if have.shape != want.shape or (have != want).any():
+    have = device_ids(mesh)
+    if have != devices:
         raise ValueError(
-            f"jaxtdist.{op or 'call'}: the shard_map's mesh has devices {have.tolist()}, the "
-            f"mesh given to jaxtdist.initialize has {want.tolist()} (device ids, in mesh "
+            f"jaxtdist.{op or 'call'}: the shard_map's mesh has devices {_nested(have)}, the "
+            f"mesh given to jaxtdist.initialize has {_nested(devices)} (device ids, in mesh "
             "order); the heaps and ranks belong to the initialized mesh: shard_map over that "
             "mesh, or jaxtdist.shutdown() and jaxtdist.initialize(mesh) with this one")
 
 
-def _lowering(ctx, *operands, target_name, results, aliases, attributes, op, after_calls):
+def _lowering(ctx, *operands, target_name, results, aliases, attributes, op, after_calls,
+              devices):
     del results
-    _check_devices(ctx, op)
+    _check_devices(ctx, op, devices)
     if after_calls:
         ctx, operands = _call_order.after_previous_call(ctx, operands)
     rule = jax.ffi.ffi_lowering(target_name, has_side_effect=True,
@@ -143,13 +152,14 @@ if _pe is not None and hasattr(_pe, "dce_rules"):
 
 def ffi_call(target_name: str, result_shape_dtypes, *, platform: str = "gpu",
              input_output_aliases: Mapping[int, int] | None = None, op: str = "",
-             after_calls: bool = False) -> Callable:
+             after_calls: bool = False, devices: tuple | None = None) -> Callable:
     """Like ``jax.ffi.ffi_call(target_name, result_shape_dtypes, has_side_effect=True,
     input_output_aliases=...)``, with no JAX effect (see the module doc). ``op``
     names the jaxtdist op in errors; ``platform`` is kept for callers' clarity (the
     target is registered per platform). ``after_calls``: the call also takes the
     result of the previous jaxtdist call lowered in its block as a last operand
-    (a prologue: ``_call_order``).
+    (a prologue: ``_call_order``). ``devices``: the initialized mesh's
+    (``device_ids``); a shard_map over other devices is refused when lowered.
 
     Returns a function of the operands and the attributes (ints and int64 arrays).
 
@@ -169,7 +179,7 @@ def ffi_call(target_name: str, result_shape_dtypes, *, platform: str = "gpu",
         outs = _ffi_call_p.bind(
             *operands, target_name=target_name, results=results, aliases=aliases,
             attributes=tuple(sorted((name, _freeze(v)) for name, v in attributes.items())),
-            op=op, after_calls=bool(after_calls))
+            op=op, after_calls=bool(after_calls), devices=devices)
         return list(outs) if several else outs[0]
 
     return call

@@ -174,9 +174,9 @@ class Runtime:
         _GENERATION += 1
         self.generation = _GENERATION
         # The last jaxtdist output traced in each recent trace (``ops._protocol``'s
-        # program order): the next op traced in that trace, or in one nested in
-        # it, depends on it, so that every device runs jaxtdist ops (and
-        # advances their epochs) in one program order.
+        # program order): the next op traced in that trace depends on it, so that
+        # every device runs jaxtdist ops (and advances their epochs) in one program
+        # order (nested bodies are ordered when lowered, ``_call_order``).
         self.order_records: list = []
         self._layouts: dict[tuple[str, ...], Layout] = {}
         self._workspaces: dict[tuple, Workspace] = {}

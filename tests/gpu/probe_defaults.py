@@ -4,7 +4,7 @@ process). The numbers quoted in the defaults' comments and in docs/perf come
 from these.
 
 Usage (repo root, GPU node): python3 tests/gpu/probe_defaults.py {moe,moe_trace,fd_race,
-attention,attention_ws,attention_gluon,flash_decode,gemm,gemm_one_round,grouped,push,float32,rs_loop,rs_trace} [world]. ``moe`` and ``moe_trace`` run at the
+attention,attention_ws,flash_decode,gemm,gemm_one_round,grouped,push,float32,rs_loop,rs_trace} [world]. ``moe`` and ``moe_trace`` run at the
 world given (default 2, as ``fd_race``), ``push`` and ``rs_trace`` at 4 by default, and need that many GPUs; the
 others run on one.
 Prints one line per shape: each variant's median time, its ratio to the
@@ -226,38 +226,6 @@ def probe_attention() -> None:
                 **specs))
             contenders[name] = h.Contender(fn, args, 1, ref)
         _report(f"S={s}", h.interleaved(contenders, 12, 3), "cudnn")
-
-
-def probe_attention_gluon() -> None:
-    """A causal attention forward in Gluon with FA3's in-warpgroup overlap (QK^T of
-    block j and PV of block j - 1 in flight together; ``tests/gpu/
-    attention_probe_kernels.py``) against cuDNN and ag_attention's kernel at world
-    1: B=1, H=32, D=128, bf16."""
-    from jaxtdist.ops.ag_attention import ag_attention_kernels
-    from tests.gpu.attention_probe_kernels import gluon_causal_attention_kernel
-
-    mesh, sp, specs, cudnn = _attention_setup(1 << 31)
-
-    def gluon(s, bn, stages):
-        def f(q, k, v):
-            return td.triton_call(
-                q, k, v, kernel=gluon_causal_attention_kernel, grid=(s // 128, 32),
-                axis_name="sp", tma=True, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-                num_warps=8, num_stages=1, B=1, S=s, HQ=32, HKV=32, D=128,
-                QK_SCALE=128 ** -0.5 * 1.4426950408889634, BLOCK_M=128, BLOCK_N=bn,
-                STAGES=stages)
-        return jax.jit(jax.shard_map(f, **specs))
-
-    for s in (4096, 16384, 32768):
-        q, k, v = (h.normal(600 + j, (1, s, 32, 128), jnp.bfloat16) for j in range(3))
-        args = tuple(jax.device_put(a, NamedSharding(mesh, sp)) for a in (q, k, v))
-        ref = np.asarray(cudnn(*args), np.float32)  # compared with cuDNN's output
-        contenders = dict(cudnn=h.Contender(cudnn, args, 1, ref), ag_attention=h.Contender(
-            jax.jit(jax.shard_map(lambda *a: ag_attention_kernels(*a, "sp", causal=True),
-                                  **specs)), args, 1, ref),
-            **{f"gluon_n{bn}s{st}": h.Contender(gluon(s, bn, st), args, 1, ref)
-               for bn, st in ((128, 3), (128, 2))})
-        _report(f"S={s}", h.interleaved(contenders, 10 if s < 32768 else 5, 3), "cudnn")
 
 
 def probe_attention_ws() -> None:
@@ -930,7 +898,7 @@ def probe_grouped() -> None:
 
 
 PROBES = {"moe": probe_moe, "moe_routing": probe_moe_routing, "moe_trace": probe_moe_trace, "moe_chunks": probe_moe_chunks, "moe_combine_rows": probe_moe_combine_rows, "attention": probe_attention,
-          "attention_ws": probe_attention_ws, "attention_gluon": probe_attention_gluon,
+          "attention_ws": probe_attention_ws,
           "flash_decode": probe_flash_decode, "gemm": probe_gemm,
           "gemm_one_round": probe_gemm_one_round, "push": probe_push,
           "float32": probe_float32, "rs_loop": probe_rs_loop, "rs_trace": probe_rs_trace,

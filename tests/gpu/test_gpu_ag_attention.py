@@ -154,3 +154,49 @@ def test_ag_attention_grad(world):
             jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
     for got, want in zip(grads, expect):
         assert _rel(got, np.asarray(want)) < 5e-3
+
+
+def _hopper():
+    return str(getattr(jax.devices()[0], "compute_capability", "")) == "9.0"
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("b,s,hq,hkv", [(2, 2048, 4, 2), (1, 128, 2, 1), (3, 640, 8, 8)])
+def test_warp_specialized_kernel_at_world_1(dtype, causal, b, s, hq, hkv):
+    """The warp-specialized Gluon kernel (world 1's default on Hopper where it fits:
+    head dim 128, S a multiple of 128) against the float32 reference on fresh
+    inputs, call after call: one key block, and more blocks than its three K/V
+    stages (the stage ring and the warpgroups' turns wrap); "auto" runs it, bit
+    for bit; the Triton kernel within the same tolerance."""
+    if not _hopper():
+        pytest.skip("the warp-specialized kernel runs on Hopper (sm_90)")
+    mesh = _mesh(1)
+    fns = {name: jax.jit(jax.shard_map(
+        lambda q, k, v, name=name: ag_attention_kernels(q, k, v, "sp", causal=causal,
+                                                        config=dict(KERNEL=name)),
+        mesh=mesh, in_specs=(SP,) * 3, out_specs=SP)) for name in ("ws", "auto", "triton")}
+    for _ in range(3):
+        q = _rand((b, s, hq, 128), dtype)
+        k, v = (_rand((b, s, hkv, 128), dtype) for _ in range(2))
+        args = _put(mesh, dtype, q, k, v)
+        ref = _reference(q, k, v, causal)
+        outs = {name: np.asarray(f(*args).astype(jnp.float32)) for name, f in fns.items()}
+        for name, out in outs.items():
+            assert _rel(out, ref) < TOL[dtype], name
+        np.testing.assert_array_equal(outs["auto"], outs["ws"])
+
+
+def test_warp_specialized_kernel_asked_where_it_does_not_fit():
+    if not _hopper():
+        pytest.skip("the warp-specialized kernel runs on Hopper (sm_90)")
+    mesh = _mesh(1)
+    for shape, why in (((1, 256, 2, 64), "head dim 128, not 64"),
+                       ((1, 200, 2, 128), "S a multiple of 128, not 200")):
+        q = jnp.zeros(shape, jnp.bfloat16)
+        f = jax.jit(jax.shard_map(
+            lambda a: ag_attention_kernels(a, a, a, "sp", config=dict(KERNEL="ws")), mesh=mesh,
+            in_specs=SP, out_specs=SP))
+        with pytest.raises(ValueError, match=rf"KERNEL='ws' .* cannot run this call: it takes "
+                                             rf"{why}"):
+            f(q)
