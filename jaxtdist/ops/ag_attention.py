@@ -239,6 +239,7 @@ def ag_attention_kernels(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *,
 
 _WS_BLOCK = int(attention_ws.BLOCK.value)
 _WS_HEAD_DIM = int(attention_ws.HEAD_DIM.value)
+_MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
 
 
 def _ws_unfit(call: Call, q) -> str:
@@ -259,6 +260,8 @@ def _ws_unfit(call: Call, q) -> str:
         return f"it takes head dim {_WS_HEAD_DIM}, not {d}"
     if s % _WS_BLOCK:
         return f"it takes S a multiple of {_WS_BLOCK}, not {s}"
+    if b * hq > _MAX_GRID_Y:
+        return f"its grid takes B * Hq up to {_MAX_GRID_Y}, not {b * hq}"
     return ""
 
 
