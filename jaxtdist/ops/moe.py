@@ -1126,7 +1126,9 @@ def moe_dispatch_sharded(x: jax.Array, expert_ids: jax.Array, *,
         fp8, S not dividing H, x_scale not float32).
 
     Example:
-      >>> mesh = jax.make_mesh((4,), ("ep",)); jaxtdist.initialize(mesh)
+      >>> # Auto axes: on Explicit ones (make_mesh's default) ragged_dot needs out_sharding=
+      >>> mesh = jax.make_mesh((4,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
+      >>> jaxtdist.initialize(mesh)
       >>> @jax.jit
       ... def layer(x, ids, gate, w):  # x, ids, gate: P("ep") rows; w [4, E / 4, H, F]: P("ep")
       ...     recv, sizes, handle = jaxtdist.moe_dispatch_sharded(

@@ -64,9 +64,11 @@ def triton_call(*args: Any, kernel, out_shape, grid: int | Sequence[int], axis_n
       The kernel's output(s).
 
     Example:
-      >>> out = jaxtdist.triton_call(x, kernel=ring_kernel, grid=(1,), axis_name="x",
+      >>> from examples.ring_kernels import ring_exchange_kernel, ring_workspace_bytes
+      >>> out = jaxtdist.triton_call(x, kernel=ring_exchange_kernel, grid=(1,), axis_name="x",
       ...                            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-      ...                            workspace_bytes=4096, N=x.size)
+      ...                            workspace_bytes=ring_workspace_bytes(x.size), N=x.size,
+      ...                            BLOCK=128)
     """
     grid = _checked_grid(kernel, grid)
     args = tuple(_scalar_or_array(kernel, i, a) for i, a in enumerate(args))
