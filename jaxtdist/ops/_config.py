@@ -164,14 +164,12 @@ def resolve(config_type: type[C], problem: Problem, rt, config: Mapping[str, Any
     """
     cfg = base if base is not None else config_type.default(problem)
     asked = dict(config or {})
-    source = None
+    from_cache = False
     if config is None:
         tuned = rt.tuning.lookup(config_type.OP, problem.world, problem.shape, problem.dtype)
-        if tuned is not None:
-            source = getattr(rt.tuning, "source", lambda *key: "")(
-                config_type.OP, problem.world, problem.shape, problem.dtype) or "(in memory)"
-        elif (os.environ.get("JAXTDIST_AUTOTUNE") == "1" and config_type.OP in tunable_ops()
-                and _can_time(problem.platform)):
+        from_cache = tuned is not None
+        if (not from_cache and os.environ.get("JAXTDIST_AUTOTUNE") == "1"
+                and config_type.OP in tunable_ops() and _can_time(problem.platform)):
             from jaxtdist.tune import tune
             tuned = tune(config_type.OP, problem.shape, problem.dtype,
                          axis_name=axis_name)["config"]
@@ -185,8 +183,10 @@ def resolve(config_type: type[C], problem: Problem, rt, config: Mapping[str, Any
         cfg.validate(problem)
         _check_launch(config_type.OP, cfg)
     except ValueError as e:
-        if source is None:
+        if not from_cache:
             raise
+        source = rt.tuning.source(config_type.OP, problem.world, problem.shape,
+                                  problem.dtype) or "(an entry stored in memory)"
         raise ValueError(f"{e} [a tuned entry of the tuning cache {source}, written by another "
                          "jaxtdist version or by hand: delete it, or point "
                          "JAXTDIST_TUNING_CACHE elsewhere]") from None

@@ -296,7 +296,7 @@ class Call:
         args = [position] + ([stage] if stage is not None else []) + deps
         call = _ffi.ffi_call(_native.PROLOGUE_TARGET,
                              jax.ShapeDtypeStruct((CTX_INT32_WORDS,), jnp.int32), op=self.op,
-                             after_calls=True, devices=_ffi.device_ids(rt.mesh))
+                             after_calls=True, devices=rt.device_ids)
         self._ws = ws
         self._launch_holds_rendezvous = not align_launch
         return call(*args, template_offset=np.int64(self.layout.template_offset),

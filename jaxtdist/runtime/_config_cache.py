@@ -70,8 +70,7 @@ def _read(path: pathlib.Path) -> dict:
     for key, entry in entries.items():
         if not (isinstance(entry, dict) and isinstance(entry.get("config"), dict)):
             raise invalid(f"entry {key!r} has no config object")
-    # Each entry remembers its file: a tuned config that no longer validates names it.
-    return {key: dict(entry, source=str(path)) for key, entry in entries.items()}
+    return dict(entries)
 
 
 class TuningCache:
@@ -80,13 +79,16 @@ class TuningCache:
     def __init__(self, device_kind: str):
         self.device_kind = device_kind
         self._entries: dict | None = None
+        self._sources: dict[str, str] = {}  # the file each entry came from
         self._lock = threading.Lock()
 
     def _load(self) -> dict:
         if self._entries is None:
-            entries = _read(SHIPPED)
-            entries.update(_read(cache_path()))
-            self._entries = entries
+            self._entries = {}
+            for path in (SHIPPED, cache_path()):  # the user's file over the shipped one
+                entries = _read(path)
+                self._entries.update(entries)
+                self._sources.update(dict.fromkeys(entries, str(path)))
         return self._entries
 
     def lookup(self, op: str, world: int, shape, dtype) -> dict | None:
@@ -98,8 +100,8 @@ class TuningCache:
     def source(self, op: str, world: int, shape, dtype) -> str | None:
         """The file the tuned entry for this call came from (None: no entry)."""
         with self._lock:
-            entry = self._load().get(entry_key(op, self.device_kind, world, shape, dtype))
-        return None if entry is None else entry.get("source")
+            self._load()
+            return self._sources.get(entry_key(op, self.device_kind, world, shape, dtype))
 
     def store(self, op: str, world: int, shape, dtype, config: dict, variant: str,
               details: dict | None = None) -> str:
@@ -109,11 +111,11 @@ class TuningCache:
         entry = dict(config=dict(config), variant=variant, **(details or {}))
         path = cache_path()
         with self._lock:
-            self._load()[key] = dict(entry, source=str(path))
+            self._load()[key] = entry
+            self._sources[key] = str(path)
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                on_disk = {k: {f: v for f, v in e.items() if f != "source"}
-                           for k, e in _read(path).items()}  # other processes' entries too
+                on_disk = _read(path)  # other processes may have added entries
                 on_disk[key] = entry
                 # Atomic replace: a concurrent reader sees the old or the new file.
                 fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tuning.", suffix=".json")

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from jaxtdist.language import _layout as L
-from jaxtdist.runtime import _bootstrap, _native
+from jaxtdist.runtime import _bootstrap, _ffi, _native
 from jaxtdist.runtime._backend import BackendSpec, create_backend
 from jaxtdist.runtime import _builtin_backends  # noqa: F401  (registers the built-ins)
 from jaxtdist.runtime._config_cache import TuningCache
@@ -146,6 +146,8 @@ class Runtime:
                         bootstrap_timeout_s)
         devices = list(mesh.devices.flat)
         self.mesh = mesh
+        # Every prologue carries them: a shard_map over other devices is refused.
+        self.device_ids = _ffi.device_ids(mesh)
         # Mesh positions of this process's devices: the heaps this process sets up
         # and whose kernels it runs (every position unless the mesh spans processes).
         me = jax.process_index()
