@@ -63,7 +63,7 @@ KERNELS = {
     # Tagged words, as the push all-reduce.
     "flash_decode": ("flash_decode", "flash_decode_kernel",
                      ["i32", "bf16", "bf16", "bf16", "i32", "i32", "bf16", "i32"], []),
-    "ag_attention": ("ag_attention", "ag_attention_kernel", ["i32"] + ["bf16"] * 4,
+    "ag_attention": ("ag_attention", "ag_attention_kernel", ["i32"] + ["bf16"] * 4 + ["fp32"],
                      ["wait", "notify"]),
     # fence, consume_token, notify and wait of jaxtdist.language in a user kernel.
     "language_primitives": ("tests.kernels_for_tests", "fenced_broadcast_kernel",

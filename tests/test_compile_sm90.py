@@ -357,7 +357,7 @@ def test_ag_attention_compiles_with_tensor_cores(dtype, d, causal, inbox):
     from jaxtdist.kernels.ag_attention import ag_attention_kernel
     k = _compile(ag_attention_kernel,
                  {"ctx": "*i32", "q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}",
-                  "v_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"},
+                  "v_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "lse_ptr": "*fp32"},
                  dict(B=1, S=8192, HQ=32, HKV=8, D=d, CAUSAL=causal, QK_SCALE=0.1275,
                       INBOX=inbox, STAGE_OFF=4096, PARITY_BYTES=1 << 26, KV_ELEMS=8192 * 8 * d,
                       READY_OFF=0, FLAGS_OFF=0, SENT_OFF=512, CHUNK_ROWS=8192 if inbox else 1,
@@ -393,7 +393,7 @@ def test_warp_specialized_attention_compiles(dtype, causal, hq, hkv):
     register file at its launch limit, no spills, wgmma with one group left in
     flight, TMA loads, within shared memory."""
     from jaxtdist.kernels import attention_ws
-    k = _compile_native(attention_ws.attention_ws_kernel, ["i32"] + [dtype] * 4,
+    k = _compile_native(attention_ws.attention_ws_kernel, ["i32"] + [dtype] * 4 + ["fp32"],
                         dict(B=2, S=4096, HQ=hq, HKV=hkv, D=128, CAUSAL=causal,
                              QK_SCALE=0.1275), num_warps=4, num_stages=1,
                         maxnreg=attention_ws.MAX_REGISTERS)
@@ -406,6 +406,37 @@ def test_warp_specialized_attention_compiles(dtype, causal, hq, hkv):
     assert k.metadata.shared <= 227 * 1024
 
 
+@pytest.mark.parametrize("dtype,d", [("bf16", 128), ("fp16", 64), ("bf16", 256), ("fp32", 128),
+                                     ("fp32", 256)])
+def test_attention_backward_compiles(dtype, d):
+    """ag_attention's fused backward at its default tiles for Hopper: both kernels
+    on tensor cores (wgmma for 16-bit types) within shared memory, for every head
+    dim the op takes up to 256 and float32 (smaller steps and tiles there)."""
+    from jaxtdist.kernels import attention_bwd
+    from jaxtdist.ops._config import Problem
+    from jaxtdist.ops.ag_attention import _backward_tiles
+
+    tiles = _backward_tiles(Problem("gpu", 1, (1, 4096, 32, 8, d),
+                                    "float32" if dtype == "fp32" else "bfloat16", 132))
+    shared = dict(SQ=4096, SK=4096, HQ=32, HKV=8, D=d, CAUSAL=True, QK_SCALE=0.1275,
+                  SM_SCALE=0.088, BLOCK_D=d, DOT_PRECISION="tf32" if dtype == "fp32" else None)
+    ins = ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "do_ptr")
+    for fn, names, blocks in (
+            (attention_bwd.attention_bwd_dq_kernel,
+             ("ctx", "q_ptr", "k_ptr", "v_ptr", "o_ptr", "do_ptr", "lse_ptr", "dq_ptr",
+              "delta_ptr"), dict(BLOCK_M=tiles["BWD_BLOCK_Q"], BLOCK_N=tiles["BWD_BLOCK_STEP"])),
+            (attention_bwd.attention_bwd_dkdv_kernel,
+             ("ctx", "q_ptr", "k_ptr", "v_ptr", "do_ptr", "lse_ptr", "delta_ptr", "dk_ptr",
+              "dv_ptr"), dict(BLOCK_M=tiles["BWD_BLOCK_STEP"], BLOCK_N=tiles["BWD_BLOCK_Q"]))):
+        pointers = {n: f"*{dtype}" if n in ins else ("*i32" if n == "ctx" else "*fp32")
+                    for n in names}
+        k = _compile(fn, pointers, dict(shared, **blocks), num_warps=tiles["BWD_WARPS"],
+                     num_stages=tiles["BWD_STAGES"])
+        if dtype != "fp32":
+            assert any(op.startswith("wgmma") for op in _ops(k)), fn.__name__
+        assert k.metadata.shared <= 227 * 1024, fn.__name__
+
+
 @pytest.mark.parametrize("head_group,block_n", [(32, 128), (4, 64)])
 def test_ag_attention_head_groups_compile(head_group, block_n):
     """ag_attention's head-grouped causal order (HEAD_GROUP) for Hopper: wgmma,
@@ -413,7 +444,7 @@ def test_ag_attention_head_groups_compile(head_group, block_n):
     from jaxtdist.kernels.ag_attention import ag_attention_kernel
     k = _compile(ag_attention_kernel,
                  {"ctx": "*i32", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
-                  "out_ptr": "*bf16"},
+                  "out_ptr": "*bf16", "lse_ptr": "*fp32"},
                  dict(B=1, S=16384, HQ=32, HKV=32, D=128, CAUSAL=True, QK_SCALE=0.1275,
                       INBOX=True, STAGE_OFF=4096, PARITY_BYTES=1 << 28,
                       KV_ELEMS=16384 * 32 * 128, READY_OFF=0, FLAGS_OFF=0, SENT_OFF=512,
@@ -438,7 +469,7 @@ def test_parities_past_2_gib_compile():
     s, hkv, d = 32768, 32, 128
     _compile(ag_attention_kernel,
              {"ctx": "*i32", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
-              "out_ptr": "*bf16"},
+              "out_ptr": "*bf16", "lse_ptr": "*fp32"},
              dict(B=1, S=s, HQ=32, HKV=hkv, D=d, CAUSAL=True, QK_SCALE=0.1275, INBOX=True,
                   STAGE_OFF=4096, PARITY_BYTES=4 * s * 2 * hkv * d * 2 + 4096,
                   KV_ELEMS=s * hkv * d, READY_OFF=0, FLAGS_OFF=0, SENT_OFF=512, CHUNK_ROWS=s,

@@ -132,24 +132,59 @@ def test_ag_attention_chained_calls():
         assert _rel(out, expect) < 1e-5
 
 
-@pytest.mark.parametrize("world,causal,hq,hkv", [(2, True, 4, 1), (4, False, 2, 2)])
-def test_ag_attention_grad(world, causal, hq, hkv):
-    """Gradients through XLA's backward, against jax.grad of plain attention on the
-    gathered arrays."""
+# (world, causal, B, S_shard, Hq, Hkv, D, dtype): the fused backward's kernels
+# under the interpreter (16-row tiles): GQA 1, 4 and 8, odd S_shard and head dims,
+# several tiles per rank, every dtype.
+GRAD_CASES = [(2, True, 1, 6, 4, 1, 64, F32), (4, False, 1, 6, 2, 2, 64, F32),
+              (2, True, 2, 37, 8, 1, 48, BF16), (4, False, 1, 19, 4, 1, 32, F16),
+              (8, True, 1, 5, 2, 2, 32, F32), (2, False, 1, 33, 2, 2, 16, F32)]
+
+
+@pytest.mark.parametrize("world,causal,b,s,hq,hkv,d,dtype", GRAD_CASES)
+def test_ag_attention_grad(world, causal, b, s, hq, hkv, d, dtype):
+    """The fused backward against jax.grad of float32 attention on the gathered
+    arrays, twice on fresh inputs."""
     from jaxtdist.ops.ag_attention import attention
 
-    b, s, d = 1, 6, 64
     mesh = setup(world, ("sp",))
-    (q, k, v), placed = _operands(mesh, world, b, s, hq, hkv, d, F32)
-    c = rand(q.shape)
     grad = jax.jit(jax.shard_map(
         lambda q, k, v, c: jax.grad(lambda q, k, v: jnp.sum(
-            td.ag_attention(q, k, v, "sp", causal=causal) * c), argnums=(0, 1, 2))(q, k, v),
-        mesh=mesh, in_specs=(SP,) * 4, out_specs=(SP,) * 3))(*placed, place(mesh, c, SP))
-    expect = jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v, causal=causal) * c),
-                      argnums=(0, 1, 2))(q, k, v)
-    for got, want in zip(grad, expect):
-        assert _rel(got, np.asarray(want, np.float64)) < 1e-5
+            td.ag_attention(q, k, v, "sp", causal=causal).astype(F32) * c),
+            argnums=(0, 1, 2))(q, k, v),
+        mesh=mesh, in_specs=(SP,) * 4, out_specs=(SP,) * 3))
+    for _ in range(2):
+        (q, k, v), placed = _operands(mesh, world, b, s, hq, hkv, d, dtype)
+        c = rand(q.shape)
+        got = grad(*placed, place(mesh, c, SP))
+        f32 = [np.asarray(a, np.float32) for a in (q, k, v)]
+        expect = jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v, causal=causal) * c),
+                          argnums=(0, 1, 2))(*f32)
+        for name, g, want in zip("qkv", got, expect):
+            assert g.dtype == jnp.dtype(dtype), name
+            assert _rel(g, np.asarray(want, np.float64)) < TOL[jnp.dtype(dtype)], f"d{name}"
+
+
+def test_ag_attention_backward_config():
+    """The backward's tiles are config keys: any valid one gives the same
+    gradients; an invalid one is refused naming the constraint."""
+    mesh = setup(2, ("sp",))
+    (q, k, v), placed = _operands(mesh, 2, 1, 21, 2, 1, 32, F32)
+
+    def grads(config):
+        return jax.jit(jax.shard_map(
+            lambda q, k, v: jax.grad(lambda q, k, v: jnp.sum(
+                td.ag_attention(q, k, v, "sp", config=config) ** 2),
+                argnums=(0, 1, 2))(q, k, v),
+            mesh=mesh, in_specs=(SP,) * 3, out_specs=(SP,) * 3))(*placed)
+
+    base = grads(None)
+    other = grads(dict(BWD_BLOCK_Q=32, BWD_BLOCK_STEP=16))
+    for a, b_ in zip(base, other):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b_), rtol=1e-5, atol=1e-6)
+    for bad, why in ((dict(BWD_BLOCK_Q=48), "power of 2"), (dict(BWD_WARPS=3), "power of 2"),
+                     (dict(BWD_BLOCK_STEP=512), "up to 256"), (dict(BWD_STAGES=0), ">= 1")):
+        with pytest.raises(ValueError, match=why):
+            grads(bad)
 
 
 def test_ag_attention_world_1():
@@ -264,3 +299,35 @@ def test_ag_attention_knob_errors():
                           (dict(HEAD_GROUP=True), "HEAD_GROUP=True must be an int")):
         with pytest.raises(ValueError, match=match):
             _fn(mesh, True, config, kernels=True)(*(place(mesh, a, SP) for a in (q, q, q)))
+
+
+def test_ag_attention_grad_under_vmap_checkpoint_and_scan():
+    """The fused backward's kernels are an op call of their own: batched under
+    jax.vmap (one call per element), ordered under jax.checkpoint and scan."""
+    from jaxtdist.ops.ag_attention import attention
+
+    mesh = setup(2, ("sp",))
+    spec = P(None, None, "sp")
+    q, k, v = rand((3, 1, 16, 2, 16)), rand((3, 1, 16, 1, 16)), rand((3, 1, 16, 1, 16))
+    placed = tuple(place(mesh, a, spec) for a in (q, k, v))
+
+    def loss(q, k, v):
+        return jnp.sum(td.ag_attention(q, k, v, "sp") ** 2)
+
+    def reference(q, k, v):
+        return jnp.sum(attention(q, k, v) ** 2)
+
+    got = jax.jit(jax.shard_map(
+        lambda q, k, v: jax.vmap(jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2)))(q, k, v),
+        mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec,) * 3))(*placed)
+    expect = jax.vmap(jax.grad(reference, argnums=(0, 1, 2)))(q, k, v)
+    for g, want in zip(got, expect):
+        assert _rel(g, np.asarray(want, np.float64)) < 1e-5
+
+    def steps(q, k, v):
+        return jax.lax.scan(lambda c, x: (c + loss(*x), None), 0.0, (q, k, v))[0]
+
+    got = jax.jit(jax.shard_map(lambda q, k, v: jax.grad(steps)(q, k, v), mesh=mesh,
+                                in_specs=(spec,) * 3, out_specs=spec, check_vma=False))(*placed)
+    expect = jax.grad(lambda q: sum(reference(q[i], k[i], v[i]) for i in range(3)))(q)
+    assert _rel(got, np.asarray(expect, np.float64)) < 1e-5

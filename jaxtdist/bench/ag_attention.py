@@ -9,9 +9,14 @@ B=1, H=32, D=128, causal, bf16 (``shapes.AG_ATTENTION_*``):
 - world W > 1 (``--world W``): ``jaxtdist.ag_attention`` against XLA's
   ``all_gather`` of k and v + ``jax.nn.dot_product_attention`` with the causal
   mask by global position, at S total of ``AG_ATTENTION_SEQS_MULTI``.
+- ``--backward``: forward + backward (the gradients of q, k and v) of the op
+  ``jaxtdist.ag_attention`` (at world 1 on GPUs: the kernels) against the same
+  contenders' (JAX's VJPs).
 
 Outputs are checked on 256 query rows per rank (first and last 128) against a
 float32 attention on the device: the full reference would not fit in memory.
+Gradients are checked against float32 gradients (``ops.ag_attention.attention``)
+where S is at most ``_GRAD_CHECK_SEQ``.
 """
 
 from __future__ import annotations
@@ -86,8 +91,29 @@ def _xla_gather_attention(q, k, v):
         return jax.nn.dot_product_attention(q, k_all, v_all, mask=mask[None, None])
 
 
+# The longest S whose gradients are checked against float32 ones: the reference's
+# [H, S, S] float32 scores, probabilities and their cotangents must fit.
+_GRAD_CHECK_SEQ = 4096
+
+
+def _with_grads(fn):
+    """(q, k, v, c) -> the gradients of sum(fn(q, k, v) * c) over q, k and v."""
+    def grads(q, k, v, c):
+        return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * c),
+                        argnums=(0, 1, 2))(q, k, v)
+    return grads
+
+
+def _reference_grads(q, k, v, c) -> tuple:
+    from jaxtdist.ops.ag_attention import attention
+
+    f32 = [jnp.asarray(a).astype(jnp.float32) for a in (q, k, v, c)]
+    with jax.default_matmul_precision("highest"):
+        return jax.jit(_with_grads(lambda *a: attention(*a, causal=True)))(*f32)
+
+
 def bench_ag_attention(seqs, iterations: int, world: int, dtype=jnp.bfloat16,
-                       rounds: int = 4) -> list[dict]:
+                       rounds: int = 4, backward: bool = False) -> list[dict]:
     import jaxtdist as td
 
     ops = _ops()
@@ -100,7 +126,9 @@ def bench_ag_attention(seqs, iterations: int, world: int, dtype=jnp.bfloat16,
                 for s in seqs)
     td.initialize(mesh, heap_bytes=max(1 << 30, inbox + (256 << 20)))
     specs = dict(mesh=mesh, in_specs=(SP,) * 3, out_specs=SP, check_vma=False)
-    if world == 1:
+    if backward:
+        fns = _backward_contenders(mesh, world)
+    elif world == 1:
         fns = dict(jaxtdist=jax.jit(jax.shard_map(
                        lambda *a: ops.ag_attention_kernels(*a, "sp", causal=True), **specs)),
                    # The Triton kernel (what a group of several ranks runs) beside the
@@ -124,12 +152,25 @@ def bench_ag_attention(seqs, iterations: int, world: int, dtype=jnp.bfloat16,
         q, k, v = (h.normal(600 + 3 * i + j, (b, s, hh, d), dtype) for j in range(3))
         args = tuple(jax.device_put(a, NamedSharding(mesh, SP)) for a in (q, k, v))
         flops = 4.0 * b * hh * d * s * s / 2  # causal: half of QK^T and PV
+        if backward:  # the backward's five products against the forward's two
+            flops *= 3.5
+            c = h.normal(700 + i, (b, s, hh, d), jnp.float32)
+            args += (jax.device_put(c, NamedSharding(mesh, SP)),)
         row = dict(b=b, h=hh, d=d, seq=s, world=world, dtype=jnp.dtype(dtype).name,
-                   size=float(s), label=f"S={s}", flops=flops)
-        # XLA's own attention materializes [H, S, S] scores: past 8K they do not fit.
-        timed = {name: fn for name, fn in fns.items() if name != "jax_nn_dpa" or s <= 8192}
+                   size=float(s), label=f"S={s}", flops=flops, backward=backward)
+        # XLA's own attention materializes [H, S, S] scores: past 8K they do not fit
+        # (past 4K its backward's).
+        longest = _GRAD_CHECK_SEQ if backward else 8192
+        timed = {name: fn for name, fn in fns.items() if name != "jax_nn_dpa" or s <= longest}
         row.update(h.interleaved({name: h.Contender(fn, args, world)
                                   for name, fn in timed.items()}, iterations, rounds))
+        if backward:
+            _check_grads(row, timed, args, s, world, flops)
+            rows.append(row)
+            print(f"S={s} world={world} fwd+bwd: " + " | ".join(
+                f"{n} {h.us(row.get(n))}" for n in timed), flush=True)
+            del args
+            continue
         checked = _checked_rows(s, world)
         ref = _reference_rows(q, k, v, checked)
         for name, fn in timed.items():
@@ -144,6 +185,40 @@ def bench_ag_attention(seqs, iterations: int, world: int, dtype=jnp.bfloat16,
               flush=True)
         del args
     return rows
+
+
+def _backward_contenders(mesh, world: int) -> dict:
+    """Forward + backward of the op and of its contenders, (q, k, v, c) -> grads."""
+    import jaxtdist as td
+
+    specs = dict(mesh=mesh, in_specs=(SP,) * 4, out_specs=(SP,) * 3, check_vma=False)
+    op = _with_grads(lambda *a: td.ag_attention(*a, "sp", causal=True))
+    fns = dict(jaxtdist=jax.jit(jax.shard_map(op, **specs)))
+    if world == 1:
+        fns["jax_nn_dpa"] = jax.jit(_with_grads(
+            lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)))
+        if jax.devices()[0].platform == "gpu":
+            fns["cudnn_dpa"] = jax.jit(_with_grads(lambda q, k, v: jax.nn.dot_product_attention(
+                q, k, v, is_causal=True, implementation="cudnn")))
+    else:
+        fns["xla_all_gather_dpa"] = jax.jit(jax.shard_map(_with_grads(_xla_gather_attention),
+                                                          **specs))
+    return fns
+
+
+def _check_grads(row: dict, fns: dict, args: tuple, s: int, world: int, flops: float) -> None:
+    """Each contender's TFLOP/s, and its gradients' error against float32 ones (S up
+    to ``_GRAD_CHECK_SEQ``: the reference's scores must fit)."""
+    ref = _reference_grads(*args) if s <= _GRAD_CHECK_SEQ else None
+    for name, fn in fns.items():
+        stats = row[name]
+        if "error" in stats:
+            continue
+        stats["tflops"] = flops / world / (stats["mean_us"] * 1e-6) / 1e12
+        if ref is not None:
+            got = fn(*args)
+            stats["rel_err"] = max(h.rel_err(np.asarray(g, np.float32), np.asarray(r))
+                                   for g, r in zip(got, ref))
 
 
 def _tflops(entry: dict | None) -> str:
@@ -165,6 +240,20 @@ WORLD1_COLUMNS = [
     h.Column("rel err (jax.nn)", lambda r: h.err(r.get("jax_nn_dpa"))),
 ]
 
+BACKWARD_COLUMNS = [
+    h.Column("S", lambda r: str(r["seq"])),
+    h.Column("jax.nn.dot_product_attention", lambda r: h.us(r.get("jax_nn_dpa"))),
+    h.Column("cuDNN (implementation='cudnn')", lambda r: h.us(r.get("cudnn_dpa"))),
+    h.Column("all_gather + dot_product_attention", lambda r: h.us(r.get("xla_all_gather_dpa"))),
+    h.Column("jaxtdist.ag_attention", lambda r: h.us(r.get("jaxtdist"))),
+    h.Column("jaxtdist / cuDNN", lambda r: h.ratio(r.get("jaxtdist"), r.get("cudnn_dpa"))),
+    h.Column("jaxtdist / XLA", lambda r: h.ratio(
+        r.get("jaxtdist"), r.get("jax_nn_dpa") or r.get("xla_all_gather_dpa"))),
+    h.Column("TFLOP/s (jaxtdist)", lambda r: _tflops(r.get("jaxtdist"))),
+    h.Column("max rel err of dq, dk, dv", lambda r: h.err(r.get("jaxtdist"))),
+    h.Column("rel err (cuDNN)", lambda r: h.err(r.get("cudnn_dpa"))),
+]
+
 WORLD_COLUMNS = [
     h.Column("S total", lambda r: str(r["seq"])),
     h.Column("all_gather + dot_product_attention", lambda r: h.us(r.get("xla_all_gather_dpa"))),
@@ -178,6 +267,11 @@ WORLD_COLUMNS = [
 def table(res: dict) -> str:
     b, hh, d = AG_ATTENTION_HEADS
     shape = f"B={b}, H={hh}, D={d}, causal, bfloat16"
+    if any(r.get("backward") for r in res["rows"]):
+        return h.markdown_table(
+            f"ag_attention forward + backward (gradients of q, k, v), {shape}, S total over "
+            f"{res['world']} x {res['device']}; {h.timing_note(res)}", BACKWARD_COLUMNS,
+            res["rows"])
     if res["world"] == 1:
         return h.markdown_table(
             f"ag_attention's forward at world 1 (kernel forced), {shape}, 1 x {res['device']}; "
@@ -191,7 +285,8 @@ def run(args) -> tuple[list[dict], dict]:
     world = args.world or 1
     seqs = AG_ATTENTION_SEQS if world == 1 else AG_ATTENTION_SEQS_MULTI
     seqs = seqs[:1] if args.quick else [s for s in seqs if not args.seqs or s in args.seqs]
-    return bench_ag_attention(seqs, args.iterations, world, rounds=args.rounds), dict(world=world)
+    return (bench_ag_attention(seqs, args.iterations, world, rounds=args.rounds,
+                               backward=args.backward), dict(world=world))
 
 
 def _arguments(parser) -> None:
@@ -199,6 +294,8 @@ def _arguments(parser) -> None:
                         help="devices the sequence is sharded over (default 1: the kernel "
                              "forced at world 1 against jax.nn.dot_product_attention)")
     parser.add_argument("--quick", action="store_true", help="the first length only")
+    parser.add_argument("--backward", action="store_true",
+                        help="forward + backward (gradients of q, k, v) instead of the forward")
     parser.add_argument("--seqs", type=int, nargs="*", default=[],
                         help="only these total sequence lengths (of the default ones)")
 

@@ -1,6 +1,6 @@
 """Tile helpers shared by every kernel: tile orders, swizzles, the dot of a GEMM
-step and the pointer GEMM tile, and pointers ordered after a wait that keep their
-alignment."""
+step and the pointer GEMM tile, masked row loads of one attention head, and
+pointers ordered after a wait that keep their alignment."""
 
 import triton
 import triton.language as tl
@@ -76,6 +76,24 @@ def dot_acc(a, b, acc, DOT_PRECISION: tl.constexpr):
     else:
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     return acc
+
+
+@triton.jit
+def load_rows(base, pos, hi, STRIDE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+             MASKED: tl.constexpr):
+    """Rows ``pos`` of a [*, D] slice whose rows are STRIDE elements apart (one
+    head of [B, S, H, D] keys, values or queries): [len(pos), BLOCK_D]; with
+    MASKED, rows at or past ``hi`` read as 0. No mask at all where none is
+    needed (an unmasked block and D == BLOCK_D)."""
+    d = tl.arange(0, BLOCK_D)
+    ptrs = base + pos.to(tl.int64)[:, None] * STRIDE + d[None, :]
+    if MASKED:
+        if BLOCK_D == D:
+            return tl.load(ptrs, mask=(pos < hi)[:, None], other=0.0)
+        return tl.load(ptrs, mask=(pos < hi)[:, None] & (d < D)[None, :], other=0.0)
+    if BLOCK_D == D:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=(d < D)[None, :], other=0.0)
 
 
 @triton.jit

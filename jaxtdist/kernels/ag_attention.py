@@ -36,24 +36,7 @@ import triton
 import triton.language as tl
 
 import jaxtdist.language as dl
-from jaxtdist.kernels._tiles import aligned_after, dot_acc
-
-
-@triton.jit
-def _load_kv(base, pos, hi, STRIDE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-             MASKED: tl.constexpr):
-    """Rows ``pos`` of one chunk's keys or values ([len(pos), BLOCK_D]); with MASKED,
-    rows at or past ``hi`` read as 0. No mask at all where none is needed (an
-    unmasked block and D == BLOCK_D)."""
-    d = tl.arange(0, BLOCK_D)
-    ptrs = base + pos.to(tl.int64)[:, None] * STRIDE + d[None, :]
-    if MASKED:
-        if BLOCK_D == D:
-            return tl.load(ptrs, mask=(pos < hi)[:, None], other=0.0)
-        return tl.load(ptrs, mask=(pos < hi)[:, None] & (d < D)[None, :], other=0.0)
-    if BLOCK_D == D:
-        return tl.load(ptrs)
-    return tl.load(ptrs, mask=(d < D)[None, :], other=0.0)
+from jaxtdist.kernels._tiles import aligned_after, dot_acc, load_rows
 
 
 @triton.jit
@@ -83,7 +66,7 @@ def _attend_block(q, m, l, acc, kb, vb, rows, start, hi, MASKED: tl.constexpr,
     (batch, KV head); positions are STRIDE elements apart.
     """
     pos = start + tl.arange(0, BLOCK_N)
-    s = _qk(q, _load_kv(kb, pos, hi, STRIDE, D, BLOCK_D, MASKED), DOT_PRECISION)
+    s = _qk(q, load_rows(kb, pos, hi, STRIDE, D, BLOCK_D, MASKED), DOT_PRECISION)
     if MASKED:
         seen = (pos < hi)[None, :]
         if DIAG:
@@ -101,7 +84,7 @@ def _attend_block(q, m, l, acc, kb, vb, rows, start, hi, MASKED: tl.constexpr,
     l = l * alpha + tl.sum(p, 1)
     # The rescale is the dot's accumulator (wgmma adds into it); Triton made the
     # same of acc * alpha + dot(p, v).
-    acc = _pv(p, _load_kv(vb, pos, hi, STRIDE, D, BLOCK_D, MASKED), acc * alpha[:, None],
+    acc = _pv(p, load_rows(vb, pos, hi, STRIDE, D, BLOCK_D, MASKED), acc * alpha[:, None],
               DOT_PRECISION)
     return m_new, l, acc
 
@@ -123,7 +106,7 @@ def _attend(q, m, l, acc, kb, vb, rows, full, hi, DIAG: tl.constexpr, STRIDE: tl
 
 
 @triton.jit
-def ag_attention_kernel(ctx, q_ptr, k_ptr, v_ptr, out_ptr,
+def ag_attention_kernel(ctx, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
                         B: tl.constexpr, S: tl.constexpr, HQ: tl.constexpr,
                         HKV: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
                         QK_SCALE: tl.constexpr, INBOX: tl.constexpr, STAGE_OFF: tl.constexpr,
@@ -136,7 +119,8 @@ def ag_attention_kernel(ctx, q_ptr, k_ptr, v_ptr, out_ptr,
                         DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr):
     """Grid: (B * HQ * cdiv(S, BLOCK_M),).
 
-    q: [B, S, HQ, D]; out: [B, S, HQ, D]. This rank's keys and values: rows of
+    q: [B, S, HQ, D]; out: [B, S, HQ, D]; lse: float32 [B * HQ, S], each query
+    row's base-2 log-sum-exp of its scaled scores (the backward's). This rank's keys and values: rows of
     KV_STRIDE elements, v at V_OFF elements past k (k, v: [B, S, HKV, D], V_OFF 0;
     INBOX: k_ptr = v_ptr = the [B * S, 2 * HKV * D] array the copy engines push,
     which being an operand outlives the pushes, V_OFF = HKV * D).
@@ -235,6 +219,9 @@ def ag_attention_kernel(ctx, q_ptr, k_ptr, v_ptr, out_ptr,
     o = acc / l_safe[:, None]
     tl.store(out_ptr + q_offs[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty),
              mask=rd_mask)
+    # (+inf where no key was seen, none: the backward then weighs no key.)
+    tl.store(lse_ptr + bh.to(tl.int64) * S + rows,
+             tl.where(l > 0, m + tl.log2(l_safe), float("inf")), mask=r_mask)
     if pid == 0:
         # Every peer has reached this epoch (so has finished reading what this
         # rank's next-but-one call rewrites), causal or not.

@@ -58,7 +58,7 @@ def _softmax_step(s, m, l, rows, cols, qk_scale, MASKED: gl.constexpr):
 
 @gluon.jit
 def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, turn,
-             o_desc, row_q, col_q, row_kv, col_kv, mt, n_blocks, qk_scale, causal):
+             o_desc, lse_row, row_q, col_q, row_kv, col_kv, mt, n_blocks, qk_scale, causal):
     """The producer warp (see the module docstring)."""
     mbarrier.expect(q_bar, 2 * HALF * HEAD_DIM * q_desc.dtype.primitive_bitwidth // 8)
     tma.async_copy_global_to_shared(q_desc, [row_q, col_q], q_bar, q_smem.index(0))
@@ -77,7 +77,7 @@ def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv
 
 @gluon.jit
 def _consume(w: gl.constexpr, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, turn, o_desc,
-             row_q, col_q, mt, n_blocks, qk_scale, causal):
+             lse_row, row_q, col_q, mt, n_blocks, qk_scale, causal):
     """Consumer warpgroup ``w``: query rows [w * HALF, (w + 1) * HALF) of the tile."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK, 16])
@@ -132,6 +132,8 @@ def _consume(w: gl.constexpr, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty,
     acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc,))
     mbarrier.arrive(kv_empty.index(last), count=1)
+    # The rows' base-2 log-sum-exp, for the backward (every row sees a key: l > 0).
+    gl.store(lse_row + rows, m + gl.log2(l))
     l = gl.convert_layout(l, o_rows)
     o = acc / gl.where(l > 0, l, 1.0)[:, None]
     q.store(o.to(q_smem.dtype))  # this warpgroup's queries are read no more
@@ -141,27 +143,29 @@ def _consume(w: gl.constexpr, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty,
 
 
 @gluon.jit
-def _consume_0(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, turn, o_desc, row_q, col_q,
-               mt, n_blocks, qk_scale, causal):
-    _consume(0, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, turn, o_desc, row_q, col_q,
-             mt, n_blocks, qk_scale, causal)
+def _consume_0(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, turn, o_desc, lse_row, row_q,
+               col_q, mt, n_blocks, qk_scale, causal):
+    _consume(0, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, turn, o_desc, lse_row, row_q,
+             col_q, mt, n_blocks, qk_scale, causal)
 
 
 @gluon.jit
 def _consume_1(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, turn,
-               o_desc, row_q, col_q, row_kv, col_kv, mt, n_blocks, qk_scale, causal):
+               o_desc, lse_row, row_q, col_q, row_kv, col_kv, mt, n_blocks, qk_scale, causal):
     # The worker partitions share one signature (_produce's).
-    _consume(1, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, turn, o_desc, row_q, col_q,
-             mt, n_blocks, qk_scale, causal)
+    _consume(1, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, turn, o_desc, lse_row, row_q,
+             col_q, mt, n_blocks, qk_scale, causal)
 
 
 @gluon.jit
-def attention_ws_kernel(ctx, q_ptr, k_ptr, v_ptr, o_ptr, B: gl.constexpr, S: gl.constexpr,
+def attention_ws_kernel(ctx, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, B: gl.constexpr,
+                        S: gl.constexpr,
                         HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
                         CAUSAL: gl.constexpr, QK_SCALE: gl.constexpr):
     """Launch with 4 warps (the default partition: consumer warpgroup 0; the
     kernel has 12) and ``maxnreg=MAX_REGISTERS``; ``ctx`` is unused (a local
-    kernel). QK_SCALE: softmax's scale times log2(e)."""
+    kernel). QK_SCALE: softmax's scale times log2(e). lse: float32 [B * HQ, S],
+    each row's base-2 log-sum-exp of its scaled scores (the backward's)."""
     gl.static_assert(D == HEAD_DIM, "head dim 128 only")
     gl.static_assert(S % BLOCK == 0, "S a multiple of 128")
     mt = S // BLOCK - 1 - gl.program_id(0)
@@ -195,11 +199,13 @@ def attention_ws_kernel(ctx, q_ptr, k_ptr, v_ptr, o_ptr, B: gl.constexpr, S: gl.
     col_q = h * D
     qk_scale = gl.to_tensor(QK_SCALE)
     causal = gl.to_tensor(CAUSAL)
+    lse_row = lse_ptr + bh * S
     workers = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, turn,
-               o_desc, row_q, col_q, b * S, h // (HQ // HKV) * D, mt, n_blocks, qk_scale, causal)
+               o_desc, lse_row, row_q, col_q, b * S, h // (HQ // HKV) * D, mt, n_blocks,
+               qk_scale, causal)
     gl.warp_specialize([
-        (_consume_0, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, turn, o_desc, row_q,
-                      col_q, mt, n_blocks, qk_scale, causal)),
+        (_consume_0, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, turn, o_desc, lse_row,
+                      row_q, col_q, mt, n_blocks, qk_scale, causal)),
         (_consume_1, workers),
         (_produce, workers),
     ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])

@@ -2,9 +2,11 @@
 rank's keys and values, the KV gather overlapped with the flash-attention tiles.
 
 Shapes (``_check``), plan (``AgAttentionConfig``, ``StageWorkspace``), launch
-(``ag_attention_kernels``), backward through XLA and the local computation;
-``DistributedOp`` supplies program order, autodiff and world 1;
-``pjit_wrapper`` the pjit-style form. The kernel is ``kernels/ag_attention.py``.
+(``ag_attention_kernels``), the fused backward (``_FUSED_BACKWARD``) and the
+local computation; ``DistributedOp`` supplies program order, autodiff and world
+1; ``pjit_wrapper`` the pjit-style form. The kernels are
+``kernels/ag_attention.py`` (forward), ``kernels/attention_ws.py`` (forward,
+one rank, Hopper) and ``kernels/attention_bwd.py`` (backward).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtdist._errors import HeapExhaustedError
-from jaxtdist.kernels import attention_ws
+from jaxtdist.kernels import attention_bwd, attention_ws
 from jaxtdist.kernels.ag_attention import ag_attention_kernel
 from jaxtdist.ops._config import KernelConfig, Problem, resolve
 from jaxtdist.ops._inbox import push_to_inboxes
@@ -45,6 +47,13 @@ _MIN_WAVES = 16
 # 317.5, K/V of every head in flight). 128-row tiles keep each head alone:
 # 4 heads ran 1-2% slower at S = 16384 and 32768 (4229.7 / 4189.0, 16924 / 16579).
 _HEAD_GROUP = 4
+# The fused backward's tiles: 64 x 64 with 4 warps and 2 stages took 1.52 / 1.54x
+# cuDNN's forward + backward on one H200 (B=1, H=32, D=128, causal, bf16, S = 4K /
+# 16K; dq then recomputed the log-sum-exps: 1.29 / 1.27x since the forward keeps
+# them), 128-row tiles with 8 warps 1.54-1.83x, with 4 warps (spilling) 3.1x.
+# Shared memory: about 3 * (tile + step) rows of the padded head dim in flight;
+# smaller steps, then tiles, where that passes the SM's (float32, head dim 256).
+_BWD_SMEM = {"nvidia": 200 << 10, "amd": 60 << 10}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +78,11 @@ class AgAttentionConfig(KernelConfig):
         where it does not fit: NVIDIA Hopper, a group of one rank, bfloat16 or
         float16, head dim 128, S a multiple of 128). The tile fields above
         configure the Triton kernel.
+      BWD_BLOCK_Q: the fused backward's program tile (a power of 2, 16 to 256):
+        query rows per dq program and keys per dk/dv program.
+      BWD_BLOCK_STEP: the backward's inner step (a power of 2, 16 to 256): keys
+        per dq step and query rows per dk/dv step.
+      BWD_WARPS, BWD_STAGES: the backward kernels' launch options.
     """
     OP: ClassVar[str] = "ag_attention"
     variant: ClassVar[str] = "pull"
@@ -80,6 +94,10 @@ class AgAttentionConfig(KernelConfig):
     GATHER: str = "auto"
     HEAD_GROUP: int = 1
     KERNEL: str = "auto"
+    BWD_BLOCK_Q: int = 64
+    BWD_BLOCK_STEP: int = 64
+    BWD_WARPS: int = 4
+    BWD_STAGES: int = 2
 
     @classmethod
     def default(cls, problem: Problem) -> "AgAttentionConfig":
@@ -91,11 +109,14 @@ class AgAttentionConfig(KernelConfig):
         first."""
         b, s, hq, _, d = problem.shape
         if problem.platform != "gpu":
-            return cls(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+            return cls(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1, BWD_BLOCK_Q=16,
+                       BWD_BLOCK_STEP=16, BWD_WARPS=4, BWD_STAGES=1)
+        backward = _backward_tiles(problem)
         if s < 128 or b * hq * -(-s // 128) < _MIN_WAVES * problem.sms:
             return cls(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3,
-                       HEAD_GROUP=_HEAD_GROUP)
-        return cls(BLOCK_M=128, BLOCK_N=64, num_warps=8 if d > 64 else 4, num_stages=3)
+                       HEAD_GROUP=_HEAD_GROUP, **backward)
+        return cls(BLOCK_M=128, BLOCK_N=64, num_warps=8 if d > 64 else 4, num_stages=3,
+                   **backward)
 
     def validate(self, problem: Problem) -> None:
         if self.GATHER not in ("auto", "inbox", "peer"):
@@ -104,14 +125,22 @@ class AgAttentionConfig(KernelConfig):
         if self.KERNEL not in ("auto", "triton", "ws"):
             raise ValueError(f"jaxtdist.ag_attention: config KERNEL={self.KERNEL!r}; allowed: "
                              "'auto', 'triton', 'ws'")
-        for key in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "HEAD_GROUP"):
+        for key in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "HEAD_GROUP",
+                    "BWD_BLOCK_Q", "BWD_BLOCK_STEP", "BWD_WARPS", "BWD_STAGES"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"jaxtdist.ag_attention: config {key}={value!r} must be an "
                                  "int >= 1")
-            if key.startswith("BLOCK_") and (value & (value - 1) or value < 16):
+            if "BLOCK_" in key and (value & (value - 1) or value < 16):
                 raise ValueError(f"jaxtdist.ag_attention: config {key}={value} must be a "
                                  "power of 2 >= 16 (tl.dot's smallest tile)")
+        for key, allowed in (("BWD_BLOCK_Q", 256), ("BWD_BLOCK_STEP", 256), ("BWD_WARPS", 32),
+                             ("BWD_STAGES", 16)):
+            value = getattr(self, key)
+            if value > allowed or (key == "BWD_WARPS" and value & (value - 1)):
+                raise ValueError(f"jaxtdist.ag_attention: config {key}={value}; allowed: "
+                                 + ("a power of 2 " if key != "BWD_STAGES" else "")
+                                 + f"up to {allowed}")
 
     @classmethod
     def search_space(cls, problem: Problem) -> list[dict]:
@@ -120,6 +149,21 @@ class AgAttentionConfig(KernelConfig):
         return cls.fitting(problem, [{}] + [
             dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
             for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)])
+
+
+def _backward_tiles(problem: Problem) -> dict:
+    """The fused backward's default tiles on GPUs (see ``_BWD_SMEM``): 64 x 64, 4
+    warps, 2 stages; for rows of 512 bytes or more (the float32 accumulators
+    spill otherwise) 32-row steps and 8 warps."""
+    row = max(16, next_pow2(problem.shape[4])) * problem.itemsize
+    limit = _BWD_SMEM.get(problem.vendor, _BWD_SMEM["amd"])
+    tile, step = 64, 64 if row < 512 else 32
+    while 3 * (tile + step) * row > limit and step > 16:
+        step //= 2
+    while 3 * (tile + step) * row > limit and tile > 16:
+        tile //= 2
+    return dict(BWD_BLOCK_Q=tile, BWD_BLOCK_STEP=step, BWD_WARPS=8 if row >= 512 else 4,
+                BWD_STAGES=2)
 
 
 class StageWorkspace:
@@ -182,6 +226,13 @@ def ag_attention_kernels(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *,
                          causal: bool = True, config: dict | None = None) -> jax.Array:
     """ag_attention's forward kernel, at world 1 too (for benchmarks and tests); not
     differentiable. ``config`` overrides the defaults (``AgAttentionConfig``)."""
+    return _forward_kernels(q, k, v, axis_name, causal=causal, config=config)[0]
+
+
+def _forward_kernels(q, k, v, axis_name, *, causal: bool = True,
+                     config: dict | None = None) -> tuple[jax.Array, jax.Array]:
+    """The forward kernel's output and its rows' base-2 log-sum-exp (float32
+    [B * Hq, S_shard], for the backward)."""
     q, k, v = (jnp.asarray(a) for a in (q, k, v))
     causal = static_bool("ag_attention", "causal", causal)
     _check(q, k, v, axis_name=axis_name, causal=causal)
@@ -196,7 +247,8 @@ def ag_attention_kernels(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *,
                  DOT_PRECISION=dot_precision(q.dtype, call.platform, problem.vendor),
                  HEAD_GROUP=min(int(cfg.HEAD_GROUP), b * hq))
     grid = (b * hq * -(-s // cfg.BLOCK_M),)
-    out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((b * hq, s), jnp.float32)]
     varying = call.result_axes(local=(q, k, v))
     if cfg.KERNEL != "triton":
         unfit = _ws_unfit(call, q)
@@ -330,24 +382,57 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
 
 
 def _forward(q, k, v, *, axis_name, causal=True, config=None):
-    return ag_attention_kernels(q, k, v, axis_name, causal=causal, config=config), (q, k, v)
+    out, lse = _forward_kernels(q, k, v, axis_name, causal=causal, config=config)
+    return out, (q, k, v, out, lse)
 
 
 def _backward(residuals, dout, *, axis_name, causal=True, config=None):
-    del config
-    q, k, v = residuals
-    # Through XLA: gather k and v, differentiate plain attention of this rank's
-    # queries (at their global positions) over the whole sequence, and
-    # reduce-scatter the keys' and values' cotangents back to their owners.
-    k_all = jax.lax.all_gather(k, axis_name, axis=1, tiled=True)
-    v_all = jax.lax.all_gather(v, axis_name, axis=1, tiled=True)
-    offset = jax.lax.axis_index(axis_name) * q.shape[1]
-    _, vjp = jax.vjp(lambda a, b_, c: attention(a, b_, c, causal=causal, q_offset=offset),
-                     q, k_all, v_all)
-    dq, dk_all, dv_all = vjp(dout)
-    dk = jax.lax.psum_scatter(dk_all, axis_name, scatter_dimension=1, tiled=True)
-    dv = jax.lax.psum_scatter(dv_all, axis_name, scatter_dimension=1, tiled=True)
-    return dq, dk, dv
+    q, k, v, out, lse = residuals
+    call = Call("ag_attention", axis_name)
+    if call.world > 1:
+        # Every rank's keys and values through XLA; the queries' gradients over
+        # them fused (``_launch_backward``); the keys' and values' cotangents
+        # summed back to their owners.
+        k = jax.lax.all_gather(k, axis_name, axis=1, tiled=True)
+        v = jax.lax.all_gather(v, axis_name, axis=1, tiled=True)
+    dq, dk, dv = _FUSED_BACKWARD(q, k, v, out, lse, dout.astype(q.dtype), axis_name=axis_name,
+                                 causal=causal, config=config)
+    if call.world > 1:
+        dk, dv = (jax.lax.psum_scatter(a, axis_name, scatter_dimension=1, tiled=True)
+                  for a in (dk, dv))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _launch_backward(q, k, v, out, lse, dout, *, axis_name, causal=True, config=None):
+    """The fused backward (``kernels/attention_bwd``) of this rank's queries over keys
+    and values [B, S_k, Hkv, D] (every rank's, in order), from the forward's output
+    and row log-sum-exps ``lse``: float32 (dq, dk, dv), no residuals (an op of
+    its own, ``_FUSED_BACKWARD``, so that it is ordered and batched as ops are)."""
+    call = Call("ag_attention", axis_name)
+    problem, cfg = _resolved(call, q, k, config, axis_name)
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    tile, step = int(cfg.BWD_BLOCK_Q), int(cfg.BWD_BLOCK_STEP)
+    shared = dict(num_warps=int(cfg.BWD_WARPS), num_stages=int(cfg.BWD_STAGES), SQ=sq, SK=sk,
+                  HQ=hq, HKV=hkv, D=d, CAUSAL=causal,
+                  QK_SCALE=float(math.log2(math.e) / math.sqrt(d)),
+                  SM_SCALE=float(1 / math.sqrt(d)), BLOCK_D=max(16, next_pow2(d)),
+                  DOT_PRECISION=dot_precision(q.dtype, call.platform, problem.vendor))
+    varying = call.result_axes(local=(q, k, v, out, dout))
+    ctx = call.start(call.workspace("bwd", 64), deps=(q, k, v, out, lse, dout))  # no heap read
+    f32 = jnp.float32
+    dq, delta = call.launch(
+        attention_bwd.attention_bwd_dq_kernel, ctx, q, k, v, out, dout, lse,
+        out_shape=[jax.ShapeDtypeStruct(q.shape, f32), jax.ShapeDtypeStruct((b * hq, sq), f32)],
+        grid=(b * hq * -(-sq // tile),), varying=varying, BLOCK_M=tile, BLOCK_N=step, **shared)
+    dk, dv = call.launch(
+        attention_bwd.attention_bwd_dkdv_kernel, ctx, q, k, v, dout, lse, delta,
+        out_shape=[jax.ShapeDtypeStruct(k.shape, f32)] * 2,
+        grid=(b * hkv * -(-sk // tile),), varying=varying, BLOCK_M=step, BLOCK_N=tile, **shared)
+    return (dq, dk, dv), None
+
+
+_FUSED_BACKWARD = DistributedOp("ag_attention", forward=_launch_backward)
 
 
 def _local(q, k, v, *, axis_name, causal=True, config=None):
@@ -366,7 +451,20 @@ def _check_config(q, k, v, *, axis_name, causal=True, config):
 
 
 _AG_ATTENTION = DistributedOp("ag_attention", forward=_forward, backward=_backward,
-                              check=_check, local=_local, check_config=_check_config)
+                              check=_check, local=_local,
+                              check_config=_check_config)
+# A group of one rank on GPUs runs the kernels too: JAX's dot_product_attention
+# takes XLA's unfused attention by default there (2903 us against the
+# warp-specialized kernel's 273.5 on one H200 at S = 4096, H = 32, D = 128,
+# causal, bf16) and keeps [S, S] scores for its backward. Under the Triton
+# interpreter the local computation stays (the interpreter is slow).
+_KERNEL_AG_ATTENTION = DistributedOp("ag_attention", forward=_forward, backward=_backward,
+                                     check=_check)
+
+
+def _kernels_at_world_1(rt, axis_name) -> bool:
+    """Whether ``ag_attention`` over ``axis_name`` runs the kernels at world 1 (GPUs)."""
+    return rt.platform == "gpu" and check_axis(rt, axis_name, "ag_attention").world == 1
 
 
 def ag_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *, causal: bool = True,
@@ -380,9 +478,13 @@ def ag_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *, causal:
     are staged in its heap; every program starts on its own chunk's tiles at
     once and on each peer's chunk as soon as that peer has staged it (read over
     NVLink on GPUs); under causal masking, chunks of later ranks are never
-    fetched. Differentiable: the backward runs through XLA (``all_gather`` of k
-    and v, JAX's attention VJP, ``psum_scatter`` of dk and dv), not fused. A
-    group of one rank runs ``jax.nn.dot_product_attention``. float32 inputs
+    fetched. Differentiable: the backward gathers k and v through XLA
+    (``all_gather``), runs a fused flash-attention backward (two Triton
+    kernels; no [S_shard, S] score matrix in memory; the forward keeps each
+    row's log-sum-exp) and sums dk and dv back to their owners
+    (``psum_scatter``). A group of one rank runs the kernels on GPUs (the
+    warp-specialized one where it fits: Hopper, bf16/f16, head dim 128) and
+    ``jax.nn.dot_product_attention`` under the interpreter. float32 inputs
     follow ``jax.default_matmul_precision`` like XLA's dots on GPUs: TF32
     tensor cores by default, float32 accuracy under ``"highest"``. A NaN or inf
     in a value a query sees reaches its output; under causal masking one in a
@@ -406,9 +508,9 @@ def ag_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *, causal:
       >>> f = jax.jit(jax.shard_map(lambda q, k, v: jaxtdist.ag_attention(q, k, v, "sp"),
       ...             mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec))
     """
-    return _AG_ATTENTION(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), axis_name=axis_name,
-                         causal=static_bool("ag_attention", "causal", causal),
-                         config=config)
+    op = _KERNEL_AG_ATTENTION if _kernels_at_world_1(runtime(), axis_name) else _AG_ATTENTION
+    return op(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), axis_name=axis_name,
+              causal=static_bool("ag_attention", "causal", causal), config=config)
 
 
 ag_attention_sharded = pjit_wrapper(

@@ -4,7 +4,7 @@ process). The numbers quoted in the defaults' comments and in docs/perf come
 from these.
 
 Usage (repo root, GPU node): python3 tests/gpu/probe_defaults.py {moe,moe_trace,fd_race,
-attention,attention_ws,flash_decode,gemm,gemm_one_round,grouped,push,float32,rs_loop,rs_trace} [world]. ``moe`` and ``moe_trace`` run at the
+attention,attention_ws,attention_bwd,flash_decode,gemm,gemm_one_round,grouped,push,float32,rs_loop,rs_trace} [world]. ``moe`` and ``moe_trace`` run at the
 world given (default 2, as ``fd_race``), ``push`` and ``rs_trace`` at 4 by default, and need that many GPUs; the
 others run on one.
 Prints one line per shape: each variant's median time, its ratio to the
@@ -226,6 +226,36 @@ def probe_attention() -> None:
                 **specs))
             contenders[name] = h.Contender(fn, args, 1, ref)
         _report(f"S={s}", h.interleaved(contenders, 12, 3), "cudnn")
+
+
+def probe_attention_bwd() -> None:
+    """ag_attention's forward + fused backward at world 1 against cuDNN's: the
+    backward kernels' tiles, warps and stages (AgAttentionConfig BWD_*), B=1, H=32,
+    D=128, causal, bf16; gradients compared with cuDNN's."""
+    from jaxtdist.bench.ag_attention import _with_grads
+
+    mesh, sp, _, _ = _attention_setup(1 << 30)
+    specs = dict(mesh=mesh, in_specs=(sp,) * 4, out_specs=(sp,) * 3, check_vma=False)
+    cudnn = jax.jit(_with_grads(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="cudnn")))
+    variants = {"default": None}
+    for tile, step, warps, stages in ((128, 32, 4, 2), (128, 64, 8, 2), (64, 64, 4, 2),
+                                      (64, 32, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3),
+                                      (64, 64, 4, 3), (128, 32, 8, 3), (64, 16, 4, 3)):
+        variants[f"q{tile}s{step}w{warps}s{stages}"] = dict(
+            BWD_BLOCK_Q=tile, BWD_BLOCK_STEP=step, BWD_WARPS=warps, BWD_STAGES=stages)
+    for s in (4096, 16384):
+        q, k, v = (h.normal(600 + j, (1, s, 32, 128), jnp.bfloat16) for j in range(3))
+        c = h.normal(650, (1, s, 32, 128), jnp.float32)
+        args = tuple(jax.device_put(a, NamedSharding(mesh, sp)) for a in (q, k, v, c))
+        ref = tuple(np.asarray(g, np.float32) for g in cudnn(*args))
+        contenders = dict(cudnn=h.Contender(cudnn, args, 1, ref))
+        for name, cfg in variants.items():
+            fn = jax.jit(jax.shard_map(_with_grads(
+                lambda q, k, v, cfg=cfg: td.ag_attention(q, k, v, "sp", causal=True,
+                                                         config=cfg)), **specs))
+            contenders[name] = h.Contender(fn, args, 1, ref)
+        _report(f"fwd+bwd S={s}", h.interleaved(contenders, 6, 2), "cudnn")
 
 
 def probe_attention_ws() -> None:
@@ -898,7 +928,7 @@ def probe_grouped() -> None:
 
 
 PROBES = {"moe": probe_moe, "moe_routing": probe_moe_routing, "moe_trace": probe_moe_trace, "moe_chunks": probe_moe_chunks, "moe_combine_rows": probe_moe_combine_rows, "attention": probe_attention,
-          "attention_ws": probe_attention_ws,
+          "attention_ws": probe_attention_ws, "attention_bwd": probe_attention_bwd,
           "flash_decode": probe_flash_decode, "gemm": probe_gemm,
           "gemm_one_round": probe_gemm_one_round, "push": probe_push,
           "float32": probe_float32, "rs_loop": probe_rs_loop, "rs_trace": probe_rs_trace,

@@ -2,9 +2,9 @@
 whole sequence on the host); skipped without GPUs (run with JAXTDIST_TEST_GPU=1,
 as tests/gpu/run.sh does).
 
-World 1 runs the local computation (jax.nn.dot_product_attention) and the kernel
-forced there (``ag_attention_kernels``); 2 and 4 GPUs run the kernel, causal and
-not, GQA, odd lengths, chained calls on changing data, and gradients."""
+World 1 runs the kernels (the op and ``ag_attention_kernels``); 2 and 4 GPUs run
+them too, causal and not, GQA, odd lengths, chained calls on changing data, and
+gradients (the fused backward)."""
 
 import jax
 import jax.numpy as jnp
@@ -154,6 +154,46 @@ def test_ag_attention_grad(world):
             jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
     for got, want in zip(grads, expect):
         assert _rel(got, np.asarray(want)) < 5e-3
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("b,s,hq,hkv,d", [(1, 1000, 8, 2, 128), (2, 257, 4, 4, 64),
+                                          (1, 512, 16, 2, 128), (1, 384, 8, 1, 96)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_ag_attention_fused_backward(world, dtype, b, s, hq, hkv, d, causal):
+    """The fused backward (every world: at world 1 on GPUs the op runs the kernels)
+    against float32 gradients of plain attention on the host, twice on fresh
+    inputs; the forward of the op at world 1 is the kernel's, bit for bit."""
+    if len(jax.devices()) < world:
+        pytest.skip(f"needs {world} GPUs")
+    mesh = _mesh(world)
+    s = -(-s // world) * world
+    grad = jax.jit(jax.shard_map(
+        lambda q, k, v, c: jax.grad(lambda q, k, v: jnp.sum(
+            td.ag_attention(q, k, v, "sp", causal=causal).astype(jnp.float32) * c),
+            argnums=(0, 1, 2))(q, k, v),
+        mesh=mesh, in_specs=(SP,) * 4, out_specs=(SP,) * 3))
+    for _ in range(2):
+        q = _rand((b, s, hq, d), dtype)
+        k, v = (_rand((b, s, hkv, d), dtype) for _ in range(2))
+        c = _rand(q.shape, jnp.float32)
+        args = _put(mesh, dtype, q, k, v) + _put(mesh, jnp.float32, c)
+        got = grad(*args)
+        cpu = jax.devices("cpu")[0]
+        with jax.default_device(cpu):
+            expect = jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v, causal=causal) * c),
+                              argnums=(0, 1, 2))(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
+        for name, g, want in zip("qkv", got, expect):
+            assert g.dtype == jnp.dtype(dtype)
+            assert _rel(g, np.asarray(want)) < TOL[dtype], f"d{name}"
+    if world == 1:
+        fwd = {kernels: jax.jit(jax.shard_map(
+            lambda q, k, v, kernels=kernels: (ag_attention_kernels if kernels else td.ag_attention)(
+                q, k, v, "sp", causal=causal), mesh=mesh, in_specs=(SP,) * 3, out_specs=SP))
+            for kernels in (False, True)}
+        outs = [np.asarray(fwd[kernels](*args[:3]).astype(jnp.float32)) for kernels in (0, 1)]
+        np.testing.assert_array_equal(*outs)
 
 
 def _hopper():
