@@ -490,7 +490,9 @@ def ag_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *, causal:
     in a value a query sees reaches its output; under causal masking one in a
     later position's value can also reach the earlier queries of its tile (the
     tile's masked weights are zeros, and 0 * NaN is NaN), as in other flash
-    kernels; XLA's unfused attention spreads it to every query.
+    kernels; XLA's unfused attention spreads it to every query. In the
+    backward, a NaN or inf in the cotangent reaches dk and dv of every key of
+    its KV head, seen or not (masked weights again).
 
     Args:
       q: [B, S_shard, Hq, D], this rank's queries.
