@@ -229,7 +229,8 @@ class CpuHeap:
             position = int(full[0].view(np.int64)[L.CTX_POSITION])
             results, timed_out = pool.run(position, ref, grid, full, out_specs, constexprs)
             if timed_out:
-                raise WaitTimeoutError(rt.native.recorded_timeout(position, False))
+                raise WaitTimeoutError(rt.native.recorded_timeout(position, False)
+                                       + _CPU_TIMEOUT_HINT)
             return tuple(results)
 
         # Owned by this heap: close() releases the callable (and the runtime it holds).
@@ -258,6 +259,15 @@ class CpuHeap:
             if not self._unlinked:
                 self._unlink()
             self._shm = None
+
+
+# What else ends a CPU wait this way (README, limits): programs dispatched without
+# waiting for a result can leave a peer's program queued behind XLA:CPU's per-device
+# limit on computations in flight.
+_CPU_TIMEOUT_HINT = (
+    " On CPU devices this also happens when many jitted programs are dispatched "
+    "without waiting for a result (a peer's program then waits behind XLA:CPU's "
+    "limit on computations in flight): call jax.block_until_ready every 20 calls or so.")
 
 
 def heap_for(spec: BackendSpec) -> CpuHeap:
