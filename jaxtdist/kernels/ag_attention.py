@@ -120,10 +120,11 @@ def ag_attention_kernel(ctx, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
     """Grid: (B * HQ * cdiv(S, BLOCK_M),).
 
     q: [B, S, HQ, D]; out: [B, S, HQ, D]; lse: float32 [B * HQ, S], each query
-    row's base-2 log-sum-exp of its scaled scores (the backward's). This rank's keys and values: rows of
-    KV_STRIDE elements, v at V_OFF elements past k (k, v: [B, S, HKV, D], V_OFF 0;
-    INBOX: k_ptr = v_ptr = the [B * S, 2 * HKV * D] array the copy engines push,
-    which being an operand outlives the pushes, V_OFF = HKV * D).
+    row's base-2 log-sum-exp of its scaled scores (the backward's). This rank's
+    keys and values: rows of KV_STRIDE elements, v at V_OFF elements past k (k,
+    v: [B, S, HKV, D], V_OFF 0; INBOX: k_ptr = v_ptr = the [B * S, 2 * HKV * D]
+    array the copy engines push, which being an operand outlives the pushes,
+    V_OFF = HKV * D).
     INBOX: peers' chunks in this rank's inbox at STAGE_OFF + (e % 2) * PARITY_BYTES
     ([world * B * S, 2 * HKV * D]; a flag per CHUNK_ROWS rows of each peer at
     FLAGS_OFF; this rank's pushes raise its sent words at SENT_OFF).
