@@ -225,8 +225,8 @@ def test_flash_decode_kernels_at_world_1_only_on_gpus():
         setup(world, ("sp",))
         rt = fd.runtime()
         gpu = types.SimpleNamespace(platform="gpu", layout=rt.layout, mesh=rt.mesh)
-        assert fd._kernels_at_world_1(gpu, "sp") is gpu_expected
-        assert fd._kernels_at_world_1(rt, "sp") is False
+        assert fd.kernels_at_world_1(gpu, "sp", "flash_decode") is gpu_expected
+        assert fd.kernels_at_world_1(rt, "sp", "flash_decode") is False
 
 
 @pytest.mark.parametrize("paged,dtype", [(True, F32), (False, BF16)])
@@ -280,7 +280,7 @@ def test_flash_decode_kernel_at_world_1_is_differentiable(monkeypatch, paged, dt
 
     def run(kernels, fn):
         # Traced (and run) while the choice is patched in: flash_decode reads it then.
-        monkeypatch.setattr(fd, "_kernels_at_world_1", lambda rt, axis_name: kernels)
+        monkeypatch.setattr(fd, "kernels_at_world_1", lambda rt, axis_name, op: kernels)
         return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P()))(*args)
 
     f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731

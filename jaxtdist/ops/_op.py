@@ -394,6 +394,14 @@ def _done_token(last: jax.Array, residuals) -> jax.Array:
     return last.reshape(-1)[:1]
 
 
+def kernels_at_world_1(rt, axis_name, op: str) -> bool:
+    """Whether ``op`` over ``axis_name`` runs its kernels in a group of one rank, for
+    ops whose local computation is much slower than their kernels there: on GPUs
+    only (under the Triton interpreter the local computation stays, the
+    interpreter being slow)."""
+    return rt.platform == "gpu" and check_axis(rt, axis_name, op).world == 1
+
+
 def _typed_as_sum(out: jax.Array, axes: Sequence[str]) -> jax.Array:
     """The local result of a group of one rank, typed as the group's sum is (as
     ``jax.lax.psum`` types it: replicated over ``axes``), so that out_specs that

@@ -25,7 +25,7 @@ from jaxtdist.kernels import attention_bwd, attention_ws
 from jaxtdist.kernels.ag_attention import ag_attention_kernel
 from jaxtdist.ops._config import KernelConfig, Problem, resolve
 from jaxtdist.ops._inbox import push_to_inboxes
-from jaxtdist.ops._op import DistributedOp, pjit_wrapper, rows_over
+from jaxtdist.ops._op import DistributedOp, kernels_at_world_1, pjit_wrapper, rows_over
 from jaxtdist.ops._precision import dot_precision
 from jaxtdist.ops._protocol import Call, check_axis
 from jaxtdist.ops._shapes import InboxWorkspace, align, check_dtype, next_pow2, static_bool
@@ -388,16 +388,16 @@ def _forward(q, k, v, *, axis_name, causal=True, config=None):
 
 def _backward(residuals, dout, *, axis_name, causal=True, config=None):
     q, k, v, out, lse = residuals
-    call = Call("ag_attention", axis_name)
-    if call.world > 1:
+    world = check_axis(runtime(), axis_name, "ag_attention").world
+    if world > 1:
         # Every rank's keys and values through XLA; the queries' gradients over
-        # them fused (``_launch_backward``); the keys' and values' cotangents
+        # them fused (``_FUSED_BACKWARD``); the keys' and values' cotangents
         # summed back to their owners.
         k = jax.lax.all_gather(k, axis_name, axis=1, tiled=True)
         v = jax.lax.all_gather(v, axis_name, axis=1, tiled=True)
     dq, dk, dv = _FUSED_BACKWARD(q, k, v, out, lse, dout.astype(q.dtype), axis_name=axis_name,
                                  causal=causal, config=config)
-    if call.world > 1:
+    if world > 1:
         dk, dv = (jax.lax.psum_scatter(a, axis_name, scatter_dimension=1, tiled=True)
                   for a in (dk, dv))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
@@ -462,11 +462,6 @@ _KERNEL_AG_ATTENTION = DistributedOp("ag_attention", forward=_forward, backward=
                                      check=_check)
 
 
-def _kernels_at_world_1(rt, axis_name) -> bool:
-    """Whether ``ag_attention`` over ``axis_name`` runs the kernels at world 1 (GPUs)."""
-    return rt.platform == "gpu" and check_axis(rt, axis_name, "ag_attention").world == 1
-
-
 def ag_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *, causal: bool = True,
                  config: dict | None = None) -> jax.Array:
     """Attention of this rank's queries over every rank's keys and values, the gather
@@ -510,7 +505,8 @@ def ag_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *, causal:
       >>> f = jax.jit(jax.shard_map(lambda q, k, v: jaxtdist.ag_attention(q, k, v, "sp"),
       ...             mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec))
     """
-    op = _KERNEL_AG_ATTENTION if _kernels_at_world_1(runtime(), axis_name) else _AG_ATTENTION
+    kernels = kernels_at_world_1(runtime(), axis_name, "ag_attention")
+    op = _KERNEL_AG_ATTENTION if kernels else _AG_ATTENTION
     return op(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), axis_name=axis_name,
               causal=static_bool("ag_attention", "causal", causal), config=config)
 

@@ -6,7 +6,7 @@ Shapes (``_check``), plan (``FlashDecodeConfig``, ``DecodeWorkspace``), launch
 reference's formula); ``DistributedOp`` supplies program order, world 1 and the
 ``TypeError`` on differentiation; ``pjit_wrapper`` the pjit-style form. At world 1
 on GPUs the kernel runs, with the local computation's VJP as its backward
-(``_kernels_at_world_1``). The kernel is ``kernels/flash_decode.py``.
+(``_op.kernels_at_world_1``). The kernel is ``kernels/flash_decode.py``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import numpy as np
 
 from jaxtdist.kernels.flash_decode import flash_decode_kernel
 from jaxtdist.ops._config import KernelConfig, Problem, resolve
-from jaxtdist.ops._op import (DistributedOp, _typed_as_sum, mesh_devices, pjit_wrapper,
+from jaxtdist.ops._op import (DistributedOp, _typed_as_sum, kernels_at_world_1, mesh_devices,
+                              pjit_wrapper,
                               rows_over)
 from jaxtdist.ops._precision import dot_precision
 from jaxtdist.ops._protocol import Call, check_axis
@@ -418,11 +419,6 @@ _PAGED_DECODE = DistributedOp("flash_decode", forward=_paged_forward, check=_che
 # differentiates the local computation, recomputed from the inputs. Under the
 # Triton interpreter the local computation stays (the interpreter is slow).
 
-def _kernels_at_world_1(rt, axis_name) -> bool:
-    """Whether ``flash_decode`` over ``axis_name`` runs the kernel at world 1 (GPUs)."""
-    return rt.platform == "gpu" and check_axis(rt, axis_name, "flash_decode").world == 1
-
-
 def _with_inputs(forward):
     """``forward`` keeping its array arguments as the residuals (the backward
     recomputes the local computation from them)."""
@@ -504,7 +500,7 @@ def flash_decode(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array, ax
       ...     in_specs=(P(), P(None, "sp"), P(None, "sp"), P()), out_specs=P()))
     """
     arrays = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(kv_len))
-    kernels = _kernels_at_world_1(runtime(), axis_name)
+    kernels = kernels_at_world_1(runtime(), axis_name, "flash_decode")
     if block_table is not None:
         op = _KERNEL_PAGED_DECODE if kernels else _PAGED_DECODE
         return op(*arrays, jnp.asarray(block_table), axis_name=axis_name, config=config)
