@@ -421,17 +421,18 @@ def test_attention_backward_compiles(dtype, d):
     shared = dict(SQ=4096, SK=4096, HQ=32, HKV=8, D=d, CAUSAL=True, QK_SCALE=0.1275,
                   SM_SCALE=0.088, BLOCK_D=d, DOT_PRECISION="tf32" if dtype == "fp32" else None)
     ins = ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "do_ptr")
-    for fn, names, blocks in (
+    for fn, names, blocks, (warps, stages) in (
             (attention_bwd.attention_bwd_dq_kernel,
              ("ctx", "q_ptr", "k_ptr", "v_ptr", "o_ptr", "do_ptr", "lse_ptr", "dq_ptr",
-              "delta_ptr"), dict(BLOCK_M=tiles["BWD_BLOCK_Q"], BLOCK_N=tiles["BWD_BLOCK_STEP"])),
+              "delta_ptr"), dict(BLOCK_M=tiles["BWD_BLOCK_Q"], BLOCK_N=tiles["BWD_BLOCK_STEP"]),
+             (tiles["BWD_WARPS"], tiles["BWD_STAGES"])),
             (attention_bwd.attention_bwd_dkdv_kernel,
              ("ctx", "q_ptr", "k_ptr", "v_ptr", "do_ptr", "lse_ptr", "delta_ptr", "dk_ptr",
-              "dv_ptr"), dict(BLOCK_M=tiles["BWD_BLOCK_STEP"], BLOCK_N=tiles["BWD_BLOCK_Q"]))):
+              "dv_ptr"), dict(BLOCK_M=tiles["BWD_KV_STEP"], BLOCK_N=tiles["BWD_BLOCK_KV"]),
+             (tiles["BWD_KV_WARPS"], tiles["BWD_KV_STAGES"]))):
         pointers = {n: f"*{dtype}" if n in ins else ("*i32" if n == "ctx" else "*fp32")
                     for n in names}
-        k = _compile(fn, pointers, dict(shared, **blocks), num_warps=tiles["BWD_WARPS"],
-                     num_stages=tiles["BWD_STAGES"])
+        k = _compile(fn, pointers, dict(shared, **blocks), num_warps=warps, num_stages=stages)
         if dtype != "fp32":
             assert any(op.startswith("wgmma") for op in _ops(k)), fn.__name__
         assert k.metadata.shared <= 227 * 1024, fn.__name__

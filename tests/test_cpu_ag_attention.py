@@ -178,11 +178,15 @@ def test_ag_attention_backward_config():
             mesh=mesh, in_specs=(SP,) * 3, out_specs=(SP,) * 3))(*placed)
 
     base = grads(None)
-    other = grads(dict(BWD_BLOCK_Q=32, BWD_BLOCK_STEP=16))
-    for a, b_ in zip(base, other):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b_), rtol=1e-5, atol=1e-6)
+    for other in (dict(BWD_BLOCK_Q=32, BWD_BLOCK_STEP=16),
+                  dict(BWD_BLOCK_KV=32, BWD_KV_STEP=16, BWD_KV_WARPS=8, BWD_KV_STAGES=2)):
+        for a, b_ in zip(base, grads(other)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b_), rtol=1e-5, atol=1e-6)
     for bad, why in ((dict(BWD_BLOCK_Q=48), "power of 2"), (dict(BWD_WARPS=3), "power of 2"),
-                     (dict(BWD_BLOCK_STEP=512), "up to 256"), (dict(BWD_STAGES=0), ">= 1")):
+                     (dict(BWD_BLOCK_STEP=512), "up to 256"), (dict(BWD_STAGES=0), ">= 1"),
+                     (dict(BWD_BLOCK_KV=8), "power of 2 >= 16"),
+                     (dict(BWD_KV_STEP=512), "up to 256"), (dict(BWD_KV_WARPS=64), "up to 32"),
+                     (dict(BWD_KV_STAGES=17), "up to 16"), (dict(BWD_KV_STAGES=1.5), "int")):
         with pytest.raises(ValueError, match=why):
             grads(bad)
 
@@ -273,6 +277,26 @@ def test_default_tiles_on_gpus(b, s, hq, d, block_m, warps):
     cfg = AgAttentionConfig.default(problem)
     assert (cfg.BLOCK_M, cfg.num_warps) == (block_m, warps)
     assert cfg.HEAD_GROUP == (4 if block_m == 64 else 1)  # 64-row tiles: a shorter tail
+    cfg.validate(problem)
+
+
+@pytest.mark.parametrize("vendor,dtype,d,dq,dkdv", [
+    ("nvidia", "bfloat16", 128, (128, 64, 8, 3), (64, 64, 4, 2)),
+    ("nvidia", "float16", 64, (128, 64, 8, 3), (64, 64, 4, 2)),
+    ("nvidia", "float32", 128, (64, 32, 8, 2), (64, 32, 8, 2)),   # 512-byte rows
+    ("nvidia", "bfloat16", 256, (64, 32, 8, 2), (64, 32, 8, 2)),
+    ("amd", "bfloat16", 128, (64, 16, 4, 2), (64, 16, 4, 2)),     # 64 KiB of LDS
+])
+def test_default_backward_tiles(vendor, dtype, d, dq, dkdv):
+    """The backward's default tiles per kernel (rows, step, warps, stages): within
+    shared memory (``_BWD_SMEM``), valid configs."""
+    from jaxtdist.ops._config import Problem
+    from jaxtdist.ops.ag_attention import AgAttentionConfig
+
+    problem = Problem("gpu", 1, (1, 4096, 32, 8, d), dtype, 132, vendor)
+    cfg = AgAttentionConfig.default(problem)
+    assert (cfg.BWD_BLOCK_Q, cfg.BWD_BLOCK_STEP, cfg.BWD_WARPS, cfg.BWD_STAGES) == dq
+    assert (cfg.BWD_BLOCK_KV, cfg.BWD_KV_STEP, cfg.BWD_KV_WARPS, cfg.BWD_KV_STAGES) == dkdv
     cfg.validate(problem)
 
 

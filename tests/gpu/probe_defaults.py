@@ -229,21 +229,28 @@ def probe_attention() -> None:
 
 
 def probe_attention_bwd() -> None:
-    """ag_attention's forward + fused backward at world 1 against cuDNN's: the
-    backward kernels' tiles, warps and stages (AgAttentionConfig BWD_*), B=1, H=32,
-    D=128, causal, bf16; gradients compared with cuDNN's."""
+    """ag_attention's forward + fused backward at world 1 against cuDNN's: the tiles,
+    warps and stages of the backward's dq kernel (AgAttentionConfig BWD_BLOCK_Q,
+    ...) and of its dk/dv kernel (BWD_BLOCK_KV, ...), B=1, H=32, D=128, causal,
+    bf16; gradients compared with cuDNN's."""
     from jaxtdist.bench.ag_attention import _with_grads
 
     mesh, sp, _, _ = _attention_setup(1 << 30)
     specs = dict(mesh=mesh, in_specs=(sp,) * 4, out_specs=(sp,) * 3, check_vma=False)
     cudnn = jax.jit(_with_grads(lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=True, implementation="cudnn")))
+    # Each kernel's tiles varied with the other's at the default: a variant's time
+    # minus the default's is its kernel's difference.
     variants = {"default": None}
-    for tile, step, warps, stages in ((128, 32, 4, 2), (128, 64, 8, 2), (64, 64, 4, 2),
-                                      (64, 32, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3),
-                                      (64, 64, 4, 3), (128, 32, 8, 3), (64, 16, 4, 3)):
-        variants[f"q{tile}s{step}w{warps}s{stages}"] = dict(
+    for tile, step, warps, stages in ((128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 3),
+                                      (64, 64, 4, 3), (128, 64, 8, 3)):
+        variants[f"dq_q{tile}s{step}w{warps}s{stages}"] = dict(
             BWD_BLOCK_Q=tile, BWD_BLOCK_STEP=step, BWD_WARPS=warps, BWD_STAGES=stages)
+    for tile, step, warps, stages in ((128, 32, 8, 2), (128, 32, 8, 3), (64, 32, 4, 2),
+                                      (64, 64, 8, 2), (128, 64, 8, 2), (128, 16, 8, 3),
+                                      (64, 32, 4, 3)):
+        variants[f"kv_k{tile}s{step}w{warps}s{stages}"] = dict(
+            BWD_BLOCK_KV=tile, BWD_KV_STEP=step, BWD_KV_WARPS=warps, BWD_KV_STAGES=stages)
     for s in (4096, 16384):
         q, k, v = (h.normal(600 + j, (1, s, 32, 128), jnp.bfloat16) for j in range(3))
         c = h.normal(650, (1, s, 32, 128), jnp.float32)
