@@ -193,18 +193,23 @@ def test_ag_attention_backward_config():
 
 def test_ag_attention_world_1():
     """A group of one rank runs jax.nn.dot_product_attention; ag_attention_kernels runs
-    the kernel there."""
+    the kernel there, with no heap beyond its prologue's (no staged k and v). A
+    group of no axes (``()``) is one rank too."""
+    from jaxtdist.runtime._runtime import runtime
+
     mesh = setup((1, 8), ("sp", "dp"))
     q, k, v = rand((1, 21, 8, 64)), rand((1, 21, 2, 64)), rand((1, 21, 2, 64))
     for causal in (True, False):
         ref = _reference(q, k, v, causal)
-        for kernels in (False, True):
+        for kernels, axis in ((False, "sp"), (True, "sp"), (True, ()), (False, ())):
+            before = runtime().bytes_in_use
             f = jax.jit(jax.shard_map(
-                lambda q, k, v, kernels=kernels, causal=causal: (
+                lambda q, k, v, kernels=kernels, causal=causal, axis=axis: (
                     td.ops.ag_attention_kernels if kernels else td.ag_attention)(
-                        q, k, v, "sp", causal=causal),
+                        q, k, v, axis, causal=causal),
                 mesh=mesh, in_specs=(P(),) * 3, out_specs=P()))
-            assert _rel(f(q, k, v), ref) < 1e-5, (causal, kernels)
+            assert _rel(f(q, k, v), ref) < 1e-5, (causal, kernels, axis)
+            assert runtime().bytes_in_use - before <= 1024, (causal, kernels, axis)
 
 
 def test_ag_attention_sharded_over_a_submesh():

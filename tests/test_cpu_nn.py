@@ -139,6 +139,36 @@ def test_llama_matches_the_reference(mesh_shape, heads, kv, explicit):
     assert rel_err(fwd(ours, tokens, pos, segs), ref_packed) < 1e-5
 
 
+def test_attention_takes_jaxtdist_fused_attention(monkeypatch):
+    """ParallelAttention attends through ag_attention over a group of one rank (the
+    flash-attention kernels on GPUs), except with segment ids or impl="xla";
+    logits match the reference either way (here, and in the test above)."""
+    from jaxtdist.nn import _attention
+
+    calls = []
+    real = _attention.ag_attention
+
+    def counted(q, k, v, axis_name, **kw):
+        calls.append((tuple(q.shape), tuple(k.shape), axis_name, kw))
+        return real(q, k, v, axis_name, **kw)
+
+    monkeypatch.setattr(_attention, "ag_attention", counted)
+    mesh = _mesh((2, 4))
+    cfg = _cfg(8, 2, layers=2)
+    ours, theirs = tdnn.Llama.twins(cfg, mesh)
+    tokens = _tokens(np.random.default_rng(1), (4, 16), cfg.vocab)
+    ref = _llama_reference(_weights(ours), tokens, cfg)
+    assert rel_err(nnx.jit(lambda m, t: m(t))(ours, tokens), ref) < 1e-5
+    # Each layer, each rank's 2 query heads over its 1 KV head (tp 4, 2 KV heads
+    # stored replicated), the whole sequence.
+    assert calls == [((2, 16, 2, 4), (2, 16, 1, 4), (), dict(causal=True))] * 2, calls
+    calls.clear()
+    nnx.jit(lambda m, t: m(t))(theirs, tokens)
+    segs = np.zeros((4, 16), np.int32)
+    nnx.jit(lambda m, t, s: m(t, segment_ids=s))(ours, tokens, segs)
+    assert not calls
+
+
 def test_decode_with_the_kv_cache_matches_the_full_forward():
     """Prefill of 8 tokens then 8 decode steps (GQA, KV heads replicated over tp):
     the logits of one forward pass over all 16 tokens; the position is readable."""

@@ -14,6 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtdist.nn._layout import make_layout
 from jaxtdist.nn._linear import ColumnParallelLinear, RowParallelLinear, column_parallel
+from jaxtdist.ops.ag_attention import _MAX_HEAD_DIM as _FUSED_MAX_HEAD_DIM
+from jaxtdist.ops.ag_attention import ag_attention
 
 __all__ = ["ParallelAttention", "rope"]
 
@@ -52,7 +54,9 @@ class ParallelAttention(nnx.Module):
 
     Q, K and V are column-parallel and share one gather of the sequence-parallel
     tokens (``ag_matmul`` with three weights); attention is local to each rank's
-    heads; ``o_proj`` is row-parallel, back to sequence-parallel tokens.
+    heads (jaxtdist's flash-attention kernels on GPUs, forward and backward; with
+    ``segment_ids``, or ``impl="xla"``, ``jax.nn.dot_product_attention`` with a
+    mask); ``o_proj`` is row-parallel, back to sequence-parallel tokens.
     Grouped-query attention: ``num_kv_heads`` KV heads, sharded over
     ``axis_name`` when they divide over it, else stored replicated and each rank
     using the KV head of its query heads (tp a multiple of ``num_kv_heads``).
@@ -259,9 +263,18 @@ class ParallelAttention(nnx.Module):
     def _attend(self, q, k, v, positions, segment_ids, b):
         lay = self.layout
         heads, rows = P(b, None, lay.axis_name, None), P(b, None)
+        # jaxtdist's fused attention (``ag_attention`` over a group of one rank, the
+        # empty axis tuple): on GPUs its flash-attention kernels, forward and
+        # backward, where jax.nn.dot_product_attention with a mask takes XLA's
+        # unfused attention and keeps [batch, heads, seq, seq] scores for the
+        # backward. Packed sequences (segment_ids) keep the mask.
+        fused = (lay.impl == "jaxtdist" and segment_ids is None
+                 and self.head_dim <= _FUSED_MAX_HEAD_DIM)
 
         def local(q, k, v, positions, *segments):
             q, k = self._rope(q, positions), self._rope(k, positions)
+            if fused:
+                return ag_attention(q, k, v, (), causal=self.causal)
             seq = q.shape[1]
             mask = jnp.ones((1, 1, seq, seq), bool)
             if self.causal:

@@ -276,6 +276,15 @@ def _forward_kernels(q, k, v, axis_name, *, causal: bool = True,
                              f"kernel) cannot run this call: {unfit}; use 'auto' or 'triton'")
         if not unfit:
             return _launch_ws(call, q, k, v, causal, tiles["QK_SCALE"], out_shape, varying)
+    if call.world == 1:
+        # One rank reads no peer's keys: no staging, no inbox (a staged copy of k and
+        # v, two parities, took 1 GiB of heap at S = 32K, H = 32, D = 128).
+        ws = call.workspace("local", 64)  # the prologue's
+        return call.run(
+            ag_attention_kernel, q, k, v, workspace=ws, out_shape=out_shape, grid=grid,
+            varying=varying, **tiles, INBOX=False, STAGE_OFF=ws.offset, PARITY_BYTES=0,
+            READY_OFF=ws.offset, FLAGS_OFF=0, SENT_OFF=0, CHUNK_ROWS=1, KV_STRIDE=hkv * d,
+            V_OFF=0, FLAG_SCOPE="sys")
     # Inboxes need a bulk push that overlaps the kernel (copy engines, both GPU
     # layouts) or the interpreter; a GPU backend without them reads peers.
     inbox_ok = call.rt.backend.has_copy_engines or call.platform != "gpu"
