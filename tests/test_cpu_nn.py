@@ -167,6 +167,14 @@ def test_attention_takes_jaxtdist_fused_attention(monkeypatch):
     segs = np.zeros((4, 16), np.int32)
     nnx.jit(lambda m, t, s: m(t, segment_ids=s))(ours, tokens, segs)
     assert not calls
+    # A flag given as 0 or 1 (the masked path took any truth value).
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 8, 32)), jnp.float32)
+    for causal in (0, 1):
+        layers = [tdnn.ParallelAttention(32, 8, num_kv_heads=2, causal=causal, mesh=mesh,
+                                         impl=impl, rngs=nnx.Rngs(0)) for impl in ("jaxtdist", "xla")]
+        ours_y, xla_y = (nnx.jit(lambda m, x: m(x))(layer, x) for layer in layers)
+        assert rel_err(ours_y, xla_y) < 1e-5, causal
+        assert calls[-1][3] == dict(causal=bool(causal))
 
 
 def test_decode_with_the_kv_cache_matches_the_full_forward():

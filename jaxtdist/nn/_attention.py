@@ -274,7 +274,7 @@ class ParallelAttention(nnx.Module):
         def local(q, k, v, positions, *segments):
             q, k = self._rope(q, positions), self._rope(k, positions)
             if fused:
-                return ag_attention(q, k, v, (), causal=self.causal)
+                return ag_attention(q, k, v, (), causal=bool(self.causal))
             seq = q.shape[1]
             mask = jnp.ones((1, 1, seq, seq), bool)
             if self.causal:

@@ -272,8 +272,7 @@ def probe_attention_ws() -> None:
     from jaxtdist.ops.ag_attention import ag_attention_kernels
     from tests.gpu.attention_probe_kernels import causal_attention_tma_kernel
 
-    # ag_attention's kernel stages K and V in the heap at world 1: 1 GiB at 32K.
-    mesh, sp, specs, cudnn = _attention_setup(1 << 31)
+    mesh, sp, specs, cudnn = _attention_setup(1 << 30)
 
     def tma(s, bm, bn, warps, stages, one_loop, ws):
         def f(q, k, v):
