@@ -47,12 +47,9 @@ _MIN_WAVES = 16
 # 317.5, K/V of every head in flight). 128-row tiles keep each head alone:
 # 4 heads ran 1-2% slower at S = 16384 and 32768 (4229.7 / 4189.0, 16924 / 16579).
 _HEAD_GROUP = 4
-# The fused backward's tiles: 64 x 64 with 4 warps and 2 stages took 1.52 / 1.54x
-# cuDNN's forward + backward on one H200 (B=1, H=32, D=128, causal, bf16, S = 4K /
-# 16K; dq then recomputed the log-sum-exps: 1.29 / 1.27x since the forward keeps
-# them), 128-row tiles with 8 warps 1.54-1.83x, with 4 warps (spilling) 3.1x.
-# Shared memory: about 3 * (tile + step) rows of the padded head dim in flight;
-# smaller steps, then tiles, where that passes the SM's (float32, head dim 256).
+# The fused backward's shared memory per kernel: about 3 * (tile + step) rows of
+# the padded head dim in flight; smaller steps, then tiles, where that passes the
+# SM's (float32, head dim 256). Measured tiles: ``_backward_tiles``.
 _BWD_SMEM = {"nvidia": 200 << 10, "amd": 60 << 10}
 
 
@@ -187,12 +184,13 @@ def _backward_tiles(problem: Problem) -> dict:
 
 class StageWorkspace:
     """Byte layout: W int32 ready flags, then two parities (``epoch % 2``) of this
-    rank's staged k and v ([2, B, S, HKV, D])."""
+    rank's staged k and v ([2, B, S, HKV, D]); a group of one rank stages nothing
+    (no peer reads it: two parities took 1 GiB at S = 32K, H = 32, D = 128)."""
 
     def __init__(self, world: int, kv_elems: int, itemsize: int):
         self.ready = 0
         self.stage = align(4 * world)
-        self.parity_bytes = align(2 * kv_elems * itemsize)
+        self.parity_bytes = align(2 * kv_elems * itemsize) if world > 1 else 0
         self.nbytes = self.stage + 2 * self.parity_bytes
 
 
@@ -276,15 +274,6 @@ def _forward_kernels(q, k, v, axis_name, *, causal: bool = True,
                              f"kernel) cannot run this call: {unfit}; use 'auto' or 'triton'")
         if not unfit:
             return _launch_ws(call, q, k, v, causal, tiles["QK_SCALE"], out_shape, varying)
-    if call.world == 1:
-        # One rank reads no peer's keys: no staging, no inbox (a staged copy of k and
-        # v, two parities, took 1 GiB of heap at S = 32K, H = 32, D = 128).
-        ws = call.workspace("local", 64)  # the prologue's
-        return call.run(
-            ag_attention_kernel, q, k, v, workspace=ws, out_shape=out_shape, grid=grid,
-            varying=varying, **tiles, INBOX=False, STAGE_OFF=ws.offset, PARITY_BYTES=0,
-            READY_OFF=ws.offset, FLAGS_OFF=0, SENT_OFF=0, CHUNK_ROWS=1, KV_STRIDE=hkv * d,
-            V_OFF=0, FLAG_SCOPE="sys")
     # Inboxes need a bulk push that overlaps the kernel (copy engines, both GPU
     # layouts) or the interpreter; a GPU backend without them reads peers.
     inbox_ok = call.rt.backend.has_copy_engines or call.platform != "gpu"
@@ -305,12 +294,15 @@ def _forward_kernels(q, k, v, axis_name, *, causal: bool = True,
                           RuntimeWarning, stacklevel=2)
     plan = StageWorkspace(call.world, kv_elems, q.dtype.itemsize)
     ws = call.workspace("stage", plan.nbytes, kv_elems, q.dtype.name)
-    # The prologue copies k and v into this rank's heap (parity e % 2) before the
-    # kernel: peers read them from there.
-    staged = jnp.concatenate([k.reshape(-1), v.reshape(-1)])
+    staging = {}
+    if plan.parity_bytes:
+        # The prologue copies k and v into this rank's heap (parity e % 2) before
+        # the kernel: peers read them from there.
+        staged = jnp.concatenate([k.reshape(-1), v.reshape(-1)])
+        staging = dict(deps=(q, k, v, staged), stage=staged,
+                       stage_offset=ws.offset + plan.stage, parity_bytes=plan.parity_bytes)
     return call.run(
-        ag_attention_kernel, q, k, v, workspace=ws, deps=(q, k, v, staged), stage=staged,
-        stage_offset=ws.offset + plan.stage, parity_bytes=plan.parity_bytes,
+        ag_attention_kernel, q, k, v, workspace=ws, **staging,
         out_shape=out_shape, grid=grid, varying=varying, **tiles, INBOX=False,
         STAGE_OFF=ws.offset + plan.stage, PARITY_BYTES=plan.parity_bytes,
         READY_OFF=ws.offset + plan.ready, FLAGS_OFF=0, SENT_OFF=0, CHUNK_ROWS=1,
@@ -483,8 +475,7 @@ def _check_config(q, k, v, *, axis_name, causal=True, config):
 
 
 _AG_ATTENTION = DistributedOp("ag_attention", forward=_forward, backward=_backward,
-                              check=_check, local=_local,
-                              check_config=_check_config)
+                              check=_check, local=_local, check_config=_check_config)
 # A group of one rank on GPUs runs the kernels too: JAX's dot_product_attention
 # takes XLA's unfused attention by default there (2903 us against the
 # warp-specialized kernel's 273.5 on one H200 at S = 4096, H = 32, D = 128,
