@@ -386,24 +386,37 @@ def test_ag_attention_compiles_with_tensor_cores(dtype, d, causal, inbox):
     assert k.metadata.shared <= 227 * 1024
 
 
-@pytest.mark.parametrize("dtype,causal,hq,hkv", [("bf16", True, 32, 32), ("fp16", False, 8, 2)])
-def test_warp_specialized_attention_compiles(dtype, causal, hq, hkv):
-    """ag_attention's warp-specialized kernel (world 1 on Hopper): 12 warps (two
-    consumer warpgroups and a producer warp, rounded to warpgroups) within the
-    register file at its launch limit, no spills, wgmma with one group left in
-    flight, TMA loads, within shared memory."""
+@pytest.mark.parametrize("dtype,causal,hq,hkv,inbox", [("bf16", True, 32, 32, False),
+                                                     ("fp16", False, 8, 2, False),
+                                                     ("bf16", True, 32, 8, True),
+                                                     ("fp16", False, 8, 2, True)])
+def test_warp_specialized_attention_compiles(dtype, causal, hq, hkv, inbox):
+    """ag_attention's warp-specialized kernel (on Hopper; INBOX: in a group of
+    ranks): 12 warps (two consumer warpgroups and a producer warp, rounded to
+    warpgroups) within the register file at its launch limit, no spills (the
+    producer's inbox waits among them), wgmma with one group left in flight, TMA
+    loads, within shared memory; with INBOX the producer's flag waits acquire and
+    fence the async proxy."""
     from jaxtdist.kernels import attention_ws
+    d = 128
+    layout = (dict(KV_STRIDE=2 * hkv * d, V_OFF=hkv * d, STAGE_OFF=4096, PARITY_BYTES=1 << 24,
+                   FLAGS_OFF=0, SENT_OFF=256) if inbox else
+              dict(KV_STRIDE=hkv * d, V_OFF=0, STAGE_OFF=0, PARITY_BYTES=0, FLAGS_OFF=0,
+                   SENT_OFF=0))
     k = _compile_native(attention_ws.attention_ws_kernel, ["i32"] + [dtype] * 4 + ["fp32"],
-                        dict(B=2, S=4096, HQ=hq, HKV=hkv, D=128, CAUSAL=causal,
-                             QK_SCALE=0.1275), num_warps=4, num_stages=1,
-                        maxnreg=attention_ws.MAX_REGISTERS)
+                        dict(B=2, S=4096, HQ=hq, HKV=hkv, D=d, CAUSAL=causal,
+                             QK_SCALE=0.1275, INBOX=inbox, **layout), num_warps=4,
+                        num_stages=1, maxnreg=attention_ws.MAX_REGISTERS)
     assert k.metadata.num_warps == 12
     assert 12 * 32 * attention_ws.MAX_REGISTERS <= 65536
+    assert (8 * attention_ws.CONSUMER_REGISTERS.value
+            + 4 * attention_ws.PRODUCER_REGISTERS.value) * 32 <= 65536
     assert _stack_bytes(k) == 0
     ptx = k.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "wgmma.wait_group.sync.aligned 1" in ptx
     assert "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
     assert k.metadata.shared <= 227 * 1024
+    assert ("ld.acquire.gpu" in ptx and "fence.proxy.async.global" in ptx) == inbox
 
 
 @pytest.mark.parametrize("dtype,d", [("bf16", 128), ("fp16", 64), ("bf16", 256), ("fp32", 128),

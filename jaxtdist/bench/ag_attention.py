@@ -6,9 +6,9 @@ B=1, H=32, D=128, causal, bf16 (``shapes.AG_ATTENTION_*``):
   (``ag_attention_kernels``) against ``jax.nn.dot_product_attention`` (JAX's
   default pick) and, on GPUs, the same with ``implementation="cudnn"`` at S of
   ``AG_ATTENTION_SEQS``;
-- world W > 1 (``--world W``): ``jaxtdist.ag_attention`` against XLA's
-  ``all_gather`` of k and v + ``jax.nn.dot_product_attention`` with the causal
-  mask by global position, at S total of ``AG_ATTENTION_SEQS_MULTI``.
+- world W > 1 (``--world W``): ``jaxtdist.ag_attention`` (and its Triton kernel,
+  forced) against XLA's ``all_gather`` of k and v + ``jax.nn.dot_product_attention``
+  with the causal mask by global position, at S total of ``AG_ATTENTION_SEQS_MULTI``.
 - ``--backward``: forward + backward (the gradients of q, k and v) of the op
   ``jaxtdist.ag_attention`` (at world 1 on GPUs: the kernels) against the same
   contenders' (JAX's VJPs).
@@ -59,8 +59,9 @@ def _reference_rows(q, k, v, rows: np.ndarray) -> np.ndarray:
     128 rows at a time: the scores of all of them would not fit)."""
     kf, vf = jnp.asarray(k).astype(jnp.float32), jnp.asarray(v).astype(jnp.float32)
 
+    # k and v as arguments: captured, they became lowering constants (2 GB at 64K).
     @jax.jit
-    def block(qs, pos):
+    def block(qs, pos, kf, vf):
         scores = jnp.einsum("bqhd,bkhd->bhqk", qs.astype(jnp.float32), kf,
                             precision=jax.lax.Precision.HIGHEST) / np.float32(np.sqrt(q.shape[-1]))
         seen = pos[:, None] >= jnp.arange(kf.shape[1])[None, :]
@@ -68,7 +69,8 @@ def _reference_rows(q, k, v, rows: np.ndarray) -> np.ndarray:
         return jnp.einsum("bhqk,bkhd->bqhd", p, vf, precision=jax.lax.Precision.HIGHEST)
 
     qa = jnp.asarray(q)
-    return np.concatenate([np.asarray(block(qa[:, rows[i:i + 128]], jnp.asarray(rows[i:i + 128])))
+    return np.concatenate([np.asarray(block(qa[:, rows[i:i + 128]], jnp.asarray(rows[i:i + 128]),
+                                            kf, vf))
                            for i in range(0, len(rows), 128)], axis=1)
 
 
@@ -145,6 +147,10 @@ def bench_ag_attention(seqs, iterations: int, world: int, dtype=jnp.bfloat16,
     else:
         fns = dict(jaxtdist=jax.jit(jax.shard_map(
                        lambda *a: td.ag_attention(*a, "sp", causal=True), **specs)),
+                   # The Triton kernel beside the default (warp-specialized where it fits).
+                   jaxtdist_triton=jax.jit(jax.shard_map(
+                       lambda *a: td.ag_attention(*a, "sp", causal=True,
+                                                  config=dict(KERNEL="triton")), **specs)),
                    xla_all_gather_dpa=jax.jit(jax.shard_map(_xla_gather_attention, **specs)))
     rows = []
     for i, s in enumerate(seqs):
@@ -260,7 +266,11 @@ WORLD_COLUMNS = [
     h.Column("jaxtdist.ag_attention", lambda r: h.us(r.get("jaxtdist"))),
     h.Column("jaxtdist / XLA", lambda r: h.ratio(r.get("jaxtdist"), r.get("xla_all_gather_dpa"))),
     h.Column("TFLOP/s per GPU", lambda r: _tflops(r.get("jaxtdist"))),
+    h.Column("Triton kernel", lambda r: h.us(r.get("jaxtdist_triton"))),
+    h.Column("Triton / XLA", lambda r: h.ratio(r.get("jaxtdist_triton"),
+                                               r.get("xla_all_gather_dpa"))),
     h.Column("rel err", lambda r: h.err(r.get("jaxtdist"))),
+    h.Column("rel err (Triton)", lambda r: h.err(r.get("jaxtdist_triton"))),
 ]
 
 
@@ -284,7 +294,7 @@ def table(res: dict) -> str:
 def run(args) -> tuple[list[dict], dict]:
     world = args.world or 1
     seqs = AG_ATTENTION_SEQS if world == 1 else AG_ATTENTION_SEQS_MULTI
-    seqs = seqs[:1] if args.quick else [s for s in seqs if not args.seqs or s in args.seqs]
+    seqs = args.seqs or (seqs[:1] if args.quick else seqs)
     return (bench_ag_attention(seqs, args.iterations, world, rounds=args.rounds,
                                backward=args.backward), dict(world=world))
 
@@ -297,7 +307,8 @@ def _arguments(parser) -> None:
     parser.add_argument("--backward", action="store_true",
                         help="forward + backward (gradients of q, k, v) instead of the forward")
     parser.add_argument("--seqs", type=int, nargs="*", default=[],
-                        help="only these total sequence lengths (of the default ones)")
+                        help="these total sequence lengths instead of the default ones "
+                             "(rounded up to a multiple of the world size)")
 
 
 BENCHMARK = h.Benchmark(

@@ -1,5 +1,7 @@
 """Warp-specialized attention forward for Hopper (sm_90), in Gluon: ag_attention's
-kernel at world 1 where its tile fits (head dim 128, S a multiple of 128, 16-bit).
+kernel where its tile fits (head dim 128, S a multiple of 128, 16-bit), over one
+rank's keys or, with INBOX, over every rank's (peers' chunks in this rank's heap
+inbox, pushed there by the copy engines while the kernel runs).
 
 Triton's own pipeliner waits for each wgmma right after it, so a key block's
 softmax runs with the tensor cores idle, both warpgroups at once (the loop is
@@ -16,16 +18,23 @@ issue-bound). Gluon states the schedule instead, as FA3 does:
 
 Grid: (S // 128, B * HQ); program (i, bh) owns query tile S // 128 - 1 - i (the
 longest causal tiles first) of batch bh // HQ, head bh % HQ, which reads KV head
-h // (HQ / HKV). q, k, v and the output are [B, S, H, D] (rows of H * D).
-Causal: keys up to the tile's last query, the last block masked on the diagonal.
+h // (HQ / HKV). q and the output are [B, S, H, D] (rows of H * D).
+Key blocks in order: this rank's chunk (causal: up to the tile's last query,
+that block masked on the diagonal), then with INBOX each peer's chunk (causal:
+ranks me - 1, ..., 0; else me + 1, me + 2, ... modulo the world), the producer
+waiting for a chunk's flag before its first load (the ``ag_attention`` Triton
+kernel's inbox protocol, whose reuse waits program (0, 0) also makes).
 Worker partitions take no constexpr argument in Triton 3.6 (they arrive as
 run-time values), so the tile is fixed here.
 """
 
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
+
+import jaxtdist.language as dl
 
 BLOCK = gl.constexpr(128)   # query rows per program and keys per block
 HALF = gl.constexpr(64)     # query rows per consumer warpgroup
@@ -33,9 +42,11 @@ HEAD_DIM = gl.constexpr(128)
 STAGES = gl.constexpr(3)    # K/V stages: 32 KiB of queries + 3 x 64 KiB fit an SM
 # Registers per thread: the launch limit (12 warps fill the SM's 64K registers)
 # and each partition's share (the default partition, a consumer, gets the rest).
+# Two consumer warpgroups at 240 and the producer's (a warpgroup's worth) at 32
+# fill the 64K exactly; at 24 the producer's inbox waits spilled.
 MAX_REGISTERS = 168
 CONSUMER_REGISTERS = gl.constexpr(240)
-PRODUCER_REGISTERS = gl.constexpr(24)
+PRODUCER_REGISTERS = gl.constexpr(32)
 
 
 @gluon.jit
@@ -58,21 +69,51 @@ def _softmax_step(s, m, l, rows, cols, qk_scale, MASKED: gl.constexpr):
 
 @gluon.jit
 def _produce(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, turn,
-             o_desc, lse_row, row_q, col_q, row_kv, col_kv, mt, n_blocks, qk_scale, causal):
+             o_desc, lse_row, row_q, col_q, row_kv, col_kv, mt, n_blocks, qk_scale, causal,
+             ki_desc, vi_desc, ctx, flags, sent, me, world, epoch, b, batches, seq, own_n,
+             first_program):
     """The producer warp (see the module docstring)."""
     mbarrier.expect(q_bar, 2 * HALF * HEAD_DIM * q_desc.dtype.primitive_bitwidth // 8)
     tma.async_copy_global_to_shared(q_desc, [row_q, col_q], q_bar, q_smem.index(0))
     tma.async_copy_global_to_shared(q_desc, [row_q + HALF, col_q], q_bar, q_smem.index(1))
+    blocks_per_chunk = seq // BLOCK
+    kv_bytes: gl.constexpr = 2 * BLOCK * HEAD_DIM * k_desc.dtype.primitive_bitwidth // 8
     for j in range(n_blocks):
         stage = j % STAGES
         # A fresh barrier passes a wait for parity 1: the first STAGES fills go at once.
         mbarrier.wait(kv_empty.index(stage), ((j // STAGES) & 1) ^ 1)
-        mbarrier.expect(kv_ready.index(stage),
-                        2 * BLOCK * HEAD_DIM * k_desc.dtype.primitive_bitwidth // 8)
-        tma.async_copy_global_to_shared(k_desc, [row_kv + j * BLOCK, col_kv],
-                                        kv_ready.index(stage), k_smem.index(stage))
-        tma.async_copy_global_to_shared(v_desc, [row_kv + j * BLOCK, col_kv],
-                                        kv_ready.index(stage), v_smem.index(stage))
+        if j < own_n:
+            mbarrier.expect(kv_ready.index(stage), kv_bytes)
+            tma.async_copy_global_to_shared(k_desc, [row_kv + j * BLOCK, col_kv],
+                                            kv_ready.index(stage), k_smem.index(stage))
+            tma.async_copy_global_to_shared(v_desc, [row_kv + j * BLOCK, col_kv],
+                                            kv_ready.index(stage), v_smem.index(stage))
+        else:
+            # A peer's chunk in the inbox: wait for its flag before its first block
+            # (the wait fences the async proxy; the token keeps the loads below it).
+            peer_block = j - own_n
+            step = peer_block // blocks_per_chunk + 1
+            src = gl.where(causal, me - step, (me + step) % world)
+            in_chunk = peer_block % blocks_per_chunk
+            token = 0
+            if in_chunk == 0:
+                token = dl.wait_for_tma(ctx, flags + src * batches + b, epoch, src, "gpu")
+            row = (src * batches + b) * seq + in_chunk * BLOCK + token
+            mbarrier.expect(kv_ready.index(stage), kv_bytes)
+            tma.async_copy_global_to_shared(ki_desc, [row, col_kv], kv_ready.index(stage),
+                                            k_smem.index(stage))
+            tma.async_copy_global_to_shared(vi_desc, [row, col_kv], kv_ready.index(stage),
+                                            v_smem.index(stage))
+    if first_program:
+        # Reuse: every peer has reached this epoch (so has finished reading what
+        # this rank's next-but-one call rewrites), and this rank's pushes, whose
+        # source is k_ptr (this kernel's operand), have ended.
+        for step in range(1, world):
+            src = (me + step) % world
+            for chunk in range(0, batches):
+                dl.wait_for_tma(ctx, flags + src * batches + chunk, epoch, src, "gpu")
+        for step in range(1, world):
+            dl.wait_for_tma(ctx, sent + step, epoch, me, "gpu")
 
 
 @gluon.jit
@@ -97,13 +138,13 @@ def _consume(w: gl.constexpr, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty,
     q = q_smem.index(w)
     mbarrier.wait(q_bar, 0)
 
-    # Block 0: masked when it is the last (the first causal tile).
+    # Block 0: masked when it holds the diagonal (the first causal tile).
     mbarrier.wait(kv_ready.index(0), 0)
     mbarrier.wait(turn.index(w), w ^ 1)  # warpgroup 0 issues first
     s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
     mbarrier.arrive(turn.index(1 - w), count=1)
     s = warpgroup_mma_wait(0, deps=(s,))
-    if causal & (n_blocks == 1):
+    if causal & (mt == 0):
         m, l, p, alpha = _softmax_step(s, m, l, rows, cols, qk_scale, True)
     else:
         m, l, p, alpha = _softmax_step(s, m, l, rows, cols, qk_scale, False)
@@ -118,7 +159,7 @@ def _consume(w: gl.constexpr, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty,
         acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
         mbarrier.arrive(turn.index(1 - w), count=1)
         s = warpgroup_mma_wait(1, deps=(s,))  # QK^T of block j; PV of j - 1 still runs
-        if causal & (j == n_blocks - 1):
+        if causal & (j == mt):  # the diagonal block; this rank's chunk comes first
             m, l, p_next, alpha = _softmax_step(s, m, l, rows, j * BLOCK + cols, qk_scale,
                                                 True)
         else:
@@ -151,7 +192,9 @@ def _consume_0(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, turn, o_desc, 
 
 @gluon.jit
 def _consume_1(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, turn,
-               o_desc, lse_row, row_q, col_q, row_kv, col_kv, mt, n_blocks, qk_scale, causal):
+               o_desc, lse_row, row_q, col_q, row_kv, col_kv, mt, n_blocks, qk_scale, causal,
+               ki_desc, vi_desc, ctx, flags, sent, me, world, epoch, b, batches, seq, own_n,
+               first_program):
     # The worker partitions share one signature (_produce's).
     _consume(1, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, turn, o_desc, lse_row, row_q,
              col_q, mt, n_blocks, qk_scale, causal)
@@ -159,13 +202,24 @@ def _consume_1(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, 
 
 @gluon.jit
 def attention_ws_kernel(ctx, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, B: gl.constexpr,
-                        S: gl.constexpr,
-                        HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
-                        CAUSAL: gl.constexpr, QK_SCALE: gl.constexpr):
+                        S: gl.constexpr, HQ: gl.constexpr, HKV: gl.constexpr, D: gl.constexpr,
+                        CAUSAL: gl.constexpr, QK_SCALE: gl.constexpr, KV_STRIDE: gl.constexpr,
+                        V_OFF: gl.constexpr, INBOX: gl.constexpr, STAGE_OFF: gl.constexpr,
+                        PARITY_BYTES: gl.constexpr, FLAGS_OFF: gl.constexpr,
+                        SENT_OFF: gl.constexpr):
     """Launch with 4 warps (the default partition: consumer warpgroup 0; the
-    kernel has 12) and ``maxnreg=MAX_REGISTERS``; ``ctx`` is unused (a local
-    kernel). QK_SCALE: softmax's scale times log2(e). lse: float32 [B * HQ, S],
-    each row's base-2 log-sum-exp of its scaled scores (the backward's)."""
+    kernel has 12) and ``maxnreg=MAX_REGISTERS``. QK_SCALE: softmax's scale times
+    log2(e). lse: float32 [B * HQ, S], each row's base-2 log-sum-exp of its
+    scaled scores (the backward's).
+
+    This rank's keys and values: rows of KV_STRIDE elements, v at V_OFF elements
+    past k (k, v: [B, S, HKV, D], KV_STRIDE HKV * D, V_OFF 0; INBOX: k_ptr = v_ptr
+    = the [B * S, 2 * HKV * D] array the copy engines push, V_OFF = HKV * D).
+    INBOX: peers' chunks in this rank's inbox at STAGE_OFF + (e % 2) *
+    PARITY_BYTES ([world * B * S, 2 * HKV * D]), one flag per (peer, batch) at
+    FLAGS_OFF, this rank's sent words at SENT_OFF (``InboxWorkspace``, chunks of
+    S rows). Without INBOX ``ctx`` is unused (a group of one).
+    """
     gl.static_assert(D == HEAD_DIM, "head dim 128 only")
     gl.static_assert(S % BLOCK == 0, "S a multiple of 128")
     mt = S // BLOCK - 1 - gl.program_id(0)
@@ -176,11 +230,32 @@ def attention_ws_kernel(ctx, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, B: gl.constexp
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, D], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, D], dtype)
     q_desc = tma.make_tensor_descriptor(q_ptr, [B * S, HQ * D], [HQ * D, 1], [HALF, D], q_layout)
-    k_desc = tma.make_tensor_descriptor(k_ptr, [B * S, HKV * D], [HKV * D, 1], [BLOCK, D],
+    k_desc = tma.make_tensor_descriptor(k_ptr, [B * S, HKV * D], [KV_STRIDE, 1], [BLOCK, D],
                                         kv_layout)
-    v_desc = tma.make_tensor_descriptor(v_ptr, [B * S, HKV * D], [HKV * D, 1], [BLOCK, D],
-                                        kv_layout)
+    v_desc = tma.make_tensor_descriptor(v_ptr + V_OFF, [B * S, HKV * D], [KV_STRIDE, 1],
+                                        [BLOCK, D], kv_layout)
     o_desc = tma.make_tensor_descriptor(o_ptr, [B * S, HQ * D], [HQ * D, 1], [HALF, D], q_layout)
+    if INBOX:
+        me = dl.rank(ctx)
+        world = dl.num_ranks(ctx)
+        epoch = dl.epoch(ctx)
+        inbox = dl.parity_ptr(ctx, STAGE_OFF, PARITY_BYTES, dtype)
+        ki_desc = tma.make_tensor_descriptor(inbox, [world * B * S, HKV * D],
+                                             [2 * HKV * D, 1], [BLOCK, D], kv_layout)
+        vi_desc = tma.make_tensor_descriptor(inbox + HKV * D, [world * B * S, HKV * D],
+                                             [2 * HKV * D, 1], [BLOCK, D], kv_layout)
+        flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
+        sent = dl.heap_ptr(ctx, SENT_OFF, tl.int32)
+        peers = me if CAUSAL else world - 1
+    else:
+        me = gl.to_tensor(0)
+        world = gl.to_tensor(1)
+        epoch = gl.to_tensor(0)
+        ki_desc = k_desc
+        vi_desc = v_desc
+        flags = ctx
+        sent = ctx
+        peers = gl.to_tensor(0)
     q_smem = gl.allocate_shared_memory(dtype, [2, HALF, D], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, D], kv_layout)
@@ -194,15 +269,19 @@ def attention_ws_kernel(ctx, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, B: gl.constexp
         mbarrier.init(kv_empty.index(i), count=2)  # both consumer warpgroups
     mbarrier.init(turn.index(0), count=1)
     mbarrier.init(turn.index(1), count=1)
-    n_blocks = mt + 1 if CAUSAL else S // BLOCK
+    # Blocks of this rank's chunk, then every block of each peer's that is seen.
+    own_n = mt + 1 if CAUSAL else S // BLOCK
+    n_blocks = own_n + peers * (S // BLOCK)
     row_q = b * S + mt * BLOCK
     col_q = h * D
     qk_scale = gl.to_tensor(QK_SCALE)
     causal = gl.to_tensor(CAUSAL)
     lse_row = lse_ptr + bh * S
+    first_program = (gl.program_id(0) == 0) & (bh == 0)
     workers = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, turn,
                o_desc, lse_row, row_q, col_q, b * S, h // (HQ // HKV) * D, mt, n_blocks,
-               qk_scale, causal)
+               qk_scale, causal, ki_desc, vi_desc, ctx, flags, sent, me, world, epoch, b,
+               gl.to_tensor(B), gl.to_tensor(S), own_n, first_program)
     gl.warp_specialize([
         (_consume_0, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, turn, o_desc, lse_row,
                       row_q, col_q, mt, n_blocks, qk_scale, causal)),

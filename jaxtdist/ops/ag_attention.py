@@ -72,9 +72,9 @@ class AgAttentionConfig(KernelConfig):
         head's longest tiles first (the shortest tail).
       KERNEL: "auto" (the warp-specialized Gluon kernel where it fits, else the
         Triton kernel), "triton", or "ws" (the warp-specialized kernel, an error
-        where it does not fit: NVIDIA Hopper, a group of one rank, bfloat16 or
-        float16, head dim 128, S a multiple of 128). The tile fields above
-        configure the Triton kernel.
+        where it does not fit: NVIDIA Hopper, bfloat16 or float16, head dim 128,
+        S a multiple of 128, and in a group of several ranks the inbox gather).
+        The tile fields above configure the Triton kernel.
       BWD_BLOCK_Q, BWD_BLOCK_STEP: the fused backward's dq kernel: query rows per
         program and keys per step (powers of 2, 16 to 256).
       BWD_WARPS, BWD_STAGES: the dq kernel's launch options.
@@ -267,24 +267,27 @@ def _forward_kernels(q, k, v, axis_name, *, causal: bool = True,
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((b * hq, s), jnp.float32)]
     varying = call.result_axes(local=(q, k, v))
-    if cfg.KERNEL != "triton":
-        unfit = _ws_unfit(call, q)
-        if unfit and cfg.KERNEL == "ws":
-            raise ValueError(f"jaxtdist.ag_attention: config KERNEL='ws' (the warp-specialized "
-                             f"kernel) cannot run this call: {unfit}; use 'auto' or 'triton'")
-        if not unfit:
-            return _launch_ws(call, q, k, v, causal, tiles["QK_SCALE"], out_shape, varying)
     # Inboxes need a bulk push that overlaps the kernel (copy engines, both GPU
     # layouts) or the interpreter; a GPU backend without them reads peers.
     inbox_ok = call.rt.backend.has_copy_engines or call.platform != "gpu"
     if cfg.GATHER == "inbox" and not inbox_ok:
         raise ValueError("jaxtdist.ag_attention: config GATHER='inbox' needs copy-engine "
                          "pushes, which this heap backend lacks; use 'auto' or 'peer'")
+    warp_specialized = False
+    if cfg.KERNEL != "triton":
+        unfit = _ws_unfit(call, q, cfg.GATHER, inbox_ok)
+        if unfit and cfg.KERNEL == "ws":
+            raise ValueError(f"jaxtdist.ag_attention: config KERNEL='ws' (the warp-specialized "
+                             f"kernel) cannot run this call: {unfit}; use 'auto' or 'triton'")
+        warp_specialized = not unfit
+    if warp_specialized and call.world == 1:
+        return _launch_ws(call, q, k, v, causal, tiles["QK_SCALE"], out_shape, varying)
     if cfg.GATHER != "peer" and inbox_ok and call.world > 1:
         try:
-            return _launch_inbox(call, q, k, v, tiles, grid, out_shape, varying)
+            return _launch_inbox(call, q, k, v, tiles, grid, out_shape, varying,
+                                 warp_specialized)
         except HeapExhaustedError as err:
-            if cfg.GATHER == "inbox":
+            if cfg.GATHER == "inbox" or cfg.KERNEL == "ws":
                 raise
             warnings.warn(f"jaxtdist.ag_attention: the KV inboxes do not fit the heap ({err}); "
                           "every query tile reads peers' k and v over the link instead, "
@@ -314,7 +317,7 @@ _WS_HEAD_DIM = int(attention_ws.HEAD_DIM.value)
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
 
 
-def _ws_unfit(call: Call, q) -> str:
+def _ws_unfit(call: Call, q, gather: str, inbox_ok: bool) -> str:
     """Why the warp-specialized kernel cannot run this call ("" where it can)."""
     b, s, hq, d = q.shape
     if call.platform != "gpu":
@@ -323,9 +326,10 @@ def _ws_unfit(call: Call, q) -> str:
     if str(getattr(device, "compute_capability", "")) != "9.0":
         return (f"it runs on Hopper GPUs (compute capability 9.0), not on "
                 f"{device.device_kind}")
-    if call.world != 1:
-        return (f"it attends over one rank's keys (a group of one), and this group has "
-                f"{call.world} ranks")
+    if call.world > 1 and (gather == "peer" or not inbox_ok):
+        return ("in a group of several ranks it reads peers' keys from the heap inbox, "
+                + ("and config GATHER='peer'" if gather == "peer"
+                   else "which needs copy-engine pushes that this heap backend lacks"))
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"it takes bfloat16 or float16, not {q.dtype}"
     if d != _WS_HEAD_DIM:
@@ -345,15 +349,25 @@ def _launch_ws(call: Call, q, k, v, causal: bool, qk_scale: float, out_shape, va
     ws = call.workspace("ws", 64)  # the prologue's; the kernel reads no heap
     return call.run(attention_ws.attention_ws_kernel, q, k, v, workspace=ws,
                     out_shape=out_shape, grid=(s // _WS_BLOCK, b * hq),
-                    varying=varying, num_warps=4, num_stages=1, needs_scratch=True,
-                    maxnreg=attention_ws.MAX_REGISTERS, B=b, S=s, HQ=hq, HKV=k.shape[2], D=d,
-                    CAUSAL=causal, QK_SCALE=qk_scale)
+                    varying=varying, **_ws_launch(q, k.shape[2], causal, qk_scale),
+                    KV_STRIDE=k.shape[2] * d, V_OFF=0, INBOX=False, STAGE_OFF=0,
+                    PARITY_BYTES=0, FLAGS_OFF=0, SENT_OFF=0)
 
 
-def _launch_inbox(call: Call, q, k, v, tiles: dict, grid, out_shape, varying):
+def _ws_launch(q, hkv: int, causal: bool, qk_scale: float) -> dict:
+    """The warp-specialized kernel's launch options and shape constants."""
+    b, s, hq, d = q.shape
+    return dict(num_warps=4, num_stages=1, needs_scratch=True,
+                maxnreg=attention_ws.MAX_REGISTERS, B=b, S=s, HQ=hq, HKV=hkv, D=d,
+                CAUSAL=causal, QK_SCALE=qk_scale)
+
+
+def _launch_inbox(call: Call, q, k, v, tiles: dict, grid, out_shape, varying,
+                  warp_specialized: bool):
     """k and v pushed once into every peer's heap inbox (the copy engines, one chunk
     flag per (rank, batch); under the interpreter an SM push kernel before the
-    attention kernel, 16-row chunks); the tiles read peers' chunks locally."""
+    attention kernel, 16-row chunks); the tiles read peers' chunks locally, in the
+    warp-specialized kernel (copy engines only) or the Triton kernel."""
     b, s, hkv, d = k.shape
     ce = call.rt.backend.has_copy_engines
     chunk_rows = s if ce else 16  # the SM push copies pow-2 row blocks
@@ -373,6 +387,14 @@ def _launch_inbox(call: Call, q, k, v, tiles: dict, grid, out_shape, varying):
     # the copy engines have read it, and XLA keeps only a kernel's operands alive
     # (as the ce push's alone, its buffer could become the kernel's output while
     # peers were still being sent it).
+    if warp_specialized:
+        return call.launch(attention_ws.attention_ws_kernel, ctx, q, kv, kv,
+                           out_shape=out_shape, grid=(s // _WS_BLOCK, q.shape[0] * q.shape[2]),
+                           varying=varying,
+                           **_ws_launch(q, hkv, tiles["CAUSAL"], tiles["QK_SCALE"]),
+                           KV_STRIDE=2 * hkv * d, V_OFF=hkv * d, INBOX=True,
+                           STAGE_OFF=offsets["STAGE_OFF"], PARITY_BYTES=offsets["PARITY_BYTES"],
+                           FLAGS_OFF=offsets["FLAGS_OFF"], SENT_OFF=offsets["SENT_OFF"])
     return call.launch(ag_attention_kernel, ctx, q, kv, kv, out_shape=out_shape, grid=grid,
                        varying=varying, **tiles, INBOX=True, READY_OFF=0,
                        CHUNK_ROWS=chunk_rows, KV_STRIDE=2 * hkv * d, V_OFF=hkv * d,
@@ -493,15 +515,17 @@ def ag_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *, causal:
     Call inside ``jax.shard_map`` over the mesh given to ``jaxtdist.initialize``.
     q, k, v are sharded on the sequence over ``axis_name``: rank r holds global
     positions [r * S_shard, (r + 1) * S_shard). One launch: each rank's k and v
-    are staged in its heap; every program starts on its own chunk's tiles at
-    once and on each peer's chunk as soon as that peer has staged it (read over
-    NVLink on GPUs); under causal masking, chunks of later ranks are never
-    fetched. Differentiable: the backward gathers k and v through XLA
+    are pushed into every peer's heap inbox (the copy engines on GPUs; where the
+    inboxes do not fit, staged in its own heap and read over NVLink); every
+    program starts on its own chunk's tiles at once and on each peer's chunk as
+    soon as it has arrived; under causal masking, chunks of later ranks are never
+    read. On Hopper GPUs (bf16/f16, head dim 128, S_shard a multiple of 128) the
+    kernel is a warp-specialized one, elsewhere a Triton flash kernel.
+    Differentiable: the backward gathers k and v through XLA
     (``all_gather``), runs a fused flash-attention backward (two Triton
     kernels; no [S_shard, S] score matrix in memory; the forward keeps each
     row's log-sum-exp) and sums dk and dv back to their owners
-    (``psum_scatter``). A group of one rank runs the kernels on GPUs (the
-    warp-specialized one where it fits: Hopper, bf16/f16, head dim 128) and
+    (``psum_scatter``). A group of one rank runs the kernels on GPUs and
     ``jax.nn.dot_product_attention`` under the interpreter. float32 inputs
     follow ``jax.default_matmul_precision`` like XLA's dots on GPUs: TF32
     tensor cores by default, float32 accuracy under ``"highest"``. A NaN or inf

@@ -210,12 +210,17 @@ def test_warp_specialized_kernel_at_world_1(dtype, causal, b, s, hq, hkv):
     for bit; the Triton kernel within the same tolerance."""
     if not _hopper():
         pytest.skip("the warp-specialized kernel runs on Hopper (sm_90)")
-    mesh = _mesh(1)
+    _check_kernel_choices(ag_attention_kernels, _mesh(1), dtype, b, s, hq, hkv, causal, 3)
+
+
+def _check_kernel_choices(op, mesh, dtype, b, s, hq, hkv, causal, calls):
+    """``op`` with KERNEL "ws", "auto" and "triton", ``calls`` calls on fresh q, k, v
+    ([b, s, hq or hkv, 128] global): each within tolerance of the float32
+    reference, "auto" bit for bit "ws"."""
     fns = {name: jax.jit(jax.shard_map(
-        lambda q, k, v, name=name: ag_attention_kernels(q, k, v, "sp", causal=causal,
-                                                        config=dict(KERNEL=name)),
+        lambda q, k, v, name=name: op(q, k, v, "sp", causal=causal, config=dict(KERNEL=name)),
         mesh=mesh, in_specs=(SP,) * 3, out_specs=SP)) for name in ("ws", "auto", "triton")}
-    for _ in range(3):
+    for _ in range(calls):
         q = _rand((b, s, hq, 128), dtype)
         k, v = (_rand((b, s, hkv, 128), dtype) for _ in range(2))
         args = _put(mesh, dtype, q, k, v)
@@ -224,6 +229,50 @@ def test_warp_specialized_kernel_at_world_1(dtype, causal, b, s, hq, hkv):
         for name, out in outs.items():
             assert _rel(out, ref) < TOL[dtype], name
         np.testing.assert_array_equal(outs["auto"], outs["ws"])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("b,s,hq,hkv,calls", [(2, 256, 4, 2, 3), (1, 128, 8, 4, 10),
+                                              (1, 640, 8, 8, 3)])
+def test_warp_specialized_kernel_over_ranks(world, dtype, causal, b, s, hq, hkv, calls):
+    """The warp-specialized kernel in a group of ranks (the default there on Hopper
+    where it fits): peers' chunks from the heap inbox, their flags awaited by the
+    producer warp. One block per chunk (where Hq = 2 Hkv the output could take the
+    pushed rows' buffer: ten short calls) and more blocks than its three stages;
+    fresh inputs each call (both inbox parities, reused); "auto" runs it, bit for
+    bit; the Triton kernel within the same tolerance."""
+    if not _hopper():
+        pytest.skip("the warp-specialized kernel runs on Hopper (sm_90)")
+    if len(jax.devices()) < world:
+        pytest.skip(f"needs {world} GPUs")
+    _check_kernel_choices(td.ag_attention, _mesh(world), dtype, b, world * s, hq, hkv, causal,
+                          calls)
+
+
+def test_warp_specialized_kernel_over_ranks_needs_the_inbox():
+    """KERNEL='ws' with GATHER='peer' names why it cannot run; 'auto' runs the
+    Triton kernel there."""
+    if not _hopper():
+        pytest.skip("the warp-specialized kernel runs on Hopper (sm_90)")
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 GPUs")
+    mesh = _mesh(2)
+
+    def f(kernel):
+        return jax.jit(jax.shard_map(
+            lambda q, k, v: td.ag_attention(q, k, v, "sp",
+                                            config=dict(KERNEL=kernel, GATHER="peer")),
+            mesh=mesh, in_specs=(SP,) * 3, out_specs=SP))
+
+    q, k, v = (_rand((1, 512, 4, 128), jnp.bfloat16) for _ in range(3))
+    args = _put(mesh, jnp.bfloat16, q, k, v)
+    with pytest.raises(ValueError, match=r"KERNEL='ws' .* cannot run this call: in a group of "
+                                         r"several ranks it reads peers' keys from the heap "
+                                         r"inbox, and config GATHER='peer'"):
+        f("ws")(*args)
+    assert _rel(f("auto")(*args), _reference(q, k, v, True)) < TOL[jnp.bfloat16]
 
 
 def test_warp_specialized_kernel_asked_where_it_does_not_fit():

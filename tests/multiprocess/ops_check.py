@@ -180,6 +180,14 @@ def check_all(mesh, world: int) -> dict[str, float]:
     f = sm(lambda a, k_, v_: td.ag_attention(a, k_, v_, "tp"), (spec,) * 3, spec)
     errs["ag_attention"] = relerr(f(*(place(mesh, a, spec) for a in (q, kc, vc))),
                                   causal_reference(q, kc, vc))
+    # Head dim 128 and, on GPUs, 256 float16 positions per rank: where it fits
+    # (Hopper), the warp-specialized kernel reading peers' chunks from the inbox.
+    gpu = jax.devices()[0].platform == "gpu"
+    s_rank, dt = (256, np.float16) if gpu else (16, np.float32)
+    q = rand(22, (1, world * s_rank, 4, 128)).astype(dt)
+    kc, vc = (rand(23 + i, (1, world * s_rank, 2, 128)).astype(dt) for i in range(2))
+    errs["ag_attention_d128"] = relerr(f(*(place(mesh, a, spec) for a in (q, kc, vc))),
+                                       causal_reference(q, kc, vc))
     # MoE: tokens to their experts' ranks, identity experts (times 2), weighted back;
     # then the same with fp8 tokens and scales (dequantized by the experts).
     from jaxtdist.bench.moe import fp8_dequantize, fp8_tokens
