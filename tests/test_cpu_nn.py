@@ -177,9 +177,21 @@ def test_attention_takes_jaxtdist_fused_attention(monkeypatch):
         assert calls[-1][3] == dict(causal=bool(causal))
 
 
-def test_decode_with_the_kv_cache_matches_the_full_forward():
+def test_decode_with_the_kv_cache_matches_the_full_forward(monkeypatch):
     """Prefill of 8 tokens then 8 decode steps (GQA, KV heads replicated over tp):
-    the logits of one forward pass over all 16 tokens; the position is readable."""
+    the logits of one forward pass over all 16 tokens; the position is readable.
+    The jaxtdist layers attend through flash_decode over a group of one rank (its
+    kernel on GPUs), the XLA twin with a mask."""
+    from jaxtdist.nn import _attention
+
+    calls = []
+    real = _attention.flash_decode
+
+    def counted(q, k, v, kv_len, axis_name, **kw):
+        calls.append((tuple(q.shape), tuple(k.shape), axis_name))
+        return real(q, k, v, kv_len, axis_name, **kw)
+
+    monkeypatch.setattr(_attention, "flash_decode", counted)
     mesh = _mesh((2, 4))
     cfg = _cfg(8, 2, layers=2)
     ours, theirs = tdnn.Llama.twins(cfg, mesh)
@@ -188,6 +200,7 @@ def test_decode_with_the_kv_cache_matches_the_full_forward():
     ref = _llama_reference(_weights(ours), tokens, cfg)
     step = nnx.jit(lambda m, t: m(t, decode=True))
     for model in (ours, theirs):
+        calls.clear()
         model.init_cache(batch, total)
         logits = nnx.jit(lambda m, t: m(t))(model, tokens[:, :prompt])
         assert rel_err(logits, ref[:, :prompt]) < 1e-5
@@ -201,6 +214,9 @@ def test_decode_with_the_kv_cache_matches_the_full_forward():
             model.layers[0].self_attn.check_room(1)
         # Inside jit past the end: NaN, never a wrong number.
         assert np.isnan(np.asarray(step(model, tokens[:, :1]))).all()
+        # Traced once, each layer: each rank's 2 query heads of 2 sequences over
+        # its cache (1 KV head, 16 positions).
+        assert calls == ([((2, 2, 4), (2, 16, 1, 4), ())] * 2 if model is ours else []), calls
 
 
 def test_gradients_and_five_adamw_steps_match_the_reference():

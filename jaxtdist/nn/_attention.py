@@ -16,6 +16,8 @@ from jaxtdist.nn._layout import make_layout
 from jaxtdist.nn._linear import ColumnParallelLinear, RowParallelLinear, column_parallel
 from jaxtdist.ops.ag_attention import _MAX_HEAD_DIM as _FUSED_MAX_HEAD_DIM
 from jaxtdist.ops.ag_attention import ag_attention
+from jaxtdist.ops.flash_decode import _MAX_HEAD_DIM as _DECODE_MAX_HEAD_DIM
+from jaxtdist.ops.flash_decode import flash_decode
 
 __all__ = ["ParallelAttention", "rope"]
 
@@ -66,7 +68,8 @@ class ParallelAttention(nnx.Module):
 
     Decoding: ``init_cache(batch, max_len)``, a call on the prompts fills the
     cache (the prefill), then calls with ``decode=True`` on [batch, 1, d] add
-    one token each at ``position`` (readable, an int32 scalar). Past
+    one token each at ``position`` (readable, an int32 scalar), attending
+    through ``flash_decode`` where the cache has the activations' dtype. Past
     ``max_len`` the output is NaN, never a wrong number (``check_room`` raises
     ahead of a decode loop).
 
@@ -316,9 +319,17 @@ class ParallelAttention(nnx.Module):
                                                    (zero, index, zero, zero))
             cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype),
                                                    (zero, index, zero, zero))
-            mask = (jnp.arange(max_len) <= index)[None, None, None, :]
-            o = _dot_product_attention(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype),
-                                       mask, lay.mesh)
+            if (lay.impl == "jaxtdist" and q.dtype == cache_k.dtype
+                    and self.head_dim <= _DECODE_MAX_HEAD_DIM):
+                # flash_decode over a group of one rank: on GPUs its split-KV kernel
+                # reads the cache up to the length once (XLA's masked attention
+                # reads all of it); elsewhere plain JAX.
+                kv_len = jnp.broadcast_to(index + 1, (q.shape[0],))
+                o = flash_decode(q[:, 0], cache_k, cache_v, kv_len, ())[:, None]
+            else:
+                mask = (jnp.arange(max_len) <= index)[None, None, None, :]
+                o = _dot_product_attention(q, cache_k.astype(q.dtype),
+                                           cache_v.astype(q.dtype), mask, lay.mesh)
             o = jnp.where(index < max_len, o, jnp.nan)  # past the cache's end: no answer
             return o, cache_k, cache_v
 
