@@ -345,19 +345,19 @@ def _launch_ws(call: Call, q, k, v, causal: bool, qk_scale: float, out_shape, va
     """The warp-specialized Gluon kernel (``kernels/attention_ws``): one rank's
     attention, TMA loads into shared memory (descriptors in Triton's global
     scratch, which jaxtdist's launcher provides)."""
-    b, s, hq, d = q.shape
+    d = q.shape[3]
     ws = call.workspace("ws", 64)  # the prologue's; the kernel reads no heap
     return call.run(attention_ws.attention_ws_kernel, q, k, v, workspace=ws,
-                    out_shape=out_shape, grid=(s // _WS_BLOCK, b * hq),
-                    varying=varying, **_ws_launch(q, k.shape[2], causal, qk_scale),
+                    out_shape=out_shape, varying=varying,
+                    **_ws_launch(q, k.shape[2], causal, qk_scale),
                     KV_STRIDE=k.shape[2] * d, V_OFF=0, INBOX=False, STAGE_OFF=0,
                     PARITY_BYTES=0, FLAGS_OFF=0, SENT_OFF=0)
 
 
 def _ws_launch(q, hkv: int, causal: bool, qk_scale: float) -> dict:
-    """The warp-specialized kernel's launch options and shape constants."""
+    """The warp-specialized kernel's grid, launch options and shape constants."""
     b, s, hq, d = q.shape
-    return dict(num_warps=4, num_stages=1, needs_scratch=True,
+    return dict(grid=(s // _WS_BLOCK, b * hq), num_warps=4, num_stages=1, needs_scratch=True,
                 maxnreg=attention_ws.MAX_REGISTERS, B=b, S=s, HQ=hq, HKV=hkv, D=d,
                 CAUSAL=causal, QK_SCALE=qk_scale)
 
@@ -389,8 +389,7 @@ def _launch_inbox(call: Call, q, k, v, tiles: dict, grid, out_shape, varying,
     # peers were still being sent it).
     if warp_specialized:
         return call.launch(attention_ws.attention_ws_kernel, ctx, q, kv, kv,
-                           out_shape=out_shape, grid=(s // _WS_BLOCK, q.shape[0] * q.shape[2]),
-                           varying=varying,
+                           out_shape=out_shape, varying=varying,
                            **_ws_launch(q, hkv, tiles["CAUSAL"], tiles["QK_SCALE"]),
                            KV_STRIDE=2 * hkv * d, V_OFF=hkv * d, INBOX=True,
                            STAGE_OFF=offsets["STAGE_OFF"], PARITY_BYTES=offsets["PARITY_BYTES"],
