@@ -11,8 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tests.conftest import cpu_only, timeout
 
 ROOT = Path(__file__).resolve().parents[1]
