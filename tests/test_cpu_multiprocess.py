@@ -224,3 +224,21 @@ def test_sub_meshes_spanning_processes():
         errs = dict(line.split()[1:3] for line in rank_lines(out, rank, "SUBMESH"))
         assert set(errs) == {"tp-across", "tp-within"}, out[-4000:]
         assert all(float(e) <= 1e-6 for e in errs.values()), errs
+
+
+@timeout(240)
+def test_moe_and_attention_cases_across_processes():
+    """The MoE and attention ops' cases (tests/multiprocess/cases_check.py: skewed
+    and empty routings, top-1/2/8, chained calls with new routings, MoE gradients;
+    ragged and empty decode shards, GQA 1/4/8, 50 growing decode steps; causal and
+    not, odd shards, head dim 128) over 2 processes, no XLA collective."""
+    from tests.multiprocess.checks import CASES
+
+    code, out, _ = launch(2, "cases_check.py", limit_s=230)
+    assert code == 0, out[-4000:]
+    assert "XLA_COLLECTIVES" not in out, out[-4000:]
+    for rank in range(2):
+        assert rank_lines(out, rank, "OK") == ["OK"], out[-4000:]
+        checks = dict(line.split()[1:3] for line in rank_lines(out, rank, "CHECK"))
+        assert set(checks) == set(CASES), checks
+        assert all(float(err) <= 1e-5 for err in checks.values()), checks

@@ -22,7 +22,7 @@ import time
 import pytest
 
 from tests.conftest import timeout
-from tests.multiprocess.checks import GRADS, OPS, TRANSFORMS
+from tests.multiprocess.checks import CASES, GRADS, OPS, TRANSFORMS, XLA_GRAD_CASES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = os.path.join(ROOT, "tests", "multiprocess")
@@ -62,7 +62,8 @@ def gpu_count() -> int:
 
 
 def launch(nproc: int, extra_env: dict, *args: str, grace_s: float = 0,
-           limit_s: float = 240, share_gpu: bool = True) -> tuple[int, str, float]:
+           limit_s: float = 240, share_gpu: bool = True,
+           script: str = "ops_check.py") -> tuple[int, str, float]:
     env = dict(os.environ)
     env.update(extra_env)
     env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in sys.path if p])
@@ -72,7 +73,7 @@ def launch(nproc: int, extra_env: dict, *args: str, grace_s: float = 0,
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "jaxtdist.launch", "--nproc-per-node", str(nproc),
-         *(["--share-gpu"] if share_gpu else []), "--failure-grace-s", str(grace_s), os.path.join(SCRIPTS, "ops_check.py"), *args],
+         *(["--share-gpu"] if share_gpu else []), "--failure-grace-s", str(grace_s), os.path.join(SCRIPTS, script), *args],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         timeout=limit_s)
     took = time.monotonic() - start
@@ -100,6 +101,28 @@ def test_every_op_on_the_nvshmem_heap(mps, nproc):
         checks = dict(line.split()[1:3] for line in rank_lines(out, rank, "CHECK"))
         assert set(checks) == set(ALL_CHECKS), checks
         assert all(float(e) <= GPU_TOL for e in checks.values()), checks
+
+
+def _check_cases(out: str, nproc: int, names) -> None:
+    assert "XLA_COLLECTIVES" not in out, out[-6000:]
+    for rank in range(nproc):
+        assert rank_lines(out, rank, "OK") == ["OK"], out[-6000:]
+        checks = dict(line.split()[1:3] for line in rank_lines(out, rank, "CHECK"))
+        assert set(checks) == set(names), checks
+        assert all(float(e) <= GPU_TOL for e in checks.values()), checks
+
+
+@timeout(300)
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_moe_and_attention_cases_with_processes_sharing_a_gpu(mps, nproc):
+    """The MoE and attention ops' cases (tests/multiprocess/cases_check.py: skewed
+    and empty routings, top-1/2/8, 50 chained calls with new routings, MoE
+    gradients; ragged and empty decode shards, GQA 1/4/8, 50 growing decode steps;
+    causal and not, odd shards, head dim 128 in float16 through the
+    warp-specialized kernel on Hopper), each process one PE."""
+    code, out, _ = launch(nproc, mps, script="cases_check.py", limit_s=280)
+    assert code == 0, out[-6000:]
+    _check_cases(out, nproc, CASES)
 
 
 @timeout(300)
@@ -142,6 +165,19 @@ def test_one_gpu_per_process():
         checks = dict(line.split()[1:3] for line in rank_lines(out, rank, "CHECK"))
         assert set(checks) == {*ALL_CHECKS, *GRADS}, checks
         assert all(float(e) <= GPU_TOL for e in checks.values()), checks
+
+
+@timeout(300)
+def test_moe_and_attention_cases_one_gpu_per_process():
+    """The cases above in the production layout, with ag_attention's gradients
+    (whose backward gathers through XLA's collectives, which work here)."""
+    n = min(gpu_count(), 4)
+    if n < 2:
+        pytest.skip(f"needs 2 GPUs, {n} visible")
+    code, out, _ = launch(n, {}, "--xla-grads", script="cases_check.py", share_gpu=False,
+                          limit_s=280)
+    assert code == 0, out[-6000:]
+    _check_cases(out, n, CASES + XLA_GRAD_CASES)
 
 
 @timeout(300)

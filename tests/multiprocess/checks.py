@@ -1,4 +1,4 @@
-"""The names tests/multiprocess/ops_check.py reports (``CHECK name relerr``), in
+"""The names tests/multiprocess/ops_check.py and cases_check.py report (``CHECK name relerr``), in
 its order; the tests that start it assert these sets. No side effects: safe to
 import from a test process."""
 
@@ -10,7 +10,14 @@ OPS = ("ag_matmul", "all_gather", "all_reduce", "reduce_scatter", "matmul_rs", "
 # vmap of every built-in op (--ops --transforms).
 TRANSFORMS = tuple(f"vmap_{op}" for op in OPS[:6])
 # remat + grad of the two matmuls (--ops --grads): their backward runs on jaxtdist's
-# kernels only (no XLA collective). With processes sharing one GPU the gradients
-# are still wrong and a wait times out (seen on H100, no MPS): a known defect, see
-# tests/gpu/test_gpu_multiprocess.py's xfail.
+# kernels only (no XLA collective).
 GRADS = ("remat_grad_ag_matmul", "remat_grad_matmul_rs")
+
+# tests/multiprocess/cases_check.py: the MoE and attention ops' cases.
+CASES = ("moe_random_top2", "moe_top1_one_expert_per_rank", "moe_top8_of_many",
+         "moe_all_to_rank0", "moe_an_empty_expert", "moe_all_to_one_expert", "moe_chained_50",
+         "moe_grads", "fd_gqa1", "fd_gqa4", "fd_gqa8", "fd_d128", "fd_chained_50",
+         "ag_causal_gqa1", "ag_causal_gqa4", "ag_causal_gqa8", "ag_noncausal_gqa4",
+         "ag_causal_d128", "ag_noncausal_d128")
+# With --xla-grads: ag_attention's gradients (XLA's collectives gather k and v).
+XLA_GRAD_CASES = ("ag_grads_causal", "ag_grads_noncausal")
