@@ -62,6 +62,17 @@ def timeout(seconds: int):
     return lambda f: f
 
 
+def dp_tp_mesh(shape: tuple[int, int], explicit: bool = True) -> Mesh:
+    """A ("dp", "tp") mesh over the first devices, Explicit axes (``jax.make_mesh``'s
+    default) or Auto, with jaxtdist initialized on it (the layers' tests)."""
+    types = (jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto,) * 2
+    mesh = jax.make_mesh(shape, ("dp", "tp"), axis_types=types,
+                         devices=jax.devices()[:int(np.prod(shape))])
+    td.initialize(mesh, heap_bytes=DEFAULT_HEAP_BYTES["cpu"],
+                  wait_timeout_s=DEFAULT_WAIT_TIMEOUT_S)
+    return mesh
+
+
 @functools.lru_cache(maxsize=None)
 def mesh_of(shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
     """A mesh over the first prod(shape) devices (cached: one object per shape)."""

@@ -13,26 +13,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 flax = pytest.importorskip("flax")
 optax = pytest.importorskip("optax")
 from flax import nnx  # noqa: E402
 
-import jaxtdist  # noqa: E402
 from jaxtdist import nn as tdnn  # noqa: E402
-from tests.conftest import DEFAULT_HEAP_BYTES, DEFAULT_WAIT_TIMEOUT_S, f64, rel_err  # noqa: E402
+from tests.conftest import dp_tp_mesh, f64, rel_err  # noqa: E402
 
 
-def _mesh(shape, explicit=True):
-    """``jax.make_mesh`` (Explicit axes, its default) or Auto axes; jaxtdist on it."""
-    types = (AxisType.Explicit if explicit else AxisType.Auto,) * 2
-    mesh = jax.make_mesh(shape, ("dp", "tp"), axis_types=types,
-                         devices=jax.devices()[:int(np.prod(shape))])
-    jaxtdist.initialize(mesh, heap_bytes=DEFAULT_HEAP_BYTES["cpu"],
-                        wait_timeout_s=DEFAULT_WAIT_TIMEOUT_S)
-    return mesh
+_mesh = dp_tp_mesh
 
 
 def _weights(module) -> dict:

@@ -25,6 +25,7 @@ from jaxtdist.nn._hf import load_hf_llama
 from jaxtdist.nn._linear import ColumnParallelLinear, RowParallelLinear
 from jaxtdist.nn._llama import Llama, LlamaConfig, place_on_mesh
 from jaxtdist.nn._mlp import ParallelMLP
+from jaxtdist.nn._moe import ParallelMoE
 
 __all__ = ["ColumnParallelLinear", "Embed", "Llama", "LlamaConfig", "ParallelAttention",
-           "ParallelMLP", "RowParallelLinear", "load_hf_llama", "place_on_mesh", "rope"]
+           "ParallelMLP", "ParallelMoE", "RowParallelLinear", "load_hf_llama", "place_on_mesh", "rope"]

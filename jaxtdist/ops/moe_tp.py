@@ -187,6 +187,19 @@ def _ragged_gemm_bwd(residuals, dy):
 _ragged_gemm.defvjp(_ragged_gemm_fwd, _ragged_gemm_bwd)
 
 
+def expert_gemm(grouped_gemm: str, experts: int,
+                dtype) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
+    """The experts' grouped GEMM ``gemm(rows, w, group_sizes)`` -> float32, as
+    ``grouped_gemm`` names it ("auto": ``_pick_grouped_gemm``; "jaxtdist"'s results
+    are rounded to the rows' dtype first). Differentiable; vmap takes both."""
+    _check_grouped_gemm(grouped_gemm)
+    if _pick_grouped_gemm(grouped_gemm, experts, dtype) == "jaxtdist":
+        def gemm(a, b, sizes):
+            return grouped_matmul(a, b, sizes).astype(jnp.float32)
+        return gemm
+    return _ragged_gemm
+
+
 def experts_partial_sum(xs: jax.Array, ids: jax.Array, gate: jax.Array, k: int, w1: jax.Array,
                         w2: jax.Array, w_up: jax.Array | None,
                         activation: Callable[[jax.Array], jax.Array],
@@ -201,14 +214,7 @@ def experts_partial_sum(xs: jax.Array, ids: jax.Array, gate: jax.Array, k: int, 
     needs E <= 256 and a jaxtdist runtime, inside shard_map) or "auto"
     (``_pick_grouped_gemm``).
     """
-    _check_grouped_gemm(grouped_gemm)
-    grouped_gemm = _pick_grouped_gemm(grouped_gemm, w1.shape[0], xs.dtype)
-    if grouped_gemm == "jaxtdist":
-        def gemm(a, b, sizes):
-            return grouped_matmul(a, b, sizes).astype(jnp.float32)
-    else:
-        gemm = _ragged_gemm
-
+    gemm = expert_gemm(grouped_gemm, w1.shape[0], xs.dtype)
     gate, order, position, sizes, valid = expert_order(ids, gate, w1.shape[0])
     rows = _pairs_by_expert(xs, order, position, k)                      # [T * K, H]
     hidden = activation(gemm(rows, w1, sizes))

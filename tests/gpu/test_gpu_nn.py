@@ -1,6 +1,7 @@
 """jaxtdist.nn's Llama on GPUs against its XLA twin (same parameters): forward
-logits, a prefill and decode steps with the KV cache, and training steps;
-skipped without GPUs (run with JAXTDIST_TEST_GPU=1, as tests/gpu/run.sh does).
+logits, a prefill and decode steps with the KV cache, and training steps; the
+MoE block (ParallelMoE, expert and tensor parallel): forward, decode, gradients.
+Skipped without GPUs (run with JAXTDIST_TEST_GPU=1, as tests/gpu/run.sh does).
 
 World 1 is the local computation; 2 and 4 GPUs run the kernels (tp = world),
 with GQA heads fewer than tp at 4."""
@@ -81,3 +82,26 @@ def _llama_matches_the_xla_twin(world, dtype, tol):
         losses[name] = [float(train(model, opt, tokens[:, :prompt], tokens[:, 1:prompt + 1]))
                         for _ in range(5)]
     np.testing.assert_allclose(losses["ours"], losses["theirs"], rtol=10 * tol)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("parallelism", ["expert", "tensor"])
+def test_moe_layer_matches_the_xla_twin(world, parallelism):
+    """ParallelMoE (bfloat16: the experts' GEMMs on jaxtdist.grouped_matmul) against
+    its XLA twin: prefill, a decode step of 3 sequences, and the gradients."""
+    _mesh(world)
+    layers = [tdnn.ParallelMoE(256, 512, num_experts=8, top_k=2, parallelism=parallelism,
+                               dtype=jnp.bfloat16, impl=impl, rngs=nnx.Rngs(0))
+              for impl in ("jaxtdist", "xla")]
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((2, 64, 256)), jnp.bfloat16)
+    fwd = nnx.jit(lambda m, x: m(x))
+    for _ in range(2):
+        assert _rel(*(fwd(m, x) for m in layers)) < 3e-2
+    x1 = jnp.asarray(rng.standard_normal((3, 1, 256)), jnp.bfloat16)
+    step = nnx.jit(lambda m, x: m(x, decode=True))
+    assert _rel(*(step(m, x1) for m in layers)) < 3e-2
+    grads = nnx.jit(lambda m, x: nnx.grad(lambda m: jnp.sum(m(x).astype(jnp.float32) ** 2))(m))
+    ours, theirs = (grads(m, x) for m in layers)
+    for name in ("router", "gate_proj", "up_proj", "down_proj"):
+        assert _rel(getattr(ours, name)[...], getattr(theirs, name)[...]) < 5e-2, name

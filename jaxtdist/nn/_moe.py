@@ -1,0 +1,225 @@
+"""The sparse mixture-of-experts MLP block (Mixtral's, Qwen3-MoE's, DeepSeek's routed
+experts): a router picks each token's top-k experts, each a SwiGLU MLP, and the
+token's output is their weighted sum.
+
+Expert parallel (the default): the experts are split over ``axis_name`` and the
+sequence-parallel tokens travel to their experts' ranks and back
+(``moe_dispatch``, the grouped GEMMs, ``moe_combine``, in one shard_map).
+Tensor parallel: every rank holds every expert with the FFN dimension split
+(``moe_tp_mlp``). ``impl="xla"``: the same parameters, the experts' weights
+gathered by XLA and each rank's tokens through them (a reference).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxtdist.nn._layout import Layout, check_divisible, make_layout
+from jaxtdist.ops._op import pjit_wrapper, rows_over
+from jaxtdist.ops.moe import moe_combine, moe_dispatch
+from jaxtdist.ops.moe_tp import (GROUPED_GEMMS, expert_gemm, experts_partial_sum,
+                                 moe_tp_mlp_sharded)
+
+__all__ = ["ParallelMoE"]
+
+PARALLELISMS = ("expert", "tensor")
+
+
+def _expert_parallel_block(tokens, expert_ids, weights, w_gate, w_up, w_down, *, axis_name,
+                           num_experts, activation, grouped_gemm):
+    """Inside shard_map: this rank's tokens to their experts' ranks, through this
+    rank's experts (w_* [E / W, ...]), and back, weighted."""
+    recv, sizes, handle = moe_dispatch(tokens, expert_ids, axis_name, num_experts=num_experts)
+    gemm = expert_gemm(grouped_gemm, w_gate.shape[0], tokens.dtype)
+    hidden = activation(gemm(recv, w_gate, sizes)) * gemm(recv, w_up, sizes)
+    y = gemm(hidden.astype(tokens.dtype), w_down, sizes).astype(tokens.dtype)
+    return moe_combine(y, handle, weights, axis_name)
+
+
+@functools.lru_cache(maxsize=None)
+def _expert_parallel():
+    """The expert-parallel block on global arrays: tokens, ids and weights sharded on
+    rows over (*batch_axes, axis_name), the experts' weights on E over axis_name."""
+    def rows(axis, batch):
+        return P(rows_over(axis, batch), None)
+
+    return pjit_wrapper(
+        _expert_parallel_block, name="nn.ParallelMoE",
+        in_specs=lambda axis, batch: (rows(axis, batch),) * 3 + (P(axis, None, None),) * 3,
+        out_specs=rows)
+
+
+def _xla_block(tokens, expert_ids, weights, w_gate, w_up, w_down, *, axis_name, sharded,
+               activation):
+    """Inside shard_map, XLA's collectives only: the experts' weights gathered
+    (``sharded``: the dims split over ``axis_name``), this rank's tokens through
+    every expert they picked."""
+    w_gate, w_up, w_down = (jax.lax.all_gather(w, axis_name, axis=d, tiled=True)
+                            for w, d in zip((w_gate, w_up, w_down), sharded))
+    k = expert_ids.shape[1]
+    out = experts_partial_sum(tokens, expert_ids.reshape(-1), weights.reshape(-1), k, w_gate,
+                              w_down, w_up, activation, "ragged_dot")
+    return out.astype(tokens.dtype)
+
+
+class ParallelMoE(nnx.Module):
+    """A sparse MoE MLP block: ``sum_k w_k * down_e(act(gate_e(x)) * up_e(x))`` over
+    the ``top_k`` experts ``e`` the router picks for each token.
+
+    [batch, seq, d_model] in and out (sequence parallel, as the other layers).
+    Routing: ``probs = softmax(x @ router)`` (float32), the ``top_k`` largest,
+    renormalized to sum to 1 with ``norm_topk_prob`` (Mixtral's and Qwen3-MoE's
+    routing; without it DeepSeek-V2-style weights). Each call stores the
+    Switch-Transformer load-balancing loss ``E * sum_e f_e * P_e`` (``f_e``: the
+    share of (token, k) picks of expert e, ``P_e``: its mean probability) in
+    ``layer.load_balancing_loss`` (an ``nnx.Intermediate`` scalar): read it after
+    the call, in the same traced function, and add it to the loss (times a small
+    coefficient) to train the router towards balance.
+
+    ``parallelism="expert"`` (the default): experts ``[r * E / W, (r + 1) * E / W)``
+    on rank r of ``axis_name`` (W its size; E a multiple of W), replicated over
+    ``batch_axes``; tokens go to their experts' ranks with ``jaxtdist.moe_dispatch``
+    and back with ``moe_combine`` (no capacity: no token is dropped).
+    ``parallelism="tensor"``: every rank holds every expert with ``hidden`` split
+    over ``axis_name`` (``jaxtdist.moe_tp_mlp``). Parameters: ``router`` [d_model,
+    E] (replicated), ``gate_proj`` and ``up_proj`` [E, d_model, hidden],
+    ``down_proj`` [E, hidden, d_model], split on E (expert) or hidden (tensor).
+    Hugging Face's ``mlp.gate.weight`` is ``router`` transposed and
+    ``mlp.experts.{e}.gate_proj.weight`` is ``gate_proj[e]`` transposed.
+
+    Example:
+      >>> mesh = jax.make_mesh((2, 4), ("dp", "tp")); jaxtdist.initialize(mesh)
+      >>> moe = ParallelMoE(512, 1024, num_experts=8, top_k=2, rngs=nnx.Rngs(0))
+      >>> y = nnx.jit(lambda m, x: m(x))(moe, x)  # x: [batch, seq, 512]
+    """
+
+    def __init__(self, d_model: int, hidden: int, *, num_experts: int, top_k: int,
+                 parallelism: str = "expert", norm_topk_prob: bool = True,
+                 activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
+                 grouped_gemm: str = "auto", axis_name: str = "tp",
+                 batch_axes: str | Sequence[str] | None = None, mesh: Mesh | None = None,
+                 dtype=None, param_dtype=jnp.float32,
+                 kernel_init=nnx.initializers.lecun_normal(), impl: str = "jaxtdist",
+                 rngs: nnx.Rngs):
+        """``grouped_gemm``: the experts' GEMMs, as ``jaxtdist.moe_tp_mlp`` takes it
+        ("auto": ``jaxtdist.grouped_matmul`` on GPUs for 16-bit types, else
+        ``jax.lax.ragged_dot``)."""
+        self.layout = make_layout("ParallelMoE", mesh=mesh, axis_name=axis_name,
+                                  batch_axes=batch_axes, impl=impl)
+        name = "jaxtdist.nn.ParallelMoE"
+        if parallelism not in PARALLELISMS:
+            raise ValueError(f"{name}: parallelism={parallelism!r}; allowed: 'expert' (experts "
+                             "split over axis_name) or 'tensor' (every expert's hidden split)")
+        if grouped_gemm not in GROUPED_GEMMS:
+            raise ValueError(f"{name}: grouped_gemm={grouped_gemm!r}; allowed: "
+                             f"{', '.join(map(repr, GROUPED_GEMMS))}")
+        for what, value in (("d_model", d_model), ("hidden", hidden),
+                            ("num_experts", num_experts), ("top_k", top_k)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: {what}={value!r} must be an int >= 1")
+        if top_k > num_experts:
+            raise ValueError(f"{name}: top_k={top_k} exceeds num_experts={num_experts}; each "
+                             "token picks top_k distinct experts")
+        check_divisible(self.layout, "num_experts" if parallelism == "expert" else "hidden",
+                        num_experts if parallelism == "expert" else hidden)
+        self.d_model, self.hidden = d_model, hidden
+        self.num_experts, self.top_k = num_experts, top_k
+        self.parallelism, self.norm_topk_prob = parallelism, norm_topk_prob
+        self.activation, self.grouped_gemm, self.dtype = activation, grouped_gemm, dtype
+        axis = axis_name
+        specs = (((axis, None, None),) * 3 if parallelism == "expert"
+                 else ((None, None, axis), (None, None, axis), (None, axis, None)))
+        # The last call's auxiliary loss (see the class docstring).
+        self.load_balancing_loss = nnx.Intermediate(jnp.zeros((), jnp.float32))
+        self.router = self._param(kernel_init, (None, None), rngs, (d_model, num_experts),
+                                  param_dtype)
+        shapes = ((num_experts, d_model, hidden),) * 2 + ((num_experts, hidden, d_model),)
+        self.gate_proj, self.up_proj, self.down_proj = (
+            self._param(_per_expert(kernel_init), spec, rngs, shape, param_dtype)
+            for spec, shape in zip(specs, shapes))
+
+    def _param(self, init, spec, rngs, shape, dtype) -> nnx.Param:
+        """A parameter created sharded (never gathered onto one device first)."""
+        return nnx.Param(nnx.with_partitioning(init, spec, mesh=self.layout.mesh)(
+            rngs.params(), shape, dtype))
+
+    def route(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(expert_ids [T, top_k] int32, weights [T, top_k] float32) of tokens [T, d]
+        sharded over (*batch_axes, axis_name)."""
+        lay = self.layout
+        logits = lay.dot(tokens.astype(jnp.float32), self.router[...].astype(jnp.float32),
+                         P(lay.tokens, None))
+        probs = jax.nn.softmax(logits, axis=-1)
+        weights, ids = jax.lax.top_k(probs, self.top_k)
+        if self.norm_topk_prob:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        # Switch Transformer's auxiliary loss: E * sum_e (share of picks) * (mean prob).
+        picks = jnp.mean(jax.nn.one_hot(ids, self.num_experts, dtype=jnp.float32), axis=(0, 1))
+        self.load_balancing_loss[...] = self.num_experts * jnp.sum(picks * jnp.mean(probs, 0))
+        return ids.astype(jnp.int32), weights
+
+    def __call__(self, x: jax.Array, *, decode: bool = False) -> jax.Array:
+        """x: [batch, seq, d_model]; ``decode``: [batch, 1, d_model], one token each."""
+        lay = self.layout
+        x, batch, seq = lay.check_input(x, self.d_model, decode)
+        dtype = self.dtype or x.dtype
+        tokens = lay.to_tokens(x, decode).astype(dtype)
+        n = tokens.shape[0]
+        if decode:
+            # One token per sequence, on every tensor-parallel rank: spread them over
+            # the token axes like a prefill (padded rows route too and are dropped).
+            pad = -n % (lay.dp * lay.tp)
+            tokens = lay.constrain(tokens, P(None, None))
+            if pad:
+                tokens = jnp.concatenate([tokens, jnp.zeros((pad, self.d_model), dtype)])
+            tokens = lay.constrain(tokens, P(lay.tokens, None))
+        ids, weights = self.route(tokens)
+        w_gate, w_up, w_down = (p[...].astype(dtype)
+                                for p in (self.gate_proj, self.up_proj, self.down_proj))
+        y = self._experts(lay, tokens, ids, weights, w_gate, w_up, w_down)
+        if decode:
+            y = lay.constrain(y, P(None, None))[:n]
+            y = lay.constrain(y, P(lay.batch_spec(batch), None))
+        return lay.from_tokens(y, batch, seq, decode)
+
+    def _experts(self, lay: Layout, tokens, ids, weights, w_gate, w_up, w_down) -> jax.Array:
+        """[T, d] tokens sharded over (*batch_axes, axis_name) -> their outputs, alike."""
+        axis, batch_axes = lay.axis_name, lay.batch_axes
+        if lay.impl == "xla":
+            sharded = (0, 0, 0) if self.parallelism == "expert" else (2, 2, 1)
+            specs = (P(lay.tokens, None),) * 3 + tuple(_spec(axis, d, 3) for d in sharded)
+            args = tuple(lay.constrain(a, s) for a, s in
+                         zip((tokens, ids, weights, w_gate, w_up, w_down), specs))
+            return jax.shard_map(
+                functools.partial(_xla_block, axis_name=axis, sharded=sharded,
+                                  activation=self.activation),
+                mesh=lay.mesh, in_specs=specs, out_specs=P(lay.tokens, None))(*args)
+        if self.parallelism == "expert":
+            return _expert_parallel()(tokens, ids, weights, w_gate, w_up, w_down,
+                                      axis_name=axis, batch_axes=batch_axes,
+                                      num_experts=self.num_experts, activation=self.activation,
+                                      grouped_gemm=self.grouped_gemm)
+        return moe_tp_mlp_sharded(tokens, ids, weights, w_gate, w_down, w_up=w_up,
+                                  axis_name=axis, batch_axes=batch_axes,
+                                  activation=self.activation, grouped_gemm=self.grouped_gemm)
+
+
+def _spec(axis: str, dim: int, ndim: int) -> P:
+    """A PartitionSpec of ``ndim`` dims with ``dim`` split over ``axis``."""
+    return P(*(axis if d == dim else None for d in range(ndim)))
+
+
+def _per_expert(init):
+    """``init`` applied to each expert's [in, out] matrix of an [E, in, out] stack
+    (fan-in and fan-out are the matrix's, not the stack's)."""
+    def stacked(key, shape, dtype=jnp.float32):
+        keys = jax.random.split(key, shape[0])
+        return jax.vmap(lambda k: init(k, shape[1:], dtype))(keys)
+    return stacked

@@ -1,0 +1,159 @@
+"""jaxtdist.nn.ParallelMoE on CPU (8 host devices): expert- and tensor-parallel
+against a float64 numpy reference from the same parameters and against its
+impl="xla" twin, prefill and decode (a batch that divides nothing), gradients,
+the load-balancing loss, jaxtdist's grouped GEMM under the interpreter, and
+bad arguments."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+flax = pytest.importorskip("flax")
+from flax import nnx  # noqa: E402
+
+from jaxtdist import nn as tdnn  # noqa: E402
+from tests.conftest import dp_tp_mesh, f64, rel_err  # noqa: E402
+
+D, HIDDEN, EXPERTS, TOP_K = 16, 24, 8, 2
+_mesh = dp_tp_mesh
+
+
+def _weights(layer) -> dict:
+    return {name: f64(np.asarray(getattr(layer, name)[...]))
+            for name in ("router", "gate_proj", "up_proj", "down_proj")}
+
+
+def _routing(w, x, k, norm=True):
+    """(ids [..., k], weights [..., k], probs [..., E]) as the layer routes, float64."""
+    logits = x @ w["router"]
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    ids = np.argsort(-probs, axis=-1, kind="stable")[..., :k]
+    gates = np.take_along_axis(probs, ids, -1)
+    if norm:
+        gates = gates / gates.sum(-1, keepdims=True)
+    return ids, gates, probs
+
+
+def _reference(w, x, k, norm=True):
+    """float64: each token through each of its top-k SwiGLU experts, weighted."""
+    x = f64(x)
+    ids, gates, _ = _routing(w, x, k, norm)
+    gate = np.einsum("bsd,bskdh->bskh", x, w["gate_proj"][ids])
+    up = np.einsum("bsd,bskdh->bskh", x, w["up_proj"][ids])
+    h = gate / (1 + np.exp(-gate)) * up
+    return np.einsum("bskh,bskhd,bsk->bsd", h, w["down_proj"][ids], gates)
+
+
+def _count(monkeypatch):
+    """Counts the layer's calls of jaxtdist's MoE ops (not the XLA twin's)."""
+    from jaxtdist.nn import _moe
+
+    calls = []
+    for name in ("moe_dispatch", "moe_tp_mlp_sharded"):
+        real = getattr(_moe, name)
+
+        def counted(*a, _real=real, _name=name, **kw):
+            calls.append(_name)
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(_moe, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("shape,parallelism,explicit", [
+    ((2, 2), "expert", True), ((1, 4), "expert", False), ((2, 2), "tensor", False),
+    ((1, 4), "tensor", True), ((4, 1), "expert", True)])
+def test_matches_the_reference_and_its_xla_twin(monkeypatch, shape, parallelism, explicit):
+    calls = _count(monkeypatch)
+    _mesh(shape, explicit)
+    layer, twin = (tdnn.ParallelMoE(D, HIDDEN, num_experts=EXPERTS, top_k=TOP_K,
+                                    parallelism=parallelism, impl=impl, rngs=nnx.Rngs(0))
+                   for impl in ("jaxtdist", "xla"))
+    w = _weights(layer)
+    x = np.random.default_rng(1).standard_normal((2, 8, D)).astype(np.float32)
+    forward = nnx.jit(lambda m, x: m(x))
+    ref = _reference(w, x, TOP_K)
+    assert rel_err(forward(layer, x), ref) < 1e-5
+    op = "moe_dispatch" if parallelism == "expert" else "moe_tp_mlp_sharded"
+    assert calls == [op], calls
+    assert rel_err(forward(twin, x), ref) < 1e-5
+    assert calls == [op], calls  # the twin ran no jaxtdist op
+    # Decode: 3 sequences (divisible by neither dp nor tp), one token each.
+    x1 = np.random.default_rng(2).standard_normal((3, 1, D)).astype(np.float32)
+    out = nnx.jit(lambda m, x: m(x, decode=True))(layer, x1)
+    assert out.shape == (3, 1, D)
+    assert rel_err(out, _reference(w, x1, TOP_K)) < 1e-5
+
+
+def test_gradients_and_the_load_balancing_loss_match():
+    """Gradients of every parameter (router included, through the routing weights)
+    against the XLA twin's; the sown loss against its numpy formula; top-1 without
+    renormalization (DeepSeek-style weights)."""
+    _mesh((2, 2))
+    layer, twin = (tdnn.ParallelMoE(D, HIDDEN, num_experts=EXPERTS, top_k=1,
+                                    norm_topk_prob=False, impl=impl, rngs=nnx.Rngs(3))
+                   for impl in ("jaxtdist", "xla"))
+    x = np.random.default_rng(4).standard_normal((2, 8, D)).astype(np.float32)
+    g = np.random.default_rng(5).standard_normal((2, 8, D)).astype(np.float32)
+
+    @nnx.jit
+    def grads(m, x, g):
+        return nnx.grad(lambda m: jnp.sum(m(x) * g))(m)
+
+    ours, theirs = grads(layer, x, g), grads(twin, x, g)
+    for name in ("router", "gate_proj", "up_proj", "down_proj"):
+        a, b = np.asarray(getattr(ours, name)[...]), f64(np.asarray(getattr(theirs, name)[...]))
+        assert np.abs(b).max() > 0, name
+        assert rel_err(a, b) < 1e-5, name
+    w = _weights(layer)
+    assert rel_err(nnx.jit(lambda m, x: m(x))(layer, x), _reference(w, x, 1, norm=False)) < 1e-5
+
+    ids, _, probs = _routing(w, f64(x), 1, norm=False)
+    picks = np.bincount(ids.reshape(-1), minlength=EXPERTS) / ids.size
+    expected = EXPERTS * np.sum(picks * probs.reshape(-1, EXPERTS).mean(0))
+    assert abs(float(layer.load_balancing_loss[...]) - expected) < 1e-5 * expected
+    # Read in the same trace, it trains the router: its gradient reaches the router.
+    aux = nnx.jit(lambda m, x: nnx.grad(lambda m: (m(x), m.load_balancing_loss[...])[1])(m))(
+        layer, x)
+    assert np.abs(np.asarray(aux.router[...])).max() > 0
+    assert not np.asarray(aux.gate_proj[...]).any()
+
+
+def test_jaxtdist_grouped_gemm_under_the_interpreter():
+    """grouped_gemm="jaxtdist": the experts' GEMMs on jaxtdist.grouped_matmul (the
+    Triton kernel under the interpreter), both parallelisms, and its gradient."""
+    _mesh((1, 2))
+    x = np.random.default_rng(6).standard_normal((1, 4, D)).astype(np.float32)
+    for parallelism in ("expert", "tensor"):
+        layer = tdnn.ParallelMoE(D, HIDDEN, num_experts=4, top_k=2, parallelism=parallelism,
+                                 grouped_gemm="jaxtdist", rngs=nnx.Rngs(7))
+        assert rel_err(nnx.jit(lambda m, x: m(x))(layer, x),
+                       _reference(_weights(layer), x, 2)) < 1e-5, parallelism
+    dw = nnx.jit(lambda m, x: nnx.grad(lambda m: jnp.sum(m(x) ** 2))(m))(layer, x)
+    assert np.isfinite(np.asarray(dw.down_proj[...])).all()
+
+
+def test_bad_arguments_name_the_layer():
+    _mesh((2, 4))
+    make = lambda **kw: tdnn.ParallelMoE(D, HIDDEN, rngs=nnx.Rngs(0),  # noqa: E731
+                                         **{"num_experts": 8, "top_k": 2, **kw})
+    with pytest.raises(ValueError, match="ParallelMoE: parallelism='data'; allowed"):
+        make(parallelism="data")
+    with pytest.raises(ValueError, match="top_k=9 exceeds num_experts=8"):
+        make(top_k=9)
+    with pytest.raises(ValueError, match="num_experts=6 must be divisible by the size 4"):
+        make(num_experts=6)
+    with pytest.raises(ValueError, match="hidden=26 must be divisible by the size 4"):
+        tdnn.ParallelMoE(D, 26, num_experts=8, top_k=2, parallelism="tensor",
+                         rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="grouped_gemm='cublas'; allowed"):
+        make(grouped_gemm="cublas")
+    for bad in (0, 2.0):
+        with pytest.raises(ValueError, match=rf"top_k={bad} must be an int >= 1"):
+            make(top_k=bad)
+    with pytest.raises(ValueError, match=r"ParallelMoE: x has shape \(2, 8, 15\); "
+                                         r"expected \[batch, seq, 16\]"):
+        make()(jnp.zeros((2, 8, 15)))
