@@ -6,6 +6,7 @@ arguments."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -81,6 +82,20 @@ def _mlp(w, p, x):
         p + "down_proj.kernel"]
 
 
+def _moe_mlp(w, p, x, k):
+    """Mixtral's sparse MLP: the top k of softmax(x @ router), renormalized, each a
+    SwiGLU expert (weights stacked [E, ...])."""
+    logits = x @ w[p + "router"]
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    ids = np.argsort(-probs, axis=-1, kind="stable")[..., :k]
+    gates = np.take_along_axis(probs, ids, -1)
+    gates /= gates.sum(-1, keepdims=True)
+    h = (_silu(np.einsum("bsd,bskdh->bskh", x, w[p + "gate_proj"][ids]))
+         * np.einsum("bsd,bskdh->bskh", x, w[p + "up_proj"][ids]))
+    return np.einsum("bskh,bskhd,bsk->bsd", h, w[p + "down_proj"][ids], gates)
+
+
 def _llama_reference(w, tokens, cfg, positions=None, segment_ids=None):
     b, s = tokens.shape
     positions = np.broadcast_to(np.arange(s), (b, s)) if positions is None else positions
@@ -90,8 +105,9 @@ def _llama_reference(w, tokens, cfg, positions=None, segment_ids=None):
         p = f"layers.{i}."
         x = x + _attention(w, p + "self_attn.", _rms(x, w[p + "input_layernorm.scale"],
                                                      cfg.norm_eps), cfg, positions, segment_ids)
-        x = x + _mlp(w, p + "mlp.", _rms(x, w[p + "post_attention_layernorm.scale"],
-                                         cfg.norm_eps))
+        h = _rms(x, w[p + "post_attention_layernorm.scale"], cfg.norm_eps)
+        x = x + (_moe_mlp(w, p + "mlp.", h, cfg.experts_per_token) if cfg.num_experts
+                 else _mlp(w, p + "mlp.", h))
     x = _rms(x, w["norm.scale"], cfg.norm_eps)
     head = w["embed_tokens.embedding"].T if cfg.tie_embeddings else w["lm_head.kernel"]
     return x @ head
@@ -303,33 +319,47 @@ def test_orbax_restore_then_train_on_another_mesh(tmp_path):
     assert abs(got - ref_next) < 1e-5 * abs(ref_next)
 
 
+def _write_hf_checkpoint(folder, cfg, rng, **config) -> dict:
+    """A one-layer Hugging Face checkpoint of ``cfg`` in ``folder`` (HF names, [out, in]
+    weights; Mixtral's block_sparse_moe where cfg.num_experts): its tensors."""
+    save_file = pytest.importorskip("safetensors.numpy").save_file
+    hd, kv, d, f = cfg.d_model // cfg.num_heads, cfg.num_kv_heads, cfg.d_model, cfg.hidden
+    p = "model.layers.0."
+    shapes = {"model.embed_tokens.weight": (cfg.vocab, d), "model.norm.weight": (d,),
+              "lm_head.weight": (cfg.vocab, d), p + "input_layernorm.weight": (d,),
+              p + "post_attention_layernorm.weight": (d,),
+              p + "self_attn.q_proj.weight": (cfg.num_heads * hd, d),
+              p + "self_attn.k_proj.weight": (kv * hd, d),
+              p + "self_attn.v_proj.weight": (kv * hd, d),
+              p + "self_attn.o_proj.weight": (d, cfg.num_heads * hd)}
+    if cfg.num_experts:
+        shapes[p + "block_sparse_moe.gate.weight"] = (cfg.num_experts, d)
+        for e in range(cfg.num_experts):
+            q = f"{p}block_sparse_moe.experts.{e}."
+            shapes.update({q + "w1.weight": (f, d), q + "w3.weight": (f, d),
+                           q + "w2.weight": (d, f)})
+        config.update(num_local_experts=cfg.num_experts,
+                      num_experts_per_tok=cfg.experts_per_token)
+    else:
+        shapes.update({p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
+                       p + "mlp.down_proj.weight": (d, f)})
+    tensors = {k: (0.3 * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()}
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(dict(
+        vocab_size=cfg.vocab, hidden_size=d, num_hidden_layers=1,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=kv, intermediate_size=f,
+        rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=False,
+        **config)))
+    return tensors
+
+
 def test_hf_safetensors_checkpoint_loads(tmp_path):
     """A tiny Hugging Face Llama checkpoint written here (HF names, [out, in]
     weights): the loaded model's logits are the reference's from those tensors."""
-    save_file = pytest.importorskip("safetensors.numpy").save_file
     mesh = _mesh((2, 4))
     cfg = _cfg(8, 2)
     rng = np.random.default_rng(6)
-    hd, kv = cfg.d_model // cfg.num_heads, cfg.num_kv_heads
-    shapes = {"model.embed_tokens.weight": (cfg.vocab, cfg.d_model),
-              "model.norm.weight": (cfg.d_model,), "lm_head.weight": (cfg.vocab, cfg.d_model)}
-    p = "model.layers.0."
-    shapes.update({p + "input_layernorm.weight": (cfg.d_model,),
-                   p + "post_attention_layernorm.weight": (cfg.d_model,),
-                   p + "self_attn.q_proj.weight": (cfg.num_heads * hd, cfg.d_model),
-                   p + "self_attn.k_proj.weight": (kv * hd, cfg.d_model),
-                   p + "self_attn.v_proj.weight": (kv * hd, cfg.d_model),
-                   p + "self_attn.o_proj.weight": (cfg.d_model, cfg.num_heads * hd),
-                   p + "mlp.gate_proj.weight": (cfg.hidden, cfg.d_model),
-                   p + "mlp.up_proj.weight": (cfg.hidden, cfg.d_model),
-                   p + "mlp.down_proj.weight": (cfg.d_model, cfg.hidden)})
-    tensors = {k: (0.3 * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()}
-    save_file(tensors, str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps(dict(
-        vocab_size=cfg.vocab, hidden_size=cfg.d_model, num_hidden_layers=1,
-        num_attention_heads=cfg.num_heads, num_key_value_heads=kv,
-        intermediate_size=cfg.hidden, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps,
-        tie_word_embeddings=False)))
+    tensors = _write_hf_checkpoint(tmp_path, cfg, rng)
     model = tdnn.load_hf_llama(tmp_path, mesh)
     w = {k: f64(v) for k, v in tdnn._hf.hf_to_params(tensors).items()}
     tokens = _tokens(rng, (2, 8), cfg.vocab)
@@ -344,6 +374,48 @@ def test_hf_safetensors_checkpoint_loads(tmp_path):
     with torch.no_grad():
         ref = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
     assert rel_err(out, f64(ref)) < 1e-4
+
+
+def test_hf_mixtral_checkpoint_loads_and_trains_like_its_twin(tmp_path):
+    """A tiny Hugging Face Mixtral checkpoint (block_sparse_moe: a router, experts'
+    w1/w3/w2): the loaded model's logits are the reference's from those tensors; a
+    Llama with MoE layers matches its XLA twin's loss (router loss included) and
+    gradients, and decodes like its full forward."""
+    mesh = _mesh((2, 2))
+    cfg = dataclasses.replace(_cfg(4, 2), num_experts=4, experts_per_token=2)
+    rng = np.random.default_rng(8)
+    tensors = _write_hf_checkpoint(tmp_path, cfg, rng, router_aux_loss_coef=0.02,
+                                   output_router_logits=True)
+    model = tdnn.load_hf_llama(tmp_path, mesh)
+    assert model.config.num_experts == 4 and model.config.router_aux_loss_coef == 0.02
+    w = {k: f64(v) for k, v in tdnn._hf.hf_to_params(tensors).items()}
+    assert w["layers.0.mlp.gate_proj"].shape == (4, cfg.d_model, cfg.hidden)
+    tokens = _tokens(rng, (2, 8), cfg.vocab)
+    out = nnx.jit(lambda m, t: m(t))(model, tokens)
+    assert rel_err(out, _llama_reference(w, tokens, cfg)) < 1e-5
+
+    cfg = dataclasses.replace(cfg, num_layers=2, router_aux_loss_coef=0.1)
+    ours, theirs = tdnn.Llama.twins(cfg, mesh)
+    batch = _tokens(rng, (2, 9), cfg.vocab)
+
+    @nnx.jit
+    def loss_and_grads(m, t, y):
+        return nnx.value_and_grad(lambda m: m.loss(t, y))(m)
+
+    (a, ga), (b, gb) = (loss_and_grads(m, batch[:, :-1], batch[:, 1:]) for m in (ours, theirs))
+    assert abs(float(a) - float(b)) < 1e-5 * abs(float(b))
+    plain = dataclasses.replace(cfg, router_aux_loss_coef=0.0)
+    ours.config, theirs.config = plain, plain
+    assert float(a) > float(nnx.jit(lambda m, t, y: m.loss(t, y))(ours, batch[:, :-1],
+                                                                   batch[:, 1:]))
+    for (path, x), (_, y) in zip(nnx.to_flat_state(nnx.state(ga, nnx.Param)),
+                                 nnx.to_flat_state(nnx.state(gb, nnx.Param))):
+        assert rel_err(x[...], f64(np.asarray(y[...]))) < 1e-4, path
+    ours.init_cache(2, 8)
+    full = nnx.jit(lambda m, t: m(t))(theirs, batch[:, :8])
+    nnx.jit(lambda m, t: m(t))(ours, batch[:, :6])
+    step = nnx.jit(lambda m, t: m(t, decode=True))
+    assert rel_err(step(ours, batch[:, 6:7]), f64(np.asarray(full))[:, 6:7]) < 1e-5
 
 
 def test_bad_arguments_name_the_layer_and_the_shapes():

@@ -1,9 +1,10 @@
-"""Hugging Face Llama checkpoints (safetensors) into ``jaxtdist.nn.Llama``."""
+"""Hugging Face Llama and Mixtral checkpoints (safetensors) into ``jaxtdist.nn.Llama``."""
 
 from __future__ import annotations
 
 import json
 import pathlib
+import re
 
 import jax
 import numpy as np
@@ -23,18 +24,35 @@ def hf_config(config: dict) -> LlamaConfig:
                        hidden=config["intermediate_size"], head_dim=config.get("head_dim"),
                        rope_theta=float(config.get("rope_theta", 10000.0)),
                        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                       tie_embeddings=bool(config.get("tie_word_embeddings", False)))
+                       tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+                       # Mixtral: its sparse MoE MLP; HF adds the router's loss only
+                       # with output_router_logits.
+                       num_experts=int(config.get("num_local_experts", 0)),
+                       experts_per_token=int(config.get("num_experts_per_tok", 2)),
+                       router_aux_loss_coef=(float(config.get("router_aux_loss_coef", 0.0))
+                                             if config.get("output_router_logits") else 0.0))
 
 
 def hf_to_params(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Hugging Face names -> ``Llama`` parameter paths (dot-joined); linear weights
-    [out, in] are transposed to kernels [in, out]."""
-    out = {}
+    [out, in] are transposed to kernels [in, out]. Mixtral's
+    ``block_sparse_moe.gate`` is ``mlp.router``, and its experts' w1, w3, w2 are
+    stacked into ``mlp.gate_proj``, ``mlp.up_proj``, ``mlp.down_proj`` [E, ...]."""
+    out, experts = {}, {}
     for name, value in tensors.items():
         if name.endswith("rotary_emb.inv_freq"):
             continue  # recomputed from rope_theta
         path = name.removeprefix("model.")
-        if path == "embed_tokens.weight":
+        moe = re.fullmatch(r"(layers\.\d+\.)block_sparse_moe\.(gate|experts\.(\d+)\.(w[123]))"
+                           r"\.weight", path)
+        if moe:
+            layer, _, expert, w = moe.groups()
+            if expert is None:
+                out[layer + "mlp.router"] = value.T
+            else:
+                proj = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}[w]
+                experts.setdefault(layer + "mlp." + proj, {})[int(expert)] = value.T
+        elif path == "embed_tokens.weight":
             out["embed_tokens.embedding"] = value
         elif path.endswith("layernorm.weight") or path == "norm.weight":
             out[path.removesuffix("weight") + "scale"] = value
@@ -44,6 +62,11 @@ def hf_to_params(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             out[path] = value
         else:
             raise ValueError(f"jaxtdist.nn.load_hf_llama: unexpected tensor {name!r}")
+    for path, stack in experts.items():
+        if sorted(stack) != list(range(len(stack))):
+            raise ValueError(f"jaxtdist.nn.load_hf_llama: {path}: experts {sorted(stack)} in the "
+                             f"checkpoint, expected 0 ... {len(stack) - 1}")
+        out[path] = np.stack([stack[e] for e in range(len(stack))])
     return out
 
 

@@ -20,6 +20,7 @@ from jaxtdist.nn._attention import ParallelAttention
 from jaxtdist.nn._embed import Embed
 from jaxtdist.nn._layout import make_layout
 from jaxtdist.nn._mlp import ParallelMLP
+from jaxtdist.nn._moe import ParallelMoE
 
 __all__ = ["Llama", "LlamaConfig", "place_on_mesh"]
 
@@ -55,6 +56,13 @@ class LlamaConfig:
     rope_theta: float = 500000.0    # rope_theta
     norm_eps: float = 1e-5          # rms_norm_eps
     tie_embeddings: bool = False    # tie_word_embeddings
+    # A sparse MoE MLP in every layer (Mixtral's names) where num_experts > 0; hidden
+    # is then each expert's.
+    num_experts: int = 0            # num_local_experts
+    experts_per_token: int = 2      # num_experts_per_tok
+    router_aux_loss_coef: float = 0.0  # router_aux_loss_coef: loss() adds the
+    #                                    layers' mean load-balancing loss times this
+    moe_parallelism: str = "expert"  # ParallelMoE's parallelism
 
 
 class DecoderLayer(nnx.Module):
@@ -69,7 +77,13 @@ class DecoderLayer(nnx.Module):
                                            rope_theta=cfg.rope_theta, rngs=rngs, **common)
         self.post_attention_layernorm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps,
                                                     dtype=dtype, rngs=rngs)
-        self.mlp = ParallelMLP(cfg.d_model, cfg.hidden or 4 * cfg.d_model, rngs=rngs, **common)
+        hidden = cfg.hidden or 4 * cfg.d_model
+        if cfg.num_experts:
+            self.mlp = ParallelMoE(cfg.d_model, hidden, num_experts=cfg.num_experts,
+                                   top_k=cfg.experts_per_token,
+                                   parallelism=cfg.moe_parallelism, rngs=rngs, **common)
+        else:
+            self.mlp = ParallelMLP(cfg.d_model, hidden, rngs=rngs, **common)
 
     def __call__(self, x, *, positions=None, segment_ids=None, decode=False):
         x = x + self.self_attn(self.input_layernorm(x), positions=positions,
@@ -135,10 +149,16 @@ class Llama(nnx.Module):
         return self.lm_head(x)
 
     def loss(self, tokens: jax.Array, targets: jax.Array, **kwargs) -> jax.Array:
-        """Mean next-token cross entropy (float32) of tokens [batch, seq] against targets."""
+        """Mean next-token cross entropy (float32) of tokens [batch, seq] against targets,
+        plus ``router_aux_loss_coef`` times the MoE layers' mean load-balancing loss."""
         logits = self(tokens, **kwargs).astype(jnp.float32)
         picked = jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1)
-        return -picked.mean()
+        loss = -picked.mean()
+        coef = self.config.router_aux_loss_coef
+        if self.config.num_experts and coef:
+            aux = sum(layer.mlp.load_balancing_loss[...] for layer in self.layers)
+            loss = loss + coef * aux / len(self.layers)
+        return loss
 
     @classmethod
     def twins(cls, cfg: LlamaConfig, mesh: Mesh, **kwargs) -> tuple["Llama", "Llama"]:
