@@ -28,4 +28,5 @@ from jaxtdist.nn._mlp import ParallelMLP
 from jaxtdist.nn._moe import ParallelMoE
 
 __all__ = ["ColumnParallelLinear", "Embed", "Llama", "LlamaConfig", "ParallelAttention",
-           "ParallelMLP", "ParallelMoE", "RowParallelLinear", "load_hf_llama", "place_on_mesh", "rope"]
+           "ParallelMLP", "ParallelMoE", "RowParallelLinear", "load_hf_llama", "place_on_mesh",
+           "rope"]
