@@ -416,6 +416,12 @@ def test_hf_mixtral_checkpoint_loads_and_trains_like_its_twin(tmp_path):
     nnx.jit(lambda m, t: m(t))(ours, batch[:, :6])
     step = nnx.jit(lambda m, t: m(t, decode=True))
     assert rel_err(step(ours, batch[:, 6:7]), f64(np.asarray(full))[:, 6:7]) < 1e-5
+    # What Llama does not compute is refused, not loaded.
+    config = json.loads((tmp_path / "config.json").read_text())
+    for key, value, match in (("sliding_window", 4096, "sliding_window=4096"),
+                              ("hidden_act", "gelu", "hidden_act='gelu'")):
+        with pytest.raises(ValueError, match=match):
+            tdnn._hf.hf_config({**config, key: value})
 
 
 def test_bad_arguments_name_the_layer_and_the_shapes():

@@ -1,11 +1,13 @@
 """jaxtdist.nn.ParallelMoE on CPU (8 host devices): expert- and tensor-parallel
 against a float64 numpy reference from the same parameters and against its
 impl="xla" twin, prefill and decode (a batch that divides nothing), gradients,
-the load-balancing loss, jaxtdist's grouped GEMM under the interpreter, and
+the router stats and load-balancing loss (Hugging Face Mixtral's), plain JAX
+transforms, jaxtdist's grouped GEMM under the interpreter, and
 bad arguments."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -90,8 +92,9 @@ def test_matches_the_reference_and_its_xla_twin(monkeypatch, shape, parallelism,
 
 def test_gradients_and_the_load_balancing_loss_match():
     """Gradients of every parameter (router included, through the routing weights)
-    against the XLA twin's; the sown loss against its numpy formula; top-1 without
-    renormalization (DeepSeek-style weights)."""
+    against the XLA twin's; the router stats and the load-balancing loss against
+    Hugging Face Mixtral's formula; top-1 without renormalization (DeepSeek-style
+    weights)."""
     _mesh((2, 2))
     layer, twin = (tdnn.ParallelMoE(D, HIDDEN, num_experts=EXPERTS, top_k=1,
                                     norm_topk_prob=False, impl=impl, rngs=nnx.Rngs(3))
@@ -111,15 +114,38 @@ def test_gradients_and_the_load_balancing_loss_match():
     w = _weights(layer)
     assert rel_err(nnx.jit(lambda m, x: m(x))(layer, x), _reference(w, x, 1, norm=False)) < 1e-5
 
-    ids, _, probs = _routing(w, f64(x), 1, norm=False)
-    picks = np.bincount(ids.reshape(-1), minlength=EXPERTS) / ids.size
-    expected = EXPERTS * np.sum(picks * probs.reshape(-1, EXPERTS).mean(0))
-    assert abs(float(layer.load_balancing_loss[...]) - expected) < 1e-5 * expected
-    # Read in the same trace, it trains the router: its gradient reaches the router.
-    aux = nnx.jit(lambda m, x: nnx.grad(lambda m: (m(x), m.load_balancing_loss[...])[1])(m))(
-        layer, x)
+    # Two layers' stats, against Hugging Face's load_balancing_loss_func (its logits
+    # concatenated over the layers): E * sum_e (picks of e / tokens) * mean prob of e.
+    other = tdnn.ParallelMoE(D, HIDDEN, num_experts=EXPERTS, top_k=2, rngs=nnx.Rngs(9))
+    stats = [nnx.jit(lambda m, x: m(x, return_router_stats=True)[1])(m, x)
+             for m in (layer, other)]
+    routed = [_routing(_weights(m), f64(x), k, norm=False) for m, k in ((layer, 1), (other, 2))]
+    for (ids, _, probs), got, k in zip(routed, stats, (1, 2)):
+        load = np.bincount(ids.reshape(-1), minlength=EXPERTS) / (ids.size / k)
+        assert rel_err(got.load, load) < 1e-6 and abs(load.sum() - k) < 1e-9
+        assert rel_err(got.prob, probs.reshape(-1, EXPERTS).mean(0)) < 1e-6
+    load = np.mean([np.bincount(r[0].reshape(-1), minlength=EXPERTS) / 16 for r in routed], 0)
+    prob = np.mean([r[2].reshape(-1, EXPERTS).mean(0) for r in routed], 0)
+    expected = EXPERTS * np.sum(load * prob)
+    assert abs(float(tdnn.load_balancing_loss(stats)) - expected) < 1e-5 * expected
+    # It trains the router: its gradient reaches the router and no expert.
+    aux = nnx.jit(lambda m, x: nnx.grad(
+        lambda m: tdnn.load_balancing_loss([m(x, return_router_stats=True)[1]]))(m))(layer, x)
     assert np.abs(np.asarray(aux.router[...])).max() > 0
     assert not np.asarray(aux.gate_proj[...]).any()
+    # No state: plain JAX transforms close over the layer (as over ParallelMLP).
+    f = lambda x: layer(x)  # noqa: E731
+    ref = f64(nnx.jit(lambda m, x: m(x))(layer, x))
+    assert rel_err(jax.jit(jax.checkpoint(f))(x), ref) < 1e-6
+    assert np.isfinite(np.asarray(jax.jit(jax.grad(lambda x: jnp.sum(f(x) ** 2)))(x))).all()
+    scanned = jax.jit(lambda xs: jax.lax.scan(lambda c, x: (c, f(x)), 0, xs)[1])(x[None])
+    assert rel_err(scanned[0], ref) < 1e-6
+    # A decode step's padding rows count in no statistic (3 sequences over dp x tp = 4).
+    x1 = np.random.default_rng(10).standard_normal((3, 1, D)).astype(np.float32)
+    _, got = nnx.jit(lambda m, x: m(x, decode=True, return_router_stats=True))(other, x1)
+    ids, _, probs = _routing(_weights(other), f64(x1), 2, norm=False)
+    assert rel_err(got.load, np.bincount(ids.reshape(-1), minlength=EXPERTS) / 3) < 1e-6
+    assert rel_err(got.prob, probs.reshape(-1, EXPERTS).mean(0)) < 1e-6
 
 
 def test_jaxtdist_grouped_gemm_under_the_interpreter():

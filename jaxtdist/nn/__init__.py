@@ -25,8 +25,8 @@ from jaxtdist.nn._hf import load_hf_llama
 from jaxtdist.nn._linear import ColumnParallelLinear, RowParallelLinear
 from jaxtdist.nn._llama import Llama, LlamaConfig, place_on_mesh
 from jaxtdist.nn._mlp import ParallelMLP
-from jaxtdist.nn._moe import ParallelMoE
+from jaxtdist.nn._moe import ParallelMoE, RouterStats, load_balancing_loss
 
 __all__ = ["ColumnParallelLinear", "Embed", "Llama", "LlamaConfig", "ParallelAttention",
-           "ParallelMLP", "ParallelMoE", "RowParallelLinear", "load_hf_llama", "place_on_mesh",
-           "rope"]
+           "ParallelMLP", "ParallelMoE", "RouterStats", "RowParallelLinear", "load_balancing_loss",
+           "load_hf_llama", "place_on_mesh", "rope"]

@@ -16,7 +16,20 @@ __all__ = ["hf_config", "hf_to_params", "load_hf_llama"]
 
 
 def hf_config(config: dict) -> LlamaConfig:
-    """A ``LlamaConfig`` from a Hugging Face ``config.json`` dict."""
+    """A ``LlamaConfig`` from a Hugging Face ``config.json`` dict.
+
+    Raises:
+      ValueError: the config asks for what ``Llama`` does not compute (another
+        activation than SiLU, sliding-window attention).
+    """
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"jaxtdist.nn.load_hf_llama: config.json has hidden_act={act!r}; "
+                         "jaxtdist.nn.Llama computes SwiGLU (silu) only")
+    if config.get("sliding_window") is not None:
+        raise ValueError(f"jaxtdist.nn.load_hf_llama: config.json has sliding_window="
+                         f"{config['sliding_window']}; jaxtdist.nn.Llama attends over the whole "
+                         "sequence (no sliding window)")
     return LlamaConfig(vocab=config["vocab_size"], d_model=config["hidden_size"],
                        num_layers=config["num_hidden_layers"],
                        num_heads=config["num_attention_heads"],

@@ -20,7 +20,7 @@ from jaxtdist.nn._attention import ParallelAttention
 from jaxtdist.nn._embed import Embed
 from jaxtdist.nn._layout import make_layout
 from jaxtdist.nn._mlp import ParallelMLP
-from jaxtdist.nn._moe import ParallelMoE
+from jaxtdist.nn._moe import ParallelMoE, load_balancing_loss
 
 __all__ = ["Llama", "LlamaConfig", "place_on_mesh"]
 
@@ -61,7 +61,7 @@ class LlamaConfig:
     num_experts: int = 0            # num_local_experts
     experts_per_token: int = 2      # num_experts_per_tok
     router_aux_loss_coef: float = 0.0  # router_aux_loss_coef: loss() adds the
-    #                                    layers' mean load-balancing loss times this
+    #                                    layers' load-balancing loss times this
     moe_parallelism: str = "expert"  # ParallelMoE's parallelism
 
 
@@ -85,10 +85,17 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = ParallelMLP(cfg.d_model, hidden, rngs=rngs, **common)
 
-    def __call__(self, x, *, positions=None, segment_ids=None, decode=False):
+    def __call__(self, x, *, positions=None, segment_ids=None, decode=False,
+                 router_stats: list | None = None):
+        """``router_stats``: a list the MoE MLP appends its ``RouterStats`` to."""
         x = x + self.self_attn(self.input_layernorm(x), positions=positions,
                                segment_ids=segment_ids, decode=decode)
-        return x + self.mlp(self.post_attention_layernorm(x), decode=decode)
+        h = self.post_attention_layernorm(x)
+        if router_stats is None or not isinstance(self.mlp, ParallelMoE):
+            return x + self.mlp(h, decode=decode)
+        y, stats = self.mlp(h, decode=decode, return_router_stats=True)
+        router_stats.append(stats)
+        return x + y
 
 
 class Llama(nnx.Module):
@@ -137,28 +144,32 @@ class Llama(nnx.Module):
         return self.layers[0].self_attn.position
 
     def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None, decode: bool = False) -> jax.Array:
+                 segment_ids: jax.Array | None = None, decode: bool = False,
+                 return_router_stats: bool = False):
         """Logits [batch, seq, vocab] of tokens [batch, seq] (with a cache: the prefill);
-        ``decode``: tokens [batch, 1], one new token per sequence."""
+        ``decode``: tokens [batch, 1], one new token per sequence. With
+        ``return_router_stats``: ``(logits, [RouterStats of each MoE layer])``."""
+        stats = [] if return_router_stats else None
         x = self.embed_tokens(tokens)
         for layer in self.layers:
-            x = layer(x, positions=positions, segment_ids=segment_ids, decode=decode)
+            x = layer(x, positions=positions, segment_ids=segment_ids, decode=decode,
+                      router_stats=stats)
         x = self.norm(x)
-        if self.lm_head is None:
-            return self.embed_tokens.attend(x)
-        return self.lm_head(x)
+        logits = self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
+        return (logits, stats) if return_router_stats else logits
 
     def loss(self, tokens: jax.Array, targets: jax.Array, **kwargs) -> jax.Array:
         """Mean next-token cross entropy (float32) of tokens [batch, seq] against targets,
-        plus ``router_aux_loss_coef`` times the MoE layers' mean load-balancing loss."""
-        logits = self(tokens, **kwargs).astype(jnp.float32)
-        picked = jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1)
-        loss = -picked.mean()
+        plus ``router_aux_loss_coef`` times the MoE layers' ``load_balancing_loss``
+        (Hugging Face Mixtral's, over every layer's routing)."""
         coef = self.config.router_aux_loss_coef
-        if self.config.num_experts and coef:
-            aux = sum(layer.mlp.load_balancing_loss[...] for layer in self.layers)
-            loss = loss + coef * aux / len(self.layers)
-        return loss
+        aux = bool(self.config.num_experts and coef)
+        logits, stats = self(tokens, return_router_stats=True, **kwargs) if aux else (
+            self(tokens, **kwargs), None)
+        picked = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)),
+                                     targets[..., None], axis=-1)
+        loss = -picked.mean()
+        return loss + coef * load_balancing_loss(stats) if aux else loss
 
     @classmethod
     def twins(cls, cfg: LlamaConfig, mesh: Mesh, **kwargs) -> tuple["Llama", "Llama"]:

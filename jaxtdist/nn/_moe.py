@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,9 +28,42 @@ from jaxtdist.ops.moe import moe_combine, moe_dispatch
 from jaxtdist.ops.moe_tp import (GROUPED_GEMMS, expert_gemm, experts_partial_sum,
                                  moe_tp_mlp_sharded)
 
-__all__ = ["ParallelMoE"]
+__all__ = ["ParallelMoE", "RouterStats", "load_balancing_loss"]
 
 PARALLELISMS = ("expert", "tensor")
+
+
+class RouterStats(NamedTuple):
+    """One MoE layer's routing over one call's tokens (float32 [E] each).
+
+    Attributes:
+      load: per expert, the share of tokens that picked it (summed over the k
+        picks: the entries sum to top_k).
+      prob: per expert, its router probability averaged over the tokens.
+    """
+
+    load: jax.Array
+    prob: jax.Array
+
+
+def load_balancing_loss(stats: Sequence[RouterStats]) -> jax.Array:
+    """The Switch-Transformer load-balancing loss over one or more MoE layers, as
+    Hugging Face's Mixtral computes it: ``E * sum_e load_e * prob_e`` with ``load``
+    and ``prob`` averaged over the layers (each layer's tokens alike, as HF
+    concatenates them). top_k for a balanced router; add ``coef`` times it to the
+    loss to train the routers towards balance.
+
+    Example:
+      >>> y, stats = moe(x, return_router_stats=True)
+      >>> loss = task_loss(y) + 0.02 * jaxtdist.nn.load_balancing_loss([stats])
+    """
+    stats = list(stats)
+    if not stats:
+        raise ValueError("jaxtdist.nn.load_balancing_loss: no RouterStats given (a list of "
+                         "the MoE layers' stats: layer(x, return_router_stats=True)[1])")
+    load = sum(s.load for s in stats) / len(stats)
+    prob = sum(s.prob for s in stats) / len(stats)
+    return load.shape[-1] * jnp.sum(load * prob, axis=-1)
 
 
 def _expert_parallel_block(tokens, expert_ids, weights, w_gate, w_up, w_down, *, axis_name,
@@ -76,12 +110,10 @@ class ParallelMoE(nnx.Module):
     [batch, seq, d_model] in and out (sequence parallel, as the other layers).
     Routing: ``probs = softmax(x @ router)`` (float32), the ``top_k`` largest,
     renormalized to sum to 1 with ``norm_topk_prob`` (Mixtral's and Qwen3-MoE's
-    routing; without it DeepSeek-V2-style weights). Each call stores the
-    Switch-Transformer load-balancing loss ``E * sum_e f_e * P_e`` (``f_e``: the
-    share of (token, k) picks of expert e, ``P_e``: its mean probability) in
-    ``layer.load_balancing_loss`` (an ``nnx.Intermediate`` scalar): read it after
-    the call, in the same traced function, and add it to the loss (times a small
-    coefficient) to train the router towards balance.
+    routing; without it DeepSeek-V2-style weights). A call keeps no state (any
+    JAX transform takes it, as ``ParallelMLP``); with ``return_router_stats=True``
+    it returns ``(y, RouterStats)`` too, from which ``load_balancing_loss`` gives
+    the router's auxiliary loss.
 
     ``parallelism="expert"`` (the default): experts ``[r * E / W, (r + 1) * E / W)``
     on rank r of ``axis_name`` (W its size; E a multiple of W), replicated over
@@ -136,8 +168,6 @@ class ParallelMoE(nnx.Module):
         axis = axis_name
         specs = (((axis, None, None),) * 3 if parallelism == "expert"
                  else ((None, None, axis), (None, None, axis), (None, axis, None)))
-        # The last call's auxiliary loss (see the class docstring).
-        self.load_balancing_loss = nnx.Intermediate(jnp.zeros((), jnp.float32))
         self.router = self._param(kernel_init, (None, None), rngs, (d_model, num_experts),
                                   param_dtype)
         shapes = ((num_experts, d_model, hidden),) * 2 + ((num_experts, hidden, d_model),)
@@ -150,9 +180,9 @@ class ParallelMoE(nnx.Module):
         return nnx.Param(nnx.with_partitioning(init, spec, mesh=self.layout.mesh)(
             rngs.params(), shape, dtype))
 
-    def route(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(expert_ids [T, top_k] int32, weights [T, top_k] float32) of tokens [T, d]
-        sharded over (*batch_axes, axis_name)."""
+    def route(self, tokens: jax.Array, valid: int) -> tuple[jax.Array, jax.Array, RouterStats]:
+        """(expert_ids [T, top_k] int32, weights [T, top_k] float32, the stats of the
+        first ``valid`` rows) of tokens [T, d] sharded over (*batch_axes, axis_name)."""
         lay = self.layout
         logits = lay.dot(tokens.astype(jnp.float32), self.router[...].astype(jnp.float32),
                          P(lay.tokens, None))
@@ -160,13 +190,17 @@ class ParallelMoE(nnx.Module):
         weights, ids = jax.lax.top_k(probs, self.top_k)
         if self.norm_topk_prob:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-        # Switch Transformer's auxiliary loss: E * sum_e (share of picks) * (mean prob).
-        picks = jnp.mean(jax.nn.one_hot(ids, self.num_experts, dtype=jnp.float32), axis=(0, 1))
-        self.load_balancing_loss[...] = self.num_experts * jnp.sum(picks * jnp.mean(probs, 0))
-        return ids.astype(jnp.int32), weights
+        # A decode step's padding rows route too, but count in no statistic.
+        real = (jnp.arange(tokens.shape[0]) < valid).astype(jnp.float32)[:, None]
+        picks = jnp.sum(jax.nn.one_hot(ids, self.num_experts, dtype=jnp.float32), axis=1)
+        stats = RouterStats(load=jnp.sum(picks * real, axis=0) / valid,
+                            prob=jnp.sum(probs * real, axis=0) / valid)
+        return ids.astype(jnp.int32), weights, stats
 
-    def __call__(self, x: jax.Array, *, decode: bool = False) -> jax.Array:
-        """x: [batch, seq, d_model]; ``decode``: [batch, 1, d_model], one token each."""
+    def __call__(self, x: jax.Array, *, decode: bool = False,
+                 return_router_stats: bool = False):
+        """x: [batch, seq, d_model]; ``decode``: [batch, 1, d_model], one token each.
+        Returns y like x, or ``(y, RouterStats)`` with ``return_router_stats``."""
         lay = self.layout
         x, batch, seq = lay.check_input(x, self.d_model, decode)
         dtype = self.dtype or x.dtype
@@ -180,14 +214,15 @@ class ParallelMoE(nnx.Module):
             if pad:
                 tokens = jnp.concatenate([tokens, jnp.zeros((pad, self.d_model), dtype)])
             tokens = lay.constrain(tokens, P(lay.tokens, None))
-        ids, weights = self.route(tokens)
+        ids, weights, stats = self.route(tokens, n)
         w_gate, w_up, w_down = (p[...].astype(dtype)
                                 for p in (self.gate_proj, self.up_proj, self.down_proj))
         y = self._experts(lay, tokens, ids, weights, w_gate, w_up, w_down)
         if decode:
             y = lay.constrain(y, P(None, None))[:n]
             y = lay.constrain(y, P(lay.batch_spec(batch), None))
-        return lay.from_tokens(y, batch, seq, decode)
+        y = lay.from_tokens(y, batch, seq, decode)
+        return (y, stats) if return_router_stats else y
 
     def _experts(self, lay: Layout, tokens, ids, weights, w_gate, w_up, w_down) -> jax.Array:
         """[T, d] tokens sharded over (*batch_axes, axis_name) -> their outputs, alike."""
