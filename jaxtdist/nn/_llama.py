@@ -162,14 +162,13 @@ class Llama(nnx.Module):
         """Mean next-token cross entropy (float32) of tokens [batch, seq] against targets,
         plus ``router_aux_loss_coef`` times the MoE layers' ``load_balancing_loss``
         (Hugging Face Mixtral's, over every layer's routing)."""
-        coef = self.config.router_aux_loss_coef
-        aux = bool(self.config.num_experts and coef)
-        logits, stats = self(tokens, return_router_stats=True, **kwargs) if aux else (
-            self(tokens, **kwargs), None)
+        logits, stats = self(tokens, return_router_stats=True, **kwargs)
         picked = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)),
                                      targets[..., None], axis=-1)
-        loss = -picked.mean()
-        return loss + coef * load_balancing_loss(stats) if aux else loss
+        coef = self.config.router_aux_loss_coef
+        if stats and coef:  # MoE layers (stats unused otherwise: XLA drops them)
+            return -picked.mean() + coef * load_balancing_loss(stats)
+        return -picked.mean()
 
     @classmethod
     def twins(cls, cfg: LlamaConfig, mesh: Mesh, **kwargs) -> tuple["Llama", "Llama"]:

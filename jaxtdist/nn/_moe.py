@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxtdist.nn._layout import Layout, check_divisible, make_layout
+from jaxtdist.nn._linear import _param
 from jaxtdist.ops._op import pjit_wrapper, rows_over
 from jaxtdist.ops.moe import moe_combine, moe_dispatch
 from jaxtdist.ops.moe_tp import (GROUPED_GEMMS, expert_gemm, experts_partial_sum,
@@ -168,17 +169,12 @@ class ParallelMoE(nnx.Module):
         axis = axis_name
         specs = (((axis, None, None),) * 3 if parallelism == "expert"
                  else ((None, None, axis), (None, None, axis), (None, axis, None)))
-        self.router = self._param(kernel_init, (None, None), rngs, (d_model, num_experts),
-                                  param_dtype)
+        self.router = _param(kernel_init, self.layout, (None, None), rngs,
+                             (d_model, num_experts), param_dtype)
         shapes = ((num_experts, d_model, hidden),) * 2 + ((num_experts, hidden, d_model),)
         self.gate_proj, self.up_proj, self.down_proj = (
-            self._param(_per_expert(kernel_init), spec, rngs, shape, param_dtype)
+            _param(_per_expert(kernel_init), self.layout, spec, rngs, shape, param_dtype)
             for spec, shape in zip(specs, shapes))
-
-    def _param(self, init, spec, rngs, shape, dtype) -> nnx.Param:
-        """A parameter created sharded (never gathered onto one device first)."""
-        return nnx.Param(nnx.with_partitioning(init, spec, mesh=self.layout.mesh)(
-            rngs.params(), shape, dtype))
 
     def route(self, tokens: jax.Array, valid: int) -> tuple[jax.Array, jax.Array, RouterStats]:
         """(expert_ids [T, top_k] int32, weights [T, top_k] float32, the stats of the
