@@ -881,6 +881,61 @@ def probe_fd_race(world: int = 2, calls: int = 48) -> None:
             print("   call, err, lengths, wrong (b, head) rows:", *entry, flush=True)
 
 
+def probe_grouped_decode() -> None:
+    """The grouped GEMM at decode sizes (2-16 rows per expert, every expert used):
+    the default tile against smaller tiles and more programs, and ragged_dot."""
+    variants = {"m64n64x2": _grouped_tile(64, 64, 4, 6, NUM_PROGRAMS=-2),
+                "m64n128x2": _grouped_tile(64, 128, 4, 4, NUM_PROGRAMS=-2),
+                "m64n64x3s4": _grouped_tile(64, 64, 4, 4, NUM_PROGRAMS=-3),
+                "m64n128k128": dict(_grouped_tile(64, 128, 4, 3), BLOCK_K=128),
+                "m64n256k128s2": dict(_grouped_tile(64, 256, 4, 2), BLOCK_K=128)}
+    _grouped_shapes(variants, [(16, 2048, 5632, 8), (16, 5632, 2048, 8), (64, 2048, 5632, 8),
+                               (16, 4096, 14336, 8), (16, 14336, 4096, 8),
+                               (128, 7168, 2048, 64)])
+
+
+def _grouped_tile(bm, bn, warps, stages, **more):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, num_warps=warps, num_stages=stages,
+                SUBTILE=4 if bn == 256 else 2, **more)
+
+
+def _grouped_shapes(variants: dict, shapes) -> None:
+    """Each variant of ``variants`` (NUM_PROGRAMS=-n: n per SM) and ragged_dot on
+    [R, H] x [G, H, F] for each (R, H, F, G) of ``shapes``, 20 iterations in 4 rounds."""
+    from jaxtdist.bench.grouped_matmul import group_sizes
+
+    mesh = _mesh(1, "ep")
+    td.initialize(mesh)
+    device = jax.devices()[0]
+    sms = device.core_count
+    variants = {k: dict(v, NUM_PROGRAMS=-v["NUM_PROGRAMS"] * sms)
+                if v.get("NUM_PROGRAMS", 0) < 0 else v for k, v in variants.items()}
+
+    def fn(cfg):
+        return jax.jit(jax.shard_map(lambda x, w, s: td.grouped_matmul(x, w, s, config=cfg),
+                                     mesh=mesh, in_specs=(P(), P(), P()), out_specs=P(),
+                                     check_vma=False))
+
+    exact = jax.jit(lambda x, w, s: jax.lax.ragged_dot(
+        x.astype(jnp.float32), w.astype(jnp.float32), s, precision=jax.lax.Precision.HIGHEST))
+    for i, (r, hid, f, g) in enumerate(shapes):
+        x = jax.device_put(h.normal(2100 + i, (r, hid), jnp.bfloat16, scale=hid ** -0.5), device)
+        w = jax.device_put(h.normal(2150 + i, (g, hid, f), jnp.bfloat16), device)
+        sizes = jax.device_put(jnp.asarray(group_sizes(2190 + i, r, g, 1.0)), device)
+        args = (x, w, sizes)
+        ref = np.asarray(exact(*args))
+        contenders = dict(ragged_dot=h.Contender(jax.jit(jax.lax.ragged_dot), args, 1, ref),
+                          default=h.Contender(fn(None), args, 1, ref))
+        for name, cfg in variants.items():
+            contenders[name] = h.Contender(fn(cfg), args, 1, ref)
+        used = int(np.count_nonzero(np.asarray(sizes)))
+        peak = {"H100": 3.35e12, "H200": 4.8e12}
+        bw = next((v for k, v in peak.items() if k in device.device_kind), 3.35e12)
+        _report(f"grouped {r}x{hid}x{f} G={g} used {used} (their weights at HBM peak "
+                f"{used * hid * f * 2 / bw * 1e6:.1f} us)", h.interleaved(contenders, 20, 4),
+                "ragged_dot")
+
+
 def probe_grouped() -> None:
     """The grouped GEMM where each group has few rows (moe_tp_mlp at decode sizes:
     the experts' weights dominate the bytes): tiles against ragged_dot, with the
@@ -936,6 +991,7 @@ def probe_grouped() -> None:
 PROBES = {"moe": probe_moe, "moe_routing": probe_moe_routing, "moe_trace": probe_moe_trace, "moe_chunks": probe_moe_chunks, "moe_combine_rows": probe_moe_combine_rows, "attention": probe_attention,
           "attention_ws": probe_attention_ws, "attention_bwd": probe_attention_bwd,
           "flash_decode": probe_flash_decode, "gemm": probe_gemm,
+          "grouped_decode": probe_grouped_decode,
           "gemm_one_round": probe_gemm_one_round, "push": probe_push,
           "float32": probe_float32, "rs_loop": probe_rs_loop, "rs_trace": probe_rs_trace,
           "fd_world": probe_fd_world,
