@@ -75,6 +75,53 @@ def test_grouped_matmul_pointer_path(dtype):
     _check(mesh, 41, 20, 36, [7, 0, 19], dtype)
 
 
+@pytest.mark.parametrize("split", [2, 3, 16])
+@pytest.mark.parametrize("r,h,f,sizes", [CASES[3], CASES[4], CASES[5], (41, 20, 36, [7, 0, 19])])
+def test_grouped_matmul_split_k(r, h, f, sizes, split):
+    """SPLIT_K: each tile's K cut into ranges (more ranges than K blocks at 16: some
+    empty), float32 partials summed by the op; rows past the groups zeros in every
+    plane; the pointer path at H = 20 bf16. The backward's dx splits too."""
+    mesh = setup(1, ("ep",))
+    config = dict(SPLIT_K=split)
+    _check(mesh, r, h, f, sizes, F32, config)
+    _check(mesh, r, h, f, sizes, BF16, config)
+
+
+def test_grouped_matmul_split_k_default_and_gradient():
+    """The GPU rule splits K only where the groups have fewer rows than a tile; a
+    split forward and backward match ragged_dot's."""
+    from jaxtdist.ops.grouped_matmul import MAX_SPLIT_K, split_k
+
+    # Decode: 16 rows over 8 experts, 64 x 128 tiles: 128 tiles, fewer than the SMs:
+    # 4 ranges of 22 K blocks (3 rounds of items); float32's 32-wide K blocks alike.
+    assert split_k(16, 5632, 2048, 8, 64, 128, 64, 132) == 4
+    assert split_k(16, 5632, 2048, 8, 64, 128, 32, 132, itemsize=4) == 4
+    # 64 x 256 at F = 5632: 176 tiles fill the SMs: no split.
+    assert split_k(16, 2048, 5632, 8, 64, 256, 64, 132) == 1
+    # Rows enough for the tiles, or K too short to cut: no split.
+    assert split_k(4096, 4096, 14336, 8, 128, 256, 64, 132) == 1
+    assert split_k(16, 256, 128, 8, 64, 128, 64, 132) == 1
+    # As many ranges as the rounds ask, at most MAX_SPLIT_K.
+    assert split_k(2, 1 << 20, 64, 1, 64, 64, 64, 132) == MAX_SPLIT_K
+    # 128 rows per group (112 tiles): the partials of even 2 ranges would pass an
+    # eighth of the weights' bytes.
+    assert split_k(1024, 4096, 3584, 8, 128, 256, 64, 132) == 1
+    mesh = setup(1, ("ep",))
+    x, w = rand((24, 64)), rand((3, 64, 48))
+    sizes = jnp.asarray([5, 0, 11], jnp.int32)
+
+    def loss(fn):
+        return lambda x, w: jnp.sum(fn(x, w) ** 2)
+
+    ours = jax.jit(jax.shard_map(
+        jax.grad(loss(lambda x, w: td.grouped_matmul(x, w, sizes, config=dict(SPLIT_K=3))),
+                 argnums=(0, 1)), mesh=mesh, in_specs=(P(), P()), out_specs=(P(), P())))
+    ref = jax.grad(loss(lambda x, w: jax.lax.ragged_dot(x, w, sizes, precision="highest")),
+                   argnums=(0, 1))
+    for got, want in zip(ours(x, w), ref(x, w)):
+        assert_close(got, want, F32)
+
+
 def test_grouped_matmul_sizes_past_r_are_clipped():
     """Like ragged_dot, a group reaching past R stops at R; later groups get no rows."""
     mesh = setup(1, ("ep",))
@@ -200,6 +247,10 @@ def test_grouped_matmul_errors():
     for args, match in cases:
         with pytest.raises(ValueError, match=match):
             _fn(mesh)(*args)
+    with pytest.raises(ValueError, match=r"SPLIT_K=17 must be an int in \[1, 16\]"):
+        _fn(mesh, dict(SPLIT_K=17))(x, w, s)
+    with pytest.raises(ValueError, match="SPLIT_K=0 must be an int >= 1"):
+        _fn(mesh, dict(SPLIT_K=0))(x, w, s)
     with pytest.raises(ValueError, match="BLOCK_M=24 must be a power of 2"):
         _fn(mesh, dict(BLOCK_M=24))(x, w, s)
     with pytest.raises(ValueError, match="unknown config keys"):
@@ -244,14 +295,16 @@ def test_grouped_matmul_benchmark_runs_both_contenders_and_tabulates(faked_timin
     assert "grouped_matmul" in cli.benchmarks()
 
 
-def _compile_for_sm90(kernel, dtype: str, tma: bool, **extra):
+def _compile_for_sm90(kernel, dtype: str, tma: bool, out: str | None = None, **extra):
     """One of the grouped kernels compiled for sm_90 at 4096 x 4096 x 14336, 8 groups
-    (H = 4100: rows TMA cannot address); skips where ptxas cannot assemble."""
+    (H = 4100: rows TMA cannot address), the output in ``out`` (default: dtype);
+    skips where ptxas cannot assemble."""
     from jaxtdist.runtime._cuda_launch import compile_kernel
 
     bn, bk, sub = (256, 64, 4) if dtype == "bf16" else (128, 32, 2)
     try:
-        return compile_kernel(kernel, ["*i32", f"*{dtype}", f"*{dtype}", "*i32", f"*{dtype}"],
+        return compile_kernel(kernel, ["*i32", f"*{dtype}", f"*{dtype}", "*i32",
+                                       f"*{out or dtype}"],
                               dict(R=4096, H=4096 if tma else 4100, F=14336, G=8, BLOCK_G=16,
                                    BLOCK_M=128, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
                                    NUM_PROGRAMS=132, SUBTILE=sub, TMA=tma,
@@ -283,17 +336,20 @@ def test_grouped_dw_kernel_compiles_for_sm90(dtype, tma):
         assert "cp.async.bulk.tensor" not in ptx
 
 
-@pytest.mark.parametrize("dtype,tma,w_t", [("bf16", True, False), ("fp32", True, False),
-                                            ("bf16", False, False), ("bf16", True, True)])
-def test_grouped_gemm_kernel_compiles_for_sm90(dtype, tma, w_t):
+@pytest.mark.parametrize("dtype,tma,w_t,split", [
+    ("bf16", True, False, 1), ("fp32", True, False, 1), ("bf16", False, False, 1),
+    ("bf16", True, True, 1), ("bf16", True, False, 4), ("bf16", False, False, 4)])
+def test_grouped_gemm_kernel_compiles_for_sm90(dtype, tma, w_t, split):
     """The GPU path (not run by the interpreter): TMA loads through the core's
     mainloop with wgmma, the per-tile w descriptor, TMA stores of whole tiles;
-    with W_T (the backward's dx) w[g]'s tiles fed to wgmma transposed."""
+    with W_T (the backward's dx) w[g]'s tiles fed to wgmma transposed; with
+    SPLIT_K float32 partial planes (the output pointer float32)."""
     import re
 
     from jaxtdist.kernels.grouped_gemm import grouped_gemm_kernel
 
-    k = _compile_for_sm90(grouped_gemm_kernel, dtype, tma, W_T=w_t)
+    k = _compile_for_sm90(grouped_gemm_kernel, dtype, tma, W_T=w_t, SPLIT_K=split,
+                          out="fp32" if split > 1 else None)
     ptx = k.asm["ptx"]
     assert "wgmma.mma_async" in ptx
     assert k.metadata.shared <= 227 * 1024

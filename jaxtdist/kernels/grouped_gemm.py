@@ -37,6 +37,13 @@ core (x's tiles read transposed through TMA), then its last partial block with
 masked pointer loads (the next group's rows read as zeros); empty groups
 store zeros.
 
+SPLIT_K (few rows per group: each group's weights are read once by few tiles,
+too few to keep every SM streaming): the K range is cut into SPLIT_K ranges of
+K_SPLIT (a multiple of BLOCK_K) and each (tile, range) is one item of the list;
+out is then float32 [SPLIT_K, R, F], range s's partial products in plane s
+(every plane's rows past the groups zeros), which the caller sums in a fixed
+order. No counter and no heap: nobody waits for anybody.
+
 W_T (TMA only): w is [G, F, H] and group g multiplies by ``w[g].T``, read
 through a descriptor of ``w[g]`` [F, H] in [BLOCK_N, BLOCK_K] blocks that the
 mainloop feeds to wgmma transposed: the backward's dx = dy @ w[g].T needs no
@@ -105,9 +112,9 @@ def grouped_gemm_kernel(ctx, x_ptr, w_ptr, sizes_ptr, out_ptr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                         NUM_PROGRAMS: tl.constexpr, SUBTILE: tl.constexpr,
                         TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                        W_T: tl.constexpr = False):
+                        W_T: tl.constexpr = False, SPLIT_K: tl.constexpr = 1):
     """Grid: (NUM_PROGRAMS,). x [R, H], w [G, H, F] ([G, F, H] with W_T), sizes [G]
-    int32 -> out [R, F].
+    int32 -> out [R, F] (SPLIT_K > 1: float32 [SPLIT_K, R, F] of partials).
 
     See the module docstring. TMA: H and F times the itemsize are multiples of
     16 bytes (the launch gives the kernel Triton's global scratch).
@@ -116,40 +123,49 @@ def grouped_gemm_kernel(ctx, x_ptr, w_ptr, sizes_ptr, out_ptr,
     index, starts, ends, tile_starts, tile_ends, used = group_table(sizes_ptr, R, G, BLOCK_G,
                                                                     BLOCK_M)
     n_tiles: tl.constexpr = (F + BLOCK_N - 1) // BLOCK_N
-    group_tiles = tl.max(tile_ends, axis=0) * n_tiles
-    total = group_tiles + (R - used + BLOCK_M - 1) // BLOCK_M * n_tiles
+    K_SPLIT: tl.constexpr = (H + BLOCK_K * SPLIT_K - 1) // (BLOCK_K * SPLIT_K) * BLOCK_K
+    # Items: (tile, K range) with the range fastest, so that a tile's ranges run at
+    # once; every plane gets the zero tiles.
+    group_items = tl.max(tile_ends, axis=0) * n_tiles * SPLIT_K
+    total = group_items + (R - used + BLOCK_M - 1) // BLOCK_M * n_tiles * SPLIT_K
     if TMA:
         x_desc = tl.make_tensor_descriptor(x_ptr, shape=[R, H], strides=[H, 1],
                                            block_shape=[BLOCK_M, BLOCK_K])
-        c_desc = out_desc(out_ptr, R, F, BLOCK_M, BLOCK_N, SUBTILE)
-    for tile in range(pid, total, NUM_PROGRAMS):
-        if tile < group_tiles:
-            g, row0, row_end, tn = group_tile(tile, index, starts, ends, tile_starts,
+        c_desc = out_desc(out_ptr, SPLIT_K * R, F, BLOCK_M, BLOCK_N, SUBTILE)
+    for item in range(pid, total, NUM_PROGRAMS):
+        split = item % SPLIT_K
+        plane = out_ptr
+        if SPLIT_K > 1:
+            plane += tl.cast(split, tl.int64) * (R * F)
+        if item < group_items:
+            g, row0, row_end, tn = group_tile(item // SPLIT_K, index, starts, ends, tile_starts,
                                               tile_ends, n_tiles, GROUP_M, BLOCK_M)
             col0 = tn * BLOCK_N
             rows = row0.to(tl.int64) + tl.arange(0, BLOCK_M)  # rows * H, rows * F: int64
             cols = col0 + tl.arange(0, BLOCK_N)
             w_group = w_ptr + g.to(tl.int64) * (H * F)
+            k_lo = split * K_SPLIT
+            k_hi = tl.minimum(k_lo + K_SPLIT, H)
             if TMA:
                 w_desc = weight_desc(w_group, H, F, BLOCK_K, BLOCK_N, W_T)
-                acc = tile_acc(x_desc, w_desc, row0, col0, 0, H, BLOCK_M,
+                acc = tile_acc(x_desc, w_desc, row0, col0, k_lo, k_hi, BLOCK_M,
                                BLOCK_N, BLOCK_K, DOT_PRECISION, B_T=W_T)
                 if row0 + BLOCK_M <= row_end:
-                    store_tile(c_desc, acc, 0, row0, col0, BLOCK_M, BLOCK_N,
+                    store_tile(c_desc, acc, 0, split * R + row0, col0, BLOCK_M, BLOCK_N,
                                SUBTILE)
                 else:  # the group's last rows: drop the next group's
-                    store_rows(out_ptr, acc, rows, row_end, cols, F)
+                    store_rows(plane, acc, rows, row_end, cols, F)
             else:
                 tl.static_assert(not W_T, "W_T needs TMA (the op transposes w otherwise)")
-                acc = dot_tile(x_ptr, w_group, rows, rows < row_end, cols, cols < F, 0, H, H, F,
-                               BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
-                store_rows(out_ptr, acc, rows, row_end, cols, F)
+                acc = dot_tile(x_ptr, w_group, rows, rows < row_end, cols, cols < F, k_lo, k_hi,
+                               H, F, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+                store_rows(plane, acc, rows, row_end, cols, F)
         else:  # rows past the groups: zeros
-            zero = tile - group_tiles
+            zero = (item - group_items) // SPLIT_K
             row0 = used + (zero // n_tiles) * BLOCK_M
             col0 = (zero % n_tiles) * BLOCK_N
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            store_rows(out_ptr, acc, row0.to(tl.int64) + tl.arange(0, BLOCK_M), R,
+            store_rows(plane, acc, row0.to(tl.int64) + tl.arange(0, BLOCK_M), R,
                         col0 + tl.arange(0, BLOCK_N), F)
 
 

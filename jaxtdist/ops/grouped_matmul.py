@@ -33,6 +33,41 @@ MAX_GROUPS = 256
 _LOCAL = ()
 # Hopper's shared memory per block, less Triton's barriers and conversions.
 _SMEM_LIMIT = 227 << 10
+# K ranges per output tile at most, and K blocks per range at least under the
+# default (a range must be long enough to fill the mainloop's pipeline).
+MAX_SPLIT_K = 16
+_MIN_SPLIT_K_BLOCKS = 8
+# Where it splits, the default cuts K until every program has this many
+# (tile, range) items: the routing decides how many groups have rows, so a
+# partial last round matters less the more rounds there are.
+_SPLIT_K_ROUNDS = 3
+
+
+def split_k(r: int, h: int, f: int, g: int, block_m: int, block_n: int, block_k: int,
+            sms: int, itemsize: int = 2) -> int:
+    """The default SPLIT_K for [R, H] x [G, H, F] in BLOCK_M x BLOCK_N tiles.
+
+    K is split only where the tiles, one row tile per group (a group has at most
+    BLOCK_M rows on average), are fewer than the SMs: then SMs idle while the
+    others stream their tiles' weights. It is cut into ranges enough for
+    ``_SPLIT_K_ROUNDS`` items per SM, each range at least ``_MIN_SPLIT_K_BLOCKS``
+    K blocks, the float32 partials (written and read back) at most an eighth of
+    the weights' bytes. On 1 x H200 (``tests/gpu/probe_defaults.py
+    grouped_decode``, bf16, 16 rows over 8 experts: 128 tiles of 64 x 128):
+    16 x 5632 x 2048 took 59.1 us unsplit, 52.5 / 46.6 / 49.0 / 51.1 with 2 / 4 /
+    5 / 8 ranges (ragged_dot 50.8); 16 x 14336 x 4096 210.0 unsplit, 209.8 with 4
+    (ragged_dot 223.3). Where the tiles fill the SMs, splitting lost: 16 x 2048 x
+    5632 (176 tiles) 34.5 unsplit, 38.1 / 41.4 with 2 / 3 ranges.
+    """
+    tiles = min(g, r) * -(-f // block_n)
+    if r > g * block_m or tiles >= sms:
+        return 1
+    most = max(1, min(MAX_SPLIT_K, -(-h // block_k) // _MIN_SPLIT_K_BLOCKS,
+                      g * h * itemsize // (64 * r)))
+    split = 1
+    while split < most and tiles * split < _SPLIT_K_ROUNDS * sms:
+        split += 1
+    return split
 
 
 # -- config ----------------------------------------------------------------------
@@ -47,6 +82,8 @@ class GroupedMatmulConfig(KernelConfig):
       NUM_PROGRAMS: programs of the persistent grid (0: one per SM on GPUs,
         at most the tiles there can be).
       SUBTILE: column pieces of the TMA store (1, 2 or 4; ``store_tile``).
+      SPLIT_K: K ranges each output tile is cut into (1 to ``MAX_SPLIT_K``): float32
+        partials the op sums, for few rows per group (``split_k``).
       num_warps, num_stages: launch options.
     """
     OP: ClassVar[str] = "grouped_matmul"
@@ -58,6 +95,7 @@ class GroupedMatmulConfig(KernelConfig):
     GROUP_M: int = 8
     NUM_PROGRAMS: int = 0
     SUBTILE: int = 4
+    SPLIT_K: int = 1
     num_warps: int = 8
     num_stages: int = 3
 
@@ -70,7 +108,9 @@ class GroupedMatmulConfig(KernelConfig):
         if problem.platform != "gpu":
             return cls(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=2, NUM_PROGRAMS=3,
                        SUBTILE=2, num_warps=4, num_stages=1)
-        return cls._core_tiles(problem, max(1, r // g), f, h)
+        cfg = cls._core_tiles(problem, max(1, r // g), f, h)
+        return cfg.replace(SPLIT_K=split_k(r, h, f, g, cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K,
+                                           problem.sms, problem.itemsize))
 
     @classmethod
     def weight_gradient(cls, problem: Problem) -> "GroupedMatmulConfig":
@@ -100,12 +140,19 @@ class GroupedMatmulConfig(KernelConfig):
 
     def validate(self, problem: Problem) -> None:
         check_blocks(self.OP, self, self.keys(), at_least={"NUM_PROGRAMS": 0})
+        k = self.SPLIT_K
+        if k > MAX_SPLIT_K:
+            raise ValueError(f"jaxtdist.grouped_matmul: config SPLIT_K={k!r} must be an int in "
+                             f"[1, {MAX_SPLIT_K}] (K ranges per output tile)")
         if self.SUBTILE not in (1, 2, 4) or self.BLOCK_N // self.SUBTILE < 8:
             raise ValueError(f"jaxtdist.grouped_matmul: config SUBTILE={self.SUBTILE} must be "
                              f"1, 2 or 4, with BLOCK_N / SUBTILE >= 8 (BLOCK_N={self.BLOCK_N})")
         if problem.platform == "gpu":
+            # Split K stores float32 partials through the epilogue's buffer.
+            out_itemsize = 4 if self.SPLIT_K > 1 else problem.itemsize
             smem = ((self.BLOCK_M + self.BLOCK_N) * self.BLOCK_K * self.num_stages
-                    + self.BLOCK_M * self.BLOCK_N // self.SUBTILE) * problem.itemsize
+                    * problem.itemsize
+                    + self.BLOCK_M * self.BLOCK_N // self.SUBTILE * out_itemsize)
             if smem > _SMEM_LIMIT:
                 raise ValueError(
                     f"jaxtdist.grouped_matmul: config BLOCK_M={self.BLOCK_M} BLOCK_N="
@@ -187,8 +234,17 @@ def _launch(x, w, group_sizes, config, *, w_t: bool) -> jax.Array:
         w, w_t = jnp.swapaxes(w, 1, 2), False
     elif not w_t and weights_k_major(problem.itemsize, tma):
         w, w_t = jnp.swapaxes(w, 1, 2), True
-    return _run(call, problem, cfg, grouped_gemm_kernel, x, w, group_sizes, (r, f), tma,
-                cfg.programs(problem), W_T=w_t)
+    if cfg.SPLIT_K == 1:
+        return _run(call, problem, cfg, grouped_gemm_kernel, x, w, group_sizes, (r, f), tma,
+                    cfg.programs(problem), W_T=w_t, SPLIT_K=1)
+    # Split K: float32 partials [SPLIT_K, R, F], summed here in plane order (the same
+    # bits every call) and rounded once.
+    splits = cfg.SPLIT_K
+    bound = (-(-r // cfg.BLOCK_M) + w.shape[0]) * -(-f // cfg.BLOCK_N) * splits
+    partials = _run(call, problem, cfg, grouped_gemm_kernel, x, w, group_sizes,
+                    (splits * r, f), tma, cfg.programs(problem, bound), W_T=w_t,
+                    out_dtype=jnp.float32, SPLIT_K=splits)
+    return jnp.sum(partials.reshape(splits, r, f), axis=0).astype(x.dtype)
 
 
 def _launch_dw(x, dy, group_sizes) -> jax.Array:
@@ -213,16 +269,17 @@ def _problem(x, f: int, g: int) -> tuple[Call, Problem]:
 
 
 def _run(call, problem, cfg, kernel, a, b, group_sizes, out_shape, tma: bool, programs: int,
-         **extra) -> jax.Array:
+         out_dtype=None, **extra) -> jax.Array:
     """Launches one of the grouped kernels (same constexprs; no heap memory: the
-    workspace is the epoch counter the protocol keeps)."""
+    workspace is the epoch counter the protocol keeps); the output in ``out_dtype``
+    (default: the operands')."""
     r, h, f, g = problem.shape
     sizes = group_sizes.astype(jnp.int32)
     varying = call.result_axes(local=(a, b, sizes))
     a, b, precision = kernel_operands(problem, a, b, tma=tma)
     return call.run(
         kernel, a, b, sizes, workspace=call.workspace("local", 1),
-        out_shape=jax.ShapeDtypeStruct(out_shape, a.dtype), grid=(programs,),
+        out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype or a.dtype), grid=(programs,),
         needs_scratch=tma, varying=varying,
         **cfg.launch_options(), R=r, H=h, F=f, G=g, BLOCK_G=max(16, next_pow2(g)),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
@@ -269,7 +326,9 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     kernel: tiles of every (group, row tile, column tile), TMA loads through
     the GEMM core's mainloop where rows of x, w and the output are 16-byte
     multiples, a masked pointer GEMM otherwise; results accumulate in float32
-    and are rounded once to x's dtype.
+    and are rounded once to x's dtype. Where the groups have so few rows that
+    their tiles leave SMs idle (MoE decode), each tile's K is cut into ranges
+    whose float32 partials are summed in a fixed order (``SPLIT_K``).
 
     Differentiable on jaxtdist's kernels: dx on this kernel (w read
     transposed), dw on its companion (``grouped_dw_kernel``: a contraction

@@ -882,16 +882,14 @@ def probe_fd_race(world: int = 2, calls: int = 48) -> None:
 
 
 def probe_grouped_decode() -> None:
-    """The grouped GEMM at decode sizes (2-16 rows per expert, every expert used):
-    the default tile against smaller tiles and more programs, and ragged_dot."""
-    variants = {"m64n64x2": _grouped_tile(64, 64, 4, 6, NUM_PROGRAMS=-2),
-                "m64n128x2": _grouped_tile(64, 128, 4, 4, NUM_PROGRAMS=-2),
-                "m64n64x3s4": _grouped_tile(64, 64, 4, 4, NUM_PROGRAMS=-3),
-                "m64n128k128": dict(_grouped_tile(64, 128, 4, 3), BLOCK_K=128),
-                "m64n256k128s2": dict(_grouped_tile(64, 256, 4, 2), BLOCK_K=128)}
+    """The grouped GEMM at decode sizes (2-16 rows per expert): the default (K split
+    by ``split_k``) against no split, other splits, and ragged_dot."""
+    variants = {"nosplit": dict(SPLIT_K=1), "split2": dict(SPLIT_K=2),
+                "split4": dict(SPLIT_K=4), "split8": dict(SPLIT_K=8)}
     _grouped_shapes(variants, [(16, 2048, 5632, 8), (16, 5632, 2048, 8), (64, 2048, 5632, 8),
                                (16, 4096, 14336, 8), (16, 14336, 4096, 8),
-                               (128, 7168, 2048, 64)])
+                               (128, 7168, 2048, 64), (1024, 4096, 3584, 8),
+                               (512, 4096, 7168, 8)])
 
 
 def _grouped_tile(bm, bn, warps, stages, **more):

@@ -15,12 +15,12 @@ pytestmark = pytest.mark.skipif(
     jax.devices()[0].platform != "gpu", reason="needs CUDA GPUs (none visible)")
 
 
-def _fn():
+def _fn(config=None):
     mesh = jax.make_mesh((1,), ("ep",), devices=jax.devices()[:1],
                          axis_types=(jax.sharding.AxisType.Auto,))
     td.initialize(mesh)
-    return jax.jit(jax.shard_map(td.grouped_matmul, mesh=mesh, in_specs=(P(), P(), P()),
-                                 out_specs=P()))
+    return jax.jit(jax.shard_map(lambda x, w, s: td.grouped_matmul(x, w, s, config=config),
+                                 mesh=mesh, in_specs=(P(), P(), P()), out_specs=P()))
 
 
 # (R, H, F, sizes): TMA with whole and partial row tiles, rows past the groups, empty
@@ -29,10 +29,29 @@ CASES = [(1024, 512, 768, [300, 0, 500, 100]), (2048, 1000, 512, [2048]),
          (777, 1001, 264, [5, 0, 0, 700, 1, 3, 0, 60]), (4096, 256, 512, [0] * 8)]
 
 
+# Decode sizes (2 rows per expert; the default splits K in the last two: 128 tiles)
+# with one expert empty; the down projection's shape in the pointer GEMM (F = 2047
+# is no 16-byte row).
+DECODE = [(16, 2048, 5632, [3, 2, 0, 4, 1, 2, 2, 2]), (16, 5632, 2048, [2] * 8),
+          (16, 5632, 2047, [5, 0, 0, 1, 0, 9, 0, 1])]
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
-@pytest.mark.parametrize("r,h,f,sizes", CASES)
+@pytest.mark.parametrize("r,h,f,sizes", CASES + DECODE)
 def test_grouped_matmul(r, h, f, sizes, dtype):
-    f_gm = _fn()
+    _grouped_matmul_matches(_fn(), r, h, f, sizes, dtype)
+
+
+@pytest.mark.parametrize("split", [1, 2, 7, 16])
+def test_grouped_matmul_split_k(split):
+    """SPLIT_K forced on a prefill shape (partial row tiles, rows past the groups)
+    and on a decode shape."""
+    f_gm = _fn(dict(SPLIT_K=split))
+    for r, h, f, sizes in (CASES[0], DECODE[0]):
+        _grouped_matmul_matches(f_gm, r, h, f, sizes, jnp.bfloat16)
+
+
+def _grouped_matmul_matches(f_gm, r, h, f, sizes, dtype):
     rng = np.random.default_rng(r + h)
     x = jnp.asarray(rng.standard_normal((r, h)) / np.sqrt(h), dtype)
     w = jnp.asarray(rng.standard_normal((len(sizes), h, f)), dtype)
@@ -49,7 +68,7 @@ def test_grouped_matmul(r, h, f, sizes, dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("r,h,f,sizes", [CASES[0], CASES[2]])
+@pytest.mark.parametrize("r,h,f,sizes", [CASES[0], CASES[2], DECODE[1]])
 def test_grouped_matmul_grad(r, h, f, sizes, dtype):
     """Gradients of x and w (the backward is ragged_dot's VJP) against float32,
     TMA and pointer-GEMM shapes."""
