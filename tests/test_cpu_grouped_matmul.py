@@ -106,6 +106,14 @@ def test_grouped_matmul_split_k_default_and_gradient():
     # 128 rows per group (112 tiles): the partials of even 2 ranges would pass an
     # eighth of the weights' bytes.
     assert split_k(1024, 4096, 3584, 8, 128, 256, 64, 132) == 1
+    # The tuner tries K ranges at decode sizes (the default's 4 among them once).
+    from jaxtdist.ops._config import Problem
+    from jaxtdist.ops.grouped_matmul import GroupedMatmulConfig
+
+    decode = Problem("gpu", 1, (16, 5632, 2048, 8), "bfloat16", 132)
+    assert GroupedMatmulConfig.default(decode).SPLIT_K == 4
+    space = GroupedMatmulConfig.search_space(decode)
+    assert {1, 2, 8} <= {c["SPLIT_K"] for c in space if "SPLIT_K" in c}
     mesh = setup(1, ("ep",))
     x, w = rand((24, 64)), rand((3, 64, 48))
     sizes = jnp.asarray([5, 0, 11], jnp.int32)

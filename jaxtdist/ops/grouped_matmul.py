@@ -166,7 +166,10 @@ class GroupedMatmulConfig(KernelConfig):
             return cls.fitting(problem, [{}, dict(BLOCK_M=32, NUM_PROGRAMS=2)])
         bk = 32 if problem.itemsize == 4 else 64
         tiles = [(128, 256), (64, 256), (128, 128), (64, 128)]
-        return cls.fitting(problem, [{}] + [
+        r, _, _, g = problem.shape
+        # Few rows per group: K ranges too (the default's tile, float32 partials).
+        splits = ([dict(SPLIT_K=s) for s in (1, 2, 4, 8)] if r <= 64 * g else [])
+        return cls.fitting(problem, [{}] + splits + [
             dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SUBTILE=4 if bn == 256 else 2,
                  num_warps=8 if bm == 128 else 4,
                  num_stages=min(4, stages_for(bm, bn, bk, problem.itemsize,
