@@ -80,7 +80,7 @@ def test_grouped_matmul_pointer_path(dtype):
 def test_grouped_matmul_split_k(r, h, f, sizes, split):
     """SPLIT_K: each tile's K cut into ranges (more ranges than K blocks at 16: some
     empty), float32 partials summed by the op; rows past the groups zeros in every
-    plane; the pointer path at H = 20 bf16. The backward's dx splits too."""
+    plane; the pointer path at H = 20 bf16."""
     mesh = setup(1, ("ep",))
     config = dict(SPLIT_K=split)
     _check(mesh, r, h, f, sizes, F32, config)
@@ -128,6 +128,14 @@ def test_grouped_matmul_split_k_default_and_gradient():
                    argnums=(0, 1))
     for got, want in zip(ours(x, w), ref(x, w)):
         assert_close(got, want, F32)
+
+
+def test_grouped_matmul_unsigned_sizes_past_int32_are_clipped():
+    """uint32 sizes from 2**31 up are clipped at R, not wrapped to negative."""
+    mesh = setup(1, ("ep",))
+    x, w = rand((30, 32)), rand((2, 32, 16))
+    sizes = np.array([2 ** 32 - 1, 5], np.uint32)
+    assert_close(_fn(mesh)(x, w, sizes), x @ w[0], F32)
 
 
 def test_grouped_matmul_sizes_past_r_are_clipped():

@@ -354,7 +354,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     """
     x, w, group_sizes = (jnp.asarray(a) for a in (x, w, group_sizes))
     _check(x, w, group_sizes)
-    if jnp.dtype(group_sizes.dtype).itemsize > 4:  # x64: clip at R rather than wrap
+    if group_sizes.dtype != jnp.int32:  # int64, uint32: clip at R rather than wrap
         group_sizes = jnp.clip(group_sizes, 0, x.shape[0])
     group_sizes = group_sizes.astype(jnp.int32)
     return _GROUPED_MATMUL(x, w, group_sizes, axis_name=_LOCAL,
