@@ -177,9 +177,16 @@ def test_bad_arguments_name_the_layer():
                          rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="grouped_gemm='cublas'; allowed"):
         make(grouped_gemm="cublas")
-    for bad in (0, 2.0):
-        with pytest.raises(ValueError, match=rf"top_k={bad} must be an int >= 1"):
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match=rf"top_k={bad} must be an integer >= 1"):
             make(top_k=bad)
+    assert make(top_k=np.int64(2)).top_k == 2  # numpy integers are integers
+    with pytest.raises(ValueError, match="norm_topk_prob='no' must be a bool"):
+        make(norm_topk_prob="no")
+    # jaxtdist's grouped GEMM holds at most 256 experts per rank: refused when built.
+    with pytest.raises(ValueError, match="puts 512 of num_experts=512 on each"):
+        make(num_experts=512, parallelism="tensor", grouped_gemm="jaxtdist")
+    make(num_experts=1024, grouped_gemm="jaxtdist")  # 256 per rank: fine
     with pytest.raises(ValueError, match=r"ParallelMoE: x has shape \(2, 8, 15\); "
                                          r"expected \[batch, seq, 16\]"):
         make()(jnp.zeros((2, 8, 15)))

@@ -13,11 +13,13 @@ gathered by XLA and each rank's tokens through them (a reference).
 from __future__ import annotations
 
 import functools
+import numbers
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -26,6 +28,7 @@ from jaxtdist.nn._layout import Layout, check_divisible, make_layout
 from jaxtdist.nn._linear import _param
 from jaxtdist.ops._op import pjit_wrapper, rows_over
 from jaxtdist.ops.moe import moe_combine, moe_dispatch
+from jaxtdist.ops.grouped_matmul import MAX_GROUPS
 from jaxtdist.ops.moe_tp import (GROUPED_GEMMS, expert_gemm, experts_partial_sum,
                                  moe_tp_mlp_sharded)
 
@@ -153,18 +156,29 @@ class ParallelMoE(nnx.Module):
         if grouped_gemm not in GROUPED_GEMMS:
             raise ValueError(f"{name}: grouped_gemm={grouped_gemm!r}; allowed: "
                              f"{', '.join(map(repr, GROUPED_GEMMS))}")
-        for what, value in (("d_model", d_model), ("hidden", hidden),
-                            ("num_experts", num_experts), ("top_k", top_k)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: {what}={value!r} must be an int >= 1")
+        sizes = {"d_model": d_model, "hidden": hidden, "num_experts": num_experts,
+                 "top_k": top_k}
+        for what, value in sizes.items():
+            if (isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral)
+                    or value < 1):
+                raise ValueError(f"{name}: {what}={value!r} must be an integer >= 1")
+        d_model, hidden, num_experts, top_k = (int(v) for v in sizes.values())
+        if not isinstance(norm_topk_prob, (bool, np.bool_)):
+            raise ValueError(f"{name}: norm_topk_prob={norm_topk_prob!r} must be a bool")
         if top_k > num_experts:
             raise ValueError(f"{name}: top_k={top_k} exceeds num_experts={num_experts}; each "
                              "token picks top_k distinct experts")
         check_divisible(self.layout, "num_experts" if parallelism == "expert" else "hidden",
                         num_experts if parallelism == "expert" else hidden)
+        local = num_experts // self.layout.tp if parallelism == "expert" else num_experts
+        if grouped_gemm == "jaxtdist" and local > MAX_GROUPS:
+            raise ValueError(f"{name}: grouped_gemm='jaxtdist' runs at most {MAX_GROUPS} experts "
+                             f"per rank; parallelism={parallelism!r} puts {local} of "
+                             f"num_experts={num_experts} on each: use grouped_gemm='auto' or "
+                             "'ragged_dot', or split the experts over more ranks")
         self.d_model, self.hidden = d_model, hidden
         self.num_experts, self.top_k = num_experts, top_k
-        self.parallelism, self.norm_topk_prob = parallelism, norm_topk_prob
+        self.parallelism, self.norm_topk_prob = parallelism, bool(norm_topk_prob)
         self.activation, self.grouped_gemm, self.dtype = activation, grouped_gemm, dtype
         axis = axis_name
         specs = (((axis, None, None),) * 3 if parallelism == "expert"
