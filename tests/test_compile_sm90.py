@@ -859,7 +859,7 @@ def test_moe_tp_overlapped_kernels_run_on_the_gemm_core(world, up):
                               PARTIAL_INPUT=True, WORLD=world, INTERLEAVE=True, **tiles),
                          num_warps=8, num_stages=3)
     grouped = _compile_native(grouped_gemm_kernel, ["i32", "bf16", "bf16", "i32", "bf16"],
-                              dict(R=4096, H=4096, F=3584, G=8, BLOCK_G=16, **tiles),
+                              dict(R=4096, H=4096, F=3584, G=8, BLOCK_G=16, SPLIT_K=1, **tiles),
                               num_warps=8, num_stages=3)
     for k in (ag, rs, grouped):
         ptx = k.asm["ptx"]

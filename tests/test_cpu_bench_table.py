@@ -238,8 +238,13 @@ def test_model_benchmark_runs_both_models_and_tabulates(faked_timing):
     # twice, the second call for the outputs compared below.
     rows = model.bench_model("tiny", 1, 4, 4, rounds=1)
     assert [r["step"] for r in rows] == ["train", "decode"]
-    # bf16: the decode logits' sums are reduced in another order (matmul_ar vs psum).
-    assert all(r["output_rel_diff"] < 1e-2 for r in rows), rows
+    # The first training step's loss from equal parameters; the decode logits on bf16
+    # parameters (as a server holds them), their sums reduced in another order
+    # (matmul_ar vs psum) and rounded to bf16 at each layer: 1.1e-2 here, 1.2e-2 to
+    # 1.6e-2 on GPUs (docs/perf/model_*).
+    train, decode = (r["output_rel_diff"] for r in rows)
+    assert train < 1e-4, rows
+    assert decode < 2e-2, rows
     text = model.table(dict(world=4, device="cpu", rows=rows, iterations=1, rounds=1))
     assert "| train |" in text and "| decode |" in text
     assert "model" in cli.benchmarks()
