@@ -131,10 +131,10 @@ class GroupedMatmulConfig(KernelConfig):
 
     def programs(self, problem: Problem, tiles: int | None = None) -> int:
         """The grid: NUM_PROGRAMS, or one per SM (the interpreter: 3), never more
-        than ``tiles`` (default: the forward's tiles of the worst routing, every
-        group's last tile partial)."""
+        than ``tiles`` (default: the forward's items of the worst routing, every
+        group's last tile partial, times the K ranges)."""
         r, _, f, g = problem.shape
-        bound = tiles or (-(-r // self.BLOCK_M) + g) * -(-f // self.BLOCK_N)
+        bound = tiles or (-(-r // self.BLOCK_M) + g) * -(-f // self.BLOCK_N) * self.SPLIT_K
         asked = self.NUM_PROGRAMS or (problem.sms if problem.platform == "gpu" else 3)
         return max(1, min(asked, bound))
 
@@ -243,9 +243,8 @@ def _launch(x, w, group_sizes, config, *, w_t: bool) -> jax.Array:
     # Split K: float32 partials [SPLIT_K, R, F], summed here in plane order (the same
     # bits every call) and rounded once.
     splits = cfg.SPLIT_K
-    bound = (-(-r // cfg.BLOCK_M) + w.shape[0]) * -(-f // cfg.BLOCK_N) * splits
     partials = _run(call, problem, cfg, grouped_gemm_kernel, x, w, group_sizes,
-                    (splits * r, f), tma, cfg.programs(problem, bound), W_T=w_t,
+                    (splits * r, f), tma, cfg.programs(problem), W_T=w_t,
                     out_dtype=jnp.float32, SPLIT_K=splits)
     return jnp.sum(partials.reshape(splits, r, f), axis=0).astype(x.dtype)
 

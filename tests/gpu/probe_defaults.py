@@ -897,9 +897,10 @@ def _grouped_tile(bm, bn, warps, stages, **more):
                 SUBTILE=4 if bn == 256 else 2, **more)
 
 
-def _grouped_shapes(variants: dict, shapes) -> None:
+def _grouped_shapes(variants: dict, shapes, seed: int = 2100) -> None:
     """Each variant of ``variants`` (NUM_PROGRAMS=-n: n per SM) and ragged_dot on
-    [R, H] x [G, H, F] for each (R, H, F, G) of ``shapes``, 20 iterations in 4 rounds."""
+    [R, H] x [G, H, F] for each (R, H, F, G) of ``shapes`` (bf16 operands from
+    ``seed``), 20 iterations in 4 rounds."""
     from jaxtdist.bench.grouped_matmul import group_sizes
 
     mesh = _mesh(1, "ep")
@@ -917,9 +918,10 @@ def _grouped_shapes(variants: dict, shapes) -> None:
     exact = jax.jit(lambda x, w, s: jax.lax.ragged_dot(
         x.astype(jnp.float32), w.astype(jnp.float32), s, precision=jax.lax.Precision.HIGHEST))
     for i, (r, hid, f, g) in enumerate(shapes):
-        x = jax.device_put(h.normal(2100 + i, (r, hid), jnp.bfloat16, scale=hid ** -0.5), device)
-        w = jax.device_put(h.normal(2150 + i, (g, hid, f), jnp.bfloat16), device)
-        sizes = jax.device_put(jnp.asarray(group_sizes(2190 + i, r, g, 1.0)), device)
+        x = jax.device_put(h.normal(seed + i, (r, hid), jnp.bfloat16, scale=hid ** -0.5),
+                           device)
+        w = jax.device_put(h.normal(seed + 50 + i, (g, hid, f), jnp.bfloat16), device)
+        sizes = jax.device_put(jnp.asarray(group_sizes(seed + 90 + i, r, g, 1.0)), device)
         args = (x, w, sizes)
         ref = np.asarray(exact(*args))
         contenders = dict(ragged_dot=h.Contender(jax.jit(jax.lax.ragged_dot), args, 1, ref),
@@ -938,52 +940,21 @@ def probe_grouped() -> None:
     """The grouped GEMM where each group has few rows (moe_tp_mlp at decode sizes:
     the experts' weights dominate the bytes): tiles against ragged_dot, with the
     time the weights take at the HBM peak. 20 iterations in 4 rounds."""
-    from jaxtdist.bench.grouped_matmul import group_sizes
-
-    mesh = _mesh(1, "ep")
-    td.initialize(mesh)
-    device = jax.devices()[0]
-
-    def tile(bm, bn, warps, stages, **more):
-        return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, num_warps=warps, num_stages=stages,
-                    SUBTILE=4 if bn == 256 else 2, **more)
-
-    sms = jax.devices()[0].core_count
+    tile = _grouped_tile
     # Two programs per SM where two fit in shared memory: more loads in flight.
     variants = {"m128n128w8": tile(128, 128, 8, 4), "m64n256": tile(64, 256, 4, 4),
                 "m64n128": tile(64, 128, 4, 5), "m128n256s4": tile(128, 256, 8, 4),
-                "m64n128x2": tile(64, 128, 4, 4, NUM_PROGRAMS=2 * sms),
-                "m64n64x2": tile(64, 64, 4, 6, NUM_PROGRAMS=2 * sms),
-                "m128n128s3x2": tile(128, 128, 8, 3, NUM_PROGRAMS=2 * sms),
+                "m64n128x2": tile(64, 128, 4, 4, NUM_PROGRAMS=-2),
+                "m64n64x2": tile(64, 64, 4, 6, NUM_PROGRAMS=-2),
+                "m128n128s3x2": tile(128, 128, 8, 3, NUM_PROGRAMS=-2),
                 "m128n128k128s2": dict(tile(128, 128, 8, 2), BLOCK_K=128),
                 "m64n256k128s2": dict(tile(64, 256, 4, 2), BLOCK_K=128)}
-
-    def fn(cfg):
-        return jax.jit(jax.shard_map(lambda x, w, s: td.grouped_matmul(x, w, s, config=cfg),
-                                     mesh=mesh, in_specs=(P(), P(), P()), out_specs=P(),
-                                     check_vma=False))
-
-    exact = jax.jit(lambda x, w, s: jax.lax.ragged_dot(
-        x.astype(jnp.float32), w.astype(jnp.float32), s, precision=jax.lax.Precision.HIGHEST))
     # moe_tp_mlp's expert GEMMs at 128 tokens per rank (Mixtral) over 4, 2 and 1
     # ranks, then 2048 tokens over 4; 64 of DeepSeek-V3's experts.
-    for i, (r, hid, f, g) in enumerate([(1024, 4096, 3584, 8), (1024, 3584, 4096, 8),
-                                        (512, 4096, 7168, 8), (256, 4096, 14336, 8),
-                                        (256, 14336, 4096, 8), (16384, 4096, 3584, 8),
-                                        (1024, 7168, 2048, 64)]):
-        x = jax.device_put(h.normal(1900 + i, (r, hid), jnp.bfloat16, scale=hid ** -0.5), device)
-        w = jax.device_put(h.normal(1950 + i, (g, hid, f), jnp.bfloat16), device)
-        sizes = jax.device_put(jnp.asarray(group_sizes(1990 + i, r, g, 1.0)), device)
-        args = (x, w, sizes)
-        ref = np.asarray(exact(*args))
-        contenders = dict(ragged_dot=h.Contender(jax.jit(jax.lax.ragged_dot), args, 1, ref),
-                          default=h.Contender(fn(None), args, 1, ref))
-        for name, cfg in variants.items():
-            contenders[name] = h.Contender(fn(cfg), args, 1, ref)
-        peak = {"H100": 3.35e12, "H200": 4.8e12}
-        bw = next((v for k, v in peak.items() if k in device.device_kind), 3.35e12)
-        _report(f"grouped {r}x{hid}x{f} G={g} (weights at HBM peak {g * hid * f * 2 / bw * 1e6:.1f} us)",
-                h.interleaved(contenders, 20, 4), "ragged_dot")
+    _grouped_shapes(variants, [(1024, 4096, 3584, 8), (1024, 3584, 4096, 8),
+                               (512, 4096, 7168, 8), (256, 4096, 14336, 8),
+                               (256, 14336, 4096, 8), (16384, 4096, 3584, 8),
+                               (1024, 7168, 2048, 64)], seed=1900)
 
 
 PROBES = {"moe": probe_moe, "moe_routing": probe_moe_routing, "moe_trace": probe_moe_trace, "moe_chunks": probe_moe_chunks, "moe_combine_rows": probe_moe_combine_rows, "attention": probe_attention,
