@@ -900,3 +900,28 @@ def test_moe_tp_overlapped_kernels_compile_with_a_single_k_step(world, dtype):
                          num_warps=4, num_stages=5)
     for k in (ag, rs):
         assert "wgmma.mma_async" in k.asm["ptx"], k.name
+
+
+@pytest.mark.parametrize("h,w_t", [(5632, False), (1000, False), (1000, True)])
+@pytest.mark.parametrize("bm", [16, 32])
+def test_grouped_gemm_decode_tiles_compile(h, w_t, bm):
+    """The grouped GEMM's decode tiles (16 or 32 rows, 256 columns, the default's
+    stages) for Hopper: TMA loads into mma.sync (wgmma takes 64 rows), within shared
+    memory; the weights through one stacked descriptor (BLOCK_K divides H, or w[g].T)
+    or a descriptor per tile (H = 1000)."""
+    from jaxtdist.kernels.grouped_gemm import grouped_gemm_kernel
+    from jaxtdist.ops._config import Problem
+    from jaxtdist.ops.grouped_matmul import GroupedMatmulConfig
+
+    cfg = GroupedMatmulConfig.default(Problem("gpu", 1, (bm, h, 2048, 8), "bfloat16", 132))
+    assert (cfg.BLOCK_M, cfg.BLOCK_N, cfg.SPLIT_K) == (bm, 256, 1)
+    k = _compile_native(grouped_gemm_kernel, ["i32", "bf16", "bf16", "i32", "bf16"],
+                        dict(R=bm, H=h, F=2048, G=8, BLOCK_G=16, BLOCK_M=bm, BLOCK_N=256,
+                             BLOCK_K=64, GROUP_M=8, NUM_PROGRAMS=132, SUBTILE=4, TMA=True,
+                             DOT_PRECISION=None, W_T=w_t, SPLIT_K=1),
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    ptx = k.asm["ptx"]
+    assert "mma.sync" in ptx and "wgmma" not in ptx
+    assert "cp.async.bulk.tensor.2d.shared" in ptx
+    assert k.metadata.shared <= 227 * 1024, k.metadata.shared
+    assert _stack_bytes(k) == 0

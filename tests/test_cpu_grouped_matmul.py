@@ -106,14 +106,23 @@ def test_grouped_matmul_split_k_default_and_gradient():
     # 128 rows per group (112 tiles): the partials of even 2 ranges would pass an
     # eighth of the weights' bytes.
     assert split_k(1024, 4096, 3584, 8, 128, 256, 64, 132) == 1
-    # The tuner tries K ranges at decode sizes (the default's 4 among them once).
+    # The default: 16-bit decode (at most 32 rows) takes 16 or 32-row tiles (BLOCK_M
+    # >= R: no group's weights read twice), unsplit; float32 and 64 rows the core's
+    # tiles, split by the rule. The tuner tries K ranges at decode sizes.
     from jaxtdist.ops._config import Problem
     from jaxtdist.ops.grouped_matmul import GroupedMatmulConfig
 
+    def default(r, dtype="bfloat16"):
+        problem = Problem("gpu", 1, (r, 5632, 2048, 8), dtype, 132)
+        cfg = GroupedMatmulConfig.default(problem)
+        cfg.validate(problem)
+        return cfg.BLOCK_M, cfg.BLOCK_N, cfg.SPLIT_K
+
+    assert [default(r) for r in (1, 16, 17, 32)] == [(16, 256, 1)] * 2 + [(32, 256, 1)] * 2
+    assert default(16, "float32") == (64, 128, 4) and default(64) == (64, 128, 4)
     decode = Problem("gpu", 1, (16, 5632, 2048, 8), "bfloat16", 132)
-    assert GroupedMatmulConfig.default(decode).SPLIT_K == 4
     space = GroupedMatmulConfig.search_space(decode)
-    assert {1, 2, 8} <= {c["SPLIT_K"] for c in space if "SPLIT_K" in c}
+    assert {2, 4, 8} <= {c["SPLIT_K"] for c in space if "SPLIT_K" in c}
     mesh = setup(1, ("ep",))
     x, w = rand((24, 64)), rand((3, 64, 48))
     sizes = jnp.asarray([5, 0, 11], jnp.int32)

@@ -33,14 +33,15 @@ from jaxtdist.kernels._tiles import dot_acc
 def tile_acc(a_desc, b_desc, row0, col0, k_lo, k_hi, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
              NUM_STAGES: tl.constexpr = None, B_T: tl.constexpr = False,
-             A_T: tl.constexpr = False):
+             A_T: tl.constexpr = False, b_k0=0):
     """The mainloop: the float32 accumulator of A[row0:, k_lo:k_hi] @ B[k_lo:k_hi, col0:]
     for 2-D descriptors of A [M, K] (block [BLOCK_M, BLOCK_K]) and B [K, N] (block
     [BLOCK_K, BLOCK_N]); with A_T of A's transpose [K, M] (block [BLOCK_K,
     BLOCK_M]), with B_T of B's [N, K] (block [BLOCK_N, BLOCK_K]): wgmma reads such
     tiles transposed from shared memory, no copy. DOT_PRECISION: as in
     ``_tiles.dot_acc``. NUM_STAGES: the pipeline depth (None: the kernel's
-    num_stages)."""
+    num_stages). ``b_k0``: B's K coordinate of A's K 0 (B one [K, N] block of a
+    descriptor that stacks several, as the grouped GEMM's weights)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         if A_T:
@@ -50,7 +51,7 @@ def tile_acc(a_desc, b_desc, row0, col0, k_lo, k_hi, BLOCK_M: tl.constexpr,
         if B_T:
             b = b_desc.load([col0, k0]).T
         else:
-            b = b_desc.load([k0, col0])
+            b = b_desc.load([b_k0 + k0, col0])
         acc = dot_acc(a, b, acc, DOT_PRECISION)
     return acc
 

@@ -23,10 +23,11 @@ pointer store masked to the group's rows. Tiles wholly inside their group
 store through the output's TMA descriptor (``store_tile``).
 
 With TMA (``TMA``: rows of x, w and out are 16-byte multiples) the mainloop
-is the GEMM core's ``tile_acc`` on x's descriptor [R, H] and a descriptor of
-the tile's group ``w[g]`` [H, F] made on the device per tile (a per-group
-2-D view: its K bound is the group's H, so a partial last K block reads
-TMA's zeros, never group g + 1's weights). Without TMA, the pointer tile
+is the GEMM core's ``tile_acc`` on x's descriptor [R, H] and one descriptor of
+the weights stacked, w [G * H, F], made once per program, when BLOCK_K divides
+H (no K block spans two groups); otherwise a descriptor of the tile's group
+``w[g]`` [H, F] made on the device per tile, whose K bound gives a partial last
+K block TMA's zeros, never group g + 1's weights. Without TMA, the pointer tile
 ``dot_tile`` with masked rows, columns and K. The kernel uses no heap memory
 and no signal: ``ctx`` is the calling protocol's context, unused.
 
@@ -45,8 +46,9 @@ out is then float32 [SPLIT_K, R, F], range s's partial products in plane s
 order. No counter and no heap: nobody waits for anybody.
 
 W_T (TMA only): w is [G, F, H] and group g multiplies by ``w[g].T``, read
-through a descriptor of ``w[g]`` [F, H] in [BLOCK_N, BLOCK_K] blocks that the
-mainloop feeds to wgmma transposed: the backward's dx = dy @ w[g].T needs no
+through one descriptor of w [G * F, H] in [BLOCK_N, BLOCK_K] blocks that the
+mainloop feeds to wgmma transposed (a block past F reads group g + 1's rows
+into columns that are never stored): the backward's dx = dy @ w[g].T needs no
 transposed copy of the weights.
 """
 
@@ -128,10 +130,21 @@ def grouped_gemm_kernel(ctx, x_ptr, w_ptr, sizes_ptr, out_ptr,
     # once; every plane gets the zero tiles.
     group_items = tl.max(tile_ends, axis=0) * n_tiles * SPLIT_K
     total = group_items + (R - used + BLOCK_M - 1) // BLOCK_M * n_tiles * SPLIT_K
+    # One descriptor of every group's weights stacked, made once, where no block
+    # reaches into the next group where it would count: w [G * H, F] when BLOCK_K
+    # divides H; w [G * F, H] (W_T), where a column block past F reads the next
+    # group's rows into columns that are never stored. Else a descriptor of w[g] per
+    # tile, whose bounds give a partial block zeros (making one costs a global
+    # write and a fence per tile: a few percent of a decode call).
+    STACKED: tl.constexpr = W_T or H % BLOCK_K == 0
     if TMA:
         x_desc = tl.make_tensor_descriptor(x_ptr, shape=[R, H], strides=[H, 1],
                                            block_shape=[BLOCK_M, BLOCK_K])
         c_desc = out_desc(out_ptr, SPLIT_K * R, F, BLOCK_M, BLOCK_N, SUBTILE)
+        if W_T:
+            w_all = weight_desc(w_ptr, H, G * F, BLOCK_K, BLOCK_N, True)
+        elif STACKED:
+            w_all = weight_desc(w_ptr, G * H, F, BLOCK_K, BLOCK_N, False)
     for item in range(pid, total, NUM_PROGRAMS):
         split = item % SPLIT_K
         plane = out_ptr
@@ -147,9 +160,17 @@ def grouped_gemm_kernel(ctx, x_ptr, w_ptr, sizes_ptr, out_ptr,
             k_lo = split * K_SPLIT
             k_hi = tl.minimum(k_lo + K_SPLIT, H)
             if TMA:
-                w_desc = weight_desc(w_group, H, F, BLOCK_K, BLOCK_N, W_T)
-                acc = tile_acc(x_desc, w_desc, row0, col0, k_lo, k_hi, BLOCK_M,
-                               BLOCK_N, BLOCK_K, DOT_PRECISION, B_T=W_T)
+                if STACKED:
+                    if W_T:
+                        acc = tile_acc(x_desc, w_all, row0, g * F + col0, k_lo, k_hi, BLOCK_M,
+                                       BLOCK_N, BLOCK_K, DOT_PRECISION, B_T=True)
+                    else:
+                        acc = tile_acc(x_desc, w_all, row0, col0, k_lo, k_hi, BLOCK_M,
+                                       BLOCK_N, BLOCK_K, DOT_PRECISION, b_k0=g * H)
+                else:
+                    w_desc = weight_desc(w_group, H, F, BLOCK_K, BLOCK_N, False)
+                    acc = tile_acc(x_desc, w_desc, row0, col0, k_lo, k_hi, BLOCK_M,
+                                   BLOCK_N, BLOCK_K, DOT_PRECISION)
                 if row0 + BLOCK_M <= row_end:
                     store_tile(c_desc, acc, 0, split * R + row0, col0, BLOCK_M, BLOCK_N,
                                SUBTILE)

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 
 from jaxtdist.kernels.grouped_gemm import grouped_dw_kernel, grouped_gemm_kernel
 from jaxtdist.ops._config import KernelConfig, Problem, check_blocks, resolve
-from jaxtdist.ops._gemm_config import default_tiles, stages_for, tma_fits, weights_k_major
+from jaxtdist.ops._gemm_config import (SMEM_BUDGET, default_tiles, stages_for, tma_fits,
+                                        weights_k_major)
 from jaxtdist.ops._op import DistributedOp, one_call_per_element
 from jaxtdist.ops._precision import kernel_operands
 from jaxtdist.ops._protocol import Call
@@ -37,6 +38,11 @@ _SMEM_LIMIT = 227 << 10
 # default (a range must be long enough to fill the mainloop's pipeline).
 MAX_SPLIT_K = 16
 _MIN_SPLIT_K_BLOCKS = 8
+# Decode: up to this many rows in all (16 tokens' top-2), 16-bit operands, the tile
+# has BLOCK_M >= R rows, so that no group's weights are read by two row tiles,
+# and mma.sync instead of wgmma's 64 rows: the GEMM is the weights' read.
+_DECODE_ROWS = 32
+_DECODE_STAGES = 6
 # Where it splits, the default cuts K until every program has this many
 # (tile, range) items: the routing decides how many groups have rows, so a
 # partial last round matters less the more rounds there are.
@@ -52,8 +58,10 @@ def split_k(r: int, h: int, f: int, g: int, block_m: int, block_n: int, block_k:
     others stream their tiles' weights. It is cut into ranges enough for
     ``_SPLIT_K_ROUNDS`` items per SM, each range at least ``_MIN_SPLIT_K_BLOCKS``
     K blocks, the float32 partials (written and read back) at most an eighth of
-    the weights' bytes. On 1 x H200 (``tests/gpu/probe_defaults.py
-    grouped_decode``, bf16, 16 rows over 8 experts: 128 tiles of 64 x 128):
+    the weights' bytes. The default applies it to the GEMM core's tiles (16-bit
+    operands in at most ``_DECODE_ROWS`` rows take ``_decode_tiles``, unsplit).
+    On 1 x H200 (``tests/gpu/probe_defaults.py grouped_decode``, bf16, 16 rows
+    over 8 experts: 128 tiles of 64 x 128):
     16 x 5632 x 2048 took 59.1 us unsplit, 52.5 / 46.6 / 49.0 / 51.1 with 2 / 4 /
     5 / 8 ranges (ragged_dot 50.8); 16 x 14336 x 4096 210.0 unsplit, 209.8 with 4
     (ragged_dot 223.3). Where the tiles fill the SMs, splitting lost: 16 x 2048 x
@@ -108,6 +116,8 @@ class GroupedMatmulConfig(KernelConfig):
         if problem.platform != "gpu":
             return cls(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=2, NUM_PROGRAMS=3,
                        SUBTILE=2, num_warps=4, num_stages=1)
+        if problem.itemsize == 2 and r <= _DECODE_ROWS:
+            return cls._decode_tiles(r)
         cfg = cls._core_tiles(problem, max(1, r // g), f, h)
         return cfg.replace(SPLIT_K=split_k(r, h, f, g, cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K,
                                            problem.sms, problem.itemsize))
@@ -120,6 +130,23 @@ class GroupedMatmulConfig(KernelConfig):
         if problem.platform != "gpu":
             return cls.default(problem)
         return cls._core_tiles(problem, h, f, max(1, r // g))
+
+    @classmethod
+    def _decode_tiles(cls, r: int) -> "GroupedMatmulConfig":
+        """R <= ``_DECODE_ROWS`` rows of 16-bit operands: 16 or 32-row tiles (every
+        group's rows in one), 256 columns, the deepest pipeline that fits beside a
+        float32 epilogue, K not split. On 1 x H200 (``tests/gpu/probe_defaults.py
+        grouped_decode_tiles``, bf16, 2 rows for each of 8 experts) they took
+        54.0 / 53.4 / 224.1 / 217.3 us for 16 x 2048 x 5632, 16 x 5632 x 2048,
+        16 x 4096 x 14336 and 16 x 14336 x 4096, against 58.1 / 56.5 / 239.7 / 221.7
+        for the GEMM core's 64-row tiles (ragged_dot 49.1 / 51.5 / 217.8 / 225.3).
+        Splitting K gained up to 9% on some shapes and lost up to 22% on others
+        (16 x 5632 x 2048 with 6 of 8 experts used: 38.0 unsplit, 46.5 in 2 ranges),
+        so it is left to the tuner."""
+        bm, bn, bk = max(16, next_pow2(r)), 256, 64
+        stages = (SMEM_BUDGET - bm * bn // 4 * 4) // ((bm + bn) * bk * 2)
+        return cls(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, NUM_PROGRAMS=0, SUBTILE=4,
+                   num_warps=4, num_stages=min(_DECODE_STAGES, stages))
 
     @classmethod
     def _core_tiles(cls, problem: Problem, rows: int, n: int, k: int) -> "GroupedMatmulConfig":

@@ -887,9 +887,24 @@ def probe_grouped_decode() -> None:
     variants = {"nosplit": dict(SPLIT_K=1), "split2": dict(SPLIT_K=2),
                 "split4": dict(SPLIT_K=4), "split8": dict(SPLIT_K=8)}
     _grouped_shapes(variants, [(16, 2048, 5632, 8), (16, 5632, 2048, 8), (64, 2048, 5632, 8),
-                               (16, 4096, 14336, 8), (16, 14336, 4096, 8),
+                               (16, 4096, 14336, 8), (16, 14336, 4096, 8), (32, 5632, 2048, 8),
                                (128, 7168, 2048, 64), (1024, 4096, 3584, 8),
                                (512, 4096, 7168, 8)])
+
+
+def probe_grouped_decode_tiles() -> None:
+    """Tiles for the grouped GEMM at 1-4 rows per expert, every expert used (Mixtral's
+    decode, top-2): the default against its tile unsplit and split, narrower 16-row
+    tiles, two programs per SM, and the GEMM core's 64-row tiles (wgmma)."""
+    tile = _grouped_tile
+    variants = {"nosplit": dict(SPLIT_K=1), "split2": dict(SPLIT_K=2),
+                "split4": dict(SPLIT_K=4), "split8": dict(SPLIT_K=8),
+                "m16n256s5": tile(16, 256, 4, 5), "m16n128s8": tile(16, 128, 4, 8),
+                "m16n64s8x2": tile(16, 64, 4, 8, NUM_PROGRAMS=-2),
+                "m64n256s5": tile(64, 256, 4, 5), "m64n128s5": tile(64, 128, 4, 5)}
+    _grouped_shapes(variants, [(16, 2048, 5632, 8), (16, 5632, 2048, 8), (16, 4096, 14336, 8),
+                               (16, 14336, 4096, 8), (32, 2048, 5632, 8), (32, 5632, 2048, 8),
+                               (8, 4096, 14336, 8)], even=True)
 
 
 def _grouped_tile(bm, bn, warps, stages, **more):
@@ -897,10 +912,11 @@ def _grouped_tile(bm, bn, warps, stages, **more):
                 SUBTILE=4 if bn == 256 else 2, **more)
 
 
-def _grouped_shapes(variants: dict, shapes, seed: int = 2100) -> None:
+def _grouped_shapes(variants: dict, shapes, seed: int = 2100, even: bool = False) -> None:
     """Each variant of ``variants`` (NUM_PROGRAMS=-n: n per SM) and ragged_dot on
     [R, H] x [G, H, F] for each (R, H, F, G) of ``shapes`` (bf16 operands from
-    ``seed``), 20 iterations in 4 rounds."""
+    ``seed``; ``even``: R / G rows per group, else a mildly skewed routing), 20
+    iterations in 4 rounds."""
     from jaxtdist.bench.grouped_matmul import group_sizes
 
     mesh = _mesh(1, "ep")
@@ -921,7 +937,9 @@ def _grouped_shapes(variants: dict, shapes, seed: int = 2100) -> None:
         x = jax.device_put(h.normal(seed + i, (r, hid), jnp.bfloat16, scale=hid ** -0.5),
                            device)
         w = jax.device_put(h.normal(seed + 50 + i, (g, hid, f), jnp.bfloat16), device)
-        sizes = jax.device_put(jnp.asarray(group_sizes(seed + 90 + i, r, g, 1.0)), device)
+        sizes = (np.full(g, r // g, np.int32) if even
+                 else group_sizes(seed + 90 + i, r, g, 1.0))
+        sizes = jax.device_put(jnp.asarray(sizes), device)
         args = (x, w, sizes)
         ref = np.asarray(exact(*args))
         contenders = dict(ragged_dot=h.Contender(jax.jit(jax.lax.ragged_dot), args, 1, ref),
@@ -961,6 +979,7 @@ PROBES = {"moe": probe_moe, "moe_routing": probe_moe_routing, "moe_trace": probe
           "attention_ws": probe_attention_ws, "attention_bwd": probe_attention_bwd,
           "flash_decode": probe_flash_decode, "gemm": probe_gemm,
           "grouped_decode": probe_grouped_decode,
+          "grouped_decode_tiles": probe_grouped_decode_tiles,
           "gemm_one_round": probe_gemm_one_round, "push": probe_push,
           "float32": probe_float32, "rs_loop": probe_rs_loop, "rs_trace": probe_rs_trace,
           "fd_world": probe_fd_world,

@@ -29,11 +29,14 @@ CASES = [(1024, 512, 768, [300, 0, 500, 100]), (2048, 1000, 512, [2048]),
          (777, 1001, 264, [5, 0, 0, 700, 1, 3, 0, 60]), (4096, 256, 512, [0] * 8)]
 
 
-# Decode sizes (2 rows per expert; the default splits K in the last two: 128 tiles)
+# Decode sizes (16-bit: tiles of 16 or 32 rows; the default splits K in the second)
 # with one expert empty; the down projection's shape in the pointer GEMM (F = 2047
-# is no 16-byte row).
+# is no 16-byte row); 32 rows with a group of 20, H = 1000 (no K block multiple:
+# a weight descriptor per tile; its gradient's dx reads w[g].T in column blocks that
+# pass F into the next group's weights) and F = 1032 (a partial column tile); 5 rows.
 DECODE = [(16, 2048, 5632, [3, 2, 0, 4, 1, 2, 2, 2]), (16, 5632, 2048, [2] * 8),
-          (16, 5632, 2047, [5, 0, 0, 1, 0, 9, 0, 1])]
+          (16, 5632, 2047, [5, 0, 0, 1, 0, 9, 0, 1]), (32, 1000, 1032, [20, 0, 5, 7]),
+          (5, 4104, 512, [1, 0, 4])]
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
@@ -68,7 +71,7 @@ def _grouped_matmul_matches(f_gm, r, h, f, sizes, dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("r,h,f,sizes", [CASES[0], CASES[2], DECODE[1]])
+@pytest.mark.parametrize("r,h,f,sizes", [CASES[0], CASES[2], DECODE[1], DECODE[3]])
 def test_grouped_matmul_grad(r, h, f, sizes, dtype):
     """Gradients of x and w (the backward is ragged_dot's VJP) against float32,
     TMA and pointer-GEMM shapes."""
