@@ -68,6 +68,40 @@ def test_grouped_matmul(r, h, f, sizes, dtype):
     _check(mesh, r, h, f, sizes, dtype)
 
 
+@pytest.mark.parametrize("h,f,dtype", [
+    (48, 40, F32),   # float32 reads w[g].T through one stacked descriptor: F = 40 in
+                     # 32-column blocks runs into the next group's rows
+    (48, 40, BF16),  # BLOCK_K = 16 divides H: one stacked descriptor
+    (40, 48, BF16),  # H = 40: a descriptor of w[g] per tile (its partial K block zeros)
+])
+def test_grouped_matmul_never_reads_other_groups_weights_into_a_result(h, f, dtype):
+    """The TMA path (the interpreter runs it as GPUs do) with the empty middle group's
+    weights all inf: any block that reached into them for a stored result would
+    give inf or NaN there. The forward and dx (dy @ w[g].T) match float32."""
+    mesh = setup(1, ("ep",))
+    sizes = np.asarray([7, 0, 13], np.int32)
+    x, w = rand((24, h), dtype), np.array(rand((3, h, f), dtype), np.float32)
+    finite = w.copy()
+    finite[1] = 0.0
+    w[1] = np.inf
+    w = jnp.asarray(w, dtype)
+    out = _fn(mesh)(x, w, sizes)
+    ref = _reference(x, finite, sizes)
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert_close(out, ref, dtype)
+    c = rand((24, f))
+
+    def loss(fn):
+        return lambda x: jnp.sum(fn(x).astype(F32) * c)
+
+    dx = jax.jit(jax.shard_map(jax.grad(loss(lambda x: td.grouped_matmul(x, w, sizes))),
+                               mesh=mesh, in_specs=P(), out_specs=P()))(x)
+    rdx = jax.grad(loss(lambda x: jax.lax.ragged_dot(
+        x.astype(F32), jnp.asarray(finite), sizes, precision=jax.lax.Precision.HIGHEST)))(x)
+    assert np.isfinite(np.asarray(dx, np.float32)).all()
+    assert_close(dx, np.asarray(rdx), dtype)
+
+
 @pytest.mark.parametrize("dtype", [BF16, F16])
 def test_grouped_matmul_pointer_path(dtype):
     """H = 20 and F = 36 half-precision elements are no 16-byte rows: the pointer GEMM."""
