@@ -334,7 +334,9 @@ def probe_flash_decode() -> None:
                  "n64_s5": dict(BLOCK_N=64, num_stages=5),
                  "n64_s5_sp32": dict(BLOCK_N=64, num_stages=5, NUM_SPLITS=32),
                  "n256_s2_w8": dict(BLOCK_N=256, num_stages=2, num_warps=8),
-                 "sp8": dict(NUM_SPLITS=8), "sp12": dict(NUM_SPLITS=12)},
+                 "sp8": dict(NUM_SPLITS=8), "sp12": dict(NUM_SPLITS=12),
+                 "s2": dict(num_stages=2), "n64_s6": dict(BLOCK_N=64, num_stages=6),
+                 "n64_s3_sp32": dict(BLOCK_N=64, num_stages=3, NUM_SPLITS=32)},
                 (32768, 131072, 8192), jnp.bfloat16, 700)
 
 
@@ -481,12 +483,16 @@ def probe_gemm_one_round() -> None:
 
 
 def push_fn(mesh, rows: int, cols: int, programs: int, block: int, peer_major: bool,
-            check: bool = False, num_warps: int = 4):
+            check: bool = False, num_warps: int = 4, tma_rows: int = 0):
     """``push_rows_kernel`` over the mesh's "ep" axis as a jitted function of x
-    [world * rows, cols] (rows-sharded); CHECK returns every rank's inbox."""
+    [world * rows, cols] (rows-sharded); CHECK returns every rank's inbox;
+    ``tma_rows`` > 0: TMA tiles of that many rows (tensor descriptors)."""
     from tests.gpu import push_probe_kernels as pk
 
     world = mesh.shape["ep"]
+    if cols % block:
+        raise ValueError(f"push_fn: block={block} must divide cols={cols} (a step past a "
+                         "row's end stores into the next row)")
 
     def body(x):
         out = (jax.ShapeDtypeStruct((world * rows, cols), x.dtype) if check
@@ -497,39 +503,51 @@ def push_fn(mesh, rows: int, cols: int, programs: int, block: int, peer_major: b
                                                     x.dtype.itemsize),
             name=f"push_probe_{programs}", num_warps=num_warps, num_stages=1, ROWS=rows,
             COLS=cols, W=world, P=programs, BLOCK=block, PEER_MAJOR=peer_major, CHECK=check,
-            ITEMSIZE=x.dtype.itemsize, FLAG_BYTES=pk.flag_bytes(world, programs))
+            ITEMSIZE=x.dtype.itemsize, FLAG_BYTES=pk.flag_bytes(world, programs),
+            TMA_ROWS=tma_rows, tma=tma_rows > 0)
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"),
                                  check_vma=False))
 
 
 def probe_push(world: int = 4) -> None:
-    """SM-store pushes of every rank's rows to every peer (the traffic of an
-    all_gather, and the dispatch's at 128 tokens x 7168, bf16): egress GB/s per
-    GPU by programs, warps, columns per store step and store order, beside
-    XLA's all_gather of the same rows."""
+    """Pushes of every rank's rows to every peer (the traffic of an all_gather, and
+    the dispatch's at 128 tokens x 7168, bf16): egress GB/s per GPU by programs,
+    warps, columns per store step and store order, SM stores (``p..``) against
+    TMA stores of [rows, columns] tiles (``tma..``), beside XLA's all_gather of
+    the same rows. Each variant's inbox is checked against the rows first."""
     mesh = _mesh(world, "ep")
-    shapes = ((128, 7168), (1024, 7168))
+    # 384 rows to one peer: the egress of 128 rows to three.
+    shapes = ((128, 7168), (384, 7168), (1024, 7168))
     from tests.gpu import push_probe_kernels as pk
     td.initialize(mesh, heap_bytes=64 * 1024 * 1024 + 16 * sum(
         pk.push_workspace_bytes(world, 132, r, c, 2) for r, c in shapes))
-    variants = {f"p{p}w{w}b{b}{'_peer' if pm else ''}": (p, w, b, pm)
-                for p, w, b, pm in [(132, 4, 1024, False), (132, 4, 2048, False),
-                                    (132, 8, 2048, False), (132, 16, 4096, False),
-                                    (132, 4, 1024, True), (66, 4, 1024, False),
-                                    (32, 8, 2048, False), (16, 16, 4096, False),
-                                    (264, 4, 1024, False), (264, 8, 2048, False),
-                                    (528, 4, 1024, False)]}
+    # name: (programs, warps, columns, peer-major, TMA rows)
+    variants = {f"p{p}w{w}b{b}{'_peer' if pm else ''}": (p, w, b, pm, 0)
+                for p, w, b, pm in [(132, 4, 1024, False), (132, 8, 1024, False),
+                                    (264, 4, 1024, False), (528, 4, 1024, False)]}
+    variants.update({f"tma_p{p}w{w}r{r}b{b}": (p, w, b, True, r)
+                     for p, w, b, r in [(132, 4, 256, 1), (264, 4, 256, 1), (132, 4, 128, 1),
+                                        (132, 4, 256, 2), (64, 4, 256, 4), (132, 8, 256, 2)]})
     gather = jax.jit(jax.shard_map(lambda x: jax.lax.all_gather(x, "ep", tiled=True),
                                    mesh=mesh, in_specs=P("ep"), out_specs=P("ep"),
                                    check_vma=False))
     for rows, cols in shapes:
         x = jax.device_put(h.normal(1900, (world * rows, cols), jnp.bfloat16),
                            NamedSharding(mesh, P("ep")))
+        want = np.asarray(jax.device_get(x))
         contenders = {"xla_all_gather": h.Contender(gather, (x,), world)}
-        for name, (p, w, b, pm) in variants.items():
-            contenders[name] = h.Contender(push_fn(mesh, rows, cols, min(p, rows), b, pm,
-                                                   num_warps=w), (x,), world)
+        for name, (p, w, b, pm, r) in variants.items():
+            programs = min(p, rows // max(r, 1))
+            got = np.asarray(jax.device_get(push_fn(mesh, rows, cols, programs, b, pm, True, w,
+                                                    r)(x)))
+            exact = all(np.array_equal(got[i * world * rows:(i + 1) * world * rows], want)
+                        for i in range(world))
+            if not exact:
+                print(f"push {rows} x {cols}: {name} delivered wrong rows", flush=True)
+                continue
+            contenders[name] = h.Contender(push_fn(mesh, rows, cols, programs, b, pm,
+                                                   num_warps=w, tma_rows=r), (x,), world)
         stats = h.interleaved(contenders, 20, 4)
         egress = (world - 1) * rows * cols * 2
         print(f"push {rows} x {cols} bf16 to {world - 1} peers ({egress / 1e6:.1f} MB out "
