@@ -366,7 +366,9 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     Args:
       x: [R, H], bfloat16, float16 or float32.
       w: [G, H, F], x's dtype, 1 <= G <= 256.
-      group_sizes: [G] integers.
+      group_sizes: [G] integers. Sizes past int32's range need
+        ``jax_enable_x64``: without it JAX wraps int64 arrays to int32 when they
+        enter a traced function, before any op sees them.
       config: overrides of the kernel config (``GroupedMatmulConfig`` keys; advanced).
 
     Returns:
@@ -380,7 +382,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     """
     x, w, group_sizes = (jnp.asarray(a) for a in (x, w, group_sizes))
     _check(x, w, group_sizes)
-    if group_sizes.dtype != jnp.int32:  # int64, uint32: clip at R rather than wrap
+    if group_sizes.dtype != jnp.int32:  # int64 (x64 on), uint32: clip at R rather than wrap
         group_sizes = jnp.clip(group_sizes, 0, x.shape[0])
     group_sizes = group_sizes.astype(jnp.int32)
     return _GROUPED_MATMUL(x, w, group_sizes, axis_name=_LOCAL,
