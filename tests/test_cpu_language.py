@@ -208,16 +208,18 @@ def test_fence_and_consume_token_broadcast(world):
         np.testing.assert_array_equal(out.reshape(world, n), np.tile(x[:n], (world, 1)))
 
 
-@pytest.mark.parametrize("world,peer_major", [(2, False), (3, True)])
-def test_push_probe_kernel_lands_every_row(world, peer_major):
-    """The GPU probe of SM-store pushes (``probe_defaults.py push``) times a kernel
-    that must move what XLA's all_gather moves: with CHECK, every rank's inbox
-    holds every source's rows, on two calls (both parities)."""
+@pytest.mark.parametrize("world,peer_major,tma_rows", [(2, False, 0), (3, True, 0), (2, True, 2)])
+def test_push_probe_kernel_lands_every_row(world, peer_major, tma_rows):
+    """The GPU probe of pushes (``probe_defaults.py push``) times a kernel that
+    must move what XLA's all_gather moves: with CHECK, every rank's inbox holds
+    every source's rows, on two calls (both parities), through SM stores and
+    through TMA stores of [tma_rows, block] tiles."""
     from tests.gpu.probe_defaults import push_fn
 
     mesh = setup(world, ("ep",))
-    rows, cols = 5, 32
-    f = push_fn(mesh, rows, cols, programs=2, block=16, peer_major=peer_major, check=True)
+    rows, cols = (6 if tma_rows else 5), 32
+    f = push_fn(mesh, rows, cols, programs=2, block=16, peer_major=peer_major, check=True,
+                tma_rows=tma_rows)
     for _ in range(2):
         x = rand((world * rows, cols), jnp.bfloat16)
         out = np.asarray(f(place(mesh, x, P("ep"))).astype(jnp.float32))

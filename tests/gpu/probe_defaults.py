@@ -490,9 +490,10 @@ def push_fn(mesh, rows: int, cols: int, programs: int, block: int, peer_major: b
     from tests.gpu import push_probe_kernels as pk
 
     world = mesh.shape["ep"]
-    if cols % block:
+    if cols % block or (tma_rows and rows % tma_rows):
         raise ValueError(f"push_fn: block={block} must divide cols={cols} (a step past a "
-                         "row's end stores into the next row)")
+                         f"row's end stores into the next row) and tma_rows={tma_rows} "
+                         f"rows={rows}")
 
     def body(x):
         out = (jax.ShapeDtypeStruct((world * rows, cols), x.dtype) if check

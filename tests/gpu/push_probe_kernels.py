@@ -34,11 +34,12 @@ def push_rows_kernel(ctx, x_ptr, out_ptr, ROWS: tl.constexpr, COLS: tl.constexpr
     peer's inbox (parity ``e % 2``; peers me + 1, me + 2, ...), BLOCK columns a
     store; PEER_MAJOR: all its rows to one peer, then the next, else each row
     to every peer in turn. Then flag (me, p) at every peer, one release after
-    all the stores, and a wait for flag (src, p) of every peer. TMA_ROWS > 0:
-    tiles of [TMA_ROWS, BLOCK] go through tensor descriptors instead (a TMA
-    load of x, a TMA store into each peer's inbox, peer-major; program p takes
-    row groups p, p + P, ... of TMA_ROWS rows, every column tile of them), and the stores are waited for (``dl.wait_tma_stores``) before the
-    flags. CHECK: out
+    all the stores, and a wait for flag (src, p) of every peer. TMA_ROWS > 0
+    (dividing ROWS): tiles of [TMA_ROWS, BLOCK] go through tensor descriptors
+    instead (a TMA load of x, a TMA store into each peer's inbox, peer-major;
+    program p takes row groups p, p + P, ... of TMA_ROWS rows, every column
+    tile of them), and the stores are waited for (``dl.wait_tma_stores``)
+    before the flags. CHECK: out
     [W * ROWS, COLS] receives the inbox (every source's rows); else out [P]
     int32 the rows this program pushed.
 
