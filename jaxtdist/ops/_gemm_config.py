@@ -76,11 +76,14 @@ def tile_cost(rows: int, world: int, n: int, sms: int, bm: int, bn: int) -> floa
     return -(-_tiles(rows, world, n, bm, bn) // sms) * bm * bn / TILE_RATES[(bm, bn)]
 
 
-def stages_for(bm: int, bn: int, bk: int, itemsize: int, subtile: int) -> int:
-    """Pipeline stages that fit the shared-memory budget beside the epilogue's buffer."""
+def stages_for(bm: int, bn: int, bk: int, itemsize: int, subtile: int,
+               epilogue_itemsize: int | None = None, max_stages: int = MAX_STAGES) -> int:
+    """Pipeline stages that fit the shared-memory budget beside the epilogue's buffer
+    (of ``epilogue_itemsize`` bytes per element: the operands' by default; 4 where
+    the kernel may store float32 partials), at most ``max_stages``."""
     stage = (bm + bn) * bk * itemsize
-    epilogue = bm * bn // subtile * itemsize
-    return max(2, min(MAX_STAGES, (SMEM_BUDGET - epilogue) // stage))
+    epilogue = bm * bn // subtile * (epilogue_itemsize or itemsize)
+    return max(2, min(max_stages, (SMEM_BUDGET - epilogue) // stage))
 
 
 def default_tiles(rows: int, world: int, n: int, k: int, itemsize: int, sms: int,
