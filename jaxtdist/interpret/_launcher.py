@@ -8,7 +8,6 @@ needs no torch.
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 from triton.runtime import interpreter as _interpreter
@@ -130,28 +129,6 @@ def _install_bf16_rounding_fix() -> None:
         setattr(builder_cls, name, lambda self, src, dst_type: self.cast_impl(src, dst_type))
 
 
-# Seconds a spinning wait sleeps per poll. Ranks share few cores under the
-# interpreter; a busy spin would starve the rank it waits for.
-_POLL_SLEEP = 1e-4
-
-
-def _install_polite_polling() -> None:
-    """Makes a wait's poll (an atomic add of zero) yield the CPU briefly."""
-    builder_cls = _interpreter.InterpreterBuilder
-    original = builder_cls.create_atomic_rmw
-    if getattr(original, "_jaxtdist_fixed", False):
-        return
-
-    def create_atomic_rmw(self, rmwOp, ptr, val, mask, sem, scope):
-        result = original(self, rmwOp, ptr, val, mask, sem, scope)
-        if "ADD" in str(rmwOp).upper() and not np.any(val.data):
-            time.sleep(_POLL_SLEEP)
-        return result
-
-    create_atomic_rmw._jaxtdist_fixed = True
-    builder_cls.create_atomic_rmw = create_atomic_rmw
-
-
 def _install_device_call_fast_path() -> None:
     """Skips Triton's re-patching of ``triton.language`` on every device-function call
     when the language is patched already.
@@ -209,7 +186,6 @@ def _install_device_call_fast_path() -> None:
 _install_scalar_index_fix()
 _install_bf16_dot_fix()
 _install_bf16_rounding_fix()
-_install_polite_polling()
 _install_device_call_fast_path()
 
 

@@ -65,6 +65,12 @@ def spin_acquire_ge(signal, value, limit, SCOPE: tl.constexpr):
 
 
 @triton.jit
+def poll_pause():
+    """Nothing: a CU spinning on a flag takes no bandwidth from the peer it waits for."""
+    pass
+
+
+@triton.jit
 def round_tf32(x):
     """``x`` unchanged: no kernel asks for TF32 rounding on AMD (``ops._precision``)."""
     return x

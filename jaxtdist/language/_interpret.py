@@ -14,6 +14,18 @@ def _host_clock_ns() -> int:
     return time.monotonic_ns()
 
 
+# Between two polls of a wait. A rank is a process and the host has few cores:
+# a waiter re-reading its flag at full speed halves (with 8 ranks on 2 cores,
+# quarters) the share of a core left to the rank it waits for. Short next to a
+# kernel's time under the interpreter (milliseconds per tile).
+POLL_PAUSE_S = 0.001
+
+
+def _pause() -> int:
+    time.sleep(POLL_PAUSE_S)
+    return 0
+
+
 @triton.jit
 def fence_async_proxy():
     """Orders this thread's earlier memory accesses before its later TMA ones:
@@ -48,12 +60,19 @@ def now_ns():
 
 
 @triton.jit
+def poll_pause():
+    """Gives the host's core away for ``POLL_PAUSE_S`` (see there)."""
+    tl.full([], _pause(), tl.int32)
+
+
+@triton.jit
 def spin_acquire_ge(signal, value, limit, SCOPE: tl.constexpr):
     """Acquire re-reads of ``*signal`` until it is >= ``value`` or ``limit`` ns
     have passed. Returns (last value seen, 0)."""
     start = now_ns()
     seen = tl.atomic_add(signal, 0, sem="acquire", scope=SCOPE)
     while (seen < value) & (now_ns() - start < limit):
+        poll_pause()
         seen = tl.atomic_add(signal, 0, sem="acquire", scope=SCOPE)
     return seen, (seen * 0).to(tl.int32)
 

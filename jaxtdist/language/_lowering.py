@@ -14,6 +14,10 @@ the same signatures:
   calling thread (``scratch``: an int32 word of this rank, for targets that
   fence through a read-modify-write).
 - ``now_ns()``: a clock in nanoseconds (int64), the bound of every wait.
+- ``poll_pause()``: called between a wait's polls. Nothing on GPUs; under the
+  interpreter it gives the host's core away for a moment, since its ranks are
+  processes sharing few cores, and a rank polling at full speed takes the core
+  from the rank it waits for.
 - ``wait_tma_stores()``: waits until this thread's TMA stores are written and
   orders them before its later generic accesses (a release then publishes
   them).
@@ -53,15 +57,16 @@ TARGET = _target()
 
 if TARGET == "interpret":
     from jaxtdist.language._interpret import (consume_token, fence_async_proxy, fence_system,
-                                              now_ns, round_tf32, spin_acquire_ge,
-                                              wait_tma_stores)
+                                              now_ns, poll_pause, round_tf32,
+                                              spin_acquire_ge, wait_tma_stores)
 elif TARGET == "hip":
     from jaxtdist.language._amd import (consume_token, fence_async_proxy, fence_system, now_ns,
-                                         round_tf32, spin_acquire_ge, wait_tma_stores)
+                                         poll_pause, round_tf32, spin_acquire_ge,
+                                         wait_tma_stores)
 else:
     from jaxtdist.language._nvidia import (consume_token, fence_async_proxy, fence_system,
-                                           now_ns, round_tf32, spin_acquire_ge,
+                                           now_ns, poll_pause, round_tf32, spin_acquire_ge,
                                            wait_tma_stores)
 
-__all__ = ["TARGET", "consume_token", "fence_async_proxy", "fence_system", "now_ns", "round_tf32",
-           "spin_acquire_ge", "wait_tma_stores"]
+__all__ = ["TARGET", "consume_token", "fence_async_proxy", "fence_system", "now_ns", "poll_pause",
+           "round_tf32", "spin_acquire_ge", "wait_tma_stores"]

@@ -97,6 +97,12 @@ def now_ns():
 
 
 @triton.jit
+def poll_pause():
+    """Nothing: an SM spinning on a flag takes no bandwidth from the peer it waits for."""
+    pass
+
+
+@triton.jit
 def round_tf32(x):
     """float32 ``x`` rounded to TF32 (10 mantissa bits), to nearest, ties away from
     zero; the tensor cores themselves drop the low 13 bits (round toward zero)."""

@@ -16,7 +16,8 @@ import triton.language as tl
 
 from jaxtdist.language import _layout as L
 from jaxtdist.language._lowering import (consume_token, fence_async_proxy, fence_system,
-                                         now_ns, spin_acquire_ge, wait_tma_stores)
+                                         now_ns, poll_pause, spin_acquire_ge,
+                                         wait_tma_stores)
 
 _CTX_RANK = tl.constexpr(L.CTX_RANK)
 _CTX_WORLD = tl.constexpr(L.CTX_WORLD)
@@ -210,6 +211,7 @@ def wait_tagged(ctx, base, offs, mask, tag, peer=-1):
     ok = tl.min(tl.where(mask, (got >> 32).to(tl.int32) == tag, True).to(tl.int32)) != 0
     done = ok | failed
     while not done:
+        poll_pause()
         got = tl.load(base + offs, mask=mask, other=0, volatile=True)
         ok = tl.min(tl.where(mask, (got >> 32).to(tl.int32) == tag, True).to(tl.int32)) != 0
         failed = tl.load(failed_flag, volatile=True) != 0
@@ -276,6 +278,7 @@ def wait(ctx, signal, value, CMP: tl.constexpr = tl.constexpr("ge"), peer=-1,
     seen = tl.atomic_add(signal, 0, sem="acquire", scope=SCOPE)
     done = _satisfied(seen, value, CMP) | failed
     while not done:
+        poll_pause()
         seen = tl.atomic_add(signal, 0, sem="acquire", scope=SCOPE)
         failed = tl.load(failed_flag, volatile=True) != 0
         done = _satisfied(seen, value, CMP) | failed | (now_ns() - start >= limit)
