@@ -411,6 +411,12 @@ def test_hf_mixtral_checkpoint_loads_and_trains_like_its_twin(tmp_path):
     for (path, x), (_, y) in zip(nnx.to_flat_state(nnx.state(ga, nnx.Param)),
                                  nnx.to_flat_state(nnx.state(gb, nnx.Param))):
         assert rel_err(x[...], f64(np.asarray(y[...]))) < 1e-4, path
+    # moe_capacity_factor reaches every MoE layer; both twins drop the same picks.
+    capped = tdnn.Llama.twins(dataclasses.replace(plain, moe_capacity_factor=0.5), mesh)
+    assert all(layer.mlp.capacity_factor == 0.5 for m in capped for layer in m.layers)
+    losses = [float(nnx.jit(lambda m, t, y: m.loss(t, y))(m, batch[:, :-1], batch[:, 1:]))
+              for m in capped]
+    assert abs(losses[0] - losses[1]) < 1e-5 * abs(losses[1])
     ours.init_cache(2, 8)
     full = nnx.jit(lambda m, t: m(t))(theirs, batch[:, :8])
     nnx.jit(lambda m, t: m(t))(ours, batch[:, :6])

@@ -148,6 +148,87 @@ def test_gradients_and_the_load_balancing_loss_match():
     assert rel_err(got.prob, probs.reshape(-1, EXPERTS).mean(0)) < 1e-6
 
 
+def _capacity_keep(ids, groups, capacity):
+    """[T, k] bool: GShard's expert capacity per group of T / groups consecutive
+    tokens (every first pick before any second pick, then token order)."""
+    t, k = ids.shape
+    keep = np.zeros((t, k), bool)
+    for g in range(groups):
+        rows = range(g * t // groups, (g + 1) * t // groups)
+        taken = np.zeros(EXPERTS, int)
+        for kk in range(k):
+            for r in rows:
+                keep[r, kk] = taken[ids[r, kk]] < capacity
+                taken[ids[r, kk]] += 1
+    return keep
+
+
+@pytest.mark.parametrize("shape,parallelism,explicit", [
+    ((2, 2), "expert", True), ((1, 4), "expert", False), ((1, 2), "tensor", True)])
+def test_expert_capacity_drops_the_picks_past_it(monkeypatch, shape, parallelism, explicit):
+    """capacity_factor: the picks past ceil(cf * T * k / E) per expert among each
+    device's T tokens weigh 0 (the same ones under every parallelism and the XLA
+    twin, against a float64 reference), RouterStats.dropped gives their share,
+    the dispatch receives E * C rows instead of its default, gradients match the
+    twin's; a large factor drops nothing; a decode step drops only within its
+    real tokens."""
+    from jaxtdist.nn import _moe
+
+    seen = []
+    real_dispatch = _moe.moe_dispatch
+    monkeypatch.setattr(_moe, "moe_dispatch", lambda *a, **kw: (
+        seen.append(kw.get("max_recv_rows")), real_dispatch(*a, **kw))[1])
+    _mesh(shape, explicit)
+    groups = shape[0] * shape[1]
+    x = np.random.default_rng(11).standard_normal((2, 8, D)).astype(np.float32)
+    per_device = 16 // groups
+    for factor in (1.0, 0.5, 100.0):
+        layer, twin = (tdnn.ParallelMoE(D, HIDDEN, num_experts=EXPERTS, top_k=TOP_K,
+                                        parallelism=parallelism, impl=impl,
+                                        capacity_factor=factor, rngs=nnx.Rngs(12))
+                       for impl in ("jaxtdist", "xla"))
+        w = _weights(layer)
+        capacity = max(1, int(np.ceil(factor * per_device * TOP_K / EXPERTS)))
+        ids, gates, _ = _routing(w, f64(x).reshape(16, D), TOP_K)
+        keep = _capacity_keep(ids, groups, capacity)
+        if factor < 100:
+            assert not keep.all(), "the routing must overflow some expert"
+        else:
+            assert keep.all()
+        gates = np.where(keep, gates, 0)
+        xt = f64(x).reshape(16, D)
+        gate = np.einsum("td,tkdh->tkh", xt, w["gate_proj"][ids])
+        up = np.einsum("td,tkdh->tkh", xt, w["up_proj"][ids])
+        h = gate / (1 + np.exp(-gate)) * up
+        ref = np.einsum("tkh,tkhd,tk->td", h, w["down_proj"][ids], gates).reshape(2, 8, D)
+        seen.clear()
+        y, stats = nnx.jit(lambda m, x: m(x, return_router_stats=True))(layer, x)
+        assert rel_err(y, ref) < 1e-5, factor
+        assert abs(float(stats.dropped) - (~keep).mean()) < 1e-7, factor
+        if parallelism == "expert":
+            default = shape[1] * per_device * min(TOP_K, EXPERTS // shape[1])
+            assert seen == [min(EXPERTS * capacity, default)], (seen, factor)
+        y_twin, stats_twin = nnx.jit(lambda m, x: m(x, return_router_stats=True))(twin, x)
+        assert rel_err(y_twin, ref) < 1e-5 and float(stats_twin.dropped) == float(stats.dropped)
+    # Gradients (factor 0.5) against the twin's: the dropped picks pass none.
+    layer, twin = (tdnn.ParallelMoE(D, HIDDEN, num_experts=EXPERTS, top_k=TOP_K,
+                                    parallelism=parallelism, impl=impl, capacity_factor=0.5,
+                                    rngs=nnx.Rngs(12)) for impl in ("jaxtdist", "xla"))
+    grads = nnx.jit(lambda m, x: nnx.grad(lambda m: jnp.sum(m(x) ** 2))(m))
+    ours, theirs = grads(layer, x), grads(twin, x)
+    for name in ("router", "gate_proj", "up_proj", "down_proj"):
+        a, b = np.asarray(getattr(ours, name)[...]), f64(np.asarray(getattr(theirs, name)[...]))
+        assert np.abs(b).max() > 0 and rel_err(a, b) < 1e-5, name
+    # Decode: 3 sequences padded to a multiple of the devices; the padding takes no
+    # place (one token per device at most: nothing to drop at factor 1).
+    x1 = np.random.default_rng(13).standard_normal((3, 1, D)).astype(np.float32)
+    y1, st1 = nnx.jit(lambda m, x: m(x, decode=True, return_router_stats=True))(layer, x1)
+    if groups >= 3:
+        assert float(st1.dropped) == 0.0
+        assert rel_err(y1, _reference(_weights(layer), x1, TOP_K)) < 1e-5
+    assert np.isfinite(np.asarray(y1)).all() and y1.shape == (3, 1, D)
+
+
 def test_jaxtdist_grouped_gemm_under_the_interpreter():
     """grouped_gemm="jaxtdist": the experts' GEMMs on jaxtdist.grouped_matmul (the
     Triton kernel under the interpreter), both parallelisms, and its gradient."""
@@ -183,6 +264,10 @@ def test_bad_arguments_name_the_layer():
     assert make(top_k=np.int64(2)).top_k == 2  # numpy integers are integers
     with pytest.raises(ValueError, match="norm_topk_prob='no' must be a bool"):
         make(norm_topk_prob="no")
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "1.25"):
+        with pytest.raises(ValueError, match=r"capacity_factor=.* must be None \(no capacity"):
+            make(capacity_factor=bad)
+    assert make(capacity_factor=np.float32(1.25)).capacity_factor == 1.25
     # jaxtdist's grouped GEMM holds at most 256 experts per rank: refused when built.
     with pytest.raises(ValueError, match="puts 512 of num_experts=512 on each"):
         make(num_experts=512, parallelism="tensor", grouped_gemm="jaxtdist")

@@ -63,6 +63,7 @@ class LlamaConfig:
     router_aux_loss_coef: float = 0.0  # router_aux_loss_coef: loss() adds the
     #                                    layers' load-balancing loss times this
     moe_parallelism: str = "expert"  # ParallelMoE's parallelism
+    moe_capacity_factor: float | None = None  # ParallelMoE's capacity_factor (None: none)
 
 
 class DecoderLayer(nnx.Module):
@@ -81,7 +82,8 @@ class DecoderLayer(nnx.Module):
         if cfg.num_experts:
             self.mlp = ParallelMoE(cfg.d_model, hidden, num_experts=cfg.num_experts,
                                    top_k=cfg.experts_per_token,
-                                   parallelism=cfg.moe_parallelism, rngs=rngs, **common)
+                                   parallelism=cfg.moe_parallelism,
+                                   capacity_factor=cfg.moe_capacity_factor, rngs=rngs, **common)
         else:
             self.mlp = ParallelMLP(cfg.d_model, hidden, rngs=rngs, **common)
 

@@ -13,6 +13,7 @@ gathered by XLA and each rank's tokens through them (a reference).
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -27,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtdist.nn._layout import Layout, check_divisible, make_layout
 from jaxtdist.nn._linear import _param
 from jaxtdist.ops._op import pjit_wrapper, rows_over
-from jaxtdist.ops.moe import moe_combine, moe_dispatch
+from jaxtdist.ops.moe import default_recv_rows, moe_combine, moe_dispatch
 from jaxtdist.ops.grouped_matmul import MAX_GROUPS
 from jaxtdist.ops.moe_tp import (GROUPED_GEMMS, expert_gemm, experts_partial_sum,
                                  moe_tp_mlp_sharded)
@@ -38,16 +39,19 @@ PARALLELISMS = ("expert", "tensor")
 
 
 class RouterStats(NamedTuple):
-    """One MoE layer's routing over one call's tokens (float32 [E] each).
+    """One MoE layer's routing over one call's tokens (float32).
 
     Attributes:
-      load: per expert, the share of tokens that picked it (summed over the k
-        picks: the entries sum to top_k).
-      prob: per expert, its router probability averaged over the tokens.
+      load: [E] per expert, the share of tokens that picked it (summed over the
+        k picks: the entries sum to top_k; picks dropped by the capacity count).
+      prob: [E] per expert, its router probability averaged over the tokens.
+      dropped: [] the share of the tokens' picks that the expert capacity dropped
+        (0 without ``capacity_factor``).
     """
 
     load: jax.Array
     prob: jax.Array
+    dropped: jax.Array
 
 
 def load_balancing_loss(stats: Sequence[RouterStats]) -> jax.Array:
@@ -71,10 +75,11 @@ def load_balancing_loss(stats: Sequence[RouterStats]) -> jax.Array:
 
 
 def _expert_parallel_block(tokens, expert_ids, weights, w_gate, w_up, w_down, *, axis_name,
-                           num_experts, activation, grouped_gemm):
+                           num_experts, activation, grouped_gemm, max_recv_rows=None):
     """Inside shard_map: this rank's tokens to their experts' ranks, through this
     rank's experts (w_* [E / W, ...]), and back, weighted."""
-    recv, sizes, handle = moe_dispatch(tokens, expert_ids, axis_name, num_experts=num_experts)
+    recv, sizes, handle = moe_dispatch(tokens, expert_ids, axis_name, num_experts=num_experts,
+                                       max_recv_rows=max_recv_rows)
     gemm = expert_gemm(grouped_gemm, w_gate.shape[0], tokens.dtype)
     hidden = activation(gemm(recv, w_gate, sizes)) * gemm(recv, w_up, sizes)
     y = gemm(hidden.astype(tokens.dtype), w_down, sizes).astype(tokens.dtype)
@@ -107,6 +112,32 @@ def _xla_block(tokens, expert_ids, weights, w_gate, w_up, w_down, *, axis_name, 
     return out.astype(tokens.dtype)
 
 
+def expert_capacity(capacity_factor: float, tokens: int, top_k: int, num_experts: int) -> int:
+    """The picks one rank's ``tokens`` may send each expert:
+    ``ceil(capacity_factor * tokens * top_k / num_experts)``, at least 1."""
+    return max(1, math.ceil(capacity_factor * tokens * top_k / num_experts))
+
+
+def _capacity_keep(ids: jax.Array, real: jax.Array, capacity: int, num_experts: int,
+                   lay: Layout) -> jax.Array:
+    """[T, K] bool: the picks within ``capacity`` per expert among each device's
+    tokens (``ids`` [T, K] sharded on rows over the token axes; ``real`` [T] bool,
+    padding rows False: never kept, taking no place). Earlier k first, then token
+    order (GShard's priority: every token's first pick before any second pick)."""
+    t, k = ids.shape
+    groups = lay.dp * lay.tp
+    spec = P(lay.tokens, None, None)
+    real = lay.constrain(jnp.broadcast_to(real[:, None], (t, k)), P(lay.tokens, None))
+    order = jnp.swapaxes(lay.reshape(ids, (groups, t // groups, k), spec), 1, 2)  # k-major
+    live = jnp.swapaxes(lay.reshape(real, (groups, t // groups, k), spec), 1, 2)
+    onehot = (order[..., None] == jnp.arange(num_experts)) & live[..., None]
+    flat = onehot.reshape(groups, -1, num_experts).astype(jnp.int32)
+    before = jnp.cumsum(flat, axis=1) - flat                     # earlier picks of the expert
+    place = jnp.sum(before * flat, axis=-1).reshape(order.shape)
+    keep = jnp.swapaxes((place < capacity) & live, 1, 2)        # [G, T_loc, K]
+    return lay.reshape(keep, (t, k), P(lay.tokens, None))
+
+
 class ParallelMoE(nnx.Module):
     """A sparse MoE MLP block: ``sum_k w_k * down_e(act(gate_e(x)) * up_e(x))`` over
     the ``top_k`` experts ``e`` the router picks for each token.
@@ -122,13 +153,23 @@ class ParallelMoE(nnx.Module):
     ``parallelism="expert"`` (the default): experts ``[r * E / W, (r + 1) * E / W)``
     on rank r of ``axis_name`` (W its size; E a multiple of W), replicated over
     ``batch_axes``; tokens go to their experts' ranks with ``jaxtdist.moe_dispatch``
-    and back with ``moe_combine`` (no capacity: no token is dropped).
+    and back with ``moe_combine``.
     ``parallelism="tensor"``: every rank holds every expert with ``hidden`` split
     over ``axis_name`` (``jaxtdist.moe_tp_mlp``). Parameters: ``router`` [d_model,
     E] (replicated), ``gate_proj`` and ``up_proj`` [E, d_model, hidden],
     ``down_proj`` [E, hidden, d_model], split on E (expert) or hidden (tensor).
     Hugging Face's ``mlp.gate.weight`` is ``router`` transposed and
     ``mlp.experts.{e}.gate_proj.weight`` is ``gate_proj[e]`` transposed.
+
+    Expert capacity (``capacity_factor``, default None: none, no pick is dropped):
+    each device's T tokens send each expert at most ``C = ceil(capacity_factor *
+    T * top_k / num_experts)`` picks, first picks before second picks, then in
+    token order (GShard's); a pick past C is dropped (weight 0, not sent), and
+    ``RouterStats.dropped`` gives their share. Expert parallel, each rank then
+    receives at most ``num_experts * C`` rows (``moe_dispatch``'s
+    ``max_recv_rows``) instead of ``W * T * min(top_k, E / W)``: the memory and
+    the grouped GEMMs' rows of a prefill shrink by about ``W / capacity_factor``.
+    Every ``parallelism`` and ``impl`` drops the same picks (the same model).
 
     Example:
       >>> mesh = jax.make_mesh((2, 4), ("dp", "tp")); jaxtdist.initialize(mesh)
@@ -143,7 +184,7 @@ class ParallelMoE(nnx.Module):
                  batch_axes: str | Sequence[str] | None = None, mesh: Mesh | None = None,
                  dtype=None, param_dtype=jnp.float32,
                  kernel_init=nnx.initializers.lecun_normal(), impl: str = "jaxtdist",
-                 rngs: nnx.Rngs):
+                 capacity_factor: float | None = None, rngs: nnx.Rngs):
         """``grouped_gemm``: the experts' GEMMs, as ``jaxtdist.moe_tp_mlp`` takes it
         ("auto": ``jaxtdist.grouped_matmul`` on GPUs for 16-bit types, else
         ``jax.lax.ragged_dot``)."""
@@ -165,6 +206,14 @@ class ParallelMoE(nnx.Module):
         d_model, hidden, num_experts, top_k = (int(v) for v in sizes.values())
         if not isinstance(norm_topk_prob, (bool, np.bool_)):
             raise ValueError(f"{name}: norm_topk_prob={norm_topk_prob!r} must be a bool")
+        if capacity_factor is not None and (
+                isinstance(capacity_factor, (bool, np.bool_))
+                or not isinstance(capacity_factor, numbers.Real)
+                or not math.isfinite(capacity_factor) or capacity_factor <= 0):
+            raise ValueError(f"{name}: capacity_factor={capacity_factor!r} must be None (no "
+                             "capacity: nothing dropped) or a finite number > 0 (each expert "
+                             "takes at most ceil(capacity_factor * tokens * top_k / "
+                             "num_experts) picks of each device's tokens)")
         if top_k > num_experts:
             raise ValueError(f"{name}: top_k={top_k} exceeds num_experts={num_experts}; each "
                              "token picks top_k distinct experts")
@@ -180,6 +229,7 @@ class ParallelMoE(nnx.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.parallelism, self.norm_topk_prob = parallelism, bool(norm_topk_prob)
         self.activation, self.grouped_gemm, self.dtype = activation, grouped_gemm, dtype
+        self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
         axis = axis_name
         specs = (((axis, None, None),) * 3 if parallelism == "expert"
                  else ((None, None, axis), (None, None, axis), (None, axis, None)))
@@ -204,7 +254,8 @@ class ParallelMoE(nnx.Module):
         real = (jnp.arange(tokens.shape[0]) < valid).astype(jnp.float32)[:, None]
         picks = jnp.sum(jax.nn.one_hot(ids, self.num_experts, dtype=jnp.float32), axis=1)
         stats = RouterStats(load=jnp.sum(picks * real, axis=0) / valid,
-                            prob=jnp.sum(probs * real, axis=0) / valid)
+                            prob=jnp.sum(probs * real, axis=0) / valid,
+                            dropped=jnp.zeros((), jnp.float32))
         return ids.astype(jnp.int32), weights, stats
 
     def __call__(self, x: jax.Array, *, decode: bool = False,
@@ -225,17 +276,33 @@ class ParallelMoE(nnx.Module):
                 tokens = jnp.concatenate([tokens, jnp.zeros((pad, self.d_model), dtype)])
             tokens = lay.constrain(tokens, P(lay.tokens, None))
         ids, weights, stats = self.route(tokens, n)
+        rows = None
+        if self.capacity_factor is not None:
+            per_device = tokens.shape[0] // (lay.dp * lay.tp)
+            capacity = expert_capacity(self.capacity_factor, per_device, self.top_k,
+                                       self.num_experts)
+            real = jnp.arange(tokens.shape[0]) < n
+            keep = _capacity_keep(ids, real, capacity, self.num_experts, lay)
+            stats = stats._replace(dropped=jnp.sum(real[:, None] & ~keep, dtype=jnp.float32)
+                                   / (n * self.top_k))
+            weights = jnp.where(keep, weights, 0.0)
+            rows = min(self.num_experts * capacity,
+                       default_recv_rows(per_device, self.top_k, lay.tp, self.num_experts))
+            if self.parallelism == "expert" and lay.impl != "xla":
+                ids = jnp.where(keep, ids, -1)  # not sent: the dispatch skips ids outside [0, E)
         w_gate, w_up, w_down = (p[...].astype(dtype)
                                 for p in (self.gate_proj, self.up_proj, self.down_proj))
-        y = self._experts(lay, tokens, ids, weights, w_gate, w_up, w_down)
+        y = self._experts(lay, tokens, ids, weights, w_gate, w_up, w_down, rows)
         if decode:
             y = lay.constrain(y, P(None, None))[:n]
             y = lay.constrain(y, P(lay.batch_spec(batch), None))
         y = lay.from_tokens(y, batch, seq, decode)
         return (y, stats) if return_router_stats else y
 
-    def _experts(self, lay: Layout, tokens, ids, weights, w_gate, w_up, w_down) -> jax.Array:
-        """[T, d] tokens sharded over (*batch_axes, axis_name) -> their outputs, alike."""
+    def _experts(self, lay: Layout, tokens, ids, weights, w_gate, w_up, w_down,
+                 max_recv_rows: int | None) -> jax.Array:
+        """[T, d] tokens sharded over (*batch_axes, axis_name) -> their outputs, alike
+        (``max_recv_rows``: the expert-parallel dispatch's, None: its default)."""
         axis, batch_axes = lay.axis_name, lay.batch_axes
         if lay.impl == "xla":
             sharded = (0, 0, 0) if self.parallelism == "expert" else (2, 2, 1)
@@ -250,7 +317,8 @@ class ParallelMoE(nnx.Module):
             return _expert_parallel()(tokens, ids, weights, w_gate, w_up, w_down,
                                       axis_name=axis, batch_axes=batch_axes,
                                       num_experts=self.num_experts, activation=self.activation,
-                                      grouped_gemm=self.grouped_gemm)
+                                      grouped_gemm=self.grouped_gemm,
+                                      max_recv_rows=max_recv_rows)
         return moe_tp_mlp_sharded(tokens, ids, weights, w_gate, w_down, w_up=w_up,
                                   axis_name=axis, batch_axes=batch_axes,
                                   activation=self.activation, grouped_gemm=self.grouped_gemm)

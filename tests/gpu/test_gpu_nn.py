@@ -86,18 +86,23 @@ def _llama_matches_the_xla_twin(world, dtype, tol):
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("parallelism", ["expert", "tensor"])
-def test_moe_layer_matches_the_xla_twin(world, parallelism):
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_moe_layer_matches_the_xla_twin(world, parallelism, capacity_factor):
     """ParallelMoE (bfloat16: the experts' GEMMs on jaxtdist.grouped_matmul) against
-    its XLA twin: prefill, a decode step of 3 sequences, and the gradients."""
+    its XLA twin: prefill, a decode step of 3 sequences, and the gradients; with an
+    expert capacity too (both drop the same picks)."""
     _mesh(world)
     layers = [tdnn.ParallelMoE(256, 512, num_experts=8, top_k=2, parallelism=parallelism,
-                               dtype=jnp.bfloat16, impl=impl, rngs=nnx.Rngs(0))
+                               dtype=jnp.bfloat16, impl=impl, capacity_factor=capacity_factor,
+                               rngs=nnx.Rngs(0))
               for impl in ("jaxtdist", "xla")]
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((2, 64, 256)), jnp.bfloat16)
-    fwd = nnx.jit(lambda m, x: m(x))
+    fwd = nnx.jit(lambda m, x: m(x, return_router_stats=True))
     for _ in range(2):
-        assert _rel(*(fwd(m, x) for m in layers)) < 3e-2
+        (y, stats), (y_twin, _) = (fwd(m, x) for m in layers)
+        assert _rel(y, y_twin) < 3e-2
+        assert (float(stats.dropped) > 0) == (capacity_factor is not None)
     x1 = jnp.asarray(rng.standard_normal((3, 1, 256)), jnp.bfloat16)
     step = nnx.jit(lambda m, x: m(x, decode=True))
     assert _rel(*(step(m, x1) for m in layers)) < 3e-2
