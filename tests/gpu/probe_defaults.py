@@ -340,6 +340,19 @@ def probe_flash_decode() -> None:
                 (32768, 131072, 8192), jnp.bfloat16, 700)
 
 
+def probe_fd_short() -> None:
+    """flash_decode's kernel at world 1 on short caches (8K and 16K positions, where
+    the default reads at 65%): smaller steps and more programs per SM."""
+    _fd_world_1({"default": None, "w8": dict(num_warps=8), "s2": dict(num_stages=2),
+                 "n64_s3_sp32": dict(BLOCK_N=64, num_stages=3, NUM_SPLITS=32),
+                 "n64_s2_sp32": dict(BLOCK_N=64, num_stages=2, NUM_SPLITS=32),
+                 "n64_s4": dict(BLOCK_N=64, num_stages=4),
+                 "n32_s4_sp32": dict(BLOCK_N=32, num_stages=4, NUM_SPLITS=32),
+                 "n32_s6_sp32": dict(BLOCK_N=32, num_stages=6, NUM_SPLITS=32),
+                 "n64_s3_sp48": dict(BLOCK_N=64, num_stages=3, NUM_SPLITS=48)},
+                (8192, 16384), jnp.bfloat16, 730)
+
+
 def probe_fd_fill() -> None:
     """flash_decode's kernel at world 1 on caches filled to 30% and 60% (every program
     takes a part of the valid positions) against the kernel before deac491, which
@@ -1003,7 +1016,7 @@ PROBES = {"moe": probe_moe, "moe_routing": probe_moe_routing, "moe_trace": probe
           "gemm_one_round": probe_gemm_one_round, "push": probe_push,
           "float32": probe_float32, "rs_loop": probe_rs_loop, "rs_trace": probe_rs_trace,
           "fd_world": probe_fd_world,
-          "fd_trace": probe_fd_trace, "fd_chain": probe_fd_chain, "fd_race": probe_fd_race, "fd_f32": probe_fd_f32, "fd_fill": probe_fd_fill,
+          "fd_trace": probe_fd_trace, "fd_chain": probe_fd_chain, "fd_race": probe_fd_race, "fd_f32": probe_fd_f32, "fd_fill": probe_fd_fill, "fd_short": probe_fd_short,
           "grouped": probe_grouped}
 
 if __name__ == "__main__":
