@@ -114,6 +114,26 @@ def test_scalar_argument(world, scale):
                                rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_outputs_round_trip_and_unwritten_elements_are_nan(dtype):
+    """Arguments and outputs cross to the interpreter workers intact in every float
+    type (bfloat16 as its bits: workers never import ml_dtypes); what a kernel
+    leaves unwritten comes back NaN, never stale or zero."""
+    mesh = setup(2)
+    n = 10
+
+    def body(x):
+        return td.triton_call(x[0], kernel=K.half_doubled_kernel,
+                              out_shape=jax.ShapeDtypeStruct((n,), dtype), grid=(1,),
+                              axis_name="tp", N=n, BLOCK=16)[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp", None), out_specs=P("tp", None)))
+    x = rand((2, n), dtype)
+    out = np.asarray(f(place(mesh, x, P("tp", None)))).astype(np.float32)
+    np.testing.assert_array_equal(out[:, :n // 2], 2 * np.asarray(x).astype(np.float32)[:, :n // 2])
+    assert np.isnan(out[:, n // 2:]).all()
+
+
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_ids_and_epochs(world):
     """rank, num_ranks and epoch as the kernel sees them; epochs are per workspace."""

@@ -11,6 +11,16 @@ import traceback
 
 import numpy as np
 
+# It imports neither JAX nor ml_dtypes: a worker runs kernels on plain numpy.
+from jaxtdist.interpret._pool import BF16
+
+# bfloat16's quiet NaN, as bits.
+_BF16_NAN = 0x7FC0
+
+
+def _is_bf16(arg) -> bool:
+    return isinstance(arg, tuple) and len(arg) == 2 and arg[0] == BF16
+
 
 def _resolve(ref):
     module_name, qualname, path = ref
@@ -37,7 +47,7 @@ def _resolve(ref):
 
 
 def main(position: int, shm_name: str, main_segment_base: int, conn) -> None:
-    from jaxtdist.interpret._launcher import launch
+    from jaxtdist.interpret._launcher import HostPointer, launch
     from jaxtdist.language import _layout as L
 
     from jaxtdist.interpret._segment import map_segment
@@ -70,17 +80,26 @@ def main(position: int, shm_name: str, main_segment_base: int, conn) -> None:
                 words[w] += shift
             words[L.CTX_PEER_BASES:L.CTX_PEER_BASES + world] += shift
             record = (ctypes.c_int64 * L.ERR_WORDS).from_address(int(words[L.CTX_ERR_ADDR]))
-            outs = []
+            outs, call_outs = [], []
             for shape, dtype in out_specs:
-                out = np.empty(shape, dtype)
-                # Poison outputs so that anything a kernel fails to write shows.
-                if np.issubdtype(out.dtype, np.floating) or out.dtype.name == "bfloat16":
-                    out.fill(np.nan)
+                if dtype == BF16:  # its bits, poisoned with bfloat16's NaN
+                    out = np.full(shape, _BF16_NAN, np.uint16)
+                    call_outs.append(HostPointer(out.ctypes.data, BF16))
                 else:
-                    out.fill(np.iinfo(out.dtype).min if out.dtype.kind in "iu" else 0)
+                    out = np.empty(shape, dtype)
+                    # Poison outputs so that anything a kernel fails to write shows.
+                    if np.issubdtype(out.dtype, np.floating):
+                        out.fill(np.nan)
+                    else:
+                        out.fill(np.iinfo(out.dtype).min if out.dtype.kind in "iu" else 0)
+                    call_outs.append(out)
                 outs.append(out)
-            call_args = [ctx] + [np.ascontiguousarray(a) if isinstance(a, np.ndarray) else a
-                                 for a in args[1:]] + outs
+            # bfloat16 arguments come as (BF16, their uint16 bits): typed pointers.
+            held = [np.ascontiguousarray(a[1]) if _is_bf16(a) else a for a in args[1:]]
+            call_args = [ctx] + [
+                HostPointer(h.ctypes.data, BF16) if _is_bf16(a)
+                else np.ascontiguousarray(a) if isinstance(a, np.ndarray) else a
+                for a, h in zip(args[1:], held)] + call_outs
             launch(kernel, grid, call_args, constexprs)
             timed_out = record[0] != 0
             conn.send(("ok", outs, timed_out))
