@@ -8,7 +8,6 @@ needs no torch.
 
 from __future__ import annotations
 
-
 import numpy as np
 from triton.runtime import interpreter as _interpreter
 from triton.runtime.interpreter import GridExecutor

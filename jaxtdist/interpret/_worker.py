@@ -82,7 +82,7 @@ def main(position: int, shm_name: str, main_segment_base: int, conn) -> None:
             record = (ctypes.c_int64 * L.ERR_WORDS).from_address(int(words[L.CTX_ERR_ADDR]))
             outs, call_outs = [], []
             for shape, dtype in out_specs:
-                if dtype == BF16:  # its bits, poisoned with bfloat16's NaN
+                if isinstance(dtype, str) and dtype == BF16:  # bits, poisoned with NaN's
                     out = np.full(shape, _BF16_NAN, np.uint16)
                     call_outs.append(HostPointer(out.ctypes.data, BF16))
                 else:
