@@ -10,9 +10,8 @@ import threading
 from collections.abc import Sequence
 from multiprocessing.connection import Listener
 
-import numpy as np
-
 from jaxtdist._errors import JaxtdistError, WorkerDiedError
+from jaxtdist.interpret._wire import from_wire, spec_to_wire, to_wire
 
 
 _AUTHKEY_ENV = "_JAXTDIST_WORKER_AUTHKEY"
@@ -28,24 +27,6 @@ class KernelFailed(JaxtdistError):
 
 # How long shutdown() waits for calls in flight before it stops the workers.
 SHUTDOWN_WAIT_S = 30.0
-
-# bfloat16 (an ml_dtypes type) crosses the pipe as its uint16 bits, tagged with this
-# name, so that workers never import ml_dtypes: that import costs each worker about
-# 0.6 s of CPU (ml_dtypes 0.7), more than the rest of its start.
-BF16 = "bfloat16"
-
-
-def _to_wire(value):
-    """A kernel argument as sent to a worker: bfloat16 arrays as (BF16, uint16 bits)."""
-    if isinstance(value, np.ndarray) and value.dtype.name == BF16:
-        return (BF16, np.ascontiguousarray(value).view(np.uint16))
-    return value
-
-
-def _spec_to_wire(spec):
-    shape, dtype = spec
-    return (shape, BF16 if np.dtype(dtype).name == BF16 else dtype)
-
 
 def kernel_reference(kernel) -> tuple[str, str, str]:
     """How a worker finds ``kernel``: (module, qualified name, file)."""
@@ -173,8 +154,8 @@ class WorkerPool:
             with self._locks[position]:
                 conn = self._conns[position]
                 try:
-                    conn.send((ref, grid, [_to_wire(a) for a in args],
-                               [_spec_to_wire(o) for o in out_specs], constexprs))
+                    conn.send((ref, grid, [to_wire(a) for a in args],
+                               [spec_to_wire(o) for o in out_specs], constexprs))
                     status, payload, timed_out = conn.recv()
                 except (EOFError, OSError):
                     if self._closing:
@@ -204,9 +185,7 @@ class WorkerPool:
             raise KernelFailed(message)
         if self._failure is not None:  # failed while the kernel ran: its outputs are void
             raise self._failure_type(self._failure)
-        outs = [out.view(np.dtype(dtype)) if np.dtype(dtype).name == BF16 else out
-                for out, (_, dtype) in zip(payload, out_specs)]
-        return outs, timed_out
+        return [from_wire(out, dtype) for out, (_, dtype) in zip(payload, out_specs)], timed_out
 
     def close(self, wait_s: float = SHUTDOWN_WAIT_S) -> None:
         """Stops the workers after the calls in flight finish (at most ``wait_s``

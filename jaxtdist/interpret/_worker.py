@@ -12,14 +12,7 @@ import traceback
 import numpy as np
 
 # It imports neither JAX nor ml_dtypes: a worker runs kernels on plain numpy.
-from jaxtdist.interpret._pool import BF16
-
-# bfloat16's quiet NaN, as bits.
-_BF16_NAN = 0x7FC0
-
-
-def _is_bf16(arg) -> bool:
-    return isinstance(arg, tuple) and len(arg) == 2 and arg[0] == BF16
+from jaxtdist.interpret._wire import BF16, BF16_NAN_BITS, is_bf16, spec_is_bf16
 
 
 def _resolve(ref):
@@ -82,8 +75,8 @@ def main(position: int, shm_name: str, main_segment_base: int, conn) -> None:
             record = (ctypes.c_int64 * L.ERR_WORDS).from_address(int(words[L.CTX_ERR_ADDR]))
             outs, call_outs = [], []
             for shape, dtype in out_specs:
-                if isinstance(dtype, str) and dtype == BF16:  # bits, poisoned with NaN's
-                    out = np.full(shape, _BF16_NAN, np.uint16)
+                if spec_is_bf16(dtype):  # its bits, poisoned with NaN's
+                    out = np.full(shape, BF16_NAN_BITS, np.uint16)
                     call_outs.append(HostPointer(out.ctypes.data, BF16))
                 else:
                     out = np.empty(shape, dtype)
@@ -95,9 +88,9 @@ def main(position: int, shm_name: str, main_segment_base: int, conn) -> None:
                     call_outs.append(out)
                 outs.append(out)
             # bfloat16 arguments come as (BF16, their uint16 bits): typed pointers.
-            held = [np.ascontiguousarray(a[1]) if _is_bf16(a) else a for a in args[1:]]
+            held = [np.ascontiguousarray(a[1]) if is_bf16(a) else a for a in args[1:]]
             call_args = [ctx] + [
-                HostPointer(h.ctypes.data, BF16) if _is_bf16(a)
+                HostPointer(h.ctypes.data, BF16) if is_bf16(a)
                 else np.ascontiguousarray(a) if isinstance(a, np.ndarray) else a
                 for a, h in zip(args[1:], held)] + call_outs
             launch(kernel, grid, call_args, constexprs)
