@@ -135,6 +135,7 @@ def test_the_launcher_names_the_killed_rank_when_a_survivor_exits_first(capsys):
 
     job = _Job(LaunchOptions(nproc=3, command=["true"], port=1))
     job.procs = [Exited(3), Exited(-9), Exited(None)]
+    job.exited_at = {0: 1.0, 1: 2.0}  # the reaper threads' stamps
     job.send = lambda sig: None
     assert job.step()  # rank 2 still runs
     assert job.failed == (1, -9) and job.exit_code() == 128 + 9
@@ -145,12 +146,24 @@ def test_the_launcher_names_the_killed_rank_when_a_survivor_exits_first(capsys):
     # launcher signalled anyone), it still becomes the cause.
     job = _Job(LaunchOptions(nproc=2, command=["true"], port=1, failure_grace_s=30))
     job.procs = [Exited(3), Exited(None)]
+    job.exited_at = {0: 1.0}
     assert job.step() and job.failed == (0, 3)
     job.procs[1].code = -9
+    job.exited_at[1] = 2.0
     assert not job.step()
     assert job.failed == (1, -9) and job.exit_code() == 128 + 9
     said = capsys.readouterr()
     assert "rank 1 failed (killed by SIGKILL), the likely cause" in said.out + said.err
+    # An exit code seen before its reaper stamped the time: the failure waits for the
+    # stamp, which names the rank that exited first (not the lower rank).
+    job = _Job(LaunchOptions(nproc=2, command=["true"], port=1, failure_grace_s=30))
+    job.procs = [Exited(1), Exited(1)]
+    job.exited_at = {0: 2.0}
+    assert job.step() and job.failed is None  # both exited, but look again
+    job.exited_at[1] = 1.0
+    assert not job.step() and job.failed == (1, 1)
+    said = capsys.readouterr()
+    assert "rank 1 failed (exit code 1); rank 0 failed too (exit code 1)" in said.out + said.err
 
 
 @timeout(120)

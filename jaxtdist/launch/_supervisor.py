@@ -25,6 +25,8 @@ from jaxtdist.launch import (ENV_COORDINATOR, ENV_LOCAL_RANK, ENV_NUM_PROCESSES,
 
 # Seconds between two looks at the ranks: how late the launcher notices a failure.
 _POLL_S = 0.05
+# How long a failure's attribution waits for the reaper threads' exit stamps.
+_STAMP_WAIT_S = 2.0
 # After an error exit, how long a rank killed by a signal still counts as the cause.
 _SETTLE_S = 1.0
 
@@ -140,6 +142,7 @@ class _Job:
         # apart cannot order two ranks that exit between them (a rank's error, then
         # its peer's about it), and the first to exit is the cause.
         self.exited_at: dict[int, float] = {}
+        self.unstamped_since: float | None = None     # a failed rank seen without its stamp
 
     def start(self) -> list[threading.Thread]:
         lock = threading.Lock()
@@ -182,11 +185,22 @@ class _Job:
             self.send(signal.SIGKILL)
 
     def step(self) -> bool:
-        """One look at the ranks; False once all have exited."""
+        """One look at the ranks; False once all have exited (and a failure, if any,
+        is attributed)."""
         now = time.monotonic()
         codes = [p.poll() for p in self.procs]
+        deferred = False  # a failure waits for its exit stamps: look again
         if self.failed is None and self.signalled is None:  # else the launcher ends them
             failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+            # A rank's exit code can show before its reaper thread stamped the time (the
+            # thread waits for the GIL in between): without the stamp, a victim would
+            # sort after the survivor that exited because of it. Wait for the stamps
+            # (a look or two; at most _STAMP_WAIT_S).
+            unstamped = [rank for rank, _ in failed if rank not in self.exited_at]
+            if unstamped:
+                self.unstamped_since = self.unstamped_since or now
+                if now - self.unstamped_since < _STAMP_WAIT_S:
+                    failed, deferred = [], True
             if failed:
                 # Ranks seen dead in the same look: a rank killed by a signal first (a
                 # survivor that noticed its peer's death exits right after it, with
@@ -215,7 +229,7 @@ class _Job:
         if self.kill_at is not None and now >= self.kill_at:
             self.kill_at = None
             self.send(signal.SIGKILL)
-        return any(c is None for c in codes)
+        return deferred or any(c is None for c in codes)
 
     def exit_code(self) -> int:
         if self.failed is not None:
