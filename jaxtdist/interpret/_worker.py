@@ -87,12 +87,12 @@ def main(position: int, shm_name: str, main_segment_base: int, conn) -> None:
                         out.fill(np.iinfo(out.dtype).min if out.dtype.kind in "iu" else 0)
                     call_outs.append(out)
                 outs.append(out)
-            # bfloat16 arguments come as (BF16, their uint16 bits): typed pointers.
-            held = [np.ascontiguousarray(a[1]) if is_bf16(a) else a for a in args[1:]]
+            # bfloat16 arguments come as (BF16, their uint16 bits, contiguous):
+            # typed pointers to the bits, which `args` keeps alive.
             call_args = [ctx] + [
-                HostPointer(h.ctypes.data, BF16) if is_bf16(a)
+                HostPointer(a[1].ctypes.data, BF16) if is_bf16(a)
                 else np.ascontiguousarray(a) if isinstance(a, np.ndarray) else a
-                for a, h in zip(args[1:], held)] + call_outs
+                for a in args[1:]] + call_outs
             launch(kernel, grid, call_args, constexprs)
             timed_out = record[0] != 0
             conn.send(("ok", outs, timed_out))

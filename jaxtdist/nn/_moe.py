@@ -123,18 +123,25 @@ def _capacity_keep(ids: jax.Array, real: jax.Array, capacity: int, num_experts: 
     """[T, K] bool: the picks within ``capacity`` per expert among each device's
     tokens (``ids`` [T, K] sharded on rows over the token axes; ``real`` [T] bool,
     padding rows False: never kept, taking no place). Earlier k first, then token
-    order (GShard's priority: every token's first pick before any second pick)."""
+    order (GShard's priority: every token's first pick before any second pick).
+
+    A pick's place among its expert's picks comes from a stable sort by expert
+    (O(T K) memory; a one-hot count would take T K E)."""
     t, k = ids.shape
     groups = lay.dp * lay.tp
     spec = P(lay.tokens, None, None)
     real = lay.constrain(jnp.broadcast_to(real[:, None], (t, k)), P(lay.tokens, None))
     order = jnp.swapaxes(lay.reshape(ids, (groups, t // groups, k), spec), 1, 2)  # k-major
     live = jnp.swapaxes(lay.reshape(real, (groups, t // groups, k), spec), 1, 2)
-    onehot = (order[..., None] == jnp.arange(num_experts)) & live[..., None]
-    flat = onehot.reshape(groups, -1, num_experts).astype(jnp.int32)
-    before = jnp.cumsum(flat, axis=1) - flat                     # earlier picks of the expert
-    place = jnp.sum(before * flat, axis=-1).reshape(order.shape)
-    keep = jnp.swapaxes((place < capacity) & live, 1, 2)        # [G, T_loc, K]
+    flat_shape = (groups, k * (t // groups))
+    expert = jnp.where(live, order, num_experts).reshape(flat_shape)  # padding sorts last
+    pick = jax.lax.broadcasted_iota(jnp.int32, flat_shape, 1)
+    expert, perm = jax.lax.sort((expert, pick), dimension=1, num_keys=1, is_stable=True)
+    first = jnp.concatenate([jnp.ones_like(expert[:, :1], bool),
+                             expert[:, 1:] != expert[:, :-1]], axis=1)
+    start = jax.lax.cummax(jnp.where(first, pick, 0), axis=1)  # where each expert's run starts
+    _, place = jax.lax.sort((perm, pick - start), dimension=1, num_keys=1)  # back in pick order
+    keep = jnp.swapaxes((place.reshape(order.shape) < capacity) & live, 1, 2)  # [G, T_loc, K]
     return lay.reshape(keep, (t, k), P(lay.tokens, None))
 
 
