@@ -4,8 +4,9 @@ B=1, H=32, D=128, causal, bf16 (``shapes.AG_ATTENTION_*``):
 
 - world 1 (default): jaxtdist's forward kernel forced at world 1
   (``ag_attention_kernels``) against ``jax.nn.dot_product_attention`` (JAX's
-  default pick) and, on GPUs, the same with ``implementation="cudnn"`` at S of
-  ``AG_ATTENTION_SEQS``;
+  default pick) and, on GPUs, the same with ``implementation="cudnn"`` and JAX's
+  Pallas Mosaic-GPU flash attention (``attention_mgpu``, Hopper; forward only:
+  it has no causal backward) at S of ``AG_ATTENTION_SEQS``;
 - world W > 1 (``--world W``): ``jaxtdist.ag_attention`` (and its Triton kernel,
   forced) against XLA's ``all_gather`` of k and v + ``jax.nn.dot_product_attention``
   with the causal mask by global position, at S total of ``AG_ATTENTION_SEQS_MULTI``.
@@ -20,6 +21,8 @@ where S is at most ``_GRAD_CHECK_SEQ``.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -91,6 +94,27 @@ def _xla_gather_attention(q, k, v):
                                             implementation="cudnn")
     except Exception:  # noqa: BLE001 - cuDNN absent or refusing the shapes
         return jax.nn.dot_product_attention(q, k_all, v_all, mask=mask[None, None])
+
+
+def _pallas_mgpu_attention(args: tuple):
+    """JAX's Pallas Mosaic-GPU causal flash attention at the first config that
+    compiles for ``args`` (the block sizes JAX's own benchmark tries, in its order),
+    as (function, config), or (None, why not)."""
+    try:
+        from jax.experimental.pallas.ops.gpu import attention_mgpu
+    except Exception as e:  # noqa: BLE001 - report any import problem
+        return None, f"import failed: {h._error(e)}"
+    errors = []
+    for block_kv in (256, 128, 64):
+        try:
+            config = attention_mgpu.TuningConfig(block_q=64, block_kv=block_kv,
+                                                 max_concurrent_steps=2, causal=True)
+            fn = jax.jit(functools.partial(attention_mgpu.attention, config=config))
+            fn.lower(*args).compile()  # a config past the shared memory fails here
+            return fn, f"block_q=64, block_kv={block_kv}, max_concurrent_steps=2"
+        except Exception as e:  # noqa: BLE001 - the next config, or the reasons
+            errors.append(h._error(e))
+    return None, "; ".join(errors[:2])
 
 
 # The longest S whose gradients are checked against float32 ones: the reference's
@@ -168,8 +192,18 @@ def bench_ag_attention(seqs, iterations: int, world: int, dtype=jnp.bfloat16,
         # (past 4K its backward's).
         longest = _GRAD_CHECK_SEQ if backward else 8192
         timed = {name: fn for name, fn in fns.items() if name != "jax_nn_dpa" or s <= longest}
+        pallas_note = None
+        if world == 1 and not backward and jax.devices()[0].platform == "gpu":
+            pallas_fn, pallas_note = _pallas_mgpu_attention(args)
+            if pallas_fn is not None:
+                timed["pallas_mgpu"] = pallas_fn
         row.update(h.interleaved({name: h.Contender(fn, args, world)
                                   for name, fn in timed.items()}, iterations, rounds))
+        if pallas_note is not None:
+            if "pallas_mgpu" in row:
+                row["pallas_mgpu"]["config"] = pallas_note
+            else:
+                row["pallas_mgpu"] = dict(error=[pallas_note])
         if backward:
             _check_grads(row, timed, args, s, world, flops)
             rows.append(row)
@@ -238,12 +272,15 @@ WORLD1_COLUMNS = [
     h.Column("jaxtdist / jax.nn", lambda r: h.ratio(r.get("jaxtdist"), r.get("jax_nn_dpa"))),
     h.Column("cuDNN (implementation='cudnn')", lambda r: h.us(r.get("cudnn_dpa"))),
     h.Column("jaxtdist / cuDNN", lambda r: h.ratio(r.get("jaxtdist"), r.get("cudnn_dpa"))),
+    h.Column("Pallas Mosaic GPU", lambda r: h.us(r.get("pallas_mgpu"))),
+    h.Column("jaxtdist / Pallas", lambda r: h.ratio(r.get("jaxtdist"), r.get("pallas_mgpu"))),
     h.Column("TFLOP/s (jaxtdist)", lambda r: _tflops(r.get("jaxtdist"))),
     h.Column("Triton kernel (groups > 1)", lambda r: h.us(r.get("jaxtdist_triton"))),
     h.Column("Triton / cuDNN", lambda r: h.ratio(r.get("jaxtdist_triton"), r.get("cudnn_dpa"))),
     h.Column("rel err", lambda r: h.err(r.get("jaxtdist"))),
     h.Column("rel err (Triton)", lambda r: h.err(r.get("jaxtdist_triton"))),
     h.Column("rel err (jax.nn)", lambda r: h.err(r.get("jax_nn_dpa"))),
+    h.Column("rel err (Pallas)", lambda r: h.err(r.get("pallas_mgpu"))),
 ]
 
 BACKWARD_COLUMNS = [

@@ -13,7 +13,8 @@ D=128, bf16, every position valid but the last 3):
   and the read floor: an XLA reduction that reads the same K and V once and
   does nothing else (``_read_floor``), the rate a kernel of this size reaches
   with launch and ramp included, against which the kernel's read rate is
-  judged besides the HBM peak;
+  judged besides the HBM peak, and on GPUs JAX's Pallas (Triton) decode
+  attention ``decode_attention.gqa`` at its defaults;
 - world W > 1 (``--world W``): ``jaxtdist.flash_decode`` over S / W positions per
   rank against XLA's way (each rank's partial and log-sum-exp, ``all_gather``
   of them, merge) and against one GPU holding the whole cache (the kernel at
@@ -227,6 +228,9 @@ def bench_flash_decode(seqs, iterations: int, world: int, dtype=jnp.bfloat16,
                 q[:, None], k, v, key_value_seq_lengths=n)[:, 0]))
         if layers == 1:  # chained, XLA would hoist the reads out of the chain
             fns["read_floor"] = jax.jit(_read_floor)
+        pallas = _pallas_decode()
+        if pallas is not None and jax.devices()[0].platform == "gpu":
+            fns["pallas_decode"] = jax.jit(pallas)
     else:
         fns = dict(jaxtdist=jax.jit(jax.shard_map(lambda *a: td.flash_decode(*a, "sp"), **specs)),
                    xla_all_gather_merge=jax.jit(jax.shard_map(_xla_partial_merge, **specs)))
@@ -255,7 +259,7 @@ def bench_flash_decode(seqs, iterations: int, world: int, dtype=jnp.bfloat16,
         if s in one_gpu:
             row["one_gpu"] = one_gpu[s]
         for name in ("jaxtdist", "jaxtdist_paged", "op", "xla_decode", "jax_nn_dpa", "one_gpu",
-                     "read_floor"):
+                     "read_floor", "pallas_decode"):
             stats = row.get(name)
             if stats and stats.get("mean_us"):
                 per_device = kv_bytes if name == "one_gpu" else kv_bytes // world
@@ -266,6 +270,16 @@ def bench_flash_decode(seqs, iterations: int, world: int, dtype=jnp.bfloat16,
             flush=True)
         del args
     return rows
+
+
+def _pallas_decode():
+    """JAX's Pallas (Triton) split-KV decode attention (``decode_attention.gqa`` at
+    its defaults) as (q, k, v, kv_len) -> out, or None where it cannot be imported."""
+    try:
+        from jax.experimental.pallas.ops.gpu import decode_attention
+    except Exception:  # noqa: BLE001 - an older or trimmed JAX: no such contender
+        return None
+    return lambda q, k, v, n: decode_attention.gqa(q, k, v, kv_seq_len=n)
 
 
 def _xla_decode_local(q, k, v, n):
@@ -306,6 +320,8 @@ WORLD1_COLUMNS = [
     h.Column("jaxtdist / XLA decode", lambda r: h.ratio(r.get("jaxtdist"), r.get("xla_decode"))),
     h.Column("KV read TB/s (jaxtdist)", lambda r: _tb_s(r.get("jaxtdist"))),
     h.Column("KV read TB/s (XLA decode)", lambda r: _tb_s(r.get("xla_decode"))),
+    h.Column("Pallas decode_attention.gqa", lambda r: h.us(r.get("pallas_decode"))),
+    h.Column("jaxtdist / Pallas", lambda r: h.ratio(r.get("jaxtdist"), r.get("pallas_decode"))),
     h.Column("read floor: XLA reduction over K, V", lambda r: h.us(r.get("read_floor"))),
     h.Column("KV read TB/s (read floor)", lambda r: _tb_s(r.get("read_floor"))),
     h.Column("jaxtdist / read floor", lambda r: h.ratio(r.get("jaxtdist"),
@@ -315,6 +331,7 @@ WORLD1_COLUMNS = [
                                                      r.get("jaxtdist"))),
     h.Column("rel err", lambda r: h.err(r.get("jaxtdist"))),
     h.Column("rel err (paged)", lambda r: h.err(r.get("jaxtdist_paged"))),
+    h.Column("rel err (Pallas)", lambda r: h.err(r.get("pallas_decode"))),
 ]
 
 WORLD_COLUMNS = [
