@@ -78,24 +78,11 @@ def _best_pallas(pallas_mod, mesh, specs, args, ref, iterations: int, world: int
     if pallas_mod is None:
         return None, None
     cm, configs = pallas_mod
-    best, best_fn, errors = None, None, []
-    for cfg in configs:
-        try:
-            fn = jax.jit(jax.shard_map(
-                functools.partial(cm.all_gather_lhs_matmul, axis_name="tp", config=cfg,
-                                  dtype=dtype),
-                mesh=mesh, in_specs=specs[:2], out_specs=specs[2], check_vma=False))
-            out, t = h.profile(fn, args, iterations, world)
-            e = h.rel_err(out, ref)
-            if not e < _PALLAS_MAX_REL_ERR:
-                errors.append(f"{cfg}: relative error {e:.1e}")
-                continue
-            t["config"] = str(cfg)
-            if best is None or t["mean_us"] < best["mean_us"]:
-                best, best_fn = t, fn
-        except Exception as e:  # noqa: BLE001 - unsupported configs are skipped
-            errors.append(h._error(e))
-    return (best_fn, best) if best_fn is not None else (None, dict(error=errors[:2]))
+    candidates = {str(cfg): jax.jit(jax.shard_map(
+        functools.partial(cm.all_gather_lhs_matmul, axis_name="tp", config=cfg, dtype=dtype),
+        mesh=mesh, in_specs=specs[:2], out_specs=specs[2], check_vma=False))
+        for cfg in configs}
+    return h.fastest(candidates, args, world, iterations, ref, _PALLAS_MAX_REL_ERR)
 
 
 def _mesh(world: int):

@@ -7,7 +7,8 @@ once per shape (``used * R`` rows dealt to the G groups with a mild skew,
 the rest padding rows past the groups). Relative errors of both against the
 float32 grouped product (``ragged_dot`` of float32 operands at HIGHEST
 precision). Issue 33's target: grouped_matmul within 1.10x of ragged_dot.
-The backward pass too: the gradients of x and w of ``sum(out * c)`` through
+On GPUs JAX's Pallas Mosaic-GPU grouped GEMM (``ragged_dot_mgpu``, Hopper) too,
+at the fastest of a few configs (its forward only). The backward pass too: the gradients of x and w of ``sum(out * c)`` through
 each op (grouped_matmul: dx and dw on its kernels), their
 relative errors against the float32 gradients.
 """
@@ -60,6 +61,7 @@ def bench_grouped_matmul(shapes, iterations: int, rounds: int = 4, dtype=jnp.bfl
     exact_grad = jax.jit(lambda x, w, s, c: grads(lambda a, b, s: jax.lax.ragged_dot(
         a, b, s, precision=jax.lax.Precision.HIGHEST))(
         x.astype(jnp.float32), w.astype(jnp.float32), s, c))
+    pallas = _pallas_ragged_dot() if device.platform == "gpu" else None
     rows = []
     for i, (r, hidden, f, g, used) in enumerate(shapes):
         x = jax.device_put(h.normal(900 + 2 * i, (r, hidden), dtype, scale=hidden ** -0.5),
@@ -73,11 +75,21 @@ def bench_grouped_matmul(shapes, iterations: int, rounds: int = 4, dtype=jnp.bfl
                    size=2.0 * float(np.asarray(sizes).sum()) * hidden * f,
                    label=f"{r}x{hidden}x{f} G={g}")
         c = jax.device_put(h.normal(960 + i, (r, f), jnp.float32), device)
-        row.update(h.interleaved(dict(
+        contenders = dict(
             ragged_dot=h.Contender(ragged, args, 1, ref),
             grouped_matmul=h.Contender(ours, args, 1, ref),
             ragged_dot_grad=h.Contender(ragged_grad, args + (c,), 1),
-            grouped_matmul_grad=h.Contender(ours_grad, args + (c,), 1)), iterations, rounds))
+            grouped_matmul_grad=h.Contender(ours_grad, args + (c,), 1))
+        if pallas is not None:
+            pallas_fn, pallas_stats = h.fastest(pallas(f), args, 1, max(4, iterations // 4), ref)
+            if pallas_fn is not None:
+                contenders["pallas_mgpu"] = h.Contender(pallas_fn, args, 1, ref)
+        row.update(h.interleaved(contenders, iterations, rounds))
+        if pallas is not None:
+            if pallas_fn is not None:
+                row["pallas_mgpu"]["config"] = pallas_stats["config"]
+            else:
+                row["pallas_mgpu"] = pallas_stats
         want = exact_grad(x, w, sizes, c)
         for name, fn in (("ragged_dot_grad", ragged_grad), ("grouped_matmul_grad", ours_grad)):
             if "error" not in row[name]:
@@ -90,6 +102,29 @@ def bench_grouped_matmul(shapes, iterations: int, rounds: int = 4, dtype=jnp.bfl
     return rows
 
 
+def _pallas_ragged_dot():
+    """F -> {config label: (x, w, sizes) -> out} of JAX's Pallas Mosaic-GPU grouped
+    GEMM (``ragged_dot_mgpu``, Hopper; a few of the configs its own sweep covers,
+    those whose N blocks divide F), or None where it cannot be imported."""
+    try:
+        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+    except Exception:  # noqa: BLE001 - an older or trimmed JAX: no such contender
+        return None
+
+    def candidates(f: int) -> dict:
+        configs = [dict(block_m=bm, block_n=bn, block_k=64, max_concurrent_steps=steps,
+                        grid_block_n=grid)
+                   for bm, bn, steps, grid in [(128, 128, 4, 1), (128, 128, 4, 4),
+                                               (64, 128, 4, 2), (128, 192, 4, 1),
+                                               (192, 128, 4, 1)]
+                   if f % (grid * bn) == 0]
+        return {", ".join(f"{k}={v}" for k, v in cfg.items()): jax.jit(
+                    lambda x, w, s, cfg=cfg: ragged_dot_mgpu.ragged_dot(
+                        x, w, group_sizes=s, **cfg))
+                for cfg in configs}
+    return candidates
+
+
 COLUMNS = [
     h.Column("R x H x F", lambda r: f"{r['R']} x {r['hidden']} x {r['ffn']}"),
     h.Column("groups", lambda r: str(r["groups"])),
@@ -98,6 +133,9 @@ COLUMNS = [
     h.Column("grouped_matmul", lambda r: h.us(r.get("grouped_matmul"))),
     h.Column("grouped_matmul / ragged_dot",
              lambda r: h.ratio(r.get("grouped_matmul"), r.get("ragged_dot"))),
+    h.Column("Pallas Mosaic GPU ragged_dot", lambda r: h.us(r.get("pallas_mgpu"))),
+    h.Column("grouped_matmul / Pallas",
+             lambda r: h.ratio(r.get("grouped_matmul"), r.get("pallas_mgpu"))),
     h.Column("rel err (grouped_matmul)", lambda r: h.err(r.get("grouped_matmul"))),
     h.Column("rel err (ragged_dot)", lambda r: h.err(r.get("ragged_dot"))),
     h.Column("backward: ragged_dot", lambda r: h.us(r.get("ragged_dot_grad"))),

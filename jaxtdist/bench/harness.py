@@ -37,7 +37,7 @@ import numpy as np
 from jaxtdist._timing import merge_rounds, profile
 
 __all__ = [
-    "Benchmark", "Column", "Contender", "check_output", "err", "float32_matmul",
+    "Benchmark", "Column", "Contender", "check_output", "err", "fastest", "float32_matmul",
     "interleaved", "markdown_table", "merge_rounds", "normal", "plot", "plot_data", "profile",
     "ratio", "rel_err", "result", "timing_note", "us", "us_min", "write_results",
 ]
@@ -152,6 +152,34 @@ def interleaved(contenders: dict[str, Contender], iterations: int, rounds: int,
         if c.ref is not None:
             check_output(stats[name], outs[name], c.ref, c.exact)
     return stats
+
+
+def fastest(candidates: dict[str, Callable], args: tuple, world: int, iterations: int,
+            ref: Any = None, max_rel_err: float = 2e-2) -> tuple[Callable | None, dict]:
+    """The fastest of a contender's configs (an outside library's kernel that has
+    no default config of its own), as (function, its stats with ``config``), or
+    (None, ``{"error": [...]}``) when none ran.
+
+    ``candidates``: config label -> function of ``args``. A config that raises
+    (one past the shared memory, say) or whose output is further than
+    ``max_rel_err`` from ``ref`` is skipped, its reason kept for the error.
+    """
+    best, best_fn, errors = None, None, []
+    for label, fn in candidates.items():
+        try:
+            out, stats = profile(fn, args, iterations, world)
+        except Exception as e:  # noqa: BLE001 - an unsupported config is skipped
+            errors.append(f"{label}: {_error(e)}")
+            continue
+        if ref is not None:
+            e = rel_err(out, ref)
+            if not e < max_rel_err:
+                errors.append(f"{label}: relative error {e:.1e}")
+                continue
+        stats["config"] = label
+        if best is None or stats["mean_us"] < best["mean_us"]:
+            best, best_fn = stats, fn
+    return (best_fn, best) if best_fn is not None else (None, dict(error=errors[:2]))
 
 
 def normal(seed: int, shape: tuple, dtype, scale: float = 1.0):
