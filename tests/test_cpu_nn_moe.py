@@ -148,18 +148,22 @@ def test_gradients_and_the_load_balancing_loss_match():
     assert rel_err(got.prob, probs.reshape(-1, EXPERTS).mean(0)) < 1e-6
 
 
-def _capacity_keep(ids, groups, capacity):
-    """[T, k] bool: GShard's expert capacity per group of T / groups consecutive
-    tokens (every first pick before any second pick, then token order)."""
+def _capacity_keep(ids, mesh_shape, batch, capacity):
+    """[T, k] bool: GShard's expert capacity per device's tokens (every first pick
+    before any second pick, then token order). Device (i, j) of a (dp, tp) mesh
+    holds positions block j of the sequences of batch block i, in that order."""
     t, k = ids.shape
+    (dp, tp), seq = mesh_shape, t // batch
     keep = np.zeros((t, k), bool)
-    for g in range(groups):
-        rows = range(g * t // groups, (g + 1) * t // groups)
-        taken = np.zeros(EXPERTS, int)
-        for kk in range(k):
-            for r in rows:
-                keep[r, kk] = taken[ids[r, kk]] < capacity
-                taken[ids[r, kk]] += 1
+    for i in range(dp):
+        for j in range(tp):
+            rows = [b * seq + p for b in range(i * batch // dp, (i + 1) * batch // dp)
+                    for p in range(j * seq // tp, (j + 1) * seq // tp)]
+            taken = np.zeros(EXPERTS, int)
+            for kk in range(k):
+                for r in rows:
+                    keep[r, kk] = taken[ids[r, kk]] < capacity
+                    taken[ids[r, kk]] += 1
     return keep
 
 
@@ -190,7 +194,7 @@ def test_expert_capacity_drops_the_picks_past_it(monkeypatch, shape, parallelism
         w = _weights(layer)
         capacity = max(1, int(np.ceil(factor * per_device * TOP_K / EXPERTS)))
         ids, gates, _ = _routing(w, f64(x).reshape(16, D), TOP_K)
-        keep = _capacity_keep(ids, groups, capacity)
+        keep = _capacity_keep(ids, shape, 2, capacity)
         if factor < 100:
             assert not keep.all(), "the routing must overflow some expert"
         else:

@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxtdist.nn._layout import make_layout
+from jaxtdist.nn._layout import Layout, make_layout
 from jaxtdist.nn._linear import ColumnParallelLinear, RowParallelLinear, column_parallel
 from jaxtdist.ops.ag_attention import _MAX_HEAD_DIM as _FUSED_MAX_HEAD_DIM
 from jaxtdist.ops.ag_attention import ag_attention
@@ -51,6 +51,22 @@ def _dot_product_attention(q, k, v, mask, mesh: Mesh) -> jax.Array:
     return jax.nn.dot_product_attention(q, k, v, mask=mask)
 
 
+def _head_norm(head_dim: int, eps: float, layout: Layout, param_dtype,
+               rngs: nnx.Rngs) -> tuple[nnx.RMSNorm, nnx.RMSNorm]:
+    """The q and k norms of ``qk_norm``: RMSNorms over ``head_dim`` whose scales are
+    created replicated on the layer's mesh (a scale on one device is refused next to
+    sharded parameters on explicit axes)."""
+    ones = nnx.with_partitioning(nnx.initializers.ones, (None,), mesh=layout.mesh)
+    return tuple(nnx.RMSNorm(head_dim, epsilon=eps, dtype=jnp.float32, param_dtype=param_dtype,
+                             scale_init=ones, rngs=rngs) for _ in range(2))
+
+
+def _norm_heads(norm: nnx.RMSNorm, x: jax.Array) -> jax.Array:
+    """``norm`` over the last dim of x [batch, seq, heads, head_dim], in float32 and
+    rounded once to x's dtype (the mean of squares of 16-bit values loses digits)."""
+    return norm(x.astype(jnp.float32)).astype(x.dtype)
+
+
 class ParallelAttention(nnx.Module):
     """Multi-head self-attention, heads split over ``axis_name`` (Megatron style).
 
@@ -65,6 +81,11 @@ class ParallelAttention(nnx.Module):
 
     Parameters, as Hugging Face and MaxText name them: ``q_proj``, ``k_proj``,
     ``v_proj``, ``o_proj``, each with ``kernel`` [in, out] (and ``bias``).
+
+    ``qk_norm`` (Qwen3's): an RMSNorm over ``head_dim`` of each query and key
+    head, after the projections and before the rotary embeddings, computed in
+    float32 with ``qk_norm_eps``; parameters ``q_norm`` and ``k_norm``, each a
+    ``scale`` [head_dim] (ones at first) shared by the heads, replicated.
 
     Decoding: ``init_cache(batch, max_len)``, a call on the prompts fills the
     cache (the prefill), then calls with ``decode=True`` on [batch, 1, d] add
@@ -84,7 +105,8 @@ class ParallelAttention(nnx.Module):
 
     def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
                  head_dim: int | None = None, rope_theta: float | None = None,
-                 use_bias: bool = False, causal: bool = True, axis_name: str = "tp",
+                 use_bias: bool = False, causal: bool = True, qk_norm: bool = False,
+                 qk_norm_eps: float = 1e-6, axis_name: str = "tp",
                  batch_axes: str | Sequence[str] | None = None, mesh: Mesh | None = None,
                  dtype=None, param_dtype=jnp.float32, impl: str = "jaxtdist",
                  rngs: nnx.Rngs):
@@ -130,6 +152,8 @@ class ParallelAttention(nnx.Module):
         self.v_proj = ColumnParallelLinear(d_model, num_kv_heads * head_dim,
                                            replicated_columns=kv_replicated, **common)
         self.o_proj = RowParallelLinear(num_heads * head_dim, d_model, **common)
+        self.q_norm, self.k_norm = (_head_norm(head_dim, qk_norm_eps, layout, param_dtype, rngs)
+                                    if qk_norm else (None, None))
         # KV heads as computed and cached: one per rank at least.
         self.kv_heads_stored = max(num_kv_heads, tp)
         self.cached_key: nnx.Cache | None = nnx.data(None)
@@ -222,9 +246,11 @@ class ParallelAttention(nnx.Module):
         q, k, v = column_parallel((self.q_proj, self.k_proj, self.v_proj),
                                   lay.to_tokens(x, decode), decode=decode)
         heads = P(b, None, lay.axis_name, None)
-        q = lay.reshape(q, (batch, seq, self.num_heads, self.head_dim), heads)
-        k = lay.reshape(k, (batch, seq, self.kv_heads_stored, self.head_dim), heads)
-        v = lay.reshape(v, (batch, seq, self.kv_heads_stored, self.head_dim), heads)
+        q = lay.unflatten(q, (batch, seq, self.num_heads, self.head_dim), heads)
+        k = lay.unflatten(k, (batch, seq, self.kv_heads_stored, self.head_dim), heads)
+        v = lay.unflatten(v, (batch, seq, self.kv_heads_stored, self.head_dim), heads)
+        if self.q_norm is not None:  # before RoPE, so before the cache and every attention
+            q, k = _norm_heads(self.q_norm, q), _norm_heads(self.k_norm, k)
         if positions is None:
             positions = (jnp.broadcast_to(self.cache_index[...], (batch, 1)) if decode else
                          jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq)))
@@ -239,7 +265,7 @@ class ParallelAttention(nnx.Module):
             if self.cached_key is not None:  # prefill: the prompts' keys and values
                 self._prefill_cache(k, v, positions, seq)
             o = self._attend(q, k, v, positions, segment_ids, b)
-        o = lay.reshape(o, (batch * seq, self.num_heads * self.head_dim), P(
+        o = lay.flatten(o, heads, (batch * seq, self.num_heads * self.head_dim), P(
             b if decode else lay.rows, lay.axis_name))
         return lay.from_tokens(self.o_proj.project(o, decode=decode), batch, seq, decode)
 

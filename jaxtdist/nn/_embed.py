@@ -46,7 +46,7 @@ class Embed(nnx.Embed):
                              f"dtype {inputs.dtype}; expected integer [batch, seq]")
         batch, seq = inputs.shape
         b = lay.batch_spec(batch)
-        spec = P(b, lay.axis_name if seq % lay.tp == 0 and b is not None else None, None)
+        spec = P(b, lay.axis_name if seq % lay.tp == 0 and lay.divides(batch) else None, None)
         table = self.embedding[...]
         if self.dtype is not None:
             table = table.astype(self.dtype)

@@ -7,7 +7,11 @@ by default every other axis of the mesh, so that no mesh axis silently
 repeats the work). Activations between layers are [batch, seq, d] sharded
 ``P(batch_axes, axis_name, None)`` (sequence parallel); inside a layer they
 are [batch * seq, d] tokens sharded over ``(*batch_axes, axis_name)``, the
-layout of ``ag_matmul`` / ``matmul_rs``. Explicit mesh axes (``jax.make_mesh``'s
+layout of ``ag_matmul`` / ``matmul_rs``. Tokens are in the order that makes
+that a local reshape: each data-parallel group's rows, within them each
+tensor-parallel rank's block of positions, within it the group's sequences'
+slices of that block (``Layout.flatten`` / ``unflatten``; row-major where a
+group holds one sequence). Explicit mesh axes (``jax.make_mesh``'s
 default) and Auto axes are both handled here: the layers never care.
 """
 
@@ -152,10 +156,42 @@ class Layout:
                     f"{[d.id for d in current.devices.flat]}); build the layer again on this "
                     "mesh, or jaxtdist.initialize(mesh) with the layer's")
 
+    def divides(self, batch: int) -> bool:
+        """Whether ``batch`` sequences divide over ``batch_axes``."""
+        return batch % self.dp == 0
+
     def batch_spec(self, batch: int):
         """Rows over ``batch_axes`` when the batch divides over them, else replicated
         (XLA's layers allow such a batch: each group then repeats the work)."""
-        return self.rows if batch % self.dp == 0 else None
+        return self.rows if self.divides(batch) else None
+
+    def _reorders(self, batch: int, seq: int) -> bool:
+        """Whether the tokens of [batch, seq] leave row-major order: when a
+        data-parallel group holds several sequences cut over tensor-parallel ranks."""
+        return (self.divides(batch) and batch > self.dp and self.tp > 1
+                and seq % self.tp == 0)
+
+    def flatten(self, x: jax.Array, spec: P, shape: tuple[int, ...], out_spec: P) -> jax.Array:
+        """[batch, seq, ...] laid out as ``spec`` -> ``shape`` = [batch * seq, ...] laid
+        out as ``out_spec``, the tokens in the layers' order (see the module): a
+        rank's positions of the sequences become its block of rows, so that
+        nothing moves where row-major order would send them to other ranks."""
+        batch, seq, *rest = x.shape
+        if self._reorders(batch, seq):
+            x = self.reshape(x, (self.dp, batch // self.dp, self.tp, seq // self.tp, *rest),
+                             P(spec[0], None, spec[1], None, *spec[2:]))
+            x = jnp.swapaxes(x, 1, 2)
+        return self.reshape(x, shape, out_spec)
+
+    def unflatten(self, t: jax.Array, shape: tuple[int, ...], spec: P) -> jax.Array:
+        """``flatten``'s inverse: tokens -> ``shape`` = [batch, seq, ...] laid out as
+        ``spec``."""
+        batch, seq, *rest = shape
+        if self._reorders(batch, seq):
+            t = self.reshape(t, (self.dp, self.tp, batch // self.dp, seq // self.tp, *rest),
+                             P(spec[0], spec[1], None, None, *spec[2:]))
+            t = jnp.swapaxes(t, 1, 2)
+        return self.reshape(t, shape, spec)
 
     def to_tokens(self, x: jax.Array, decode: bool) -> jax.Array:
         """[batch, seq, d] -> [batch * seq, d] in the layout the ops take."""
@@ -164,21 +200,22 @@ class Layout:
         if decode:  # one token per sequence, on every tensor-parallel rank
             x = self.constrain(x, P(b, None, None))
             return self.reshape(x, (batch, d), P(b, None))
-        if b is None:  # a batch not divisible over batch_axes: tokens spread over all
+        if not self.divides(batch):  # tokens spread over every rank, row-major
             x = self.constrain(x, P(None, None, None))
             return self.reshape(x, (batch * seq, d), P(self.tokens, None))
-        x = self.constrain(x, P(b, self.axis_name, None))
-        return self.reshape(x, (batch * seq, d), P(self.tokens, None))
+        spec = P(b, self.axis_name, None)
+        return self.flatten(self.constrain(x, spec), spec, (batch * seq, d),
+                            P(self.tokens, None))
 
     def from_tokens(self, y: jax.Array, batch: int, seq: int, decode: bool) -> jax.Array:
         """[batch * seq, d] (the ops' layout) -> [batch, seq, d]."""
         b = self.batch_spec(batch)
         if decode:
             return self.reshape(y, (batch, 1, y.shape[-1]), P(b, None, None))
-        if b is None:
+        if not self.divides(batch):
             y = self.constrain(y, P(None, None))
             return self.reshape(y, (batch, seq, y.shape[-1]), P(None, None, None))
-        return self.reshape(y, (batch, seq, y.shape[-1]), P(b, self.axis_name, None))
+        return self.unflatten(y, (batch, seq, y.shape[-1]), P(b, self.axis_name, None))
 
 
 def make_layout(layer: str, *, mesh: Mesh | None, axis_name: str,

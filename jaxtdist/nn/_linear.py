@@ -107,7 +107,8 @@ class ColumnParallelLinear(nnx.Module):
         x, batch, seq = self.layout.check_input(x, self.in_features, decode)
         (y,) = column_parallel((self,), self.layout.to_tokens(x, decode), decode=decode)
         b = self.layout.batch_spec(batch)
-        return self.layout.reshape(y, (batch, seq, y.shape[-1]), P(b, None, self.layout.axis_name))
+        return self.layout.unflatten(y, (batch, seq, y.shape[-1]),
+                                     P(b, None, self.layout.axis_name))
 
 
 def column_parallel(layers: Sequence[ColumnParallelLinear], tokens: jax.Array, *,
@@ -188,6 +189,7 @@ class RowParallelLinear(nnx.Module):
         lay = self.layout
         x, batch, seq = lay.check_input(x, self.in_features, decode)
         b = lay.batch_spec(batch)
-        h = lay.constrain(x, P(b, None, lay.axis_name))
-        h = lay.reshape(h, (batch * seq, self.in_features), P(b, lay.axis_name))
+        spec = P(b, None, lay.axis_name)
+        h = lay.flatten(lay.constrain(x, spec), spec, (batch * seq, self.in_features),
+                        P(b, lay.axis_name))
         return lay.from_tokens(self.project(h, decode=decode), batch, seq, decode)

@@ -254,7 +254,11 @@ class ParallelMoE(nnx.Module):
         logits = lay.dot(tokens.astype(jnp.float32), self.router[...].astype(jnp.float32),
                          P(lay.tokens, None))
         probs = jax.nn.softmax(logits, axis=-1)
-        weights, ids = jax.lax.top_k(probs, self.top_k)
+        # Each rank its own tokens' top k: XLA's partitioner gathers every token's
+        # probabilities onto every device for a top_k it is given on sharded rows.
+        rows = P(lay.tokens, None)
+        weights, ids = jax.shard_map(lambda p: tuple(jax.lax.top_k(p, self.top_k)),
+                                     mesh=lay.mesh, in_specs=rows, out_specs=(rows, rows))(probs)
         if self.norm_topk_prob:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         # A decode step's padding rows route too, but count in no statistic.
