@@ -55,6 +55,9 @@ def _attention(w, p, x, cfg, positions, segment_ids, causal=True):
     q = (x @ w[p + "q_proj.kernel"]).reshape(b, s, cfg.num_heads, hd)
     k = (x @ w[p + "k_proj.kernel"]).reshape(b, s, kv, hd)
     v = (x @ w[p + "v_proj.kernel"]).reshape(b, s, kv, hd)
+    if cfg.qk_norm:  # Qwen3: each head's q and k RMS-normalized, before RoPE
+        q, k = _rms(q, w[p + "q_norm.scale"], cfg.norm_eps), _rms(k, w[p + "k_norm.scale"],
+                                                                  cfg.norm_eps)
     if cfg.rope_theta:
         q, k = _rope(q, positions, cfg.rope_theta), _rope(k, positions, cfg.rope_theta)
     rep = cfg.num_heads // kv
@@ -82,15 +85,17 @@ def _mlp(w, p, x):
         p + "down_proj.kernel"]
 
 
-def _moe_mlp(w, p, x, k):
-    """Mixtral's sparse MLP: the top k of softmax(x @ router), renormalized, each a
-    SwiGLU expert (weights stacked [E, ...])."""
+def _moe_mlp(w, p, x, k, norm=True):
+    """Mixtral's and Qwen3-MoE's sparse MLP: the top k of softmax(x @ router),
+    renormalized with ``norm`` (Qwen3-MoE's norm_topk_prob), each a SwiGLU expert
+    (weights stacked [E, ...])."""
     logits = x @ w[p + "router"]
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     ids = np.argsort(-probs, axis=-1, kind="stable")[..., :k]
     gates = np.take_along_axis(probs, ids, -1)
-    gates /= gates.sum(-1, keepdims=True)
+    if norm:
+        gates /= gates.sum(-1, keepdims=True)
     h = (_silu(np.einsum("bsd,bskdh->bskh", x, w[p + "gate_proj"][ids]))
          * np.einsum("bsd,bskdh->bskh", x, w[p + "up_proj"][ids]))
     return np.einsum("bskh,bskhd,bsk->bsd", h, w[p + "down_proj"][ids], gates)
@@ -106,8 +111,10 @@ def _llama_reference(w, tokens, cfg, positions=None, segment_ids=None):
         x = x + _attention(w, p + "self_attn.", _rms(x, w[p + "input_layernorm.scale"],
                                                      cfg.norm_eps), cfg, positions, segment_ids)
         h = _rms(x, w[p + "post_attention_layernorm.scale"], cfg.norm_eps)
-        x = x + (_moe_mlp(w, p + "mlp.", h, cfg.experts_per_token) if cfg.num_experts
-                 else _mlp(w, p + "mlp.", h))
+        # Sparse: Mixtral's every layer, Qwen3-MoE's those in moe_layers.
+        sparse = cfg.num_experts and (cfg.moe_layers is None or i in cfg.moe_layers)
+        x = x + (_moe_mlp(w, p + "mlp.", h, cfg.experts_per_token, cfg.norm_topk_prob)
+                 if sparse else _mlp(w, p + "mlp.", h))
     x = _rms(x, w["norm.scale"], cfg.norm_eps)
     head = w["embed_tokens.embedding"].T if cfg.tie_embeddings else w["lm_head.kernel"]
     return x @ head

@@ -1,4 +1,5 @@
-"""Hugging Face Llama and Mixtral checkpoints (safetensors) into ``jaxtdist.nn.Llama``."""
+"""Hugging Face Llama, Mistral, Mixtral, Qwen3 and Qwen3-MoE checkpoints (safetensors)
+into ``jaxtdist.nn.Llama``."""
 
 from __future__ import annotations
 
@@ -15,21 +16,23 @@ from jaxtdist.nn._llama import Llama, LlamaConfig
 __all__ = ["hf_config", "hf_to_params", "load_hf_llama"]
 
 
+MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe")
+_QWEN3 = ("qwen3", "qwen3_moe")
+_WHERE = "jaxtdist.nn.load_hf_llama: config.json has"
+
+
 def hf_config(config: dict) -> LlamaConfig:
-    """A ``LlamaConfig`` from a Hugging Face ``config.json`` dict.
+    """A ``LlamaConfig`` from a Hugging Face ``config.json`` dict: Llama, Mistral,
+    Mixtral, Qwen3 or Qwen3-MoE (``model_type``; a config without one is read as
+    Llama's, with Mixtral's experts where it has ``num_local_experts``).
 
     Raises:
-      ValueError: the config asks for what ``Llama`` does not compute (another
-        activation than SiLU, sliding-window attention).
+      ValueError: another ``model_type``, or the config asks for what ``Llama`` does
+        not compute (another activation than SiLU, biases, sliding-window attention,
+        scaled rotary embeddings).
     """
-    act = config.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"jaxtdist.nn.load_hf_llama: config.json has hidden_act={act!r}; "
-                         "jaxtdist.nn.Llama computes SwiGLU (silu) only")
-    if config.get("sliding_window") is not None:
-        raise ValueError(f"jaxtdist.nn.load_hf_llama: config.json has sliding_window="
-                         f"{config['sliding_window']}; jaxtdist.nn.Llama attends over the whole "
-                         "sequence (no sliding window)")
+    model_type = config.get("model_type")
+    _check_supported(config, model_type)
     return LlamaConfig(vocab=config["vocab_size"], d_model=config["hidden_size"],
                        num_layers=config["num_hidden_layers"],
                        num_heads=config["num_attention_heads"],
@@ -38,36 +41,92 @@ def hf_config(config: dict) -> LlamaConfig:
                        rope_theta=float(config.get("rope_theta", 10000.0)),
                        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
                        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-                       # Mixtral: its sparse MoE MLP; HF adds the router's loss only
-                       # with output_router_logits.
-                       num_experts=int(config.get("num_local_experts", 0)),
-                       experts_per_token=int(config.get("num_experts_per_tok", 2)),
+                       qk_norm=model_type in _QWEN3,
+                       # HF adds the router's loss only with output_router_logits.
                        router_aux_loss_coef=(float(config.get("router_aux_loss_coef", 0.0))
-                                             if config.get("output_router_logits") else 0.0))
+                                             if config.get("output_router_logits") else 0.0),
+                       **_moe_fields(config, model_type))
+
+
+def _check_supported(config: dict, model_type: str | None) -> None:
+    """A ValueError naming the key when ``config`` is not a model ``Llama`` computes."""
+    if model_type is not None and model_type not in MODEL_TYPES:
+        raise ValueError(f"{_WHERE} model_type={model_type!r}; jaxtdist.nn.Llama reads "
+                         f"{', '.join(map(repr, MODEL_TYPES))}")
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{_WHERE} hidden_act={act!r}; jaxtdist.nn.Llama computes SwiGLU "
+                         "(silu) only")
+    for key in ("attention_bias", "mlp_bias"):
+        if config.get(key):
+            raise ValueError(f"{_WHERE} {key}=true; jaxtdist.nn.Llama's projections have no "
+                             "bias (a checkpoint with biases is not supported)")
+    # Qwen3 configs carry a sliding_window that applies only with use_sliding_window.
+    if model_type in _QWEN3:
+        if config.get("use_sliding_window"):
+            raise ValueError(f"{_WHERE} use_sliding_window=true; jaxtdist.nn.Llama attends "
+                             "over the whole sequence (no sliding window)")
+    elif config.get("sliding_window") is not None:
+        raise ValueError(f"{_WHERE} sliding_window={config['sliding_window']}; jaxtdist.nn."
+                         "Llama attends over the whole sequence (no sliding window)")
+    scaling = config.get("rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type")) != "default":
+        raise ValueError(f"{_WHERE} rope_scaling={scaling}; jaxtdist.nn.Llama computes plain "
+                         "rotary embeddings of rope_theta (rope_scaling null or rope_type "
+                         "'default')")
+
+
+def _moe_fields(config: dict, model_type: str | None) -> dict:
+    """``LlamaConfig``'s MoE fields: Mixtral's experts in every layer; Qwen3-MoE's in
+    the layers HF makes sparse (not in ``mlp_only_layers``, every
+    ``decoder_sparse_step``-th), HF's defaults where a key is absent."""
+    if model_type != "qwen3_moe":
+        return dict(num_experts=int(config.get("num_local_experts", 0)),
+                    experts_per_token=int(config.get("num_experts_per_tok", 2)))
+    experts, step = int(config.get("num_experts", 128)), config.get("decoder_sparse_step", 1)
+    if not isinstance(step, int) or step < 1:
+        raise ValueError(f"{_WHERE} decoder_sparse_step={step!r}; expected an int >= 1 (every "
+                         "step-th layer is sparse)")
+    dense = set(config.get("mlp_only_layers") or ())
+    layers = tuple(i for i in range(config["num_hidden_layers"])
+                   if experts > 0 and i not in dense and (i + 1) % step == 0)
+    return dict(num_experts=experts, experts_per_token=int(config.get("num_experts_per_tok", 8)),
+                moe_hidden=int(config.get("moe_intermediate_size", 768)),
+                moe_layers=layers, norm_topk_prob=bool(config.get("norm_topk_prob", False)))
+
+
+# A sparse layer's router and experts: Mixtral's block_sparse_moe (w1, w3, w2) or
+# Qwen3-MoE's mlp (gate_proj, up_proj, down_proj).
+_MOE = re.compile(r"(layers\.\d+\.)(?:block_sparse_moe|mlp)\.(gate|experts\.(\d+)\."
+                  r"(w[123]|gate_proj|up_proj|down_proj))\.weight")
+_EXPERT_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj", "gate_proj": "gate_proj",
+                "up_proj": "up_proj", "down_proj": "down_proj"}
+_NORMS = ("layernorm.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight")
 
 
 def hf_to_params(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Hugging Face names -> ``Llama`` parameter paths (dot-joined); linear weights
-    [out, in] are transposed to kernels [in, out]. Mixtral's
-    ``block_sparse_moe.gate`` is ``mlp.router``, and its experts' w1, w3, w2 are
-    stacked into ``mlp.gate_proj``, ``mlp.up_proj``, ``mlp.down_proj`` [E, ...]."""
+    [out, in] are transposed to kernels [in, out] and norm weights become ``scale``
+    (Qwen3's ``self_attn.q_norm.weight`` is ``self_attn.q_norm.scale``). A sparse
+    layer's router (Mixtral's ``block_sparse_moe.gate``, Qwen3-MoE's ``mlp.gate``)
+    is ``mlp.router``, and its experts' w1, w3, w2 (Qwen3-MoE: gate_proj, up_proj,
+    down_proj) are stacked into ``mlp.gate_proj``, ``mlp.up_proj``,
+    ``mlp.down_proj`` [E, ...]."""
     out, experts = {}, {}
     for name, value in tensors.items():
         if name.endswith("rotary_emb.inv_freq"):
             continue  # recomputed from rope_theta
         path = name.removeprefix("model.")
-        moe = re.fullmatch(r"(layers\.\d+\.)block_sparse_moe\.(gate|experts\.(\d+)\.(w[123]))"
-                           r"\.weight", path)
+        moe = _MOE.fullmatch(path)
         if moe:
             layer, _, expert, w = moe.groups()
             if expert is None:
                 out[layer + "mlp.router"] = value.T
             else:
-                proj = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}[w]
-                experts.setdefault(layer + "mlp." + proj, {})[int(expert)] = value.T
+                experts.setdefault(layer + "mlp." + _EXPERT_PROJ[w], {})[int(expert)] = value.T
         elif path == "embed_tokens.weight":
             out["embed_tokens.embedding"] = value
-        elif path.endswith("layernorm.weight") or path == "norm.weight":
+        elif path.endswith(_NORMS) or path == "norm.weight":
             out[path.removesuffix("weight") + "scale"] = value
         elif path.endswith(".weight"):
             out[path.removesuffix("weight") + "kernel"] = value.T
@@ -103,6 +162,8 @@ def load_hf_llama(folder: str | pathlib.Path, mesh, **kwargs) -> Llama:
     for file in sorted(folder.glob("*.safetensors")):
         tensors.update(load_file(str(file)))
     params = hf_to_params(tensors)
+    if cfg.tie_embeddings:  # the head is embed_tokens; a saved copy is not read (as in HF)
+        params.pop("lm_head.kernel", None)
     model = Llama(cfg, mesh=mesh, rngs=nnx.Rngs(0), **kwargs)
     state = nnx.state(model, nnx.Param)
     flat = dict(nnx.to_flat_state(state))

@@ -1,5 +1,6 @@
 """A Llama-3-architecture decoder built from ``jaxtdist.nn``: RMSNorm, RoPE,
-grouped-query attention, SwiGLU, tied or untied LM head.
+grouped-query attention, SwiGLU, tied or untied LM head; with options, Mixtral's
+and Qwen3-MoE's sparse MLPs and Qwen3's q/k norm.
 
 Parameter paths follow Hugging Face's (``layers.0.self_attn.q_proj.kernel`` is
 ``model.layers.0.self_attn.q_proj.weight`` transposed), so ``load_hf_llama``
@@ -56,33 +57,65 @@ class LlamaConfig:
     rope_theta: float = 500000.0    # rope_theta
     norm_eps: float = 1e-5          # rms_norm_eps
     tie_embeddings: bool = False    # tie_word_embeddings
-    # A sparse MoE MLP in every layer (Mixtral's names) where num_experts > 0; hidden
-    # is then each expert's.
-    num_experts: int = 0            # num_local_experts
+    qk_norm: bool = False           # Qwen3: RMSNorm of each q and k head before RoPE
+    # Where num_experts > 0, a sparse MoE MLP (ParallelMoE) in the layers of moe_layers
+    # (None: every layer, Mixtral's), a dense MLP of hidden in the others.
+    num_experts: int = 0            # num_local_experts (Qwen3-MoE: num_experts)
     experts_per_token: int = 2      # num_experts_per_tok
+    moe_hidden: int | None = None   # Qwen3-MoE: moe_intermediate_size (None: hidden)
+    moe_layers: tuple[int, ...] | None = None  # Qwen3-MoE: from mlp_only_layers and
+    #                                            decoder_sparse_step
+    norm_topk_prob: bool = True     # norm_topk_prob (Mixtral: always)
     router_aux_loss_coef: float = 0.0  # router_aux_loss_coef: loss() adds the
     #                                    layers' load-balancing loss times this
     moe_parallelism: str = "expert"  # ParallelMoE's parallelism
     moe_capacity_factor: float | None = None  # ParallelMoE's capacity_factor (None: none)
 
+    def __post_init__(self):
+        """Checks ``moe_layers`` and stores it as a sorted tuple.
+
+        Raises:
+          ValueError: a layer index outside ``[0, num_layers)``, or MoE layers
+            without experts.
+        """
+        if self.moe_layers is None:
+            return
+        layers = tuple(sorted({int(i) for i in self.moe_layers}))  # hashable: a static field
+        bad = [i for i in layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"jaxtdist.nn.LlamaConfig: moe_layers={self.moe_layers} names "
+                             f"layers {bad} of num_layers={self.num_layers}; give indices in "
+                             f"[0, {self.num_layers})")
+        if layers and self.num_experts < 1:
+            raise ValueError(f"jaxtdist.nn.LlamaConfig: moe_layers={self.moe_layers} with "
+                             f"num_experts={self.num_experts}; MoE layers need num_experts >= 1")
+        object.__setattr__(self, "moe_layers", layers)
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer ``index`` has a ``ParallelMoE`` (else a ``ParallelMLP``)."""
+        return bool(self.num_experts) and (self.moe_layers is None or index in self.moe_layers)
+
 
 class DecoderLayer(nnx.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, **common):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, *, sparse: bool = False, **common):
+        """``sparse``: a ``ParallelMoE`` MLP (``cfg.is_moe_layer``), else a dense one."""
         dtype = common.get("dtype")
         self.input_layernorm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=dtype,
                                            rngs=rngs)
         self.self_attn = ParallelAttention(cfg.d_model, cfg.num_heads,
                                            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                                           rope_theta=cfg.rope_theta, rngs=rngs, **common)
+                                           rope_theta=cfg.rope_theta, qk_norm=cfg.qk_norm,
+                                           qk_norm_eps=cfg.norm_eps, rngs=rngs, **common)
         self.post_attention_layernorm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps,
                                                     dtype=dtype, rngs=rngs)
         hidden = cfg.hidden or 4 * cfg.d_model
-        if cfg.num_experts:
-            self.mlp = ParallelMoE(cfg.d_model, hidden, num_experts=cfg.num_experts,
-                                   top_k=cfg.experts_per_token,
+        if sparse:
+            self.mlp = ParallelMoE(cfg.d_model, cfg.moe_hidden or hidden,
+                                   num_experts=cfg.num_experts, top_k=cfg.experts_per_token,
                                    parallelism=cfg.moe_parallelism,
+                                   norm_topk_prob=cfg.norm_topk_prob,
                                    capacity_factor=cfg.moe_capacity_factor, rngs=rngs, **common)
         else:
             self.mlp = ParallelMLP(cfg.d_model, hidden, rngs=rngs, **common)
@@ -124,8 +157,8 @@ class Llama(nnx.Module):
         self.embed_tokens = Embed(cfg.vocab, cfg.d_model, axis_name=axis_name,
                                   batch_axes=layout.batch_axes, mesh=layout.mesh, dtype=dtype,
                                   param_dtype=param_dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, rngs, **common)
-                                for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, rngs, sparse=cfg.is_moe_layer(i), **common)
+                                for i in range(cfg.num_layers)])
         self.norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=dtype, rngs=rngs)
         self.lm_head = None if cfg.tie_embeddings else nnx.Linear(
             cfg.d_model, cfg.vocab, use_bias=False, dtype=dtype, param_dtype=param_dtype,
