@@ -2,8 +2,8 @@
 built from ``jaxtdist.nn``, trained a few AdamW steps and greedy-decoded with
 the KV cache, side by side with the same model on XLA's collectives
 (``impl="xla"``): same parameters, same batches, printed losses and tokens.
-``--hf FOLDER`` loads a Hugging Face Llama or Mixtral checkpoint (safetensors) instead of
-random parameters.
+``--hf FOLDER`` loads a Hugging Face Llama (3.1's scaled RoPE included), Mistral,
+Mixtral, Qwen3 or Qwen3-MoE checkpoint (safetensors) instead of random parameters.
 
 Run (CPU, 8 host devices, tiny config):
   python examples/llama.py --tiny
@@ -105,7 +105,9 @@ def run(args) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true", help="CPU-sized model and batch")
-    parser.add_argument("--hf", default=None, help="a Hugging Face Llama or Mixtral checkpoint folder")
+    parser.add_argument("--hf", default=None,
+                        help="a Hugging Face Llama, Mistral, Mixtral, Qwen3 or Qwen3-MoE "
+                             "checkpoint folder")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--tokens", type=int, default=8, help="tokens to generate")
     parser.add_argument("--tp", type=int, default=0, help="tensor-parallel size (default: "

@@ -40,9 +40,30 @@ def _tokens(rng, shape, vocab):
 
 # -- a float64 reference, written from the Hugging Face Llama equations ----------------
 
-def _rope(x, positions, theta):
+def _llama3_inv_freq(inv, scaling):
+    """Llama 3.1's scaled frequencies, frequency by frequency as Meta's reference
+    code branches (by wavelength against the trained context)."""
+    context = scaling.original_max_position_embeddings
+    short, long = context / scaling.high_freq_factor, context / scaling.low_freq_factor
+    out = []
+    for freq in inv:
+        wavelength = 2 * np.pi / freq
+        if wavelength < short:
+            out.append(freq)
+        elif wavelength > long:
+            out.append(freq / scaling.factor)
+        else:
+            smooth = ((context / wavelength - scaling.low_freq_factor)
+                      / (scaling.high_freq_factor - scaling.low_freq_factor))
+            out.append((1 - smooth) * freq / scaling.factor + smooth * freq)
+    return np.asarray(out)
+
+
+def _rope(x, positions, theta, scaling=None):
     half = x.shape[-1] // 2
     inv = 1.0 / theta ** (np.arange(half) / half)
+    if scaling is not None:
+        inv = _llama3_inv_freq(inv, scaling)
     ang = positions[..., None] * inv
     cos, sin = (np.concatenate([f(ang)] * 2, -1)[:, :, None] for f in (np.cos, np.sin))
     return x * cos + np.concatenate([-x[..., half:], x[..., :half]], -1) * sin
@@ -59,7 +80,7 @@ def _attention(w, p, x, cfg, positions, segment_ids, causal=True):
         q, k = _rms(q, w[p + "q_norm.scale"], cfg.norm_eps), _rms(k, w[p + "k_norm.scale"],
                                                                   cfg.norm_eps)
     if cfg.rope_theta:
-        q, k = _rope(q, positions, cfg.rope_theta), _rope(k, positions, cfg.rope_theta)
+        q, k = (_rope(a, positions, cfg.rope_theta, cfg.rope_scaling) for a in (q, k))
     rep = cfg.num_heads // kv
     k, v = np.repeat(k, rep, axis=2), np.repeat(v, rep, axis=2)
     scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(hd)
@@ -360,14 +381,26 @@ def _write_hf_checkpoint(folder, cfg, rng, **config) -> dict:
     return tensors
 
 
-def test_hf_safetensors_checkpoint_loads(tmp_path):
+# Llama 3.1's RoPE scaling with a short trained context: of a 4-wide head's two
+# frequencies, one is blended and one slowed (the test below checks the third band).
+LLAMA3_SCALING = dict(rope_type="llama3", factor=4.0, low_freq_factor=0.5, high_freq_factor=4.0,
+                      original_max_position_embeddings=20)
+
+
+@pytest.mark.parametrize("rope_scaling", [None, LLAMA3_SCALING])
+def test_hf_safetensors_checkpoint_loads(tmp_path, rope_scaling):
     """A tiny Hugging Face Llama checkpoint written here (HF names, [out, in]
-    weights): the loaded model's logits are the reference's from those tensors."""
+    weights), plain or Llama 3.1's scaled RoPE: the loaded model's logits are the
+    reference's from those tensors."""
     mesh = _mesh((2, 4))
     cfg = _cfg(8, 2)
     rng = np.random.default_rng(6)
-    tensors = _write_hf_checkpoint(tmp_path, cfg, rng)
+    tensors = _write_hf_checkpoint(tmp_path, cfg, rng, rope_scaling=rope_scaling)
     model = tdnn.load_hf_llama(tmp_path, mesh)
+    if rope_scaling is not None:
+        scaling = {k: v for k, v in rope_scaling.items() if k != "rope_type"}
+        assert model.config.rope_scaling == tdnn.RopeScaling(**scaling)
+        cfg = dataclasses.replace(cfg, rope_scaling=model.config.rope_scaling)
     w = {k: f64(v) for k, v in tdnn._hf.hf_to_params(tensors).items()}
     tokens = _tokens(rng, (2, 8), cfg.vocab)
     out = nnx.jit(lambda m, t: m(t))(model, tokens)
@@ -381,6 +414,27 @@ def test_hf_safetensors_checkpoint_loads(tmp_path):
     with torch.no_grad():
         ref = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
     assert rel_err(out, f64(ref)) < 1e-4
+
+
+def test_rope_scaling_matches_llama_3_1_band_by_band():
+    """RopeScaling against Meta's branches on frequencies in all three bands (kept,
+    blended, slowed), and rope() with it against the reference's rotation; bad
+    values are refused."""
+    scaling = tdnn.RopeScaling(8.0, 1.0, 4.0, 8192)  # Llama 3.1's
+    inv = 1.0 / 500000.0 ** (np.arange(64) / 64)
+    want = _llama3_inv_freq(inv, scaling)
+    assert (want == inv).any() and (want == inv / 8).any()
+    assert ((want != inv) & (want != inv / 8)).any()
+    assert rel_err(scaling(jnp.asarray(inv, jnp.float32)), want) < 1e-6
+    x = np.random.default_rng(3).standard_normal((1, 5, 2, 128))
+    pos = np.array([[0, 1, 7, 300, 1000]])  # float32 angles: far positions lose digits
+    assert rel_err(tdnn.rope(jnp.asarray(x, jnp.float32), jnp.asarray(pos), 500000.0, scaling),
+                   _rope(x, pos, 500000.0, scaling)) < 1e-4
+    with pytest.raises(ValueError, match="low_freq_factor < high_freq_factor"):
+        tdnn.RopeScaling(8.0, 4.0, 1.0, 8192)
+    with pytest.raises(ValueError, match="rope_scaling=.*RopeScaling"):
+        tdnn.ParallelAttention(32, 8, rope_theta=1e4, rope_scaling=dict(factor=8.0),
+                               mesh=_mesh((2, 4)), rngs=nnx.Rngs(0))
 
 
 def test_hf_mixtral_checkpoint_loads_and_trains_like_its_twin(tmp_path):

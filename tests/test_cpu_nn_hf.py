@@ -168,9 +168,13 @@ def test_qwen3_configs_map_and_what_llama_does_not_compute_is_refused():
             ("decoder_sparse_step", 0, "decoder_sparse_step=0; expected an int >= 1")):
         with pytest.raises(ValueError, match=match):
             tdnn._hf.hf_config({**QWEN3_30B_A3B, key: value})
-    with pytest.raises(ValueError, match=r"rope_scaling=.*llama3"):
+    with pytest.raises(ValueError, match=r"rope_scaling=.*llama3.* without 'low_freq_factor'"):
         tdnn._hf.hf_config({**QWEN3_30B_A3B, "model_type": "llama",
                             "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    llama31 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8192)
+    assert tdnn._hf.hf_config({**QWEN3_30B_A3B, "model_type": "llama", "rope_scaling": llama31}
+                              ).rope_scaling == tdnn.RopeScaling(8.0, 1.0, 4.0, 8192)
     assert tdnn._hf.hf_config({**QWEN3_30B_A3B, "rope_scaling": {"rope_type": "default"}})
     with pytest.raises(ValueError, match=r"moe_layers=\(0, 2\) names layers \[2\] of "
                                          r"num_layers=2"):

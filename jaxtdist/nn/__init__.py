@@ -19,7 +19,7 @@ Example:
   >>> y = nnx.jit(lambda m, x: m(x))(mlp, x)  # x: [batch, seq, 512]
 """
 
-from jaxtdist.nn._attention import ParallelAttention, rope
+from jaxtdist.nn._attention import ParallelAttention, RopeScaling, rope
 from jaxtdist.nn._embed import Embed
 from jaxtdist.nn._hf import load_hf_llama
 from jaxtdist.nn._linear import ColumnParallelLinear, RowParallelLinear
@@ -28,5 +28,5 @@ from jaxtdist.nn._mlp import ParallelMLP
 from jaxtdist.nn._moe import ParallelMoE, RouterStats, load_balancing_loss
 
 __all__ = ["ColumnParallelLinear", "Embed", "Llama", "LlamaConfig", "ParallelAttention",
-           "ParallelMLP", "ParallelMoE", "RouterStats", "RowParallelLinear", "load_balancing_loss",
-           "load_hf_llama", "place_on_mesh", "rope"]
+           "ParallelMLP", "ParallelMoE", "RopeScaling", "RouterStats", "RowParallelLinear",
+           "load_balancing_loss", "load_hf_llama", "place_on_mesh", "rope"]

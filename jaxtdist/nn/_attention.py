@@ -3,6 +3,8 @@ tensor-parallel axis, rotary embeddings, packed-sequence masks and a KV cache.""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import numbers
 from collections.abc import Sequence
 
@@ -19,22 +21,63 @@ from jaxtdist.ops.ag_attention import ag_attention
 from jaxtdist.ops.flash_decode import _MAX_HEAD_DIM as _DECODE_MAX_HEAD_DIM
 from jaxtdist.ops.flash_decode import flash_decode
 
-__all__ = ["ParallelAttention", "rope"]
+__all__ = ["ParallelAttention", "RopeScaling", "rope"]
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's rotary frequency scaling (Hugging Face's ``rope_scaling`` with
+    ``rope_type: "llama3"``), which stretches the context a model was trained on.
+
+    Rotations whose wavelength is shorter than ``original_max_position_embeddings
+    / high_freq_factor`` stay; those longer than ``original_max_position_embeddings
+    / low_freq_factor`` turn ``factor`` times slower; between the two the
+    frequency moves smoothly from the one to the other.
+
+    Example:
+      >>> scaling = RopeScaling(8.0, 1.0, 4.0, 8192)  # Llama 3.1's
+      >>> q = rope(q, positions, 500000.0, scaling)
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self):
+        if not (self.factor > 0 and 0 < self.low_freq_factor < self.high_freq_factor
+                and self.original_max_position_embeddings > 0):
+            raise ValueError(f"jaxtdist.nn.RopeScaling: got {self}; needs factor > 0, 0 < "
+                             "low_freq_factor < high_freq_factor and "
+                             "original_max_position_embeddings > 0")
+
+    def __call__(self, inv_freq: jax.Array) -> jax.Array:
+        """The scaled frequencies (float32) of ``inv_freq``."""
+        context = float(self.original_max_position_embeddings)
+        # context / wavelength: how many turns a rotation makes over the trained context.
+        turns = context * inv_freq / (2 * math.pi)
+        blend = (turns - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+        blend = jnp.clip(blend, 0.0, 1.0)  # 0: slowed by factor, 1: kept
+        return inv_freq * (blend + (1.0 - blend) / self.factor)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float,
+         scaling: RopeScaling | None = None) -> jax.Array:
     """Rotary embeddings (the Hugging Face Llama convention: halves rotated).
 
     Args:
       x: [batch, seq, heads, head_dim].
       positions: [batch, seq] integer positions.
       theta: the base of the frequencies (``rope_theta``).
+      scaling: Llama 3.1's frequency scaling, or None (plain RoPE).
 
     Example:
       >>> q = rope(q, jnp.arange(seq)[None], 500000.0)
     """
     half = x.shape[-1] // 2
     inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+    if scaling is not None:
+        inv_freq = scaling(inv_freq)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [batch, seq, half]
     cos, sin = (jnp.concatenate([f(angles)] * 2, -1)[:, :, None, :] for f in (jnp.cos, jnp.sin))
     xf = x.astype(jnp.float32)
@@ -82,6 +125,9 @@ class ParallelAttention(nnx.Module):
     Parameters, as Hugging Face and MaxText name them: ``q_proj``, ``k_proj``,
     ``v_proj``, ``o_proj``, each with ``kernel`` [in, out] (and ``bias``).
 
+    ``rope_theta`` turns on rotary embeddings, ``rope_scaling`` (a
+    :class:`RopeScaling`) Llama 3.1's scaling of their frequencies.
+
     ``qk_norm`` (Qwen3's): an RMSNorm over ``head_dim`` of each query and key
     head, after the projections and before the rotary embeddings, computed in
     float32 with ``qk_norm_eps``; parameters ``q_norm`` and ``k_norm``, each a
@@ -105,7 +151,7 @@ class ParallelAttention(nnx.Module):
 
     def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
                  head_dim: int | None = None, rope_theta: float | None = None,
-                 use_bias: bool = False, causal: bool = True, qk_norm: bool = False,
+                 rope_scaling: RopeScaling | None = None, use_bias: bool = False, causal: bool = True, qk_norm: bool = False,
                  qk_norm_eps: float = 1e-6, axis_name: str = "tp",
                  batch_axes: str | Sequence[str] | None = None, mesh: Mesh | None = None,
                  dtype=None, param_dtype=jnp.float32, impl: str = "jaxtdist",
@@ -141,7 +187,11 @@ class ParallelAttention(nnx.Module):
                              f"got {head_dim}")
         self.layout = layout
         self.d_model, self.num_heads, self.num_kv_heads = d_model, num_heads, num_kv_heads
+        if rope_scaling is not None and not isinstance(rope_scaling, RopeScaling):
+            raise ValueError(f"jaxtdist.nn.{name}: rope_scaling={rope_scaling!r}; give a "
+                             "jaxtdist.nn.RopeScaling (Llama 3.1's) or None")
         self.head_dim, self.rope_theta, self.causal = head_dim, rope_theta, causal
+        self.rope_scaling = rope_scaling
         common = dict(axis_name=axis_name, batch_axes=layout.batch_axes, mesh=layout.mesh,
                       use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, impl=impl,
                       rngs=rngs)
@@ -282,7 +332,8 @@ class ParallelAttention(nnx.Module):
                              "to generate)")
 
     def _rope(self, a: jax.Array, positions: jax.Array) -> jax.Array:
-        return a if self.rope_theta is None else rope(a, positions, self.rope_theta)
+        return (a if self.rope_theta is None
+                else rope(a, positions, self.rope_theta, self.rope_scaling))
 
     def _local(self, fn, in_specs, out_specs, *args):
         """fn on each rank's heads (plain jax: attention is local to a head group)."""

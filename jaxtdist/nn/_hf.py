@@ -11,6 +11,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxtdist.nn._attention import RopeScaling
 from jaxtdist.nn._llama import Llama, LlamaConfig
 
 __all__ = ["hf_config", "hf_to_params", "load_hf_llama"]
@@ -39,6 +40,7 @@ def hf_config(config: dict) -> LlamaConfig:
                        num_kv_heads=config.get("num_key_value_heads"),
                        hidden=config["intermediate_size"], head_dim=config.get("head_dim"),
                        rope_theta=float(config.get("rope_theta", 10000.0)),
+                       rope_scaling=_rope_scaling(config),
                        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
                        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
                        qk_norm=model_type in _QWEN3,
@@ -69,11 +71,27 @@ def _check_supported(config: dict, model_type: str | None) -> None:
     elif config.get("sliding_window") is not None:
         raise ValueError(f"{_WHERE} sliding_window={config['sliding_window']}; jaxtdist.nn."
                          "Llama attends over the whole sequence (no sliding window)")
+
+
+def _rope_scaling(config: dict) -> RopeScaling | None:
+    """The config's ``rope_scaling``: None (absent, or ``rope_type`` "default") or
+    Llama 3.1's ("llama3"); other kinds raise a ValueError naming them."""
     scaling = config.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type")) != "default":
-        raise ValueError(f"{_WHERE} rope_scaling={scaling}; jaxtdist.nn.Llama computes plain "
-                         "rotary embeddings of rope_theta (rope_scaling null or rope_type "
-                         "'default')")
+    kind = scaling and scaling.get("rope_type", scaling.get("type"))
+    if not scaling or kind == "default":
+        return None
+    if kind != "llama3":
+        raise ValueError(f"{_WHERE} rope_scaling={scaling}; jaxtdist.nn.Llama computes rotary "
+                         "embeddings of rope_theta, plain (rope_scaling null or rope_type "
+                         "'default') or scaled as Llama 3.1 does (rope_type 'llama3')")
+    try:
+        return RopeScaling(float(scaling["factor"]), float(scaling["low_freq_factor"]),
+                           float(scaling["high_freq_factor"]),
+                           int(scaling["original_max_position_embeddings"]))
+    except KeyError as missing:
+        raise ValueError(f"{_WHERE} rope_scaling={scaling} without {missing}; Llama 3.1's "
+                         "scaling needs factor, low_freq_factor, high_freq_factor and "
+                         "original_max_position_embeddings") from None
 
 
 def _moe_fields(config: dict, model_type: str | None) -> dict:

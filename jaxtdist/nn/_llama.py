@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxtdist.nn._attention import ParallelAttention
+from jaxtdist.nn._attention import ParallelAttention, RopeScaling
 from jaxtdist.nn._embed import Embed
 from jaxtdist.nn._layout import make_layout
 from jaxtdist.nn._mlp import ParallelMLP
@@ -55,6 +55,7 @@ class LlamaConfig:
     hidden: int | None = None       # intermediate_size (None: 4 * d_model)
     head_dim: int | None = None     # head_dim (None: d_model // num_heads)
     rope_theta: float = 500000.0    # rope_theta
+    rope_scaling: RopeScaling | None = None  # rope_scaling of rope_type "llama3" (3.1+)
     norm_eps: float = 1e-5          # rms_norm_eps
     tie_embeddings: bool = False    # tie_word_embeddings
     qk_norm: bool = False           # Qwen3: RMSNorm of each q and k head before RoPE
@@ -106,7 +107,8 @@ class DecoderLayer(nnx.Module):
                                            rngs=rngs)
         self.self_attn = ParallelAttention(cfg.d_model, cfg.num_heads,
                                            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                                           rope_theta=cfg.rope_theta, qk_norm=cfg.qk_norm,
+                                           rope_theta=cfg.rope_theta,
+                                           rope_scaling=cfg.rope_scaling, qk_norm=cfg.qk_norm,
                                            qk_norm_eps=cfg.norm_eps, rngs=rngs, **common)
         self.post_attention_layernorm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps,
                                                     dtype=dtype, rngs=rngs)
