@@ -215,7 +215,8 @@ def test_attention_takes_jaxtdist_fused_attention(monkeypatch):
 
 def test_decode_with_the_kv_cache_matches_the_full_forward(monkeypatch):
     """Prefill of 8 tokens then 8 decode steps (GQA, KV heads replicated over tp):
-    the logits of one forward pass over all 16 tokens; the position is readable.
+    the logits of one forward pass over all 16 tokens; the position is readable;
+    clear_cache drops the cache (then another batch size runs).
     The jaxtdist layers attend through flash_decode over a group of one rank (its
     kernel on GPUs), the XLA twin with a mask."""
     from jaxtdist.nn import _attention
@@ -253,6 +254,11 @@ def test_decode_with_the_kv_cache_matches_the_full_forward(monkeypatch):
         # Traced once, each layer: each rank's 2 query heads of 2 sequences over
         # its cache (1 KV head, 16 positions).
         assert calls == ([((2, 2, 4), (2, 16, 1, 4), ())] * 2 if model is ours else []), calls
+        # Done decoding: without the cache, another batch size runs the full forward.
+        model.clear_cache()
+        with pytest.raises(ValueError, match="no KV cache"):
+            model.position  # noqa: B018 - the property raises
+        assert rel_err(nnx.jit(lambda m, t: m(t))(model, tokens[:2]), ref[:2]) < 1e-5
 
 
 def test_gradients_and_five_adamw_steps_match_the_reference():

@@ -212,7 +212,8 @@ class ParallelAttention(nnx.Module):
 
     # -- the KV cache ----------------------------------------------------------------------
     def init_cache(self, batch: int, max_len: int, dtype=None) -> None:
-        """Creates (or resets) the KV cache for ``batch`` sequences of up to ``max_len`` tokens.
+        """Creates (or resets) the KV cache for ``batch`` sequences of up to ``max_len`` tokens
+        (``clear_cache`` drops it: while it exists, every call on the prompts fills it).
 
         Two ``nnx.Cache`` arrays [batch, max_len, kv_heads, head_dim] sharded
         ``P(batch_axes, None, axis_name, None)`` and the next position
@@ -237,6 +238,13 @@ class ParallelAttention(nnx.Module):
         self.cached_key = nnx.Cache(jax.device_put(jnp.zeros(shape, dtype), sharding))
         self.cached_value = nnx.Cache(jax.device_put(jnp.zeros(shape, dtype), sharding))
         self.cache_index = nnx.Cache(jax.device_put(jnp.array(0, jnp.int32), lay.named(P())))
+
+    def clear_cache(self) -> None:
+        """Drops the KV cache: calls then neither fill nor check one (training, or
+        another batch size, after decoding)."""
+        self.cached_key = nnx.data(None)
+        self.cached_value = nnx.data(None)
+        self.cache_index = nnx.data(None)
 
     @property
     def position(self) -> jax.Array:

@@ -175,6 +175,12 @@ class Llama(nnx.Module):
         for layer in self.layers:
             layer.self_attn.init_cache(batch, max_len, dtype)
 
+    def clear_cache(self) -> None:
+        """Drops every layer's KV cache (to train, or to call on another batch size,
+        after decoding: while a cache exists every call fills it)."""
+        for layer in self.layers:
+            layer.self_attn.clear_cache()
+
     @property
     def position(self) -> jax.Array:
         """The KV cache's next position (tokens cached so far)."""
