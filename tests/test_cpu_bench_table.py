@@ -242,8 +242,12 @@ def test_model_benchmark_runs_both_models_and_tabulates(faked_timing):
     # parameters (as a server holds them), their sums reduced in another order
     # (matmul_ar vs psum) and rounded to bf16 at each layer: 1.1e-2 here, 1.2e-2 to
     # 1.6e-2 on GPUs (docs/perf/model_*).
+    # The training loss: bf16 activations, each model's roundings its own (a few
+    # 1e-5 to 1e-4 apart here, depending on where XLA's fusions round; in float32
+    # the two models' losses are bit-equal, and each bf16 model's logits are
+    # 1.2e-2 to 1.3e-2 from the float32 model's): well below bf16's 3.9e-3.
     train, decode = (r["output_rel_diff"] for r in rows)
-    assert train < 1e-4, rows
+    assert train < 1e-3, rows
     assert decode < 2e-2, rows
     text = model.table(dict(world=4, device="cpu", rows=rows, iterations=1, rounds=1))
     assert "| train |" in text and "| decode |" in text
