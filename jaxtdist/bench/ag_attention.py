@@ -5,8 +5,9 @@ B=1, H=32, D=128, causal, bf16 (``shapes.AG_ATTENTION_*``):
 - world 1 (default): jaxtdist's forward kernel forced at world 1
   (``ag_attention_kernels``) against ``jax.nn.dot_product_attention`` (JAX's
   default pick) and, on GPUs, the same with ``implementation="cudnn"`` and JAX's
-  Pallas Mosaic-GPU flash attention (``attention_mgpu``, Hopper; forward only:
-  it has no causal backward) at S of ``AG_ATTENTION_SEQS``;
+  Pallas Mosaic-GPU flash attention (``attention_mgpu``, Hopper, the fastest of
+  its block sizes; forward only: it has no causal backward) at S of
+  ``AG_ATTENTION_SEQS``;
 - world W > 1 (``--world W``): ``jaxtdist.ag_attention`` (and its Triton kernel,
   forced) against XLA's ``all_gather`` of k and v + ``jax.nn.dot_product_attention``
   with the causal mask by global position, at S total of ``AG_ATTENTION_SEQS_MULTI``.
@@ -96,25 +97,19 @@ def _xla_gather_attention(q, k, v):
         return jax.nn.dot_product_attention(q, k_all, v_all, mask=mask[None, None])
 
 
-def _pallas_mgpu_attention(args: tuple):
-    """JAX's Pallas Mosaic-GPU causal flash attention at the first config that
-    compiles for ``args`` (the block sizes JAX's own benchmark tries, in its order),
-    as (function, config), or (None, why not)."""
+def _pallas_mgpu_attention() -> dict:
+    """JAX's Pallas Mosaic-GPU causal flash attention at the block sizes JAX's own
+    benchmark tries, as {config label: (q, k, v) -> out} (empty where it cannot be
+    imported); ``harness.fastest`` picks among them (a config past the shared
+    memory fails there)."""
     try:
         from jax.experimental.pallas.ops.gpu import attention_mgpu
-    except Exception as e:  # noqa: BLE001 - report any import problem
-        return None, f"import failed: {h._error(e)}"
-    errors = []
-    for block_kv in (256, 128, 64):
-        try:
-            config = attention_mgpu.TuningConfig(block_q=64, block_kv=block_kv,
-                                                 max_concurrent_steps=2, causal=True)
-            fn = jax.jit(functools.partial(attention_mgpu.attention, config=config))
-            fn.lower(*args).compile()  # a config past the shared memory fails here
-            return fn, f"block_q=64, block_kv={block_kv}, max_concurrent_steps=2"
-        except Exception as e:  # noqa: BLE001 - the next config, or the reasons
-            errors.append(h._error(e))
-    return None, "; ".join(errors[:2])
+    except Exception:  # noqa: BLE001 - an older or trimmed JAX: no such contender
+        return {}
+    return {f"block_q=64, block_kv={kv}, max_concurrent_steps=2": jax.jit(functools.partial(
+                attention_mgpu.attention, config=attention_mgpu.TuningConfig(
+                    block_q=64, block_kv=kv, max_concurrent_steps=2, causal=True)))
+            for kv in (256, 128, 64)}
 
 
 # The longest S whose gradients are checked against float32 ones: the reference's
@@ -192,18 +187,19 @@ def bench_ag_attention(seqs, iterations: int, world: int, dtype=jnp.bfloat16,
         # (past 4K its backward's).
         longest = _GRAD_CHECK_SEQ if backward else 8192
         timed = {name: fn for name, fn in fns.items() if name != "jax_nn_dpa" or s <= longest}
-        pallas_note = None
+        pallas_stats = None
         if world == 1 and not backward and jax.devices()[0].platform == "gpu":
-            pallas_fn, pallas_note = _pallas_mgpu_attention(args)
+            pallas_fn, pallas_stats = h.fastest(_pallas_mgpu_attention(), args, world,
+                                                max(2, iterations // 4))
             if pallas_fn is not None:
                 timed["pallas_mgpu"] = pallas_fn
         row.update(h.interleaved({name: h.Contender(fn, args, world)
                                   for name, fn in timed.items()}, iterations, rounds))
-        if pallas_note is not None:
+        if pallas_stats is not None:
             if "pallas_mgpu" in row:
-                row["pallas_mgpu"]["config"] = pallas_note
+                row["pallas_mgpu"]["config"] = pallas_stats["config"]
             else:
-                row["pallas_mgpu"] = dict(error=[pallas_note])
+                row["pallas_mgpu"] = pallas_stats
         if backward:
             _check_grads(row, timed, args, s, world, flops)
             rows.append(row)

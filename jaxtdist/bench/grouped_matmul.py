@@ -8,9 +8,9 @@ the rest padding rows past the groups). Relative errors of both against the
 float32 grouped product (``ragged_dot`` of float32 operands at HIGHEST
 precision). Issue 33's target: grouped_matmul within 1.10x of ragged_dot.
 On GPUs JAX's Pallas Mosaic-GPU grouped GEMM (``ragged_dot_mgpu``, Hopper) too,
-at the fastest of a few configs (its forward only). The backward pass too: the gradients of x and w of ``sum(out * c)`` through
-each op (grouped_matmul: dx and dw on its kernels), their
-relative errors against the float32 gradients.
+at the fastest of a few configs (its forward only). The backward pass too: the
+gradients of x and w of ``sum(out * c)`` through each op (grouped_matmul: dx and
+dw on its kernels), their relative errors against the float32 gradients.
 """
 
 from __future__ import annotations

@@ -179,7 +179,9 @@ def fastest(candidates: dict[str, Callable], args: tuple, world: int, iterations
         stats["config"] = label
         if best is None or stats["mean_us"] < best["mean_us"]:
             best, best_fn = stats, fn
-    return (best_fn, best) if best_fn is not None else (None, dict(error=errors[:2]))
+    if best_fn is None:
+        return None, dict(error=errors[:2] or ["no config to try (the library is missing)"])
+    return best_fn, best
 
 
 def normal(seed: int, shape: tuple, dtype, scale: float = 1.0):

@@ -28,6 +28,7 @@ class KernelFailed(JaxtdistError):
 # How long shutdown() waits for calls in flight before it stops the workers.
 SHUTDOWN_WAIT_S = 30.0
 
+
 def kernel_reference(kernel) -> tuple[str, str, str]:
     """How a worker finds ``kernel``: (module, qualified name, file)."""
     fn = kernel

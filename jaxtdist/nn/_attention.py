@@ -151,8 +151,9 @@ class ParallelAttention(nnx.Module):
 
     def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
                  head_dim: int | None = None, rope_theta: float | None = None,
-                 rope_scaling: RopeScaling | None = None, use_bias: bool = False, causal: bool = True, qk_norm: bool = False,
-                 qk_norm_eps: float = 1e-6, axis_name: str = "tp",
+                 rope_scaling: RopeScaling | None = None, use_bias: bool = False,
+                 causal: bool = True, qk_norm: bool = False, qk_norm_eps: float = 1e-6,
+                 axis_name: str = "tp",
                  batch_axes: str | Sequence[str] | None = None, mesh: Mesh | None = None,
                  dtype=None, param_dtype=jnp.float32, impl: str = "jaxtdist",
                  rngs: nnx.Rngs):
