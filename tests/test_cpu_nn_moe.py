@@ -83,11 +83,13 @@ def test_matches_the_reference_and_its_xla_twin(monkeypatch, shape, parallelism,
     assert calls == [op], calls
     assert rel_err(forward(twin, x), ref) < 1e-5
     assert calls == [op], calls  # the twin ran no jaxtdist op
-    # Decode: 3 sequences (divisible by neither dp nor tp), one token each.
-    x1 = np.random.default_rng(2).standard_normal((3, 1, D)).astype(np.float32)
-    out = nnx.jit(lambda m, x: m(x, decode=True))(layer, x1)
-    assert out.shape == (3, 1, D)
-    assert rel_err(out, _reference(w, x1, TOP_K)) < 1e-5
+    # Decode, one token per sequence: 3 sequences (divisible by neither dp nor tp:
+    # spread over every device) and 6 (each dp group's spread over its tp ranks).
+    for batch in (3, 6):
+        x1 = np.random.default_rng(batch).standard_normal((batch, 1, D)).astype(np.float32)
+        out = nnx.jit(lambda m, x: m(x, decode=True))(layer, x1)
+        assert out.shape == (batch, 1, D)
+        assert rel_err(out, _reference(w, x1, TOP_K)) < 1e-5, batch
 
 
 def test_gradients_and_the_load_balancing_loss_match():
@@ -140,12 +142,15 @@ def test_gradients_and_the_load_balancing_loss_match():
     assert np.isfinite(np.asarray(jax.jit(jax.grad(lambda x: jnp.sum(f(x) ** 2)))(x))).all()
     scanned = jax.jit(lambda xs: jax.lax.scan(lambda c, x: (c, f(x)), 0, xs)[1])(x[None])
     assert rel_err(scanned[0], ref) < 1e-6
-    # A decode step's padding rows count in no statistic (3 sequences over dp x tp = 4).
-    x1 = np.random.default_rng(10).standard_normal((3, 1, D)).astype(np.float32)
-    _, got = nnx.jit(lambda m, x: m(x, decode=True, return_router_stats=True))(other, x1)
-    ids, _, probs = _routing(_weights(other), f64(x1), 2, norm=False)
-    assert rel_err(got.load, np.bincount(ids.reshape(-1), minlength=EXPERTS) / 3) < 1e-6
-    assert rel_err(got.prob, probs.reshape(-1, EXPERTS).mean(0)) < 1e-6
+    # A decode step's padding rows count in no statistic (3 sequences over dp x tp = 4;
+    # 6 over dp = 2 groups, each padded from 3 to a multiple of tp = 2).
+    for batch in (3, 6):
+        x1 = np.random.default_rng(10).standard_normal((batch, 1, D)).astype(np.float32)
+        _, got = nnx.jit(lambda m, x: m(x, decode=True, return_router_stats=True))(other, x1)
+        ids, _, probs = _routing(_weights(other), f64(x1), 2, norm=False)
+        load = np.bincount(ids.reshape(-1), minlength=EXPERTS) / batch
+        assert rel_err(got.load, load) < 1e-6, batch
+        assert rel_err(got.prob, probs.reshape(-1, EXPERTS).mean(0)) < 1e-6, batch
 
 
 def _capacity_keep(ids, mesh_shape, batch, capacity):

@@ -207,6 +207,42 @@ class Layout:
         return self.flatten(self.constrain(x, spec), spec, (batch * seq, d),
                             P(self.tokens, None))
 
+    def _decode_groups(self, batch: int) -> tuple[int, int, int]:
+        """(groups, ranks per group, tokens per rank) of a decode step's ``batch``
+        tokens spread over the token axes: each data-parallel group over its own
+        tensor-parallel ranks, or, when the batch does not divide over the groups
+        (then it is replicated), over every rank."""
+        groups = self.dp if self.divides(batch) else 1
+        ranks = self.dp * self.tp // groups
+        return groups, ranks, -(-(batch // groups) // ranks)
+
+    def spread_decode(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """A decode step's tokens [batch, d] as ``to_tokens`` gives them (a group's
+        sequences on every one of its tensor-parallel ranks) -> ``(spread [G * R *
+        n, d], real [G * R * n] bool)`` sharded over the token axes like a prefill:
+        each group's tokens cut over its R ranks, padded to n per rank with zero
+        rows (``real`` False). Nothing moves: a rank keeps a slice of what it holds.
+        ``gather_decode`` is the inverse."""
+        batch, d = tokens.shape
+        groups, ranks, n = self._decode_groups(batch)
+        b = self.batch_spec(batch)
+        x = self.reshape(tokens, (groups, batch // groups, d), P(b, None, None))
+        x = jnp.pad(x, ((0, 0), (0, ranks * n - batch // groups), (0, 0)))
+        real = jnp.broadcast_to(jnp.arange(ranks * n) < batch // groups, (groups, ranks * n))
+        total = groups * ranks * n
+        return (self.reshape(x, (total, d), P(self.tokens, None)),
+                self.reshape(real, (total,), P(self.tokens)))
+
+    def gather_decode(self, y: jax.Array, batch: int) -> jax.Array:
+        """``spread_decode``'s inverse: [G * R * n, d] -> [batch, d], each group's
+        outputs gathered over its own ranks only, the padding dropped."""
+        groups, ranks, n = self._decode_groups(batch)
+        b = self.batch_spec(batch)
+        mid = self.axis_name if self.divides(batch) else self.tokens
+        y = self.reshape(y, (groups, ranks * n, y.shape[-1]), P(b, mid, None))
+        y = self.constrain(y, P(b, None, None))[:, :batch // groups]
+        return self.reshape(y, (batch, y.shape[-1]), P(b, None))
+
     def from_tokens(self, y: jax.Array, batch: int, seq: int, decode: bool) -> jax.Array:
         """[batch * seq, d] (the ops' layout) -> [batch, seq, d]."""
         b = self.batch_spec(batch)

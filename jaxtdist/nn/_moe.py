@@ -247,9 +247,11 @@ class ParallelMoE(nnx.Module):
             _param(_per_expert(kernel_init), self.layout, spec, rngs, shape, param_dtype)
             for spec, shape in zip(specs, shapes))
 
-    def route(self, tokens: jax.Array, valid: int) -> tuple[jax.Array, jax.Array, RouterStats]:
+    def route(self, tokens: jax.Array,
+              real: jax.Array | None = None) -> tuple[jax.Array, jax.Array, RouterStats]:
         """(expert_ids [T, top_k] int32, weights [T, top_k] float32, the stats of the
-        first ``valid`` rows) of tokens [T, d] sharded over (*batch_axes, axis_name)."""
+        rows where ``real`` [T] bool holds, all by default) of tokens [T, d] sharded
+        over (*batch_axes, axis_name)."""
         lay = self.layout
         logits = lay.dot(tokens.astype(jnp.float32), self.router[...].astype(jnp.float32),
                          P(lay.tokens, None))
@@ -262,11 +264,14 @@ class ParallelMoE(nnx.Module):
         if self.norm_topk_prob:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         # A decode step's padding rows route too, but count in no statistic.
-        real = (jnp.arange(tokens.shape[0]) < valid).astype(jnp.float32)[:, None]
         picks = jnp.sum(jax.nn.one_hot(ids, self.num_experts, dtype=jnp.float32), axis=1)
-        stats = RouterStats(load=jnp.sum(picks * real, axis=0) / valid,
-                            prob=jnp.sum(probs * real, axis=0) / valid,
-                            dropped=jnp.zeros((), jnp.float32))
+        if real is None:
+            load, prob = jnp.mean(picks, axis=0), jnp.mean(probs, axis=0)
+        else:
+            live = real.astype(jnp.float32)[:, None]
+            count = jnp.sum(live)
+            load, prob = jnp.sum(picks * live, 0) / count, jnp.sum(probs * live, 0) / count
+        stats = RouterStats(load=load, prob=prob, dropped=jnp.zeros((), jnp.float32))
         return ids.astype(jnp.int32), weights, stats
 
     def __call__(self, x: jax.Array, *, decode: bool = False,
@@ -277,25 +282,22 @@ class ParallelMoE(nnx.Module):
         x, batch, seq = lay.check_input(x, self.d_model, decode)
         dtype = self.dtype or x.dtype
         tokens = lay.to_tokens(x, decode).astype(dtype)
-        n = tokens.shape[0]
+        real = None
         if decode:
-            # One token per sequence, on every tensor-parallel rank: spread them over
-            # the token axes like a prefill (padded rows route too and are dropped).
-            pad = -n % (lay.dp * lay.tp)
-            tokens = lay.constrain(tokens, P(None, None))
-            if pad:
-                tokens = jnp.concatenate([tokens, jnp.zeros((pad, self.d_model), dtype)])
-            tokens = lay.constrain(tokens, P(lay.tokens, None))
-        ids, weights, stats = self.route(tokens, n)
+            # One token per sequence, on every tensor-parallel rank of its group:
+            # spread over the group's ranks like a prefill (padding rows route too).
+            tokens, real = lay.spread_decode(tokens)
+        ids, weights, stats = self.route(tokens, real)
         rows = None
         if self.capacity_factor is not None:
             per_device = tokens.shape[0] // (lay.dp * lay.tp)
             capacity = expert_capacity(self.capacity_factor, per_device, self.top_k,
                                        self.num_experts)
-            real = jnp.arange(tokens.shape[0]) < n
-            keep = _capacity_keep(ids, real, capacity, self.num_experts, lay)
-            stats = stats._replace(dropped=jnp.sum(real[:, None] & ~keep, dtype=jnp.float32)
-                                   / (n * self.top_k))
+            live = jnp.ones(tokens.shape[:1], bool) if real is None else real
+            keep = _capacity_keep(ids, live, capacity, self.num_experts, lay)
+            picks = jnp.sum(live, dtype=jnp.float32) * self.top_k
+            stats = stats._replace(dropped=jnp.sum(live[:, None] & ~keep, dtype=jnp.float32)
+                                   / picks)
             weights = jnp.where(keep, weights, 0.0)
             rows = min(self.num_experts * capacity,
                        default_recv_rows(per_device, self.top_k, lay.tp, self.num_experts))
@@ -305,8 +307,7 @@ class ParallelMoE(nnx.Module):
                                 for p in (self.gate_proj, self.up_proj, self.down_proj))
         y = self._experts(lay, tokens, ids, weights, w_gate, w_up, w_down, rows)
         if decode:
-            y = lay.constrain(y, P(None, None))[:n]
-            y = lay.constrain(y, P(lay.batch_spec(batch), None))
+            y = lay.gather_decode(y, batch)
         y = lay.from_tokens(y, batch, seq, decode)
         return (y, stats) if return_router_stats else y
 
