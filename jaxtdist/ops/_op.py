@@ -434,8 +434,7 @@ def _order_cotangents(after_specs: tuple, typed: tuple, cts: tuple,
     done = [c for c in cts if c is not None]
     out = []
     for (shape, dtype, platform, is_token), typed_as in zip(after_specs, typed):
-        probe = last if is_token and last is not None else (
-            min(done, key=lambda c: len(varying_axes(c) or ())) if done else None)
+        probe = last if is_token and last is not None else _probe(done, typed_as)
         if probe is None or not jnp.issubdtype(jnp.dtype(dtype), jnp.floating) or (
                 platform != "cpu" and not is_token):
             out.append(None)
@@ -443,8 +442,27 @@ def _order_cotangents(after_specs: tuple, typed: tuple, cts: tuple,
         probe = probe.reshape(-1)[:1].astype(jnp.float32)
         # 1 (0 for NaN), never known before the backward has run; 0 * it stays 0.
         after_backward = (probe == probe).astype(dtype).reshape(())
+        # Typed as the argument before it is broadcast: a sum over the axes the
+        # probe varies over and the argument does not adds one element, not an array.
+        after_backward = match_cotangent(after_backward, typed_as)
         out.append(match_cotangent(jnp.zeros(shape, dtype) * after_backward, typed_as))
     return tuple(out)
+
+
+def _probe(cts: list, typed_as: jax.Array) -> jax.Array | None:
+    """The cotangent that an order argument's zero cotangent is made from: the
+    first that varies over no axis ``typed_as`` does not (the input's, where it
+    fits: a weight's, summed over the data-parallel axes, would keep that sum
+    alive in a backward that asks only for the input's), else the one that
+    varies over the fewest axes."""
+    if not cts:
+        return None
+    want = varying_axes(typed_as)
+    for c in cts:
+        have = varying_axes(c)
+        if want is None or have is None or have <= want:
+            return c
+    return min(cts, key=lambda c: len(varying_axes(c) or ()))
 
 
 def one_call_per_element(fn: Callable) -> Callable:
