@@ -31,6 +31,8 @@ LAYERS = {
     "mlp": lambda: tdnn.ParallelMLP(D, 32, rngs=nnx.Rngs(0)),
     "attention": lambda: tdnn.ParallelAttention(D, 4, num_kv_heads=2, rngs=nnx.Rngs(0)),
     "moe_expert": lambda: tdnn.ParallelMoE(D, 24, num_experts=4, top_k=2, rngs=nnx.Rngs(0)),
+    "moe_capacity": lambda: tdnn.ParallelMoE(D, 24, num_experts=4, top_k=2, capacity_factor=1.0,
+                                             rngs=nnx.Rngs(0)),
     "moe_tensor": lambda: tdnn.ParallelMoE(D, 24, num_experts=4, top_k=2,
                                            parallelism="tensor", rngs=nnx.Rngs(0)),
     "llama": lambda: tdnn.Llama(tdnn.LlamaConfig(vocab=48, d_model=D, num_layers=1, num_heads=4,

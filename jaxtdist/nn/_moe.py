@@ -124,25 +124,27 @@ def _capacity_keep(ids: jax.Array, real: jax.Array, capacity: int, num_experts: 
     tokens (``ids`` [T, K] sharded on rows over the token axes; ``real`` [T] bool,
     padding rows False: never kept, taking no place). Earlier k first, then token
     order (GShard's priority: every token's first pick before any second pick).
+    Each device ranks its own picks (no data moves)."""
+    rows = P(lay.tokens, None)
+    keep = functools.partial(_keep_within, capacity=capacity, num_experts=num_experts)
+    ids, real = lay.constrain(ids, rows), lay.constrain(real, P(lay.tokens))
+    return jax.shard_map(keep, mesh=lay.mesh, in_specs=(rows, P(lay.tokens)),
+                         out_specs=rows)(ids, real)
 
-    A pick's place among its expert's picks comes from a stable sort by expert
-    (O(T K) memory; a one-hot count would take T K E)."""
+
+def _keep_within(ids: jax.Array, real: jax.Array, *, capacity: int,
+                 num_experts: int) -> jax.Array:
+    """``_capacity_keep`` on one device's [T, K] picks. A pick's place among its
+    expert's picks comes from a stable sort by expert (O(T K) memory; a one-hot
+    count would take T K E)."""
     t, k = ids.shape
-    groups = lay.dp * lay.tp
-    spec = P(lay.tokens, None, None)
-    real = lay.constrain(jnp.broadcast_to(real[:, None], (t, k)), P(lay.tokens, None))
-    order = jnp.swapaxes(lay.reshape(ids, (groups, t // groups, k), spec), 1, 2)  # k-major
-    live = jnp.swapaxes(lay.reshape(real, (groups, t // groups, k), spec), 1, 2)
-    flat_shape = (groups, k * (t // groups))
-    expert = jnp.where(live, order, num_experts).reshape(flat_shape)  # padding sorts last
-    pick = jax.lax.broadcasted_iota(jnp.int32, flat_shape, 1)
-    expert, perm = jax.lax.sort((expert, pick), dimension=1, num_keys=1, is_stable=True)
-    first = jnp.concatenate([jnp.ones_like(expert[:, :1], bool),
-                             expert[:, 1:] != expert[:, :-1]], axis=1)
-    start = jax.lax.cummax(jnp.where(first, pick, 0), axis=1)  # where each expert's run starts
-    _, place = jax.lax.sort((perm, pick - start), dimension=1, num_keys=1)  # back in pick order
-    keep = jnp.swapaxes((place.reshape(order.shape) < capacity) & live, 1, 2)  # [G, T_loc, K]
-    return lay.reshape(keep, (t, k), P(lay.tokens, None))
+    expert = jnp.where(real[None, :], ids.T, num_experts).reshape(-1)  # k-major; padding last
+    pick = jnp.arange(t * k, dtype=jnp.int32)
+    expert, perm = jax.lax.sort((expert, pick), num_keys=1, is_stable=True)
+    first = jnp.concatenate([jnp.ones((1,), bool), expert[1:] != expert[:-1]])
+    start = jax.lax.cummax(jnp.where(first, pick, 0))  # where each expert's run starts
+    _, place = jax.lax.sort((perm, pick - start), num_keys=1)  # back in pick order
+    return ((place.reshape(k, t) < capacity) & real[None, :]).T
 
 
 class ParallelMoE(nnx.Module):
