@@ -116,9 +116,9 @@ class AgAttentionConfig(KernelConfig):
                        BWD_KV_STEP=16, BWD_KV_WARPS=4, BWD_KV_STAGES=1)
         backward = _backward_tiles(problem)
         if s < 128 or b * hq * -(-s // 128) < _MIN_WAVES * problem.sms:
-            return cls(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3,
+            return cls(**_forward_tiles(problem, 64, 64, 3), num_warps=4,
                        HEAD_GROUP=_HEAD_GROUP, **backward)
-        return cls(BLOCK_M=128, BLOCK_N=64, num_warps=8 if d > 64 else 4, num_stages=3,
+        return cls(**_forward_tiles(problem, 128, 64, 3), num_warps=8 if d > 64 else 4,
                    **backward)
 
     def validate(self, problem: Problem) -> None:
@@ -156,6 +156,32 @@ class AgAttentionConfig(KernelConfig):
 
 _BWD_TILES = ("BWD_BLOCK_Q", "BWD_BLOCK_STEP", "BWD_BLOCK_KV", "BWD_KV_STEP")
 _BWD_LAUNCH = ("BWD_WARPS", "BWD_STAGES", "BWD_KV_WARPS", "BWD_KV_STAGES")
+
+
+def _forward_tiles(problem: Problem, block_m: int, block_n: int, stages: int) -> dict:
+    """The forward kernel's tiles and stages, cut down until its shared memory
+    fits NVIDIA's ``_BWD_SMEM``: about two query tiles plus ``stages`` k and v
+    tiles of the padded head dim (float32 at head dim 128 measured 256 KiB with
+    64 x 64 tiles and 3 stages, past the H100's 227). Fewer stages first (not
+    below 2), then fewer query rows (not below 32), then fewer keys per step.
+    Unchanged for 16-bit types at head dim 128 and below."""
+    row = max(16, next_pow2(problem.shape[4])) * problem.itemsize
+
+    def size(bm, bn, st):
+        return (2 * bm + 2 * st * bn) * row
+
+    while problem.vendor == "nvidia" and size(block_m, block_n, stages) > _BWD_SMEM["nvidia"]:
+        if stages > 2:
+            stages -= 1
+        elif block_m > 32:
+            block_m //= 2
+        elif block_n > 16:
+            block_n //= 2
+        elif stages > 1:
+            stages -= 1
+        else:
+            break
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_stages=stages)
 
 
 def _backward_tiles(problem: Problem) -> dict:

@@ -81,6 +81,35 @@ def test_ag_attention(world, dtype, b, s, hq, hkv, d, causal, kernels):
     _check_calls(f, mesh, dtype, b, world * s, hq, hkv, d, causal, 3)
 
 
+@pytest.mark.parametrize("b,s,hq,hkv,d,grads", [(1, 1000, 8, 2, 128, True),
+                                                (2, 4224, 32, 8, 128, False),
+                                                (1, 300, 4, 2, 256, True)])
+def test_ag_attention_float32_highest_fits_shared_memory(b, s, hq, hkv, d, grads):
+    """float32 under "highest" precision (three TF32 products per dot: more shared
+    memory per tile) with the default tiles: the forward kernel, and the op's
+    gradients (the forward's defaults for few and for many programs, head dims
+    128 and 256)."""
+    mesh = _mesh(1)
+    with jax.default_matmul_precision("highest"):
+        f = jax.jit(jax.shard_map(lambda q, k, v: ag_attention_kernels(q, k, v, "sp"),
+                                  mesh=mesh, in_specs=(SP,) * 3, out_specs=SP))
+        _check_calls(f, mesh, jnp.float32, b, s, hq, hkv, d, True, 1)
+        if not grads:
+            return
+        q = _rand((b, s, hq, d), jnp.float32)
+        k, v = (_rand((b, s, hkv, d), jnp.float32) for _ in range(2))
+        grad = jax.jit(jax.shard_map(
+            lambda q, k, v: jax.grad(lambda q, k, v: jnp.sum(
+                td.ag_attention(q, k, v, "sp") ** 2), argnums=(0, 1, 2))(q, k, v),
+            mesh=mesh, in_specs=(SP,) * 3, out_specs=(SP,) * 3))
+        got = grad(*_put(mesh, jnp.float32, q, k, v))
+    with jax.default_device(jax.devices("cpu")[0]):
+        want = jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v, causal=True) ** 2),
+                        argnums=(0, 1, 2))(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
+    for name, g, w in zip("qkv", got, want):
+        assert _rel(g, np.asarray(w)) < 1e-4, f"d{name}"
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("gather", ["inbox", "peer"])
 @pytest.mark.parametrize("causal", [True, False])
