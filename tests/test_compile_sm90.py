@@ -925,3 +925,30 @@ def test_grouped_gemm_decode_tiles_compile(h, w_t, bm):
     assert "cp.async.bulk.tensor.2d.shared" in ptx
     assert k.metadata.shared <= 227 * 1024, k.metadata.shared
     assert _stack_bytes(k) == 0
+
+
+@pytest.mark.parametrize("dtype,precision", [("bfloat16", None), ("float32", "tf32_rn"),
+                                             ("float32", "tf32x3")])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("s", [4096, 16384])
+def test_ag_attention_default_tiles_fit_shared_memory(dtype, precision, d, s):
+    """ag_attention's forward at its default tiles for Hopper (64-row tiles at S =
+    4K, 128-row where programs are many; float32 under JAX's default precision
+    and under "highest", three TF32 products) fits the H100's 227 KiB of shared
+    memory: float32 at head dim 128 under "highest" and bfloat16 at 256 did not."""
+    from jaxtdist.kernels.ag_attention import ag_attention_kernel
+    from jaxtdist.ops._config import Problem
+    from jaxtdist.ops.ag_attention import AgAttentionConfig
+
+    cfg = AgAttentionConfig.default(Problem("gpu", 1, (1, s, 32, 8, d), dtype, 132))
+    t = {"bfloat16": "bf16", "float32": "fp32"}[dtype]
+    k = _compile(ag_attention_kernel,
+                 {"ctx": "*i32", "q_ptr": f"*{t}", "k_ptr": f"*{t}", "v_ptr": f"*{t}",
+                  "out_ptr": f"*{t}", "lse_ptr": "*fp32"},
+                 dict(B=1, S=s, HQ=32, HKV=8, D=d, CAUSAL=True, QK_SCALE=0.1275,
+                      INBOX=False, STAGE_OFF=4096, PARITY_BYTES=1 << 26, KV_ELEMS=s * 8 * d,
+                      READY_OFF=0, FLAGS_OFF=0, SENT_OFF=512, CHUNK_ROWS=1, KV_STRIDE=8 * d,
+                      V_OFF=0, FLAG_SCOPE="sys", BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+                      BLOCK_D=d, DOT_PRECISION=precision, HEAD_GROUP=int(cfg.HEAD_GROUP)),
+                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    assert k.metadata.shared <= 227 * 1024, (k.metadata.shared, cfg)

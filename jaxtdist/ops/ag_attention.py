@@ -160,15 +160,19 @@ _BWD_LAUNCH = ("BWD_WARPS", "BWD_STAGES", "BWD_KV_WARPS", "BWD_KV_STAGES")
 
 def _forward_tiles(problem: Problem, block_m: int, block_n: int, stages: int) -> dict:
     """The forward kernel's tiles and stages, cut down until its shared memory
-    fits NVIDIA's ``_BWD_SMEM``: about two query tiles plus ``stages`` k and v
-    tiles of the padded head dim (float32 at head dim 128 measured 256 KiB with
-    64 x 64 tiles and 3 stages, past the H100's 227). Fewer stages first (not
-    below 2), then fewer query rows (not below 32), then fewer keys per step.
-    Unchanged for 16-bit types at head dim 128 and below."""
+    fits NVIDIA's ``_BWD_SMEM``: ``stages`` k and v tiles and the query tile of
+    the padded head dim, the query twice for float32 (its high and low TF32
+    halves under "highest" precision). Compiled for sm_90 this is exact for
+    16-bit types (128 KiB at 128 x 64, 3 stages, head dim 128) and float32's
+    three TF32 products (256 KiB at 64 x 64, 3 stages, head dim 128: past the
+    H100's 227). Fewer stages first (not below 2), then fewer query rows (not
+    below 32), then fewer keys per step; 16-bit types at head dim 128 and below
+    and float32 at 64 keep their measured defaults."""
     row = max(16, next_pow2(problem.shape[4])) * problem.itemsize
+    q_tiles = 2 if problem.itemsize == 4 else 1
 
     def size(bm, bn, st):
-        return (2 * bm + 2 * st * bn) * row
+        return (q_tiles * bm + 2 * st * bn) * row
 
     while problem.vendor == "nvidia" and size(block_m, block_n, stages) > _BWD_SMEM["nvidia"]:
         if stages > 2:
