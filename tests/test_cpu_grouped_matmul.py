@@ -336,17 +336,23 @@ def test_grouped_matmul_default_tiles_on_gpu_shapes():
     assert GroupedMatmulConfig.search_space(big)[0] == {}
 
 
-def test_grouped_matmul_benchmark_runs_both_contenders_and_tabulates(faked_timing):
+def test_grouped_matmul_benchmark_runs_both_contenders_and_tabulates(faked_timing,
+                                                                   monkeypatch):
     """``python -m jaxtdist.bench grouped_matmul`` on small shapes (CPU, faked timing):
-    grouped_matmul and ragged_dot both match the float32 grouped product; the
-    table's summary counts the shapes within the target."""
+    grouped_matmul and ragged_dot both match the float32 grouped product and
+    gradients, computed a few groups at a time (here 2 and 6 per call, as 7 GiB
+    of weights are on a GPU); the table's summary counts the shapes within the
+    target."""
     from jaxtdist.bench import __main__ as cli
     from jaxtdist.bench import grouped_matmul as bench
+    monkeypatch.setattr(bench, "_REFERENCE_BYTES", 2 * 32 * 48 * 4)
     rows = bench.bench_grouped_matmul([(40, 32, 48, 3, 0.8), (33, 16, 32, 8, 1.0)], 2,
                                       rounds=1, dtype=jnp.float32)
     for row in rows:
         assert row["grouped_matmul"]["rel_err"] < 1e-5, row
         assert row["ragged_dot"]["rel_err"] < 1e-5, row
+        for name in ("grouped_matmul_grad", "ragged_dot_grad"):
+            assert row[name]["rel_err"] < 1e-5, (name, row)
     assert bench.group_sizes(1, 40, 3, 0.8).sum() == 32
     text = bench.table(dict(device="cpu", rows=rows, iterations=2, rounds=1))
     assert "| 40 x 32 x 48 | 3 | 80% |" in text
