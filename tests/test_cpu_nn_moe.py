@@ -236,6 +236,32 @@ def test_expert_capacity_drops_the_picks_past_it(monkeypatch, shape, parallelism
         assert float(st1.dropped) == 0.0
         assert rel_err(y1, _reference(_weights(layer), x1, TOP_K)) < 1e-5
     assert np.isfinite(np.asarray(y1)).all() and y1.shape == (3, 1, D)
+    if shape[0] == 2:
+        # 6 sequences over dp = 2: each group's 3 tokens spread over its tp ranks,
+        # padded to a multiple of tp; the capacity counts each device's real tokens.
+        x6 = np.random.default_rng(14).standard_normal((6, 1, D)).astype(np.float32)
+        y6, st6 = nnx.jit(lambda m, x: m(x, decode=True, return_router_stats=True))(layer, x6)
+        w = _weights(layer)
+        xt = f64(x6).reshape(6, D)
+        ids, gates, _ = _routing(w, xt, TOP_K)
+        per = -(-3 // shape[1])
+        cap = max(1, int(np.ceil(0.5 * per * TOP_K / EXPERTS)))
+        keep = np.zeros((6, TOP_K), bool)
+        for i in range(2):
+            for j in range(shape[1]):
+                rows = [3 * i + p for p in range(j * per, min((j + 1) * per, 3))]
+                taken = np.zeros(EXPERTS, int)
+                for kk in range(TOP_K):
+                    for r in rows:
+                        keep[r, kk] = taken[ids[r, kk]] < cap
+                        taken[ids[r, kk]] += 1
+        assert not keep.all(), "the routing must overflow some expert"
+        gate = np.einsum("td,tkdh->tkh", xt, w["gate_proj"][ids])
+        up = np.einsum("td,tkdh->tkh", xt, w["up_proj"][ids])
+        h = gate / (1 + np.exp(-gate)) * up
+        ref = np.einsum("tkh,tkhd,tk->td", h, w["down_proj"][ids], np.where(keep, gates, 0))
+        assert rel_err(y6, ref.reshape(6, 1, D)) < 1e-5
+        assert abs(float(st6.dropped) - (~keep).mean()) < 1e-7
 
 
 def test_jaxtdist_grouped_gemm_under_the_interpreter():

@@ -189,13 +189,13 @@ def bench_ag_attention(seqs, iterations: int, world: int, dtype=jnp.bfloat16,
         # (past 4K its backward's).
         longest = _GRAD_CHECK_SEQ if backward else 8192
         timed = {name: fn for name, fn in fns.items() if name != "jax_nn_dpa" or s <= longest}
-        pallas_stats, own_args = None, {}
+        pallas_stats, own_args, pallas_args = None, {}, None
         if world == 1 and not backward and jax.devices()[0].platform == "gpu":
             # attention_mgpu takes float16 only, and does not scale the scores: float16
-            # copies of the inputs (exact for bfloat16's normal values), q times
-            # 1 / sqrt(D) (rounded to float16).
-            scaled = (args[0].astype(jnp.float32) / np.sqrt(d),) + args[1:]
-            pallas_args = tuple(a.astype(jnp.float16) for a in scaled)
+            # copies of the inputs (exact for bfloat16 values in float16's normal range,
+            # as these standard-normal ones), q times 1 / sqrt(D) (rounded to float16).
+            pallas_args = tuple(a.astype(jnp.float16) for a in
+                                ((args[0].astype(jnp.float32) / np.sqrt(d),) + args[1:]))
             pallas_fn, pallas_stats = h.fastest(_pallas_mgpu_attention(), pallas_args, world,
                                                 max(2, iterations // 4))
             if pallas_fn is not None:
@@ -226,7 +226,7 @@ def bench_ag_attention(seqs, iterations: int, world: int, dtype=jnp.bfloat16,
         rows.append(row)
         print(f"S={s} world={world}: " + " | ".join(f"{n} {h.us(row.get(n))}" for n in timed),
               flush=True)
-        del args, own_args
+        del args, own_args, pallas_args
     return rows
 
 

@@ -235,7 +235,8 @@ class Layout:
 
     def gather_decode(self, y: jax.Array, batch: int) -> jax.Array:
         """``spread_decode``'s inverse: [G * R * n, d] -> [batch, d], each group's
-        outputs gathered over its own ranks only, the padding dropped."""
+        outputs gathered over its own ranks (over every rank where the batch does
+        not divide over the groups), the padding dropped."""
         groups, ranks, n = self._decode_groups(batch)
         b = self.batch_spec(batch)
         mid = self.axis_name if self.divides(batch) else self.tokens

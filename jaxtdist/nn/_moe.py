@@ -305,6 +305,8 @@ class ParallelMoE(nnx.Module):
                        default_recv_rows(per_device, self.top_k, lay.tp, self.num_experts))
             if self.parallelism == "expert" and lay.impl != "xla":
                 ids = jnp.where(keep, ids, -1)  # not sent: the dispatch skips ids outside [0, E)
+        if real is not None and self.parallelism == "expert" and lay.impl != "xla":
+            ids = jnp.where(real[:, None], ids, -1)  # a decode step's padding: not sent
         w_gate, w_up, w_down = (p[...].astype(dtype)
                                 for p in (self.gate_proj, self.up_proj, self.down_proj))
         y = self._experts(lay, tokens, ids, weights, w_gate, w_up, w_down, rows)

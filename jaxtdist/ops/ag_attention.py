@@ -118,7 +118,8 @@ class AgAttentionConfig(KernelConfig):
         if s < 128 or b * hq * -(-s // 128) < _MIN_WAVES * problem.sms:
             return cls(**_forward_tiles(problem, 64, 64, 3), num_warps=4,
                        HEAD_GROUP=_HEAD_GROUP, **backward)
-        return cls(**_forward_tiles(problem, 128, 64, 3), num_warps=8 if d > 64 else 4,
+        tiles = _forward_tiles(problem, 128, 64, 3)
+        return cls(**tiles, num_warps=8 if d > 64 and tiles["BLOCK_M"] >= 64 else 4,
                    **backward)
 
     def validate(self, problem: Problem) -> None:
