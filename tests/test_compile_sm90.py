@@ -345,6 +345,24 @@ def test_flash_decode_compiles_with_tensor_cores_and_its_protocol(dtype, d, grou
     assert _stack_bytes(k) == 0
 
 
+def _compile_ag_attention(dtype: str, d: int, *, s: int = 8192, causal: bool = True,
+                          inbox: bool = False, num_warps: int, num_stages: int, **tiles):
+    """ag_attention's forward kernel for sm_90 over S = ``s`` (32 query heads, 8 KV
+    heads), reading peers through the local inbox or their staged copies;
+    ``tiles``: BLOCK_M, BLOCK_N, DOT_PRECISION and optionally HEAD_GROUP."""
+    from jaxtdist.kernels.ag_attention import ag_attention_kernel
+    return _compile(ag_attention_kernel,
+                    {"ctx": "*i32", "q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}",
+                     "v_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "lse_ptr": "*fp32"},
+                    dict(dict(HEAD_GROUP=1), B=1, S=s, HQ=32, HKV=8, D=d, CAUSAL=causal,
+                         QK_SCALE=0.1275, INBOX=inbox, STAGE_OFF=4096, PARITY_BYTES=1 << 26,
+                         KV_ELEMS=s * 8 * d, READY_OFF=0, FLAGS_OFF=0, SENT_OFF=512,
+                         CHUNK_ROWS=s if inbox else 1, KV_STRIDE=(2 if inbox else 1) * 8 * d,
+                         V_OFF=8 * d if inbox else 0, FLAG_SCOPE="gpu" if inbox else "sys",
+                         BLOCK_D=d, **tiles),
+                    num_warps=num_warps, num_stages=num_stages)
+
+
 @pytest.mark.parametrize("dtype,d,causal,inbox", [("bf16", 128, True, True),
                                                   ("bf16", 128, True, False),
                                                   ("fp16", 64, False, True),
@@ -354,18 +372,12 @@ def test_ag_attention_compiles_with_tensor_cores(dtype, d, causal, inbox):
     tiles of 16-bit types), pipelined K/V loads, 16 bytes wide from peers' chunks
     too (local inbox or peers' staged copies); peers' flags acquired, the peer
     reads' ready notify a system-scope release."""
-    from jaxtdist.kernels.ag_attention import ag_attention_kernel
-    k = _compile(ag_attention_kernel,
-                 {"ctx": "*i32", "q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}",
-                  "v_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "lse_ptr": "*fp32"},
-                 dict(B=1, S=8192, HQ=32, HKV=8, D=d, CAUSAL=causal, QK_SCALE=0.1275,
-                      INBOX=inbox, STAGE_OFF=4096, PARITY_BYTES=1 << 26, KV_ELEMS=8192 * 8 * d,
-                      READY_OFF=0, FLAGS_OFF=0, SENT_OFF=512, CHUNK_ROWS=8192 if inbox else 1,
-                      KV_STRIDE=(2 if inbox else 1) * 8 * d, V_OFF=8 * d if inbox else 0,
-                      FLAG_SCOPE="gpu" if inbox else "sys", BLOCK_M=128 if dtype != "fp32" else 64,
-                      BLOCK_N=64 if dtype != "fp32" else 32, BLOCK_D=d,
-                      DOT_PRECISION="tf32_rn" if dtype == "fp32" else None, HEAD_GROUP=1),
-                 num_warps=8 if d > 64 else 4, num_stages=3 if dtype != "fp32" else 2)
+    k = _compile_ag_attention(dtype, d, causal=causal, inbox=inbox,
+                              BLOCK_M=128 if dtype != "fp32" else 64,
+                              BLOCK_N=64 if dtype != "fp32" else 32,
+                              DOT_PRECISION="tf32_rn" if dtype == "fp32" else None,
+                              num_warps=8 if d > 64 else 4,
+                              num_stages=3 if dtype != "fp32" else 2)
     ptx = k.asm["ptx"]
     ops = _ops(k)
     # float32 too (TF32 operands rounded to nearest, JAX's default precision).
@@ -936,19 +948,12 @@ def test_ag_attention_default_tiles_fit_shared_memory(dtype, precision, d, s):
     4K, 128-row where programs are many; float32 under JAX's default precision
     and under "highest", three TF32 products) fits the H100's 227 KiB of shared
     memory: float32 at head dim 128 under "highest" and bfloat16 at 256 did not."""
-    from jaxtdist.kernels.ag_attention import ag_attention_kernel
     from jaxtdist.ops._config import Problem
     from jaxtdist.ops.ag_attention import AgAttentionConfig
 
     cfg = AgAttentionConfig.default(Problem("gpu", 1, (1, s, 32, 8, d), dtype, 132))
-    t = {"bfloat16": "bf16", "float32": "fp32"}[dtype]
-    k = _compile(ag_attention_kernel,
-                 {"ctx": "*i32", "q_ptr": f"*{t}", "k_ptr": f"*{t}", "v_ptr": f"*{t}",
-                  "out_ptr": f"*{t}", "lse_ptr": "*fp32"},
-                 dict(B=1, S=s, HQ=32, HKV=8, D=d, CAUSAL=True, QK_SCALE=0.1275,
-                      INBOX=False, STAGE_OFF=4096, PARITY_BYTES=1 << 26, KV_ELEMS=s * 8 * d,
-                      READY_OFF=0, FLAGS_OFF=0, SENT_OFF=512, CHUNK_ROWS=1, KV_STRIDE=8 * d,
-                      V_OFF=0, FLAG_SCOPE="sys", BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
-                      BLOCK_D=d, DOT_PRECISION=precision, HEAD_GROUP=int(cfg.HEAD_GROUP)),
-                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    k = _compile_ag_attention({"bfloat16": "bf16", "float32": "fp32"}[dtype], d, s=s,
+                              BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+                              DOT_PRECISION=precision, HEAD_GROUP=int(cfg.HEAD_GROUP),
+                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     assert k.metadata.shared <= 227 * 1024, (k.metadata.shared, cfg)

@@ -290,7 +290,7 @@ class ParallelMoE(nnx.Module):
             # spread over the group's ranks like a prefill (padding rows route too).
             tokens, real = lay.spread_decode(tokens)
         ids, weights, stats = self.route(tokens, real)
-        rows = None
+        rows, sent = None, None if real is None else real[:, None]
         if self.capacity_factor is not None:
             per_device = tokens.shape[0] // (lay.dp * lay.tp)
             capacity = expert_capacity(self.capacity_factor, per_device, self.top_k,
@@ -303,10 +303,11 @@ class ParallelMoE(nnx.Module):
             weights = jnp.where(keep, weights, 0.0)
             rows = min(self.num_experts * capacity,
                        default_recv_rows(per_device, self.top_k, lay.tp, self.num_experts))
-            if self.parallelism == "expert" and lay.impl != "xla":
-                ids = jnp.where(keep, ids, -1)  # not sent: the dispatch skips ids outside [0, E)
-        if real is not None and self.parallelism == "expert" and lay.impl != "xla":
-            ids = jnp.where(real[:, None], ids, -1)  # a decode step's padding: not sent
+            sent = keep  # padding rows are never kept
+        if sent is not None and self.parallelism == "expert" and lay.impl != "xla":
+            # Dropped picks and a decode step's padding rows (which all route alike):
+            # not sent; the dispatch skips ids outside [0, E).
+            ids = jnp.where(sent, ids, -1)
         w_gate, w_up, w_down = (p[...].astype(dtype)
                                 for p in (self.gate_proj, self.up_proj, self.down_proj))
         y = self._experts(lay, tokens, ids, weights, w_gate, w_up, w_down, rows)
