@@ -491,3 +491,19 @@ def test_profile_measures_again_when_kernel_order_differs(monkeypatch):
     with pytest.raises(RuntimeError, match="not supported"):
         _timing.profile(lambda x: x, (1,), iterations=2, world=1)
     assert len(calls) == 1
+
+
+def test_ag_attention_benchmark_takes_head_dim_and_dtype(faked_timing, monkeypatch):
+    """``bench ag_attention --head-dim 64 --dtype float32`` at world 1 (CPU, faked
+    timing, 2 heads): the kernel runs at that head dim and type, matches the float32
+    reference on the checked rows, and the table's title names both."""
+    from jaxtdist.bench import ag_attention
+
+    monkeypatch.setattr(ag_attention, "AG_ATTENTION_HEADS", (1, 2, 128))
+    rows = ag_attention.bench_ag_attention([32], 1, 1, dtype=jnp.float32, rounds=1,
+                                           head_dim=64)
+    row = rows[0]
+    assert (row["d"], row["dtype"]) == (64, "float32")
+    assert row["jaxtdist"]["rel_err"] < 1e-4, row["jaxtdist"]
+    text = ag_attention.table(dict(world=1, device="cpu", rows=rows, iterations=1, rounds=1))
+    assert "D=64, causal, float32" in text.splitlines()[0]

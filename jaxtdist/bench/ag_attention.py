@@ -1,6 +1,7 @@
 """ag_attention's benchmark: jaxtdist's sequence-parallel attention against XLA's.
 
-B=1, H=32, D=128, causal, bf16 (``shapes.AG_ATTENTION_*``):
+B=1, H=32, D=128, causal, bf16 (``shapes.AG_ATTENTION_*``; ``--head-dim`` and
+``--dtype`` change D and the inputs' type):
 
 - world 1 (default): jaxtdist's forward kernel forced at world 1
   (``ag_attention_kernels``) against ``jax.nn.dot_product_attention`` (JAX's
@@ -136,11 +137,13 @@ def _reference_grads(q, k, v, c) -> tuple:
 
 
 def bench_ag_attention(seqs, iterations: int, world: int, dtype=jnp.bfloat16,
-                       rounds: int = 4, backward: bool = False) -> list[dict]:
+                       rounds: int = 4, backward: bool = False,
+                       head_dim: int | None = None) -> list[dict]:
     import jaxtdist as td
 
     ops = _ops()
     b, hh, d = AG_ATTENTION_HEADS
+    d = head_dim or d
     mesh = _mesh(world)
     # Room for the KV inboxes of every sequence length (2 parities x world ranks' k
     # and v; each length keeps its own), else ag_attention falls back to reading
@@ -315,8 +318,10 @@ WORLD_COLUMNS = [
 
 
 def table(res: dict) -> str:
+    first = res["rows"][0] if res["rows"] else {}
     b, hh, d = AG_ATTENTION_HEADS
-    shape = f"B={b}, H={hh}, D={d}, causal, bfloat16"
+    shape = (f"B={first.get('b', b)}, H={first.get('h', hh)}, D={first.get('d', d)}, causal, "
+             f"{first.get('dtype', 'bfloat16')}")
     if any(r.get("backward") for r in res["rows"]):
         return h.markdown_table(
             f"ag_attention forward + backward (gradients of q, k, v), {shape}, S total over "
@@ -335,8 +340,9 @@ def run(args) -> tuple[list[dict], dict]:
     world = args.world or 1
     seqs = AG_ATTENTION_SEQS if world == 1 else AG_ATTENTION_SEQS_MULTI
     seqs = args.seqs or (seqs[:1] if args.quick else seqs)
-    return (bench_ag_attention(seqs, args.iterations, world, rounds=args.rounds,
-                               backward=args.backward), dict(world=world))
+    return (bench_ag_attention(seqs, args.iterations, world, dtype=jnp.dtype(args.dtype),
+                               rounds=args.rounds, backward=args.backward,
+                               head_dim=args.head_dim), dict(world=world))
 
 
 def _arguments(parser) -> None:
@@ -349,6 +355,12 @@ def _arguments(parser) -> None:
     parser.add_argument("--seqs", type=int, nargs="*", default=[],
                         help="these total sequence lengths instead of the default ones "
                              "(rounded up to a multiple of the world size)")
+    parser.add_argument("--head-dim", type=int, default=None, choices=(64, 128, 256),
+                        help=f"head dim (default {AG_ATTENTION_HEADS[2]})")
+    parser.add_argument("--dtype", default="bfloat16",
+                        choices=("bfloat16", "float16", "float32"),
+                        help="q, k and v's dtype (default bfloat16; cuDNN and Pallas take "
+                             "no float32)")
 
 
 BENCHMARK = h.Benchmark(
