@@ -1,4 +1,6 @@
-"""The GEMM core every matmul kernel is built on (ag_matmul, matmul_rs, matmul_ar).
+"""The GEMM core every matmul kernel is built on (ag_matmul, matmul_rs, matmul_ar,
+grouped_gemm, moe_tp): the two mainloops, TMA (``tile_acc``) and pointer
+(``pointer_tile_acc``), and the TMA epilogue (``store_tile``).
 
 A kernel is the core plus its prologue and epilogue: it makes tensor
 descriptors (TMA) for its operands on the device, takes tiles in its own
@@ -21,6 +23,14 @@ the end of its rank's rows and the rows need not be a multiple of BLOCK_M. The
 loads stay 2-D (the mainloop is the same for every kernel): a tile at the end
 of a rank's rows may read the next rank's first rows, whose products are
 computed and dropped.
+
+The pointer mainloop serves what TMA cannot address (rows that are not
+16-byte multiples, the interpreter's small shapes, rows gathered from two
+arrays): masked ``tl.load`` tiles, K in BLOCK_K steps, the same float32
+accumulator and ``dot_acc`` as the TMA one, so a kernel picks either by a
+constexpr and keeps one epilogue. Its contract: A is given by one pointer per
+row (``a_rows``, K elements each, row-major), B is row-major [K, N]; rows,
+columns and K past the masks / K read as zeros.
 """
 
 import triton
@@ -52,6 +62,26 @@ def tile_acc(a_desc, b_desc, row0, col0, k_lo, k_hi, BLOCK_M: tl.constexpr,
             b = b_desc.load([col0, k0]).T
         else:
             b = b_desc.load([b_k0 + k0, col0])
+        acc = dot_acc(a, b, acc, DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def pointer_tile_acc(a_rows, b_ptr, row_mask, cols, col_mask, k_lo, k_hi, K: tl.constexpr,
+                     N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The pointer mainloop: the float32 accumulator of A[rows, k_lo:k_hi] @ B[k_lo:k_hi,
+    cols], A's rows at ``a_rows`` ([BLOCK_M] pointers to rows of K elements: one
+    array's, ``a_ptr + rows * K``, or rows picked from several), B row-major [K, N];
+    DOT_PRECISION as in ``_tiles.dot_acc``."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ks = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
+        k_mask = ks < K
+        a = tl.load(a_rows[:, None] + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        b = tl.load(b_ptr + ks[:, None] * N + cols[None, :],
+                    mask=k_mask[:, None] & col_mask[None, :], other=0.0)
         acc = dot_acc(a, b, acc, DOT_PRECISION)
     return acc
 

@@ -1,6 +1,7 @@
 """Tile helpers shared by every kernel: tile orders, swizzles, the dot of a GEMM
-step and the pointer GEMM tile, masked row loads of one attention head, and
-pointers ordered after a wait that keep their alignment."""
+step, masked row loads of one attention head, and pointers ordered after a wait
+that keep their alignment. The GEMM mainloops built on ``dot_acc`` are in
+``_gemm``."""
 
 import triton
 import triton.language as tl
@@ -94,26 +95,6 @@ def load_rows(base, pos, hi, STRIDE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.
     if BLOCK_D == D:
         return tl.load(ptrs)
     return tl.load(ptrs, mask=(d < D)[None, :], other=0.0)
-
-
-@triton.jit
-def dot_tile(a_ptr, b_ptr, rows, row_mask, cols, col_mask, k_lo, k_hi, K: tl.constexpr,
-             N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One output tile of a pointer GEMM: the float32 accumulator of
-    A[rows, k_lo:k_hi] @ B[k_lo:k_hi, cols] for row-major A [*, K] and B [K, N];
-    rows, columns and K beyond the masks / K read as zeros; DOT_PRECISION as in
-    ``dot_acc``."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        ks = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
-        k_mask = ks < K
-        a = tl.load(a_ptr + rows[:, None] * K + ks[None, :],
-                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptr + ks[:, None] * N + cols[None, :],
-                    mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        acc = dot_acc(a, b, acc, DOT_PRECISION)
-    return acc
 
 
 @triton.jit

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 import jaxtdist.language as dl
+from jaxtdist.kernels._inbox import wait_pushes_sent
 from jaxtdist.kernels._tiles import aligned_after, dot_acc, load_rows
 
 
@@ -236,6 +237,4 @@ def ag_attention_kernel(ctx, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
         if INBOX:
             # The pushes' source (k_ptr) must outlive them: this kernel, whose
             # operand it is, ends after they have.
-            sent = dl.heap_ptr(ctx, SENT_OFF, tl.int32)
-            for step in range(1, world):
-                dl.wait(ctx, sent + step, e, "ge", me, "gpu")
+            wait_pushes_sent(ctx, SENT_OFF, me, world, e)

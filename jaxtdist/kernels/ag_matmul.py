@@ -32,19 +32,11 @@ import triton.language as tl
 
 import jaxtdist.language as dl
 from jaxtdist.kernels._gather import pull_shards, push_shards
-from jaxtdist.kernels._gemm import out_desc, store_tile, tile_acc, weight_desc
+from jaxtdist.kernels._gemm import (out_desc, pointer_tile_acc, store_tile, tile_acc,
+                                   weight_desc)
+from jaxtdist.kernels._inbox import wait_pushes_sent
 from jaxtdist.kernels._splitk import finish_split_k, finish_stream_k, k_range
-from jaxtdist.kernels._tiles import (block_range, dot_acc, grouped_tile, peer_arrival_tile,
-                                     rank_major_tile)
-
-
-@triton.jit
-def _wait_pushes_sent(ctx, SENT_OFF: tl.constexpr, me, world, e):
-    """Waits until this rank's copy-engine pushes of epoch ``e`` to every peer have
-    ended (the "sent" words their side streams raise): x is no longer read."""
-    sent = dl.heap_ptr(ctx, SENT_OFF, tl.int32)
-    for step in range(1, world):
-        dl.wait(ctx, sent + step, e, "ge", me, "gpu")
+from jaxtdist.kernels._tiles import block_range, grouped_tile, peer_arrival_tile, rank_major_tile
 
 
 @triton.jit
@@ -167,15 +159,8 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
         cols = block_range(tn, BLOCK_N)
         col_mask = cols < N
         k_lo, k_hi = k_range(split, K, K_SPLIT)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            ks = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
-            k_mask = ks < K
-            a = tl.load(a_rows[:, None] + ks[None, :],
-                        mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(w_ptr + ks[:, None] * N + cols[None, :],
-                        mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-            acc = dot_acc(a, b, acc, DOT_PRECISION)
+        acc = pointer_tile_acc(a_rows, w_ptr, row_mask, cols, col_mask, k_lo, k_hi, K, N,
+                               BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
         out_offs = out_rows[:, None] * N + cols[None, :]
         mask = row_mask[:, None] & col_mask[None, :]
         if SPLIT_K == 1:
@@ -384,7 +369,7 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
             unit = run_end
     if pid == 0:
         # x must outlive this rank's pushes: they have ended when the kernel has.
-        _wait_pushes_sent(ctx, SENT_OFF, me, world, e)
+        wait_pushes_sent(ctx, SENT_OFF, me, world, e)
 
 
 @triton.jit

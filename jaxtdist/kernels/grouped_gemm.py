@@ -27,8 +27,8 @@ is the GEMM core's ``tile_acc`` on x's descriptor [R, H] and one descriptor of
 the weights stacked, w [G * H, F], made once per program, when BLOCK_K divides
 H (no K block spans two groups); otherwise a descriptor of the tile's group
 ``w[g]`` [H, F] made on the device per tile, whose K bound gives a partial last
-K block TMA's zeros, never group g + 1's weights. Without TMA, the pointer tile
-``dot_tile`` with masked rows, columns and K. The kernel uses no heap memory
+K block TMA's zeros, never group g + 1's weights. Without TMA, the pointer
+mainloop ``pointer_tile_acc`` with masked rows, columns and K. The kernel uses no heap memory
 and no signal: ``ctx`` is the calling protocol's context, unused.
 
 ``grouped_dw_kernel``: the weights' gradient dw[g] = x[rows of g].T @ dy[rows
@@ -55,9 +55,9 @@ transposed copy of the weights.
 import triton
 import triton.language as tl
 
-from jaxtdist.kernels._gemm import (out_desc, ranked_out_desc, store_tile, tile_acc,
-                                   weight_desc)
-from jaxtdist.kernels._tiles import dot_acc, dot_tile, grouped_tile
+from jaxtdist.kernels._gemm import (out_desc, pointer_tile_acc, ranked_out_desc, store_tile,
+                                   tile_acc, weight_desc)
+from jaxtdist.kernels._tiles import dot_acc, grouped_tile
 
 
 @triton.jit
@@ -178,8 +178,9 @@ def grouped_gemm_kernel(ctx, x_ptr, w_ptr, sizes_ptr, out_ptr,
                     store_rows(plane, acc, rows, row_end, cols, F)
             else:
                 tl.static_assert(not W_T, "W_T needs TMA (the op transposes w otherwise)")
-                acc = dot_tile(x_ptr, w_group, rows, rows < row_end, cols, cols < F, k_lo, k_hi,
-                               H, F, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+                acc = pointer_tile_acc(x_ptr + rows * H, w_group, rows < row_end, cols, cols < F,
+                                       k_lo, k_hi, H, F, BLOCK_M, BLOCK_N, BLOCK_K,
+                                       DOT_PRECISION)
                 store_rows(plane, acc, rows, row_end, cols, F)
         else:  # rows past the groups: zeros
             zero = (item - group_items) // SPLIT_K

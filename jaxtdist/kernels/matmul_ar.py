@@ -63,10 +63,9 @@ import triton
 import triton.language as tl
 
 import jaxtdist.language as dl
-from jaxtdist.kernels._gemm import tile_acc, weight_desc
+from jaxtdist.kernels._gemm import pointer_tile_acc, tile_acc, weight_desc
 from jaxtdist.kernels._splitk import k_range, split_k_total
-from jaxtdist.kernels._tiles import (aligned_after, block_offsets, block_range, dot_tile,
-                                     grouped_tile)
+from jaxtdist.kernels._tiles import aligned_after, block_offsets, block_range, grouped_tile
 
 
 @triton.jit
@@ -114,8 +113,8 @@ def matmul_ar_kernel(ctx, x_ptr, w_ptr, out_ptr,
                        BLOCK_N, BLOCK_K, DOT_PRECISION, B_T=B_T)
     else:
         tl.static_assert(not B_T, "B_T: TMA loads only")
-        acc = dot_tile(x_ptr, w_ptr, rows, row_mask, cols, col_mask, k_lo, k_hi, K, N,
-                       BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+        acc = pointer_tile_acc(x_ptr + rows * K, w_ptr, row_mask, cols, col_mask, k_lo, k_hi,
+                               K, N, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
     offs, mask = block_offsets(rows, cols, M, N)
     if SPLIT_K > 1:
         last, acc = split_k_total(acc, split, dl.heap_ptr(ctx, PARTIALS_OFF, tl.float32),

@@ -61,112 +61,10 @@ import triton
 import triton.language as tl
 
 import jaxtdist.language as dl
-from jaxtdist.kernels._gemm import column_halves, out_desc, store_tile, tile_acc, weight_desc
-from jaxtdist.kernels._tiles import (aligned_after, block_offsets, block_range, dot_tile,
-                                     grouped_tile, rank_major_tile)
+from jaxtdist.kernels._gemm import out_desc, pointer_tile_acc, store_tile, tile_acc, weight_desc
+from jaxtdist.kernels._partials import exchange_tile, raise_flag, slot_of
+from jaxtdist.kernels._tiles import block_range, grouped_tile, rank_major_tile
 from jaxtdist.kernels._trace import stamp
-
-
-@triton.jit
-def _piece_offsets(tm, col0, M_SHARD: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr,
-                   WIDTH: tl.constexpr):
-    """Element offsets of columns [col0, col0 + WIDTH) of row tile ``tm`` in a
-    row-major [M_SHARD, N] array, and the mask of those inside it."""
-    return block_offsets(tm * BLOCK_M + tl.arange(0, BLOCK_M), col0 + tl.arange(0, WIDTH),
-                         M_SHARD, N)
-
-
-@triton.jit
-def _piece(ctx, piece, col0, OWN: tl.constexpr, inbox, flags, me, e, slot_elems, per_rank,
-           dst, tm, tn, n_tiles, c_desc, out_ptr, M_SHARD: tl.constexpr, N: tl.constexpr,
-           BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, WORLD: tl.constexpr,
-           TMA: tl.constexpr):
-    """Columns [col0, col0 + WIDTH) of a tile's partial ``piece``. A peer's tile
-    (not OWN): stored into ``dst``'s inbox slot of this source. An own tile: the
-    other ranks' partials added, each after its tile flag (sources in the order
-    they push to this rank: me-1 first, me+1 last; unrolled, none at world 1),
-    and stored as output."""
-    offs, mask = _piece_offsets(tm, col0, M_SHARD, N, BLOCK_M, WIDTH)
-    if not OWN:
-        slot = (me - dst + WORLD - 1) % WORLD
-        tl.store(dl.symm_at(ctx, inbox + slot * slot_elems + offs, dst),
-                 piece.to(inbox.dtype.element_ty), mask=mask)
-    else:
-        # ``inbox`` is ordered after every source's flag of this tile (_own_inbox):
-        # the W - 1 partials' loads of the piece go out together.
-        for step_back in tl.static_range(1, WORLD):
-            slot = WORLD - 1 - step_back
-            part = tl.load(inbox + slot * slot_elems + offs, mask=mask, other=0.0)
-            piece += part.to(tl.float32)
-        if TMA:
-            c_desc.store([tm * BLOCK_M, col0], piece.to(c_desc.dtype))
-        else:
-            tl.store(out_ptr + offs, piece.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _epilogue(ctx, acc, OWN: tl.constexpr, inbox, flags, me, e, slot_elems, per_rank, dst, tm,
-              tn, n_tiles, c_desc, out_ptr, M_SHARD: tl.constexpr, N: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUBTILE: tl.constexpr,
-              WORLD: tl.constexpr, TMA: tl.constexpr):
-    """A tile's push (peer's tile) or reduction and store (own tile), SUBTILE
-    column pieces one after another: the accumulator, a peer's partial and the
-    offsets of the whole tile at once took more than 255 registers per thread
-    and spilled at world > 1 (128 x 256 tiles), while a piece's fit beside the
-    rest of the accumulator. SUBTILE is the output descriptor's cut too."""
-    col0 = tn * BLOCK_N
-    if OWN:
-        inbox = _own_inbox(ctx, inbox, flags, me, e, per_rank, tm, tn, n_tiles, WORLD)
-    if SUBTILE == 1:
-        _piece(ctx, acc, col0, OWN, inbox, flags, me, e, slot_elems, per_rank, dst, tm, tn,
-               n_tiles, c_desc, out_ptr, M_SHARD, N, BLOCK_M, BLOCK_N, WORLD, TMA)
-    elif SUBTILE == 2:
-        HALF: tl.constexpr = BLOCK_N // 2
-        left, right = column_halves(acc, BLOCK_M, BLOCK_N)
-        _piece(ctx, left, col0, OWN, inbox, flags, me, e, slot_elems, per_rank, dst, tm, tn,
-               n_tiles, c_desc, out_ptr, M_SHARD, N, BLOCK_M, HALF, WORLD, TMA)
-        _piece(ctx, right, col0 + HALF, OWN, inbox, flags, me, e, slot_elems, per_rank, dst,
-               tm, tn, n_tiles, c_desc, out_ptr, M_SHARD, N, BLOCK_M, HALF, WORLD, TMA)
-    else:
-        tl.static_assert(SUBTILE == 4, "SUBTILE: 1, 2 or 4")
-        HALF: tl.constexpr = BLOCK_N // 2
-        Q: tl.constexpr = BLOCK_N // 4
-        left, right = column_halves(acc, BLOCK_M, BLOCK_N)
-        a, b = column_halves(left, BLOCK_M, HALF)
-        _piece(ctx, a, col0, OWN, inbox, flags, me, e, slot_elems, per_rank, dst, tm, tn,
-               n_tiles, c_desc, out_ptr, M_SHARD, N, BLOCK_M, Q, WORLD, TMA)
-        _piece(ctx, b, col0 + Q, OWN, inbox, flags, me, e, slot_elems, per_rank, dst, tm, tn,
-               n_tiles, c_desc, out_ptr, M_SHARD, N, BLOCK_M, Q, WORLD, TMA)
-        a, b = column_halves(right, BLOCK_M, HALF)
-        _piece(ctx, a, col0 + 2 * Q, OWN, inbox, flags, me, e, slot_elems, per_rank, dst, tm,
-               tn, n_tiles, c_desc, out_ptr, M_SHARD, N, BLOCK_M, Q, WORLD, TMA)
-        _piece(ctx, b, col0 + 3 * Q, OWN, inbox, flags, me, e, slot_elems, per_rank, dst, tm,
-               tn, n_tiles, c_desc, out_ptr, M_SHARD, N, BLOCK_M, Q, WORLD, TMA)
-    if not OWN:
-        # Every piece stored: the tile's flag in the owner's heap (a release at
-        # system scope publishes them all).
-        _raise_flag(ctx, flags, me, e, per_rank, dst, tm, tn, n_tiles, WORLD)
-
-
-@triton.jit
-def _own_inbox(ctx, inbox, flags, me, e, per_rank, tm, tn, n_tiles, WORLD: tl.constexpr):
-    """``inbox`` ordered after the flags of own tile (tm, tn) from every other rank
-    (waited once per tile, in the order they push to this rank: me-1 first,
-    me+1 last), its 16-byte alignment kept (``aligned_after``: a token on a
-    block of pointers made the partials' loads 2 bytes wide)."""
-    for step_back in tl.static_range(1, WORLD):
-        slot = WORLD - 1 - step_back
-        src = (me + WORLD - step_back) % WORLD
-        token = dl.wait(ctx, flags + slot * per_rank + tm * n_tiles + tn, e, "ge", src)
-        inbox = aligned_after(inbox, token)
-    return inbox
-
-
-@triton.jit
-def _raise_flag(ctx, flags, me, e, per_rank, dst, tm, tn, n_tiles, WORLD: tl.constexpr):
-    """Peer tile (tm, tn)'s flag in owner ``dst``'s heap, in the slot of this source."""
-    slot = (me - dst + WORLD - 1) % WORLD
-    dl.notify(ctx, flags + slot * per_rank + tm * n_tiles + tn, dst, e)
 
 
 @triton.jit
@@ -176,7 +74,7 @@ def _publish(ctx, tile, flags, me, e, per_rank, m_tiles, n_tiles, GROUP_M: tl.co
     stores have landed."""
     dst, tm, tn = rank_major_tile(tile, me + 1, WORLD, m_tiles, n_tiles, GROUP_M)
     dl.wait_tma_stores()
-    _raise_flag(ctx, flags, me, e, per_rank, dst, tm, tn, n_tiles, WORLD)
+    raise_flag(ctx, flags, per_rank, tm * n_tiles + tn, me, dst, e, WORLD)
 
 
 @triton.jit
@@ -198,7 +96,7 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr, trace_ptr,
     the tiles run on the GEMM core; a row tile at the end of a rank's rows
     then reads the next rank's first rows too, whose products are dropped
     (masked pushes, clipped stores). Without, on the pointer GEMM
-    (``dot_tile``), for rows TMA cannot address.
+    (``_gemm.pointer_tile_acc``), for rows TMA cannot address.
 
     Two tile loops, peers' tiles (pushes) then own tiles (reductions), each with
     a straight-line epilogue. FLATTEN (TMA, WORLD 1 only) fuses the own tiles'
@@ -274,16 +172,17 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr, trace_ptr,
                     _publish(ctx, pending, flags, me, e, per_rank, m_tiles, n_tiles, GROUP_M,
                              WORLD)
                 # Made after the wait above: no store in flight still reads it.
-                slot = (me - dst + WORLD - 1) % WORLD
+                slot = slot_of(me, dst, WORLD)
                 peer_desc = out_desc(dl.symm_at(ctx, inbox + slot * slot_elems, dst), M_SHARD,
                                      N, BLOCK_M, BLOCK_N, PUSH_SUBTILE)
                 store_tile(peer_desc, acc, 0, tm * BLOCK_M, tn * BLOCK_N, BLOCK_M, BLOCK_N,
                            PUSH_SUBTILE)
                 pending = tile
             else:
-                _epilogue(ctx, acc, False, inbox, flags, me, e, slot_elems, per_rank, dst, tm,
-                          tn, n_tiles, c_desc, out_ptr, M_SHARD, N, BLOCK_M, BLOCK_N, SUBTILE,
-                          WORLD, TMA)
+                exchange_tile(ctx, acc, tm * BLOCK_M + tl.arange(0, BLOCK_M), M_SHARD,
+                              tm * BLOCK_M, tn * BLOCK_N, False, inbox, flags, per_rank,
+                              tm * n_tiles + tn, me, e, dst, slot_elems, c_desc, out_ptr, N,
+                              BLOCK_M, BLOCK_N, SUBTILE, WORLD, TMA)
             stamp(at + 2, TRACE_TILES > 0, traced)
         done = tl.maximum(last - first + step - 1, 0) // step  # peer tiles computed here
         if PUSH_TMA:
@@ -313,9 +212,10 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr, trace_ptr,
         if WORLD == 1 and TMA:
             store_tile(c_desc, acc, 0, tm * BLOCK_M, tn * BLOCK_N, BLOCK_M, BLOCK_N, SUBTILE)
         else:
-            _epilogue(ctx, acc, True, inbox, flags, me, e, slot_elems, per_rank, me, tm, tn,
-                      n_tiles, c_desc, out_ptr, M_SHARD, N, BLOCK_M, BLOCK_N, SUBTILE, WORLD,
-                      TMA)
+            exchange_tile(ctx, acc, tm * BLOCK_M + tl.arange(0, BLOCK_M), M_SHARD, tm * BLOCK_M,
+                          tn * BLOCK_N, True, inbox, flags, per_rank, tm * n_tiles + tn, me, e,
+                          me, slot_elems, c_desc, out_ptr, N, BLOCK_M, BLOCK_N, SUBTILE, WORLD,
+                          TMA)
         stamp(at + 2, TRACE_TILES > 0, traced)
 
 
@@ -326,5 +226,5 @@ def _pointer_tile(a_ptr, w_ptr, tm, tn, M_SHARD: tl.constexpr, N: tl.constexpr,
     """The pointer GEMM's tile (tm, tn) of a rank's rows starting at ``a_ptr``."""
     rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = block_range(tn, BLOCK_N)
-    return dot_tile(a_ptr, w_ptr, rows, rows < M_SHARD, cols, cols < N, 0, K, K, N, BLOCK_M,
-                    BLOCK_N, BLOCK_K, DOT_PRECISION)
+    return pointer_tile_acc(a_ptr + rows * K, w_ptr, rows < M_SHARD, cols, cols < N, 0, K, K, N,
+                            BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)

@@ -36,10 +36,10 @@ import triton
 import triton.language as tl
 
 import jaxtdist.language as dl
-from jaxtdist.kernels._gemm import (column_halves, ranked_out_desc, store_tile, tile_acc,
+from jaxtdist.kernels._gemm import (pointer_tile_acc, ranked_out_desc, store_tile, tile_acc,
                                    weight_desc)
-from jaxtdist.kernels._tiles import aligned_after, dot_tile
-from jaxtdist.kernels.ag_matmul import _wait_pushes_sent
+from jaxtdist.kernels._inbox import wait_pushes_sent
+from jaxtdist.kernels._partials import exchange_tile
 from jaxtdist.kernels.grouped_gemm import group_table, group_tile, store_rows
 
 
@@ -120,8 +120,8 @@ def ag_grouped_gemm_kernel(ctx, x_ptr, w_ptr, wup_ptr, sizes_ptr, out_ptr,
                                col0, 0, H, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, B_T=W_T)
             else:
                 tl.static_assert(not W_T, "W_T needs TMA")
-                acc = dot_tile(chunk, w_group, rows, rows < row_end, cols, cols < F, 0, H, H, F,
-                               BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+                acc = pointer_tile_acc(chunk + rows * H, w_group, rows < row_end, cols, cols < F,
+                                       0, H, H, F, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
             out_row0 = src * R_SHARD + row0
             if TMA and row0 + BLOCK_M <= row_end:
                 store_tile(c_desc, acc, up.to(tl.int32), out_row0, col0, BLOCK_M, BLOCK_N,
@@ -132,62 +132,7 @@ def ag_grouped_gemm_kernel(ctx, x_ptr, w_ptr, wup_ptr, sizes_ptr, out_ptr,
         base += chunk_tiles
     if pid == 0 and WORLD > 1:
         # x must outlive this rank's pushes: they have ended when the kernel has.
-        _wait_pushes_sent(ctx, SENT_OFF, me, WORLD, e)
-
-
-@triton.jit
-def _rs_piece(ctx, piece, rows, row_end, col0, OWN: tl.constexpr, inbox, me, dst,
-              slot_elems, out_ptr, N: tl.constexpr, WIDTH: tl.constexpr, WORLD: tl.constexpr):
-    """Columns [col0, col0 + WIDTH) of a tile's rows below ``row_end``: a peer's
-    (not OWN) stored into ``dst``'s inbox slot of this source; an own tile's
-    added to the W - 1 peers' partials (``inbox`` ordered after their flags) and
-    stored as output."""
-    cols = col0 + tl.arange(0, WIDTH)
-    offs = rows[:, None] * N + cols[None, :]
-    mask = (rows < row_end)[:, None] & (cols < N)[None, :]
-    if not OWN:
-        slot = (me - dst + WORLD - 1) % WORLD
-        tl.store(dl.symm_at(ctx, inbox + slot * slot_elems + offs, dst),
-                 piece.to(inbox.dtype.element_ty), mask=mask)
-    else:
-        for step_back in tl.static_range(1, WORLD):
-            part = tl.load(inbox + (WORLD - 1 - step_back) * slot_elems + offs, mask=mask,
-                           other=0.0)
-            piece += part.to(tl.float32)
-        tl.store(out_ptr + offs, piece.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _rs_epilogue(ctx, acc, rows, row_end, col0, OWN: tl.constexpr, inbox, me, dst, slot_elems,
-                 out_ptr, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 SUBTILE: tl.constexpr, WORLD: tl.constexpr):
-    """``_rs_piece`` over SUBTILE column pieces (a whole 128 x 256 tile's offsets and
-    a peer's partial beside the accumulator would spill, as in matmul_rs)."""
-    if SUBTILE == 1:
-        _rs_piece(ctx, acc, rows, row_end, col0, OWN, inbox, me, dst, slot_elems, out_ptr, N,
-                  BLOCK_N, WORLD)
-    elif SUBTILE == 2:
-        HALF: tl.constexpr = BLOCK_N // 2
-        left, right = column_halves(acc, BLOCK_M, BLOCK_N)
-        _rs_piece(ctx, left, rows, row_end, col0, OWN, inbox, me, dst, slot_elems, out_ptr, N,
-                  HALF, WORLD)
-        _rs_piece(ctx, right, rows, row_end, col0 + HALF, OWN, inbox, me, dst, slot_elems,
-                  out_ptr, N, HALF, WORLD)
-    else:
-        tl.static_assert(SUBTILE == 4, "SUBTILE: 1, 2 or 4")
-        HALF: tl.constexpr = BLOCK_N // 2
-        Q: tl.constexpr = BLOCK_N // 4
-        left, right = column_halves(acc, BLOCK_M, BLOCK_N)
-        a, b = column_halves(left, BLOCK_M, HALF)
-        _rs_piece(ctx, a, rows, row_end, col0, OWN, inbox, me, dst, slot_elems, out_ptr, N, Q,
-                  WORLD)
-        _rs_piece(ctx, b, rows, row_end, col0 + Q, OWN, inbox, me, dst, slot_elems, out_ptr, N,
-                  Q, WORLD)
-        a, b = column_halves(right, BLOCK_M, HALF)
-        _rs_piece(ctx, a, rows, row_end, col0 + 2 * Q, OWN, inbox, me, dst, slot_elems,
-                  out_ptr, N, Q, WORLD)
-        _rs_piece(ctx, b, rows, row_end, col0 + 3 * Q, OWN, inbox, me, dst, slot_elems,
-                  out_ptr, N, Q, WORLD)
+        wait_pushes_sent(ctx, SENT_OFF, me, WORLD, e)
 
 
 @triton.jit
@@ -253,24 +198,17 @@ def grouped_gemm_rs_kernel(ctx, a_ptr, w_ptr, sizes_ptr, out_ptr,
                                DOT_PRECISION, B_T=W_T)
             else:
                 tl.static_assert(not W_T, "W_T needs TMA")
-                acc = dot_tile(a_ptr + dst.to(tl.int64) * (R_SHARD * K), w_group, rows,
-                               rows < row_end, col0 + tl.arange(0, BLOCK_N),
-                               col0 + tl.arange(0, BLOCK_N) < N, 0, K, K, N, BLOCK_M, BLOCK_N,
-                               BLOCK_K, DOT_PRECISION)
+                cols = col0 + tl.arange(0, BLOCK_N)
+                acc = pointer_tile_acc(a_ptr + dst.to(tl.int64) * (R_SHARD * K) + rows * K,
+                                       w_group, rows < row_end, cols, cols < N, 0, K, K, N,
+                                       BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+            # Only the group's rows (a tile at a group's end computed the next group's
+            # first rows too); pointer stores, whose mask drops them.
             if own:
-                ready = inbox
-                # The partials of this tile from every other rank (me-1's first: it
-                # pushes this chunk first), each flag waited once per tile.
-                for step_back in tl.static_range(1, WORLD):
-                    token = dl.wait(ctx, flags + (WORLD - 1 - step_back) * CHUNK_TILES + t, e,
-                                    "ge", (me + WORLD - step_back) % WORLD)
-                    ready = aligned_after(ready, token)
-                _rs_epilogue(ctx, acc, rows, row_end, col0, True, ready, me, me, slot_elems,
-                             out_ptr, N, BLOCK_M, BLOCK_N, SUBTILE, WORLD)
+                exchange_tile(ctx, acc, rows, row_end, row0, col0, True, inbox, flags,
+                              CHUNK_TILES, t, me, e, me, slot_elems, None, out_ptr, N, BLOCK_M,
+                              BLOCK_N, SUBTILE, WORLD, False)
             else:
-                _rs_epilogue(ctx, acc, rows, row_end, col0, False, inbox, me, dst, slot_elems,
-                             out_ptr, N, BLOCK_M, BLOCK_N, SUBTILE, WORLD)
-                # Every piece stored: the tile's flag in the owner's heap (a release at
-                # system scope publishes them all).
-                dl.notify(ctx, flags + ((me - dst + WORLD - 1) % WORLD) * CHUNK_TILES + t, dst,
-                          e)
+                exchange_tile(ctx, acc, rows, row_end, row0, col0, False, inbox, flags,
+                              CHUNK_TILES, t, me, e, dst, slot_elems, None, out_ptr, N, BLOCK_M,
+                              BLOCK_N, SUBTILE, WORLD, False)
