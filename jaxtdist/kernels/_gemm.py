@@ -24,13 +24,12 @@ loads stay 2-D (the mainloop is the same for every kernel): a tile at the end
 of a rank's rows may read the next rank's first rows, whose products are
 computed and dropped.
 
-The pointer mainloop serves what TMA cannot address (rows that are not
-16-byte multiples, the interpreter's small shapes, rows gathered from two
-arrays): masked ``tl.load`` tiles, K in BLOCK_K steps, the same float32
-accumulator and ``dot_acc`` as the TMA one, so a kernel picks either by a
-constexpr and keeps one epilogue. Its contract: A is given by one pointer per
-row (``a_rows``, K elements each, row-major), B is row-major [K, N]; rows,
-columns and K past the masks / K read as zeros.
+The pointer mainloop ``pointer_tile_acc`` serves what TMA cannot address
+(rows that are not 16-byte multiples, rows picked from two arrays): masked
+loads, rows, columns and K past the masks read as zeros, into the same
+float32 accumulator through the same ``dot_acc`` step, so a kernel picks a
+mainloop by a constexpr and keeps one epilogue. It takes A as one pointer per
+row, B as row-major [K, N] (no transposed operand).
 """
 
 import triton
@@ -44,7 +43,7 @@ def tile_acc(a_desc, b_desc, row0, col0, k_lo, k_hi, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
              NUM_STAGES: tl.constexpr = None, B_T: tl.constexpr = False,
              A_T: tl.constexpr = False, b_k0=0):
-    """The mainloop: the float32 accumulator of A[row0:, k_lo:k_hi] @ B[k_lo:k_hi, col0:]
+    """The TMA mainloop: the float32 accumulator of A[row0:, k_lo:k_hi] @ B[k_lo:k_hi, col0:]
     for 2-D descriptors of A [M, K] (block [BLOCK_M, BLOCK_K]) and B [K, N] (block
     [BLOCK_K, BLOCK_N]); with A_T of A's transpose [K, M] (block [BLOCK_K,
     BLOCK_M]), with B_T of B's [N, K] (block [BLOCK_N, BLOCK_K]): wgmma reads such
@@ -72,7 +71,8 @@ def pointer_tile_acc(a_rows, b_ptr, row_mask, cols, col_mask, k_lo, k_hi, K: tl.
                      BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """The pointer mainloop: the float32 accumulator of A[rows, k_lo:k_hi] @ B[k_lo:k_hi,
     cols], A's rows at ``a_rows`` ([BLOCK_M] pointers to rows of K elements: one
-    array's, ``a_ptr + rows * K``, or rows picked from several), B row-major [K, N];
+    array's, ``a_ptr + rows * K``, or rows picked from several), B row-major [K, N],
+    rows and columns outside ``row_mask`` / ``col_mask`` and K past K read as zeros;
     DOT_PRECISION as in ``_tiles.dot_acc``."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):

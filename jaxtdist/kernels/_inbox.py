@@ -1,5 +1,11 @@
-"""Waits of the kernels that copy engines feed through a heap inbox (ag_matmul's
-copy-engine kernel, ag_attention's INBOX, moe_tp's gathering grouped GEMM).
+"""The consumer's waits of a gather into this rank's rows (ag_matmul, ag_attention,
+moe_tp's gathering grouped GEMM): a tile's chunk flags, and the copy engines'
+"sent" words.
+
+Gathered rows come in chunks of CHUNK_ROWS rows of each source rank, one int32
+flag per chunk (source ``src``'s chunk c at ``flags + src * n_chunks + c``),
+set to the epoch by whoever moves the chunk: this GPU's producer programs
+(``_gather.pull_shards``), peers' (``push_shards``) or peers' copy engines.
 
 The copy engines' side streams (``csrc/ce_gather.cc``) raise this rank's
 "sent" word of each peer step to the epoch once its pushes of that step have
@@ -10,6 +16,19 @@ import triton
 import triton.language as tl
 
 import jaxtdist.language as dl
+
+
+@triton.jit
+def wait_rows(ctx, flags, e, src, row0, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+              CHUNK_ROWS: tl.constexpr, SCOPE: tl.constexpr):
+    """Waits until the chunks holding rows [row0, row0 + BLOCK_M) of source ``src``'s
+    ROWS rows have arrived (one chunk or several: chunks may be coarser or finer
+    than tiles). SCOPE: "gpu" for flags this GPU raises (its producers, its copy
+    engines), "sys" for flags a peer GPU's programs raise."""
+    n_chunks: tl.constexpr = (ROWS + CHUNK_ROWS - 1) // CHUNK_ROWS
+    last = (row0 + BLOCK_M + CHUNK_ROWS - 1) // CHUNK_ROWS
+    for chunk in range(row0 // CHUNK_ROWS, tl.minimum(last, n_chunks)):
+        dl.wait(ctx, flags + src * n_chunks + chunk, e, "ge", src, SCOPE)
 
 
 @triton.jit

@@ -1,11 +1,14 @@
-"""The partial-sum exchange of the reduce-scatter GEMMs (``matmul_rs`` and
-``moe_tp.grouped_gemm_rs_kernel``): a tile's partial pushed into its owner's
-heap inbox, or an own tile's peers' partials waited for and added.
+"""Partial sums exchanged between ranks: the inbox of partial tiles that
+``matmul_rs``, ``moe_tp.grouped_gemm_rs_kernel`` and ``matmul_ar`` push into,
+and the reduce-scatter's exchange on it (``exchange_tile``: a tile's partial
+pushed into its owner's inbox, or an own tile's peers' partials waited for
+and added).
 
-Inbox (per call parity ``e % 2``): WORLD - 1 slots of ``slot_elems``
-partials, slot ``slot_of(src, dst)`` of owner ``dst`` holding the partial of
-source ``src``; the flags: ``flags_per_slot`` int32 per slot, the flag of a
-tile at ``flags + slot * flags_per_slot + tile``, set to the epoch.
+Inbox (per call parity ``e % 2``): W - 1 slots of ``slot_elems`` partials
+(float32, or x's dtype with PARTIAL_INPUT), slot ``slot_of(src, dst)`` of
+owner ``dst`` holding the partial of source ``src``; the flags:
+``flags_per_slot`` int32 per slot, the flag of a tile at ``flags + slot *
+flags_per_slot + tile``, set to the epoch.
 
 A peer's tile (not OWN) is stored into the owner's slot of this source, then
 its flag is raised (``dl.notify``: a release at system scope publishes every
@@ -21,6 +24,20 @@ import triton.language as tl
 import jaxtdist.language as dl
 from jaxtdist.kernels._gemm import column_halves
 from jaxtdist.kernels._tiles import aligned_after, block_offsets
+
+
+@triton.jit
+def partials_inbox(ctx, x_ptr, INBOX_OFF: tl.constexpr, PARITY_BYTES: tl.constexpr,
+                   FLAGS_OFF: tl.constexpr, PARTIAL_INPUT: tl.constexpr):
+    """This call's inbox (parity ``epoch % 2``) of partials, in x's dtype with
+    PARTIAL_INPUT (half the bytes of float32, one more rounding) else float32,
+    and the flags."""
+    if PARTIAL_INPUT:
+        partial_ty = x_ptr.dtype.element_ty
+    else:
+        partial_ty = tl.float32
+    return (dl.parity_ptr(ctx, INBOX_OFF, PARITY_BYTES, partial_ty),
+            dl.heap_ptr(ctx, FLAGS_OFF, tl.int32))
 
 
 @triton.jit

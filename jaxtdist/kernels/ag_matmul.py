@@ -34,29 +34,17 @@ import jaxtdist.language as dl
 from jaxtdist.kernels._gather import pull_shards, push_shards
 from jaxtdist.kernels._gemm import (out_desc, pointer_tile_acc, store_tile, tile_acc,
                                    weight_desc)
-from jaxtdist.kernels._inbox import wait_pushes_sent
+from jaxtdist.kernels._inbox import wait_pushes_sent, wait_rows
 from jaxtdist.kernels._splitk import finish_split_k, finish_stream_k, k_range
 from jaxtdist.kernels._tiles import block_range, grouped_tile, peer_arrival_tile, rank_major_tile
 
 
 @triton.jit
-def _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M: tl.constexpr,
-                    CHUNK_ROWS: tl.constexpr, SCOPE: tl.constexpr):
-    """Waits until the chunks holding row tile ``tm`` of rank ``src``'s shard are gathered
-    (one chunk or several: chunks may be coarser or finer than tiles). SCOPE: "gpu"
-    for flags this GPU raises, "sys" for flags a peer GPU's programs raise."""
-    first = tm * BLOCK_M // CHUNK_ROWS
-    last = ((tm + 1) * BLOCK_M + CHUNK_ROWS - 1) // CHUNK_ROWS
-    for chunk in range(first, tl.minimum(last, n_chunks)):
-        dl.wait(ctx, flags + src * n_chunks + chunk, e, "ge", src, SCOPE)
-
-
-@triton.jit
-def _wait_tile_rows_for_tma(ctx, flags, e, src, tm, n_chunks, BLOCK_M: tl.constexpr,
-                            CHUNK_ROWS: tl.constexpr):
-    """``_wait_tile_rows`` for flags this GPU's copy engines raise (GPU scope), then
-    the proxy fence that orders the tile's TMA loads after the wait."""
-    _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS, "gpu")
+def _wait_tile_rows_for_tma(ctx, flags, e, src, tm, M_SHARD: tl.constexpr,
+                            BLOCK_M: tl.constexpr, CHUNK_ROWS: tl.constexpr):
+    """``_inbox.wait_rows`` of row tile ``tm`` for flags this GPU raises (GPU scope),
+    then the proxy fence that orders the tile's TMA loads after the wait."""
+    wait_rows(ctx, flags, e, src, tm * BLOCK_M, M_SHARD, BLOCK_M, CHUNK_ROWS, "gpu")
     dl.fence_async_proxy()
 
 
@@ -148,11 +136,11 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
                 if src == me:
                     a_base = x_ptr
                 else:
-                    _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS,
-                                    FLAG_SCOPE)
+                    wait_rows(ctx, flags, e, src, tm * BLOCK_M, M_SHARD, BLOCK_M, CHUNK_ROWS,
+                              FLAG_SCOPE)
             else:
-                _wait_tile_rows(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS,
-                                FLAG_SCOPE)
+                wait_rows(ctx, flags, e, src, tm * BLOCK_M, M_SHARD, BLOCK_M, CHUNK_ROWS,
+                          FLAG_SCOPE)
             a_rows = a_base + rows * K
             out_rows = src * M_SHARD + rows
             counter_index = (src * m_tiles + tm) * n_tiles + tn
@@ -204,7 +192,6 @@ def ag_matmul_tma_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
         e = dl.epoch(ctx)
         m_tiles = M_SHARD // BLOCK_M
         n_tiles = (N + BLOCK_N - 1) // BLOCK_N
-        n_chunks = (M_SHARD + CHUNK_ROWS - 1) // CHUNK_ROWS
         total = world * m_tiles * n_tiles
         flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
         schedule = dl.heap_ptr(ctx, SCHEDULE_OFF, tl.int32)
@@ -215,7 +202,7 @@ def ag_matmul_tma_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
         tile = tl.atomic_add(schedule, 1, sem="relaxed", scope="gpu")
         while tile < total:
             src, tm, tn = rank_major_tile(tile, me, world, m_tiles, n_tiles, GROUP_M)
-            _wait_tile_rows_for_tma(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS)
+            _wait_tile_rows_for_tma(ctx, flags, e, src, tm, M_SHARD, BLOCK_M, CHUNK_ROWS)
             row0 = src * M_SHARD + tm * BLOCK_M
             col0 = tn * BLOCK_N
             acc = tile_acc(a_desc, b_desc, row0, col0, 0, K, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -232,7 +219,7 @@ def ag_matmul_tma_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
 
 @triton.jit
 def _tail_pieces(ctx, inbox_desc, w_ptr, out_ptr, flags, e, me, world, whole, per_rank,
-                 m_tiles, n_tiles, n_chunks, M_SHARD: tl.constexpr, N: tl.constexpr,
+                 m_tiles, n_tiles, M_SHARD: tl.constexpr, N: tl.constexpr,
                  K: tl.constexpr, CHUNK_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                  TAIL_TILES: tl.constexpr, PIECES: tl.constexpr, STAGES: tl.constexpr,
@@ -253,7 +240,7 @@ def _tail_pieces(ctx, inbox_desc, w_ptr, out_ptr, flags, e, me, world, whole, pe
             b_desc = weight_desc(w_ptr, K, N, BLOCK_K, PIECE_N, B_T)
             c_desc = tl.make_tensor_descriptor(out_ptr, shape=[world * M_SHARD, N],
                                                strides=[N, 1], block_shape=[BLOCK_M, PIECE_N])
-            _wait_tile_rows_for_tma(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS)
+            _wait_tile_rows_for_tma(ctx, flags, e, src, tm, M_SHARD, BLOCK_M, CHUNK_ROWS)
             row0 = src * M_SHARD + tm * BLOCK_M
             acc = tile_acc(inbox_desc, b_desc, row0, col0, 0, K, BLOCK_M, PIECE_N, BLOCK_K,
                             DOT_PRECISION, STAGES, B_T=B_T)
@@ -335,13 +322,13 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
         if FLATTEN:
             row0 += _tile_rows_for_tma(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS)
         else:
-            _wait_tile_rows_for_tma(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS)
+            _wait_tile_rows_for_tma(ctx, flags, e, src, tm, M_SHARD, BLOCK_M, CHUNK_ROWS)
         acc = tile_acc(inbox_desc, b_desc, row0, tn * BLOCK_N, 0, K, BLOCK_M, BLOCK_N, BLOCK_K,
                        DOT_PRECISION, B_T=B_T)
         store_tile(c_desc, acc, 0, row0, tn * BLOCK_N, BLOCK_M, BLOCK_N, SUBTILE)
     if TAIL_TILES > 0 and TAIL_SPLIT_N > 1:
         _tail_pieces(ctx, inbox_desc, w_ptr, out_ptr, flags, e, me, world, whole, per_rank,
-                     m_tiles, n_tiles, n_chunks, M_SHARD, N, K, CHUNK_ROWS, BLOCK_M,
+                     m_tiles, n_tiles, M_SHARD, N, K, CHUNK_ROWS, BLOCK_M,
                      BLOCK_N, BLOCK_K, GROUP_M, TAIL_TILES, TAIL_SPLIT_N, TAIL_STAGES,
                      DOT_PRECISION, B_T)
     if TAIL_TILES > 0 and TAIL_SPLIT_N == 1:
@@ -355,7 +342,7 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
             run_end = tl.minimum(unit_end, (tail + 1) * k_blocks)
             src, tm, tn = peer_arrival_tile(whole + tail, me, world, per_rank, m_tiles, n_tiles,
                                      GROUP_M)
-            _wait_tile_rows_for_tma(ctx, flags, e, src, tm, n_chunks, BLOCK_M, CHUNK_ROWS)
+            _wait_tile_rows_for_tma(ctx, flags, e, src, tm, M_SHARD, BLOCK_M, CHUNK_ROWS)
             row0 = src * M_SHARD + tm * BLOCK_M
             acc = tile_acc(inbox_desc, b_desc, row0, tn * BLOCK_N,
                             (unit - tail * k_blocks) * BLOCK_K,

@@ -64,6 +64,7 @@ import triton.language as tl
 
 import jaxtdist.language as dl
 from jaxtdist.kernels._gemm import pointer_tile_acc, tile_acc, weight_desc
+from jaxtdist.kernels._partials import partials_inbox, slot_of
 from jaxtdist.kernels._splitk import k_range, split_k_total
 from jaxtdist.kernels._tiles import aligned_after, block_offsets, block_range, grouped_tile
 
@@ -128,10 +129,9 @@ def matmul_ar_kernel(ctx, x_ptr, w_ptr, out_ptr,
             # bits as the exchange's float32 sum of it).
             tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
         else:
-            pdtype = x_ptr.dtype.element_ty if PARTIAL_INPUT else tl.float32
-            inbox = dl.parity_ptr(ctx, INBOX_OFF, PARITY_BYTES, pdtype)
-            flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
-            own = dl.heap_ptr(ctx, OWN_OFF, pdtype)
+            inbox, flags = partials_inbox(ctx, x_ptr, INBOX_OFF, PARITY_BYTES, FLAGS_OFF,
+                                          PARTIAL_INPUT)
+            own = dl.heap_ptr(ctx, OWN_OFF, inbox.dtype.element_ty)
             if TWO_SHOT:
                 results = dl.parity_ptr(ctx, RESULTS_OFF, PARITY_BYTES,
                                         out_ptr.dtype.element_ty)
@@ -203,8 +203,7 @@ def _sum_store_rows(ctx, mine, out_ptr, offs, mask, tile, tiles, slot_elems, inb
         if src == me:
             total += mine
         else:
-            # Rank src pushes to this rank into slot (src - me + world - 1) % world.
-            slot = (src - me + world - 1) % world
+            slot = slot_of(src, me, world)
             token = dl.wait(ctx, flags + slot * tiles + tile, e, "ge", src)
             # After the wait, alignment kept (16-byte loads; a token on the block of
             # pointers made them 2-byte loads).
@@ -256,7 +255,7 @@ def _two_shot_tile(ctx, acc, out_ptr, offs, mask, tile, tiles, slot_elems, inbox
     e = dl.epoch(ctx)
     owner = tile % world
     if owner != me:
-        slot = (me - owner + world - 1) % world
+        slot = slot_of(me, owner, world)
         tl.store(dl.symm_at(ctx, inbox + slot * slot_elems + offs, owner),
                  acc.to(inbox.dtype.element_ty), mask=mask)
         dl.notify(ctx, flags + slot * tiles + tile, owner, e)  # release: the partial

@@ -19,7 +19,8 @@ then me+2, ..., and this rank's own rows last.
   ranks, once per tile, then adds their partials in float32 (every piece's
   W - 1 loads in flight together) and stores the output tile.
 - Both epilogues run a column piece (SUBTILE of them) at a time, so that a
-  peer's partial and the offsets fit in registers beside the accumulator.
+  peer's partial and the offsets fit in registers beside the accumulator
+  (``_partials.exchange_tile``, shared with moe_tp's reduce-scatter).
 
 Why one kernel and not a GEMM kernel then a reduction kernel: the own tiles
 are the reduction. Since they come last in every program's list, the
@@ -31,7 +32,7 @@ to memory and read it back, and could not start before the last GEMM tile.
 The price is the tail: the partial from rank me+1 (its last peer step) can
 arrive just before this rank's own tiles need it.
 
-Inbox layout (``ops/matmul_rs.RsWorkspace``): per call parity (``e % 2``),
+Inbox layout (``ops/matmul_rs.RsWorkspace``, ``_partials``): per call parity (``e % 2``),
 W - 1 slots of [M_SHARD, N] partials, slot ``(src - dst + W - 1) % W`` of
 owner ``dst`` holding the partial of source ``src``; then one int32 flag
 per (slot, output tile).
@@ -62,7 +63,7 @@ import triton.language as tl
 
 import jaxtdist.language as dl
 from jaxtdist.kernels._gemm import out_desc, pointer_tile_acc, store_tile, tile_acc, weight_desc
-from jaxtdist.kernels._partials import exchange_tile, raise_flag, slot_of
+from jaxtdist.kernels._partials import exchange_tile, partials_inbox, raise_flag, slot_of
 from jaxtdist.kernels._tiles import block_range, grouped_tile, rank_major_tile
 from jaxtdist.kernels._trace import stamp
 
@@ -130,12 +131,7 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr, trace_ptr,
     m_tiles = tl.cdiv(M_SHARD, BLOCK_M)
     n_tiles = tl.cdiv(N, BLOCK_N)
     per_rank = m_tiles * n_tiles
-    if PARTIAL_INPUT:
-        partial_ty = x_ptr.dtype.element_ty
-    else:
-        partial_ty = tl.float32
-    inbox = dl.parity_ptr(ctx, INBOX_OFF, PARITY_BYTES, partial_ty)
-    flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
+    inbox, flags = partials_inbox(ctx, x_ptr, INBOX_OFF, PARITY_BYTES, FLAGS_OFF, PARTIAL_INPUT)
     slot_elems = M_SHARD * N
     if TMA:
         x_desc = tl.make_tensor_descriptor(x_ptr, shape=[WORLD * M_SHARD, K], strides=[K, 1],

@@ -26,7 +26,8 @@ the group's: a tile at a group's end also computed the next group's first
 rows) stored into the owner's heap inbox in this source's slot, then its
 flag raised. This rank's chunk's tiles last: each waits for the flags of
 the same tile from the W - 1 peers and adds their partials to its own
-(float32) in the epilogue: the reduce-scatter costs no pass of its own.
+(float32) in the epilogue: the reduce-scatter costs no pass of its own
+(``_partials.exchange_tile``, matmul_rs's exchange).
 Reuse and deadlock as in ``matmul_rs`` (two parities; every rank pushes to
 every other in every call: a chunk holds R_SHARD >= 1 rows; own tiles wait
 only on peers' pushes, which every program makes before any own tile).
@@ -38,8 +39,8 @@ import triton.language as tl
 import jaxtdist.language as dl
 from jaxtdist.kernels._gemm import (pointer_tile_acc, ranked_out_desc, store_tile, tile_acc,
                                    weight_desc)
-from jaxtdist.kernels._inbox import wait_pushes_sent
-from jaxtdist.kernels._partials import exchange_tile
+from jaxtdist.kernels._inbox import wait_pushes_sent, wait_rows
+from jaxtdist.kernels._partials import exchange_tile, partials_inbox
 from jaxtdist.kernels.grouped_gemm import group_table, group_tile, store_rows
 
 
@@ -48,18 +49,6 @@ def _first_of(pid, base, NUM_PROGRAMS: tl.constexpr):
     """This program's first tile of a chunk whose tiles come after ``base`` tiles of
     the round-robin (program p takes the tiles numbered p mod NUM_PROGRAMS)."""
     return (pid + NUM_PROGRAMS - base % NUM_PROGRAMS) % NUM_PROGRAMS
-
-
-@triton.jit
-def _wait_rows(ctx, flags, e, src, row0, R_SHARD: tl.constexpr, BLOCK_M: tl.constexpr,
-               CHUNK_ROWS: tl.constexpr, SCOPE: tl.constexpr, TMA: tl.constexpr):
-    """Waits for the pushed chunks of ``src`` that hold rows [row0, row0 + BLOCK_M)."""
-    n_chunks: tl.constexpr = (R_SHARD + CHUNK_ROWS - 1) // CHUNK_ROWS
-    last = (tl.minimum(row0 + BLOCK_M, R_SHARD) + CHUNK_ROWS - 1) // CHUNK_ROWS
-    for chunk in range(row0 // CHUNK_ROWS, last):
-        dl.wait(ctx, flags + src * n_chunks + chunk, e, "ge", src, SCOPE)
-    if TMA:
-        dl.fence_async_proxy()  # the tile's TMA loads after the wait
 
 
 @triton.jit
@@ -112,7 +101,9 @@ def ag_grouped_gemm_kernel(ctx, x_ptr, w_ptr, wup_ptr, sizes_ptr, out_ptr,
             col0 = tl.where(up, tn - n_cols, tn) * BLOCK_N
             w_group = tl.where(up, wup_ptr, w_ptr) + g.to(tl.int64) * (H * F)
             if not own:
-                _wait_rows(ctx, flags, e, src, row0, R_SHARD, BLOCK_M, CHUNK_ROWS, SCOPE, TMA)
+                wait_rows(ctx, flags, e, src, row0, R_SHARD, BLOCK_M, CHUNK_ROWS, SCOPE)
+                if TMA:
+                    dl.fence_async_proxy()  # the tile's TMA loads after the wait
             rows = row0.to(tl.int64) + tl.arange(0, BLOCK_M)
             cols = col0 + tl.arange(0, BLOCK_N)
             if TMA:
@@ -161,12 +152,7 @@ def grouped_gemm_rs_kernel(ctx, a_ptr, w_ptr, sizes_ptr, out_ptr,
     pid = tl.program_id(0)
     me = dl.rank(ctx)
     e = dl.epoch(ctx)
-    if PARTIAL_INPUT:
-        partial_ty = a_ptr.dtype.element_ty
-    else:
-        partial_ty = tl.float32
-    inbox = dl.parity_ptr(ctx, INBOX_OFF, PARITY_BYTES, partial_ty)
-    flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
+    inbox, flags = partials_inbox(ctx, a_ptr, INBOX_OFF, PARITY_BYTES, FLAGS_OFF, PARTIAL_INPUT)
     slot_elems = R_SHARD * N
     n_tiles: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
     if TMA:
