@@ -209,7 +209,7 @@ def test_tune_refuses_cpu_timing():
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_gpu_candidates_are_valid_configs(world):
     """Every candidate the GPU tuner would time passes the config checks."""
-    from jaxtdist.bench.shapes import AG_MATMUL_SHAPES
+    from jaxtdist.tune.shapes import AG_MATMUL_SHAPES
 
     for m_shard, n, k in list(AG_MATMUL_SHAPES) + [(64, 1024, 1024), (3, 100, 200)]:
         for dtype in (BF16, F32):
