@@ -90,8 +90,10 @@ def build(decl: OpCase, axis_name, shape, dtype) -> TuningCase:
                 for a in decl.inputs(np.random.default_rng(0), world, shape)]
     args = tuple(jax.device_put(a, NamedSharding(rt.mesh, spec))
                  for a, spec in zip(operands, in_specs))
-    # Sharded on the devices: a host reference takes minutes at LLM sizes.
-    reference = jax.jit(lambda *a: decl.reference(world, *map(_float32, a)))(*args)
+    # On the devices, laid out as the candidates' results (a host reference takes
+    # minutes at LLM sizes).
+    reference = jax.jit(lambda *a: decl.reference(world, *map(_float32, a)),
+                        out_shardings=NamedSharding(rt.mesh, out_spec))(*args)
     problem = Problem(rt.platform, world, shape, dtype, rt.sms)
     configure = decl.configure or functools.partial(resolve, decl.config_type)
 
