@@ -190,16 +190,19 @@ def test_plot_writes_a_png(tmp_path):
 
 
 def test_shape_lists_are_written_once():
-    for rows in (shapes.AG_MATMUL_SHAPES, shapes.AG_MATMUL_UNTUNED_SHAPES,
+    from jaxtdist.tune import shapes as tuned
+
+    for rows in (tuned.AG_MATMUL_SHAPES, shapes.AG_MATMUL_UNTUNED_SHAPES,
                  shapes.ALL_GATHER_BYTES):
         assert len(rows) == len(set(rows)), "a row listed twice is timed twice"
     assert all(d in ("bfloat16", "float16") for *_, d in shapes.AG_MATMUL_UNTUNED_SHAPES)
-    # The tuner's CLI imports the shapes: they import nothing (jaxtdist and JAX included).
-    tree = ast.parse((ROOT / "jaxtdist/bench/shapes.py").read_text())
-    assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    # The shape lists are plain data: they import nothing (jaxtdist and JAX included).
+    for path in ("jaxtdist/bench/shapes.py", "jaxtdist/tune/shapes.py"):
+        tree = ast.parse((ROOT / path).read_text())
+        assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
     init = ast.parse((ROOT / "jaxtdist/bench/__init__.py").read_text())
     imported = {n.module for n in ast.walk(init) if isinstance(n, ast.ImportFrom)}
-    assert imported == {"jaxtdist.bench.shapes"}
+    assert imported == {"jaxtdist.bench.shapes", "jaxtdist.tune.shapes"}
 
 
 def test_matmul_rs_benchmark_finds_its_ops():

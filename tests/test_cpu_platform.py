@@ -20,55 +20,9 @@ pytestmark = cpu_only()
 PACKAGE = pathlib.Path(td.__file__).parent
 
 
-def _module_name(path: pathlib.Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _imports() -> dict[str, set[str]]:
-    """Module -> jaxtdist modules it imports at module level (function bodies excluded)."""
-    graph = {}
-    for path in PACKAGE.rglob("*.py"):
-        name = _module_name(path)
-        deps = set()
-        for node in ast.parse(path.read_text()).body:
-            if isinstance(node, ast.Import):
-                deps |= {a.name for a in node.names if a.name.startswith("jaxtdist")}
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                if node.module.startswith("jaxtdist"):
-                    deps.add(node.module)
-                    deps |= {f"{node.module}.{a.name}" for a in node.names}
-            elif isinstance(node, (ast.If, ast.Try)):  # guarded top-level imports
-                for sub in ast.walk(node):
-                    if isinstance(sub, ast.ImportFrom) and sub.module and sub.module.startswith(
-                            "jaxtdist"):
-                        deps.add(sub.module)
-        graph[name] = deps
-    return {k: {d for d in v if d in graph} for k, v in graph.items()}
-
-
-def _package(module: str) -> str:
-    parts = module.split(".")
-    return parts[1] if len(parts) > 1 else ""
-
-
-# The no-circle check (lazy and by-name imports included, package __init__s as
-# nodes) is tests/test_import_graph.py.
-
-
-@pytest.mark.parametrize("package,forbidden", [
-    ("runtime", {"ops", "tune", "kernels", "bench"}),  # runtime knows no op and no tuner
-    ("tune", {"ops", "kernels", "bench"}),             # the tuner finds ops through its registry
-    ("kernels", {"ops", "runtime", "tune", "bench"}),
-    ("language", {"ops", "runtime", "tune", "bench", "kernels"}),
-    ("ops", {"bench"}),
-])
-def test_layering(package, forbidden):
-    for module, deps in _imports().items():
-        if _package(module) != package:
-            continue
-        bad = sorted(d for d in deps if _package(d) in forbidden)
-        assert not bad, f"{module} imports {bad}"
+# The layer order (language -> kernels -> runtime -> ops -> tune, nn -> bench) and
+# the no-circle check, lazy and by-name imports included, are
+# tests/test_import_graph.py.
 
 
 def test_kernels_import_no_jax():

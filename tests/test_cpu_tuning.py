@@ -200,6 +200,24 @@ def test_autotune_on_first_trace(monkeypatch):
     assert cfg is not None and cfg["BLOCK_N"] == 32
 
 
+def test_import_jaxtdist_installs_the_autotune_hook(monkeypatch):
+    """The ops ask the slot in ops/_tuning.py, which ``import jaxtdist`` fills with the
+    tuner's hook; it answers only under JAXTDIST_AUTOTUNE=1."""
+    from jaxtdist.ops import _tuning
+
+    assert _tuning._autotune is _tuner.autotune_on_miss
+    asked = []
+    monkeypatch.setattr(_tuning, "_autotune", lambda *a: asked.append(a) or {"BLOCK_N": 32})
+    problem = _problem("gpu", 2, 3, 16, 40, F32)
+    monkeypatch.delenv("JAXTDIST_AUTOTUNE", raising=False)
+    assert _tuning.autotuned("ag_matmul", problem, "tp") is None and not asked
+    monkeypatch.setenv("JAXTDIST_AUTOTUNE", "1")
+    assert _tuning.autotuned("ag_matmul", problem, "tp") == {"BLOCK_N": 32}
+    assert asked == [("ag_matmul", problem, "tp")]
+    with pytest.raises(ValueError, match="must be callable"):
+        _tuning.install(None)
+
+
 def test_tune_refuses_cpu_timing():
     setup(2)
     with pytest.raises(ValueError, match="timing needs GPUs"):
@@ -209,7 +227,7 @@ def test_tune_refuses_cpu_timing():
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_gpu_candidates_are_valid_configs(world):
     """Every candidate the GPU tuner would time passes the config checks."""
-    from jaxtdist.bench.shapes import AG_MATMUL_SHAPES
+    from jaxtdist.tune.shapes import AG_MATMUL_SHAPES
 
     for m_shard, n, k in list(AG_MATMUL_SHAPES) + [(64, 1024, 1024), (3, 100, 200)]:
         for dtype in (BF16, F32):

@@ -1,4 +1,5 @@
-"""The import graph of ``jaxtdist`` has no cycle (issue 32).
+"""The import graph of ``jaxtdist`` has no cycle (issue 32) and keeps the layer
+order (issue 81): language -> kernels -> runtime -> ops -> tune, nn -> bench.
 
 Every module under ``jaxtdist/`` is parsed with :mod:`ast` (nothing is
 imported), every import of another ``jaxtdist`` module becomes an edge, and
@@ -6,6 +7,8 @@ the strongly connected components of the graph (Tarjan) must all be single
 modules. A cycle makes the import order decide whether a name exists yet and
 ties layers together (a registry that imports its implementations, which
 import the registry), so it is refused even when Python happens to cope.
+On top, every import goes down the layers of ``LAYERS``: a lower layer
+never imports a higher one (the ops never import the tuner, it imports them).
 
 The graph:
 
@@ -246,6 +249,67 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """The components of more than one module, or of one that imports itself."""
     return [c for c in strongly_connected(graph)
             if len(c) > 1 or c[0] in graph[c[0]]]
+
+
+# The package's layers, lowest first (issue 81). A module imports modules of its
+# own group and of groups in lower layers only; groups sharing a layer import
+# none of each other. A group is a top-level module or subpackage of jaxtdist;
+# ``jaxtdist`` itself is the facade that ``import jaxtdist`` runs.
+LAYERS: tuple[frozenset[str], ...] = (
+    # Leaves anyone may use: they import nothing of jaxtdist.
+    frozenset({"jaxtdist._version", "jaxtdist._errors", "jaxtdist._timing",
+               "jaxtdist._jaxtdist_ffi", "jaxtdist.launch"}),
+    frozenset({"jaxtdist.language"}),       # device-side primitives
+    frozenset({"jaxtdist.kernels"}),        # pure Triton kernels
+    frozenset({"jaxtdist.interpret"}),      # the CPU backend: kernels under the interpreter
+    frozenset({"jaxtdist.runtime"}),
+    frozenset({"jaxtdist.ops"}),
+    frozenset({"jaxtdist.tune", "jaxtdist.nn"}),  # both on the ops, neither on the other
+    frozenset({"jaxtdist"}),                # the facade: re-exports ops, runtime, tune
+    frozenset({"jaxtdist.bench"}),
+)
+
+
+def group_of(module: str) -> str:
+    """A module's layer group: ``jaxtdist.<first part>``, or ``jaxtdist`` itself."""
+    return ".".join(module.split(".")[:2])
+
+
+def layer_violations(graph: dict[str, set[str]],
+                     layers: tuple[frozenset[str], ...] = LAYERS) -> list[str]:
+    """Each import that does not go down the layers, and each group without a layer."""
+    rank = {group: i for i, layer in enumerate(layers) for group in layer}
+    found = [f"{group} has no layer in LAYERS"
+             for group in sorted({group_of(m) for m in graph} - set(rank))]
+    for module, targets in sorted(graph.items()):
+        here = group_of(module)
+        for target in sorted(targets):
+            there = group_of(target)
+            if here != there and rank.get(there, -1) >= rank.get(here, -1) >= 0:
+                found.append(f"{module} imports {target} (layer {rank[there]} >= "
+                             f"{rank[here]})")
+    return found
+
+
+def test_layer_order():
+    found = layer_violations(import_graph())
+    assert not found, ("imports against the layer order of LAYERS (lowest first):\n  "
+                       + "\n  ".join(found))
+
+
+def test_layer_finder_on_a_small_package(tmp_path):
+    """Upward and sideways imports, lazy ones included, and unplaced groups are named."""
+    root = _write(tmp_path, {
+        "jaxtdist/__init__.py": "",
+        "jaxtdist/ops/a.py": "def f():\n    from jaxtdist.tune import b\n",
+        "jaxtdist/tune/b.py": "from jaxtdist.ops import a\nfrom jaxtdist.nn import c\n",
+        "jaxtdist/nn/c.py": "from jaxtdist.ops import a\n",
+        "jaxtdist/extra.py": "",
+    })
+    assert layer_violations(import_graph(root)) == [
+        "jaxtdist.extra has no layer in LAYERS",
+        "jaxtdist.ops.a imports jaxtdist.tune.b (layer 6 >= 5)",
+        "jaxtdist.tune.b imports jaxtdist.nn.c (layer 6 >= 6)"]
 
 
 def test_no_import_cycle():

@@ -10,11 +10,12 @@ Usage::
 
 ``harness`` holds the shared machinery (timing, interleaved rounds, checks,
 tables, JSON, plot); one module per op declares its shapes, contenders and
-reference (``ag_matmul``, ``all_gather``); ``shapes`` holds the problem sizes,
-shared with the tuner. Importing this package imports neither JAX nor the
+reference (``ag_matmul``, ``all_gather``); ``shapes`` holds the problem sizes (the
+tuned ag_matmul shapes are the tuner's, ``jaxtdist.tune.shapes``). Importing this package imports neither JAX nor the
 op modules.
 """
 
-from jaxtdist.bench.shapes import AG_MATMUL_SHAPES, AG_MATMUL_UNTUNED_SHAPES, ALL_GATHER_BYTES
+from jaxtdist.bench.shapes import AG_MATMUL_UNTUNED_SHAPES, ALL_GATHER_BYTES
+from jaxtdist.tune.shapes import AG_MATMUL_SHAPES
 
 __all__ = ["AG_MATMUL_SHAPES", "AG_MATMUL_UNTUNED_SHAPES", "ALL_GATHER_BYTES"]

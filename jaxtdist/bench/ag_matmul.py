@@ -1,7 +1,8 @@
 """ag_matmul's benchmarks: world N against XLA and Pallas, world 1 against jnp.dot.
 
 ``ag_matmul`` (``python -m jaxtdist.bench ag_matmul``), per (m_shard, n_shard, k)
-of ``shapes.AG_MATMUL_SHAPES``, bf16, on ``--world`` devices (default: all):
+of the tuner's ``jaxtdist.tune.shapes.AG_MATMUL_SHAPES``, bf16, on ``--world``
+devices (default: all):
 
 - (a) ``local_gemm``: one device's GEMM of the gathered rows, ``x @ w_shard``,
   while the others idle: the lower bound of an overlapped all-gather GEMM;
@@ -37,7 +38,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtdist.bench import harness as h
-from jaxtdist.bench.shapes import AG_MATMUL_SHAPES, AG_MATMUL_UNTUNED_SHAPES
+from jaxtdist.bench.shapes import AG_MATMUL_UNTUNED_SHAPES
+from jaxtdist.tune.shapes import AG_MATMUL_SHAPES
 
 # bf16 products of unit-variance inputs: jaxtdist and XLA land near 2e-3; a
 # Pallas config above this computes a wrong product and is no contender.

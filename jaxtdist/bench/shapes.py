@@ -1,19 +1,9 @@
-"""The benchmark and tuning problem sizes, written once.
+"""The benchmarks' problem sizes, written once.
 
 Plain data, importing nothing from jaxtdist (nor JAX): the benchmarks
-(``python -m jaxtdist.bench``) and the tuner's CLI (``python -m jaxtdist.tune``)
-both take their shapes from here.
+(``python -m jaxtdist.bench``) take their shapes from here; the ag_matmul shapes
+the tuner tunes are its own (``jaxtdist/tune/shapes.py``).
 """
-
-# ag_matmul at world W, (m_shard, n_shard, k): x is [W * m_shard, k] with rows
-# sharded over the W ranks, w is [k, W * n_shard] with columns sharded. The
-# large rows are Llama-style projections at tp=4 (N = 11008, 14336, 28672 split
-# four ways); the last three are decode sizes.
-AG_MATMUL_SHAPES = [
-    (1024, 4096, 4096), (2048, 3072, 4096), (2048, 7168, 8192),
-    (2048, 11008 // 4, 4096), (2048, 14336 // 4, 4096),
-    (1, 4096, 8192), (16, 4096, 8192), (128, 4096, 8192),
-]
 
 # ag_matmul at world 1 against jnp.dot of the same operands, with the default
 # configs (no tuning cache): (m, n, k, dtype). m is the rows of one rank, which

@@ -18,14 +18,13 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping
 from typing import Any, ClassVar, TypeVar
 
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtdist.tune._registry import tunable_ops
+from jaxtdist.ops._tuning import autotuned
 
 C = TypeVar("C", bound="KernelConfig")
 
@@ -159,8 +158,8 @@ def resolve(config_type: type[C], problem: Problem, rt, config: Mapping[str, Any
     the tuning cache's entry for the problem (only when ``config`` is None), then by
     ``config``; validated against the problem.
 
-    On a cache miss with ``JAXTDIST_AUTOTUNE=1``, tunes the problem first
-    and caches the choice.
+    On a cache miss with ``JAXTDIST_AUTOTUNE=1``, the installed tuner
+    (``ops/_tuning.py``) tunes the problem first and caches the choice.
     """
     cfg = base if base is not None else config_type.default(problem)
     asked = dict(config or {})
@@ -168,11 +167,8 @@ def resolve(config_type: type[C], problem: Problem, rt, config: Mapping[str, Any
     if config is None:
         tuned = rt.tuning.lookup(config_type.OP, problem.world, problem.shape, problem.dtype)
         from_cache = tuned is not None
-        if (not from_cache and os.environ.get("JAXTDIST_AUTOTUNE") == "1"
-                and config_type.OP in tunable_ops() and _can_time(problem.platform)):
-            from jaxtdist.tune import tune
-            tuned = tune(config_type.OP, problem.shape, problem.dtype,
-                         axis_name=axis_name)["config"]
+        if not from_cache:
+            tuned = autotuned(config_type.OP, problem, axis_name)
         asked = dict(tuned or {})
     # NumPy integers (a config built from an array's entries) pass the checks as
     # ints but are no Triton constexpr: the kernels get Python ints.
@@ -191,17 +187,6 @@ def resolve(config_type: type[C], problem: Problem, rt, config: Mapping[str, Any
                          "jaxtdist version or by hand: delete it, or point "
                          "JAXTDIST_TUNING_CACHE elsewhere]") from None
     return cfg
-
-
-def _can_time(platform: str) -> bool:
-    """Whether the tuner can time kernels here (CUPTI on GPUs): elsewhere
-    ``JAXTDIST_AUTOTUNE=1`` has nothing to time, and calls take their defaults."""
-    from jaxtdist.tune import _tuner
-    try:
-        _tuner.default_measure(platform)
-    except ValueError:
-        return False
-    return True
 
 
 # Triton's largest block (elements) and the largest value a constexpr count may take.

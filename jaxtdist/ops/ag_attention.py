@@ -30,7 +30,6 @@ from jaxtdist.ops._precision import dot_precision
 from jaxtdist.ops._protocol import Call, check_axis
 from jaxtdist.ops._shapes import InboxWorkspace, align, check_dtype, next_pow2, static_bool
 from jaxtdist.runtime._runtime import runtime
-from jaxtdist.tune import _registry
 
 __all__ = ["AgAttentionConfig", "ag_attention", "ag_attention_kernels", "ag_attention_sharded",
            "attention"]
@@ -604,40 +603,3 @@ ag_attention_sharded.__doc__ = """``ag_attention`` for pjit-style code: no hand-
       mesh: the mesh; defaults to the one given to ``jaxtdist.initialize``.
       causal, config: as for ``ag_attention``.
     """
-
-
-# -- tuning ----------------------------------------------------------------------------
-
-def _tuning_case(axis_name, shape, dtype) -> _registry.TuningCase:
-    """Causal ag_attention of ``shape`` = (B, S_shard, Hq, Hkv, D) per rank, for the tuner."""
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    rt = runtime()
-    layout = rt.layout(axis_name)
-    world = layout.world
-    axes = layout.axes if len(layout.axes) > 1 else layout.axes[0]
-    b, s, hq, hkv, d = shape
-    rng = np.random.default_rng(0)
-    q, k, v = (jnp.asarray(rng.standard_normal((b, world * s, h, d), np.float32), dtype)
-               for h in (hq, hkv, hkv))
-    spec = P(None, axes)
-    args = tuple(jax.device_put(a, NamedSharding(rt.mesh, spec)) for a in (q, k, v))
-    reference = attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))
-    problem = Problem(rt.platform, world, tuple(shape), jnp.dtype(dtype).name, rt.sms)
-
-    def compile_candidate(overrides):
-        cfg = resolve(AgAttentionConfig, problem, rt, overrides)  # explicit: skips the cache
-        config = cfg.to_dict()
-        fn = jax.jit(jax.shard_map(
-            lambda *a: ag_attention_kernels(*a, axis_name, causal=True, config=config),
-            mesh=rt.mesh, in_specs=(spec,) * 3, out_specs=spec))
-        return fn, cfg
-
-    return _registry.TuningCase(
-        world=world, shape=tuple(shape), dtype=jnp.dtype(dtype).name,
-        candidates=AgAttentionConfig.search_space(problem), args=args, reference=reference,
-        tolerance=1e-5 if jnp.dtype(dtype).itemsize == 4 else 2e-2, compile=compile_candidate)
-
-
-_registry.register(_registry.Tunable("ag_attention", _tuning_case))

@@ -28,7 +28,6 @@ from jaxtdist.ops._op import (DistributedOp, one_call_per_element, pjit_wrapper,
 from jaxtdist.ops._protocol import Call, varying_axes
 from jaxtdist.ops._shapes import (GatherWorkspace, InboxWorkspace, SplitKWorkspace,
                                   StreamKWorkspace, check_dtype)
-from jaxtdist.tune import _registry
 
 __all__ = ["ag_matmul", "ag_matmul_sharded", "ag_matmul_with_gathered"]
 
@@ -405,51 +404,3 @@ ag_matmul_sharded.__doc__ = """``ag_matmul`` for pjit-style code: no hand-writte
       ...                                   batch_axes=("dp",)))
       >>> y = layer(x, w)  # x: P(("dp", "tp"), None), w: P(None, "tp")
     """
-
-
-# -- tuning ----------------------------------------------------------------------------
-
-def _tuning_case(axis_name, shape, dtype) -> _registry.TuningCase:
-    """ag_matmul on the runtime's mesh, rows sharded over ``axis_name``, for the tuner."""
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from jaxtdist.runtime._runtime import runtime
-
-    rt = runtime()
-    layout = rt.layout(axis_name)
-    world = layout.world
-    axes = layout.axes if len(layout.axes) > 1 else layout.axes[0]
-    m_shard, n, k = shape
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((world * m_shard, k), np.float32) / np.sqrt(k), dtype)
-    w = jnp.asarray(rng.standard_normal((k, world * n), np.float32), dtype)
-    args = (jax.device_put(x, NamedSharding(rt.mesh, P(axes, None))),
-            jax.device_put(w, NamedSharding(rt.mesh, P(None, axes))))
-    specs = dict(mesh=rt.mesh, in_specs=(P(axes, None), P(None, axes)), out_specs=P(None, axes),
-                 check_vma=False)
-    # The float32 reference runs on the devices too (host numpy takes minutes at LLM sizes).
-    reference = jax.jit(jax.shard_map(
-        lambda xb, wb: jnp.dot(jax.lax.all_gather(xb.astype(jnp.float32), axis_name, tiled=True),
-                               wb.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST),
-        **specs))(*args)
-    problem = Problem(rt.platform, world, tuple(shape), jnp.dtype(dtype).name,
-                      rt.sms)
-
-    def compile_candidate(overrides):
-        # An explicit config skips the cache: defaults + this candidate.
-        base = AgMatmulConfig.for_overrides(problem, overrides)
-        cfg = resolve(AgMatmulConfig, problem, rt, overrides, base=base)
-        config = cfg.to_dict()
-        fn = jax.jit(jax.shard_map(
-            lambda xb, wb: ag_matmul_with_gathered(xb, wb, axis_name, config=config,
-                                                   gathered=False)[0], **specs))
-        return fn, cfg
-
-    return _registry.TuningCase(
-        world=world, shape=tuple(shape), dtype=jnp.dtype(dtype).name,
-        candidates=AgMatmulConfig.search_space(problem), args=args, reference=reference,
-        tolerance=1e-5 if jnp.dtype(dtype).itemsize == 4 else 2e-2, compile=compile_candidate)
-
-
-_registry.register(_registry.Tunable("ag_matmul", _tuning_case))

@@ -20,7 +20,6 @@ from jaxtdist.ops._config import KernelConfig, Problem, resolve
 from jaxtdist.ops._op import DistributedOp, scatter_cotangent
 from jaxtdist.ops._protocol import Call
 from jaxtdist.ops._shapes import GatherWorkspace, check_dtype, next_pow2
-from jaxtdist.tune import _registry
 
 __all__ = ["AllGatherConfig", "all_gather"]
 
@@ -172,36 +171,3 @@ def all_gather(x: jax.Array, axis_name, *, axis: int = 0, tiled: bool = True,
     if x.ndim and -ndim <= axis < ndim:
         axis %= ndim
     return _ALL_GATHER(x, axis_name=axis_name, axis=axis, tiled=bool(tiled), config=config)
-
-
-def _tuning_case(axis_name, shape, dtype) -> _registry.TuningCase:
-    """all_gather of [rows, cols] per rank on the runtime's mesh, for the tuner."""
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from jaxtdist.runtime._runtime import runtime
-
-    rt = runtime()
-    layout = rt.layout(axis_name)
-    axes = layout.axes if len(layout.axes) > 1 else layout.axes[0]
-    rows, cols = shape
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((layout.world * rows, cols)),
-                    dtype)
-    args = (jax.device_put(x, NamedSharding(rt.mesh, P(axes, None))),)
-    problem = Problem(rt.platform, layout.world, (rows, cols), jnp.dtype(dtype).name)
-
-    def compile_candidate(overrides):
-        cfg = resolve(AllGatherConfig, problem, rt, overrides)
-        config = cfg.to_dict()
-        fn = jax.jit(jax.shard_map(lambda v: all_gather(v, axis_name, config=config),
-                                   mesh=rt.mesh, in_specs=P(axes, None), out_specs=P(),
-                                   check_vma=False))
-        return fn, cfg
-
-    return _registry.TuningCase(
-        world=layout.world, shape=(rows, cols), dtype=jnp.dtype(dtype).name,
-        candidates=AllGatherConfig.search_space(problem), args=args,
-        reference=x.astype(jnp.float32), tolerance=0.0, compile=compile_candidate)
-
-
-_registry.register(_registry.Tunable("all_gather", _tuning_case))

@@ -27,9 +27,8 @@ from jaxtdist.ops._op import DistributedOp
 from jaxtdist.ops._protocol import Call, varying_axes
 from jaxtdist.ops._shapes import check_dtype
 from jaxtdist.ops.reduce_scatter import (ReduceWorkspace, problem_of, slab_grid,
-                                         sum_tuning_case, validate_slab_config)
+                                         validate_slab_config)
 from jaxtdist.runtime._runtime import runtime
-from jaxtdist.tune import _registry
 
 __all__ = ["AllReduceConfig", "all_reduce"]
 
@@ -279,15 +278,3 @@ def all_reduce(x: jax.Array, axis_name, *, config: dict | None = None) -> jax.Ar
       ...                           in_specs=P("x"), out_specs=P()))
     """
     return _ALL_REDUCE(jnp.asarray(x), axis_name=axis_name, config=config)
-
-
-# -- tuning ----------------------------------------------------------------------------
-
-def _tuning_case(axis_name, shape, dtype) -> _registry.TuningCase:
-    """all_reduce of ``shape`` = (n,) elements per rank, for the tuner (both
-    algorithms are candidates: the tuned entry records the faster)."""
-    return sum_tuning_case(_ALL_REDUCE, AllReduceConfig, axis_name, shape, dtype,
-                           scattered=False, settle=AllReduceConfig.settled)
-
-
-_registry.register(_registry.Tunable("all_reduce", _tuning_case))

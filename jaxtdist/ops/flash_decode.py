@@ -28,7 +28,6 @@ from jaxtdist.ops._precision import dot_precision
 from jaxtdist.ops._protocol import Call, check_axis
 from jaxtdist.ops._shapes import align, check_dtype, next_pow2
 from jaxtdist.runtime._runtime import runtime
-from jaxtdist.tune import _registry
 
 __all__ = ["DecodeWorkspace", "FlashDecodeConfig", "decode_attention", "flash_decode",
            "flash_decode_kernels", "flash_decode_sharded"]
@@ -643,45 +642,3 @@ def flash_decode_sharded(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.A
     if block_table is None:
         return _decode_sharded(q, k, v, kv_len, **common)
     return _paged_decode_sharded(q, k, v, kv_len, block_table, **common)
-
-
-# -- tuning ----------------------------------------------------------------------------
-
-def _tuning_case(axis_name, shape, dtype) -> _registry.TuningCase:
-    """flash_decode of ``shape`` = (B, Hq, Hkv, D, S_shard) per rank, every position
-    valid but the last, for the tuner."""
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    rt = runtime()
-    layout = rt.layout(axis_name)
-    world = layout.world
-    axes = layout.axes if len(layout.axes) > 1 else layout.axes[0]
-    b, hq, hkv, d, s_shard = shape
-    rng = np.random.default_rng(0)
-    q = jnp.asarray(rng.standard_normal((b, hq, d), np.float32), dtype)
-    k = jnp.asarray(rng.standard_normal((b, world * s_shard, hkv, d), np.float32), dtype)
-    v = jnp.asarray(rng.standard_normal((b, world * s_shard, hkv, d), np.float32), dtype)
-    n = jnp.full((b,), world * s_shard - 1, jnp.int32)
-    specs = (P(), P(None, axes), P(None, axes), P())
-    args = tuple(jax.device_put(a, NamedSharding(rt.mesh, sp)) for a, sp in zip((q, k, v, n),
-                                                                              specs))
-    reference = decode_attention(q.astype(jnp.float32), k.astype(jnp.float32),
-                                 v.astype(jnp.float32), n)
-    problem = Problem(rt.platform, world, tuple(shape), jnp.dtype(dtype).name, rt.sms)
-
-    def compile_candidate(overrides):
-        cfg = resolve(FlashDecodeConfig, problem, rt, overrides)  # explicit: skips the cache
-        config = cfg.to_dict()
-        fn = jax.jit(jax.shard_map(
-            lambda *a: flash_decode_kernels(*a, axis_name, config=config), mesh=rt.mesh,
-            in_specs=specs, out_specs=P(), check_vma=False))
-        return fn, cfg
-
-    return _registry.TuningCase(
-        world=world, shape=tuple(shape), dtype=jnp.dtype(dtype).name,
-        candidates=FlashDecodeConfig.search_space(problem), args=args, reference=reference,
-        tolerance=1e-5 if jnp.dtype(dtype).itemsize == 4 else 2e-2, compile=compile_candidate)
-
-
-_registry.register(_registry.Tunable("flash_decode", _tuning_case))

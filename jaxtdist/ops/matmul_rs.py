@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxtdist.ops._config import Problem, resolve
 from jaxtdist.ops._op import DistributedOp, one_call_per_element, pjit_wrapper, rows_over
 from jaxtdist.ops._partial_sums import (MatmulArConfig, MatmulRsConfig, _ar_check, _rs_check,
                                         matmul_ar_kernels, matmul_rs_kernels, resolved_config)
@@ -27,7 +25,6 @@ from jaxtdist.ops._protocol import Call, varying_axes
 from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered
 from jaxtdist.ops.all_reduce import all_reduce
 from jaxtdist.runtime._runtime import runtime
-from jaxtdist.tune import _registry
 
 __all__ = ["MatmulArConfig", "MatmulRsConfig", "matmul_ar", "matmul_ar_sharded", "matmul_rs",
            "matmul_rs_sharded"]
@@ -196,59 +193,3 @@ matmul_ar_sharded.__doc__ = """``matmul_ar`` for pjit-style code.
     Args:
       x, w, axis_name, batch_axes, mesh, config: as for ``matmul_rs_sharded``.
     """
-
-
-# -- tuning ----------------------------------------------------------------------------
-
-def _tuning_case(op: str, axis_name, shape, dtype) -> _registry.TuningCase:
-    """matmul_rs or matmul_ar of ``shape`` = (M, N, k_shard) per rank on the runtime's
-    mesh (x columns and w rows sharded over ``axis_name``), for the tuner."""
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    rt = runtime()
-    layout = rt.layout(axis_name)
-    world = layout.world
-    axes = layout.axes if len(layout.axes) > 1 else layout.axes[0]
-    m, n, k = shape
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((m, world * k), np.float32) / np.sqrt(world * k), dtype)
-    w = jnp.asarray(rng.standard_normal((world * k, n), np.float32), dtype)
-    args = (jax.device_put(x, NamedSharding(rt.mesh, P(None, axes))),
-            jax.device_put(w, NamedSharding(rt.mesh, P(axes, None))))
-    rs = op == "matmul_rs"
-    out_spec = P(axes, None) if rs else P(None, None)
-    specs = dict(mesh=rt.mesh, in_specs=(P(None, axes), P(axes, None)), out_specs=out_spec,
-                 check_vma=False)
-
-    def reference_fn(xb, wb):
-        y = jnp.dot(xb.astype(jnp.float32), wb.astype(jnp.float32),
-                    precision=jax.lax.Precision.HIGHEST)
-        if rs:
-            return jax.lax.psum_scatter(y, axis_name, scatter_dimension=0, tiled=True)
-        return jax.lax.psum(y, axis_name)
-
-    reference = jax.jit(jax.shard_map(reference_fn, **specs))(*args)
-    config_type, kernels = ((MatmulRsConfig, matmul_rs_kernels) if rs
-                            else (MatmulArConfig, matmul_ar_kernels))
-    problem = Problem(rt.platform, world, tuple(shape), jnp.dtype(dtype).name, rt.sms)
-
-    def compile_candidate(overrides):
-        cfg = resolve(config_type, problem, rt, overrides)  # explicit: skips the cache
-        config = cfg.to_dict()
-        fn = jax.jit(jax.shard_map(lambda xb, wb: kernels(xb, wb, axis_name, config=config),
-                                   **specs))
-        return fn, cfg
-
-    return _registry.TuningCase(
-        world=world, shape=tuple(shape), dtype=jnp.dtype(dtype).name,
-        candidates=config_type.search_space(problem), args=args, reference=reference,
-        tolerance=1e-5 if jnp.dtype(dtype).itemsize == 4 else 2e-2, compile=compile_candidate)
-
-
-_registry.register(_registry.Tunable(
-    "matmul_rs", lambda axis_name, shape, dtype: _tuning_case("matmul_rs", axis_name, shape,
-                                                               dtype)))
-_registry.register(_registry.Tunable(
-    "matmul_ar", lambda axis_name, shape, dtype: _tuning_case("matmul_ar", axis_name, shape,
-                                                               dtype)))

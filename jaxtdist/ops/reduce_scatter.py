@@ -27,7 +27,6 @@ from jaxtdist.ops._protocol import Call, check_axis
 from jaxtdist.ops._shapes import align, check_dtype, next_pow2
 from jaxtdist.ops.all_gather import all_gather
 from jaxtdist.runtime._runtime import runtime
-from jaxtdist.tune import _registry
 
 __all__ = ["ReduceScatterConfig", "ReduceWorkspace", "reduce_scatter"]
 
@@ -80,11 +79,6 @@ class ReduceWorkspace:
         self.slot_bytes = align(slot_elements * np.dtype(dtype).itemsize)
         self.stage = flags * (2 if done else 1)
         self.nbytes = self.stage + 2 * self.slot_bytes
-
-
-def tolerance(dtype) -> float:
-    """Relative error of one rounding to ``dtype`` (for the tuner's output check)."""
-    return {"bfloat16": 1e-2, "float16": 2e-3}.get(jnp.dtype(dtype).name, 1e-5)
 
 
 # -- config --------------------------------------------------------------------------
@@ -226,48 +220,3 @@ def reduce_scatter(x: jax.Array, axis_name, *, scatter_dimension: int = 0,
         scatter_dimension = int(scatter_dimension)  # as jax.lax.psum_scatter takes it
     return _REDUCE_SCATTER(jnp.asarray(x), axis_name=axis_name,
                            scatter_dimension=scatter_dimension, config=config)
-
-
-# -- tuning ----------------------------------------------------------------------------
-
-def sum_tuning_case(op: DistributedOp, config_type, axis_name, shape, dtype, *,
-                    scattered: bool, settle=lambda cfg, problem: cfg,
-                    **static) -> _registry.TuningCase:
-    """The tuning case of a sum over the group of ``shape`` = (n,) elements per rank:
-    reduce_scatter's (``scattered``: rank r holds block r of the sum) and all_reduce's
-    (every rank holds the sum). ``settle(cfg, problem)`` finishes a resolved config."""
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    rt = runtime()
-    layout = rt.layout(axis_name)
-    world, (n,) = layout.world, shape
-    axes = layout.axes if len(layout.axes) > 1 else layout.axes[0]
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((world * n,)), dtype)
-    args = (jax.device_put(x, NamedSharding(rt.mesh, P(axes))),)
-    # The sum; reduce_scatter's blocks in rank order are the sum too.
-    reference = x.astype(jnp.float32).reshape(world, n).sum(0)
-    problem = problem_of(rt, world, n, dtype)
-
-    def compile_candidate(overrides):
-        cfg = settle(resolve(config_type, problem, rt, overrides), problem)
-        config = cfg.to_dict()
-        fn = jax.jit(jax.shard_map(   # forward_with_residuals: the kernel at world 1 too
-            lambda v: op.forward_with_residuals(v, axis_name=axis_name, config=config,
-                                                **static)[0],
-            mesh=rt.mesh, in_specs=P(axes), out_specs=P(axes) if scattered else P()))
-        return fn, cfg
-
-    return _registry.TuningCase(
-        world=world, shape=(n,), dtype=jnp.dtype(dtype).name,
-        candidates=config_type.search_space(problem), args=args, reference=reference,
-        tolerance=tolerance(dtype), compile=compile_candidate)
-
-
-def _tuning_case(axis_name, shape, dtype) -> _registry.TuningCase:
-    """reduce_scatter of ``shape`` = (n,) elements per rank, for the tuner."""
-    return sum_tuning_case(_REDUCE_SCATTER, ReduceScatterConfig, axis_name, shape, dtype,
-                           scattered=True, scatter_dimension=0)
-
-
-_registry.register(_registry.Tunable("reduce_scatter", _tuning_case))

@@ -35,9 +35,10 @@ def _shape(text: str) -> tuple[int, int, int]:
 
 
 def main(argv=None) -> int:
-    import jaxtdist as td
     from jaxtdist._timing import write_results
-    from jaxtdist.bench.shapes import AG_MATMUL_SHAPES
+    from jaxtdist.runtime import initialize
+    from jaxtdist.tune import cache_path, tune
+    from jaxtdist.tune.shapes import AG_MATMUL_SHAPES
 
     parser = argparse.ArgumentParser(prog="python -m jaxtdist.tune")
     parser.add_argument("--quick", action="store_true", help="first three shapes only")
@@ -57,7 +58,7 @@ def main(argv=None) -> int:
         return 2
     world = len(jax.devices())
     mesh = jax.make_mesh((world,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
-    td.initialize(mesh)
+    initialize(mesh)
     device = jax.devices()[0].device_kind
     shapes = AG_MATMUL_SHAPES[:3] if args.quick else AG_MATMUL_SHAPES
     if args.shape:
@@ -72,8 +73,8 @@ def main(argv=None) -> int:
              "|---|---|---|---|---|---|"]
     started = time.time()
     for m_shard, n_shard, k in shapes:
-        result = td.tune.tune("ag_matmul", (m_shard, n_shard, k), jnp.bfloat16, axis_name="tp",
-                              iterations=args.iterations)
+        result = tune("ag_matmul", (m_shard, n_shard, k), jnp.bfloat16, axis_name="tp",
+                      iterations=args.iterations)
         rows.append(dict(m_shard=m_shard, n_shard=n_shard, k=k, **result))
         for r in result["tried"]:
             chosen = r.get("config") == result["config"]
@@ -86,7 +87,7 @@ def main(argv=None) -> int:
               f"{_describe(result['config'])} ({result['seconds']:.0f} s)", flush=True)
     table = "\n".join(lines)
     write_results(dict(device=device, world=world, jax=jax.__version__,
-                       cache=str(td.tune.cache_path()), seconds=time.time() - started,
+                       cache=str(cache_path()), seconds=time.time() - started,
                        rows=rows), table, args.json, args.markdown)
     return 0
 

@@ -1,7 +1,13 @@
 """The registry of tunable ops: what the tuning engine needs from an op.
 
-An op registers a ``Tunable`` when it is imported; the engine
-(``jaxtdist.tune.tune``) looks ops up here by name and never imports them.
+``tune/_cases.py`` registers a ``Tunable`` for every built-in op (a user's op
+may register its own); the engine (``jaxtdist.tune.tune``) looks ops up here
+by name.
+
+Example:
+  >>> register(Tunable("broadcast", lambda axis_name, shape, dtype: case))
+  >>> "broadcast" in tunable_ops()
+  True
 """
 
 from __future__ import annotations
@@ -48,10 +54,12 @@ _TUNABLES: dict[str, Tunable] = {}
 
 
 def register(tunable: Tunable) -> None:
+    """Makes ``tunable`` the tuning case of its op (replacing an earlier one)."""
     _TUNABLES[tunable.op] = tunable
 
 
 def lookup(op: str) -> Tunable:
+    """The registered ``Tunable`` of ``op``; ``ValueError`` naming the tunable ops."""
     try:
         return _TUNABLES[op]
     except KeyError:
@@ -60,4 +68,5 @@ def lookup(op: str) -> Tunable:
 
 
 def tunable_ops() -> list[str]:
+    """The names of the registered ops, sorted."""
     return sorted(_TUNABLES)

@@ -1,5 +1,6 @@
 """The tuning engine: times an op's candidate configs on the devices and caches the
-fastest. One engine for every op; ops describe themselves through the registry."""
+fastest. One engine for every op; ``tune/_cases.py`` sets each op up for it, and
+``autotune_on_miss`` is what a call asks for under ``JAXTDIST_AUTOTUNE=1``."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtdist.runtime._runtime import runtime
-from jaxtdist.tune._registry import lookup
+from jaxtdist.tune._registry import lookup, tunable_ops
 
 
 def cupti_measure(fn, args, world: int, iterations: int) -> float:
@@ -33,6 +34,24 @@ def default_measure(platform: str) -> Callable:
         raise ValueError("jaxtdist.tune: timing needs GPUs (CUPTI kernel time); on CPU pass "
                          "measure= explicitly")
     return cupti_measure
+
+
+def autotune_on_miss(op: str, problem, axis_name) -> dict | None:
+    """The hook ``jaxtdist.tune`` installs in ``ops/_tuning.py``: tunes a call's problem
+    that the cache misses and returns the chosen config; None for an op without a
+    tuning case or where kernels cannot be timed (CPU): the call takes its defaults.
+
+    Example:
+      >>> autotune_on_miss("ag_matmul", problem, "tp")   # on GPUs
+      {'BLOCK_M': 128, ...}
+    """
+    try:
+        default_measure(problem.platform)
+    except ValueError:
+        return None
+    if op not in tunable_ops():
+        return None
+    return tune(op, problem.shape, problem.dtype, axis_name=axis_name)["config"]
 
 
 def _describe(overrides: dict) -> str:
