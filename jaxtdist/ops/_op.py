@@ -57,7 +57,7 @@ from jaxtdist.runtime._runtime import runtime
 
 __all__ = ["LOCAL_AT_WORLD_1", "DistributedOp", "first_order_only", "later_output",
            "match_cotangent", "one_call_per_element", "run_once", "scatter_cotangent",
-           "typed_as_sum", "under_vmap"]
+           "under_vmap"]
 
 
 try:  # no public API registers a remat (partial-eval) rule (jax 0.10, 0.11)
@@ -319,7 +319,7 @@ class DistributedOp:
                 if self.check_config is not None and static.get("config") is not None:
                     self.check_config(*args, axis_name=axis_name, **static)
                 out = self.local(*args, axis_name=axis_name, **static)
-                return typed_as_sum(out, layout.axes) if self.reduces else out
+                return _typed_as_sum(out, layout.axes) if self.reduces else out
             gradient = "backward" if self.backward is not None else "local"
         return self._ordered(args, axis_name, static, rt, gradient)
 
@@ -399,7 +399,7 @@ class DistributedOp:
             out = self.local(*plan.tree.unflatten(operands), **static)
             # Typed as the kernels' result (psum's type where the op reduces), so
             # that ct's type is the one the VJP expects.
-            return typed_as_sum(out, axes) if self.reduces else out
+            return _typed_as_sum(out, axes) if self.reduces else out
 
         _, vjp = jax.vjp(local, *(leaves[i] for i in diff))
         cts = [None] * len(leaves)
@@ -521,15 +521,17 @@ def _done_token(last: jax.Array, residuals) -> jax.Array:
     return last.reshape(-1)[:1]
 
 
-def typed_as_sum(out: jax.Array, axes: Sequence[str]) -> jax.Array:
-    """The local result of a group of one rank, typed as the group's sum is (as
-    ``jax.lax.psum`` types it: replicated over ``axes``), so that out_specs that
-    leave ``axes`` out accept it as they do at larger worlds. JAX has no cast from
-    varying to replicated, so this is a psum over groups of one device: a
+def _typed_as_sum(out, axes: Sequence[str]):
+    """The local result (a pytree) of a group of one rank, typed as the group's sum
+    is (as ``jax.lax.psum`` types it: replicated over ``axes``), so that out_specs
+    that leave ``axes`` out accept it as they do at larger worlds. JAX has no cast
+    from varying to replicated, so this is a psum over groups of one device: a
     degenerate all-reduce that moves no data."""
-    have = varying_axes(out)
-    summed = tuple(a for a in axes if have is not None and a in have)
-    return jax.lax.psum(out, summed) if summed else out
+    def typed(leaf):
+        have = varying_axes(leaf)
+        summed = tuple(a for a in axes if have is not None and a in have)
+        return jax.lax.psum(leaf, summed) if summed else leaf
+    return jax.tree_util.tree_map(typed, out)
 
 
 def _order_cotangents(after_specs: tuple, typed: tuple, cts: tuple,
