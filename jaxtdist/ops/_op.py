@@ -8,8 +8,7 @@ with the rule for where that applies. Arguments are pytrees of arrays (a
 ``MoeHandle`` passes as it is). The mechanism supplies the rest, once for
 every op:
 
-- checks once: ``op(...)`` and ``op.kernels(...)`` run the op's ``check``;
-  ``op.launch(...)``, the forward and the backward never do;
+- checks once: in ``op(...)`` and ``op.kernels(...)``, never in ``op.launch``;
 - program order: the call runs after the previous jaxtdist op of the trace
   (``custom_vjp`` traces its body in a trace of its own, so this happens
   outside it) and records its output for the next one, with an order token
@@ -55,7 +54,7 @@ from jaxtdist.runtime._ffi import no_derivative
 from jaxtdist.runtime._identity import identity_primitive
 from jaxtdist.runtime._runtime import runtime
 
-__all__ = ["LOCAL_AT_WORLD_1", "DistributedOp", "first_order_only", "later_output",
+__all__ = ["DistributedOp", "first_order_only", "later_output",
            "match_cotangent", "one_call_per_element", "run_once", "scatter_cotangent",
            "under_vmap"]
 
@@ -168,23 +167,6 @@ def run_once(tree):
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def _freeze(value):
-    """A hashable form of a static argument (dicts and lists become tuples)."""
-    if isinstance(value, dict):
-        return ("__dict__",) + tuple(sorted((k, _freeze(v)) for k, v in value.items()))
-    if isinstance(value, list):
-        return ("__list__",) + tuple(_freeze(v) for v in value)
-    return value
-
-
-def _thaw(value):
-    if isinstance(value, tuple) and value and value[0] == "__dict__":
-        return {k: _thaw(v) for k, v in value[1:]}
-    if isinstance(value, tuple) and value and value[0] == "__list__":
-        return [_thaw(v) for v in value[1:]]
-    return value
-
-
 def match_cotangent(ct: jax.Array, primal: jax.Array) -> jax.Array:
     """Gives a cotangent the dtype and varying axes of its primal.
 
@@ -229,32 +211,29 @@ def scatter_cotangent(ct: jax.Array, axis_name, scatter_dimension: int = 0,
     return jax.lax.dynamic_slice_in_dim(ct, rank * size, size, scatter_dimension)
 
 
-# Where a group of one rank runs an op's local computation (``local_at_world_1``).
-LOCAL_AT_WORLD_1 = ("always", "interpreter")
-
-
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    """What a call's custom VJP is specialized on (its non-differentiable argument):
-    the static keywords (frozen, ``axis_name`` among them), the types of the order
-    arguments (the previous op's output and token) before the operands, the
-    arguments' tree, and which backward differentiates it: ``"backward"`` (the
-    op's own), ``"local"`` (the VJP of its local computation) or None (none)."""
+    """A call's custom VJP's non-differentiable argument: the static keywords
+    (``axis_name`` among them) as leaves and tree, the types of the order arguments
+    before the operands, the arguments' tree, and the backward: ``"backward"`` (the
+    op's), ``"local"`` (the VJP of its local computation) or None (none)."""
     static: tuple
+    static_tree: Any
     after: tuple
     tree: Any
     gradient: str | None
+
+    @property
+    def kwargs(self) -> dict:
+        return self.static_tree.unflatten(self.static)
 
 
 @dataclasses.dataclass(frozen=True)
 class DistributedOp:
     """A jaxtdist op, declared by its parts (see the module docstring).
 
-    Arguments are positional pytrees of arrays (an array, None, a registered
-    pytree such as ``MoeHandle``): their leaves are the operands that the
-    mechanism orders, differentiates and batches, and every part receives the
-    arguments as they were passed. Keywords are static (hashable once dicts and
-    lists become tuples), ``axis_name`` among them.
+    Positional arguments are pytrees of arrays (an array, None, a ``MoeHandle``),
+    passed to every part as they are; keywords are static, ``axis_name`` among them.
 
     Attributes:
       name: the public name (``jaxtdist.<name>``), used in errors.
@@ -284,12 +263,6 @@ class DistributedOp:
         instead of the kernels, so that a bad config (an unknown key, a tile that
         is no power of 2) fails on one device as it would on many. None: nothing
         to check.
-
-    Example:
-      >>> _OP = DistributedOp("my_decode", forward=_forward, check=_check, local=_local,
-      ...                     local_at_world_1="interpreter")
-      >>> out = _OP(q, cache, axis_name="sp", config=None)          # checked, the op
-      >>> out = _OP.kernels(q, cache, axis_name="sp", config=None)  # checked, the kernels
     """
     name: str
     forward: Callable[..., tuple[Any, Any]]
@@ -302,14 +275,12 @@ class DistributedOp:
     check_config: Callable[..., None] | None = None
 
     def __post_init__(self):
-        if self.local_at_world_1 not in LOCAL_AT_WORLD_1:
+        if self.local_at_world_1 not in ("always", "interpreter"):
             raise ValueError(f"jaxtdist.{self.name}: local_at_world_1="
-                             f"{self.local_at_world_1!r} must be one of {LOCAL_AT_WORLD_1}")
+                             f"{self.local_at_world_1!r} must be 'always' or 'interpreter'")
 
     def __call__(self, *args: Any, axis_name, **static: Any):
-        """The op: ``check``, then the local computation where a group of one rank
-        runs it (``local_applies``), else the kernels, ordered after the previous
-        op, differentiable and batched one call per element."""
+        """The op, checked: the local computation where it applies, else the kernels."""
         axis_name, static = self._checked(args, axis_name, static)
         rt = runtime()
         layout = check_axis(rt, axis_name, self.name)
@@ -320,20 +291,18 @@ class DistributedOp:
                     self.check_config(*args, axis_name=axis_name, **static)
                 out = self.local(*args, axis_name=axis_name, **static)
                 return _typed_as_sum(out, layout.axes) if self.reduces else out
-            gradient = "backward" if self.backward is not None else "local"
+            if self.backward is None:
+                gradient = "local"
         return self._ordered(args, axis_name, static, rt, gradient)
 
     def kernels(self, *args: Any, axis_name, **static: Any):
-        """``check``, then ``launch``: the op's kernels at every world size (world 1
-        too), not differentiable; for ``*_kernels`` entry points (benchmarks, tests)."""
+        """``check``, then ``launch`` (``*_kernels`` entry points: benchmarks, tests)."""
         axis_name, static = self._checked(args, axis_name, static)
         return self.launch(*args, axis_name=axis_name, **static)
 
     def launch(self, *args: Any, axis_name, **static: Any):
-        """The op's kernels unchecked (the caller checked the arguments), at every world
-        size: ``forward``'s output, ordered after the previous op and batched one
-        call per element as the op is; differentiating it raises ``TypeError``.
-        For an op's own later launches (a fused backward pass)."""
+        """The kernels (``forward``'s output) unchecked, at every world size, ordered and
+        batched as the op's calls are, not differentiable (an op's own later launches)."""
         return self._ordered(args, axis_name, static, runtime(), None)
 
     def local_applies(self, rt) -> bool:
@@ -366,8 +335,9 @@ class DistributedOp:
         # then ran the calls' prologues in different orders under mismatched epochs).
         # With the previous op's order token (``_protocol.order_token``), second.
         after = program_order_deps(rt)
-        plan = _Plan(tuple(sorted((k, _freeze(v)) for k, v in
-                                  dict(static, axis_name=axis_name).items())),
+        # Static dicts and lists become trees: hashable.
+        static, static_tree = jax.tree_util.tree_flatten(dict(static, axis_name=axis_name))
+        plan = _Plan(tuple(static), static_tree,
                      tuple((tuple(a.shape), jnp.dtype(a.dtype).name, rt.platform, i > 0)
                            for i, a in enumerate(after)), tree, gradient)
         try:
@@ -385,27 +355,19 @@ class DistributedOp:
         record_output(rt, jax.tree_util.tree_leaves(out)[0], token=token)
         return out
 
-    def _local_vjp(self, plan: _Plan, leaves: Sequence[jax.Array], ct) -> list:
+    def _local_vjp(self, plan: _Plan, leaves: Sequence[jax.Array], ct) -> tuple:
         """Cotangents of the operands by the VJP of ``local``, recomputed from them
         (its kernels ran at world 1 and no ``backward`` is declared)."""
-        static = _static(plan.static)
-        diff = [i for i, leaf in enumerate(leaves) if jnp.issubdtype(leaf.dtype, jnp.inexact)]
+        static = plan.kwargs
         axes = check_axis(runtime(), static["axis_name"], self.name).axes
 
-        def local(*inexact):
-            operands = list(leaves)
-            for i, leaf in zip(diff, inexact):
-                operands[i] = leaf
+        def local(*operands):
             out = self.local(*plan.tree.unflatten(operands), **static)
             # Typed as the kernels' result (psum's type where the op reduces), so
             # that ct's type is the one the VJP expects.
             return _typed_as_sum(out, axes) if self.reduces else out
 
-        _, vjp = jax.vjp(local, *(leaves[i] for i in diff))
-        cts = [None] * len(leaves)
-        for i, c in zip(diff, vjp(ct)):
-            cts[i] = c
-        return cts
+        return jax.vjp(local, *leaves)[1](ct)
 
     @functools.cached_property
     def _vjp(self) -> Callable:
@@ -421,7 +383,7 @@ class DistributedOp:
                 if n_after:
                     record_output(runtime(), a[0], token=a[1] if n_after > 1 else None)
                 return (fn or op.forward)(*plan.tree.unflatten(a[n_after:]),
-                                          **_static(plan.static))
+                                          **plan.kwargs)
             return forward
 
         @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -475,7 +437,7 @@ class DistributedOp:
                 cts = op._local_vjp(plan, leaves, ct)
             else:
                 cts = _cotangent_leaves(op.name, plan.tree,
-                                        op.backward(residuals, ct, **_static(plan.static)))
+                                        op.backward(residuals, ct, **plan.kwargs))
             cts = tuple(None if c is None or not jnp.issubdtype(a.dtype, jnp.inexact)
                         else match_cotangent(c, a) for c, a in zip(cts, leaves))
             record = order_record(runtime()) if ordered else None
@@ -494,10 +456,8 @@ def _cotangent_leaves(op: str, tree, cts: Sequence) -> list:
     if len(cts) != len(args):
         raise ValueError(f"jaxtdist.{op}: its backward returned {len(cts)} cotangents for "
                          f"{len(args)} arguments; it must return one per argument (None: none)")
-    leaves = []
-    for arg, ct in zip(args, cts):
-        leaves += [None] * arg.num_leaves if ct is None else arg.flatten_up_to(ct)
-    return leaves
+    return [leaf for arg, ct in zip(args, cts)
+            for leaf in ([None] * arg.num_leaves if ct is None else arg.flatten_up_to(ct))]
 
 
 def later_output(out, after: Sequence) -> jax.Array | None:
@@ -644,5 +604,3 @@ def _last_record():
     return record.value, record.token
 
 
-def _static(frozen) -> dict:
-    return {k: _thaw(v) for k, v in frozen}

@@ -1,13 +1,9 @@
-"""The pjit-style form of an op: ``pjit_wrapper`` runs an op (called inside
-``shard_map``) on global arrays with ``NamedSharding``s, no hand-written
-``shard_map``; and the sharding helpers op files declare their specs with.
+"""The pjit-style form of an op (``pjit_wrapper``: global arrays with NamedShardings,
+no hand-written ``shard_map``) and the helpers op files declare their specs with.
 
-Example::
-
-    my_gather_sharded = pjit_wrapper(
-        my_gather, name="my_gather_sharded",
-        in_specs=lambda axis, batch: (P(rows_over(axis, batch)),),
-        out_specs=lambda axis, batch: P(rows_over(None, batch)))
+Example: ``pjit_wrapper(broadcast, name="broadcast_sharded", in_specs=lambda axis,
+batch: (P(rows_over(axis, batch)),), out_specs=lambda axis, batch: P(rows_over(axis,
+batch)))``.
 """
 
 from __future__ import annotations
@@ -27,12 +23,6 @@ from jaxtdist.ops._protocol import (check_outside_shard_map, order_record, order
 from jaxtdist.runtime._runtime import runtime
 
 __all__ = ["mesh_devices", "pjit_wrapper", "rows_over"]
-
-
-def _axes_spec(axes: tuple[str, ...]):
-    if not axes:
-        return None
-    return axes if len(axes) > 1 else axes[0]
 
 
 def pjit_wrapper(op_fn: Callable, *, name: str,
@@ -105,8 +95,7 @@ def pjit_wrapper(op_fn: Callable, *, name: str,
         # (shard_map takes none of them on Explicit axes, the first two on none).
         arrays = tuple(jnp.asarray(a) if isinstance(a, (list, int, float, np.ndarray, np.generic))
                        else a for a in arrays)
-        _check_ranks(name, arrays, specs)
-        _check_divisible(name, mesh, arrays, specs)
+        _check_shards(name, mesh, arrays, specs)
         arrays = _placed(mesh, arrays, specs)
 
         def body(*args):
@@ -121,7 +110,8 @@ def pjit_wrapper(op_fn: Callable, *, name: str,
                 raise ValueError(
                     f"{e} [in jaxtdist.{name}: the op sees one shard of each argument, shapes "
                     f"{_shard_shapes(mesh, arrays, specs)} of the global "
-                    f"{[_shape_or_type(a) for a in arrays]} (in_specs {list(specs)})]") from None
+                    f"{[getattr(a, 'shape', type(a).__name__) for a in arrays]} (in_specs "
+                    f"{list(specs)})]") from None
             return out, _token_of(out, args[:len(token)])
 
         spec_out = out_specs(axis_name, batch_axes)
@@ -160,27 +150,18 @@ def _shard_shapes(mesh, arrays, specs) -> list:
             if isinstance(s, P) and hasattr(a, "shape") else "?" for a, s in zip(arrays, specs)]
 
 
-def _shape_or_type(a):
-    return tuple(a.shape) if hasattr(a, "shape") else type(a).__name__
-
-
-def _check_ranks(name: str, arrays, specs) -> None:
+def _check_shards(name: str, mesh, arrays, specs) -> None:
     """A ``ValueError`` naming the op where an argument has fewer dimensions than its
-    spec shards (else shard_map's error names the wrapper's body)."""
+    spec shards, or a sharded dimension that is no multiple of its devices (else
+    shard_map's error names the wrapper's body)."""
     for i, (a, spec) in enumerate(zip(arrays, specs)):
-        if isinstance(spec, P) and hasattr(a, "ndim") and a.ndim < len(spec):
+        if not isinstance(spec, P) or not hasattr(a, "shape"):
+            continue
+        if a.ndim < len(spec):
             raise ValueError(
                 f"jaxtdist.{name}: argument {i} has shape {tuple(a.shape)} ({a.ndim} "
                 f"dimensions); the op shards it as {spec}, which needs at least {len(spec)}: "
                 "see the op's docstring for its shapes")
-
-
-def _check_divisible(name: str, mesh, arrays, specs) -> None:
-    """A ``ValueError`` naming the op where a sharded dimension of an argument is
-    not a multiple of its devices (else shard_map's error names the wrapper's body)."""
-    for i, (a, spec) in enumerate(zip(arrays, specs)):
-        if not isinstance(spec, P) or not hasattr(a, "shape"):
-            continue
         for dim, (size, n) in enumerate(zip(a.shape, _spec_sizes(mesh, spec, a.ndim))):
             if size % n:
                 entry = spec[dim]
@@ -213,6 +194,6 @@ def mesh_devices(mesh, axes: Sequence[str]) -> tuple[int, str]:
 def rows_over(axis_name: str | tuple[str, ...] | None, batch_axes: tuple[str, ...]):
     """The mesh axes sharding rows: the batch axes, then ``axis_name`` (if given; a
     tuple of axes, outermost first, as one)."""
-    if isinstance(axis_name, tuple):
-        return _axes_spec(tuple(batch_axes) + axis_name)
-    return _axes_spec(tuple(batch_axes) + ((axis_name,) if axis_name else ()))
+    group = axis_name if isinstance(axis_name, tuple) else (axis_name,) if axis_name else ()
+    axes = tuple(batch_axes) + group
+    return (axes if len(axes) > 1 else axes[0]) if axes else None

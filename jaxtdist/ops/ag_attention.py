@@ -2,10 +2,9 @@
 rank's keys and values, the KV gather overlapped with the flash-attention tiles.
 
 Shapes (``_check``), plan (``AgAttentionConfig``, ``StageWorkspace``), launch
-(``_forward``: the forward kernel, or the fused backward's with
-``fused_backward``) and the local computation; ``DistributedOp`` supplies
-program order, autodiff and world 1 (the kernels on GPUs,
-``local_at_world_1="interpreter"``); ``pjit_wrapper`` the pjit-style form. The kernels are
+(``_forward``, the fused backward's kernels too) and the local computation;
+``DistributedOp`` supplies program order, autodiff and world 1 (the kernels on
+GPUs); ``pjit_wrapper`` the pjit-style form. The kernels are
 ``kernels/ag_attention.py`` (forward), ``kernels/attention_ws.py`` (forward,
 one rank, Hopper) and ``kernels/attention_bwd.py`` (backward).
 """
@@ -231,10 +230,6 @@ class StageWorkspace:
 
 def _check(q, k, v, *, axis_name, causal=True, config=None) -> None:
     del config
-    for name, a in (("q", q), ("k", k), ("v", v)):
-        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
-            raise ValueError(f"jaxtdist.ag_attention: {name} must be an array, got "
-                             f"{type(a).__name__}")
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"jaxtdist.ag_attention: expected q [B, S_shard, Hq, D] and k, v "
                          f"[B, S_shard, Hkv, D], got q{q.shape}, k{k.shape}, v{v.shape}")
@@ -275,13 +270,7 @@ def _resolved(call: Call, q, k, config, axis_name) -> tuple[Problem, AgAttention
 def ag_attention_kernels(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *,
                          causal: bool = True, config: dict | None = None) -> jax.Array:
     """ag_attention's forward kernel, at world 1 too (for benchmarks and tests); not
-    differentiable. ``config`` overrides the defaults (``AgAttentionConfig``).
-
-    Example:
-      >>> spec = P(None, "sp")
-      >>> f = jax.jit(jax.shard_map(lambda q, k, v: ag_attention_kernels(q, k, v, "sp"),
-      ...             mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
-    """
+    differentiable. ``config`` overrides the defaults (``AgAttentionConfig``)."""
     return _AG_ATTENTION.kernels(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
                                  axis_name=axis_name,
                                  causal=static_bool("ag_attention", "causal", causal),

@@ -178,21 +178,13 @@ class DecodeWorkspace:
 
 def _check(q, k, v, kv_len, block_table=None, *, axis_name, config=None,
            trace=False) -> None:
+    """The arguments (arrays); a paged cache's pages, then its contiguous view."""
     del config
     if not isinstance(trace, bool):
         raise ValueError(f"jaxtdist.flash_decode: trace={trace!r} must be a bool")
     if block_table is not None:
-        _check_pages(k, v, block_table, batch=getattr(q, "shape", (None,))[0])
+        _check_pages(k, v, block_table, batch=(q.shape or (None,))[0])
         k, v = _as_contiguous(k, block_table), _as_contiguous(v, block_table)
-    _check_cache(q, k, v, kv_len, axis_name)
-
-
-def _check_cache(q, k, v, kv_len, axis_name) -> None:
-    """A contiguous cache's shapes (a paged one's as its contiguous view)."""
-    for name, a in (("q", q), ("k", k), ("v", v), ("kv_len", kv_len)):
-        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
-            raise ValueError(f"jaxtdist.flash_decode: {name} must be an array, got "
-                             f"{type(a).__name__}")
     if q.ndim != 3 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"jaxtdist.flash_decode: expected q [B, Hq, D] and k, v [B, S_shard, "
                          f"Hkv, D], got q{q.shape}, k{k.shape}, v{v.shape}")
@@ -330,10 +322,6 @@ def flash_decode_kernels(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.A
     ``config`` overrides the defaults (``FlashDecodeConfig``) and skips the tuning cache.
     With ``trace`` (a probe's view) also returns the kernel's int32 [programs, 6]
     clock stamps (see ``kernels/flash_decode.flash_decode_kernel``).
-
-    Example:
-      >>> f = jax.jit(jax.shard_map(lambda *a: flash_decode_kernels(*a, "sp"), mesh=mesh,
-      ...             in_specs=(P(), P(None, "sp"), P(None, "sp"), P()), out_specs=P()))
     """
     return _FLASH_DECODE.kernels(*_operands(q, k, v, kv_len, block_table),
                                  axis_name=axis_name, config=config, trace=trace)
@@ -486,10 +474,6 @@ def _pages_spec(axis, batch):
     return jax.sharding.PartitionSpec(rows_over(axis, batch))
 
 
-def _paged_per_rank(q, k, v, kv_len, block_table, axis_name, *, config=None):
-    return flash_decode(q, k, v, kv_len, axis_name, block_table=block_table, config=config)
-
-
 def _check_paged_sharded(q, k, v, kv_len, block_table, *, axis_name, batch_axes, mesh,
                          config=None) -> None:
     """The global shapes of the paged form; the rest is checked per device, as
@@ -531,7 +515,9 @@ _decode_sharded = pjit_wrapper(
                                   _positions_spec(axis, batch), _batch_spec(axis, batch)),
     out_specs=_batch_spec)
 _paged_decode_sharded = pjit_wrapper(
-    _paged_per_rank, name="flash_decode_sharded",
+    lambda q, k, v, kv_len, block_table, axis_name, **static: flash_decode(
+        q, k, v, kv_len, axis_name, block_table=block_table, **static),
+    name="flash_decode_sharded",
     in_specs=lambda axis, batch: (_batch_spec(axis, batch), _pages_spec(axis, batch),
                                   _pages_spec(axis, batch), _batch_spec(axis, batch),
                                   _positions_spec(axis, batch)),

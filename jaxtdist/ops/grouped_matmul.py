@@ -209,10 +209,6 @@ class GroupedMatmulConfig(KernelConfig):
 
 def _check(x, w, group_sizes, *, axis_name=_LOCAL, config=None) -> None:
     del axis_name, config
-    for name, a in (("x", x), ("w", w), ("group_sizes", group_sizes)):
-        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
-            raise ValueError(f"jaxtdist.grouped_matmul: {name} must be an array, got "
-                             f"{type(a).__name__}")
     if x.ndim != 2 or w.ndim != 3 or group_sizes.ndim != 1:
         raise ValueError(f"jaxtdist.grouped_matmul: expected x [R, H], w [G, H, F] and "
                          f"group_sizes [G], got x{x.shape}, w{w.shape}, "
@@ -245,10 +241,6 @@ def grouped_matmul_kernels(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *
     Call inside ``jax.shard_map`` over the mesh given to ``jaxtdist.initialize``.
     ``config`` overrides the defaults (``GroupedMatmulConfig``) and skips the
     tuning cache.
-
-    Example:
-      >>> f = jax.jit(jax.shard_map(grouped_matmul_kernels, mesh=mesh,
-      ...                           in_specs=(P(), P(), P()), out_specs=P()))
     """
     return _GROUPED_MATMUL.kernels(*(jnp.asarray(a) for a in (x, w, group_sizes)),
                                    axis_name=_LOCAL, config=config)
