@@ -158,5 +158,5 @@ def test_pytree_argument_errors():
         _run(mesh, lambda v, c, b: jax.grad(lambda v: jnp.sum(
             wrong(Rows(v, c), b, axis_name="x")[0]))(v), values, counts, bias,
              out_specs=P("x"))
-    with pytest.raises(ValueError, match=r"local_at_world_1='gpu' must be 'always' or 'interpreter'"):
+    with pytest.raises(ValueError, match="local_at_world_1='gpu' must be 'always' or "):
         DistributedOp("pytree_sum", forward=_forward, local_at_world_1="gpu")
