@@ -5,7 +5,7 @@ other test files leave out, each a bug found this way (regression tests), at wor
 - flash_decode with a paged cache of 0 pages (or 0-position pages) was accepted:
   the id clamp into [0, num_pages) then aimed at page -1, memory outside the pool
   (zeros under the interpreter; at world 1 XLA's "Slice size at index 0 in gather
-  op is out of range"). Fixed in ops/flash_decode.py (_check_paged): a ValueError.
+  op is out of range"). Fixed in ops/flash_decode.py (_check_pages): a ValueError.
 - flash_decode's kv_len of uint32 or int64 past int32's range wrapped around on
   its cast to int32 (2**31 + 5 -> negative: zeros instead of the whole cache;
   2**32 + 3 -> 3 positions; -2**32 + 3 -> 3 instead of none), and an int32 length

@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxtdist as td
+from jaxtdist.ops._op import DistributedOp
 from tests.conftest import TOL, cpu_only, place, rand, setup
 
 pytestmark = cpu_only()
@@ -217,16 +218,13 @@ def _decode_module():
 
 def test_flash_decode_kernels_at_world_1_only_on_gpus():
     """The kernel forward with the local VJP is taken at world 1 on GPUs only: off
-    GPUs (the slow interpreter) and at world > 1 the op is what it was."""
+    GPUs (the slow interpreter) a group of one rank runs the local computation."""
     import types
 
     fd = _decode_module()
-    for world, gpu_expected in ((1, True), (2, False)):
-        setup(world, ("sp",))
-        rt = fd.runtime()
-        gpu = types.SimpleNamespace(platform="gpu", layout=rt.layout, mesh=rt.mesh)
-        assert fd.kernels_at_world_1(gpu, "sp", "flash_decode") is gpu_expected
-        assert fd.kernels_at_world_1(rt, "sp", "flash_decode") is False
+    setup(1, ("sp",))
+    assert fd._FLASH_DECODE.local_applies(types.SimpleNamespace(platform="gpu")) is False
+    assert fd._FLASH_DECODE.local_applies(fd.runtime()) is True
 
 
 @pytest.mark.parametrize("paged,dtype", [(True, F32), (False, BF16)])
@@ -280,7 +278,7 @@ def test_flash_decode_kernel_at_world_1_is_differentiable(monkeypatch, paged, dt
 
     def run(kernels, fn):
         # Traced (and run) while the choice is patched in: flash_decode reads it then.
-        monkeypatch.setattr(fd, "kernels_at_world_1", lambda rt, axis_name, op: kernels)
+        monkeypatch.setattr(DistributedOp, "local_applies", lambda self, rt: not kernels)
         return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P()))(*args)
 
     f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731

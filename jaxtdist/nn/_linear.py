@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtdist.nn._layout import Layout, check_divisible, make_layout
 from jaxtdist.ops import ag_matmul, matmul_ar_sharded, matmul_rs_sharded
-from jaxtdist.ops._op import pjit_wrapper, rows_over
+from jaxtdist.ops._sharded import pjit_wrapper, rows_over
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "column_parallel"]
 

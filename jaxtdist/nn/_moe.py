@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtdist.nn._layout import Layout, check_divisible, make_layout
 from jaxtdist.nn._linear import _param
-from jaxtdist.ops._op import pjit_wrapper, rows_over
+from jaxtdist.ops._sharded import pjit_wrapper, rows_over
 from jaxtdist.ops.moe import default_recv_rows, moe_combine, moe_dispatch
 from jaxtdist.ops.grouped_matmul import MAX_GROUPS
 from jaxtdist.ops.moe_tp import (GROUPED_GEMMS, expert_gemm, experts_partial_sum,

@@ -1,26 +1,30 @@
-"""One mechanism that makes an op differentiable, ordered, local at world 1, and
-usable from pjit-style code.
+"""One mechanism that makes an op differentiable, ordered and local at world 1.
 
 An op declares itself as a ``DistributedOp``: its argument check, its forward
 pass (returning the output and the residuals its backward needs), its
-backward pass (cotangents of its array arguments, from any code, other ops
-included), and optionally its local computation for a group of one rank.
-The mechanism supplies the rest, once for every op:
+backward pass (cotangents of its arguments, from any code, other ops
+included), and optionally its local computation for a group of one rank
+with the rule for where that applies. Arguments are pytrees of arrays (a
+``MoeHandle`` passes as it is). The mechanism supplies the rest, once for
+every op:
 
+- checks once: in ``op(...)`` and ``op.kernels(...)``, never in ``op.launch``;
 - program order: the call runs after the previous jaxtdist op of the trace
   (``custom_vjp`` traces its body in a trace of its own, so this happens
   outside it) and records its output for the next one, with an order token
   made by its last kernel where that kernel is a later one (a copy-out of an
   inbox: ``_protocol.order_token``), in the backward pass too;
-- autodiff: a ``jax.custom_vjp`` whose cotangents get their primal's dtype
-  and varying mesh axes (summed over axes where the primal was replicated);
-  an op without a backward raises a clear error when differentiated;
+- autodiff: a ``jax.custom_vjp`` over the arguments' leaves whose cotangents
+  get their primal's dtype and varying mesh axes (summed over axes where the
+  primal was replicated), integer leaves none; an op without a backward
+  raises a clear error when differentiated;
 - ``jax.vmap``: one whole op call per batch element, in order (a
   ``lax.map``), each with its own epoch;
 - world 1: a group of one rank runs the local computation (what the op costs
-  without communication), with JAX's own autodiff;
-- ``pjit_wrapper(...)``: the op for jit with NamedSharding inputs, no
-  hand-written ``shard_map``.
+  without communication), with JAX's own autodiff, everywhere or only under
+  the interpreter (``local_at_world_1``).
+
+The pjit-style form of an op is ``_sharded.pjit_wrapper``.
 
 Example (an op whose backward is another op)::
 
@@ -41,18 +45,18 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.interpreters import ad
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jaxtdist.ops._config import config_dict
-from jaxtdist.ops._protocol import (check_axis, check_outside_shard_map, mark_varying,
-                                    order_record, order_token, program_order_deps,
-                                    record_output, same_mesh_axes, varying_axes)
+from jaxtdist.ops._protocol import (check_axis, mark_varying, order_record, order_token,
+                                    program_order_deps, record_output, varying_axes)
 from jaxtdist.runtime._ffi import no_derivative
 from jaxtdist.runtime._identity import identity_primitive
 from jaxtdist.runtime._runtime import runtime
+
+__all__ = ["DistributedOp", "first_order_only", "later_output",
+           "match_cotangent", "one_call_per_element", "run_once", "scatter_cotangent",
+           "under_vmap"]
 
 
 try:  # no public API registers a remat (partial-eval) rule (jax 0.10, 0.11)
@@ -163,23 +167,6 @@ def run_once(tree):
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def _freeze(value):
-    """A hashable form of a static argument (dicts and lists become tuples)."""
-    if isinstance(value, dict):
-        return ("__dict__",) + tuple(sorted((k, _freeze(v)) for k, v in value.items()))
-    if isinstance(value, list):
-        return ("__list__",) + tuple(_freeze(v) for v in value)
-    return value
-
-
-def _thaw(value):
-    if isinstance(value, tuple) and value and value[0] == "__dict__":
-        return {k: _thaw(v) for k, v in value[1:]}
-    if isinstance(value, tuple) and value and value[0] == "__list__":
-        return [_thaw(v) for v in value[1:]]
-    return value
-
-
 def match_cotangent(ct: jax.Array, primal: jax.Array) -> jax.Array:
     """Gives a cotangent the dtype and varying axes of its primal.
 
@@ -225,25 +212,52 @@ def scatter_cotangent(ct: jax.Array, axis_name, scatter_dimension: int = 0,
 
 
 @dataclasses.dataclass(frozen=True)
+class _Plan:
+    """A call's custom VJP's non-differentiable argument: the static keywords
+    (``axis_name`` among them) as leaves and tree, the types of the order arguments
+    before the operands, the arguments' tree, and the backward: ``"backward"`` (the
+    op's), ``"local"`` (the VJP of its local computation) or None (none)."""
+    static: tuple
+    static_tree: Any
+    after: tuple
+    tree: Any
+    gradient: str | None
+
+    @property
+    def kwargs(self) -> dict:
+        return self.static_tree.unflatten(self.static)
+
+
+@dataclasses.dataclass(frozen=True)
 class DistributedOp:
     """A jaxtdist op, declared by its parts (see the module docstring).
 
+    Positional arguments are pytrees of arrays (an array, None, a ``MoeHandle``),
+    passed to every part as they are; keywords are static, ``axis_name`` among them.
+
     Attributes:
       name: the public name (``jaxtdist.<name>``), used in errors.
-      forward: ``forward(*arrays, **static) -> (out, residuals)``: the
-        distributed computation (through ``_protocol.Call``).
-      backward: ``backward(residuals, ct, **static) -> tuple`` of cotangents,
-        one per array argument; None: not differentiable.
-      check: ``check(*arrays, **static)`` raising ``ValueError`` on bad
-        arguments, run before anything else.
-      local: ``local(*arrays, **static) -> out``: the computation of a group
+      forward: ``forward(*args, **static) -> (out, residuals)``: the
+        distributed computation (through ``_protocol.Call``); ``out`` a pytree
+        of arrays.
+      backward: ``backward(residuals, ct, **static) -> tuple``: one cotangent
+        per argument, with the argument's structure, or None for none (integer
+        leaves get none, whatever is returned there); None: not differentiable.
+      check: ``check(*args, **static)`` raising ``ValueError`` on bad
+        arguments, run before anything else, once per call.
+      local: ``local(*args, **static) -> out``: the computation of a group
         of one rank; None: the forward runs at world 1 too.
+      local_at_world_1: where a group of one rank runs ``local``: ``"always"``
+        (every platform), or ``"interpreter"`` (under the Triton interpreter
+        only, for ops whose local computation is much slower than their
+        kernels on GPUs: there the kernels run, differentiated by ``backward``
+        or, without one, by the VJP of ``local`` recomputed from the arguments).
       reduces: the result is the group's sum, typed as ``jax.lax.psum``'s
         (replicated over the group's axes), at world 1 too.
-      primal: ``primal(*arrays, **static) -> (out, None)``: the forward pass when
+      primal: ``primal(*args, **static) -> (out, None)``: the forward pass when
         no gradient is taken (residuals that cost work to keep are skipped);
         None: ``forward``, its residuals dropped.
-      check_config: ``check_config(*arrays, **static)`` resolving the ``config``
+      check_config: ``check_config(*args, **static)`` resolving the ``config``
         asked for (``static["config"]``, not None) as the kernels would at world 1,
         raising ``ValueError`` where it does not fit; run where ``local`` runs
         instead of the kernels, so that a bad config (an unknown key, a tile that
@@ -255,43 +269,84 @@ class DistributedOp:
     backward: Callable[..., tuple] | None = None
     check: Callable[..., None] | None = None
     local: Callable[..., Any] | None = None
+    local_at_world_1: str = "always"
     reduces: bool = False
     primal: Callable[..., tuple[Any, Any]] | None = None
     check_config: Callable[..., None] | None = None
 
-    def __call__(self, *arrays: jax.Array, axis_name, **static: Any):
+    def __post_init__(self):
+        if self.local_at_world_1 not in ("always", "interpreter"):
+            raise ValueError(f"jaxtdist.{self.name}: local_at_world_1="
+                             f"{self.local_at_world_1!r} must be 'always' or 'interpreter'")
+
+    def __call__(self, *args: Any, axis_name, **static: Any):
+        """The op, checked: the local computation where it applies, else the kernels."""
+        axis_name, static = self._checked(args, axis_name, static)
+        rt = runtime()
+        layout = check_axis(rt, axis_name, self.name)
+        gradient = "backward"
+        if layout.world == 1 and self.local is not None:
+            if self.local_applies(rt):
+                if self.check_config is not None and static.get("config") is not None:
+                    self.check_config(*args, axis_name=axis_name, **static)
+                out = self.local(*args, axis_name=axis_name, **static)
+                return _typed_as_sum(out, layout.axes) if self.reduces else out
+            if self.backward is None:
+                gradient = "local"
+        return self._ordered(args, axis_name, static, rt, gradient)
+
+    def kernels(self, *args: Any, axis_name, **static: Any):
+        """``check``, then ``launch`` (``*_kernels`` entry points: benchmarks, tests)."""
+        axis_name, static = self._checked(args, axis_name, static)
+        return self.launch(*args, axis_name=axis_name, **static)
+
+    def launch(self, *args: Any, axis_name, **static: Any):
+        """The kernels (``forward``'s output) unchecked, at every world size, ordered and
+        batched as the op's calls are, not differentiable (an op's own later launches)."""
+        return self._ordered(args, axis_name, static, runtime(), None)
+
+    def local_applies(self, rt) -> bool:
+        """Whether a group of one rank on runtime ``rt`` runs ``local`` (not the kernels)."""
+        return self.local is not None and (self.local_at_world_1 == "always"
+                                           or rt.platform != "gpu")
+
+    def forward_with_residuals(self, *args: Any, axis_name, **static: Any):
+        """The forward pass's (out, residuals), bypassing autodiff (for tuning and tests)."""
+        return self.forward(*args, axis_name=axis_name, **static)
+
+    def _checked(self, args: tuple, axis_name, static: dict) -> tuple[Any, dict]:
+        """``axis_name`` and ``static`` normalized, after ``check`` passed on them."""
         if isinstance(axis_name, list):
             axis_name = tuple(axis_name)
         if "config" in static:
             static["config"] = config_dict(self.name, static["config"])
         if self.check is not None:
-            self.check(*arrays, axis_name=axis_name, **static)
-        rt = runtime()
-        layout = check_axis(rt, axis_name, self.name)
-        if layout.world == 1 and self.local is not None:
-            if self.check_config is not None and static.get("config") is not None:
-                self.check_config(*arrays, axis_name=axis_name, **static)
-            out = self.local(*arrays, axis_name=axis_name, **static)
-            return _typed_as_sum(out, layout.axes) if self.reduces else out
-        if not arrays:  # nothing to differentiate: the protocol orders the call itself
-            return self.forward(axis_name=axis_name, **static)[0]
+            self.check(*args, axis_name=axis_name, **static)
+        return axis_name, static
+
+    def _ordered(self, args: tuple, axis_name, static: dict, rt, gradient: str | None):
+        """The kernels through the custom VJP, after the previous op of the trace."""
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        if not leaves:  # nothing to differentiate: the protocol orders the call itself
+            return self.forward(*args, axis_name=axis_name, **static)[0]
         # The previous op's output goes in as an argument, so the prologue takes it
         # as an operand (a data dependency XLA must honour; an optimization barrier
         # around the inputs did not survive to XLA:CPU's scheduling, and devices
         # then ran the calls' prologues in different orders under mismatched epochs).
         # With the previous op's order token (``_protocol.order_token``), second.
         after = program_order_deps(rt)
-        frozen = tuple(sorted((k, _freeze(v)) for k, v in dict(static, axis_name=axis_name)
-                              .items()))
-        after_specs = tuple((tuple(a.shape), jnp.dtype(a.dtype).name, rt.platform, i > 0)
-                            for i, a in enumerate(after))
+        # Static dicts and lists become trees: hashable.
+        static, static_tree = jax.tree_util.tree_flatten(dict(static, axis_name=axis_name))
+        plan = _Plan(tuple(static), static_tree,
+                     tuple((tuple(a.shape), jnp.dtype(a.dtype).name, rt.platform, i > 0)
+                           for i, a in enumerate(after)), tree, gradient)
         try:
-            out, token = self._vjp(frozen, after_specs, *after, *arrays)
+            out, token = self._vjp(plan, *after, *leaves)
         except TypeError as e:
             # Under jax.jvp JAX refuses the custom VJP without naming the op (and
             # eagerly, inside an eager shard_map, fails with "unhashable type").
             known = "unhashable" in str(e) or "forward-mode" in str(e)
-            if not known or not any(isinstance(a, ad.JVPTracer) for a in arrays):
+            if not known or not any(isinstance(a, ad.JVPTracer) for a in leaves):
                 raise
             raise TypeError(
                 f"jaxtdist.{self.name}: forward-mode autodiff (jax.jvp, jax.jacfwd, "
@@ -300,43 +355,60 @@ class DistributedOp:
         record_output(rt, jax.tree_util.tree_leaves(out)[0], token=token)
         return out
 
-    def forward_with_residuals(self, *arrays: jax.Array, axis_name, **static: Any):
-        """The forward pass's (out, residuals), bypassing autodiff (for tuning and tests)."""
-        return self.forward(*arrays, axis_name=axis_name, **static)
+    def _local_vjp(self, plan: _Plan, leaves: Sequence[jax.Array], ct) -> tuple:
+        """Cotangents of the operands by the VJP of ``local``, recomputed from them
+        (its kernels ran at world 1 and no ``backward`` is declared)."""
+        static = plan.kwargs
+        axes = check_axis(runtime(), static["axis_name"], self.name).axes
+
+        def local(*operands):
+            out = self.local(*plan.tree.unflatten(operands), **static)
+            # Typed as the kernels' result (psum's type where the op reduces), so
+            # that ct's type is the one the VJP expects.
+            return _typed_as_sum(out, axes) if self.reduces else out
+
+        return jax.vjp(local, *leaves)[1](ct)
 
     @functools.cached_property
     def _vjp(self) -> Callable:
         op = self
 
-        def ordered_forward(frozen, n_after, fn=None):
-            # The first ``n_after`` arguments are the previous op's output and order
-            # token: the call's prologue runs after them (``program_order_deps``).
-            def forward(*args):
+        def ordered_forward(plan: _Plan, fn=None):
+            # The first arguments are the previous op's output and order token: the
+            # call's prologue runs after them (``program_order_deps``); the operands
+            # follow, as the leaves of the op's arguments.
+            n_after = len(plan.after)
+
+            def forward(*a):
                 if n_after:
-                    record_output(runtime(), args[0], token=args[1] if n_after > 1 else None)
-                return (fn or op.forward)(*args[n_after:], **_static(frozen))
+                    record_output(runtime(), a[0], token=a[1] if n_after > 1 else None)
+                return (fn or op.forward)(*plan.tree.unflatten(a[n_after:]),
+                                          **plan.kwargs)
             return forward
 
-        @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-        def call(frozen, after_specs, *args):
-            n_after = len(after_specs)
-            forward = ordered_forward(frozen, n_after, op.primal)
+        @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+        def call(plan, *args):
+            n_after = len(plan.after)
+            forward = ordered_forward(plan, op.primal)
 
             def with_token(*a):
                 out = forward(*a)[0]
-                return out, order_token(runtime(), _later_output(out, a[:n_after]))
+                return out, order_token(runtime(), later_output(out, a[:n_after]))
 
             return one_call_per_element(with_token)(*args)
 
-        def fwd(frozen, after_specs, *args):
-            n_after = len(after_specs)
-            forward = ordered_forward(frozen, n_after)
+        def fwd(plan, *args):
+            n_after = len(plan.after)
+            # Only the op's own backward takes residuals; the local VJP recomputes.
+            own = plan.gradient == "backward"
+            forward = ordered_forward(plan, None if own else op.primal)
 
             def with_last(*a):
                 # Also the call's last jaxtdist output (the gathered copy-out of an
                 # inbox, say): the next op's prologue and the backward pass run after it.
                 out, residuals = forward(*a)
-                later = _later_output(out, a[:n_after])
+                residuals = residuals if own else None
+                later = later_output(out, a[:n_after])
                 last = jax.tree_util.tree_leaves(out)[0] if later is None else later
                 token = order_token(runtime(), later)
                 return (out, token), residuals, _done_token(last, residuals)
@@ -346,10 +418,10 @@ class DistributedOp:
             typed = tuple(a.reshape(-1)[:0] for a in args[:n_after])
             return out, (residuals, args[n_after:], typed, done)
 
-        def bwd(frozen, after_specs, saved, cts_out):
-            residuals, arrays, typed, done = saved
+        def bwd(plan, saved, cts_out):
+            residuals, leaves, typed, done = saved
             ct, ct_token = cts_out
-            if op.backward is None:
+            if plan.gradient is None or (plan.gradient == "backward" and op.backward is None):
                 raise TypeError(f"jaxtdist.{op.name} is not differentiable here (its "
                                 "docstring says where it is, if anywhere); wrap it in a "
                                 "jax.custom_vjp of your own to give it a backward pass")
@@ -361,19 +433,34 @@ class DistributedOp:
             ordered = not under_vmap(done, ct_token)
             if ordered:
                 record_output(runtime(), done, token=ct_token)
-            cts = op.backward(residuals, ct, **_static(frozen))
-            cts = tuple(None if c is None else match_cotangent(c, a)
-                        for c, a in zip(cts, arrays))
+            if plan.gradient == "local":
+                cts = op._local_vjp(plan, leaves, ct)
+            else:
+                cts = _cotangent_leaves(op.name, plan.tree,
+                                        op.backward(residuals, ct, **plan.kwargs))
+            cts = tuple(None if c is None or not jnp.issubdtype(a.dtype, jnp.inexact)
+                        else match_cotangent(c, a) for c, a in zip(cts, leaves))
             record = order_record(runtime()) if ordered else None
             launched = record is not None and record.value is not done
             last = record.value if launched else (ct_token if ordered else None)
-            return _order_cotangents(after_specs, typed, cts, last) + cts
+            return _order_cotangents(plan.after, typed, cts, last) + cts
 
         call.defvjp(fwd, bwd)
         return call
 
 
-def _later_output(out, after: Sequence) -> jax.Array | None:
+def _cotangent_leaves(op: str, tree, cts: Sequence) -> list:
+    """The cotangents a backward returned, one per argument of ``tree`` (a pytree
+    like the argument, or None for none), as the operands' leaves."""
+    args = tree.children()
+    if len(cts) != len(args):
+        raise ValueError(f"jaxtdist.{op}: its backward returned {len(cts)} cotangents for "
+                         f"{len(args)} arguments; it must return one per argument (None: none)")
+    return [leaf for arg, ct in zip(args, cts)
+            for leaf in ([None] * arg.num_leaves if ct is None else arg.flatten_up_to(ct))]
+
+
+def later_output(out, after: Sequence) -> jax.Array | None:
     """The call's last kernel output where it is not ``out``'s (the gathered x copied
     out of an inbox after the GEMM, say): the output of the current trace's latest
     record, unless that is ``out`` or the previous op's (nothing launched)."""
@@ -394,23 +481,17 @@ def _done_token(last: jax.Array, residuals) -> jax.Array:
     return last.reshape(-1)[:1]
 
 
-def kernels_at_world_1(rt, axis_name, op: str) -> bool:
-    """Whether ``op`` over ``axis_name`` runs its kernels in a group of one rank, for
-    ops whose local computation is much slower than their kernels there: on GPUs
-    only (under the Triton interpreter the local computation stays, the
-    interpreter being slow)."""
-    return rt.platform == "gpu" and check_axis(rt, axis_name, op).world == 1
-
-
-def _typed_as_sum(out: jax.Array, axes: Sequence[str]) -> jax.Array:
-    """The local result of a group of one rank, typed as the group's sum is (as
-    ``jax.lax.psum`` types it: replicated over ``axes``), so that out_specs that
-    leave ``axes`` out accept it as they do at larger worlds. JAX has no cast from
-    varying to replicated, so this is a psum over groups of one device: a
+def _typed_as_sum(out, axes: Sequence[str]):
+    """The local result (a pytree) of a group of one rank, typed as the group's sum
+    is (as ``jax.lax.psum`` types it: replicated over ``axes``), so that out_specs
+    that leave ``axes`` out accept it as they do at larger worlds. JAX has no cast
+    from varying to replicated, so this is a psum over groups of one device: a
     degenerate all-reduce that moves no data."""
-    have = varying_axes(out)
-    summed = tuple(a for a in axes if have is not None and a in have)
-    return jax.lax.psum(out, summed) if summed else out
+    def typed(leaf):
+        have = varying_axes(leaf)
+        summed = tuple(a for a in axes if have is not None and a in have)
+        return jax.lax.psum(leaf, summed) if summed else leaf
+    return jax.tree_util.tree_map(typed, out)
 
 
 def _order_cotangents(after_specs: tuple, typed: tuple, cts: tuple,
@@ -523,194 +604,3 @@ def _last_record():
     return record.value, record.token
 
 
-def _static(frozen) -> dict:
-    return {k: _thaw(v) for k, v in frozen}
-
-
-def _axes_spec(axes: tuple[str, ...]):
-    if not axes:
-        return None
-    return axes if len(axes) > 1 else axes[0]
-
-
-def pjit_wrapper(op_fn: Callable, *, name: str,
-                 in_specs: Callable[[str, tuple[str, ...]], tuple],
-                 out_specs: Callable[[str, tuple[str, ...]], Any],
-                 check: Callable[..., None] | None = None) -> Callable:
-    """The op ``op_fn`` (called inside shard_map) for pjit-style code.
-
-    ``in_specs(axis_name, batch_axes)`` and ``out_specs(axis_name, batch_axes)``
-    give the shardings (``PartitionSpec``s) of the op's arrays over the mesh:
-    ``batch_axes`` are data-parallel mesh axes (outermost first) and
-    ``axis_name`` the tensor-parallel one. A spec may be a prefix of a pytree
-    argument or result (one ``PartitionSpec`` for every leaf of a handle). The
-    wrapper takes the op's arrays, ``axis_name``, ``batch_axes``, ``mesh``
-    (default: the runtime's) and the op's other keyword arguments.
-    ``check(*arrays, axis_name=, batch_axes=, mesh=, **static)`` (optional)
-    checks the global arguments, raising ``ValueError``, once the axis names
-    are known to be the mesh's.
-    """
-
-    def wrapper(*arrays: jax.Array, axis_name: str | Sequence[str],
-                batch_axes: str | Sequence[str] = (), mesh=None, **static: Any):
-        rt = runtime()
-        check_outside_shard_map(name, inside=name.removesuffix("_sharded"))
-        if mesh is None:
-            mesh = rt.mesh
-        elif not isinstance(mesh, jax.sharding.Mesh):
-            raise TypeError(f"jaxtdist.{name}: mesh= must be a jax.sharding.Mesh (or left out: "
-                            f"the initialized mesh), got {type(mesh).__name__}")
-        elif not same_mesh_axes(mesh, rt.mesh):
-            raise ValueError(f"jaxtdist.{name}: mesh= {dict(mesh.shape)} differs from the mesh "
-                             f"given to jaxtdist.initialize {dict(rt.mesh.shape)}; leave mesh= "
-                             "out (the initialized mesh) or initialize with this mesh")
-        if batch_axes is None or not isinstance(batch_axes, (str, tuple, list)):
-            raise TypeError(f"jaxtdist.{name}: batch_axes must be a mesh axis name or a tuple "
-                            f"of them (() for none), got {batch_axes!r}")
-        batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
-        # A tuple (or list) of axes is one group, outermost first, as inside shard_map.
-        if isinstance(axis_name, (tuple, list)):
-            axis_name = tuple(axis_name)
-            group = axis_name
-        else:
-            group = (axis_name,)
-        if not group or len(set(group)) != len(group):
-            raise ValueError(f"jaxtdist.{name}: axis_name {axis_name!r} must be one mesh axis "
-                             "or a tuple of distinct ones")
-        if set(group) & set(batch_axes):
-            raise ValueError(f"jaxtdist.{name}: axis_name {axis_name!r} is also in "
-                             f"batch_axes {batch_axes}")
-        for a in batch_axes + group:
-            if not isinstance(a, str) or a not in mesh.axis_names:
-                raise ValueError(f"jaxtdist.{name}: {a!r} is not an axis of the mesh; its "
-                                 f"axes are {tuple(mesh.axis_names)}")
-        if check is not None:
-            check(*arrays, axis_name=axis_name, batch_axes=batch_axes, mesh=mesh, **static)
-        # Separate shard_maps are separate traces: the previous wrapper's result goes
-        # in as an argument (in its own sharding: nothing moves), so that this
-        # call's prologue runs after it on every device.
-        # The order token (``_protocol.order_token``, one element per device) too:
-        # the op's last kernel need not make its result (a copy-out after the GEMM).
-        previous = order_record(rt)
-        after = (previous is not None and previous.spec is not None
-                 and previous.spec[0] == mesh)
-        every_device = P(tuple(mesh.axis_names))
-        token, token_spec = (((previous.value, previous.token),
-                              (previous.spec[1], every_device)) if after else ((), ()))
-
-        specs = tuple(in_specs(axis_name, batch_axes))
-        # Python lists and numbers, NumPy arrays and scalars as the op itself takes them
-        # (shard_map takes none of them on Explicit axes, the first two on none).
-        arrays = tuple(jnp.asarray(a) if isinstance(a, (list, int, float, np.ndarray, np.generic))
-                       else a for a in arrays)
-        _check_ranks(name, arrays, specs)
-        _check_divisible(name, mesh, arrays, specs)
-        arrays = _placed(mesh, arrays, specs)
-
-        def body(*args):
-            if after:
-                record_output(rt, args[0], token=args[1])
-            try:
-                out = op_fn(*args[len(token):], axis_name=axis_name, **static)
-            except ValueError as e:
-                if type(e) is not ValueError:  # JAX's own subclasses pass unchanged
-                    raise
-                # The op saw one shard: say how its sizes follow from the caller's.
-                raise ValueError(
-                    f"{e} [in jaxtdist.{name}: the op sees one shard of each argument, shapes "
-                    f"{_shard_shapes(mesh, arrays, specs)} of the global "
-                    f"{[_shape_or_type(a) for a in arrays]} (in_specs {list(specs)})]") from None
-            return out, _token_of(out, args[:len(token)])
-
-        spec_out = out_specs(axis_name, batch_axes)
-        out, out_token = jax.shard_map(body, mesh=mesh, in_specs=token_spec + specs,
-                                       out_specs=(spec_out, every_device))(*token, *arrays)
-        first, first_spec = (out, spec_out) if isinstance(out, jax.Array) else (
-            out[0], spec_out[0])
-        record_output(rt, first, spec=(mesh, first_spec), token=out_token)
-        return out
-
-    wrapper.__name__ = name
-    return wrapper
-
-
-def _placed(mesh, arrays, specs) -> tuple:
-    """The arrays resharded to their specs where the mesh has Explicit axes:
-    shard_map takes an argument there only as placed as its spec says, while on
-    Auto axes XLA moves it by itself."""
-    if all(t != jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
-        return arrays
-    # A spec is a prefix of a pytree argument (a handle): every leaf takes it.
-    return tuple(jax.tree.map(lambda leaf, s=s: jax.sharding.reshard(leaf, NamedSharding(mesh, s))
-                              if isinstance(leaf, jax.Array) else leaf, a)
-                 if isinstance(s, P) else a for a, s in zip(arrays, specs))
-
-
-def _spec_sizes(mesh, spec, ndim: int) -> list[int]:
-    """Devices each of ``ndim`` dimensions is split over under ``spec``."""
-    entries = tuple(spec) + (None,) * (ndim - len(spec))
-    return [mesh_devices(mesh, () if e is None else (e,) if isinstance(e, str) else e)[0]
-            for e in entries[:ndim]]
-
-
-def _shard_shapes(mesh, arrays, specs) -> list:
-    return [tuple(d // n for d, n in zip(a.shape, _spec_sizes(mesh, s, a.ndim)))
-            if isinstance(s, P) and hasattr(a, "shape") else "?" for a, s in zip(arrays, specs)]
-
-
-def _shape_or_type(a):
-    return tuple(a.shape) if hasattr(a, "shape") else type(a).__name__
-
-
-def _check_ranks(name: str, arrays, specs) -> None:
-    """A ``ValueError`` naming the op where an argument has fewer dimensions than its
-    spec shards (else shard_map's error names the wrapper's body)."""
-    for i, (a, spec) in enumerate(zip(arrays, specs)):
-        if isinstance(spec, P) and hasattr(a, "ndim") and a.ndim < len(spec):
-            raise ValueError(
-                f"jaxtdist.{name}: argument {i} has shape {tuple(a.shape)} ({a.ndim} "
-                f"dimensions); the op shards it as {spec}, which needs at least {len(spec)}: "
-                "see the op's docstring for its shapes")
-
-
-def _check_divisible(name: str, mesh, arrays, specs) -> None:
-    """A ``ValueError`` naming the op where a sharded dimension of an argument is
-    not a multiple of its devices (else shard_map's error names the wrapper's body)."""
-    for i, (a, spec) in enumerate(zip(arrays, specs)):
-        if not isinstance(spec, P) or not hasattr(a, "shape"):
-            continue
-        for dim, (size, n) in enumerate(zip(a.shape, _spec_sizes(mesh, spec, a.ndim))):
-            if size % n:
-                entry = spec[dim]
-                axes = mesh_devices(mesh, (entry,) if isinstance(entry, str) else entry)[1]
-                raise ValueError(
-                    f"jaxtdist.{name}: argument {i} has shape {tuple(a.shape)}; its dimension "
-                    f"{dim} ({size}) is split over {axes} ({n} devices), which must divide it")
-
-
-def _token_of(out, after: Sequence) -> jax.Array:
-    """The order token of the op that made ``out`` (a shard_map body's result), made
-    from its last kernel's output where that is not ``out``."""
-    rt = runtime()
-    record = order_record(rt)
-    if record is not None and record.spec is None and record.token is not None:
-        return record.token
-    return order_token(rt, _later_output(out, after))
-
-
-def mesh_devices(mesh, axes: Sequence[str]) -> tuple[int, str]:
-    """The devices of mesh ``axes`` together, and words naming them for errors
-    ("dp=2 x sp=4"; "no axes" for none)."""
-    axes = tuple(axes)
-    size = 1
-    for a in axes:
-        size *= int(mesh.shape[a])
-    return size, " x ".join(f"{a}={mesh.shape[a]}" for a in axes) or "no axes"
-
-
-def rows_over(axis_name: str | tuple[str, ...] | None, batch_axes: tuple[str, ...]):
-    """The mesh axes sharding rows: the batch axes, then ``axis_name`` (if given; a
-    tuple of axes, outermost first, as one)."""
-    if isinstance(axis_name, tuple):
-        return _axes_spec(tuple(batch_axes) + axis_name)
-    return _axes_spec(tuple(batch_axes) + ((axis_name,) if axis_name else ()))

@@ -25,8 +25,8 @@ from jaxtdist.ops._protocol import Call, check_axis
 from jaxtdist.ops._shapes import SplitKWorkspace, align, check_dtype, next_pow2
 from jaxtdist.runtime._runtime import runtime
 
-__all__ = ["MatmulArConfig", "MatmulRsConfig", "PartialsWorkspace", "matmul_ar_kernels",
-           "matmul_rs_kernels"]
+__all__ = ["MatmulArConfig", "MatmulRsConfig", "PartialsWorkspace", "ar_launch",
+           "matmul_ar_kernels", "matmul_rs_kernels", "rs_launch"]
 
 _CPU_PROGRAMS = 3  # the interpreter runs programs one by one: a few show the dealing
 _PARTIALS = ("float32", "input")
@@ -440,6 +440,12 @@ def matmul_rs_kernels(x: jax.Array, w: jax.Array, axis_name, *,
     if isinstance(trace_tiles, bool) or not isinstance(trace_tiles, int) or trace_tiles < 0:
         raise ValueError(f"jaxtdist.matmul_rs: trace_tiles={trace_tiles!r} must be an int >= 0 "
                          "(0: no stamps)")
+    return rs_launch(x, w, axis_name, config=config, trace_tiles=trace_tiles)
+
+
+def rs_launch(x: jax.Array, w: jax.Array, axis_name, *, config: dict | None = None,
+              trace_tiles: int = 0):
+    """``matmul_rs_kernels`` unchecked (its caller checked x and w)."""
     call = Call("matmul_rs", axis_name)
     problem, cfg = resolved_config(MatmulRsConfig, call, x, w, axis_name, config)
     (m, k), n, world = x.shape, w.shape[1], call.world
@@ -483,6 +489,12 @@ def matmul_ar_kernels(x: jax.Array, w: jax.Array, axis_name, *,
     """matmul_ar's kernel, at world 1 too (for the tuner and tests); not differentiable."""
     x, w = jnp.asarray(x), jnp.asarray(w)
     _ar_check(x, w, axis_name=axis_name)
+    return ar_launch(x, w, axis_name, config=config)
+
+
+def ar_launch(x: jax.Array, w: jax.Array, axis_name, *,
+              config: dict | None = None) -> jax.Array:
+    """``matmul_ar_kernels`` unchecked (its caller checked x and w)."""
     call = Call("matmul_ar", axis_name)
     problem, cfg = resolved_config(MatmulArConfig, call, x, w, axis_name, config)
     (m, k), n, world = x.shape, w.shape[1], call.world

@@ -2,9 +2,9 @@
 rank's keys and values, the KV gather overlapped with the flash-attention tiles.
 
 Shapes (``_check``), plan (``AgAttentionConfig``, ``StageWorkspace``), launch
-(``ag_attention_kernels``), the fused backward (``_FUSED_BACKWARD``) and the
-local computation; ``DistributedOp`` supplies program order, autodiff and world
-1; ``pjit_wrapper`` the pjit-style form. The kernels are
+(``_forward``, the fused backward's kernels too) and the local computation;
+``DistributedOp`` supplies program order, autodiff and world 1 (the kernels on
+GPUs); ``pjit_wrapper`` the pjit-style form. The kernels are
 ``kernels/ag_attention.py`` (forward), ``kernels/attention_ws.py`` (forward,
 one rank, Hopper) and ``kernels/attention_bwd.py`` (backward).
 """
@@ -25,10 +25,11 @@ from jaxtdist.kernels import attention_bwd, attention_ws
 from jaxtdist.kernels.ag_attention import ag_attention_kernel
 from jaxtdist.ops._config import KernelConfig, Problem, resolve
 from jaxtdist.ops._inbox import push_to_inboxes
-from jaxtdist.ops._op import DistributedOp, kernels_at_world_1, pjit_wrapper, rows_over
+from jaxtdist.ops._op import DistributedOp
 from jaxtdist.ops._precision import dot_precision
 from jaxtdist.ops._protocol import Call, check_axis
 from jaxtdist.ops._shapes import InboxWorkspace, align, check_dtype, next_pow2, static_bool
+from jaxtdist.ops._sharded import pjit_wrapper, rows_over
 from jaxtdist.runtime._runtime import runtime
 
 __all__ = ["AgAttentionConfig", "ag_attention", "ag_attention_kernels", "ag_attention_sharded",
@@ -228,10 +229,6 @@ class StageWorkspace:
 
 def _check(q, k, v, *, axis_name, causal=True, config=None) -> None:
     del config
-    for name, a in (("q", q), ("k", k), ("v", v)):
-        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
-            raise ValueError(f"jaxtdist.ag_attention: {name} must be an array, got "
-                             f"{type(a).__name__}")
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"jaxtdist.ag_attention: expected q [B, S_shard, Hq, D] and k, v "
                          f"[B, S_shard, Hkv, D], got q{q.shape}, k{k.shape}, v{v.shape}")
@@ -273,16 +270,16 @@ def ag_attention_kernels(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *,
                          causal: bool = True, config: dict | None = None) -> jax.Array:
     """ag_attention's forward kernel, at world 1 too (for benchmarks and tests); not
     differentiable. ``config`` overrides the defaults (``AgAttentionConfig``)."""
-    return _forward_kernels(q, k, v, axis_name, causal=causal, config=config)[0]
+    return _AG_ATTENTION.kernels(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                 axis_name=axis_name,
+                                 causal=static_bool("ag_attention", "causal", causal),
+                                 config=config)
 
 
-def _forward_kernels(q, k, v, axis_name, *, causal: bool = True,
-                     config: dict | None = None) -> tuple[jax.Array, jax.Array]:
+def _forward_kernels(q, k, v, axis_name, *, causal: bool,
+                     config: dict | None) -> tuple[jax.Array, jax.Array]:
     """The forward kernel's output and its rows' base-2 log-sum-exp (float32
     [B * Hq, S_shard], for the backward)."""
-    q, k, v = (jnp.asarray(a) for a in (q, k, v))
-    causal = static_bool("ag_attention", "causal", causal)
-    _check(q, k, v, axis_name=axis_name, causal=causal)
     call = Call("ag_attention", axis_name)
     b, s, hq, d = q.shape
     hkv = k.shape[2]
@@ -452,7 +449,13 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
     return o.reshape(b, sq, hq, d).astype(q.dtype)
 
 
-def _forward(q, k, v, *, axis_name, causal=True, config=None):
+def _forward(q, k, v, *saved, axis_name, causal=True, config=None, fused_backward=False):
+    """The forward kernel's output, with the backward's residuals; with
+    ``fused_backward`` (the op's backward pass, ``saved`` = its (out, lse, dout)),
+    the fused backward kernels' float32 (dq, dk, dv), no residuals."""
+    if fused_backward:
+        return _launch_backward(q, k, v, *saved, axis_name=axis_name, causal=causal,
+                                config=config)
     out, lse = _forward_kernels(q, k, v, axis_name, causal=causal, config=config)
     return out, (q, k, v, out, lse)
 
@@ -462,12 +465,14 @@ def _backward(residuals, dout, *, axis_name, causal=True, config=None):
     world = check_axis(runtime(), axis_name, "ag_attention").world
     if world > 1:
         # Every rank's keys and values through XLA; the queries' gradients over
-        # them fused (``_FUSED_BACKWARD``); the keys' and values' cotangents
-        # summed back to their owners.
+        # them fused (``_forward``'s ``fused_backward``); the keys' and values'
+        # cotangents summed back to their owners.
         k = jax.lax.all_gather(k, axis_name, axis=1, tiled=True)
         v = jax.lax.all_gather(v, axis_name, axis=1, tiled=True)
-    dq, dk, dv = _FUSED_BACKWARD(q, k, v, out, lse, dout.astype(q.dtype), axis_name=axis_name,
-                                 causal=causal, config=config)
+    # An unchecked launch of this op's kernels, ordered and batched as its calls are.
+    dq, dk, dv = _AG_ATTENTION.launch(q, k, v, out, lse, dout.astype(q.dtype),
+                                      axis_name=axis_name, causal=causal, config=config,
+                                      fused_backward=True)
     if world > 1:
         dk, dv = (jax.lax.psum_scatter(a, axis_name, scatter_dimension=1, tiled=True)
                   for a in (dk, dv))
@@ -477,8 +482,7 @@ def _backward(residuals, dout, *, axis_name, causal=True, config=None):
 def _launch_backward(q, k, v, out, lse, dout, *, axis_name, causal=True, config=None):
     """The fused backward (``kernels/attention_bwd``) of this rank's queries over keys
     and values [B, S_k, Hkv, D] (every rank's, in order), from the forward's output
-    and row log-sum-exps ``lse``: float32 (dq, dk, dv), no residuals (an op of
-    its own, ``_FUSED_BACKWARD``, so that it is ordered and batched as ops are)."""
+    and row log-sum-exps ``lse``: float32 (dq, dk, dv), no residuals."""
     call = Call("ag_attention", axis_name)
     problem, cfg = _resolved(call, q, k, config, axis_name)
     b, sq, hq, d = q.shape
@@ -507,9 +511,6 @@ def _launch_backward(q, k, v, out, lse, dout, *, axis_name, causal=True, config=
     return (dq, dk, dv), None
 
 
-_FUSED_BACKWARD = DistributedOp("ag_attention", forward=_launch_backward)
-
-
 def _local(q, k, v, *, axis_name, causal=True, config=None):
     del axis_name, config
     if q.dtype == jnp.float16 and runtime().platform == "cpu":
@@ -525,15 +526,14 @@ def _check_config(q, k, v, *, axis_name, causal=True, config):
     _resolved(Call("ag_attention", axis_name), q, k, config, axis_name)
 
 
-_AG_ATTENTION = DistributedOp("ag_attention", forward=_forward, backward=_backward,
-                              check=_check, local=_local, check_config=_check_config)
 # A group of one rank on GPUs runs the kernels too: JAX's dot_product_attention
 # takes XLA's unfused attention by default there (2903 us against the
 # warp-specialized kernel's 273.5 on one H200 at S = 4096, H = 32, D = 128,
 # causal, bf16) and keeps [S, S] scores for its backward. Under the Triton
 # interpreter the local computation stays (the interpreter is slow).
-_KERNEL_AG_ATTENTION = DistributedOp("ag_attention", forward=_forward, backward=_backward,
-                                     check=_check)
+_AG_ATTENTION = DistributedOp("ag_attention", forward=_forward, backward=_backward,
+                              check=_check, local=_local, local_at_world_1="interpreter",
+                              check_config=_check_config)
 
 
 def ag_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *, causal: bool = True,
@@ -581,10 +581,8 @@ def ag_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *, causal:
       >>> f = jax.jit(jax.shard_map(lambda q, k, v: jaxtdist.ag_attention(q, k, v, "sp"),
       ...             mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec))
     """
-    kernels = kernels_at_world_1(runtime(), axis_name, "ag_attention")
-    op = _KERNEL_AG_ATTENTION if kernels else _AG_ATTENTION
-    return op(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), axis_name=axis_name,
-              causal=static_bool("ag_attention", "causal", causal), config=config)
+    return _AG_ATTENTION(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), axis_name=axis_name,
+                         causal=static_bool("ag_attention", "causal", causal), config=config)
 
 
 ag_attention_sharded = pjit_wrapper(

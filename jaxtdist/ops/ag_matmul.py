@@ -20,14 +20,14 @@ from jaxtdist.ops._ag_matmul_config import (AgMatmulConfig, flattens, split_n_ta
 from jaxtdist.ops._config import Problem, resolve
 from jaxtdist.ops._gemm_config import weights_k_major
 from jaxtdist.ops._inbox import push_to_inboxes
-from jaxtdist.ops._partial_sums import matmul_rs_kernels
+from jaxtdist.ops._partial_sums import rs_launch
 from jaxtdist.ops._precision import kernel_operands
 from jaxtdist.ops.all_gather import _forward as all_gather_forward
-from jaxtdist.ops._op import (DistributedOp, one_call_per_element, pjit_wrapper, rows_over,
-                              scatter_cotangent)
+from jaxtdist.ops._op import DistributedOp, one_call_per_element, scatter_cotangent
 from jaxtdist.ops._protocol import Call, varying_axes
 from jaxtdist.ops._shapes import (GatherWorkspace, InboxWorkspace, SplitKWorkspace,
                                   StreamKWorkspace, check_dtype)
+from jaxtdist.ops._sharded import pjit_wrapper, rows_over
 
 __all__ = ["ag_matmul", "ag_matmul_sharded", "ag_matmul_with_gathered"]
 
@@ -285,7 +285,7 @@ def _backward(residuals, dy, *, axis_name, config=None, regather=False):
     axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
     have = varying_axes(dy)
     if have is None or set(axes) <= set(have):
-        dx = one_call_per_element(lambda a, b: matmul_rs_kernels(a, b, axis_name))(dy, w.T)
+        dx = one_call_per_element(lambda a, b: rs_launch(a, b, axis_name))(dy, w.T)
     else:
         dx = scatter_cotangent(jnp.dot(dy, w.T, preferred_element_type=jnp.float32),
                                axis_name, 0)

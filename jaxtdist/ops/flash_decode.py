@@ -2,11 +2,12 @@
 sharded by position across the ranks of a group, in one launch per call.
 
 Shapes (``_check``), plan (``FlashDecodeConfig``, ``DecodeWorkspace``), launch
-(``flash_decode_kernels``), the local computation (``_local``, also the float32
-reference's formula); ``DistributedOp`` supplies program order, world 1 and the
-``TypeError`` on differentiation; ``pjit_wrapper`` the pjit-style form. At world 1
-on GPUs the kernel runs, with the local computation's VJP as its backward
-(``_op.kernels_at_world_1``). The kernel is ``kernels/flash_decode.py``.
+(``_forward``), the local computation (``_local``, also the float32 reference's
+formula); ``DistributedOp`` supplies program order, world 1 and the ``TypeError``
+on differentiation; ``pjit_wrapper`` the pjit-style form. A paged cache is the
+same op with a ``block_table``. At world 1 on GPUs the kernel runs, with the local
+computation's VJP as its backward (``local_at_world_1="interpreter"``). The
+kernel is ``kernels/flash_decode.py``.
 """
 
 from __future__ import annotations
@@ -21,12 +22,11 @@ import numpy as np
 
 from jaxtdist.kernels.flash_decode import flash_decode_kernel
 from jaxtdist.ops._config import KernelConfig, Problem, resolve
-from jaxtdist.ops._op import (DistributedOp, _typed_as_sum, kernels_at_world_1, mesh_devices,
-                              pjit_wrapper,
-                              rows_over)
+from jaxtdist.ops._op import DistributedOp
 from jaxtdist.ops._precision import dot_precision
 from jaxtdist.ops._protocol import Call, check_axis
 from jaxtdist.ops._shapes import align, check_dtype, next_pow2
+from jaxtdist.ops._sharded import mesh_devices, pjit_wrapper, rows_over
 from jaxtdist.runtime._runtime import runtime
 
 __all__ = ["DecodeWorkspace", "FlashDecodeConfig", "decode_attention", "flash_decode",
@@ -175,12 +175,15 @@ class DecodeWorkspace:
 
 # -- shapes ----------------------------------------------------------------------
 
-def _check(q, k, v, kv_len, *, axis_name, config=None) -> None:
+def _check(q, k, v, kv_len, block_table=None, *, axis_name, config=None,
+           trace=False) -> None:
+    """The arguments (arrays); a paged cache's pages, then its contiguous view."""
     del config
-    for name, a in (("q", q), ("k", k), ("v", v), ("kv_len", kv_len)):
-        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
-            raise ValueError(f"jaxtdist.flash_decode: {name} must be an array, got "
-                             f"{type(a).__name__}")
+    if not isinstance(trace, bool):
+        raise ValueError(f"jaxtdist.flash_decode: trace={trace!r} must be a bool")
+    if block_table is not None:
+        _check_pages(k, v, block_table, batch=(q.shape or (None,))[0])
+        k, v = _as_contiguous(k, block_table), _as_contiguous(v, block_table)
     if q.ndim != 3 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"jaxtdist.flash_decode: expected q [B, Hq, D] and k, v [B, S_shard, "
                          f"Hkv, D], got q{q.shape}, k{k.shape}, v{v.shape}")
@@ -213,11 +216,11 @@ def _check(q, k, v, kv_len, *, axis_name, config=None) -> None:
     check_axis(runtime(), axis_name, "flash_decode")
 
 
-def _check_paged(q, k, v, kv_len, block_table, *, axis_name, config=None) -> None:
+def _check_pages(k, v, block_table, batch: int) -> None:
     """The paged form: k, v [num_pages, page, Hkv, D], block_table [B, pages] int32."""
-    if getattr(block_table, "ndim", None) != 2 or block_table.shape[0] != q.shape[0]:
+    if getattr(block_table, "ndim", None) != 2 or block_table.shape[0] != batch:
         raise ValueError(f"jaxtdist.flash_decode: block_table must be [B, pages] with B = "
-                         f"{q.shape[0]}, got shape {getattr(block_table, 'shape', None)}")
+                         f"{batch}, got shape {getattr(block_table, 'shape', None)}")
     if jnp.dtype(block_table.dtype) != jnp.int32:
         raise ValueError(f"jaxtdist.flash_decode: block_table has dtype "
                          f"{jnp.dtype(block_table.dtype).name}; it must be int32")
@@ -231,9 +234,6 @@ def _check_paged(q, k, v, kv_len, block_table, *, axis_name, config=None) -> Non
         # clamping ids into [0, num_pages) would then read outside it.)
         raise ValueError(f"jaxtdist.flash_decode: empty page pool k{k.shape}; "
                          "[num_pages, page, Hkv, D] needs at least one page of one position")
-    # The rest as for a contiguous cache of B sequences of pages * page positions.
-    _check(q, _as_contiguous(k, block_table), _as_contiguous(v, block_table), kv_len,
-           axis_name=axis_name, config=config)
 
 
 def _as_contiguous(cache, block_table):
@@ -275,25 +275,9 @@ def _problem(call: Call, q, k) -> Problem:
 
 # -- launch ----------------------------------------------------------------------
 
-def flash_decode_kernels(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array,
-                         axis_name, *, block_table: jax.Array | None = None,
-                         config: dict | None = None, trace: bool = False):
-    """flash_decode's kernel, at world 1 too (for benchmarks and tests); not differentiable.
-
-    ``config`` overrides the defaults (``FlashDecodeConfig``) and skips the tuning cache.
-    With ``trace`` (a probe's view) also returns the kernel's int32 [programs, 6]
-    clock stamps (see ``kernels/flash_decode.flash_decode_kernel``).
-    """
-    if not isinstance(trace, bool):
-        raise ValueError(f"jaxtdist.flash_decode: trace={trace!r} must be a bool")
-    q, k, v, kv_len = (jnp.asarray(a) for a in (q, k, v, kv_len))
-    if block_table is None:
-        _check(q, k, v, kv_len, axis_name=axis_name)
-        cache = k
-    else:
-        block_table = jnp.asarray(block_table)
-        _check_paged(q, k, v, kv_len, block_table, axis_name=axis_name)
-        cache = _as_contiguous(k, block_table)
+def _forward(q, k, v, kv_len, block_table=None, *, axis_name, config=None, trace=False):
+    """The kernel's output (with ``trace``, and its clock stamps); no residuals."""
+    cache = k if block_table is None else _as_contiguous(k, block_table)
     call = Call("flash_decode", axis_name)
     problem = _problem(call, q, cache)
     cfg = resolve(FlashDecodeConfig, problem, call.rt, config, axis_name=axis_name)
@@ -326,11 +310,26 @@ def flash_decode_kernels(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.A
         DOT_PRECISION=dot_precision(q.dtype, call.platform, problem.vendor),
         PAGE=0 if block_table is None else k.shape[1],
         NUM_PAGES=k.shape[0], TRACE=trace, GP=plan.rows, WP=next_pow2(call.world))
-    return (out, stamped) if trace else out
+    return ((out, stamped) if trace else out), None
 
 
-def _forward(q, k, v, kv_len, *, axis_name, config=None):
-    return flash_decode_kernels(q, k, v, kv_len, axis_name, config=config), None
+def flash_decode_kernels(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array,
+                         axis_name, *, block_table: jax.Array | None = None,
+                         config: dict | None = None, trace: bool = False):
+    """flash_decode's kernel, at world 1 too (for benchmarks and tests); not differentiable.
+
+    ``config`` overrides the defaults (``FlashDecodeConfig``) and skips the tuning cache.
+    With ``trace`` (a probe's view) also returns the kernel's int32 [programs, 6]
+    clock stamps (see ``kernels/flash_decode.flash_decode_kernel``).
+    """
+    return _FLASH_DECODE.kernels(*_operands(q, k, v, kv_len, block_table),
+                                 axis_name=axis_name, config=config, trace=trace)
+
+
+def _operands(q, k, v, kv_len, block_table) -> tuple:
+    """The op's arguments as arrays (``block_table`` None: a contiguous cache)."""
+    arrays = tuple(jnp.asarray(a) for a in (q, k, v, kv_len))
+    return arrays + (None if block_table is None else jnp.asarray(block_table),)
 
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array,
@@ -370,81 +369,32 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array
     return o.reshape(b, hq, d).astype(q.dtype)
 
 
-def _check_config(q, k, v, kv_len, *, axis_name, config):
-    """``config`` resolved for the contiguous cache ``k`` (DistributedOp.check_config)."""
+def _check_config(q, k, v, kv_len, block_table=None, *, axis_name, config):
+    """``config`` resolved for the cache (a paged one's contiguous view), as the kernel
+    would (DistributedOp.check_config)."""
     del v, kv_len
+    cache = k if block_table is None else _as_contiguous(k, block_table)
     call = Call("flash_decode", axis_name)
-    resolve(FlashDecodeConfig, _problem(call, q, jax.ShapeDtypeStruct(k.shape, q.dtype)),
+    resolve(FlashDecodeConfig, _problem(call, q, jax.ShapeDtypeStruct(cache.shape, q.dtype)),
             call.rt, config, axis_name=axis_name)
 
 
-def _local(q, k, v, kv_len, *, axis_name, config=None):
+def _local(q, k, v, kv_len, block_table=None, *, axis_name, config=None):
     del axis_name, config
+    if block_table is not None:
+        k, v = _gather_pages(k, block_table), _gather_pages(v, block_table)
     return decode_attention(q, k, v, _int32_lengths(kv_len))
 
 
+# At world 1 on GPUs the kernel runs, differentiated by the local computation's VJP
+# (recomputed from the inputs): the local computation zeroes K and V past the
+# length (two copies of the cache): on one H100 (B=1, Hq=32, Hkv=8, D=128, bf16) it
+# took 43.4 / 155.2 / 571.9 us at 8K / 32K / 128K positions, the kernel (which never
+# reads past the length) 13.3 / 52.2 / 180.8. Under the Triton interpreter the local
+# computation stays (the interpreter is slow).
 _FLASH_DECODE = DistributedOp("flash_decode", forward=_forward, check=_check, local=_local,
-                              reduces=True, check_config=_check_config)
-
-
-def _paged_forward(q, k, v, kv_len, block_table, *, axis_name, config=None):
-    return flash_decode_kernels(q, k, v, kv_len, axis_name, block_table=block_table,
-                                config=config), None
-
-
-def _paged_local(q, k, v, kv_len, block_table, *, axis_name, config=None):
-    del axis_name, config
-    return decode_attention(q, _gather_pages(k, block_table), _gather_pages(v, block_table),
-                            _int32_lengths(kv_len))
-
-
-def _check_paged_config(q, k, v, kv_len, block_table, *, axis_name, config):
-    """``config`` resolved for the cache the pages hold (DistributedOp.check_config)."""
-    _check_config(q, _as_contiguous(k, block_table), v, kv_len, axis_name=axis_name,
-                  config=config)
-
-
-_PAGED_DECODE = DistributedOp("flash_decode", forward=_paged_forward, check=_check_paged,
-                              local=_paged_local, reduces=True,
-                              check_config=_check_paged_config)
-
-
-# -- world 1 on GPUs: the kernel forward, the local computation's VJP backward --------
-#
-# The local computation zeroes K and V past the length (two copies of the cache):
-# on one H100 (B=1, Hq=32, Hkv=8, D=128, bf16) it took 43.4 / 155.2 / 571.9 us at
-# 8K / 32K / 128K positions, the kernel (which never reads past the length) 13.3 /
-# 52.2 / 180.8. So on GPUs a group of one rank runs the kernel, and its backward
-# differentiates the local computation, recomputed from the inputs. Under the
-# Triton interpreter the local computation stays (the interpreter is slow).
-
-def _with_inputs(forward):
-    """``forward`` keeping its array arguments as the residuals (the backward
-    recomputes the local computation from them)."""
-    def with_inputs(*arrays, axis_name, config=None):
-        return forward(*arrays, axis_name=axis_name, config=config)[0], arrays
-    return with_inputs
-
-
-def _local_vjp(local):
-    """The backward of ``local``'s VJP: cotangents of q, k and v; none for kv_len and
-    block_table (integers)."""
-    def backward(residuals, ct, *, axis_name, config=None):
-        q, k, v, *rest = residuals
-        axes = check_axis(runtime(), axis_name, "flash_decode").axes
-        # Typed as the kernel's result is (psum's type: not varying over the
-        # group), so that ct's type is the one the VJP expects.
-        _, vjp = jax.vjp(lambda q, k, v: _typed_as_sum(
-            local(q, k, v, *rest, axis_name=axis_name, config=config), axes), q, k, v)
-        return vjp(ct) + (None,) * len(rest)
-    return backward
-
-
-_KERNEL_DECODE = DistributedOp("flash_decode", forward=_with_inputs(_forward), primal=_forward,
-                               backward=_local_vjp(_local), check=_check, reduces=True)
-_KERNEL_PAGED_DECODE = DistributedOp(
-    "flash_decode", forward=_with_inputs(_paged_forward), primal=_paged_forward,
-    backward=_local_vjp(_paged_local), check=_check_paged, reduces=True)
+                              local_at_world_1="interpreter", reduces=True,
+                              check_config=_check_config)
 
 
 def flash_decode(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array, axis_name, *,
@@ -498,13 +448,8 @@ def flash_decode(q: jax.Array, k: jax.Array, v: jax.Array, kv_len: jax.Array, ax
       ...     lambda q, k, v, n: jaxtdist.flash_decode(q, k, v, n, "sp"), mesh=mesh,
       ...     in_specs=(P(), P(None, "sp"), P(None, "sp"), P()), out_specs=P()))
     """
-    arrays = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(kv_len))
-    kernels = kernels_at_world_1(runtime(), axis_name, "flash_decode")
-    if block_table is not None:
-        op = _KERNEL_PAGED_DECODE if kernels else _PAGED_DECODE
-        return op(*arrays, jnp.asarray(block_table), axis_name=axis_name, config=config)
-    return (_KERNEL_DECODE if kernels else _FLASH_DECODE)(*arrays, axis_name=axis_name,
-                                                          config=config)
+    return _FLASH_DECODE(*_operands(q, k, v, kv_len, block_table), axis_name=axis_name,
+                         config=config)
 
 
 # -- pjit-style ---------------------------------------------------------------------
@@ -526,10 +471,6 @@ def _positions_spec(axis, batch):
 
 def _pages_spec(axis, batch):
     return jax.sharding.PartitionSpec(rows_over(axis, batch))
-
-
-def _paged_per_rank(q, k, v, kv_len, block_table, axis_name, *, config=None):
-    return flash_decode(q, k, v, kv_len, axis_name, block_table=block_table, config=config)
 
 
 def _check_paged_sharded(q, k, v, kv_len, block_table, *, axis_name, batch_axes, mesh,
@@ -573,7 +514,9 @@ _decode_sharded = pjit_wrapper(
                                   _positions_spec(axis, batch), _batch_spec(axis, batch)),
     out_specs=_batch_spec)
 _paged_decode_sharded = pjit_wrapper(
-    _paged_per_rank, name="flash_decode_sharded",
+    lambda q, k, v, kv_len, block_table, axis_name, **static: flash_decode(
+        q, k, v, kv_len, axis_name, block_table=block_table, **static),
+    name="flash_decode_sharded",
     in_specs=lambda axis, batch: (_batch_spec(axis, batch), _pages_spec(axis, batch),
                                   _pages_spec(axis, batch), _batch_spec(axis, batch),
                                   _positions_spec(axis, batch)),

@@ -1,7 +1,7 @@
 """jaxtdist.grouped_matmul: the local grouped GEMM (MoE experts) on the GEMM core.
 
 Shapes (``_check``), plan (``GroupedMatmulConfig``), launch
-(``grouped_matmul_kernels``) and backward (dx on the same kernel, dw on
+(``_forward``) and backward (dx on the same kernel, dw on
 ``grouped_dw_kernel``);
 ``DistributedOp`` supplies program order, remat safety and the custom_vjp.
 The op is local: it runs in a group of one device (``axis_name=()``, world
@@ -209,10 +209,6 @@ class GroupedMatmulConfig(KernelConfig):
 
 def _check(x, w, group_sizes, *, axis_name=_LOCAL, config=None) -> None:
     del axis_name, config
-    for name, a in (("x", x), ("w", w), ("group_sizes", group_sizes)):
-        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
-            raise ValueError(f"jaxtdist.grouped_matmul: {name} must be an array, got "
-                             f"{type(a).__name__}")
     if x.ndim != 2 or w.ndim != 3 or group_sizes.ndim != 1:
         raise ValueError(f"jaxtdist.grouped_matmul: expected x [R, H], w [G, H, F] and "
                          f"group_sizes [G], got x{x.shape}, w{w.shape}, "
@@ -246,9 +242,8 @@ def grouped_matmul_kernels(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *
     ``config`` overrides the defaults (``GroupedMatmulConfig``) and skips the
     tuning cache.
     """
-    x, w, group_sizes = (jnp.asarray(a) for a in (x, w, group_sizes))
-    _check(x, w, group_sizes)
-    return _launch(x, w, group_sizes, config, w_t=False)
+    return _GROUPED_MATMUL.kernels(*(jnp.asarray(a) for a in (x, w, group_sizes)),
+                                   axis_name=_LOCAL, config=config)
 
 
 def _launch(x, w, group_sizes, config, *, w_t: bool) -> jax.Array:
@@ -319,7 +314,10 @@ def _run(call, problem, cfg, kernel, a, b, group_sizes, out_shape, tma: bool, pr
 
 def _forward(x, w, group_sizes, *, axis_name=_LOCAL, config=None):
     del axis_name
-    return grouped_matmul_kernels(x, w, group_sizes, config=config), (x, w, group_sizes)
+    if group_sizes.dtype != jnp.int32:  # int64 (x64 on), uint32: clip at R rather than wrap
+        group_sizes = jnp.clip(group_sizes, 0, x.shape[0])
+    group_sizes = group_sizes.astype(jnp.int32)
+    return _launch(x, w, group_sizes, config, w_t=False), (x, w, group_sizes)
 
 
 def _backward(residuals, ct, *, axis_name=_LOCAL, config=None):
@@ -381,10 +379,5 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
       ...                           in_specs=(P(), P(), P()), out_specs=P()))
       >>> y = f(x, w, sizes)   # == jax.lax.ragged_dot(x, w, sizes)
     """
-    x, w, group_sizes = (jnp.asarray(a) for a in (x, w, group_sizes))
-    _check(x, w, group_sizes)
-    if group_sizes.dtype != jnp.int32:  # int64 (x64 on), uint32: clip at R rather than wrap
-        group_sizes = jnp.clip(group_sizes, 0, x.shape[0])
-    group_sizes = group_sizes.astype(jnp.int32)
-    return _GROUPED_MATMUL(x, w, group_sizes, axis_name=_LOCAL,
+    return _GROUPED_MATMUL(*(jnp.asarray(a) for a in (x, w, group_sizes)), axis_name=_LOCAL,
                            config=config)

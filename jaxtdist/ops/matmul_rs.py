@@ -18,21 +18,23 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxtdist.ops._op import DistributedOp, one_call_per_element, pjit_wrapper, rows_over
+from jaxtdist.ops._op import DistributedOp, one_call_per_element
 from jaxtdist.ops._partial_sums import (MatmulArConfig, MatmulRsConfig, _ar_check, _rs_check,
-                                        matmul_ar_kernels, matmul_rs_kernels, resolved_config)
+                                        ar_launch, matmul_ar_kernels, matmul_rs_kernels,
+                                        resolved_config, rs_launch)
 from jaxtdist.ops._protocol import Call, varying_axes
+from jaxtdist.ops._sharded import pjit_wrapper, rows_over
 from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered
 from jaxtdist.ops.all_reduce import all_reduce
 from jaxtdist.runtime._runtime import runtime
 
-__all__ = ["MatmulArConfig", "MatmulRsConfig", "matmul_ar", "matmul_ar_sharded", "matmul_rs",
-           "matmul_rs_sharded"]
+__all__ = ["MatmulArConfig", "MatmulRsConfig", "matmul_ar", "matmul_ar_kernels", "matmul_ar_sharded",
+           "matmul_rs", "matmul_rs_kernels", "matmul_rs_sharded"]
 
 # -- matmul_rs -------------------------------------------------------------------
 
 def _rs_forward(x, w, *, axis_name, config=None):
-    return matmul_rs_kernels(x, w, axis_name, config=config), (x, w)
+    return rs_launch(x, w, axis_name, config=config), (x, w)
 
 
 def _rs_backward(residuals, dy, *, axis_name, config=None):
@@ -98,7 +100,7 @@ def matmul_rs(x: jax.Array, w: jax.Array, axis_name, *, config: dict | None = No
 # -- matmul_ar -------------------------------------------------------------------
 
 def _ar_forward(x, w, *, axis_name, config=None):
-    return matmul_ar_kernels(x, w, axis_name, config=config), (x, w)
+    return ar_launch(x, w, axis_name, config=config), (x, w)
 
 
 def _ar_backward(residuals, dy, *, axis_name, config=None):

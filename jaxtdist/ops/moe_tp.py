@@ -27,10 +27,10 @@ from jax.sharding import PartitionSpec as P
 from jaxtdist._errors import HeapExhaustedError
 from jaxtdist.ops._expert_order import expert_order, sum_pairs
 from jaxtdist.ops._moe_tp_overlap import overlapped_forward
-from jaxtdist.ops._op import (DistributedOp, first_order_only, pjit_wrapper, rows_over, run_once,
-                              under_vmap)
+from jaxtdist.ops._op import DistributedOp, first_order_only, run_once, under_vmap
 from jaxtdist.ops._protocol import check_axis, check_inside_shard_map
 from jaxtdist.ops._shapes import check_dtype, static_bool
+from jaxtdist.ops._sharded import pjit_wrapper, rows_over
 from jaxtdist.ops.all_gather import all_gather
 from jaxtdist.ops.grouped_matmul import MAX_GROUPS, grouped_matmul
 from jaxtdist.ops.reduce_scatter import reduce_scatter
