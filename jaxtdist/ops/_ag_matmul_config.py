@@ -14,10 +14,9 @@ settings that kernel has (``AgMatmulConfig`` holds those all three share):
   kernel with every SM in the GEMM, fed by the copy engines, with a split-N or
   stream-K tail.
 
-A ``config=`` dict names the variant with TMA and PRODUCER (else the default
-rule's pick stays); its other keys must be the variant's, or values of another
-variant's setting that ask nothing (e.g. STREAM_K=False): ``replace`` names the
-variant that has a key asked for otherwise.
+A ``config=`` dict selects the variant with TMA and PRODUCER (else the default
+rule's pick stays); a key of another variant is refused (``replace``) unless its
+value asks nothing (e.g. STREAM_K=False).
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from jaxtdist.ops._config import (KernelConfig, Problem, block, check_setting, check_settings,
-                                  setting, stages, warps)
+                                  setting)
 from jaxtdist.ops._gemm_config import default_tiles
 from jaxtdist.ops._shapes import next_pow2
 
@@ -102,20 +101,17 @@ class AgMatmulConfig(KernelConfig):
     OP: ClassVar[str] = "ag_matmul"
     TMA: ClassVar[bool]
     PRODUCER: ClassVar[str]
-    # How a dict selects this variant, and what the variant is (for errors).
-    SELECT: ClassVar[str]
-    ROLE: ClassVar[str]
 
     BLOCK_M: int = block(128, low=1)
     BLOCK_N: int = block(128, low=1)
     BLOCK_K: int = block(64, low=1)
-    GROUP_M: int = 8
-    NUM_COMM: int = 16
+    GROUP_M: int = setting(8)
+    NUM_COMM: int = setting(16)
     CHUNK_ROWS: int = setting(0, low=0, pow2=True)
     COPY_BLOCK_C: int = setting(128, pow2=True)
     SCOPE: str = setting("sys", choices=("sys", "gpu"))
-    num_warps: int = warps(8)
-    num_stages: int = stages(3)
+    num_warps: int = 8
+    num_stages: int = 3
 
     @property
     def chunk_rows(self) -> int:
@@ -143,13 +139,7 @@ class AgMatmulConfig(KernelConfig):
                              f"{sorted(known)}")
         check_settings(self.OP, _Selectors, changes)
         tma, producer = changes.get("TMA", self.TMA), changes.get("PRODUCER", self.PRODUCER)
-        if producer == "ce" and not tma:
-            raise ValueError("jaxtdist.ag_matmul: config PRODUCER='ce' needs TMA=True (the copy "
-                             "engines feed the persistent TMA kernel only)")
-        if producer == "push" and tma:
-            raise ValueError("jaxtdist.ag_matmul: config PRODUCER='push' needs TMA=False (SM "
-                             "pushes feed the pointer kernel only; the TMA kernel's pushes are "
-                             "PRODUCER='ce')")
+        _check_producer(tma, producer)
         target = (AgPointerConfig if not tma else
                   AgCopyEngineConfig if producer == "ce" else AgTmaConfig)
         own = set(target.keys())
@@ -286,8 +276,6 @@ class AgPointerConfig(AgMatmulConfig):
     """
     variant: ClassVar[str] = "pointer"
     TMA: ClassVar[bool] = False
-    SELECT: ClassVar[str] = "TMA=False"
-    ROLE: ClassVar[str] = "the pointer kernel's setting"
 
     PRODUCER: str = setting("sm", choices=PRODUCERS)
     SPLIT_K: int = setting(1, inert=(1,))
@@ -295,9 +283,7 @@ class AgPointerConfig(AgMatmulConfig):
 
     def check(self, problem: Problem) -> None:
         m_shard, _, k = problem.shape
-        if self.PRODUCER == "ce":
-            raise ValueError("jaxtdist.ag_matmul: config PRODUCER='ce' needs TMA=True (the copy "
-                             "engines feed the persistent TMA kernel only)")
+        _check_producer(self.TMA, self.PRODUCER)
         if self.ALL_ROWS and self.BLOCK_M < problem.world * m_shard:
             raise ValueError(f"jaxtdist.ag_matmul: ALL_ROWS needs BLOCK_M >= world * m_shard "
                              f"= {problem.world * m_shard}, got BLOCK_M={self.BLOCK_M}")
@@ -319,8 +305,6 @@ class AgTmaConfig(AgMatmulConfig):
     variant: ClassVar[str] = "tma"
     TMA: ClassVar[bool] = True
     PRODUCER: ClassVar[str] = "sm"
-    SELECT: ClassVar[str] = "TMA=True"
-    ROLE: ClassVar[str] = "a setting of the TMA kernels"
 
     SUBTILE: int = setting(2, choices=(1, 2, 4), inert=(1,))
 
@@ -354,8 +338,6 @@ class AgCopyEngineConfig(AgTmaConfig):
     """
     variant: ClassVar[str] = "ce"
     PRODUCER: ClassVar[str] = "ce"
-    SELECT: ClassVar[str] = "PRODUCER='ce'"
-    ROLE: ClassVar[str] = "the copy-engine kernel's setting (TMA=True, PRODUCER='ce')"
 
     STREAM_K: Any = setting("auto", kind="bool", auto=True, inert=("auto", False))
     TAIL_SPLIT_N: Any = setting("auto", kind="int", pow2=True, auto=True, inert=("auto", 1),
@@ -385,6 +367,19 @@ class AgCopyEngineConfig(AgTmaConfig):
 
 
 _VARIANTS = (AgPointerConfig, AgTmaConfig, AgCopyEngineConfig)
+# The setting a dict selects each variant by, as errors name it.
+_SELECTS = {"pointer": "TMA=False", "tma": "TMA=True", "ce": "PRODUCER='ce', TMA=True"}
+
+
+def _check_producer(tma: bool, producer: str) -> None:
+    """PRODUCER "ce" needs the TMA kernel, "push" the pointer kernel."""
+    if producer == "ce" and not tma:
+        raise ValueError("jaxtdist.ag_matmul: config PRODUCER='ce' needs TMA=True (the copy "
+                         "engines feed the persistent TMA kernel only)")
+    if producer == "push" and tma:
+        raise ValueError("jaxtdist.ag_matmul: config PRODUCER='push' needs TMA=False (SM pushes "
+                         "feed the pointer kernel only; the TMA kernel's pushes are "
+                         "PRODUCER='ce')")
 
 
 def _refuse_foreign(key: str, value: Any, target: type[AgMatmulConfig]) -> None:
@@ -394,8 +389,9 @@ def _refuse_foreign(key: str, value: Any, target: type[AgMatmulConfig]) -> None:
     field = next(f for f in dataclasses.fields(owner) if f.name == key)
     check_setting(AgMatmulConfig.OP, field, value)
     if value not in field.metadata.get("inert", ()):
-        raise ValueError(f"jaxtdist.ag_matmul: config {key}={value!r} needs {owner.SELECT} "
-                         f"({owner.ROLE}; this config runs the {target.variant} kernel)")
+        raise ValueError(f"jaxtdist.ag_matmul: config {key}={value!r} needs "
+                         f"{_SELECTS[owner.variant]} (a setting of the {owner.variant} kernel "
+                         f"only; this config runs the {target.variant} kernel)")
 
 
 def _gpu_candidates(problem: Problem) -> list[dict]:

@@ -204,7 +204,7 @@ _MAX_INT = (1 << 31) - 1
 _KINDS = {"int": "an int", "bool": "True or False", "str": "a string"}
 
 
-def setting(default: Any, *, kind: str | None = None, low: int | None = None,
+def setting(default: Any, *, kind: str | None = None, low: int = 1,
             high: int | None = None, high_is: str = "", pow2: bool = False,
             choices: tuple = (), auto: bool = False, inert: tuple = (), note: str = "") -> Any:
     """A config field with its allowed values declared (``check_settings`` checks them).
@@ -212,7 +212,7 @@ def setting(default: Any, *, kind: str | None = None, low: int | None = None,
     Args:
       default: the field's default.
       kind: "int", "bool" or "str" (default: the field's annotation).
-      low, high: bounds of an int (``low`` defaults to 1; every int fits int32).
+      low, high: bounds of an int (every int must fit int32).
       high_is: what ``high`` is, for the error past it.
       pow2: an int must be a power of 2.
       choices: the only values allowed.
@@ -234,13 +234,17 @@ def block(default: int, low: int = 16) -> Any:
 
 
 def warps(default: int) -> Any:
-    """The ``num_warps`` launch option."""
+    """A ``num_warps`` launch option (fields named ``num_warps`` need no declaration)."""
     return setting(default, choices=(1, 2, 4, 8, 16, 32))
 
 
 def stages(default: int) -> Any:
-    """The ``num_stages`` launch option."""
+    """A ``num_stages`` launch option (fields named ``num_stages`` need no declaration)."""
     return setting(default, high=16)
+
+
+# What Triton compiles, for every config's launch options.
+_LAUNCH_LIMITS = {"num_warps": warps(4).metadata, "num_stages": stages(3).metadata}
 
 
 def check_settings(op: str, cfg: Any, values: Mapping[str, Any]) -> None:
@@ -256,12 +260,12 @@ def check_settings(op: str, cfg: Any, values: Mapping[str, Any]) -> None:
 def check_setting(op: str, field: dataclasses.Field, value: Any) -> None:
     """``value`` within what ``field`` declares (see ``setting``): else a ``ValueError``
     naming the op, the key, the value and what is allowed."""
-    meta = field.metadata
+    meta = field.metadata or _LAUNCH_LIMITS.get(field.name, {})
     kind = meta.get("kind") or getattr(field.type, "__name__", field.type)
     if meta.get("auto") and isinstance(value, str) and value == "auto":
         return
     err, note = f"jaxtdist.{op}: config {field.name}={value!r}", meta.get("note", "")
-    low = 1 if meta.get("low") is None else meta["low"]
+    low = meta.get("low", -_MAX_INT)  # a field declared without ``setting``: any int
     want = {"bool": "True or False", "str": "a string",
             "int": f"{'a power of 2' if meta.get('pow2') else 'an int'} >= {low}"}.get(kind)
     is_bool = isinstance(value, (bool, np.bool_))
@@ -278,8 +282,8 @@ def check_setting(op: str, field: dataclasses.Field, value: Any) -> None:
         raise ValueError(f"{err} must be {want}{note}")
     high = meta.get("high")
     if kind == "int" and high is not None and value > high:
-        raise ValueError(f"{err} is past {meta['high_is']} ({high} elements)"
-                         if meta.get("high_is") else f"{err} must be an int in [{low}, {high}]{note}")
+        raise ValueError(f"{err} is past {meta['high_is']} ({high} elements)" if meta["high_is"]
+                         else f"{err} must be an int in [{low}, {high}]{note}")
     if kind == "int" and value > _MAX_INT:
         raise ValueError(f"{err} does not fit in int32")
     if meta.get("choices") and value not in meta["choices"]:

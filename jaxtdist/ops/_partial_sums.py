@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from jaxtdist.kernels.matmul_ar import matmul_ar_kernel
 from jaxtdist.kernels.matmul_rs import matmul_rs_kernel
-from jaxtdist.ops._config import KernelConfig, Problem, block, resolve, setting, stages, warps
+from jaxtdist.ops._config import KernelConfig, Problem, block, resolve, setting
 from jaxtdist.ops._gemm_config import SMEM_BUDGET, default_tiles, tma_fits, weights_k_major
 from jaxtdist.ops._precision import kernel_operands
 from jaxtdist.ops._protocol import Call, check_axis
@@ -92,15 +92,15 @@ class MatmulRsConfig(KernelConfig):
     BLOCK_M: int = block(128)
     BLOCK_N: int = block(128)
     BLOCK_K: int = block(64)
-    GROUP_M: int = 8
+    GROUP_M: int = setting(8)
     NUM_PROGRAMS: int = setting(0, low=0, note="(0: one per SM)")
     PARTIAL: str = setting("input", choices=_PARTIALS)
     TMA: bool = True
     SUBTILE: int = setting(2, choices=(1, 2, 4))
     FLATTEN: bool = True
     PUSH: str = setting("auto", choices=_PUSHES)
-    num_warps: int = warps(8)
-    num_stages: int = stages(3)
+    num_warps: int = 8
+    num_stages: int = 3
 
     @classmethod
     def default(cls, problem: Problem) -> "MatmulRsConfig":
@@ -201,13 +201,13 @@ class MatmulArConfig(KernelConfig):
     BLOCK_M: int = block(16)
     BLOCK_N: int = block(64)
     BLOCK_K: int = block(128)
-    GROUP_M: int = 1
+    GROUP_M: int = setting(1)
     TMA: bool = True
-    SPLIT_K: int = 1
+    SPLIT_K: int = setting(1)
     TWO_SHOT: bool = False
     PARTIAL: str = setting("float32", choices=_PARTIALS)
-    num_warps: int = warps(4)
-    num_stages: int = stages(4)
+    num_warps: int = 4
+    num_stages: int = 4
 
     @classmethod
     def default(cls, problem: Problem) -> "MatmulArConfig":

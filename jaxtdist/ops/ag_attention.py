@@ -87,10 +87,10 @@ class AgAttentionConfig(KernelConfig):
 
     BLOCK_M: int = block(128)
     BLOCK_N: int = block(64)
-    num_warps: int = warps(8)
-    num_stages: int = stages(3)
+    num_warps: int = 8
+    num_stages: int = 3
     GATHER: str = setting("auto", choices=("auto", "inbox", "peer"))
-    HEAD_GROUP: int = 1
+    HEAD_GROUP: int = setting(1)
     KERNEL: str = setting("auto", choices=("auto", "triton", "ws"))
     BWD_BLOCK_Q: int = setting(64, low=16, high=256, pow2=True)
     BWD_BLOCK_STEP: int = setting(64, low=16, high=256, pow2=True)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtdist.kernels.all_gather import all_gather_kernel
-from jaxtdist.ops._config import KernelConfig, Problem, block, resolve, setting, warps
+from jaxtdist.ops._config import KernelConfig, Problem, block, resolve, setting
 from jaxtdist.ops._op import DistributedOp, scatter_cotangent
 from jaxtdist.ops._protocol import Call
 from jaxtdist.ops._shapes import GatherWorkspace, check_dtype, next_pow2
@@ -38,11 +38,11 @@ class AllGatherConfig(KernelConfig):
     """
     OP: ClassVar[str] = "all_gather"
 
-    NUM_WORKERS: int = 128
-    CHUNK_ROWS: int = 64
+    NUM_WORKERS: int = setting(128)
+    CHUNK_ROWS: int = setting(64)
     BLOCK_C: int = block(256, low=1)
     SCOPE: str = setting("sys", choices=("sys", "gpu"))
-    num_warps: int = warps(4)
+    num_warps: int = 4
 
     variant: ClassVar[str] = "pull"  # peers' staged shards pulled by SM programs
 

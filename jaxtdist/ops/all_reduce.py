@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from jaxtdist.kernels.all_reduce import (all_reduce_one_shot_kernel, all_reduce_push_flags_kernel,
                                          all_reduce_push_kernel, all_reduce_two_shot_kernel)
-from jaxtdist.ops._config import KernelConfig, Problem, resolve, setting, warps
+from jaxtdist.ops._config import KernelConfig, Problem, resolve, setting
 from jaxtdist.ops._op import DistributedOp
 from jaxtdist.ops._protocol import Call, varying_axes
 from jaxtdist.ops._shapes import check_dtype
@@ -98,10 +98,10 @@ class AllReduceConfig(KernelConfig):
     # 4 x H100 one-shot took 22.7 / 34.3 / 96.1 us at 1 / 2 / 8 MiB per rank,
     # two-shot 32.1 / 37.2 / 66.1.
     ONE_SHOT_MAX_BYTES: int = setting(0, low=0)
-    NUM_PROGRAMS: int = 2
+    NUM_PROGRAMS: int = setting(2)
     BLOCK: int = setting(256, pow2=True)
     SCOPE: str = setting("sys", choices=("sys", "gpu"))
-    num_warps: int = warps(4)
+    num_warps: int = 4
 
     @property
     def variant(self) -> str:

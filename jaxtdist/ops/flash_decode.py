@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtdist.kernels.flash_decode import flash_decode_kernel
-from jaxtdist.ops._config import KernelConfig, Problem, block, resolve, setting, stages, warps
+from jaxtdist.ops._config import KernelConfig, Problem, block, resolve, setting
 from jaxtdist.ops._op import (DistributedOp, _typed_as_sum, kernels_at_world_1, mesh_devices,
                               pjit_wrapper,
                               rows_over)
@@ -78,8 +78,8 @@ class FlashDecodeConfig(KernelConfig):
     BLOCK_N: int = block(64)
     NUM_SPLITS: int = setting(0, low=0, high=_MAX_SPLITS, note="(0: chosen from the SMs and the "
                               "sequence; the merge is unrolled over the splits)")
-    num_warps: int = warps(4)
-    num_stages: int = stages(3)
+    num_warps: int = 4
+    num_stages: int = 3
 
     @classmethod
     def default(cls, problem: Problem) -> "FlashDecodeConfig":

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtdist.kernels.grouped_gemm import grouped_dw_kernel, grouped_gemm_kernel
-from jaxtdist.ops._config import KernelConfig, Problem, block, resolve, setting, stages, warps
+from jaxtdist.ops._config import KernelConfig, Problem, block, resolve, setting
 from jaxtdist.ops._gemm_config import default_tiles, stages_for, tma_fits, weights_k_major
 from jaxtdist.ops._op import DistributedOp, one_call_per_element
 from jaxtdist.ops._precision import kernel_operands
@@ -99,12 +99,12 @@ class GroupedMatmulConfig(KernelConfig):
     BLOCK_M: int = block(128)
     BLOCK_N: int = block(256)
     BLOCK_K: int = block(64)
-    GROUP_M: int = 8
+    GROUP_M: int = setting(8)
     NUM_PROGRAMS: int = setting(0, low=0)
     SUBTILE: int = setting(4, choices=(1, 2, 4))
     SPLIT_K: int = setting(1, high=MAX_SPLIT_K, note="(K ranges per output tile)")
-    num_warps: int = warps(8)
-    num_stages: int = stages(3)
+    num_warps: int = 8
+    num_stages: int = 3
 
     @classmethod
     def default(cls, problem: Problem) -> "GroupedMatmulConfig":

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtdist.kernels.reduce_scatter import reduce_scatter_kernel
-from jaxtdist.ops._config import KernelConfig, Problem, resolve, setting, warps
+from jaxtdist.ops._config import KernelConfig, Problem, resolve, setting
 from jaxtdist.ops._op import DistributedOp
 from jaxtdist.ops._protocol import Call, check_axis
 from jaxtdist.ops._shapes import align, check_dtype, next_pow2
@@ -93,10 +93,10 @@ class ReduceScatterConfig(KernelConfig):
     OP: ClassVar[str] = "reduce_scatter"
     variant: ClassVar[str] = "pull"  # peers' staged chunks pulled and summed
 
-    NUM_PROGRAMS: int = 2
+    NUM_PROGRAMS: int = setting(2)
     BLOCK: int = setting(256, pow2=True)
     SCOPE: str = setting("sys", choices=("sys", "gpu"))
-    num_warps: int = warps(4)
+    num_warps: int = 4
 
     @classmethod
     def default(cls, problem: Problem) -> "ReduceScatterConfig":
