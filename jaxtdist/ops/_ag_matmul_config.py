@@ -62,17 +62,14 @@ def _prev_pow2(n: int) -> int:
     return 1 << max(0, int(n).bit_length() - 1)
 
 
-def tma_misfits(m_shard: int, n: int | None, k: int, itemsize: int, block_m: int) -> list[str]:
-    """What a shape lacks for the TMA kernels (empty: it fits). Row tiles must not
-    cross into the next rank's rows; descriptor strides must be 16-byte multiples."""
-    misfits = []
+def tma_misfit(m_shard: int, n: int, k: int, itemsize: int, block_m: int) -> str:
+    """What a shape lacks for the TMA kernels ("": it fits). Row tiles must not cross
+    into the next rank's rows; descriptor strides must be 16-byte multiples."""
     if m_shard % block_m:
-        misfits.append(f"m_shard={m_shard} to be a multiple of BLOCK_M={block_m}")
+        return f"m_shard={m_shard} to be a multiple of BLOCK_M={block_m}"
     if k * itemsize % 16:
-        misfits.append(f"rows of x ({k} elements) to be a multiple of 16 bytes")
-    if n is not None and n * itemsize % 16:
-        misfits.append(f"rows of w ({n} elements) to be a multiple of 16 bytes")
-    return misfits
+        return f"rows of x ({k} elements) to be a multiple of 16 bytes"
+    return f"rows of w ({n} elements) to be a multiple of 16 bytes" if n * itemsize % 16 else ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +109,11 @@ class AgMatmulConfig(KernelConfig):
     SCOPE: str = setting("sys", choices=("sys", "gpu"))
     num_warps: int = 8
     num_stages: int = 3
+
+    def __post_init__(self):
+        if type(self) is AgMatmulConfig:
+            raise TypeError("AgMatmulConfig holds what the variants share; build an "
+                            "AgPointerConfig, AgTmaConfig or AgCopyEngineConfig")
 
     @property
     def chunk_rows(self) -> int:
@@ -184,14 +186,14 @@ class AgMatmulConfig(KernelConfig):
         block_m = min(128, max(16, next_pow2(m_shard)))
         if m_shard <= 256:
             if (allow_tma and not wide and m_shard % 128 == 0
-                    and not tma_misfits(m_shard, n, k, itemsize, 128)):
+                    and not tma_misfit(m_shard, n, k, itemsize, 128)):
                 return AgCopyEngineConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, NUM_COMM=16,
                                           CHUNK_ROWS=128, COPY_BLOCK_C=256, num_warps=8,
                                           num_stages=4)
             return pointer(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k,
                            CHUNK_ROWS=min(16, block_m), COPY_BLOCK_C=256, num_warps=4,
                            num_stages=3 if wide else 4)
-        if allow_tma and m_shard % 64 == 0 and not tma_misfits(m_shard, n, k, itemsize, 64):
+        if allow_tma and m_shard % 64 == 0 and not tma_misfit(m_shard, n, k, itemsize, 64):
             # The GEMM core's tile by wave quantisation (``_gemm_config``), row
             # tiles within each rank's rows.
             t = default_tiles(m_shard, world, n, k, itemsize, problem.sms, whole_row_tiles=True)
@@ -319,9 +321,8 @@ class AgTmaConfig(AgMatmulConfig):
             raise ValueError(f"jaxtdist.ag_matmul: config SUBTILE={self.SUBTILE!r} must be 1, 2 "
                              f"or 4 with BLOCK_N / SUBTILE >= 16 (BLOCK_N={self.BLOCK_N})")
         super().check(problem)
-        misfits = tma_misfits(m_shard, n, k, problem.itemsize, self.BLOCK_M)
-        if misfits:
-            raise ValueError(f"jaxtdist.ag_matmul: config TMA=True needs {misfits[0]}")
+        if misfit := tma_misfit(m_shard, n, k, problem.itemsize, self.BLOCK_M):
+            raise ValueError(f"jaxtdist.ag_matmul: config TMA=True needs {misfit}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,15 +384,17 @@ def _check_producer(tma: bool, producer: str) -> None:
 
 
 def _refuse_foreign(key: str, value: Any, target: type[AgMatmulConfig]) -> None:
-    """A ``key`` that ``target`` lacks: checked against the variant that has it, and
-    refused, naming that variant, unless its value asks nothing of it."""
-    owner = next(v for v in _VARIANTS if key in v.keys())
-    field = next(f for f in dataclasses.fields(owner) if f.name == key)
+    """A ``key`` that ``target`` lacks: checked against the variants that have it, and
+    refused, naming them, unless its value asks nothing of them."""
+    owners = [v for v in _VARIANTS if key in v.keys()]
+    field = next(f for f in dataclasses.fields(owners[0]) if f.name == key)
     check_setting(AgMatmulConfig.OP, field, value)
     if value not in field.metadata.get("inert", ()):
         raise ValueError(f"jaxtdist.ag_matmul: config {key}={value!r} needs "
-                         f"{_SELECTS[owner.variant]} (a setting of the {owner.variant} kernel "
-                         f"only; this config runs the {target.variant} kernel)")
+                         f"{_SELECTS[owners[0].variant]} (a setting of the "
+                         f"{' and '.join(v.variant for v in owners)} kernel"
+                         f"{'s' if len(owners) > 1 else ''} only; this config runs the "
+                         f"{target.variant} kernel)")
 
 
 def _gpu_candidates(problem: Problem) -> list[dict]:

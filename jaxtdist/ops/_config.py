@@ -137,7 +137,7 @@ class KernelConfig:
 
 def config_dict(op: str, config: Any) -> dict | None:
     """A call's ``config=`` as the dict of keys it asks for: a mapping as it is, a
-    typed config (``AgMatmulConfig(...)``) as all its keys; else ``TypeError``."""
+    typed config (``AgPointerConfig(...)``) as its ``to_dict``; else ``TypeError``."""
     if config is None:
         return None
     if isinstance(config, KernelConfig):
@@ -199,7 +199,7 @@ def _can_time(platform: str) -> bool:
 
 
 # Triton's largest block (elements) and the largest value a constexpr count may take.
-MAX_BLOCK = 1 << 20
+_MAX_BLOCK = 1 << 20
 _MAX_INT = (1 << 31) - 1
 _KINDS = {"int": "an int", "bool": "True or False", "str": "a string"}
 
@@ -229,7 +229,7 @@ def setting(default: Any, *, kind: str | None = None, low: int = 1,
 def block(default: int, low: int = 16) -> Any:
     """A tile size: a power of 2 from ``low`` (16: tl.dot's smallest tile) up to
     Triton's largest block."""
-    return setting(default, low=low, high=MAX_BLOCK, high_is="Triton's largest block",
+    return setting(default, low=low, high=_MAX_BLOCK, high_is="Triton's largest block",
                    pow2=True, note="(tl.dot's smallest tile)" if low == 16 else "")
 
 
