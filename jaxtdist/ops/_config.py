@@ -233,18 +233,12 @@ def block(default: int, low: int = 16) -> Any:
                    pow2=True, note="(tl.dot's smallest tile)" if low == 16 else "")
 
 
-def warps(default: int) -> Any:
-    """A ``num_warps`` launch option (fields named ``num_warps`` need no declaration)."""
-    return setting(default, choices=(1, 2, 4, 8, 16, 32))
-
-
-def stages(default: int) -> Any:
-    """A ``num_stages`` launch option (fields named ``num_stages`` need no declaration)."""
-    return setting(default, high=16)
-
-
-# What Triton compiles, for every config's launch options.
-_LAUNCH_LIMITS = {"num_warps": warps(4).metadata, "num_stages": stages(3).metadata}
+# What Triton compiles, for every config's launch options (fields of these names
+# need no declaration; other launch options declare them: ``setting(4, **WARPS)``).
+WARPS = dict(choices=(1, 2, 4, 8, 16, 32))
+STAGES = dict(high=16)
+_LAUNCH_LIMITS = {"num_warps": setting(4, **WARPS).metadata,
+                  "num_stages": setting(3, **STAGES).metadata}
 
 
 def check_settings(op: str, cfg: Any, values: Mapping[str, Any]) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 from jaxtdist._errors import HeapExhaustedError
 from jaxtdist.kernels import attention_bwd, attention_ws
 from jaxtdist.kernels.ag_attention import ag_attention_kernel
-from jaxtdist.ops._config import KernelConfig, Problem, block, resolve, setting, stages, warps
+from jaxtdist.ops._config import KernelConfig, Problem, STAGES, WARPS, block, resolve, setting
 from jaxtdist.ops._inbox import push_to_inboxes
 from jaxtdist.ops._op import DistributedOp, kernels_at_world_1, pjit_wrapper, rows_over
 from jaxtdist.ops._precision import dot_precision
@@ -94,12 +94,12 @@ class AgAttentionConfig(KernelConfig):
     KERNEL: str = setting("auto", choices=("auto", "triton", "ws"))
     BWD_BLOCK_Q: int = setting(64, low=16, high=256, pow2=True)
     BWD_BLOCK_STEP: int = setting(64, low=16, high=256, pow2=True)
-    BWD_WARPS: int = warps(4)
-    BWD_STAGES: int = stages(2)
+    BWD_WARPS: int = setting(4, **WARPS)
+    BWD_STAGES: int = setting(2, **STAGES)
     BWD_BLOCK_KV: int = setting(64, low=16, high=256, pow2=True)
     BWD_KV_STEP: int = setting(64, low=16, high=256, pow2=True)
-    BWD_KV_WARPS: int = warps(4)
-    BWD_KV_STAGES: int = stages(2)
+    BWD_KV_WARPS: int = setting(4, **WARPS)
+    BWD_KV_STAGES: int = setting(2, **STAGES)
 
     @classmethod
     def default(cls, problem: Problem) -> "AgAttentionConfig":
