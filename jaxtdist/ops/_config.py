@@ -260,8 +260,8 @@ def check_setting(op: str, field: dataclasses.Field, value: Any) -> None:
         return
     err, note = f"jaxtdist.{op}: config {field.name}={value!r}", meta.get("note", "")
     low = meta.get("low", -_MAX_INT)  # a field declared without ``setting``: any int
-    want = {"bool": "True or False", "str": "a string",
-            "int": f"{'a power of 2' if meta.get('pow2') else 'an int'} >= {low}"}.get(kind)
+    noun = "a power of 2" if meta.get("pow2") else "an int"
+    want = {"bool": "True or False", "str": "a string", "int": f"{noun} >= {low}"}.get(kind)
     is_bool = isinstance(value, (bool, np.bool_))
     typed = {"bool": is_bool, "str": isinstance(value, str),
              "int": isinstance(value, (int, np.integer)) and not is_bool}.get(kind, True)
@@ -277,7 +277,7 @@ def check_setting(op: str, field: dataclasses.Field, value: Any) -> None:
     high = meta.get("high")
     if kind == "int" and high is not None and value > high:
         raise ValueError(f"{err} is past {meta['high_is']} ({high} elements)" if meta["high_is"]
-                         else f"{err} must be an int in [{low}, {high}]{note}")
+                         else f"{err} must be {noun} in [{low}, {high}]{note}")
     if kind == "int" and value > _MAX_INT:
         raise ValueError(f"{err} does not fit in int32")
     if meta.get("choices") and value not in meta["choices"]:
