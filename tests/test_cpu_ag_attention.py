@@ -182,11 +182,14 @@ def test_ag_attention_backward_config():
                   dict(BWD_BLOCK_KV=32, BWD_KV_STEP=16, BWD_KV_WARPS=8, BWD_KV_STAGES=2)):
         for a, b_ in zip(base, grads(other)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b_), rtol=1e-5, atol=1e-6)
-    for bad, why in ((dict(BWD_BLOCK_Q=48), "power of 2"), (dict(BWD_WARPS=3), "power of 2"),
-                     (dict(BWD_BLOCK_STEP=512), "up to 256"), (dict(BWD_STAGES=0), ">= 1"),
-                     (dict(BWD_BLOCK_KV=8), "power of 2 >= 16"),
-                     (dict(BWD_KV_STEP=512), "up to 256"), (dict(BWD_KV_WARPS=64), "up to 32"),
-                     (dict(BWD_KV_STAGES=17), "up to 16"), (dict(BWD_KV_STAGES=1.5), "int")):
+    for bad, why in ((dict(BWD_BLOCK_Q=48), "power of 2"),
+                     (dict(BWD_WARPS=3), "BWD_WARPS=3; allowed: 1, 2, 4, 8, 16, 32"),
+                     (dict(BWD_BLOCK_STEP=512), r"power of 2 in \[16, 256\]"),
+                     (dict(BWD_STAGES=0), ">= 1"), (dict(BWD_BLOCK_KV=8), "power of 2 >= 16"),
+                     (dict(BWD_KV_STEP=512), r"power of 2 in \[16, 256\]"),
+                     (dict(BWD_KV_WARPS=64), "allowed: 1, 2, 4, 8, 16, 32"),
+                     (dict(BWD_KV_STAGES=17), r"an int in \[1, 16\]"),
+                     (dict(BWD_KV_STAGES=1.5), "int")):
         with pytest.raises(ValueError, match=why):
             grads(bad)
 

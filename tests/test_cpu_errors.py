@@ -260,13 +260,15 @@ def test_a_bad_config_is_refused_at_world_1(op):
 
 
 def test_a_typed_config_is_taken_as_all_its_keys():
-    """config=AgMatmulConfig(...) (the typed configs behind the dicts) asks for every
-    key it holds: the same result as the dict of them, at world 1 and 2."""
+    """config=AgPointerConfig(...) (the typed configs behind the dicts) asks for every
+    key it holds and its variant's selectors (TMA, PRODUCER): the same result as the
+    dict of them, at world 1 and 2."""
     import dataclasses
 
-    from jaxtdist.ops._ag_matmul_config import AgMatmulConfig
-    typed = AgMatmulConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16)
+    from jaxtdist.ops._ag_matmul_config import AgPointerConfig
+    typed = AgPointerConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16)
     keys = {f.name: getattr(typed, f.name) for f in dataclasses.fields(typed)}
+    keys["TMA"] = False
     for world in (1, 2):
         mesh = setup(world)
         x, w = rand((world * 8, 16)), rand((16, world * 32))

@@ -1,13 +1,22 @@
-"""ag_matmul's typed config: defaults, validation, search space and tail planning.
+"""ag_matmul's typed configs, one per kernel variant: defaults, checks, search space
+and tail planning.
 
-Three kernels serve ag_matmul; the config's ``variant`` names the one it runs:
+Three kernels serve ag_matmul; each has its config type, holding only the
+settings that kernel has (``AgMatmulConfig`` holds those all three share):
 
-- "pointer": pointer loads, SM producer programs that stage and pull
-  (PRODUCER="sm") or push into peers' inboxes (PRODUCER="push"), optional
-  split K (SPLIT_K) and one tile over all ranks' rows (ALL_ROWS, decode);
-- "tma": the persistent kernel with TMA loads, fed by SM producers (TMA=True);
-- "ce": the persistent TMA kernel with every SM in the GEMM, fed by the copy
-  engines (TMA=True, PRODUCER="ce"), with a split-N or stream-K tail.
+- ``AgPointerConfig`` ("pointer", TMA=False): pointer loads, SM producer
+  programs that stage and pull (PRODUCER="sm") or push into peers' inboxes
+  (PRODUCER="push"), optional split K (SPLIT_K) and one tile over all ranks'
+  rows (ALL_ROWS, decode);
+- ``AgTmaConfig`` ("tma", TMA=True, PRODUCER="sm"): the persistent kernel with
+  TMA loads, fed by SM producers;
+- ``AgCopyEngineConfig`` ("ce", TMA=True, PRODUCER="ce"): the persistent TMA
+  kernel with every SM in the GEMM, fed by the copy engines, with a split-N or
+  stream-K tail.
+
+A ``config=`` dict selects the variant with TMA and PRODUCER (else the default
+rule's pick stays); a key of another variant is refused (``replace``) unless its
+value asks nothing (e.g. STREAM_K=False).
 """
 
 from __future__ import annotations
@@ -16,9 +25,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-import numpy as np
-
-from jaxtdist.ops._config import KernelConfig, Problem
+from jaxtdist.ops._config import (KernelConfig, Problem, block, check_setting, check_settings,
+                                  setting)
 from jaxtdist.ops._gemm_config import default_tiles
 from jaxtdist.ops._shapes import next_pow2
 
@@ -41,20 +49,6 @@ _FLATTEN_AUTO_MIN_TILES = 2
 # "sm": producer programs stage and pull; "push": producer programs push into
 # peers' heap inboxes (pointer kernel only); "ce": the copy engines push (TMA kernel).
 PRODUCERS = ("sm", "push", "ce")
-# Settings only the copy-engine kernel has: (key, whether a value asks for it, why).
-_CE_ONLY = (
-    ("STREAM_K", lambda v: v is True,
-     "only the copy-engine kernel cuts its last wave of tiles along K"),
-    ("TAIL_SPLIT_N", lambda v: v != "auto" and v > 1,
-     "only the copy-engine kernel cuts its last wave"),
-    ("TAIL_STAGES", lambda v: v != "auto",
-     "only the copy-engine kernel cuts its last wave into pieces"),
-    ("FLATTEN", lambda v: v is True, "only the copy-engine kernel flattens its tile loops"),
-    ("PUSH_ORDER", lambda v: v == "serial", "it orders the copy engines' pushes"),
-)
-_POW2_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "CHUNK_ROWS", "COPY_BLOCK_C")
-_INT_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "NUM_COMM", "CHUNK_ROWS",
-             "COPY_BLOCK_C", "SPLIT_K", "num_warps", "num_stages")
 # At most this many rows over all ranks: the decode configs (one tile over all rows).
 _DECODE_ROWS = {"gpu": 128, "cpu": 32}
 # Decode: bytes of x per gather signal (fewer, larger chunks cost less than a
@@ -68,77 +62,58 @@ def _prev_pow2(n: int) -> int:
     return 1 << max(0, int(n).bit_length() - 1)
 
 
-def tma_misfits(m_shard: int, n: int | None, k: int, itemsize: int, block_m: int) -> list[str]:
-    """What a shape lacks for the TMA kernels (empty: it fits). Row tiles must not
-    cross into the next rank's rows; descriptor strides must be 16-byte multiples."""
-    misfits = []
+def tma_misfit(m_shard: int, n: int, k: int, itemsize: int, block_m: int) -> str:
+    """What a shape lacks for the TMA kernels ("": it fits). Row tiles must not cross
+    into the next rank's rows; descriptor strides must be 16-byte multiples."""
     if m_shard % block_m:
-        misfits.append(f"m_shard={m_shard} to be a multiple of BLOCK_M={block_m}")
+        return f"m_shard={m_shard} to be a multiple of BLOCK_M={block_m}"
     if k * itemsize % 16:
-        misfits.append(f"rows of x ({k} elements) to be a multiple of 16 bytes")
-    if n is not None and n * itemsize % 16:
-        misfits.append(f"rows of w ({n} elements) to be a multiple of 16 bytes")
-    return misfits
+        return f"rows of x ({k} elements) to be a multiple of 16 bytes"
+    return f"rows of w ({n} elements) to be a multiple of 16 bytes" if n * itemsize % 16 else ""
 
 
-def _is_pow2_int(v) -> bool:
-    return not isinstance(v, bool) and isinstance(v, (int, np.integer)) and v >= 1 and not v & (v - 1)
+@dataclasses.dataclass(frozen=True)
+class _Selectors:
+    """The keys of a config dict that pick the kernel variant (not fields of every
+    variant: a variant's kernel is fixed)."""
+    TMA: bool = False
+    PRODUCER: str = setting("sm", choices=PRODUCERS, note="(SM producer programs that pull, "
+                            "SM producer programs that push, or the copy engines)")
 
 
 @dataclasses.dataclass(frozen=True)
 class AgMatmulConfig(KernelConfig):
-    """How ag_matmul runs one problem.
+    """How ag_matmul runs one problem: the settings every variant has, and the rules
+    that pick a variant (``default``, ``replace``). Instances are of a variant.
 
     Attributes:
       BLOCK_M, BLOCK_N, BLOCK_K: GEMM tile (powers of 2).
       GROUP_M: row tiles per group of the tile order (L2 reuse of w).
-      NUM_COMM: SM producer programs (pointer/tma variants).
+      NUM_COMM: SM producer programs (the interpreter's push programs for "ce").
       CHUNK_ROWS: rows per gather signal (0: one per BLOCK_M rows).
       COPY_BLOCK_C: columns per producer copy step.
-      SPLIT_K: K splits of each tile (pointer variant).
-      num_warps, num_stages: launch options.
       SCOPE: memory scope of the gather's signals ("sys" or "gpu").
-      ALL_ROWS: one M tile over every rank's rows (pointer variant, decode).
-      TMA: run a persistent TMA kernel.
-      PRODUCER: "sm" (stage and pull), "push" (SM pushes; pointer variant) or
-        "ce" (copy engines; TMA).
-      STREAM_K, TAIL_SPLIT_N, TAIL_STAGES, FLATTEN: the copy-engine kernel's
-        last-wave cut along K or N, its pieces' pipeline depth, and its
-        flattened tile loops ("auto": where measured to pay).
-      PUSH_ORDER: copy-engine pushes to every peer at once ("parallel") or
-        one after another ("serial").
-      SUBTILE: column pieces of the TMA kernels' output stores (1, 2 or 4;
-        ``_gemm.store_tile``); follows BLOCK_N unless asked for.
+      num_warps, num_stages: launch options.
     """
     OP: ClassVar[str] = "ag_matmul"
+    TMA: ClassVar[bool]
+    PRODUCER: ClassVar[str]
 
-    BLOCK_M: int = 128
-    BLOCK_N: int = 128
-    BLOCK_K: int = 64
-    GROUP_M: int = 8
-    NUM_COMM: int = 16
-    CHUNK_ROWS: int = 0
-    COPY_BLOCK_C: int = 128
-    SPLIT_K: int = 1
+    BLOCK_M: int = block(128, low=1)
+    BLOCK_N: int = block(128, low=1)
+    BLOCK_K: int = block(64, low=1)
+    GROUP_M: int = setting(8)
+    NUM_COMM: int = setting(16)
+    CHUNK_ROWS: int = setting(0, low=0, pow2=True)
+    COPY_BLOCK_C: int = setting(128, pow2=True)
+    SCOPE: str = setting("sys", choices=("sys", "gpu"))
     num_warps: int = 8
     num_stages: int = 3
-    SCOPE: str = "sys"
-    ALL_ROWS: bool = False
-    TMA: bool = False
-    PRODUCER: str = "sm"
-    STREAM_K: Any = "auto"
-    TAIL_SPLIT_N: Any = "auto"
-    TAIL_STAGES: Any = "auto"
-    FLATTEN: Any = "auto"
-    PUSH_ORDER: str = "parallel"
-    SUBTILE: int = 2
 
-    @property
-    def variant(self) -> str:
-        """The kernel this config runs: "pointer", "tma" or "ce"."""
-        if not self.TMA:
-            return "pointer"
-        return "ce" if self.PRODUCER == "ce" else "tma"
+    def __post_init__(self):
+        if type(self) is AgMatmulConfig:
+            raise TypeError("AgMatmulConfig holds what the variants share; build an "
+                            "AgPointerConfig, AgTmaConfig or AgCopyEngineConfig")
 
     @property
     def chunk_rows(self) -> int:
@@ -150,6 +125,33 @@ class AgMatmulConfig(KernelConfig):
         return dict(BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, BLOCK_K=self.BLOCK_K,
                     GROUP_M=self.GROUP_M, NUM_COMM=self.NUM_COMM, CHUNK_ROWS=self.chunk_rows,
                     COPY_BLOCK_C=self.COPY_BLOCK_C, SCOPE=self.SCOPE)
+
+    def to_dict(self) -> dict:
+        """The fields and the selectors: a dict that resolves to this config again."""
+        return dict(dataclasses.asdict(self), TMA=self.TMA, PRODUCER=self.PRODUCER)
+
+    def replace(self, **changes: Any) -> "AgMatmulConfig":
+        """This config updated by ``changes``, as the variant TMA and PRODUCER (changed
+        or kept) select; settings the variants share carry over. A key of another
+        variant is a ``ValueError`` naming that variant, unless its value asks nothing."""
+        known = {key for v in _VARIANTS for key in v.keys()} | set(_Selectors.__annotations__)
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise ValueError(f"jaxtdist.ag_matmul: unknown config keys {unknown}; known: "
+                             f"{sorted(known)}")
+        check_settings(self.OP, _Selectors, changes)
+        tma, producer = changes.get("TMA", self.TMA), changes.get("PRODUCER", self.PRODUCER)
+        _check_producer(tma, producer)
+        target = (AgPointerConfig if not tma else
+                  AgCopyEngineConfig if producer == "ce" else AgTmaConfig)
+        own = set(target.keys())
+        for key, value in changes.items():
+            if key not in own and key not in _Selectors.__annotations__:
+                _refuse_foreign(key, value, target)
+        check_settings(self.OP, target, changes)
+        values = {k: v for k, v in dataclasses.asdict(self).items() if k in own}
+        values.update({k: v for k, v in changes.items() if k in own})
+        return target(**values)
 
     # -- defaults -------------------------------------------------------------
 
@@ -168,48 +170,51 @@ class AgMatmulConfig(KernelConfig):
         allow_tma = allow_tma and problem.vendor == "nvidia"  # TMA and copy engines
         wide = itemsize == 4
         small = world * m_shard <= _DECODE_ROWS.get(problem.platform, 32)
+        pointer = AgPointerConfig
         if problem.platform != "gpu":  # the interpreter: small blocks keep it fast
             block_c = min(64, next_pow2(k))
             if small:
-                return cls(BLOCK_M=max(16, next_pow2(world * m_shard)), BLOCK_N=32, BLOCK_K=32,
-                           GROUP_M=1, NUM_COMM=2, COPY_BLOCK_C=block_c, ALL_ROWS=True,
-                           num_warps=4, num_stages=1)
-            return cls(BLOCK_M=min(32, max(16, next_pow2(m_shard))), BLOCK_N=32, BLOCK_K=32,
-                       GROUP_M=4, NUM_COMM=2, COPY_BLOCK_C=block_c, num_warps=4, num_stages=1)
+                return pointer(BLOCK_M=max(16, next_pow2(world * m_shard)), BLOCK_N=32,
+                               BLOCK_K=32, GROUP_M=1, NUM_COMM=2, COPY_BLOCK_C=block_c,
+                               ALL_ROWS=True, num_warps=4, num_stages=1)
+            return pointer(BLOCK_M=min(32, max(16, next_pow2(m_shard))), BLOCK_N=32, BLOCK_K=32,
+                           GROUP_M=4, NUM_COMM=2, COPY_BLOCK_C=block_c, num_warps=4,
+                           num_stages=1)
         block_k = 64 if wide else 128
         if small:
             return cls._decode(problem)
         block_m = min(128, max(16, next_pow2(m_shard)))
         if m_shard <= 256:
             if (allow_tma and not wide and m_shard % 128 == 0
-                    and not tma_misfits(m_shard, n, k, itemsize, 128)):
-                return cls(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, NUM_COMM=16, CHUNK_ROWS=128,
-                           COPY_BLOCK_C=256, num_warps=8, num_stages=4, TMA=True,
-                           PRODUCER="ce", PUSH_ORDER="serial")
-            return cls(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, CHUNK_ROWS=min(16, block_m),
-                       COPY_BLOCK_C=256, num_warps=4, num_stages=3 if wide else 4)
-        if allow_tma and m_shard % 64 == 0 and not tma_misfits(m_shard, n, k, itemsize, 64):
+                    and not tma_misfit(m_shard, n, k, itemsize, 128)):
+                return AgCopyEngineConfig(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, NUM_COMM=16,
+                                          CHUNK_ROWS=128, COPY_BLOCK_C=256, num_warps=8,
+                                          num_stages=4)
+            return pointer(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k,
+                           CHUNK_ROWS=min(16, block_m), COPY_BLOCK_C=256, num_warps=4,
+                           num_stages=3 if wide else 4)
+        if allow_tma and m_shard % 64 == 0 and not tma_misfit(m_shard, n, k, itemsize, 64):
             # The GEMM core's tile by wave quantisation (``_gemm_config``), row
             # tiles within each rank's rows.
             t = default_tiles(m_shard, world, n, k, itemsize, problem.sms, whole_row_tiles=True)
-            return cls(BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, BLOCK_K=t.BLOCK_K,
-                       COPY_BLOCK_C=128, num_warps=t.num_warps, num_stages=t.num_stages,
-                       TMA=True, PRODUCER="ce", CHUNK_ROWS=max(256, t.BLOCK_M),
-                       PUSH_ORDER="serial", SUBTILE=t.SUBTILE)
+            return AgCopyEngineConfig(BLOCK_M=t.BLOCK_M, BLOCK_N=t.BLOCK_N, BLOCK_K=t.BLOCK_K,
+                                      COPY_BLOCK_C=128, num_warps=t.num_warps,
+                                      num_stages=t.num_stages, CHUNK_ROWS=max(256, t.BLOCK_M),
+                                      SUBTILE=t.SUBTILE)
         if wide:  # float32 off TMA: 3 stages within shared memory
-            return cls(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=32, COPY_BLOCK_C=64, num_warps=8,
-                       num_stages=3)
+            return pointer(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=32, COPY_BLOCK_C=64,
+                           num_warps=8, num_stages=3)
         # The pointer kernel: the largest tile whose count still covers the SMs (a
         # GEMM of fewer tiles than SMs leaves SMs idle for its whole length).
         for block_m, block_n in _POINTER_TILES:
             if world * -(-m_shard // block_m) * -(-n // block_n) >= problem.sms:
                 break
         big = block_m * block_n >= 128 * 256
-        return cls(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, COPY_BLOCK_C=128,
-                   num_warps=8 if big else 4, num_stages=3 if big else 4)
+        return pointer(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, COPY_BLOCK_C=128,
+                       num_warps=8 if big else 4, num_stages=3 if big else 4)
 
     @classmethod
-    def _decode(cls, problem: Problem) -> "AgMatmulConfig":
+    def _decode(cls, problem: Problem) -> "AgPointerConfig":
         """All ranks' rows in one M tile (decode): SM producers push each shard into
         the peers' inboxes with a signal per >= 64 KiB of rows, and split K gives
         about two resident programs per SM. The tuned 4 x H200 configs of
@@ -221,10 +226,11 @@ class AgMatmulConfig(KernelConfig):
         chunk_rows = min(next_pow2(m_shard), next_pow2(-(-_DECODE_SIGNAL_BYTES // row_bytes)))
         n_tiles = -(-n // 64)
         split_k = max(1, min(8, _prev_pow2(2 * problem.sms // n_tiles), -(-k // 64)))
-        return cls(BLOCK_M=max(16, next_pow2(rows)), BLOCK_N=64, BLOCK_K=64, GROUP_M=1,
-                   NUM_COMM=8, CHUNK_ROWS=chunk_rows, COPY_BLOCK_C=min(1024, next_pow2(k)),
-                   ALL_ROWS=True, SPLIT_K=split_k, PRODUCER="push", num_warps=4,
-                   num_stages=3 if problem.itemsize == 4 else 4)
+        return AgPointerConfig(BLOCK_M=max(16, next_pow2(rows)), BLOCK_N=64, BLOCK_K=64,
+                               GROUP_M=1, NUM_COMM=8, CHUNK_ROWS=chunk_rows,
+                               COPY_BLOCK_C=min(1024, next_pow2(k)), ALL_ROWS=True,
+                               SPLIT_K=split_k, PRODUCER="push", num_warps=4,
+                               num_stages=3 if problem.itemsize == 4 else 4)
 
     @classmethod
     def for_overrides(cls, problem: Problem, asked: Mapping[str, Any]) -> "AgMatmulConfig":
@@ -238,99 +244,18 @@ class AgMatmulConfig(KernelConfig):
 
     @classmethod
     def settle(cls, base: "AgMatmulConfig", asked: Mapping[str, Any]) -> "AgMatmulConfig":
-        """``base`` updated by ``asked``; the TMA kernels' fixed modes and the copy
-        engines' push order follow the kernel chosen where they were not asked for."""
+        """``base`` updated by ``asked`` (``replace``); the TMA kernels' epilogue cut
+        follows an asked BLOCK_N where it was not asked for."""
         cfg = base.replace(**asked)
-        if "SUBTILE" not in asked and "BLOCK_N" in asked:  # the epilogue's cut follows BLOCK_N
+        if isinstance(cfg, AgTmaConfig) and "SUBTILE" not in asked and "BLOCK_N" in asked:
             cfg = cfg.replace(SUBTILE=4 if cfg.BLOCK_N >= 256 else 2 if cfg.BLOCK_N >= 32 else 1)
-        if cfg.TMA:  # the TMA kernels have neither mode
-            cfg = cfg.replace(**{key: value for key, value in (("ALL_ROWS", False), ("SPLIT_K", 1))
-                                 if key not in asked})
-        if "PUSH_ORDER" not in asked:  # serial for the copy engines, moot otherwise
-            cfg = cfg.replace(PUSH_ORDER="serial" if cfg.PRODUCER == "ce" else "parallel")
         return cfg
 
-    # -- validation -----------------------------------------------------------
-
-    def validate(self, problem: Problem) -> None:
-        m_shard, n, k = problem.shape
-        world = problem.world
-        c = self.to_dict()
-        err = "jaxtdist.ag_matmul: config "
-        for key in _INT_KEYS:
-            v = c[key]
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-                raise ValueError(f"{err}{key}={v!r} must be an int")
-            if v < (0 if key == "CHUNK_ROWS" else 1):
-                raise ValueError(f"{err}{key}={v} must be >= 1")
-        c["CHUNK_ROWS"] = self.chunk_rows
-        for key in _POW2_KEYS:
-            if c[key] & (c[key] - 1):
-                raise ValueError(f"{err}{key}={c[key]} must be a power of 2")
-        if self.SCOPE not in ("sys", "gpu"):
-            raise ValueError(f"{err}SCOPE={self.SCOPE!r}; allowed: 'sys', 'gpu'")
-        if self.ALL_ROWS and self.BLOCK_M < world * m_shard:
-            raise ValueError(f"jaxtdist.ag_matmul: ALL_ROWS needs BLOCK_M >= world * m_shard "
-                             f"= {world * m_shard}, got BLOCK_M={self.BLOCK_M}")
-        if self.PRODUCER not in PRODUCERS:
-            raise ValueError(f"{err}PRODUCER={self.PRODUCER!r}; allowed: {PRODUCERS} (SM "
-                             "producer programs that pull, SM producer programs that push, or "
-                             "the copy engines)")
-        if (self.TMA or self.PRODUCER == "ce") and problem.vendor != "nvidia":
-            raise ValueError(f"{err}TMA={self.TMA}, PRODUCER={self.PRODUCER!r}: TMA loads and "
-                             f"copy-engine pushes are NVIDIA features ({problem.vendor} GPUs run "
-                             "the pointer kernel: TMA=False, PRODUCER 'sm' or 'push')")
-        if self.PRODUCER == "ce" and not self.TMA:
-            raise ValueError(f"{err}PRODUCER='ce' needs TMA=True (the copy engines feed the "
-                             "persistent TMA kernel only)")
-        if self.PRODUCER == "push" and self.TMA:
-            raise ValueError(f"{err}PRODUCER='push' needs TMA=False (SM pushes feed the pointer "
-                             "kernel only; the TMA kernel's pushes are PRODUCER='ce')")
-        if not (isinstance(self.STREAM_K, bool) or self.STREAM_K == "auto"):
-            raise ValueError(f"{err}STREAM_K={self.STREAM_K!r}; allowed: True, False or 'auto'")
-        pieces = self.TAIL_SPLIT_N
-        if pieces != "auto" and not _is_pow2_int(pieces):
-            raise ValueError(f"{err}TAIL_SPLIT_N={pieces!r}; allowed: 'auto' or a power of 2 "
-                             ">= 1 (pieces per tile of the last wave; 1: whole tiles)")
-        if pieces != "auto" and pieces > 1:
-            if self.STREAM_K is True:
-                raise ValueError(f"{err}STREAM_K=True and TAIL_SPLIT_N={pieces} both cut the "
-                                 "last wave (along K, along N); ask for one")
-            if self.BLOCK_N // pieces < 16:
-                raise ValueError(f"{err}TAIL_SPLIT_N={pieces} cuts BLOCK_N={self.BLOCK_N} into "
-                                 "pieces narrower than 16 columns; lower it")
-        stages = self.TAIL_STAGES
-        if stages != "auto" and (isinstance(stages, bool)
-                                 or not isinstance(stages, (int, np.integer)) or stages < 1):
-            raise ValueError(f"{err}TAIL_STAGES={stages!r}; allowed: 'auto' or an int >= 1 "
-                             "(pipeline depth of the split-N tail's pieces)")
-        if not (isinstance(self.FLATTEN, bool) or self.FLATTEN == "auto"):
-            raise ValueError(f"{err}FLATTEN={self.FLATTEN!r}; allowed: True, False or 'auto'")
-        if self.FLATTEN is True and self.chunk_rows < self.BLOCK_M:
-            raise ValueError(f"{err}FLATTEN=True needs CHUNK_ROWS >= BLOCK_M (one flag per row "
-                             f"tile), got CHUNK_ROWS={self.chunk_rows}, BLOCK_M={self.BLOCK_M}")
-        if self.SUBTILE not in (1, 2, 4) or self.BLOCK_N // self.SUBTILE < 16:
-            raise ValueError(f"{err}SUBTILE={self.SUBTILE!r} must be 1, 2 or 4 with BLOCK_N / "
-                             f"SUBTILE >= 16 (BLOCK_N={self.BLOCK_N})")
-        if self.PUSH_ORDER not in PUSH_ORDERS:
-            raise ValueError(f"{err}PUSH_ORDER={self.PUSH_ORDER!r}; allowed: {PUSH_ORDERS} (copy "
-                             "engines push to every peer at once, or to one peer after another)")
-        if self.PRODUCER != "ce":
-            for key, asks, why in _CE_ONLY:
-                if asks(c[key]):
-                    raise ValueError(f"{err}{key}={c[key]!r} needs PRODUCER='ce' ({why})")
-        if self.chunk_rows > self.BLOCK_M and self.PRODUCER in ("sm", "push"):
+    def check(self, problem: Problem) -> None:
+        # SM producers signal within a row tile; the copy engines' chunks may span several.
+        if self.PRODUCER != "ce" and self.chunk_rows > self.BLOCK_M:
             raise ValueError(f"jaxtdist.ag_matmul: CHUNK_ROWS={self.chunk_rows} must divide "
                              f"BLOCK_M={self.BLOCK_M}")
-        if self.TMA:
-            misfits = ((["ALL_ROWS=False"] if self.ALL_ROWS else [])
-                       + (["SPLIT_K=1"] if self.SPLIT_K != 1 else [])
-                       + tma_misfits(m_shard, n, k, problem.itemsize, self.BLOCK_M))
-            if misfits:
-                raise ValueError(f"{err}TMA=True needs {misfits[0]}")
-        if self.SPLIT_K > -(-k // self.BLOCK_K):
-            raise ValueError(f"jaxtdist.ag_matmul: SPLIT_K={self.SPLIT_K} exceeds the "
-                             f"{-(-k // self.BLOCK_K)} blocks of K={k} (BLOCK_K={self.BLOCK_K})")
 
     # -- search space ---------------------------------------------------------
 
@@ -338,7 +263,138 @@ class AgMatmulConfig(KernelConfig):
     def search_space(cls, problem: Problem) -> list[dict]:
         """Overrides of the defaults worth timing on GPUs, those that fit the problem,
         each distinct (the defaults are timed once)."""
-        return cls.fitting(problem, _gpu_candidates(problem))
+        return AgMatmulConfig.fitting(problem, _gpu_candidates(problem))
+
+
+@dataclasses.dataclass(frozen=True)
+class AgPointerConfig(AgMatmulConfig):
+    """The pointer kernel's config (variant "pointer"; TMA=False).
+
+    Attributes:
+      PRODUCER: "sm" (producer programs stage and pull) or "push" (they push
+        into the peers' heap inboxes).
+      SPLIT_K: K splits of each tile.
+      ALL_ROWS: one M tile over every rank's rows (decode).
+    """
+    variant: ClassVar[str] = "pointer"
+    TMA: ClassVar[bool] = False
+
+    PRODUCER: str = setting("sm", choices=PRODUCERS)
+    SPLIT_K: int = setting(1, inert=(1,))
+    ALL_ROWS: bool = setting(False, inert=(False,))
+
+    def check(self, problem: Problem) -> None:
+        m_shard, _, k = problem.shape
+        _check_producer(self.TMA, self.PRODUCER)
+        if self.ALL_ROWS and self.BLOCK_M < problem.world * m_shard:
+            raise ValueError(f"jaxtdist.ag_matmul: ALL_ROWS needs BLOCK_M >= world * m_shard "
+                             f"= {problem.world * m_shard}, got BLOCK_M={self.BLOCK_M}")
+        super().check(problem)
+        if self.SPLIT_K > -(-k // self.BLOCK_K):
+            raise ValueError(f"jaxtdist.ag_matmul: SPLIT_K={self.SPLIT_K} exceeds the "
+                             f"{-(-k // self.BLOCK_K)} blocks of K={k} (BLOCK_K={self.BLOCK_K})")
+
+
+@dataclasses.dataclass(frozen=True)
+class AgTmaConfig(AgMatmulConfig):
+    """The persistent TMA kernel fed by SM producers (variant "tma"; TMA=True,
+    PRODUCER="sm").
+
+    Attributes:
+      SUBTILE: column pieces of the output stores (1, 2 or 4; ``_gemm.store_tile``);
+        follows BLOCK_N unless asked for.
+    """
+    variant: ClassVar[str] = "tma"
+    TMA: ClassVar[bool] = True
+    PRODUCER: ClassVar[str] = "sm"
+
+    SUBTILE: int = setting(2, choices=(1, 2, 4), inert=(1,))
+
+    def check(self, problem: Problem) -> None:
+        m_shard, n, k = problem.shape
+        if problem.vendor != "nvidia":
+            raise ValueError(f"jaxtdist.ag_matmul: config TMA=True, PRODUCER={self.PRODUCER!r}: "
+                             f"TMA loads and copy-engine pushes are NVIDIA features "
+                             f"({problem.vendor} GPUs run the pointer kernel: TMA=False, "
+                             "PRODUCER 'sm' or 'push')")
+        if self.BLOCK_N // self.SUBTILE < 16:
+            raise ValueError(f"jaxtdist.ag_matmul: config SUBTILE={self.SUBTILE!r} must be 1, 2 "
+                             f"or 4 with BLOCK_N / SUBTILE >= 16 (BLOCK_N={self.BLOCK_N})")
+        super().check(problem)
+        if misfit := tma_misfit(m_shard, n, k, problem.itemsize, self.BLOCK_M):
+            raise ValueError(f"jaxtdist.ag_matmul: config TMA=True needs {misfit}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AgCopyEngineConfig(AgTmaConfig):
+    """The persistent TMA kernel with every SM in the GEMM, fed by the copy engines
+    (variant "ce"; TMA=True, PRODUCER="ce").
+
+    Attributes:
+      STREAM_K, TAIL_SPLIT_N, TAIL_STAGES, FLATTEN: the last wave's cut along K
+        or N, its pieces' pipeline depth, and the flattened tile loops ("auto":
+        where measured to pay).
+      PUSH_ORDER: pushes to every peer at once ("parallel") or one after another
+        ("serial", the default).
+    """
+    variant: ClassVar[str] = "ce"
+    PRODUCER: ClassVar[str] = "ce"
+
+    STREAM_K: Any = setting("auto", kind="bool", auto=True, inert=("auto", False))
+    TAIL_SPLIT_N: Any = setting("auto", kind="int", pow2=True, auto=True, inert=("auto", 1),
+                                note="(pieces per tile of the last wave; 1: whole tiles)")
+    TAIL_STAGES: Any = setting("auto", kind="int", auto=True, inert=("auto",),
+                               note="(pipeline depth of the split-N tail's pieces)")
+    FLATTEN: Any = setting("auto", kind="bool", auto=True, inert=("auto", False))
+    PUSH_ORDER: str = setting("serial", choices=PUSH_ORDERS, inert=("parallel",),
+                              note="(copy engines push to every peer at once, or to one peer "
+                                   "after another)")
+
+    def check(self, problem: Problem) -> None:
+        pieces = self.TAIL_SPLIT_N
+        if pieces != "auto" and pieces > 1:
+            if self.STREAM_K is True:
+                raise ValueError(f"jaxtdist.ag_matmul: config STREAM_K=True and TAIL_SPLIT_N="
+                                 f"{pieces} both cut the last wave (along K, along N); ask for one")
+            if self.BLOCK_N // pieces < 16:
+                raise ValueError(f"jaxtdist.ag_matmul: config TAIL_SPLIT_N={pieces} cuts "
+                                 f"BLOCK_N={self.BLOCK_N} into pieces narrower than 16 columns; "
+                                 "lower it")
+        if self.FLATTEN is True and self.chunk_rows < self.BLOCK_M:
+            raise ValueError(f"jaxtdist.ag_matmul: config FLATTEN=True needs CHUNK_ROWS >= "
+                             f"BLOCK_M (one flag per row tile), got CHUNK_ROWS={self.chunk_rows}, "
+                             f"BLOCK_M={self.BLOCK_M}")
+        super().check(problem)
+
+
+_VARIANTS = (AgPointerConfig, AgTmaConfig, AgCopyEngineConfig)
+# The setting a dict selects each variant by, as errors name it.
+_SELECTS = {"pointer": "TMA=False", "tma": "TMA=True", "ce": "PRODUCER='ce', TMA=True"}
+
+
+def _check_producer(tma: bool, producer: str) -> None:
+    """PRODUCER "ce" needs the TMA kernel, "push" the pointer kernel."""
+    if producer == "ce" and not tma:
+        raise ValueError("jaxtdist.ag_matmul: config PRODUCER='ce' needs TMA=True (the copy "
+                         "engines feed the persistent TMA kernel only)")
+    if producer == "push" and tma:
+        raise ValueError("jaxtdist.ag_matmul: config PRODUCER='push' needs TMA=False (SM pushes "
+                         "feed the pointer kernel only; the TMA kernel's pushes are "
+                         "PRODUCER='ce')")
+
+
+def _refuse_foreign(key: str, value: Any, target: type[AgMatmulConfig]) -> None:
+    """A ``key`` that ``target`` lacks: checked against the variants that have it, and
+    refused, naming them, unless its value asks nothing of them."""
+    owners = [v for v in _VARIANTS if key in v.keys()]
+    field = next(f for f in dataclasses.fields(owners[0]) if f.name == key)
+    check_setting(AgMatmulConfig.OP, field, value)
+    if value not in field.metadata.get("inert", ()):
+        raise ValueError(f"jaxtdist.ag_matmul: config {key}={value!r} needs "
+                         f"{_SELECTS[owners[0].variant]} (a setting of the "
+                         f"{' and '.join(v.variant for v in owners)} kernel"
+                         f"{'s' if len(owners) > 1 else ''} only; this config runs the "
+                         f"{target.variant} kernel)")
 
 
 def _gpu_candidates(problem: Problem) -> list[dict]:

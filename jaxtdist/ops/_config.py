@@ -1,8 +1,10 @@
 """Typed kernel configs and how a call settles on one.
 
 Each op's config is a frozen dataclass deriving ``KernelConfig``: it derives
-its defaults from the problem (``default``), validates itself against a
-problem (``validate``), names its search space for the tuner
+its defaults from the problem (``default``), declares each field's allowed
+values once (``setting``: kind, bounds, powers of 2, choices), checked by one
+function (``check_settings``) for every op, adds the constraints between fields
+or against the problem (``check``), names its search space for the tuner
 (``search_space``), gives its kernel's arguments (``kernel_args``, ``launch_options``)
 and names the kernel ``variant`` it runs.
 ``resolve`` picks a call's config the same way for every op: the defaults
@@ -102,8 +104,14 @@ class KernelConfig:
         return kept
 
     def validate(self, problem: Problem) -> None:
-        """Raises ``ValueError`` naming the first constraint ``problem`` puts that this
-        config breaks."""
+        """Raises ``ValueError`` naming the first declared field constraint, or the
+        first constraint ``problem`` puts (``check``), that this config breaks."""
+        check_settings(self.OP, self, self.to_dict())
+        self.check(problem)
+
+    def check(self, problem: Problem) -> None:
+        """The constraints between fields and against ``problem`` (op-specific): a
+        ``ValueError`` naming the first one broken."""
 
     LAUNCH_KEYS: ClassVar[tuple[str, ...]] = ("num_warps", "num_stages")
 
@@ -126,26 +134,13 @@ class KernelConfig:
         return dataclasses.asdict(self)
 
 
-def check_blocks(op: str, cfg, keys, at_least: dict | None = None) -> None:
-    """Integer config fields ``keys`` of ``cfg``: ints >= 1 (or ``at_least[key]``), and
-    BLOCK_* powers of 2 >= 16 (tl.dot's smallest tile); ValueError naming the field."""
-    for key in keys:
-        value = getattr(cfg, key)
-        low = (at_least or {}).get(key, 1)
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-            raise ValueError(f"jaxtdist.{op}: config {key}={value!r} must be an int >= {low}")
-        if key.startswith("BLOCK_") and (value & (value - 1) or value < 16):
-            raise ValueError(f"jaxtdist.{op}: config {key}={value} must be a power of 2 "
-                             ">= 16 (tl.dot's smallest tile)")
-
-
 def config_dict(op: str, config: Any) -> dict | None:
     """A call's ``config=`` as the dict of keys it asks for: a mapping as it is, a
-    typed config (``AgMatmulConfig(...)``) as all its keys; else ``TypeError``."""
+    typed config (``AgPointerConfig(...)``) as its ``to_dict``; else ``TypeError``."""
     if config is None:
         return None
     if isinstance(config, KernelConfig):
-        return {key: getattr(config, key) for key in config.keys()}
+        return config.to_dict()
     if isinstance(config, Mapping):
         return dict(config)
     raise TypeError(f"jaxtdist.{op}: config must be a dict of config keys (e.g. "
@@ -174,10 +169,9 @@ def resolve(config_type: type[C], problem: Problem, rt, config: Mapping[str, Any
     # ints but are no Triton constexpr: the kernels get Python ints.
     asked = {k: int(v) if isinstance(v, np.integer) else v for k, v in asked.items()}
     try:
-        _check_types(config_type.OP, cfg, asked)
+        check_settings(config_type.OP, cfg, asked)
         cfg = config_type.settle(cfg, asked)
         cfg.validate(problem)
-        _check_launch(config_type.OP, cfg)
     except ValueError as e:
         if not from_cache:
             raise
@@ -192,43 +186,84 @@ def resolve(config_type: type[C], problem: Problem, rt, config: Mapping[str, Any
 # Triton's largest block (elements) and the largest value a constexpr count may take.
 _MAX_BLOCK = 1 << 20
 _MAX_INT = (1 << 31) - 1
+_KINDS = {"int": "an int", "bool": "True or False", "str": "a string"}
 
 
-def _check_types(op: str, cfg, asked: Mapping[str, Any]) -> None:
-    """Each asked value of its field's declared type (int, bool or str; fields
-    declared Any take several kinds): a ValueError naming the key, before anything
-    computes with it."""
-    declared = {f.name: getattr(f.type, "__name__", f.type) for f in dataclasses.fields(cfg)}
-    for key, value in asked.items():
-        kind = declared.get(key)  # unknown keys are settle's to name
-        if kind == "bool":
-            ok, want = isinstance(value, (bool, np.bool_)), "True or False"
-        elif kind == "int":
-            ok = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-            want = "an int"
-        elif kind == "str":
-            ok, want = isinstance(value, str), "a string"
-        else:
-            continue
-        if not ok:
-            raise ValueError(f"jaxtdist.{op}: config {key}={value!r} must be {want} (the "
-                             f"default here: {getattr(cfg, key)!r})")
+def setting(default: Any, *, kind: str | None = None, low: int = 1,
+            high: int | None = None, high_is: str = "", pow2: bool = False,
+            choices: tuple = (), auto: bool = False, inert: tuple = (), note: str = "") -> Any:
+    """A config field with its allowed values declared (``check_settings`` checks them).
+
+    Args:
+      default: the field's default.
+      kind: "int", "bool" or "str" (default: the field's annotation).
+      low, high: bounds of an int (every int must fit int32).
+      high_is: what ``high`` is, for the error past it.
+      pow2: an int must be a power of 2.
+      choices: the only values allowed.
+      auto: "auto" is allowed too (a rule picks the value).
+      inert: values that ask nothing of the kernel: a config of another variant,
+        which has no such field, takes them and ignores them.
+      note: what the value means, appended to errors.
+    """
+    return dataclasses.field(default=default, metadata=dict(
+        kind=kind, low=low, high=high, high_is=high_is, pow2=pow2, choices=tuple(choices),
+        auto=auto, inert=tuple(inert), note=f" {note}" if note else ""))
 
 
-def _check_launch(op: str, cfg) -> None:
-    """Launch options and sizes within what Triton compiles: num_warps a power of 2
-    up to 32, num_stages up to 16, BLOCK_* up to Triton's largest block, other
-    integer fields within int32."""
-    for key, value in cfg.to_dict().items():
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-            continue
-        if key == "num_warps" and (value & (value - 1) or not 1 <= value <= 32):
-            raise ValueError(f"jaxtdist.{op}: config num_warps={value}; allowed: 1, 2, 4, 8, "
-                             "16, 32")
-        if key == "num_stages" and not 1 <= value <= 16:
-            raise ValueError(f"jaxtdist.{op}: config num_stages={value}; allowed: 1 to 16")
-        if key.startswith("BLOCK_") and value > _MAX_BLOCK:
-            raise ValueError(f"jaxtdist.{op}: config {key}={value} is past Triton's largest "
-                             f"block ({_MAX_BLOCK} elements)")
-        if value > _MAX_INT:
-            raise ValueError(f"jaxtdist.{op}: config {key}={value} does not fit in int32")
+def block(default: int, low: int = 16) -> Any:
+    """A tile size: a power of 2 from ``low`` (16: tl.dot's smallest tile) up to
+    Triton's largest block."""
+    return setting(default, low=low, high=_MAX_BLOCK, high_is="Triton's largest block",
+                   pow2=True, note="(tl.dot's smallest tile)" if low == 16 else "")
+
+
+# What Triton compiles, for every config's launch options (fields of these names
+# need no declaration; other launch options declare them: ``setting(4, **WARPS)``).
+WARPS = dict(choices=(1, 2, 4, 8, 16, 32))
+STAGES = dict(high=16)
+_LAUNCH_LIMITS = {"num_warps": setting(4, **WARPS).metadata,
+                  "num_stages": setting(3, **STAGES).metadata}
+
+
+def check_settings(op: str, cfg: Any, values: Mapping[str, Any]) -> None:
+    """Each of ``values`` (by key) within what its field of ``cfg``'s class declares
+    (``setting``); keys of no field are skipped (``replace`` names them). Raises a
+    ``ValueError`` naming the op, the key, the value and what is allowed."""
+    fields = {f.name: f for f in dataclasses.fields(cfg)}
+    for key, value in values.items():
+        if key in fields:
+            check_setting(op, fields[key], value)
+
+
+def check_setting(op: str, field: dataclasses.Field, value: Any) -> None:
+    """``value`` within what ``field`` declares (see ``setting``): else a ``ValueError``
+    naming the op, the key, the value and what is allowed."""
+    meta = field.metadata or _LAUNCH_LIMITS.get(field.name, {})
+    kind = meta.get("kind") or getattr(field.type, "__name__", field.type)
+    if meta.get("auto") and isinstance(value, str) and value == "auto":
+        return
+    err, note = f"jaxtdist.{op}: config {field.name}={value!r}", meta.get("note", "")
+    low = meta.get("low", -_MAX_INT)  # a field declared without ``setting``: any int
+    noun = "a power of 2" if meta.get("pow2") else "an int"
+    want = {"bool": "True or False", "str": "a string", "int": f"{noun} >= {low}"}.get(kind)
+    is_bool = isinstance(value, (bool, np.bool_))
+    typed = {"bool": is_bool, "str": isinstance(value, str),
+             "int": isinstance(value, (int, np.integer)) and not is_bool}.get(kind, True)
+    ok = typed and (kind != "int" or (
+        value >= low and not (meta.get("pow2") and value & (value - 1))))
+    if not ok and meta.get("auto"):
+        raise ValueError(f"{err}; allowed: " + ("True, False or 'auto'" if kind == "bool"
+                                                  else f"'auto' or {want}") + note)
+    if not typed and kind != "bool":
+        raise ValueError(f"{err} must be {_KINDS[kind]} (the default here: {field.default!r})")
+    if not ok:
+        raise ValueError(f"{err} must be {want}{note}")
+    high = meta.get("high")
+    if kind == "int" and high is not None and value > high:
+        raise ValueError(f"{err} is past {meta['high_is']} ({high} elements)" if meta["high_is"]
+                         else f"{err} must be {noun} in [{low}, {high}]{note}")
+    if kind == "int" and value > _MAX_INT:
+        raise ValueError(f"{err} does not fit in int32")
+    if meta.get("choices") and value not in meta["choices"]:
+        raise ValueError(f"{err}; allowed: {', '.join(repr(c) for c in meta['choices'])}{note}")

@@ -14,11 +14,10 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxtdist.kernels.matmul_ar import matmul_ar_kernel
 from jaxtdist.kernels.matmul_rs import matmul_rs_kernel
-from jaxtdist.ops._config import KernelConfig, Problem, check_blocks, resolve
+from jaxtdist.ops._config import KernelConfig, Problem, block, resolve, setting
 from jaxtdist.ops._gemm_config import SMEM_BUDGET, default_tiles, tma_fits, weights_k_major
 from jaxtdist.ops._precision import kernel_operands
 from jaxtdist.ops._protocol import Call, check_axis
@@ -50,25 +49,13 @@ _AR_ONE_SHOT_BYTES = 2 << 20
 
 # -- configs ---------------------------------------------------------------------
 
-def _check_core(cfg, problem: Problem) -> None:
-    """TMA and SUBTILE: the GEMM core's settings."""
-    if not isinstance(cfg.TMA, (bool, np.bool_)):
-        raise ValueError(f"jaxtdist.{cfg.OP}: config TMA={cfg.TMA!r} must be True or False")
-    if cfg.TMA and (why := _tma_misfit(cfg.OP, problem)):
-        raise ValueError(why)
-    if cfg.SUBTILE not in (1, 2, 4) or cfg.BLOCK_N // cfg.SUBTILE < 16:
-        raise ValueError(f"jaxtdist.{cfg.OP}: config SUBTILE={cfg.SUBTILE!r} must be 1, 2 or 4 "
-                         f"with BLOCK_N / SUBTILE >= 16 (BLOCK_N={cfg.BLOCK_N})")
-
-
-def _tma_misfit(op: str, problem: Problem) -> str | None:
-    """Why TMA cannot serve this problem (None: it can)."""
+def _check_tma(cfg, problem: Problem) -> None:
+    """TMA=True needs rows of x and w that TMA can address."""
     _, n, k = problem.shape
-    if tma_fits(k, n, problem.itemsize):
-        return None
-    return (f"jaxtdist.{op}: config TMA=True needs rows of x (k={k}) and w (n={n}) that are "
-            f"multiples of 16 bytes ({problem.itemsize}-byte elements); leave TMA unset for "
-            "the pointer GEMM")
+    if cfg.TMA and not tma_fits(k, n, problem.itemsize):
+        raise ValueError(f"jaxtdist.{cfg.OP}: config TMA=True needs rows of x (k={k}) and w "
+                         f"(n={n}) that are multiples of 16 bytes ({problem.itemsize}-byte "
+                         "elements); leave TMA unset for the pointer GEMM")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,16 +89,16 @@ class MatmulRsConfig(KernelConfig):
     OP: ClassVar[str] = "matmul_rs"
     variant: ClassVar[str] = "push"
 
-    BLOCK_M: int = 128
-    BLOCK_N: int = 128
-    BLOCK_K: int = 64
-    GROUP_M: int = 8
-    NUM_PROGRAMS: int = 0
-    PARTIAL: str = "input"
+    BLOCK_M: int = block(128)
+    BLOCK_N: int = block(128)
+    BLOCK_K: int = block(64)
+    GROUP_M: int = setting(8)
+    NUM_PROGRAMS: int = setting(0, low=0, note="(0: one per SM)")
+    PARTIAL: str = setting("input", choices=_PARTIALS)
     TMA: bool = True
-    SUBTILE: int = 2
+    SUBTILE: int = setting(2, choices=(1, 2, 4))
     FLATTEN: bool = True
-    PUSH: str = "auto"
+    PUSH: str = setting("auto", choices=_PUSHES)
     num_warps: int = 8
     num_stages: int = 3
 
@@ -151,30 +138,18 @@ class MatmulRsConfig(KernelConfig):
             cfg = cfg.replace(SUBTILE=max(1, min(cfg.SUBTILE, cfg.BLOCK_N // 16)))
         return cfg
 
-    def validate(self, problem: Problem) -> None:
-        check_blocks(self.OP, self, ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps",
-                                      "num_stages"))
-        p = self.NUM_PROGRAMS
-        if isinstance(p, bool) or not isinstance(p, (int, np.integer)) or p < 0:
-            raise ValueError(f"jaxtdist.matmul_rs: config NUM_PROGRAMS={p!r} must be an int "
-                             ">= 0 (0: one per SM)")
-        if problem.platform == "gpu" and p > problem.sms:
-            raise ValueError(f"jaxtdist.matmul_rs: config NUM_PROGRAMS={p} exceeds the "
-                             f"{problem.sms} SMs (the persistent programs spin on each other's "
-                             "ranks and must all be resident)")
-        if self.PARTIAL not in _PARTIALS:
-            raise ValueError(f"jaxtdist.matmul_rs: config PARTIAL={self.PARTIAL!r} must be one "
-                             f"of {_PARTIALS}")
-        if self.PUSH not in _PUSHES:
-            raise ValueError(f"jaxtdist.matmul_rs: config PUSH={self.PUSH!r} must be one of "
-                             f"{_PUSHES}")
+    def check(self, problem: Problem) -> None:
+        if problem.platform == "gpu" and self.NUM_PROGRAMS > problem.sms:
+            raise ValueError(f"jaxtdist.matmul_rs: config NUM_PROGRAMS={self.NUM_PROGRAMS} "
+                             f"exceeds the {problem.sms} SMs (the persistent programs spin on "
+                             "each other's ranks and must all be resident)")
         if self.PUSH == "tma" and not self.TMA:
             raise ValueError("jaxtdist.matmul_rs: config PUSH='tma' needs TMA=True (the GEMM "
                              "core's tiles); use PUSH='stores' or 'auto' with the pointer GEMM")
-        if not isinstance(self.FLATTEN, (bool, np.bool_)):
-            raise ValueError(f"jaxtdist.matmul_rs: config FLATTEN={self.FLATTEN!r} must be True "
-                             "or False")
-        _check_core(self, problem)
+        _check_tma(self, problem)
+        if self.BLOCK_N // self.SUBTILE < 16:
+            raise ValueError(f"jaxtdist.matmul_rs: config SUBTILE={self.SUBTILE} must be 1, 2 "
+                             f"or 4 with BLOCK_N / SUBTILE >= 16 (BLOCK_N={self.BLOCK_N})")
 
     @classmethod
     def search_space(cls, problem: Problem) -> list[dict]:
@@ -223,17 +198,16 @@ class MatmulArConfig(KernelConfig):
     OP: ClassVar[str] = "matmul_ar"
     variant: ClassVar[str] = "push"
 
-    BLOCK_M: int = 16
-    BLOCK_N: int = 64
-    BLOCK_K: int = 128
-    GROUP_M: int = 1
+    BLOCK_M: int = block(16)
+    BLOCK_N: int = block(64)
+    BLOCK_K: int = block(128)
+    GROUP_M: int = setting(1)
     TMA: bool = True
-    SPLIT_K: int = 1
+    SPLIT_K: int = setting(1)
     TWO_SHOT: bool = False
-    PARTIAL: str = "float32"
+    PARTIAL: str = setting("float32", choices=_PARTIALS)
     num_warps: int = 4
     num_stages: int = 4
-    SUBTILE: ClassVar[int] = 1  # the output is stored with the pushes' pointers
 
     @classmethod
     def default(cls, problem: Problem) -> "MatmulArConfig":
@@ -312,21 +286,13 @@ class MatmulArConfig(KernelConfig):
                    GROUP_M=8 if block_m < m else 1, TMA=False, SPLIT_K=split_k, num_warps=4,
                    num_stages=3 if wide else 4)
 
-    def validate(self, problem: Problem) -> None:
-        check_blocks(self.OP, self, ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K",
-                                      "num_warps", "num_stages"))
+    def check(self, problem: Problem) -> None:
         k_blocks = -(-problem.shape[2] // self.BLOCK_K)
         if self.SPLIT_K > k_blocks:
             raise ValueError(f"jaxtdist.matmul_ar: config SPLIT_K={self.SPLIT_K} exceeds the "
                              f"{k_blocks} blocks of K={problem.shape[2]} "
                              f"(BLOCK_K={self.BLOCK_K})")
-        if not isinstance(self.TWO_SHOT, (bool, np.bool_)):
-            raise ValueError(f"jaxtdist.matmul_ar: config TWO_SHOT={self.TWO_SHOT!r} must be "
-                             "True or False")
-        if self.PARTIAL not in _PARTIALS:
-            raise ValueError(f"jaxtdist.matmul_ar: config PARTIAL={self.PARTIAL!r} must be one "
-                             f"of {_PARTIALS}")
-        _check_core(self, problem)
+        _check_tma(self, problem)
 
     @classmethod
     def search_space(cls, problem: Problem) -> list[dict]:

@@ -23,7 +23,7 @@ import numpy as np
 from jaxtdist._errors import HeapExhaustedError
 from jaxtdist.kernels import attention_bwd, attention_ws
 from jaxtdist.kernels.ag_attention import ag_attention_kernel
-from jaxtdist.ops._config import KernelConfig, Problem, resolve
+from jaxtdist.ops._config import KernelConfig, Problem, STAGES, WARPS, block, resolve, setting
 from jaxtdist.ops._inbox import push_to_inboxes
 from jaxtdist.ops._op import DistributedOp
 from jaxtdist.ops._precision import dot_precision
@@ -85,21 +85,21 @@ class AgAttentionConfig(KernelConfig):
     OP: ClassVar[str] = "ag_attention"
     variant: ClassVar[str] = "pull"
 
-    BLOCK_M: int = 128
-    BLOCK_N: int = 64
+    BLOCK_M: int = block(128)
+    BLOCK_N: int = block(64)
     num_warps: int = 8
     num_stages: int = 3
-    GATHER: str = "auto"
-    HEAD_GROUP: int = 1
-    KERNEL: str = "auto"
-    BWD_BLOCK_Q: int = 64
-    BWD_BLOCK_STEP: int = 64
-    BWD_WARPS: int = 4
-    BWD_STAGES: int = 2
-    BWD_BLOCK_KV: int = 64
-    BWD_KV_STEP: int = 64
-    BWD_KV_WARPS: int = 4
-    BWD_KV_STAGES: int = 2
+    GATHER: str = setting("auto", choices=("auto", "inbox", "peer"))
+    HEAD_GROUP: int = setting(1)
+    KERNEL: str = setting("auto", choices=("auto", "triton", "ws"))
+    BWD_BLOCK_Q: int = setting(64, low=16, high=256, pow2=True)
+    BWD_BLOCK_STEP: int = setting(64, low=16, high=256, pow2=True)
+    BWD_WARPS: int = setting(4, **WARPS)
+    BWD_STAGES: int = setting(2, **STAGES)
+    BWD_BLOCK_KV: int = setting(64, low=16, high=256, pow2=True)
+    BWD_KV_STEP: int = setting(64, low=16, high=256, pow2=True)
+    BWD_KV_WARPS: int = setting(4, **WARPS)
+    BWD_KV_STAGES: int = setting(2, **STAGES)
 
     @classmethod
     def default(cls, problem: Problem) -> "AgAttentionConfig":
@@ -122,30 +122,6 @@ class AgAttentionConfig(KernelConfig):
         return cls(**tiles, num_warps=8 if d > 64 and tiles["BLOCK_M"] >= 64 else 4,
                    **backward)
 
-    def validate(self, problem: Problem) -> None:
-        if self.GATHER not in ("auto", "inbox", "peer"):
-            raise ValueError(f"jaxtdist.ag_attention: config GATHER={self.GATHER!r}; allowed: "
-                             "'auto', 'inbox', 'peer'")
-        if self.KERNEL not in ("auto", "triton", "ws"):
-            raise ValueError(f"jaxtdist.ag_attention: config KERNEL={self.KERNEL!r}; allowed: "
-                             "'auto', 'triton', 'ws'")
-        tiles = ("BLOCK_M", "BLOCK_N") + _BWD_TILES
-        for key in tiles + ("num_warps", "num_stages", "HEAD_GROUP") + _BWD_LAUNCH:
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"jaxtdist.ag_attention: config {key}={value!r} must be an "
-                                 "int >= 1")
-            if key in tiles and (value & (value - 1) or value < 16):
-                raise ValueError(f"jaxtdist.ag_attention: config {key}={value} must be a "
-                                 "power of 2 >= 16 (tl.dot's smallest tile)")
-        for key in _BWD_TILES + _BWD_LAUNCH:
-            value = getattr(self, key)
-            allowed = 256 if key in _BWD_TILES else 16 if "STAGES" in key else 32
-            if value > allowed or ("WARPS" in key and value & (value - 1)):
-                raise ValueError(f"jaxtdist.ag_attention: config {key}={value}; allowed: "
-                                 + ("a power of 2 " if "STAGES" not in key else "")
-                                 + f"up to {allowed}")
-
     @classmethod
     def search_space(cls, problem: Problem) -> list[dict]:
         if problem.platform != "gpu":
@@ -153,10 +129,6 @@ class AgAttentionConfig(KernelConfig):
         return cls.fitting(problem, [{}] + [
             dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
             for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)])
-
-
-_BWD_TILES = ("BWD_BLOCK_Q", "BWD_BLOCK_STEP", "BWD_BLOCK_KV", "BWD_KV_STEP")
-_BWD_LAUNCH = ("BWD_WARPS", "BWD_STAGES", "BWD_KV_WARPS", "BWD_KV_STAGES")
 
 
 def _forward_tiles(problem: Problem, block_m: int, block_n: int, stages: int) -> dict:

@@ -143,7 +143,7 @@ def _launch_sm_producers(call: Call, problem: Problem, cfg: AgMatmulConfig, x, w
     _, w, precision = kernel_operands(problem, x, w, tma=cfg.TMA, exact_x=True, k_major=b_t)
     tiles = dict(cfg.kernel_args(), DOT_PRECISION=precision)
     n_tiles = -(-n // cfg.BLOCK_N)
-    m_tiles = 1 if cfg.ALL_ROWS else world * -(-m_shard // cfg.BLOCK_M)
+    m_tiles = world * -(-m_shard // cfg.BLOCK_M)
     # With pushes the gathered x stays in the heap inboxes: a one-element
     # placeholder takes the kernel's second output.
     out_shape = (jax.ShapeDtypeStruct((world * m_shard, n), x.dtype),
@@ -158,6 +158,7 @@ def _launch_sm_producers(call: Call, problem: Problem, cfg: AgMatmulConfig, x, w
             ag_matmul_tma_kernel, x, w, grid=(programs,), needs_scratch=True,
             SCHEDULE_OFF=schedule.offset, NUM_PROGRAMS=programs, SUBTILE=cfg.SUBTILE,
             PRODUCERS_JOIN=call.platform == "gpu", B_T=b_t, **launch, **gather, **tiles))
+    m_tiles = 1 if cfg.ALL_ROWS else m_tiles
     split_k = cfg.SPLIT_K
     k_split = -(-(-(-k // split_k)) // cfg.BLOCK_K) * cfg.BLOCK_K
     partials_off = counters_off = -1

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtdist.kernels.all_gather import all_gather_kernel
-from jaxtdist.ops._config import KernelConfig, Problem, resolve
+from jaxtdist.ops._config import KernelConfig, Problem, block, resolve, setting
 from jaxtdist.ops._op import DistributedOp, scatter_cotangent
 from jaxtdist.ops._protocol import Call
 from jaxtdist.ops._shapes import GatherWorkspace, check_dtype, next_pow2
@@ -37,10 +37,10 @@ class AllGatherConfig(KernelConfig):
     """
     OP: ClassVar[str] = "all_gather"
 
-    NUM_WORKERS: int = 128
-    CHUNK_ROWS: int = 64
-    BLOCK_C: int = 256
-    SCOPE: str = "sys"
+    NUM_WORKERS: int = setting(128)
+    CHUNK_ROWS: int = setting(64)
+    BLOCK_C: int = block(256, low=1)
+    SCOPE: str = setting("sys", choices=("sys", "gpu"))
     num_warps: int = 4
 
     variant: ClassVar[str] = "pull"  # peers' staged shards pulled by SM programs
@@ -58,19 +58,6 @@ class AllGatherConfig(KernelConfig):
         if problem.platform != "gpu":
             return [{}]
         return [{}] + [dict(NUM_WORKERS=w, BLOCK_C=c) for w in (32, 64, 132) for c in (128, 512)]
-
-    def validate(self, problem: Problem) -> None:
-        for key in ("NUM_WORKERS", "CHUNK_ROWS", "BLOCK_C", "num_warps"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"jaxtdist.all_gather: config {key}={value!r} must be an "
-                                 "int >= 1")
-        if self.BLOCK_C & (self.BLOCK_C - 1):
-            raise ValueError(f"jaxtdist.all_gather: config BLOCK_C={self.BLOCK_C} must be a "
-                             "power of 2")
-        if self.SCOPE not in ("sys", "gpu"):
-            raise ValueError(f"jaxtdist.all_gather: config SCOPE={self.SCOPE!r}; allowed: "
-                             "'sys', 'gpu'")
 
 
 def _check(x, *, axis_name, axis, tiled, config=None) -> None:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from jaxtdist.kernels.all_reduce import (all_reduce_one_shot_kernel, all_reduce_push_flags_kernel,
                                          all_reduce_push_kernel, all_reduce_two_shot_kernel)
-from jaxtdist.ops._config import KernelConfig, Problem, resolve
+from jaxtdist.ops._config import KernelConfig, Problem, resolve, setting
 from jaxtdist.ops._op import DistributedOp
 from jaxtdist.ops._protocol import Call, varying_axes
 from jaxtdist.ops._shapes import check_dtype
@@ -80,26 +80,26 @@ class AllReduceConfig(KernelConfig):
     """
     OP: ClassVar[str] = "all_reduce"
 
-    ALGORITHM: str = "auto"
+    ALGORITHM: str = setting("auto", choices=ALGORITHMS)
     # 0: 384 KiB of tagged words' payload. On 4 x H100 the push took 9.0-12.8 us
     # from 4 to 128 KiB per rank (one-shot 14.1-15.7) and 18.0 at 256 KiB (one-shot
     # 15.5); on 2 x H100 4.0-7.1 us up to 256 KiB (one-shot 6.5-7.6), 16.2 at 1 MiB
     # (11.5): the tagged words' doubled bytes cost more than the round trip they save.
-    PUSH_MAX_BYTES: int = 0
+    PUSH_MAX_BYTES: int = setting(0, low=0)
     # 0: by world size. On 4 x H100 the push with flags took 13.4 / 17.7 / 25.1 /
     # 35.6 us at 256 KiB / 512 KiB / 1 MiB / 2 MiB per rank, one-shot 15.6 / 18.3 /
     # 25.1 / 35.1, the tagged push 18.8 / 30.7 / 54.4 / 94.6; on 2 x H100 7.2 /
     # 10.1 / 10.9 at 256 KiB / 512 KiB / 1 MiB, one-shot 7.7 / 9.9 / 12.1.
-    PUSH_FLAGS_MAX_BYTES: int = 0
+    PUSH_FLAGS_MAX_BYTES: int = setting(0, low=0)
     # 0: by world size. At 2 ranks both algorithms move N bytes over the link
     # and one-shot has one step less: measured faster at every size from 16 KiB
     # to 64 MiB per rank on 2 x H200, so always one-shot. Above 2, 2 MiB: on
     # 4 x H100 one-shot took 22.7 / 34.3 / 96.1 us at 1 / 2 / 8 MiB per rank,
     # two-shot 32.1 / 37.2 / 66.1.
-    ONE_SHOT_MAX_BYTES: int = 0
-    NUM_PROGRAMS: int = 2
-    BLOCK: int = 256
-    SCOPE: str = "sys"
+    ONE_SHOT_MAX_BYTES: int = setting(0, low=0)
+    NUM_PROGRAMS: int = setting(2)
+    BLOCK: int = setting(256, pow2=True)
+    SCOPE: str = setting("sys", choices=("sys", "gpu"))
     num_warps: int = 4
 
     @property
@@ -132,15 +132,7 @@ class AllReduceConfig(KernelConfig):
         return base.replace(**slab_grid(problem, n if one_shot else
                                         two_shot_chunk(n, problem.world)))
 
-    def validate(self, problem: Problem) -> None:
-        if self.ALGORITHM not in ALGORITHMS:
-            raise ValueError(f"jaxtdist.all_reduce: config ALGORITHM={self.ALGORITHM!r}; "
-                             f"allowed: {', '.join(repr(a) for a in ALGORITHMS)}")
-        for key in ("PUSH_MAX_BYTES", "PUSH_FLAGS_MAX_BYTES", "ONE_SHOT_MAX_BYTES"):
-            limit = getattr(self, key)
-            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-                raise ValueError(f"jaxtdist.all_reduce: config {key}={limit!r} must be an "
-                                 "int >= 0")
+    def check(self, problem: Problem) -> None:
         validate_slab_config(self, problem)
 
     @classmethod

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtdist.kernels.flash_decode import flash_decode_kernel
-from jaxtdist.ops._config import KernelConfig, Problem, resolve
+from jaxtdist.ops._config import KernelConfig, Problem, block, resolve, setting
 from jaxtdist.ops._op import DistributedOp
 from jaxtdist.ops._precision import dot_precision
 from jaxtdist.ops._protocol import Call, check_axis
@@ -74,8 +74,9 @@ class FlashDecodeConfig(KernelConfig):
     OP: ClassVar[str] = "flash_decode"
     variant: ClassVar[str] = "split_kv_push"
 
-    BLOCK_N: int = 64
-    NUM_SPLITS: int = 0
+    BLOCK_N: int = block(64)
+    NUM_SPLITS: int = setting(0, low=0, high=_MAX_SPLITS, note="(0: chosen from the SMs and the "
+                              "sequence; the merge is unrolled over the splits)")
     num_warps: int = 4
     num_stages: int = 3
 
@@ -115,21 +116,7 @@ class FlashDecodeConfig(KernelConfig):
         busiest = -(-steps // max(1, asked))
         return -(-steps // busiest)
 
-    def validate(self, problem: Problem) -> None:
-        for key in ("BLOCK_N", "num_warps", "num_stages"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"jaxtdist.flash_decode: config {key}={value!r} must be an "
-                                 "int >= 1")
-        if self.BLOCK_N & (self.BLOCK_N - 1) or self.BLOCK_N < 16:
-            raise ValueError(f"jaxtdist.flash_decode: config BLOCK_N={self.BLOCK_N} must be a "
-                             "power of 2 >= 16 (tl.dot's smallest tile)")
-        p = self.NUM_SPLITS
-        if (isinstance(p, bool) or not isinstance(p, (int, np.integer)) or p < 0
-                or p > _MAX_SPLITS):
-            raise ValueError(f"jaxtdist.flash_decode: config NUM_SPLITS={p!r} must be an int "
-                             f"in [0, {_MAX_SPLITS}] (0: chosen from the SMs and the sequence; "
-                             "the merge is unrolled over the splits)")
+    def check(self, problem: Problem) -> None:
         if problem.platform == "gpu" and problem.vendor == "nvidia" and self.num_stages > 1:
             tiles = _kv_stage_bytes(problem, self.BLOCK_N, self.num_stages)
             if tiles > _SM90_SMEM:

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtdist.kernels.grouped_gemm import grouped_dw_kernel, grouped_gemm_kernel
-from jaxtdist.ops._config import KernelConfig, Problem, check_blocks, resolve
+from jaxtdist.ops._config import KernelConfig, Problem, block, resolve, setting
 from jaxtdist.ops._gemm_config import default_tiles, stages_for, tma_fits, weights_k_major
 from jaxtdist.ops._op import DistributedOp, one_call_per_element
 from jaxtdist.ops._precision import kernel_operands
@@ -96,13 +96,13 @@ class GroupedMatmulConfig(KernelConfig):
     OP: ClassVar[str] = "grouped_matmul"
     variant: ClassVar[str] = "persistent"
 
-    BLOCK_M: int = 128
-    BLOCK_N: int = 256
-    BLOCK_K: int = 64
-    GROUP_M: int = 8
-    NUM_PROGRAMS: int = 0
-    SUBTILE: int = 4
-    SPLIT_K: int = 1
+    BLOCK_M: int = block(128)
+    BLOCK_N: int = block(256)
+    BLOCK_K: int = block(64)
+    GROUP_M: int = setting(8)
+    NUM_PROGRAMS: int = setting(0, low=0)
+    SUBTILE: int = setting(4, choices=(1, 2, 4))
+    SPLIT_K: int = setting(1, high=MAX_SPLIT_K, note="(K ranges per output tile)")
     num_warps: int = 8
     num_stages: int = 3
 
@@ -166,13 +166,8 @@ class GroupedMatmulConfig(KernelConfig):
         asked = self.NUM_PROGRAMS or (problem.sms if problem.platform == "gpu" else 3)
         return max(1, min(asked, bound))
 
-    def validate(self, problem: Problem) -> None:
-        check_blocks(self.OP, self, self.keys(), at_least={"NUM_PROGRAMS": 0})
-        k = self.SPLIT_K
-        if k > MAX_SPLIT_K:
-            raise ValueError(f"jaxtdist.grouped_matmul: config SPLIT_K={k!r} must be an int in "
-                             f"[1, {MAX_SPLIT_K}] (K ranges per output tile)")
-        if self.SUBTILE not in (1, 2, 4) or self.BLOCK_N // self.SUBTILE < 8:
+    def check(self, problem: Problem) -> None:
+        if self.BLOCK_N // self.SUBTILE < 8:
             raise ValueError(f"jaxtdist.grouped_matmul: config SUBTILE={self.SUBTILE} must be "
                              f"1, 2 or 4, with BLOCK_N / SUBTILE >= 8 (BLOCK_N={self.BLOCK_N})")
         if problem.platform == "gpu":

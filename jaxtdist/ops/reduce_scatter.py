@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtdist.kernels.reduce_scatter import reduce_scatter_kernel
-from jaxtdist.ops._config import KernelConfig, Problem, resolve
+from jaxtdist.ops._config import KernelConfig, Problem, resolve, setting
 from jaxtdist.ops._op import DistributedOp
 from jaxtdist.ops._protocol import Call, check_axis
 from jaxtdist.ops._shapes import align, check_dtype, next_pow2
@@ -45,17 +45,8 @@ def slab_grid(problem: Problem, slab_elements: int) -> dict:
 
 
 def validate_slab_config(cfg: KernelConfig, problem: Problem) -> None:
-    """The constraints every slab-grid config has (``ValueError`` naming the key)."""
-    for key in ("NUM_PROGRAMS", "BLOCK", "num_warps"):
-        value = getattr(cfg, key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"jaxtdist.{cfg.OP}: config {key}={value!r} must be an int >= 1")
-    if cfg.BLOCK & (cfg.BLOCK - 1):
-        raise ValueError(f"jaxtdist.{cfg.OP}: config BLOCK={cfg.BLOCK} must be a power of 2")
-    if cfg.SCOPE not in ("sys", "gpu"):
-        raise ValueError(f"jaxtdist.{cfg.OP}: config SCOPE={cfg.SCOPE!r}; allowed: 'sys', "
-                         "'gpu'")
-    # Programs wait on the same program of other ranks: all must be resident.
+    """The slab grid's bound: programs wait on the same program of other ranks, so all
+    must be resident (``ValueError`` naming the key)."""
     if problem.platform == "gpu" and cfg.NUM_PROGRAMS > problem.sms:
         raise ValueError(f"jaxtdist.{cfg.OP}: config NUM_PROGRAMS={cfg.NUM_PROGRAMS} exceeds "
                          f"the {problem.sms} SMs (every program must be resident)")
@@ -96,9 +87,9 @@ class ReduceScatterConfig(KernelConfig):
     OP: ClassVar[str] = "reduce_scatter"
     variant: ClassVar[str] = "pull"  # peers' staged chunks pulled and summed
 
-    NUM_PROGRAMS: int = 2
-    BLOCK: int = 256
-    SCOPE: str = "sys"
+    NUM_PROGRAMS: int = setting(2)
+    BLOCK: int = setting(256, pow2=True)
+    SCOPE: str = setting("sys", choices=("sys", "gpu"))
     num_warps: int = 4
 
     @classmethod
@@ -106,7 +97,7 @@ class ReduceScatterConfig(KernelConfig):
         (n,) = problem.shape
         return cls(**slab_grid(problem, max(1, n // problem.world)))
 
-    def validate(self, problem: Problem) -> None:
+    def check(self, problem: Problem) -> None:
         validate_slab_config(self, problem)
 
     @classmethod
