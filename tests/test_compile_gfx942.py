@@ -1,5 +1,5 @@
 """Compiles the built-in kernels for AMD CDNA3 (gfx942: MI300X, MI325X) on any machine
-(not yet the MoE routing kernels of ROUTING="kernels" nor the grouped GEMM).
+(not yet the grouped GEMM).
 
 Triton compiles for ``GPUTarget("hip", "gfx942", 64)`` with no ROCm installed.
 The language picks its AMD lowering when imported with ``JAXTDIST_TARGET=hip``,

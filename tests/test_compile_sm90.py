@@ -668,29 +668,6 @@ def test_matmul_rs_kernel_runs_on_the_gemm_core(tma, flatten, world, push_tma):
         assert _stack_bytes(k) == 0
 
 
-@pytest.mark.parametrize("t,world", [(128, 2), (128, 8), (4096, 8)])
-def test_moe_routing_kernels_compile(t, world):
-    """The routing kernels (config ROUTING="kernels") compile for sm_90 at
-    DeepSeek-V3's routing (top-8 of 256 experts), decode and prefill token counts."""
-    from jaxtdist.kernels.moe_route import moe_route_count_kernel, moe_route_kernel
-
-    k, e, programs = 8, 256, 128
-    tp = -(-t // programs)
-    bt = max(1, min(1 << (tp - 1).bit_length(), 8192 // (8 * e)))
-    common = dict(T=t, K=k, E=e, E_LOC=e // world, W=world, TP=tp, KP=8, EP=e,
-                  WP=world, BT=bt)
-    i32 = "*i32"
-    count = _compile(moe_route_count_kernel, {"ctx": i32, "ids_ptr": i32, "hist_ptr": i32},
-                     common, num_warps=4, num_stages=1)
-    route = _compile(moe_route_kernel,
-                     {"ctx": i32, "ids_ptr": i32, "scale_ptr": "*fp32", "hist_ptr": i32,
-                      "slot_ptr": i32, "meta_ptr": i32, "dcounts_ptr": i32, "bounds_ptr": i32,
-                      "invalid_ptr": i32},
-                     dict(common, KL=8, P=programs, KLP=8, PB=64), num_warps=8, num_stages=1)
-    for kern in (count, route):
-        assert kern.metadata.shared <= 227 * 1024
-
-
 @pytest.mark.parametrize("tma,split_k", [(False, 4), (True, 2)])
 def test_matmul_ar_split_k_compiles(tma, split_k):
     """matmul_ar's decode tiles split along K (32 x 4096 x 7168 at 128 columns, the

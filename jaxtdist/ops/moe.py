@@ -19,7 +19,6 @@ combine kernel's dot products). At world 1 both are their local computation
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, ClassVar
 
 import jax
@@ -27,7 +26,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtdist.kernels.moe import TRACE_PHASES, moe_combine_kernel, moe_dispatch_kernel
-from jaxtdist.kernels.moe_route import moe_route_count_kernel, moe_route_kernel
 from jaxtdist.ops._config import KernelConfig, Problem, resolve
 from jaxtdist.ops._op import (DistributedOp, mesh_devices, one_call_per_element, pjit_wrapper,
                               rows_over)
@@ -47,11 +45,12 @@ _FIELDS = 4
 
 _ROW_BYTES = 16 << 10  # bytes of a row per copy step on GPUs (32 registers per thread)
 
-# Above this many tokens per rank the routing kernels beat the fused routing,
-# whose every program scans every token's ids (1024 pairs per step). Dispatch on
-# 4 x H200 (H 7168, top-8 of 256 experts; probe_defaults.py moe_routing), fused /
-# kernels, us: 128 tokens 55.5 / 59.4, 256 95.8 / 95.7, 512 177.2 / 169.6,
-# 1024 332.4 / 305.3, 2048 647.8 / 588.9 (4096 in the bench: 1275.8 / 1154.3).
+# Above this many tokens per rank the fused routing, whose every program scans
+# every token's ids (1024 pairs per step), gives way to the XLA routing. Dispatch
+# on 4 x H200 (H 7168, top-8 of 256 experts; bench moe --world 4,
+# docs/perf/moe_NVIDIA_H200x4.md), us: 128 tokens fused 56.5, xla 122.3; 4096
+# tokens xla 842.6 (fused 1275.8 in an earlier probe). A third path, two routing
+# kernels launched before the dispatch, won nowhere (60.4 and 855.4) and is gone.
 _FUSED_ROUTING_MAX_TOKENS = 256
 
 
@@ -89,12 +88,9 @@ class MoeConfig(KernelConfig):
         counts) is computed: "fused" (the GPU default up to
         ``_FUSED_ROUTING_MAX_TOKENS`` tokens per rank: each program of the
         dispatch kernel computes its tokens' words itself, from every token's
-        ids, with no launch before it), "kernels" (the GPU default above: two
-        launches of ``kernels/moe_route.py`` on the dispatch's program split
-        before the dispatch kernel; on 2 x H200 at 128 tokens per rank, top-8,
-        H 7168, E 256 the dispatch took 35.5 us with them against 50.6 us with
-        "xla") or "xla" (a dozen small XLA fusions; the default under the
-        interpreter). All three give the same words, bit for bit.
+        ids, with no launch before it) or "xla" (a dozen small XLA fusions
+        before the kernel; the GPU default above, and the interpreter's). Both
+        give the same words, bit for bit.
       CHUNK_TOKENS: tokens per chunk of a dispatch program (0: all its tokens
         in one chunk; the program's NCH chunks are evened out to
         ceil(TP / NCH) tokens each). Each chunk's rows are flagged on their own,
@@ -141,7 +137,7 @@ class MoeConfig(KernelConfig):
         programs = max(1, min(problem.sms, t))
         return cls(NUM_PROGRAMS=programs,
                    BLOCK_H=min(_ROW_BYTES // problem.itemsize, next_pow2(h)),
-                   ROUTING="fused" if t <= _FUSED_ROUTING_MAX_TOKENS else "kernels",
+                   ROUTING="fused" if t <= _FUSED_ROUTING_MAX_TOKENS else "xla",
                    CHUNK_TOKENS=_chunk_tokens(-(-t // programs)))
 
     def validate(self, problem: Problem) -> None:
@@ -157,9 +153,9 @@ class MoeConfig(KernelConfig):
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
             raise ValueError(f"jaxtdist.moe: config CHUNK_TOKENS={chunk!r} must be an int >= 0 "
                              "(0: one chunk per program)")
-        if self.ROUTING not in ("xla", "kernels", "fused"):
+        if self.ROUTING not in ("xla", "fused"):
             raise ValueError(f"jaxtdist.moe: config ROUTING={self.ROUTING!r}; allowed: 'xla', "
-                             "'kernels', 'fused'")
+                             "'fused'")
         if self.COMBINE_SEND not in ("rows", "blocks"):
             raise ValueError(f"jaxtdist.moe: config COMBINE_SEND={self.COMBINE_SEND!r}; "
                              "allowed: 'rows', 'blocks'")
@@ -274,14 +270,9 @@ def _route(expert_ids, world: int, num_experts: int, programs: int,
     return _Routing(jnp.sum(~valid).astype(jnp.int32), slot, meta, dcounts, bounds)
 
 
-# Words of earlier programs' counts the routing kernel sums per step: the last
-# program's prefix is a chain of P * E / _PREFIX_WORDS dependent loads (128
-# programs of 256 experts: 2 steps, 64 words per thread with 8 warps).
-_PREFIX_WORDS = 16384
-
-
 def _route_tokens_per_step(tokens_per_program: int, top_k: int, num_experts: int) -> int:
-    """BT of the routing kernels: a [BT, KP, EP] one-hot block of at most 8192 words."""
+    """BT of the fused routing: its own tokens' words BT at a time, a [BT, KP, EP]
+    one-hot block of at most 8192 words."""
     return max(1, min(next_pow2(tokens_per_program),
                       8192 // (next_pow2(top_k) * next_pow2(num_experts))))
 
@@ -290,36 +281,6 @@ def _route_scan_tokens(tokens: int, top_k: int) -> int:
     """BS of the fused routing: tokens per step of its scan over every token's ids
     (1024 pairs per histogram)."""
     return min(next_pow2(tokens), max(1, 1024 // next_pow2(top_k)))
-
-
-def _route_on_device(call: Call, ctx: jax.Array, expert_ids, world: int, num_experts: int,
-                     programs: int, scale: jax.Array) -> _Routing:
-    """``_route``'s words from ``kernels/moe_route.py`` (two launches after the
-    dispatch's prologue ``ctx``): per-program counts, then slots and meta rows."""
-    t, k = expert_ids.shape
-    e_loc = num_experts // world
-    kl = min(k, e_loc)
-    tp = -(-t // programs)
-    kp, ep, wp = next_pow2(k), next_pow2(num_experts), next_pow2(world)
-    i32 = jnp.int32
-    ids = expert_ids.astype(i32)
-    bt = _route_tokens_per_step(tp, k, num_experts)
-    common = dict(K=k, E=num_experts, E_LOC=e_loc, W=world, TP=tp, KP=kp, EP=ep, WP=wp, BT=bt)
-    hist = call.launch(moe_route_count_kernel, ctx, ids,
-                       out_shape=jax.ShapeDtypeStruct((programs, num_experts + world + 1), i32),
-                       grid=(programs,), num_warps=4, num_stages=1,
-                       varying=call.result_axes(local=(ids,)), T=t, **common)
-    slot, meta, dcounts, bounds, invalid = call.launch(
-        moe_route_kernel, ctx, ids, scale, hist,
-        out_shape=[jax.ShapeDtypeStruct((t, world), i32),
-                   jax.ShapeDtypeStruct((t, world, 1 + _FIELDS * kl), i32),
-                   jax.ShapeDtypeStruct((world, e_loc), i32),
-                   jax.ShapeDtypeStruct((world, programs + 1), i32),
-                   jax.ShapeDtypeStruct((1,), i32)],
-        grid=(programs,), num_warps=8, num_stages=1,
-        varying=call.result_axes(local=(ids, scale)), T=t, KL=kl, P=programs,
-        KLP=next_pow2(kl), PB=max(1, min(next_pow2(programs), _PREFIX_WORDS // ep)), **common)
-    return _Routing(invalid[0], slot, meta, dcounts, bounds)
 
 
 def _summary(recv_counts: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
@@ -470,24 +431,16 @@ def moe_dispatch_kernels(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_
                else jnp.asarray(scale).astype(jnp.float32))
     ids = expert_ids.astype(i32)
     fused = cfg.ROUTING == "fused"
-    if cfg.ROUTING == "kernels":
-        # The routing kernels run after the prologue, before the dispatch kernel.
-        ctx = call.start(ws, deps=(x, expert_ids) + (() if scale is None else (scale,)),
-                         align_launch=not call.launch_aligns((x, expert_ids)))
-        route = _route_on_device(call, ctx, expert_ids, world, num_experts, programs, factors)
-        dispatch = functools.partial(call.launch, moe_dispatch_kernel, ctx)
+    if fused:  # the dispatch kernel computes the words itself: unused inputs
+        none = jnp.zeros((1,), i32)
+        route = _Routing(None, none, none, none, none)
     else:
-        if fused:  # the dispatch kernel computes the words itself: unused inputs
-            none = jnp.zeros((1,), i32)
-            route = _Routing(None, none, none, none, none)
-        else:
-            route = _route(expert_ids, world, num_experts, programs, factors)
-        dispatch = functools.partial(call.run, moe_dispatch_kernel, workspace=ws)
+        route = _route(expert_ids, world, num_experts, programs, factors)
     # With split, the rows' first columns and the rest land in two arrays; without,
     # the last output is a one-element placeholder the kernel never writes (as is
     # invalid without the fused routing).
-    recv, counts, spos, stk, ranges, tail, stamps, invalid = dispatch(
-        x, route.slot, route.meta, route.dcounts, route.bounds, ids, factors,
+    recv, counts, spos, stk, ranges, tail, stamps, invalid = call.run(
+        moe_dispatch_kernel, x, route.slot, route.meta, route.dcounts, route.bounds, ids, factors,
         out_shape=[jax.ShapeDtypeStruct((rows, split or h), x.dtype),
                    jax.ShapeDtypeStruct((world, e_loc), i32),
                    jax.ShapeDtypeStruct((world * t, kl), i32),
@@ -496,7 +449,7 @@ def moe_dispatch_kernels(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_
                    jax.ShapeDtypeStruct((rows, h - split) if split else (1,), x.dtype),
                    _trace_shape(trace, programs),
                    jax.ShapeDtypeStruct((1,), i32)],
-        grid=(programs,), num_warps=cfg.num_warps, num_stages=1,
+        workspace=ws, grid=(programs,), num_warps=cfg.num_warps, num_stages=1,
         varying=tuple(a for a in call.rt.mesh.axis_names if a in varying),
         T=t, H=h, K=k, E_LOC=e_loc, KL=kl, R=rows, W=world, P=programs,
         TP=per_program, FLAGS_OFF=ws.offset + plan.flags, HDR_OFF=ws.offset + plan.hdr,
