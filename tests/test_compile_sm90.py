@@ -515,7 +515,7 @@ def _moe_block(h: int, itemsize: int) -> int:
 def _compile_dispatch(dtype, t, h, k, e_loc, world, programs, block, chunk=0, **options):
     from jaxtdist.kernels.moe import moe_dispatch_kernel
     from jaxtdist.ops._shapes import next_pow2
-    from jaxtdist.ops.moe import _route_scan_tokens, _route_tokens_per_step
+    from jaxtdist.ops.moe._routing import route_scan_tokens, route_tokens_per_step
     i32 = "*i32"
     kl = min(k, e_loc)
     meta_words = 1 + 4 * kl
@@ -536,8 +536,8 @@ def _compile_dispatch(dtype, t, h, k, e_loc, world, programs, block, chunk=0, **
                          SCALED=False, WP=next_pow2(world), EP=next_pow2(e_loc),
                          MP=next_pow2(meta_words), KLP=next_pow2(kl), BLOCK_H=block,
                          ROUTE_OFF=1 << 26, KP=next_pow2(k), EPG=next_pow2(world * e_loc),
-                         BT=_route_tokens_per_step(tp, k, world * e_loc),
-                         BS=_route_scan_tokens(t, k), **options),
+                         BT=route_tokens_per_step(tp, k, world * e_loc),
+                         BS=route_scan_tokens(t, k), **options),
                     num_warps=4, num_stages=1)
 
 
