@@ -1,5 +1,5 @@
 """Compiles the built-in kernels for AMD CDNA3 (gfx942: MI300X, MI325X) on any machine
-(not yet the MoE routing kernels of ROUTING="kernels" nor the grouped GEMM).
+(not yet the grouped GEMM).
 
 Triton compiles for ``GPUTarget("hip", "gfx942", 64)`` with no ROCm installed.
 The language picks its AMD lowering when imported with ``JAXTDIST_TARGET=hip``,
@@ -174,7 +174,8 @@ def _attention_and_moe(problem) -> dict:
     from jaxtdist.ops._shapes import next_pow2
     from jaxtdist.ops.ag_attention import AgAttentionConfig
     from jaxtdist.ops.flash_decode import FlashDecodeConfig
-    from jaxtdist.ops.moe import MoeConfig, _route_scan_tokens, _route_tokens_per_step
+    from jaxtdist.ops.moe import MoeConfig
+    from jaxtdist.ops.moe._routing import route_scan_tokens, route_tokens_per_step
 
     out = {}
     t, h, k, e = 128, 7168, 8, 256
@@ -189,7 +190,7 @@ def _attention_and_moe(problem) -> dict:
         SCALED=False, WP=next_pow2(WORLD), EP=next_pow2(e_loc), MP=next_pow2(meta_words),
         KLP=next_pow2(kl), BLOCK_H=cfg.BLOCK_H, SPLIT=0, TRACE=False, ROUTE=True,
         ROUTE_OFF=1 << 26, KP=next_pow2(k), EPG=next_pow2(e),
-        BT=_route_tokens_per_step(-(-t // programs), k, e), BS=_route_scan_tokens(t, k),
+        BT=route_tokens_per_step(-(-t // programs), k, e), BS=route_scan_tokens(t, k),
         ZERO_TAIL=True, CT=1, NCH=1),
         dict(num_warps=cfg.num_warps, num_stages=1))
     out["moe_combine"] = (dict(

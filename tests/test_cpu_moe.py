@@ -430,7 +430,7 @@ def test_moe_bench_table():
     assert "128 x 7168, top-8, 256" in text and "True" in text
 
 
-ROUTINGS = ("xla", "kernels", "fused")
+ROUTINGS = ("xla", "fused")
 
 
 @pytest.mark.parametrize("world,t,k,e,kind,programs,routings", [
@@ -441,12 +441,11 @@ ROUTINGS = ("xla", "kernels", "fused")
     (2, 9, 3, 4, "empty_expert", 2, ROUTINGS), # K > E / W: KL = E / W
     (2, 4, 2, 4, "invalid", 2, ROUTINGS),      # ids outside [0, E) and repeats
     # The fused routing scans 1024 / K tokens per step: here two steps, the second short.
-    (2, 40, 32, 64, "random", 2, ("xla", "fused")),
+    (2, 40, 32, 64, "random", 2, ROUTINGS),
 ])
-def test_routing_kernels_match_the_xla_routing(world, t, k, e, kind, programs, routings):
-    """config ROUTING="kernels" (kernels/moe_route.py) and "fused" (the words
-    computed inside the dispatch kernel) give the dispatch every word the XLA
-    routing gives it: the same recv_x, sizes and handle, bit for bit, with
+def test_fused_routing_matches_the_xla_routing(world, t, k, e, kind, programs, routings):
+    """config ROUTING="fused" (the words computed inside the dispatch kernel,
+    kernels/moe_route.py) gives the dispatch every word the XLA routing gives it: the same recv_x, sizes and handle, bit for bit, with
     and without the combine backward's scale."""
     mesh = setup(world)
     rng = np.random.default_rng(world * 31 + t)
@@ -478,12 +477,12 @@ def test_routing_kernels_match_the_xla_routing(world, t, k, e, kind, programs, r
 
 
 @pytest.mark.parametrize("tokens,routing_at", [(1, "fused"), (128, "fused"), (256, "fused"),
-                                                (257, "kernels"), (4096, "kernels")])
+                                                (257, "xla"), (4096, "xla")])
 def test_gpu_default_routing_follows_the_token_count(tokens, routing_at):
     """On GPUs the dispatch computes its routing words inside its kernel while few
-    tokens make the scan short, with the two routing kernels above (both give the
-    same words: test_routing_kernels_match_the_xla_routing); the interpreter's
-    default stays the XLA routing."""
+    tokens make the scan short, with XLA above (both give the same words:
+    test_fused_routing_matches_the_xla_routing); the interpreter's default is the
+    XLA routing."""
     from jaxtdist.ops._config import Problem
     from jaxtdist.ops.moe import MoeConfig
 
@@ -495,3 +494,14 @@ def test_gpu_default_routing_follows_the_token_count(tokens, routing_at):
     assert gpu.CHUNK_TOKENS == {1: 0, 128: 0, 256: 0, 257: 0, 4096: 4}[tokens]
     assert MoeConfig.default(Problem("gpu", 4, (1024, 7168), "bfloat16", sms=132)).CHUNK_TOKENS == 2
     assert MoeConfig.default(Problem("cpu", 4, (tokens, 7168), "bfloat16")).ROUTING == "xla"
+
+
+def test_routing_by_two_kernels_is_refused():
+    """ROUTING="kernels" (two routing launches before the dispatch, removed: they won
+    at no size) is refused naming the routings there are."""
+    from jaxtdist.ops._config import Problem
+    from jaxtdist.ops.moe import MoeConfig
+
+    with pytest.raises(ValueError, match=r"ROUTING='kernels'; allowed: 'xla', 'fused'"):
+        MoeConfig(ROUTING="kernels").validate(Problem("gpu", 4, (128, 7168), "bfloat16",
+                                                      sms=132))

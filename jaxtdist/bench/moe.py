@@ -150,11 +150,11 @@ EP_SPEC = P("ep")
 # The plot's series at world W (the Benchmark's own are world 1's).
 EP_SERIES = ("jaxtdist_layer", "all_to_all_layer", "ragged_layer", "jaxtdist_dispatch",
              "all_to_all_dispatch", "ragged_dispatch", "jaxtdist_fp8_dispatch",
-             "jaxtdist_dispatch_routing_xla", "jaxtdist_dispatch_routing_kernels",
+             "jaxtdist_dispatch_routing_xla",
              "jaxtdist_dispatch_unzeroed", "jaxtdist_layer_unzeroed")
-# The dispatch's routing words computed otherwise than by the GPU default
-# (MoeConfig.ROUTING, "fused"), each timed beside it.
-ROUTINGS = ("xla", "kernels")
+# The dispatch's routing words computed otherwise than by the GPU default at decode
+# sizes (MoeConfig.ROUTING, "fused"), each timed beside it.
+ROUTINGS = ("xla",)
 
 
 def fp8_tokens(x: np.ndarray, blocks: int | None = None,
@@ -427,8 +427,6 @@ EP_COLUMNS = [
     *_versus_xla("dispatch", "dispatch", extra=[
         h.Column("dispatch: jaxtdist, routing by XLA",
                  lambda r: h.us(r.get("jaxtdist_dispatch_routing_xla"))),
-        h.Column("dispatch: jaxtdist, routing by two kernels",
-                 lambda r: h.us(r.get("jaxtdist_dispatch_routing_kernels"))),
         h.Column("dispatch: jaxtdist, unused rows not zeroed",
                  lambda r: h.us(r.get("jaxtdist_dispatch_unzeroed")))]),
     h.Column("jaxtdist dispatch GB/s", _gbps),

@@ -3,8 +3,8 @@
 Experts are split evenly over the W ranks: rank d owns local experts
 ``[d * E_LOC, (d + 1) * E_LOC)``. The sender's routing metadata (which ranks
 a token goes to, its slot there, its local experts and their positions) is
-computed on the device by the op (``ops/moe.py``) before the kernel; counts
-are data, so one compiled kernel serves every routing.
+computed on the device, by the dispatch kernel itself (ROUTE) or by the op
+before it; counts are data, so one compiled kernel serves every routing.
 
 Dispatch (``moe_dispatch_kernel``), program p of rank ``me`` owns tokens
 ``[p * TP, (p + 1) * TP)``, in NCH chunks of CT tokens:
@@ -62,7 +62,7 @@ fast peer may already be at e + 1, writing only the other parity) and only
 grow: nothing is reset.
 The headers sit in the parity region too, for the same reason.
 
-Workspace layout (byte offsets, ``ops/moe.DispatchWorkspace`` /
+Workspace layout (byte offsets, ``ops/moe/_launch.DispatchWorkspace`` /
 ``CombineWorkspace``): FLAGS [W, P, NCH] int32 (both kernels),
 then per parity: dispatch's headers [W, HDR_WORDS] int32 (E_LOC counts, per
 program its NCH + 1 chunk bounds, the total), meta [W, T, META_WORDS] int32 and
@@ -132,25 +132,30 @@ def _scatter_chunk(recv_ptr, tail_ptr, v, cols, hm, dsts, keeps, scales, offs_kl
 
 
 @triton.jit
-def _push_tokens(ctx, x_ptr, slot_ptr, meta_ptr, rows, meta, me, t0, t1, run, offs_w, wm,
-                 offs_m, mm, offs_h, T: tl.constexpr, W: tl.constexpr, H: tl.constexpr,
-                 META_WORDS: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Pushes tokens [t0, t1), each row once per destination rank (slot ``slot[t,
-    d]`` of d's inbox region ``me``), then its meta rows; returns ``run`` [WP]
-    raised to one past each destination's last slot used (a token's slots grow
-    with its index, so a chunk of tokens is a range of slots at every rank)."""
-    for t in range(t0, t1):
+def _push_chunk(ctx, x_ptr, slot_ptr, meta_ptr, rows, meta, mine, me, c, t_lo, t_hi, run,
+                offs_w, wm, offs_m, mm, offs_h, T: tl.constexpr, W: tl.constexpr,
+                H: tl.constexpr, META_WORDS: tl.constexpr, BLOCK_H: tl.constexpr,
+                CT: tl.constexpr):
+    """Pushes chunk c of the program's tokens ``[t_lo, t_hi)`` (CT tokens from
+    ``t_lo + c * CT``), each row once per destination rank (slot ``slot[t, d]`` of
+    d's inbox region ``me``), then its meta rows; then the chunk's end slot at
+    every rank into that rank's header word ``mine + c + 1`` (its chunk bounds).
+    Returns ``run`` [WP] raised to one past each destination's last slot used (a
+    token's slots grow with its index, so a chunk of tokens is a range of slots at
+    every rank)."""
+    t0 = t_lo + c * CT
+    for t in range(t0, tl.minimum(t0 + CT, t_hi)):
         slots = tl.load(slot_ptr + t * W + offs_w, mask=wm, other=-1)
         metas = tl.load(meta_ptr + (t * W + offs_w[:, None]) * META_WORDS + offs_m[None, :],
                         mask=mm, other=0)
-        for c in range(0, H, BLOCK_H):
-            hm = c + offs_h < H
-            v = tl.load(x_ptr + t * H + c + offs_h, mask=hm)
+        for c0 in range(0, H, BLOCK_H):
+            hm = c0 + offs_h < H
+            v = tl.load(x_ptr + t * H + c0 + offs_h, mask=hm)
             for step in range(0, W):
                 d = (me + step) % W
                 s = _pick(slots, offs_w, d)
                 if s >= 0:
-                    dst = rows + (me * T + s).to(tl.int64) * H + c + offs_h
+                    dst = rows + (me * T + s).to(tl.int64) * H + c0 + offs_h
                     tl.store(dl.symm_at(ctx, dst, d), v, mask=hm)
         for step in range(0, W):
             d = (me + step) % W
@@ -160,31 +165,9 @@ def _push_tokens(ctx, x_ptr, slot_ptr, meta_ptr, rows, meta, me, t0, t1, run, of
                 dst = meta + (me * T + s) * META_WORDS + offs_m
                 tl.store(dl.symm_at(ctx, dst, d), m, mask=offs_m < META_WORDS)
         run = tl.maximum(run, slots + 1)
-    return run
-
-
-@triton.jit
-def _store_bounds(ctx, at, run, me, offs_w, W: tl.constexpr):
-    """Each rank's entry of ``run`` (one past this program's last slot there so
-    far) into that rank's header word ``at``."""
     for step in range(0, W):
         d = (me + step) % W
-        tl.store(dl.symm_at(ctx, at, d), _pick(run, offs_w, d))
-
-
-@triton.jit
-def _push_chunk(ctx, x_ptr, slot_ptr, meta_ptr, rows, meta, mine, me, c, t_lo, t_hi, run,
-                offs_w, wm, offs_m, mm, offs_h, T: tl.constexpr, W: tl.constexpr,
-                H: tl.constexpr, META_WORDS: tl.constexpr, BLOCK_H: tl.constexpr,
-                CT: tl.constexpr):
-    """Pushes chunk c of the program's tokens ``[t_lo, t_hi)`` (CT tokens from
-    ``t_lo + c * CT``), then its end slot at every rank into that rank's header
-    word ``mine + c + 1`` (its chunk bounds); returns ``run`` as ``_push_tokens``."""
-    t0 = t_lo + c * CT
-    run = _push_tokens(ctx, x_ptr, slot_ptr, meta_ptr, rows, meta, me, t0,
-                       tl.minimum(t0 + CT, t_hi), run, offs_w, wm, offs_m, mm, offs_h,
-                       T, W, H, META_WORDS, BLOCK_H)
-    _store_bounds(ctx, mine + c + 1, run, me, offs_w, W)
+        tl.store(dl.symm_at(ctx, mine + c + 1, d), _pick(run, offs_w, d))
     return run
 
 
@@ -282,15 +265,95 @@ def _lay_out_chunk(hdr, meta, rows, recv_ptr, tail_ptr, spos_ptr, stk_ptr, base,
 
 
 @triton.jit
-def _zero_rows(recv_ptr, tail_ptr, first, i0, i1, offs_h, dtype: tl.constexpr,
-               H: tl.constexpr, P: tl.constexpr, SPLIT: tl.constexpr,
-               BLOCK_H: tl.constexpr):
-    """Zeroes rows ``first + i * P`` of recv (and tail) for i in [i0, i1)."""
-    for r in range(first + i0 * P, first + i1 * P, P):
-        for c in range(0, H, BLOCK_H):
-            hm = c + offs_h < H
-            _store_row(recv_ptr, tail_ptr, r, c + offs_h, tl.zeros((BLOCK_H,), dtype), hm, H,
-                       SPLIT)
+def _zero_rows(recv_ptr, tail_ptr, first, i0, i1, offs_h, H: tl.constexpr, P: tl.constexpr,
+               SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, ZERO_TAIL: tl.constexpr):
+    """With ZERO_TAIL, zeroes rows ``first + i * P`` of recv (and tail) for i in
+    [i0, i1); nothing otherwise (unused rows left unwritten)."""
+    if ZERO_TAIL:
+        for r in range(first + i0 * P, first + i1 * P, P):
+            for c in range(0, H, BLOCK_H):
+                hm = c + offs_h < H
+                _store_row(recv_ptr, tail_ptr, r, c + offs_h,
+                           tl.zeros((BLOCK_H,), recv_ptr.dtype.element_ty), hm, H, SPLIT)
+
+
+@triton.jit
+def _routing_words(ctx, ids_ptr, factor_ptr, invalid_ptr, slot_ptr, meta_ptr, dcounts_ptr,
+                   bounds_ptr, pid, offs_e, T: tl.constexpr, K: tl.constexpr,
+                   E_LOC: tl.constexpr, KL: tl.constexpr, W: tl.constexpr, P: tl.constexpr,
+                   TP: tl.constexpr, META_WORDS: tl.constexpr, WP: tl.constexpr,
+                   KLP: tl.constexpr, ROUTE: tl.constexpr, ROUTE_OFF: tl.constexpr,
+                   KP: tl.constexpr, EPG: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr):
+    """Program pid's routing words: (slot, meta) pointers, the rows it sends per
+    rank and local expert [WP, EP], its first slot and the slot total at each rank
+    [WP]: with ROUTE computed here first (see the kernel), else the inputs'."""
+    if ROUTE:
+        slot_ptr = dl.heap_ptr(ctx, ROUTE_OFF, tl.int32)
+        meta_ptr = dl.heap_ptr(ctx, ROUTE_OFF + 4 * T * W, tl.int32)
+        dcounts_ptr = dl.heap_ptr(ctx, ROUTE_OFF + 4 * T * W * (1 + META_WORDS), tl.int32)
+        bounds_ptr = dl.heap_ptr(ctx, ROUTE_OFF + 4 * (T * W * (1 + META_WORDS) + P * W * E_LOC),
+                                 tl.int32)
+        route_program(ids_ptr, factor_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
+                      invalid_ptr, pid, T, K, W * E_LOC, E_LOC, KL, W, TP, KP, EPG, WP, KLP, BT,
+                      BS)
+        # The words each thread reads below were written by others of this program.
+        tl.debug_barrier()
+        dcounts_ptr += pid * (W * E_LOC)
+    offs_w = tl.arange(0, WP)
+    wm = offs_w < W
+    # The header's words per destination, loaded first: their latency hides behind
+    # the rows'.
+    dcounts = tl.load(dcounts_ptr + offs_w[:, None] * E_LOC + offs_e[None, :],
+                      mask=wm[:, None] & (offs_e < E_LOC)[None, :], other=0)
+    if ROUTE:
+        bounds = bounds_ptr + (pid * W + offs_w) * 3
+        los = tl.load(bounds, mask=wm, other=0)
+        totals = tl.load(bounds + 2, mask=wm, other=0)
+    else:
+        bounds = bounds_ptr + offs_w * (P + 1)
+        los = tl.load(bounds + pid, mask=wm, other=0)
+        totals = tl.load(bounds + P, mask=wm, other=0)
+    return slot_ptr, meta_ptr, dcounts, los, totals
+
+
+@triton.jit
+def _push_header(ctx, hdr, dcounts, los, totals, me, pid, offs_w, offs_e, W: tl.constexpr,
+                 P: tl.constexpr, NCH: tl.constexpr, E_LOC: tl.constexpr,
+                 HDR_WORDS: tl.constexpr):
+    """This rank's header in every rank's heap (before chunk 0's flag): counts per
+    local expert, this program's first slot, the slot total (the same counts and
+    total from every program: a receiver's program p reads only what program p of
+    this rank wrote). Returns this program's chunk bounds (NCH + 1 words)."""
+    h = hdr + me * HDR_WORDS
+    mine = h + E_LOC + pid * (NCH + 1)
+    for step in range(0, W):
+        d = (me + step) % W
+        cnt = tl.sum(tl.where(offs_w[:, None] == d, dcounts, 0), axis=0)
+        tl.store(dl.symm_at(ctx, h + offs_e, d), cnt, mask=offs_e < E_LOC)
+        tl.store(dl.symm_at(ctx, mine, d), _pick(los, offs_w, d))
+        tl.store(dl.symm_at(ctx, h + E_LOC + P * (NCH + 1), d), _pick(totals, offs_w, d))
+    return mine
+
+
+@triton.jit
+def _record_sources(hdr, sranges_ptr, spos_ptr, stk_ptr, pid, offs_w, offs_kl, T: tl.constexpr,
+                    KL: tl.constexpr, W: tl.constexpr, P: tl.constexpr, NCH: tl.constexpr,
+                    E_LOC: tl.constexpr, HDR_WORDS: tl.constexpr, KLP: tl.constexpr):
+    """Every source's chunk bounds for this program (the combine sends by them),
+    and "nothing here" in the records of the slots nobody used (outputs fully
+    written)."""
+    wm = offs_w < W
+    kl_m = offs_kl < KL
+    ranges = hdr + offs_w * HDR_WORDS + E_LOC
+    for c in range(0, NCH + 1):
+        tl.store(sranges_ptr + (offs_w * P + pid) * (NCH + 1) + c,
+                 tl.load(ranges + pid * (NCH + 1) + c, mask=wm, other=0), mask=wm)
+    used = tl.load(ranges + P * (NCH + 1), mask=wm, other=0)
+    for s in range(0, W):
+        for i in range(_pick(used, offs_w, s) + pid, T, P):
+            none = tl.full((KLP,), -1, tl.int32)
+            tl.store(spos_ptr + (s * T + i) * KL + offs_kl, none, mask=kl_m)
+            tl.store(stk_ptr + (s * T + i) * KL + offs_kl, none, mask=kl_m)
 
 
 @triton.jit
@@ -317,26 +380,29 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
     not sent); meta [T, W, META_WORDS] int32; dcounts [W, E_LOC] int32 (rows
     sent to rank d per local expert); bounds [W, P + 1] int32 (slots of d before
     program p's tokens); ids [T, K] int32 and factor [T, K] float32 (the
-    copies' factors) are read only with ROUTE. Outputs: recv [R, H]; rcounts [W, E_LOC] int32 (rows
-    received per source and local expert); spos / stk [W * T, KL] int32 (recv
-    row and t * K + k of inbox row (s, i), local expert kk; -1: none or
-    dropped); sranges [W, P, NCH + 1] int32 (slot bounds of each source's program's
-    chunks: chunk c is slots [sranges[s, p, c], sranges[s, p, c + 1])).
+    copies' factors) are read only with ROUTE. Outputs: recv [R, H]; rcounts
+    [W, E_LOC] int32 (rows received per source and local expert); spos / stk [W
+    * T, KL] int32 (recv row and t * K + k of inbox row (s, i), local expert kk;
+    -1: none or dropped); sranges [W, P, NCH + 1] int32 (slot bounds of each
+    source's program's chunks: chunk c is slots [sranges[s, p, c], sranges[s, p,
+    c + 1])).
     SPLIT > 0: recv is [R, SPLIT] and tail [R, H - SPLIT] holds the rest of each
     row (``_store_row``); else tail is unused. WP, EP, MP, KLP: W, E_LOC,
     META_WORDS and KL rounded up to powers of 2 (vector widths). TRACE: phase
     timestamps into trace (``_stamp``); else trace is unused.
 
-    ROUTE (the fused routing): each program computes its tokens' routing words
-    first (``moe_route.route_program``) into its rows of a scratch region of the
-    heap at ROUTE_OFF (slot [T, W], meta [T, W, META_WORDS], dcounts [P, W *
-    E_LOC], bounds [P, W, 3]) and reads them back behind a CTA barrier; the
-    inputs slot, meta, dcounts and bounds are then unused, and invalid [1] gets
-    the invalid pairs (program 0). KP, EPG: K and W * E_LOC rounded up to powers
-    of 2; BT, BS: tokens per routing step (``route_program``).
+    ROUTE (the fused routing, ``_routing_words``): each program computes its
+    tokens' routing words first (``moe_route.route_program``) into its rows of a
+    heap scratch at ROUTE_OFF (slot [T, W], meta [T, W, META_WORDS], dcounts [P, W
+    * E_LOC], bounds [P, W, 3]) and reads them back behind a CTA barrier, instead
+    of the inputs slot, meta, dcounts and bounds; invalid [1] gets the invalid
+    pairs (program 0). KP, EPG: K and W * E_LOC rounded up to powers of 2; BT, BS:
+    tokens per routing step.
     ZERO_TAIL: rows of recv (and tail) past the received ones are zeroed; else
     they are left unwritten. CT: tokens per chunk of a program (its pushes are
     flagged chunk by chunk), NCH = ceil(TP / CT) chunks (default: one).
+    The body is the steps; each feature (ROUTE, SPLIT, SCALED, TRACE, ZERO_TAIL) sits
+    in the constexpr-specialized helper of its step.
     """
     pid = tl.program_id(0)
     _stamp(trace_ptr, pid, 0, TRACE)
@@ -351,18 +417,9 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
     offs_e = tl.arange(0, EP)
     offs_kl = tl.arange(0, KLP)
     kl_m = offs_kl < KL
-    if ROUTE:
-        slot_ptr = dl.heap_ptr(ctx, ROUTE_OFF, tl.int32)
-        meta_ptr = dl.heap_ptr(ctx, ROUTE_OFF + 4 * T * W, tl.int32)
-        dcounts_ptr = dl.heap_ptr(ctx, ROUTE_OFF + 4 * T * W * (1 + META_WORDS), tl.int32)
-        bounds_ptr = dl.heap_ptr(ctx, ROUTE_OFF + 4 * (T * W * (1 + META_WORDS) + P * W * E_LOC),
-                                 tl.int32)
-        route_program(ids_ptr, factor_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
-                      invalid_ptr, pid, T, K, W * E_LOC, E_LOC, KL, W, TP, KP, EPG, WP, KLP, BT,
-                      BS)
-        # The words each thread reads below were written by others of this program.
-        tl.debug_barrier()
-        dcounts_ptr += pid * (W * E_LOC)
+    slot_ptr, meta_ptr, dcounts, los, totals = _routing_words(
+        ctx, ids_ptr, factor_ptr, invalid_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr, pid,
+        offs_e, T, K, E_LOC, KL, W, P, TP, META_WORDS, WP, KLP, ROUTE, ROUTE_OFF, KP, EPG, BT, BS)
 
     # 1. Push this program's tokens, chunk by chunk (CT tokens each): each row once
     # per destination rank. The token's slots and meta rows are loaded as blocks up
@@ -371,31 +428,10 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
     offs_w = tl.arange(0, WP)
     wm = offs_w < W
     mm = wm[:, None] & (offs_m[None, :] < META_WORDS)
-    # The header's words per destination, loaded now: their latency hides behind the rows'.
-    em = offs_e < E_LOC
-    dcounts = tl.load(dcounts_ptr + offs_w[:, None] * E_LOC + offs_e[None, :],
-                      mask=wm[:, None] & em[None, :], other=0)
-    if ROUTE:
-        bounds = bounds_ptr + (pid * W + offs_w) * 3
-        los = tl.load(bounds, mask=wm, other=0)
-        totals = tl.load(bounds + 2, mask=wm, other=0)
-    else:
-        bounds = bounds_ptr + offs_w * (P + 1)
-        los = tl.load(bounds + pid, mask=wm, other=0)
-        totals = tl.load(bounds + P, mask=wm, other=0)
     t_lo = pid * TP
     t_hi = tl.minimum(t_lo + TP, T)
-    # The header (before chunk 0's flag): counts per local expert, this program's
-    # first slot, the slot total (the same counts and total from every program: a
-    # receiver's program p reads only what program p of this rank wrote).
-    h = hdr + me * HDR_WORDS
-    mine = h + E_LOC + pid * (NCH + 1)  # this program's chunk bounds: NCH + 1 slots
-    for step in range(0, W):
-        d = (me + step) % W
-        cnt = tl.sum(tl.where(offs_w[:, None] == d, dcounts, 0), axis=0)
-        tl.store(dl.symm_at(ctx, h + offs_e, d), cnt, mask=em)
-        tl.store(dl.symm_at(ctx, mine, d), _pick(los, offs_w, d))
-        tl.store(dl.symm_at(ctx, h + E_LOC + P * (NCH + 1), d), _pick(totals, offs_w, d))
+    mine = _push_header(ctx, hdr, dcounts, los, totals, me, pid, offs_w, offs_e, W, P, NCH,
+                        E_LOC, HDR_WORDS)
     run = _push_chunk(ctx, x_ptr, slot_ptr, meta_ptr, rows, meta, mine, me, 0, t_lo, t_hi,
                       los, offs_w, wm, offs_m, mm, offs_h, T, W, H, META_WORDS, BLOCK_H, CT)
     _stamp(trace_ptr, pid, 1, TRACE)
@@ -442,9 +478,8 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
                        K, KL, R, W, P, NCH, HDR_WORDS, E_LOC, META_WORDS, BLOCK_H, SPLIT,
                        SCALED)
         dl.notify_peers(ctx, my_flags + c, e, INCLUDE_SELF=True)
-        if ZERO_TAIL:
-            _zero_rows(recv_ptr, tail_ptr, first, (c - 1) * n // NCH, c * n // NCH, offs_h,
-                       recv_ptr.dtype.element_ty, H, P, SPLIT, BLOCK_H)
+        _zero_rows(recv_ptr, tail_ptr, first, (c - 1) * n // NCH, c * n // NCH, offs_h, H, P,
+                   SPLIT, BLOCK_H, ZERO_TAIL)
         if c + 1 < NCH:
             run = _push_chunk(ctx, x_ptr, slot_ptr, meta_ptr, rows, meta, mine, me, c + 1,
                               t_lo, t_hi, run, offs_w, wm, offs_m, mm, offs_h, T, W, H,
@@ -452,25 +487,14 @@ def moe_dispatch_kernel(ctx, x_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_ptr,
         token = _wait_chunk(ctx, flags, c, me, e, pid, W, P, NCH)
     hdr = aligned_after(hdr, token)
     _lay_out_chunk(hdr, aligned_after(meta, token), aligned_after(rows, token), recv_ptr,
-                   tail_ptr, spos_ptr, stk_ptr, base, NCH - 1, pid, offs_w, offs_e, offs_h, offs_kl, kl_m, T, H, K, KL, R,
-                   W, P, NCH, HDR_WORDS, E_LOC, META_WORDS, BLOCK_H, SPLIT, SCALED)
-    # Every source's chunk bounds for this program (the combine sends by them),
-    # and slot total.
-    ranges = hdr + offs_w * HDR_WORDS + E_LOC
-    for c in range(0, NCH + 1):
-        tl.store(sranges_ptr + (offs_w * P + pid) * (NCH + 1) + c,
-                 tl.load(ranges + pid * (NCH + 1) + c, mask=wm, other=0), mask=wm)
-    used = tl.load(ranges + P * (NCH + 1), mask=wm, other=0)
-    for s in range(0, W):
-        # Slots nobody uses: their records say "nothing here" (outputs fully written).
-        for i in range(_pick(used, offs_w, s) + pid, T, P):
-            none = tl.full((KLP,), -1, tl.int32)
-            tl.store(spos_ptr + (s * T + i) * KL + offs_kl, none, mask=kl_m)
-            tl.store(stk_ptr + (s * T + i) * KL + offs_kl, none, mask=kl_m)
+                   tail_ptr, spos_ptr, stk_ptr, base, NCH - 1, pid, offs_w, offs_e, offs_h,
+                   offs_kl, kl_m, T, H, K, KL, R, W, P, NCH, HDR_WORDS, E_LOC, META_WORDS,
+                   BLOCK_H, SPLIT, SCALED)
+    _record_sources(hdr, sranges_ptr, spos_ptr, stk_ptr, pid, offs_w, offs_kl, T, KL, W, P, NCH,
+                    E_LOC, HDR_WORDS, KLP)
     _stamp(trace_ptr, pid, 4, TRACE)
-    if ZERO_TAIL:  # rows past the received ones are zero (a fully written output)
-        _zero_rows(recv_ptr, tail_ptr, first, (NCH - 1) * n // NCH, n, offs_h,
-                   recv_ptr.dtype.element_ty, H, P, SPLIT, BLOCK_H)
+    _zero_rows(recv_ptr, tail_ptr, first, (NCH - 1) * n // NCH, n, offs_h, H, P, SPLIT, BLOCK_H,
+               ZERO_TAIL)
     _stamp(trace_ptr, pid, 5, TRACE)
 
 

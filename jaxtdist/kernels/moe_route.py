@@ -1,29 +1,16 @@
-"""moe_route: the dispatch's routing metadata on the device, in two launches
-instead of a dozen XLA fusions (``ops/moe._route`` computes the same words).
+"""moe_route: the dispatch's routing metadata, computed by the dispatch kernel's
+programs themselves (config ROUTING="fused"; ``ops/moe/_routing.route`` computes
+the same words in XLA).
 
-Program p owns tokens ``[p * TP, (p + 1) * TP)``, the dispatch's split.
-
-Two launches (config ROUTING="kernels"):
-
-1. ``moe_route_count_kernel``: program p counts its tokens' valid (token,
-   expert) pairs per expert, the tokens it sends to each rank, and its invalid
-   pairs: row p of ``hist`` [P, E + W + 1].
-2. ``moe_route_kernel``: program p sums the rows of programs before it (the
-   exclusive prefix: slots and expert positions start there), then walks its
-   tokens BT at a time and writes their slot per rank, their meta rows (token
-   index; per local expert of a rank: local expert id, position among that
-   expert's rows from this rank, k, scale bits) and bounds[:, p]. Program 0
-   also writes the totals: rows per expert (dcounts), bounds[:, P] and the
-   invalid pairs.
-
-Fused (config ROUTING="fused"): ``route_program``, called by program p of the
-dispatch kernel itself, scans every token's ids for the counts before its own
-tokens and in all (histograms; T K words, from L2), then writes its tokens'
-words as ``moe_route_kernel`` does: no launch and no other program to wait for.
+``route_program``, called by program p of the dispatch kernel first thing,
+scans every token's ids for the counts before its own tokens and in all
+(histograms; T K words, from L2), then writes its tokens' words: their slot
+per rank and their meta rows (token index; per local expert of a rank: local
+expert id, position among that expert's rows from this rank, k, scale bits).
+No launch before the dispatch and no other program to wait for.
 
 A pair (t, k) is valid when its id is in [0, E) and not a repeat of an earlier
-k of the same token. No program waits for another (the interpreter runs them
-one by one).
+k of the same token.
 """
 
 import triton
@@ -48,135 +35,6 @@ def _pairs(ids_ptr, t0, t_end, K: tl.constexpr, E: tl.constexpr, E_LOC: tl.const
     ws = tl.arange(0, WP)
     send = tl.max((dest[:, :, None] == ws[None, None, :]).to(tl.int32), axis=1)
     return t, inb, valid, vid, dest, send
-
-
-@triton.jit
-def _expert_onehot(vid, valid, EP: tl.constexpr):
-    """[BT, KP, EP] int32: 1 where pair (t, k) is valid with expert e."""
-    es = tl.arange(0, EP)
-    return ((vid[:, :, None] == es[None, None, :]) & valid[:, :, None]).to(tl.int32)
-
-
-@triton.jit
-def moe_route_count_kernel(ctx, ids_ptr, hist_ptr, T: tl.constexpr, K: tl.constexpr,
-                           E: tl.constexpr, E_LOC: tl.constexpr, W: tl.constexpr,
-                           TP: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
-                           WP: tl.constexpr, BT: tl.constexpr):
-    """Grid: (P,). ids [T, K] int32 -> hist [P, E + W + 1] int32 (see module doc)."""
-    pid = tl.program_id(0)
-    cnt_e = tl.zeros((EP,), tl.int32)
-    cnt_d = tl.zeros((WP,), tl.int32)
-    bad = tl.zeros((KP,), tl.int32)
-    t_lo = pid * TP
-    t_hi = tl.minimum(t_lo + TP, T)
-    for t0 in range(t_lo, t_hi, BT):
-        t, inb, valid, vid, dest, send = _pairs(ids_ptr, t0, t_hi, K, E, E_LOC, W, KP, WP, BT)
-        cnt_e += tl.sum(tl.sum(_expert_onehot(vid, valid, EP), axis=1), axis=0)
-        cnt_d += tl.sum(send, axis=0)
-        bad += tl.sum((inb & ~valid).to(tl.int32), axis=0)
-    row = hist_ptr + pid * (E + W + 1)
-    es = tl.arange(0, EP)
-    tl.store(row + es, cnt_e, mask=es < E)
-    ws = tl.arange(0, WP)
-    tl.store(row + E + ws, cnt_d, mask=ws < W)
-    tl.store(row + E + W, tl.sum(bad, axis=0))
-
-
-@triton.jit
-def moe_route_kernel(ctx, ids_ptr, scale_ptr, hist_ptr, slot_ptr, meta_ptr, dcounts_ptr,
-                     bounds_ptr, invalid_ptr, T: tl.constexpr, K: tl.constexpr,
-                     E: tl.constexpr, E_LOC: tl.constexpr, KL: tl.constexpr, W: tl.constexpr,
-                     P: tl.constexpr, TP: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
-                     WP: tl.constexpr, KLP: tl.constexpr, PB: tl.constexpr, BT: tl.constexpr):
-    """Grid: (P,). ids [T, K] int32, scale [T, K] float32, hist from the count
-    kernel -> slot [T, W], meta [T, W, 1 + 4 KL], dcounts [E], bounds [W, P + 1],
-    invalid [1] int32 (the words of ``ops/moe._route``). PB: hist rows per step;
-    BT: tokens per step."""
-    pid = tl.program_id(0)
-    HW: tl.constexpr = E + W + 1
-    es = tl.arange(0, EP)
-    ws = tl.arange(0, WP)
-    # Rows of earlier programs: where this program's slots and positions start.
-    # Program 0 also sums every row (the totals).
-    pre_e = tl.zeros((EP,), tl.int32)
-    pre_d = tl.zeros((WP,), tl.int32)
-    bad = tl.zeros((PB,), tl.int32)
-    rows_to_sum = tl.where(pid == 0, P, pid)
-    for p0 in range(0, rows_to_sum, PB):
-        ps = p0 + tl.arange(0, PB)
-        pm = ps < rows_to_sum
-        he = tl.load(hist_ptr + ps[:, None] * HW + es[None, :],
-                     mask=pm[:, None] & (es[None, :] < E), other=0)
-        hd = tl.load(hist_ptr + ps[:, None] * HW + E + ws[None, :],
-                     mask=pm[:, None] & (ws[None, :] < W), other=0)
-        bad += tl.load(hist_ptr + ps * HW + E + W, mask=pm, other=0)
-        pre_e += tl.sum(he, axis=0)
-        pre_d += tl.sum(hd, axis=0)
-    if pid == 0:
-        tl.store(dcounts_ptr + es, pre_e, mask=es < E)
-        tl.store(bounds_ptr + ws * (P + 1) + P, pre_d, mask=ws < W)
-        tl.store(invalid_ptr, tl.sum(bad, axis=0))
-        pre_e = tl.zeros((EP,), tl.int32)
-        pre_d = tl.zeros((WP,), tl.int32)
-    tl.store(bounds_ptr + ws * (P + 1) + pid, pre_d, mask=ws < W)
-
-    t_lo = pid * TP
-    _route_tokens(ids_ptr, scale_ptr, slot_ptr, meta_ptr, t_lo, tl.minimum(t_lo + TP, T),
-                  pre_e, pre_d, K, E, E_LOC, KL, W, KP, EP, WP, KLP, BT)
-
-
-@triton.jit
-def _route_tokens(ids_ptr, scale_ptr, slot_ptr, meta_ptr, t_lo, t_hi, pre_e, pre_d,
-                  K: tl.constexpr, E: tl.constexpr, E_LOC: tl.constexpr, KL: tl.constexpr,
-                  W: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, WP: tl.constexpr,
-                  KLP: tl.constexpr, BT: tl.constexpr):
-    """Slots and meta rows of tokens [t_lo, t_hi), BT at a time, given the pairs
-    per expert (pre_e [EP]) and the tokens per rank (pre_d [WP]) before t_lo."""
-    META_WORDS: tl.constexpr = 1 + 4 * KL
-    es = tl.arange(0, EP)
-    ws = tl.arange(0, WP)
-    ks = tl.arange(0, KP)
-    js = tl.arange(0, KLP)
-    for t0 in range(t_lo, t_hi, BT):
-        t, inb, valid, vid, dest, send = _pairs(ids_ptr, t0, t_hi, K, E, E_LOC, W, KP, WP, BT)
-        tm = t < t_hi
-        # Slot of token t at rank w: sends to w before it (this program's earlier
-        # tokens and earlier programs').
-        before_d = tl.cumsum(send, axis=0) - send + pre_d[None, :]
-        slot = tl.where(send > 0, before_d, -1)
-        tl.store(slot_ptr + t[:, None] * W + ws[None, :], slot,
-                 mask=tm[:, None] & (ws[None, :] < W))
-        pre_d += tl.sum(send, axis=0)
-        # Position of pair (t, k) among its expert's rows from this rank.
-        onehot = _expert_onehot(vid, valid, EP)                          # [BT, KP, EP]
-        per_token = tl.sum(onehot, axis=1)                               # [BT, EP]
-        before_e = tl.cumsum(per_token, axis=0) - per_token + pre_e[None, :]
-        pos = tl.sum(tl.where(vid[:, :, None] == es[None, None, :], before_e[:, None, :], 0),
-                     axis=2)                                             # [BT, KP]
-        pre_e += tl.sum(per_token, axis=0)
-        # kk: the pair's rank among the token's valid pairs on the same destination.
-        earlier = ks[None, None, :] < ks[None, :, None]
-        kk = tl.sum(((dest[:, :, None] == dest[:, None, :]) & valid[:, None, :]
-                     & earlier).to(tl.int32), axis=2)
-        scale = tl.load(scale_ptr + t[:, None] * K + ks[None, :], mask=inb, other=0.0)
-        bits = scale.to(tl.int32, bitcast=True)
-        kidx = tl.zeros((BT, KP), tl.int32) + ks[None, :]
-        for w in range(0, W):
-            base = meta_ptr + (t * W + w) * META_WORDS
-            tl.store(base, t, mask=tm)
-            # Slot j of rank w: the valid pair with dest w and kk == j (at most one).
-            match = (valid & (dest == w))[:, :, None] & (kk[:, :, None] == js[None, None, :])
-            hit = tl.max(match.to(tl.int32), axis=1) > 0                 # [BT, KLP]
-            jm = tm[:, None] & (js[None, :] < KL)
-            words = base[:, None] + 1 + 4 * js[None, :]
-            local = tl.sum(tl.where(match, (vid % E_LOC)[:, :, None], 0), axis=1)
-            tl.store(words, tl.where(hit, local, -1), mask=jm)
-            tl.store(words + 1, tl.where(hit, tl.sum(tl.where(match, pos[:, :, None], 0),
-                                                     axis=1), -1), mask=jm)
-            tl.store(words + 2, tl.where(hit, tl.sum(tl.where(match, kidx[:, :, None], 0),
-                                                     axis=1), -1), mask=jm)
-            tl.store(words + 3, tl.where(hit, tl.sum(tl.where(match, bits[:, :, None], 0),
-                                                     axis=1), -1), mask=jm)
 
 
 @triton.jit
@@ -220,5 +78,49 @@ def route_program(ids_ptr, scale_ptr, slot_ptr, meta_ptr, dcounts_ptr, bounds_pt
     tl.store(b + 2, all_d, mask=ws < W)
     if pid == 0:
         tl.store(invalid_ptr, tl.sum(bad, axis=0))
-    _route_tokens(ids_ptr, scale_ptr, slot_ptr, meta_ptr, t_lo, t_hi, pre_e, pre_d, K, E, E_LOC,
-                  KL, W, KP, EP, WP, KLP, BT)
+    # Its tokens' slots and meta rows, BT at a time, from the pairs per expert
+    # (pre_e) and the tokens per rank (pre_d) before them.
+    META_WORDS: tl.constexpr = 1 + 4 * KL
+    ks = tl.arange(0, KP)
+    js = tl.arange(0, KLP)
+    for t0 in range(t_lo, t_hi, BT):
+        t, inb, valid, vid, dest, send = _pairs(ids_ptr, t0, t_hi, K, E, E_LOC, W, KP, WP, BT)
+        tm = t < t_hi
+        # Slot of token t at rank w: sends to w before it (this program's earlier
+        # tokens and earlier programs').
+        before_d = tl.cumsum(send, axis=0) - send + pre_d[None, :]
+        slot = tl.where(send > 0, before_d, -1)
+        tl.store(slot_ptr + t[:, None] * W + ws[None, :], slot,
+                 mask=tm[:, None] & (ws[None, :] < W))
+        pre_d += tl.sum(send, axis=0)
+        # Position of pair (t, k) among its expert's rows from this rank.
+        onehot = ((vid[:, :, None] == es[None, None, :])
+                  & valid[:, :, None]).to(tl.int32)                     # [BT, KP, EP]
+        per_token = tl.sum(onehot, axis=1)                               # [BT, EP]
+        before_e = tl.cumsum(per_token, axis=0) - per_token + pre_e[None, :]
+        pos = tl.sum(tl.where(vid[:, :, None] == es[None, None, :], before_e[:, None, :], 0),
+                     axis=2)                                             # [BT, KP]
+        pre_e += tl.sum(per_token, axis=0)
+        # kk: the pair's rank among the token's valid pairs on the same destination.
+        earlier = ks[None, None, :] < ks[None, :, None]
+        kk = tl.sum(((dest[:, :, None] == dest[:, None, :]) & valid[:, None, :]
+                     & earlier).to(tl.int32), axis=2)
+        scale = tl.load(scale_ptr + t[:, None] * K + ks[None, :], mask=inb, other=0.0)
+        bits = scale.to(tl.int32, bitcast=True)
+        kidx = tl.zeros((BT, KP), tl.int32) + ks[None, :]
+        for w in range(0, W):
+            base = meta_ptr + (t * W + w) * META_WORDS
+            tl.store(base, t, mask=tm)
+            # Slot j of rank w: the valid pair with dest w and kk == j (at most one).
+            match = (valid & (dest == w))[:, :, None] & (kk[:, :, None] == js[None, None, :])
+            hit = tl.max(match.to(tl.int32), axis=1) > 0                 # [BT, KLP]
+            jm = tm[:, None] & (js[None, :] < KL)
+            words = base[:, None] + 1 + 4 * js[None, :]
+            local = tl.sum(tl.where(match, (vid % E_LOC)[:, :, None], 0), axis=1)
+            tl.store(words, tl.where(hit, local, -1), mask=jm)
+            tl.store(words + 1, tl.where(hit, tl.sum(tl.where(match, pos[:, :, None], 0),
+                                                     axis=1), -1), mask=jm)
+            tl.store(words + 2, tl.where(hit, tl.sum(tl.where(match, kidx[:, :, None], 0),
+                                                     axis=1), -1), mask=jm)
+            tl.store(words + 3, tl.where(hit, tl.sum(tl.where(match, bits[:, :, None], 0),
+                                                     axis=1), -1), mask=jm)

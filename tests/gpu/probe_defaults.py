@@ -111,7 +111,7 @@ def probe_moe_routing(world: int = 4) -> None:
         specs = dict(mesh=mesh, in_specs=(mb.EP_SPEC,) * 3, out_specs=mb.EP_SPEC,
                      check_vma=False)
         contenders = {}
-        for routing in ("fused", "kernels", "xla"):
+        for routing in ("fused", "xla"):
             def dispatch(x, ids, w, routing=routing):
                 cfg = dict(ROUTING=routing)
                 return td.moe_dispatch(x, ids, "ep", num_experts=e, config=cfg)[0]

@@ -6,7 +6,7 @@ import from a test process."""
 OPS = ("ag_matmul", "all_gather", "all_reduce", "reduce_scatter", "matmul_rs", "matmul_ar",
        "triton_call", "shmem_all_gather", "flash_decode", "flash_decode_nan", "ag_attention",
        "ag_attention_d128",
-       "moe", "moe_unzeroed", "moe_routing_kernels", "moe_routing_fused", "moe_fp8", "moe_tp", "moe_tp_overlapped")
+       "moe", "moe_unzeroed", "moe_routing_fused", "moe_fp8", "moe_tp", "moe_tp_overlapped")
 # vmap of every built-in op (--ops --transforms).
 TRANSFORMS = tuple(f"vmap_{op}" for op in OPS[:6])
 # remat + grad of the two matmuls (--ops --grads): their backward runs on jaxtdist's

@@ -215,16 +215,14 @@ def check_all(mesh, world: int) -> dict[str, float]:
     errs["moe_unzeroed"] = relerr(f(*(place(mesh, a, ep) for a in (x, ids, gate))),
                                   2 * x.astype(np.float64) * gate.sum(1, keepdims=True))
 
-    for routing in ("kernels", "fused"):  # the routing metadata by jaxtdist's kernels
-        def moe_routing(a, i, g, routing=routing):
-            recv, _, handle = td.moe_dispatch(a, i, "tp", num_experts=e,
-                                              config=dict(ROUTING=routing))
-            return td.moe_combine(2 * recv, handle, g, "tp")
+    def moe_routing_fused(a, i, g):  # the routing metadata inside the dispatch kernel
+        recv, _, handle = td.moe_dispatch(a, i, "tp", num_experts=e,
+                                          config=dict(ROUTING="fused"))
+        return td.moe_combine(2 * recv, handle, g, "tp")
 
-        f = sm(moe_routing, (ep,) * 3, ep)
-        errs[f"moe_routing_{routing}"] = relerr(
-            f(*(place(mesh, a, ep) for a in (x, ids, gate))),
-            2 * x.astype(np.float64) * gate.sum(1, keepdims=True))
+    f = sm(moe_routing_fused, (ep,) * 3, ep)
+    errs["moe_routing_fused"] = relerr(f(*(place(mesh, a, ep) for a in (x, ids, gate))),
+                                       2 * x.astype(np.float64) * gate.sum(1, keepdims=True))
     q8, scale = fp8_tokens(x, 2)
 
     def moe_fp8_layer(a, sc, i, g):
