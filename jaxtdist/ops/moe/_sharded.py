@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from jaxtdist.ops._op import mesh_devices, pjit_wrapper, rows_over
+from jaxtdist.ops._sharded import mesh_devices, pjit_wrapper, rows_over
 from jaxtdist.ops.moe._combine import moe_combine
 from jaxtdist.ops.moe._dispatch import moe_dispatch
 from jaxtdist.ops.moe._handle import MoeHandle
