@@ -201,21 +201,23 @@ def test_autotune_on_first_trace(monkeypatch):
 
 
 def test_import_jaxtdist_installs_the_autotune_hook(monkeypatch):
-    """The ops ask the slot in ops/_tuning.py, which ``import jaxtdist`` fills with the
-    tuner's hook; it answers only under JAXTDIST_AUTOTUNE=1."""
-    from jaxtdist.ops import _tuning
+    """The ops ask the runtime's tuning cache, whose autotune slot ``import jaxtdist``
+    fills with the tuner's hook; it answers only under JAXTDIST_AUTOTUNE=1."""
+    from jaxtdist.runtime._config_cache import TuningCache
 
-    assert _tuning._autotune is _tuner.autotune_on_miss
+    assert TuningCache._autotune is _tuner.autotune_on_miss
     asked = []
-    monkeypatch.setattr(_tuning, "_autotune", lambda *a: asked.append(a) or {"BLOCK_N": 32})
+    monkeypatch.setattr(TuningCache, "_autotune",
+                        staticmethod(lambda *a: asked.append(a) or {"BLOCK_N": 32}))
+    cache = TuningCache("a device")
     problem = _problem("gpu", 2, 3, 16, 40, F32)
     monkeypatch.delenv("JAXTDIST_AUTOTUNE", raising=False)
-    assert _tuning.autotuned("ag_matmul", problem, "tp") is None and not asked
+    assert cache.autotuned("ag_matmul", problem, "tp") is None and not asked
     monkeypatch.setenv("JAXTDIST_AUTOTUNE", "1")
-    assert _tuning.autotuned("ag_matmul", problem, "tp") == {"BLOCK_N": 32}
+    assert cache.autotuned("ag_matmul", problem, "tp") == {"BLOCK_N": 32}
     assert asked == [("ag_matmul", problem, "tp")]
     with pytest.raises(ValueError, match="must be callable"):
-        _tuning.install(None)
+        TuningCache.install_autotune(None)
 
 
 def test_tune_refuses_cpu_timing():
@@ -270,7 +272,8 @@ def test_gpu_config_asking_for_pointer_modes_starts_from_pointer_defaults(asked,
     the pointer kernel has gives the pointer kernel, not a refused mixture."""
     import types
     gpu = types.SimpleNamespace(platform="gpu",
-                                tuning=types.SimpleNamespace(lookup=lambda *args: None))
+                                tuning=types.SimpleNamespace(lookup=lambda *args: None,
+                                                         autotuned=lambda *args: None))
     cfg = _resolve(gpu, _problem("gpu", 4, 128, 4096, 8192, BF16), asked)
     assert cfg.TMA == tma and cfg.PRODUCER == producer
     if asked and asked.get("SPLIT_K"):
@@ -291,7 +294,8 @@ def test_gpu_push_order_follows_the_producer(tuned, asked, order):
     SM producers' configs (defaults, tuned or asked for) have no push order."""
     import types
     gpu = types.SimpleNamespace(platform="gpu",
-                                tuning=types.SimpleNamespace(lookup=lambda *args: tuned))
+                                tuning=types.SimpleNamespace(lookup=lambda *args: tuned,
+                                                         autotuned=lambda *args: None))
     cfg = _resolve(gpu, _problem("gpu", 4, 1024, 4096, 4096, BF16), asked)
     assert getattr(cfg, "PUSH_ORDER", None) == order
 

@@ -26,7 +26,6 @@ from typing import Any, ClassVar, TypeVar
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtdist.ops._tuning import autotuned
 
 C = TypeVar("C", bound="KernelConfig")
 
@@ -154,7 +153,7 @@ def resolve(config_type: type[C], problem: Problem, rt, config: Mapping[str, Any
     ``config``; validated against the problem.
 
     On a cache miss with ``JAXTDIST_AUTOTUNE=1``, the installed tuner
-    (``ops/_tuning.py``) tunes the problem first and caches the choice.
+    (``TuningCache.install_autotune``) tunes the problem first and caches the choice.
     """
     cfg = base if base is not None else config_type.default(problem)
     asked = dict(config or {})
@@ -163,7 +162,7 @@ def resolve(config_type: type[C], problem: Problem, rt, config: Mapping[str, Any
         tuned = rt.tuning.lookup(config_type.OP, problem.world, problem.shape, problem.dtype)
         from_cache = tuned is not None
         if not from_cache:
-            tuned = autotuned(config_type.OP, problem, axis_name)
+            tuned = rt.tuning.autotuned(config_type.OP, problem, axis_name)
         asked = dict(tuned or {})
     # NumPy integers (a config built from an array's entries) pass the checks as
     # ints but are no Triton constexpr: the kernels get Python ints.

@@ -16,6 +16,8 @@ import os
 import pathlib
 import tempfile
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -74,7 +76,30 @@ def _read(path: pathlib.Path) -> dict:
 
 
 class TuningCache:
-    """Tuned configs for one device kind; owned by the runtime object."""
+    """Tuned configs for one device kind; owned by the runtime object.
+
+    The tuner sits above the ops and the runtime: ``import jaxtdist.tune`` installs
+    its autotune hook here (``install_autotune``), and a call that misses the cache
+    asks it through ``autotuned`` (only under ``JAXTDIST_AUTOTUNE=1``).
+    """
+
+    # autotune(op, problem, axis_name) -> tuned config overrides or None: the tuner's.
+    _autotune: Callable[[str, Any, Any], dict | None] | None = None
+
+    @classmethod
+    def install_autotune(cls, autotune: Callable[[str, Any, Any], dict | None]) -> None:
+        """Makes ``autotune`` the tuner a cache miss asks (the last one installed wins)."""
+        if not callable(autotune):
+            raise ValueError(f"jaxtdist: the autotune hook must be callable, got {autotune!r}")
+        cls._autotune = autotune
+
+    def autotuned(self, op: str, problem, axis_name) -> dict | None:
+        """The installed tuner's config for ``problem`` when ``JAXTDIST_AUTOTUNE=1``;
+        else None (the call takes its defaults)."""
+        if self._autotune is None or os.environ.get("JAXTDIST_AUTOTUNE") != "1":
+            return None
+        tuned = type(self)._autotune(op, problem, axis_name)
+        return None if tuned is None else dict(tuned)
 
     def __init__(self, device_kind: str):
         self.device_kind = device_kind

@@ -5,7 +5,7 @@ world size, shape, dtype): the user's cache file (``cache_path()``) first,
 then the configs shipped with jaxtdist. ``tune`` times an op's candidates
 and records the fastest; with ``JAXTDIST_AUTOTUNE=1`` an op tunes a shape it
 has no entry for the first time it is traced (GPUs): importing this package
-installs that hook in ``ops/_tuning.py``. A later process reads the file and
+installs that hook on the runtime's tuning cache. A later process reads the file and
 pays no tuning cost. The tuner sits above the ops: it imports them, never the
 other way round.
 
@@ -14,14 +14,13 @@ Example:
   >>> jaxtdist.tune.tune("ag_matmul", (1024, 4096, 4096), jnp.bfloat16, axis_name="tp")
 """
 
-from jaxtdist.ops import _tuning
-from jaxtdist.runtime._config_cache import cache_path
+from jaxtdist.runtime._config_cache import TuningCache, cache_path
 from jaxtdist.tune._cases import register_builtin_ops
 from jaxtdist.tune._registry import TuningCase, Tunable, register, tunable_ops
 from jaxtdist.tune._tuner import autotune_on_miss, tune
 
 register_builtin_ops()
-_tuning.install(autotune_on_miss)
+TuningCache.install_autotune(autotune_on_miss)
 
 
 def tune_ag_matmul(m_shard: int, n: int, k: int, dtype=None, **kwargs) -> dict:

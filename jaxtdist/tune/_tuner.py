@@ -37,7 +37,7 @@ def default_measure(platform: str) -> Callable:
 
 
 def autotune_on_miss(op: str, problem, axis_name) -> dict | None:
-    """The hook ``jaxtdist.tune`` installs in ``ops/_tuning.py``: tunes a call's problem
+    """The hook ``jaxtdist.tune`` installs on the runtime's tuning cache: tunes a call's problem
     that the cache misses and returns the chosen config; None for an op without a
     tuning case or where kernels cannot be timed (CPU): the call takes its defaults.
 
