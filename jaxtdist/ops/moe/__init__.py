@@ -17,12 +17,11 @@ arrays sharded on rows, the handle's arrays too.
 """
 
 from jaxtdist.ops.moe._checks import default_recv_rows
-from jaxtdist.ops.moe._combine import moe_combine
+from jaxtdist.ops.moe._combine import moe_combine, moe_combine_kernels
 from jaxtdist.ops.moe._config import MoeConfig
-from jaxtdist.ops.moe._dispatch import moe_dispatch
+from jaxtdist.ops.moe._dispatch import moe_dispatch, moe_dispatch_kernels
 from jaxtdist.ops.moe._handle import MoeHandle
-from jaxtdist.ops.moe._launch import (CombineWorkspace, DispatchWorkspace, moe_combine_kernels,
-                                      moe_dispatch_kernels)
+from jaxtdist.ops.moe._launch import CombineWorkspace, DispatchWorkspace
 from jaxtdist.ops.moe._sharded import moe_combine_sharded, moe_dispatch_sharded
 
 __all__ = ["CombineWorkspace", "DispatchWorkspace", "MoeConfig", "MoeHandle", "default_recv_rows",

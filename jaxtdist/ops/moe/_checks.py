@@ -17,12 +17,12 @@ def default_recv_rows(tokens: int, top_k: int, world: int, num_experts: int) -> 
     return world * tokens * min(top_k, num_experts // world)
 
 
-def check_dispatch(x, expert_ids, *, axis_name, num_experts, max_recv_rows=None, split=0,
-                   zero_unused_rows=True, config=None) -> None:
+def check_dispatch(x, expert_ids, scale=None, *, axis_name, num_experts, max_recv_rows=None,
+                   split=0, zero_unused_rows=True, config=None, trace=False) -> None:
     """Raises ValueError on bad arguments of moe_dispatch (its op's ``check``)."""
-    # split: internal (moe_dispatch's fp8 rows), set consistently; zero_unused_rows:
-    # made a bool by moe_dispatch.
-    del config, split, zero_unused_rows
+    # zero_unused_rows: made a bool by moe_dispatch; scale and trace: the kernels'
+    # own (moe_dispatch_kernels).
+    del scale, config, zero_unused_rows, trace
     world = check_axis(runtime(), axis_name, "moe_dispatch").world
     if getattr(x, "ndim", None) != 2:
         raise ValueError(f"jaxtdist.moe_dispatch: x must be [tokens, hidden] (2-D), got shape "
@@ -55,11 +55,16 @@ def check_dispatch(x, expert_ids, *, axis_name, num_experts, max_recv_rows=None,
                                       or max_recv_rows < 1):
         raise ValueError(f"jaxtdist.moe_dispatch: max_recv_rows={max_recv_rows!r} must be "
                          f"None (every row fits) or an int >= 1{traced_hint(max_recv_rows)}")
+    if not 0 <= split < x.shape[1]:
+        raise ValueError(f"jaxtdist.moe_dispatch: split={split} must be in [0, H={x.shape[1]})")
 
 
-def check_combine(y, weights, handle, *, axis_name, config=None) -> None:
-    """Raises ValueError on bad arguments of moe_combine, the handle included."""
-    del config
+def check_combine(y, weights, handle, cotangent=None, *, axis_name, config=None,
+                  trace=False) -> None:
+    """Raises ValueError on bad arguments of moe_combine, the handle included (its
+    op's ``check``)."""
+    # cotangent and trace: the kernels' own (moe_combine_kernels).
+    del cotangent, config, trace
     layout = check_axis(runtime(), axis_name, "moe_combine")
     world = layout.world
     if not isinstance(handle, MoeHandle):

@@ -1,89 +1,15 @@
 """jaxtdist.moe_combine: the experts' rows back to their tokens, summed with the
-routing weights. Its op: the combine kernel (``_launch``) with a dispatch and the
-kernel's dot products as the backward, and a gather in pure JAX at world 1."""
+routing weights (the op: ``_ops.COMBINE``)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from jaxtdist.ops._op import DistributedOp, one_call_per_element
-from jaxtdist.ops._protocol import Call
-from jaxtdist.ops.moe._checks import check_combine
-from jaxtdist.ops.moe._config import resolved
-from jaxtdist.ops.moe._handle import COMBINE_ARRAYS, MoeHandle, flatten_handle, rebuild_handle
-from jaxtdist.ops.moe._launch import moe_combine_kernels, moe_dispatch_kernels
+from jaxtdist.ops.moe._handle import MoeHandle
+from jaxtdist.ops.moe._ops import COMBINE
 
-__all__ = ["moe_combine"]
-
-
-def _local_combine(y, weights, src_pos, src_tk, t, k):
-    """out[t] = sum over records (pos, t * K + k) of weights[t, k] * y[pos] (both
-    handle flavours: the local one and the kernels')."""
-    tk = src_tk.reshape(-1)
-    pos = src_pos.reshape(-1)
-    # A dropped pair (pos < 0) keeps its tk: its weight, even NaN, must not count.
-    w = jnp.where((tk >= 0) & (pos >= 0), weights.reshape(-1)[jnp.maximum(tk, 0)],
-                  0).astype(jnp.float32)
-    rows = jnp.where((pos >= 0)[:, None], y[jnp.maximum(pos, 0)].astype(jnp.float32), 0)
-    out = jnp.zeros((t, y.shape[1]), jnp.float32).at[jnp.where(tk >= 0, tk // k, t)].add(
-        w[:, None] * rows, mode="drop")
-    return out.astype(y.dtype)
-
-
-# The op's arrays after y and weights: the handle's COMBINE_ARRAYS; its static
-# keywords: the handle's (flatten_handle).
-
-def _forward(y, weights, *arrays, axis_name, config=None, **static):
-    handle = rebuild_handle(COMBINE_ARRAYS, arrays, **static)
-    out = moe_combine_kernels(y, handle, weights, axis_name, config=config)
-    return out, (y, weights, *arrays)
-
-
-def _backward(residuals, ct, *, axis_name, config=None, **static):
-    y, weights, *arrays = residuals
-    expert_ids = rebuild_handle(COMBINE_ARRAYS, arrays, **static).expert_ids
-    ct = ct.astype(y.dtype)
-
-    def dispatch(ct, ids, w):
-        # dy: the cotangent of token t's output, sent to each of its experts' rows,
-        # times the pair's weight (the same routing lays it out as y is).
-        return moe_dispatch_kernels(ct, ids, axis_name, num_experts=static["num_experts"],
-                                    max_recv_rows=static["max_recv_rows"], scale=w,
-                                    config=config)[0]
-
-    def combine(y, w, ct, *arrays):
-        # dweights[t, k] = <y row of (t, k), ct[t]>: the combine kernel's dot products.
-        handle = rebuild_handle(COMBINE_ARRAYS, arrays, **static)
-        return moe_combine_kernels(y, handle, w, axis_name, cotangent=ct, config=config)[1]
-
-    # One whole kernel call per element under jax.vmap, like every backward's.
-    dy = one_call_per_element(dispatch)(ct, expert_ids, weights)
-    dw = one_call_per_element(combine)(y, weights, ct, *arrays)
-    return (dy, dw) + (None,) * len(arrays)
-
-
-def _local(y, weights, *arrays, axis_name, config=None, **static):
-    del axis_name, config
-    handle = rebuild_handle(COMBINE_ARRAYS, arrays, **static)
-    t, k = handle.expert_ids.shape
-    return _local_combine(y, weights, handle.src_pos, handle.src_tk, t, k)
-
-
-def _check(y, weights, *arrays, axis_name, config=None, **static) -> None:
-    del config
-    check_combine(y, weights, rebuild_handle(COMBINE_ARRAYS, arrays, **static),
-                  axis_name=axis_name)
-
-
-def _check_config(y, weights, *arrays, axis_name, config, **static):
-    del weights
-    tokens = rebuild_handle(COMBINE_ARRAYS, arrays, **static).expert_ids.shape[0]
-    resolved(Call("moe_combine", axis_name), tokens, y.shape[1], y.dtype, config, axis_name)
-
-
-_COMBINE = DistributedOp("moe_combine", forward=_forward, backward=_backward, check=_check,
-                         local=_local, check_config=_check_config)
+__all__ = ["moe_combine", "moe_combine_kernels"]
 
 
 def moe_combine(y: jax.Array, handle: MoeHandle, weights: jax.Array, axis_name, *,
@@ -107,9 +33,19 @@ def moe_combine(y: jax.Array, handle: MoeHandle, weights: jax.Array, axis_name, 
     Example:
       >>> out = jaxtdist.moe_combine(jax.lax.ragged_dot(recv, w, sizes), handle, gate, "ep")
     """
-    y, weights = jnp.asarray(y), jnp.asarray(weights)
-    # Here, with the handle itself: _COMBINE's check sees only its arrays (not the
-    # dispatch's axis_name).
-    check_combine(y, weights, handle, axis_name=axis_name)
-    arrays, static = flatten_handle(handle, COMBINE_ARRAYS)
-    return _COMBINE(y, weights, *arrays, axis_name=axis_name, config=config, **static)
+    return COMBINE(jnp.asarray(y), jnp.asarray(weights), handle, axis_name=axis_name,
+                   config=config)
+
+
+def moe_combine_kernels(y: jax.Array, handle: MoeHandle, weights: jax.Array, axis_name, *,
+                        cotangent: jax.Array | None = None, config: dict | None = None,
+                        trace: bool = False):
+    """moe_combine's kernel, at world 1 too (benchmarks, tests); not differentiable.
+
+    With ``cotangent`` [T, F], returns (out, dots) where dots[t, k] = <y row of
+    (t, k), cotangent[t]> (float32); else out. With ``trace``, the int32 [P, 6]
+    timestamps (as ``moe_dispatch_kernels``'s; phases 0-3) come last.
+    """
+    cotangent = None if cotangent is None else jnp.asarray(cotangent)
+    return COMBINE.kernels(jnp.asarray(y), jnp.asarray(weights), handle, cotangent,
+                           axis_name=axis_name, config=config, trace=trace)

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
-from jaxtdist.ops._config import KernelConfig, Problem, resolve
+from jaxtdist.ops._config import KernelConfig, Problem, block, resolve, setting
 from jaxtdist.ops._protocol import Call
 from jaxtdist.ops._shapes import next_pow2
 
@@ -82,13 +82,13 @@ class MoeConfig(KernelConfig):
     OP: ClassVar[str] = "moe"
     variant: ClassVar[str] = "push"
 
-    NUM_PROGRAMS: int = 2
-    BLOCK_H: int = 64
+    NUM_PROGRAMS: int = setting(2)
+    BLOCK_H: int = block(64, low=1)
     num_warps: int = 4
-    ROUTING: str = "fused"
-    CHUNK_TOKENS: int = 0
-    COMBINE_SEND: str = "rows"
-    COMBINE_ROWS: int = 2
+    ROUTING: str = setting("fused", choices=("xla", "fused"))
+    CHUNK_TOKENS: int = setting(0, low=0, note="(0: one chunk per program)")
+    COMBINE_SEND: str = setting("rows", choices=("rows", "blocks"))
+    COMBINE_ROWS: int = setting(2, high=8)
 
     @classmethod
     def default(cls, problem: Problem) -> "MoeConfig":
@@ -110,27 +110,8 @@ class MoeConfig(KernelConfig):
                    ROUTING="fused" if t <= _FUSED_ROUTING_MAX_TOKENS else "xla",
                    CHUNK_TOKENS=_chunk_tokens(-(-t // programs)))
 
-    def validate(self, problem: Problem) -> None:
-        for key in ("NUM_PROGRAMS", "BLOCK_H", "num_warps"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"jaxtdist.moe: config {key}={value!r} must be an int >= 1")
-        rows = self.COMBINE_ROWS
-        if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= 8:
-            raise ValueError(f"jaxtdist.moe: config COMBINE_ROWS={rows!r} must be an int in "
-                             "[1, 8]")
-        chunk = self.CHUNK_TOKENS
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
-            raise ValueError(f"jaxtdist.moe: config CHUNK_TOKENS={chunk!r} must be an int >= 0 "
-                             "(0: one chunk per program)")
-        if self.ROUTING not in ("xla", "fused"):
-            raise ValueError(f"jaxtdist.moe: config ROUTING={self.ROUTING!r}; allowed: 'xla', "
-                             "'fused'")
-        if self.COMBINE_SEND not in ("rows", "blocks"):
-            raise ValueError(f"jaxtdist.moe: config COMBINE_SEND={self.COMBINE_SEND!r}; "
-                             "allowed: 'rows', 'blocks'")
-        if self.BLOCK_H & (self.BLOCK_H - 1):
-            raise ValueError(f"jaxtdist.moe: config BLOCK_H={self.BLOCK_H} must be a power of 2")
+    def check(self, problem: Problem) -> None:
+        """On GPUs at most one program per SM: every program must be resident."""
         if problem.platform == "gpu" and self.NUM_PROGRAMS > problem.sms:
             raise ValueError(f"jaxtdist.moe: config NUM_PROGRAMS={self.NUM_PROGRAMS} exceeds "
                              f"the {problem.sms} SMs (every program must be resident)")

@@ -1,6 +1,5 @@
 """jaxtdist.moe_dispatch: every (token, expert) pair to its expert's rank, grouped
-by local expert. Its op: the kernels (``_launch``) with a combine as the backward,
-and a scatter in pure JAX at world 1."""
+by local expert (the op: ``_ops.DISPATCH``; fp8 rows packed around it)."""
 
 from __future__ import annotations
 
@@ -10,94 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtdist.ops._op import DistributedOp, one_call_per_element
-from jaxtdist.ops._protocol import Call, check_axis
 from jaxtdist.ops._shapes import check_dtype, static_bool
-from jaxtdist.ops.moe._checks import check_dispatch, default_recv_rows
-from jaxtdist.ops.moe._config import resolved
 from jaxtdist.ops.moe._fp8 import check_fp8, fp8_rows, fp8_unpack
-from jaxtdist.ops.moe._handle import (COMBINE_ARRAYS, DISPATCH_ARRAYS, MoeHandle,
-                                      flatten_handle, rebuild_handle)
-from jaxtdist.ops.moe._launch import moe_combine_kernels, moe_dispatch_kernels, summary
-from jaxtdist.ops.moe._routing import valid_pairs
-from jaxtdist.runtime._runtime import runtime
+from jaxtdist.ops.moe._handle import MoeHandle
+from jaxtdist.ops.moe._ops import DISPATCH
 
-__all__ = ["moe_dispatch"]
-
-
-def _local_dispatch(x, expert_ids, *, num_experts, rows):
-    """recv_x, recv_counts [1, E], src_pos, src_tk and the valid pairs of one rank."""
-    t, k = expert_ids.shape
-    valid = valid_pairs(expert_ids, num_experts)
-    ids = jnp.where(valid, expert_ids, 0)
-    onehot = jnp.sum((ids[:, :, None] == jnp.arange(num_experts)[None, None])
-                     & valid[:, :, None], axis=1, dtype=jnp.int32)
-    tot = jnp.sum(onehot, axis=0)
-    start = jnp.cumsum(tot) - tot
-    pos = start[ids] + jnp.take_along_axis(jnp.cumsum(onehot, axis=0) - onehot, ids, axis=1)
-    keep = valid & (pos < rows)
-    target = jnp.where(keep, pos, rows).reshape(-1)
-    src = jnp.broadcast_to(x[:, None, :], (t, k, x.shape[1])).reshape(t * k, -1)
-    recv = jnp.zeros((rows, x.shape[1]), x.dtype).at[target].set(src, mode="drop")
-    spos = jnp.where(keep, pos, -1).astype(jnp.int32)
-    stk = jnp.where(valid, jnp.arange(t * k).reshape(t, k), -1).astype(jnp.int32)
-    return recv, tot.reshape(1, -1).astype(jnp.int32), spos, stk, valid
-
-
-def _forward(x, expert_ids, *, axis_name, num_experts, max_recv_rows=None, split=0,
-             zero_unused_rows=True, config=None):
-    recv, sizes, handle = moe_dispatch_kernels(x, expert_ids, axis_name,
-                                               num_experts=num_experts,
-                                               max_recv_rows=max_recv_rows, split=split,
-                                               zero_unused_rows=zero_unused_rows,
-                                               config=config)
-    return ((recv, sizes, *flatten_handle(handle, DISPATCH_ARRAYS)[0]),
-            flatten_handle(handle, COMBINE_ARRAYS)[0])
-
-
-def _backward(residuals, ct, *, axis_name, num_experts, max_recv_rows=None, split=0,
-              zero_unused_rows=True, config=None):
-    # Only the fp8 path splits rows, and it is not differentiable; the combine reads
-    # the received rows only.
-    del split, zero_unused_rows
-    named = dict(zip(COMBINE_ARRAYS, residuals))
-    t, k = named["expert_ids"].shape
-    world = runtime().layout(axis_name).world
-    static = dict(num_experts=num_experts, programs=named["src_ranges"].shape[1],
-                  max_recv_rows=max_recv_rows or default_recv_rows(t, k, world, num_experts))
-    ones = jnp.ones((t, k), jnp.float32)
-
-    def combine(ct_recv, *arrays):
-        handle = rebuild_handle(COMBINE_ARRAYS, arrays, **static)
-        return moe_combine_kernels(ct_recv, handle, ones, axis_name, config=config)
-
-    # The transpose of copying x[t] to each of its expert rows: sum those rows (one
-    # whole kernel call per element under jax.vmap, like every backward's).
-    return one_call_per_element(combine)(ct[0], *residuals), None
-
-
-def _local(x, expert_ids, *, axis_name, num_experts, max_recv_rows=None, split=0,
-           zero_unused_rows=True, config=None):
-    del axis_name, config, zero_unused_rows  # zeros either way: XLA fuses them into the scatter
-    t, k = expert_ids.shape
-    rows = max_recv_rows or default_recv_rows(t, k, 1, num_experts)
-    recv, counts, spos, stk, valid = _local_dispatch(x, expert_ids, num_experts=num_experts,
-                                                     rows=rows)
-    if split:
-        recv = (recv[:, :split], recv[:, split:])
-    sizes, dropped = summary(counts, rows)
-    handle = MoeHandle(expert_ids, counts, spos, stk, jnp.zeros((1, 1, 2), jnp.int32), dropped,
-                       jnp.sum(~valid).astype(jnp.int32))
-    return recv, sizes, *flatten_handle(handle, DISPATCH_ARRAYS)[0]
-
-
-def _check_config(x, expert_ids, *, axis_name, config, **static):
-    del expert_ids, static
-    resolved(Call("moe_dispatch", axis_name), *x.shape, x.dtype, config, axis_name)
-
-
-_DISPATCH = DistributedOp("moe_dispatch", forward=_forward, backward=_backward,
-                          check=check_dispatch, local=_local, check_config=_check_config)
+__all__ = ["moe_dispatch", "moe_dispatch_kernels"]
 
 
 def moe_dispatch(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_experts: int,
@@ -171,16 +88,32 @@ def moe_dispatch(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_experts:
     rows_in = x if x_scale is None else fp8_rows(x, x_scale)
     # fp8: each byte row's token bytes and scale bytes come back as two arrays.
     split = x.shape[1] if x_scale is not None else 0
-    out = _DISPATCH(rows_in, expert_ids, axis_name=axis_name, num_experts=num_experts,
-                    max_recv_rows=max_recv_rows, split=split,
-                    zero_unused_rows=zero_unused_rows, config=config)
-    recv, sizes, *arrays = out
+    recv, sizes, handle = DISPATCH(rows_in, expert_ids, axis_name=axis_name,
+                                   num_experts=num_experts, max_recv_rows=max_recv_rows,
+                                   split=split, zero_unused_rows=zero_unused_rows, config=config)
     if x_scale is not None:
         recv = fp8_unpack(recv, x.dtype, x_scale.shape[1])
-    t, k = expert_ids.shape
-    layout = check_axis(runtime(), axis_name, "moe_dispatch")
-    handle = rebuild_handle(
-        DISPATCH_ARRAYS, arrays, expert_ids=expert_ids, num_experts=num_experts,
-        max_recv_rows=max_recv_rows or default_recv_rows(t, k, layout.world, num_experts),
-        programs=arrays[DISPATCH_ARRAYS.index("src_ranges")].shape[1], axis_name=layout.axes)
     return recv, sizes, handle
+
+
+def moe_dispatch_kernels(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_experts: int,
+                         max_recv_rows: int | None = None, scale: jax.Array | None = None,
+                         split: int = 0, config: dict | None = None, trace: bool = False,
+                         zero_unused_rows: bool = True):
+    """moe_dispatch's kernel, at world 1 too (benchmarks, tests); not differentiable.
+
+    With ``trace``, also returns an int32 [P, 6] array of per-program timestamps
+    (low 32 bits of the GPU's ns clock; subtract modulo 2**32) at the kernel's
+    phases (``kernels/moe.py``, TRACE_PHASES): a probe's view of where the time goes.
+
+    ``scale`` [T, K] (optional): the copy of token t for its k-th expert is
+    multiplied by ``scale[t, k]`` (combine's backward uses it). ``split`` (0 <
+    split < H): recv_x is the pair ([R, split], [R, H - split]) of each row's
+    first columns and the rest (fp8 byte rows: tokens and scales).
+    ``zero_unused_rows``: as ``moe_dispatch``'s.
+    Returns (recv_x, group_sizes, handle), as ``moe_dispatch``.
+    """
+    scale = None if scale is None else jnp.asarray(scale)
+    return DISPATCH.kernels(jnp.asarray(x), jnp.asarray(expert_ids), scale, axis_name=axis_name,
+                            num_experts=num_experts, max_recv_rows=max_recv_rows, split=split,
+                            zero_unused_rows=zero_unused_rows, config=config, trace=trace)

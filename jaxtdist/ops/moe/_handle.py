@@ -1,14 +1,12 @@
-"""MoeHandle, what moe_combine needs from a moe_dispatch, and the one pair of
-functions that carries it through ``DistributedOp`` (arrays and static keywords)."""
+"""MoeHandle: what moe_combine needs from a moe_dispatch."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 
-__all__ = ["COMBINE_ARRAYS", "DISPATCH_ARRAYS", "MoeHandle", "flatten_handle", "rebuild_handle"]
+__all__ = ["MoeHandle"]
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -47,28 +45,3 @@ class MoeHandle:
     programs: int = dataclasses.field(metadata=dict(static=True), default=1)
     axis_name: tuple[str, ...] | None = dataclasses.field(metadata=dict(static=True),
                                                           default=None)
-
-
-# What the ops pass through DistributedOp, which takes arrays, not pytrees: the
-# dispatch returns every array of the handle but its input routing; the combine
-# takes the arrays it reads (a handle rebuilt from them has None elsewhere).
-DISPATCH_ARRAYS = ("recv_counts", "src_pos", "src_tk", "src_ranges", "dropped", "invalid")
-COMBINE_ARRAYS = ("expert_ids", "src_pos", "src_tk", "src_ranges")
-
-
-def flatten_handle(handle: MoeHandle, names: tuple[str, ...]
-                   ) -> tuple[tuple[jax.Array, ...], dict[str, Any]]:
-    """The handle's arrays ``names`` in that order, and its static fields but
-    ``axis_name`` as keywords (an op's own ``axis_name`` stands for it)."""
-    static = dict(num_experts=handle.num_experts, max_recv_rows=handle.max_recv_rows,
-                  programs=handle.programs)
-    return tuple(getattr(handle, name) for name in names), static
-
-
-def rebuild_handle(names: tuple[str, ...], arrays, **fields: Any) -> MoeHandle:
-    """The handle of ``arrays`` (in the order ``names``, as ``flatten_handle`` gave
-    them) and ``fields`` (static fields, arrays not in ``names``); other arrays None."""
-    values = {f.name: None for f in dataclasses.fields(MoeHandle)
-              if not f.metadata.get("static")}
-    values.update(zip(names, arrays, strict=True), **fields)
-    return MoeHandle(**values)

@@ -1,6 +1,5 @@
-"""The dispatch and combine kernels' launches at any world (``moe_dispatch_kernels``,
-``moe_combine_kernels``: the ops' forward and backward passes, benchmarks, tests)
-and their workspaces' byte layouts."""
+"""The dispatch and combine kernels' launches at any world, unchecked (the ops'
+kernels: ``_ops``), and their workspaces' byte layouts."""
 
 from __future__ import annotations
 
@@ -10,14 +9,13 @@ import jax.numpy as jnp
 from jaxtdist.kernels.moe import TRACE_PHASES, moe_combine_kernel, moe_dispatch_kernel
 from jaxtdist.ops._protocol import Call
 from jaxtdist.ops._shapes import align, next_pow2
-from jaxtdist.ops.moe._checks import check_combine, check_dispatch, default_recv_rows
+from jaxtdist.ops.moe._checks import default_recv_rows
 from jaxtdist.ops.moe._config import chunk_size, resolved
 from jaxtdist.ops.moe._handle import MoeHandle
 from jaxtdist.ops.moe._routing import (META_FIELDS, route, route_scan_tokens,
                                        route_tokens_per_step, valid_pairs)
 
-__all__ = ["CombineWorkspace", "DispatchWorkspace", "moe_combine_kernels", "moe_dispatch_kernels",
-           "summary"]
+__all__ = ["CombineWorkspace", "DispatchWorkspace", "launch_combine", "launch_dispatch", "summary"]
 
 
 class DispatchWorkspace:
@@ -65,26 +63,12 @@ def summary(recv_counts: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
     return sizes.astype(jnp.int32), dropped.astype(jnp.int32)
 
 
-def moe_dispatch_kernels(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_experts: int,
-                         max_recv_rows: int | None = None, scale: jax.Array | None = None,
-                         split: int = 0, config: dict | None = None, trace: bool = False,
-                         zero_unused_rows: bool = True):
-    """moe_dispatch's kernel, at world 1 too (benchmarks, tests); not differentiable.
-
-    With ``trace``, also returns an int32 [P, 6] array of per-program timestamps
-    (low 32 bits of the GPU's ns clock; subtract modulo 2**32) at the kernel's
-    phases (``kernels/moe.py``, TRACE_PHASES): a probe's view of where the time goes.
-
-    ``scale`` [T, K] (optional): the copy of token t for its k-th expert is
-    multiplied by ``scale[t, k]`` (combine's backward uses it). ``split`` (0 <
-    split < H): recv_x is the pair ([R, split], [R, H - split]) of each row's
-    first columns and the rest (fp8 byte rows: tokens and scales).
-    ``zero_unused_rows``: as ``moe_dispatch``'s.
-    Returns (recv_x, group_sizes, handle), as ``moe_dispatch``.
-    """
-    x, expert_ids = jnp.asarray(x), jnp.asarray(expert_ids)
-    check_dispatch(x, expert_ids, axis_name=axis_name, num_experts=num_experts,
-                    max_recv_rows=max_recv_rows)
+def launch_dispatch(x, expert_ids, scale=None, *, axis_name, num_experts: int,
+                    max_recv_rows: int | None = None, split: int = 0,
+                    zero_unused_rows: bool = True, config: dict | None = None,
+                    trace: bool = False):
+    """The dispatch kernel on checked arguments: (recv_x, group_sizes, handle), and
+    the timestamps with ``trace`` (``moe_dispatch_kernels`` says what each is)."""
     call = Call("moe_dispatch", axis_name)
     world = call.world
     (t, h), k = x.shape, expert_ids.shape[1]
@@ -104,10 +88,8 @@ def moe_dispatch_kernels(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_
                         chunks)
     varying = set(call.result_axes(local=(x, expert_ids))) | set(call.layout.axes)
     i32 = jnp.int32
-    if not 0 <= split < h:
-        raise ValueError(f"jaxtdist.moe_dispatch: split={split} must be in [0, H={h})")
     factors = (jnp.ones((t, k), jnp.float32) if scale is None
-               else jnp.asarray(scale).astype(jnp.float32))
+               else scale.astype(jnp.float32))
     ids = expert_ids.astype(i32)
     fused = cfg.ROUTING == "fused"
     if fused:  # the dispatch kernel computes the words itself: unused inputs
@@ -154,17 +136,10 @@ def _trace_shape(trace: bool, programs: int) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((programs, TRACE_PHASES.value) if trace else (1,), jnp.int32)
 
 
-def moe_combine_kernels(y: jax.Array, handle: MoeHandle, weights: jax.Array, axis_name, *,
-                        cotangent: jax.Array | None = None, config: dict | None = None,
-                        trace: bool = False):
-    """moe_combine's kernel, at world 1 too (benchmarks, tests); not differentiable.
-
-    With ``cotangent`` [T, F], returns (out, dots) where dots[t, k] = <y row of
-    (t, k), cotangent[t]> (float32); else out. With ``trace``, the int32 [P, 6]
-    timestamps (as ``moe_dispatch_kernels``'s; phases 0-3) come last.
-    """
-    y, weights = jnp.asarray(y), jnp.asarray(weights)
-    check_combine(y, weights, handle, axis_name=axis_name)
+def launch_combine(y, weights, handle: MoeHandle, cotangent=None, *, axis_name,
+                   config: dict | None = None, trace: bool = False):
+    """The combine kernel on checked arguments: out, (out, dots) with ``cotangent``,
+    and the timestamps last with ``trace`` (``moe_combine_kernels`` says what each is)."""
     call = Call("moe_combine", axis_name)
     world = call.world
     t, k = handle.expert_ids.shape
