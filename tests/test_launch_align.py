@@ -82,12 +82,21 @@ def test_late_rendezvous_name_the_late_member(aligner):
     aligner.configure_launch_alignment(True, 5_000, LAUNCH_ALIGN_SPIN_US)
     # Positions 0-2 come at once, position 3 50 ms later: the three time out
     # (5 ms), and the record says position 3 arrived about 50 ms after the first.
-    threads = [threading.Thread(target=aligner.align_launch, args=(5, 1, 0, 4),
-                                kwargs=dict(position=position)) for position in range(3)]
+    # Each member's thread lives until position 3 has come: a thread that timed out
+    # and ended could lend its id to one started after it on a loaded machine, and
+    # the aligner (rightly) gives up where one thread launches two members.
+    last_came = threading.Event()
+
+    def member(position):
+        aligner.align_launch(5, 1, 0, 4, position=position)
+        last_came.wait(60)
+
+    threads = [threading.Thread(target=member, args=(position,)) for position in range(3)]
     for t in threads:
         t.start()
     time.sleep(0.05)
     aligner.align_launch(5, 1, 0, 4, position=3)
+    last_came.set()
     for t in threads:
         t.join(timeout=60)
     stats = aligner.launch_alignment_stats()
