@@ -356,7 +356,7 @@ def test_grouped_matmul_benchmark_runs_both_contenders_and_tabulates(faked_timin
     assert bench.group_sizes(1, 40, 3, 0.8).sum() == 32
     text = bench.table(dict(device="cpu", rows=rows, iterations=2, rounds=1))
     assert "| 40 x 32 x 48 | 3 | 80% |" in text
-    assert "geomean 1.000, max 1.00, 2 of 2 within 1.10" in text
+    assert "geomean 1.000, p90 1.00, max 1.00, 2 of 2 within 1.10" in text
     assert "grouped_matmul" in cli.benchmarks()
 
 

@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtdist.bench import harness as h
+from jaxtdist.bench.random_shapes import gemm_problems
 from jaxtdist.bench.shapes import GEMM_SHAPES
 
 # x's and w's specs per op at world 1 (what the ops' shard_maps take).
@@ -141,11 +142,18 @@ COLUMNS = [
 ]
 
 
+def _shapes_note(res: dict) -> str:
+    if "random" not in res:
+        return ""
+    return (f"{res['random']} random model-layer shapes, seed {res['seed']} "
+            f"(`--random {res['random']} --seed {res['seed']}`); ")
+
+
 def table(res: dict) -> str:
     text = h.markdown_table(
         f"The GEMM core at world 1: each matmul op's kernels forced at world 1 against "
         f"jnp.dot of the same operands, bf16, default configs (no tuning cache), 1 x "
-        f"{res['device']}; {h.timing_note(res)}", COLUMNS, res["rows"])
+        f"{res['device']}; {_shapes_note(res)}{h.timing_note(res)}", COLUMNS, res["rows"])
     text += h.ratio_summary(res["rows"], "kernels", "jnp_dot", 1.15)
     return text
 
@@ -154,10 +162,13 @@ def run(args) -> tuple[list[dict], dict]:
     from jaxtdist.bench.ag_matmul import fresh_tuning_cache
 
     cache = fresh_tuning_cache()
-    shapes = [s for s in GEMM_SHAPES
+    shapes = GEMM_SHAPES if args.random is None else gemm_problems(args.random, args.seed)
+    shapes = [s for s in shapes
               if not args.only or any(o in f"{s[0]} {s[1]}x{s[2]}x{s[3]}" for o in args.only)]
     rows = bench_gemm(shapes, args.iterations, args.rounds, sweep=args.sweep)
-    return rows, dict(world=1, tuning_cache=cache or os.environ.get("JAXTDIST_TUNING_CACHE"))
+    drawn = {} if args.random is None else dict(random=args.random, seed=args.seed)
+    return rows, dict(world=1, tuning_cache=cache or os.environ.get("JAXTDIST_TUNING_CACHE"),
+                      **drawn)
 
 
 def _arguments(parser) -> None:
@@ -165,6 +176,11 @@ def _arguments(parser) -> None:
                         help="also time tile overrides per shape (fitting the default rule)")
     parser.add_argument("--only", nargs="*", default=[],
                         help="shapes whose label ('op MxNxK') contains one of these strings")
+    parser.add_argument("--random", type=int, metavar="N",
+                        help="N random model-layer shapes (bench/random_shapes.py) instead of "
+                             "the fixed list")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the seed of --random's draw (report it with the table)")
 
 
 BENCHMARK = h.Benchmark(name="gemm", op="gemm", run=run, table=table,

@@ -224,15 +224,16 @@ def ratio(num: dict | None, den: dict | None) -> str:
 
 
 def ratio_summary(rows: Sequence[dict], num: str, den: str, limit: float) -> str:
-    """One line over a table's rows: geomean and max of ``num``'s time over ``den``'s,
-    and how many are within ``limit`` (empty where no row has both)."""
+    """One line over a table's rows: geomean, p90 and max of ``num``'s time over
+    ``den``'s, and how many are within ``limit`` (empty where no row has both)."""
     ratios = [r[num]["mean_us"] / r[den]["mean_us"] for r in rows
               if "mean_us" in (r.get(num) or {}) and "mean_us" in (r.get(den) or {})]
     if not ratios:
         return ""
     geo = float(np.exp(np.mean(np.log(ratios))))
-    return (f"\n\n{num} / {den}: geomean {geo:.3f}, max {max(ratios):.2f}, "
-            f"{sum(q <= limit for q in ratios)} of {len(ratios)} within {limit:.2f}")
+    return (f"\n\n{num} / {den}: geomean {geo:.3f}, p90 {np.percentile(ratios, 90):.2f}, "
+            f"max {max(ratios):.2f}, {sum(q <= limit for q in ratios)} of {len(ratios)} within "
+            f"{limit:.2f}")
 
 
 def err(entry: dict | None) -> str:
