@@ -29,6 +29,9 @@ ENV_LOCAL_RANK = "JAXTDIST_LOCAL_RANK"
 ENV_HEARTBEAT_TIMEOUT = "JAXTDIST_HEARTBEAT_TIMEOUT_S"
 # Optional: seconds jax.distributed.initialize waits for every process to connect.
 ENV_INIT_TIMEOUT = "JAXTDIST_INIT_TIMEOUT_S"
+# Set by the launcher: the file where an uncaught exception writes when it happened
+# (CLOCK_MONOTONIC, one clock for every process of the host).
+ENV_FAILURE_STAMP = "JAXTDIST_FAILURE_STAMP"
 
 
 def _int_env(name: str) -> int | None:
@@ -96,10 +99,21 @@ def _end_rank_on_uncaught_exception() -> None:
     jaxtdist wait, their own barrier) until a timeout, so that the launcher named
     a survivor, minutes later, instead of this rank."""
     import sys
+    import time
 
     previous = sys.excepthook
+    stamp = os.environ.get(ENV_FAILURE_STAMP)
 
     def end_rank(kind, value, traceback):
+        # When it failed, before the traceback and the process's teardown: a peer that
+        # fails because of this rank can be reaped first (a large address space takes
+        # long to unmap), and the launcher names the rank that failed first.
+        if stamp:
+            try:
+                with open(stamp, "w") as f:
+                    f.write(repr(time.monotonic()))
+            except OSError:
+                pass
         previous(kind, value, traceback)
         for stream in (sys.stdout, sys.stderr):
             try:
@@ -111,5 +125,5 @@ def _end_rank_on_uncaught_exception() -> None:
     sys.excepthook = end_rank
 
 
-__all__ = ["ENV_COORDINATOR", "ENV_HEARTBEAT_TIMEOUT", "ENV_INIT_TIMEOUT", "ENV_LOCAL_RANK",
+__all__ = ["ENV_COORDINATOR", "ENV_FAILURE_STAMP", "ENV_HEARTBEAT_TIMEOUT", "ENV_INIT_TIMEOUT", "ENV_LOCAL_RANK",
            "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "distributed_args", "initialize_from_env"]

@@ -12,16 +12,18 @@ import ctypes
 import dataclasses
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
 
-from jaxtdist.launch import (ENV_COORDINATOR, ENV_LOCAL_RANK, ENV_NUM_PROCESSES,
-                             ENV_PROCESS_ID)
+from jaxtdist.launch import (ENV_COORDINATOR, ENV_FAILURE_STAMP, ENV_LOCAL_RANK,
+                             ENV_NUM_PROCESSES, ENV_PROCESS_ID)
 
 # Seconds between two looks at the ranks: how late the launcher notices a failure.
 _POLL_S = 0.05
@@ -65,10 +67,15 @@ def _visible_gpu(rank: int, share_gpu: bool) -> str:
     return str(index)
 
 
-def child_env(rank: int, opts: LaunchOptions, coordinator: str) -> dict[str, str]:
+def child_env(rank: int, opts: LaunchOptions, coordinator: str,
+              failure_stamp: str | None = None) -> dict[str, str]:
     """The environment of rank ``rank``: what jax.distributed.initialize needs, its
-    device, and unbuffered output (lines reach the prefixer as they are printed)."""
+    device, unbuffered output (lines reach the prefixer as they are printed), and
+    the file where an uncaught exception stamps its time."""
     env = dict(os.environ)
+    env.pop(ENV_FAILURE_STAMP, None)
+    if failure_stamp is not None:
+        env[ENV_FAILURE_STAMP] = failure_stamp
     env.update({
         ENV_COORDINATOR: coordinator,
         ENV_NUM_PROCESSES: str(opts.nproc),
@@ -142,11 +149,15 @@ class _Job:
         # apart cannot order two ranks that exit between them (a rank's error, then
         # its peer's about it), and the first to exit is the cause.
         self.exited_at: dict[int, float] = {}
+        # Where each rank's uncaught exception writes its time (earlier than its exit).
+        self.stamp_dir: str | None = None
         self.unstamped_since: float | None = None     # a failed rank seen without its stamp
 
     def start(self) -> list[threading.Thread]:
         lock = threading.Lock()
-        envs = [child_env(r, self.opts, self.coordinator) for r in range(self.opts.nproc)]
+        self.stamp_dir = tempfile.mkdtemp(prefix="jaxtdist-launch-")
+        envs = [child_env(r, self.opts, self.coordinator, self._stamp_path(r))
+                for r in range(self.opts.nproc)]
         for env in envs:
             self.procs.append(subprocess.Popen(
                 list(self.opts.command), env=env, stdout=subprocess.PIPE,
@@ -160,9 +171,24 @@ class _Job:
             threading.Thread(target=self._reap, args=(r, p), daemon=True).start()
         return threads
 
+    def _stamp_path(self, rank: int) -> str:
+        return os.path.join(self.stamp_dir, f"rank{rank}")
+
     def _reap(self, rank: int, proc: subprocess.Popen) -> None:
         proc.wait()
-        self.exited_at[rank] = time.monotonic()
+        exited = time.monotonic()
+        # A rank that failed with an uncaught exception stamped when: its teardown
+        # (unmapping a large heap) can end after a peer's exit about its death.
+        try:
+            with open(self._stamp_path(rank)) as f:
+                exited = min(exited, float(f.read()))
+        except (OSError, ValueError):
+            pass
+        self.exited_at[rank] = exited
+
+    def cleanup(self) -> None:
+        if self.stamp_dir is not None:
+            shutil.rmtree(self.stamp_dir, ignore_errors=True)
 
     def send(self, sig: int) -> None:
         self.sent = True
@@ -257,4 +283,5 @@ def run(opts: LaunchOptions) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
         job.send(signal.SIGKILL)
+        job.cleanup()
     return job.exit_code()
