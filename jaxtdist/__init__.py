@@ -37,6 +37,7 @@ if _os.environ.get("_JAXTDIST_INTERPRETER_WORKER") != "1":
                               moe_dispatch_sharded, moe_tp_mlp, moe_tp_mlp_sharded,
                               reduce_scatter,
                               triton_call)
+    from jaxtdist.ops.quant import dequantize, quantize, quantize_weight
     from jaxtdist.ops._op import run_once
     from jaxtdist.runtime import initialize, is_initialized, shutdown
 
@@ -59,6 +60,7 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "check_errors",
+    "dequantize",
     "errors",
     "flash_decode",
     "flash_decode_sharded",
@@ -75,6 +77,8 @@ __all__ = [
     "moe_dispatch_sharded",
     "moe_tp_mlp",
     "moe_tp_mlp_sharded",
+    "quantize",
+    "quantize_weight",
     "reduce_scatter",
     "run_once",
     "runtime",
