@@ -117,8 +117,8 @@ def test_all_reduce_push_flags_stores_16_bytes_then_one_fence(dtype):
 def test_ag_matmul_uses_tensor_cores_and_cp_async(all_rows, split_k, push):
     block_m = 16 if all_rows else 128
     k = _compile(ag_matmul_kernel,
-                 {"ctx": "*i32", "x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
-                  "gathered_ptr": "*bf16"},
+                 {"ctx": "*i32", "x_ptr": "*bf16", "w_ptr": "*bf16", "xs_ptr": "*bf16",
+                  "ws_ptr": "*bf16", "out_ptr": "*bf16", "gathered_ptr": "*bf16"},
                  dict(M_SHARD=4 if all_rows else 1024, N=4096, K=4096, STAGE_OFF=65536,
                       SLOT_BYTES=1 << 23, READY_OFF=0, FLAGS_OFF=4096, NUM_COMM=16,
                       COPY_BLOCK_C=4096 if all_rows else 128, BLOCK_M=block_m,
@@ -169,7 +169,7 @@ def test_ag_matmul_tma_uses_tma_and_scratch(dtype, block_k):
     """The persistent kernel loads with TMA, orders them after the waits with a proxy
     fence, and needs global scratch (which jaxtdist's launcher provides)."""
     from jaxtdist.kernels.ag_matmul import ag_matmul_tma_kernel
-    k = _compile_native(ag_matmul_tma_kernel, ["i32"] + [dtype] * 4,
+    k = _compile_native(ag_matmul_tma_kernel, ["i32"] + [dtype] * 6,
                         dict(M_SHARD=1024, N=4096, K=4096, STAGE_OFF=65536,
                              SLOT_BYTES=1 << 23, READY_OFF=0, FLAGS_OFF=4096,
                              SCHEDULE_OFF=8192, NUM_COMM=16, CHUNK_ROWS=32,
@@ -182,15 +182,16 @@ def test_ag_matmul_tma_uses_tma_and_scratch(dtype, block_k):
     assert "wgmma.mma_async" in ptx
     assert "fence.proxy.async.global" in ptx
     assert k.metadata.global_scratch_size > 0 and k.metadata.shared <= 227 * 1024
-    # Triton's ABI: 5 buffers, then the global and profile scratch pointers.
-    assert len(re.findall(r"ag_matmul_tma_kernel_param_\d+", ptx.split(")")[0])) == 7
+    # Triton's ABI: 7 buffers (x's and w's scales: unused, the operands, without
+    # SCALING), then the global and profile scratch pointers.
+    assert len(re.findall(r"ag_matmul_tma_kernel_param_\d+", ptx.split(")")[0])) == 9
 
 
 def _compile_ce(**tail):
     from jaxtdist.kernels.ag_matmul import ag_matmul_ce_kernel
     tail = dict(dict(TAIL_TILES=0, TAIL_UNITS=0, PARTIALS_OFF=-1, COUNTERS_OFF=-1,
                      TAIL_SPLIT_N=1, TAIL_STAGES=3, FLATTEN=False, SUBTILE=1), **tail)
-    return _compile_native(ag_matmul_ce_kernel, ["i32"] + ["bf16"] * 3,
+    return _compile_native(ag_matmul_ce_kernel, ["i32"] + ["bf16"] * 5,
                            dict(M_SHARD=2048, N=2752, K=4096, INBOX_OFF=1 << 20,
                                 PARITY_BYTES=1 << 26, FLAGS_OFF=4096, SENT_OFF=8192,
                                 CHUNK_ROWS=256, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
@@ -208,7 +209,7 @@ def test_ag_matmul_ce_kernel_uses_tma_and_no_producers():
     assert "atom.global.gpu.relaxed.add" not in ptx  # no tile counter
     assert "atom.global.gpu.acq_rel.add" not in ptx  # no stream-K tail
     assert k.metadata.global_scratch_size > 0 and k.metadata.shared <= 227 * 1024
-    assert len(re.findall(r"ag_matmul_ce_kernel_param_\d+", ptx.split(")")[0])) == 6
+    assert len(re.findall(r"ag_matmul_ce_kernel_param_\d+", ptx.split(")")[0])) == 8
 
 
 def test_ag_matmul_ce_kernel_stream_k_tail():
@@ -645,7 +646,7 @@ def test_matmul_rs_kernel_runs_on_the_gemm_core(tma, flatten, world, push_tma):
     partials with system-scope releases (PUSH_TMA: as TMA stores, each flag after
     a wait for them)."""
     from jaxtdist.kernels.matmul_rs import matmul_rs_kernel
-    k = _compile_native(matmul_rs_kernel, ["i32"] + ["bf16"] * 3 + ["i32"],
+    k = _compile_native(matmul_rs_kernel, ["i32"] + ["bf16"] * 5 + ["i32"],
                         dict(M_SHARD=2048, N=4096, K=3584, INBOX_OFF=1 << 20,
                              PARITY_BYTES=1 << 26, FLAGS_OFF=4096, PARTIAL_INPUT=push_tma,
                              WORLD=world, NUM_PROGRAMS=132, INTERLEAVE=True, BLOCK_M=128,
@@ -674,7 +675,7 @@ def test_matmul_ar_split_k_compiles(tma, split_k):
     GPU default's pointer loads, and TMA): tensor cores, the split-K counter's
     acq_rel GPU-scope atomic, system-scope releases for the pushes."""
     from jaxtdist.kernels.matmul_ar import matmul_ar_kernel
-    k = _compile_native(matmul_ar_kernel, ["i32"] + ["bf16"] * 3,
+    k = _compile_native(matmul_ar_kernel, ["i32"] + ["bf16"] * 5,
                         dict(M=32, N=4096, K=7168, INBOX_OFF=1 << 20, PARITY_BYTES=1 << 22,
                              FLAGS_OFF=4096, PARTIALS_OFF=1 << 24, COUNTERS_OFF=1 << 26,
                              SPLIT_K=split_k, K_SPLIT=7168 // split_k, BLOCK_M=32,
@@ -687,6 +688,27 @@ def test_matmul_ar_split_k_compiles(tma, split_k):
     assert ("cp.async.bulk.tensor.2d.shared" in ptx) == tma
     assert re.search(r"atom\.global\.gpu\.acq_rel\.add|atom\.acq_rel\.gpu\.global\.add", ptx)
     assert "release" in ptx and k.metadata.shared <= 227 * 1024
+
+
+@pytest.mark.parametrize("scaling,tma", [("tensor", True), ("block", True), ("block", False)])
+def test_fp8_gemm_core_uses_fp8_wgmma(scaling, tma):
+    """FP8 on the GEMM core (issue 83): matmul_rs's tiles with e4m3 operands, w
+    K-major, float32 scales per tensor or per 128 blocks: 8-bit wgmma (both
+    operands from shared memory, K-major), TMA loads, a bf16 output."""
+    from jaxtdist.kernels.matmul_rs import matmul_rs_kernel
+    k = _compile_native(matmul_rs_kernel,
+                        ["i32", "fp8e4nv", "fp8e4nv", "fp32", "fp32", "bf16", "i32"],
+                        dict(M_SHARD=2048, N=4096, K=4096, INBOX_OFF=1 << 20,
+                             PARITY_BYTES=1 << 26, FLAGS_OFF=4096, PARTIAL_INPUT=False,
+                             WORLD=2, NUM_PROGRAMS=132, INTERLEAVE=True, BLOCK_M=128,
+                             BLOCK_N=128 if tma else 64, BLOCK_K=128, GROUP_M=8, SUBTILE=2,
+                             TMA=tma, FLATTEN=False, B_T=True, SCALING=scaling),
+                        num_warps=8 if tma else 4, num_stages=3)
+    ptx = k.asm["ptx"]
+    assert re.search(r"wgmma\.mma_async[\w.]*\.e4m3\.e4m3", ptx) or not tma, "no FP8 wgmma"
+    assert re.search(r"(wgmma\.mma_async|mma\.sync)[\w.]*e4m3", ptx), "no FP8 MMA"
+    assert ("cp.async.bulk.tensor.2d.shared" in ptx) == tma
+    assert k.metadata.shared <= 227 * 1024
 
 
 def _stack_bytes(kernel) -> int:
@@ -719,7 +741,7 @@ def test_matmul_ar_epilogue_does_not_spill(m, n, k, bm, bn, warps, stages, tma, 
     spilled: 255 registers and a stack, 1.2-1.6x the GEMM's time at world 1);
     128 x 64 with 8 warps sums in registers without spilling."""
     from jaxtdist.kernels.matmul_ar import matmul_ar_kernel
-    k = _compile_native(matmul_ar_kernel, ["i32"] + ["bf16"] * 3,
+    k = _compile_native(matmul_ar_kernel, ["i32"] + ["bf16"] * 5,
                         dict(M=m, N=n, K=k, INBOX_OFF=1 << 20, PARITY_BYTES=1 << 26,
                              FLAGS_OFF=4096, PARTIALS_OFF=-1, COUNTERS_OFF=-1, SPLIT_K=1,
                              K_SPLIT=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8,
@@ -744,7 +766,7 @@ def test_matmul_ar_two_shot_compiles():
     from jaxtdist.ops._partial_sums import MatmulArConfig
     cfg = MatmulArConfig.default(Problem("gpu", 4, (128, 8192, 2048), "bfloat16", 132))
     assert cfg.TWO_SHOT
-    k = _compile_native(matmul_ar_kernel, ["i32"] + ["bf16"] * 3,
+    k = _compile_native(matmul_ar_kernel, ["i32"] + ["bf16"] * 5,
                         dict(M=128, N=8192, K=2048, INBOX_OFF=1 << 20, PARITY_BYTES=1 << 24,
                              FLAGS_OFF=4096, PARTIALS_OFF=-1, COUNTERS_OFF=-1, SPLIT_K=1,
                              K_SPLIT=2048, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
@@ -769,7 +791,7 @@ def test_float32_dots_follow_the_precision(tma):
 
     def compiled(precision):
         return _compile_native(
-            matmul_ar_kernel, ["i32"] + ["fp32"] * 3,
+            matmul_ar_kernel, ["i32"] + ["fp32"] * 5,
             dict(M=64, N=4096, K=4096, INBOX_OFF=1 << 20, PARITY_BYTES=1 << 22,
                  FLAGS_OFF=4096, PARTIALS_OFF=-1, COUNTERS_OFF=-1, SPLIT_K=1, K_SPLIT=4096,
                  BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, GROUP_M=1, TMA=tma, TWO_SHOT=False,
@@ -792,7 +814,7 @@ def test_float32_rounded_dots_on_the_persistent_tma_kernel():
     read K-major (B_T; XLA rounded it), x's tiles rounded to TF32 in registers
     ("tf32_rn_a"): still TMA loads and wgmma, within shared memory."""
     from jaxtdist.kernels.ag_matmul import ag_matmul_tma_kernel
-    k = _compile_native(ag_matmul_tma_kernel, ["i32"] + ["fp32"] * 4,
+    k = _compile_native(ag_matmul_tma_kernel, ["i32"] + ["fp32"] * 6,
                         dict(M_SHARD=1024, N=4096, K=4096, STAGE_OFF=65536,
                              SLOT_BYTES=1 << 24, READY_OFF=0, FLAGS_OFF=4096,
                              SCHEDULE_OFF=8192, NUM_COMM=16, CHUNK_ROWS=32,
@@ -812,7 +834,7 @@ def test_float32_weights_read_k_major(b_t):
     which TF32 wgmma cannot read, so each K step rewrites B's tile in shared
     memory with scalar stores."""
     from jaxtdist.kernels.matmul_rs import matmul_rs_kernel
-    k = _compile_native(matmul_rs_kernel, ["i32"] + ["fp32"] * 3 + ["i32"],
+    k = _compile_native(matmul_rs_kernel, ["i32"] + ["fp32"] * 5 + ["i32"],
                         dict(M_SHARD=2048, N=4096, K=3584, INBOX_OFF=1 << 20,
                              PARITY_BYTES=1 << 26, FLAGS_OFF=4096, PARTIAL_INPUT=True, WORLD=1,
                              NUM_PROGRAMS=132, INTERLEAVE=True, BLOCK_M=128, BLOCK_N=128,

@@ -25,11 +25,16 @@ _TRITON_DTYPE_NAMES = {
     np.dtype(np.bool_): "int1",
 }
 
+# FP8 GEMM operands: Triton's names of e4m3 (no infinities, "fn") and e5m2.
+_FP8_NAMES = {"float8_e4m3fn": "fp8e4nv", "float8_e5m2": "fp8e5"}
+
 
 def triton_dtype_name(dtype) -> str:
     dtype = np.dtype(dtype)
     if dtype.name == "bfloat16":
         return "bfloat16"
+    if dtype.name in _FP8_NAMES:  # ml_dtypes' names, as numpy spells them
+        return _FP8_NAMES[dtype.name]
     try:
         return _TRITON_DTYPE_NAMES[dtype]
     except KeyError:

@@ -29,7 +29,29 @@ The pointer mainloop ``pointer_tile_acc`` serves what TMA cannot address
 loads, rows, columns and K past the masks read as zeros, into the same
 float32 accumulator through the same ``dot_acc`` step, so a kernel picks a
 mainloop by a constexpr and keeps one epilogue. It takes A as one pointer per
-row, B as row-major [K, N] (no transposed operand).
+row, B as row-major [K, N], or [N, K] with B_T.
+
+FP8 (``SCALING``, a constexpr; None: no scales, the 16/32-bit path unchanged):
+float8_e4m3fn / float8_e5m2 operands, B K-major ([N, K], ``B_T``: 8-bit wgmma
+reads both operands K-major), float32 accumulation, and float32 dequantization
+scales (x ~ q * scale) in one of two schemes:
+
+- "tensor": A's scale per row (``a_scale[s_rows]``: the ops broadcast one
+  per-tensor scale over the rows, which also lets a gathered A carry each
+  rank's own), B's one scale (``b_scale[0]``); applied once, to the tile's
+  float32 sum, at the end of the mainloop.
+- "block": A's scales [rows, K_BLOCKS] per (row, 128 columns of K), B's
+  [cdiv(N, 128), K_BLOCKS] per 128 x 128 block (K_BLOCKS = K / 128); each
+  BLOCK_K-deep partial product (BLOCK_K divides 128: with BLOCK_K = 128 every
+  128 of K, as DeepGEMM promotes) is scaled in float32 before it joins the
+  accumulator, so the tensor cores' limited FP8 accumulation never spans more
+  than one block.
+
+The mainloop returns the scaled float32 tile, so every epilogue (stores,
+split-K and stream-K partial sums, pushes to peers) is the same for FP8.
+Triton's interpreter runs FP8 dots itself (measured exact against a float32
+product of the FP8 values, Triton 3.6.0), so the CPU backend runs these very
+loads, scales and dots: no upcast.
 """
 
 import triton
@@ -39,10 +61,29 @@ from jaxtdist.kernels._tiles import dot_acc
 
 
 @triton.jit
+def _block_scales(kb, a_scale, b_scale, s_rows, s_mask, cols, col_mask,
+                  K_BLOCKS: tl.constexpr):
+    """The [BLOCK_M, BLOCK_N] float32 product of A's and B's scales of K block ``kb``
+    (SCALING "block"); rows and columns outside the masks scale by 0."""
+    a_s = tl.load(a_scale + s_rows * K_BLOCKS + kb, mask=s_mask, other=0.0)
+    b_s = tl.load(b_scale + (cols // 128) * K_BLOCKS + kb, mask=col_mask, other=0.0)
+    return a_s[:, None] * b_s[None, :]
+
+
+@triton.jit
+def _tensor_scaled(acc, a_scale, b_scale, s_rows, s_mask):
+    """``acc`` times A's row scales and B's one scale (SCALING "tensor")."""
+    a_s = tl.load(a_scale + s_rows, mask=s_mask, other=0.0)
+    return acc * (a_s[:, None] * tl.load(b_scale))
+
+
+@triton.jit
 def tile_acc(a_desc, b_desc, row0, col0, k_lo, k_hi, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
              NUM_STAGES: tl.constexpr = None, B_T: tl.constexpr = False,
-             A_T: tl.constexpr = False, b_k0=0):
+             A_T: tl.constexpr = False, b_k0=0, SCALING: tl.constexpr = None,
+             a_scale=None, b_scale=None, s_rows=None, s_mask=None, N_COLS=0,
+             K_BLOCKS: tl.constexpr = 0):
     """The TMA mainloop: the float32 accumulator of A[row0:, k_lo:k_hi] @ B[k_lo:k_hi, col0:]
     for 2-D descriptors of A [M, K] (block [BLOCK_M, BLOCK_K]) and B [K, N] (block
     [BLOCK_K, BLOCK_N]); with A_T of A's transpose [K, M] (block [BLOCK_K,
@@ -50,8 +91,18 @@ def tile_acc(a_desc, b_desc, row0, col0, k_lo, k_hi, BLOCK_M: tl.constexpr,
     tiles transposed from shared memory, no copy. DOT_PRECISION: as in
     ``_tiles.dot_acc``. NUM_STAGES: the pipeline depth (None: the kernel's
     num_stages). ``b_k0``: B's K coordinate of A's K 0 (B one [K, N] block of a
-    descriptor that stacks several, as the grouped GEMM's weights)."""
+    descriptor that stacks several, as the grouped GEMM's weights).
+
+    SCALING (FP8, see the module docstring): None, "tensor" or "block", with the
+    scale arrays ``a_scale`` / ``b_scale``, the tile's rows of A's scales
+    ``s_rows`` ([BLOCK_M] indices, ``s_mask`` those that exist), B's column count
+    ``N_COLS`` and K_BLOCKS (scale columns per row). "block": BLOCK_K divides 128
+    and k_lo is a multiple of BLOCK_K, so that no K step spans two blocks."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SCALING == "block":
+        tl.static_assert(128 % BLOCK_K == 0, "blockwise FP8 scales: BLOCK_K must divide 128")
+        cols = col0 + tl.arange(0, BLOCK_N)
+        col_mask = cols < N_COLS
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         if A_T:
             a = a_desc.load([k0, row0]).T
@@ -61,28 +112,55 @@ def tile_acc(a_desc, b_desc, row0, col0, k_lo, k_hi, BLOCK_M: tl.constexpr,
             b = b_desc.load([col0, k0]).T
         else:
             b = b_desc.load([b_k0 + k0, col0])
-        acc = dot_acc(a, b, acc, DOT_PRECISION)
+        if SCALING == "block":
+            # The K step's own partial, scaled in float32 before it joins the sum.
+            part = dot_acc(a, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
+                           DOT_PRECISION)
+            acc += part * _block_scales(k0 // 128, a_scale, b_scale, s_rows, s_mask, cols,
+                                        col_mask, K_BLOCKS)
+        else:
+            acc = dot_acc(a, b, acc, DOT_PRECISION)
+    if SCALING == "tensor":
+        acc = _tensor_scaled(acc, a_scale, b_scale, s_rows, s_mask)
     return acc
 
 
 @triton.jit
 def pointer_tile_acc(a_rows, b_ptr, row_mask, cols, col_mask, k_lo, k_hi, K: tl.constexpr,
                      N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     B_T: tl.constexpr = False, SCALING: tl.constexpr = None,
+                     a_scale=None, b_scale=None, s_rows=None):
     """The pointer mainloop: the float32 accumulator of A[rows, k_lo:k_hi] @ B[k_lo:k_hi,
     cols], A's rows at ``a_rows`` ([BLOCK_M] pointers to rows of K elements: one
-    array's, ``a_ptr + rows * K``, or rows picked from several), B row-major [K, N],
-    rows and columns outside ``row_mask`` / ``col_mask`` and K past K read as zeros;
-    DOT_PRECISION as in ``_tiles.dot_acc``."""
+    array's, ``a_ptr + rows * K``, or rows picked from several), B row-major [K, N]
+    (with B_T, [N, K]: K-major), rows and columns outside ``row_mask`` /
+    ``col_mask`` and K past K read as zeros; DOT_PRECISION as in ``_tiles.dot_acc``.
+    SCALING, ``a_scale``, ``b_scale``: as in ``tile_acc``, A's scale rows at
+    ``s_rows`` (masked by ``row_mask``), cdiv(K, 128) scales per row."""
+    K_BLOCKS: tl.constexpr = (K + 127) // 128
+    if SCALING == "block":
+        tl.static_assert(128 % BLOCK_K == 0, "blockwise FP8 scales: BLOCK_K must divide 128")
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
         k_mask = ks < K
         a = tl.load(a_rows[:, None] + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
                     other=0.0)
-        b = tl.load(b_ptr + ks[:, None] * N + cols[None, :],
-                    mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        acc = dot_acc(a, b, acc, DOT_PRECISION)
+        b_mask = k_mask[:, None] & col_mask[None, :]
+        if B_T:
+            b = tl.load(b_ptr + cols[None, :] * K + ks[:, None], mask=b_mask, other=0.0)
+        else:
+            b = tl.load(b_ptr + ks[:, None] * N + cols[None, :], mask=b_mask, other=0.0)
+        if SCALING == "block":
+            part = dot_acc(a, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
+                           DOT_PRECISION)
+            acc += part * _block_scales(k0 // 128, a_scale, b_scale, s_rows, row_mask, cols,
+                                        col_mask, K_BLOCKS)
+        else:
+            acc = dot_acc(a, b, acc, DOT_PRECISION)
+    if SCALING == "tensor":
+        acc = _tensor_scaled(acc, a_scale, b_scale, s_rows, row_mask)
     return acc
 
 

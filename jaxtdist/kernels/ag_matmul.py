@@ -25,6 +25,12 @@ round-robin over programs (a static schedule: no counter), local tiles
 first and read straight from ``x``, then each peer's tiles in arrival order.
 ``_gather.push_shards_kernel`` does the copy engines' part with SM copies: the CPU
 backend runs it in their place.
+
+FP8 (``SCALING``: ``_gemm``'s schemes): x's rows are gathered as they are
+(one byte each); ``xs_ptr`` holds the scales of the gathered rows (every
+rank's, gathered before the launch: [world * M_SHARD] per row, or
+[world * M_SHARD, K / 128] blockwise), ``ws_ptr`` w's, and w is K-major
+([N, K], B_T). Without SCALING both are ignored (the ops pass x and w).
 """
 
 import triton
@@ -60,7 +66,7 @@ def _tile_rows_for_tma(ctx, flags, e, src, tm, n_chunks, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
-def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
+def ag_matmul_kernel(ctx, x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, gathered_ptr,
                      M_SHARD: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                      STAGE_OFF: tl.constexpr, SLOT_BYTES: tl.constexpr,
                      READY_OFF: tl.constexpr, FLAGS_OFF: tl.constexpr,
@@ -71,11 +77,12 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
                      SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr,
                      GROUP_M: tl.constexpr, SCOPE: tl.constexpr, ALL_ROWS: tl.constexpr,
                      PUSH: tl.constexpr, FLAG_SCOPE: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr):
+                     DOT_PRECISION: tl.constexpr, B_T: tl.constexpr = False,
+                     SCALING: tl.constexpr = None):
     """Grid: (NUM_COMM + SPLIT_K * world * cdiv(M_SHARD, BLOCK_M) * cdiv(N, BLOCK_N),),
     or with ``ALL_ROWS`` (BLOCK_M >= world * M_SHARD): (NUM_COMM + SPLIT_K * cdiv(N, BLOCK_N),).
 
-    x: [M_SHARD, K], w: [K, N] -> out: [world * M_SHARD, N],
+    x: [M_SHARD, K], w: [K, N] ([N, K] with B_T) -> out: [world * M_SHARD, N],
     gathered: [world * M_SHARD, K] (the gathered x, kept for autodiff).
 
     With PUSH, the producers push x into every peer's heap inbox instead
@@ -148,7 +155,8 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
         col_mask = cols < N
         k_lo, k_hi = k_range(split, K, K_SPLIT)
         acc = pointer_tile_acc(a_rows, w_ptr, row_mask, cols, col_mask, k_lo, k_hi, K, N,
-                               BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+                               BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, B_T, SCALING, xs_ptr,
+                               ws_ptr, out_rows)
         out_offs = out_rows[:, None] * N + cols[None, :]
         mask = row_mask[:, None] & col_mask[None, :]
         if SPLIT_K == 1:
@@ -161,7 +169,7 @@ def ag_matmul_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
 
 
 @triton.jit
-def ag_matmul_tma_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
+def ag_matmul_tma_kernel(ctx, x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, gathered_ptr,
                          M_SHARD: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                          STAGE_OFF: tl.constexpr, SLOT_BYTES: tl.constexpr,
                          READY_OFF: tl.constexpr, FLAGS_OFF: tl.constexpr,
@@ -171,7 +179,7 @@ def ag_matmul_tma_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
                          GROUP_M: tl.constexpr, SCOPE: tl.constexpr,
                          NUM_PROGRAMS: tl.constexpr, PRODUCERS_JOIN: tl.constexpr,
                          SUBTILE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                         B_T: tl.constexpr):
+                         B_T: tl.constexpr, SCALING: tl.constexpr = None):
     """Grid: (NUM_PROGRAMS,), at most what the GPU holds at once (waits spin).
 
     Same operands as ``ag_matmul_kernel`` (w [N, K] with B_T: ``_gemm.weight_desc``);
@@ -206,7 +214,10 @@ def ag_matmul_tma_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
             row0 = src * M_SHARD + tm * BLOCK_M
             col0 = tn * BLOCK_N
             acc = tile_acc(a_desc, b_desc, row0, col0, 0, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                           DOT_PRECISION, B_T=B_T)
+                           DOT_PRECISION, B_T=B_T, SCALING=SCALING, a_scale=xs_ptr,
+                           b_scale=ws_ptr, s_rows=row0 + tl.arange(0, BLOCK_M),
+                           s_mask=tl.arange(0, BLOCK_M) < M_SHARD, N_COLS=N,
+                           K_BLOCKS=(K + 127) // 128)
             store_tile(c_desc, acc, 0, row0, col0, BLOCK_M, BLOCK_N, SUBTILE)
             tile = tl.atomic_add(schedule, 1, sem="relaxed", scope="gpu")
         workers = NUM_PROGRAMS if PRODUCERS_JOIN else NUM_PROGRAMS - NUM_COMM
@@ -218,12 +229,14 @@ def ag_matmul_tma_kernel(ctx, x_ptr, w_ptr, out_ptr, gathered_ptr,
 
 
 @triton.jit
-def _tail_pieces(ctx, inbox_desc, w_ptr, out_ptr, flags, e, me, world, whole, per_rank,
+def _tail_pieces(ctx, inbox_desc, w_ptr, xs_ptr, ws_ptr, out_ptr, flags, e, me, world, whole,
+                 per_rank,
                  m_tiles, n_tiles, M_SHARD: tl.constexpr, N: tl.constexpr,
                  K: tl.constexpr, CHUNK_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                  TAIL_TILES: tl.constexpr, PIECES: tl.constexpr, STAGES: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, B_T: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, B_T: tl.constexpr,
+                 SCALING: tl.constexpr = None):
     """The copy-engine kernel's split-N tail: program p computes piece p % PIECES
     (BLOCK_N / PIECES columns) of tail tile p // PIECES, the peer tiles dealt
     after ``whole``, reading A through the kernel's ``inbox_desc``. Pieces of one
@@ -243,12 +256,15 @@ def _tail_pieces(ctx, inbox_desc, w_ptr, out_ptr, flags, e, me, world, whole, pe
             _wait_tile_rows_for_tma(ctx, flags, e, src, tm, M_SHARD, BLOCK_M, CHUNK_ROWS)
             row0 = src * M_SHARD + tm * BLOCK_M
             acc = tile_acc(inbox_desc, b_desc, row0, col0, 0, K, BLOCK_M, PIECE_N, BLOCK_K,
-                            DOT_PRECISION, STAGES, B_T=B_T)
+                            DOT_PRECISION, STAGES, B_T=B_T, SCALING=SCALING, a_scale=xs_ptr,
+                            b_scale=ws_ptr, s_rows=row0 + tl.arange(0, BLOCK_M),
+                            s_mask=tl.arange(0, BLOCK_M) < M_SHARD, N_COLS=N,
+                            K_BLOCKS=(K + 127) // 128)
             c_desc.store([row0, col0], acc.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
-def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
+def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr,
                         M_SHARD: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                         INBOX_OFF: tl.constexpr, PARITY_BYTES: tl.constexpr,
                         FLAGS_OFF: tl.constexpr, SENT_OFF: tl.constexpr,
@@ -259,7 +275,8 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
                         PARTIALS_OFF: tl.constexpr, COUNTERS_OFF: tl.constexpr,
                         TAIL_SPLIT_N: tl.constexpr, TAIL_STAGES: tl.constexpr,
                         FLATTEN: tl.constexpr, SUBTILE: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, B_T: tl.constexpr):
+                        DOT_PRECISION: tl.constexpr, B_T: tl.constexpr,
+                        SCALING: tl.constexpr = None):
     """Grid: (NUM_PROGRAMS,), at most what the GPU holds at once.
 
     x: [M_SHARD, K], w: [K, N] ([N, K] with B_T: ``_gemm.weight_desc``) -> out:
@@ -309,7 +326,10 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
     for tile in tl.range(pid, per_rank, NUM_PROGRAMS, flatten=FLATTEN):
         tm, tn = grouped_tile(tile, m_tiles, n_tiles, GROUP_M)
         acc = tile_acc(x_desc, b_desc, tm * BLOCK_M, tn * BLOCK_N, 0, K, BLOCK_M, BLOCK_N,
-                       BLOCK_K, DOT_PRECISION, B_T=B_T)
+                       BLOCK_K, DOT_PRECISION, B_T=B_T, SCALING=SCALING, a_scale=xs_ptr,
+                       b_scale=ws_ptr, s_rows=me * M_SHARD + tm * BLOCK_M + tl.arange(0, BLOCK_M),
+                       s_mask=tl.arange(0, BLOCK_M) < M_SHARD, N_COLS=N,
+                       K_BLOCKS=(K + 127) // 128)
         store_tile(c_desc, acc, 0, me * M_SHARD + tm * BLOCK_M, tn * BLOCK_N, BLOCK_M, BLOCK_N,
                    SUBTILE)
     # Peers' rows from the inbox; rank me-1 pushes to this rank first. The
@@ -324,13 +344,17 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
         else:
             _wait_tile_rows_for_tma(ctx, flags, e, src, tm, M_SHARD, BLOCK_M, CHUNK_ROWS)
         acc = tile_acc(inbox_desc, b_desc, row0, tn * BLOCK_N, 0, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                       DOT_PRECISION, B_T=B_T)
+                       DOT_PRECISION, B_T=B_T, SCALING=SCALING, a_scale=xs_ptr,
+                       b_scale=ws_ptr, s_rows=src * M_SHARD + tm * BLOCK_M + tl.arange(0, BLOCK_M),
+                       s_mask=tl.arange(0, BLOCK_M) < M_SHARD, N_COLS=N,
+                       K_BLOCKS=(K + 127) // 128)
         store_tile(c_desc, acc, 0, row0, tn * BLOCK_N, BLOCK_M, BLOCK_N, SUBTILE)
     if TAIL_TILES > 0 and TAIL_SPLIT_N > 1:
-        _tail_pieces(ctx, inbox_desc, w_ptr, out_ptr, flags, e, me, world, whole, per_rank,
+        _tail_pieces(ctx, inbox_desc, w_ptr, xs_ptr, ws_ptr, out_ptr, flags, e, me, world, whole,
+                     per_rank,
                      m_tiles, n_tiles, M_SHARD, N, K, CHUNK_ROWS, BLOCK_M,
                      BLOCK_N, BLOCK_K, GROUP_M, TAIL_TILES, TAIL_SPLIT_N, TAIL_STAGES,
-                     DOT_PRECISION, B_T)
+                     DOT_PRECISION, B_T, SCALING)
     if TAIL_TILES > 0 and TAIL_SPLIT_N == 1:
         k_blocks = tl.cdiv(K, BLOCK_K)
         partials = dl.heap_ptr(ctx, PARTIALS_OFF, tl.float32)
@@ -347,7 +371,10 @@ def ag_matmul_ce_kernel(ctx, x_ptr, w_ptr, out_ptr,
             acc = tile_acc(inbox_desc, b_desc, row0, tn * BLOCK_N,
                             (unit - tail * k_blocks) * BLOCK_K,
                             (run_end - tail * k_blocks) * BLOCK_K, BLOCK_M, BLOCK_N, BLOCK_K,
-                            DOT_PRECISION, B_T=B_T)
+                            DOT_PRECISION, B_T=B_T, SCALING=SCALING, a_scale=xs_ptr,
+                            b_scale=ws_ptr, s_rows=row0 + tl.arange(0, BLOCK_M),
+                            s_mask=tl.arange(0, BLOCK_M) < M_SHARD, N_COLS=N,
+                            K_BLOCKS=(K + 127) // 128)
             # The programs whose runs meet this tile: consecutive, from first_program.
             first_program = tail * k_blocks // TAIL_UNITS
             parts = ((tail + 1) * k_blocks - 1) // TAIL_UNITS - first_program + 1

@@ -70,7 +70,7 @@ from jaxtdist.kernels._tiles import aligned_after, block_offsets, block_range, g
 
 
 @triton.jit
-def matmul_ar_kernel(ctx, x_ptr, w_ptr, out_ptr,
+def matmul_ar_kernel(ctx, x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr,
                      M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                      INBOX_OFF: tl.constexpr, PARITY_BYTES: tl.constexpr,
                      FLAGS_OFF: tl.constexpr, PARTIALS_OFF: tl.constexpr,
@@ -80,10 +80,10 @@ def matmul_ar_kernel(ctx, x_ptr, w_ptr, out_ptr,
                      RESULTS_OFF: tl.constexpr, RFLAGS_OFF: tl.constexpr,
                      OWN_OFF: tl.constexpr, PARK: tl.constexpr,
                      PARTIAL_INPUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                     B_T: tl.constexpr):
+                     B_T: tl.constexpr, SCALING: tl.constexpr = None):
     """Grid: (SPLIT_K * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),).
 
-    x: [M, K], w: [K, N] ([N, K] with B_T, TMA only: ``_gemm.weight_desc``) -> out:
+    x: [M, K], w: [K, N] ([N, K] with B_T: ``_gemm.weight_desc``) -> out:
     [M, N], the sum over ranks of x @ w. TMA: rows
     of x and w are 16-byte multiples (the GEMM core's loads). Split ``s`` covers K
     [s * K_SPLIT, (s + 1) * K_SPLIT) (K_SPLIT a multiple of BLOCK_K); with SPLIT_K
@@ -94,6 +94,9 @@ def matmul_ar_kernel(ctx, x_ptr, w_ptr, out_ptr,
     (large tiles): a program parks its own partial in OWN_OFF, a local [M, N]
     plane of partials (their dtype), and sums the ranks' a few rows at a time
     (``_park``); else it sums whole tiles in registers.
+    FP8 (SCALING, ``_gemm``'s schemes): x's scales at ``xs_ptr`` ([M] per row, or
+    [M, K / 128]), w's at ``ws_ptr``, w K-major (B_T); the partials leave the
+    mainloop scaled, in float32. Without SCALING both are ignored.
     """
     pid = tl.program_id(0)
     tile = pid // SPLIT_K
@@ -111,11 +114,13 @@ def matmul_ar_kernel(ctx, x_ptr, w_ptr, out_ptr,
                                            block_shape=[BLOCK_M, BLOCK_K])
         w_desc = weight_desc(w_ptr, K, N, BLOCK_K, BLOCK_N, B_T)
         acc = tile_acc(x_desc, w_desc, tm * BLOCK_M, tn * BLOCK_N, k_lo, k_hi, BLOCK_M,
-                       BLOCK_N, BLOCK_K, DOT_PRECISION, B_T=B_T)
+                       BLOCK_N, BLOCK_K, DOT_PRECISION, B_T=B_T, SCALING=SCALING,
+                       a_scale=xs_ptr, b_scale=ws_ptr, s_rows=rows, s_mask=row_mask,
+                       N_COLS=N, K_BLOCKS=(K + 127) // 128)
     else:
-        tl.static_assert(not B_T, "B_T: TMA loads only")
         acc = pointer_tile_acc(x_ptr + rows * K, w_ptr, row_mask, cols, col_mask, k_lo, k_hi,
-                               K, N, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+                               K, N, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, B_T, SCALING,
+                               xs_ptr, ws_ptr, rows)
     offs, mask = block_offsets(rows, cols, M, N)
     if SPLIT_K > 1:
         last, acc = split_k_total(acc, split, dl.heap_ptr(ctx, PARTIALS_OFF, tl.float32),

@@ -79,7 +79,7 @@ def _publish(ctx, tile, flags, me, e, per_rank, m_tiles, n_tiles, GROUP_M: tl.co
 
 
 @triton.jit
-def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr, trace_ptr,
+def matmul_rs_kernel(ctx, x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, trace_ptr,
                      M_SHARD: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                      INBOX_OFF: tl.constexpr, PARITY_BYTES: tl.constexpr,
                      FLAGS_OFF: tl.constexpr, PARTIAL_INPUT: tl.constexpr,
@@ -88,10 +88,11 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr, trace_ptr,
                      GROUP_M: tl.constexpr, SUBTILE: tl.constexpr, TMA: tl.constexpr,
                      FLATTEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
                      B_T: tl.constexpr, PUSH_TMA: tl.constexpr = False,
-                     PUSH_SUBTILE: tl.constexpr = 1, TRACE_TILES: tl.constexpr = 0):
+                     PUSH_SUBTILE: tl.constexpr = 1, TRACE_TILES: tl.constexpr = 0,
+                     SCALING: tl.constexpr = None):
     """Grid: (NUM_PROGRAMS,), at most one program per SM on GPUs (own tiles spin).
 
-    x: [WORLD * M_SHARD, K], w: [K, N] ([N, K] with B_T, TMA only: ``_gemm.weight_desc``)
+    x: [WORLD * M_SHARD, K], w: [K, N] ([N, K] with B_T: ``_gemm.weight_desc``)
     -> out: [M_SHARD, N], this rank's rows of
     the sum over ranks of x @ w. With TMA (rows of x and w 16-byte multiples)
     the tiles run on the GEMM core; a row tile at the end of a rank's rows
@@ -106,6 +107,11 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr, trace_ptr,
     1.27x before). A flattened loop that pushes or adds partials ran 2.7x
     slower on 2 x H100 (8192 x 4096 x 12288: 2093 us against 777), so the op
     never asks for one there.
+
+    FP8 (SCALING, ``_gemm``'s schemes): x's scales at ``xs_ptr`` ([WORLD * M_SHARD]
+    per row, or [WORLD * M_SHARD, K / 128]), w's at ``ws_ptr``, w K-major (B_T);
+    every partial leaves the mainloop scaled, in float32 (the ops push float32
+    partials for FP8). Without SCALING both are ignored.
 
     PUSH_TMA (TMA only): a peer tile goes out as TMA stores into the owner's
     inbox (``store_tile`` on a descriptor of the peer's slot): the TMA unit
@@ -139,7 +145,6 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr, trace_ptr,
         w_desc = weight_desc(w_ptr, K, N, BLOCK_K, BLOCK_N, B_T)
         c_desc = out_desc(out_ptr, M_SHARD, N, BLOCK_M, BLOCK_N, SUBTILE)
     else:
-        tl.static_assert(not B_T, "B_T: TMA loads only")
         c_desc = None  # pointer stores
     # Peers' tiles, me+1's rows first. Under the interpreter (programs run one
     # after another) program 0 pushes them all, before any program waits.
@@ -157,10 +162,15 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr, trace_ptr,
             dst, tm, tn = rank_major_tile(tile, me + 1, WORLD, m_tiles, n_tiles, GROUP_M)
             if TMA:
                 acc = tile_acc(x_desc, w_desc, dst * M_SHARD + tm * BLOCK_M, tn * BLOCK_N, 0,
-                               K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, B_T=B_T)
+                               K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, B_T=B_T,
+                               SCALING=SCALING, a_scale=xs_ptr, b_scale=ws_ptr,
+                               s_rows=dst * M_SHARD + tm * BLOCK_M + tl.arange(0, BLOCK_M),
+                               s_mask=tm * BLOCK_M + tl.arange(0, BLOCK_M) < M_SHARD, N_COLS=N,
+                               K_BLOCKS=(K + 127) // 128)
             else:
                 acc = _pointer_tile(x_ptr + tl.cast(dst, tl.int64) * (M_SHARD * K), w_ptr, tm, tn,
-                                    M_SHARD, N, K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+                                    M_SHARD, N, K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+                                    B_T, SCALING, xs_ptr, ws_ptr, dst)
             stamp(at + 1, TRACE_TILES > 0, traced)
             if PUSH_TMA:
                 tl.static_assert(TMA, "PUSH_TMA: the GEMM core's tiles only")
@@ -200,10 +210,15 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr, trace_ptr,
         tm, tn = grouped_tile(tile, m_tiles, n_tiles, GROUP_M)
         if TMA:
             acc = tile_acc(x_desc, w_desc, me * M_SHARD + tm * BLOCK_M, tn * BLOCK_N, 0, K,
-                           BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, B_T=B_T)
+                           BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, B_T=B_T, SCALING=SCALING,
+                           a_scale=xs_ptr, b_scale=ws_ptr,
+                           s_rows=me * M_SHARD + tm * BLOCK_M + tl.arange(0, BLOCK_M),
+                           s_mask=tm * BLOCK_M + tl.arange(0, BLOCK_M) < M_SHARD, N_COLS=N,
+                           K_BLOCKS=(K + 127) // 128)
         else:
             acc = _pointer_tile(x_ptr + tl.cast(me, tl.int64) * (M_SHARD * K), w_ptr, tm, tn,
-                                M_SHARD, N, K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+                                M_SHARD, N, K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+                                B_T, SCALING, xs_ptr, ws_ptr, me)
         stamp(at + 1, TRACE_TILES > 0, traced)
         if WORLD == 1 and TMA:
             store_tile(c_desc, acc, 0, tm * BLOCK_M, tn * BLOCK_N, BLOCK_M, BLOCK_N, SUBTILE)
@@ -218,9 +233,11 @@ def matmul_rs_kernel(ctx, x_ptr, w_ptr, out_ptr, trace_ptr,
 @triton.jit
 def _pointer_tile(a_ptr, w_ptr, tm, tn, M_SHARD: tl.constexpr, N: tl.constexpr,
                   K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """The pointer GEMM's tile (tm, tn) of a rank's rows starting at ``a_ptr``."""
+                  BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, B_T: tl.constexpr,
+                  SCALING: tl.constexpr, xs_ptr, ws_ptr, rank):
+    """The pointer GEMM's tile (tm, tn) of rank ``rank``'s rows starting at ``a_ptr``."""
     rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = block_range(tn, BLOCK_N)
     return pointer_tile_acc(a_ptr + rows * K, w_ptr, rows < M_SHARD, cols, cols < N, 0, K, K, N,
-                            BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+                            BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, B_T, SCALING, xs_ptr,
+                            ws_ptr, rank * M_SHARD + rows)

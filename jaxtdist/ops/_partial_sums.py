@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jaxtdist.kernels.matmul_ar import matmul_ar_kernel
 from jaxtdist.kernels.matmul_rs import matmul_rs_kernel
 from jaxtdist.ops._config import KernelConfig, Problem, block, resolve, setting
+from jaxtdist.ops._fp8_gemm import check_block_k, logical_weight
 from jaxtdist.ops._gemm_config import SMEM_BUDGET, default_tiles, tma_fits, weights_k_major
 from jaxtdist.ops._precision import kernel_operands
 from jaxtdist.ops._protocol import Call, check_axis
@@ -409,14 +410,30 @@ def matmul_rs_kernels(x: jax.Array, w: jax.Array, axis_name, *,
     return rs_launch(x, w, axis_name, config=config, trace_tiles=trace_tiles)
 
 
+def _fp8_launch(op: str, problem: Problem, cfg, x, w, fp8, tma: bool) -> tuple:
+    """(x, w as the kernel takes them, B_T, DOT_PRECISION, the scale arrays, the FP8
+    constexprs, the output dtype). ``fp8``: (plan, x's scales, w's scales,
+    ``_fp8_gemm.kernel_scales``) for FP8 x and K-major w; 16/32-bit calls pass x
+    and w in the scales' places (ignored without SCALING)."""
+    if fp8:
+        plan, xs, ws = fp8
+        check_block_k(op, plan, cfg.BLOCK_K)
+        return x, w, True, None, (xs, ws), dict(SCALING=plan.scaling), plan.out
+    b_t = weights_k_major(x.dtype.itemsize, tma)
+    x_in, w_in, precision = kernel_operands(problem, x, w, tma=tma, k_major=b_t)
+    return x_in, w_in, b_t, precision, (x_in, w_in), {}, x.dtype
+
+
 def rs_launch(x: jax.Array, w: jax.Array, axis_name, *, config: dict | None = None,
-              trace_tiles: int = 0):
-    """``matmul_rs_kernels`` unchecked (its caller checked x and w)."""
+              trace_tiles: int = 0, fp8=None):
+    """``matmul_rs_kernels`` unchecked (its caller checked x and w). ``fp8``: see
+    ``_fp8_launch``; the partials then cross the links in float32."""
     call = Call("matmul_rs", axis_name)
-    problem, cfg = resolved_config(MatmulRsConfig, call, x, w, axis_name, config)
-    (m, k), n, world = x.shape, w.shape[1], call.world
+    problem, cfg = resolved_config(MatmulRsConfig, call, x, logical_weight(w) if fp8 else w,
+                                   axis_name, config)
+    (m, k), n, world = x.shape, w.shape[0 if fp8 else 1], call.world
     m_shard = m // world
-    partial = x.dtype if cfg.PARTIAL == "input" else jnp.dtype(jnp.float32)
+    partial = x.dtype if cfg.PARTIAL == "input" and not fp8 else jnp.dtype(jnp.float32)
     per_rank = -(-m_shard // cfg.BLOCK_M) * -(-n // cfg.BLOCK_N)
     plan = PartialsWorkspace(world, m_shard * n, per_rank, partial.itemsize)
     # The flags' layout depends on the tiling: calls of another tiling get
@@ -427,26 +444,27 @@ def rs_launch(x: jax.Array, w: jax.Array, axis_name, *, config: dict | None = No
     # This rank's rows of a sum over the group: varies over the group's axes
     # and over whatever x and w vary over.
     varying = set(call.result_axes(local=(x, w))) | set(call.layout.axes)
-    b_t = weights_k_major(x.dtype.itemsize, cfg.TMA)
-    x_in, w_in, precision = kernel_operands(problem, x, w, tma=cfg.TMA, k_major=b_t)
+    x_in, w_in, b_t, precision, scales, scaling, out_dtype = _fp8_launch(
+        "matmul_rs", problem, cfg, x, w, fp8, cfg.TMA)
     # Without trace_tiles, the stamps' output is a one-element placeholder the
     # kernel never writes.
     stamps = (programs, trace_tiles, 3) if trace_tiles else (1,)
     out, trace = call.run(
-        matmul_rs_kernel, x_in, w_in, workspace=ws, needs_scratch=cfg.TMA,
-        out_shape=[jax.ShapeDtypeStruct((m_shard, n), x.dtype),
+        matmul_rs_kernel, x_in, w_in, *scales, workspace=ws, needs_scratch=cfg.TMA,
+        deps=(x_in, w_in, *scales[:2 if fp8 else 0]),
+        out_shape=[jax.ShapeDtypeStruct((m_shard, n), out_dtype),
                    jax.ShapeDtypeStruct(stamps, jnp.int32)], grid=(programs,),
         varying=tuple(a for a in call.rt.mesh.axis_names if a in varying),
         **cfg.launch_options(), M_SHARD=m_shard, N=n, K=k, INBOX_OFF=ws.offset + plan.inbox,
         PARITY_BYTES=plan.parity_bytes, FLAGS_OFF=ws.offset + plan.flags,
-        PARTIAL_INPUT=cfg.PARTIAL == "input", WORLD=world, NUM_PROGRAMS=programs,
+        PARTIAL_INPUT=cfg.PARTIAL == "input" and not fp8, WORLD=world, NUM_PROGRAMS=programs,
         INTERLEAVE=call.platform == "gpu", BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
         BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, SUBTILE=cfg.SUBTILE, TMA=cfg.TMA,
         FLATTEN=bool(cfg.FLATTEN and cfg.TMA), DOT_PRECISION=precision, B_T=b_t,
         PUSH_TMA=world > 1 and cfg.TMA and (cfg.PUSH == "tma" or (
             cfg.PUSH == "auto" and problem.platform == "gpu")),
         PUSH_SUBTILE=_push_pieces(cfg, x_in.dtype.itemsize, partial.itemsize),
-        TRACE_TILES=trace_tiles)
+        TRACE_TILES=trace_tiles, **scaling)
     return (out, trace) if trace_tiles else out
 
 
@@ -459,19 +477,23 @@ def matmul_ar_kernels(x: jax.Array, w: jax.Array, axis_name, *,
 
 
 def ar_launch(x: jax.Array, w: jax.Array, axis_name, *,
-              config: dict | None = None) -> jax.Array:
-    """``matmul_ar_kernels`` unchecked (its caller checked x and w)."""
+              config: dict | None = None, fp8=None) -> jax.Array:
+    """``matmul_ar_kernels`` unchecked (its caller checked x and w). ``fp8``: see
+    ``_fp8_launch``; the partials then cross the links in float32."""
     call = Call("matmul_ar", axis_name)
-    problem, cfg = resolved_config(MatmulArConfig, call, x, w, axis_name, config)
-    (m, k), n, world = x.shape, w.shape[1], call.world
+    problem, cfg = resolved_config(MatmulArConfig, call, x, logical_weight(w) if fp8 else w,
+                                   axis_name, config)
+    (m, k), n, world = x.shape, w.shape[0 if fp8 else 1], call.world
     tiles = -(-m // cfg.BLOCK_M) * -(-n // cfg.BLOCK_N)
-    partial = x.dtype if cfg.PARTIAL == "input" else jnp.dtype(jnp.float32)
+    partial = x.dtype if cfg.PARTIAL == "input" and not fp8 else jnp.dtype(jnp.float32)
+    x_in, w_in, b_t, precision, scales, scaling, out_dtype = _fp8_launch(
+        "matmul_ar", problem, cfg, x, w, fp8, cfg.TMA)
     two_shot = bool(cfg.TWO_SHOT and world > 1)
     # Tiles of more than 32 float32 elements per thread park their own partial
     # (kernels/matmul_ar._park); smaller ones sum in registers.
     park = cfg.BLOCK_M * cfg.BLOCK_N > 32 * 32 * cfg.num_warps
     plan = PartialsWorkspace(world, m * n, tiles, partial.itemsize,
-                             m * n * x.dtype.itemsize if two_shot else 0,
+                             m * n * jnp.dtype(out_dtype).itemsize if two_shot else 0,
                              own=park and world > 1)
     # The flags' layout depends on the tiling and the exchange, and the own plane on
     # park: calls of another get their own workspace (and epoch counter), not a
@@ -491,11 +513,10 @@ def ar_launch(x: jax.Array, w: jax.Array, axis_name, *,
         counters_off = split_ws.offset + split_plan.counters
     # The same sum on every rank of the group: like psum, it does not vary over
     # the group's axes.
-    b_t = weights_k_major(x.dtype.itemsize, cfg.TMA)
-    x_in, w_in, precision = kernel_operands(problem, x, w, tma=cfg.TMA, k_major=b_t)
     return call.run(
-        matmul_ar_kernel, x_in, w_in, workspace=ws,
-        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+        matmul_ar_kernel, x_in, w_in, *scales, workspace=ws,
+        deps=(x_in, w_in, *scales[:2 if fp8 else 0]),
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
         needs_scratch=cfg.TMA,
         grid=(split_k * tiles,), varying=call.result_axes(reduced=(x, w)),
         **cfg.launch_options(), M=m, N=n, K=k, INBOX_OFF=ws.offset + plan.inbox,
@@ -505,5 +526,5 @@ def ar_launch(x: jax.Array, w: jax.Array, axis_name, *,
         GROUP_M=cfg.GROUP_M, TMA=cfg.TMA, TWO_SHOT=two_shot,
         RESULTS_OFF=ws.offset + plan.inbox + plan.results,
         RFLAGS_OFF=ws.offset + plan.result_flags, OWN_OFF=ws.offset + plan.own, PARK=park,
-        PARTIAL_INPUT=cfg.PARTIAL == "input",
-        DOT_PRECISION=precision, B_T=b_t)
+        PARTIAL_INPUT=cfg.PARTIAL == "input" and not fp8,
+        DOT_PRECISION=precision, B_T=b_t, **scaling)

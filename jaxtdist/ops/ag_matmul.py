@@ -18,6 +18,8 @@ from jaxtdist.kernels.ag_matmul import (ag_matmul_ce_kernel, ag_matmul_kernel,
 from jaxtdist.ops._ag_matmul_config import (AgMatmulConfig, flattens, split_n_tail,
                                             stream_k_tail, tail_stages)
 from jaxtdist.ops._config import Problem, resolve
+from jaxtdist.ops._fp8_gemm import (Fp8Gemm, check_block_k, fp8_plan, kernel_scales,
+                                    local_matmul, logical_weight, no_gradient)
 from jaxtdist.ops._gemm_config import weights_k_major
 from jaxtdist.ops._inbox import push_to_inboxes
 from jaxtdist.ops._partial_sums import rs_launch
@@ -95,18 +97,38 @@ def ag_matmul_with_gathered(x: jax.Array, w: jax.Array, axis_name, *,
     """
     x, w = jnp.asarray(x), jnp.asarray(w)
     _check(x, w, axis_name=axis_name)
+    return _gathered_launch(x, w, axis_name, config, gathered)
+
+
+def _gathered_launch(x, w, axis_name, config, gathered: bool, fp8=None):
+    """``ag_matmul_with_gathered`` unchecked; ``fp8``: (plan, x's scales of the
+    gathered rows, w's scales) for FP8 x and K-major w (``_fp8_gemm``)."""
     call = Call("ag_matmul", axis_name)
-    problem, cfg = _resolved(call, x, w, config, axis_name)
+    problem, cfg = _resolved(call, x, logical_weight(w) if fp8 else w, config, axis_name)
+    if fp8:
+        check_block_k("ag_matmul", fp8[0], cfg.BLOCK_K)
     if cfg.variant == "ce":
         try:
-            return _launch_copy_engines(call, problem, cfg, x, w, gathered)
+            return _launch_copy_engines(call, problem, cfg, x, w, gathered, fp8)
         except HeapExhaustedError:
             if "PRODUCER" in (config or {}) or (config or {}).get("STREAM_K") is True:
                 raise
             # A tuned or default choice that does not fit this heap: SM producers
             # need a quarter of the room (staging slots, no inboxes).
             cfg = cfg.replace(PRODUCER="sm", CHUNK_ROWS=min(cfg.chunk_rows, cfg.BLOCK_M))
-    return _launch_sm_producers(call, problem, cfg, x, w, gathered)
+    return _launch_sm_producers(call, problem, cfg, x, w, gathered, fp8)
+
+
+def _fp8_operands(problem: Problem, x, w, fp8, *, tma: bool) -> tuple:
+    """(w as the kernel takes it, B_T, DOT_PRECISION, the scale arrays, the FP8
+    constexprs, the output dtype): FP8 w is K-major already; 16/32-bit calls pass
+    x and w in the scales' places (ignored without SCALING)."""
+    if fp8:
+        plan, xs, ws = fp8
+        return w, True, None, (xs, ws), dict(SCALING=plan.scaling), plan.out
+    b_t = weights_k_major(x.dtype.itemsize, tma)
+    _, w, precision = kernel_operands(problem, x, w, tma=tma, exact_x=True, k_major=b_t)
+    return w, b_t, precision, (x, w), {}, x.dtype
 
 
 def _copy_gathered(call: Call, ctx, x, out, inbox_offset: int, parity_bytes: int):
@@ -123,7 +145,7 @@ def _copy_gathered(call: Call, ctx, x, out, inbox_offset: int, parity_bytes: int
 
 
 def _launch_sm_producers(call: Call, problem: Problem, cfg: AgMatmulConfig, x, w,
-                         want_gathered: bool):
+                         want_gathered: bool, fp8=None):
     """The pointer and TMA kernels: SM producer programs gather, the rest compute."""
     m_shard, n, k = problem.shape
     world = call.world
@@ -139,14 +161,14 @@ def _launch_sm_producers(call: Call, problem: Problem, cfg: AgMatmulConfig, x, w
         gather = dict(STAGE_OFF=ws.offset + plan.stage, SLOT_BYTES=plan.slot_bytes,
                       READY_OFF=ws.offset + plan.ready, FLAGS_OFF=ws.offset + plan.flags)
     gather.update(M_SHARD=m_shard, N=n, K=k)
-    b_t = weights_k_major(x.dtype.itemsize, cfg.TMA)
-    _, w, precision = kernel_operands(problem, x, w, tma=cfg.TMA, exact_x=True, k_major=b_t)
-    tiles = dict(cfg.kernel_args(), DOT_PRECISION=precision)
+    w, b_t, precision, scales, scaling, out_dtype = _fp8_operands(problem, x, w, fp8,
+                                                                  tma=cfg.TMA)
+    tiles = dict(cfg.kernel_args(), DOT_PRECISION=precision, **scaling)
     n_tiles = -(-n // cfg.BLOCK_N)
     m_tiles = world * -(-m_shard // cfg.BLOCK_M)
     # With pushes the gathered x stays in the heap inboxes: a one-element
     # placeholder takes the kernel's second output.
-    out_shape = (jax.ShapeDtypeStruct((world * m_shard, n), x.dtype),
+    out_shape = (jax.ShapeDtypeStruct((world * m_shard, n), out_dtype),
                  jax.ShapeDtypeStruct((1,) if push else (world * m_shard, k), x.dtype))
     launch = dict(workspace=ws, out_shape=out_shape, **cfg.launch_options(),
                   varying=call.result_axes(local=(x, w)))
@@ -155,7 +177,7 @@ def _launch_sm_producers(call: Call, problem: Problem, cfg: AgMatmulConfig, x, w
                                        m_tiles * n_tiles)
         schedule = call.workspace("schedule", 8)
         return tuple(call.run(
-            ag_matmul_tma_kernel, x, w, grid=(programs,), needs_scratch=True,
+            ag_matmul_tma_kernel, x, w, *scales, grid=(programs,), needs_scratch=True,
             SCHEDULE_OFF=schedule.offset, NUM_PROGRAMS=programs, SUBTILE=cfg.SUBTILE,
             PRODUCERS_JOIN=call.platform == "gpu", B_T=b_t, **launch, **gather, **tiles))
     m_tiles = 1 if cfg.ALL_ROWS else m_tiles
@@ -171,9 +193,10 @@ def _launch_sm_producers(call: Call, problem: Problem, cfg: AgMatmulConfig, x, w
     ctx = call.start(ws, deps=(x, w), align_launch=not call.launch_aligns((x, w)))
     del launch["workspace"]
     out, gathered = call.launch(
-        ag_matmul_kernel, ctx, x, w, grid=(cfg.NUM_COMM + split_k * m_tiles * n_tiles,),
+        ag_matmul_kernel, ctx, x, w, *scales,
+        grid=(cfg.NUM_COMM + split_k * m_tiles * n_tiles,),
         PARTIALS_OFF=partials_off, COUNTERS_OFF=counters_off, K_SPLIT=k_split, SPLIT_K=split_k,
-        ALL_ROWS=cfg.ALL_ROWS, PUSH=push, FLAG_SCOPE="sys" if push else "gpu",
+        ALL_ROWS=cfg.ALL_ROWS, PUSH=push, FLAG_SCOPE="sys" if push else "gpu", B_T=b_t,
         **launch, **gather, **tiles)
     if push:  # the inboxes are reused two calls later: the residual is copied out
         gathered = (_copy_gathered(call, ctx, x, out, gather["STAGE_OFF"], gather["SLOT_BYTES"])
@@ -214,7 +237,7 @@ def _tail_plan(call: Call, cfg: AgMatmulConfig, tiles: int, programs: int, k: in
 
 
 def _launch_copy_engines(call: Call, problem: Problem, cfg: AgMatmulConfig, x, w,
-                         want_gathered: bool):
+                         want_gathered: bool, fp8=None):
     """The gather on the copy engines (an SM push kernel under the interpreter),
     every SM in the persistent TMA GEMM."""
     m_shard, n, k = problem.shape
@@ -237,18 +260,18 @@ def _launch_copy_engines(call: Call, problem: Problem, cfg: AgMatmulConfig, x, w
     per_rank = (m_shard // cfg.BLOCK_M) * -(-n // cfg.BLOCK_N)
     programs = persistent_programs(call.platform, problem.sms, 0, world * per_rank)
     tail = _tail_plan(call, cfg, world * per_rank, programs, k, (world - 1) * per_rank)
-    b_t = weights_k_major(x.dtype.itemsize, True)
-    _, w_in, precision = kernel_operands(problem, x, w, tma=True, exact_x=True, k_major=b_t)
+    w_in, b_t, precision, scales, scaling, out_dtype = _fp8_operands(problem, x, w, fp8,
+                                                                     tma=True)
     out = call.launch(
-        ag_matmul_ce_kernel, ctx, x, w_in,
-        out_shape=jax.ShapeDtypeStruct((world * m_shard, n), x.dtype), grid=(programs,),
+        ag_matmul_ce_kernel, ctx, x, w_in, *scales,
+        out_shape=jax.ShapeDtypeStruct((world * m_shard, n), out_dtype), grid=(programs,),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, needs_scratch=True,
         varying=call.result_axes(local=(x, w)),
         M_SHARD=m_shard, N=n, K=k, **offsets, CHUNK_ROWS=cfg.chunk_rows, BLOCK_M=cfg.BLOCK_M,
         BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, NUM_PROGRAMS=programs,
         FLATTEN=flattens(dict(cfg.to_dict(), CHUNK_ROWS=cfg.chunk_rows), world * per_rank,
                          programs), SUBTILE=cfg.SUBTILE,
-        DOT_PRECISION=precision, B_T=b_t, **tail)
+        DOT_PRECISION=precision, B_T=b_t, **scaling, **tail)
     # The gathered x (the autodiff residual) lives in heap inboxes that the call
     # after next reuses: copied out when the backward pass needs it.
     if not want_gathered:
@@ -308,8 +331,34 @@ _AG_MATMUL = DistributedOp("ag_matmul", forward=_forward, backward=_backward, ch
                            local=_local, primal=_primal, check_config=_check_config)
 
 
+# -- FP8 (``_fp8_gemm``): checked in ag_matmul, no backward (``no_gradient``) -----------
+
+def _fp8_forward(x, w, x_scale, w_scale, *, axis_name, config=None, plan: Fp8Gemm):
+    xs, ws = kernel_scales(plan, x_scale, x.shape[0], w_scale)
+    # Every rank's scales of the gathered rows, before the GEMM (1/32 of the FP8
+    # rows' bytes blockwise, 4 bytes a row per tensor), by jaxtdist's all_gather.
+    xs = all_gather_forward(xs, axis_name=axis_name, axis=0, tiled=True)[0]
+    return _gathered_launch(x, w, axis_name, config, False, (plan, xs, ws))[0], None
+
+
+def _fp8_local(x, w, x_scale, w_scale, *, axis_name, config=None, plan: Fp8Gemm):
+    del axis_name, config
+    return local_matmul(x, w, x_scale, w_scale, plan)
+
+
+def _fp8_check_config(x, w, x_scale, w_scale, *, axis_name, config, plan: Fp8Gemm):
+    del x_scale, w_scale
+    _, cfg = _resolved(Call("ag_matmul", axis_name), x, logical_weight(w), config, axis_name)
+    check_block_k("ag_matmul", plan, cfg.BLOCK_K)
+
+
+_AG_MATMUL_FP8 = DistributedOp("ag_matmul", forward=_fp8_forward, local=_fp8_local,
+                               check_config=_fp8_check_config)
+
+
 def ag_matmul(x: jax.Array, w, axis_name, *, config: dict | None = None,
-              regather: bool = False):
+              regather: bool = False, x_scale: jax.Array | None = None,
+              w_scale: jax.Array | None = None, out_dtype=None):
     """``all_gather(x, axis_name, tiled=True) @ w`` with the gather overlapped.
 
     Call inside ``jax.shard_map`` over the mesh given to ``jaxtdist.initialize``.
@@ -323,6 +372,19 @@ def ag_matmul(x: jax.Array, w, axis_name, *, config: dict | None = None,
     reduce-scatter. The weights are concatenated along N for the launch (a copy
     of the weights per call, small beside the GEMM).
 
+    FP8 (``x_scale``, ``w_scale`` given; ``jaxtdist.ops._fp8_gemm``): x [m_shard,
+    k] and w in one FP8 format, w K-major [n, k] (``jaxtdist.quantize_weight``;
+    JAX's ``scaled_matmul`` layout), float32 dequantization scales, the result
+    ``all_gather(x * x_scale) @ (w * w_scale).T`` in ``out_dtype``. Per tensor:
+    both scales () (x_scale this rank's: each rank may quantize its rows with
+    its own). Blockwise: x_scale [m_shard, k / 128] (this rank's rows, sharded
+    like x), w_scale [cdiv(n, 128), k / 128] (this rank's columns of the output,
+    sharded like w's rows); k a multiple of 128. The FP8 rows are gathered (half
+    the bytes of bf16), their scales by jaxtdist's all_gather just before.
+    A group of one rank runs XLA: its FP8 dot (per tensor) or the float32 dot
+    of the dequantized operands (blockwise). Not differentiable (a TypeError
+    names the arguments); one weight only.
+
     Args:
       x: this rank's rows, [m_shard, k].
       w: this rank's weight, [k, n] (typically column-sharded), or a tuple of
@@ -335,11 +397,13 @@ def ag_matmul(x: jax.Array, w, axis_name, *, config: dict | None = None,
         XLA keeps an ``all_gather`` residual); no collective runs in the
         backward but its reduce-scatter. True: nothing is kept and the backward
         gathers x again with jaxtdist's all_gather (memory for time). Neither
-        runs an XLA collective.
+        runs an XLA collective. (FP8: no backward, ignored.)
+      x_scale, w_scale: FP8 only: float32 scales, () each or blockwise (above).
+      out_dtype: FP8 only: bfloat16 (default), float16 or float32.
 
     Returns:
-      [world * m_shard, n] in x's dtype, accumulated in float32; for a tuple of
-      weights, a tuple of [world * m_shard, n_i].
+      [world * m_shard, n] in x's dtype (FP8: ``out_dtype``), accumulated in
+      float32; for a tuple of weights, a tuple of [world * m_shard, n_i].
 
     Example:
       >>> mesh = jax.make_mesh((4,), ("tp",)); jaxtdist.initialize(mesh)
@@ -347,7 +411,16 @@ def ag_matmul(x: jax.Array, w, axis_name, *, config: dict | None = None,
       ...             in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
     """
     if isinstance(w, (tuple, list)):
+        if x_scale is not None or w_scale is not None or out_dtype is not None:
+            raise ValueError("jaxtdist.ag_matmul: FP8 (x_scale, w_scale, out_dtype) takes one "
+                             f"weight, got a {type(w).__name__} of {len(w)}; concatenate the "
+                             "K-major FP8 weights along N (and their scales) or call once each")
         return _ag_matmul_many(jnp.asarray(x), tuple(w), axis_name, config, regather)
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    plan = fp8_plan("ag_matmul", x, w, x_scale, w_scale, out_dtype)
+    if plan is not None:
+        args = no_gradient("ag_matmul", x, w, x_scale, w_scale)
+        return _AG_MATMUL_FP8(*args, axis_name=axis_name, config=config, plan=plan)
     return _AG_MATMUL(jnp.asarray(x), jnp.asarray(w), axis_name=axis_name, config=config,
                       regather=regather)
 

@@ -18,18 +18,21 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxtdist.ops._fp8_gemm import (Fp8Gemm, check_block_k, fp8_plan, kernel_scales,
+                                    local_matmul, logical_weight, no_gradient)
 from jaxtdist.ops._op import DistributedOp, one_call_per_element
 from jaxtdist.ops._partial_sums import (MatmulArConfig, MatmulRsConfig, _ar_check, _rs_check,
                                         ar_launch, matmul_ar_kernels, matmul_rs_kernels,
                                         resolved_config, rs_launch)
-from jaxtdist.ops._protocol import Call, varying_axes
+from jaxtdist.ops._protocol import Call, check_axis, varying_axes
 from jaxtdist.ops._sharded import pjit_wrapper, rows_over
-from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered
+from jaxtdist.ops.ag_matmul import _AG_MATMUL_FP8, ag_matmul_with_gathered
 from jaxtdist.ops.all_reduce import all_reduce
 from jaxtdist.runtime._runtime import runtime
 
-__all__ = ["MatmulArConfig", "MatmulRsConfig", "matmul_ar", "matmul_ar_kernels", "matmul_ar_sharded",
-           "matmul_rs", "matmul_rs_kernels", "matmul_rs_sharded"]
+__all__ = ["MatmulArConfig", "MatmulRsConfig", "fp8_matmul_kernels", "matmul_ar",
+           "matmul_ar_kernels", "matmul_ar_sharded", "matmul_rs", "matmul_rs_kernels",
+           "matmul_rs_sharded"]
 
 # -- matmul_rs -------------------------------------------------------------------
 
@@ -65,7 +68,80 @@ _MATMUL_RS = DistributedOp("matmul_rs", forward=_rs_forward, backward=_rs_backwa
                            check=_rs_check, local=_local, check_config=_rs_check_config)
 
 
-def matmul_rs(x: jax.Array, w: jax.Array, axis_name, *, config: dict | None = None) -> jax.Array:
+# -- FP8 (``_fp8_gemm``): checked by the public functions, no backward ------------------
+
+def _fp8_local(x, w, x_scale, w_scale, *, axis_name, config=None, plan: Fp8Gemm):
+    del axis_name, config
+    return local_matmul(x, w, x_scale, w_scale, plan)
+
+
+def _fp8_rs_forward(x, w, x_scale, w_scale, *, axis_name, config=None, plan: Fp8Gemm):
+    scales = kernel_scales(plan, x_scale, x.shape[0], w_scale)
+    return rs_launch(x, w, axis_name, config=config, fp8=(plan, *scales)), None
+
+
+def _fp8_ar_forward(x, w, x_scale, w_scale, *, axis_name, config=None, plan: Fp8Gemm):
+    scales = kernel_scales(plan, x_scale, x.shape[0], w_scale)
+    return ar_launch(x, w, axis_name, config=config, fp8=(plan, *scales)), None
+
+
+def _fp8_check_config(op: str, config_type: type):
+    def check(x, w, x_scale, w_scale, *, axis_name, config, plan: Fp8Gemm):
+        del x_scale, w_scale
+        _, cfg = resolved_config(config_type, Call(op, axis_name), x, logical_weight(w),
+                                 axis_name, config)
+        check_block_k(op, plan, cfg.BLOCK_K)
+    return check
+
+
+_MATMUL_RS_FP8 = DistributedOp("matmul_rs", forward=_fp8_rs_forward, local=_fp8_local,
+                               check_config=_fp8_check_config("matmul_rs", MatmulRsConfig))
+_MATMUL_AR_FP8 = DistributedOp("matmul_ar", forward=_fp8_ar_forward, local=_fp8_local,
+                               reduces=True,
+                               check_config=_fp8_check_config("matmul_ar", MatmulArConfig))
+
+
+def _fp8_call(op: str, fp8_op: DistributedOp, x, w, axis_name, config, x_scale, w_scale,
+              out_dtype):
+    """The FP8 op's call, or None where x and w are not FP8 (and no scale is given)."""
+    plan = fp8_plan(op, x, w, x_scale, w_scale, out_dtype)
+    if plan is None:
+        return None
+    if op == "matmul_rs":
+        world = check_axis(runtime(), axis_name, op).world
+        if x.shape[0] % world:
+            raise ValueError(f"jaxtdist.matmul_rs: the rows of x (M={x.shape[0]}) must be "
+                             f"divisible by the group size W={world} over {axis_name!r}: each "
+                             "rank gets M / W rows of the sum (as psum_scatter requires)")
+    args = no_gradient(op, x, w, x_scale, w_scale)
+    return fp8_op(*args, axis_name=axis_name, config=config, plan=plan)
+
+
+def fp8_matmul_kernels(op: str, x: jax.Array, w: jax.Array, axis_name, *,
+                       x_scale: jax.Array, w_scale: jax.Array, out_dtype=None,
+                       config: dict | None = None) -> jax.Array:
+    """The FP8 kernels of ``op`` ("ag_matmul", "matmul_rs" or "matmul_ar"), at world 1
+    too (benchmarks, tests), with the op's checks; not differentiable.
+
+    Example:
+      >>> y = fp8_matmul_kernels("matmul_rs", q, w_t, "tp", x_scale=s, w_scale=w_s)
+    """
+    ops = {"ag_matmul": _AG_MATMUL_FP8, "matmul_rs": _MATMUL_RS_FP8,
+           "matmul_ar": _MATMUL_AR_FP8}
+    if op not in ops:
+        raise ValueError(f"jaxtdist.fp8_matmul_kernels: op={op!r}; use one of {sorted(ops)}")
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    plan = fp8_plan(op, x, w, x_scale, w_scale, out_dtype)
+    if plan is None:
+        raise ValueError(f"jaxtdist.fp8_matmul_kernels: x and w are {x.dtype.name}, not FP8; "
+                         f"call jaxtdist.{op}'s kernels for 16/32-bit operands")
+    return ops[op].launch(x, w, x_scale, w_scale, axis_name=axis_name,
+                          config=None if config is None else dict(config), plan=plan)
+
+
+def matmul_rs(x: jax.Array, w: jax.Array, axis_name, *, config: dict | None = None,
+              x_scale: jax.Array | None = None, w_scale: jax.Array | None = None,
+              out_dtype=None) -> jax.Array:
     """``psum_scatter(x @ w, axis_name, scatter_dimension=0, tiled=True)``, the
     reduction overlapped with the GEMM.
 
@@ -75,6 +151,17 @@ def matmul_rs(x: jax.Array, w: jax.Array, axis_name, *, config: dict | None = No
     which sums the W partials in float32. Differentiable: dx is
     ``ag_matmul(dy, w.T)`` (an all-gather GEMM), dw is ``x.T @ all_gather(dy)``.
     A group of one rank computes ``x @ w`` alone.
+    FP8 (``x_scale``, ``w_scale`` given; ``jaxtdist.ops._fp8_gemm``): x [M, k_shard]
+    and w in one FP8 format, w K-major [N, k_shard] (``jaxtdist.quantize_weight``
+    of the [k_shard, N] shard; JAX's ``scaled_matmul`` layout), float32
+    dequantization scales of this rank's shards: per tensor () each, or
+    blockwise x_scale [M, k_shard / 128] (sharded along K like x's columns) and
+    w_scale [cdiv(N, 128), k_shard / 128] (sharded along K like w's columns);
+    k_shard a multiple of 128. Each rank's partial is scaled in float32 and the
+    partials are summed in float32; the result is in ``out_dtype`` (default
+    bfloat16). A group of one rank runs XLA: its FP8 dot (per tensor) or the
+    float32 dot of the dequantized operands (blockwise). Not differentiable (a
+    TypeError names the arguments).
 
     Args:
       x: this rank's [M, k_shard] (typically the columns of the activations
@@ -82,9 +169,12 @@ def matmul_rs(x: jax.Array, w: jax.Array, axis_name, *, config: dict | None = No
       w: this rank's weight, [k_shard, N] (row-sharded over the group).
       axis_name: mesh axis (or tuple of axes) of the group.
       config: overrides of the kernel config (``MatmulRsConfig`` keys; advanced).
+      x_scale, w_scale: FP8 only: float32 scales (below).
+      out_dtype: FP8 only: bfloat16 (default), float16 or float32.
 
     Returns:
-      [M / W, N] in x's dtype: this rank's rows of the sum over ranks.
+      [M / W, N] in x's dtype (FP8: ``out_dtype``): this rank's rows of the sum
+      over ranks.
 
     Raises:
       ValueError: M not divisible by the group size W, mismatched shapes or dtypes.
@@ -94,7 +184,12 @@ def matmul_rs(x: jax.Array, w: jax.Array, axis_name, *, config: dict | None = No
       >>> f = jax.jit(jax.shard_map(lambda x, w: jaxtdist.matmul_rs(x, w, "tp"), mesh=mesh,
       ...             in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None)))
     """
-    return _MATMUL_RS(jnp.asarray(x), jnp.asarray(w), axis_name=axis_name, config=config)
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    out = _fp8_call("matmul_rs", _MATMUL_RS_FP8, x, w, axis_name, config, x_scale, w_scale,
+                    out_dtype)
+    if out is not None:
+        return out
+    return _MATMUL_RS(x, w, axis_name=axis_name, config=config)
 
 
 # -- matmul_ar -------------------------------------------------------------------
@@ -122,7 +217,9 @@ _MATMUL_AR = DistributedOp("matmul_ar", forward=_ar_forward, backward=_ar_backwa
                            check_config=_ar_check_config)
 
 
-def matmul_ar(x: jax.Array, w: jax.Array, axis_name, *, config: dict | None = None) -> jax.Array:
+def matmul_ar(x: jax.Array, w: jax.Array, axis_name, *, config: dict | None = None,
+              x_scale: jax.Array | None = None, w_scale: jax.Array | None = None,
+              out_dtype=None) -> jax.Array:
     """``psum(x @ w, axis_name)`` as one kernel, for small M (decode).
 
     Call inside ``jax.shard_map`` over the mesh given to ``jaxtdist.initialize``.
@@ -131,22 +228,40 @@ def matmul_ar(x: jax.Array, w: jax.Array, axis_name, *, config: dict | None = No
     the same on every rank of the group (typed like psum's: not varying over
     ``axis_name``). Differentiable: dx = dy @ w.T, dw = x.T @ dy. A group of
     one rank computes ``x @ w`` alone.
+    FP8 (``x_scale``, ``w_scale`` given; ``jaxtdist.ops._fp8_gemm``): x [M, k_shard]
+    and w in one FP8 format, w K-major [N, k_shard] (``jaxtdist.quantize_weight``
+    of the [k_shard, N] shard; JAX's ``scaled_matmul`` layout), float32
+    dequantization scales of this rank's shards: per tensor () each, or
+    blockwise x_scale [M, k_shard / 128] (sharded along K like x's columns) and
+    w_scale [cdiv(N, 128), k_shard / 128] (sharded along K like w's columns);
+    k_shard a multiple of 128. Each rank's partial is scaled in float32 and the
+    partials are summed in float32; the result is in ``out_dtype`` (default
+    bfloat16). A group of one rank runs XLA: its FP8 dot (per tensor) or the
+    float32 dot of the dequantized operands (blockwise). Not differentiable (a
+    TypeError names the arguments).
 
     Args:
       x: this rank's [M, k_shard].
       w: this rank's weight, [k_shard, N].
       axis_name: mesh axis (or tuple of axes) of the group.
       config: overrides of the kernel config (``MatmulArConfig`` keys; advanced).
+      x_scale, w_scale: FP8 only: float32 scales (below).
+      out_dtype: FP8 only: bfloat16 (default), float16 or float32.
 
     Returns:
-      [M, N] in x's dtype, the sum over ranks, on every rank.
+      [M, N] in x's dtype (FP8: ``out_dtype``), the sum over ranks, on every rank.
 
     Example:
       >>> mesh = jax.make_mesh((4,), ("tp",)); jaxtdist.initialize(mesh)
       >>> f = jax.jit(jax.shard_map(lambda x, w: jaxtdist.matmul_ar(x, w, "tp"), mesh=mesh,
       ...             in_specs=(P(None, "tp"), P("tp", None)), out_specs=P()))
     """
-    return _MATMUL_AR(jnp.asarray(x), jnp.asarray(w), axis_name=axis_name, config=config)
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    out = _fp8_call("matmul_ar", _MATMUL_AR_FP8, x, w, axis_name, config, x_scale, w_scale,
+                    out_dtype)
+    if out is not None:
+        return out
+    return _MATMUL_AR(x, w, axis_name=axis_name, config=config)
 
 
 # -- pjit-style wrappers -------------------------------------------------------------
