@@ -99,7 +99,7 @@ def _problems():
 
     heap = dict(STAGE_OFF=1 << 16, SLOT_BYTES=1 << 24, READY_OFF=0, FLAGS_OFF=4096,
                 INBOX_OFF=1 << 20, PARITY_BYTES=1 << 26, SENT_OFF=8192, DONE_OFF=12288,
-                PARTIALS_OFF=-1, COUNTERS_OFF=-1, DOT_PRECISION=None, B_T=False)
+                PARTIALS_OFF=-1, COUNTERS_OFF=-1, DOT_PRECISION=None, B_T=False, SCALING=None)
     out = {}
 
     cfg = pick(AllGatherConfig, (1024, 4096))
@@ -148,6 +148,7 @@ def _problems():
     # No TMA on AMD: peer tiles leave as SM stores.
     out["matmul_rs"] = (dict(args, M_SHARD=m // WORLD, N=n, K=k_shard, INBOX_OFF=1 << 20,
                              PARITY_BYTES=1 << 28, FLAGS_OFF=4096, DOT_PRECISION=None, B_T=False,
+                             SCALING=None,
                              PUSH_TMA=False, PUSH_SUBTILE=1, TRACE_TILES=0,
                              PARTIAL_INPUT=cfg.PARTIAL == "input", WORLD=WORLD,
                              NUM_PROGRAMS=cfg.programs(p, tiles), INTERLEAVE=True),
@@ -159,6 +160,7 @@ def _problems():
                              COUNTERS_OFF=1 << 28, RESULTS_OFF=-1, RFLAGS_OFF=-1, OWN_OFF=1 << 29,
                              PARK=False,
                              PARTIAL_INPUT=cfg.PARTIAL == "input", DOT_PRECISION=None, B_T=False,
+                             SCALING=None,
                              K_SPLIT=-(-2048 // (cfg.SPLIT_K * cfg.BLOCK_K)) * cfg.BLOCK_K),
                         cfg.launch_options())
     out.update(_attention_and_moe(problem))

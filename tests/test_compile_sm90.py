@@ -30,11 +30,13 @@ def _skip_without_ptxas():
 
 
 def _gemm_defaults(fn, constexprs: dict) -> dict:
-    """The GEMM kernels' DOT_PRECISION (the backend's), B_T (w [K, N] as given) and
-    matmul_rs's pushes (SM stores) at their defaults unless given."""
+    """The GEMM kernels' DOT_PRECISION (the backend's), B_T (w [K, N] as given),
+    SCALING (no FP8 scales) and matmul_rs's pushes (SM stores) at their defaults
+    unless given."""
     defaults = {name: value for name, value in (("DOT_PRECISION", None), ("B_T", False),
                                                 ("PUSH_TMA", False), ("PUSH_SUBTILE", 1),
-                                                ("TRACE_TILES", 0), ("TRACE", 0))
+                                                ("TRACE_TILES", 0), ("TRACE", 0),
+                                                ("SCALING", None))
                 if name in fn.arg_names}
     return dict(defaults, **constexprs)
 
@@ -266,7 +268,9 @@ def test_ag_matmul_ce_kernel_flattened(tail):
     assert flat.metadata.shared == plain.metadata.shared
     # In the fused peers' loop the wait's token feeds the inbox loads' row.
     ttgir = flat.asm["ttgir"]
-    loops = [m.start() for m in re.finditer(r"scf\.for %arg4", ttgir)]
+    # The tile loops' induction variables: the first number after the kernel's arguments.
+    first = re.search(r"scf\.for (%arg\d+) ", ttgir).group(1)
+    loops = [m.start() for m in re.finditer(rf"scf\.for {first} ", ttgir)]
     peers_loop = ttgir[loops[1]:]
     assert peers_loop.index("elementwise_inline_asm") < peers_loop.index(
         "async_tma_copy_global_to_local")

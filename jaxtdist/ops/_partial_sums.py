@@ -421,7 +421,7 @@ def _fp8_launch(op: str, problem: Problem, cfg, x, w, fp8, tma: bool) -> tuple:
         return x, w, True, None, (xs, ws), dict(SCALING=plan.scaling), plan.out
     b_t = weights_k_major(x.dtype.itemsize, tma)
     x_in, w_in, precision = kernel_operands(problem, x, w, tma=tma, k_major=b_t)
-    return x_in, w_in, b_t, precision, (x_in, w_in), {}, x.dtype
+    return x_in, w_in, b_t, precision, (x_in, w_in), dict(SCALING=None), x.dtype
 
 
 def rs_launch(x: jax.Array, w: jax.Array, axis_name, *, config: dict | None = None,

@@ -128,7 +128,7 @@ def _fp8_operands(problem: Problem, x, w, fp8, *, tma: bool) -> tuple:
         return w, True, None, (xs, ws), dict(SCALING=plan.scaling), plan.out
     b_t = weights_k_major(x.dtype.itemsize, tma)
     _, w, precision = kernel_operands(problem, x, w, tma=tma, exact_x=True, k_major=b_t)
-    return w, b_t, precision, (x, w), {}, x.dtype
+    return w, b_t, precision, (x, w), dict(SCALING=None), x.dtype
 
 
 def _copy_gathered(call: Call, ctx, x, out, inbox_offset: int, parity_bytes: int):
