@@ -239,3 +239,17 @@ def test_fp8_is_not_differentiable():
                                         "arguments x, x_scale carry no gradient"):
         jax.grad(loss)(x)
 
+
+# -- the benchmark ---------------------------------------------------------------------
+
+def test_fp8_gemm_benchmark_runs_every_contender(faked_timing):
+    """``python -m jaxtdist.bench gemm --dtype fp8`` on a small shape (CPU, faked
+    timing): every contender runs and is checked against its float32 reference;
+    the table has the ratios."""
+    from jaxtdist.bench import gemm, gemm_fp8
+
+    rows = gemm_fp8.bench_gemm_fp8([("matmul_ar", 8, 32, 128)], iterations=1, rounds=1)
+    for name in ("bf16_dot", "xla_fp8", "tensor", "dequant_bf16", "block"):
+        assert rows[0][name]["rel_err"] < 2e-2, (name, rows[0][name])
+    text = gemm.table(dict(device="cpu", rows=rows, iterations=1, rounds=1, dtype="fp8"))
+    assert "per-tensor / XLA FP8" in text and "tensor / xla_fp8: geomean" in text

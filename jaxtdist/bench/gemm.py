@@ -10,6 +10,8 @@ communication aside. Relative errors of both against a float32 product.
 Each row also records the host time of each contender's first call (tracing
 and compiling included; with a warm Triton disk cache, less than a user's
 first run).
+``--dtype fp8``: the FP8 table instead (``gemm_fp8``: per-tensor and blockwise
+scales against XLA's FP8 dot, dequantize + bf16 dot and bf16 ``jnp.dot``).
 """
 
 from __future__ import annotations
@@ -150,6 +152,9 @@ def _shapes_note(res: dict) -> str:
 
 
 def table(res: dict) -> str:
+    if res.get("dtype") == "fp8":
+        from jaxtdist.bench.gemm_fp8 import table as fp8_table
+        return fp8_table(res)
     text = h.markdown_table(
         f"The GEMM core at world 1: each matmul op's kernels forced at world 1 against "
         f"jnp.dot of the same operands, bf16, default configs (no tuning cache), 1 x "
@@ -165,8 +170,15 @@ def run(args) -> tuple[list[dict], dict]:
     shapes = GEMM_SHAPES if args.random is None else gemm_problems(args.random, args.seed)
     shapes = [s for s in shapes
               if not args.only or any(o in f"{s[0]} {s[1]}x{s[2]}x{s[3]}" for o in args.only)]
-    rows = bench_gemm(shapes, args.iterations, args.rounds, sweep=args.sweep)
     drawn = {} if args.random is None else dict(random=args.random, seed=args.seed)
+    if getattr(args, "dtype", "bf16") == "fp8":
+        from jaxtdist.bench.gemm_fp8 import bench_gemm_fp8
+        rows = bench_gemm_fp8(shapes, args.iterations, args.rounds)
+        # The plot draws the FP8 contenders, ours first.
+        drawn.update(dtype="fp8", plot=dict(series=["tensor", "block", "xla_fp8", "bf16_dot"],
+                                            size_label="GEMM FLOP"))
+    else:
+        rows = bench_gemm(shapes, args.iterations, args.rounds, sweep=args.sweep)
     return rows, dict(world=1, tuning_cache=cache or os.environ.get("JAXTDIST_TUNING_CACHE"),
                       **drawn)
 
@@ -181,6 +193,10 @@ def _arguments(parser) -> None:
                              "the fixed list")
     parser.add_argument("--seed", type=int, default=0,
                         help="the seed of --random's draw (report it with the table)")
+    parser.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16",
+                        help="bf16 (default): the kernels against jnp.dot; fp8: float8_e4m3fn "
+                             "kernels (per-tensor and blockwise scales) against XLA's FP8 dot, "
+                             "dequantize + bf16 dot and bf16 jnp.dot")
 
 
 BENCHMARK = h.Benchmark(name="gemm", op="gemm", run=run, table=table,
