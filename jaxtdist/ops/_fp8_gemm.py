@@ -22,7 +22,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax.custom_derivatives import SymbolicZero
+
+try:  # public in jax 0.10; kept importable from its private home should that move
+    from jax.custom_derivatives import SymbolicZero
+except ImportError:  # pragma: no cover
+    from jax._src.custom_derivatives import SymbolicZero
 
 from jaxtdist.ops.quant import BLOCK, FP8_DTYPES, dequantize
 
