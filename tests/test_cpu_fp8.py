@@ -160,15 +160,22 @@ def test_fp8_kernels_at_world_1(op, m, dtype, block, config):
     assert err < 1e-2, err
 
 
-@pytest.mark.parametrize("op,world,m,n,k,dtype,block,out_dtype", [
-    ("ag_matmul", 2, 9, 32, 256, E4M3, True, None),
-    ("matmul_rs", 2, 14, 160, 256, E5M2, False, jnp.float32),
-    ("matmul_ar", 2, 5, 160, 256, E4M3, True, jnp.float16),
-    ("matmul_ar", 4, 3, 32, 128, E4M3, False, None),
+@pytest.mark.parametrize("op,world,m,n,k,dtype,block,out_dtype,config", [
+    ("ag_matmul", 2, 9, 32, 256, E4M3, True, None, None),
+    # Copy-engine pushes, TMA tiles and a stream-K tail (4 tiles on 3 programs: one
+    # peer tile cut into runs of 3 K steps, across the 128-column scale blocks).
+    ("ag_matmul", 2, 16, 32, 256, E5M2, True, None,
+     dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, TMA=True, PRODUCER="ce", STREAM_K=True)),
+    ("matmul_rs", 2, 14, 160, 256, E5M2, False, jnp.float32, None),
+    ("matmul_ar", 2, 5, 160, 256, E4M3, True, jnp.float16, None),
+    ("matmul_ar", 4, 3, 32, 128, E4M3, False, None, None),
 ])
-def test_fp8_ops_over_ranks(op, world, m, n, k, dtype, block, out_dtype):
-    err = _run(op, world, m, n, k, dtype, block, out_dtype=out_dtype)
+def test_fp8_ops_over_ranks(op, world, m, n, k, dtype, block, out_dtype, config,
+                            ce_launches):
+    err = _run(op, world, m, n, k, dtype, block, out_dtype=out_dtype, config=config)
     assert err < 1e-2, err
+    if config and config.get("STREAM_K"):
+        assert [c["TAIL_TILES"] for c in ce_launches] == [1], "no stream-K tail ran"
 
 
 @pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs", "matmul_ar"])
