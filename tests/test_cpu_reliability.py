@@ -379,7 +379,7 @@ def test_soak_chained_calls_with_changing_data_and_shapes():
                                                 P(None, None, "tp")), check_vma=False))
 
     # One program per shape, compiled once and dispatched 4 times: the same calls
-    # and shape changes between batches as a program per batch, without 36 compiles.
+    # and shape changes between batches as a program per batch, without 16 compiles.
     programs = {}
     for m, k, n in [(2, 8, 4), (3, 16, 8), (4, 8, 8), (1, 24, 4)] * 4:
         if (m, k, n) not in programs:
@@ -428,7 +428,7 @@ def test_soak_of_the_reduction_ops():
 
     stacked = P(None, "tp", None)
     # One program, compiled once per shape and dispatched 4 times: the same calls
-    # and shape changes between batches as a program per batch, without 36 compiles.
+    # and shape changes between batches as a program per batch, without 16 compiles.
     f = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=(ROWS, ROWS),
                               out_specs=(stacked, P(None, None, None), stacked, stacked,
                                          P(None, None, None)), check_vma=False))
