@@ -320,7 +320,7 @@ class DistributedOp:
         not "auto", else the op's ``path`` rule, else the default (world 1: the
         local computation where ``local_applies``; world > 1: the kernels)."""
         one = situation.world == 1
-        decomposed = "the local computation" if one else "the decomposed form"
+        decomposed = "local computation" if one else "decomposed form"
         if asked == FUSED:
             return Choice(self.name, FUSED, "jaxtdist's kernels", "config PATH='fused'")
         if asked == DECOMPOSED:
