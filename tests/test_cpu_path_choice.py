@@ -98,6 +98,26 @@ def test_config_forces_either_path():
     assert _gpu(td.ag_matmul, *small, world=4, config={"PATH": "auto"}).path == DECOMPOSED
 
 
+def test_environment_sets_the_default(monkeypatch):
+    """JAXTDIST_PATH: the path of calls whose config asks none."""
+    small = ((8, 4096), (4096, 1024))
+    monkeypatch.setenv("JAXTDIST_PATH", "fused")
+    choice = _gpu(td.ag_matmul, *small, world=4)
+    assert choice.path == FUSED and choice.reason == "JAXTDIST_PATH='fused'"
+    # A call's config still decides.
+    assert _gpu(td.ag_matmul, *small, world=4, config={"PATH": "auto"}).path == DECOMPOSED
+    monkeypatch.setenv("JAXTDIST_PATH", "decomposed")
+    large = ((1024, 4096), (4096, 4096))
+    assert _gpu(td.matmul_rs, *large, world=2).path == DECOMPOSED
+    # Where an op has no decomposed form, its rule decides.
+    q = (1, 128, 8, 128)
+    assert _gpu(td.ag_attention, q, q, q, world=2).path == FUSED
+    monkeypatch.setenv("JAXTDIST_PATH", "xla")
+    with pytest.raises(ValueError, match="the environment variable JAXTDIST_PATH is 'xla'; "
+                                         "allowed: 'auto'"):
+        _gpu(td.ag_matmul, *small, world=4)
+
+
 def test_kernel_keys_run_the_kernels():
     """Keys of the kernel config at world > 1 configure the kernels: they run."""
     choice = _gpu(td.ag_matmul, (8, 4096), (4096, 1024), world=4, config={"BLOCK_N": 64})
@@ -106,7 +126,7 @@ def test_kernel_keys_run_the_kernels():
 
 
 def test_bad_path_is_refused():
-    with pytest.raises(ValueError, match=r"config PATH='cublas'; allowed: 'auto', 'fused', "
+    with pytest.raises(ValueError, match=r"config PATH is 'cublas'; allowed: 'auto', 'fused', "
                                          r"'decomposed'"):
         _gpu(td.ag_matmul, (8, 64), (64, 64), world=2, config={"PATH": "cublas"})
     # ag_attention has no decomposed form at world > 1.
@@ -228,3 +248,14 @@ def test_decomposed_matches_kernels(op):
         assert rel_err(fused, r) < 1e-5, (op, name, "fused")
         assert rel_err(decomposed, r) < 1e-5, (op, name, "decomposed")
         assert rel_err(decomposed, np.asarray(fused, np.float64)) < 1e-5, (op, name)
+
+
+def test_shared_gpu_launch_keeps_the_kernels(monkeypatch):
+    """``jaxtdist.launch --share-gpu`` puts every rank on one GPU, where XLA's
+    collectives fail: its ranks keep the kernels (unless the caller set otherwise)."""
+    from jaxtdist.launch._supervisor import LaunchOptions, child_env
+
+    monkeypatch.delenv("JAXTDIST_PATH", raising=False)
+    shared = child_env(0, LaunchOptions(nproc=2, command=["true"], share_gpu=True), "h:1")
+    assert shared["JAXTDIST_PATH"] == "fused"
+    assert "JAXTDIST_PATH" not in child_env(0, LaunchOptions(nproc=1, command=["true"]), "h:1")

@@ -35,7 +35,7 @@ def explain(op, *args: Any, axis_size: int = 1, platform: str | None = None,
       compute_capability: the GPU's, e.g. "9.0" (default: the runtime's or JAX's
         first device's).
       config: as the op takes it (``{"PATH": "fused"}`` forces the kernels,
-        ``{"PATH": "decomposed"}`` XLA's path).
+        ``{"PATH": "decomposed"}`` XLA's path; without PATH, ``JAXTDIST_PATH``'s).
       dtype: the dtype of operands given as shape tuples.
       **static: the op's other keywords (``causal=False``).
 
@@ -61,11 +61,11 @@ def explain(op, *args: Any, axis_size: int = 1, platform: str | None = None,
                          "ranks of the group)")
     avals = tuple(_aval(a, dtype) for a in args)
     situation = _situation(axis_size, platform, compute_capability)
-    asked, kernel_config = take_path(decl.name, config_dict(decl.name, config))
+    asked, asker, kernel_config = take_path(decl.name, config_dict(decl.name, config))
     static = dict(static, config=kernel_config)
     local_applies = decl.local is not None and (decl.local_at_world_1 == "always"
                                                 or situation.platform != "gpu")
-    choice = decl.choose(situation, avals, static, asked, local_applies=local_applies)
+    choice = decl.choose(situation, avals, static, asked, asker, local_applies=local_applies)
     if choice.path == FUSED and decl.path is not None and decl.path.config_type is not None:
         choice = dataclasses.replace(choice, config=_config(decl, situation, avals,
                                                             kernel_config))

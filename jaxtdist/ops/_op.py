@@ -52,8 +52,8 @@ import jax.numpy as jnp
 from jax.interpreters import ad
 
 from jaxtdist.ops._config import config_dict
-from jaxtdist.ops._path import (AUTO, DECOMPOSED, FUSED, Choice, PathRule, Situation, log_choice,
-                                situation_of, take_path)
+from jaxtdist.ops._path import (AUTO, DECOMPOSED, ENV_PATH, FUSED, Choice, PathRule, Situation,
+                                log_choice, situation_of, take_path)
 from jaxtdist.ops._protocol import (check_axis, mark_varying, order_record, order_token,
                                     program_order_deps, record_output, varying_axes)
 from jaxtdist.runtime._ffi import no_derivative
@@ -299,7 +299,7 @@ class DistributedOp:
         axis_name, static, asked = self._checked(args, axis_name, static)
         rt = runtime()
         layout = check_axis(rt, axis_name, self.name)
-        choice = self.choose(situation_of(rt, layout.world), args, static, asked,
+        choice = self.choose(situation_of(rt, layout.world), args, static, *asked,
                              local_applies=self.local_applies(rt))
         log_choice(choice)
         if choice.path == DECOMPOSED:
@@ -314,21 +314,24 @@ class DistributedOp:
             gradient = "local"
         return self._ordered(args, axis_name, static, rt, gradient)
 
-    def choose(self, situation: Situation, args: tuple, static: dict, asked: str = AUTO, *,
-               local_applies: bool = True) -> Choice:
-        """The path of a call (``_path``): ``asked`` (``config``'s PATH) where it is
-        not "auto", else the op's ``path`` rule, else the default (world 1: the
-        local computation where ``local_applies``; world > 1: the kernels)."""
+    def choose(self, situation: Situation, args: tuple, static: dict, asked: str = AUTO,
+               asker: str = "config PATH", *, local_applies: bool = True) -> Choice:
+        """The path of a call (``_path``): ``asked`` (by ``asker``: config's PATH or
+        ``JAXTDIST_PATH``) where it is not "auto", else the op's ``path`` rule, else
+        the default (world 1: the local computation where ``local_applies``;
+        world > 1: the kernels)."""
         one = situation.world == 1
         decomposed = "local computation" if one else "decomposed form"
         if asked == FUSED:
-            return Choice(self.name, FUSED, "jaxtdist's kernels", "config PATH='fused'")
-        if asked == DECOMPOSED:
-            if (self.local if one else self.decomposed) is None:
+            return Choice(self.name, FUSED, "jaxtdist's kernels", asker)
+        missing = (self.local if one else self.decomposed) is None
+        if asked == DECOMPOSED and not (missing and asker.startswith(ENV_PATH)):
+            # (The environment's choice falls back to the rule where there is none.)
+            if missing:
                 raise ValueError(
-                    f"jaxtdist.{self.name}: config PATH='decomposed', but the op has no "
-                    f"{decomposed} at world {situation.world}; allowed here: 'auto', 'fused'")
-            return Choice(self.name, DECOMPOSED, self._runs(one), "config PATH='decomposed'")
+                    f"jaxtdist.{self.name}: {asker}, but the op has no {decomposed} at "
+                    f"world {situation.world}; allowed here: 'auto', 'fused'")
+            return Choice(self.name, DECOMPOSED, self._runs(one), asker)
         keys = sorted(static.get("config") or ())
         if keys and not one:
             # Keys of the kernel config configure the kernels: they run (at world 1
@@ -357,11 +360,11 @@ class DistributedOp:
 
     def kernels(self, *args: Any, axis_name, **static: Any):
         """``check``, then ``launch`` (``*_kernels`` entry points: benchmarks, tests)."""
-        axis_name, static, asked = self._checked(args, axis_name, static)
-        if asked == DECOMPOSED:
-            raise ValueError(f"jaxtdist.{self.name}: config PATH='decomposed' asks for XLA's "
-                             "path; the kernels entry point always runs the kernels (call "
-                             f"jaxtdist.{self.name} instead)")
+        axis_name, static, (asked, asker) = self._checked(args, axis_name, static)
+        if asked == DECOMPOSED and asker.startswith("config"):
+            raise ValueError(f"jaxtdist.{self.name}: {asker} asks for XLA's path; the kernels "
+                             f"entry point always runs the kernels (call jaxtdist.{self.name} "
+                             "instead)")
         return self.launch(*args, axis_name=axis_name, **static)
 
     def launch(self, *args: Any, axis_name, **static: Any):
@@ -378,18 +381,19 @@ class DistributedOp:
         """The forward pass's (out, residuals), bypassing autodiff (for tuning and tests)."""
         return self.forward(*args, axis_name=axis_name, **static)
 
-    def _checked(self, args: tuple, axis_name, static: dict) -> tuple[Any, dict, str]:
+    def _checked(self, args: tuple, axis_name, static: dict) -> tuple[Any, dict, tuple]:
         """``axis_name`` and ``static`` normalized (``config``'s PATH taken out), after
-        ``check`` passed on them, and the path ``config`` asks for."""
+        ``check`` passed on them, and the path asked for with who asked
+        (``_path.take_path``)."""
         if isinstance(axis_name, list):
             axis_name = tuple(axis_name)
-        asked = AUTO
+        config = config_dict(self.name, static["config"]) if "config" in static else None
+        *asked, config = take_path(self.name, config)
         if "config" in static:
-            asked, static["config"] = take_path(self.name,
-                                                config_dict(self.name, static["config"]))
+            static["config"] = config
         if self.check is not None:
             self.check(*args, axis_name=axis_name, **static)
-        return axis_name, static, asked
+        return axis_name, static, tuple(asked)
 
     def _ordered(self, args: tuple, axis_name, static: dict, rt, gradient: str | None):
         """The kernels through the custom VJP, after the previous op of the trace."""

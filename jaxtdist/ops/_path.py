@@ -19,18 +19,24 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax.numpy as jnp
 
-__all__ = ["AUTO", "DECOMPOSED", "FUSED", "PATHS", "Choice", "PathRule", "Situation",
+__all__ = ["AUTO", "DECOMPOSED", "ENV_PATH", "FUSED", "PATHS", "Choice", "PathRule", "Situation",
            "gemm_rule", "log_choice", "situation_of", "take_path"]
 
 FUSED, DECOMPOSED, AUTO = "fused", "decomposed", "auto"
 # What ``config={"PATH": ...}`` may ask for.
 PATHS = (AUTO, FUSED, DECOMPOSED)
 PATH_KEY = "PATH"
+# The path of calls whose config asks none (default "auto"): "fused" keeps the
+# kernels everywhere (test suites of the kernels; several processes on one GPU,
+# where XLA's collectives fail), "decomposed" takes what JAX offers wherever the
+# op has it.
+ENV_PATH = "JAXTDIST_PATH"
 
 logger = logging.getLogger("jaxtdist")
 
@@ -108,19 +114,26 @@ class PathRule:
     local: str = ""
 
 
-def take_path(op: str, config: dict | None) -> tuple[str, dict | None]:
-    """(the path ``config`` asks for, the config left for the kernels): ``PATH``
-    taken out; an empty remainder is None, so that the tuning cache still applies."""
+def take_path(op: str, config: dict | None) -> tuple[str, str, dict | None]:
+    """(the path asked for, who asked, the config left for the kernels): ``config``'s
+    ``PATH`` taken out, else ``JAXTDIST_PATH``'s, else "auto"; an empty remainder
+    is None, so that the tuning cache still applies."""
     if not config or PATH_KEY not in config:
-        return AUTO, config
+        asked = os.environ.get(ENV_PATH, AUTO) or AUTO
+        _check_path(op, asked, f"the environment variable {ENV_PATH}")
+        return asked, f"{ENV_PATH}={asked!r}", config
     rest = dict(config)
     asked = rest.pop(PATH_KEY)
+    _check_path(op, asked, "config PATH")
+    return asked, f"config PATH={asked!r}", rest or None
+
+
+def _check_path(op: str, asked, where: str) -> None:
     if asked not in PATHS:
-        raise ValueError(f"jaxtdist.{op}: config PATH={asked!r}; allowed: "
+        raise ValueError(f"jaxtdist.{op}: {where} is {asked!r}; allowed: "
                          f"{', '.join(repr(p) for p in PATHS)} ('fused': jaxtdist's kernels, "
                          "'decomposed': XLA's collective and dot, or the local computation "
                          "at world 1)")
-    return asked, rest or None
 
 
 def log_choice(choice: Choice) -> None:
