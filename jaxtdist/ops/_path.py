@@ -9,10 +9,12 @@ mechanism's default elsewhere (world 1: the local computation where
 force either path with its ``PATH`` key; ``jaxtdist.explain`` shows the choice
 and the rule's inputs, and the ``jaxtdist`` logger names it at DEBUG level.
 
-Example:
-  >>> rule = gemm_rule("all_gather", min_bytes=128 << 10, bytes_of=lambda m, n, k: m * k)
-  >>> rule.choose("ag_matmul", Situation("gpu", 4, "9.0"), x, w)  # x [8, 4096] bf16
-  Choice(op='ag_matmul', path='decomposed', ...)
+Example (an op's declaration, and what a call of it would do)::
+
+    _AG_MATMUL = DistributedOp("ag_matmul", ..., decomposed=_decomposed,
+                               path=AG_MATMUL_PATH)   # a gemm_rule (_gemm_paths)
+    jaxtdist.explain(jaxtdist.ag_matmul, (8, 4096), (4096, 1024), axis_size=4,
+                     platform="gpu").path             # 'decomposed'
 """
 
 from __future__ import annotations
