@@ -4,9 +4,10 @@ rank's keys and values, the KV gather overlapped with the flash-attention tiles.
 Shapes (``_check``), plan (``AgAttentionConfig``, ``StageWorkspace``), launch
 (``_forward``, the fused backward's kernels too) and the local computation;
 ``DistributedOp`` supplies program order, autodiff and world 1 (cuDNN on GPUs
-where it takes the case, ``_world_1_path``); ``pjit_wrapper`` the pjit-style form. The kernels are
-``kernels/ag_attention.py`` (forward), ``kernels/attention_ws.py`` (forward,
-one rank, Hopper) and ``kernels/attention_bwd.py`` (backward).
+where it takes the case, ``_world_1_path``); ``pjit_wrapper`` the pjit-style
+form. The kernels are ``kernels/ag_attention.py`` (forward),
+``kernels/attention_ws.py`` (forward, one rank, Hopper) and
+``kernels/attention_bwd.py`` (backward).
 """
 
 from __future__ import annotations
