@@ -182,6 +182,11 @@ def test_cudnn_rule(capability, dtype, head_dim, why):
         assert "cuDNN does not take the case" in choice.reason and choice.config is not None
 
 
+def test_cudnn_needs_jax_0_10_2():
+    assert "36008" in cudnn_refuses("gpu", "9.0", BF16, 128, jax_version=(0, 10, 1))
+    assert cudnn_refuses("gpu", "9.0", BF16, 128, jax_version=(0, 11, 2)) == ""
+
+
 def test_attention_paths_elsewhere():
     q = (1, 256, 8, 128)
     assert "interpreter" in cudnn_refuses("cpu", "", BF16, 128)

@@ -496,12 +496,16 @@ def _launch_backward(q, k, v, out, lse, dout, *, axis_name, causal=True, config=
 # is ag_attention's [B, S, H, D]: no conversion. Kept narrower than that: only
 # Ampere/Ada (8.x) and Hopper (9.0), the architectures cuDNN's matrix lists with
 # these limits (10.3 needs cuDNN >= 9.11, and Blackwell's head dims above 128
-# needed newer cuDNN releases): elsewhere the kernels run.
+# needed newer cuDNN releases): elsewhere the kernels run. And only from jax
+# 0.10.2: before it the cuDNN primitives dropped shard_map's varying axes from
+# their results (jax issue 36008: the backward's cotangents then mismatched).
 _CUDNN_DTYPES = ("bfloat16", "float16")
 _CUDNN_MAX_HEAD_DIM = {"8": 128, "9.0": 256}
+_CUDNN_MIN_JAX = (0, 10, 2)
 
 
-def cudnn_refuses(platform: str, compute_capability: str, dtype, head_dim: int) -> str:
+def cudnn_refuses(platform: str, compute_capability: str, dtype, head_dim: int,
+                  jax_version: tuple = tuple(jax.__version_info__)) -> str:
     """Why cuDNN's flash attention cannot take a world-1 call ("": it can).
 
     Example:
@@ -512,6 +516,9 @@ def cudnn_refuses(platform: str, compute_capability: str, dtype, head_dim: int) 
     """
     if platform != "gpu":
         return "no cuDNN under the Triton interpreter (CPU)"
+    if tuple(jax_version[:3]) < _CUDNN_MIN_JAX:
+        return (f"jax {'.'.join(map(str, jax_version))}: its cuDNN attention loses shard_map's "
+                "varying axes (jax issue 36008, fixed in 0.10.2)")
     name = jnp.dtype(dtype).name
     if name not in _CUDNN_DTYPES:
         return f"cuDNN flash attention takes bfloat16 or float16, not {name}"
