@@ -15,8 +15,9 @@ B=1, H=32, D=128, causal, bf16 (``shapes.AG_ATTENTION_*``; ``--head-dim`` and
   forced) against XLA's ``all_gather`` of k and v + ``jax.nn.dot_product_attention``
   with the causal mask by global position, at S total of ``AG_ATTENTION_SEQS_MULTI``.
 - ``--backward``: forward + backward (the gradients of q, k and v) of the op
-  ``jaxtdist.ag_attention`` (at world 1 on GPUs: the kernels) against the same
-  contenders' (JAX's VJPs).
+  ``jaxtdist.ag_attention`` (at world 1 on GPUs: cuDNN where it takes the case,
+  else the kernels; and the kernels forced, ``config={"PATH": "fused"}``)
+  against the same contenders' (JAX's VJPs).
 
 Outputs are checked on 256 query rows per rank (first and last 128) against a
 float32 attention on the device: the full reference would not fit in memory.
@@ -279,7 +280,10 @@ def _backward_contenders(mesh, world: int, causal: bool = True) -> dict:
     specs = dict(mesh=mesh, in_specs=(SP,) * 4, out_specs=(SP,) * 3, check_vma=False)
     op = _with_grads(lambda *a: td.ag_attention(*a, "sp", causal=causal))
     fns = dict(jaxtdist=jax.jit(jax.shard_map(op, **specs)))
-    if world == 1:
+    if world == 1:  # the op's path at world 1 may be cuDNN: the kernels forced too
+        fns["jaxtdist_kernels"] = jax.jit(jax.shard_map(_with_grads(
+            lambda *a: td.ag_attention(*a, "sp", causal=True, config=dict(PATH="fused"))),
+            **specs))
         fns["jax_nn_dpa"] = jax.jit(_with_grads(
             lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal)))
         if jax.devices()[0].platform == "gpu":
@@ -340,6 +344,9 @@ BACKWARD_COLUMNS = [
     h.Column("jaxtdist / XLA", lambda r: h.ratio(
         r.get("jaxtdist"), r.get("jax_nn_dpa") or r.get("xla_all_gather_dpa"))),
     h.Column("TFLOP/s (jaxtdist)", lambda r: _tflops(r.get("jaxtdist"))),
+    h.Column("kernels forced (world 1)", lambda r: h.us(r.get("jaxtdist_kernels"))),
+    h.Column("kernels forced / cuDNN", lambda r: h.ratio(r.get("jaxtdist_kernels"),
+                                                         r.get("cudnn_dpa"))),
     h.Column("max rel err of dq, dk, dv", lambda r: h.err(r.get("jaxtdist"))),
     h.Column("rel err (cuDNN)", lambda r: h.err(r.get("cudnn_dpa"))),
 ]
