@@ -387,7 +387,10 @@ RANDOM_BACKWARD_COLUMNS = [
     h.Column("jax.nn (XLA)", lambda r: h.us(r.get("jax_nn_dpa"))),
     h.Column("jaxtdist.ag_attention", lambda r: h.us(r.get("jaxtdist"))),
     h.Column("op / cuDNN", lambda r: h.ratio(r.get("jaxtdist"), r.get("cudnn_dpa"))),
+    h.Column("kernels forced", lambda r: h.us(r.get("jaxtdist_kernels"))),
+    h.Column("kernels / cuDNN", lambda r: h.ratio(r.get("jaxtdist_kernels"), r.get("cudnn_dpa"))),
     h.Column("max rel err of dq, dk, dv", lambda r: h.err(r.get("jaxtdist"))),
+    h.Column("rel err (kernels)", lambda r: h.err(r.get("jaxtdist_kernels"))),
 ]
 
 
@@ -400,7 +403,8 @@ def _random_table(res: dict) -> str:
         f"{h.drawn_note(res)}{h.timing_note(res)}",
         RANDOM_BACKWARD_COLUMNS if backward else RANDOM_COLUMNS, res["rows"])
     if backward:
-        return text + h.ratio_summary(res["rows"], "jaxtdist", "cudnn_dpa", 1.05)
+        return (text + h.ratio_summary(res["rows"], "jaxtdist", "cudnn_dpa", 1.05)
+                + h.ratio_summary(res["rows"], "jaxtdist_kernels", "cudnn_dpa", 1.15))
     return (text + h.ratio_summary(res["rows"], "jaxtdist_op", "cudnn_dpa", 1.00)
             + h.ratio_summary(res["rows"], "jaxtdist", "cudnn_dpa", 1.10))
 
