@@ -34,7 +34,7 @@ _COMM = re.compile(r"nccl|all_?gather|reduce_?scatter|all_?reduce|all_?to_?all|"
                    r"push_shards|copy_gathered")
 # cuBLAS (sm90_xmma_gemm_..., nvjet_...), CUTLASS, XLA's Triton GEMM fusions
 # (gemm_fusion_dot...), jaxtdist's GEMM kernels (grouped_gemm_kernel, ...).
-_GEMM = re.compile(r"gemm|gemv|cublas|nvjet|xmma|cutlass|matmul|ragged_dot|dot_general|"
+_GEMM = re.compile(r"gemm|gemv|cublas|nvjet|xmma|cutlass|matmul|grouped_dw|ragged_dot|dot_general|"
                    r"triton_dot|_dot_")
 
 
