@@ -239,3 +239,34 @@ def test_model_benchmark_runs_every_contender_and_tabulates(faked_timing):
     assert "model" in cli.benchmarks()
     with pytest.raises(ValueError, match="--contenders"):
         model.bench_model("tiny", 1, 2, 2, contenders=("pallas",))
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_xla_twin_forms_compute_the_same_layers(capacity_factor):
+    """The nn options the contenders set: ``ParallelMoE(impl="xla", xla_experts="dense")``
+    gives ragged_dot's output (with and without the layer's capacity: the same picks
+    dropped), and ``ParallelAttention(xla_attention="cudnn")`` on CPU, where cuDNN
+    takes no case, is the unfused attention (float32, world 2)."""
+    flax = pytest.importorskip("flax", reason="jaxtdist.nn needs flax: pip install -e '.[nn]'")
+    del flax
+    from flax import nnx
+
+    from jaxtdist import nn as tdnn
+    from tests.conftest import dp_tp_mesh
+
+    mesh = dp_tp_mesh((1, 2))
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((2, 8, 16)), jnp.float32)
+    moe = {form: tdnn.ParallelMoE(16, 24, num_experts=4, top_k=2, impl="xla", mesh=mesh,
+                                  capacity_factor=capacity_factor, xla_experts=form,
+                                  rngs=nnx.Rngs(0)) for form in ("ragged_dot", "dense")}
+    ys = {form: np.asarray(nnx.jit(lambda m, x: m(x))(layer, x)) for form, layer in moe.items()}
+    np.testing.assert_allclose(ys["dense"], ys["ragged_dot"], rtol=1e-5, atol=1e-6)
+    if capacity_factor is None:
+        attn = {form: tdnn.ParallelAttention(16, 4, num_kv_heads=2, rope_theta=1e4, impl="xla",
+                                             mesh=mesh, xla_attention=form, rngs=nnx.Rngs(0))
+                for form in ("unfused", "cudnn")}
+        outs = {f: np.asarray(nnx.jit(lambda m, x: m(x))(a, x)) for f, a in attn.items()}
+        np.testing.assert_array_equal(outs["cudnn"], outs["unfused"])
+    with pytest.raises(ValueError, match="xla_experts='einsum'"):
+        tdnn.ParallelMoE(16, 24, num_experts=4, top_k=2, impl="xla", mesh=mesh,
+                         xla_experts="einsum", rngs=nnx.Rngs(0))
