@@ -191,8 +191,9 @@ def test_flags_process_command_env_and_merge(tmp_path):
             json.dump(dict(rows=theirs), f)
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    xla_flags.run_flags_process(argv, env, rows, ["xla+cudnn+flags"], runner=runner)
+    theirs = xla_flags.run_flags_process(argv, env, runner=runner)
     assert xla_flags.flags_active(seen["env"]) and seen["cmd"][-1] != "-"
+    xla_flags.merge_rows(rows, theirs, ["xla+cudnn+flags"])
     assert rows[0]["xla+cudnn+flags"] == dict(mean_us=7.0)
     assert rows[0]["variants"] == {"xla+cudnn+flags": dict(mean_us=7.0)}
     assert "no b row" in rows[1]["xla+cudnn+flags"]["error"][0]
@@ -200,7 +201,8 @@ def test_flags_process_command_env_and_merge(tmp_path):
     def failing(cmd, env, capture_output, text):
         return subprocess.CompletedProcess(cmd, 1, "", "F parse_flags_from_env.cc] Unknown flag")
 
-    xla_flags.run_flags_process(argv, env, rows, ["xla+cudnn+flags"], runner=failing)
+    xla_flags.merge_rows(rows, xla_flags.run_flags_process(argv, env, runner=failing),
+                         ["xla+cudnn+flags"])
     assert "exited 1: F parse_flags_from_env.cc] Unknown flag" in \
         rows[0]["xla+cudnn+flags"]["error"][0]
 

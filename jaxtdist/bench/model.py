@@ -371,6 +371,12 @@ def bench_model(size: str, iterations: int, world: int, tp: int, rounds: int = 4
     in_process = tuple(c for c in contenders if c not in skipped and (
         c != xla_flags.FLAGS_CONTENDER or flags_here))
     variants = _variants(a, in_process)
+    spawn = [c for c in contenders if c == xla_flags.FLAGS_CONTENDER and c not in skipped
+             and not flags_here]
+    # The flags process first, while this one holds little GPU memory.
+    flag_rows = (xla_flags.run_flags_process(
+        xla_flags.command(size, world, tp, iterations, rounds, "-"),
+        xla_flags.flags_env(os.environ)) if spawn else None)
     steps = [("train", f"{a['train'][0]} x {a['train'][1]} tokens",
               lambda: _train(a, mesh, variants))]
     steps += [("decode", f"batch {b}, KV {n}",
@@ -392,12 +398,8 @@ def bench_model(size: str, iterations: int, world: int, tp: int, rounds: int = 4
             row[name] = dict(skipped=why)
         rows.append(row)
         del fns, extra, stats  # this step's models and states, before the next one's
-    spawn = [c for c in contenders if c == xla_flags.FLAGS_CONTENDER and c not in skipped
-             and not flags_here]
     if spawn:
-        xla_flags.run_flags_process(
-            xla_flags.command(size, world, tp, iterations, rounds, "-"),
-            xla_flags.flags_env(os.environ), rows, spawn)
+        xla_flags.merge_rows(rows, flag_rows, spawn)
     for row in rows:
         name, _ = fastest_contender(row)
         row["fastest"] = name

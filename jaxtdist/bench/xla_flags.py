@@ -79,9 +79,15 @@ def command(size: str, world: int, tp: int, iterations: int, rounds: int,
             "--rounds", str(rounds), "--contenders", FLAGS_CONTENDER, "--json", json_path]
 
 
-def merge_rows(rows: list[dict], other: Sequence[dict], names: Sequence[str]) -> None:
+def merge_rows(rows: list[dict], other: Sequence[dict] | str, names: Sequence[str]) -> None:
     """Copies ``names``' entries of the flags process's rows into ``rows`` (matched by
-    step and label, in place); a row the other run lacks gets an error entry."""
+    step and label, in place); a row the other run lacks gets an error entry, and so
+    does every row where ``other`` is the flags process's failure (a string)."""
+    if isinstance(other, str):
+        for row in rows:
+            for name in names:
+                row[name] = dict(error=[other])
+        return
     found = {(r["step"], r["label"]): r for r in other}
     for row in rows:
         theirs = found.get((row["step"], row["label"]))
@@ -95,13 +101,16 @@ def merge_rows(rows: list[dict], other: Sequence[dict], names: Sequence[str]) ->
                     row.setdefault(key, {})[name] = theirs[key][name]
 
 
-def run_flags_process(argv: list[str], env: Mapping[str, str], rows: list[dict],
-                      names: Sequence[str],
+def run_flags_process(argv: list[str], env: Mapping[str, str],
                       runner: Callable[..., subprocess.CompletedProcess] = subprocess.run
-                      ) -> None:
-    """Runs the flags process (``argv`` from :func:`command` without its json path,
-    which is made here) and merges its rows; its failure becomes every row's error
-    entry for ``names`` (the last lines of its output), never a silent gap."""
+                      ) -> list[dict] | str:
+    """Runs the flags process (``argv`` from :func:`command`; its json path is made
+    here) and returns its rows, or its failure (exit status and the last lines of
+    its output) for :func:`merge_rows`, never a silent gap.
+
+    The benchmark runs it before building its own models: both processes use the
+    same GPUs, and this one's memory pool only grows (``bench model`` turns off
+    JAX's preallocation, which would hold 75% of each GPU from the start)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "flags.json")
         argv = list(argv)
@@ -109,10 +118,6 @@ def run_flags_process(argv: list[str], env: Mapping[str, str], rows: list[dict],
         done = runner(argv, env=dict(env), capture_output=True, text=True)
         if done.returncode == 0 and os.path.exists(path):
             with open(path) as f:
-                merge_rows(rows, json.load(f)["rows"], names)
-            return
+                return json.load(f)["rows"]
         tail = (done.stderr or done.stdout or "").strip().splitlines()[-3:]
-        for row in rows:
-            for name in names:
-                row[name] = dict(error=[f"flags process exited {done.returncode}: "
-                                        + " | ".join(tail)[:300]])
+        return f"flags process exited {done.returncode}: " + " | ".join(tail)[:300]
