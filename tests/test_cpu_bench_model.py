@@ -119,7 +119,7 @@ def test_cudnn_takes_16_bit_heads_up_to_its_limit():
     assert cudnn_refusal(jnp.bfloat16, 128, "cuda", "9.0") is None
     assert cudnn_refusal(jnp.float16, 256, "cuda", "9.0") is None
     assert cudnn_refusal(jnp.bfloat16, 256, "cuda", "8.0") == \
-        "head dim 256: cuDNN takes multiples of 8 up to 128"
+        "head dim 256: cuDNN takes multiples of 8 up to 128 on compute capability 8.0"
     assert "multiples of 8" in cudnn_refusal(jnp.bfloat16, 100, "cuda", "9.0")
     assert "float32" in cudnn_refusal(jnp.float32, 128, "cuda", "9.0")
     assert "packed" in cudnn_refusal(jnp.bfloat16, 128, "cuda", "9.0", packed=True)

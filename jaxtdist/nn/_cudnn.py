@@ -4,9 +4,9 @@ A JAX GPU user runs ``jax.nn.dot_product_attention(..., implementation="cudnn")`
 (XLA's default on GPUs is unfused attention). ``ParallelAttention(...,
 xla_attention="cudnn")`` does the same wherever cuDNN takes the case and the
 unfused form elsewhere; :func:`cudnn_refusal` is that decision, a pure function
-(the rules of ``jax._src.cudnn.fused_attention_stablehlo.check_is_flash_attention``
-for 16-bit types), so it is tested without a GPU and a benchmark's note can say
-which cases fell back.
+(the op's own rule, ``jaxtdist.ops._cudnn.cudnn_refuses``, plus what the layers
+add: ROCm, packed-sequence masks), so it is tested without a GPU and a
+benchmark's note can say which cases fell back.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
+
+from jaxtdist.ops._cudnn import cudnn_refuses
 
 __all__ = ["XLA_ATTENTIONS", "check_xla_attention", "cudnn_attention", "cudnn_refusal",
            "mesh_platform"]
@@ -66,17 +68,14 @@ def cudnn_refusal(dtype, head_dim: int, platform: str, compute_capability: str |
       >>> cudnn_refusal(jnp.bfloat16, 128, "cuda", "9.0") is None
       True
       >>> cudnn_refusal(jnp.float32, 128, "cuda", "9.0")
-      'float32: cuDNN flash attention takes float16 and bfloat16'
+      'cuDNN flash attention takes bfloat16 or float16, not float32'
     """
     if platform != "cuda":
         return f"no cuDNN on {platform}"
-    dtype = jnp.dtype(dtype)
-    if dtype not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
-        return f"{dtype.name}: cuDNN flash attention takes float16 and bfloat16"
-    hopper = compute_capability is None or float(compute_capability) >= 9.0
-    limit = 256 if hopper else 128
-    if head_dim % 8 or head_dim > limit:
-        return f"head dim {head_dim}: cuDNN takes multiples of 8 up to {limit}"
+    # The op's own rule (ops/_cudnn.py), the capability unknown taken as Hopper's.
+    why = cudnn_refuses("gpu", compute_capability or "9.0", dtype, head_dim)
+    if why:
+        return why
     if packed:
         return "packed sequences (segment ids): an arbitrary mask, not cuDNN's causal/padding"
     return None
