@@ -38,6 +38,7 @@ if _os.environ.get("_JAXTDIST_INTERPRETER_WORKER") != "1":
                               reduce_scatter,
                               triton_call)
     from jaxtdist.ops._op import run_once
+    from jaxtdist.ops.moe import moe_combine_ll, moe_dispatch_ll
     from jaxtdist.runtime import initialize, is_initialized, shutdown
 
     def check_errors() -> None:
@@ -70,8 +71,10 @@ __all__ = [
     "matmul_rs",
     "matmul_rs_sharded",
     "moe_combine",
+    "moe_combine_ll",
     "moe_combine_sharded",
     "moe_dispatch",
+    "moe_dispatch_ll",
     "moe_dispatch_sharded",
     "moe_tp_mlp",
     "moe_tp_mlp_sharded",
