@@ -219,8 +219,8 @@ def _traced(world, e, fn, *shapes):
 
 
 @pytest.mark.parametrize("kwargs,shapes,match", [
-    (dict(num_experts=6), [((4, 16), F32), ((4, 2), jnp.int32)], "multiple of the group"),
-    (dict(num_experts=4), [((4, 16), F32), ((4, 2), jnp.int64)], "int32"),
+    (dict(num_experts=5), [((4, 16), F32), ((4, 2), jnp.int32)], "multiple of the group"),
+    (dict(num_experts=4), [((4, 16), F32), ((4, 2), jnp.int16)], "must be int32"),
     (dict(num_experts=4), [((4, 16), F32), ((3, 2), jnp.int32)], r"\[tokens, top_k\]"),
     (dict(num_experts=4), [((4, 16), jnp.int32), ((4, 2), jnp.int32)], "dtype"),
     (dict(num_experts=4, max_tokens_per_rank=3), [((4, 16), F32), ((4, 2), jnp.int32)],
