@@ -2,10 +2,13 @@
 
 Experts are split evenly over the W ranks (rank d owns global experts
 ``[d * E_LOC, (d + 1) * E_LOC)``). Every (token, expert) copy has a fixed slot
-at its expert's rank: row ``source * M + i`` of local expert ``le``'s block of
-``recv [E_LOC, W * M, H]``, where i counts the source's earlier tokens routed
+in its expert's rank's inbox: row ``source * M + i`` of local expert ``le``'s
+block ``[E_LOC, W * M, H]``, where i counts the source's earlier tokens routed
 to the same expert (M = max tokens per rank >= T). The sender knows every slot
 from its own routing: no layout exchange, no remote atomics, nothing zeroed.
+The receiver's copy out of the inbox (which any XLA output needs) packs each
+expert's rows at the front of its block of ``recv [E_LOC, W * M, H]``, source
+by source: the experts' masked GEMM then reads one prefix of rows per expert.
 
 Work split (both kernels' programs): program p owns the global experts
 ``g = p, p + P, p + 2P, ...``, on the sending side and on the receiving side
@@ -31,15 +34,16 @@ Dispatch (``moe_ll_dispatch_kernel``), program p:
 3. Receive: for each local expert le this program owns, wait until the W
    words ``[le, 0..W)`` carry this call's epoch (then a fence: the acquire
    half), and copy the counted rows (and their t * K + k) from the inbox
-   into the outputs. Rows past the counts are never written.
+   into the outputs, packed: source s's rows after the counts of the sources
+   before it. Rows past an expert's total are never written.
 
 Combine is two launches, because a token's rows come back from experts that
 different programs own, and a program may wait only on its own id of other
 ranks:
 
 - ``moe_ll_combine_send_kernel`` (no waits): every counted row of
-  y [E_LOC, W * M, F] goes back to its source's inbox row ``t * K + k``
-  (unweighed, y's dtype).
+  y [E_LOC, W * M, F] (recv's packed rows) goes back to its source's inbox
+  row ``t * K + k`` (unweighed, y's dtype).
 - ``moe_ll_combine_kernel`` (after the send kernel on this rank): program p
   raises its flag ``[me, p]`` in every rank's heap (one fence: this rank's
   sends, a whole kernel earlier, are visible first), waits for flag ``[s,
@@ -162,8 +166,9 @@ def moe_ll_dispatch_kernel(ctx, x_ptr, ids_ptr, recv_ptr, rscale_ptr, rcounts_pt
     never sent; a repeated id is sent once, for its first k) -> recv [E_LOC, W *
     M, H] (x's dtype; FP8: uint8 e4m3 bytes), rscale [E_LOC, W * M, S] float32
     (FP8; else a placeholder never written), rcounts [E_LOC, W] int32, rtk
-    [E_LOC, W * M] int32 (``t * K + k`` at the source). Rows past
-    ``rcounts[le, s]`` of source s's M rows are not written. KP, WP: K and W
+    [E_LOC, W * M] int32 (``t * K + k`` at the source). Expert le's rows are
+    packed: source s's at ``sum(rcounts[le, :s]) + i``; rows past
+    ``sum(rcounts[le])`` are not written. KP, WP: K and W
     rounded up to powers of 2; BT: tokens per step of the prefix count; QP: an
     FP8 block's vector width; SP, EPPP: S and ceil(E / P) rounded up to powers of
     2. See the module docstring.
@@ -211,14 +216,19 @@ def moe_ll_dispatch_kernel(ctx, x_ptr, ids_ptr, recv_ptr, rscale_ptr, rcounts_pt
         src_rows = aligned_after(rows, token)
         src_tks = aligned_after(tks, token)
         src_scales = aligned_after(scales, token)
+        # Packed per expert, source-major: source s's rows from the sum of the
+        # counts before it (the copy is where they are packed: no pass of its own).
+        before = tl.cumsum(counts, axis=0) - counts
         for s in range(0, W):
-            base = tl.cast(le * (W * M) + s * M, tl.int64)
+            src_base = tl.cast(le * (W * M) + s * M, tl.int64)
+            dst_base = tl.cast(le * (W * M) + _pick(before, offs_w, s), tl.int64)
             for i in range(0, _pick(counts, offs_w, s)):
-                r = base + i
-                _copy_row(src_rows + r * H, recv_ptr + r * H, H, BLOCK_H)
+                r = src_base + i
+                q = dst_base + i
+                _copy_row(src_rows + r * H, recv_ptr + q * H, H, BLOCK_H)
                 if FP8:
-                    _copy_row(src_scales + r * S, rscale_ptr + r * S, S, SP)
-                tl.store(rtk_ptr + r, tl.load(src_tks + r))
+                    _copy_row(src_scales + r * S, rscale_ptr + q * S, S, SP)
+                tl.store(rtk_ptr + q, tl.load(src_tks + r))
 
 
 @triton.jit
@@ -226,20 +236,23 @@ def moe_ll_combine_send_kernel(ctx, y_ptr, rcounts_ptr, rtk_ptr, done_ptr, T: tl
                                F: tl.constexpr, K: tl.constexpr, E_LOC: tl.constexpr,
                                W: tl.constexpr, M: tl.constexpr, P: tl.constexpr,
                                INBOX_OFF: tl.constexpr, PARITY_BYTES: tl.constexpr,
-                               BLOCK_F: tl.constexpr):
-    """Grid: (P,). y [E_LOC, W * M, F], the dispatch's rcounts [E_LOC, W] and rtk
-    [E_LOC, W * M] -> every counted row of y into its source's inbox row ``t * K
+                               WP: tl.constexpr, BLOCK_F: tl.constexpr):
+    """Grid: (P,). y [E_LOC, W * M, F] (rows packed as the dispatch's recv), its
+    rcounts [E_LOC, W] and rtk [E_LOC, W * M] -> every counted row of y into its source's inbox row ``t * K
     + k`` (this call's parity). done [1] int32: 0, for ordering the next launch.
     No waits: program p sends the (le, s) blocks p, p + P, ...; a tk outside
     [0, T * K) (not the dispatch's handle) is not sent."""
     pid = tl.program_id(0)
     inbox = dl.parity_ptr(ctx, INBOX_OFF, PARITY_BYTES, y_ptr.dtype.element_ty)
+    offs_w = tl.arange(0, WP)
     for item in range(pid, E_LOC * W, P):
         le = item // W
         s = item % W
-        base = tl.cast(le * (W * M) + s * M, tl.int64)
-        n = tl.minimum(tl.load(rcounts_ptr + le * W + s), M)
-        for i in range(0, n):
+        # Source s's rows of expert le follow the other sources' before it (packed).
+        counts = tl.load(rcounts_ptr + le * W + offs_w, mask=offs_w < W, other=0)
+        counts = tl.minimum(tl.maximum(counts, 0), M)
+        base = tl.cast(le * (W * M) + tl.sum(tl.where(offs_w < s, counts, 0), axis=0), tl.int64)
+        for i in range(0, _pick(counts, offs_w, s)):
             tk = tl.load(rtk_ptr + base + i)
             if (tk >= 0) & (tk < T * K):
                 dst = dl.symm_at(ctx, inbox + tk.to(tl.int64) * F, s)

@@ -118,12 +118,16 @@ def moe_dispatch_ll(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_exper
                     config: dict | None = None) -> tuple[Any, jax.Array, MoeLLHandle]:
     """Sends every (token, expert) copy to a fixed slot of its expert's rank (decode).
 
-    The low-latency layout: copy i of source rank s for local expert le lands at
-    ``recv_x[le, s * M + i]``, where i counts s's earlier tokens routed to the
-    same expert (M = ``max_tokens_per_rank``). The sender computes every slot
-    from its own routing, so nothing else is exchanged: no layout pass, no
-    remote atomics, nothing zeroed; the per-(expert, source) counts travel as
-    the completion signals. Static shapes, no host synchronization: one
+    The low-latency layout: copy i of source rank s for local expert le lands in
+    slot ``[le, s * M + i]`` of the expert's rank's heap inbox, where i counts
+    s's earlier tokens routed to the same expert (M = ``max_tokens_per_rank``).
+    The sender computes every slot from its own routing, so nothing else is
+    exchanged: no layout pass, no remote atomics, nothing zeroed; the
+    per-(expert, source) counts travel as the completion signals. The
+    receiver's copy out of its inbox packs each expert's rows at the front of
+    its block: ``recv_x[le, :sum(recv_counts[le])]``, source by source, each
+    source's in token order (the masked grouped GEMM reads one prefix per
+    expert). Static shapes, no host synchronization: one
     compiled program serves every routing. Use it for decode (few tokens per
     rank); ``moe_dispatch`` (packed rows) for prefill and training.
 
@@ -151,8 +155,9 @@ def moe_dispatch_ll(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_exper
     Returns:
       ``recv_x`` [E / W, W * M, H] in x's dtype (with ``fp8``: the pair
       ``(recv_x float8_e4m3fn, recv_scale [E / W, W * M, ceil(H / 128)]
-      float32)``); only rows ``[s * M, s * M + recv_counts[le, s])`` of each
-      source s are written, the others are unspecified (they may hold NaN).
+      float32)``); only each expert's first ``sum(recv_counts[le])`` rows are
+      written (source s's from ``sum(recv_counts[le, :s])``), the others are
+      unspecified (they may hold NaN).
       ``recv_counts`` [E / W, W] int32. ``handle``: a ``MoeLLHandle`` for
       ``moe_combine_ll``.
 

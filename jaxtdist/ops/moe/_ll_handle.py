@@ -18,8 +18,9 @@ class MoeLLHandle:
     Array fields (per rank; E_LOC = E / W local experts, M = max_tokens_per_rank):
       expert_ids: [T, K] int32, the routing this rank's tokens went out with.
       recv_counts: [E_LOC, W] int32: copies received per (local expert, source
-        rank); the valid rows of ``recv_x[le]`` are ``[s * M, s * M +
-        recv_counts[le, s])`` for each source s.
+        rank); the valid rows of ``recv_x[le]`` are its first
+        ``sum(recv_counts[le])``, source by source (source s's from
+        ``sum(recv_counts[le, :s])``), each source's in token order.
       src_tk: [E_LOC, W * M] int32: for each valid row, ``t * K + k`` of its
         (token, k) pair at its source (rows past the counts: unspecified).
       invalid: int32 scalar: this rank's (t, k) pairs with an id outside [0, E)

@@ -143,7 +143,7 @@ def launch_combine_ll(y, weights, handle: MoeLLHandle, *, axis_name,
                        out_shape=jax.ShapeDtypeStruct((1,), jnp.int32), grid=(programs,),
                        num_warps=cfg.num_warps, num_stages=1, varying=varying, T=t, F=f, K=k,
                        E_LOC=e_loc, W=world, M=handle.max_tokens_per_rank, P=programs,
-                       BLOCK_F=cfg.BLOCK_H, **offsets)
+                       WP=next_pow2(world), BLOCK_F=cfg.BLOCK_H, **offsets)
     # The sum runs after every send of this rank: it takes the send kernel's 0 in
     # its context (a data dependency XLA honours, as ``_inbox.push_to_inboxes``'s).
     return call.launch(moe_ll_combine_kernel, ctx + done[0], weights, kmask,
