@@ -38,6 +38,7 @@ if _os.environ.get("_JAXTDIST_INTERPRETER_WORKER") != "1":
                               reduce_scatter,
                               triton_call)
     from jaxtdist.ops._op import run_once
+    from jaxtdist.ops.grouped_matmul_masked import grouped_matmul_masked
     from jaxtdist.ops.moe import moe_combine_ll, moe_dispatch_ll
     from jaxtdist.runtime import initialize, is_initialized, shutdown
 
@@ -64,6 +65,7 @@ __all__ = [
     "flash_decode",
     "flash_decode_sharded",
     "grouped_matmul",
+    "grouped_matmul_masked",
     "initialize",
     "is_initialized",
     "matmul_ar",
