@@ -335,3 +335,36 @@ def test_decode_layer_end_to_end():
             for kk in range(k):
                 ref[tt] += float(gate[tt, kk]) * (f64(x[tt]) @ f64(w[ids[tt, kk]]))
         assert rel_err(f64(out), ref) < 2e-2
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_kernels_compile_for_sm90_with_vectorized_rows(fp8):
+    """The GPU path (which the interpreter does not compile) at DeepSeek-V3's decode
+    shape: every kernel compiles for Hopper and the row copies (and the FP8
+    quantization's loads and stores) stay 16-byte vectorized."""
+    from tests.test_compile_sm90 import _compile, _ops
+    from jaxtdist.kernels.moe_ll import (moe_ll_combine_kernel, moe_ll_combine_send_kernel,
+                                         moe_ll_dispatch_kernel)
+    dispatch = _compile(
+        moe_ll_dispatch_kernel,
+        {"ctx": "*i32", "x_ptr": "*bf16", "ids_ptr": "*i32", "recv_ptr": "*u8" if fp8 else "*bf16",
+         "rscale_ptr": "*fp32", "rcounts_ptr": "*i32", "rtk_ptr": "*i32"},
+        dict(T=128, H=7168, K=8, E_LOC=64, W=4, M=128, P=128, CNT_OFF=0, TK_OFF=4096,
+             ROWS_OFF=1 << 20, SCALES_OFF=1 << 30, PARITY_BYTES=1 << 31, KP=8, WP=4, BT=128,
+             BLOCK_H=8192, FP8=fp8, S=56, QP=128, SP=64, EPPP=2), num_warps=4, num_stages=1)
+    kernels = [dispatch]
+    if not fp8:
+        kernels.append(_compile(
+            moe_ll_combine_send_kernel, {"ctx": "*i32", "y_ptr": "*bf16", "rcounts_ptr": "*i32",
+                                         "rtk_ptr": "*i32", "done_ptr": "*i32"},
+            dict(T=128, F=7168, K=8, E_LOC=64, W=4, M=128, P=128, INBOX_OFF=4096,
+                 PARITY_BYTES=1 << 24, WP=4, BLOCK_F=8192), num_warps=4, num_stages=1))
+        kernels.append(_compile(
+            moe_ll_combine_kernel, {"ctx": "*i32", "w_ptr": "*fp32", "kmask_ptr": "*i32",
+                                    "out_ptr": "*bf16"},
+            dict(T=128, F=7168, K=8, P=128, TP=1, FLAGS_OFF=0, INBOX_OFF=4096,
+                 PARITY_BYTES=1 << 24, KP=8, BLOCK_F=1024), num_warps=4, num_stages=1))
+    for kernel in kernels:
+        ops = _ops(kernel)
+        narrow = {op: n for op, n in ops.items() if op.endswith((".b16", ".b8"))}
+        assert not narrow and ops["st.global.v4.b32"] > 0, dict(ops)
