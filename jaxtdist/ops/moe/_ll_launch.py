@@ -62,7 +62,7 @@ def ll_heap_bytes(world: int, num_experts: int, max_tokens_per_rank: int, hidden
     """Heap bytes a ``moe_dispatch_ll`` workspace takes (each shape keeps its own):
     2 x E / W x W x M x (H x itemsize + 4 + 4 S) plus small words; FP8: itemsize 1
     and S = ceil(H / 128) scales. At E = 256, M = 128, H = 7168 that is 470 MB
-    per parity in bfloat16 (whatever W), 243 MB in FP8."""
+    per parity in bfloat16 (whatever W), 242 MB in FP8."""
     return LLDispatchWorkspace(world, num_experts // world, max_tokens_per_rank, hidden,
                                1 if fp8 else itemsize,
                                fp8_scales(hidden) if fp8 else 0).nbytes
