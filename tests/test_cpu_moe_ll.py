@@ -368,3 +368,28 @@ def test_kernels_compile_for_sm90_with_vectorized_rows(fp8):
         ops = _ops(kernel)
         narrow = {op: n for op, n in ops.items() if op.endswith((".b16", ".b8"))}
         assert not narrow and ops["st.global.v4.b32"] > 0, dict(ops)
+
+
+def test_parallel_moe_low_latency_decode_matches_the_reference(monkeypatch):
+    """ParallelMoE(low_latency_decode=True): a decode step (3 sequences over a 1 x 2
+    mesh: spread over the ranks, the padding row not sent) runs the LL block and
+    matches the float64 reference of the same parameters."""
+    pytest.importorskip("flax")
+    from flax import nnx
+
+    from jaxtdist import nn as tdnn
+    from jaxtdist.nn import _moe_decode
+    from tests.conftest import dp_tp_mesh
+    from tests.test_cpu_nn_moe import _reference, _weights
+
+    calls = []
+    real = _moe_decode.moe_dispatch_ll
+    monkeypatch.setattr(_moe_decode, "moe_dispatch_ll",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    dp_tp_mesh((1, 2))
+    layer = tdnn.ParallelMoE(16, 24, num_experts=4, top_k=2, low_latency_decode=True,
+                             rngs=nnx.Rngs(0))
+    x1 = np.random.default_rng(3).standard_normal((3, 1, 16)).astype(np.float32)
+    out = nnx.jit(lambda m, x: m(x, decode=True))(layer, x1)
+    assert out.shape == (3, 1, 16) and calls == [1]
+    assert rel_err(out, _reference(_weights(layer), x1, 2)) < 1e-5
