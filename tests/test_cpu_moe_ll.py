@@ -126,6 +126,7 @@ def _check(outs, x, ids, gate, world, e, m, dtype, fp8=False):
 
 
 CASES = [  # world, tokens, hidden, top_k, experts, routing, dtype, max_tokens_per_rank
+    (1, 3, 16, 2, 4, "invalid", F32, None),  # the kernels at world 1 (no local form)
     (2, 4, 32, 2, 4, "random", F32, None),
     (2, 3, 16, 1, 4, "one_expert", BF16, 5),
     (2, 5, 32, 2, 8, "skewed", BF16, None),
@@ -253,6 +254,12 @@ def test_bad_combine_arguments_raise():
 
 def test_grad_raises_naming_the_op():
     mesh = setup(2)
+    # The masked grouped GEMM too (local: any mesh).
+    gemm = jax.shard_map(jax.grad(lambda x, w: jnp.sum(td.grouped_matmul_masked(
+        x, w, jnp.ones((2,), jnp.int32)))), mesh=mesh, in_specs=(P(), P()), out_specs=P())
+    with pytest.raises(TypeError, match="grouped_matmul_masked is not differentiable"):
+        jax.eval_shape(gemm, jax.ShapeDtypeStruct((2, 4, 16), F32),
+                       jax.ShapeDtypeStruct((2, 16, 8), F32))
 
     def loss(x, ids, gate):
         recv, _, handle = td.moe_dispatch_ll(x, ids, "tp", num_experts=4)
