@@ -262,6 +262,8 @@ def moe_ll_combine_send_kernel(ctx, y_ptr, rcounts_ptr, rtk_ptr, done_ptr, T: tl
             if (tk >= 0) & (tk < T * K):
                 dst = dl.symm_at(ctx, inbox + tk.to(tl.int64) * F, s)
                 _copy_row(y_ptr + (base + i) * F, dst, F, BLOCK_F)
+    # Performed before the kernel ends (the next kernel's flags announce them).
+    dl.fence(ctx)
     if pid == 0:
         tl.store(done_ptr, 0)
 
