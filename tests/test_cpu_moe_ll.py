@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxtdist as td
-from jaxtdist.ops.moe._ll_launch import ll_heap_bytes
+from jaxtdist.ops.moe import ll_heap_bytes
 from tests.conftest import cpu_only, f64, place, rand, rel_err, setup
 
 pytestmark = cpu_only()

@@ -27,9 +27,10 @@ from jaxtdist.ops.moe._launch import CombineWorkspace, DispatchWorkspace
 from jaxtdist.ops.moe._ll import moe_combine_ll, moe_dispatch_ll
 from jaxtdist.ops.moe._ll_config import MoeLLConfig
 from jaxtdist.ops.moe._ll_handle import MoeLLHandle
+from jaxtdist.ops.moe._ll_launch import ll_heap_bytes
 from jaxtdist.ops.moe._sharded import moe_combine_sharded, moe_dispatch_sharded
 
 __all__ = ["CombineWorkspace", "DispatchWorkspace", "MoeConfig", "MoeHandle", "MoeLLConfig",
-           "MoeLLHandle", "default_recv_rows", "moe_combine", "moe_combine_kernels",
-           "moe_combine_ll", "moe_combine_sharded", "moe_dispatch", "moe_dispatch_kernels",
-           "moe_dispatch_ll", "moe_dispatch_sharded"]
+           "MoeLLHandle", "default_recv_rows", "ll_heap_bytes", "moe_combine",
+           "moe_combine_kernels", "moe_combine_ll", "moe_combine_sharded", "moe_dispatch",
+           "moe_dispatch_kernels", "moe_dispatch_ll", "moe_dispatch_sharded"]

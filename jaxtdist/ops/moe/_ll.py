@@ -135,7 +135,7 @@ def moe_dispatch_ll(x: jax.Array, expert_ids: jax.Array, axis_name, *, num_exper
     ``TypeError`` naming the op; use ``moe_dispatch`` where gradients flow.
 
     Heap: the inbox is double-buffered, ``2 x E x M x (H x itemsize + 4 + 4 S)``
-    bytes per rank (``_ll_launch.ll_heap_bytes``; S = 0, or the FP8 scales);
+    bytes per rank (``jaxtdist.ops.moe.ll_heap_bytes``; S = 0, or the FP8 scales);
     ``HeapExhaustedError`` says what was asked for: lower M or raise
     ``initialize(mesh, heap_bytes=...)``.
 
