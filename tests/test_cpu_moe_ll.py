@@ -400,3 +400,19 @@ def test_parallel_moe_low_latency_decode_matches_the_reference(monkeypatch):
     out = nnx.jit(lambda m, x: m(x, decode=True))(layer, x1)
     assert out.shape == (3, 1, 16) and calls == [1]
     assert rel_err(out, _reference(_weights(layer), x1, 2)) < 1e-5
+
+
+def test_masked_grouped_gemm_compiles_for_sm90():
+    """The grouped GEMM kernel with MASKED_M (the padded layout) on its TMA path
+    for Hopper, at a DeepSeek-V3-like decode shape (64 experts of 512 slots)."""
+    from tests.test_compile_sm90 import _compile_native
+    from jaxtdist.kernels.grouped_gemm import grouped_gemm_kernel
+
+    m = 512
+    k = _compile_native(grouped_gemm_kernel, ["i32", "bf16", "bf16", "i32", "bf16"],
+                        dict(R=64 * m, H=7168, F=2048, G=64, BLOCK_G=64, BLOCK_M=32,
+                             BLOCK_N=256, BLOCK_K=64, GROUP_M=8, NUM_PROGRAMS=132, SUBTILE=4,
+                             TMA=True, DOT_PRECISION=None, W_T=False, SPLIT_K=1, MASKED_M=m),
+                        num_warps=4, num_stages=3)
+    assert "cp.async.bulk.tensor.2d.shared" in k.asm["ptx"]
+    assert k.metadata.shared <= 227 * 1024
