@@ -30,7 +30,7 @@ if _os.environ.get("_JAXTDIST_INTERPRETER_WORKER") != "1":
     from jaxtdist.runtime._bootstrap import BootstrapTimeoutError
     from jaxtdist import tune
     from jaxtdist.ops import (ag_attention, ag_attention_sharded, ag_matmul,
-                              ag_matmul_sharded, all_gather, all_reduce, flash_decode,
+                              ag_matmul_sharded, all_gather, all_reduce, explain, flash_decode,
                               flash_decode_sharded, grouped_matmul, matmul_ar,
                               matmul_ar_sharded, matmul_rs, matmul_rs_sharded, moe_combine,
                               moe_combine_sharded, moe_dispatch,
@@ -39,6 +39,8 @@ if _os.environ.get("_JAXTDIST_INTERPRETER_WORKER") != "1":
                               triton_call)
     from jaxtdist.ops.quant import dequantize, quantize, quantize_weight
     from jaxtdist.ops._op import run_once
+    from jaxtdist.ops.grouped_matmul_masked import grouped_matmul_masked
+    from jaxtdist.ops.moe import moe_combine_ll, moe_dispatch_ll
     from jaxtdist.runtime import initialize, is_initialized, shutdown
 
     def check_errors() -> None:
@@ -62,9 +64,11 @@ __all__ = [
     "check_errors",
     "dequantize",
     "errors",
+    "explain",
     "flash_decode",
     "flash_decode_sharded",
     "grouped_matmul",
+    "grouped_matmul_masked",
     "initialize",
     "is_initialized",
     "matmul_ar",
@@ -72,8 +76,10 @@ __all__ = [
     "matmul_rs",
     "matmul_rs_sharded",
     "moe_combine",
+    "moe_combine_ll",
     "moe_combine_sharded",
     "moe_dispatch",
+    "moe_dispatch_ll",
     "moe_dispatch_sharded",
     "moe_tp_mlp",
     "moe_tp_mlp_sharded",

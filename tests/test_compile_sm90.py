@@ -36,7 +36,7 @@ def _gemm_defaults(fn, constexprs: dict) -> dict:
     defaults = {name: value for name, value in (("DOT_PRECISION", None), ("B_T", False),
                                                 ("PUSH_TMA", False), ("PUSH_SUBTILE", 1),
                                                 ("TRACE_TILES", 0), ("TRACE", 0),
-                                                ("SCALING", None))
+                                                ("SCALING", None), ("MASKED_M", 0))
                 if name in fn.arg_names}
     return dict(defaults, **constexprs)
 

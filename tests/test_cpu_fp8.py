@@ -260,3 +260,17 @@ def test_fp8_gemm_benchmark_runs_every_contender(faked_timing):
         assert rows[0][name]["rel_err"] < 2e-2, (name, rows[0][name])
     text = gemm.table(dict(device="cpu", rows=rows, iterations=1, rounds=1, dtype="fp8"))
     assert "per-tensor / XLA FP8" in text and "tensor / xla_fp8: geomean" in text
+
+
+def test_fp8_ops_leave_the_op_names_to_the_16_bit_ops():
+    """jaxtdist.explain finds ops by name: the FP8 declarations, which share their
+    op's name (errors say jaxtdist.ag_matmul), must not take it over."""
+    import importlib
+
+    from jaxtdist.ops._op import distributed_op
+
+    ag = importlib.import_module("jaxtdist.ops.ag_matmul")
+    rs = importlib.import_module("jaxtdist.ops.matmul_rs")
+    assert distributed_op("ag_matmul") is ag._AG_MATMUL
+    assert distributed_op("matmul_rs") is rs._MATMUL_RS
+    assert distributed_op("matmul_ar") is rs._MATMUL_AR

@@ -25,8 +25,10 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxtdist.nn._dense_experts import check_xla_experts, dense_experts
 from jaxtdist.nn._layout import Layout, check_divisible, make_layout
 from jaxtdist.nn._linear import _param
+from jaxtdist.nn._moe_decode import expert_parallel_decode
 from jaxtdist.ops._sharded import pjit_wrapper, rows_over
 from jaxtdist.ops.moe import default_recv_rows, moe_combine, moe_dispatch
 from jaxtdist.ops.grouped_matmul import MAX_GROUPS
@@ -100,13 +102,18 @@ def _expert_parallel():
 
 
 def _xla_block(tokens, expert_ids, weights, w_gate, w_up, w_down, *, axis_name, sharded,
-               activation):
+               activation, experts="ragged_dot", capacity_factor=None):
     """Inside shard_map, XLA's collectives only: the experts' weights gathered
     (``sharded``: the dims split over ``axis_name``), this rank's tokens through
-    every expert they picked."""
+    every expert they picked (``experts``: ``xla_experts``)."""
     w_gate, w_up, w_down = (jax.lax.all_gather(w, axis_name, axis=d, tiled=True)
                             for w, d in zip((w_gate, w_up, w_down), sharded))
     k = expert_ids.shape[1]
+    if experts == "dense":  # slots for the layer's capacity, else for every pick
+        capacity = (None if capacity_factor is None else expert_capacity(
+            capacity_factor, tokens.shape[0], k, w_gate.shape[0]))
+        return dense_experts(tokens, expert_ids, weights, w_gate, w_up, w_down, activation,
+                             capacity).astype(tokens.dtype)
     out = experts_partial_sum(tokens, expert_ids.reshape(-1), weights.reshape(-1), k, w_gate,
                               w_down, w_up, activation, "ragged_dot")
     return out.astype(tokens.dtype)
@@ -193,10 +200,16 @@ class ParallelMoE(nnx.Module):
                  batch_axes: str | Sequence[str] | None = None, mesh: Mesh | None = None,
                  dtype=None, param_dtype=jnp.float32,
                  kernel_init=nnx.initializers.lecun_normal(), impl: str = "jaxtdist",
-                 capacity_factor: float | None = None, rngs: nnx.Rngs):
+                 capacity_factor: float | None = None, xla_experts: str = "ragged_dot",
+                 low_latency_decode: bool = False, rngs: nnx.Rngs):
         """``grouped_gemm``: the experts' GEMMs, as ``jaxtdist.moe_tp_mlp`` takes it
         ("auto": ``jaxtdist.grouped_matmul`` on GPUs for 16-bit types, else
-        ``jax.lax.ragged_dot``)."""
+        ``jax.lax.ragged_dot``). ``xla_experts``: those of ``impl="xla"``,
+        "ragged_dot" or "dense" (MaxText's capacity slots and batched GEMMs,
+        ``jaxtdist.nn._dense_experts``). ``low_latency_decode``: expert parallel, a
+        ``decode=True`` call runs the low-latency layout (``_moe_decode``; inference
+        only, not differentiable)."""
+        self.xla_experts = check_xla_experts("ParallelMoE", xla_experts)
         self.layout = make_layout("ParallelMoE", mesh=mesh, axis_name=axis_name,
                                   batch_axes=batch_axes, impl=impl)
         name = "jaxtdist.nn.ParallelMoE"
@@ -239,6 +252,7 @@ class ParallelMoE(nnx.Module):
         self.parallelism, self.norm_topk_prob = parallelism, bool(norm_topk_prob)
         self.activation, self.grouped_gemm, self.dtype = activation, grouped_gemm, dtype
         self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
+        self.low_latency_decode = bool(low_latency_decode)
         axis = axis_name
         specs = (((axis, None, None),) * 3 if parallelism == "expert"
                  else ((None, None, axis), (None, None, axis), (None, axis, None)))
@@ -310,7 +324,13 @@ class ParallelMoE(nnx.Module):
             ids = jnp.where(sent, ids, -1)
         w_gate, w_up, w_down = (p[...].astype(dtype)
                                 for p in (self.gate_proj, self.up_proj, self.down_proj))
-        y = self._experts(lay, tokens, ids, weights, w_gate, w_up, w_down, rows)
+        if (decode and self.low_latency_decode and self.parallelism == "expert"
+                and lay.impl != "xla"):
+            y = expert_parallel_decode()(tokens, ids, weights, w_gate, w_up, w_down,
+                                         axis_name=lay.axis_name, batch_axes=lay.batch_axes,
+                                         num_experts=self.num_experts, activation=self.activation)
+        else:
+            y = self._experts(lay, tokens, ids, weights, w_gate, w_up, w_down, rows)
         if decode:
             y = lay.gather_decode(y, batch)
         y = lay.from_tokens(y, batch, seq, decode)
@@ -328,7 +348,8 @@ class ParallelMoE(nnx.Module):
                          zip((tokens, ids, weights, w_gate, w_up, w_down), specs))
             return jax.shard_map(
                 functools.partial(_xla_block, axis_name=axis, sharded=sharded,
-                                  activation=self.activation),
+                                  activation=self.activation, experts=self.xla_experts,
+                                  capacity_factor=self.capacity_factor),
                 mesh=lay.mesh, in_specs=specs, out_specs=P(lay.tokens, None))(*args)
         if self.parallelism == "expert":
             return _expert_parallel()(tokens, ids, weights, w_gate, w_up, w_down,

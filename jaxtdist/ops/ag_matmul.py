@@ -21,6 +21,7 @@ from jaxtdist.ops._config import Problem, resolve
 from jaxtdist.ops._fp8_gemm import (Fp8Gemm, check_block_k, fp8_plan, kernel_scales,
                                     local_matmul, logical_weight, no_gradient)
 from jaxtdist.ops._gemm_config import weights_k_major
+from jaxtdist.ops._gemm_paths import AG_MATMUL_PATH
 from jaxtdist.ops._inbox import push_to_inboxes
 from jaxtdist.ops._partial_sums import rs_launch
 from jaxtdist.ops._precision import kernel_operands
@@ -322,16 +323,20 @@ def _local(x, w, *, axis_name, config=None, regather=False):
     return jnp.dot(x, w)
 
 
+def _decomposed(x, w, *, axis_name, config=None, regather=False):
+    # World > 1 where the kernels cannot win (``_gemm_paths``): XLA's gather, then the dot.
+    del config, regather
+    return jnp.dot(jax.lax.all_gather(x, axis_name, axis=0, tiled=True), w)
+
+
 def _check_config(x, w, *, axis_name, config, regather=False):
     del regather
     _resolved(Call("ag_matmul", axis_name), x, w, config, axis_name)
 
 
-_AG_MATMUL = DistributedOp("ag_matmul", forward=_forward, backward=_backward, check=_check,
-                           local=_local, primal=_primal, check_config=_check_config)
-
-
 # -- FP8 (``_fp8_gemm``): checked in ag_matmul, no backward (``no_gradient``) -----------
+# Declared before the 16/32-bit op: a declaration registers its name for
+# ``jaxtdist.explain`` (``_op._OPS``), and the 16/32-bit op must hold it.
 
 def _fp8_forward(x, w, x_scale, w_scale, *, axis_name, config=None, plan: Fp8Gemm):
     xs, ws = kernel_scales(plan, x_scale, x.shape[0], w_scale)
@@ -354,6 +359,11 @@ def _fp8_check_config(x, w, x_scale, w_scale, *, axis_name, config, plan: Fp8Gem
 
 _AG_MATMUL_FP8 = DistributedOp("ag_matmul", forward=_fp8_forward, local=_fp8_local,
                                check_config=_fp8_check_config)
+
+
+_AG_MATMUL = DistributedOp("ag_matmul", forward=_forward, backward=_backward, check=_check,
+                           local=_local, primal=_primal, check_config=_check_config,
+                           decomposed=_decomposed, path=AG_MATMUL_PATH)
 
 
 def ag_matmul(x: jax.Array, w, axis_name, *, config: dict | None = None,

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from jaxtdist.ops._fp8_gemm import (Fp8Gemm, check_block_k, fp8_plan, kernel_scales,
                                     local_matmul, logical_weight, no_gradient)
+from jaxtdist.ops._gemm_paths import MATMUL_AR_PATH, MATMUL_RS_PATH
 from jaxtdist.ops._op import DistributedOp, one_call_per_element
 from jaxtdist.ops._partial_sums import (MatmulArConfig, MatmulRsConfig, _ar_check, _rs_check,
                                         ar_launch, matmul_ar_kernels, matmul_rs_kernels,
@@ -64,11 +65,20 @@ def _ar_check_config(x, w, *, axis_name, config):
     resolved_config(MatmulArConfig, Call("matmul_ar", axis_name), x, w, axis_name, config)
 
 
-_MATMUL_RS = DistributedOp("matmul_rs", forward=_rs_forward, backward=_rs_backward,
-                           check=_rs_check, local=_local, check_config=_rs_check_config)
+def _rs_decomposed(x, w, *, axis_name, config=None):
+    # World > 1 where the kernels cannot win (``_gemm_paths``): the dot, then XLA's.
+    del config
+    return jax.lax.psum_scatter(jnp.dot(x, w), axis_name, scatter_dimension=0, tiled=True)
+
+
+def _ar_decomposed(x, w, *, axis_name, config=None):
+    del config
+    return jax.lax.psum(jnp.dot(x, w), axis_name)
 
 
 # -- FP8 (``_fp8_gemm``): checked by the public functions, no backward ------------------
+# Declared before the 16/32-bit ops: a declaration registers its name for
+# ``jaxtdist.explain`` (``_op._OPS``), and the 16/32-bit ops must hold it.
 
 def _fp8_local(x, w, x_scale, w_scale, *, axis_name, config=None, plan: Fp8Gemm):
     del axis_name, config
@@ -99,6 +109,11 @@ _MATMUL_RS_FP8 = DistributedOp("matmul_rs", forward=_fp8_rs_forward, local=_fp8_
 _MATMUL_AR_FP8 = DistributedOp("matmul_ar", forward=_fp8_ar_forward, local=_fp8_local,
                                reduces=True,
                                check_config=_fp8_check_config("matmul_ar", MatmulArConfig))
+
+
+_MATMUL_RS = DistributedOp("matmul_rs", forward=_rs_forward, backward=_rs_backward,
+                           check=_rs_check, local=_local, check_config=_rs_check_config,
+                           decomposed=_rs_decomposed, path=MATMUL_RS_PATH)
 
 
 def _fp8_call(op: str, fp8_op: DistributedOp, x, w, axis_name, config, x_scale, w_scale,
@@ -214,7 +229,8 @@ def _ar_backward(residuals, dy, *, axis_name, config=None):
 
 _MATMUL_AR = DistributedOp("matmul_ar", forward=_ar_forward, backward=_ar_backward,
                            check=_ar_check, local=_local, reduces=True,
-                           check_config=_ar_check_config)
+                           check_config=_ar_check_config, decomposed=_ar_decomposed,
+                           path=MATMUL_AR_PATH)
 
 
 def matmul_ar(x: jax.Array, w: jax.Array, axis_name, *, config: dict | None = None,
