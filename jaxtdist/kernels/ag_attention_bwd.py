@@ -213,7 +213,7 @@ def _dq_chunk(q, do, dq, lse, delta, kb, rows, full, hi, DIAG: tl.constexpr,
 
 
 @triton.jit
-def ag_attention_bwd_dq_kernel(ctx, q_ptr, kv_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+def ag_attention_bwd_dq_kernel(ctx, q_ptr, kv_ptr, do_ptr, lse_ptr, delta_ptr, after_ptr, dq_ptr,
                                B: tl.constexpr, S: tl.constexpr, HQ: tl.constexpr,
                                HKV: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
                                QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
@@ -224,8 +224,9 @@ def ag_attention_bwd_dq_kernel(ctx, q_ptr, kv_ptr, do_ptr, lse_ptr, delta_ptr, d
                                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                                DOT_PRECISION: tl.constexpr):
     """Grid: (B * HQ * cdiv(S, BLOCK_M),). dq: [B, S, HQ, D] in its own dtype;
-    other operands as ``ag_attention_bwd_dkdv_kernel``'s. Causal tiles launch
-    longest (last queries) first."""
+    ``after``: the dk/dv kernel's output, unread (XLA runs this kernel after that
+    one); other operands as ``ag_attention_bwd_dkdv_kernel``'s. Causal tiles
+    launch longest (last queries) first."""
     pid = tl.program_id(0)
     m_tiles: tl.constexpr = (S + BLOCK_M - 1) // BLOCK_M
     bh = pid // m_tiles
@@ -282,7 +283,7 @@ def ag_attention_bwd_dq_kernel(ctx, q_ptr, kv_ptr, do_ptr, lse_ptr, delta_ptr, d
 
 
 @triton.jit
-def ag_attention_bwd_reduce_kernel(ctx, dk_own_ptr, dv_own_ptr, dk_ptr, dv_ptr,
+def ag_attention_bwd_reduce_kernel(ctx, dk_own_ptr, dv_own_ptr, after_ptr, dk_ptr, dv_ptr,
                                    B: tl.constexpr, S: tl.constexpr, HKV: tl.constexpr,
                                    D: tl.constexpr, CAUSAL: tl.constexpr, WORLD: tl.constexpr,
                                    PART_OFF: tl.constexpr, PART_PARITY_BYTES: tl.constexpr,
@@ -290,7 +291,9 @@ def ag_attention_bwd_reduce_kernel(ctx, dk_own_ptr, dv_own_ptr, dk_ptr, dv_ptr,
                                    BLOCK_D: tl.constexpr):
     """Grid: (B * HKV * cdiv(S, BLOCK_N),), the dk/dv kernel's key tiles of this
     rank's chunk. dk_own, dv_own: its float32 partials; dk, dv: [B, S, HKV, D], the
-    sums over every rank whose queries see the tile, in their own dtype."""
+    sums over every rank whose queries see the tile, in their own dtype. ``after``:
+    the dq kernel's output, unread: the call's last output (which the next call
+    runs after) comes after every kernel of the call that reads the inbox."""
     tile = tl.program_id(0)
     n_tiles: tl.constexpr = (S + BLOCK_N - 1) // BLOCK_N
     per_chunk: tl.constexpr = B * HKV * n_tiles

@@ -587,6 +587,10 @@ def _launch_overlapped_backward(q, k, v, out, lse, dout, *, axis_name, causal=Tr
                           flags_offset=kv_offsets["FLAGS_OFF"],
                           sent_offset=ws.offset + plan.kv.sent, chunk_rows=chunk_rows,
                           copy_block_c=min(256, next_pow2(2 * hkv * d)))
+    # In this order, each kernel taking the previous one's output (the dq and the
+    # reduce kernels' last operand, unread): the partials of the last key tiles
+    # cross the link under the dq kernel, and the call's last output (dk, which
+    # the next call runs after) comes after every kernel that reads the inboxes.
     block_kv = int(cfg.BWD_BLOCK_KV)
     key_tiles = b * hkv * -(-s // block_kv)
     dk_own, dv_own = call.launch(
@@ -597,14 +601,14 @@ def _launch_overlapped_backward(q, k, v, out, lse, dout, *, axis_name, causal=Tr
         FLAG_SCOPE=scope, BLOCK_M=int(cfg.BWD_KV_STEP), BLOCK_N=block_kv)
     block_q = int(cfg.BWD_BLOCK_Q)
     dq = call.launch(
-        ag_attention_bwd.ag_attention_bwd_dq_kernel, ctx, q, kv, dout, lse, delta,
+        ag_attention_bwd.ag_attention_bwd_dq_kernel, ctx, q, kv, dout, lse, delta, dk_own,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=(b * hq * -(-s // block_q),),
         varying=varying, num_warps=int(cfg.BWD_WARPS), num_stages=int(cfg.BWD_STAGES),
         **shared, **scales, **kv_offsets, SENT_OFF=ws.offset + plan.kv.sent,
         CHUNK_ROWS=chunk_rows, FLAG_SCOPE=scope, BLOCK_M=block_q,
         BLOCK_N=int(cfg.BWD_BLOCK_STEP))
     dk, dv = call.launch(
-        ag_attention_bwd.ag_attention_bwd_reduce_kernel, ctx, dk_own, dv_own,
+        ag_attention_bwd.ag_attention_bwd_reduce_kernel, ctx, dk_own, dv_own, dq,
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         grid=(key_tiles,), varying=varying, num_warps=4, num_stages=1, **shared,
         **part_offsets, BLOCK_N=block_kv)
