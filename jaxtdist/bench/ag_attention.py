@@ -16,7 +16,9 @@ B=1, H=32, D=128, causal, bf16 (``shapes.AG_ATTENTION_*``; ``--head-dim`` and
   with the causal mask by global position, at S total of ``AG_ATTENTION_SEQS_MULTI``.
 - ``--backward``: forward + backward (the gradients of q, k and v) of the op
   ``jaxtdist.ag_attention`` (at world 1 on GPUs: the kernels) against the same
-  contenders' (JAX's VJPs).
+  contenders' (JAX's VJPs); at world > 1 also the op with the backward it had
+  before the overlapped one (``jaxtdist_xla_bwd``: config ``BACKWARD="xla"``,
+  XLA's all_gather of k and v and psum_scatter of dk and dv).
 
 Outputs are checked on 256 query rows per rank (first and last 128) against a
 float32 attention on the device: the full reference would not fit in memory.
@@ -247,6 +249,11 @@ def _backward_contenders(mesh, world: int) -> dict:
             fns["cudnn_dpa"] = jax.jit(_with_grads(lambda q, k, v: jax.nn.dot_product_attention(
                 q, k, v, is_causal=True, implementation="cudnn")))
     else:
+        # The op's backward through XLA's all_gather and psum_scatter (the path the
+        # overlapped backward replaced), beside it.
+        fns["jaxtdist_xla_bwd"] = jax.jit(jax.shard_map(_with_grads(
+            lambda *a: td.ag_attention(*a, "sp", causal=True, config=dict(BACKWARD="xla"))),
+            **specs))
         fns["xla_all_gather_dpa"] = jax.jit(jax.shard_map(_with_grads(_xla_gather_attention),
                                                           **specs))
     return fns

@@ -6,7 +6,8 @@ Shapes (``_check``), plan (``AgAttentionConfig``, ``StageWorkspace``), launch
 ``DistributedOp`` supplies program order, autodiff and world 1 (the kernels on
 GPUs); ``pjit_wrapper`` the pjit-style form. The kernels are
 ``kernels/ag_attention.py`` (forward), ``kernels/attention_ws.py`` (forward,
-one rank, Hopper) and ``kernels/attention_bwd.py`` (backward).
+one rank, Hopper), ``kernels/ag_attention_bwd.py`` (backward over several
+ranks) and ``kernels/attention_bwd.py`` (backward over gathered keys).
 """
 
 from __future__ import annotations
@@ -655,11 +656,12 @@ def ag_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *, causal:
     soon as it has arrived; under causal masking, chunks of later ranks are never
     read. On Hopper GPUs (bf16/f16, head dim 128, S_shard a multiple of 128) the
     kernel is a warp-specialized one, elsewhere a Triton flash kernel.
-    Differentiable: the backward gathers k and v through XLA
-    (``all_gather``), runs a fused flash-attention backward (two Triton
-    kernels; no [S_shard, S] score matrix in memory; the forward keeps each
-    row's log-sum-exp) and sums dk and dv back to their owners
-    (``psum_scatter``). A group of one rank runs the kernels on GPUs and
+    Differentiable, with a fused flash-attention backward (no [S_shard, S]
+    score matrix in memory; the forward keeps each row's log-sum-exp); over
+    several ranks with no XLA collective: k and v pushed into peers' heap
+    inboxes while its kernels run, each peer's dk/dv partials pushed to their
+    owner as their tiles finish (config ``BACKWARD="xla"``: XLA's
+    ``all_gather`` and ``psum_scatter`` around the kernels instead). A group of one rank runs the kernels on GPUs and
     ``jax.nn.dot_product_attention`` under the interpreter. float32 inputs
     follow ``jax.default_matmul_precision`` like XLA's dots on GPUs: TF32
     tensor cores by default, float32 accuracy under ``"highest"``. A NaN or inf
