@@ -86,9 +86,10 @@ class AgAttentionConfig(KernelConfig):
       BACKWARD: the backward over several ranks: "overlap" (k and v pushed into
         every peer's heap inbox while the kernels run, each peer's dk/dv
         partials pushed to their owner as their tiles finish: no XLA
-        collective), "xla" (XLA's all_gather of k and v, the fused kernels on
-        the gathered arrays, psum_scatter of dk and dv), or "auto" (overlap
-        where its workspace fits the heap, else xla with a warning).
+        collective; on GPUs it needs the copy engines' pushes), "xla" (XLA's
+        all_gather of k and v, the fused kernels on the gathered arrays,
+        psum_scatter of dk and dv), or "auto" (overlap where it runs and its
+        workspace fits the heap, else xla; a warning where it does not fit).
     """
     OP: ClassVar[str] = "ag_attention"
     variant: ClassVar[str] = "pull"
@@ -482,10 +483,19 @@ def _backward(residuals, dout, *, axis_name, causal=True, config=None):
 
 def _overlaps(q, k, axis_name, config) -> bool:
     """Whether the backward over several ranks takes the overlapped kernels (config
-    BACKWARD; "auto": where their workspace fits the heap, which this allocates)."""
+    BACKWARD; "auto": where their workspace fits the heap, which this allocates,
+    and the KV pushes overlap the kernels)."""
     call = Call("ag_attention", axis_name)
     _, cfg = _resolved(call, q, k, config, axis_name)
     if cfg.BACKWARD == "xla":
+        return False
+    # As the forward's inbox: a GPU backend without copy engines would push k and v
+    # by SM programs before the kernels, not under them.
+    if call.platform == "gpu" and not call.rt.backend.has_copy_engines:
+        if cfg.BACKWARD == "overlap":
+            raise ValueError("jaxtdist.ag_attention: config BACKWARD='overlap' needs "
+                             "copy-engine pushes, which this heap backend lacks; use 'auto' "
+                             "or 'xla'")
         return False
     try:
         _backward_workspace(call, q, k, cfg)
