@@ -83,11 +83,12 @@ def test_backward_has_no_xla_collective():
     assert {"all-gather", "reduce-scatter"} <= compiled, compiled
 
 
-# (world, causal, B, S_shard, Hq, Hkv, D, dtype): worlds 2 and 4, causal and not,
-# GQA 1, 2 and 4, S_shard not a multiple of the 16-row tiles (key tiles of several
-# chunks, a last partial one), batches straddling the inbox's 16-row chunks.
-CASES = [(2, True, 1, 21, 4, 2, 32, F32), (2, False, 2, 9, 2, 1, 16, F32),
-         (4, True, 2, 7, 4, 1, 16, BF16), (4, False, 1, 12, 2, 2, 16, F16)]
+# (world, causal, B, S_shard, Hq, Hkv, D, dtype). test_cpu_ag_attention's
+# GRAD_CASES run this backward too (the default): worlds 2, 4 and 8, causal and
+# not, GQA 1, 4 and 8, odd S_shard, every dtype. Here what they leave out: causal
+# at world 4 with batches straddling the inbox's 16-row chunks, and GQA 2 with a
+# key tile of every chunk partial (S_shard 21, 16-row tiles), in float32.
+CASES = [(4, True, 2, 7, 4, 1, 16, BF16), (2, True, 1, 21, 4, 2, 32, F32)]
 
 
 @pytest.mark.parametrize("world,causal,b,s,hq,hkv,d,dtype", CASES)
