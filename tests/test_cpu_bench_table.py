@@ -510,3 +510,28 @@ def test_ag_attention_benchmark_takes_head_dim_and_dtype(faked_timing, monkeypat
     assert row["jaxtdist"]["rel_err"] < 1e-4, row["jaxtdist"]
     text = ag_attention.table(dict(world=1, device="cpu", rows=rows, iterations=1, rounds=1))
     assert "D=64, causal, float32" in text.splitlines()[0]
+
+
+def test_ag_attention_benchmark_draws_random_problems(faked_timing, monkeypatch):
+    """``bench ag_attention --random N --seed S`` at world 1 (CPU, faked timing, the
+    draw swapped for tiny problems: GQA, non-causal, a length off the tiles): the op
+    and its kernels match a float32 reference per problem, and the table names the
+    seed and summarizes the ratios."""
+    import argparse
+
+    from jaxtdist.bench import ag_attention
+    from jaxtdist.bench.random_shapes import AttentionProblem
+
+    tiny = [AttentionProblem(2, 40, 4, 2, 64, True), AttentionProblem(1, 32, 2, 2, 32, False)]
+    monkeypatch.setattr(ag_attention, "attention_problems", lambda n, seed: tiny[:n])
+    args = argparse.Namespace(world=1, seqs=[], quick=False, random=2, seed=9, iterations=1,
+                              rounds=1, backward=False, head_dim=None, dtype="float32")
+    rows, meta = ag_attention.run(args)
+    assert [(r["b"], r["seq"], r["h"], r["h_kv"], r["d"], r["causal"]) for r in rows] == [
+        tuple(p) for p in tiny]
+    for row in rows:
+        for name in ("jaxtdist", "jaxtdist_op"):
+            assert row[name]["rel_err"] < 1e-4, (row["label"], name, row[name])
+    text = ag_attention.table(dict(device="cpu", rows=rows, iterations=1, rounds=1, **meta))
+    assert "seed 9 (`--random 2 --seed 9`)" in text and "B=2 S=40 H=4/2 D=64" in text
+    assert "non-causal" in text
