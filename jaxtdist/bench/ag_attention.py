@@ -354,7 +354,11 @@ BACKWARD_COLUMNS = [
     h.Column("kernels forced (world 1)", lambda r: h.us(r.get("jaxtdist_kernels"))),
     h.Column("kernels forced / cuDNN", lambda r: h.ratio(r.get("jaxtdist_kernels"),
                                                          r.get("cudnn_dpa"))),
+    h.Column("XLA-collective backward (world > 1)", lambda r: h.us(r.get("jaxtdist_xla_bwd"))),
+    h.Column("jaxtdist / XLA-collective backward", lambda r: h.ratio(
+        r.get("jaxtdist"), r.get("jaxtdist_xla_bwd"))),
     h.Column("max rel err of dq, dk, dv", lambda r: h.err(r.get("jaxtdist"))),
+    h.Column("rel err (XLA-collective backward)", lambda r: h.err(r.get("jaxtdist_xla_bwd"))),
     h.Column("rel err (cuDNN)", lambda r: h.err(r.get("cudnn_dpa"))),
 ]
 
