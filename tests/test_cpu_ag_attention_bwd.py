@@ -85,10 +85,10 @@ def test_backward_has_no_xla_collective():
 
 # (world, causal, B, S_shard, Hq, Hkv, D, dtype). test_cpu_ag_attention's
 # GRAD_CASES run this backward too (the default): worlds 2, 4 and 8, causal and
-# not, GQA 1, 4 and 8, odd S_shard, every dtype. Here what they leave out: causal
-# at world 4 with batches straddling the inbox's 16-row chunks, and GQA 2 with a
-# key tile of every chunk partial (S_shard 21, 16-row tiles), in float32.
-CASES = [(4, True, 2, 7, 4, 1, 16, BF16), (2, True, 1, 21, 4, 2, 32, F32)]
+# not, GQA 1, 4 and 8, odd S_shard (partial key tiles in every chunk), every
+# dtype. Here what they leave out: causal at world 4, with batches straddling
+# the inbox's 16-row chunks.
+CASES = [(4, True, 2, 7, 4, 1, 16, BF16)]
 
 
 @pytest.mark.parametrize("world,causal,b,s,hq,hkv,d,dtype", CASES)
