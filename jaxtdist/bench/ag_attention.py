@@ -284,7 +284,7 @@ def _backward_contenders(mesh, world: int, causal: bool = True) -> dict:
     fns = dict(jaxtdist=jax.jit(jax.shard_map(op, **specs)))
     if world == 1:  # the op's path at world 1 may be cuDNN: the kernels forced too
         fns["jaxtdist_kernels"] = jax.jit(jax.shard_map(_with_grads(
-            lambda *a: td.ag_attention(*a, "sp", causal=True, config=dict(PATH="fused"))),
+            lambda *a: td.ag_attention(*a, "sp", causal=causal, config=dict(PATH="fused"))),
             **specs))
         fns["jax_nn_dpa"] = jax.jit(_with_grads(
             lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal)))
