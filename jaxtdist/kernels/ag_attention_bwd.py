@@ -5,9 +5,9 @@ reduce-scatter overlapped with the tiles (no XLA collective).
 Layouts as in the forward (``kernels/ag_attention.py``): rank r holds S positions
 of q, k, v ([B, S, H, D], global positions [r * S, (r + 1) * S)); this rank's k
 and v as one [B * S, 2 * HKV * D] array ``kv`` (k's columns, then v's), which
-every rank pushes into every peer's heap inbox before its kernels start (copy
-engines on GPUs, ``_gather.push_shards_kernel`` under the interpreter, one flag
-per CHUNK_ROWS rows, parity ``epoch % 2``). Scores are base 2 as in
+every rank pushes into every peer's heap inbox as its call starts (the copy
+engines on GPUs, while these kernels run; ``_gather.push_shards_kernel`` before
+them under the interpreter), one flag per CHUNK_ROWS rows, parity ``epoch % 2``. Scores are base 2 as in
 ``attention_bwd``, whose block steps (``_dq_block``, ``_dkdv_block``) these
 kernels run; the rows' ``lse`` come from the forward, ``delta = rowsum(dO * O)``
 (float32 [B * HQ, S]) from the op.
