@@ -38,6 +38,8 @@ if _os.environ.get("_JAXTDIST_INTERPRETER_WORKER") != "1":
                               reduce_scatter,
                               triton_call)
     from jaxtdist.ops._op import run_once
+    from jaxtdist.ops.grouped_matmul_masked import grouped_matmul_masked
+    from jaxtdist.ops.moe import moe_combine_ll, moe_dispatch_ll
     from jaxtdist.runtime import initialize, is_initialized, shutdown
 
     def check_errors() -> None:
@@ -64,6 +66,7 @@ __all__ = [
     "flash_decode",
     "flash_decode_sharded",
     "grouped_matmul",
+    "grouped_matmul_masked",
     "initialize",
     "is_initialized",
     "matmul_ar",
@@ -71,8 +74,10 @@ __all__ = [
     "matmul_rs",
     "matmul_rs_sharded",
     "moe_combine",
+    "moe_combine_ll",
     "moe_combine_sharded",
     "moe_dispatch",
+    "moe_dispatch_ll",
     "moe_dispatch_sharded",
     "moe_tp_mlp",
     "moe_tp_mlp_sharded",

@@ -34,7 +34,8 @@ def _gemm_defaults(fn, constexprs: dict) -> dict:
     matmul_rs's pushes (SM stores) at their defaults unless given."""
     defaults = {name: value for name, value in (("DOT_PRECISION", None), ("B_T", False),
                                                 ("PUSH_TMA", False), ("PUSH_SUBTILE", 1),
-                                                ("TRACE_TILES", 0), ("TRACE", 0))
+                                                ("TRACE_TILES", 0), ("TRACE", 0),
+                                                ("MASKED_M", 0))
                 if name in fn.arg_names}
     return dict(defaults, **constexprs)
 

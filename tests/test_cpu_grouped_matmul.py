@@ -373,7 +373,11 @@ def _compile_for_sm90(kernel, dtype: str, tma: bool, out: str | None = None, **e
                               dict(R=4096, H=4096 if tma else 4100, F=14336, G=8, BLOCK_G=16,
                                    BLOCK_M=128, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
                                    NUM_PROGRAMS=132, SUBTILE=sub, TMA=tma,
-                                   **dict(dict(DOT_PRECISION=None), **extra)),
+                                   # The native launcher takes every constexpr: the
+                                   # defaulted ones at their defaults unless given.
+                                   **dict(dict(DOT_PRECISION=None),
+                                          **{k: v for k, v in (("MASKED_M", 0),)
+                                             if k in kernel.arg_names}, **extra)),
                               num_warps=8, num_stages=3, capability=90)
     except RuntimeError as e:
         if "ptxas" in str(e).lower():

@@ -68,20 +68,30 @@ def _pick(values, index, g):
 
 @triton.jit
 def group_table(sizes_ptr, R: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
-                BLOCK_M: tl.constexpr):
+                BLOCK_M: tl.constexpr, MASKED_M: tl.constexpr = 0):
     """(index, starts, ends, tile_starts, tile_ends, used) of the groups: row range
     [starts[g], ends[g]) clipped at R, m-tiles [tile_starts[g], tile_ends[g]) of the
     list, ``used`` = min(sum(sizes), R), the first row past the groups. Summed in
-    int64 (sizes are data), returned in int32 (clipped at R, they fit)."""
+    int64 (sizes are data), returned in int32 (clipped at R, they fit).
+    MASKED_M > 0 (the padded layout, R = G * MASKED_M): group g's rows start at
+    g * MASKED_M, the first min(sizes[g], MASKED_M) valid; ``used`` = R (no zero
+    tiles: rows past a group's valid ones are neither read nor written)."""
     index = tl.arange(0, BLOCK_G)
     sizes = tl.load(sizes_ptr + index, mask=index < G, other=0).to(tl.int64)
-    sizes = tl.minimum(tl.maximum(sizes, 0), R)  # no overflow of the sums
-    ends = tl.cumsum(sizes, axis=0)
-    starts = tl.minimum(ends - sizes, R)
-    ends = tl.minimum(ends, R)
+    if MASKED_M > 0:
+        sizes = tl.minimum(tl.maximum(sizes, 0), MASKED_M)
+        starts = tl.minimum(index.to(tl.int64) * MASKED_M, R)
+        ends = starts + sizes
+    else:
+        sizes = tl.minimum(tl.maximum(sizes, 0), R)  # no overflow of the sums
+        ends = tl.cumsum(sizes, axis=0)
+        starts = tl.minimum(ends - sizes, R)
+        ends = tl.minimum(ends, R)
     m_tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
     tile_ends = tl.cumsum(m_tiles, axis=0)
     used = tl.max(ends, axis=0)
+    if MASKED_M > 0:
+        used = used * 0 + R
     return (index, starts.to(tl.int32), ends.to(tl.int32), (tile_ends - m_tiles).to(tl.int32),
             tile_ends.to(tl.int32), used.to(tl.int32))
 
@@ -114,16 +124,19 @@ def grouped_gemm_kernel(ctx, x_ptr, w_ptr, sizes_ptr, out_ptr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                         NUM_PROGRAMS: tl.constexpr, SUBTILE: tl.constexpr,
                         TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                        W_T: tl.constexpr = False, SPLIT_K: tl.constexpr = 1):
+                        W_T: tl.constexpr = False, SPLIT_K: tl.constexpr = 1,
+                        MASKED_M: tl.constexpr = 0):
     """Grid: (NUM_PROGRAMS,). x [R, H], w [G, H, F] ([G, F, H] with W_T), sizes [G]
     int32 -> out [R, F] (SPLIT_K > 1: float32 [SPLIT_K, R, F] of partials).
+    MASKED_M > 0: the padded layout (``group_table``), x [G * MASKED_M, H]: only
+    each group's first sizes[g] rows are computed and written.
 
     See the module docstring. TMA: H and F times the itemsize are multiples of
     16 bytes (the launch gives the kernel Triton's global scratch).
     """
     pid = tl.program_id(0)
     index, starts, ends, tile_starts, tile_ends, used = group_table(sizes_ptr, R, G, BLOCK_G,
-                                                                    BLOCK_M)
+                                                                    BLOCK_M, MASKED_M)
     n_tiles: tl.constexpr = (F + BLOCK_N - 1) // BLOCK_N
     K_SPLIT: tl.constexpr = (H + BLOCK_K * SPLIT_K - 1) // (BLOCK_K * SPLIT_K) * BLOCK_K
     # Items: (tile, K range) with the range fastest, so that a tile's ranges run at

@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtdist.nn._dense_experts import check_xla_experts, dense_experts
 from jaxtdist.nn._layout import Layout, check_divisible, make_layout
 from jaxtdist.nn._linear import _param
+from jaxtdist.nn._moe_decode import expert_parallel_decode
 from jaxtdist.ops._sharded import pjit_wrapper, rows_over
 from jaxtdist.ops.moe import default_recv_rows, moe_combine, moe_dispatch
 from jaxtdist.ops.grouped_matmul import MAX_GROUPS
@@ -200,12 +201,14 @@ class ParallelMoE(nnx.Module):
                  dtype=None, param_dtype=jnp.float32,
                  kernel_init=nnx.initializers.lecun_normal(), impl: str = "jaxtdist",
                  capacity_factor: float | None = None, xla_experts: str = "ragged_dot",
-                 rngs: nnx.Rngs):
+                 low_latency_decode: bool = False, rngs: nnx.Rngs):
         """``grouped_gemm``: the experts' GEMMs, as ``jaxtdist.moe_tp_mlp`` takes it
         ("auto": ``jaxtdist.grouped_matmul`` on GPUs for 16-bit types, else
         ``jax.lax.ragged_dot``). ``xla_experts``: those of ``impl="xla"``,
         "ragged_dot" or "dense" (MaxText's capacity slots and batched GEMMs,
-        ``jaxtdist.nn._dense_experts``)."""
+        ``jaxtdist.nn._dense_experts``). ``low_latency_decode``: expert parallel, a
+        ``decode=True`` call runs the low-latency layout (``_moe_decode``; inference
+        only, not differentiable)."""
         self.xla_experts = check_xla_experts("ParallelMoE", xla_experts)
         self.layout = make_layout("ParallelMoE", mesh=mesh, axis_name=axis_name,
                                   batch_axes=batch_axes, impl=impl)
@@ -249,6 +252,7 @@ class ParallelMoE(nnx.Module):
         self.parallelism, self.norm_topk_prob = parallelism, bool(norm_topk_prob)
         self.activation, self.grouped_gemm, self.dtype = activation, grouped_gemm, dtype
         self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
+        self.low_latency_decode = bool(low_latency_decode)
         axis = axis_name
         specs = (((axis, None, None),) * 3 if parallelism == "expert"
                  else ((None, None, axis), (None, None, axis), (None, axis, None)))
@@ -320,7 +324,13 @@ class ParallelMoE(nnx.Module):
             ids = jnp.where(sent, ids, -1)
         w_gate, w_up, w_down = (p[...].astype(dtype)
                                 for p in (self.gate_proj, self.up_proj, self.down_proj))
-        y = self._experts(lay, tokens, ids, weights, w_gate, w_up, w_down, rows)
+        if (decode and self.low_latency_decode and self.parallelism == "expert"
+                and lay.impl != "xla"):
+            y = expert_parallel_decode()(tokens, ids, weights, w_gate, w_up, w_down,
+                                         axis_name=lay.axis_name, batch_axes=lay.batch_axes,
+                                         num_experts=self.num_experts, activation=self.activation)
+        else:
+            y = self._experts(lay, tokens, ids, weights, w_gate, w_up, w_down, rows)
         if decode:
             y = lay.gather_decode(y, batch)
         y = lay.from_tokens(y, batch, seq, decode)

@@ -241,9 +241,10 @@ def grouped_matmul_kernels(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *
                                    axis_name=_LOCAL, config=config)
 
 
-def _launch(x, w, group_sizes, config, *, w_t: bool) -> jax.Array:
+def _launch(x, w, group_sizes, config, *, w_t: bool, masked_m: int = 0) -> jax.Array:
     """x [R, H] times w[g] ([G, H, F]), or with ``w_t`` times w[g].T (w [G, F, H]),
-    row group by row group -> [R, F]."""
+    row group by row group -> [R, F]. ``masked_m`` > 0: the padded layout
+    (``grouped_matmul_masked``), group g's rows from g * masked_m."""
     r, h = x.shape
     f = w.shape[1] if w_t else w.shape[2]
     if r == 0 or f == 0 or h == 0:
@@ -257,13 +258,13 @@ def _launch(x, w, group_sizes, config, *, w_t: bool) -> jax.Array:
         w, w_t = jnp.swapaxes(w, 1, 2), True
     if cfg.SPLIT_K == 1:
         return _run(call, problem, cfg, grouped_gemm_kernel, x, w, group_sizes, (r, f), tma,
-                    cfg.programs(problem), W_T=w_t, SPLIT_K=1)
+                    cfg.programs(problem), W_T=w_t, SPLIT_K=1, MASKED_M=masked_m)
     # Split K: float32 partials [SPLIT_K, R, F], summed here in plane order (the same
     # bits every call) and rounded once.
     splits = cfg.SPLIT_K
     partials = _run(call, problem, cfg, grouped_gemm_kernel, x, w, group_sizes,
                     (splits * r, f), tma, cfg.programs(problem), W_T=w_t,
-                    out_dtype=jnp.float32, SPLIT_K=splits)
+                    out_dtype=jnp.float32, SPLIT_K=splits, MASKED_M=masked_m)
     return jnp.sum(partials.reshape(splits, r, f), axis=0).astype(x.dtype)
 
 

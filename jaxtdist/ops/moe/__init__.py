@@ -13,7 +13,9 @@ products). At world 1 both are their local computation (a scatter and a gather
 in pure JAX); ``moe_dispatch_kernels`` / ``moe_combine_kernels`` run the
 kernels at any world (benchmarks, tests). ``moe_dispatch_sharded`` /
 ``moe_combine_sharded`` are the pjit-style forms (``pjit_wrapper``): global
-arrays sharded on rows, the handle's arrays too.
+arrays sharded on rows, the handle's arrays too. ``moe_dispatch_ll`` /
+``moe_combine_ll``: the low-latency (decode) pair, expert-major padded layout
+(``_ll``).
 """
 
 from jaxtdist.ops.moe._checks import default_recv_rows
@@ -22,8 +24,13 @@ from jaxtdist.ops.moe._config import MoeConfig
 from jaxtdist.ops.moe._dispatch import moe_dispatch, moe_dispatch_kernels
 from jaxtdist.ops.moe._handle import MoeHandle
 from jaxtdist.ops.moe._launch import CombineWorkspace, DispatchWorkspace
+from jaxtdist.ops.moe._ll import moe_combine_ll, moe_dispatch_ll
+from jaxtdist.ops.moe._ll_config import MoeLLConfig
+from jaxtdist.ops.moe._ll_handle import MoeLLHandle
+from jaxtdist.ops.moe._ll_launch import ll_heap_bytes
 from jaxtdist.ops.moe._sharded import moe_combine_sharded, moe_dispatch_sharded
 
-__all__ = ["CombineWorkspace", "DispatchWorkspace", "MoeConfig", "MoeHandle", "default_recv_rows",
-           "moe_combine", "moe_combine_kernels", "moe_combine_sharded", "moe_dispatch",
-           "moe_dispatch_kernels", "moe_dispatch_sharded"]
+__all__ = ["CombineWorkspace", "DispatchWorkspace", "MoeConfig", "MoeHandle", "MoeLLConfig",
+           "MoeLLHandle", "default_recv_rows", "ll_heap_bytes", "moe_combine",
+           "moe_combine_kernels", "moe_combine_ll", "moe_combine_sharded", "moe_dispatch",
+           "moe_dispatch_kernels", "moe_dispatch_ll", "moe_dispatch_sharded"]
