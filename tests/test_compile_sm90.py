@@ -468,6 +468,56 @@ def test_attention_backward_compiles(dtype, d):
         assert k.metadata.shared <= 227 * 1024, fn.__name__
 
 
+@pytest.mark.parametrize("dtype,d,causal", [("bf16", 128, True), ("fp16", 64, False)])
+def test_overlapped_attention_backward_compiles(dtype, d, causal):
+    """ag_attention's backward over several ranks (``kernels/ag_attention_bwd``) at
+    its default tiles for Hopper, world 4: the dk/dv and dq kernels on tensor
+    cores (wgmma) within shared memory, K/V loads from the
+    inbox 16 bytes wide after the flags' acquire (GPU scope: the copy engines
+    raise them), the partials' flags raised with a system-scope release; the
+    reduce kernel acquires them and loads 16 bytes wide."""
+    from jaxtdist.kernels import ag_attention_bwd as bwd
+    from jaxtdist.ops._config import Problem
+    from jaxtdist.ops.ag_attention import _backward_tiles
+
+    s = 4096
+    tiles = _backward_tiles(Problem("gpu", 4, (1, s, 32, 8, d), "bfloat16", 132))
+    layout = dict(B=1, S=s, HKV=8, D=d, CAUSAL=causal, WORLD=4, BLOCK_D=d)
+    kernel = dict(HQ=32, QK_SCALE=0.1275, SM_SCALE=0.088, INBOX_OFF=4096,
+                  PARITY_BYTES=1 << 26, FLAGS_OFF=0, CHUNK_ROWS=s, FLAG_SCOPE="gpu",
+                  DOT_PRECISION=None)
+    parts = dict(PART_OFF=1 << 28, PART_PARITY_BYTES=1 << 26, PART_FLAGS_OFF=1 << 27)
+    io = {"ctx": "*i32", "q_ptr": f"*{dtype}", "kv_ptr": f"*{dtype}", "do_ptr": f"*{dtype}",
+          "lse_ptr": "*fp32", "delta_ptr": "*fp32"}
+    dkdv = _compile(bwd.ag_attention_bwd_dkdv_kernel,
+                    dict(io, dk_ptr="*fp32", dv_ptr="*fp32"),
+                    dict(layout, **kernel, **parts, BLOCK_M=tiles["BWD_KV_STEP"],
+                         BLOCK_N=tiles["BWD_BLOCK_KV"]),
+                    num_warps=tiles["BWD_KV_WARPS"], num_stages=tiles["BWD_KV_STAGES"])
+    dq = _compile(bwd.ag_attention_bwd_dq_kernel,
+                  dict(io, after_ptr="*fp32", dq_ptr=f"*{dtype}"),
+                  dict(layout, **kernel, SENT_OFF=512, BLOCK_M=tiles["BWD_BLOCK_Q"],
+                       BLOCK_N=tiles["BWD_BLOCK_STEP"]),
+                  num_warps=tiles["BWD_WARPS"], num_stages=tiles["BWD_STAGES"])
+    for k in (dkdv, dq):
+        ops, ptx = _ops(k), k.asm["ptx"]
+        assert any(op.startswith("wgmma") for op in ops), dict(ops)
+        narrow = {op: n for op, n in ops.items() if op.startswith("ld.global")
+                  and op.endswith((".b16", ".b8"))}
+        assert not narrow, f"K/V loads lost vectorization: {dict(ops)}"
+        assert "ld.global.gpu.acquire" in ptx or "ld.acquire.gpu" in ptx, "inbox flags"
+        assert k.metadata.shared <= 227 * 1024
+    assert "sys.release" in dkdv.asm["ptx"] or "release.sys" in dkdv.asm["ptx"]
+    reduce = _compile(bwd.ag_attention_bwd_reduce_kernel,
+                      {"ctx": "*i32", "dk_own_ptr": "*fp32", "dv_own_ptr": "*fp32",
+                       "after_ptr": f"*{dtype}", "dk_ptr": f"*{dtype}", "dv_ptr": f"*{dtype}"},
+                      dict(layout, **parts, BLOCK_N=tiles["BWD_BLOCK_KV"]),
+                      num_warps=4, num_stages=1)
+    ops, ptx = _ops(reduce), reduce.asm["ptx"]
+    assert "sys.acquire" in ptx or "acquire.sys" in ptx, "the partials' flags"
+    assert any(op.startswith("ld.global") and op.endswith(".v4.b32") for op in ops), dict(ops)
+
+
 @pytest.mark.parametrize("head_group,block_n", [(32, 128), (4, 64)])
 def test_ag_attention_head_groups_compile(head_group, block_n):
     """ag_attention's head-grouped causal order (HEAD_GROUP) for Hopper: wgmma,

@@ -134,7 +134,9 @@ def test_ag_attention_chained_calls():
 
 # (world, causal, B, S_shard, Hq, Hkv, D, dtype): the fused backward's kernels
 # under the interpreter (16-row tiles): GQA 1, 4 and 8, odd S_shard and head dims,
-# several tiles per rank, every dtype.
+# several tiles per rank, every dtype. At these worlds (> 1) the default is the
+# backward with no XLA collective (kernels/ag_attention_bwd.py; more of it in
+# test_cpu_ag_attention_bwd.py).
 GRAD_CASES = [(2, True, 1, 6, 4, 1, 64, F32), (4, False, 1, 6, 2, 2, 64, F32),
               (2, True, 2, 37, 8, 1, 48, BF16), (4, False, 1, 19, 4, 1, 32, F16),
               (8, True, 1, 5, 2, 2, 32, F32), (2, False, 1, 33, 2, 2, 16, F32)]

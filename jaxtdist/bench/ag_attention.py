@@ -17,7 +17,9 @@ B=1, H=32, D=128, causal, bf16 (``shapes.AG_ATTENTION_*``; ``--head-dim`` and
 - ``--backward``: forward + backward (the gradients of q, k and v) of the op
   ``jaxtdist.ag_attention`` (at world 1 on GPUs: cuDNN where it takes the case,
   else the kernels; and the kernels forced, ``config={"PATH": "fused"}``)
-  against the same contenders' (JAX's VJPs).
+  against the same contenders' (JAX's VJPs); at world > 1 also the op with the
+  backward it had before the overlapped one (``jaxtdist_xla_bwd``: config
+  ``BACKWARD="xla"``, XLA's all_gather of k and v and psum_scatter of dk and dv).
 
 Outputs are checked on 256 query rows per rank (first and last 128) against a
 float32 attention on the device: the full reference would not fit in memory.
@@ -290,6 +292,11 @@ def _backward_contenders(mesh, world: int, causal: bool = True) -> dict:
             fns["cudnn_dpa"] = jax.jit(_with_grads(lambda q, k, v: jax.nn.dot_product_attention(
                 q, k, v, is_causal=causal, implementation="cudnn")))
     else:
+        # The op's backward through XLA's all_gather and psum_scatter (the path the
+        # overlapped backward replaced), beside it.
+        fns["jaxtdist_xla_bwd"] = jax.jit(jax.shard_map(_with_grads(
+            lambda *a: td.ag_attention(*a, "sp", causal=causal, config=dict(BACKWARD="xla"))),
+            **specs))
         fns["xla_all_gather_dpa"] = jax.jit(jax.shard_map(
             _with_grads(functools.partial(_xla_gather_attention, causal=causal)), **specs))
     return fns
@@ -347,7 +354,11 @@ BACKWARD_COLUMNS = [
     h.Column("kernels forced (world 1)", lambda r: h.us(r.get("jaxtdist_kernels"))),
     h.Column("kernels forced / cuDNN", lambda r: h.ratio(r.get("jaxtdist_kernels"),
                                                          r.get("cudnn_dpa"))),
+    h.Column("XLA-collective backward (world > 1)", lambda r: h.us(r.get("jaxtdist_xla_bwd"))),
+    h.Column("jaxtdist / XLA-collective backward", lambda r: h.ratio(
+        r.get("jaxtdist"), r.get("jaxtdist_xla_bwd"))),
     h.Column("max rel err of dq, dk, dv", lambda r: h.err(r.get("jaxtdist"))),
+    h.Column("rel err (XLA-collective backward)", lambda r: h.err(r.get("jaxtdist_xla_bwd"))),
     h.Column("rel err (cuDNN)", lambda r: h.err(r.get("cudnn_dpa"))),
 ]
 

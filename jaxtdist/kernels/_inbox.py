@@ -24,11 +24,14 @@ def wait_rows(ctx, flags, e, src, row0, ROWS: tl.constexpr, BLOCK_M: tl.constexp
     """Waits until the chunks holding rows [row0, row0 + BLOCK_M) of source ``src``'s
     ROWS rows have arrived (one chunk or several: chunks may be coarser or finer
     than tiles). SCOPE: "gpu" for flags this GPU raises (its producers, its copy
-    engines), "sys" for flags a peer GPU's programs raise."""
+    engines), "sys" for flags a peer GPU's programs raise. Returns the last
+    wait's token (for ``_tiles.aligned_after``: loads of the rows after it)."""
     n_chunks: tl.constexpr = (ROWS + CHUNK_ROWS - 1) // CHUNK_ROWS
     last = (row0 + BLOCK_M + CHUNK_ROWS - 1) // CHUNK_ROWS
+    token = tl.full((), 0, tl.int32)
     for chunk in range(row0 // CHUNK_ROWS, tl.minimum(last, n_chunks)):
-        dl.wait(ctx, flags + src * n_chunks + chunk, e, "ge", src, SCOPE)
+        token = dl.wait(ctx, flags + src * n_chunks + chunk, e, "ge", src, SCOPE)
+    return token
 
 
 @triton.jit

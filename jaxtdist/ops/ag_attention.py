@@ -6,8 +6,9 @@ Shapes (``_check``), plan (``AgAttentionConfig``, ``StageWorkspace``), launch
 ``DistributedOp`` supplies program order, autodiff and world 1 (cuDNN on GPUs
 where it takes the case, ``_world_1_path``); ``pjit_wrapper`` the pjit-style
 form. The kernels are ``kernels/ag_attention.py`` (forward),
-``kernels/attention_ws.py`` (forward, one rank, Hopper) and
-``kernels/attention_bwd.py`` (backward).
+``kernels/attention_ws.py`` (forward, one rank, Hopper),
+``kernels/ag_attention_bwd.py`` (backward over several ranks) and
+``kernels/attention_bwd.py`` (backward over gathered keys).
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtdist._errors import HeapExhaustedError
-from jaxtdist.kernels import attention_bwd, attention_ws
+from jaxtdist.kernels import ag_attention_bwd, attention_bwd, attention_ws
 from jaxtdist.kernels.ag_attention import ag_attention_kernel
 from jaxtdist.ops._config import KernelConfig, Problem, STAGES, WARPS, block, resolve, setting
 from jaxtdist.ops._cudnn import cudnn_refuses
 from jaxtdist.ops._inbox import push_to_inboxes
 from jaxtdist.ops._op import DistributedOp
+from jaxtdist.ops._partial_sums import PartialsWorkspace
 from jaxtdist.ops._path import DECOMPOSED, FUSED, Choice, PathRule, Situation, situation_of
 from jaxtdist.ops._precision import dot_precision
 from jaxtdist.ops._protocol import Call, check_axis
@@ -84,6 +86,13 @@ class AgAttentionConfig(KernelConfig):
       BWD_BLOCK_KV, BWD_KV_STEP: its dk/dv kernel: keys per program and query
         rows per step (powers of 2, 16 to 256).
       BWD_KV_WARPS, BWD_KV_STAGES: the dk/dv kernel's launch options.
+      BACKWARD: the backward over several ranks: "overlap" (k and v pushed into
+        every peer's heap inbox while the kernels run, each peer's dk/dv
+        partials pushed to their owner as their tiles finish: no XLA
+        collective; on GPUs it needs the copy engines' pushes), "xla" (XLA's
+        all_gather of k and v, the fused kernels on the gathered arrays,
+        psum_scatter of dk and dv), or "auto" (overlap where it runs and its
+        workspace fits the heap, else xla; a warning where it does not fit).
     """
     OP: ClassVar[str] = "ag_attention"
     variant: ClassVar[str] = "pull"
@@ -103,6 +112,7 @@ class AgAttentionConfig(KernelConfig):
     BWD_KV_STEP: int = setting(64, low=16, high=256, pow2=True)
     BWD_KV_WARPS: int = setting(4, **WARPS)
     BWD_KV_STAGES: int = setting(2, **STAGES)
+    BACKWARD: str = setting("auto", choices=("auto", "overlap", "xla"))
 
     @classmethod
     def default(cls, problem: Problem) -> "AgAttentionConfig":
@@ -198,6 +208,21 @@ class StageWorkspace:
         self.stage = align(4 * world)
         self.parity_bytes = align(2 * kv_elems * itemsize) if world > 1 else 0
         self.nbytes = self.stage + 2 * self.parity_bytes
+
+
+class BackwardWorkspace:
+    """Byte layout of the overlapped backward's workspace (one epoch for its
+    kernels): the KV inbox (``InboxWorkspace`` of [B * S, 2 * Hkv * D]: flags,
+    sent words, two parities of every rank's rows), then the dk/dv partials
+    (``PartialsWorkspace``: a flag per (source slot, key tile), two parities of
+    W - 1 slots of float32 [2, B, S, Hkv, D]) at ``partials``."""
+
+    def __init__(self, world: int, b: int, s: int, hkv: int, d: int, dtype, chunk_rows: int,
+                 key_tiles: int):
+        self.kv = InboxWorkspace(world, b * s, 2 * hkv * d, dtype, chunk_rows)
+        self.parts = PartialsWorkspace(world, 2 * b * s * hkv * d, key_tiles, 4)
+        self.partials = align(self.kv.nbytes)
+        self.nbytes = self.partials + self.parts.nbytes
 
 
 # -- shapes ----------------------------------------------------------------------
@@ -424,13 +449,16 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
     return o.reshape(b, sq, hq, d).astype(q.dtype)
 
 
-def _forward(q, k, v, *saved, axis_name, causal=True, config=None, fused_backward=False):
+def _forward(q, k, v, *saved, axis_name, causal=True, config=None, fused_backward=False,
+             overlap=False):
     """The forward kernel's output, with the backward's residuals; with
     ``fused_backward`` (the op's backward pass, ``saved`` = its (out, lse, dout)),
-    the fused backward kernels' float32 (dq, dk, dv), no residuals."""
+    the fused backward kernels' (dq, dk, dv), no residuals: over gathered k and v
+    (float32), or with ``overlap`` over this rank's (in q's, k's and v's dtypes,
+    dk and dv summed over the group)."""
     if fused_backward:
-        return _launch_backward(q, k, v, *saved, axis_name=axis_name, causal=causal,
-                                config=config)
+        launch = _launch_overlapped_backward if overlap else _launch_backward
+        return launch(q, k, v, *saved, axis_name=axis_name, causal=causal, config=config)
     out, lse = _forward_kernels(q, k, v, axis_name, causal=causal, config=config)
     return out, (q, k, v, out, lse)
 
@@ -438,7 +466,9 @@ def _forward(q, k, v, *saved, axis_name, causal=True, config=None, fused_backwar
 def _backward(residuals, dout, *, axis_name, causal=True, config=None):
     q, k, v, out, lse = residuals
     world = check_axis(runtime(), axis_name, "ag_attention").world
-    if world > 1:
+    overlap = world > 1 and _overlaps(q, k, axis_name, config)
+    gathered = world > 1 and not overlap
+    if gathered:
         # Every rank's keys and values through XLA; the queries' gradients over
         # them fused (``_forward``'s ``fused_backward``); the keys' and values'
         # cotangents summed back to their owners.
@@ -447,11 +477,55 @@ def _backward(residuals, dout, *, axis_name, causal=True, config=None):
     # An unchecked launch of this op's kernels, ordered and batched as its calls are.
     dq, dk, dv = _AG_ATTENTION.launch(q, k, v, out, lse, dout.astype(q.dtype),
                                       axis_name=axis_name, causal=causal, config=config,
-                                      fused_backward=True)
-    if world > 1:
+                                      fused_backward=True, overlap=overlap)
+    if gathered:
         dk, dv = (jax.lax.psum_scatter(a, axis_name, scatter_dimension=1, tiled=True)
                   for a in (dk, dv))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _overlaps(q, k, axis_name, config) -> bool:
+    """Whether the backward over several ranks takes the overlapped kernels (config
+    BACKWARD; "auto": where their workspace fits the heap, which this allocates,
+    and the KV pushes overlap the kernels)."""
+    call = Call("ag_attention", axis_name)
+    _, cfg = _resolved(call, q, k, config, axis_name)
+    if cfg.BACKWARD == "xla":
+        return False
+    # As the forward's inbox: a GPU backend without copy engines would push k and v
+    # by SM programs before the kernels, not under them.
+    if call.platform == "gpu" and not call.rt.backend.has_copy_engines:
+        if cfg.BACKWARD == "overlap":
+            raise ValueError("jaxtdist.ag_attention: config BACKWARD='overlap' needs "
+                             "copy-engine pushes, which this heap backend lacks; use 'auto' "
+                             "or 'xla'")
+        return False
+    try:
+        _backward_workspace(call, q, k, cfg)
+    except HeapExhaustedError as err:
+        if cfg.BACKWARD == "overlap":
+            raise
+        warnings.warn(f"jaxtdist.ag_attention: the overlapped backward's workspace does not "
+                      f"fit the heap ({err}); the backward gathers k and v and sums dk and dv "
+                      "through XLA's collectives instead. Raise jaxtdist.initialize(mesh, "
+                      "heap_bytes=...) by at least 4 * world * B * S_shard * Hkv * D * "
+                      "(itemsize + 4) bytes.", RuntimeWarning, stacklevel=2)
+        return False
+    return True
+
+
+def _backward_workspace(call: Call, q, k, cfg: AgAttentionConfig):
+    """The overlapped backward's workspace and plan (``BackwardWorkspace``), and the
+    KV inbox's chunk rows (a batch's rows per flag from the copy engines, the SM
+    push's 16 under the interpreter)."""
+    (b, s, _, d), hkv = q.shape, k.shape[2]
+    chunk_rows = s if call.rt.backend.has_copy_engines else 16
+    key_tiles = b * hkv * -(-s // cfg.BWD_BLOCK_KV)
+    plan = BackwardWorkspace(call.world, b, s, hkv, d, k.dtype, chunk_rows, key_tiles)
+    # The flags' layout depends on the key tiles: another tiling gets its own.
+    ws = call.workspace("bwd", plan.nbytes, b, s, hkv * d, jnp.dtype(k.dtype).name,
+                        chunk_rows, cfg.BWD_BLOCK_KV)
+    return ws, plan, chunk_rows
 
 
 def _launch_backward(q, k, v, out, lse, dout, *, axis_name, causal=True, config=None):
@@ -483,6 +557,76 @@ def _launch_backward(q, k, v, out, lse, dout, *, axis_name, causal=True, config=
         grid=(b * hkv * -(-sk // tile),), varying=varying, num_warps=int(cfg.BWD_KV_WARPS),
         num_stages=int(cfg.BWD_KV_STAGES), BLOCK_M=int(cfg.BWD_KV_STEP), BLOCK_N=tile,
         **shared)
+    return (dq, dk, dv), None
+
+
+def _launch_overlapped_backward(q, k, v, out, lse, dout, *, axis_name, causal=True,
+                                config=None):
+    """The backward over several ranks with no XLA collective
+    (``kernels/ag_attention_bwd``): this rank's k and v pushed into every peer's
+    heap inbox (the copy engines on GPUs, an SM push kernel before the others
+    under the interpreter); the dk/dv kernel (own chunk first, each peer chunk's
+    partials pushed to its owner), the dq kernel, then the reduce kernel that
+    sums this rank's keys' partials. Returns (dq, dk, dv) in the operands'
+    dtypes, dk and dv summed over the group; no residuals."""
+    call = Call("ag_attention", axis_name)
+    problem, cfg = _resolved(call, q, k, config, axis_name)
+    (b, s, hq, d), hkv, world = q.shape, k.shape[2], call.world
+    ws, plan, chunk_rows = _backward_workspace(call, q, k, cfg)
+    f32 = jnp.float32
+    # delta = rowsum(dO * O) in float32, [B * Hq, S] (both kernels read it): one
+    # XLA reduction fusion, not a batch of D-long dots.
+    delta = jnp.sum(dout.astype(f32) * out.astype(f32), axis=-1)
+    delta = delta.transpose(0, 2, 1).reshape(b * hq, s)
+    # One row per position: k's columns, then v's (the inbox's rows).
+    kv = jnp.concatenate([k.reshape(b * s, hkv * d), v.reshape(b * s, hkv * d)], axis=1)
+    kv_offsets = dict(INBOX_OFF=ws.offset + plan.kv.inbox, PARITY_BYTES=plan.kv.parity_bytes,
+                      FLAGS_OFF=ws.offset + plan.kv.flags)
+    part = ws.offset + plan.partials
+    part_offsets = dict(PART_OFF=part + plan.parts.inbox,
+                        PART_PARITY_BYTES=plan.parts.parity_bytes,
+                        PART_FLAGS_OFF=part + plan.parts.flags)
+    shared = dict(B=b, S=s, HKV=hkv, D=d, CAUSAL=causal, WORLD=world,
+                  BLOCK_D=max(16, next_pow2(d)))
+    scales = dict(HQ=hq, QK_SCALE=float(math.log2(math.e) / math.sqrt(d)),
+                  SM_SCALE=float(1 / math.sqrt(d)),
+                  DOT_PRECISION=dot_precision(q.dtype, call.platform, problem.vendor))
+    scope = "gpu" if call.rt.backend.has_copy_engines else "sys"
+    # dk and dv are this rank's share of a sum over the group (as psum_scatter's).
+    varying = tuple(a for a in call.rt.mesh.axis_names
+                    if a in set(call.result_axes(local=(q, k, v, out, dout)))
+                    | set(call.layout.axes))
+    ctx = call.start(ws, deps=(q, k, v, kv, out, lse, dout, delta), align_launch=False)
+    ctx = push_to_inboxes(call, ctx, kv, inbox_offset=kv_offsets["INBOX_OFF"],
+                          parity_bytes=kv_offsets["PARITY_BYTES"],
+                          flags_offset=kv_offsets["FLAGS_OFF"],
+                          sent_offset=ws.offset + plan.kv.sent, chunk_rows=chunk_rows,
+                          copy_block_c=min(256, next_pow2(2 * hkv * d)))
+    # In this order, each kernel taking the previous one's output (the dq and the
+    # reduce kernels' last operand, unread): the partials of the last key tiles
+    # cross the link under the dq kernel, and the call's last output (dk, which
+    # the next call runs after) comes after every kernel that reads the inboxes.
+    block_kv = int(cfg.BWD_BLOCK_KV)
+    key_tiles = b * hkv * -(-s // block_kv)
+    dk_own, dv_own = call.launch(
+        ag_attention_bwd.ag_attention_bwd_dkdv_kernel, ctx, q, kv, dout, lse, delta,
+        out_shape=[jax.ShapeDtypeStruct(k.shape, f32)] * 2, grid=(world * key_tiles,),
+        varying=varying, num_warps=int(cfg.BWD_KV_WARPS), num_stages=int(cfg.BWD_KV_STAGES),
+        **shared, **scales, **kv_offsets, **part_offsets, CHUNK_ROWS=chunk_rows,
+        FLAG_SCOPE=scope, BLOCK_M=int(cfg.BWD_KV_STEP), BLOCK_N=block_kv)
+    block_q = int(cfg.BWD_BLOCK_Q)
+    dq = call.launch(
+        ag_attention_bwd.ag_attention_bwd_dq_kernel, ctx, q, kv, dout, lse, delta, dk_own,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=(b * hq * -(-s // block_q),),
+        varying=varying, num_warps=int(cfg.BWD_WARPS), num_stages=int(cfg.BWD_STAGES),
+        **shared, **scales, **kv_offsets, SENT_OFF=ws.offset + plan.kv.sent,
+        CHUNK_ROWS=chunk_rows, FLAG_SCOPE=scope, BLOCK_M=block_q,
+        BLOCK_N=int(cfg.BWD_BLOCK_STEP))
+    dk, dv = call.launch(
+        ag_attention_bwd.ag_attention_bwd_reduce_kernel, ctx, dk_own, dv_own, dq,
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        grid=(key_tiles,), varying=varying, num_warps=4, num_stages=1, **shared,
+        **part_offsets, BLOCK_N=block_kv)
     return (dq, dk, dv), None
 
 
@@ -555,11 +699,13 @@ def ag_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *, causal:
     soon as it has arrived; under causal masking, chunks of later ranks are never
     read. On Hopper GPUs (bf16/f16, head dim 128, S_shard a multiple of 128) the
     kernel is a warp-specialized one, elsewhere a Triton flash kernel.
-    Differentiable: the backward gathers k and v through XLA
-    (``all_gather``), runs a fused flash-attention backward (two Triton
-    kernels; no [S_shard, S] score matrix in memory; the forward keeps each
-    row's log-sum-exp) and sums dk and dv back to their owners
-    (``psum_scatter``). A group of one rank runs cuDNN's flash attention on
+    Differentiable, with a fused flash-attention backward (no [S_shard, S]
+    score matrix in memory; the forward keeps each row's log-sum-exp); over
+    several ranks with no XLA collective: k and v pushed into peers' heap
+    inboxes while its kernels run, each peer's dk/dv partials pushed to their
+    owner as their tiles finish (config ``BACKWARD="xla"``: XLA's
+    ``all_gather`` and ``psum_scatter`` around the kernels instead). A group
+    of one rank runs cuDNN's flash attention on
     GPUs where cuDNN takes the case (``cudnn_refuses``: bfloat16 or float16,
     head dims it supports; differentiated by cuDNN's own backward), else the
     kernels, and ``jax.nn.dot_product_attention`` under the interpreter
