@@ -191,16 +191,20 @@ def test_ag_attention_grad(world):
 @pytest.mark.parametrize("b,s,hq,hkv,d", [(1, 1000, 8, 2, 128), (2, 257, 4, 4, 64),
                                           (1, 512, 16, 2, 128), (1, 384, 8, 1, 96)])
 @pytest.mark.parametrize("causal", [True, False])
-def test_ag_attention_fused_backward(world, dtype, b, s, hq, hkv, d, causal):
+@pytest.mark.parametrize("backward", ["overlap", "xla"])
+def test_ag_attention_fused_backward(world, dtype, b, s, hq, hkv, d, causal, backward):
     """The fused backward (every world: at world 1 the kernels forced with config
     PATH='fused', where cuDNN would otherwise run) against float32 gradients of
     plain attention on the host, twice on fresh inputs; the forward of the op at
     world 1 is the kernel's, bit for bit."""
     if len(jax.devices()) < world:
         pytest.skip(f"needs {world} GPUs")
+    if world == 1 and backward == "xla":
+        pytest.skip("world 1 has no collective: one backward")
     mesh = _mesh(world)
     s = -(-s // world) * world
-    fused = dict(PATH="fused")
+    # BACKWARD: the overlapped kernels (opt-in on GPUs until validated) and XLA's.
+    fused = dict(PATH="fused", BACKWARD=backward)
     grad = jax.jit(jax.shard_map(
         lambda q, k, v, c: jax.grad(lambda q, k, v: jnp.sum(
             td.ag_attention(q, k, v, "sp", causal=causal, config=fused).astype(jnp.float32)
