@@ -313,18 +313,16 @@ class Llama(nnx.Module):
         logits = self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
         return logits, stats, real
 
-    def loss(self, tokens: jax.Array, targets: jax.Array, *,
-             lengths: jax.Array | None = None, **kwargs) -> jax.Array:
+    def loss(self, tokens: jax.Array, targets: jax.Array, lengths: jax.Array | None = None,
+             positions: jax.Array | None = None,
+             segment_ids: jax.Array | None = None) -> jax.Array:
         """Mean next-token cross entropy (float32) of tokens [batch, seq] against targets
         over the real positions (below ``lengths`` [batch], all by default), plus
         ``router_aux_loss_coef`` times the MoE layers' ``load_balancing_loss``
-        (Hugging Face Mixtral's, over every layer's routing of the real tokens)."""
+        (Hugging Face Mixtral's, over every layer's routing of the real tokens).
+        No keyword-only arguments: ``nnx.value_and_grad(Llama.loss)`` takes it."""
         batch, real_seq = jnp.shape(tokens)
-        logits, stats, _ = self._forward(tokens, kwargs.pop("positions", None),
-                                         kwargs.pop("segment_ids", None), lengths, False, True)
-        if kwargs:
-            raise ValueError(f"jaxtdist.nn.Llama.loss: unknown arguments {sorted(kwargs)}; "
-                             "it takes positions=, segment_ids= and lengths=")
+        logits, stats, _ = self._forward(tokens, positions, segment_ids, lengths, False, True)
         targets = jnp.asarray(targets)
         if targets.shape != (batch, real_seq):
             raise ValueError(f"jaxtdist.nn.Llama.loss: targets have shape "
