@@ -140,8 +140,10 @@ class ParallelAttention(nnx.Module):
     ``scale`` [head_dim] (ones at first) shared by the heads, replicated.
 
     Decoding: ``init_cache(batch, max_len)``, a call on the prompts fills the
-    cache (the prefill), then calls with ``decode=True`` on [batch, 1, d] add
-    one token each at ``position`` (readable, an int32 scalar), attending
+    cache (the prefill; ``lengths`` [batch] for prompts of different lengths,
+    right-padded), then calls with ``decode=True`` on [batch, 1, d] add one
+    token to each sequence at its own position (``lengths``, int32 [batch];
+    ``position`` the longest one's), attending
     through ``flash_decode`` where the cache has the activations' dtype. Past
     ``max_len`` the output is NaN, never a wrong number (``check_room`` raises
     ahead of a decode loop).
