@@ -180,3 +180,23 @@ def test_router_stats_count_invalid_expert_ids(parallelism):
     good = tdnn.ParallelMoE(16, 32, num_experts=4, top_k=2, parallelism=parallelism, mesh=mesh,
                             impl="xla", rngs=nnx.Rngs(0))
     assert int(nnx.jit(lambda m, a: m(a, return_router_stats=True))(good, x)[1].invalid) == 0
+
+
+def test_bfloat16_moe_twins_route_alike_on_the_same_input():
+    """bfloat16: given the same input, both twins route every token alike (the
+    router's logits and top-k in float32 in both: equal statistics) and differ by
+    bfloat16 rounding only. In a whole model they may not (docs/flax.md): the
+    layers before the MoE round differently (ag_matmul, the fused attention), by
+    about 0.3-0.7% here, which flips near-tied routes (1 of 64 tokens in the
+    second layer of a 2-layer model)."""
+    mesh = dp_tp_mesh((2, 4))
+    x = jnp.asarray(np.random.default_rng(16).standard_normal((2, 8, 16)), jnp.bfloat16)
+    outs = []
+    for impl in ("jaxtdist", "xla"):
+        moe = tdnn.ParallelMoE(16, 32, num_experts=4, top_k=2, mesh=mesh, impl=impl,
+                               dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        outs.append(nnx.jit(lambda m, a: m(a, return_router_stats=True))(moe, x))
+    (ours, ours_stats), (theirs, theirs_stats) = outs
+    np.testing.assert_array_equal(np.asarray(ours_stats.load), np.asarray(theirs_stats.load))
+    np.testing.assert_array_equal(np.asarray(ours_stats.prob), np.asarray(theirs_stats.prob))
+    assert rel_err(ours, np.asarray(theirs.astype(jnp.float32))) < 2e-2
