@@ -70,12 +70,15 @@ def test_odd_and_right_padded_prompts_decode_like_the_reference(impl):
     assert model.lengths.tolist() == [5]
 
 
-@pytest.mark.parametrize("impl,lengths", [("jaxtdist", (5, 3, 7, 2)), ("xla", (5, 3, 7))])
-def test_batched_prompts_of_different_lengths_each_decode_as_alone(impl, lengths):
+@pytest.mark.parametrize("impl,lengths,explicit", [("jaxtdist", (5, 3, 7, 2), True),
+                                                   ("xla", (5, 3, 7), True),
+                                                   ("xla", (6, 1, 3, 2), False)])
+def test_batched_prompts_of_different_lengths_each_decode_as_alone(impl, lengths, explicit):
     """Prompts of different lengths in one batch (token lists): each continues as
     the reference continues it alone; a batch of 4 divides over dp 2 (each
-    group's positions its own), one of 3 does not (cached replicated)."""
-    mesh = dp_tp_mesh((2, 4))
+    group's positions its own), one of 3 does not (cached replicated); Explicit
+    and Auto mesh axes."""
+    mesh = dp_tp_mesh((2, 4), explicit)
     cfg = _cfg(8, 2, layers=1)
     model = tdnn.Llama(cfg, mesh=mesh, impl=impl, rngs=nnx.Rngs(0))
     w = _weights(model)
