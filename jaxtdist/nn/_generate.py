@@ -4,8 +4,6 @@ length, a batch of different lengths (token lists, or a right-padded array with
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import jax
 import jax.numpy as jnp
 import numpy as np
