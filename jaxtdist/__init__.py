@@ -30,7 +30,7 @@ if _os.environ.get("_JAXTDIST_INTERPRETER_WORKER") != "1":
     from jaxtdist.runtime._bootstrap import BootstrapTimeoutError
     from jaxtdist import tune
     from jaxtdist.ops import (ag_attention, ag_attention_sharded, ag_matmul,
-                              ag_matmul_sharded, all_gather, all_reduce, flash_decode,
+                              ag_matmul_sharded, all_gather, all_reduce, explain, flash_decode,
                               flash_decode_sharded, grouped_matmul, matmul_ar,
                               matmul_ar_sharded, matmul_rs, matmul_rs_sharded, moe_combine,
                               moe_combine_sharded, moe_dispatch,
@@ -60,6 +60,7 @@ __all__ = [
     "all_reduce",
     "check_errors",
     "errors",
+    "explain",
     "flash_decode",
     "flash_decode_sharded",
     "grouped_matmul",

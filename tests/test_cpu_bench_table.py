@@ -229,34 +229,6 @@ def test_matmul_ar_benchmark_times_both_exchanges(faked_timing, monkeypatch):
     assert "| one shot | two shot |" in text and "| 5 | 48 | 64 |" in text
 
 
-def test_model_benchmark_runs_both_models_and_tabulates(faked_timing):
-    """``python -m jaxtdist.bench model`` on the tiny Llama (CPU, tp=4): both steps of
-    both models run from equal parameters, outputs agree, the table has each step."""
-    for name in ("flax", "optax"):
-        pytest.importorskip(name, reason=f"the model benchmark needs {name}: "
-                            "pip install -e '.[nn]'")
-    from jaxtdist.bench import model
-
-    # One timed iteration (the timing is faked): each step of each model still runs
-    # twice, the second call for the outputs compared below.
-    rows = model.bench_model("tiny", 1, 4, 4, rounds=1)
-    assert [r["step"] for r in rows] == ["train", "decode"]
-    # The first training step's loss from equal parameters; the decode logits on bf16
-    # parameters (as a server holds them), their sums reduced in another order
-    # (matmul_ar vs psum) and rounded to bf16 at each layer: 1.1e-2 here, 1.2e-2 to
-    # 1.6e-2 on GPUs (docs/perf/model_*).
-    # The training loss: bf16 activations, each model's roundings its own (a few
-    # 1e-5 to 1e-4 apart here, depending on where XLA's fusions round; in float32
-    # the two models' losses are bit-equal, and each bf16 model's logits are
-    # 1.2e-2 to 1.3e-2 from the float32 model's): well below bf16's 3.9e-3.
-    train, decode = (r["output_rel_diff"] for r in rows)
-    assert train < 1e-3, rows
-    assert decode < 2e-2, rows
-    text = model.table(dict(world=4, device="cpu", rows=rows, iterations=1, rounds=1))
-    assert "| train |" in text and "| decode |" in text
-    assert "model" in cli.benchmarks()
-
-
 def test_moe_tp_benchmark_runs_every_layer_and_tabulates(faked_timing):
     """``python -m jaxtdist.bench moe_tp`` on a small shape (CPU, world 4, faked
     timing): jaxtdist's layer (default, step-by-step and overlapped schedules) and
@@ -510,3 +482,30 @@ def test_ag_attention_benchmark_takes_head_dim_and_dtype(faked_timing, monkeypat
     assert row["jaxtdist"]["rel_err"] < 1e-4, row["jaxtdist"]
     text = ag_attention.table(dict(world=1, device="cpu", rows=rows, iterations=1, rounds=1))
     assert "D=64, causal, float32" in text.splitlines()[0]
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_ag_attention_benchmark_draws_random_problems(faked_timing, monkeypatch, backward):
+    """``bench ag_attention --random N --seed S`` at world 1 (CPU, faked timing, the
+    draw swapped for tiny problems: GQA, non-causal, a length off the tiles): the op
+    and its kernels match a float32 reference per problem, and the table names the
+    seed and summarizes the ratios."""
+    import argparse
+
+    from jaxtdist.bench import ag_attention
+    from jaxtdist.bench.random_shapes import AttentionProblem
+
+    tiny = [AttentionProblem(2, 40, 4, 2, 64, True), AttentionProblem(1, 32, 2, 2, 32, False)]
+    monkeypatch.setattr(ag_attention, "attention_problems", lambda n, seed: tiny[:n])
+    args = argparse.Namespace(world=1, seqs=[], quick=False, random=2, seed=9, iterations=1,
+                              rounds=1, backward=backward, head_dim=None, dtype="float32")
+    rows, meta = ag_attention.run(args)
+    assert [(r["b"], r["seq"], r["h"], r["h_kv"], r["d"], r["causal"]) for r in rows] == [
+        tuple(p) for p in tiny]
+    ours = ("jaxtdist", "jaxtdist_kernels") if backward else ("jaxtdist", "jaxtdist_op")
+    for row in rows:   # the op, and its kernels forced (the gradients of both under backward)
+        for name in ours:
+            assert row[name]["rel_err"] < 1e-4, (row["label"], name, row[name])
+    text = ag_attention.table(dict(device="cpu", rows=rows, iterations=1, rounds=1, **meta))
+    assert "seed 9 (`--random 2 --seed 9`)" in text and "B=2 S=40 H=4/2 D=64" in text
+    assert "non-causal" in text

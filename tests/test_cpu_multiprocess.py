@@ -166,6 +166,29 @@ def test_the_launcher_names_the_killed_rank_when_a_survivor_exits_first(capsys):
     assert "rank 1 failed (exit code 1); rank 0 failed too (exit code 1)" in said.out + said.err
 
 
+def test_a_failure_stamp_orders_ranks_reaped_in_the_other_order(tmp_path):
+    """A rank's uncaught exception stamps its time before its (slow) teardown: the
+    launcher names it although its peer, failing because of it, was reaped first."""
+    from jaxtdist.launch._supervisor import LaunchOptions, _Job
+
+    class Done:
+        def __init__(self, code):
+            self.code = code
+
+        def wait(self):
+            return self.code
+
+    job = _Job(LaunchOptions(nproc=2, command=["true"], port=1))
+    job.stamp_dir = str(tmp_path)
+    (tmp_path / "rank1").write_text(repr(time.monotonic() - 5.0))  # failed 5 s ago
+    job._reap(0, Done(1))                # the survivor, reaped first and unstamped
+    job._reap(1, Done(1))                # the victim, reaped last
+    assert job.exited_at[1] < job.exited_at[0]
+    (tmp_path / "rank0").write_text("not a time")  # a torn stamp: the reap time counts
+    job._reap(0, Done(1))
+    assert job.exited_at[0] > job.exited_at[1]
+
+
 @timeout(120)
 def test_the_launcher_ends_the_others_at_once():
     """Without a grace period the launcher ends the surviving rank as soon as one

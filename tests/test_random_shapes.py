@@ -10,7 +10,8 @@ import collections
 import pytest
 
 from jaxtdist.bench import gemm
-from jaxtdist.bench.random_shapes import MODEL_LAYERS, TENSOR_PARALLEL, gemm_problems
+from jaxtdist.bench.random_shapes import (MODEL_LAYERS, TENSOR_PARALLEL, AttentionProblem,
+                                          attention_problems, gemm_problems)
 
 
 def test_a_seed_gives_the_same_problems_and_another_seed_others():
@@ -43,9 +44,27 @@ def test_problems_are_tensor_parallel_layers_of_the_model_families(seed):
 
 @pytest.mark.parametrize("n,seed,match", [(0, 1, "n=0"), (True, 1, "n=True"),
                                           (4, -1, "seed=-1"), (4, 1.5, "seed=1.5")])
-def test_bad_arguments_name_themselves(n, seed, match):
+@pytest.mark.parametrize("draw", [gemm_problems, attention_problems])
+def test_bad_arguments_name_themselves(draw, n, seed, match):
     with pytest.raises(ValueError, match=match):
-        gemm_problems(n, seed)
+        draw(n, seed)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 12345])
+def test_attention_problems_cover_what_models_have(seed):
+    """Head dims 64 to 256, GQA ratios 1 to 16, batch > 1 at short lengths, lengths off
+    every tile, causal and not; reproducible per seed."""
+    problems = attention_problems(300, seed)
+    assert problems == attention_problems(300, seed) != attention_problems(300, seed + 1)
+    assert all(isinstance(p, AttentionProblem) for p in problems)
+    for b, s, hq, hkv, d, _ in problems:
+        assert hq % hkv == 0 and 1 <= hq // hkv <= 16, (hq, hkv)  # Qwen3-235B: 64/4
+        assert d in (64, 96, 128, 256) and 128 <= s <= 16384 and b * s <= 32768
+    assert {p.head_dim for p in problems} >= {64, 128, 256}
+    assert {p.heads // p.kv_heads for p in problems} >= {1, 2, 4, 8}
+    assert any(p.seq % 128 for p in problems), "lengths off the tiles"
+    assert any(p.batch > 1 and p.seq <= 1024 for p in problems), "short sequences, batch > 1"
+    assert 0 < sum(not p.causal for p in problems) < len(problems) // 2
 
 
 def test_gemm_benchmark_draws_random_problems_and_names_the_seed(monkeypatch, tmp_path):

@@ -15,8 +15,9 @@ B=1, H=32, D=128, causal, bf16 (``shapes.AG_ATTENTION_*``; ``--head-dim`` and
   forced) against XLA's ``all_gather`` of k and v + ``jax.nn.dot_product_attention``
   with the causal mask by global position, at S total of ``AG_ATTENTION_SEQS_MULTI``.
 - ``--backward``: forward + backward (the gradients of q, k and v) of the op
-  ``jaxtdist.ag_attention`` (at world 1 on GPUs: the kernels) against the same
-  contenders' (JAX's VJPs).
+  ``jaxtdist.ag_attention`` (at world 1 on GPUs: cuDNN where it takes the case,
+  else the kernels; and the kernels forced, ``config={"PATH": "fused"}``)
+  against the same contenders' (JAX's VJPs).
 
 Outputs are checked on 256 query rows per rank (first and last 128) against a
 float32 attention on the device: the full reference would not fit in memory.
@@ -35,6 +36,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtdist.bench import harness as h
+from jaxtdist.bench.random_shapes import AttentionProblem, attention_problems
 from jaxtdist.bench.shapes import AG_ATTENTION_HEADS, AG_ATTENTION_SEQS, AG_ATTENTION_SEQS_MULTI
 
 SP = P(None, "sp")
@@ -61,18 +63,22 @@ def _checked_rows(s_total: int, world: int) -> np.ndarray:
     return np.unique(np.asarray(rows))
 
 
-def _reference_rows(q, k, v, rows: np.ndarray) -> np.ndarray:
-    """float32 causal attention of query rows ``rows`` over every key (on the device,
-    128 rows at a time: the scores of all of them would not fit)."""
-    kf, vf = jnp.asarray(k).astype(jnp.float32), jnp.asarray(v).astype(jnp.float32)
+def _reference_rows(q, k, v, rows: np.ndarray, causal: bool = True) -> np.ndarray:
+    """float32 attention of query rows ``rows`` over every key (on the device, 128
+    rows at a time: the scores of all of them would not fit); GQA by repeating k
+    and v's heads."""
+    group = q.shape[2] // k.shape[2]
+    kf, vf = (jnp.repeat(jnp.asarray(a).astype(jnp.float32), group, axis=2) for a in (k, v))
 
     # k and v as arguments: captured, they became lowering constants (2 GB at 64K).
     @jax.jit
     def block(qs, pos, kf, vf):
         scores = jnp.einsum("bqhd,bkhd->bhqk", qs.astype(jnp.float32), kf,
                             precision=jax.lax.Precision.HIGHEST) / np.float32(np.sqrt(q.shape[-1]))
-        seen = pos[:, None] >= jnp.arange(kf.shape[1])[None, :]
-        p = jax.nn.softmax(jnp.where(seen, scores, -jnp.inf), axis=-1)
+        if causal:
+            seen = pos[:, None] >= jnp.arange(kf.shape[1])[None, :]
+            scores = jnp.where(seen, scores, -jnp.inf)
+        p = jax.nn.softmax(scores, axis=-1)
         return jnp.einsum("bhqk,bkhd->bqhd", p, vf, precision=jax.lax.Precision.HIGHEST)
 
     qa = jnp.asarray(q)
@@ -81,12 +87,17 @@ def _reference_rows(q, k, v, rows: np.ndarray) -> np.ndarray:
                            for i in range(0, len(rows), 128)], axis=1)
 
 
-def _xla_gather_attention(q, k, v):
+def _xla_gather_attention(q, k, v, causal: bool = True):
     """XLA's sequence parallelism: all_gather k and v, attention with the causal mask
     of this rank's global positions."""
     s = q.shape[1]
     k_all = jax.lax.all_gather(k, "sp", axis=1, tiled=True)
     v_all = jax.lax.all_gather(v, "sp", axis=1, tiled=True)
+    if not causal:
+        try:
+            return jax.nn.dot_product_attention(q, k_all, v_all, implementation="cudnn")
+        except Exception:  # noqa: BLE001 - cuDNN absent or refusing the shapes
+            return jax.nn.dot_product_attention(q, k_all, v_all)
     start = jax.lax.axis_index("sp") * s
     # From iotas, not jnp.arange: a concrete mask became a lowering constant of
     # S_shard x S bytes (4.3 GB at 128K over 4 ranks), which took minutes to compile.
@@ -128,72 +139,101 @@ def _with_grads(fn):
     return grads
 
 
-def _reference_grads(q, k, v, c) -> tuple:
+def _reference_grads(q, k, v, c, causal: bool = True) -> tuple:
     from jaxtdist.ops.ag_attention import attention
 
     f32 = [jnp.asarray(a).astype(jnp.float32) for a in (q, k, v, c)]
     with jax.default_matmul_precision("highest"):
-        return jax.jit(_with_grads(lambda *a: attention(*a, causal=True)))(*f32)
+        return jax.jit(_with_grads(lambda *a: attention(*a, causal=causal)))(*f32)
+
+
+def _fixed_problems(seqs, head_dim: int | None) -> list[AttentionProblem]:
+    """The fixed list: ``AG_ATTENTION_HEADS`` (head dim ``head_dim`` if given), causal,
+    at each total length of ``seqs``."""
+    b, hh, d = AG_ATTENTION_HEADS
+    return [AttentionProblem(b, s, hh, hh, head_dim or d, True) for s in seqs]
+
+
+def _forward_contenders(mesh, world: int, causal: bool) -> dict:
+    """The forward of the op and of its contenders, (q, k, v) -> out."""
+    import jaxtdist as td
+
+    ops = _ops()
+    specs = dict(mesh=mesh, in_specs=(SP,) * 3, out_specs=SP, check_vma=False)
+    if world > 1:
+        return dict(jaxtdist=jax.jit(jax.shard_map(
+                        lambda *a: td.ag_attention(*a, "sp", causal=causal), **specs)),
+                    # The Triton kernel beside the default (warp-specialized where it fits).
+                    jaxtdist_triton=jax.jit(jax.shard_map(
+                        lambda *a: td.ag_attention(*a, "sp", causal=causal,
+                                                   config=dict(KERNEL="triton")), **specs)),
+                    xla_all_gather_dpa=jax.jit(jax.shard_map(
+                        functools.partial(_xla_gather_attention, causal=causal), **specs)))
+    fns = dict(jaxtdist=jax.jit(jax.shard_map(
+                   lambda *a: ops.ag_attention_kernels(*a, "sp", causal=causal), **specs)),
+               # The Triton kernel (what a group of several ranks runs) beside the
+               # default (the warp-specialized kernel where it fits).
+               jaxtdist_triton=jax.jit(jax.shard_map(
+                   lambda *a: ops.ag_attention_kernels(*a, "sp", causal=causal,
+                                                       config=dict(KERNEL="triton")),
+                   **specs)),
+               # The op as a user calls it, with its world-1 path choice.
+               jaxtdist_op=jax.jit(jax.shard_map(
+                   lambda *a: td.ag_attention(*a, "sp", causal=causal), **specs)),
+               jax_nn_dpa=jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+                   q, k, v, is_causal=causal)))
+    if jax.devices()[0].platform == "gpu":  # cuDNN's fused attention, asked for by name
+        fns["cudnn_dpa"] = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="cudnn"))
+    return fns
 
 
 def bench_ag_attention(seqs, iterations: int, world: int, dtype=jnp.bfloat16,
                        rounds: int = 4, backward: bool = False,
-                       head_dim: int | None = None) -> list[dict]:
+                       head_dim: int | None = None,
+                       problems: list[AttentionProblem] | None = None) -> list[dict]:
+    """One row per problem (``problems``, else the fixed list at ``seqs``)."""
     import jaxtdist as td
 
-    ops = _ops()
-    b, hh, d = AG_ATTENTION_HEADS
-    d = head_dim or d
+    drawn = problems is not None
+    problems = problems if drawn else _fixed_problems(seqs, head_dim)
     mesh = _mesh(world)
-    # Room for the KV inboxes of every sequence length (2 parities x world ranks' k
-    # and v; each length keeps its own), else ag_attention falls back to reading
-    # peers over the link. World 1 needs none.
-    inbox = sum(2 * world * 2 * b * (s // world) * hh * d * jnp.dtype(dtype).itemsize
-                for s in seqs) if world > 1 else 0
+    # Room for the KV inboxes of every problem (2 parities x world ranks' k and v;
+    # each shape keeps its own), else ag_attention falls back to reading peers over
+    # the link. World 1 needs none.
+    inbox = sum(2 * world * 2 * p.batch * (-(-p.seq // world)) * p.kv_heads * p.head_dim
+                * jnp.dtype(dtype).itemsize for p in problems) if world > 1 else 0
     td.initialize(mesh, heap_bytes=max(1 << 30, inbox + (256 << 20)))
-    specs = dict(mesh=mesh, in_specs=(SP,) * 3, out_specs=SP, check_vma=False)
-    if backward:
-        fns = _backward_contenders(mesh, world)
-    elif world == 1:
-        fns = dict(jaxtdist=jax.jit(jax.shard_map(
-                       lambda *a: ops.ag_attention_kernels(*a, "sp", causal=True), **specs)),
-                   # The Triton kernel (what a group of several ranks runs) beside the
-                   # default (the warp-specialized kernel where it fits).
-                   jaxtdist_triton=jax.jit(jax.shard_map(
-                       lambda *a: ops.ag_attention_kernels(*a, "sp", causal=True,
-                                                           config=dict(KERNEL="triton")),
-                       **specs)),
-                   jax_nn_dpa=jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
-                       q, k, v, is_causal=True)))
-        if jax.devices()[0].platform == "gpu":  # cuDNN's fused attention, asked for by name
-            fns["cudnn_dpa"] = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
-                q, k, v, is_causal=True, implementation="cudnn"))
-    else:
-        fns = dict(jaxtdist=jax.jit(jax.shard_map(
-                       lambda *a: td.ag_attention(*a, "sp", causal=True), **specs)),
-                   # The Triton kernel beside the default (warp-specialized where it fits).
-                   jaxtdist_triton=jax.jit(jax.shard_map(
-                       lambda *a: td.ag_attention(*a, "sp", causal=True,
-                                                  config=dict(KERNEL="triton")), **specs)),
-                   xla_all_gather_dpa=jax.jit(jax.shard_map(_xla_gather_attention, **specs)))
+    contenders = {}  # by causal
     rows = []
-    for i, s in enumerate(seqs):
+    for i, (b, s, hh, hkv, d, causal) in enumerate(problems):
+        if causal not in contenders:
+            contenders[causal] = (_backward_contenders(mesh, world, causal) if backward
+                                  else _forward_contenders(mesh, world, causal))
+        fns = contenders[causal]
         s = -(-s // world) * world
-        q, k, v = (h.normal(600 + 3 * i + j, (b, s, hh, d), dtype) for j in range(3))
+        q = h.normal(600 + 3 * i, (b, s, hh, d), dtype)
+        k, v = (h.normal(601 + 3 * i + j, (b, s, hkv, d), dtype) for j in range(2))
         args = tuple(jax.device_put(a, NamedSharding(mesh, SP)) for a in (q, k, v))
-        flops = 4.0 * b * hh * d * s * s / 2  # causal: half of QK^T and PV
+        flops = 4.0 * b * hh * d * s * s / (2 if causal else 1)  # QK^T and PV (causal: half)
         if backward:  # the backward's five products against the forward's two
             flops *= 3.5
             c = h.normal(700 + i, (b, s, hh, d), jnp.float32)
             args += (jax.device_put(c, NamedSharding(mesh, SP)),)
-        row = dict(b=b, h=hh, d=d, seq=s, world=world, dtype=jnp.dtype(dtype).name,
-                   size=float(s), label=f"S={s}", flops=flops, backward=backward)
-        # XLA's own attention materializes [H, S, S] scores: past 8K they do not fit
-        # (past 4K its backward's).
-        longest = _GRAD_CHECK_SEQ if backward else 8192
-        timed = {name: fn for name, fn in fns.items() if name != "jax_nn_dpa" or s <= longest}
+        label = f"S={s}" if not drawn else f"B={b} S={s} H={hh}/{hkv} D={d}" + (
+            "" if causal else " non-causal")
+        row = dict(b=b, h=hh, h_kv=hkv, d=d, seq=s, causal=causal, world=world,
+                   dtype=jnp.dtype(dtype).name, size=float(s), label=label, flops=flops,
+                   backward=backward)
+        # XLA's own attention materializes [B, H, S, S] float32 scores: past 8K at
+        # B=1, H=32 they do not fit (its backward's past 4K).
+        scores = b * hh * s * s * 4
+        longest = (32 << 30) // (4 if backward else 1)
+        timed = {name: fn for name, fn in fns.items()
+                 if name != "jax_nn_dpa" or scores <= longest}
         pallas_stats, own_args, pallas_args = None, {}, None
-        if world == 1 and not backward and jax.devices()[0].platform == "gpu":
+        if (world == 1 and not backward and causal and hh == hkv
+                and jax.devices()[0].platform == "gpu"):
             # attention_mgpu takes float16 only, and does not scale the scores: float16
             # copies of the inputs (exact for bfloat16 values in float16's normal range,
             # as these standard-normal ones), q times 1 / sqrt(D) (rounded to float16).
@@ -211,14 +251,14 @@ def bench_ag_attention(seqs, iterations: int, world: int, dtype=jnp.bfloat16,
             else:
                 row["pallas_mgpu"] = pallas_stats
         if backward:
-            _check_grads(row, timed, args, s, world, flops)
+            _check_grads(row, timed, args, b * hh * s * s, world, flops, causal)
             rows.append(row)
-            print(f"S={s} world={world} fwd+bwd: " + " | ".join(
+            print(f"{label} world={world} fwd+bwd: " + " | ".join(
                 f"{n} {h.us(row.get(n))}" for n in timed), flush=True)
             del args
             continue
         checked = _checked_rows(s, world)
-        ref = _reference_rows(q, k, v, checked)
+        ref = _reference_rows(q, k, v, checked, causal)
         for name, fn in timed.items():
             stats = row[name]
             if "error" in stats:
@@ -227,35 +267,40 @@ def bench_ag_attention(seqs, iterations: int, world: int, dtype=jnp.bfloat16,
             stats["rel_err"] = h.rel_err(out, ref)
             stats["tflops"] = flops / world / (stats["mean_us"] * 1e-6) / 1e12
         rows.append(row)
-        print(f"S={s} world={world}: " + " | ".join(f"{n} {h.us(row.get(n))}" for n in timed),
+        print(f"{label} world={world}: " + " | ".join(f"{n} {h.us(row.get(n))}" for n in timed),
               flush=True)
         del args, own_args, pallas_args
     return rows
 
 
-def _backward_contenders(mesh, world: int) -> dict:
+def _backward_contenders(mesh, world: int, causal: bool = True) -> dict:
     """Forward + backward of the op and of its contenders, (q, k, v, c) -> grads."""
     import jaxtdist as td
 
     specs = dict(mesh=mesh, in_specs=(SP,) * 4, out_specs=(SP,) * 3, check_vma=False)
-    op = _with_grads(lambda *a: td.ag_attention(*a, "sp", causal=True))
+    op = _with_grads(lambda *a: td.ag_attention(*a, "sp", causal=causal))
     fns = dict(jaxtdist=jax.jit(jax.shard_map(op, **specs)))
-    if world == 1:
+    if world == 1:  # the op's path at world 1 may be cuDNN: the kernels forced too
+        fns["jaxtdist_kernels"] = jax.jit(jax.shard_map(_with_grads(
+            lambda *a: td.ag_attention(*a, "sp", causal=causal, config=dict(PATH="fused"))),
+            **specs))
         fns["jax_nn_dpa"] = jax.jit(_with_grads(
-            lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)))
+            lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal)))
         if jax.devices()[0].platform == "gpu":
             fns["cudnn_dpa"] = jax.jit(_with_grads(lambda q, k, v: jax.nn.dot_product_attention(
-                q, k, v, is_causal=True, implementation="cudnn")))
+                q, k, v, is_causal=causal, implementation="cudnn")))
     else:
-        fns["xla_all_gather_dpa"] = jax.jit(jax.shard_map(_with_grads(_xla_gather_attention),
-                                                          **specs))
+        fns["xla_all_gather_dpa"] = jax.jit(jax.shard_map(
+            _with_grads(functools.partial(_xla_gather_attention, causal=causal)), **specs))
     return fns
 
 
-def _check_grads(row: dict, fns: dict, args: tuple, s: int, world: int, flops: float) -> None:
-    """Each contender's TFLOP/s, and its gradients' error against float32 ones (S up
-    to ``_GRAD_CHECK_SEQ``: the reference's scores must fit)."""
-    ref = _reference_grads(*args) if s <= _GRAD_CHECK_SEQ else None
+def _check_grads(row: dict, fns: dict, args: tuple, scores: int, world: int, flops: float,
+                 causal: bool = True) -> None:
+    """Each contender's TFLOP/s, and its gradients' error against float32 ones (up to
+    ``_GRAD_CHECK_SEQ``^2 x 32 scores: the reference's scores must fit)."""
+    ref = (_reference_grads(*args, causal=causal) if scores <= 32 * _GRAD_CHECK_SEQ ** 2
+           else None)
     for name, fn in fns.items():
         stats = row[name]
         if "error" in stats:
@@ -299,6 +344,9 @@ BACKWARD_COLUMNS = [
     h.Column("jaxtdist / XLA", lambda r: h.ratio(
         r.get("jaxtdist"), r.get("jax_nn_dpa") or r.get("xla_all_gather_dpa"))),
     h.Column("TFLOP/s (jaxtdist)", lambda r: _tflops(r.get("jaxtdist"))),
+    h.Column("kernels forced (world 1)", lambda r: h.us(r.get("jaxtdist_kernels"))),
+    h.Column("kernels forced / cuDNN", lambda r: h.ratio(r.get("jaxtdist_kernels"),
+                                                         r.get("cudnn_dpa"))),
     h.Column("max rel err of dq, dk, dv", lambda r: h.err(r.get("jaxtdist"))),
     h.Column("rel err (cuDNN)", lambda r: h.err(r.get("cudnn_dpa"))),
 ]
@@ -317,7 +365,53 @@ WORLD_COLUMNS = [
 ]
 
 
+def _problem(r: dict) -> str:
+    return r["label"]
+
+
+RANDOM_COLUMNS = [
+    h.Column("problem (per rank)", _problem),
+    h.Column("cuDNN", lambda r: h.us(r.get("cudnn_dpa"))),
+    h.Column("jax.nn (XLA)", lambda r: h.us(r.get("jax_nn_dpa"))),
+    h.Column("jaxtdist.ag_attention", lambda r: h.us(r.get("jaxtdist_op"))),
+    h.Column("op / cuDNN", lambda r: h.ratio(r.get("jaxtdist_op"), r.get("cudnn_dpa"))),
+    h.Column("kernels forced", lambda r: h.us(r.get("jaxtdist"))),
+    h.Column("kernels / cuDNN", lambda r: h.ratio(r.get("jaxtdist"), r.get("cudnn_dpa"))),
+    h.Column("rel err (op)", lambda r: h.err(r.get("jaxtdist_op"))),
+    h.Column("rel err (kernels)", lambda r: h.err(r.get("jaxtdist"))),
+]
+
+RANDOM_BACKWARD_COLUMNS = [
+    h.Column("problem (per rank)", _problem),
+    h.Column("cuDNN", lambda r: h.us(r.get("cudnn_dpa"))),
+    h.Column("jax.nn (XLA)", lambda r: h.us(r.get("jax_nn_dpa"))),
+    h.Column("jaxtdist.ag_attention", lambda r: h.us(r.get("jaxtdist"))),
+    h.Column("op / cuDNN", lambda r: h.ratio(r.get("jaxtdist"), r.get("cudnn_dpa"))),
+    h.Column("kernels forced", lambda r: h.us(r.get("jaxtdist_kernels"))),
+    h.Column("kernels / cuDNN", lambda r: h.ratio(r.get("jaxtdist_kernels"), r.get("cudnn_dpa"))),
+    h.Column("max rel err of dq, dk, dv", lambda r: h.err(r.get("jaxtdist"))),
+    h.Column("rel err (kernels)", lambda r: h.err(r.get("jaxtdist_kernels"))),
+]
+
+
+def _random_table(res: dict) -> str:
+    backward = any(r.get("backward") for r in res["rows"])
+    what = "forward + backward (gradients of q, k, v)" if backward else "forward"
+    text = h.markdown_table(
+        f"ag_attention {what} at world 1 on random model shapes, default configs, "
+        f"{res['rows'][0]['dtype'] if res['rows'] else 'bfloat16'}, 1 x {res['device']}; "
+        f"{h.drawn_note(res)}{h.timing_note(res)}",
+        RANDOM_BACKWARD_COLUMNS if backward else RANDOM_COLUMNS, res["rows"])
+    if backward:
+        return (text + h.ratio_summary(res["rows"], "jaxtdist", "cudnn_dpa", 1.05)
+                + h.ratio_summary(res["rows"], "jaxtdist_kernels", "cudnn_dpa", 1.15))
+    return (text + h.ratio_summary(res["rows"], "jaxtdist_op", "cudnn_dpa", 1.00)
+            + h.ratio_summary(res["rows"], "jaxtdist", "cudnn_dpa", 1.10))
+
+
 def table(res: dict) -> str:
+    if "random" in res:
+        return _random_table(res)
     first = res["rows"][0] if res["rows"] else {}
     b, hh, d = AG_ATTENTION_HEADS
     shape = (f"B={first.get('b', b)}, H={first.get('h', hh)}, D={first.get('d', d)}, causal, "
@@ -340,9 +434,12 @@ def run(args) -> tuple[list[dict], dict]:
     world = args.world or 1
     seqs = AG_ATTENTION_SEQS if world == 1 else AG_ATTENTION_SEQS_MULTI
     seqs = args.seqs or (seqs[:1] if args.quick else seqs)
+    problems = None if args.random is None else attention_problems(args.random, args.seed)
+    drawn = {} if args.random is None else dict(random=args.random, seed=args.seed)
     return (bench_ag_attention(seqs, args.iterations, world, dtype=jnp.dtype(args.dtype),
                                rounds=args.rounds, backward=args.backward,
-                               head_dim=args.head_dim), dict(world=world))
+                               head_dim=args.head_dim, problems=problems),
+            dict(world=world, **drawn))
 
 
 def _arguments(parser) -> None:
@@ -355,6 +452,12 @@ def _arguments(parser) -> None:
     parser.add_argument("--seqs", type=int, nargs="*", default=[],
                         help="these total sequence lengths instead of the default ones "
                              "(rounded up to a multiple of the world size)")
+    parser.add_argument("--random", type=int, metavar="N",
+                        help="N random model attention shapes (bench/random_shapes.py: batch, "
+                             "length, GQA heads, head dim, causal or not) instead of the fixed "
+                             "list; the table prints the ratios' geomean, p90 and max")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the seed of --random's draw (report it with the table)")
     parser.add_argument("--head-dim", type=int, default=None, choices=(64, 128, 256),
                         help=f"head dim (default {AG_ATTENTION_HEADS[2]})")
     parser.add_argument("--dtype", default="bfloat16",

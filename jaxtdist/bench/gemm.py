@@ -142,18 +142,11 @@ COLUMNS = [
 ]
 
 
-def _shapes_note(res: dict) -> str:
-    if "random" not in res:
-        return ""
-    return (f"{res['random']} random model-layer shapes, seed {res['seed']} "
-            f"(`--random {res['random']} --seed {res['seed']}`); ")
-
-
 def table(res: dict) -> str:
     text = h.markdown_table(
         f"The GEMM core at world 1: each matmul op's kernels forced at world 1 against "
         f"jnp.dot of the same operands, bf16, default configs (no tuning cache), 1 x "
-        f"{res['device']}; {_shapes_note(res)}{h.timing_note(res)}", COLUMNS, res["rows"])
+        f"{res['device']}; {h.drawn_note(res)}{h.timing_note(res)}", COLUMNS, res["rows"])
     text += h.ratio_summary(res["rows"], "kernels", "jnp_dot", 1.15)
     return text
 

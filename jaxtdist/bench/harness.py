@@ -37,9 +37,10 @@ import numpy as np
 from jaxtdist._timing import merge_rounds, profile
 
 __all__ = [
-    "Benchmark", "Column", "Contender", "check_output", "err", "fastest", "float32_matmul",
-    "interleaved", "markdown_table", "merge_rounds", "normal", "plot", "plot_data", "profile",
-    "ratio", "rel_err", "result", "timing_note", "us", "us_min", "write_results",
+    "Benchmark", "Column", "Contender", "check_output", "drawn_note", "err", "fastest",
+    "float32_matmul", "interleaved", "markdown_table", "merge_rounds", "normal", "plot",
+    "plot_data", "profile", "ratio", "rel_err", "result", "timing_note", "us", "us_min",
+    "write_results",
 ]
 
 OURS = "jaxtdist"
@@ -234,6 +235,15 @@ def ratio_summary(rows: Sequence[dict], num: str, den: str, limit: float) -> str
     return (f"\n\n{num} / {den}: geomean {geo:.3f}, p90 {np.percentile(ratios, 90):.2f}, "
             f"max {max(ratios):.2f}, {sum(q <= limit for q in ratios)} of {len(ratios)} within "
             f"{limit:.2f}")
+
+
+def drawn_note(res: dict) -> str:
+    """The table note of a random-shape run: how many shapes, the seed and the
+    option that draws them again (empty for a fixed list)."""
+    if "random" not in res:
+        return ""
+    return (f"{res['random']} random model-layer shapes, seed {res['seed']} "
+            f"(`--random {res['random']} --seed {res['seed']}`); ")
 
 
 def err(entry: dict | None) -> str:

@@ -94,6 +94,9 @@ def child_env(rank: int, opts: LaunchOptions, coordinator: str,
     if opts.share_gpu:
         # Every rank's XLA would preallocate 75% of the one GPU.
         env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        # XLA's collectives fail with every rank on one GPU ("Duplicate GPU
+        # detected"): no op may take its decomposed path (XLA's collective + dot).
+        env.setdefault("JAXTDIST_PATH", "fused")
     # XLA's older host-device flag would override JAX_NUM_CPU_DEVICES.
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
                    env.get("XLA_FLAGS", "")).strip()

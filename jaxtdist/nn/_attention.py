@@ -14,6 +14,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxtdist.nn._cudnn import check_xla_attention, cudnn_attention, cudnn_refusal, mesh_platform
 from jaxtdist.nn._layout import Layout, make_layout
 from jaxtdist.nn._linear import ColumnParallelLinear, RowParallelLinear, column_parallel
 from jaxtdist.ops.ag_attention import _MAX_HEAD_DIM as _FUSED_MAX_HEAD_DIM
@@ -85,9 +86,14 @@ def rope(x: jax.Array, positions: jax.Array, theta: float,
     return (xf * cos + rotated * sin).astype(x.dtype)
 
 
-def _dot_product_attention(q, k, v, mask, mesh: Mesh) -> jax.Array:
+def _dot_product_attention(q, k, v, mask, mesh: Mesh, cudnn: dict | None = None) -> jax.Array:
     """``jax.nn.dot_product_attention``; float16 on a CPU mesh in float32 (XLA's CPU
-    dot refuses float16 operands with the float32 result it asks for), rounded once."""
+    dot refuses float16 operands with the float32 result it asks for), rounded once.
+    ``cudnn``: the same mask as cuDNN's arguments (``is_causal`` or
+    ``key_value_seq_lengths``) for ``xla_attention="cudnn"``: cuDNN's flash attention
+    where it takes the case (``cudnn_refusal``), the unfused form elsewhere."""
+    if cudnn is not None and cudnn_refusal(q.dtype, q.shape[-1], *mesh_platform(mesh)) is None:
+        return cudnn_attention(q, k, v, **cudnn)
     if q.dtype == jnp.float16 and mesh.devices.flat[0].platform == "cpu":
         f32 = [a.astype(jnp.float32) for a in (q, k, v)]
         return jax.nn.dot_product_attention(*f32, mask=mask).astype(q.dtype)
@@ -131,6 +137,11 @@ class ParallelAttention(nnx.Module):
     Parameters, as Hugging Face and MaxText name them: ``q_proj``, ``k_proj``,
     ``v_proj``, ``o_proj``, each with ``kernel`` [in, out] (and ``bias``).
 
+    ``xla_attention``: the attention of ``impl="xla"`` (and of jaxtdist's layer
+    where its kernels do not take the case): "unfused" (``jax.nn.dot_product_attention``
+    with a mask, XLA's default) or "cudnn" (cuDNN's flash attention wherever
+    ``jaxtdist.nn._cudnn.cudnn_refusal`` lets it, as a JAX GPU user runs it).
+
     ``rope_theta`` turns on rotary embeddings, ``rope_scaling`` (a
     :class:`RopeScaling`) Llama 3.1's scaling of their frequencies.
 
@@ -164,8 +175,10 @@ class ParallelAttention(nnx.Module):
                  axis_name: str = "tp",
                  batch_axes: str | Sequence[str] | None = None, mesh: Mesh | None = None,
                  dtype=None, param_dtype=jnp.float32, impl: str = "jaxtdist",
-                 rngs: nnx.Rngs):
+                 xla_attention: str = "unfused", rngs: nnx.Rngs):
         name = "ParallelAttention"
+        # impl="xla"'s attention (and jaxtdist's where its kernels do not take the case).
+        self.xla_attention = check_xla_attention(name, xla_attention)
         layout = make_layout(name, mesh=mesh, axis_name=axis_name, batch_axes=batch_axes,
                              impl=impl)
         tp = layout.tp
@@ -415,7 +428,9 @@ class ParallelAttention(nnx.Module):
             if segments:
                 (seg,) = segments
                 mask = mask & (seg[:, None, :, None] == seg[:, None, None, :])
-            return _dot_product_attention(q, k, v, mask, lay.mesh)
+            cudnn = (dict(is_causal=bool(self.causal))
+                     if self.xla_attention == "cudnn" and not segments else None)
+            return _dot_product_attention(q, k, v, mask, lay.mesh, cudnn)
 
         extra = () if segment_ids is None else (
             lay.constrain(jnp.asarray(segment_ids, jnp.int32), rows),)
@@ -460,8 +475,10 @@ class ParallelAttention(nnx.Module):
                 o = flash_decode(q[:, 0], cache_k, cache_v, index + 1, ())[:, None]
             else:
                 mask = (jnp.arange(max_len)[None, :] <= index[:, None])[:, None, None, :]
+                cudnn = (dict(key_value_seq_lengths=index + 1)  # each sequence's length
+                         if self.xla_attention == "cudnn" else None)
                 o = _dot_product_attention(q, cache_k.astype(q.dtype),
-                                           cache_v.astype(q.dtype), mask, lay.mesh)
+                                           cache_v.astype(q.dtype), mask, lay.mesh, cudnn)
             # Past the cache's end: no answer.
             o = jnp.where((index < max_len)[:, None, None, None], o, jnp.nan)
             return o, cache_k, cache_v

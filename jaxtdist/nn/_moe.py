@@ -25,6 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxtdist.nn._dense_experts import check_xla_experts, dense_experts
 from jaxtdist.nn._layout import Layout, check_divisible, make_layout
 from jaxtdist.nn._linear import _param
 from jaxtdist.ops._sharded import pjit_wrapper, rows_over
@@ -104,13 +105,18 @@ def _expert_parallel():
 
 
 def _xla_block(tokens, expert_ids, weights, w_gate, w_up, w_down, *, axis_name, sharded,
-               activation):
+               activation, experts="ragged_dot", capacity_factor=None):
     """Inside shard_map, XLA's collectives only: the experts' weights gathered
     (``sharded``: the dims split over ``axis_name``), this rank's tokens through
-    every expert they picked."""
+    every expert they picked (``experts``: ``xla_experts``)."""
     w_gate, w_up, w_down = (jax.lax.all_gather(w, axis_name, axis=d, tiled=True)
                             for w, d in zip((w_gate, w_up, w_down), sharded))
     k = expert_ids.shape[1]
+    if experts == "dense":  # slots for the layer's capacity, else for every pick
+        capacity = (None if capacity_factor is None else expert_capacity(
+            capacity_factor, tokens.shape[0], k, w_gate.shape[0]))
+        return dense_experts(tokens, expert_ids, weights, w_gate, w_up, w_down, activation,
+                             capacity).astype(tokens.dtype)
     out = experts_partial_sum(tokens, expert_ids.reshape(-1), weights.reshape(-1), k, w_gate,
                               w_down, w_up, activation, "ragged_dot")
     return out.astype(tokens.dtype)
@@ -197,10 +203,14 @@ class ParallelMoE(nnx.Module):
                  batch_axes: str | Sequence[str] | None = None, mesh: Mesh | None = None,
                  dtype=None, param_dtype=jnp.float32,
                  kernel_init=nnx.initializers.lecun_normal(), impl: str = "jaxtdist",
-                 capacity_factor: float | None = None, rngs: nnx.Rngs):
+                 capacity_factor: float | None = None, xla_experts: str = "ragged_dot",
+                 rngs: nnx.Rngs):
         """``grouped_gemm``: the experts' GEMMs, as ``jaxtdist.moe_tp_mlp`` takes it
         ("auto": ``jaxtdist.grouped_matmul`` on GPUs for 16-bit types, else
-        ``jax.lax.ragged_dot``)."""
+        ``jax.lax.ragged_dot``). ``xla_experts``: those of ``impl="xla"``,
+        "ragged_dot" or "dense" (MaxText's capacity slots and batched GEMMs,
+        ``jaxtdist.nn._dense_experts``)."""
+        self.xla_experts = check_xla_experts("ParallelMoE", xla_experts)
         self.layout = make_layout("ParallelMoE", mesh=mesh, axis_name=axis_name,
                                   batch_axes=batch_axes, impl=impl)
         name = "jaxtdist.nn.ParallelMoE"
@@ -323,6 +333,8 @@ class ParallelMoE(nnx.Module):
             rows = min(self.num_experts * capacity,
                        default_recv_rows(per_device, self.top_k, lay.tp, self.num_experts))
             sent = keep  # padding rows are never kept
+        if sent is not None:  # padding weighs 0: it takes no slot of the dense experts
+            weights = jnp.where(sent, weights, 0.0)
         if sent is not None and self.parallelism == "expert" and lay.impl != "xla":
             # Dropped picks and padding rows (a decode step's, which all route
             # alike, or a prompt's): not sent; the dispatch skips ids outside [0, E).
@@ -347,7 +359,8 @@ class ParallelMoE(nnx.Module):
                          zip((tokens, ids, weights, w_gate, w_up, w_down), specs))
             return jax.shard_map(
                 functools.partial(_xla_block, axis_name=axis, sharded=sharded,
-                                  activation=self.activation),
+                                  activation=self.activation, experts=self.xla_experts,
+                                  capacity_factor=self.capacity_factor),
                 mesh=lay.mesh, in_specs=specs, out_specs=P(lay.tokens, None))(*args)
         if self.parallelism == "expert":
             return _expert_parallel()(tokens, ids, weights, w_gate, w_up, w_down,

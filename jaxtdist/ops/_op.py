@@ -22,7 +22,11 @@ every op:
   ``lax.map``), each with its own epoch;
 - world 1: a group of one rank runs the local computation (what the op costs
   without communication), with JAX's own autodiff, everywhere or only under
-  the interpreter (``local_at_world_1``).
+  the interpreter (``local_at_world_1``);
+- the path (``_path``): per call, the fused kernels or the decomposed form (the
+  local computation at world 1; ``decomposed``, XLA's collective and dot, at
+  world > 1), by the op's ``path`` rule where it declares one, forced by
+  ``config={"PATH": ...}``, logged at DEBUG and shown by ``jaxtdist.explain``.
 
 The pjit-style form of an op is ``_sharded.pjit_wrapper``.
 
@@ -48,13 +52,15 @@ import jax.numpy as jnp
 from jax.interpreters import ad
 
 from jaxtdist.ops._config import config_dict
+from jaxtdist.ops._path import (AUTO, DECOMPOSED, ENV_PATH, FUSED, Choice, PathRule, Situation,
+                                log_choice, situation_of, take_path)
 from jaxtdist.ops._protocol import (check_axis, mark_varying, order_record, order_token,
                                     program_order_deps, record_output, varying_axes)
 from jaxtdist.runtime._ffi import no_derivative
 from jaxtdist.runtime._identity import identity_primitive
 from jaxtdist.runtime._runtime import runtime
 
-__all__ = ["DistributedOp", "first_order_only", "later_output",
+__all__ = ["DistributedOp", "distributed_op", "first_order_only", "later_output",
            "match_cotangent", "one_call_per_element", "run_once", "scatter_cotangent",
            "under_vmap"]
 
@@ -263,6 +269,11 @@ class DistributedOp:
         instead of the kernels, so that a bad config (an unknown key, a tile that
         is no power of 2) fails on one device as it would on many. None: nothing
         to check.
+      decomposed: ``decomposed(*args, **static) -> out``: the decomposed form at
+        world > 1 (XLA's collective and dot), differentiated by JAX; None: none.
+      path: the op's ``_path.PathRule``: which path a call takes with no
+        ``PATH`` asked for; None: the local computation at world 1 where
+        ``local_at_world_1`` applies, else the kernels.
     """
     name: str
     forward: Callable[..., tuple[Any, Any]]
@@ -273,31 +284,87 @@ class DistributedOp:
     reduces: bool = False
     primal: Callable[..., tuple[Any, Any]] | None = None
     check_config: Callable[..., None] | None = None
+    decomposed: Callable[..., Any] | None = None
+    path: PathRule | None = None
 
     def __post_init__(self):
         if self.local_at_world_1 not in ("always", "interpreter"):
             raise ValueError(f"jaxtdist.{self.name}: local_at_world_1="
                              f"{self.local_at_world_1!r} must be 'always' or 'interpreter'")
+        _OPS[self.name] = self
 
     def __call__(self, *args: Any, axis_name, **static: Any):
-        """The op, checked: the local computation where it applies, else the kernels."""
-        axis_name, static = self._checked(args, axis_name, static)
+        """The op, checked, on the path ``choose`` picks: the local computation or the
+        decomposed form, else the kernels."""
+        axis_name, static, asked = self._checked(args, axis_name, static)
         rt = runtime()
         layout = check_axis(rt, axis_name, self.name)
+        choice = self.choose(situation_of(rt, layout.world), args, static, *asked,
+                             local_applies=self.local_applies(rt))
+        log_choice(choice)
+        if choice.path == DECOMPOSED:
+            if self.check_config is not None and static.get("config") is not None:
+                self.check_config(*args, axis_name=axis_name, **static)
+            if layout.world > 1:
+                return self.decomposed(*args, axis_name=axis_name, **static)
+            out = self.local(*args, axis_name=axis_name, **static)
+            return _typed_as_sum(out, layout.axes) if self.reduces else out
         gradient = "backward"
-        if layout.world == 1 and self.local is not None:
-            if self.local_applies(rt):
-                if self.check_config is not None and static.get("config") is not None:
-                    self.check_config(*args, axis_name=axis_name, **static)
-                out = self.local(*args, axis_name=axis_name, **static)
-                return _typed_as_sum(out, layout.axes) if self.reduces else out
-            if self.backward is None:
-                gradient = "local"
+        if layout.world == 1 and self.local is not None and self.backward is None:
+            gradient = "local"
         return self._ordered(args, axis_name, static, rt, gradient)
+
+    def choose(self, situation: Situation, args: tuple, static: dict, asked: str = AUTO,
+               asker: str = "config PATH", *, local_applies: bool = True) -> Choice:
+        """The path of a call (``_path``): ``asked`` (by ``asker``: config's PATH or
+        ``JAXTDIST_PATH``) where it is not "auto", else the op's ``path`` rule, else
+        the default (world 1: the local computation where ``local_applies``;
+        world > 1: the kernels)."""
+        one = situation.world == 1
+        decomposed = "local computation" if one else "decomposed form"
+        if asked == FUSED:
+            return Choice(self.name, FUSED, "jaxtdist's kernels", asker)
+        missing = (self.local if one else self.decomposed) is None
+        if asked == DECOMPOSED and not (missing and asker.startswith(ENV_PATH)):
+            # (The environment's choice falls back to the rule where there is none.)
+            if missing:
+                raise ValueError(
+                    f"jaxtdist.{self.name}: {asker}, but the op has no {decomposed} at "
+                    f"world {situation.world}; allowed here: 'auto', 'fused'")
+            return Choice(self.name, DECOMPOSED, self._runs(one), asker)
+        keys = sorted(static.get("config") or ())
+        if keys and not one:
+            # Keys of the kernel config configure the kernels: they run (at world 1
+            # the local computation stays, as before paths, with the keys checked).
+            return Choice(self.name, FUSED, "jaxtdist's kernels",
+                          f"config sets kernel keys {keys}: the kernels they configure run")
+        rule = self.path.choose(situation, *args, **static) if self.path is not None else None
+        if rule is not None:
+            return dataclasses.replace(rule, op=self.name)
+        if not one:
+            return Choice(self.name, FUSED, "jaxtdist's kernels",
+                          "the op's kernels (no rule picks another path at world > 1)")
+        if self.local is not None and local_applies:
+            return Choice(self.name, DECOMPOSED, self._runs(one),
+                          "a group of one rank needs no communication: the local "
+                          "computation runs" + ("" if self.local_at_world_1 == "always"
+                                                else " (under the Triton interpreter)"))
+        return Choice(self.name, FUSED, "jaxtdist's kernels",
+                      "the op's kernels at world 1 (its local computation is slower on GPUs)"
+                      if self.local is not None else "the op has no local computation")
+
+    def _runs(self, one: bool) -> str:
+        """What the decomposed path runs, in words."""
+        said = (self.path.local if one else self.path.decomposed) if self.path else ""
+        return said or ("the local computation" if one else "the decomposed form")
 
     def kernels(self, *args: Any, axis_name, **static: Any):
         """``check``, then ``launch`` (``*_kernels`` entry points: benchmarks, tests)."""
-        axis_name, static = self._checked(args, axis_name, static)
+        axis_name, static, (asked, asker) = self._checked(args, axis_name, static)
+        if asked == DECOMPOSED and asker.startswith("config"):
+            raise ValueError(f"jaxtdist.{self.name}: {asker} asks for XLA's path; the kernels "
+                             f"entry point always runs the kernels (call jaxtdist.{self.name} "
+                             "instead)")
         return self.launch(*args, axis_name=axis_name, **static)
 
     def launch(self, *args: Any, axis_name, **static: Any):
@@ -314,15 +381,19 @@ class DistributedOp:
         """The forward pass's (out, residuals), bypassing autodiff (for tuning and tests)."""
         return self.forward(*args, axis_name=axis_name, **static)
 
-    def _checked(self, args: tuple, axis_name, static: dict) -> tuple[Any, dict]:
-        """``axis_name`` and ``static`` normalized, after ``check`` passed on them."""
+    def _checked(self, args: tuple, axis_name, static: dict) -> tuple[Any, dict, tuple]:
+        """``axis_name`` and ``static`` normalized (``config``'s PATH taken out), after
+        ``check`` passed on them, and the path asked for with who asked
+        (``_path.take_path``)."""
         if isinstance(axis_name, list):
             axis_name = tuple(axis_name)
+        config = config_dict(self.name, static["config"]) if "config" in static else None
+        *asked, config = take_path(self.name, config)
         if "config" in static:
-            static["config"] = config_dict(self.name, static["config"])
+            static["config"] = config
         if self.check is not None:
             self.check(*args, axis_name=axis_name, **static)
-        return axis_name, static
+        return axis_name, static, tuple(asked)
 
     def _ordered(self, args: tuple, axis_name, static: dict, rt, gradient: str | None):
         """The kernels through the custom VJP, after the previous op of the trace."""
@@ -447,6 +518,22 @@ class DistributedOp:
 
         call.defvjp(fwd, bwd)
         return call
+
+
+# Every declared op by name (``jaxtdist.explain`` finds ops here).
+_OPS: dict[str, DistributedOp] = {}
+
+
+def distributed_op(op) -> DistributedOp:
+    """The declared op of ``op``: a ``DistributedOp``, its name, or its public
+    function (``jaxtdist.ag_matmul``)."""
+    if isinstance(op, DistributedOp):
+        return op
+    name = op if isinstance(op, str) else getattr(op, "__name__", None)
+    if name not in _OPS:
+        raise ValueError(f"jaxtdist: {op!r} is not a jaxtdist op; known: {sorted(_OPS)} (the "
+                         "shard_map forms: pass jaxtdist.ag_matmul, not ag_matmul_sharded)")
+    return _OPS[name]
 
 
 def _cotangent_leaves(op: str, tree, cts: Sequence) -> list:

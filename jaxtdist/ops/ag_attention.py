@@ -3,10 +3,11 @@ rank's keys and values, the KV gather overlapped with the flash-attention tiles.
 
 Shapes (``_check``), plan (``AgAttentionConfig``, ``StageWorkspace``), launch
 (``_forward``, the fused backward's kernels too) and the local computation;
-``DistributedOp`` supplies program order, autodiff and world 1 (the kernels on
-GPUs); ``pjit_wrapper`` the pjit-style form. The kernels are
-``kernels/ag_attention.py`` (forward), ``kernels/attention_ws.py`` (forward,
-one rank, Hopper) and ``kernels/attention_bwd.py`` (backward).
+``DistributedOp`` supplies program order, autodiff and world 1 (cuDNN on GPUs
+where it takes the case, ``_world_1_path``); ``pjit_wrapper`` the pjit-style
+form. The kernels are ``kernels/ag_attention.py`` (forward),
+``kernels/attention_ws.py`` (forward, one rank, Hopper) and
+``kernels/attention_bwd.py`` (backward).
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from jaxtdist._errors import HeapExhaustedError
 from jaxtdist.kernels import attention_bwd, attention_ws
 from jaxtdist.kernels.ag_attention import ag_attention_kernel
 from jaxtdist.ops._config import KernelConfig, Problem, STAGES, WARPS, block, resolve, setting
+from jaxtdist.ops._cudnn import cudnn_refuses
 from jaxtdist.ops._inbox import push_to_inboxes
 from jaxtdist.ops._op import DistributedOp
+from jaxtdist.ops._path import DECOMPOSED, FUSED, Choice, PathRule, Situation, situation_of
 from jaxtdist.ops._precision import dot_precision
 from jaxtdist.ops._protocol import Call, check_axis
 from jaxtdist.ops._shapes import InboxWorkspace, align, check_dtype, next_pow2, static_bool
@@ -33,7 +36,7 @@ from jaxtdist.ops._sharded import pjit_wrapper, rows_over
 from jaxtdist.runtime._runtime import runtime
 
 __all__ = ["AgAttentionConfig", "ag_attention", "ag_attention_kernels", "ag_attention_sharded",
-           "attention"]
+           "attention", "cudnn_refuses"]
 
 _MAX_HEAD_DIM = 256
 # 64-row query tiles below this many rounds of 128-row programs per SM. On 1 x H200
@@ -483,9 +486,36 @@ def _launch_backward(q, k, v, out, lse, dout, *, axis_name, causal=True, config=
     return (dq, dk, dv), None
 
 
+def _world_1_path(situation: Situation, q, k, v, *, causal=True, config=None) -> Choice | None:
+    """On a GPU at world 1: cuDNN where it takes the case (forward and its own
+    backward), else the kernels; elsewhere the mechanism's default (the local
+    computation under the interpreter, the kernels at world > 1)."""
+    del k, v, config
+    if situation.world != 1 or situation.platform != "gpu":
+        return None
+    why = cudnn_refuses(situation.platform, situation.compute_capability, q.dtype, q.shape[3])
+    inputs = dict(dtype=jnp.dtype(q.dtype).name, head_dim=q.shape[3], causal=causal,
+                  compute_capability=situation.compute_capability)
+    if why:
+        return Choice("", FUSED, "jaxtdist's kernels", f"cuDNN does not take the case: {why}",
+                      inputs)
+    return Choice("", DECOMPOSED, _CUDNN_RUNS, "cuDNN takes the case (" + ", ".join(
+        f"{k}={v}" for k, v in inputs.items()) + "); its forward and backward run", inputs)
+
+
+_CUDNN_RUNS = "cuDNN flash attention (jax.nn.dot_product_attention, implementation='cudnn')"
+
+
 def _local(q, k, v, *, axis_name, causal=True, config=None):
     del axis_name, config
-    if q.dtype == jnp.float16 and runtime().platform == "cpu":
+    rt = runtime()
+    if rt.platform == "gpu":
+        situation = situation_of(rt, 1)
+        take = not cudnn_refuses("gpu", situation.compute_capability, q.dtype, q.shape[3])
+        # Where cuDNN refuses, only config PATH='decomposed' gets here: XLA's attention.
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                            implementation="cudnn" if take else None)
+    if q.dtype == jnp.float16:
         # XLA's CPU dot refuses float16 operands with a float32 result (what
         # dot_product_attention asks for): attend in float32, round once.
         f32 = [a.astype(jnp.float32) for a in (q, k, v)]
@@ -498,14 +528,17 @@ def _check_config(q, k, v, *, axis_name, causal=True, config):
     _resolved(Call("ag_attention", axis_name), q, k, config, axis_name)
 
 
-# A group of one rank on GPUs runs the kernels too: JAX's dot_product_attention
-# takes XLA's unfused attention by default there (2903 us against the
-# warp-specialized kernel's 273.5 on one H200 at S = 4096, H = 32, D = 128,
-# causal, bf16) and keeps [S, S] scores for its backward. Under the Triton
-# interpreter the local computation stays (the interpreter is slow).
+# A group of one rank on GPUs runs cuDNN where it takes the case (``_world_1_path``),
+# else the kernels: JAX's dot_product_attention takes XLA's unfused attention by
+# default (2903 us against the warp-specialized kernel's 273.5 on one H200 at
+# S = 4096, H = 32, D = 128, causal, bf16) and keeps [S, S] scores for its
+# backward. Under the Triton interpreter the local computation stays.
 _AG_ATTENTION = DistributedOp("ag_attention", forward=_forward, backward=_backward,
                               check=_check, local=_local, local_at_world_1="interpreter",
-                              check_config=_check_config)
+                              check_config=_check_config,
+                              path=PathRule(_world_1_path, config_type=AgAttentionConfig,
+                                            shape=lambda q, k, *_: (*q.shape[:3], k.shape[2],
+                                                                    q.shape[3])))
 
 
 def ag_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *, causal: bool = True,
@@ -526,8 +559,12 @@ def ag_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name, *, causal:
     (``all_gather``), runs a fused flash-attention backward (two Triton
     kernels; no [S_shard, S] score matrix in memory; the forward keeps each
     row's log-sum-exp) and sums dk and dv back to their owners
-    (``psum_scatter``). A group of one rank runs the kernels on GPUs and
-    ``jax.nn.dot_product_attention`` under the interpreter. float32 inputs
+    (``psum_scatter``). A group of one rank runs cuDNN's flash attention on
+    GPUs where cuDNN takes the case (``cudnn_refuses``: bfloat16 or float16,
+    head dims it supports; differentiated by cuDNN's own backward), else the
+    kernels, and ``jax.nn.dot_product_attention`` under the interpreter
+    (``jaxtdist.explain`` says which; ``config={"PATH": "fused"}`` forces the
+    kernels). float32 inputs
     follow ``jax.default_matmul_precision`` like XLA's dots on GPUs: TF32
     tensor cores by default, float32 accuracy under ``"highest"``. A NaN or inf
     in a value a query sees reaches its output; under causal masking one in a

@@ -19,6 +19,7 @@ from jaxtdist.ops._ag_matmul_config import (AgMatmulConfig, flattens, split_n_ta
                                             stream_k_tail, tail_stages)
 from jaxtdist.ops._config import Problem, resolve
 from jaxtdist.ops._gemm_config import weights_k_major
+from jaxtdist.ops._gemm_paths import AG_MATMUL_PATH
 from jaxtdist.ops._inbox import push_to_inboxes
 from jaxtdist.ops._partial_sums import rs_launch
 from jaxtdist.ops._precision import kernel_operands
@@ -299,13 +300,20 @@ def _local(x, w, *, axis_name, config=None, regather=False):
     return jnp.dot(x, w)
 
 
+def _decomposed(x, w, *, axis_name, config=None, regather=False):
+    # World > 1 where the kernels cannot win (``_gemm_paths``): XLA's gather, then the dot.
+    del config, regather
+    return jnp.dot(jax.lax.all_gather(x, axis_name, axis=0, tiled=True), w)
+
+
 def _check_config(x, w, *, axis_name, config, regather=False):
     del regather
     _resolved(Call("ag_matmul", axis_name), x, w, config, axis_name)
 
 
 _AG_MATMUL = DistributedOp("ag_matmul", forward=_forward, backward=_backward, check=_check,
-                           local=_local, primal=_primal, check_config=_check_config)
+                           local=_local, primal=_primal, check_config=_check_config,
+                           decomposed=_decomposed, path=AG_MATMUL_PATH)
 
 
 def ag_matmul(x: jax.Array, w, axis_name, *, config: dict | None = None,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxtdist.ops._gemm_paths import MATMUL_AR_PATH, MATMUL_RS_PATH
 from jaxtdist.ops._op import DistributedOp, one_call_per_element
 from jaxtdist.ops._partial_sums import (MatmulArConfig, MatmulRsConfig, _ar_check, _rs_check,
                                         ar_launch, matmul_ar_kernels, matmul_rs_kernels,
@@ -61,8 +62,20 @@ def _ar_check_config(x, w, *, axis_name, config):
     resolved_config(MatmulArConfig, Call("matmul_ar", axis_name), x, w, axis_name, config)
 
 
+def _rs_decomposed(x, w, *, axis_name, config=None):
+    # World > 1 where the kernels cannot win (``_gemm_paths``): the dot, then XLA's.
+    del config
+    return jax.lax.psum_scatter(jnp.dot(x, w), axis_name, scatter_dimension=0, tiled=True)
+
+
+def _ar_decomposed(x, w, *, axis_name, config=None):
+    del config
+    return jax.lax.psum(jnp.dot(x, w), axis_name)
+
+
 _MATMUL_RS = DistributedOp("matmul_rs", forward=_rs_forward, backward=_rs_backward,
-                           check=_rs_check, local=_local, check_config=_rs_check_config)
+                           check=_rs_check, local=_local, check_config=_rs_check_config,
+                           decomposed=_rs_decomposed, path=MATMUL_RS_PATH)
 
 
 def matmul_rs(x: jax.Array, w: jax.Array, axis_name, *, config: dict | None = None) -> jax.Array:
@@ -119,7 +132,8 @@ def _ar_backward(residuals, dy, *, axis_name, config=None):
 
 _MATMUL_AR = DistributedOp("matmul_ar", forward=_ar_forward, backward=_ar_backward,
                            check=_ar_check, local=_local, reduces=True,
-                           check_config=_ar_check_config)
+                           check_config=_ar_check_config, decomposed=_ar_decomposed,
+                           path=MATMUL_AR_PATH)
 
 
 def matmul_ar(x: jax.Array, w: jax.Array, axis_name, *, config: dict | None = None) -> jax.Array:

@@ -11,6 +11,7 @@
 #   run once at world 1 with default configs: the GEMM core of every matmul
 #   family vs jnp.dot, the grouped GEMM vs ragged_dot, MoE dispatch/combine,
 #   the older untuned tables;
+#   SEED=s: the random-shape benches' draw (default: from the clock).
 #   DOCS=1 also copies the benchmark tables and JSON into docs/perf/.
 # Writes logs and results under ${OUT:-/tmp/jaxtdist-gpu}. The tuning cache is
 # ${JAXTDIST_TUNING_CACHE:-$OUT/tuning.json}: the tune phase writes it, and the
@@ -122,8 +123,14 @@ if has bench; then
     [ "$W" -gt 1 ] && bench moe "moe_${DEV}x${W}" --world "$W" $ARGS
   done
   # World 1, default configs: a fresh, empty tuning cache (the subcommands make one).
-  for B in ${WORLD1_BENCHES:-gemm grouped_matmul moe untuned untuned_matmul_rs}; do
+  # The random-shape benches draw from SEED (default: the clock, printed in the
+  # tables): defaults are judged on shapes nobody tuned.
+  SEED=${SEED:-$(( $(date +%s) % 100000 ))}
+  for B in ${WORLD1_BENCHES:-gemm gemm_random attention_random attention_random_bwd grouped_matmul moe untuned untuned_matmul_rs}; do
     case $B in
+      gemm_random) bench gemm "gemm_random_${DEV}x1" --random 50 --seed "$SEED" $ITER ;;
+      attention_random) bench ag_attention "ag_attention_random_${DEV}x1" --random 20 --seed "$SEED" $ITER ;;
+      attention_random_bwd) bench ag_attention "ag_attention_bwd_random_${DEV}x1" --random 20 --seed "$SEED" --backward $ITER ;;
       untuned) bench untuned "ag_matmul_untuned_${DEV}x1" $ITER ;;
       untuned_matmul_rs) bench untuned_matmul_rs "matmul_rs_untuned_${DEV}x1" $ITER ;;
       moe) bench moe "moe_${DEV}x1" $ARGS ;;

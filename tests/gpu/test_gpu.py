@@ -56,7 +56,9 @@ def _ring_shift(x, world, shift):
 
 def _ag_matmul_fn(mesh, config=None):
     from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered
-    body = ((lambda x, w: td.ag_matmul(x, w, "tp")) if config is None else
+    # The op on its kernels, also where its path rule would take XLA's (small shards).
+    body = ((lambda x, w: td.ag_matmul(x, w, "tp", config=dict(PATH="fused")))
+            if config is None else
             (lambda x, w: ag_matmul_with_gathered(x, w, "tp", config=config, gathered=False)[0]))
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp", None), P(None, "tp")),
                                  out_specs=P(None, "tp")))

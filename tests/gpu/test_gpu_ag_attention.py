@@ -2,7 +2,8 @@
 whole sequence on the host); skipped without GPUs (run with JAXTDIST_TEST_GPU=1,
 as tests/gpu/run.sh does).
 
-World 1 runs the kernels (the op and ``ag_attention_kernels``); 2 and 4 GPUs run
+World 1 runs cuDNN where it takes the case, else the kernels (the op; and
+``ag_attention_kernels`` everywhere); 2 and 4 GPUs run
 them too, causal and not, GQA, odd lengths, chained calls on changing data, and
 gradients (the fused backward)."""
 
@@ -191,16 +192,19 @@ def test_ag_attention_grad(world):
                                           (1, 512, 16, 2, 128), (1, 384, 8, 1, 96)])
 @pytest.mark.parametrize("causal", [True, False])
 def test_ag_attention_fused_backward(world, dtype, b, s, hq, hkv, d, causal):
-    """The fused backward (every world: at world 1 on GPUs the op runs the kernels)
-    against float32 gradients of plain attention on the host, twice on fresh
-    inputs; the forward of the op at world 1 is the kernel's, bit for bit."""
+    """The fused backward (every world: at world 1 the kernels forced with config
+    PATH='fused', where cuDNN would otherwise run) against float32 gradients of
+    plain attention on the host, twice on fresh inputs; the forward of the op at
+    world 1 is the kernel's, bit for bit."""
     if len(jax.devices()) < world:
         pytest.skip(f"needs {world} GPUs")
     mesh = _mesh(world)
     s = -(-s // world) * world
+    fused = dict(PATH="fused")
     grad = jax.jit(jax.shard_map(
         lambda q, k, v, c: jax.grad(lambda q, k, v: jnp.sum(
-            td.ag_attention(q, k, v, "sp", causal=causal).astype(jnp.float32) * c),
+            td.ag_attention(q, k, v, "sp", causal=causal, config=fused).astype(jnp.float32)
+            * c),
             argnums=(0, 1, 2))(q, k, v),
         mesh=mesh, in_specs=(SP,) * 4, out_specs=(SP,) * 3))
     for _ in range(2):
@@ -218,10 +222,54 @@ def test_ag_attention_fused_backward(world, dtype, b, s, hq, hkv, d, causal):
             assert _rel(g, np.asarray(want)) < TOL[dtype], f"d{name}"
     if world == 1:
         outs = [np.asarray(jax.jit(jax.shard_map(
-            lambda q, k, v, fn=fn: fn(q, k, v, "sp", causal=causal), mesh=mesh,
+            lambda q, k, v, fn=fn: fn(q, k, v, "sp", causal=causal, config=fused), mesh=mesh,
             in_specs=(SP,) * 3, out_specs=SP))(*args[:3]).astype(jnp.float32))
             for fn in (td.ag_attention, ag_attention_kernels)]
         np.testing.assert_array_equal(*outs)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("b,s,hq,hkv,d", [(2, 1000, 8, 2, 128), (1, 257, 4, 4, 64),
+                                          (1, 300, 4, 1, 256), (1, 256, 4, 2, 96)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_world_1_path(dtype, b, s, hq, hkv, d, causal):
+    """At world 1 the op is cuDNN's flash attention where cuDNN takes the case (its
+    output bit for bit, its gradients), else the kernels (bit for bit): the path
+    ``jaxtdist.explain`` names."""
+    from jaxtdist.ops.ag_attention import cudnn_refuses
+
+    mesh = _mesh(1)
+    q = _rand((b, s, hq, d), dtype)
+    k, v = (_rand((b, s, hkv, d), dtype) for _ in range(2))
+    c = _rand(q.shape, jnp.float32)
+    args = _put(mesh, dtype, q, k, v)
+    capability = str(getattr(jax.devices()[0], "compute_capability", ""))
+    cudnn = not cudnn_refuses("gpu", capability, dtype, d)
+    choice = td.explain(td.ag_attention, *args, axis_size=1, causal=causal)
+    assert choice.path == ("decomposed" if cudnn else "fused"), str(choice)
+
+    def run(fn):
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(SP,) * 3, out_specs=SP))(*args)
+
+    out = run(lambda q, k, v: td.ag_attention(q, k, v, "sp", causal=causal))
+    if cudnn:
+        want = run(lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="cudnn"))
+    else:
+        want = run(lambda q, k, v: ag_attention_kernels(q, k, v, "sp", causal=causal))
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)),
+                                  np.asarray(want.astype(jnp.float32)))
+    grads = jax.jit(jax.shard_map(
+        lambda q, k, v, c: jax.grad(lambda q, k, v: jnp.sum(
+            td.ag_attention(q, k, v, "sp", causal=causal).astype(jnp.float32) * c),
+            argnums=(0, 1, 2))(q, k, v),
+        mesh=mesh, in_specs=(SP,) * 4, out_specs=(SP,) * 3))(*args, *_put(mesh, jnp.float32, c))
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        expect = jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v, causal=causal) * c),
+                          argnums=(0, 1, 2))(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
+    for name, g, e in zip("qkv", grads, expect):
+        assert _rel(g, np.asarray(e)) < TOL[dtype], f"d{name}"
 
 
 def _hopper():

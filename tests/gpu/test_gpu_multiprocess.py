@@ -66,6 +66,8 @@ def launch(nproc: int, extra_env: dict, *args: str, grace_s: float = 0,
            script: str = "ops_check.py") -> tuple[int, str, float]:
     env = dict(os.environ)
     env.update(extra_env)
+    # The kernels' protocol across processes is under test, on every shape.
+    env.setdefault("JAXTDIST_PATH", "fused")
     env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in sys.path if p])
     env.pop("JAX_PLATFORMS", None)
     if extra_env:  # under MPS each process gets its share of the SMs
