@@ -203,3 +203,24 @@ def test_bfloat16_moe_twins_route_alike_on_the_same_input():
     np.testing.assert_array_equal(np.asarray(ours_stats.load), np.asarray(theirs_stats.load))
     np.testing.assert_array_equal(np.asarray(ours_stats.prob), np.asarray(theirs_stats.prob))
     assert rel_err(ours, np.asarray(theirs.astype(jnp.float32))) < 2e-2
+
+
+def test_moe_padding_takes_no_dense_expert_slot():
+    """ParallelMoE(impl="xla", xla_experts="dense") with a capacity: a sequence's
+    right padding (lengths) and the layer's own padding (seq 5 on tp 4) take no
+    slot, so the real tokens' outputs and statistics are those of the batch
+    without the padding tokens' contents (here: padding of other values)."""
+    mesh = dp_tp_mesh((2, 4))
+    moe = tdnn.ParallelMoE(16, 24, num_experts=4, top_k=2, impl="xla", mesh=mesh,
+                           capacity_factor=1.0, xla_experts="dense", rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(17)
+    x = rng.standard_normal((2, 5, 16)).astype(np.float32)
+    other = x.copy()
+    other[1, 3:] = rng.standard_normal((2, 16)) * 10  # padding: must not matter
+    lengths = np.array([5, 3], np.int32)
+    run = nnx.jit(lambda m, a, n: m(a, lengths=n, return_router_stats=True))
+    (y, stats), (y2, stats2) = run(moe, x, lengths), run(moe, other, lengths)
+    y, y2 = np.asarray(y), np.asarray(y2)
+    assert rel_err(y2[0], y[0]) < 1e-6 and rel_err(y2[1, :3], y[1, :3]) < 1e-6
+    for a, b in zip(stats, stats2):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
