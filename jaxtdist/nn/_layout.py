@@ -154,10 +154,13 @@ class Layout:
 
     def unpad(self, y: jax.Array, seq: int) -> jax.Array:
         """y [batch, padded seq, ...] -> [batch, seq, ...]: ``pad_input``'s padding
-        dropped (the sequence dim first gathered: a cut of it is not sharded evenly)."""
+        dropped (the sequence dim first gathered: a cut of it is not sharded evenly;
+        the last dim sharded over ``axis_name`` instead where it divides, so that a
+        prefill's logits take no more memory than before)."""
         if y.shape[1] == seq:
             return y
-        y = self.constrain(y, P(self.batch_spec(y.shape[0]), *(None,) * (y.ndim - 1)))
+        last = self.axis_name if y.ndim > 2 and y.shape[-1] % self.tp == 0 else None
+        y = self.constrain(y, P(self.batch_spec(y.shape[0]), *(None,) * (y.ndim - 2), last))
         return y[:, :seq]
 
     def check_lengths(self, lengths, batch: int, seq: int) -> jax.Array:
