@@ -326,7 +326,7 @@ class ParallelMoE(nnx.Module):
             capacity = expert_capacity(self.capacity_factor, per_device, self.top_k,
                                        self.num_experts)
             keep = _capacity_keep(ids, live, capacity, self.num_experts, lay)
-            picks = jnp.sum(live, dtype=jnp.float32) * self.top_k
+            picks = jnp.maximum(jnp.sum(live, dtype=jnp.float32), 1.0) * self.top_k
             stats = stats._replace(dropped=jnp.sum(live[:, None] & ~keep, dtype=jnp.float32)
                                    / picks)
             weights = jnp.where(keep, weights, 0.0)
