@@ -21,12 +21,14 @@ Example:
 
 from jaxtdist.nn._attention import ParallelAttention, RopeScaling, rope
 from jaxtdist.nn._embed import Embed
+from jaxtdist.nn._generate import generate
 from jaxtdist.nn._hf import load_hf_llama
 from jaxtdist.nn._linear import ColumnParallelLinear, RowParallelLinear
-from jaxtdist.nn._llama import Llama, LlamaConfig, place_on_mesh
+from jaxtdist.nn._llama import Llama, LlamaConfig, Optimizer, place_on_mesh
 from jaxtdist.nn._mlp import ParallelMLP
 from jaxtdist.nn._moe import ParallelMoE, RouterStats, load_balancing_loss
 
-__all__ = ["ColumnParallelLinear", "Embed", "Llama", "LlamaConfig", "ParallelAttention",
-           "ParallelMLP", "ParallelMoE", "RopeScaling", "RouterStats", "RowParallelLinear",
-           "load_balancing_loss", "load_hf_llama", "place_on_mesh", "rope"]
+__all__ = ["ColumnParallelLinear", "Embed", "Llama", "LlamaConfig", "Optimizer",
+           "ParallelAttention", "ParallelMLP", "ParallelMoE", "RopeScaling", "RouterStats",
+           "RowParallelLinear", "generate", "load_balancing_loss", "load_hf_llama",
+           "place_on_mesh", "rope"]

@@ -116,6 +116,12 @@ def _norm_heads(norm: nnx.RMSNorm, x: jax.Array) -> jax.Array:
     return norm(x.astype(jnp.float32)).astype(x.dtype)
 
 
+def _pad_rows(a: jax.Array, seq: int, value: int) -> jax.Array:
+    """a [batch, real seq] right-padded with ``value`` to [batch, seq]."""
+    return a if a.shape[1] == seq else jnp.pad(a, ((0, 0), (0, seq - a.shape[1])),
+                                               constant_values=value)
+
+
 class ParallelAttention(nnx.Module):
     """Multi-head self-attention, heads split over ``axis_name`` (Megatron style).
 
@@ -145,8 +151,10 @@ class ParallelAttention(nnx.Module):
     ``scale`` [head_dim] (ones at first) shared by the heads, replicated.
 
     Decoding: ``init_cache(batch, max_len)``, a call on the prompts fills the
-    cache (the prefill), then calls with ``decode=True`` on [batch, 1, d] add
-    one token each at ``position`` (readable, an int32 scalar), attending
+    cache (the prefill; ``lengths`` [batch] for prompts of different lengths,
+    right-padded), then calls with ``decode=True`` on [batch, 1, d] add one
+    token to each sequence at its own position (``lengths``, int32 [batch];
+    ``position`` the longest one's), attending
     through ``flash_decode`` where the cache has the activations' dtype. Past
     ``max_len`` the output is NaN, never a wrong number (``check_room`` raises
     ahead of a decode loop).
@@ -231,27 +239,28 @@ class ParallelAttention(nnx.Module):
 
         Two ``nnx.Cache`` arrays [batch, max_len, kv_heads, head_dim] sharded
         ``P(batch_axes, None, axis_name, None)`` and the next position
-        (``cache_index``, int32), all module state that ``nnx.jit`` carries.
+        of each sequence (``cache_index``, int32 [batch]), all module state that
+        ``nnx.jit`` carries.
+
+        A batch that does not divide over ``batch_axes`` is cached replicated over
+        them (each group repeats the work, as the layers do for such a batch).
 
         Raises:
-          ValueError: ``batch`` or ``max_len`` not positive, or ``batch`` not
-            divisible over ``batch_axes``.
+          ValueError: ``batch`` or ``max_len`` not positive.
         """
         lay = self.layout
         if batch < 1 or max_len < 1:
             raise ValueError(f"jaxtdist.nn.ParallelAttention.init_cache: batch={batch}, "
                              f"max_len={max_len}; both must be positive")
-        if batch % lay.dp:
-            raise ValueError(f"jaxtdist.nn.ParallelAttention.init_cache: batch={batch} must be "
-                             f"divisible by the {lay.dp} groups of batch_axes={lay.batch_axes} "
-                             f"(each group caches its own sequences); pad the batch to a "
-                             f"multiple of {lay.dp}")
         dtype = dtype or self.q_proj.dtype or self.q_proj.kernel.dtype
-        sharding = lay.named(P(lay.rows, None, lay.axis_name, None))
+        b = lay.batch_spec(batch)
+        sharding = lay.named(P(b, None, lay.axis_name, None))
         shape = (batch, max_len, self.kv_heads_stored, self.head_dim)
         self.cached_key = nnx.Cache(jax.device_put(jnp.zeros(shape, dtype), sharding))
         self.cached_value = nnx.Cache(jax.device_put(jnp.zeros(shape, dtype), sharding))
-        self.cache_index = nnx.Cache(jax.device_put(jnp.array(0, jnp.int32), lay.named(P())))
+        # Each sequence's next position: prompts of different lengths decode side by side.
+        self.cache_index = nnx.Cache(jax.device_put(jnp.zeros((batch,), jnp.int32),
+                                                    lay.named(P(b))))
 
     def clear_cache(self) -> None:
         """Drops the KV cache: calls then neither fill nor check one (training, or
@@ -262,7 +271,14 @@ class ParallelAttention(nnx.Module):
 
     @property
     def position(self) -> jax.Array:
-        """The cache's next position (the number of tokens cached); needs ``init_cache``."""
+        """The cache's next position (an int32 scalar): the number of tokens cached
+        in its longest sequence (``lengths`` gives each one's); needs ``init_cache``."""
+        return jnp.max(self.lengths)
+
+    @property
+    def lengths(self) -> jax.Array:
+        """Each sequence's next position, int32 [batch]: its tokens cached (prompt
+        ``lengths`` after the prefill, plus one per decode step)."""
         if self.cache_index is None:
             raise ValueError("jaxtdist.nn.ParallelAttention.position: no KV cache; call "
                              "init_cache(batch, max_len) first")
@@ -280,41 +296,57 @@ class ParallelAttention(nnx.Module):
 
     # -- the layer -------------------------------------------------------------------------
     def __call__(self, x: jax.Array, *, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None, decode: bool = False) -> jax.Array:
+                 segment_ids: jax.Array | None = None, lengths: jax.Array | None = None,
+                 decode: bool = False) -> jax.Array:
         """Attention over whole sequences (with a cache: the prefill), or one decode step.
+
+        Any seq: it is padded inside to what the sequence-parallel layout takes
+        (``Layout.seq_multiple``) and the padding's outputs dropped.
 
         Args:
           x: [batch, seq, d_model], any sharding (``P(batch_axes, axis_name, None)``
             moves nothing); ``decode=True``: [batch, 1, d_model].
           positions: [batch, seq] rotary positions (default 0..seq-1; in a decode
-            step the cache's position).
+            step each sequence's cache position).
           segment_ids: [batch, seq] ids of packed sequences: tokens attend only
             within their segment (not in a decode step).
+          lengths: [batch] integers, each sequence's real tokens: the rest of its
+            row is right padding, never attended to by a real token; a prefill
+            caches each sequence's position as its length, so a decode step goes
+            on from there (not in a decode step; default: every token is real).
           decode: one token per sequence, attending to the cache.
 
         Returns:
-          [batch, seq, d_model], sequence parallel (decode: on every tp rank).
+          [batch, seq, d_model], sequence parallel (decode: on every tp rank);
+          rows at or past ``lengths`` hold no result of use.
         """
         lay = self.layout
-        x, batch, seq = lay.check_input(x, self.d_model, decode)
+        x, batch, seq, real = lay.pad_input(x, self.d_model, decode)
         positions = None if positions is None else jnp.asarray(positions)
         segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
         for name, arr in (("positions", positions), ("segment_ids", segment_ids)):
-            if arr is not None and tuple(arr.shape) != (batch, seq):
+            if arr is not None and tuple(arr.shape) != (batch, real):
                 raise ValueError(f"jaxtdist.nn.ParallelAttention: {name} has shape "
-                                 f"{tuple(arr.shape)}; expected [batch, seq] = {(batch, seq)} "
-                                 f"as x {tuple(x.shape)}")
+                                 f"{tuple(arr.shape)}; expected [batch, seq] = {(batch, real)} "
+                                 f"as x {(batch, real, self.d_model)}")
         if decode:
-            if segment_ids is not None:
-                raise ValueError("jaxtdist.nn.ParallelAttention: segment_ids are not taken by "
-                                 "a decode step (each row is one sequence)")
+            if segment_ids is not None or lengths is not None:
+                raise ValueError("jaxtdist.nn.ParallelAttention: segment_ids and lengths are "
+                                 "not taken by a decode step (each row is one sequence, "
+                                 "going on from its cached length)")
             if self.cached_key is None:
                 raise ValueError("jaxtdist.nn.ParallelAttention: decode=True needs a KV cache; "
                                  "call init_cache(batch, max_len) first, then prefill with "
                                  "attn(prompt)")
-        if self.cached_key is not None:
-            self._check_cache_fits(batch, 1 if decode else seq)
         b = lay.batch_spec(batch)
+        if lengths is not None:
+            lengths = lay.check_lengths(lengths, batch, real)
+        elif seq != real:  # padded here: the padding is no token
+            lengths = lay.constrain(jnp.full((batch,), real, jnp.int32), P(b))
+        if self.cached_key is not None:
+            # Given lengths, the writes past max_len are cut (padding, or a position
+            # past the end that makes decode NaN): only the batch must match.
+            self._check_cache_fits(batch, None if lengths is not None else 1 if decode else real)
         q, k, v = column_parallel((self.q_proj, self.k_proj, self.v_proj),
                                   lay.to_tokens(x, decode), decode=decode)
         heads = P(b, None, lay.axis_name, None)
@@ -324,30 +356,42 @@ class ParallelAttention(nnx.Module):
         if self.q_norm is not None:  # before RoPE, so before the cache and every attention
             q, k = _norm_heads(self.q_norm, q), _norm_heads(self.k_norm, k)
         if positions is None:
-            positions = (jnp.broadcast_to(self.cache_index[...], (batch, 1)) if decode else
+            positions = (self.cache_index[...][:, None] if decode else
                          jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq)))
         positions = jnp.asarray(positions)
         if not jnp.issubdtype(positions.dtype, jnp.integer):
             raise ValueError("jaxtdist.nn.ParallelAttention: positions must be integers (token "
                              f"indices), got dtype {positions.dtype}; round or cast them first")
-        positions = lay.constrain(positions.astype(jnp.int32), P(b, None))
+        positions = _pad_rows(lay.constrain(positions.astype(jnp.int32), P(b, None)), seq, 0)
+        if segment_ids is not None:  # padding in a segment of its own
+            segment_ids = _pad_rows(lay.constrain(segment_ids.astype(jnp.int32), P(b, None)),
+                                    seq, -1)
+        if lengths is not None and not self.causal:
+            # Causal, a real token sees no right padding; else the padding is masked
+            # as a segment of its own (the masked attention).
+            live = jnp.arange(seq, dtype=jnp.int32)[None, :] < lengths[:, None]
+            segment_ids = jnp.where(live, 0 if segment_ids is None else segment_ids, -1)
         if decode:
             o = self._decode(q, k, v, positions, b)
         else:
             if self.cached_key is not None:  # prefill: the prompts' keys and values
-                self._prefill_cache(k, v, positions, seq)
+                self._prefill_cache(k, v, positions,
+                                    jnp.full((batch,), seq, jnp.int32) if lengths is None
+                                    else lengths)
             o = self._attend(q, k, v, positions, segment_ids, b)
         o = lay.flatten(o, heads, (batch * seq, self.num_heads * self.head_dim), P(
             b if decode else lay.rows, lay.axis_name))
-        return lay.from_tokens(self.o_proj.project(o, decode=decode), batch, seq, decode)
+        return lay.unpad(lay.from_tokens(self.o_proj.project(o, decode=decode), batch, seq,
+                                         decode), real)
 
-    def _check_cache_fits(self, batch: int, seq: int) -> None:
+    def _check_cache_fits(self, batch: int, seq: int | None) -> None:
+        """The cache's batch is x's, and ``seq`` tokens fit (None: not checked)."""
         cache_batch, max_len = self.cached_key.shape[:2]
         if batch != cache_batch:
             raise ValueError(f"jaxtdist.nn.ParallelAttention: x holds {batch} sequences, the "
                              f"cache was made for {cache_batch}; call init_cache({batch}, "
                              "max_len) first")
-        if seq > max_len:
+        if seq is not None and seq > max_len:
             raise ValueError(f"jaxtdist.nn.ParallelAttention: the KV cache is too short: "
                              f"seq={seq}, the cache holds max_len={max_len} positions; call "
                              f"init_cache(batch, max_len={seq}) or more (prompt plus tokens "
@@ -393,20 +437,24 @@ class ParallelAttention(nnx.Module):
         return self._local(local, (heads, heads, heads, rows) + (rows,) * len(extra), heads,
                            q, k, v, positions, *extra)
 
-    def _prefill_cache(self, k, v, positions, seq):
+    def _prefill_cache(self, k, v, positions, lengths):
+        """The prompts' keys and values into the cache (those past ``max_len`` cut:
+        padding, or a length that overflows, which ``check_room`` and decode's NaN
+        report), each sequence's position set to its length."""
         lay = self.layout
         b = lay.batch_spec(k.shape[0])
         heads = P(b, None, lay.axis_name, None)
+        n = min(k.shape[1], self.cached_key.shape[1])
 
         def local(k, positions, cache_k, v, cache_v):
             k = self._rope(k, positions)
-            return (cache_k.at[:, :seq].set(k.astype(cache_k.dtype)),
-                    cache_v.at[:, :seq].set(v.astype(cache_v.dtype)))
+            return (cache_k.at[:, :n].set(k[:, :n].astype(cache_k.dtype)),
+                    cache_v.at[:, :n].set(v[:, :n].astype(cache_v.dtype)))
 
         self.cached_key[...], self.cached_value[...] = self._local(
             local, (heads, P(b, None), heads, heads, heads), (heads, heads),
             k, positions, self.cached_key[...], v, self.cached_value[...])
-        self.cache_index[...] = jnp.full_like(self.cache_index[...], seq)
+        self.cache_index[...] = lay.constrain(lengths.astype(jnp.int32), P(b))
 
     def _decode(self, q, k, v, positions, b):
         lay = self.layout
@@ -415,30 +463,29 @@ class ParallelAttention(nnx.Module):
 
         def local(q, k, v, positions, cache_k, cache_v, index):
             q, k = self._rope(q, positions), self._rope(k, positions)
-            zero = jnp.zeros((), jnp.int32)
-            cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype),
-                                                   (zero, index, zero, zero))
-            cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype),
-                                                   (zero, index, zero, zero))
+            # Each sequence's token at its own position (past the end: dropped).
+            rows = jnp.arange(q.shape[0])
+            cache_k = cache_k.at[rows, index].set(k[:, 0].astype(cache_k.dtype), mode="drop")
+            cache_v = cache_v.at[rows, index].set(v[:, 0].astype(cache_v.dtype), mode="drop")
             if (lay.impl == "jaxtdist" and q.dtype == cache_k.dtype
                     and self.head_dim <= _DECODE_MAX_HEAD_DIM):
                 # flash_decode over a group of one rank: on GPUs its split-KV kernel
-                # reads the cache up to the length once (XLA's masked attention
+                # reads the cache up to each length once (XLA's masked attention
                 # reads all of it); elsewhere plain JAX.
-                kv_len = jnp.broadcast_to(index + 1, (q.shape[0],))
-                o = flash_decode(q[:, 0], cache_k, cache_v, kv_len, ())[:, None]
+                o = flash_decode(q[:, 0], cache_k, cache_v, index + 1, ())[:, None]
             else:
-                mask = (jnp.arange(max_len) <= index)[None, None, None, :]
-                cudnn = (dict(key_value_seq_lengths=jnp.broadcast_to(index + 1, (q.shape[0],)))
+                mask = (jnp.arange(max_len)[None, :] <= index[:, None])[:, None, None, :]
+                cudnn = (dict(key_value_seq_lengths=index + 1)  # each sequence's length
                          if self.xla_attention == "cudnn" else None)
                 o = _dot_product_attention(q, cache_k.astype(q.dtype),
                                            cache_v.astype(q.dtype), mask, lay.mesh, cudnn)
-            o = jnp.where(index < max_len, o, jnp.nan)  # past the cache's end: no answer
+            # Past the cache's end: no answer.
+            o = jnp.where((index < max_len)[:, None, None, None], o, jnp.nan)
             return o, cache_k, cache_v
 
         index = self.cache_index[...]
         o, self.cached_key[...], self.cached_value[...] = self._local(
-            local, (heads, heads, heads, P(b, None), heads, heads, P()), (heads, heads, heads),
+            local, (heads, heads, heads, P(b, None), heads, heads, P(b)), (heads, heads, heads),
             q, k, v, positions, self.cached_key[...], self.cached_value[...], index)
         self.cache_index[...] = index + 1
         return o

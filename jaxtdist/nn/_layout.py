@@ -100,9 +100,11 @@ class Layout:
         return self.constrain(jnp.dot(x, w), spec)
 
     # -- the [batch, seq, d] <-> tokens boundary --------------------------------------
-    def check_input(self, x, features: int, decode: bool) -> tuple[jax.Array, int, int]:
+    def check_input(self, x, features: int, decode: bool,
+                    aligned: bool = True) -> tuple[jax.Array, int, int]:
         """(x as an array, batch, seq) of a [batch, seq, features] input, or a
-        ValueError naming the layer."""
+        ValueError naming the layer (``aligned``: also unless seq is a multiple of
+        ``seq_multiple``, which ``pad_input`` makes it)."""
         self._check_context()
         x = jnp.asarray(x)
         if x.ndim != 3 or x.shape[-1] != features:
@@ -120,18 +122,68 @@ class Layout:
                 raise ValueError(f"jaxtdist.nn.{self.layer}: decode=True takes one token per "
                                  f"sequence, x of shape [batch, 1, {features}]; got "
                                  f"{tuple(x.shape)}")
-        elif (batch * seq) % (self.dp * self.tp) or seq % self.tp:
-            # Tokens spread over dp x tp (a batch that does not divide over dp with the
-            # sequence): seq must be a multiple of tp and of what batch leaves of dp x tp.
-            unit = self.dp * self.tp // math.gcd(batch, self.dp * self.tp)
-            multiple = unit * self.tp // math.gcd(unit, self.tp)
+        elif aligned and seq % self.seq_multiple(batch):
+            # The layers pad (pad_input); reaching here is a layer that did not.
             raise ValueError(
                 f"jaxtdist.nn.{self.layer}: x has shape {tuple(x.shape)}: seq={seq} must be "
-                f"divisible by the size {self.tp} of mesh axis {self.axis_name!r} (sequence "
-                f"parallel) and batch * seq = {batch * seq} by {self.dp * self.tp} (batch_axes="
-                f"{self.batch_axes} x {self.axis_name!r}); at batch {batch}, pad the sequence "
-                f"to a multiple of {multiple}")
+                f"a multiple of {self.seq_multiple(batch)} at batch {batch} (tokens spread "
+                f"over batch_axes={self.batch_axes} x {self.axis_name!r}); pad it with "
+                "Layout.pad_input")
         return x, batch, seq
+
+    def seq_multiple(self, batch: int) -> int:
+        """The multiple of which a prefill's seq must be at ``batch`` sequences: seq
+        divides over tp (sequence parallel), and batch * seq over dp x tp (a batch
+        that does not divide over dp has its tokens spread over every device)."""
+        unit = self.dp * self.tp // math.gcd(batch, self.dp * self.tp)
+        return unit * self.tp // math.gcd(unit, self.tp)
+
+    def pad_input(self, x, features: int, decode: bool) -> tuple[jax.Array, int, int, int]:
+        """``check_input`` of x right-padded with zeros along seq to the next
+        multiple of ``seq_multiple(batch)``: ``(x, batch, padded seq, real seq)``.
+        Nothing is added where seq already is one (the padding rows' outputs are
+        dropped by ``unpad``; a layer that mixes positions masks them)."""
+        x, batch, real = self.check_input(x, features, decode, aligned=False)
+        if decode:
+            return x, batch, real, real
+        seq = -(-real // self.seq_multiple(batch)) * self.seq_multiple(batch)
+        if seq != real:
+            x = self.constrain(x, P(self.batch_spec(batch), None, None))
+            x = jnp.pad(x, ((0, 0), (0, seq - real), (0, 0)))
+        return x, batch, seq, real
+
+    def unpad(self, y: jax.Array, seq: int) -> jax.Array:
+        """y [batch, padded seq, ...] -> [batch, seq, ...]: ``pad_input``'s padding
+        dropped (the sequence dim first gathered: a cut of it is not sharded evenly;
+        the last dim sharded over ``axis_name`` instead where it divides, so that a
+        prefill's logits take no more memory than before)."""
+        if y.shape[1] == seq:
+            return y
+        last = self.axis_name if y.ndim > 2 and y.shape[-1] % self.tp == 0 else None
+        y = self.constrain(y, P(self.batch_spec(y.shape[0]), *(None,) * (y.ndim - 2), last))
+        return y[:, :seq]
+
+    def check_lengths(self, lengths, batch: int, seq: int) -> jax.Array:
+        """``lengths`` (the real tokens of each sequence, the rest right padding) as
+        int32 [batch] laid out with the batch, clipped to [0, seq]; a ValueError
+        naming the layer for another shape or a non-integer dtype."""
+        lengths = jnp.asarray(lengths)
+        if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+            raise ValueError(f"jaxtdist.nn.{self.layer}: lengths has shape "
+                             f"{tuple(lengths.shape)} and dtype {lengths.dtype}; expected "
+                             f"integers [batch] = [{batch}] (each sequence's real tokens, "
+                             "the rest right padding)")
+        lengths = jnp.clip(lengths.astype(jnp.int32), 0, seq)
+        return self.constrain(lengths, P(self.batch_spec(batch)))
+
+    def token_mask(self, lengths: jax.Array, batch: int, seq: int) -> jax.Array:
+        """[batch * seq] bool in the tokens' layout (``to_tokens``): whether each
+        token is at a position below its sequence's ``lengths`` [batch]."""
+        b = self.batch_spec(batch)
+        real = (jnp.arange(seq, dtype=jnp.int32)[None, :]
+                < self.constrain(lengths, P(b))[:, None])
+        real = self.constrain(real, P(b, None))[..., None]
+        return self.to_tokens(real, False)[:, 0]
 
     def _check_context(self) -> None:
         """A ValueError inside a user's shard_map (the layers take global arrays and

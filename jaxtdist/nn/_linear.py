@@ -104,11 +104,11 @@ class ColumnParallelLinear(nnx.Module):
         return w, b
 
     def __call__(self, x: jax.Array, *, decode: bool = False) -> jax.Array:
-        x, batch, seq = self.layout.check_input(x, self.in_features, decode)
+        x, batch, seq, real = self.layout.pad_input(x, self.in_features, decode)
         (y,) = column_parallel((self,), self.layout.to_tokens(x, decode), decode=decode)
         b = self.layout.batch_spec(batch)
-        return self.layout.unflatten(y, (batch, seq, y.shape[-1]),
-                                     P(b, None, self.layout.axis_name))
+        return self.layout.unpad(self.layout.unflatten(y, (batch, seq, y.shape[-1]),
+                                                       P(b, None, self.layout.axis_name)), real)
 
 
 def column_parallel(layers: Sequence[ColumnParallelLinear], tokens: jax.Array, *,
@@ -187,9 +187,10 @@ class RowParallelLinear(nnx.Module):
 
     def __call__(self, x: jax.Array, *, decode: bool = False) -> jax.Array:
         lay = self.layout
-        x, batch, seq = lay.check_input(x, self.in_features, decode)
+        x, batch, seq, real = lay.pad_input(x, self.in_features, decode)
         b = lay.batch_spec(batch)
         spec = P(b, None, lay.axis_name)
         h = lay.flatten(lay.constrain(x, spec), spec, (batch * seq, self.in_features),
                         P(b, lay.axis_name))
-        return lay.from_tokens(self.project(h, decode=decode), batch, seq, decode)
+        return lay.unpad(lay.from_tokens(self.project(h, decode=decode), batch, seq, decode),
+                         real)

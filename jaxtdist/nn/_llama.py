@@ -15,7 +15,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxtdist.nn._attention import ParallelAttention, RopeScaling
 from jaxtdist.nn._embed import Embed
@@ -23,19 +24,60 @@ from jaxtdist.nn._layout import make_layout
 from jaxtdist.nn._mlp import ParallelMLP
 from jaxtdist.nn._moe import ParallelMoE, load_balancing_loss
 
-__all__ = ["Llama", "LlamaConfig", "place_on_mesh"]
+__all__ = ["Llama", "LlamaConfig", "Optimizer", "place_on_mesh"]
 
 
-def place_on_mesh(module: nnx.Module, mesh: Mesh) -> None:
-    """Puts every variable of ``module`` on ``mesh`` by its sharding metadata
-    (replicated where it has none): also the fix after a checkpoint restore
-    that left replicated parameters on one device.
+def place_on_mesh(module, mesh: Mesh) -> None:
+    """Puts every variable of ``module`` (a module, an optimizer, or a tuple of them)
+    on ``mesh`` by its sharding metadata (replicated where it has none): also the
+    fix after a checkpoint restore that left replicated parameters on one device.
+
+    Each spec is written out to the array's rank (``P(None)``, not ``P()``, for a
+    replicated vector): the spec a jitted step returns it with, so that a step's
+    second call finds the shardings of its first and is not compiled again.
 
     Example:
       >>> nnx.update(model, restored); place_on_mesh(model, mesh)
     """
     state = nnx.state(module)
-    nnx.update(module, jax.device_put(state, nnx.get_named_sharding(state, mesh)))
+
+    def full_rank(a, sharding):
+        spec = tuple(sharding.spec)
+        return NamedSharding(mesh, P(*spec, *(None,) * (jnp.ndim(a) - len(spec))))
+
+    shardings = jax.tree.map(full_rank, state, nnx.get_named_sharding(state, mesh))
+    nnx.update(module, jax.device_put(state, shardings))
+
+
+class Optimizer(nnx.Optimizer):
+    """``nnx.Optimizer`` whose state lives on the model's mesh, placed as a jitted
+    step returns it: a training step compiles once (optax's step count, created
+    on one device by ``nnx.Optimizer``, would make the second call compile again).
+    Same arguments as ``nnx.Optimizer``; ``mesh`` defaults to the model's.
+
+    Example:
+      >>> optimizer = jaxtdist.nn.Optimizer(model, optax.adamw(3e-4), wrt=nnx.Param)
+      >>> loss = train_step(model, optimizer, tokens, targets)  # nnx.jit: one compile
+    """
+
+    def __init__(self, model: nnx.Module, tx, *, wrt=nnx.Param, mesh: Mesh | None = None,
+                 **kwargs):
+        super().__init__(model, tx, wrt=wrt, **kwargs)
+        mesh = mesh or _mesh_of(model)
+        place_on_mesh(self, mesh)
+
+
+def _mesh_of(model: nnx.Module) -> Mesh:
+    """The mesh of the model's layers (its ``layout``), else of a sharded parameter."""
+    layout = getattr(model, "layout", None)
+    if layout is not None:
+        return layout.mesh
+    for _, value in nnx.to_flat_state(nnx.state(model)):
+        sharding = getattr(value[...], "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            return sharding.mesh
+    raise ValueError("jaxtdist.nn.Optimizer: the model has no parameter on a mesh to place "
+                     "the optimizer state by; pass mesh=")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,15 +164,18 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = ParallelMLP(cfg.d_model, hidden, rngs=rngs, **common)
 
-    def __call__(self, x, *, positions=None, segment_ids=None, decode=False,
+    def __call__(self, x, *, positions=None, segment_ids=None, lengths=None, decode=False,
                  router_stats: list | None = None):
-        """``router_stats``: a list the MoE MLP appends its ``RouterStats`` to."""
+        """``router_stats``: a list the MoE MLP appends its ``RouterStats`` to;
+        ``lengths``: each sequence's real tokens (attention and routing skip the rest)."""
         x = x + self.self_attn(self.input_layernorm(x), positions=positions,
-                               segment_ids=segment_ids, decode=decode)
+                               segment_ids=segment_ids, lengths=lengths, decode=decode)
         h = self.post_attention_layernorm(x)
-        if router_stats is None or not isinstance(self.mlp, ParallelMoE):
+        if not isinstance(self.mlp, ParallelMoE):
             return x + self.mlp(h, decode=decode)
-        y, stats = self.mlp(h, decode=decode, return_router_stats=True)
+        if router_stats is None:
+            return x + self.mlp(h, decode=decode, lengths=lengths)
+        y, stats = self.mlp(h, decode=decode, lengths=lengths, return_router_stats=True)
         router_stats.append(stats)
         return x + y
 
@@ -171,7 +216,8 @@ class Llama(nnx.Module):
         place_on_mesh(self, layout.mesh)
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> None:
-        """A KV cache in every layer for ``batch`` sequences of up to ``max_len`` tokens."""
+        """A KV cache in every layer for ``batch`` sequences of up to ``max_len`` tokens
+        (any batch: one that does not divide over the dp axes is cached replicated)."""
         for layer in self.layers:
             layer.self_attn.init_cache(batch, max_len, dtype)
 
@@ -183,35 +229,121 @@ class Llama(nnx.Module):
 
     @property
     def position(self) -> jax.Array:
-        """The KV cache's next position (tokens cached so far)."""
+        """The KV cache's next position (int32 scalar): the tokens cached in its
+        longest sequence."""
         return self.layers[0].self_attn.position
 
+    @property
+    def lengths(self) -> jax.Array:
+        """Each sequence's tokens cached so far, int32 [batch]: its next position."""
+        return self.layers[0].self_attn.lengths
+
     def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None, decode: bool = False,
-                 return_router_stats: bool = False):
+                 segment_ids: jax.Array | None = None, lengths: jax.Array | None = None,
+                 decode: bool = False, return_router_stats: bool = False):
         """Logits [batch, seq, vocab] of tokens [batch, seq] (with a cache: the prefill);
         ``decode``: tokens [batch, 1], one new token per sequence. With
-        ``return_router_stats``: ``(logits, [RouterStats of each MoE layer])``."""
+        ``return_router_stats``: ``(logits, [RouterStats of each MoE layer])``.
+
+        Any seq and batch on any mesh: the tokens are padded inside to what the
+        sequence-parallel layout takes, and the logits returned for the given
+        positions only (then gathered over tp: a seq of ``layout.seq_multiple(batch)``
+        moves nothing). ``lengths`` [batch] (prefill or training): each
+        sequence's real tokens, the rest of its row right padding, which no real
+        token attends to, routes to no expert, and whose logits are NaN (no
+        prediction; ``loss`` takes ``lengths`` too). A prefill sets each
+        sequence's cache position to its length, so that a decode step goes on
+        from its last real token. A prompt padded without ``lengths`` is read as
+        all real tokens: pass ``lengths`` (or ``generate``'s ``pad_id``).
+
+        Example:
+          >>> model.init_cache(2, 32)
+          >>> logits = model(prompts, lengths=jnp.array([5, 3]))  # prompts [2, 5]
+          >>> last = logits[jnp.arange(2), jnp.array([4, 2])]     # next-token logits
+        """
+        logits, stats, real = self._forward(tokens, positions, segment_ids, lengths, decode,
+                                            return_router_stats)
+        if real is not None:
+            # NaN where no token was given: never a silent prediction from padding.
+            logits = jnp.where(real[..., None], logits, jnp.nan)
+        logits = self.layout.unpad(logits, tokens.shape[1])
+        return (logits, stats) if return_router_stats else logits
+
+    def _forward(self, tokens, positions, segment_ids, lengths, decode, return_router_stats):
+        """(logits [batch, padded seq, vocab], RouterStats list or None, real [batch,
+        padded seq] bool where ``lengths`` were given, else None)."""
+        lay = self.layout
+        tokens = jnp.asarray(tokens)
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(f"jaxtdist.nn.Llama: tokens have shape {tuple(tokens.shape)} and "
+                             f"dtype {tokens.dtype}; expected integer [batch, seq]")
+        batch, real_seq = tokens.shape
+        if decode and lengths is not None:
+            raise ValueError("jaxtdist.nn.Llama: lengths are not taken by a decode step "
+                             "(each sequence goes on from its cached length)")
+        seq = real_seq
+        if not decode and real_seq:
+            multiple = lay.seq_multiple(batch)
+            seq = -(-real_seq // multiple) * multiple
+        attn = self.layers[0].self_attn
+        if not decode and attn.cached_key is not None:
+            attn._check_cache_fits(batch, real_seq)  # the prompt's own length
+        real = None
+        if lengths is not None:
+            lengths = lay.check_lengths(lengths, batch, real_seq)
+            real = jnp.arange(seq, dtype=jnp.int32)[None, :] < lengths[:, None]
+        elif seq != real_seq:
+            lengths = lay.constrain(jnp.full((batch,), real_seq, jnp.int32),
+                                    P(lay.batch_spec(batch)))
+        if seq != real_seq:
+            pad = ((0, 0), (0, seq - real_seq))
+            b = P(lay.batch_spec(batch), None)
+            tokens = jnp.pad(lay.constrain(tokens, b), pad)  # token 0: masked out
+            if positions is not None:
+                positions = jnp.pad(lay.constrain(jnp.asarray(positions), b), pad)
+            if segment_ids is not None:
+                segment_ids = jnp.pad(lay.constrain(jnp.asarray(segment_ids), b), pad,
+                                      constant_values=-1)
         stats = [] if return_router_stats else None
         x = self.embed_tokens(tokens)
         for layer in self.layers:
-            x = layer(x, positions=positions, segment_ids=segment_ids, decode=decode,
-                      router_stats=stats)
+            x = layer(x, positions=positions, segment_ids=segment_ids, lengths=lengths,
+                      decode=decode, router_stats=stats)
         x = self.norm(x)
         logits = self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
-        return (logits, stats) if return_router_stats else logits
+        return logits, stats, real
 
-    def loss(self, tokens: jax.Array, targets: jax.Array, **kwargs) -> jax.Array:
-        """Mean next-token cross entropy (float32) of tokens [batch, seq] against targets,
-        plus ``router_aux_loss_coef`` times the MoE layers' ``load_balancing_loss``
-        (Hugging Face Mixtral's, over every layer's routing)."""
-        logits, stats = self(tokens, return_router_stats=True, **kwargs)
+    def loss(self, tokens: jax.Array, targets: jax.Array, lengths: jax.Array | None = None,
+             positions: jax.Array | None = None,
+             segment_ids: jax.Array | None = None) -> jax.Array:
+        """Mean next-token cross entropy (float32) of tokens [batch, seq] against targets
+        over the real positions (below ``lengths`` [batch], all by default), plus
+        ``router_aux_loss_coef`` times the MoE layers' ``load_balancing_loss``
+        (Hugging Face Mixtral's, over every layer's routing of the real tokens).
+        No keyword-only arguments: ``nnx.value_and_grad(Llama.loss)`` takes it."""
+        batch, real_seq = jnp.shape(tokens)
+        logits, stats, _ = self._forward(tokens, positions, segment_ids, lengths, False, True)
+        targets = jnp.asarray(targets)
+        if targets.shape != (batch, real_seq):
+            raise ValueError(f"jaxtdist.nn.Llama.loss: targets have shape "
+                             f"{tuple(targets.shape)}; expected tokens' {(batch, real_seq)}")
+        seq = logits.shape[1]
+        lay = self.layout
+        b = P(lay.batch_spec(batch), None)
+        count = real_seq if lengths is None else lay.check_lengths(lengths, batch, real_seq)
+        weight = (jnp.arange(seq, dtype=jnp.int32)[None, :]
+                  < jnp.broadcast_to(count, (batch,))[:, None]).astype(jnp.float32)
+        if seq != real_seq:
+            targets = jnp.pad(lay.constrain(targets, b), ((0, 0), (0, seq - real_seq)))
         picked = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)),
-                                     targets[..., None], axis=-1)
+                                     targets[..., None], axis=-1)[..., 0]
+        # A padding position's log-probability is finite (computed from token 0):
+        # weighted 0, it adds nothing, to the loss or to its gradient.
+        nll = -jnp.sum(picked * weight) / jnp.maximum(jnp.sum(weight), 1.0)
         coef = self.config.router_aux_loss_coef
         if stats and coef:  # MoE layers (stats unused otherwise: XLA drops them)
-            return -picked.mean() + coef * load_balancing_loss(stats)
-        return -picked.mean()
+            return nll + coef * load_balancing_loss(stats)
+        return nll
 
     @classmethod
     def twins(cls, cfg: LlamaConfig, mesh: Mesh, **kwargs) -> tuple["Llama", "Llama"]:

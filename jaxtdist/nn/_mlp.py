@@ -53,7 +53,7 @@ class ParallelMLP(nnx.Module):
     def __call__(self, x: jax.Array, *, decode: bool = False) -> jax.Array:
         """x: [batch, seq, d_model]; ``decode``: [batch, 1, d_model], one token each."""
         lay = self.layout
-        x, batch, seq = lay.check_input(x, self.d_model, decode)
+        x, batch, seq, real = lay.pad_input(x, self.d_model, decode)  # rows independent
         tokens = lay.to_tokens(x, decode)
         if self.gate_proj is not None:
             gate, up = column_parallel((self.gate_proj, self.up_proj), tokens, decode=decode)
@@ -61,4 +61,5 @@ class ParallelMLP(nnx.Module):
         else:
             (up,) = column_parallel((self.up_proj,), tokens, decode=decode)
             h = self.activation(up)
-        return lay.from_tokens(self.down_proj.project(h, decode=decode), batch, seq, decode)
+        return lay.unpad(lay.from_tokens(self.down_proj.project(h, decode=decode), batch, seq,
+                                         decode), real)

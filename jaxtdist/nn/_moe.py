@@ -49,11 +49,15 @@ class RouterStats(NamedTuple):
       prob: [E] per expert, its router probability averaged over the tokens.
       dropped: [] the share of the tokens' picks that the expert capacity dropped
         (0 without ``capacity_factor``).
+      invalid: [] int32, the tokens' picks with an expert id outside [0, E) (from
+        a ``route`` that returns such ids): they go to no expert and add zero to
+        the output, as ``moe_dispatch`` takes them; 0 from the built-in router.
     """
 
     load: jax.Array
     prob: jax.Array
     dropped: jax.Array
+    invalid: jax.Array | int = 0
 
 
 def load_balancing_loss(stats: Sequence[RouterStats]) -> jax.Array:
@@ -285,42 +289,59 @@ class ParallelMoE(nnx.Module):
             load, prob = jnp.mean(picks, axis=0), jnp.mean(probs, axis=0)
         else:
             live = real.astype(jnp.float32)[:, None]
-            count = jnp.sum(live)
+            count = jnp.maximum(jnp.sum(live), 1.0)  # a batch of padding only: zeros
             load, prob = jnp.sum(picks * live, 0) / count, jnp.sum(probs * live, 0) / count
-        stats = RouterStats(load=load, prob=prob, dropped=jnp.zeros((), jnp.float32))
+        stats = RouterStats(load=load, prob=prob, dropped=jnp.zeros((), jnp.float32),
+                            invalid=jnp.zeros((), jnp.int32))
         return ids.astype(jnp.int32), weights, stats
 
     def __call__(self, x: jax.Array, *, decode: bool = False,
-                 return_router_stats: bool = False):
-        """x: [batch, seq, d_model]; ``decode``: [batch, 1, d_model], one token each.
-        Returns y like x, or ``(y, RouterStats)`` with ``return_router_stats``."""
+                 lengths: jax.Array | None = None, return_router_stats: bool = False):
+        """x: [batch, seq, d_model] (any seq: padded inside); ``decode``: [batch, 1,
+        d_model], one token each. ``lengths`` [batch]: each sequence's real tokens,
+        the rest right padding, which routes nowhere (not sent, no capacity taken,
+        in no statistic; its rows hold no result of use). Returns y like x, or
+        ``(y, RouterStats)`` with ``return_router_stats``."""
         lay = self.layout
-        x, batch, seq = lay.check_input(x, self.d_model, decode)
+        x, batch, seq, real_seq = lay.pad_input(x, self.d_model, decode)
+        if decode and lengths is not None:
+            raise ValueError("jaxtdist.nn.ParallelMoE: lengths are not taken by a decode "
+                             "step (one real token per sequence)")
         dtype = self.dtype or x.dtype
         tokens = lay.to_tokens(x, decode).astype(dtype)
         real = None
+        if lengths is not None or seq != real_seq:
+            lengths = (jnp.full((batch,), real_seq, jnp.int32) if lengths is None
+                       else lay.check_lengths(lengths, batch, real_seq))
+            real = lay.token_mask(lengths, batch, seq)
         if decode:
             # One token per sequence, on every tensor-parallel rank of its group:
             # spread over the group's ranks like a prefill (padding rows route too).
             tokens, real = lay.spread_decode(tokens)
         ids, weights, stats = self.route(tokens, real)
+        live = jnp.ones(tokens.shape[:1], bool) if real is None else real
+        # Picks outside [0, E) (a route() that returns them): no expert, zero output.
+        stats = stats._replace(invalid=jnp.sum(live[:, None] & ((ids < 0)
+                                                               | (ids >= self.num_experts)),
+                                               dtype=jnp.int32))
         rows, sent = None, None if real is None else real[:, None]
         if self.capacity_factor is not None:
             per_device = tokens.shape[0] // (lay.dp * lay.tp)
             capacity = expert_capacity(self.capacity_factor, per_device, self.top_k,
                                        self.num_experts)
-            live = jnp.ones(tokens.shape[:1], bool) if real is None else real
             keep = _capacity_keep(ids, live, capacity, self.num_experts, lay)
-            picks = jnp.sum(live, dtype=jnp.float32) * self.top_k
+            picks = jnp.maximum(jnp.sum(live, dtype=jnp.float32), 1.0) * self.top_k
             stats = stats._replace(dropped=jnp.sum(live[:, None] & ~keep, dtype=jnp.float32)
                                    / picks)
             weights = jnp.where(keep, weights, 0.0)
             rows = min(self.num_experts * capacity,
                        default_recv_rows(per_device, self.top_k, lay.tp, self.num_experts))
             sent = keep  # padding rows are never kept
+        if sent is not None:  # padding weighs 0: it takes no slot of the dense experts
+            weights = jnp.where(sent, weights, 0.0)
         if sent is not None and self.parallelism == "expert" and lay.impl != "xla":
-            # Dropped picks and a decode step's padding rows (which all route alike):
-            # not sent; the dispatch skips ids outside [0, E).
+            # Dropped picks and padding rows (a decode step's, which all route
+            # alike, or a prompt's): not sent; the dispatch skips ids outside [0, E).
             ids = jnp.where(sent, ids, -1)
         w_gate, w_up, w_down = (p[...].astype(dtype)
                                 for p in (self.gate_proj, self.up_proj, self.down_proj))
@@ -333,7 +354,7 @@ class ParallelMoE(nnx.Module):
             y = self._experts(lay, tokens, ids, weights, w_gate, w_up, w_down, rows)
         if decode:
             y = lay.gather_decode(y, batch)
-        y = lay.from_tokens(y, batch, seq, decode)
+        y = lay.unpad(lay.from_tokens(y, batch, seq, decode), real_seq)
         return (y, stats) if return_router_stats else y
 
     def _experts(self, lay: Layout, tokens, ids, weights, w_gate, w_up, w_down,
