@@ -358,7 +358,7 @@ def test_bf16_ag_matmul_error_matches_xla():
 
 @timeout(600)
 def test_soak_chained_calls_with_changing_data_and_shapes():
-    """400 calls of each op, chained (each output feeds the next call), changing
+    """200 calls of each op, chained (each output feeds the next call), changing
     data every call and shapes between batches; every result checked: 0 mismatches."""
     mesh = setup(2)
     calls = 0
@@ -378,10 +378,10 @@ def test_soak_chained_calls_with_changing_data_and_shapes():
                                      out_specs=(P(None, "tp", None), P(None, None, None),
                                                 P(None, None, "tp")), check_vma=False))
 
-    # One program per shape, compiled once and dispatched 4 times: the same calls
-    # and shape changes between batches as a program per batch, without 16 compiles.
+    # One program per shape, compiled once and dispatched twice: the same calls
+    # and shape changes between batches as a program per batch, without 8 compiles.
     programs = {}
-    for m, k, n in [(2, 8, 4), (3, 16, 8), (4, 8, 8), (1, 24, 4)] * 4:
+    for m, k, n in [(2, 8, 4), (3, 16, 8), (4, 8, 8), (1, 24, 4)] * 2:
         if (m, k, n) not in programs:
             programs[(m, k, n)] = chained(m)
         f = programs[(m, k, n)]
@@ -403,11 +403,11 @@ def test_soak_chained_calls_with_changing_data_and_shapes():
                                   f"{err:.3g}")
             calls += 1
         assert np.isfinite(carries).all() and np.abs(carries[-1]).max() > 0
-    assert calls == 400 and not mismatches, (calls, mismatches)
+    assert calls == 200 and not mismatches, (calls, mismatches)
 
 
 def test_soak_of_the_reduction_ops():
-    """400 chained calls each of all_reduce, reduce_scatter, matmul_rs and
+    """200 chained calls each of all_reduce, reduce_scatter, matmul_rs and
     matmul_ar (each step's input is the last step's output), changing data every
     call and shapes between batches; every result checked against float32
     references of its own inputs: 0 mismatches."""
@@ -427,12 +427,12 @@ def test_soak_of_the_reduction_ops():
         return jax.lax.scan(step, a, None, length=steps)[1]
 
     stacked = P(None, "tp", None)
-    # One program, compiled once per shape and dispatched 4 times: the same calls
-    # and shape changes between batches as a program per batch, without 16 compiles.
+    # One program, compiled once per shape and dispatched twice: the same calls
+    # and shape changes between batches as a program per batch, without 8 compiles.
     f = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=(ROWS, ROWS),
                               out_specs=(stacked, P(None, None, None), stacked, stacked,
                                          P(None, None, None)), check_vma=False))
-    for m, k, n in [(2, 8, 4), (3, 16, 8), (4, 8, 8), (1, 24, 4)] * 4:
+    for m, k, n in [(2, 8, 4), (3, 16, 8), (4, 8, 8), (1, 24, 4)] * 2:
         x, w = rand((2 * 2 * m, k), F32), rand((2 * k, n), F32)
         cs, rs, ss, ys, zs = (np.asarray(v, np.float64)
                               for v in f(place(mesh, x, ROWS), place(mesh, w, ROWS)))
@@ -449,4 +449,4 @@ def test_soak_of_the_reduction_ops():
                     mismatches.append(f"{name} {(m, k, n)} step {t}: relative error {err:.3g}")
             calls += 1
         assert np.isfinite(cs).all() and np.abs(cs[-1]).max() > 0
-    assert calls == 400 and not mismatches, (calls, mismatches[:10])
+    assert calls == 200 and not mismatches, (calls, mismatches[:10])
