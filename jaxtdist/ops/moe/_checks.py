@@ -17,6 +17,18 @@ def default_recv_rows(tokens: int, top_k: int, world: int, num_experts: int) -> 
     return world * tokens * min(top_k, num_experts // world)
 
 
+def check_combine_weights(op: str, weights, expert_ids) -> None:
+    """Raises ValueError unless a combine's ``weights`` are floating and shaped like
+    the dispatch's ``expert_ids`` ([tokens, top_k])."""
+    if getattr(weights, "shape", None) != tuple(expert_ids.shape):
+        raise ValueError(f"jaxtdist.{op}: weights must be [tokens, top_k] = "
+                         f"{tuple(expert_ids.shape)} like the dispatch's expert_ids, got "
+                         f"shape {getattr(weights, 'shape', None)}")
+    if not jnp.issubdtype(weights.dtype, jnp.floating):
+        raise ValueError(f"jaxtdist.{op}: weights has dtype {jnp.dtype(weights.dtype).name}; "
+                         "it must be a floating dtype")
+
+
 def check_dispatch(x, expert_ids, scale=None, *, axis_name, num_experts, max_recv_rows=None,
                    split=0, zero_unused_rows=True, config=None, trace=False) -> None:
     """Raises ValueError on bad arguments of moe_dispatch (its op's ``check``)."""
@@ -97,10 +109,4 @@ def check_combine(y, weights, handle, cotangent=None, *, axis_name, config=None,
                          f"max_recv_rows = {handle.max_recv_rows} rows (one per row of recv_x), "
                          f"got shape {getattr(y, 'shape', None)}")
     check_dtype("moe_combine", "y", y.dtype)
-    if getattr(weights, "shape", None) != tuple(handle.expert_ids.shape):
-        raise ValueError(f"jaxtdist.moe_combine: weights must be [tokens, top_k] = "
-                         f"{tuple(handle.expert_ids.shape)} like the dispatch's expert_ids, got "
-                         f"shape {getattr(weights, 'shape', None)}")
-    if not jnp.issubdtype(weights.dtype, jnp.floating):
-        raise ValueError(f"jaxtdist.moe_combine: weights has dtype {jnp.dtype(weights.dtype)}; "
-                         "it must be a floating dtype")
+    check_combine_weights("moe_combine", weights, handle.expert_ids)

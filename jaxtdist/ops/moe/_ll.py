@@ -19,6 +19,7 @@ import numpy as np
 from jaxtdist.ops._op import DistributedOp
 from jaxtdist.ops._protocol import check_axis
 from jaxtdist.ops._shapes import check_dtype, static_bool, traced_hint
+from jaxtdist.ops.moe._checks import check_combine_weights
 from jaxtdist.ops.moe._fp8 import FP8_DTYPES
 from jaxtdist.ops.moe._ll_handle import MoeLLHandle
 from jaxtdist.ops.moe._ll_launch import launch_combine_ll, launch_dispatch_ll
@@ -91,13 +92,7 @@ def _check_combine(y, weights, handle, *, axis_name, config=None) -> None:
                          f"per row of the dispatch's recv_x), got shape "
                          f"{getattr(y, 'shape', None)}")
     check_dtype("moe_combine_ll", "y", y.dtype)
-    if getattr(weights, "shape", None) != tuple(handle.expert_ids.shape):
-        raise ValueError(f"{op}: weights must be [tokens, top_k] = "
-                         f"{tuple(handle.expert_ids.shape)} like the dispatch's expert_ids, got "
-                         f"shape {getattr(weights, 'shape', None)}")
-    if not jnp.issubdtype(weights.dtype, jnp.floating):
-        raise ValueError(f"{op}: weights has dtype {jnp.dtype(weights.dtype).name}; it must "
-                         "be a floating dtype")
+    check_combine_weights("moe_combine_ll", weights, handle.expert_ids)
 
 
 def _combine_forward(y, weights, handle, **static):
