@@ -8,6 +8,16 @@ dequantization scales (``ops.quant``'s layouts, of the op's local shards):
 - blockwise: ``x_scale`` [M, K / 128] (per row and 128 columns), ``w_scale``
   [cdiv(N, 128), K / 128] (per 128 x 128 block); K a multiple of 128.
 
+K-sharded operands (``matmul_rs``, ``matmul_ar``): x [M, k_shard] and w
+[N, k_shard] (``jaxtdist.quantize_weight`` of the [k_shard, N] shard), scales of
+this rank's shards: per tensor, or blockwise x_scale [M, k_shard / 128] and
+w_scale [cdiv(N, 128), k_shard / 128] (sharded along K like their operands'
+columns); k_shard a multiple of 128. Each rank's partial is scaled in float32
+and the partials are summed in float32; the result is in ``out_dtype``
+(default bfloat16). A group of one rank runs XLA: its FP8 dot (per tensor) or
+the float32 dot of the dequantized operands (blockwise). Not differentiable (a
+TypeError names the arguments).
+
 This follows JAX's ``jax.nn.scaled_matmul`` layout (rhs [.., N, K], contracted
 on its last axis) and ``moe_dispatch``'s ``x_scale`` (dequantization
 multipliers, float32). Here: the checks (``fp8_plan``), the scales as the

@@ -166,17 +166,9 @@ def matmul_rs(x: jax.Array, w: jax.Array, axis_name, *, config: dict | None = No
     which sums the W partials in float32. Differentiable: dx is
     ``ag_matmul(dy, w.T)`` (an all-gather GEMM), dw is ``x.T @ all_gather(dy)``.
     A group of one rank computes ``x @ w`` alone.
-    FP8 (``x_scale``, ``w_scale`` given; ``jaxtdist.ops._fp8_gemm``): x [M, k_shard]
-    and w in one FP8 format, w K-major [N, k_shard] (``jaxtdist.quantize_weight``
-    of the [k_shard, N] shard; JAX's ``scaled_matmul`` layout), float32
-    dequantization scales of this rank's shards: per tensor () each, or
-    blockwise x_scale [M, k_shard / 128] (sharded along K like x's columns) and
-    w_scale [cdiv(N, 128), k_shard / 128] (sharded along K like w's columns);
-    k_shard a multiple of 128. Each rank's partial is scaled in float32 and the
-    partials are summed in float32; the result is in ``out_dtype`` (default
-    bfloat16). A group of one rank runs XLA: its FP8 dot (per tensor) or the
-    float32 dot of the dequantized operands (blockwise). Not differentiable (a
-    TypeError names the arguments).
+    FP8 (``x_scale``, ``w_scale`` given): the layouts of K-sharded operands in
+    ``jaxtdist.ops._fp8_gemm`` (w K-major [N, k_shard]); partials scaled and summed
+    in float32; not differentiable.
 
     Args:
       x: this rank's [M, k_shard] (typically the columns of the activations
@@ -244,17 +236,9 @@ def matmul_ar(x: jax.Array, w: jax.Array, axis_name, *, config: dict | None = No
     the same on every rank of the group (typed like psum's: not varying over
     ``axis_name``). Differentiable: dx = dy @ w.T, dw = x.T @ dy. A group of
     one rank computes ``x @ w`` alone.
-    FP8 (``x_scale``, ``w_scale`` given; ``jaxtdist.ops._fp8_gemm``): x [M, k_shard]
-    and w in one FP8 format, w K-major [N, k_shard] (``jaxtdist.quantize_weight``
-    of the [k_shard, N] shard; JAX's ``scaled_matmul`` layout), float32
-    dequantization scales of this rank's shards: per tensor () each, or
-    blockwise x_scale [M, k_shard / 128] (sharded along K like x's columns) and
-    w_scale [cdiv(N, 128), k_shard / 128] (sharded along K like w's columns);
-    k_shard a multiple of 128. Each rank's partial is scaled in float32 and the
-    partials are summed in float32; the result is in ``out_dtype`` (default
-    bfloat16). A group of one rank runs XLA: its FP8 dot (per tensor) or the
-    float32 dot of the dequantized operands (blockwise). Not differentiable (a
-    TypeError names the arguments).
+    FP8 (``x_scale``, ``w_scale`` given): the layouts of K-sharded operands in
+    ``jaxtdist.ops._fp8_gemm`` (w K-major [N, k_shard]); partials scaled and summed
+    in float32; not differentiable.
 
     Args:
       x: this rank's [M, k_shard].
