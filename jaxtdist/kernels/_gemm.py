@@ -78,6 +78,18 @@ def _tensor_scaled(acc, a_scale, b_scale, s_rows, s_mask):
 
 
 @triton.jit
+def _scaled_step(acc, a, b, k0, DOT_PRECISION: tl.constexpr, SCALING: tl.constexpr, a_scale,
+                 b_scale, s_rows, s_mask, cols, col_mask, K_BLOCKS: tl.constexpr):
+    """One K step of either mainloop: ``acc + a @ b``; with SCALING "block" the step's
+    own partial is scaled in float32 (K block ``k0 // 128``) before it joins the sum."""
+    if SCALING == "block":
+        part = dot_acc(a, b, tl.zeros(acc.shape, dtype=tl.float32), DOT_PRECISION)
+        return acc + part * _block_scales(k0 // 128, a_scale, b_scale, s_rows, s_mask, cols,
+                                          col_mask, K_BLOCKS)
+    return dot_acc(a, b, acc, DOT_PRECISION)
+
+
+@triton.jit
 def tile_acc(a_desc, b_desc, row0, col0, k_lo, k_hi, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
              NUM_STAGES: tl.constexpr = None, B_T: tl.constexpr = False,
@@ -101,8 +113,8 @@ def tile_acc(a_desc, b_desc, row0, col0, k_lo, k_hi, BLOCK_M: tl.constexpr,
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if SCALING == "block":
         tl.static_assert(128 % BLOCK_K == 0, "blockwise FP8 scales: BLOCK_K must divide 128")
-        cols = col0 + tl.arange(0, BLOCK_N)
-        col_mask = cols < N_COLS
+    cols = col0 + tl.arange(0, BLOCK_N)  # B's columns (the block scales'; unused otherwise)
+    col_mask = cols < N_COLS
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         if A_T:
             a = a_desc.load([k0, row0]).T
@@ -112,14 +124,8 @@ def tile_acc(a_desc, b_desc, row0, col0, k_lo, k_hi, BLOCK_M: tl.constexpr,
             b = b_desc.load([col0, k0]).T
         else:
             b = b_desc.load([b_k0 + k0, col0])
-        if SCALING == "block":
-            # The K step's own partial, scaled in float32 before it joins the sum.
-            part = dot_acc(a, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
-                           DOT_PRECISION)
-            acc += part * _block_scales(k0 // 128, a_scale, b_scale, s_rows, s_mask, cols,
-                                        col_mask, K_BLOCKS)
-        else:
-            acc = dot_acc(a, b, acc, DOT_PRECISION)
+        acc = _scaled_step(acc, a, b, k0, DOT_PRECISION, SCALING, a_scale, b_scale, s_rows,
+                           s_mask, cols, col_mask, K_BLOCKS)
     if SCALING == "tensor":
         acc = _tensor_scaled(acc, a_scale, b_scale, s_rows, s_mask)
     return acc
@@ -152,13 +158,8 @@ def pointer_tile_acc(a_rows, b_ptr, row_mask, cols, col_mask, k_lo, k_hi, K: tl.
             b = tl.load(b_ptr + cols[None, :] * K + ks[:, None], mask=b_mask, other=0.0)
         else:
             b = tl.load(b_ptr + ks[:, None] * N + cols[None, :], mask=b_mask, other=0.0)
-        if SCALING == "block":
-            part = dot_acc(a, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
-                           DOT_PRECISION)
-            acc += part * _block_scales(k0 // 128, a_scale, b_scale, s_rows, row_mask, cols,
-                                        col_mask, K_BLOCKS)
-        else:
-            acc = dot_acc(a, b, acc, DOT_PRECISION)
+        acc = _scaled_step(acc, a, b, k0, DOT_PRECISION, SCALING, a_scale, b_scale, s_rows,
+                           row_mask, cols, col_mask, K_BLOCKS)
     if SCALING == "tensor":
         acc = _tensor_scaled(acc, a_scale, b_scale, s_rows, row_mask)
     return acc
