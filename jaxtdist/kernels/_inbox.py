@@ -35,6 +35,19 @@ def wait_rows(ctx, flags, e, src, row0, ROWS: tl.constexpr, BLOCK_M: tl.constexp
 
 
 @triton.jit
+def wait_every_peer(ctx, flags, e, me, world, ROWS: tl.constexpr, CHUNK_ROWS: tl.constexpr,
+                    SCOPE: tl.constexpr):
+    """Waits until every chunk of every peer's ROWS rows of epoch ``e`` has arrived:
+    each peer has reached this epoch (so has finished the kernels that read what
+    this rank's next-but-one call rewrites: the inbox's reuse)."""
+    n_chunks: tl.constexpr = (ROWS + CHUNK_ROWS - 1) // CHUNK_ROWS
+    for step in range(1, world):
+        src = (me + step) % world
+        for chunk in range(0, n_chunks):
+            dl.wait(ctx, flags + src * n_chunks + chunk, e, "ge", src, SCOPE)
+
+
+@triton.jit
 def wait_pushes_sent(ctx, SENT_OFF: tl.constexpr, me, world, e):
     """Waits until this rank's copy-engine pushes of epoch ``e`` to every peer have
     ended (the "sent" words at SENT_OFF): the pushes' source (the kernel's operand

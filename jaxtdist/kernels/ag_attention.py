@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 import jaxtdist.language as dl
-from jaxtdist.kernels._inbox import wait_pushes_sent
+from jaxtdist.kernels._inbox import wait_every_peer, wait_pushes_sent, wait_rows
 from jaxtdist.kernels._tiles import aligned_after, dot_acc, load_rows
 
 
@@ -158,7 +158,6 @@ def ag_attention_kernel(ctx, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
     e = dl.epoch(ctx)
     ready = dl.heap_ptr(ctx, READY_OFF, tl.int32)
     flags = dl.heap_ptr(ctx, FLAGS_OFF, tl.int32)
-    n_chunks = tl.cdiv(B * S, CHUNK_ROWS)
     if not INBOX:
         if pid == 0:
             # The staged copy of this rank's k and v is in the heap (the prologue
@@ -200,10 +199,7 @@ def ag_attention_kernel(ctx, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
         if INBOX:
             # The chunks holding this batch's rows of src, pushed into the local inbox
             # (one chunk per batch from the copy engines).
-            first = b * S // CHUNK_ROWS
-            token = dl.wait(ctx, flags + src * n_chunks + first, e, "ge", src, FLAG_SCOPE)
-            for chunk in range(first + 1, ((b + 1) * S - 1) // CHUNK_ROWS + 1):
-                token = dl.wait(ctx, flags + src * n_chunks + chunk, e, "ge", src, FLAG_SCOPE)
+            token = wait_rows(ctx, flags, e, src, b * S, B * S, S, CHUNK_ROWS, FLAG_SCOPE)
             kb = aligned_after(staged, token) + ((src * B + b).to(tl.int64) * S * 2 * HKV
                                                   + hk) * D
             m, l, acc = _attend(q, m, l, acc, kb, kb + HKV * D, rows, whole, S, False,
@@ -227,12 +223,11 @@ def ag_attention_kernel(ctx, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
     if pid == 0:
         # Every peer has reached this epoch (so has finished reading what this
         # rank's next-but-one call rewrites), causal or not.
-        for step in range(1, world):
-            src = (me + step) % world
-            if INBOX:
-                for chunk in range(0, n_chunks):
-                    dl.wait(ctx, flags + src * n_chunks + chunk, e, "ge", src, FLAG_SCOPE)
-            else:
+        if INBOX:
+            wait_every_peer(ctx, flags, e, me, world, B * S, CHUNK_ROWS, FLAG_SCOPE)
+        else:
+            for step in range(1, world):
+                src = (me + step) % world
                 dl.wait(ctx, ready + src, e, "ge", src)
         if INBOX:
             # The pushes' source (k_ptr) must outlive them: this kernel, whose

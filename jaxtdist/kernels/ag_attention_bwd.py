@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 import jaxtdist.language as dl
-from jaxtdist.kernels._inbox import wait_pushes_sent, wait_rows
+from jaxtdist.kernels._inbox import wait_every_peer, wait_pushes_sent, wait_rows
 from jaxtdist.kernels._partials import partials_inbox, raise_flag, slot_of
 from jaxtdist.kernels._tiles import aligned_after, load_rows
 from jaxtdist.kernels.attention_bwd import _dkdv_block, _dq_block
@@ -274,11 +274,7 @@ def ag_attention_bwd_dq_kernel(ctx, q_ptr, kv_ptr, do_ptr, lse_ptr, delta_ptr, a
         # Every peer has pushed this epoch's KV (so has finished the kernels that
         # read what this rank's next-but-one call rewrites), causal or not; this
         # rank's pushes have read kv, this kernel's operand.
-        n_chunks: tl.constexpr = (B * S + CHUNK_ROWS - 1) // CHUNK_ROWS
-        for step in range(1, WORLD):
-            src = (me + step) % WORLD
-            for chunk in range(0, n_chunks):
-                dl.wait(ctx, flags + src * n_chunks + chunk, e, "ge", src, FLAG_SCOPE)
+        wait_every_peer(ctx, flags, e, me, WORLD, B * S, CHUNK_ROWS, FLAG_SCOPE)
         wait_pushes_sent(ctx, SENT_OFF, me, WORLD, e)
 
 
