@@ -274,6 +274,9 @@ class DistributedOp:
       path: the op's ``_path.PathRule``: which path a call takes with no
         ``PATH`` asked for; None: the local computation at world 1 where
         ``local_at_world_1`` applies, else the kernels.
+      variant: None for the op itself (found by name: ``distributed_op``), else
+        the name of a variant declared beside it ("fp8": the same public
+        function and name in errors, other operands), which is not registered.
     """
     name: str
     forward: Callable[..., tuple[Any, Any]]
@@ -286,12 +289,14 @@ class DistributedOp:
     check_config: Callable[..., None] | None = None
     decomposed: Callable[..., Any] | None = None
     path: PathRule | None = None
+    variant: str | None = None
 
     def __post_init__(self):
         if self.local_at_world_1 not in ("always", "interpreter"):
             raise ValueError(f"jaxtdist.{self.name}: local_at_world_1="
                              f"{self.local_at_world_1!r} must be 'always' or 'interpreter'")
-        _OPS[self.name] = self
+        if self.variant is None:
+            _OPS[self.name] = self
 
     def __call__(self, *args: Any, axis_name, **static: Any):
         """The op, checked, on the path ``choose`` picks: the local computation or the

@@ -335,8 +335,7 @@ def _check_config(x, w, *, axis_name, config, regather=False):
 
 
 # -- FP8 (``_fp8_gemm``): checked in ag_matmul, no backward (``no_gradient``) -----------
-# Declared before the 16/32-bit op: a declaration registers its name for
-# ``jaxtdist.explain`` (``_op._OPS``), and the 16/32-bit op must hold it.
+# A variant: jaxtdist.explain's name lookup finds the 16/32-bit op.
 
 def _fp8_forward(x, w, x_scale, w_scale, *, axis_name, config=None, plan: Fp8Gemm):
     xs, ws = kernel_scales(plan, x_scale, x.shape[0], w_scale)
@@ -358,7 +357,8 @@ def _fp8_check_config(x, w, x_scale, w_scale, *, axis_name, config, plan: Fp8Gem
 
 
 _AG_MATMUL_FP8 = DistributedOp("ag_matmul", forward=_fp8_forward, local=_fp8_local,
-                               check_config=_fp8_check_config)
+                               check_config=_fp8_check_config,
+                               variant="fp8")
 
 
 _AG_MATMUL = DistributedOp("ag_matmul", forward=_forward, backward=_backward, check=_check,

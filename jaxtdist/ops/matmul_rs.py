@@ -77,8 +77,7 @@ def _ar_decomposed(x, w, *, axis_name, config=None):
 
 
 # -- FP8 (``_fp8_gemm``): checked by the public functions, no backward ------------------
-# Declared before the 16/32-bit ops: a declaration registers its name for
-# ``jaxtdist.explain`` (``_op._OPS``), and the 16/32-bit ops must hold it.
+# Variants: jaxtdist.explain's name lookup finds the 16/32-bit ops.
 
 def _fp8_local(x, w, x_scale, w_scale, *, axis_name, config=None, plan: Fp8Gemm):
     del axis_name, config
@@ -105,9 +104,10 @@ def _fp8_check_config(op: str, config_type: type):
 
 
 _MATMUL_RS_FP8 = DistributedOp("matmul_rs", forward=_fp8_rs_forward, local=_fp8_local,
-                               check_config=_fp8_check_config("matmul_rs", MatmulRsConfig))
+                               check_config=_fp8_check_config("matmul_rs", MatmulRsConfig),
+                               variant="fp8")
 _MATMUL_AR_FP8 = DistributedOp("matmul_ar", forward=_fp8_ar_forward, local=_fp8_local,
-                               reduces=True,
+                               reduces=True, variant="fp8",
                                check_config=_fp8_check_config("matmul_ar", MatmulArConfig))
 
 
