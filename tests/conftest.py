@@ -47,6 +47,14 @@ def cpu_only():
                               reason="CPU suite (set JAXTDIST_TEST_GPU!=1)")
 
 
+def slow():
+    """Skips unless ``JAXTDIST_TEST_SLOW=1``: a test that would push CI (which runs
+    the whole CPU suite within its time limit) over it; run by hand, or where
+    time allows."""
+    return pytest.mark.skipif(os.environ.get("JAXTDIST_TEST_SLOW") != "1",
+                              reason="slow (over a minute): set JAXTDIST_TEST_SLOW=1")
+
+
 def has_timeout_plugin() -> bool:
     try:
         import pytest_timeout  # noqa: F401

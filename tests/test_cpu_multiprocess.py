@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.conftest import cpu_only, timeout
+from tests.conftest import cpu_only, slow, timeout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "multiprocess")
@@ -278,3 +278,24 @@ def test_moe_and_attention_cases_across_processes():
         checks = dict(line.split()[1:3] for line in rank_lines(out, rank, "CHECK"))
         assert set(checks) == set(CASES), checks
         assert all(float(err) <= 1e-5 for err in checks.values()), checks
+
+
+@slow()
+@timeout(420)
+def test_low_latency_moe_and_overlapped_attention_backward_across_processes():
+    """cases_check.py with --ll and --overlap-grads over 2 processes: the cases above,
+    then the low-latency MoE layout (dispatch_ll -> experts, the masked grouped
+    GEMM among them -> combine_ll, FP8 dispatch, skewed and invalid routings, 20
+    chained calls; counts exact) and ag_attention's gradients through its
+    overlapped backward, no XLA collective. About 130 s on 2 shared cores (the
+    cases above alone 57 s), hence JAXTDIST_TEST_SLOW."""
+    from tests.multiprocess.checks import CASES, LL_CASES, OVERLAP_GRAD_CASES, tolerance
+
+    code, out, _ = launch(2, "cases_check.py", "--ll", "--overlap-grads", limit_s=400)
+    assert code == 0, out[-4000:]
+    assert "XLA_COLLECTIVES" not in out and "MISMATCH" not in out, out[-4000:]
+    for rank in range(2):
+        assert rank_lines(out, rank, "OK") == ["OK"], out[-4000:]
+        checks = dict(line.split()[1:3] for line in rank_lines(out, rank, "CHECK"))
+        assert set(checks) == {*CASES, *LL_CASES, *OVERLAP_GRAD_CASES}, checks
+        assert all(float(err) <= tolerance(name, 1e-5) for name, err in checks.items()), checks
