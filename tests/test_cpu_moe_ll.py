@@ -27,8 +27,8 @@ def routing(kind: str, world: int, t: int, k: int, e: int, rng) -> np.ndarray:
     n = world * t
     ids = np.stack([rng.permutation(e)[:k] for _ in range(n)]).astype(np.int32)
     if kind == "skewed":  # most tokens to experts 0 and 1 (then others)
-        for row in ids[rng.random(n) < 0.8]:
-            row[:] = [0, 1][:k] + [x for x in rng.permutation(e) if x > 1][:max(0, k - 2)]
+        for i in np.flatnonzero(rng.random(n) < 0.8):  # rows in place (a mask copies)
+            ids[i] = [0, 1][:k] + [x for x in rng.permutation(e) if x > 1][:max(0, k - 2)]
     elif kind == "one_expert":  # every token to the last expert first
         for row in ids:
             row[:] = [e - 1] + [x for x in rng.permutation(e - 1)][:k - 1]
