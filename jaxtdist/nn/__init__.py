@@ -21,6 +21,7 @@ Example:
 
 from jaxtdist.nn._attention import ParallelAttention, RopeScaling, rope
 from jaxtdist.nn._embed import Embed
+from jaxtdist.nn._fp8 import Fp8Recipe, Fp8Weight
 from jaxtdist.nn._generate import generate
 from jaxtdist.nn._hf import load_hf_llama
 from jaxtdist.nn._linear import ColumnParallelLinear, RowParallelLinear
@@ -28,7 +29,7 @@ from jaxtdist.nn._llama import Llama, LlamaConfig, Optimizer, place_on_mesh
 from jaxtdist.nn._mlp import ParallelMLP
 from jaxtdist.nn._moe import ParallelMoE, RouterStats, load_balancing_loss
 
-__all__ = ["ColumnParallelLinear", "Embed", "Llama", "LlamaConfig", "Optimizer",
+__all__ = ["ColumnParallelLinear", "Embed", "Fp8Recipe", "Fp8Weight", "Llama", "LlamaConfig", "Optimizer",
            "ParallelAttention", "ParallelMLP", "ParallelMoE", "RopeScaling", "RouterStats",
            "RowParallelLinear", "generate", "load_balancing_loss", "load_hf_llama",
            "place_on_mesh", "rope"]

@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxtdist.nn._cudnn import check_xla_attention, cudnn_attention, cudnn_refusal, mesh_platform
+from jaxtdist.nn._fp8 import Fp8Recipe
 from jaxtdist.nn._layout import Layout, make_layout
 from jaxtdist.nn._linear import ColumnParallelLinear, RowParallelLinear, column_parallel
 from jaxtdist.ops.ag_attention import _MAX_HEAD_DIM as _FUSED_MAX_HEAD_DIM
@@ -142,6 +143,9 @@ class ParallelAttention(nnx.Module):
     with a mask, XLA's default) or "cudnn" (cuDNN's flash attention wherever
     ``jaxtdist.nn._cudnn.cudnn_refusal`` lets it, as a JAX GPU user runs it).
 
+    ``fp8``: an ``Fp8Recipe`` for the four projections (``jaxtdist.nn._linear``;
+    the attention itself stays in the activations' dtype).
+
     ``rope_theta`` turns on rotary embeddings, ``rope_scaling`` (a
     :class:`RopeScaling`) Llama 3.1's scaling of their frequencies.
 
@@ -175,7 +179,8 @@ class ParallelAttention(nnx.Module):
                  axis_name: str = "tp",
                  batch_axes: str | Sequence[str] | None = None, mesh: Mesh | None = None,
                  dtype=None, param_dtype=jnp.float32, impl: str = "jaxtdist",
-                 xla_attention: str = "unfused", rngs: nnx.Rngs):
+                 xla_attention: str = "unfused", fp8: Fp8Recipe | str | None = None,
+                 rngs: nnx.Rngs):
         name = "ParallelAttention"
         # impl="xla"'s attention (and jaxtdist's where its kernels do not take the case).
         self.xla_attention = check_xla_attention(name, xla_attention)
@@ -216,7 +221,7 @@ class ParallelAttention(nnx.Module):
         self.rope_scaling = rope_scaling
         common = dict(axis_name=axis_name, batch_axes=layout.batch_axes, mesh=layout.mesh,
                       use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, impl=impl,
-                      rngs=rngs)
+                      fp8=fp8, rngs=rngs)
         kv_replicated = head_dim if num_kv_heads % tp else 0
         self.q_proj = ColumnParallelLinear(d_model, num_heads * head_dim, **common)
         self.k_proj = ColumnParallelLinear(d_model, num_kv_heads * head_dim,
@@ -252,7 +257,7 @@ class ParallelAttention(nnx.Module):
         if batch < 1 or max_len < 1:
             raise ValueError(f"jaxtdist.nn.ParallelAttention.init_cache: batch={batch}, "
                              f"max_len={max_len}; both must be positive")
-        dtype = dtype or self.q_proj.dtype or self.q_proj.kernel.dtype
+        dtype = dtype or self.q_proj.dtype or self.q_proj.param_dtype
         b = lay.batch_spec(batch)
         sharding = lay.named(P(b, None, lay.axis_name, None))
         shape = (batch, max_len, self.kv_heads_stored, self.head_dim)

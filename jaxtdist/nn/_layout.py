@@ -93,11 +93,11 @@ class Layout:
             return jax.lax.reshape(x, shape, out_sharding=self.named(spec))
         return self.constrain(x.reshape(shape), spec)
 
-    def dot(self, x: jax.Array, w: jax.Array, spec: P) -> jax.Array:
+    def dot(self, x: jax.Array, w: jax.Array, spec: P, precision=None) -> jax.Array:
         """``x @ w`` laid out as ``spec``: XLA moves the data (the ``impl="xla"`` path)."""
         if self.explicit:
-            return jnp.dot(x, w, out_sharding=self.named(spec))
-        return self.constrain(jnp.dot(x, w), spec)
+            return jnp.dot(x, w, precision=precision, out_sharding=self.named(spec))
+        return self.constrain(jnp.dot(x, w, precision=precision), spec)
 
     # -- the [batch, seq, d] <-> tokens boundary --------------------------------------
     def check_input(self, x, features: int, decode: bool,

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtdist.nn._attention import ParallelAttention, RopeScaling
 from jaxtdist.nn._embed import Embed
+from jaxtdist.nn._fp8 import Fp8Recipe, check_recipe
 from jaxtdist.nn._layout import make_layout
 from jaxtdist.nn._mlp import ParallelMLP
 from jaxtdist.nn._moe import ParallelMoE, load_balancing_loss
@@ -142,8 +143,11 @@ class LlamaConfig:
 class DecoderLayer(nnx.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, *, sparse: bool = False, **common):
-        """``sparse``: a ``ParallelMoE`` MLP (``cfg.is_moe_layer``), else a dense one."""
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, *, sparse: bool = False,
+                 fp8: Fp8Recipe | None = None, **common):
+        """``sparse``: a ``ParallelMoE`` MLP (``cfg.is_moe_layer``), else a dense one;
+        ``fp8``: the recipe of the attention's projections and the dense MLP (a
+        sparse MLP's experts stay in ``param_dtype``)."""
         dtype = common.get("dtype")
         self.input_layernorm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=dtype,
                                            rngs=rngs)
@@ -151,7 +155,8 @@ class DecoderLayer(nnx.Module):
                                            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                                            rope_theta=cfg.rope_theta,
                                            rope_scaling=cfg.rope_scaling, qk_norm=cfg.qk_norm,
-                                           qk_norm_eps=cfg.norm_eps, rngs=rngs, **common)
+                                           qk_norm_eps=cfg.norm_eps, fp8=fp8, rngs=rngs,
+                                           **common)
         self.post_attention_layernorm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps,
                                                     dtype=dtype, rngs=rngs)
         hidden = cfg.hidden or 4 * cfg.d_model
@@ -162,7 +167,7 @@ class DecoderLayer(nnx.Module):
                                    norm_topk_prob=cfg.norm_topk_prob,
                                    capacity_factor=cfg.moe_capacity_factor, rngs=rngs, **common)
         else:
-            self.mlp = ParallelMLP(cfg.d_model, hidden, rngs=rngs, **common)
+            self.mlp = ParallelMLP(cfg.d_model, hidden, fp8=fp8, rngs=rngs, **common)
 
     def __call__(self, x, *, positions=None, segment_ids=None, lengths=None, decode=False,
                  router_stats: list | None = None):
@@ -194,8 +199,11 @@ class Llama(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, axis_name: str = "tp",
                  batch_axes: str | Sequence[str] | None = None, mesh: Mesh | None = None,
                  dtype=None, param_dtype=jnp.float32, impl: str = "jaxtdist",
-                 rngs: nnx.Rngs):
+                 fp8: Fp8Recipe | str | None = None, rngs: nnx.Rngs):
+        """``fp8``: an ``Fp8Recipe`` for every attention projection and dense MLP
+        (not the embedding, the head, the norms, nor MoE experts)."""
         self.config = cfg
+        fp8 = check_recipe("Llama", fp8)
         layout = make_layout("Llama", mesh=mesh, axis_name=axis_name, batch_axes=batch_axes,
                              impl=impl)
         self.layout = layout
@@ -204,7 +212,8 @@ class Llama(nnx.Module):
         self.embed_tokens = Embed(cfg.vocab, cfg.d_model, axis_name=axis_name,
                                   batch_axes=layout.batch_axes, mesh=layout.mesh, dtype=dtype,
                                   param_dtype=param_dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, rngs, sparse=cfg.is_moe_layer(i), **common)
+        self.layers = nnx.List([DecoderLayer(cfg, rngs, sparse=cfg.is_moe_layer(i), fp8=fp8,
+                                             **common)
                                 for i in range(cfg.num_layers)])
         self.norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=dtype, rngs=rngs)
         self.lm_head = None if cfg.tie_embeddings else nnx.Linear(

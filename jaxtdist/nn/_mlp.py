@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxtdist.nn._fp8 import Fp8Recipe
 from jaxtdist.nn._layout import make_layout
 from jaxtdist.nn._linear import ColumnParallelLinear, RowParallelLinear, column_parallel
 
@@ -24,7 +25,9 @@ class ParallelMLP(nnx.Module):
     gather of the tokens (``ag_matmul`` with two weights); down reduce-scatters
     (``matmul_rs``), or all-reduces in a decode step (``matmul_ar``).
     Parameters as Hugging Face names them: ``gate_proj``, ``up_proj``,
-    ``down_proj``, each with ``kernel`` [in, out] (and ``bias``).
+    ``down_proj``, each with ``kernel`` [in, out] (and ``bias``); with
+``fp8=Fp8Recipe("blockwise")`` each with FP8 ``weight`` [out, in] and
+``weight_scale_inv`` instead of ``kernel``.
 
     Example:
       >>> mesh = jax.make_mesh((2, 4), ("dp", "tp")); jaxtdist.initialize(mesh)
@@ -38,13 +41,14 @@ class ParallelMLP(nnx.Module):
                  use_bias: bool = False, axis_name: str = "tp",
                  batch_axes: str | Sequence[str] | None = None, mesh: Mesh | None = None,
                  dtype=None, param_dtype=jnp.float32, impl: str = "jaxtdist",
-                 rngs: nnx.Rngs):
+                 fp8: Fp8Recipe | str | None = None, rngs: nnx.Rngs):
+        """``fp8``: an ``Fp8Recipe`` for gate, up and down (``jaxtdist.nn._linear``)."""
         self.layout = make_layout("ParallelMLP", mesh=mesh, axis_name=axis_name,
                                   batch_axes=batch_axes, impl=impl)
         self.d_model = d_model
         common = dict(axis_name=axis_name, batch_axes=self.layout.batch_axes,
                       mesh=self.layout.mesh, use_bias=use_bias, dtype=dtype,
-                      param_dtype=param_dtype, impl=impl, rngs=rngs)
+                      param_dtype=param_dtype, impl=impl, fp8=fp8, rngs=rngs)
         self.gate_proj = ColumnParallelLinear(d_model, hidden, **common) if gated else None
         self.up_proj = ColumnParallelLinear(d_model, hidden, **common)
         self.down_proj = RowParallelLinear(hidden, d_model, **common)
