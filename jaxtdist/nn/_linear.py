@@ -62,8 +62,8 @@ def _fp8_weight(init, layout: Layout, spec: tuple, rngs: nnx.Rngs, shape,
     w, s = jax.jit(jax.shard_map(quantize_weight, mesh=layout.mesh, in_specs=P(*spec),
                                  out_specs=(t_spec, t_spec)))(kernel)
     names = tuple(reversed(spec))
-    return (Fp8Weight(w, sharding_names=names, mesh=layout.mesh),
-            Fp8Weight(s, sharding_names=names, mesh=layout.mesh))
+    return (Fp8Weight(w, out_sharding=names, mesh=layout.mesh),
+            Fp8Weight(s, out_sharding=names, mesh=layout.mesh))
 
 
 def _check_fp8(layer: str, fp8, layout: Layout, in_features: int, out_features: int,
@@ -177,13 +177,14 @@ class ColumnParallelLinear(nnx.Module):
         self.replicated_columns = replicated_columns
         if not replicated_columns:
             check_divisible(self.layout, "out_features", out_features)
-        self.fp8 = _check_fp8(name, fp8, self.layout, in_features, out_features, "out")
+        self.fp8 = check_recipe(name, fp8)
         if self.fp8 is not None and self.fp8.blockwise and replicated_columns:
             raise ValueError(f"jaxtdist.nn.{name}: fp8 kind 'blockwise' with replicated columns "
                              f"(KV heads repeated over the {self.layout.tp} ranks of "
                              f"{axis_name!r}) is not supported: its 128 x 128 weight scales "
                              "cannot follow the repeated column groups; use a tensor-parallel "
                              "size that divides the KV heads, or fp8=Fp8Recipe('tensor')")
+        self.fp8 = _check_fp8(name, self.fp8, self.layout, in_features, out_features, "out")
         column = None if replicated_columns else axis_name
         self.dtype, self.param_dtype = dtype, param_dtype
         if self.fp8 is not None and self.fp8.blockwise:
