@@ -17,6 +17,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from jaxtdist.kernels.ag_matmul import ag_matmul_kernel  # noqa: E402
 from jaxtdist.kernels.all_gather import all_gather_kernel  # noqa: E402
+from tests.conftest import slow  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -299,7 +300,8 @@ def test_launch_warps_of_warp_specialized_kernel(num_warps):
 
 @pytest.mark.parametrize("dtype,d,group,page", [("bf16", 128, 4, 0), ("fp16", 64, 8, 0),
                                                ("fp32", 128, 1, 0), ("bf16", 128, 4, 16),
-                                               ("bf16", 256, 8, 0), ("fp32", 256, 4, 0)])
+                                               ("bf16", 256, 8, 0),
+                                               pytest.param("fp32", 256, 4, 0, marks=slow())])
 def test_flash_decode_compiles_with_tensor_cores_and_its_protocol(dtype, d, group, page):
     """flash_decode with its GPU default config: the split-KV dots on tensor cores
     (mma.sync for the 16-row query tile), 16-byte K/V loads (paged too: rows
@@ -369,7 +371,8 @@ def _compile_ag_attention(dtype: str, d: int, *, s: int = 8192, causal: bool = T
 
 
 @pytest.mark.parametrize("dtype,d,causal,inbox", [("bf16", 128, True, True),
-                                                  ("bf16", 128, True, False),
+                                                  pytest.param("bf16", 128, True, False,
+                                                               marks=slow()),
                                                   ("fp16", 64, False, True),
                                                   ("fp32", 64, True, False)])
 def test_ag_attention_compiles_with_tensor_cores(dtype, d, causal, inbox):
@@ -642,7 +645,7 @@ def test_moe_chunked_combine_compiles(dots):
     assert _stack_bytes(c) <= (0 if dots else 48), "the chunked combine spills"
 
 
-@pytest.mark.parametrize("zero_tail", [True, False])
+@pytest.mark.parametrize("zero_tail", [True, pytest.param(False, marks=slow())])
 def test_moe_chunked_dispatch_compiles(zero_tail):
     """The bulk dispatch (4096 tokens per rank, 32 per program, chunks of 4: each
     chunk's pushes, flags and layout pipelined) compiles for sm_90 with 16-byte row

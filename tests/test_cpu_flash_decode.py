@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxtdist as td
 from jaxtdist.ops._op import DistributedOp
-from tests.conftest import TOL, cpu_only, place, rand, setup
+from tests.conftest import TOL, cpu_only, place, rand, setup, slow
 
 pytestmark = cpu_only()
 
@@ -313,7 +313,7 @@ def test_flash_decode_is_not_differentiable():
         f(*placed, lens)
 
 
-@pytest.mark.parametrize("splits", [1, 3, 4])
+@pytest.mark.parametrize("splits", [1, 3, pytest.param(4, marks=slow())])
 def test_flash_decode_steps_interleaved_over_the_programs(splits):
     """Each program takes every NUM_SPLITS-th step of the valid positions: right for
     lengths that fill the cache, part of one rank's shard (fewer steps than
