@@ -253,3 +253,131 @@ def test_moe_tp_mlp_fp8(world, gated, dtype, scaling):
     out = fn(*(place(mesh, a, s) for a, s in zip(arrays, specs)))
     assert out.dtype == BF16 and out.shape == (world * t, h)
     assert _rel(out, ref) < 1e-2
+
+
+# -- bad input -----------------------------------------------------------------------------
+
+def test_grouped_fp8_bad_input():
+    g, r, h, f = 3, 8, 256, 48
+    xq, wq = jnp.ones((r, h), E4M3), jnp.ones((g, f, h), E4M3)
+    one = jnp.float32(1)
+    xb, wb = jnp.ones((r, 2), F32), jnp.ones((g, 1, 2), F32)
+    sizes = jnp.array([3, 2, 3], jnp.int32)
+    cases = [
+        (dict(x_scale=one), "w_scale is missing"),
+        (dict(w_scale=one), "x_scale is missing"),
+        (dict(x=xq.astype(BF16), w=jnp.ones((g, h, f), BF16), x_scale=one, w_scale=one),
+         "x_scale is given but x and w are bfloat16"),
+        (dict(x=xq.astype(BF16), w=jnp.ones((g, h, f), BF16), out_dtype=F32),
+         "out_dtype is given"),
+        (dict(w=wq.astype(E5M2), x_scale=one, w_scale=one), "same FP8 format"),
+        (dict(w=wq.astype(BF16), x_scale=one, w_scale=one), "same FP8 format"),
+        (dict(x_scale=jnp.bfloat16(1), w_scale=one), "x_scale has dtype bfloat16"),
+        (dict(x_scale=one, w_scale=jnp.ones((g,), F16)), "w_scale has dtype float16"),
+        (dict(x_scale=one, w_scale=1.0), "w_scale must be a float32 array"),
+        (dict(w=jnp.ones((g, h, f), E4M3), x_scale=one, w_scale=one),
+         "looks like \\[G, H, F\\].*quantize_weight"),
+        (dict(w=jnp.ones((g, f, 64), E4M3), x_scale=one, w_scale=one), "does not match"),
+        (dict(x_scale=one, w_scale=jnp.ones((2,), F32)), "mix per-tensor and blockwise"),
+        (dict(x_scale=xb, w_scale=one), "mix per-tensor and blockwise"),
+        (dict(x_scale=xb, w_scale=jnp.ones((g, 2, 2), F32)),
+         "w_scale\\[3, 2, 2\\] do not fit.*w_scale \\[3, 1, 2\\]"),
+        (dict(x_scale=jnp.ones((r, 3), F32), w_scale=wb), "x_scale is \\[8, 2\\]"),
+        (dict(x=jnp.ones((r, 200), E4M3), w=jnp.ones((g, f, 200), E4M3),
+              x_scale=jnp.ones((r, 1), F32), w_scale=wb), "H a multiple of 128, got H=200"),
+        (dict(x_scale=one, w_scale=one, out_dtype=E4M3), "out_dtype=float8_e4m3fn"),
+        (dict(sizes=jnp.array([1, 2], jnp.int32), x_scale=one, w_scale=one),
+         "group_sizes must be integers with one entry per group"),
+    ]
+    for kwargs, match in cases:
+        kwargs = dict(kwargs)
+        x, w, s = kwargs.pop("x", xq), kwargs.pop("w", wq), kwargs.pop("sizes", sizes)
+        with pytest.raises(ValueError, match=match):
+            td.grouped_matmul(x, w, s, **kwargs)
+    # The masked layout's scales are [G, M, H / 128].
+    with pytest.raises(ValueError, match="x_scale is \\[3, 4, 2\\]"):
+        td.grouped_matmul_masked(jnp.ones((g, 4, h), E4M3), wq, sizes, x_scale=xb,
+                                 w_scale=wb)
+    with pytest.raises(ValueError, match="looks like \\[G, H, F\\]"):
+        td.grouped_matmul_masked(jnp.ones((g, 4, h), E4M3), jnp.ones((g, h, f), E4M3),
+                                 sizes, x_scale=one, w_scale=one)
+    # A K step that spans two scale blocks (the config resolves inside shard_map).
+    fn = _local(lambda a, b, c, d, e: td.grouped_matmul(a, b, c, x_scale=d, w_scale=e,
+                                                        config=dict(BLOCK_K=256)), 5)
+    with pytest.raises(ValueError, match="BLOCK_K=256 does not divide 128"):
+        fn(xq, wq, sizes, xb, wb)
+
+
+def test_moe_tp_mlp_fp8_bad_input():
+    mesh = setup(1, ("tp",))
+    t, k, e, h, f = 4, 2, 4, 256, 128
+    x, ids, gate = jnp.ones((t, h), BF16), jnp.zeros((t, k), jnp.int32), jnp.ones((t, k), F32)
+    w1, w2 = jnp.ones((e, f, h), E4M3), jnp.ones((e, h, f), E4M3)
+    s1, s2 = jnp.ones((e, 1, 2), F32), jnp.ones((e, 2, 1), F32)
+    one = jnp.float32(1)
+    cases = [
+        (dict(w2_scale=s2), "w1_scale is missing"),
+        (dict(w1_scale=s1), "w2_scale is missing"),
+        (dict(w1=jnp.ones((e, h, f), BF16), w2=jnp.ones((e, f, h), BF16), w1_scale=s1,
+              w2_scale=s2), "w1_scale is given but the expert weights are .*bfloat16"),
+        (dict(w2=w2.astype(E5M2), w1_scale=s1, w2_scale=s2), "same FP8 format"),
+        (dict(w1_scale=s1.astype(BF16), w2_scale=s2), "w1_scale is bfloat16"),
+        (dict(w1=jnp.ones((e, h, f), E4M3), w1_scale=s1, w2_scale=s2),
+         "looks like \\[E, H, F_shard\\]"),
+        (dict(w2=jnp.ones((e, f, h), E4M3), w1_scale=s1, w2_scale=s2),
+         "FP8 w2 must be \\[E, H, F_shard\\]"),
+        (dict(w1_scale=s1, w2_scale=one), "mix per-tensor and blockwise"),
+        (dict(w1_scale=jnp.ones((e, 2, 2), F32), w2_scale=s2), "w1_scale\\[4, 2, 2\\] does not"),
+        (dict(w1=jnp.ones((e, 64, h), E4M3), w2=jnp.ones((e, h, 64), E4M3), w1_scale=s1,
+              w2_scale=jnp.ones((e, 2, 1), F32)), "F_shard for w2\\), got 64"),
+        (dict(x=x.astype(E4M3), w1_scale=s1, w2_scale=s2), "x is float8_e4m3fn"),
+        (dict(w1_scale=s1, w2_scale=s2, w_up=w1), "w_up_scale is missing"),
+        (dict(w1_scale=s1, w2_scale=s2, overlap=True), "overlap=True with FP8"),
+        (dict(w1_scale=s1, w2_scale=s2, grouped_gemm="ragged_dot"),
+         "grouped_gemm='ragged_dot' with FP8"),
+    ]
+    for kwargs, match in cases:
+        kwargs = dict(kwargs)
+        args = [kwargs.pop(n, v) for n, v in (("x", x), ("w1", w1), ("w2", w2))]
+
+        def body(xx, a, b, kwargs=kwargs):
+            return td.moe_tp_mlp(xx, ids, gate, a, b, "tp", **kwargs)
+
+        fn = jax.shard_map(body, mesh=mesh, in_specs=(P(),) * 3, out_specs=P(),
+                           check_vma=False)
+        with pytest.raises(ValueError, match=match):
+            jax.jit(fn)(*args)
+
+
+# -- gradients ----------------------------------------------------------------------------
+
+def test_fp8_grouped_ops_are_not_differentiable():
+    wq, ws = td.quantize_weight(jnp.ones((2, 128, 32)), block=None)
+    sizes = jnp.array([3, 1], jnp.int32)
+
+    def loss(x):
+        q, s = td.quantize(x)
+        y = _local(lambda q, s, w, ws: td.grouped_matmul(q, w, sizes, x_scale=s, w_scale=ws),
+                   4)(q, s, wq, ws)
+        return jnp.sum(y.astype(F32))
+
+    x = jnp.ones((4, 128))
+    assert np.isfinite(float(loss(x)))
+    with pytest.raises(TypeError, match="grouped_matmul: the FP8 path is not differentiable: "
+                                        "its arguments x, x_scale carry no gradient"):
+        jax.grad(loss)(x)
+
+    mesh = setup(1, ("tp",))
+    w1q, w1s = td.quantize_weight(jnp.ones((2, 128, 128)) / 128)
+    w2q, w2s = td.quantize_weight(jnp.ones((2, 128, 128)) / 128)
+    ids, gate = jnp.zeros((4, 1), jnp.int32), jnp.ones((4, 1), F32)
+
+    def moe_loss(x):
+        y = jax.shard_map(lambda x: td.moe_tp_mlp(x, ids, gate, w1q, w2q, "tp", w1_scale=w1s,
+                                                  w2_scale=w2s),
+                          mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)(x)
+        return jnp.sum(y.astype(F32))
+
+    with pytest.raises(TypeError, match="moe_tp_mlp: the FP8 path is not differentiable: its "
+                                        "arguments x carry no gradient"):
+        jax.grad(moe_loss)(x.astype(BF16))
