@@ -381,3 +381,15 @@ def test_fp8_grouped_ops_are_not_differentiable():
     with pytest.raises(TypeError, match="moe_tp_mlp: the FP8 path is not differentiable: its "
                                         "arguments x carry no gradient"):
         jax.grad(moe_loss)(x.astype(BF16))
+
+
+def test_fp8_grouped_variants_leave_the_op_names_to_the_16_bit_ops():
+    """jaxtdist.explain finds ops by name: the FP8 declarations must not take it over."""
+    import importlib
+
+    from jaxtdist.ops._op import distributed_op
+
+    gm = importlib.import_module("jaxtdist.ops.grouped_matmul")
+    masked = importlib.import_module("jaxtdist.ops.grouped_matmul_masked")
+    assert distributed_op("grouped_matmul") is gm._GROUPED_MATMUL
+    assert distributed_op("grouped_matmul_masked") is masked._MASKED

@@ -174,8 +174,10 @@ class GroupedMatmulConfig(KernelConfig):
             raise ValueError(f"jaxtdist.grouped_matmul: config SUBTILE={self.SUBTILE} must be "
                              f"1, 2 or 4, with BLOCK_N / SUBTILE >= 8 (BLOCK_N={self.BLOCK_N})")
         if problem.platform == "gpu":
-            # Split K stores float32 partials through the epilogue's buffer.
-            out_itemsize = 4 if self.SPLIT_K > 1 else problem.itemsize
+            # Split K stores float32 partials through the epilogue's buffer; FP8
+            # operands' outputs are wider than they (up to float32: out_dtype).
+            out_itemsize = (4 if self.SPLIT_K > 1 or problem.itemsize == 1
+                            else problem.itemsize)
             smem = ((self.BLOCK_M + self.BLOCK_N) * self.BLOCK_K * self.num_stages
                     * problem.itemsize
                     + self.BLOCK_M * self.BLOCK_N // self.SUBTILE * out_itemsize)
