@@ -199,8 +199,9 @@ def _moe_reference(x, ids, gate, w1, w2, w_up, dtype, scaling) -> np.ndarray:
     return sum(hidden)
 
 
+# (World 2 with gated blockwise experts: test_moe_tp_mlp_sharded_fp8.)
 @pytest.mark.parametrize("world,gated,dtype,scaling", [
-    (1, False, E4M3, "block"), (2, True, E4M3, "block"), (2, False, E5M2, "tensor")])
+    (1, True, E4M3, "block"), (2, False, E5M2, "tensor")])
 def test_moe_tp_mlp_fp8(world, gated, dtype, scaling):
     t, k, e, h, f = 5, 2, 4, 128, 128 * world
     mesh = setup(world, ("tp",))
@@ -393,3 +394,29 @@ def test_fp8_grouped_variants_leave_the_op_names_to_the_16_bit_ops():
     masked = importlib.import_module("jaxtdist.ops.grouped_matmul_masked")
     assert distributed_op("grouped_matmul") is gm._GROUPED_MATMUL
     assert distributed_op("grouped_matmul_masked") is masked._MASKED
+
+
+def test_moe_tp_mlp_sharded_fp8():
+    """The pjit-style wrapper with gated FP8 experts (global quantize_weight, F over
+    "tp", blockwise scales sharded with their weights) at world 2, against the
+    float64 reference of the layer on the per-rank shards."""
+    world, t, k, e, h, f = 2, 3, 2, 4, 128, 256
+    setup(world, ("tp",))
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.standard_normal((world * t, h)), BF16)
+    ids = np.stack([rng.permutation(e)[:k] for _ in range(world * t)]).astype(np.int32)
+    gate = rng.random((world * t, k)).astype(np.float32)
+    quantized = [td.quantize_weight(rng.standard_normal(shape).astype(np.float32) / 16)
+                 for shape in ((e, h, f), (e, f, h), (e, h, f))]      # w1, w2, w_up
+    (w1q, w1s), (w2q, w2s), (wuq, wus) = quantized
+    out = jax.jit(lambda x, i, g, a, sa, b, sb, c, sc: td.moe_tp_mlp_sharded(
+        x, i, g, a, b, axis_name="tp", w1_scale=sa, w2_scale=sb, w_up=c, w_up_scale=sc))(
+        x, ids, gate, w1q, w1s, w2q, w2s, wuq, wus)
+    assert out.dtype == BF16 and out.shape == x.shape
+    deq = [np.swapaxes(_deq(q, s_), 1, 2) for q, s_ in quantized]   # [E, H, F], [E, F, H]
+    shard = f // world
+    split = [[a[:, :, r * shard:(r + 1) * shard] for r in range(world)] for a in deq[::2]]
+    w2_shards = [deq[1][:, r * shard:(r + 1) * shard] for r in range(world)]
+    ref = _moe_reference(x.astype(F32), ids, gate, split[0], w2_shards, split[1], E4M3,
+                         "block")
+    assert _rel(out, ref) < 1e-2

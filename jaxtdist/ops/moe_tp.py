@@ -547,10 +547,39 @@ _SHARDED = {gated: pjit_wrapper(_per_rank, name="moe_tp_mlp_sharded",
             for gated in (False, True)}
 
 
+def _per_rank_fp8(x, expert_ids, weights, w1, w1_scale, w2, w2_scale, *up, axis_name,
+                  **kwargs):
+    """FP8 experts: each weight followed by its scales (``up``: w_up, w_up_scale)."""
+    w_up, w_up_scale = up if up else (None, None)
+    return moe_tp_mlp(x, expert_ids, weights, w1, w2, axis_name, w_up=w_up, w1_scale=w1_scale,
+                      w2_scale=w2_scale, w_up_scale=w_up_scale, **kwargs)
+
+
+def _fp8_specs(gated: bool, blockwise: bool):
+    """FP8 experts' specs: K-major w1 / w_up [E, F, H] and w2 [E, H, F] with F over
+    axis_name; blockwise scales sharded as their weights, per-tensor ones replicated."""
+    def in_specs(axis, batch):
+        tokens = P(rows_over(axis, batch), None)
+        w_in, w_out = P(None, axis, None), P(None, None, axis)
+        s_in, s_out = (w_in, w_out) if blockwise else (P(), P())
+        return (tokens, tokens, tokens, w_in, s_in, w_out, s_out) + ((w_in, s_in) if gated
+                                                                     else ())
+
+    return in_specs, lambda axis, batch: P(rows_over(axis, batch), None)
+
+
+_SHARDED_FP8 = {(gated, blockwise): pjit_wrapper(
+    _per_rank_fp8, name="moe_tp_mlp_sharded", in_specs=_fp8_specs(gated, blockwise)[0],
+    out_specs=_fp8_specs(gated, blockwise)[1])
+    for gated in (False, True) for blockwise in (False, True)}
+
+
 def moe_tp_mlp_sharded(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax.Array,
                        w2: jax.Array, *, axis_name: str | tuple[str, ...],
                        batch_axes: str | tuple[str, ...] = (), mesh=None,
-                       w_up: jax.Array | None = None, **kwargs) -> jax.Array:
+                       w_up: jax.Array | None = None, w1_scale: jax.Array | None = None,
+                       w2_scale: jax.Array | None = None, w_up_scale: jax.Array | None = None,
+                       **kwargs) -> jax.Array:
     """``moe_tp_mlp`` for pjit-style code: no hand-written ``shard_map``.
 
     Call it under ``jax.jit`` (or eagerly) on global arrays: x [T, H],
@@ -567,6 +596,11 @@ def moe_tp_mlp_sharded(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, 
         first.
       mesh: the mesh; defaults to the one given to ``jaxtdist.initialize``.
       w_up: the gated MLP's second projection [E, H, F], sharded like w1.
+      w1_scale, w2_scale, w_up_scale: FP8 experts (as for ``moe_tp_mlp``): w1 / w_up
+        [E, F, H] and w2 [E, H, F] K-major (``jaxtdist.quantize_weight`` of the
+        global weights; F / W a multiple of 128 blockwise), F sharded over
+        ``axis_name``; blockwise scales sharded with their weights, per-tensor
+        ones (() or [E]) replicated.
       **kwargs: ``activation``, ``grouped_gemm``, ``overlap``: as for ``moe_tp_mlp``.
 
     Example:
@@ -574,6 +608,18 @@ def moe_tp_mlp_sharded(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, 
       >>> out = jax.jit(lambda *a: jaxtdist.moe_tp_mlp_sharded(*a, axis_name="tp"))(
       ...     x, expert_ids, weights, w1, w2)
     """
+    if w1_scale is not None or w2_scale is not None or w_up_scale is not None:
+        arrays = (x, expert_ids, weights, w1, w1_scale, w2, w2_scale) + (
+            () if w_up is None else (w_up, w_up_scale))
+        arrays = tuple(None if a is None else jnp.asarray(a) for a in arrays)
+        if any(a is None for a in arrays):
+            raise ValueError("jaxtdist.moe_tp_mlp_sharded: FP8 experts need w1_scale, "
+                             "w2_scale" + (" and w_up_scale" if w_up is not None else "")
+                             + "; pass every weight's float32 scales (from "
+                             "jaxtdist.quantize_weight)")
+        blockwise = arrays[4].ndim == 3
+        return _SHARDED_FP8[w_up is not None, blockwise](
+            *arrays, axis_name=axis_name, batch_axes=batch_axes, mesh=mesh, **kwargs)
     arrays = (x, expert_ids, weights, w1, w2) + (() if w_up is None else (w_up,))
     return _SHARDED[w_up is not None](*(jnp.asarray(a) for a in arrays), axis_name=axis_name,
                                       batch_axes=batch_axes, mesh=mesh, **kwargs)
