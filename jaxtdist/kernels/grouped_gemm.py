@@ -173,17 +173,16 @@ def grouped_gemm_fp8_kernel(ctx, x_ptr, w_ptr, sizes_ptr, x_scale_ptr, w_scale_p
 
 
 @triton.jit
-def _group_scales(x_scale_ptr, w_scale_ptr, g, F: tl.constexpr, H: tl.constexpr,
-                  SCALING: tl.constexpr):
-    """(A's scales, group g's B scales, K_BLOCKS) as the GEMM core takes them:
-    x's per row (all groups' rows share the array), w's of group g."""
-    K_BLOCKS: tl.constexpr = H // 128
+def _group_w_scales(w_scale_ptr, g, F: tl.constexpr, H: tl.constexpr, SCALING: tl.constexpr):
+    """Group g's w scales as the GEMM core takes B's: its one scale ("tensor"), or
+    its [cdiv(F, 128), H / 128] blocks ("block"). (x's scales are per row: every
+    group's rows index the one array.)"""
     if SCALING == "block":
-        per_group: tl.constexpr = (F + 127) // 128 * K_BLOCKS
+        per_group: tl.constexpr = (F + 127) // 128 * (H // 128)
         w_s = w_scale_ptr + g.to(tl.int64) * per_group
     else:
         w_s = w_scale_ptr + g
-    return x_scale_ptr, w_s
+    return w_s
 
 
 @triton.jit
@@ -235,10 +234,11 @@ def _grouped_gemm(x_ptr, w_ptr, sizes_ptr, out_ptr, x_scale_ptr, w_scale_ptr,
             k_lo = split * K_SPLIT
             k_hi = tl.minimum(k_lo + K_SPLIT, H)
             row_mask = rows < row_end
+            a_s = x_scale_ptr
             if SCALING == "tensor" or SCALING == "block":
-                a_s, b_s = _group_scales(x_scale_ptr, w_scale_ptr, g, F, H, SCALING)
-            else:
-                a_s, b_s = x_scale_ptr, w_scale_ptr
+                b_s = _group_w_scales(w_scale_ptr, g, F, H, SCALING)
+            else:  # no scales (None)
+                b_s = w_scale_ptr
             if TMA:
                 if STACKED:
                     if W_T:
