@@ -768,6 +768,37 @@ def test_fp8_gemm_core_uses_fp8_wgmma(scaling, tma):
     assert k.metadata.shared <= 227 * 1024
 
 
+@pytest.mark.parametrize("scaling,tma,split,masked", [
+    ("block", True, 1, 0), ("tensor", True, 1, 0), ("block", False, 1, 0),
+    ("block", True, 4, 0), ("block", True, 1, 512)])
+def test_fp8_grouped_gemm_uses_fp8_wgmma(scaling, tma, split, masked):
+    """FP8 grouped GEMM (issue 83, item 2) on the grouped kernel's body and the GEMM
+    core: e4m3 x and K-major w [G, F, H] through one stacked TMA descriptor, 8-bit
+    wgmma (both operands K-major from shared memory), per-group float32 scales per
+    tensor or per 128 blocks; a bf16 output (split K: float32 partials); the masked
+    (low-latency decode) layout too; the pointer mainloop feeds e4m3 MMAs."""
+    from jaxtdist.kernels.grouped_gemm import grouped_gemm_fp8_kernel
+
+    m = masked or 4096
+    k = _compile_native(grouped_gemm_fp8_kernel,
+                        ["i32", "fp8e4nv", "fp8e4nv", "i32", "fp32", "fp32",
+                         "fp32" if split > 1 else "bf16"],
+                        dict(R=8 * m, H=7168 if tma else 7168 + 128, F=2048, G=8, BLOCK_G=16,
+                             BLOCK_M=128, BLOCK_N=128 if tma else 64, BLOCK_K=128, GROUP_M=8,
+                             NUM_PROGRAMS=132, SUBTILE=2, TMA=tma, SCALING=scaling,
+                             SPLIT_K=split, MASKED_M=masked),
+                        num_warps=8 if tma else 4, num_stages=3)
+    ptx = k.asm["ptx"]
+    assert re.search(r"(wgmma\.mma_async|mma\.sync)[\w.]*e4m3", ptx), "no FP8 MMA"
+    if tma:
+        assert re.search(r"wgmma\.mma_async[\w.]*\.e4m3\.e4m3", ptx), "no FP8 wgmma"
+        assert "cp.async.bulk.tensor.2d.shared" in ptx, "x / w tiles are not TMA loads"
+        assert len(re.findall(r"tensormap\.cp_fenceproxy", ptx)) == 3  # x, w (stacked), out
+    else:
+        assert "cp.async.bulk.tensor" not in ptx
+    assert k.metadata.shared <= 227 * 1024, k.metadata.shared
+
+
 def _stack_bytes(kernel) -> int:
     """Per-thread stack (register spills) of a compiled kernel, from cuobjdump."""
     import pathlib

@@ -95,7 +95,7 @@ def tile_acc(a_desc, b_desc, row0, col0, k_lo, k_hi, BLOCK_M: tl.constexpr,
              NUM_STAGES: tl.constexpr = None, B_T: tl.constexpr = False,
              A_T: tl.constexpr = False, b_k0=0, SCALING: tl.constexpr = None,
              a_scale=None, b_scale=None, s_rows=None, s_mask=None, N_COLS=0,
-             K_BLOCKS: tl.constexpr = 0):
+             K_BLOCKS: tl.constexpr = 0, s_shift=0):
     """The TMA mainloop: the float32 accumulator of A[row0:, k_lo:k_hi] @ B[k_lo:k_hi, col0:]
     for 2-D descriptors of A [M, K] (block [BLOCK_M, BLOCK_K]) and B [K, N] (block
     [BLOCK_K, BLOCK_N]); with A_T of A's transpose [K, M] (block [BLOCK_K,
@@ -109,11 +109,15 @@ def tile_acc(a_desc, b_desc, row0, col0, k_lo, k_hi, BLOCK_M: tl.constexpr,
     scale arrays ``a_scale`` / ``b_scale``, the tile's rows of A's scales
     ``s_rows`` ([BLOCK_M] indices, ``s_mask`` those that exist), B's column count
     ``N_COLS`` and K_BLOCKS (scale columns per row). "block": BLOCK_K divides 128
-    and k_lo is a multiple of BLOCK_K, so that no K step spans two blocks."""
+    and k_lo is a multiple of BLOCK_K, so that no K step spans two blocks.
+    ``s_shift``: subtracted from col0 for B's scale columns, where the descriptor
+    stacks several B's along N, each with its own scales (the grouped GEMM's K-major
+    weights [G * F, H]: group g's column c is the descriptor's g * F + c)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if SCALING == "block":
         tl.static_assert(128 % BLOCK_K == 0, "blockwise FP8 scales: BLOCK_K must divide 128")
-    cols = col0 + tl.arange(0, BLOCK_N)  # B's columns (the block scales'; unused otherwise)
+    # B's columns (the block scales'; unused otherwise).
+    cols = (col0 - s_shift) + tl.arange(0, BLOCK_N)
     col_mask = cols < N_COLS
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         if A_T:

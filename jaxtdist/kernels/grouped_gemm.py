@@ -45,11 +45,20 @@ out is then float32 [SPLIT_K, R, F], range s's partial products in plane s
 (every plane's rows past the groups zeros), which the caller sums in a fixed
 order. No counter and no heap: nobody waits for anybody.
 
-W_T (TMA only): w is [G, F, H] and group g multiplies by ``w[g].T``, read
+W_T: w is [G, F, H] and group g multiplies by ``w[g].T``, read
 through one descriptor of w [G * F, H] in [BLOCK_N, BLOCK_K] blocks that the
 mainloop feeds to wgmma transposed (a block past F reads group g + 1's rows
 into columns that are never stored): the backward's dx = dy @ w[g].T needs no
-transposed copy of the weights.
+transposed copy of the weights. (The pointer mainloop reads w[g] K-major too;
+the 16/32-bit op transposes w for it instead, FP8 takes it as it is.)
+
+FP8 (``grouped_gemm_fp8_kernel``, the same body): x and K-major w (W_T: 8-bit
+wgmma reads both operands K-major) in one FP8 format with float32 scales, the
+GEMM core's ``SCALING``: "tensor" (x's per row, w's one per group) or "block"
+(x's per row and 128 columns of H, w's per 128 x 128 block of each group: each
+group's scale pointer is its own, the stacked descriptor's columns shifted back
+to the group's, ``tile_acc``'s ``s_shift``). Each BLOCK_K-deep partial is scaled
+in float32 before it joins the accumulator; the output is rounded once.
 """
 
 import triton
@@ -134,6 +143,58 @@ def grouped_gemm_kernel(ctx, x_ptr, w_ptr, sizes_ptr, out_ptr,
     See the module docstring. TMA: H and F times the itemsize are multiples of
     16 bytes (the launch gives the kernel Triton's global scratch).
     """
+    _grouped_gemm(x_ptr, w_ptr, sizes_ptr, out_ptr, None, None, R, H, F, G, BLOCK_G, BLOCK_M,
+                  BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, SUBTILE, TMA, DOT_PRECISION, W_T,
+                  SPLIT_K, MASKED_M, None)
+
+
+@triton.jit
+def grouped_gemm_fp8_kernel(ctx, x_ptr, w_ptr, sizes_ptr, x_scale_ptr, w_scale_ptr, out_ptr,
+                            R: tl.constexpr, H: tl.constexpr, F: tl.constexpr,
+                            G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+                            SUBTILE: tl.constexpr, TMA: tl.constexpr,
+                            SCALING: tl.constexpr, SPLIT_K: tl.constexpr = 1,
+                            MASKED_M: tl.constexpr = 0):
+    """``grouped_gemm_kernel`` with FP8 operands (the same body and GEMM core, its
+    ``SCALING``): x [R, H] and w [G, F, H] (K-major per group: W_T, which 8-bit
+    wgmma needs) in one FP8 format, float32 scales, out [R, F] in bf16 / f16 /
+    f32 (SPLIT_K > 1: float32 partials).
+
+    SCALING "tensor": x_scale [R] (the op broadcasts x's one scale over its rows),
+    w_scale [G] (one per group). "block": x_scale [R, H / 128], w_scale [G,
+    cdiv(F, 128), H / 128] (each group's 128 x 128 blocks; H a multiple of 128).
+    TMA: H and F are multiples of 16 (bytes of the FP8 rows; F also of the
+    output's rows)."""
+    _grouped_gemm(x_ptr, w_ptr, sizes_ptr, out_ptr, x_scale_ptr, w_scale_ptr, R, H, F, G,
+                  BLOCK_G, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, SUBTILE, TMA,
+                  None, True, SPLIT_K, MASKED_M, SCALING)
+
+
+@triton.jit
+def _group_w_scales(w_scale_ptr, g, F: tl.constexpr, H: tl.constexpr, SCALING: tl.constexpr):
+    """Group g's w scales as the GEMM core takes B's: its one scale ("tensor"), or
+    its [cdiv(F, 128), H / 128] blocks ("block"). (x's scales are per row: every
+    group's rows index the one array.)"""
+    if SCALING == "block":
+        per_group: tl.constexpr = (F + 127) // 128 * (H // 128)
+        w_s = w_scale_ptr + g.to(tl.int64) * per_group
+    else:
+        w_s = w_scale_ptr + g
+    return w_s
+
+
+@triton.jit
+def _grouped_gemm(x_ptr, w_ptr, sizes_ptr, out_ptr, x_scale_ptr, w_scale_ptr,
+                  R: tl.constexpr, H: tl.constexpr, F: tl.constexpr, G: tl.constexpr,
+                  BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+                  SUBTILE: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  W_T: tl.constexpr, SPLIT_K: tl.constexpr, MASKED_M: tl.constexpr,
+                  SCALING: tl.constexpr):
+    """The grouped GEMM of both entry points (SCALING None: no scales, 16/32-bit)."""
+    K_BLOCKS: tl.constexpr = H // 128
     pid = tl.program_id(0)
     index, starts, ends, tile_starts, tile_ends, used = group_table(sizes_ptr, R, G, BLOCK_G,
                                                                     BLOCK_M, MASKED_M)
@@ -172,11 +233,21 @@ def grouped_gemm_kernel(ctx, x_ptr, w_ptr, sizes_ptr, out_ptr,
             w_group = w_ptr + g.to(tl.int64) * (H * F)
             k_lo = split * K_SPLIT
             k_hi = tl.minimum(k_lo + K_SPLIT, H)
+            row_mask = rows < row_end
+            a_s = x_scale_ptr
+            if SCALING == "tensor" or SCALING == "block":
+                b_s = _group_w_scales(w_scale_ptr, g, F, H, SCALING)
+            else:  # no scales (None)
+                b_s = w_scale_ptr
             if TMA:
                 if STACKED:
                     if W_T:
+                        # (Scale columns are the group's own: shifted back by g * F.)
                         acc = tile_acc(x_desc, w_all, row0, g * F + col0, k_lo, k_hi, BLOCK_M,
-                                       BLOCK_N, BLOCK_K, DOT_PRECISION, B_T=True)
+                                       BLOCK_N, BLOCK_K, DOT_PRECISION, B_T=True,
+                                       SCALING=SCALING, a_scale=a_s, b_scale=b_s, s_rows=rows,
+                                       s_mask=row_mask, N_COLS=F, K_BLOCKS=K_BLOCKS,
+                                       s_shift=g * F)
                     else:
                         acc = tile_acc(x_desc, w_all, row0, col0, k_lo, k_hi, BLOCK_M,
                                        BLOCK_N, BLOCK_K, DOT_PRECISION, b_k0=g * H)
@@ -190,10 +261,11 @@ def grouped_gemm_kernel(ctx, x_ptr, w_ptr, sizes_ptr, out_ptr,
                 else:  # the group's last rows: drop the next group's
                     store_rows(plane, acc, rows, row_end, cols, F)
             else:
-                tl.static_assert(not W_T, "W_T needs TMA (the op transposes w otherwise)")
-                acc = pointer_tile_acc(x_ptr + rows * H, w_group, rows < row_end, cols, cols < F,
+                # W_T: w[g] read K-major ([F, H]: FP8; 16/32-bit ops transpose w here).
+                acc = pointer_tile_acc(x_ptr + rows * H, w_group, row_mask, cols, cols < F,
                                        k_lo, k_hi, H, F, BLOCK_M, BLOCK_N, BLOCK_K,
-                                       DOT_PRECISION)
+                                       DOT_PRECISION, B_T=W_T, SCALING=SCALING, a_scale=a_s,
+                                       b_scale=b_s, s_rows=rows)
                 store_rows(plane, acc, rows, row_end, cols, F)
         else:  # rows past the groups: zeros
             zero = (item - group_items) // SPLIT_K

@@ -173,21 +173,23 @@ def local_matmul(x, w, x_scale, w_scale, plan: Fp8Gemm) -> jax.Array:
 _NAMES = ("x", "w", "x_scale", "w_scale")
 
 
-def no_gradient(op: str, *operands):
-    """``operands`` (x, w, x_scale, w_scale) unchanged; differentiating any of them
-    raises ``TypeError`` naming those asked for: the FP8 path has no backward pass
-    (a plain backward through FP8 casts would give silently wrong gradients)."""
+def no_gradient(op: str, *operands, names: tuple = _NAMES):
+    """``operands`` (x, w, x_scale, w_scale; or those ``names`` names, arrays or None)
+    unchanged; differentiating any of them raises ``TypeError`` naming those asked
+    for: the FP8 path has no backward pass (a plain backward through FP8 casts would
+    give silently wrong gradients)."""
     # The op's name is carried by a closure: the rule raises before anything runs.
     @jax.custom_jvp
-    def guard(x, w, x_scale, w_scale):
-        return x, w, x_scale, w_scale
+    def guard(*args):
+        return args
 
     def rule(primals, tangents):
         del primals
-        asked = [n for n, t in zip(_NAMES, tangents) if not isinstance(t, SymbolicZero)]
+        asked = [n for n, t in zip(names, tangents)
+                 if t is not None and not isinstance(t, SymbolicZero)]
         raise TypeError(
             f"jaxtdist.{op}: the FP8 path is not differentiable: its arguments "
-            f"{', '.join(asked) or ', '.join(_NAMES)} carry no gradient here (FP8 training "
+            f"{', '.join(asked) or ', '.join(names)} carry no gradient here (FP8 training "
             "recipes are not implemented); differentiate a bfloat16/float16/float32 call "
             "(no scales), or stop the gradient before quantizing (jax.lax.stop_gradient)")
 

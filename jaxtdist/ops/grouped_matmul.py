@@ -17,8 +17,11 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from jaxtdist.kernels.grouped_gemm import grouped_dw_kernel, grouped_gemm_kernel
+from jaxtdist.kernels.grouped_gemm import (grouped_dw_kernel, grouped_gemm_fp8_kernel,
+                                           grouped_gemm_kernel)
 from jaxtdist.ops._config import KernelConfig, Problem, block, resolve, setting
+from jaxtdist.ops._fp8_gemm import Fp8Gemm, check_block_k, no_gradient
+from jaxtdist.ops._fp8_grouped import grouped_fp8_plan, grouped_kernel_scales
 from jaxtdist.ops._gemm_config import default_tiles, stages_for, tma_fits, weights_k_major
 from jaxtdist.ops._op import DistributedOp, one_call_per_element
 from jaxtdist.ops._precision import kernel_operands
@@ -171,8 +174,10 @@ class GroupedMatmulConfig(KernelConfig):
             raise ValueError(f"jaxtdist.grouped_matmul: config SUBTILE={self.SUBTILE} must be "
                              f"1, 2 or 4, with BLOCK_N / SUBTILE >= 8 (BLOCK_N={self.BLOCK_N})")
         if problem.platform == "gpu":
-            # Split K stores float32 partials through the epilogue's buffer.
-            out_itemsize = 4 if self.SPLIT_K > 1 else problem.itemsize
+            # Split K stores float32 partials through the epilogue's buffer; FP8
+            # operands' outputs are wider than they (up to float32: out_dtype).
+            out_itemsize = (4 if self.SPLIT_K > 1 or problem.itemsize == 1
+                            else problem.itemsize)
             smem = ((self.BLOCK_M + self.BLOCK_N) * self.BLOCK_K * self.num_stages
                     * problem.itemsize
                     + self.BLOCK_M * self.BLOCK_N // self.SUBTILE * out_itemsize)
@@ -241,31 +246,40 @@ def grouped_matmul_kernels(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *
                                    axis_name=_LOCAL, config=config)
 
 
-def _launch(x, w, group_sizes, config, *, w_t: bool, masked_m: int = 0) -> jax.Array:
+def _launch(x, w, group_sizes, config, *, w_t: bool, masked_m: int = 0,
+            fp8: tuple | None = None) -> jax.Array:
     """x [R, H] times w[g] ([G, H, F]), or with ``w_t`` times w[g].T (w [G, F, H]),
     row group by row group -> [R, F]. ``masked_m`` > 0: the padded layout
-    (``grouped_matmul_masked``), group g's rows from g * masked_m."""
+    (``grouped_matmul_masked``), group g's rows from g * masked_m. ``fp8``: (plan,
+    x's scales, w's scales) as the kernel takes them (``grouped_kernel_scales``),
+    for FP8 x and K-major w (``w_t``): the result in the plan's dtype."""
     r, h = x.shape
     f = w.shape[1] if w_t else w.shape[2]
+    out_dtype = fp8[0].out if fp8 else x.dtype
     if r == 0 or f == 0 or h == 0:
-        return jnp.zeros((r, f), x.dtype)
+        return jnp.zeros((r, f), out_dtype)
     call, problem = _problem(x, f, w.shape[0])
     cfg = resolve(GroupedMatmulConfig, problem, call.rt, config, axis_name=_LOCAL)
     tma = problem.vendor == "nvidia" and tma_fits(h, f, problem.itemsize)
-    if w_t and not tma:  # the pointer GEMM reads w[g] row-major: transpose it
-        w, w_t = jnp.swapaxes(w, 1, 2), False
+    kernel, extra = grouped_gemm_kernel, dict(W_T=w_t)
+    if fp8:  # w is K-major for both mainloops (8-bit wgmma reads B only so)
+        check_block_k("grouped_matmul", fp8[0], cfg.BLOCK_K)
+        kernel, extra = grouped_gemm_fp8_kernel, dict(SCALING=fp8[0].scaling, scales=fp8[1:])
+    elif w_t and not tma:  # the pointer GEMM reads w[g] row-major: transpose it
+        w, extra = jnp.swapaxes(w, 1, 2), dict(W_T=False)
     elif not w_t and weights_k_major(problem.itemsize, tma):
-        w, w_t = jnp.swapaxes(w, 1, 2), True
+        w, extra = jnp.swapaxes(w, 1, 2), dict(W_T=True)
     if cfg.SPLIT_K == 1:
-        return _run(call, problem, cfg, grouped_gemm_kernel, x, w, group_sizes, (r, f), tma,
-                    cfg.programs(problem), W_T=w_t, SPLIT_K=1, MASKED_M=masked_m)
+        return _run(call, problem, cfg, kernel, x, w, group_sizes, (r, f), tma,
+                    cfg.programs(problem), out_dtype=out_dtype, SPLIT_K=1, MASKED_M=masked_m,
+                    **extra)
     # Split K: float32 partials [SPLIT_K, R, F], summed here in plane order (the same
     # bits every call) and rounded once.
     splits = cfg.SPLIT_K
-    partials = _run(call, problem, cfg, grouped_gemm_kernel, x, w, group_sizes,
-                    (splits * r, f), tma, cfg.programs(problem), W_T=w_t,
-                    out_dtype=jnp.float32, SPLIT_K=splits, MASKED_M=masked_m)
-    return jnp.sum(partials.reshape(splits, r, f), axis=0).astype(x.dtype)
+    partials = _run(call, problem, cfg, kernel, x, w, group_sizes, (splits * r, f), tma,
+                    cfg.programs(problem), out_dtype=jnp.float32, SPLIT_K=splits,
+                    MASKED_M=masked_m, **extra)
+    return jnp.sum(partials.reshape(splits, r, f), axis=0).astype(out_dtype)
 
 
 def _launch_dw(x, dy, group_sizes) -> jax.Array:
@@ -290,29 +304,37 @@ def _problem(x, f: int, g: int) -> tuple[Call, Problem]:
 
 
 def _run(call, problem, cfg, kernel, a, b, group_sizes, out_shape, tma: bool, programs: int,
-         out_dtype=None, **extra) -> jax.Array:
+         out_dtype=None, scales: tuple | None = None, **extra) -> jax.Array:
     """Launches one of the grouped kernels (same constexprs; no heap memory: the
     workspace is the epoch counter the protocol keeps); the output in ``out_dtype``
-    (default: the operands')."""
+    (default: the operands'). ``scales``: FP8's (x's, w's), inputs after the sizes
+    (``grouped_gemm_fp8_kernel``, no DOT_PRECISION)."""
     r, h, f, g = problem.shape
     sizes = group_sizes.astype(jnp.int32)
     varying = call.result_axes(local=(a, b, sizes))
-    a, b, precision = kernel_operands(problem, a, b, tma=tma)
+    if scales is None:
+        a, b, precision = kernel_operands(problem, a, b, tma=tma)
+        inputs, extra = (a, b, sizes), dict(extra, DOT_PRECISION=precision)
+    else:
+        inputs = (a, b, sizes, *scales)
     return call.run(
-        kernel, a, b, sizes, workspace=call.workspace("local", 1),
+        kernel, *inputs, workspace=call.workspace("local", 1),
         out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype or a.dtype), grid=(programs,),
         needs_scratch=tma, varying=varying,
         **cfg.launch_options(), R=r, H=h, F=f, G=g, BLOCK_G=max(16, next_pow2(g)),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-        NUM_PROGRAMS=programs, SUBTILE=cfg.SUBTILE, TMA=tma,
-        DOT_PRECISION=precision, **extra)
+        NUM_PROGRAMS=programs, SUBTILE=cfg.SUBTILE, TMA=tma, **extra)
+
+
+def _int32_sizes(group_sizes, rows: int) -> jax.Array:
+    if group_sizes.dtype != jnp.int32:  # int64 (x64 on), uint32: clip at R rather than wrap
+        group_sizes = jnp.clip(group_sizes, 0, rows)
+    return group_sizes.astype(jnp.int32)
 
 
 def _forward(x, w, group_sizes, *, axis_name=_LOCAL, config=None):
     del axis_name
-    if group_sizes.dtype != jnp.int32:  # int64 (x64 on), uint32: clip at R rather than wrap
-        group_sizes = jnp.clip(group_sizes, 0, x.shape[0])
-    group_sizes = group_sizes.astype(jnp.int32)
+    group_sizes = _int32_sizes(group_sizes, x.shape[0])
     return _launch(x, w, group_sizes, config, w_t=False), (x, w, group_sizes)
 
 
@@ -333,8 +355,35 @@ _GROUPED_MATMUL = DistributedOp("grouped_matmul", forward=_forward, backward=_ba
                                 check=_check)
 
 
+# -- FP8 (``_fp8_grouped``): checked in grouped_matmul, no backward (``no_gradient``) ---
+# A variant: jaxtdist.explain's name lookup finds the 16/32-bit op.
+
+def _check_sizes(op: str, groups: int, group_sizes, per_group: str) -> None:
+    """group_sizes: G integers ([G] or, masked, [G] / [G, W]) for 1 <= G <= MAX_GROUPS."""
+    if not 1 <= groups <= MAX_GROUPS:
+        raise ValueError(f"jaxtdist.{op}: w has G={groups} groups; allowed: 1 to {MAX_GROUPS}")
+    ndims = (1, 2) if per_group == "valid_rows" else (1,)
+    if (group_sizes.ndim not in ndims or group_sizes.shape[0] != groups
+            or not jnp.issubdtype(group_sizes.dtype, jnp.integer)):
+        raise ValueError(f"jaxtdist.{op}: {per_group} must be integers with one entry per "
+                         f"group of w (G={groups}), got "
+                         f"{group_sizes.dtype.name}{list(group_sizes.shape)}")
+
+
+def _fp8_forward(x, w, group_sizes, x_scale, w_scale, *, axis_name=_LOCAL, config=None,
+                 plan: Fp8Gemm):
+    del axis_name
+    scales = grouped_kernel_scales(plan, x_scale, x.shape[0], w_scale, w.shape[0])
+    return _launch(x, w, _int32_sizes(group_sizes, x.shape[0]), config, w_t=True,
+                   fp8=(plan, *scales)), None
+
+
+_GROUPED_MATMUL_FP8 = DistributedOp("grouped_matmul", forward=_fp8_forward, variant="fp8")
+
+
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
-                   config: dict | None = None) -> jax.Array:
+                   x_scale: jax.Array | None = None, w_scale: jax.Array | None = None,
+                   out_dtype=None, config: dict | None = None) -> jax.Array:
     """Grouped matmul: ``jax.lax.ragged_dot(x, w, group_sizes)`` on jaxtdist's GEMM core.
 
     Group g owns rows ``[off_g, off_g + group_sizes[g])`` of x (``off_g`` the sum
@@ -358,22 +407,45 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     transposed), dw on its companion (``grouped_dw_kernel``: a contraction
     over each group's rows); ``group_sizes`` gets no cotangent.
 
+    FP8 (``x_scale``, ``w_scale`` given; ``jaxtdist.ops._fp8_grouped``): x [R, H]
+    and w in one FP8 format (float8_e4m3fn or float8_e5m2), w K-major per group,
+    [G, F, H] (``jaxtdist.quantize_weight`` of the [G, H, F] stack), float32
+    dequantization scales, the result ``(x * x_scale)[rows of g] @ (w[g] *
+    w_scale[g]).T`` in ``out_dtype``. Per tensor: x_scale (), w_scale () or [G]
+    (one per group). Blockwise: x_scale [R, H / 128] (``jaxtdist.quantize(x,
+    block=(1, 128))``), w_scale [G, cdiv(F, 128), H / 128]; H a multiple of 128.
+    The same kernel and GEMM core (8-bit wgmma on Hopper), float32 accumulation,
+    blockwise scales applied to each 128-deep partial in float32. Always the
+    kernel, on every platform (the interpreter on CPU). Not differentiable (a
+    TypeError names the arguments).
+
     Args:
-      x: [R, H], bfloat16, float16 or float32.
-      w: [G, H, F], x's dtype, 1 <= G <= 256.
+      x: [R, H], bfloat16, float16 or float32; or FP8 with ``x_scale``.
+      w: [G, H, F], x's dtype, 1 <= G <= 256; FP8: [G, F, H] (K-major per group).
       group_sizes: [G] integers. Sizes past int32's range need
         ``jax_enable_x64``: without it JAX wraps int64 arrays to int32 when they
         enter a traced function, before any op sees them.
+      x_scale, w_scale: FP8 only: float32 scales, per tensor or blockwise (above).
+      out_dtype: FP8 only: bfloat16 (default), float16 or float32.
       config: overrides of the kernel config (``GroupedMatmulConfig`` keys; advanced).
 
     Returns:
-      [R, F] in x's dtype.
+      [R, F] in x's dtype (FP8: ``out_dtype``).
 
     Example:
       >>> mesh = jax.make_mesh((1,), ("ep",)); jaxtdist.initialize(mesh)
       >>> f = jax.jit(jax.shard_map(jaxtdist.grouped_matmul, mesh=mesh,
       ...                           in_specs=(P(), P(), P()), out_specs=P()))
       >>> y = f(x, w, sizes)   # == jax.lax.ragged_dot(x, w, sizes)
+      >>> wq, ws = jaxtdist.quantize_weight(w)                 # [G, F, H], blockwise
+      >>> xq, xs = jaxtdist.quantize(x, block=(1, 128))
+      >>> y8 = jaxtdist.grouped_matmul(xq, wq, sizes, x_scale=xs, w_scale=ws)  # bf16
     """
-    return _GROUPED_MATMUL(*(jnp.asarray(a) for a in (x, w, group_sizes)), axis_name=_LOCAL,
-                           config=config)
+    x, w, group_sizes = (jnp.asarray(a) for a in (x, w, group_sizes))
+    plan = grouped_fp8_plan("grouped_matmul", x, w, x_scale, w_scale, out_dtype)
+    if plan is not None:
+        _check_sizes("grouped_matmul", w.shape[0], group_sizes, "group_sizes")
+        x, w, x_scale, w_scale = no_gradient("grouped_matmul", x, w, x_scale, w_scale)
+        return _GROUPED_MATMUL_FP8(x, w, group_sizes, x_scale, w_scale, axis_name=_LOCAL,
+                                   config=config, plan=plan)
+    return _GROUPED_MATMUL(x, w, group_sizes, axis_name=_LOCAL, config=config)

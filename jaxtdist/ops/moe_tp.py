@@ -26,6 +26,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtdist._errors import HeapExhaustedError
 from jaxtdist.ops._expert_order import expert_order, sum_pairs
+from jaxtdist.ops._fp8_gemm import no_gradient
+from jaxtdist.ops._moe_tp_fp8 import experts_partial_sum_fp8, moe_fp8_scaling
 from jaxtdist.ops._moe_tp_overlap import overlapped_forward
 from jaxtdist.ops._op import DistributedOp, first_order_only, run_once, under_vmap
 from jaxtdist.ops._protocol import check_axis, check_inside_shard_map
@@ -39,7 +41,9 @@ from jaxtdist.runtime._runtime import runtime
 __all__ = ["moe_tp_mlp", "moe_tp_mlp_sharded"]
 
 
-def _check(x, expert_ids, weights, w1, w2, w_up, axis_name) -> None:
+def _check(x, expert_ids, weights, w1, w2, w_up, axis_name, fp8: bool = False) -> None:
+    """The arguments' shapes and dtypes; ``fp8``: the expert weights were checked by
+    ``moe_fp8_scaling`` (K-major FP8), only the tokens and routing are here."""
     if x.ndim != 2:
         raise ValueError(f"jaxtdist.moe_tp_mlp: x must be [T_shard, H], got x{x.shape}")
     t, h = x.shape
@@ -55,6 +59,21 @@ def _check(x, expert_ids, weights, w1, w2, w_up, axis_name) -> None:
     if weights.shape != expert_ids.shape or not jnp.issubdtype(weights.dtype, jnp.floating):
         raise ValueError(f"jaxtdist.moe_tp_mlp: weights must be floats shaped like expert_ids"
                          f"{expert_ids.shape}, got {weights.dtype.name}{weights.shape}")
+    if not fp8:
+        _check_weight_shapes(x, w1, w2, w_up)
+    check_dtype("moe_tp_mlp", "x", x.dtype)
+    for name, a in (("w1", w1), ("w2", w2), ("w_up", w_up)):
+        if not fp8 and a is not None and a.dtype != x.dtype:
+            raise ValueError(f"jaxtdist.moe_tp_mlp: {name} has dtype {a.dtype.name}, x "
+                             f"{x.dtype.name}: they must match")
+    rt = runtime()
+    check_axis(rt, axis_name, "moe_tp_mlp")
+    check_inside_shard_map(rt, "moe_tp_mlp")
+
+
+def _check_weight_shapes(x, w1, w2, w_up) -> None:
+    """16/32-bit expert weights: w1 / w_up [E, H, F_shard], w2 [E, F_shard, H]."""
+    h = x.shape[1]
     if w1.ndim != 3 or w1.shape[1] != h:
         raise ValueError(f"jaxtdist.moe_tp_mlp: w1 must be [E, H, F_shard] with H={h} (x's "
                          f"hidden size), got w1{w1.shape}")
@@ -68,14 +87,6 @@ def _check(x, expert_ids, weights, w1, w2, w_up, axis_name) -> None:
     if w_up is not None and w_up.shape != w1.shape:
         raise ValueError(f"jaxtdist.moe_tp_mlp: w_up must be shaped like w1{w1.shape}, got "
                          f"w_up{w_up.shape}")
-    check_dtype("moe_tp_mlp", "x", x.dtype)
-    for name, a in (("w1", w1), ("w2", w2), ("w_up", w_up)):
-        if a is not None and a.dtype != x.dtype:
-            raise ValueError(f"jaxtdist.moe_tp_mlp: {name} has dtype {a.dtype.name}, x "
-                             f"{x.dtype.name}: they must match")
-    rt = runtime()
-    check_axis(rt, axis_name, "moe_tp_mlp")
-    check_inside_shard_map(rt, "moe_tp_mlp")
 
 
 def _words(a: jax.Array, dtype) -> jax.Array:
@@ -272,7 +283,9 @@ def moe_tp_mlp(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax.
                w2: jax.Array, axis_name="tp", *,
                activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
                w_up: jax.Array | None = None, grouped_gemm: str = "auto",
-               overlap: bool | None = None) -> jax.Array:
+               overlap: bool | None = None, w1_scale: jax.Array | None = None,
+               w2_scale: jax.Array | None = None,
+               w_up_scale: jax.Array | None = None) -> jax.Array:
     """A mixture-of-experts MLP with the experts' FFN dimension sharded over ``axis_name``.
 
     Call inside ``jax.shard_map`` over the mesh given to ``jaxtdist.initialize``.
@@ -321,6 +334,22 @@ def moe_tp_mlp(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax.
         forward would need the steps' forward again in the backward pass);
         differentiated through jax.vmap, the overlapped forward and the steps'
         recomputed forward and backward.
+      w1_scale, w2_scale, w_up_scale: FP8 experts only (below): the weights'
+        float32 dequantization scales.
+
+    FP8 experts (the scales given; ``jaxtdist.ops._moe_tp_fp8``): w1 (and w_up)
+    K-major [E, F_shard, H] and w2 [E, H, F_shard] in one FP8 format
+    (``jaxtdist.quantize_weight`` of the [E, H, F] and [E, F, H] weights, sharded
+    over F), scales blockwise ([E, cdiv(F_shard, 128), H / 128] and [E, cdiv(H,
+    128), F_shard / 128]; H and F_shard multiples of 128) or per tensor (() or
+    [E]). x stays bfloat16 / float16 / float32: the activations are quantized on
+    the fly to the weights' format by ``jaxtdist.quantize`` in a JAX pass (each
+    gathered token once, per 1 x 128 block or per tensor as the weights are; the
+    hidden rows in float32 after the activation), then both GEMMs run
+    ``jaxtdist.grouped_matmul``'s FP8 kernel with float32 accumulation and
+    results (``grouped_gemm`` "auto" or "jaxtdist"). The step-by-step schedule
+    only (tokens gathered in x's dtype; ``overlap=True`` is refused), not
+    differentiable (a TypeError names the arguments).
 
     Returns:
       [T_shard, H] in x's dtype: this rank's tokens' MLP output.
@@ -331,17 +360,26 @@ def moe_tp_mlp(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax.
       ...     lambda x, i, g, a, b: jaxtdist.moe_tp_mlp(x, i, g, a, b, "tp"), mesh=mesh,
       ...     in_specs=(P("tp"), P("tp"), P("tp"), P(None, None, "tp"), P(None, "tp")),
       ...     out_specs=P("tp")))
+      >>> w1q, w1s = jaxtdist.quantize_weight(w1)   # FP8: [E, F, H], shard P(None, "tp")
+      >>> w2q, w2s = jaxtdist.quantize_weight(w2)   # [E, H, F], shard P(None, None, "tp")
+      >>> # inside shard_map: jaxtdist.moe_tp_mlp(x, i, g, w1q, w2q, "tp",
+      >>> #                                       w1_scale=w1s, w2_scale=w2s)
     """
     x, expert_ids, weights, w1, w2 = (jnp.asarray(a)
                                       for a in (x, expert_ids, weights, w1, w2))
     w_up = None if w_up is None else jnp.asarray(w_up)
-    _check(x, expert_ids, weights, w1, w2, w_up, axis_name)
+    scaling = moe_fp8_scaling(x, w1, w2, w_up, w1_scale, w2_scale, w_up_scale)
+    _check(x, expert_ids, weights, w1, w2, w_up, axis_name, fp8=scaling is not None)
     _check_grouped_gemm(grouped_gemm)
     ids = expert_ids
     if jnp.dtype(ids.dtype).itemsize > 4:  # x64: ids past int32 are invalid, not wrapped
         ids = jnp.where((ids >= 0) & (ids < w1.shape[0]), ids, -1)
     ids = ids.astype(jnp.int32)
     gate = weights.astype(jnp.float32)
+    if scaling is not None:
+        return _fp8_steps(x, ids, gate, w1, w2, w_up, (w1_scale, w2_scale, w_up_scale),
+                          activation, axis_name, grouped_gemm, overlap,
+                          scaling).astype(x.dtype)
     if _overlaps(overlap, x, ids, w1, axis_name, grouped_gemm):
         try:
             if under_vmap(x, ids, gate, w1, w2, w_up):
@@ -366,6 +404,31 @@ def _steps(x, ids, gate, w1, w2, w_up, activation, axis_name, grouped_gemm) -> j
     xs, ids, gate = _gather_tokens(x, ids, gate, axis_name)                # [T, H], [T, K]
     ids, gate = ids.reshape(-1), gate.reshape(-1)                        # [T * K]
     partial = experts_partial_sum(xs, ids, gate, k, w1, w2, w_up, activation, grouped_gemm)
+    return reduce_scatter(partial, axis_name)
+
+
+_FP8_NAMES = ("x", "weights", "w1", "w2", "w_up", "w1_scale", "w2_scale", "w_up_scale")
+
+
+def _fp8_steps(x, ids, gate, w1, w2, w_up, scales, activation, axis_name, grouped_gemm,
+               overlap, scaling: str) -> jax.Array:
+    """The step-by-step schedule with FP8 experts (``_moe_tp_fp8``): [T_shard, H]
+    float32. The overlapped kernels take no FP8 weights (yet): overlap=True is
+    refused, None runs the steps."""
+    if static_bool("moe_tp_mlp", "overlap", overlap, none="the default rule"):
+        raise ValueError("jaxtdist.moe_tp_mlp: overlap=True with FP8 experts: the overlapped "
+                         "schedule has no FP8 kernels; pass overlap=None or False (the "
+                         "step-by-step schedule runs the FP8 grouped GEMMs)")
+    if grouped_gemm == "ragged_dot":
+        raise ValueError("jaxtdist.moe_tp_mlp: grouped_gemm='ragged_dot' with FP8 experts: "
+                         "XLA's ragged_dot takes no FP8 scales; pass grouped_gemm='auto' or "
+                         "'jaxtdist' (jaxtdist.grouped_matmul's FP8 kernel)")
+    x, gate, w1, w2, w_up, *scales = no_gradient("moe_tp_mlp", x, gate, w1, w2, w_up, *scales,
+                                                 names=_FP8_NAMES)
+    k = ids.shape[1]
+    xs, ids, gate = _gather_tokens(x, ids, gate, axis_name)                # [T, H], [T, K]
+    partial = experts_partial_sum_fp8(xs, ids.reshape(-1), gate.reshape(-1), k, w1, w2, w_up,
+                                      tuple(scales), activation, scaling)
     return reduce_scatter(partial, axis_name)
 
 
@@ -484,10 +547,39 @@ _SHARDED = {gated: pjit_wrapper(_per_rank, name="moe_tp_mlp_sharded",
             for gated in (False, True)}
 
 
+def _per_rank_fp8(x, expert_ids, weights, w1, w1_scale, w2, w2_scale, *up, axis_name,
+                  **kwargs):
+    """FP8 experts: each weight followed by its scales (``up``: w_up, w_up_scale)."""
+    w_up, w_up_scale = up if up else (None, None)
+    return moe_tp_mlp(x, expert_ids, weights, w1, w2, axis_name, w_up=w_up, w1_scale=w1_scale,
+                      w2_scale=w2_scale, w_up_scale=w_up_scale, **kwargs)
+
+
+def _fp8_specs(gated: bool, blockwise: bool):
+    """FP8 experts' specs: K-major w1 / w_up [E, F, H] and w2 [E, H, F] with F over
+    axis_name; blockwise scales sharded as their weights, per-tensor ones replicated."""
+    def in_specs(axis, batch):
+        tokens = P(rows_over(axis, batch), None)
+        w_in, w_out = P(None, axis, None), P(None, None, axis)
+        s_in, s_out = (w_in, w_out) if blockwise else (P(), P())
+        return (tokens, tokens, tokens, w_in, s_in, w_out, s_out) + ((w_in, s_in) if gated
+                                                                     else ())
+
+    return in_specs, lambda axis, batch: P(rows_over(axis, batch), None)
+
+
+_SHARDED_FP8 = {(gated, blockwise): pjit_wrapper(
+    _per_rank_fp8, name="moe_tp_mlp_sharded", in_specs=_fp8_specs(gated, blockwise)[0],
+    out_specs=_fp8_specs(gated, blockwise)[1])
+    for gated in (False, True) for blockwise in (False, True)}
+
+
 def moe_tp_mlp_sharded(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w1: jax.Array,
                        w2: jax.Array, *, axis_name: str | tuple[str, ...],
                        batch_axes: str | tuple[str, ...] = (), mesh=None,
-                       w_up: jax.Array | None = None, **kwargs) -> jax.Array:
+                       w_up: jax.Array | None = None, w1_scale: jax.Array | None = None,
+                       w2_scale: jax.Array | None = None, w_up_scale: jax.Array | None = None,
+                       **kwargs) -> jax.Array:
     """``moe_tp_mlp`` for pjit-style code: no hand-written ``shard_map``.
 
     Call it under ``jax.jit`` (or eagerly) on global arrays: x [T, H],
@@ -504,6 +596,11 @@ def moe_tp_mlp_sharded(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, 
         first.
       mesh: the mesh; defaults to the one given to ``jaxtdist.initialize``.
       w_up: the gated MLP's second projection [E, H, F], sharded like w1.
+      w1_scale, w2_scale, w_up_scale: FP8 experts (as for ``moe_tp_mlp``): w1 / w_up
+        [E, F, H] and w2 [E, H, F] K-major (``jaxtdist.quantize_weight`` of the
+        global weights; F / W a multiple of 128 blockwise), F sharded over
+        ``axis_name``; blockwise scales sharded with their weights, per-tensor
+        ones (() or [E]) replicated.
       **kwargs: ``activation``, ``grouped_gemm``, ``overlap``: as for ``moe_tp_mlp``.
 
     Example:
@@ -511,6 +608,18 @@ def moe_tp_mlp_sharded(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, 
       >>> out = jax.jit(lambda *a: jaxtdist.moe_tp_mlp_sharded(*a, axis_name="tp"))(
       ...     x, expert_ids, weights, w1, w2)
     """
+    if w1_scale is not None or w2_scale is not None or w_up_scale is not None:
+        arrays = (x, expert_ids, weights, w1, w1_scale, w2, w2_scale) + (
+            () if w_up is None else (w_up, w_up_scale))
+        arrays = tuple(None if a is None else jnp.asarray(a) for a in arrays)
+        if any(a is None for a in arrays):
+            raise ValueError("jaxtdist.moe_tp_mlp_sharded: FP8 experts need w1_scale, "
+                             "w2_scale" + (" and w_up_scale" if w_up is not None else "")
+                             + "; pass every weight's float32 scales (from "
+                             "jaxtdist.quantize_weight)")
+        blockwise = arrays[4].ndim == 3
+        return _SHARDED_FP8[w_up is not None, blockwise](
+            *arrays, axis_name=axis_name, batch_axes=batch_axes, mesh=mesh, **kwargs)
     arrays = (x, expert_ids, weights, w1, w2) + (() if w_up is None else (w_up,))
     return _SHARDED[w_up is not None](*(jnp.asarray(a) for a in arrays), axis_name=axis_name,
                                       batch_axes=batch_axes, mesh=mesh, **kwargs)
