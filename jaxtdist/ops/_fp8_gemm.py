@@ -40,8 +40,8 @@ except ImportError:  # pragma: no cover
 
 from jaxtdist.ops.quant import BLOCK, FP8_DTYPES, dequantize
 
-__all__ = ["Fp8Gemm", "OUT_DTYPES", "check_block_k", "fp8_plan", "kernel_scales",
-           "local_matmul", "logical_weight", "no_gradient"]
+__all__ = ["Fp8Gemm", "OUT_DTYPES", "check_block_k", "fp8_operands", "fp8_plan",
+           "kernel_scales", "local_matmul", "logical_weight", "no_gradient"]
 
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 _CONTRACT_K = (((1,), (1,)), ((), ()))  # x [M, K] . w [N, K] over K
@@ -63,6 +63,50 @@ def _name(dtype) -> str:
     return jnp.dtype(dtype).name
 
 
+def fp8_operands(op: str, x, w, x_scale, w_scale, out_dtype) -> jnp.dtype | None:
+    """The checks every FP8 GEMM op shares (dense and grouped): None where neither
+    operand is FP8 (and no scale nor out_dtype is given), else the output dtype,
+    with x and w in one FP8 format and both scales float32 arrays. The shapes are
+    each op's own check.
+
+    Raises:
+      ValueError: scales or out_dtype given with 16/32-bit operands, mixed formats,
+        a scale missing or not a float32 array, an output dtype not bf16/f16/f32.
+    """
+    formats = " or ".join(d.name for d in FP8_DTYPES)
+    fp8_x, fp8_w = (jnp.dtype(a.dtype) in FP8_DTYPES for a in (x, w))
+    if not (fp8_x or fp8_w):
+        for name, given in (("x_scale", x_scale), ("w_scale", w_scale),
+                            ("out_dtype", out_dtype)):
+            if given is not None:
+                raise ValueError(
+                    f"jaxtdist.{op}: {name} is given but x and w are {_name(x.dtype)} and "
+                    f"{_name(w.dtype)}, not FP8; {name} applies to FP8 operands only "
+                    f"({formats}, e.g. from jaxtdist.quantize and jaxtdist.quantize_weight): "
+                    "drop it or pass FP8 x and w")
+        return None
+    if not (fp8_x and fp8_w) or x.dtype != w.dtype:
+        raise ValueError(f"jaxtdist.{op}: x is {_name(x.dtype)} and w is {_name(w.dtype)}; "
+                         f"FP8 GEMMs take x and w in the same FP8 format ({formats}): "
+                         "quantize both with the same dtype")
+    for name, s in (("x_scale", x_scale), ("w_scale", w_scale)):
+        if s is None:
+            raise ValueError(f"jaxtdist.{op}: x and w are {_name(x.dtype)}: FP8 operands need "
+                             f"their dequantization scales; {name} is missing (float32, per "
+                             "tensor or blockwise, e.g. from jaxtdist.quantize)")
+        if not hasattr(s, "shape") or not hasattr(s, "dtype"):
+            raise ValueError(f"jaxtdist.{op}: {name} must be a float32 array, got "
+                             f"{type(s).__name__}")
+        if jnp.dtype(s.dtype) != jnp.float32:
+            raise ValueError(f"jaxtdist.{op}: {name} has dtype {_name(s.dtype)}; scales must "
+                             f"be float32: pass {name}.astype(jnp.float32)")
+    out = jnp.dtype(jnp.bfloat16) if out_dtype is None else jnp.dtype(out_dtype)
+    if out not in OUT_DTYPES:
+        raise ValueError(f"jaxtdist.{op}: out_dtype={out.name} is not supported for FP8; use "
+                         f"{', '.join(d.name for d in OUT_DTYPES)} (default bfloat16)")
+    return out
+
+
 def fp8_plan(op: str, x, w, x_scale, w_scale, out_dtype) -> Fp8Gemm | None:
     """Checks an op's FP8 arguments; returns the plan, or None for a call without
     FP8 (no scales, no out_dtype, neither operand FP8).
@@ -73,32 +117,9 @@ def fp8_plan(op: str, x, w, x_scale, w_scale, out_dtype) -> Fp8Gemm | None:
         float32 or of the wrong shape, a weight not K-major, K not a multiple of
         128 with blockwise scales, an output dtype that is not bf16/f16/f32.
     """
-    fp8_x, fp8_w = (jnp.dtype(a.dtype) in FP8_DTYPES for a in (x, w))
-    if not (fp8_x or fp8_w):
-        for name, given in (("x_scale", x_scale), ("w_scale", w_scale),
-                            ("out_dtype", out_dtype)):
-            if given is not None:
-                raise ValueError(
-                    f"jaxtdist.{op}: {name} is given but x and w are {_name(x.dtype)} and "
-                    f"{_name(w.dtype)}, not FP8; {name} applies to FP8 operands only "
-                    f"({' or '.join(d.name for d in FP8_DTYPES)}, e.g. from "
-                    f"jaxtdist.quantize): drop it or pass FP8 x and w")
+    out = fp8_operands(op, x, w, x_scale, w_scale, out_dtype)
+    if out is None:
         return None
-    if not (fp8_x and fp8_w) or x.dtype != w.dtype:
-        raise ValueError(f"jaxtdist.{op}: x is {_name(x.dtype)} and w is {_name(w.dtype)}; "
-                         "FP8 GEMMs take x and w in the same FP8 format (float8_e4m3fn or "
-                         "float8_e5m2): quantize both with the same dtype")
-    for name, s in (("x_scale", x_scale), ("w_scale", w_scale)):
-        if s is None:
-            raise ValueError(f"jaxtdist.{op}: x and w are {_name(x.dtype)}: FP8 operands need "
-                             f"their dequantization scales; {name} is missing (float32, () per "
-                             "tensor or blockwise, e.g. from jaxtdist.quantize)")
-        if not hasattr(s, "shape") or not hasattr(s, "dtype"):
-            raise ValueError(f"jaxtdist.{op}: {name} must be a float32 array, got "
-                             f"{type(s).__name__}")
-        if jnp.dtype(s.dtype) != jnp.float32:
-            raise ValueError(f"jaxtdist.{op}: {name} has dtype {_name(s.dtype)}; scales must "
-                             f"be float32: pass {name}.astype(jnp.float32)")
     if x.ndim != 2 or w.ndim != 2:
         raise ValueError(f"jaxtdist.{op}: x and w must be 2-D, got x{x.shape} and w{w.shape}")
     m, k = x.shape
@@ -110,10 +131,6 @@ def fp8_plan(op: str, x, w, x_scale, w_scale, out_dtype) -> Fp8Gemm | None:
     if 0 in x.shape or 0 in w.shape:
         raise ValueError(f"jaxtdist.{op}: empty operand x{x.shape} w{w.shape}")
     n = w.shape[0]
-    out = jnp.dtype(jnp.bfloat16) if out_dtype is None else jnp.dtype(out_dtype)
-    if out not in OUT_DTYPES:
-        raise ValueError(f"jaxtdist.{op}: out_dtype={out.name} is not supported for FP8; use "
-                         f"{', '.join(d.name for d in OUT_DTYPES)} (default bfloat16)")
     shapes = (tuple(x_scale.shape), tuple(w_scale.shape))
     if shapes == ((), ()):
         return Fp8Gemm("tensor", out.name)

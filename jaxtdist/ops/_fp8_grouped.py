@@ -24,41 +24,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxtdist.ops._fp8_gemm import OUT_DTYPES, Fp8Gemm
-from jaxtdist.ops.quant import BLOCK, FP8_DTYPES
+from jaxtdist.ops._fp8_gemm import Fp8Gemm, fp8_operands
+from jaxtdist.ops.quant import BLOCK
 
 __all__ = ["grouped_fp8_plan", "grouped_kernel_scales"]
-
-_FORMATS = " or ".join(d.name for d in FP8_DTYPES)
 
 
 def _name(dtype) -> str:
     return jnp.dtype(dtype).name
-
-
-def _no_fp8(op: str, x, w, given: dict) -> None:
-    """Scales or out_dtype given with 16/32-bit operands."""
-    for name, value in given.items():
-        if value is not None:
-            raise ValueError(
-                f"jaxtdist.{op}: {name} is given but x and w are {_name(x.dtype)} and "
-                f"{_name(w.dtype)}, not FP8; {name} applies to FP8 operands only ({_FORMATS}, "
-                "e.g. from jaxtdist.quantize and jaxtdist.quantize_weight): drop it or pass "
-                "FP8 x and w")
-
-
-def _check_scale_arrays(op: str, x, x_scale, w_scale) -> None:
-    for name, s in (("x_scale", x_scale), ("w_scale", w_scale)):
-        if s is None:
-            raise ValueError(f"jaxtdist.{op}: x and w are {_name(x.dtype)}: FP8 operands need "
-                             f"their dequantization scales; {name} is missing (float32, per "
-                             "tensor or blockwise, e.g. from jaxtdist.quantize)")
-        if not hasattr(s, "shape") or not hasattr(s, "dtype"):
-            raise ValueError(f"jaxtdist.{op}: {name} must be a float32 array, got "
-                             f"{type(s).__name__}")
-        if jnp.dtype(s.dtype) != jnp.float32:
-            raise ValueError(f"jaxtdist.{op}: {name} has dtype {_name(s.dtype)}; scales must "
-                             f"be float32: pass {name}.astype(jnp.float32)")
 
 
 def _check_layout(op: str, x, w, masked: bool) -> None:
@@ -125,20 +98,10 @@ def grouped_fp8_plan(op: str, x, w, x_scale, w_scale, out_dtype, *,
       >>> plan.scaling, plan.out_dtype
       ('block', 'bfloat16')
     """
-    fp8_x, fp8_w = (jnp.dtype(a.dtype) in FP8_DTYPES for a in (x, w))
-    if not (fp8_x or fp8_w):
-        _no_fp8(op, x, w, dict(x_scale=x_scale, w_scale=w_scale, out_dtype=out_dtype))
+    out = fp8_operands(op, x, w, x_scale, w_scale, out_dtype)
+    if out is None:
         return None
-    if not (fp8_x and fp8_w) or x.dtype != w.dtype:
-        raise ValueError(f"jaxtdist.{op}: x is {_name(x.dtype)} and w is {_name(w.dtype)}; "
-                         f"FP8 grouped GEMMs take x and w in the same FP8 format ({_FORMATS}): "
-                         "quantize both with the same dtype")
-    _check_scale_arrays(op, x, x_scale, w_scale)
     _check_layout(op, x, w, masked)
-    out = jnp.dtype(jnp.bfloat16) if out_dtype is None else jnp.dtype(out_dtype)
-    if out not in OUT_DTYPES:
-        raise ValueError(f"jaxtdist.{op}: out_dtype={out.name} is not supported for FP8; use "
-                         f"{', '.join(d.name for d in OUT_DTYPES)} (default bfloat16)")
     return Fp8Gemm(_scaling(op, x, w, x_scale, w_scale, masked), out.name)
 
 
