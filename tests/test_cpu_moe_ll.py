@@ -174,16 +174,15 @@ def test_fp8_dispatch_quantizes_in_the_send():
                 np.testing.assert_allclose(scales[d, le, row], want, rtol=1e-6)
 
 
-def test_fifty_chained_calls_with_changing_routings():
-    """50 dispatch + combine pairs in one compiled program (lax.scan), a new routing
-    and new tokens each call: both parities reused 25 times, every result checked
-    (a race shows as another call's rows)."""
-    world, t, h, k, e, steps = 2, 2, 16, 2, 4, 50
-    mesh = setup(world)
-    rng = np.random.default_rng(50)
+def chained_call_errors(mesh, world: int, t: int, h: int, k: int, e: int, kinds,
+                        rng) -> list[str]:
+    """len(kinds) dispatch + combine pairs in one compiled program (lax.scan), call i
+    with routing kind ``kinds[i]`` and new float32 tokens, the next call's tokens
+    depending on this one's result (by zero): what differs from the reference
+    (counts, or a relative error over 1e-5: a race shows as another call's rows)."""
+    steps = len(kinds)
     xs = np.stack([rand((world * t, h), F32) for _ in range(steps)])
-    idss = np.stack([routing("skewed" if i % 3 else "random", world, t, k, e, rng)
-                     for i in range(steps)])
+    idss = np.stack([routing(kind, world, t, k, e, rng) for kind in kinds])
     gates = np.stack([rand((world * t, k), F32) for _ in range(steps)])
 
     def chain(x, ids, gate):
@@ -191,13 +190,12 @@ def test_fifty_chained_calls_with_changing_routings():
             xi, ii, gi = inputs
             recv, counts, handle = td.moe_dispatch_ll(xi + carry, ii, "tp", num_experts=e)
             out = td.moe_combine_ll(recv, handle, gi, "tp")
-            # The next call's tokens depend on this one's result (chained), by zero.
             return carry + 0.0 * out[:1, :1], (counts, out)
         return jax.lax.scan(step, 0.0 * x[0, :1, :1], (x, ids, gate))[1]
 
     seq = P(None, "tp")
     fn = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=(seq, seq, seq),
-                               out_specs=(P(None, "tp"), seq)))
+                               out_specs=(seq, seq)))
     counts, outs = fn(place(mesh, xs, seq), place(mesh, idss, seq), place(mesh, gates, seq))
     counts, outs = np.asarray(counts), np.asarray(outs)
     bad = []
@@ -210,6 +208,15 @@ def test_fifty_chained_calls_with_changing_routings():
         err = rel_err(outs[i], ref)
         if err > 1e-5:
             bad.append(f"call {i}: relative error {err:.3g}")
+    return bad
+
+
+def test_fifty_chained_calls_with_changing_routings():
+    """50 calls in one program: both parities reused 25 times, every result checked."""
+    world = 2
+    kinds = ["skewed" if i % 3 else "random" for i in range(50)]
+    bad = chained_call_errors(setup(world), world, 2, 16, 2, 4, kinds,
+                              np.random.default_rng(50))
     assert not bad, bad
 
 

@@ -33,7 +33,8 @@ from jax.sharding import PartitionSpec as P
 import jaxtdist as td
 from jaxtdist.ops.moe import ll_heap_bytes
 from tests.conftest import f64, place, rand, rel_err, setup
-from tests.test_cpu_moe_ll import _check, _layer, ref_layout, routing, valid_mask
+from tests.test_cpu_moe_ll import (_check, _layer, chained_call_errors, ref_layout, routing,
+                                   valid_mask)
 
 pytestmark = pytest.mark.skipif(
     jax.devices()[0].platform != "gpu", reason="needs CUDA GPUs (none visible)")
@@ -131,37 +132,9 @@ def test_chained_calls_with_changing_routings(world):
     (random, skewed, invalid) and new tokens each call: both parities reused ten
     times, every result checked (float32: a race shows as another call's rows)."""
     t, h, k, e, steps = CHAIN_SHAPE
-    mesh = _mesh(world)
-    rng = np.random.default_rng(20 + world)
-    kinds = ("random", "skewed", "invalid")
-    xs = np.stack([rand((world * t, h), F32) for _ in range(steps)])
-    idss = np.stack([routing(kinds[i % 3], world, t, k, e, rng) for i in range(steps)])
-    gates = np.stack([rand((world * t, k), F32) for _ in range(steps)])
-
-    def chain(x, ids, gate):
-        def step(carry, inputs):
-            xi, ii, gi = inputs
-            recv, counts, handle = td.moe_dispatch_ll(xi + carry, ii, "tp", num_experts=e)
-            out = td.moe_combine_ll(recv, handle, gi, "tp")
-            # The next call's tokens depend on this one's result (chained), by zero.
-            return carry + 0.0 * out[:1, :1], (counts, out)
-        return jax.lax.scan(step, 0.0 * x[0, :1, :1], (x, ids, gate))[1]
-
-    seq = P(None, "tp")
-    fn = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=(seq, seq, seq),
-                               out_specs=(seq, seq)))
-    counts, outs = fn(place(mesh, xs, seq), place(mesh, idss, seq), place(mesh, gates, seq))
-    counts, outs = np.asarray(counts), np.asarray(outs)
-    bad = []
-    for i in range(steps):
-        rcounts, _ = ref_layout(idss[i], world, e, t)
-        valid = valid_mask(idss[i], e)
-        ref = np.sum(np.where(valid, gates[i], 0)[:, :, None] * xs[i][:, None], axis=1)
-        if not np.array_equal(counts[i].reshape(world, e // world, world), rcounts):
-            bad.append(f"counts of call {i}")
-        err = rel_err(outs[i], ref)
-        if err > 1e-5:
-            bad.append(f"call {i}: relative error {err:.3g}")
+    kinds = [("random", "skewed", "invalid")[i % 3] for i in range(steps)]
+    bad = chained_call_errors(_mesh(world), world, t, h, k, e, kinds,
+                              np.random.default_rng(20 + world))
     assert not bad, bad
 
 
