@@ -133,6 +133,7 @@ CASES = [  # world, tokens, hidden, top_k, experts, routing, dtype, max_tokens_p
     (2, 4, 16, 2, 8, "invalid", F32, 6),
     (4, 2, 16, 8, 8, "random", BF16, None),
     (4, 3, 16, 2, 8, "empty", F32, 4),
+    (8, 2, 16, 2, 16, "skewed", BF16, None),  # every rank a peer of seven
 ]
 
 
