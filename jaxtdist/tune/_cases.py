@@ -26,14 +26,15 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtdist.ops._ag_matmul_config import AgMatmulConfig
 from jaxtdist.ops._config import KernelConfig, Problem, resolve
+from jaxtdist.ops._op import distributed_op
 from jaxtdist.ops._partial_sums import matmul_ar_kernels, matmul_rs_kernels
 from jaxtdist.ops.ag_attention import AgAttentionConfig, ag_attention_kernels, attention
 from jaxtdist.ops.ag_matmul import ag_matmul_with_gathered
 from jaxtdist.ops.all_gather import AllGatherConfig, all_gather
-from jaxtdist.ops.all_reduce import _ALL_REDUCE, AllReduceConfig
+from jaxtdist.ops.all_reduce import AllReduceConfig
 from jaxtdist.ops.flash_decode import FlashDecodeConfig, decode_attention, flash_decode_kernels
 from jaxtdist.ops.matmul_rs import MatmulArConfig, MatmulRsConfig
-from jaxtdist.ops.reduce_scatter import _REDUCE_SCATTER, ReduceScatterConfig
+from jaxtdist.ops.reduce_scatter import ReduceScatterConfig
 from jaxtdist.runtime._runtime import runtime
 from jaxtdist.tune._registry import Tunable, TuningCase, register
 
@@ -182,12 +183,12 @@ CASES = (
            reference=lambda world, x: x, tolerance=lambda dtype: 0.0),
     OpCase("reduce_scatter", ReduceScatterConfig, _flat,
            specs=lambda axes: ((P(axes),), P(axes)),
-           run=lambda x, **kw: _REDUCE_SCATTER.forward_with_residuals(
+           run=lambda x, **kw: distributed_op("reduce_scatter").forward_with_residuals(
                x, **kw, scatter_dimension=0)[0],
            reference=_sum, tolerance=_sum_tolerance),
     # Both algorithms are candidates: the tuned entry records the faster.
     OpCase("all_reduce", AllReduceConfig, _flat, specs=lambda axes: ((P(axes),), P()),
-           run=lambda x, **kw: _ALL_REDUCE.forward_with_residuals(x, **kw)[0],
+           run=lambda x, **kw: distributed_op("all_reduce").forward_with_residuals(x, **kw)[0],
            reference=_sum, tolerance=_sum_tolerance,
            configure=lambda problem, rt, asked: resolve(
                AllReduceConfig, problem, rt, asked).settled(problem)),
