@@ -191,10 +191,11 @@ _LOAD = "jaxtdist.nn.load_hf_llama"
 def read_safetensors(path: str | pathlib.Path) -> dict[str, np.ndarray]:
     """Every tensor of a ``.safetensors`` file as numpy (bfloat16 and FP8 through
     ml_dtypes): an 8-byte little-endian header length, a JSON header of
-    ``{name: {dtype, shape, data_offsets}}``, then the bytes."""
-    data = pathlib.Path(path).read_bytes()
-    (size,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + size])
+    ``{name: {dtype, shape, data_offsets}}``, then the bytes. Memory-mapped: a
+    shard of several GB is read as its tensors are used, not copied at once."""
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    (size,) = struct.unpack("<Q", data[:8].tobytes())
+    header = json.loads(data[8:8 + size].tobytes())
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -204,7 +205,7 @@ def read_safetensors(path: str | pathlib.Path) -> dict[str, np.ndarray]:
                              f"readable: {', '.join(_ST_DTYPES)}")
         start, end = info["data_offsets"]
         buf = data[8 + size + start:8 + size + end]
-        out[name] = np.frombuffer(buf, _ST_DTYPES[info["dtype"]]).reshape(info["shape"])
+        out[name] = buf.view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
     return out
 
 
