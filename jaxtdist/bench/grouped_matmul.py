@@ -179,6 +179,9 @@ COLUMNS = [
 
 
 def table(res: dict) -> str:
+    if res.get("dtype") == "fp8":
+        from jaxtdist.bench.grouped_fp8 import table as fp8_table
+        return fp8_table(res)
     text = h.markdown_table(
         f"grouped_matmul against jax.lax.ragged_dot on the same groups, "
         f"{res['rows'][0]['dtype'] if res['rows'] else 'bfloat16'}, default configs, 1 x "
@@ -188,12 +191,23 @@ def table(res: dict) -> str:
 
 
 def run(args) -> tuple[list[dict], dict]:
+    if getattr(args, "dtype", "bf16") == "fp8":
+        from jaxtdist.bench.grouped_fp8 import SERIES, bench_grouped_fp8
+        from jaxtdist.bench.shapes import GROUPED_FP8_SHAPES
+
+        shapes = GROUPED_FP8_SHAPES[:2] if args.quick else GROUPED_FP8_SHAPES
+        return bench_grouped_fp8(shapes, args.iterations, rounds=args.rounds), dict(
+            world=1, dtype="fp8", plot=dict(series=list(SERIES), size_label="FLOPs"))
     shapes = GROUPED_MATMUL_SHAPES[:2] if args.quick else GROUPED_MATMUL_SHAPES
     return bench_grouped_matmul(shapes, args.iterations, rounds=args.rounds), dict(world=1)
 
 
 def _arguments(parser) -> None:
     parser.add_argument("--quick", action="store_true", help="the first two shapes only")
+    parser.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16",
+                        help="bf16 (default): against ragged_dot, forward and backward; fp8: "
+                             "float8_e4m3fn operands (per-tensor and blockwise scales) against "
+                             "bf16 grouped_matmul and ragged_dot (grouped_fp8)")
 
 
 BENCHMARK = h.Benchmark(
