@@ -10,12 +10,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["FP8", "fp8_operands", "fp8_reference", "gbps_cell", "local_fn", "packed_reference",
-           "weight_gbps"]
+__all__ = ["FP8", "fp8_operands", "fp8_reference", "gbps_cell", "group_sizes", "local_fn",
+           "packed_reference", "weight_gbps"]
 
 FP8 = jnp.float8_e4m3fn
 # Groups per float32 reference call: about this many bytes of float32 weights.
 _REFERENCE_BYTES = 1 << 31
+
+
+def group_sizes(seed: int, rows: int, groups: int, used: float) -> np.ndarray:
+    """int32 [G]: ``round(used * rows)`` rows dealt to the groups with a mild skew
+    (Dirichlet(2) shares); some groups may get none."""
+    rng = np.random.default_rng(seed)
+    return rng.multinomial(int(round(used * rows)), rng.dirichlet([2.0] * groups)).astype(
+        np.int32)
 
 
 def local_fn(fn, mesh, nargs: int):

@@ -32,8 +32,6 @@ SERIES = ("tensor", "block", "bf16", "ragged_dot")
 def bench_grouped_fp8(shapes, iterations: int, rounds: int = 4) -> list[dict]:
     """The rows of the FP8 grouped table for ``shapes`` ((R, H, F, G, used) tuples)."""
     import jaxtdist as td
-    from jaxtdist.bench.grouped_matmul import group_sizes
-
     device = jax.devices()[0]
     mesh = jax.make_mesh((1,), ("ep",), devices=[device],
                          axis_types=(jax.sharding.AxisType.Auto,))
@@ -47,7 +45,7 @@ def bench_grouped_fp8(shapes, iterations: int, rounds: int = 4) -> list[dict]:
         x = jax.device_put(h.normal(2100 + 2 * i, (r, hidden), jnp.bfloat16,
                                     scale=hidden ** -0.5), device)
         w = jax.device_put(h.normal(2101 + 2 * i, (groups, hidden, f), jnp.bfloat16), device)
-        sizes = jax.device_put(jnp.asarray(group_sizes(2150 + i, r, groups, used)), device)
+        sizes = jax.device_put(jnp.asarray(g.group_sizes(2150 + i, r, groups, used)), device)
         ref = g.packed_reference(x, w, sizes)
         contenders = dict(ragged_dot=h.Contender(ragged, (x, w, sizes), 1, ref),
                           bf16=h.Contender(bf16, (x, w, sizes), 1, ref))

@@ -15,24 +15,16 @@ dw on its kernels), their relative errors against the float32 gradients.
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxtdist.bench import harness as h
+from jaxtdist.bench._grouped_ops import group_sizes
 from jaxtdist.bench.shapes import GROUPED_MATMUL_SHAPES
 
 TARGET = 1.10
-
-
-def group_sizes(seed: int, rows: int, groups: int, used: float) -> np.ndarray:
-    """int32 [G]: ``round(used * rows)`` rows dealt to the groups with a mild skew
-    (Dirichlet(2) shares); some groups may get none."""
-    rng = np.random.default_rng(seed)
-    return rng.multinomial(int(round(used * rows)), rng.dirichlet([2.0] * groups)).astype(
-        np.int32)
 
 
 def bench_grouped_matmul(shapes, iterations: int, rounds: int = 4, dtype=jnp.bfloat16,

@@ -35,8 +35,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxtdist.bench import harness as h
-from jaxtdist.bench import moe
-from jaxtdist.bench import moe_ll_gemm
+from jaxtdist.bench import moe, moe_ll_gemm
 from jaxtdist.bench.moe_ll_gemm import bench_masked_gemm
 from jaxtdist.bench.shapes import MOE_LL_GEMM_MODELS, MOE_LL_GEMM_TOKENS, MOE_LL_SHAPES
 
@@ -121,8 +120,9 @@ def _bodies(world: int, e: int) -> dict:
 def bench_moe_ll_layout(shapes, iterations: int, world: int, rounds: int = 4,
                         heap_bytes: int | None = None) -> list[dict]:
     """The dispatch / combine rows (see the module docstring)."""
-    import jaxtdist as td
     from jax.sharding import NamedSharding
+
+    import jaxtdist as td
 
     devices = jax.devices()[:world]
     if len(devices) < world:

@@ -64,10 +64,10 @@ def bench_masked_gemm(models, token_counts, iterations: int, world: int, rounds:
                       mesh=None) -> list[dict]:
     """The masked-GEMM rows (see the module docstring); ``mesh``: the one
     ``jaxtdist.initialize`` was given (default: device 0 alone, initialized here)."""
-    import jaxtdist as td
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    import jaxtdist as td
     from jaxtdist.ops.quant import quantize
 
     if mesh is None:
