@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["FP8", "fp8_operands", "fp8_reference", "gbps_cell", "group_sizes", "local_fn",
-           "packed_reference", "weight_gbps"]
+__all__ = ["FP8", "fp8_operands", "fp8_reference", "fp8_weights", "gbps_cell", "group_sizes",
+           "local_fn", "packed_reference", "weight_gbps"]
 
 FP8 = jnp.float8_e4m3fn
 # Groups per float32 reference call: about this many bytes of float32 weights.
@@ -35,20 +35,37 @@ def local_fn(fn, mesh, nargs: int):
 
 def fp8_operands(x, w, block: bool):
     """bf16 x ([R, H] or [G, M, H]) and w [G, H, F] as the grouped ops' FP8 operands
-    (xq, wq K-major [G, F, H], x_scale, w_scale): per tensor (scales ()) or blockwise
-    (1 x 128 for x, 128 x 128 per group for w; H a multiple of 128)."""
-    from jaxtdist.ops.quant import quantize, quantize_weight
+    (xq, wq K-major [G, F, H], x_scale, w_scale): per tensor (x_scale (), w_scale [G],
+    one per expert as FP8 checkpoints store them) or blockwise (1 x 128 for x,
+    128 x 128 per group for w; H a multiple of 128)."""
+    from jaxtdist.ops.quant import quantize
 
     xq, xs = quantize(x, FP8, (1, 128) if block else None)
-    wq, ws = quantize_weight(w, FP8, **({} if block else dict(block=None)))
+    wq, ws = fp8_weights(w, block)
     return xq, wq, xs, ws
+
+
+def fp8_weights(w, block: bool):
+    """w [G, H, F] -> (wq [G, F, H], w_scale [G] or [G, cdiv(F, 128), H / 128]),
+    ``jaxtdist.quantize_weight`` per group, a chunk of groups at a time: its float32
+    temporaries over DeepSeek-V3's 256 experts at once (15 GB each) would crowd the
+    GPU's memory."""
+    from jaxtdist.ops.quant import quantize_weight
+
+    one = jax.jit(jax.vmap(lambda wg: quantize_weight(wg, FP8, **(
+        {} if block else dict(block=None)))))
+    per = max(1, _REFERENCE_BYTES // (w.shape[1] * w.shape[2] * 4))
+    parts = [one(w[g0:g0 + per]) for g0 in range(0, w.shape[0], per)]
+    return (jnp.concatenate([p[0] for p in parts]), jnp.concatenate([p[1] for p in parts]))
 
 
 def _expand(scale, shape) -> jnp.ndarray:
     """A scale of ``ops.quant``'s layouts broadcast to ``shape`` (128-blocks on the
-    last two axes; () per tensor)."""
+    last two axes; () per tensor; [G] per group of a [G, F, H] stack)."""
     if scale.ndim == 0:
         return scale
+    if scale.ndim == len(shape) - 2:  # one per group (per-tensor weights): [G] -> [G, 1, 1]
+        return scale[..., None, None]
     for axis in (-2, -1):
         if scale.shape[axis] != shape[axis]:
             scale = jnp.repeat(scale, 128, axis=axis)

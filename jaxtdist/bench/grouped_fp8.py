@@ -6,8 +6,9 @@ prefill and decode; one device, default configs), on the same group sizes
 
 - ``ragged_dot``: ``jax.lax.ragged_dot`` of the bf16 operands;
 - ``bf16``: ``jaxtdist.grouped_matmul`` of the bf16 operands;
-- ``tensor``: ``grouped_matmul`` of float8_e4m3fn operands, per-tensor scales,
-  weights K-major [G, F, H] (``jaxtdist.quantize_weight(w, block=None)``);
+- ``tensor``: ``grouped_matmul`` of float8_e4m3fn operands, per-tensor scales
+  (x's one, w's one per expert, [G]: ``jaxtdist.quantize_weight(w_g, block=None)``
+  stacked), weights K-major [G, F, H];
 - ``block``: the same with blockwise scales (1 x 128 for x, 128 x 128 per group
   for w: ``quantize(x, block=(1, 128))``, ``quantize_weight(w)``).
 

@@ -93,8 +93,7 @@ def bench_masked_gemm(models, token_counts, iterations: int, world: int, rounds:
         # One weight stack per model, every token count on it (DeepSeek-V3's 256
         # experts at world 1: 7.5 GB in bf16).
         w, = put(h.normal(2300 + i, (groups, hidden, f), jnp.bfloat16))
-        fp8_w = {block: put(*g.fp8_operands(jnp.zeros((1, hidden), jnp.bfloat16), w,
-                                            block)[1::2]) for block in (False, True)}
+        fp8_w = {block: put(*g.fp8_weights(w, block)) for block in (False, True)}
         for j, n in enumerate(token_counts):
             valid_np = valid_rows(2400 + 10 * i + j, n, experts, top_k, groups)
             x3 = h.normal(2500 + 10 * i + j, (groups, n, hidden), jnp.bfloat16,
