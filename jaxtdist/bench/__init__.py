@@ -5,6 +5,8 @@ Usage::
     python -m jaxtdist.bench ag_matmul  [--world W] [--quick] [--json F] [--markdown F]
     python -m jaxtdist.bench all_gather [--world W] [--quick] [--json F] [--markdown F]
     python -m jaxtdist.bench untuned    [--json F] [--markdown F]
+    python -m jaxtdist.bench grouped_matmul [--dtype fp8] [--quick] [--json F]
+    python -m jaxtdist.bench moe_ll     [--world W] [--quick] [--json F] [--markdown F]
     python -m jaxtdist.bench plot F.json [G.json ...] --png F.png
     python -m jaxtdist.bench table F.json [--markdown F.md]
 

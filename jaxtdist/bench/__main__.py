@@ -12,14 +12,16 @@ import time
 def benchmarks() -> dict:
     """Subcommand -> ``harness.Benchmark``, one per op benchmark."""
     from jaxtdist.bench import (ag_attention, ag_matmul, all_gather, collectives, flash_decode,
-                                gemm, grouped_matmul, matmul_rs, model, moe, moe_tp)
+                                gemm, grouped_matmul, matmul_rs, model, moe, moe_ll,
+                                moe_tp)
 
     return {b.name: b for b in (ag_matmul.BENCHMARK, all_gather.BENCHMARK, ag_matmul.UNTUNED,
                                 collectives.ALL_REDUCE, collectives.REDUCE_SCATTER,
                                 matmul_rs.BENCHMARK, matmul_rs.AR_BENCHMARK,
                                 matmul_rs.UNTUNED, model.BENCHMARK, gemm.BENCHMARK,
                                 flash_decode.BENCHMARK, ag_attention.BENCHMARK, moe.BENCHMARK,
-                                moe_tp.BENCHMARK, grouped_matmul.BENCHMARK)}
+                                moe_tp.BENCHMARK, grouped_matmul.BENCHMARK,
+                                moe_ll.BENCHMARK)}
 
 
 def _load(parser: argparse.ArgumentParser, path: str, benches: dict | None = None) -> dict:

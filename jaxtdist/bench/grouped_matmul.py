@@ -15,24 +15,16 @@ dw on its kernels), their relative errors against the float32 gradients.
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxtdist.bench import harness as h
+from jaxtdist.bench._grouped_ops import group_sizes
 from jaxtdist.bench.shapes import GROUPED_MATMUL_SHAPES
 
 TARGET = 1.10
-
-
-def group_sizes(seed: int, rows: int, groups: int, used: float) -> np.ndarray:
-    """int32 [G]: ``round(used * rows)`` rows dealt to the groups with a mild skew
-    (Dirichlet(2) shares); some groups may get none."""
-    rng = np.random.default_rng(seed)
-    return rng.multinomial(int(round(used * rows)), rng.dirichlet([2.0] * groups)).astype(
-        np.int32)
 
 
 def bench_grouped_matmul(shapes, iterations: int, rounds: int = 4, dtype=jnp.bfloat16,
@@ -179,6 +171,9 @@ COLUMNS = [
 
 
 def table(res: dict) -> str:
+    if res.get("dtype") == "fp8":
+        from jaxtdist.bench.grouped_fp8 import table as fp8_table
+        return fp8_table(res)
     text = h.markdown_table(
         f"grouped_matmul against jax.lax.ragged_dot on the same groups, "
         f"{res['rows'][0]['dtype'] if res['rows'] else 'bfloat16'}, default configs, 1 x "
@@ -188,12 +183,23 @@ def table(res: dict) -> str:
 
 
 def run(args) -> tuple[list[dict], dict]:
+    if getattr(args, "dtype", "bf16") == "fp8":
+        from jaxtdist.bench.grouped_fp8 import SERIES, bench_grouped_fp8
+        from jaxtdist.bench.shapes import GROUPED_FP8_SHAPES
+
+        shapes = GROUPED_FP8_SHAPES[:2] if args.quick else GROUPED_FP8_SHAPES
+        return bench_grouped_fp8(shapes, args.iterations, rounds=args.rounds), dict(
+            world=1, dtype="fp8", plot=dict(series=list(SERIES), size_label="FLOPs"))
     shapes = GROUPED_MATMUL_SHAPES[:2] if args.quick else GROUPED_MATMUL_SHAPES
     return bench_grouped_matmul(shapes, args.iterations, rounds=args.rounds), dict(world=1)
 
 
 def _arguments(parser) -> None:
     parser.add_argument("--quick", action="store_true", help="the first two shapes only")
+    parser.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16",
+                        help="bf16 (default): against ragged_dot, forward and backward; fp8: "
+                             "float8_e4m3fn operands (per-tensor and blockwise scales) against "
+                             "bf16 grouped_matmul and ragged_dot (grouped_fp8)")
 
 
 BENCHMARK = h.Benchmark(

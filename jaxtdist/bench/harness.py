@@ -38,7 +38,8 @@ from jaxtdist._timing import merge_rounds, profile
 
 __all__ = [
     "Benchmark", "Column", "Contender", "check_output", "drawn_note", "err", "fastest",
-    "float32_matmul", "interleaved", "markdown_table", "merge_rounds", "normal", "plot",
+    "float32_matmul", "hbm_peak", "interleaved", "markdown_table", "merge_rounds", "normal",
+    "plot",
     "plot_data", "profile", "ratio", "rel_err", "result", "timing_note", "us", "us_min",
     "write_results",
 ]
@@ -183,6 +184,20 @@ def fastest(candidates: dict[str, Callable], args: tuple, world: int, iterations
     if best_fn is None:
         return None, dict(error=errors[:2] or ["no config to try (the library is missing)"])
     return best_fn, best
+
+
+# HBM peak bytes/s per device kind (vendor figures), by the first key in a
+# device_kind string: the bandwidth benches report a fraction of it.
+HBM_PEAK = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("H20", 4.0e12),
+            ("A100", 2.0e12), ("MI300X", 5.3e12), ("MI325X", 6.0e12))
+
+
+def hbm_peak(device_kind: str) -> float | None:
+    """The HBM peak (bytes/s) of a ``jax.Device.device_kind``, None if unknown."""
+    for key, peak in HBM_PEAK:
+        if key in device_kind:
+            return peak
+    return None
 
 
 def normal(seed: int, shape: tuple, dtype, scale: float = 1.0):

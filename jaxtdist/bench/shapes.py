@@ -92,3 +92,18 @@ MOE_TP_SHAPES = [(128, 4096, 14336, 8, 2), (512, 4096, 14336, 8, 2),
 GROUPED_MATMUL_SHAPES = [(4096, 4096, 14336, 8, 1.0), (4096, 14336, 4096, 8, 1.0),
                          (256, 4096, 14336, 8, 1.0), (4096, 7168, 2048, 32, 0.9),
                          (4096, 2048, 7168, 32, 0.9), (1024, 7168, 2048, 256, 1.0)]
+# grouped_matmul --dtype fp8: (rows R, H, F, groups G, rows used / R), expert shapes
+# at prefill and decode. Mixtral 8x7B up projection (prefill); DeepSeek-V3 on an EP-8
+# rank (32 experts, prefill) and all 256 experts at decode (128 tokens, top-8);
+# Qwen3-30B-A3B (H 2048, F 768, 128 experts) at prefill and decode.
+GROUPED_FP8_SHAPES = [(4096, 7168, 2048, 32, 0.9), (1024, 2048, 768, 128, 1.0),
+                      (4096, 4096, 14336, 8, 1.0), (1024, 7168, 2048, 256, 1.0),
+                      (8192, 2048, 768, 128, 1.0)]
+# moe_ll's dispatch / combine: (tokens per rank T, H, top-K, experts E) at decode:
+# DeepSeek-V3 at 128 tokens per rank, Qwen3-30B-A3B at 1, 32 and 128.
+MOE_LL_SHAPES = [(128, 7168, 8, 256), (1, 2048, 8, 128), (32, 2048, 8, 128),
+                 (128, 2048, 8, 128)]
+# moe_ll's masked grouped GEMM: (model, H, F, experts E, top-K); the experts of one
+# rank (E / W) at MOE_LL_GEMM_TOKENS tokens routed in all (random top-K).
+MOE_LL_GEMM_MODELS = [("Qwen3-30B-A3B", 2048, 768, 128, 8), ("DeepSeek-V3", 7168, 2048, 256, 8)]
+MOE_LL_GEMM_TOKENS = (1, 8, 32, 128, 256)

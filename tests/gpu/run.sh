@@ -7,10 +7,13 @@
 #   TUNE_ARGS (e.g. --large) go to python -m jaxtdist.tune;
 #   BENCH_WORLDS (default: "1 N", N the GPUs found) the world sizes every op is
 #   timed at (BENCH_OPS: which ops, default all, the model step included);
-#   WORLD1_BENCHES (default: gemm grouped_matmul moe untuned untuned_matmul_rs)
-#   run once at world 1 with default configs: the GEMM core of every matmul
-#   family vs jnp.dot, the grouped GEMM vs ragged_dot, MoE dispatch/combine,
-#   the older untuned tables;
+#   WORLD1_BENCHES (default: gemm gemm_random attention_random attention_random_bwd
+#   grouped_matmul grouped_fp8 moe moe_ll untuned untuned_matmul_rs) run once at
+#   world 1 with default configs: the GEMM core of every matmul family vs jnp.dot,
+#   the grouped GEMM vs ragged_dot (grouped_fp8: its FP8 forms, `grouped_matmul
+#   --dtype fp8`), MoE dispatch/combine (moe_ll: the low-latency layout and its
+#   masked grouped GEMM vs the packed pair), the older untuned tables; at world
+#   N > 1, moe and moe_ll also run expert parallel beside the BENCH_OPS;
 #   SEED=s: the random-shape benches' draw (default: from the clock).
 #   DOCS=1 also copies the benchmark tables and JSON into docs/perf/.
 # Writes logs and results under ${OUT:-/tmp/jaxtdist-gpu}. The tuning cache is
@@ -122,12 +125,14 @@ if has bench; then
     done
     # MoE expert-parallel dispatch/combine against XLA's all_to_all and ragged_all_to_all.
     [ "$W" -gt 1 ] && bench moe "moe_${DEV}x${W}" --world "$W" $ARGS
+    # The low-latency layout (dispatch_ll / combine_ll, masked GEMM) against the packed one.
+    [ "$W" -gt 1 ] && bench moe_ll "moe_ll_${DEV}x${W}" --world "$W" $ARGS
   done
   # World 1, default configs: a fresh, empty tuning cache (the subcommands make one).
   # The random-shape benches draw from SEED (default: the clock, printed in the
   # tables): defaults are judged on shapes nobody tuned.
   SEED=${SEED:-$(( $(date +%s) % 100000 ))}
-  for B in ${WORLD1_BENCHES:-gemm gemm_random attention_random attention_random_bwd grouped_matmul moe untuned untuned_matmul_rs}; do
+  for B in ${WORLD1_BENCHES:-gemm gemm_random attention_random attention_random_bwd grouped_matmul grouped_fp8 moe moe_ll untuned untuned_matmul_rs}; do
     case $B in
       gemm_random) bench gemm "gemm_random_${DEV}x1" --random 50 --seed "$SEED" $ITER ;;
       attention_random) bench ag_attention "ag_attention_random_${DEV}x1" --random 20 --seed "$SEED" $ITER ;;
@@ -135,6 +140,8 @@ if has bench; then
       untuned) bench untuned "ag_matmul_untuned_${DEV}x1" $ITER ;;
       untuned_matmul_rs) bench untuned_matmul_rs "matmul_rs_untuned_${DEV}x1" $ITER ;;
       moe) bench moe "moe_${DEV}x1" $ARGS ;;
+      moe_ll) bench moe_ll "moe_ll_${DEV}x1" $ARGS ;;
+      grouped_fp8) bench grouped_matmul "grouped_fp8_${DEV}x1" --dtype fp8 $ARGS ;;
       # A fresh Triton cache: the table's first-call times are what a user's first run waits.
       gemm) TRITON_CACHE_DIR=$(mktemp -d) bench gemm "gemm_${DEV}x1" $ITER ;;
       *) bench "$B" "${B}_${DEV}x1" $ITER ;;
