@@ -246,8 +246,9 @@ def test_unsupported_dtypes_name_the_dtype_and_the_allowed_ones(op, dtype):
             r"float16, float32"
     if op == "moe_dispatch" and dtype == jnp.float8_e4m3fn:  # fp8 dispatch takes scales
         match = rf"({match}|x is float8_e4m3fn: fp8 tokens need their scales)"
-    if op in ("ag_matmul", "matmul_rs", "matmul_ar") and dtype == jnp.float8_e4m3fn:
-        # FP8 GEMMs take scales (tests/test_cpu_fp8.py).
+    if (op in ("ag_matmul", "matmul_rs", "matmul_ar", "grouped_matmul")
+            and dtype == jnp.float8_e4m3fn):
+        # FP8 GEMMs take scales (tests/test_cpu_fp8.py, test_cpu_fp8_grouped.py).
         match = (rf"jaxtdist\.{op}: x and w are float8_e4m3fn: FP8 operands need their "
                  r"dequantization scales; x_scale is missing")
     with jax.enable_x64(dtype == jnp.float64):

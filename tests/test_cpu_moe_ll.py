@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 import jaxtdist as td
 from jaxtdist.ops.moe import ll_heap_bytes
 from tests.conftest import cpu_only, f64, place, rand, rel_err, setup
+from tests.fp8_rounding import dispatch_roundtrip
 
 pytestmark = cpu_only()
 
@@ -103,8 +104,11 @@ def _check(outs, x, ids, gate, world, e, m, dtype, fp8=False):
         first = int(rcounts[d, le, :s].sum())  # packed per expert, source by source
         rows = recv[d, le, first: first + len(pairs)]
         want = np.stack([xs[s, tt] for tt, _ in pairs])
-        if fp8:  # dequantized e4m3: a few percent per element, relative to the row
-            assert rel_err(rows, want) < 0.08, (d, le, s)
+        if fp8:  # the rows as the kernel quantizes them (the interpreter's rounding on
+            # CPUs): an ulp of x / scale may flip a rounding, no more
+            gpu = jax.devices()[0].platform == "gpu"
+            assert rel_err(rows, dispatch_roundtrip(want.astype(np.float32), gpu)) < 1e-2, \
+                (d, le, s)
         else:
             np.testing.assert_array_equal(rows, want.astype(np.float32))
         np.testing.assert_array_equal(src_tk[d, le, first: first + len(pairs)],

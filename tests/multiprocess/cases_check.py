@@ -63,6 +63,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxtdist as td  # noqa: E402
 from jaxtdist.ops.moe import ll_heap_bytes  # noqa: E402
+from tests.fp8_rounding import dispatch_roundtrip  # noqa: E402
 from tests.multiprocess.checks import (CASES, LL_CASES, OVERLAP_GRAD_CASES,  # noqa: E402
                                        XLA_GRAD_CASES, tolerance)
 
@@ -226,36 +227,6 @@ def _ll_counts(ids: np.ndarray, world: int, e: int) -> np.ndarray:
     return counts
 
 
-def _e4m3(v: np.ndarray) -> np.ndarray:
-    """float32 values (in [-448, 448]) through e4m3 as the dispatch kernel converts
-    them: round to nearest even on GPUs; under the Triton interpreter its own
-    conversion, which (Triton 3.6) rounds ties away from zero and loses a carry
-    into the exponent (1.98 becomes 1.0, 124.5 64.0): the check is of the
-    exchange and the layer, not of the interpreter's rounding."""
-    if GPU:
-        return v.astype(jnp.float8_e4m3fn).astype(np.float32)
-    import triton.language as tl
-    from triton._C.libtriton import ir
-    from triton.runtime.interpreter import _convert_float
-    bits = _convert_float(np.ascontiguousarray(v, np.float32), tl.float32, tl.float8e4nv,
-                          ir.ROUNDING_MODE.RTNE)
-    return bits.view(jnp.float8_e4m3fn).astype(np.float32)
-
-
-def _fp8_roundtrip(x: np.ndarray) -> np.ndarray:
-    """float32 rows as the FP8 dispatch quantizes them (1 x 128 blocks, scale amax /
-    448, ``_e4m3`` of x / scale), dequantized: what the experts see."""
-    n, h = x.shape
-    s = -(-h // 128)
-    blocks = np.zeros((n, s * 128), np.float32)
-    blocks[:, :h] = x
-    blocks = blocks.reshape(n, s, 128)
-    amax = np.abs(blocks).max(-1, keepdims=True)
-    scale = np.where(amax > 0, amax, np.float32(1)) / np.float32(448)
-    q = _e4m3(np.clip(blocks / scale, -448, 448))
-    return (q * scale).reshape(n, -1)[:, :h]
-
-
 def _ll_fn(mesh, world: int, e: int, m, fp8: bool, gemm: bool):
     """(x, ids, gate[, w]) -> (out, recv_counts [W, E / W, W], invalid [W]): dispatch,
     the experts (the masked grouped GEMM with w, or each scaling its rows by
@@ -317,7 +288,7 @@ def _ll_error(name: str, outs, x, ids, gate, world: int, e: int, w=None) -> floa
     missing = (~_ll_valid(ids, e)).reshape(world, t * k).sum(1).astype(np.int32)
     ok &= _exact(name, "invalid", invalid, missing)
     if name == "moe_ll_fp8":
-        x = _fp8_roundtrip(np.asarray(x, np.float32))
+        x = dispatch_roundtrip(np.asarray(x, np.float32), GPU)
     err = relerr(out, _ll_reference(x, ids, gate, e, w))
     return err if ok else float("inf")
 
