@@ -2,6 +2,10 @@
 # The GPU entry point: the GPU suite, the tuner, then the benchmarks for the GPUs
 # this node has; prints a short summary and the tables last.
 # Usage (repo root, on the GPU node): bash tests/gpu/run.sh [--quick]
+#   PHASES=smoke: what has never run on a GPU, sized for one 10-minute device call,
+#   each step under its own time bound (logs and tables under $OUT): the FP8,
+#   grouped FP8 and low-latency MoE GPU tests, the multi-process LL and overlapped
+#   backward cases (2 processes sharing GPU 0), then short world-1 benches.
 #   PHASES="tests tune bench" (default: all three) picks phases; PYTEST_K narrows
 #   the single-process suite (pytest -k); MULTIPROCESS=0 skips the multi-process one;
 #   TUNE_ARGS (e.g. --large) go to python -m jaxtdist.tune;
@@ -48,6 +52,28 @@ ARGS="" ITER=""
 [ -n "${ITERATIONS:-}" ] && ARGS="${ARGS/--iterations 10/} --iterations $ITERATIONS" ITER="--iterations $ITERATIONS"
 TEST_RC=0
 
+if has smoke; then
+  timed() {  # timed SECONDS NAME CMD...: CMD under a bound, its log $OUT/smoke_NAME.log
+    local limit=$1 name=$2 start=$SECONDS; shift 2
+    timeout "$limit" "$@" > "$OUT/smoke_$name.log" 2>&1
+    echo "== smoke $name: rc $? in $((SECONDS - start)) s"
+  }
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timed 170 tests python3 -m pytest -q -p no:cacheprovider \
+    -rf tests/gpu/test_gpu_fp8.py tests/gpu/test_gpu_fp8_grouped.py tests/gpu/test_gpu_moe_ll.py
+  tail -12 "$OUT/smoke_tests.log"
+  JAXTDIST_PATH=fused PYTHONPATH=$PWD:${PYTHONPATH:-} timed 140 cases python3 -m jaxtdist.launch \
+    --nproc-per-node 2 --share-gpu tests/multiprocess/cases_check.py --ll --overlap-grads
+  grep -E "^\[rank 0\] (CHECK|TOOK|ERROR|OK|FAILED)" "$OUT/smoke_cases.log"
+  SEED=${SEED:-$(( $(date +%s) % 100000 ))}
+  for spec in "gemm_random gemm --random 25 --seed $SEED" "gemm_fp8 gemm --dtype fp8" \
+              "attention_random ag_attention --random 10 --seed $SEED" "moe_ll moe_ll --quick"; do
+    set -- $spec
+    name=$1; shift
+    JAXTDIST_TUNING_CACHE="$OUT/smoke_tuning_$name.json" timed 60 "$name" python3 -m jaxtdist.bench \
+      "$@" --iterations 20 --json "$OUT/smoke_$name.json" --markdown "$OUT/smoke_$name.md"
+    cat "$OUT/smoke_$name.md" 2>/dev/null
+  done
+fi
 if has tests; then
   # One process per GPU (NVSHMEM), as 2 and 4 processes sharing GPU 0, with and
   # without MPS: first, from a pytest process that holds no CUDA context.
