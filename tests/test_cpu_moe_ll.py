@@ -129,6 +129,18 @@ def _check(outs, x, ids, gate, world, e, m, dtype, fp8=False):
     assert err < (2e-2 if dtype == BF16 else 1e-5), err
 
 
+def check_two_calls(mesh, world, t, h, k, e, kind, dtype, m, rng) -> None:
+    """The layer twice (both inbox parities), a new routing of ``kind`` and new
+    tokens each call, checked slot by slot (``_check``)."""
+    fn = _layer(mesh, e, m)
+    for _ in range(2):
+        x = rand((world * t, h), dtype)
+        ids = routing(kind, world, t, k, e, rng)
+        gate = rand((world * t, k), F32)
+        outs = fn(place(mesh, x, TP), place(mesh, ids, TP), place(mesh, gate, TP))
+        _check(outs, x, ids, gate, world, e, m or t, dtype)
+
+
 CASES = [  # world, tokens, hidden, top_k, experts, routing, dtype, max_tokens_per_rank
     (1, 3, 16, 2, 4, "invalid", F32, None),  # the kernels at world 1 (no local form)
     (2, 4, 32, 2, 4, "random", F32, None),
@@ -144,15 +156,8 @@ CASES = [  # world, tokens, hidden, top_k, experts, routing, dtype, max_tokens_p
 @pytest.mark.parametrize("world,t,h,k,e,kind,dtype,m", CASES)
 def test_dispatch_and_combine_match_the_reference(world, t, h, k, e, kind, dtype, m):
     """Both call parities (two calls, a new routing each); M = T and M > T."""
-    mesh = setup(world)
-    rng = np.random.default_rng(world * 100 + t * 10 + k)
-    fn = _layer(mesh, e, m)
-    for _ in range(2):
-        x = rand((world * t, h), dtype)
-        ids = routing(kind, world, t, k, e, rng)
-        gate = rand((world * t, k), F32)
-        outs = fn(place(mesh, x, TP), place(mesh, ids, TP), place(mesh, gate, TP))
-        _check(outs, x, ids, gate, world, e, m or t, dtype)
+    check_two_calls(setup(world), world, t, h, k, e, kind, dtype, m,
+                    np.random.default_rng(world * 100 + t * 10 + k))
 
 
 def test_fp8_dispatch_quantizes_in_the_send():

@@ -33,8 +33,8 @@ from jax.sharding import PartitionSpec as P
 import jaxtdist as td
 from jaxtdist.ops.moe import ll_heap_bytes
 from tests.conftest import f64, place, rand, rel_err, setup
-from tests.test_cpu_moe_ll import (_check, _layer, chained_call_errors, ref_layout, routing,
-                                   valid_mask)
+from tests.test_cpu_moe_ll import (_check, _layer, chained_call_errors, check_two_calls,
+                                   ref_layout, routing, valid_mask)
 
 pytestmark = pytest.mark.skipif(
     jax.devices()[0].platform != "gpu", reason="needs CUDA GPUs (none visible)")
@@ -90,15 +90,8 @@ def _mesh(world: int):
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"w{w}")
 def test_dispatch_and_combine_match_the_reference(world, t, h, k, e, kind, dtype, m):
     """Two calls (both inbox parities), a new routing and new tokens each."""
-    mesh = _mesh(world)
-    rng = np.random.default_rng(world * 1000 + t * 10 + k)
-    fn = _layer(mesh, e, m)
-    for _ in range(2):
-        x = rand((world * t, h), dtype)
-        ids = routing(kind, world, t, k, e, rng)
-        gate = rand((world * t, k), F32)
-        outs = fn(place(mesh, x, TP), place(mesh, ids, TP), place(mesh, gate, TP))
-        _check(outs, x, ids, gate, world, e, m or t, dtype)
+    check_two_calls(_mesh(world), world, t, h, k, e, kind, dtype, m,
+                    np.random.default_rng(world * 1000 + t * 10 + k))
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"w{w}")
